@@ -1,0 +1,137 @@
+"""NSAConfig: a Llama-style decoder whose attention is Native Sparse Attention.
+
+Symbols follow the paper (Yuan et al., arXiv 2502.11089, §3 and §4.1); the exact
+function every code path computes is fixed in NSA_SPEC (README, "Semantics").
+Defaults are the 125M reference model: 12 layers, hidden 768, 12 query heads,
+2 KV heads (G = 6), head_dim 64, SwiGLU, RMSNorm, RoPE, GPT-2 vocab padded to 50304.
+"""
+
+from huggingface_hub.dataclasses import strict
+from transformers.configuration_utils import PreTrainedConfig
+
+ATTENTION_MODES = ("nsa", "dense")
+NSA_BACKENDS = ("auto", "reference", "triton")
+COMPRESSORS = ("mlp", "mean")
+
+
+@strict
+class NSAConfig(PreTrainedConfig):
+    r"""
+    Configuration of an [`NSAForCausalLM`].
+
+    Transformer fields are Llama's. NSA fields (paper symbol in brackets):
+
+    - `cmp_block_size` [l] = 32: raw keys summarized by one compressed token (§3.3.1, Eq. 7).
+    - `cmp_stride` [d] = 16: stride between compressed tokens; must divide l and l'.
+    - `sel_block_size` [l'] = 64: selection block size (§3.3.2).
+    - `sel_num_blocks` [n] = 16: selected blocks per query, forced blocks included.
+    - `sel_init_blocks` = 1 / `sel_local_blocks` = 2: blocks always selected at the start of
+      the document and at the query's own position (§4.1: "1 initial block and 2 local blocks").
+    - `window_size` [w] = 512: sliding-window keys, the query itself included.
+    - `kv_per_branch` = True: independent K/V per branch (§3.3.3); False shares one K/V.
+    - `compressor` = "mlp": the paper's learnable φ; "mean" is the parameter-free average.
+    - `cmp_mlp_hidden_size` = 256: hidden width of φ (l*head_dim -> hidden -> head_dim).
+    - `attention_mode` = "nsa"; "dense" is the same model with full causal attention (A/B baseline).
+    - `nsa_backend` = "auto" (Triton on CUDA, PyTorch reference elsewhere), "reference" or "triton".
+
+    ```python
+    >>> from modeling_nsa import NSAConfig, NSAForCausalLM
+    >>> model = NSAForCausalLM(NSAConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
+    ...                                  num_key_value_heads=2, head_dim=32, intermediate_size=256))
+    ```
+    """
+
+    model_type = "nsa"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    vocab_size: int = 50304
+    hidden_size: int = 768
+    intermediate_size: int = 2048
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 8192
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    initializer_range: float = 0.02
+    use_cache: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    tie_word_embeddings: bool = True
+
+    # NSA (paper §3, defaults from §4.1)
+    cmp_block_size: int = 32
+    cmp_stride: int = 16
+    sel_block_size: int = 64
+    sel_num_blocks: int = 16
+    sel_init_blocks: int = 1
+    sel_local_blocks: int = 2
+    window_size: int = 512
+    kv_per_branch: bool = True
+    compressor: str = "mlp"
+    cmp_mlp_hidden_size: int = 256
+
+    attention_mode: str = "nsa"
+    nsa_backend: str = "auto"
+
+    def __post_init__(self, **kwargs):
+        self.validate_nsa()
+        super().__post_init__(**kwargs)
+
+    def validate_nsa(self):
+        """The one validation step: run at construction and on load; raises `ValueError` naming the values."""
+        positive = (
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", "cmp_block_size", "cmp_stride",
+            "sel_block_size", "sel_num_blocks", "window_size", "cmp_mlp_hidden_size",
+        )  # fmt: skip
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"NSAConfig.{name} must be a positive integer, got {value!r}.")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_key_value_heads}); the group size G is their ratio."
+            )
+        if self.cmp_block_size % self.cmp_stride != 0:
+            raise ValueError(
+                f"cmp_stride (d={self.cmp_stride}) must divide cmp_block_size (l={self.cmp_block_size}); "
+                "e.g. l=32, d=16."
+            )
+        if self.sel_block_size % self.cmp_stride != 0:
+            raise ValueError(
+                f"cmp_stride (d={self.cmp_stride}) must divide sel_block_size (l'={self.sel_block_size}); "
+                "e.g. l'=64, d=16."
+            )
+        if self.sel_init_blocks < 0 or self.sel_local_blocks < 0:
+            raise ValueError(
+                f"sel_init_blocks ({self.sel_init_blocks}) and sel_local_blocks ({self.sel_local_blocks}) "
+                "must be >= 0."
+            )
+        if self.sel_init_blocks + self.sel_local_blocks > self.sel_num_blocks:
+            raise ValueError(
+                f"sel_init_blocks + sel_local_blocks ({self.sel_init_blocks} + {self.sel_local_blocks}) must not "
+                f"exceed sel_num_blocks (n={self.sel_num_blocks}): forced blocks take slots of the n."
+            )
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}.")
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}.")
+        if self.compressor not in COMPRESSORS:
+            raise ValueError(f"compressor must be one of {COMPRESSORS}, got {self.compressor!r}.")
+        if self.attention_mode not in ATTENTION_MODES:
+            raise ValueError(f"attention_mode must be one of {ATTENTION_MODES}, got {self.attention_mode!r}.")
+        if self.nsa_backend not in NSA_BACKENDS:
+            raise ValueError(f"nsa_backend must be one of {NSA_BACKENDS}, got {self.nsa_backend!r}.")
+
+    @property
+    def num_key_value_groups(self) -> int:
+        """G: query heads sharing one KV head."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+
+__all__ = ["NSAConfig"]

@@ -1,0 +1,122 @@
+"""Document layout of a packed batch, in static shapes (no host synchronization).
+
+Everything NSA needs to know about documents and padding is one integer tensor:
+
+    doc_pos (B, T): position of each token inside its document (0, 1, 2, ...), -1 for padding.
+
+Two tokens s and t are in the same document iff both are valid and
+``s - doc_pos[s] == t - doc_pos[t]`` (the same document start index). From ``doc_pos``
+we derive the compressed-token layout: compressed token i of a document covers its raw keys
+[i*d, i*d + l) (NSA_SPEC, Eq. 7) and is stored in a per-row slot list sorted by the index
+of its last key (``cmp_end``); a row holds at most T // d of them whatever its documents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class NSAParams:
+    """The NSA hyper-parameters one attention call needs (paper symbols)."""
+
+    cmp_block_size: int  # l
+    cmp_stride: int  # d
+    sel_block_size: int  # l'
+    sel_num_blocks: int  # n
+    sel_init_blocks: int
+    sel_local_blocks: int
+    window_size: int  # w
+
+    @classmethod
+    def from_config(cls, config) -> "NSAParams":
+        return cls(
+            cmp_block_size=config.cmp_block_size,
+            cmp_stride=config.cmp_stride,
+            sel_block_size=config.sel_block_size,
+            sel_num_blocks=config.sel_num_blocks,
+            sel_init_blocks=config.sel_init_blocks,
+            sel_local_blocks=config.sel_local_blocks,
+            window_size=config.window_size,
+        )
+
+    def num_cmp_slots(self, seq_len: int) -> int:
+        """Static bound on compressed tokens in a row of `seq_len` tokens, any documents: T // d (>= 1)."""
+        return max(1, seq_len // self.cmp_stride)
+
+
+def document_positions(
+    position_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    batch_size: int,
+    seq_len: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """Per-token position inside its document, -1 for padding. Returns (B, T) int64.
+
+    A document starts at the row start, where `position_ids` does not continue the previous
+    token by +1 (transformers' packed-sequence convention: ids restart at 0), and after padding.
+    """
+    index = torch.arange(seq_len, device=device)
+    valid = (
+        torch.ones(batch_size, seq_len, dtype=torch.bool, device=device)
+        if attention_mask is None
+        else attention_mask.to(device=device).bool()
+    )
+    is_start = torch.zeros(batch_size, seq_len, dtype=torch.bool, device=device)
+    is_start[:, 0] = True
+    if position_ids is not None:
+        position_ids = position_ids.to(device).expand(batch_size, seq_len)
+        is_start[:, 1:] |= position_ids[:, 1:] != position_ids[:, :-1] + 1
+    is_start[:, 1:] |= ~valid[:, :-1]
+    start_index = torch.where(is_start, index, torch.zeros_like(index)).cummax(dim=-1).values  # (B, T)
+    doc_pos = index - start_index
+    return torch.where(valid, doc_pos, torch.full_like(doc_pos, -1))
+
+
+def cached_document_positions(
+    attention_mask: torch.Tensor | None, past_valid: torch.Tensor, batch_size: int, new_len: int, device
+) -> torch.Tensor:
+    """doc_pos of `new_len` tokens appended to a cache holding `past_valid` (B,) valid tokens per row.
+
+    With a cache each row is one document (generation); `attention_mask` covers past + new tokens
+    (left padding allowed). Returns (B, new_len) int64, -1 at padding.
+    """
+    if attention_mask is None:
+        new_valid = torch.ones(batch_size, new_len, dtype=torch.long, device=device)
+    else:
+        new_valid = attention_mask[:, -new_len:].to(device=device, dtype=torch.long)
+    doc_pos = past_valid[:, None] + new_valid.cumsum(-1) - 1
+    return torch.where(new_valid.bool(), doc_pos, torch.full_like(doc_pos, -1))
+
+
+def compressed_token_ends(doc_pos: torch.Tensor, params: NSAParams, num_slots: int | None = None) -> torch.Tensor:
+    """Index of the last raw key of each compressed token, per row. (B, T) -> (B, num_slots) int64, -1 = empty.
+
+    Compressed token i of a document ends at in-document position i*d + l - 1 (Eq. 7); slots are
+    filled in order of that index, so each document's tokens are a contiguous run of slots.
+    """
+    l, d = params.cmp_block_size, params.cmp_stride
+    batch_size, seq_len = doc_pos.shape
+    num_slots = params.num_cmp_slots(seq_len) if num_slots is None else num_slots
+    emits = (doc_pos >= l - 1) & ((doc_pos - (l - 1)) % d == 0)  # (B, T)
+    slot = emits.long().cumsum(-1) - 1
+    slot = torch.where(emits, slot, torch.full_like(slot, num_slots))  # non-emitting tokens -> spare slot
+    index = torch.arange(seq_len, device=doc_pos.device).expand(batch_size, seq_len)
+    ends = torch.full((batch_size, num_slots + 1), -1, dtype=torch.long, device=doc_pos.device)
+    ends.scatter_(1, slot.clamp(max=num_slots), torch.where(emits, index, torch.full_like(index, -1)))
+    return ends[:, :num_slots]
+
+
+def gather_compression_blocks(raw: torch.Tensor, cmp_end: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The l raw keys each compressed token summarizes. raw (B, T, Hkv, D), cmp_end (B, N) -> (B, N, l, Hkv, D).
+
+    Empty slots (cmp_end = -1) gather the first l keys; callers zero their outputs.
+    """
+    batch_size, seq_len, num_kv_heads, head_dim = raw.shape
+    offsets = torch.arange(block_size, device=raw.device) - (block_size - 1)  # (l,)
+    index = (cmp_end.clamp(min=block_size - 1)[:, :, None] + offsets).clamp(0, seq_len - 1)  # (B, N, l)
+    flat = index.reshape(batch_size, -1, 1, 1).expand(-1, -1, num_kv_heads, head_dim)
+    return raw.gather(1, flat).view(batch_size, cmp_end.shape[1], block_size, num_kv_heads, head_dim)

@@ -1,0 +1,168 @@
+"""Pure-PyTorch NSA, vectorized over every query at once: the CPU path and the kernels' oracle.
+
+It computes exactly NSA_SPEC (paper §3): three branches on the same queries, each a softmax
+attention under its own mask, gated per head. No loop over tokens, queries or blocks: each
+branch builds a boolean (query x key) mask from the document layout and runs one masked
+softmax. Memory is O(Tq x Tk) per head, which is what an oracle may spend; the Triton path
+(nsa_triton.py) computes the same function in O(Tq x keys-touched).
+
+Queries are the last Tq of the Tk key positions, so the same function serves training
+(Tq = Tk), prefill and cached decoding (Tq = 1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .nsa_layout import NSAParams
+
+
+def _masked_softmax_attention(q, k, v, mask, scale):
+    """Softmax attention with fp32 (or fp64) softmax; rows with no visible key give 0, never NaN.
+
+    q (B, Hkv, G, Tq, D), k/v (B, Hkv, Tk, D), mask (B, Hkv or 1, Tq, Tk) bool -> (B, Hkv, G, Tq, D), probs.
+    """
+    scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scale
+    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(scores - row_max)  # exp(-inf) = 0 at masked keys
+    probs = weights / weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
+    return torch.einsum("bhgqk,bhkd->bhgqd", probs, v), probs
+
+
+def _same_document(q_index, q_doc_pos, k_index, k_doc_pos):
+    """(B, Tq, Tk) bool: key and query are valid tokens of the same document."""
+    q_start = (q_index - q_doc_pos)[:, :, None]
+    k_start = (k_index - k_doc_pos)[:, None, :]
+    return (q_start == k_start) & (q_doc_pos >= 0)[:, :, None] & (k_doc_pos >= 0)[:, None, :]
+
+
+def selection_block_scores(p_cmp, cmp_end, doc_pos, num_sel_blocks, params: NSAParams, num_kv_heads: int):
+    """Block importance summed over each KV group (Eqs. 9-10, overlap form).
+
+    p_cmp (B, H, Tq, Nc) compression probabilities; returns (B, Hkv, Tq, Nb) with
+    P[j] = sum_{h in group} sum_i w_ij p_cmp^h[i], w_ij = |[i*d, i*d+l) ∩ [j*l', (j+1)*l')| / d.
+    """
+    l, d, block = params.cmp_block_size, params.cmp_stride, params.sel_block_size
+    batch, num_heads, num_queries, num_slots = p_cmp.shape
+    end_doc_pos = doc_pos.gather(1, cmp_end.clamp(min=0))  # (B, Nc)
+    first_key = (end_doc_pos - (l - 1)).clamp(min=0)  # i*d, in-document
+    valid = cmp_end >= 0
+    p_group = p_cmp.view(batch, num_kv_heads, num_heads // num_kv_heads, num_queries, num_slots).sum(2)
+    scores = p_cmp.new_zeros(batch, num_kv_heads, num_queries, num_sel_blocks)
+    # A compressed token of l keys overlaps at most ceil((l - 1) / l') + 1 selection blocks:
+    # a constant-length loop over those offsets, not over tokens or blocks.
+    for offset in range((l - 1) // block + 2):
+        j = first_key // block + offset  # (B, Nc)
+        overlap = torch.minimum((j + 1) * block, first_key + l) - torch.maximum(j * block, first_key)
+        weight = torch.where(valid & (j < num_sel_blocks), overlap.clamp(min=0) // d, torch.zeros_like(j))
+        index = j.clamp(max=num_sel_blocks - 1)[:, None, None, :].expand(-1, num_kv_heads, num_queries, -1)
+        scores.scatter_add_(-1, index, p_group * weight[:, None, None, :].to(p_group.dtype))
+    return scores
+
+
+def select_blocks(block_scores, q_doc_pos, params: NSAParams):
+    """Top-n selection with forced blocks and lower-index tie-break.
+
+    block_scores (B, Hkv, Tq, Nb), q_doc_pos (B, Tq) -> (B, Hkv, Tq, n') int64 in-document block
+    indices sorted by priority, -1 for unused slots; n' = min(n, Nb).
+    """
+    block = params.sel_block_size
+    num_blocks = block_scores.shape[-1]
+    j = torch.arange(num_blocks, device=block_scores.device)
+    pos = q_doc_pos[:, None, :, None]  # (B, 1, Tq, 1)
+    eligible = (j * block <= pos) & (pos >= 0)
+    own_block = pos // block
+    forced = eligible & ((j < params.sel_init_blocks) | ((j > own_block - params.sel_local_blocks) & (j <= own_block)))
+    priority = torch.where(eligible, block_scores, torch.full_like(block_scores, float("-inf")))
+    priority = torch.where(forced, torch.full_like(priority, float("inf")), priority)
+    # A stable descending sort keeps equal scores in index order: ties go to the lower block.
+    order = torch.sort(priority, dim=-1, descending=True, stable=True).indices
+    top = order[..., : min(params.sel_num_blocks, num_blocks)]
+    chosen_eligible = eligible.expand_as(priority).gather(-1, top)
+    return torch.where(chosen_eligible, top, torch.full_like(top, -1))
+
+
+def nsa_attention_reference(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    cmp_end: torch.Tensor,
+    k_slc: torch.Tensor,
+    v_slc: torch.Tensor,
+    k_win: torch.Tensor,
+    v_win: torch.Tensor,
+    gates: torch.Tensor,
+    doc_pos: torch.Tensor,
+    params: NSAParams,
+    scale: float | None = None,
+    return_block_indices: bool = False,
+):
+    """NSA output for queries at the last Tq of Tk key positions (NSA_SPEC, one layer, step 3).
+
+    q (B, Tq, H, D); k_cmp/v_cmp (B, Nc, Hkv, D) compressed (k already rotated) with
+    cmp_end (B, Nc) = key index of each one's last raw key (-1 empty); k_slc/v_slc (B, Tk, Hkv, D);
+    k_win/v_win (B, Tw, Hkv, D) = the last Tw key positions; gates (B, Tq, H, 3) in (cmp, slc, win)
+    order, already sigmoid-ed; doc_pos (B, Tk) from `nsa_layout`. Returns (B, Tq, H, D) in q's dtype
+    (and the selected block indices (B, Hkv, Tq, n') if asked).
+    """
+    batch, num_queries, num_heads, head_dim = q.shape
+    num_keys, num_kv_heads = k_slc.shape[1], k_slc.shape[2]
+    num_win = k_win.shape[1]
+    group = num_heads // num_kv_heads
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    compute_dtype = torch.promote_types(q.dtype, torch.float32)
+    device = q.device
+
+    def heads_first(x):  # (B, T, Hkv, D) -> (B, Hkv, T, D)
+        return x.to(compute_dtype).transpose(1, 2)
+
+    q_grouped = q.to(compute_dtype).view(batch, num_queries, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    key_index = torch.arange(num_keys, device=device).expand(batch, -1)
+    q_index = key_index[:, num_keys - num_queries :]
+    q_doc_pos = doc_pos[:, num_keys - num_queries :]
+    causal = q_index[:, :, None] >= key_index[:, None, :]
+    same_doc_causal = _same_document(q_index, q_doc_pos, key_index, doc_pos) & causal  # (B, Tq, Tk)
+
+    # Compression branch (Eq. 7): token i visible to t iff i*d + l - 1 <= t, inside t's document.
+    end_index = cmp_end.clamp(min=0)
+    cmp_visible = (
+        _same_document(q_index, q_doc_pos, end_index, doc_pos.gather(1, end_index))
+        & (cmp_end >= 0)[:, None, :]
+        & (end_index[:, None, :] <= q_index[:, :, None])
+    )
+    o_cmp, p_cmp = _masked_softmax_attention(
+        q_grouped, heads_first(k_cmp), heads_first(v_cmp), cmp_visible[:, None], scale
+    )  # (B, Hkv, G, Tq, D), (B, Hkv, G, Tq, Nc)
+
+    # Selection branch (Eqs. 8-12): top-n blocks per KV group from the compression probabilities.
+    num_sel_blocks = (num_keys + params.sel_block_size - 1) // params.sel_block_size
+    block_scores = selection_block_scores(
+        p_cmp.reshape(batch, num_heads, num_queries, -1), cmp_end, doc_pos, num_sel_blocks, params, num_kv_heads
+    )
+    block_indices = select_blocks(block_scores.detach(), q_doc_pos, params)  # (B, Hkv, Tq, n')
+    chosen = torch.zeros(batch, num_kv_heads, num_queries, num_sel_blocks + 1, dtype=torch.bool, device=device)
+    chosen.scatter_(-1, torch.where(block_indices >= 0, block_indices, num_sel_blocks), True)
+    key_block = (doc_pos.clamp(min=0) // params.sel_block_size)[:, None, None, :].expand(-1, num_kv_heads, num_queries, -1)
+    slc_mask = chosen.gather(-1, key_block) & same_doc_causal[:, None]  # (B, Hkv, Tq, Tk)
+    o_slc, _ = _masked_softmax_attention(q_grouped, heads_first(k_slc), heads_first(v_slc), slc_mask, scale)
+
+    # Sliding window: the last w keys of the query's document, itself included.
+    win_mask = same_doc_causal[:, :, num_keys - num_win :] & (
+        q_index[:, :, None] - key_index[:, None, num_keys - num_win :] < params.window_size
+    )
+    o_win, _ = _masked_softmax_attention(q_grouped, heads_first(k_win), heads_first(v_win), win_mask[:, None], scale)
+
+    def heads_last(o):  # (B, Hkv, G, Tq, D) -> (B, Tq, H, D)
+        return o.permute(0, 3, 1, 2, 4).reshape(batch, num_queries, num_heads, head_dim)
+
+    g = gates.to(compute_dtype)
+    out = g[..., 0:1] * heads_last(o_cmp) + g[..., 1:2] * heads_last(o_slc) + g[..., 2:3] * heads_last(o_win)
+    out = out.to(q.dtype)
+    return (out, block_indices) if return_block_indices else out
+
+
+__all__ = ["nsa_attention_reference", "select_blocks", "selection_block_scores"]
