@@ -134,4 +134,6 @@ class NSAConfig(PreTrainedConfig):
         return self.num_attention_heads // self.num_key_value_heads
 
 
+NSAConfig.register_for_auto_class()
+
 __all__ = ["NSAConfig"]

@@ -1,0 +1,612 @@
+"""NSA decoder (Llama-style) for transformers: attention = Native Sparse Attention (arXiv 2502.11089).
+
+Class split follows transformers' modeling_llama.py: NSARMSNorm, NSAMLP, NSARotaryEmbedding,
+NSACompressor, NSAAttention, NSADecoderLayer, NSAPreTrainedModel, NSAModel, NSAForCausalLM, plus
+NSACache for generation. The attention math lives behind one seam, `nsa_attention(...)`, with two
+implementations: `nsa_reference.py` (PyTorch, CPU path and oracle) and `nsa_triton.py` (GPU).
+
+This file travels as remote code: it imports only torch, transformers and its flat siblings.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache
+from transformers.generation import GenerationMixin
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import PreTrainedModel
+
+from .configuration_nsa import NSAConfig
+from .nsa_layout import (
+    NSAParams,
+    cached_document_positions,
+    compressed_token_ends,
+    document_positions,
+    gather_compression_blocks,
+)
+from .nsa_reference import nsa_attention_reference
+
+logger = logging.getLogger(__name__)
+
+BRANCHES = ("cmp", "slc", "win")  # gate order, paper Eq. 5
+
+
+# ----------------------------------------------------------------------------------------------
+# The seam: one function computes a layer's NSA from q, per-branch k/v, gates and documents.
+# ----------------------------------------------------------------------------------------------
+
+_logged_once: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged_once:
+        _logged_once.add(message)
+        logger.warning(message)
+
+
+def resolve_nsa_backend(requested: str, device: torch.device) -> str:
+    """'auto' -> 'triton' on CUDA when Triton works, else 'reference'. An explicit 'triton' that
+    cannot run raises instead of quietly changing the code path."""
+    if requested == "reference":
+        return "reference"
+    try:
+        from .nsa_triton import triton_is_usable
+
+        usable = triton_is_usable(device)
+    except ImportError as error:  # nsa_triton or triton itself missing
+        usable, reason = False, str(error)
+    else:
+        reason = f"Triton cannot run on device {device} (set TRITON_INTERPRET=1 to run kernels on CPU)"
+    if requested == "triton":
+        if not usable:
+            raise RuntimeError(f"nsa_backend='triton' but {reason}. Use nsa_backend='reference' or 'auto'.")
+        return "triton"
+    if device.type == "cuda" and not usable:
+        _log_once(f"NSA: nsa_backend='auto' falls back to the PyTorch reference on {device}: {reason}.")
+    return "triton" if device.type == "cuda" and usable else "reference"
+
+
+def nsa_attention(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, backend="auto"):
+    """Gated NSA output (B, Tq, H, D) for queries at the last Tq of Tk key positions.
+
+    Arguments as `nsa_reference.nsa_attention_reference`. The Triton path covers training/prefill
+    (Tq = Tk = Tw) and the cached one-token step (Tq = 1); other shapes use the reference, logged once.
+    """
+    backend = resolve_nsa_backend(backend, q.device)
+    if backend == "triton":
+        from . import nsa_triton
+
+        num_queries, num_keys, num_win = q.shape[1], k_slc.shape[1], k_win.shape[1]
+        if num_queries == num_keys == num_win:
+            return nsa_triton.nsa_attention_triton(
+                q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params
+            )
+        if num_queries == 1:
+            return nsa_triton.nsa_decode_triton(
+                q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params
+            )
+        _log_once(f"NSA: no Triton kernel for a {num_queries}-token chunk after a cache; using the reference.")
+    return nsa_attention_reference(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params)
+
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks
+# ----------------------------------------------------------------------------------------------
+
+
+class NSARMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class NSAMLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, config: NSAConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class NSARotaryEmbedding(nn.Module):
+    """RoPE at in-document positions, so every document (and every compressed token) is rotated
+    as if it stood alone: q, k_slc, k_win at their doc_pos, compressed key i at i*d + l - 1."""
+
+    def __init__(self, config: NSAConfig):
+        super().__init__()
+        exponent = torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim
+        self.register_buffer("inv_freq", 1.0 / (config.rope_theta**exponent), persistent=False)
+
+    @torch.no_grad()
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        """positions (B, T) int (padding -1 is rotated as 0) -> cos, sin (B, T, D)."""
+        freqs = positions.clamp(min=0).float()[..., None] * self.inv_freq.float()  # (B, T, D/2)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, T, heads, D), cos/sin (B, T, D)."""
+    return x * cos[:, :, None] + rotate_half(x) * sin[:, :, None]
+
+
+class NSACompressor(nn.Module):
+    """φ of Eq. 7: summarizes the l raw (un-rotated) keys or values of a compressed block into one.
+
+    "mlp" (the paper's learnable φ): intra-block position embedding (l x D) added to the keys,
+    flattened, then Linear(l*D -> hidden) -> GELU -> Linear(hidden -> D); separate φ for K and V,
+    shared across KV heads. "mean": the block average (no parameters; fla's choice).
+    """
+
+    def __init__(self, config: NSAConfig):
+        super().__init__()
+        self.mode = config.compressor
+        self.block_size, head_dim = config.cmp_block_size, config.head_dim
+        if self.mode == "mlp":
+            hidden = config.cmp_mlp_hidden_size
+            self.k_pos_emb = nn.Parameter(torch.zeros(self.block_size, head_dim))
+            self.v_pos_emb = nn.Parameter(torch.zeros(self.block_size, head_dim))
+            self.k_mlp = nn.Sequential(
+                nn.Linear(self.block_size * head_dim, hidden), nn.GELU(), nn.Linear(hidden, head_dim)
+            )
+            self.v_mlp = nn.Sequential(
+                nn.Linear(self.block_size * head_dim, hidden), nn.GELU(), nn.Linear(hidden, head_dim)
+            )
+
+    def _compress(self, blocks, pos_emb, mlp):  # (B, N, l, Hkv, D) -> (B, N, Hkv, D)
+        if self.mode == "mean":
+            return blocks.mean(dim=2)
+        blocks = blocks + pos_emb[:, None, :].to(blocks.dtype)
+        batch, num_slots, block, num_kv_heads, head_dim = blocks.shape
+        flat = blocks.permute(0, 1, 3, 2, 4).reshape(batch, num_slots, num_kv_heads, block * head_dim)
+        return mlp(flat)
+
+    def forward(self, k_raw, v_raw, cmp_end):
+        """k_raw/v_raw (B, T, Hkv, D), cmp_end (B, N) -> compressed k, v (B, N, Hkv, D), zero at empty slots."""
+        keep = (cmp_end >= 0)[:, :, None, None]
+        k_blocks = gather_compression_blocks(k_raw, cmp_end, self.block_size)
+        v_blocks = gather_compression_blocks(v_raw, cmp_end, self.block_size)
+        k = self._compress(k_blocks, getattr(self, "k_pos_emb", None), getattr(self, "k_mlp", None))
+        v = self._compress(v_blocks, getattr(self, "v_pos_emb", None), getattr(self, "v_mlp", None))
+        return k * keep, v * keep
+
+
+# ----------------------------------------------------------------------------------------------
+# Cache
+# ----------------------------------------------------------------------------------------------
+
+
+class NSALayerCache:
+    """One layer's decoding state; memory is bounded by what NSA reads.
+
+    k_slc/v_slc: every key (selection may pick any block), (B, Tk, Hkv, D), rotated.
+    k_win/v_win: the last w keys only (kv_per_branch; otherwise the window reads k_slc).
+    cmp_k/cmp_v/cmp_end/cmp_count: compressed tokens emitted so far (rotated k), per-row counts.
+    tail_k/tail_v: the last l - 1 raw keys/values, from which the next compressed token is made.
+    """
+
+    def __init__(self):
+        self.k_slc = self.v_slc = self.k_win = self.v_win = None
+        self.cmp_k = self.cmp_v = self.cmp_end = self.cmp_count = None
+        self.tail_k = self.tail_v = None
+
+    def tensors(self):
+        return {name: value for name, value in vars(self).items() if isinstance(value, torch.Tensor)}
+
+
+class NSACache(Cache):
+    """KV cache for NSA generation (NSA_SPEC, "Incremental decoding")."""
+
+    is_compileable = False
+
+    def __init__(self, config: NSAConfig | None = None, num_layers: int | None = None):
+        num_layers = num_layers if num_layers is not None else config.num_hidden_layers
+        super().__init__(layers=[NSALayerCache() for _ in range(num_layers)])
+        self.doc_pos: torch.Tensor | None = None  # (B, Tk) in-document position of every cached token
+        self.num_valid: torch.Tensor | None = None  # (B,) non-padding tokens per row
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if self.doc_pos is None else self.doc_pos.shape[1]
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return -1
+
+    def append_positions(self, attention_mask, batch_size, new_len, device) -> torch.Tensor:
+        """Record the new tokens' doc_pos; returns doc_pos of every key position (B, Tk)."""
+        past_valid = self.num_valid if self.num_valid is not None else torch.zeros(batch_size, dtype=torch.long, device=device)
+        new_doc_pos = cached_document_positions(attention_mask, past_valid, batch_size, new_len, device)
+        self.doc_pos = new_doc_pos if self.doc_pos is None else torch.cat([self.doc_pos, new_doc_pos], dim=1)
+        self.num_valid = past_valid + (new_doc_pos >= 0).sum(-1)
+        return self.doc_pos
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        for layer in self.layers:
+            for name, value in layer.tensors().items():
+                setattr(layer, name, value.index_select(0, beam_idx.to(value.device)))
+        self.doc_pos = self.doc_pos.index_select(0, beam_idx.to(self.doc_pos.device))
+        self.num_valid = self.num_valid.index_select(0, beam_idx.to(self.num_valid.device))
+
+
+def _append_compressed(layer: NSALayerCache, k_new, v_new, end_new):
+    """Append each row's newly emitted compressed tokens after its own count (rows emit at
+    different steps under left padding). Slots past a row's count hold end = -1 (empty)."""
+    batch, num_new = end_new.shape
+    if layer.cmp_count is None:
+        layer.cmp_count = torch.zeros(batch, dtype=torch.long, device=end_new.device)
+        layer.cmp_k = k_new.new_zeros(batch, 0, *k_new.shape[2:])
+        layer.cmp_v = v_new.new_zeros(batch, 0, *v_new.shape[2:])
+        layer.cmp_end = end_new.new_full((batch, 0), -1)
+    capacity_needed = layer.cmp_end.shape[1] + num_new  # static bound, no host sync
+    if layer.cmp_end.shape[1] < capacity_needed:
+        grow = capacity_needed - layer.cmp_end.shape[1]
+        layer.cmp_k = torch.cat([layer.cmp_k, k_new.new_zeros(batch, grow, *k_new.shape[2:])], dim=1)
+        layer.cmp_v = torch.cat([layer.cmp_v, v_new.new_zeros(batch, grow, *v_new.shape[2:])], dim=1)
+        layer.cmp_end = torch.cat([layer.cmp_end, end_new.new_full((batch, grow), -1)], dim=1)
+    slots = layer.cmp_count[:, None] + torch.arange(num_new, device=end_new.device)  # (B, Nn)
+    index = slots[:, :, None, None].expand(-1, -1, *k_new.shape[2:])
+    layer.cmp_k = layer.cmp_k.scatter(1, index, k_new)
+    layer.cmp_v = layer.cmp_v.scatter(1, index, v_new)
+    layer.cmp_end = layer.cmp_end.scatter(1, slots, end_new)
+    layer.cmp_count = layer.cmp_count + (end_new >= 0).sum(-1)
+
+
+def _trim_compressed_capacity(layer: NSALayerCache, num_keys: int, stride: int):
+    """Keep the compressed buffers at the static bound Tk // d + 1 slots (rows never hold more)."""
+    bound = num_keys // stride + 1
+    if layer.cmp_end.shape[1] > bound:
+        layer.cmp_k, layer.cmp_v = layer.cmp_k[:, :bound], layer.cmp_v[:, :bound]
+        layer.cmp_end = layer.cmp_end[:, :bound]
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention
+# ----------------------------------------------------------------------------------------------
+
+
+class NSAAttention(nn.Module):
+    """Projections, RoPE, compression and the gated three-branch NSA (or dense causal attention)."""
+
+    def __init__(self, config: NSAConfig, layer_idx: int):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.dense = config.attention_mode == "dense"
+        # Independent K/V per branch (paper §3.3.3) or one shared K/V.
+        self.num_kv_sets = 3 if (config.kv_per_branch and not self.dense) else 1
+        self.params = NSAParams.from_config(config)
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.kv_proj = nn.Linear(config.hidden_size, self.num_kv_sets * 2 * self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        if not self.dense:
+            self.g_proj = nn.Linear(config.hidden_size, self.num_heads * len(BRANCHES), bias=False)
+            self.compressor = NSACompressor(config)
+
+    def _branch_kv(self, kv, branch: str):
+        """kv (B, T, sets, 2, Hkv, D) -> k, v of one branch (the shared set when not kv_per_branch)."""
+        index = BRANCHES.index(branch) if self.num_kv_sets == 3 else 0
+        return kv[:, :, index, 0], kv[:, :, index, 1]
+
+    def forward(self, hidden_states, doc_pos, position_embeddings, past_key_values=None, **kwargs):
+        """hidden_states (B, Tq, hidden); doc_pos (B, Tk) of every key position (Tk = cached + Tq);
+        position_embeddings = cos, sin (B, Tk, D) at doc_pos."""
+        batch, num_queries, _ = hidden_states.shape
+        cos, sin = position_embeddings
+        cos_q, sin_q = cos[:, -num_queries:], sin[:, -num_queries:]
+        q = apply_rope(self.q_proj(hidden_states).view(batch, num_queries, self.num_heads, self.head_dim), cos_q, sin_q)
+        kv = self.kv_proj(hidden_states).view(batch, num_queries, self.num_kv_sets, 2, self.num_kv_heads, self.head_dim)
+        cache = past_key_values.layers[self.layer_idx] if past_key_values is not None else None
+
+        if self.dense:
+            k, v = self._branch_kv(kv, "slc")
+            k = apply_rope(k, cos_q, sin_q)
+            if cache is not None:
+                k, v = self._cache_append(cache, "k_slc", "v_slc", k, v)
+            out = dense_causal_attention(q, k, v, doc_pos)
+        else:
+            gates = torch.sigmoid(self.g_proj(hidden_states)).view(batch, num_queries, self.num_heads, len(BRANCHES))
+            k_raw, v_raw = self._branch_kv(kv, "cmp")  # compression reads un-rotated keys (Eq. 7)
+            k_slc, v_slc = self._branch_kv(kv, "slc")
+            k_slc = apply_rope(k_slc, cos_q, sin_q)
+            if self.num_kv_sets == 3:
+                k_win, v_win = self._branch_kv(kv, "win")
+                k_win = apply_rope(k_win, cos_q, sin_q)
+            else:
+                k_win, v_win = k_slc, v_slc
+            if cache is None:
+                cmp_end = compressed_token_ends(doc_pos, self.params)  # (B, Nc)
+                k_cmp, v_cmp = self._compress(k_raw, v_raw, cmp_end, doc_pos, cos, sin, cmp_end)
+            else:
+                k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win = self._cached_inputs(
+                    cache, doc_pos, cos, sin, k_raw, v_raw, k_slc, v_slc, k_win, v_win
+                )
+            out = nsa_attention(
+                q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, self.params,
+                backend=self.config.nsa_backend,
+            )  # fmt: skip
+        return self.o_proj(out.reshape(batch, num_queries, self.num_heads * self.head_dim)), None
+
+    def _compress(self, k_raw, v_raw, local_end, doc_pos, cos, sin, global_end):
+        """Compressed k (rotated at i*d + l - 1, the last position it covers) and v."""
+        k_cmp, v_cmp = self.compressor(k_raw, v_raw, local_end)
+        index = global_end.clamp(min=0)
+        gather = index[:, :, None].expand(-1, -1, cos.shape[-1])
+        k_cmp = apply_rope(k_cmp, cos.gather(1, gather), sin.gather(1, gather))
+        return k_cmp, v_cmp
+
+    @staticmethod
+    def _cache_append(cache: NSALayerCache, k_name, v_name, k, v, keep_last: int | None = None):
+        old_k, old_v = getattr(cache, k_name), getattr(cache, v_name)
+        k = k if old_k is None else torch.cat([old_k, k], dim=1)
+        v = v if old_v is None else torch.cat([old_v, v], dim=1)
+        kept = (k, v) if keep_last is None else (k[:, -keep_last:], v[:, -keep_last:])
+        setattr(cache, k_name, kept[0])
+        setattr(cache, v_name, kept[1])
+        return k, v
+
+    def _cached_inputs(self, cache, doc_pos, cos, sin, k_raw, v_raw, k_slc, v_slc, k_win, v_win):
+        """Append this chunk to the layer cache; return the compressed, selection and window K/V."""
+        params, num_queries = self.params, k_raw.shape[1]
+        num_keys = doc_pos.shape[1]
+        # Compressed tokens ending inside this chunk, made from the cached raw tail + the chunk.
+        tail_len = 0 if cache.tail_k is None else cache.tail_k.shape[1]
+        raw_k = k_raw if cache.tail_k is None else torch.cat([cache.tail_k, k_raw], dim=1)
+        raw_v = v_raw if cache.tail_v is None else torch.cat([cache.tail_v, v_raw], dim=1)
+        raw_doc_pos = doc_pos[:, num_keys - num_queries - tail_len :].clone()
+        raw_doc_pos[:, :tail_len] = -1  # tail tokens emitted their compressed tokens already
+        local_end = compressed_token_ends(raw_doc_pos, params, num_slots=num_queries // params.cmp_stride + 1)
+        offset = num_keys - num_queries - tail_len
+        global_end = torch.where(local_end >= 0, local_end + offset, local_end)
+        k_new, v_new = self._compress(raw_k, raw_v, local_end, doc_pos, cos, sin, global_end)
+        _append_compressed(cache, k_new, v_new, global_end)
+        _trim_compressed_capacity(cache, num_keys, params.cmp_stride)
+        keep_tail = params.cmp_block_size - 1
+        cache.tail_k, cache.tail_v = raw_k[:, -keep_tail:], raw_v[:, -keep_tail:]
+
+        k_slc, v_slc = self._cache_append(cache, "k_slc", "v_slc", k_slc, v_slc)
+        if self.num_kv_sets == 3:
+            k_win, v_win = self._cache_append(cache, "k_win", "v_win", k_win, v_win, keep_last=params.window_size)
+        else:  # shared K/V: the window reads the last keys of the selection cache
+            span = min(num_keys, params.window_size + num_queries - 1)
+            k_win, v_win = k_slc[:, -span:], v_slc[:, -span:]
+        return cache.cmp_k, cache.cmp_v, cache.cmp_end, k_slc, v_slc, k_win, v_win
+
+
+def dense_causal_attention(q, k, v, doc_pos):
+    """Full causal attention inside documents (the A/B baseline). q (B, Tq, H, D), k/v (B, Tk, Hkv, D)."""
+    batch, num_queries, num_heads, _ = q.shape
+    num_keys = k.shape[1]
+    key_index = torch.arange(num_keys, device=q.device)
+    q_index = key_index[num_keys - num_queries :]
+    start = key_index - doc_pos  # document start of each key position
+    q_start, q_doc_pos = start[:, num_keys - num_queries :], doc_pos[:, num_keys - num_queries :]
+    mask = (
+        (q_start[:, :, None] == start[:, None, :])
+        & (q_index[:, None] >= key_index[None, :])
+        & (doc_pos[:, None, :] >= 0)
+        & (q_doc_pos[:, :, None] >= 0)
+    )
+    # Padded query rows see nothing; give them their own key so the softmax stays finite (output unused).
+    mask = mask | ((q_doc_pos < 0)[:, :, None] & (q_index[:, None] == key_index[None, :]))
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], enable_gqa=True
+    )
+    return out.transpose(1, 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layers and models
+# ----------------------------------------------------------------------------------------------
+
+
+class NSADecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: NSAConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = NSAAttention(config, layer_idx)
+        self.mlp = NSAMLP(config)
+        self.input_layernorm = NSARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = NSARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, doc_pos, position_embeddings, past_key_values=None, **kwargs):
+        residual = hidden_states
+        attn_out, _ = self.self_attn(
+            self.input_layernorm(hidden_states), doc_pos, position_embeddings, past_key_values=past_key_values
+        )
+        hidden_states = residual + attn_out
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class NSAPreTrainedModel(PreTrainedModel):
+    config: NSAConfig
+    config_class = NSAConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["NSADecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, NSACompressor) and module.mode == "mlp":
+            init.normal_(module.k_pos_emb, mean=0.0, std=self.config.initializer_range)
+            init.normal_(module.v_pos_emb, mean=0.0, std=self.config.initializer_range)
+        elif isinstance(module, NSARotaryEmbedding):
+            exponent = torch.arange(0, self.config.head_dim, 2, dtype=torch.float32) / self.config.head_dim
+            init.copy_(module.inv_freq, 1.0 / (self.config.rope_theta**exponent))
+
+
+class NSAModel(NSAPreTrainedModel):
+    def __init__(self, config: NSAConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList([NSADecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = NSARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = NSARotaryEmbedding(config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def _check_inputs(self, input_ids, inputs_embeds, attention_mask, position_ids, past_len):
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:2])
+        if len(shape) != 2:
+            raise ValueError(f"input_ids must be (batch, seq_len), got shape {shape}.")
+        if input_ids is not None and not torch.compiler.is_compiling():
+            # One host sync per forward buys a clear message instead of a CUDA device assert.
+            low, high = int(input_ids.min()), int(input_ids.max())
+            if low < 0 or high >= self.config.vocab_size:
+                raise ValueError(
+                    f"input_ids contain {low if low < 0 else high}, outside the vocabulary [0, {self.config.vocab_size}); "
+                    "check the tokenizer matches the model (config.vocab_size)."
+                )
+        if attention_mask is not None:
+            expected = (shape[0], past_len + shape[1])
+            if attention_mask.dim() != 2 or tuple(attention_mask.shape) not in {expected, shape}:
+                raise ValueError(
+                    f"attention_mask must be 2-D (batch, past + seq_len) = {expected}, got {tuple(attention_mask.shape)}."
+                )
+        if position_ids is not None and position_ids.shape[-1] != shape[1]:
+            raise ValueError(f"position_ids has length {position_ids.shape[-1]} but the input has {shape[1]} tokens.")
+        return shape
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: NSACache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        """Documents in a packed row: `position_ids` restarting at 0 (transformers' convention).
+        Padding: `attention_mask` zeros. With a cache, each row is one document (generation)."""
+        # Training forwards build no cache unless asked: the cache is for generation.
+        use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
+        if self.gradient_checkpointing and self.training:
+            use_cache = False
+        if past_key_values is not None and not isinstance(past_key_values, NSACache):
+            if past_key_values.get_seq_length() > 0:
+                raise ValueError(f"NSA needs an NSACache, got a filled {type(past_key_values).__name__}.")
+            past_key_values = None
+        if use_cache and past_key_values is None:
+            past_key_values = NSACache(self.config)
+        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+        batch, num_new = self._check_inputs(input_ids, inputs_embeds, attention_mask, position_ids, past_len)
+        if attention_mask is not None and attention_mask.shape[1] == num_new and past_len > 0:
+            raise ValueError(
+                f"attention_mask covers only the {num_new} new tokens; with a cache of {past_len} it must cover "
+                f"past + new = {past_len + num_new}."
+            )
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        device = inputs_embeds.device
+
+        if past_key_values is not None:
+            doc_pos = past_key_values.append_positions(attention_mask, batch, num_new, device)  # (B, Tk)
+        else:
+            doc_pos = document_positions(position_ids, attention_mask, batch, num_new, device)  # (B, T)
+        position_embeddings = self.rotary_emb(doc_pos, inputs_embeds.dtype)
+
+        hidden_states = inputs_embeds
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, doc_pos, position_embeddings, past_key_values=past_key_values)
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None)
+
+
+class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: NSAConfig):
+        super().__init__(config)
+        self.model = NSAModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """generate() gets an NSACache (selection/window/compressed state), never a DynamicCache."""
+        if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
+            model_kwargs["past_key_values"] = NSACache(self.config)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: NSACache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """`labels` are the input ids (shifted inside `self.loss_function`); -100 is ignored. Pass
+        `num_items_in_batch` to get a sum over tokens divided by that count (gradient accumulation)."""
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+        )
+        hidden_states = outputs.last_hidden_state
+        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, slice_indices, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+
+
+NSAModel.register_for_auto_class("AutoModel")
+NSAForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+__all__ = [
+    "NSACache",
+    "NSAForCausalLM",
+    "NSAModel",
+    "NSAPreTrainedModel",
+    "nsa_attention",
+]

@@ -1,0 +1,116 @@
+"""Cached generation computes the same function as the full forward (NSA_SPEC, "Incremental decoding")."""
+
+import pytest
+import torch
+
+from modeling_nsa import NSACache, NSAConfig, NSAForCausalLM
+
+# Small blocks so that 70 generated tokens cross compression (l=8, d=4), selection (l'=16, n=3)
+# and window (w=20) boundaries many times.
+TINY = dict(
+    vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
+    num_key_value_heads=2, head_dim=16, cmp_block_size=8, cmp_stride=4, sel_block_size=16, sel_num_blocks=3,
+    window_size=20, cmp_mlp_hidden_size=32, nsa_backend="reference",
+)  # fmt: skip
+
+VARIANTS = {
+    "mlp-kvsplit": dict(compressor="mlp", kv_per_branch=True),
+    "mean-kvshared": dict(compressor="mean", kv_per_branch=False),
+    "dense": dict(attention_mode="dense"),
+}
+
+
+def make_model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return NSAForCausalLM(NSAConfig(**{**TINY, **overrides})).double().eval()
+
+
+def greedy_without_cache(model, prompt, steps, attention_mask=None):
+    """Recompute the full forward at every step; return tokens and the logits used to pick them."""
+    tokens, logits_per_step = prompt, []
+    for _ in range(steps):
+        logits = model(tokens, attention_mask=attention_mask, use_cache=False).logits[:, -1]
+        logits_per_step.append(logits)
+        tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=1)
+        if attention_mask is not None:
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(tokens), 1)], dim=1)
+    return tokens, torch.stack(logits_per_step, 1)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS), ids=list(VARIANTS))
+@pytest.mark.parametrize("prompt_len", [1, 7, 33], ids=lambda n: f"prompt{n}")
+def test_greedy_generate_with_cache_equals_full_recompute(variant, prompt_len):
+    model = make_model(**VARIANTS[variant])
+    prompt = torch.randint(0, 97, (2, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
+    steps = 70
+    out = model.generate(
+        prompt, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, output_logits=True,
+        return_dict_in_generate=True, pad_token_id=0,
+    )  # fmt: skip
+    expected_tokens, expected_logits = greedy_without_cache(model, prompt, steps)
+    assert isinstance(out.past_key_values, NSACache)
+    assert torch.equal(out.sequences, expected_tokens)
+    # generate() returns float32 logits
+    torch.testing.assert_close(torch.stack(out.logits, 1), expected_logits.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS), ids=list(VARIANTS))
+def test_cached_logits_match_full_forward_for_chunks_and_single_tokens(variant):
+    model = make_model(**VARIANTS[variant])
+    tokens = torch.randint(0, 97, (2, 90), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(tokens, use_cache=False).logits
+        cache = NSACache(model.config)
+        pieces = [model(tokens[:, :13], past_key_values=cache, use_cache=True).logits]
+        pieces.append(model(tokens[:, 13:18], past_key_values=cache, use_cache=True).logits)  # a chunk after a cache
+        pieces += [model(tokens[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(18, 90)]
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-9, atol=1e-9)
+    assert cache.get_seq_length() == 90
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS), ids=list(VARIANTS))
+def test_left_padded_batch_generation_equals_one_by_one(variant):
+    model = make_model(**VARIANTS[variant])
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 97, (n,), generator=gen) for n in (5, 23, 12)]
+    width = max(len(p) for p in prompts)
+    batch = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        batch[row, width - len(prompt) :], mask[row, width - len(prompt) :] = prompt, 1
+    steps = 40
+    batched = model.generate(
+        batch, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0
+    )
+    for row, prompt in enumerate(prompts):
+        alone = model.generate(prompt[None], max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0)
+        assert torch.equal(batched[row, width:], alone[0, len(prompt) :]), f"row {row} differs"
+
+
+def test_sampling_with_cache_equals_sampling_without_cache():
+    model = make_model()
+    prompt = torch.randint(0, 97, (3, 9), generator=torch.Generator().manual_seed(3))
+    kwargs = dict(max_new_tokens=30, min_new_tokens=30, do_sample=True, top_k=20, temperature=0.9, pad_token_id=0)
+    torch.manual_seed(11)
+    with_cache = model.generate(prompt, **kwargs)
+    torch.manual_seed(11)
+    without_cache = model.generate(prompt, use_cache=False, **kwargs)
+    assert with_cache.shape == (3, 39)
+    assert torch.equal(with_cache, without_cache)
+
+
+def test_cache_memory_is_bounded_by_what_nsa_reads():
+    model = make_model()
+    cfg = model.config
+    out = model.generate(
+        torch.randint(0, 97, (2, 10)), max_new_tokens=90, min_new_tokens=90, do_sample=False,
+        return_dict_in_generate=True, pad_token_id=0,
+    )  # fmt: skip
+    total = out.sequences.shape[1] - 1  # the last token is generated, never fed back
+    for layer in out.past_key_values.layers:
+        assert layer.k_win.shape[1] == cfg.window_size  # the window cache never grows beyond w
+        assert layer.tail_k.shape[1] == cfg.cmp_block_size - 1
+        assert layer.cmp_k.shape[1] <= total // cfg.cmp_stride + 1
+        expected_emitted = (total - cfg.cmp_block_size) // cfg.cmp_stride + 1
+        assert torch.equal(layer.cmp_count, torch.full((2,), expected_emitted))
+        assert layer.k_slc.shape[1] == total
