@@ -450,6 +450,17 @@ class NSAPreTrainedModel(PreTrainedModel):
     _skip_keys_device_placement = ["past_key_values"]
     _supports_sdpa = True
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Record both Auto classes in `auto_map`, whichever class is saved, so the checkpoint loads
+        with AutoModel and AutoModelForCausalLM (trust_remote_code=True)."""
+        self.config.auto_map = {
+            **(getattr(self.config, "auto_map", None) or {}),
+            "AutoConfig": "configuration_nsa.NSAConfig",
+            "AutoModel": "modeling_nsa.NSAModel",
+            "AutoModelForCausalLM": "modeling_nsa.NSAForCausalLM",
+        }
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
