@@ -228,7 +228,7 @@ class NSACache(Cache):
         num_layers = num_layers if num_layers is not None else config.num_hidden_layers
         super().__init__(layers=[NSALayerCache() for _ in range(num_layers)])
         self.doc_pos: torch.Tensor | None = None  # (B, Tk) in-document position of every cached token
-        self.num_valid: torch.Tensor | None = None  # (B,) non-padding tokens per row
+        self.num_valid: torch.Tensor | None = None  # (B,) position the next token takes in its document
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0 if self.doc_pos is None else self.doc_pos.shape[1]
@@ -236,12 +236,18 @@ class NSACache(Cache):
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         return -1
 
-    def append_positions(self, attention_mask, batch_size, new_len, device) -> torch.Tensor:
-        """Record the new tokens' doc_pos; returns doc_pos of every key position (B, Tk)."""
-        past_valid = self.num_valid if self.num_valid is not None else torch.zeros(batch_size, dtype=torch.long, device=device)
-        new_doc_pos = cached_document_positions(attention_mask, past_valid, batch_size, new_len, device)
-        self.doc_pos = new_doc_pos if self.doc_pos is None else torch.cat([self.doc_pos, new_doc_pos], dim=1)
-        self.num_valid = past_valid + (new_doc_pos >= 0).sum(-1)
+    def append_positions(self, position_ids, attention_mask, batch_size, new_len, device) -> torch.Tensor:
+        """Record the new tokens' doc_pos; returns doc_pos of every key position (B, Tk).
+
+        The first chunk may hold packed documents (position_ids restarts) like a forward without
+        cache; later chunks continue each row's last document (generation)."""
+        if self.doc_pos is None:
+            new_doc_pos = document_positions(position_ids, attention_mask, batch_size, new_len, device)
+            self.doc_pos = new_doc_pos
+        else:
+            new_doc_pos = cached_document_positions(attention_mask, self.num_valid, batch_size, new_len, device)
+            self.doc_pos = torch.cat([self.doc_pos, new_doc_pos], dim=1)
+        self.num_valid = self.doc_pos[:, -1] + 1  # the next token's position in the row's last document
         return self.doc_pos
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
@@ -524,7 +530,7 @@ class NSAModel(NSAPreTrainedModel):
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """Documents in a packed row: `position_ids` restarting at 0 (transformers' convention).
-        Padding: `attention_mask` zeros. With a cache, each row is one document (generation)."""
+        Padding: `attention_mask` zeros. Tokens appended to a filled cache continue each row's last document."""
         # Training forwards build no cache unless asked: the cache is for generation.
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
         if self.gradient_checkpointing and self.training:
@@ -547,7 +553,7 @@ class NSAModel(NSAPreTrainedModel):
         device = inputs_embeds.device
 
         if past_key_values is not None:
-            doc_pos = past_key_values.append_positions(attention_mask, batch, num_new, device)  # (B, Tk)
+            doc_pos = past_key_values.append_positions(position_ids, attention_mask, batch, num_new, device)  # (B, Tk)
         else:
             doc_pos = document_positions(position_ids, attention_mask, batch, num_new, device)  # (B, T)
         position_embeddings = self.rotary_emb(doc_pos, inputs_embeds.dtype)

@@ -1,0 +1,67 @@
+"""Model-level behaviour: training steps, gradient checkpointing, tied weights, Auto classes."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from modeling_nsa import NSAConfig, NSAForCausalLM
+
+TINY = dict(
+    vocab_size=113, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, cmp_block_size=8, cmp_stride=4, sel_block_size=16, sel_num_blocks=3,
+    window_size=20, cmp_mlp_hidden_size=32, nsa_backend="reference",
+)  # fmt: skip
+
+
+def test_default_config_is_the_125m_reference_model():
+    config = NSAConfig()
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (768, 12, 12)
+    assert (config.num_key_value_heads, config.num_key_value_groups, config.head_dim) == (2, 6, 64)
+    assert (config.cmp_block_size, config.cmp_stride, config.sel_block_size) == (32, 16, 64)
+    assert (config.sel_num_blocks, config.window_size, config.vocab_size) == (16, 512, 50304)
+    assert config.tie_word_embeddings and config.attention_mode == "nsa" and config.nsa_backend == "auto"
+
+
+def test_embeddings_are_tied_and_training_lowers_the_loss():
+    torch.manual_seed(0)
+    model = NSAForCausalLM(NSAConfig(**TINY)).train()
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    batch = torch.randint(0, 113, (4, 48))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(15):
+        loss = model(batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.6 * losses[0], losses
+
+
+@pytest.mark.parametrize("mode", ["nsa", "dense"])
+def test_gradient_checkpointing_gives_the_same_gradients(mode):
+    torch.manual_seed(0)
+    model = NSAForCausalLM(NSAConfig(**TINY, attention_mode=mode)).double().train()
+    batch = torch.randint(0, 113, (2, 40))
+    model(batch, labels=batch).loss.backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    model.gradient_checkpointing_enable()
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    model(batch, labels=batch).loss.backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_num_items_in_batch_turns_the_loss_into_a_token_sum_over_that_count():
+    torch.manual_seed(0)
+    model = NSAForCausalLM(NSAConfig(**TINY)).double()
+    batch = torch.randint(0, 113, (2, 30))
+    mean_loss = model(batch, labels=batch).loss
+    summed = model(batch, labels=batch, num_items_in_batch=torch.tensor(2 * 29 * 4)).loss
+    torch.testing.assert_close(summed * 4, mean_loss)
+
+
+def test_auto_model_for_causal_lm_builds_from_the_registered_config():
+    model = AutoModelForCausalLM.from_config(NSAConfig(**TINY))
+    assert isinstance(model, NSAForCausalLM)
