@@ -29,6 +29,7 @@ from .nsa_layout import (
     cached_document_positions,
     compressed_token_ends,
     document_positions,
+    document_positions_from_cu_seqlens,
     gather_compression_blocks,
 )
 from .nsa_reference import nsa_attention_reference
@@ -552,7 +553,15 @@ class NSAModel(NSAPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         device = inputs_embeds.device
 
-        if past_key_values is not None:
+        cu_seqlens = kwargs.get("cu_seq_lens_q", kwargs.get("cu_seqlens"))  # varlen packing, one flattened row
+        if cu_seqlens is not None:
+            if batch != 1 or past_key_values is not None:
+                raise ValueError(
+                    f"cu_seqlens describes one flattened row without a cache; got batch={batch}, "
+                    f"cache={'yes' if past_key_values is not None else 'no'}. Pass use_cache=False and input_ids of shape (1, T)."
+                )
+            doc_pos = document_positions_from_cu_seqlens(cu_seqlens, num_new, device)
+        elif past_key_values is not None:
             doc_pos = past_key_values.append_positions(position_ids, attention_mask, batch, num_new, device)  # (B, Tk)
         else:
             doc_pos = document_positions(position_ids, attention_mask, batch, num_new, device)  # (B, T)
@@ -600,6 +609,7 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
     ) -> CausalLMOutputWithPast:
         """`labels` are the input ids (shifted inside `self.loss_function`); -100 is ignored. Pass
         `num_items_in_batch` to get a sum over tokens divided by that count (gradient accumulation)."""
+        varlen = {key: kwargs[key] for key in ("cu_seq_lens_q", "cu_seqlens") if key in kwargs}
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -607,6 +617,7 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            **varlen,
         )
         hidden_states = outputs.last_hidden_state
         slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep

@@ -120,3 +120,13 @@ def gather_compression_blocks(raw: torch.Tensor, cmp_end: torch.Tensor, block_si
     index = (cmp_end.clamp(min=block_size - 1)[:, :, None] + offsets).clamp(0, seq_len - 1)  # (B, N, l)
     flat = index.reshape(batch_size, -1, 1, 1).expand(-1, -1, num_kv_heads, head_dim)
     return raw.gather(1, flat).view(batch_size, cmp_end.shape[1], block_size, num_kv_heads, head_dim)
+
+
+def document_positions_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int, device) -> torch.Tensor:
+    """doc_pos (1, T) for one flattened row of documents given by cumulative lengths [0, n1, n1+n2, ...]
+    (flash-attention's varlen convention); tokens past cu_seqlens[-1] are padding (-1)."""
+    cu_seqlens = cu_seqlens.to(device=device, dtype=torch.long)
+    index = torch.arange(seq_len, device=device)
+    doc = torch.searchsorted(cu_seqlens[1:], index, right=True).clamp(max=cu_seqlens.numel() - 2)
+    doc_pos = index - cu_seqlens[doc]
+    return torch.where(index < cu_seqlens[-1], doc_pos, torch.full_like(doc_pos, -1))[None]

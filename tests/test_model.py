@@ -65,3 +65,17 @@ def test_num_items_in_batch_turns_the_loss_into_a_token_sum_over_that_count():
 def test_auto_model_for_causal_lm_builds_from_the_registered_config():
     model = AutoModelForCausalLM.from_config(NSAConfig(**TINY))
     assert isinstance(model, NSAForCausalLM)
+
+
+def test_cu_seqlens_and_position_id_restarts_describe_the_same_documents():
+    torch.manual_seed(0)
+    model = NSAForCausalLM(NSAConfig(**TINY)).double().eval()
+    lengths = [13, 40, 7]
+    ids = torch.randint(0, 113, (1, sum(lengths)))
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu_seqlens = torch.tensor([0, 13, 53, 60], dtype=torch.int32)
+    by_positions = model(ids, position_ids=position_ids, use_cache=False).logits
+    by_cu_seqlens = model(ids, cu_seq_lens_q=cu_seqlens, use_cache=False).logits
+    torch.testing.assert_close(by_cu_seqlens, by_positions, rtol=0, atol=0)
+    alone = model(ids[:, 13:53], use_cache=False).logits
+    torch.testing.assert_close(by_cu_seqlens[:, 13:53], alone, rtol=1e-10, atol=1e-10)
