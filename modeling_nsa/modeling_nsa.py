@@ -319,9 +319,10 @@ class NSAAttention(nn.Module):
         index = BRANCHES.index(branch) if self.num_kv_sets == 3 else 0
         return kv[:, :, index, 0], kv[:, :, index, 1]
 
-    def forward(self, hidden_states, doc_pos, position_embeddings, past_key_values=None, **kwargs):
+    def forward(self, hidden_states, doc_pos, position_embeddings, past_key_values=None, single_document=False, **kwargs):
         """hidden_states (B, Tq, hidden); doc_pos (B, Tk) of every key position (Tk = cached + Tq);
-        position_embeddings = cos, sin (B, Tk, D) at doc_pos."""
+        position_embeddings = cos, sin (B, Tk, D) at doc_pos; single_document: no padding, no packed
+        documents, no cache (lets dense attention use the plain causal kernel)."""
         batch, num_queries, _ = hidden_states.shape
         cos, sin = position_embeddings
         cos_q, sin_q = cos[:, -num_queries:], sin[:, -num_queries:]
@@ -334,7 +335,7 @@ class NSAAttention(nn.Module):
             k = apply_rope(k, cos_q, sin_q)
             if cache is not None:
                 k, v = self._cache_append(cache, "k_slc", "v_slc", k, v)
-            out = dense_causal_attention(q, k, v, doc_pos)
+            out = dense_causal_attention(q, k, v, doc_pos, single_document)
         else:
             gates = torch.sigmoid(self.g_proj(hidden_states)).view(batch, num_queries, self.num_heads, len(BRANCHES))
             k_raw, v_raw = self._branch_kv(kv, "cmp")  # compression reads un-rotated keys (Eq. 7)
@@ -404,8 +405,13 @@ class NSAAttention(nn.Module):
         return cache.cmp_k, cache.cmp_v, cache.cmp_end, k_slc, v_slc, k_win, v_win
 
 
-def dense_causal_attention(q, k, v, doc_pos):
+def dense_causal_attention(q, k, v, doc_pos, single_document=False):
     """Full causal attention inside documents (the A/B baseline). q (B, Tq, H, D), k/v (B, Tk, Hkv, D)."""
+    if single_document:  # one document per row: SDPA's causal kernels (flash / cuDNN) need no mask
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+        )
+        return out.transpose(1, 2)
     batch, num_queries, num_heads, _ = q.shape
     num_keys = k.shape[1]
     key_index = torch.arange(num_keys, device=q.device)
@@ -439,10 +445,10 @@ class NSADecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = NSARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = NSARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, doc_pos, position_embeddings, past_key_values=None, **kwargs):
+    def forward(self, hidden_states, doc_pos, position_embeddings, past_key_values=None, single_document=False, **kwargs):
         residual = hidden_states
         attn_out, _ = self.self_attn(
-            self.input_layernorm(hidden_states), doc_pos, position_embeddings, past_key_values=past_key_values
+            self.input_layernorm(hidden_states), doc_pos, position_embeddings, past_key_values, single_document
         )
         hidden_states = residual + attn_out
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
@@ -567,9 +573,12 @@ class NSAModel(NSAPreTrainedModel):
             doc_pos = document_positions(position_ids, attention_mask, batch, num_new, device)  # (B, T)
         position_embeddings = self.rotary_emb(doc_pos, inputs_embeds.dtype)
 
+        single_document = position_ids is None and attention_mask is None and cu_seqlens is None and past_key_values is None
         hidden_states = inputs_embeds
         for layer in self.layers:
-            hidden_states = layer(hidden_states, doc_pos, position_embeddings, past_key_values=past_key_values)
+            hidden_states = layer(
+                hidden_states, doc_pos, position_embeddings, past_key_values=past_key_values, single_document=single_document
+            )
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None)
 
