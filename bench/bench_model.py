@@ -1,0 +1,111 @@
+"""Whole-model training throughput: NSA vs the same model with dense attention vs a HF Llama of the same size.
+
+One training step = forward + backward + fused AdamW, bf16 weights, at a fixed number of tokens per
+step (B * T). Prints one table (tokens/s, peak memory, ratios against Llama measured in the same run)
+and writes JSON with --json.
+
+    python bench/bench_model.py                   # T in 2k, 8k, 32k; 32k tokens per step
+    python bench/bench_model.py --seq-lens 2048 --tokens-per-step 32768 --json results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from modeling_nsa import NSAConfig, NSAForCausalLM  # noqa: E402
+
+SIZE_125M = dict(
+    vocab_size=50304, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+    num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
+)  # fmt: skip
+
+
+def build(name: str, seq_len: int):
+    if name == "llama":
+        config = LlamaConfig(**SIZE_125M, max_position_embeddings=seq_len)
+        config._attn_implementation = "sdpa"
+        return LlamaForCausalLM(config)
+    mode = "dense" if name == "nsa-dense" else "nsa"
+    return NSAForCausalLM(NSAConfig(**SIZE_125M, max_position_embeddings=seq_len, attention_mode=mode))
+
+
+def time_training(model, batch: int, seq_len: int, steps: int, warmup: int):
+    model = model.to("cuda", torch.bfloat16).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for step in range(warmup + steps):
+        ids = torch.randint(0, SIZE_125M["vocab_size"], (batch, seq_len), device="cuda")  # fresh every step
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        end.record()
+        torch.cuda.synchronize()
+        if not torch.isfinite(loss):
+            raise RuntimeError(f"non-finite loss {loss.item()}")
+        if step >= warmup:
+            times.append(start.elapsed_time(end))
+    ms = statistics.median(times)
+    return {"ms_per_step": ms, "tokens_per_s": batch * seq_len / ms * 1e3, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192, 32768])
+    parser.add_argument("--tokens-per-step", type=int, default=32768)
+    parser.add_argument("--models", nargs="+", default=["nsa", "nsa-dense", "llama"])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_model.py needs a CUDA GPU.")
+
+    rows = []
+    for seq_len in args.seq_lens:
+        batch = max(1, args.tokens_per_step // seq_len)
+        results = {}
+        for name in args.models:
+            torch.manual_seed(0)
+            try:
+                results[name] = time_training(build(name, seq_len), batch, seq_len, args.steps, args.warmup)
+            except torch.OutOfMemoryError:
+                results[name] = None
+            torch.cuda.empty_cache()
+        rows.append({"seq_len": seq_len, "batch": batch, **results})
+
+    device = torch.cuda.get_device_name()
+    print(f"\nTraining step (fwd+bwd+AdamW), 125M (12 q / 2 kv heads, d64), bf16, {args.tokens_per_step} tokens/step, {device}")
+    header = f"{'T':>6} {'B':>3} " + " ".join(f"{m + ' tok/s':>16} {'GiB':>6}" for m in args.models)
+    header += "".join(f" {m + '/llama':>14}" for m in args.models if m != "llama" and "llama" in args.models)
+    print(header)
+    for row in rows:
+        line = f"{row['seq_len']:>6} {row['batch']:>3} "
+        line += " ".join(
+            f"{row[m]['tokens_per_s']:>16,.0f} {row[m]['peak_gib']:>6.1f}" if row[m] else f"{'OOM':>16} {'-':>6}"
+            for m in args.models
+        )
+        for m in args.models:
+            if m != "llama" and "llama" in args.models:
+                ok = row[m] and row["llama"]
+                line += f" {row[m]['tokens_per_s'] / row['llama']['tokens_per_s']:>14.2f}" if ok else f" {'-':>14}"
+        print(line)
+    if args.json:
+        args.json.write_text(json.dumps({"device": device, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""attention_mode="dense" against an independent causal attention, and clear errors on bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from modeling_nsa.configuration_nsa import NSAConfig
+from modeling_nsa.modeling_nsa import NSAForCausalLM
+
+from model_helpers import doc_pos_tensor, layer_inputs, naive_layer_forward, randomize_, tiny_config, valid_mask
+
+TOL64 = dict(rtol=1e-10, atol=1e-10)
+
+
+def dense_model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    model = NSAForCausalLM(tiny_config(attention_mode="dense", **overrides)).double().eval()
+    return randomize_(model, torch.Generator().manual_seed(seed + 1), std=0.3)
+
+
+# ----------------------------------------------------------------------------------------------
+# Dense mode
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout,T", [("single", 1), ("single", 37), ("docs", 41), ("pad", 30), ("docs-pad", 33)])
+@pytest.mark.parametrize("heads", [(4, 2), (6, 1), (3, 3)], ids=["G2", "G6", "G1"])
+def test_dense_layer_matches_plain_causal_attention(layout, T, heads):
+    H, Hkv = heads
+    model = dense_model(num_attention_heads=H, num_key_value_heads=Hkv, num_hidden_layers=1, rope_theta=100.0)
+    layer = model.model.layers[0].self_attn
+    assert not hasattr(layer, "g_proj") and not hasattr(layer, "compressor")
+    assert set(dict(layer.named_parameters())) == {"q_proj.weight", "kv_proj.weight", "o_proj.weight"}
+    doc_pos = doc_pos_tensor(layout, T)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(doc_pos.shape[0], T, model.config.hidden_size, generator=gen, dtype=torch.float64).requires_grad_()
+    out, _ = layer(x, doc_pos, layer_inputs(model, x, doc_pos))
+    naive = naive_layer_forward(layer, x, doc_pos, model.config)
+    mask = valid_mask(doc_pos)
+    torch.testing.assert_close(out[mask], naive[mask], **TOL64)
+    weight = torch.randn(out.shape, generator=gen, dtype=torch.float64) * mask[:, :, None]
+    tensors = [x, *layer.parameters()]
+    g_out = torch.autograd.grad((out * weight).sum(), tensors)
+    g_naive = torch.autograd.grad((naive * weight).sum(), tensors)
+    for a, b in zip(g_out, g_naive):
+        torch.testing.assert_close(a, b, **TOL64)
+
+
+def test_dense_model_matches_manual_forward():
+    """Whole model in dense mode, recomputed by hand: embeddings, RMSNorm, plain causal GQA attention
+    with the layer weights, SwiGLU, final norm, lm_head."""
+    model = dense_model()
+    cfg = model.config
+    ids = torch.randint(0, cfg.vocab_size, (2, 29), generator=torch.Generator().manual_seed(3))
+    doc_pos = torch.arange(29).expand(2, 29)
+
+    def rms(x, w):  # Llama's RMSNorm normalizes in float32 whatever the model dtype
+        x32 = x.float()
+        return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)).to(x.dtype)
+
+    h = model.model.embed_tokens.weight[ids]
+    for layer in model.model.layers:
+        attn = naive_layer_forward(layer.self_attn, rms(h, layer.input_layernorm.weight), doc_pos, cfg)
+        h = h + attn
+        y = rms(h, layer.post_attention_layernorm.weight)
+        h = h + layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(y)) * layer.mlp.up_proj(y))
+    logits = model.lm_head(rms(h, model.model.norm.weight))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, logits, rtol=1e-9, atol=1e-9)
+
+
+def test_dense_packed_and_padded():
+    model = dense_model()
+    lengths = [11, 3, 20]
+    ids = torch.randint(0, 61, (1, 34), generator=torch.Generator().manual_seed(4))
+    position_ids = torch.cat([torch.arange(L) for L in lengths])[None]
+    with torch.no_grad():
+        packed = model(ids, position_ids=position_ids, use_cache=False).logits
+        start = 0
+        for L in lengths:
+            torch.testing.assert_close(packed[:, start : start + L], model(ids[:, start : start + L]).logits, **TOL64)
+            start += L
+        mask = torch.ones(2, 34, dtype=torch.long)
+        mask[0, :6] = 0
+        mask[1, -4:] = 0
+        batched = model(ids.expand(2, 34), attention_mask=mask).logits
+        torch.testing.assert_close(batched[0, 6:], model(ids[:, 6:]).logits[0], **TOL64)
+        torch.testing.assert_close(batched[1, :-4], model(ids[:, :-4]).logits[0], **TOL64)
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors
+# ----------------------------------------------------------------------------------------------
+
+BAD_CONFIGS = [
+    # (overrides, substrings the message must contain)
+    (dict(cmp_block_size=32, cmp_stride=12), ["12", "32"]),  # d does not divide l
+    (dict(cmp_block_size=32, cmp_stride=16, sel_block_size=40), ["16", "40"]),  # d does not divide l'
+    (dict(num_attention_heads=6, num_key_value_heads=4), ["6", "4"]),
+    (dict(compressor="conv"), ["conv"]),
+    (dict(nsa_backend="cuda"), ["cuda"]),
+    (dict(attention_mode="sparse"), ["sparse"]),
+    (dict(sel_num_blocks=3, sel_init_blocks=2, sel_local_blocks=2), ["2", "3"]),  # init + local > n
+    (dict(cmp_stride=0), ["cmp_stride", "0"]),
+    (dict(window_size=-1), ["window_size", "-1"]),
+    (dict(sel_init_blocks=-1), ["-1"]),
+]
+
+
+@pytest.mark.parametrize(
+    "overrides,needles", BAD_CONFIGS, ids=["-".join(f"{k}={v}" for k, v in o.items()) for o, _ in BAD_CONFIGS]
+)
+def test_invalid_config_raises_naming_the_value(overrides, needles):
+    with pytest.raises(ValueError) as info:
+        NSAConfig(**overrides)
+    message = str(info.value)
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in {message!r}"
+
+
+def test_invalid_config_on_load(tmp_path):
+    """The same validation runs when a saved config is loaded."""
+    import json
+
+    NSAConfig().save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    data = json.loads(path.read_text())
+    data["cmp_stride"] = 24
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="24"):
+        NSAConfig.from_pretrained(tmp_path)
+
+
+def test_valid_odd_config_accepted():
+    """Any G (not only powers of two), d = l, l > l'."""
+    cfg = NSAConfig(num_attention_heads=9, num_key_value_heads=3, cmp_block_size=16, cmp_stride=16, sel_block_size=48,
+                    sel_num_blocks=2, sel_init_blocks=1, sel_local_blocks=1)  # fmt: skip
+    assert cfg.num_key_value_groups == 3
+
+
+@pytest.fixture(scope="module")
+def small_model():
+    torch.manual_seed(0)
+    return NSAForCausalLM(tiny_config()).eval()
+
+
+@pytest.mark.parametrize("bad", [61, 1000, -1], ids=["vocab", "far", "negative"])
+def test_input_ids_outside_vocabulary(small_model, bad):
+    ids = torch.randint(0, 61, (2, 10))
+    ids[1, 4] = bad
+    with pytest.raises(ValueError) as info:
+        small_model(ids)
+    assert str(bad) in str(info.value) and "61" in str(info.value)
+
+
+@pytest.mark.parametrize("shape", [(2, 9), (2, 11), (1, 10), (2, 10, 1)], ids=lambda s: "x".join(map(str, s)))
+def test_attention_mask_shape_mismatch(small_model, shape):
+    ids = torch.randint(0, 61, (2, 10))
+    with pytest.raises(ValueError) as info:
+        small_model(ids, attention_mask=torch.ones(shape, dtype=torch.long))
+    assert str(tuple(shape)) in str(info.value)
+    assert "(2, 10)" in str(info.value)
+
+
+def test_position_ids_length_mismatch(small_model):
+    ids = torch.randint(0, 61, (1, 10))
+    with pytest.raises(ValueError, match="9"):
+        small_model(ids, position_ids=torch.arange(9)[None])

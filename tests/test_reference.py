@@ -1,0 +1,222 @@
+"""nsa_attention_reference (and the NSA attention layer) against the naive per-query oracle, fp64.
+
+The oracle (tests/naive_nsa.py) is written from NSA_SPEC: one query, one head at a time.
+Compared: outputs, gradients w.r.t. every input (q, compressed k/v, each branch's k/v, gates),
+and the selected block sets.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from modeling_nsa.modeling_nsa import NSAForCausalLM
+from modeling_nsa.nsa_layout import compressed_token_ends, document_positions
+from modeling_nsa.nsa_reference import nsa_attention_reference
+
+from model_helpers import (
+    doc_pos_tensor,
+    layer_inputs,
+    layout_rows,
+    make_params,
+    naive_cmp_end,
+    naive_layer_forward,
+    randomize_,
+    tiny_config,
+    valid_mask,
+)
+from naive_nsa import block_sets_from_reference, naive_compress, naive_nsa_attention
+
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+# Small blocks so that every branch, the forced blocks and the top-n all matter:
+P_A = dict(l=8, d=4, block=8, n=4, init=1, local=2, w=16)  # 13 blocks at T=97 > n
+P_B = dict(l=8, d=4, block=16, n=3, init=1, local=2, w=24)
+P_WIDE = dict(l=16, d=8, block=8, n=3, init=1, local=1, w=16)  # l > l': a token spans 2-3 blocks
+P_NOOVL = dict(l=8, d=8, block=16, n=3, init=1, local=1, w=20)  # d = l: no overlap
+P_TOPN = dict(l=8, d=4, block=8, n=3, init=0, local=0, w=16)  # nothing forced: pure top-n
+P_INIT2 = dict(l=8, d=4, block=8, n=4, init=2, local=1, w=16)
+
+# (T, G, Hkv, compressor, kv, layout, params, params_tag, Tq, Tw)
+CASES = [
+    (1, 1, 2, "mean", "kvsplit", "single", P_A, "A", None, None),
+    (31, 2, 2, "mlp", "kvshared", "single", P_A, "A", None, None),
+    (33, 3, 2, "mlp", "kvsplit", "docs", P_B, "B", None, None),
+    (97, 6, 1, "mlp", "kvsplit", "docs", P_A, "A", None, None),
+    (97, 16, 1, "mean", "kvshared", "pad", P_A, "A", None, None),
+    (130, 2, 2, "mlp", "kvsplit", "docs-pad", P_A, "A", None, None),
+    (130, 1, 2, "mean", "kvsplit", "single", P_B, "B", None, None),
+    (64, 3, 1, "mean", "kvsplit", "docs", P_WIDE, "wide", None, None),
+    (50, 2, 1, "mlp", "kvshared", "pad", P_NOOVL, "noovl", None, None),
+    (75, 2, 2, "mean", "kvsplit", "single", P_TOPN, "topn", None, None),
+    (75, 3, 1, "mlp", "kvsplit", "docs", P_INIT2, "init2", None, None),
+    # Queries = the last Tq of Tk keys, window = the last Tw keys (the cached-decoding shapes).
+    (97, 2, 2, "mlp", "kvsplit", "single", P_A, "A", 1, 20),
+    (70, 3, 1, "mean", "kvsplit", "pad", P_A, "A", 5, 24),
+]
+
+
+def case_id(c):
+    T, G, Hkv, comp, kv, layout, _, tag, Tq, Tw = c
+    extra = f"-q{Tq}w{Tw}" if Tq else ""
+    return f"T{T}-G{G}-{comp}-{kv}-{layout}-{tag}{extra}"
+
+
+def build_inputs(T, G, Hkv, comp, kv, layout, p, Tq, Tw, seed=0, D=8):
+    params = make_params(**p)
+    g = torch.Generator().manual_seed(seed)
+    f64 = torch.float64
+    doc_pos = doc_pos_tensor(layout, T)
+    B, H = doc_pos.shape[0], G * Hkv
+    Tq = T if Tq is None else Tq
+    Tw = T if Tw is None else Tw
+
+    def rnd(*shape, std=1.0):
+        return (torch.randn(*shape, generator=g, dtype=f64) * std).requires_grad_()
+
+    leaves = dict(q=rnd(B, Tq, H, D), gate_logits=rnd(B, Tq, H, 3))
+    if kv == "kvsplit":
+        leaves.update(k_cr=rnd(B, T, Hkv, D), v_cr=rnd(B, T, Hkv, D), k_slc=rnd(B, T, Hkv, D),
+                      v_slc=rnd(B, T, Hkv, D), k_win=rnd(B, T, Hkv, D), v_win=rnd(B, T, Hkv, D))  # fmt: skip
+        k_cr, v_cr, k_slc, v_slc = leaves["k_cr"], leaves["v_cr"], leaves["k_slc"], leaves["v_slc"]
+        k_win, v_win = leaves["k_win"][:, T - Tw :], leaves["v_win"][:, T - Tw :]
+    else:  # one K/V shared by the three branches
+        leaves.update(k=rnd(B, T, Hkv, D), v=rnd(B, T, Hkv, D))
+        k_cr = k_slc = leaves["k"]
+        v_cr = v_slc = leaves["v"]
+        k_win, v_win = leaves["k"][:, T - Tw :], leaves["v"][:, T - Tw :]
+    cmp_end = compressed_token_ends(doc_pos, params)
+    l = params.cmp_block_size
+    if comp == "mlp":
+        def phi():
+            return dict(pos_emb=torch.randn(l, D, generator=g, dtype=f64), w1=torch.randn(12, l * D, generator=g, dtype=f64) / math.sqrt(l * D),
+                        b1=torch.randn(12, generator=g, dtype=f64), w2=torch.randn(D, 12, generator=g, dtype=f64) / math.sqrt(12),
+                        b2=torch.randn(D, generator=g, dtype=f64))  # fmt: skip
+
+        k_phi, v_phi = phi(), phi()
+    else:
+        k_phi = v_phi = None
+    k_cmp = naive_compress(k_cr, cmp_end, doc_pos, params, comp, k_phi, rope_theta=10000.0)
+    v_cmp = naive_compress(v_cr, cmp_end, doc_pos, params, comp, v_phi)
+    # Empty slots hold garbage: neither implementation may read them.
+    empty = (cmp_end < 0)[:, :, None, None]
+    k_cmp = torch.where(empty, torch.full_like(k_cmp, 1e3), k_cmp)
+    v_cmp = torch.where(empty, torch.full_like(v_cmp, -1e3), v_cmp)
+    gates = torch.sigmoid(leaves["gate_logits"])
+    args = (leaves["q"], k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params)
+    grad_wrt = {n: t for n, t in dict(leaves, k_cmp=k_cmp, v_cmp=v_cmp, gates=gates).items() if t.requires_grad}
+    weight = torch.randn(B, Tq, H, D, generator=g, dtype=f64) * valid_mask(doc_pos, Tq)[:, :, None, None]
+    return args, grad_wrt, weight
+
+
+def _grads(out, weight, tensors):
+    return torch.autograd.grad((out * weight).sum(), list(tensors), materialize_grads=True, allow_unused=True, retain_graph=True)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+def test_reference_matches_naive(case):
+    T, G, Hkv, comp, kv, layout, p, _, Tq, Tw = case
+    args, grad_wrt, weight = build_inputs(T, G, Hkv, comp, kv, layout, p, Tq, Tw)
+    doc_pos = args[9]
+    mask = valid_mask(doc_pos, args[0].shape[1])
+
+    ref, ref_idx = nsa_attention_reference(*args, return_block_indices=True)
+    naive, naive_blocks = naive_nsa_attention(*args, return_block_indices=True)
+    assert ref.dtype == torch.float64 and torch.isfinite(ref).all()
+    torch.testing.assert_close(ref[mask], naive[mask], **TOL)
+    assert block_sets_from_reference(ref_idx) == naive_blocks
+
+    names = list(grad_wrt)
+    g_ref = _grads(ref, weight, grad_wrt.values())
+    g_naive = _grads(naive, weight, grad_wrt.values())
+    for name, a, b in zip(names, g_ref, g_naive):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, name=name: f"grad wrt {name}: {m}")
+
+
+def test_cases_exercise_every_rule():
+    """The parametrization above must reach: top-n beyond the forced blocks, a window shorter
+    than the document, documents, left and right padding, t < l - 1, and all G values."""
+    assert {c[1] for c in CASES} >= {1, 2, 3, 6, 16}
+    assert {c[3] for c in CASES} == {"mlp", "mean"} and {c[4] for c in CASES} == {"kvsplit", "kvshared"}
+    for T, G, Hkv, comp, kv, layout, p, *_ in CASES:
+        if T == 97 and layout == "docs":
+            longest = max(L for kind, L in layout_rows(layout, T)[0] if kind == "doc")
+            assert longest > p["w"] and math.ceil(longest / p["block"]) > p["n"] and longest > p["l"]
+    layouts = {c[5] for c in CASES}
+    assert {"single", "docs", "pad", "docs-pad"} <= layouts
+
+
+# ----------------------------------------------------------------------------------------------
+# Layout helpers the reference relies on
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout,T", [("single", 1), ("single", 37), ("docs", 97), ("pad", 40), ("docs-pad", 61)])
+@pytest.mark.parametrize("p", [P_A, P_WIDE, P_NOOVL], ids=["A", "wide", "noovl"])
+def test_layout_matches_naive(layout, T, p):
+    params = make_params(**p)
+    expected = doc_pos_tensor(layout, T)
+    # Rebuild doc_pos the way the model does: position_ids restarting at 0 + attention_mask.
+    position_ids = torch.stack([torch.tensor([max(x, 0) for x in row]) for row in expected.tolist()])
+    attention_mask = (expected >= 0).long()
+    got = document_positions(position_ids, attention_mask, expected.shape[0], T, torch.device("cpu"))
+    assert got.tolist() == expected.tolist()
+    if "docs" not in layout:  # no packed documents: the mask alone must do
+        got = document_positions(None, attention_mask, expected.shape[0], T, torch.device("cpu"))
+        assert got.tolist() == expected.tolist()
+    ends = compressed_token_ends(expected, params)
+    assert ends.tolist() == naive_cmp_end(expected, params, ends.shape[1]).tolist()
+
+
+# ----------------------------------------------------------------------------------------------
+# The attention layer (projections, RoPE, compressor, kv_per_branch) against the naive layer
+# ----------------------------------------------------------------------------------------------
+
+LAYER_CASES = [
+    # (T, heads, kv heads, compressor, kv_per_branch, layout)
+    (45, 6, 1, "mlp", True, "docs"),
+    (45, 6, 2, "mlp", False, "pad"),
+    (40, 4, 2, "mean", True, "docs-pad"),
+    (40, 3, 3, "mean", False, "single"),
+    (1, 2, 1, "mlp", True, "single"),
+]
+
+
+def layer_id(c):
+    T, H, Hkv, comp, kvb, layout = c
+    return f"T{T}-G{H // Hkv}-{comp}-{'kvsplit' if kvb else 'kvshared'}-{layout}"
+
+
+@pytest.mark.parametrize("case", LAYER_CASES, ids=[layer_id(c) for c in LAYER_CASES])
+def test_attention_layer_matches_naive(case):
+    T, H, Hkv, comp, kvb, layout = case
+    config = tiny_config(num_attention_heads=H, num_key_value_heads=Hkv, compressor=comp, kv_per_branch=kvb,
+                         num_hidden_layers=1, rope_theta=100.0)  # fmt: skip
+    torch.manual_seed(0)
+    model = NSAForCausalLM(config).double().eval()
+    gen = torch.Generator().manual_seed(1)
+    randomize_(model, gen, std=0.3)
+    layer = model.model.layers[0].self_attn
+    doc_pos = doc_pos_tensor(layout, T)
+    B = doc_pos.shape[0]
+    x = torch.randn(B, T, config.hidden_size, generator=gen, dtype=torch.float64).requires_grad_()
+    out, _ = layer(x, doc_pos, layer_inputs(model, x, doc_pos))
+    naive = naive_layer_forward(layer, x, doc_pos, config)
+    mask = valid_mask(doc_pos)
+    torch.testing.assert_close(out[mask], naive[mask], **TOL)
+
+    weight = torch.randn(out.shape, generator=gen, dtype=torch.float64) * mask[:, :, None]
+    params = dict(layer.named_parameters())
+    expected_names = {"q_proj.weight", "kv_proj.weight", "o_proj.weight", "g_proj.weight"}
+    if comp == "mlp":
+        expected_names |= {f"compressor.{kv}_{n}" for kv in "kv" for n in ("pos_emb", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias")}
+    assert set(params) == expected_names, "layer parameters changed: update naive_layer_forward"
+    assert layer.kv_proj.weight.shape[0] == (3 if kvb else 1) * 2 * Hkv * config.head_dim
+    tensors = [x, *params.values()]
+    g_out = _grads(out, weight, tensors)
+    g_naive = _grads(naive, weight, tensors)
+    for name, a, b in zip(["x", *params], g_out, g_naive):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, name=name: f"grad wrt {name}: {m}")
