@@ -1,0 +1,216 @@
+"""Attention benchmark on a GPU: our NSA (Triton, three branches) vs dense causal SDPA vs fla's parallel_nsa.
+
+    python bench/bench_attention.py [--json results.json] [--lengths 2048 8192 ...] [--tokens 65536]
+
+Fixed B*T tokens per step; forward and forward+backward median milliseconds (CUDA events, warm-up,
+fresh random bf16 inputs per length), peak memory of the fwd+bwd step, ratios vs dense SDPA and fla.
+Layouts: the 125M config (12 q heads, 2 kv heads, d64) and fla's (16 q, 1 kv, d64). Then decode:
+per-token latency (B=1, 1 query, cache of T keys) ours vs dense SDPA over a KV cache.
+Our NSA is the attention op only (q, per-branch k/v, compressed k/v, gates given); the compression
+MLP and projections are outside the timed region, as they are outside SDPA's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from triton_helpers import import_nsa  # noqa: E402
+
+layout_mod, _, tri = import_nsa()
+NSAParams = layout_mod.NSAParams
+PARAMS = NSAParams(cmp_block_size=32, cmp_stride=16, sel_block_size=64, sel_num_blocks=16, sel_init_blocks=1,
+                   sel_local_blocks=2, window_size=512)
+
+try:
+    from fla.ops.nsa import parallel_nsa
+
+    HAS_FLA = True
+except Exception:
+    HAS_FLA = False
+
+
+def time_ms(fn, warmup=2, reps=7):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def peak_mib(fn):
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def rnd(*shape, grad=True):
+    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16).requires_grad_(grad)
+
+
+def nsa_inputs(B, T, H, Hkv, D, grad=True):
+    doc_pos = torch.arange(T, device="cuda").expand(B, T).contiguous()
+    cmp_end = layout_mod.compressed_token_ends(doc_pos, PARAMS)
+    Nc = cmp_end.shape[1]
+    x = dict(q=rnd(B, T, H, D, grad=grad), k_cmp=rnd(B, Nc, Hkv, D, grad=grad), v_cmp=rnd(B, Nc, Hkv, D, grad=grad),
+             k_slc=rnd(B, T, Hkv, D, grad=grad), v_slc=rnd(B, T, Hkv, D, grad=grad),
+             k_win=rnd(B, T, Hkv, D, grad=grad), v_win=rnd(B, T, Hkv, D, grad=grad))
+    x["gates"] = torch.sigmoid(torch.randn(B, T, H, 3, device="cuda")).to(torch.bfloat16).requires_grad_(grad)
+    return x, cmp_end, doc_pos
+
+
+def bench_layout(H, Hkv, D, lengths, tokens, rows):
+    for T in lengths:
+        B = max(1, tokens // T)
+        row = dict(layout=f"{H}q/{Hkv}kv d{D}", T=T, B=B)
+        # ours
+        x, cmp_end, doc_pos = nsa_inputs(B, T, H, Hkv, D)
+        do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+
+        def ours_fwd():
+            with torch.no_grad():
+                return tri.nsa_attention_triton(x["q"], x["k_cmp"], x["v_cmp"], cmp_end, x["k_slc"], x["v_slc"],
+                                                x["k_win"], x["v_win"], x["gates"], doc_pos, PARAMS)
+
+        def ours_step():
+            o = tri.nsa_attention_triton(x["q"], x["k_cmp"], x["v_cmp"], cmp_end, x["k_slc"], x["v_slc"],
+                                         x["k_win"], x["v_win"], x["gates"], doc_pos, PARAMS)
+            torch.autograd.grad(o, list(x.values()), do)
+
+        row["nsa_fwd"] = time_ms(ours_fwd)
+        row["nsa_fb"] = time_ms(ours_step)
+        row["nsa_mem"] = peak_mib(ours_step)
+        del x
+        # dense SDPA, same heads (GQA)
+        q, k, v = rnd(B, H, T, D), rnd(B, Hkv, T, D), rnd(B, Hkv, T, D)
+        dq = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
+
+        def sdpa_fwd():
+            with torch.no_grad():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        def sdpa_step():
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            torch.autograd.grad(o, (q, k, v), dq)
+
+        row["sdpa_fwd"] = time_ms(sdpa_fwd)
+        row["sdpa_fb"] = time_ms(sdpa_step)
+        row["sdpa_mem"] = peak_mib(sdpa_step)
+        del q, k, v
+        if HAS_FLA and (H // Hkv) >= 16:
+            try:
+                qf, kf, vf = rnd(B, T, H, D), rnd(B, T, Hkv, D), rnd(B, T, Hkv, D)
+                gc, gs = (torch.sigmoid(torch.randn(B, T, H, device="cuda")).bfloat16().requires_grad_(True)
+                          for _ in range(2))
+
+                def fla_fwd():
+                    with torch.no_grad():
+                        return parallel_nsa(qf, kf, vf, gc, gs, None, block_counts=16, block_size=64, window_size=0)
+
+                def fla_step():
+                    o = parallel_nsa(qf, kf, vf, gc, gs, None, block_counts=16, block_size=64, window_size=0)
+                    torch.autograd.grad(o, (qf, kf, vf, gc, gs), do)
+
+                row["fla_fwd"] = time_ms(fla_fwd)
+                row["fla_fb"] = time_ms(fla_step)
+                row["fla_mem"] = peak_mib(fla_step)
+                del qf, kf, vf
+            except Exception as exc:  # report, keep going
+                row["fla_error"] = f"{type(exc).__name__}: {exc}"[:200]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        torch.cuda.empty_cache()
+
+
+def bench_decode(H, Hkv, D, contexts, rows):
+    for T in contexts:
+        B = 1
+        x, cmp_end, doc_pos = nsa_inputs(B, T, H, Hkv, D, grad=False)
+        w = PARAMS.window_size
+        q1 = x["q"][:, -1:].contiguous()
+        g1 = x["gates"][:, -1:].contiguous()
+        kw, vw = x["k_win"][:, -w:].contiguous(), x["v_win"][:, -w:].contiguous()
+
+        def ours():
+            return tri.nsa_decode_triton(q1, x["k_cmp"], x["v_cmp"], cmp_end, x["k_slc"], x["v_slc"], kw, vw, g1,
+                                         doc_pos, PARAMS)
+
+        qd = rnd(B, H, 1, D, grad=False)
+        kd, vd = rnd(B, Hkv, T, D, grad=False), rnd(B, Hkv, T, D, grad=False)
+
+        def dense():
+            return F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True)
+
+        row = dict(layout=f"decode {H}q/{Hkv}kv d{D}", T=T, nsa_ms=time_ms(ours, 5, 50), sdpa_ms=time_ms(dense, 5, 50))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+
+def fmt(v, nd=2):
+    return "-" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--lengths", type=int, nargs="*", default=[2048, 8192, 16384, 32768, 65536])
+    ap.add_argument("--tokens", type=int, default=65536)
+    ap.add_argument("--decode", type=int, nargs="*", default=[4096, 16384, 65536])
+    ap.add_argument("--layouts", nargs="*", default=["12,2,64", "16,1,64"])
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    rows, dec = [], []
+    for spec in args.layouts:
+        H, Hkv, D = (int(s) for s in spec.split(","))
+        bench_layout(H, Hkv, D, args.lengths, args.tokens, rows)
+    if args.decode:
+        bench_decode(12, 2, 64, args.decode, dec)
+    dev = torch.cuda.get_device_name()
+    print(f"\n# NSA attention benchmark: {dev}, torch {torch.__version__}, {datetime.date.today()}, "
+          f"B*T={args.tokens}, bf16, fla={'yes' if HAS_FLA else 'no'}")
+    print("| layout | T | B | NSA fwd ms | NSA f+b ms | SDPA fwd | SDPA f+b | fla fwd | fla f+b | f+b NSA/SDPA "
+          "| f+b NSA/fla | NSA mem MiB | SDPA mem MiB | fla mem MiB |")
+    print("|---" * 15 + "|")
+    for r in rows:
+        ratio_s = r["nsa_fb"] / r["sdpa_fb"]
+        ratio_f = r["nsa_fb"] / r["fla_fb"] if "fla_fb" in r else None
+        print(f"| {r['layout']} | {r['T']} | {r['B']} | {fmt(r['nsa_fwd'])} | {fmt(r['nsa_fb'])} | "
+              f"{fmt(r['sdpa_fwd'])} | {fmt(r['sdpa_fb'])} | {fmt(r.get('fla_fwd'))} | {fmt(r.get('fla_fb'))} | "
+              f"{ratio_s:.2f}x | {fmt(ratio_f)}{'x' if ratio_f else ''} | {r['nsa_mem']:.0f} | {r['sdpa_mem']:.0f} | "
+              f"{fmt(r.get('fla_mem'), 0)} |")
+    if dec:
+        print("\n| decode (B=1) | context | NSA ms/token | SDPA ms/token | ratio |")
+        print("|---|---|---|---|---|")
+        for r in dec:
+            print(f"| {r['layout']} | {r['T']} | {r['nsa_ms']:.3f} | {r['sdpa_ms']:.3f} | {r['nsa_ms'] / r['sdpa_ms']:.2f}x |")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(dict(device=dev, date=str(datetime.date.today()), tokens=args.tokens,
+                                                   rows=rows, decode=dec), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,826 @@
+"""Triton kernels for NSA (NSA_SPEC): forward, backward, top-n selection and the cached decode step.
+
+Layout of the work (no (T x Nc) or (T x T) tensor is ever built):
+
+- Compressed and sliding-window branches are both "interval attention": query t sees a contiguous
+  run of keys [lo(t), hi(t)) (compressed slots of its document with end <= t; the last w keys of its
+  document). One flash-attention kernel family serves both. A program packs BLOCK_M rows =
+  (several consecutive queries) x (the G heads of one KV group), so any G (6, 1, 16, ...) fills the
+  tensor cores and each K/V tile is read once for G heads. dK/dV: one program per key tile loops over
+  the queries that can see it (a query range found by searchsorted on the monotone lo/hi), so every
+  key tile has a single writer (deterministic, fp32 accumulation).
+- Top-n: one program per (query, KV group) recomputes the compression probabilities from q, the
+  compressed keys and the saved log-sum-exp, folds them into selection-block scores with the
+  overlap weights (summed over the G heads), forces the initial/local blocks, and keeps a running
+  sorted top-n list (ties to the lower block index) while streaming over the blocks.
+- Selected attention forward/dQ: one program per (query, KV group), rows = the G heads.
+  dK/dV: the (query, block) pairs are sorted by block (an inverted index, static shapes); one program
+  per selection block loops over the queries that chose it (rows packed as query x head): one writer.
+
+Everything is wrapped in two torch.library custom ops (forward, backward) with fake
+implementations and autograd, without host synchronization, so torch.compile(fullgraph=True) works.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from .nsa_layout import NSAParams
+
+try:  # the module must import where triton is missing (CPU-only installs, macOS)
+    import triton
+    import triton.language as tl
+
+    _HAS_TRITON = True
+except Exception:  # pragma: no cover - exercised only without triton
+    triton = None
+    tl = None
+    _HAS_TRITON = False
+
+
+def triton_is_usable(device) -> bool:
+    """Triton importable and (device is CUDA, or TRITON_INTERPRET=1 and device is CPU)."""
+    if not _HAS_TRITON:
+        return False
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available()
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def triton_supports(params: NSAParams, head_dim: int) -> bool:
+    """Shapes the kernels handle: head_dim a power of two in [16, 256], l' and l'/d powers of two."""
+    lb, ds = params.sel_block_size, params.cmp_stride
+    pow2 = lambda x: x > 0 and (x & (x - 1)) == 0  # noqa: E731
+    return (
+        pow2(head_dim)
+        and 16 <= head_dim <= 256
+        and pow2(lb)
+        and lb % ds == 0
+        and pow2(lb // ds)
+        and params.cmp_block_size % ds == 0
+    )
+
+
+if _HAS_TRITON:
+
+    # ------------------------------------------------------------------------------------------
+    # Interval attention (compressed + window branches)
+    # ------------------------------------------------------------------------------------------
+
+    @triton.jit
+    def _interval_fwd_kernel(
+        Q, K, V, LO, HI, O, LSE,
+        Tq, Nk, sm_scale2,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+        QPB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        pid_q = tl.program_id(0)
+        pid_bg = tl.program_id(1)
+        b = (pid_bg // HKV).to(tl.int64)
+        g = pid_bg % HKV
+        r = tl.arange(0, BLOCK_M)
+        qi = pid_q * QPB + r // G
+        hh = r % G
+        row_ok = (r < QPB * G) & (qi < Tq)
+        qi = tl.where(row_ok, qi, 0)
+        lo = tl.load(LO + b * Tq + qi, mask=row_ok, other=0)
+        hi = tl.load(HI + b * Tq + qi, mask=row_ok, other=0)
+        hi = tl.where(row_ok, hi, lo)
+        k_begin = tl.min(tl.where(hi > lo, lo, Nk), axis=0)
+        k_end = tl.max(hi, axis=0)
+        d = tl.arange(0, D)
+        row = (b * Tq + qi) * H + g * G + hh
+        q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        kv_base = b * Nk * HKV * D + g * D
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_N):
+            kk = k0 + tl.arange(0, BLOCK_N)
+            k_ok = kk < k_end
+            kv_off = kv_base + kk.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
+            k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * sm_scale2
+            vis = (kk[None, :] >= lo[:, None]) & (kk[None, :] < hi[:, None])
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        has = l_i > 0
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        tl.store(O + row[:, None] * D + d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("inf"))
+        tl.store(LSE + row, lse, mask=row_ok)
+
+    @triton.jit
+    def _interval_bwd_dq_kernel(
+        Q, K, V, LO, HI, DO, LSE, DELTA, DQ,
+        Tq, Nk, sm_scale2, scale,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+        QPB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        pid_q = tl.program_id(0)
+        pid_bg = tl.program_id(1)
+        b = (pid_bg // HKV).to(tl.int64)
+        g = pid_bg % HKV
+        r = tl.arange(0, BLOCK_M)
+        qi = pid_q * QPB + r // G
+        hh = r % G
+        row_ok = (r < QPB * G) & (qi < Tq)
+        qi = tl.where(row_ok, qi, 0)
+        lo = tl.load(LO + b * Tq + qi, mask=row_ok, other=0)
+        hi = tl.load(HI + b * Tq + qi, mask=row_ok, other=0)
+        hi = tl.where(row_ok, hi, lo)
+        k_begin = tl.min(tl.where(hi > lo, lo, Nk), axis=0)
+        k_end = tl.max(hi, axis=0)
+        d = tl.arange(0, D)
+        row = (b * Tq + qi) * H + g * G + hh
+        q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        lse = tl.load(LSE + row, mask=row_ok, other=0.0)
+        lse = tl.where(lse == float("inf"), 0.0, lse)
+        delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+        kv_base = b * Nk * HKV * D + g * D
+        dq = tl.zeros([BLOCK_M, D], tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_N):
+            kk = k0 + tl.arange(0, BLOCK_N)
+            k_ok = kk < k_end
+            kv_off = kv_base + kk.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
+            k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
+            v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * sm_scale2
+            vis = (kk[None, :] >= lo[:, None]) & (kk[None, :] < hi[:, None])
+            p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k)
+        dq_ptr = DQ + row[:, None] * D + d[None, :]
+        prev = tl.load(dq_ptr, mask=row_ok[:, None], other=0.0)
+        tl.store(dq_ptr, prev + dq * scale, mask=row_ok[:, None])
+
+    @triton.jit
+    def _interval_bwd_dkdv_kernel(
+        Q, K, V, LO, HI, QA, QB, DO, LSE, DELTA, DK, DV,
+        Tq, Nk, n_ktiles, sm_scale2, scale,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+        QPB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_SPLIT: tl.constexpr,
+    ):
+        # N_SPLIT > 1: program (tile, split) handles one slice of the tile's query range and writes an
+        # fp32 partial to DK/DV[split] (summed afterwards in a fixed order: deterministic).
+        pid_k = tl.program_id(0)
+        pid_bg = tl.program_id(1)
+        pid_s = tl.program_id(2)
+        b = (pid_bg // HKV).to(tl.int64)
+        g = pid_bg % HKV
+        kk = pid_k * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_ok = kk < Nk
+        d = tl.arange(0, D)
+        kv_off = b * Nk * HKV * D + g * D + kk.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
+        k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
+        v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
+        q_begin = tl.load(QA + b * n_ktiles + pid_k)
+        q_end = tl.load(QB + b * n_ktiles + pid_k)
+        if N_SPLIT > 1:
+            span = tl.cdiv(tl.cdiv(q_end - q_begin, N_SPLIT), QPB) * QPB
+            q_begin = q_begin + pid_s * span
+            q_end = tl.minimum(q_end, q_begin + span)
+        dk = tl.zeros([BLOCK_N, D], tl.float32)
+        dv = tl.zeros([BLOCK_N, D], tl.float32)
+        r = tl.arange(0, BLOCK_M)
+        hh = r % G
+        for q0 in range(q_begin, q_end, QPB):
+            qi = q0 + r // G
+            row_ok = (r < QPB * G) & (qi < q_end)
+            qi = tl.where(row_ok, qi, 0)
+            lo = tl.load(LO + b * Tq + qi, mask=row_ok, other=0)
+            hi = tl.load(HI + b * Tq + qi, mask=row_ok, other=0)
+            row = (b * Tq + qi) * H + g * G + hh
+            q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+            do = tl.load(DO + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+            lse = tl.load(LSE + row, mask=row_ok, other=0.0)
+            lse = tl.where(lse == float("inf"), 0.0, lse)
+            delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k)) * sm_scale2
+            vis = row_ok[:, None] & (kk[None, :] >= lo[:, None]) & (kk[None, :] < hi[:, None])
+            p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        split_off = pid_s.to(tl.int64) * (tl.num_programs(1) // HKV) * Nk * HKV * D
+        tl.store(DK + split_off + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=k_ok[:, None])
+        tl.store(DV + split_off + kv_off, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
+
+    # ------------------------------------------------------------------------------------------
+    # Top-n block selection
+    # ------------------------------------------------------------------------------------------
+
+    @triton.jit
+    def _select_topn_kernel(
+        Q, KC, LSE, DOCPOS, CLO, CHI, IDX,
+        Tq, Tk, Nc, q_off, sm_scale2,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+        L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr,
+        N_SEL: tl.constexpr, N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
+        BJ: tl.constexpr, HALO: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        pid_bg = tl.program_id(1)
+        b = (pid_bg // HKV).to(tl.int64)
+        g = pid_bg % HKV
+        pos = tl.load(DOCPOS + b * Tk + q_off + t)
+        c_lo = tl.load(CLO + b * Tq + t)
+        n_vis = tl.load(CHI + b * Tq + t) - c_lo
+        hh = tl.arange(0, G_PAD)
+        row_ok = hh < G
+        d = tl.arange(0, D)
+        row = (b * Tq + t) * H + g * G + hh
+        q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        lse = tl.load(LSE + row, mask=row_ok, other=0.0)
+        lse = tl.where(lse == float("inf"), 0.0, lse)
+        n_blocks = tl.where(pos >= 0, pos // LB + 1, 0).to(tl.int32)
+        own = (pos // LB).to(tl.int32)
+        R: tl.constexpr = LB // DS
+        BC: tl.constexpr = BJ * R
+        kc_base = KC + b * Nc * HKV * D + g * D + c_lo.to(tl.int64) * (HKV * D)
+        slot = tl.arange(0, N_PAD)
+        top_v = tl.full([N_PAD], float("-inf"), tl.float32)
+        top_i = tl.full([N_PAD], -1, tl.int32)
+        jb = tl.arange(0, BJ)
+        for j0 in range(0, n_blocks, BJ):
+            jj = (j0 + jb).to(tl.int32)
+            # compressed tokens starting inside the chunk's blocks
+            ii = j0 * R + tl.arange(0, BC)
+            tok_ok = ii < n_vis
+            kc = tl.load(kc_base + ii.to(tl.int64)[:, None] * (HKV * D) + d[None, :], mask=tok_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(kc)) * sm_scale2
+            p = tl.where(row_ok[:, None] & tok_ok[None, :], tl.exp2(s - lse[:, None]), 0.0)
+            ps = tl.sum(p, 0)
+            st = ii * DS
+            ov = tl.minimum((jj[None, :] + 1) * LB, st[:, None] + L) - tl.maximum(jj[None, :] * LB, st[:, None])
+            wgt = (tl.maximum(ov, 0) // DS).to(tl.float32)
+            score = tl.sum(ps[:, None] * wgt, 0)
+            # tokens starting before the chunk that still reach into it (l > d)
+            ih = j0 * R - HALO + tl.arange(0, HALO)
+            h_ok = (ih >= 0) & (ih < n_vis)
+            kh = tl.load(kc_base + ih.to(tl.int64)[:, None] * (HKV * D) + d[None, :], mask=h_ok[:, None], other=0.0)
+            sh = tl.sum(q.to(tl.float32)[:, None, :] * kh.to(tl.float32)[None, :, :], 2) * sm_scale2
+            ph = tl.where(row_ok[:, None] & h_ok[None, :], tl.exp2(sh - lse[:, None]), 0.0)
+            psh = tl.sum(ph, 0)
+            sth = ih * DS
+            ovh = tl.minimum((jj[None, :] + 1) * LB, sth[:, None] + L) - tl.maximum(jj[None, :] * LB, sth[:, None])
+            wgth = (tl.maximum(ovh, 0) // DS).to(tl.float32)
+            score += tl.sum(psh[:, None] * wgth, 0)
+            elig = jj < n_blocks
+            forced = elig & ((jj < INIT) | ((jj > own - LOCAL) & (jj <= own)))
+            prio = tl.where(elig, score, float("-inf"))
+            prio = tl.where(forced, float("inf"), prio)
+            # merge the chunk into the sorted running list (list entries have lower block indices)
+            last = tl.max(tl.where(slot == N_SEL - 1, top_v, float("-inf")), 0)
+            best = tl.max(prio, 0)
+            if (best > last) | (best == float("inf")):
+                # rank merge, all in parallel: a beats b iff v_a > v_b or (v_a == v_b and i_a < i_b).
+                # The list is sorted by that order, so a list entry's new rank is its slot plus the
+                # chunk entries beating it; a chunk entry's rank counts the beaters in both.
+                ci = jj
+                lv = top_v
+                li = tl.where(top_i < 0, 1 << 30, top_i)
+                c_beats_l = (prio[None, :] > lv[:, None]) | ((prio[None, :] == lv[:, None]) & (ci[None, :] < li[:, None]))
+                rank_l = slot + tl.sum(c_beats_l.to(tl.int32), 1)
+                l_beats_c = (lv[None, :] > prio[:, None]) | ((lv[None, :] == prio[:, None]) & (li[None, :] < ci[:, None]))
+                l_beats_c = l_beats_c & (slot[None, :] < N_SEL)
+                c_beats_c = (prio[None, :] > prio[:, None]) | ((prio[None, :] == prio[:, None]) & (ci[None, :] < ci[:, None]))
+                rank_c = tl.sum(l_beats_c.to(tl.int32), 1) + tl.sum(c_beats_c.to(tl.int32), 1)
+                rank_l = tl.where(slot < N_SEL, rank_l, 1 << 20)
+                hit_l = rank_l[None, :] == slot[:, None]  # (new slot, old slot)
+                hit_c = rank_c[None, :] == slot[:, None]  # (new slot, chunk entry)
+                new_v = tl.maximum(
+                    tl.max(tl.where(hit_l, lv[None, :], float("-inf")), 1),
+                    tl.max(tl.where(hit_c, prio[None, :], float("-inf")), 1),
+                )
+                new_i = tl.maximum(tl.max(tl.where(hit_l, top_i[None, :], -1), 1), tl.max(tl.where(hit_c, ci[None, :], -1), 1))
+                top_v = new_v
+                top_i = new_i
+        out = tl.where(top_v > float("-inf"), top_i, -1)
+        tl.store(IDX + (pid_bg.to(tl.int64) * Tq + t) * N_SEL + slot, out, mask=slot < N_SEL)
+
+    # ------------------------------------------------------------------------------------------
+    # Selected attention
+    # ------------------------------------------------------------------------------------------
+
+    @triton.jit
+    def _sel_fwd_kernel(
+        Q, K, V, IDX, DOCPOS, O, LSE,
+        Tq, Tk, q_off, sm_scale2,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+        LB: tl.constexpr, N_SEL: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        pid_bg = tl.program_id(1)
+        b = (pid_bg // HKV).to(tl.int64)
+        g = pid_bg % HKV
+        t_abs = q_off + t
+        pos = tl.load(DOCPOS + b * Tk + t_abs)
+        start = t_abs - pos
+        hh = tl.arange(0, G_PAD)
+        row_ok = hh < G
+        d = tl.arange(0, D)
+        row = (b * Tq + t) * H + g * G + hh
+        q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        kv_base = b * Tk * HKV * D + g * D
+        idx_base = IDX + (pid_bg.to(tl.int64) * Tq + t) * N_SEL
+        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32)
+        kb = tl.arange(0, LB)
+        for si in range(N_SEL):
+            j = tl.load(idx_base + si)
+            kk = start + j * LB + kb
+            k_ok = ((j + kb * 0) >= 0) & (kk <= t_abs)
+            kv_off = kv_base + kk.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
+            k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * sm_scale2
+            s = tl.where(k_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        has = l_i > 0
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        tl.store(O + row[:, None] * D + d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("inf"))
+        tl.store(LSE + row, lse, mask=row_ok)
+
+    @triton.jit
+    def _sel_bwd_dq_kernel(
+        Q, K, V, IDX, DOCPOS, DO, LSE, DELTA, DQ,
+        Tq, Tk, q_off, sm_scale2, scale,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+        LB: tl.constexpr, N_SEL: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        pid_bg = tl.program_id(1)
+        b = (pid_bg // HKV).to(tl.int64)
+        g = pid_bg % HKV
+        t_abs = q_off + t
+        pos = tl.load(DOCPOS + b * Tk + t_abs)
+        start = t_abs - pos
+        hh = tl.arange(0, G_PAD)
+        row_ok = hh < G
+        d = tl.arange(0, D)
+        row = (b * Tq + t) * H + g * G + hh
+        q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        lse = tl.load(LSE + row, mask=row_ok, other=0.0)
+        lse = tl.where(lse == float("inf"), 0.0, lse)
+        delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+        kv_base = b * Tk * HKV * D + g * D
+        idx_base = IDX + (pid_bg.to(tl.int64) * Tq + t) * N_SEL
+        dq = tl.zeros([G_PAD, D], tl.float32)
+        kb = tl.arange(0, LB)
+        for si in range(N_SEL):
+            j = tl.load(idx_base + si)
+            kk = start + j * LB + kb
+            k_ok = ((j + kb * 0) >= 0) & (kk <= t_abs)
+            kv_off = kv_base + kk.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
+            k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
+            v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * sm_scale2
+            p = tl.where(k_ok[None, :], tl.exp2(s - lse[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k)
+        dq_ptr = DQ + row[:, None] * D + d[None, :]
+        prev = tl.load(dq_ptr, mask=row_ok[:, None], other=0.0)
+        tl.store(dq_ptr, prev + dq * scale, mask=row_ok[:, None])
+
+    @triton.jit
+    def _sel_bwd_dkdv_kernel(
+        Q, K, V, PAIR_OFF, PAIR_Q, DOCPOS, DO, LSE, DELTA, DK, DV,
+        Tq, Tk, q_off, sm_scale2, scale,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+        LB: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr,
+    ):
+        a = tl.program_id(0)  # absolute index of a selection block's first key
+        pid_bg = tl.program_id(1)
+        b = (pid_bg // HKV).to(tl.int64)
+        g = pid_bg % HKV
+        off = pid_bg.to(tl.int64) * Tk + a
+        p_begin = tl.load(PAIR_OFF + off)
+        p_end = tl.load(PAIR_OFF + off + 1)
+        if p_end > p_begin:
+            kk = a + tl.arange(0, LB)
+            # keys of this block: same document as its first key (a block may be cut by the doc end)
+            a_start = a - tl.load(DOCPOS + b * Tk + a)
+            k_pos = tl.load(DOCPOS + b * Tk + kk, mask=kk < Tk, other=-1)
+            k_ok = (kk < Tk) & (k_pos >= 0) & (kk - k_pos == a_start)
+            d = tl.arange(0, D)
+            kv_off = b * Tk * HKV * D + g * D + kk.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
+            k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
+            v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
+            dk = tl.zeros([LB, D], tl.float32)
+            dv = tl.zeros([LB, D], tl.float32)
+            r = tl.arange(0, BLOCK_M)
+            hh = r % G
+            for p0 in range(p_begin, p_end, QPB):
+                pi = p0 + r // G
+                row_ok = (r < QPB * G) & (pi < p_end)
+                qi = tl.load(PAIR_Q + pi, mask=row_ok, other=0)
+                row = (b * Tq + qi) * H + g * G + hh
+                q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+                do = tl.load(DO + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+                lse = tl.load(LSE + row, mask=row_ok, other=0.0)
+                lse = tl.where(lse == float("inf"), 0.0, lse)
+                delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+                s = tl.dot(q, tl.trans(k)) * sm_scale2
+                vis = row_ok[:, None] & k_ok[None, :] & (kk[None, :] <= (q_off + qi)[:, None])
+                p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+                dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+                dp = tl.dot(do, tl.trans(v))
+                ds = p * (dp - delta[:, None])
+                dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+            tl.store(DK + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=k_ok[:, None])
+            tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# Host-side launchers (static shapes, no host synchronization)
+# ----------------------------------------------------------------------------------------------
+
+_LOG2E = 1.4426950408889634
+_DKDV_SPLIT = None  # tests force the split query range of the compressed/window dK/dV kernel
+_TOPN_BLOCKS_PER_CHUNK = None  # tests set a small value to exercise the multi-chunk top-n merge
+
+
+def _rows_per_program(group: int, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_M, queries per program) for (query x head) row packing."""
+    block_m = max(16, _next_pow2(group), 64 if head_dim <= 128 else 32)
+    return block_m, max(1, block_m // group)
+
+
+def _layout(cmp_end, doc_pos, num_queries, num_win, params: NSAParams):
+    """Per-query metadata in key coordinates: compressed [lo, hi) and window [lo, hi)."""
+    batch, num_keys = doc_pos.shape
+    device = doc_pos.device
+    q_off = num_keys - num_queries
+    t_abs = torch.arange(q_off, num_keys, device=device).expand(batch, -1)
+    pos = doc_pos[:, q_off:]
+    valid = pos >= 0
+    start = t_abs - pos
+    big = torch.iinfo(torch.int64).max
+    ends = torch.where(cmp_end >= 0, cmp_end, torch.full_like(cmp_end, big)).contiguous()
+    c_lo = torch.searchsorted(ends, start.contiguous(), right=False)
+    c_hi = torch.searchsorted(ends, t_abs.contiguous(), right=True)
+    zero = torch.zeros_like(c_lo)
+    c_lo = torch.where(valid, c_lo, zero)
+    c_hi = torch.where(valid, torch.maximum(c_hi, c_lo), zero)
+    w_off = num_keys - num_win
+    w_lo = (torch.maximum(start, t_abs - params.window_size + 1) - w_off).clamp(min=0)
+    w_hi = t_abs + 1 - w_off
+    w_lo = torch.where(valid, w_lo, zero)
+    w_hi = torch.where(valid, w_hi, zero)
+    as32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
+    return as32(c_lo), as32(c_hi), as32(w_lo), as32(w_hi)
+
+
+def _interval_fwd(q, k, v, lo, hi, scale):
+    batch, num_q, num_heads, head_dim = q.shape
+    num_keys, num_kv = k.shape[1], k.shape[2]
+    group = num_heads // num_kv
+    o = torch.empty_like(q)
+    lse = torch.empty(batch, num_q, num_heads, device=q.device, dtype=torch.float32)
+    block_m, qpb = _rows_per_program(group, head_dim)
+    grid = (triton.cdiv(num_q, qpb), batch * num_kv)
+    _interval_fwd_kernel[grid](
+        q, k, v, lo, hi, o, lse, num_q, num_keys, scale * _LOG2E,
+        H=num_heads, HKV=num_kv, G=group, D=head_dim, QPB=qpb, BLOCK_M=block_m, BLOCK_N=64,
+        num_warps=4 if head_dim <= 64 else 8,
+    )
+    return o, lse
+
+
+def _interval_bwd(q, k, v, lo, hi, do, lse, delta, dq, scale):
+    batch, num_q, num_heads, head_dim = q.shape
+    num_keys, num_kv = k.shape[1], k.shape[2]
+    group = num_heads // num_kv
+    block_m, qpb = _rows_per_program(group, head_dim)
+    grid = (triton.cdiv(num_q, qpb), batch * num_kv)
+    _interval_bwd_dq_kernel[grid](
+        q, k, v, lo, hi, do, lse, delta, dq, num_q, num_keys, scale * _LOG2E, scale,
+        H=num_heads, HKV=num_kv, G=group, D=head_dim, QPB=qpb, BLOCK_M=block_m, BLOCK_N=64,
+        num_warps=4 if head_dim <= 64 else 8,
+    )
+    block_n = 64
+    n_ktiles = triton.cdiv(max(num_keys, 1), block_n)
+    # Queries that can see key tile [c0, c1): hi(t) > c0 and lo(t) < c1 (lo, hi monotone on valid queries).
+    hi_m = hi.long().cummax(-1).values.contiguous()
+    lo_m = torch.where(hi > lo, lo, torch.zeros_like(lo)).long().cummax(-1).values.contiguous()
+    c0 = (torch.arange(n_ktiles, device=q.device) * block_n).expand(batch, -1).contiguous()
+    c1 = (c0 + block_n).clamp(max=num_keys).contiguous()
+    qa = torch.searchsorted(hi_m, c0, right=True).to(torch.int32).contiguous()
+    qb = torch.searchsorted(lo_m, c1, right=False).to(torch.int32).contiguous()
+    # Long query ranges per key tile (the compressed branch: a compressed key is seen by the rest of
+    # its document) with few key tiles: split the range so the GPU is filled.
+    n_split = 1
+    programs = n_ktiles * batch * num_kv
+    if programs < 1024 and num_q > 4 * block_n:
+        n_split = max(1, min(64, 1024 // max(1, programs), num_q // (8 * qpb)))
+    n_split = _DKDV_SPLIT or n_split
+    if n_split == 1:
+        dk = torch.empty_like(k)
+        dv = torch.empty_like(v)
+    else:
+        dk = k.new_empty((n_split,) + tuple(k.shape), dtype=torch.float32)
+        dv = torch.empty_like(dk)
+    _interval_bwd_dkdv_kernel[(n_ktiles, batch * num_kv, n_split)](
+        q, k, v, lo, hi, qa, qb, do, lse, delta, dk, dv, num_q, num_keys, n_ktiles, scale * _LOG2E, scale,
+        H=num_heads, HKV=num_kv, G=group, D=head_dim, QPB=qpb, BLOCK_M=block_m, BLOCK_N=block_n,
+        N_SPLIT=n_split, num_warps=4 if head_dim <= 64 else 8,
+    )
+    if n_split > 1:
+        dk, dv = dk.sum(0).to(k.dtype), dv.sum(0).to(v.dtype)
+    return dk, dv
+
+
+def _select_topn(q, k_cmp, lse_cmp, doc_pos, c_lo, c_hi, params: NSAParams, scale):
+    batch, num_q, num_heads, head_dim = q.shape
+    num_slots, num_kv = k_cmp.shape[1], k_cmp.shape[2]
+    num_keys = doc_pos.shape[1]
+    group = num_heads // num_kv
+    num_blocks = triton.cdiv(num_keys, params.sel_block_size)
+    n_sel = min(params.sel_num_blocks, num_blocks)
+    idx = torch.empty(batch, num_kv, num_q, n_sel, device=q.device, dtype=torch.int32)
+    halo = _next_pow2(max(1, params.cmp_block_size // params.cmp_stride - 1))
+    ratio = params.sel_block_size // params.cmp_stride
+    bj = max(1, 64 // ratio) if ratio <= 64 else 1
+    bj = max(bj, 16 // min(ratio, 16))
+    bj = _TOPN_BLOCKS_PER_CHUNK or bj
+    _select_topn_kernel[(num_q, batch * num_kv)](
+        q, k_cmp, lse_cmp, doc_pos, c_lo, c_hi, idx, num_q, num_keys, num_slots, num_keys - num_q, scale * _LOG2E,
+        H=num_heads, HKV=num_kv, G=group, D=head_dim, G_PAD=max(16, _next_pow2(group)),
+        L=params.cmp_block_size, DS=params.cmp_stride, LB=params.sel_block_size,
+        N_SEL=n_sel, N_PAD=_next_pow2(n_sel), INIT=params.sel_init_blocks, LOCAL=params.sel_local_blocks,
+        BJ=bj, HALO=halo, num_warps=2,
+    )
+    return idx
+
+
+def _sel_fwd(q, k, v, idx, doc_pos, params: NSAParams, scale):
+    batch, num_q, num_heads, head_dim = q.shape
+    num_keys, num_kv = k.shape[1], k.shape[2]
+    group = num_heads // num_kv
+    o = torch.empty_like(q)
+    lse = torch.empty(batch, num_q, num_heads, device=q.device, dtype=torch.float32)
+    _sel_fwd_kernel[(num_q, batch * num_kv)](
+        q, k, v, idx, doc_pos, o, lse, num_q, num_keys, num_keys - num_q, scale * _LOG2E,
+        H=num_heads, HKV=num_kv, G=group, D=head_dim, G_PAD=max(16, _next_pow2(group)),
+        LB=params.sel_block_size, N_SEL=idx.shape[-1], num_warps=2,
+    )
+    return o, lse
+
+
+def _sel_bwd(q, k, v, idx, doc_pos, do, lse, delta, dq, params: NSAParams, scale):
+    batch, num_q, num_heads, head_dim = q.shape
+    num_keys, num_kv = k.shape[1], k.shape[2]
+    group = num_heads // num_kv
+    n_sel = idx.shape[-1]
+    lb = params.sel_block_size
+    q_off = num_keys - num_q
+    _sel_bwd_dq_kernel[(num_q, batch * num_kv)](
+        q, k, v, idx, doc_pos, do, lse, delta, dq, num_q, num_keys, q_off, scale * _LOG2E, scale,
+        H=num_heads, HKV=num_kv, G=group, D=head_dim, G_PAD=max(16, _next_pow2(group)),
+        LB=lb, N_SEL=n_sel, num_warps=2,
+    )
+    # Inverted index: (query, block) pairs sorted by (batch, kv head, block start); stable, so every
+    # block's queries come in increasing order and the accumulation order is fixed.
+    t_idx = torch.arange(num_q, device=q.device)
+    start = (t_idx + q_off)[None, :] - doc_pos[:, q_off:]  # (B, Tq)
+    j = idx.long()
+    a = start[:, None, :, None] + j * lb  # (B, Hkv, Tq, n')
+    bg = torch.arange(batch * num_kv, device=q.device).view(batch, num_kv, 1, 1)
+    sentinel = batch * num_kv * num_keys
+    key = torch.where(j >= 0, bg * num_keys + a, torch.full_like(a, sentinel)).flatten()
+    sorted_key, order = torch.sort(key, stable=True)
+    pair_q = (order // n_sel % num_q).to(torch.int32).contiguous()
+    pair_off = torch.searchsorted(sorted_key, torch.arange(sentinel + 1, device=q.device)).contiguous()
+    dk = torch.zeros_like(k)
+    dv = torch.zeros_like(v)
+    block_m, qpb = _rows_per_program(group, head_dim)
+    _sel_bwd_dkdv_kernel[(num_keys, batch * num_kv)](
+        q, k, v, pair_off, pair_q, doc_pos, do, lse, delta, dk, dv, num_q, num_keys, q_off, scale * _LOG2E, scale,
+        H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=lb, QPB=qpb, BLOCK_M=block_m,
+        num_warps=4 if head_dim <= 64 else 8,
+    )
+    return dk, dv
+
+
+def _forward_impl(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, scale):
+    num_q = q.shape[1]
+    c_lo, c_hi, w_lo, w_hi = _layout(cmp_end, doc_pos, num_q, k_win.shape[1], params)
+    o_cmp, lse_cmp = _interval_fwd(q, k_cmp, v_cmp, c_lo, c_hi, scale)
+    idx = _select_topn(q, k_cmp, lse_cmp, doc_pos, c_lo, c_hi, params, scale)
+    o_slc, lse_slc = _sel_fwd(q, k_slc, v_slc, idx, doc_pos, params, scale)
+    o_win, lse_win = _interval_fwd(q, k_win, v_win, w_lo, w_hi, scale)
+    g = gates.float()
+    out = g[..., 0:1] * o_cmp.float() + g[..., 1:2] * o_slc.float() + g[..., 2:3] * o_win.float()
+    return out.to(q.dtype), o_cmp, o_slc, o_win, lse_cmp, lse_slc, lse_win, idx
+
+
+def _params_tuple(params: NSAParams):
+    return [
+        params.cmp_block_size, params.cmp_stride, params.sel_block_size, params.sel_num_blocks,
+        params.sel_init_blocks, params.sel_local_blocks, params.window_size,
+    ]
+
+
+def _params_from(p) -> NSAParams:
+    return NSAParams(*[int(x) for x in p])
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.library custom ops
+# ----------------------------------------------------------------------------------------------
+
+_NS = "nsa_triton"
+
+
+@torch.library.custom_op(f"{_NS}::fwd", mutates_args=())
+def _nsa_fwd_op(
+    q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, cmp_end: torch.Tensor,
+    k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor,
+    gates: torch.Tensor, doc_pos: torch.Tensor, params: list[int], scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward_impl(
+        q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, _params_from(params), scale
+    )
+
+
+@_nsa_fwd_op.register_fake
+def _(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, scale):
+    batch, num_q, num_heads, _ = q.shape
+    num_kv = k_slc.shape[2]
+    num_blocks = (k_slc.shape[1] + params[2] - 1) // params[2]
+    n_sel = min(params[3], num_blocks)
+    lse = q.new_empty(batch, num_q, num_heads, dtype=torch.float32)
+    return (
+        torch.empty_like(q), torch.empty_like(q), torch.empty_like(q), torch.empty_like(q),
+        lse, torch.empty_like(lse), torch.empty_like(lse),
+        q.new_empty(batch, num_kv, num_q, n_sel, dtype=torch.int32),
+    )
+
+
+@torch.library.custom_op(f"{_NS}::bwd", mutates_args=())
+def _nsa_bwd_op(
+    dout: torch.Tensor, q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, cmp_end: torch.Tensor,
+    k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor,
+    gates: torch.Tensor, doc_pos: torch.Tensor, o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor,
+    lse_cmp: torch.Tensor, lse_slc: torch.Tensor, lse_win: torch.Tensor, idx: torch.Tensor,
+    params: list[int], scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    p = _params_from(params)
+    num_q = q.shape[1]
+    c_lo, c_hi, w_lo, w_hi = _layout(cmp_end, doc_pos, num_q, k_win.shape[1], p)
+    dout = dout.contiguous()
+    g = gates.float()
+    dout32 = dout.float()
+    dgates = torch.stack(
+        [(dout32 * o.float()).sum(-1) for o in (o_cmp, o_slc, o_win)], dim=-1
+    ).to(gates.dtype)
+    dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+
+    def branch_do(i, o):
+        do = (dout32 * g[..., i : i + 1]).to(q.dtype).contiguous()
+        delta = (do.float() * o.float()).sum(-1).contiguous()
+        return do, delta
+
+    do, delta = branch_do(0, o_cmp)
+    dk_cmp, dv_cmp = _interval_bwd(q, k_cmp, v_cmp, c_lo, c_hi, do, lse_cmp, delta, dq, scale)
+    do, delta = branch_do(1, o_slc)
+    dk_slc, dv_slc = _sel_bwd(q, k_slc, v_slc, idx, doc_pos, do, lse_slc, delta, dq, p, scale)
+    do, delta = branch_do(2, o_win)
+    dk_win, dv_win = _interval_bwd(q, k_win, v_win, w_lo, w_hi, do, lse_win, delta, dq, scale)
+    return dq.to(q.dtype), dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates
+
+
+@_nsa_bwd_op.register_fake
+def _(dout, q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, o_cmp, o_slc, o_win,
+      lse_cmp, lse_slc, lse_win, idx, params, scale):
+    return (
+        torch.empty_like(q), torch.empty_like(k_cmp), torch.empty_like(v_cmp), torch.empty_like(k_slc),
+        torch.empty_like(v_slc), torch.empty_like(k_win), torch.empty_like(v_win), torch.empty_like(gates),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, scale = inputs
+    _, o_cmp, o_slc, o_win, lse_cmp, lse_slc, lse_win, idx = output
+    ctx.save_for_backward(
+        q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos,
+        o_cmp, o_slc, o_win, lse_cmp, lse_slc, lse_win, idx,
+    )
+    ctx.params = params
+    ctx.scale = scale
+
+
+def _backward(ctx, dout, *unused):
+    saved = ctx.saved_tensors
+    grads = _nsa_bwd_op(dout, *saved, ctx.params, ctx.scale)
+    dq, dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates = grads
+    return dq, dk_cmp, dv_cmp, None, dk_slc, dv_slc, dk_win, dv_win, dgates, None, None, None
+
+
+_nsa_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API (the dispatcher's seam)
+# ----------------------------------------------------------------------------------------------
+
+_fallback_warned = False
+
+
+def _prepare(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos):
+    c = lambda x: x.contiguous()  # noqa: E731
+    dt = q.dtype
+    return (
+        c(q), c(k_cmp.to(dt)), c(v_cmp.to(dt)), c(cmp_end.long()), c(k_slc.to(dt)), c(v_slc.to(dt)),
+        c(k_win.to(dt)), c(v_win.to(dt)), c(gates), c(doc_pos.long()),
+    )
+
+
+def _reference_fallback(*args, **kwargs):
+    global _fallback_warned
+    from .nsa_reference import nsa_attention_reference
+
+    if not _fallback_warned:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "nsa_triton: unsupported shape/params for the Triton kernels; using the PyTorch reference."
+        )
+        _fallback_warned = True
+    return nsa_attention_reference(*args, **kwargs)
+
+
+def nsa_attention_triton(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos,
+                         params: NSAParams, scale: float | None = None) -> torch.Tensor:
+    """Triton NSA for all queries (training / prefill, Tq == Tk == Tw); same contract as the reference.
+
+    Differentiable w.r.t. q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win and gates.
+    """
+    head_dim = q.shape[-1]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    if not triton_supports(params, head_dim):
+        return _reference_fallback(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, scale)
+    args = _prepare(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos)
+    return _nsa_fwd_op(*args, _params_tuple(params), scale)[0]
+
+
+@torch.no_grad()
+def nsa_decode_triton(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos,
+                      params: NSAParams, scale: float | None = None) -> torch.Tensor:
+    """Cached decoding step(s): q holds the last Tq (usually 1) of the Tk key positions; k_win/v_win the
+    last Tw. Reads only the visible compressed keys, the n selected blocks and the window keys."""
+    head_dim = q.shape[-1]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    if not triton_supports(params, head_dim):
+        return _reference_fallback(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, scale)
+    args = _prepare(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos)
+    return _forward_impl(*args, params, scale)[0]
+
+
+@torch.no_grad()
+def select_blocks_triton(q, k_cmp, cmp_end, doc_pos, params: NSAParams, scale: float | None = None) -> torch.Tensor:
+    """Top-n selected blocks, (B, Hkv, Tq, n') int64 in-document block indices by priority, -1 unused.
+
+    q (B, Tq, H, D) are the last Tq of doc_pos's Tk positions; the scores come from the compression
+    branch's probabilities (recomputed from q, k_cmp and the log-sum-exp).
+    """
+    head_dim = q.shape[-1]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    q = q.contiguous()
+    k_cmp = k_cmp.to(q.dtype).contiguous()
+    doc_pos = doc_pos.long().contiguous()
+    c_lo, c_hi, _, _ = _layout(cmp_end.long(), doc_pos, q.shape[1], q.shape[1], params)
+    _, lse = _interval_fwd(q, k_cmp, k_cmp, c_lo, c_hi, scale)
+    return _select_topn(q, k_cmp, lse, doc_pos, c_lo, c_hi, params, scale).long()
+
+
+__all__ = ["nsa_attention_triton", "nsa_decode_triton", "select_blocks_triton", "triton_is_usable", "triton_supports"]
