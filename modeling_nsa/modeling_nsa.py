@@ -78,7 +78,8 @@ def nsa_attention(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, d
     """Gated NSA output (B, Tq, H, D) for queries at the last Tq of Tk key positions.
 
     Arguments as `nsa_reference.nsa_attention_reference`. The Triton path covers training/prefill
-    (Tq = Tk = Tw) and the cached one-token step (Tq = 1); other shapes use the reference, logged once.
+    (Tq = Tk = Tw, differentiable) and chunks after a cache (decode, no autograd); a chunk after a
+    cache that needs gradients uses the reference, logged once.
     """
     backend = resolve_nsa_backend(backend, q.device)
     if backend == "triton":
@@ -89,11 +90,11 @@ def nsa_attention(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, d
             return nsa_triton.nsa_attention_triton(
                 q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params
             )
-        if num_queries == 1:
+        if not (torch.is_grad_enabled() and q.requires_grad):
             return nsa_triton.nsa_decode_triton(
                 q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params
             )
-        _log_once(f"NSA: no Triton kernel for a {num_queries}-token chunk after a cache; using the reference.")
+        _log_once("NSA: no differentiable Triton kernel for a chunk after a cache; using the reference.")
     return nsa_attention_reference(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params)
 
 
