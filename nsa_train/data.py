@@ -1,0 +1,408 @@
+"""Data pipeline: document sources -> tokenize -> pack into rows -> micro-batches, resumable.
+
+A *source* yields document texts in a fixed base order (files sorted by name, rows in order; the Hub
+stream in its order). Document i of that order is held out for validation when ``i % val_every == 0``;
+the other documents are dealt round-robin to ranks, shuffled per epoch with a seeded buffer, tokenized,
+followed by EOS, and packed into rows of ``seq_len`` tokens.
+
+With document masking (the default) each row carries ``position_ids`` that restart at 0 at every document
+start (transformers' packed-sequence convention; NSA then never attends across documents) and the label of a
+document's first token is -100 (it cannot be predicted from another document). With ``cross_doc=True`` rows
+are GPT-2 style: positions 0..T-1 and every label kept.
+
+The position in the stream is three integers, ``DataState(epoch, doc, offset)``: the next token to read is
+token ``offset`` of document ``doc`` of this rank's shuffled order in ``epoch``. Every batch carries the state
+after it, so a checkpoint records exactly what the loop consumed (prefetching included) and resume continues
+with the same rows. Local files are read with pyarrow/json only; `datasets` is imported only to stream from
+the Hub.
+"""
+
+from __future__ import annotations
+
+import ast
+import glob
+import itertools
+import json
+import queue
+import random
+import socket
+import sysconfig
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+from urllib.parse import urlparse
+
+import torch
+
+LOCAL_SUFFIXES = (".parquet", ".jsonl", ".json", ".txt")
+FINEWEB_EDU = "HuggingFaceFW/fineweb-edu"
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+class LocalFiles:
+    """Parquet / JSON-lines / txt files: a file, a directory (recursive) or a glob. A .txt file is one document."""
+
+    def __init__(self, spec: str, text_column: str = "text"):
+        self.spec, self.text_column = spec, text_column
+        path = Path(spec).expanduser()
+        if any(ch in spec for ch in "*?["):
+            files = [Path(p) for p in sorted(glob.glob(spec, recursive=True))]
+        elif path.is_dir():
+            files = sorted(p for p in path.rglob("*") if p.is_file())
+        elif path.exists():
+            files = [path]
+        else:
+            raise FileNotFoundError(f"--dataset {spec!r}: no such file, directory or glob match.")
+        self.files = [f for f in files if f.suffix in LOCAL_SUFFIXES]
+        if not self.files:
+            raise FileNotFoundError(
+                f"--dataset {spec!r}: no data files found (looked for {', '.join(LOCAL_SUFFIXES)})."
+            )
+        for f in self.files:
+            if f.stat().st_size == 0:
+                raise ValueError(f"--dataset: data file {str(f)!r} is empty (0 bytes).")
+        self.check_columns()
+
+    def check_columns(self):
+        """Fail before training when a file lacks the text column (parquet schema / first JSON line)."""
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            if any(f.suffix == ".parquet" for f in self.files):
+                raise ImportError("reading parquet files needs pyarrow: pip install pyarrow") from e
+
+        for f in self.files:
+            if f.suffix == ".parquet":
+                try:
+                    names = pq.read_schema(f).names
+                except Exception as e:  # noqa: BLE001 - pyarrow raises several types for corrupt files
+                    raise ValueError(f"--dataset: cannot read parquet file {str(f)!r}: {e}") from e
+            elif f.suffix in (".jsonl", ".json"):
+                with open(f, encoding="utf-8") as fh:
+                    first = next((line for line in fh if line.strip()), None)
+                if first is None:
+                    raise ValueError(f"--dataset: data file {str(f)!r} has no records.")
+                names = list(json.loads(first).keys())
+            else:
+                continue
+            if self.text_column not in names:
+                raise ValueError(
+                    f"--text-column {self.text_column!r} not found in {str(f)!r}; its columns are {names}. "
+                    "Pass --text-column NAME."
+                )
+
+    def __iter__(self) -> Iterator[str]:
+        for f in self.files:
+            if f.suffix == ".parquet":
+                import pyarrow.parquet as pq
+
+                for batch in pq.ParquetFile(f).iter_batches(batch_size=1024, columns=[self.text_column]):
+                    yield from (t for t in batch.column(0).to_pylist() if t)
+            elif f.suffix in (".jsonl", ".json"):
+                with open(f, encoding="utf-8") as fh:
+                    for line in fh:
+                        if line.strip():
+                            text = json.loads(line).get(self.text_column)
+                            if text:
+                                yield text
+            else:
+                text = f.read_text(encoding="utf-8", errors="replace")
+                if text.strip():
+                    yield text
+
+    def describe(self) -> str:
+        return f"local files {self.spec} ({len(self.files)} file(s), column {self.text_column!r})"
+
+
+class HubStream:
+    """A Hub dataset streamed with `datasets` (imported here only), e.g. FineWeb-Edu sample-10BT."""
+
+    def __init__(self, name: str, config: str | None, split: str = "train", text_column: str = "text"):
+        self.name, self.config, self.split, self.text_column = name, config, split, text_column
+        try:
+            import datasets  # noqa: F401
+        except ImportError as e:
+            raise ImportError(f"--dataset {name} streams from the Hub and needs `pip install datasets`.") from e
+        check_hub_reachable(f"--dataset {name}", hint="Pass --dataset PATH with local parquet/jsonl/txt files.")
+
+    def __iter__(self) -> Iterator[str]:
+        import datasets
+
+        ds = datasets.load_dataset(self.name, name=self.config, split=self.split, streaming=True)
+        for example in ds:
+            if example.get(self.text_column):
+                yield example[self.text_column]
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.config or 'default'}, split {self.split}, streamed)"
+
+
+class PythonDocs:
+    """Text that ships with Python: the language reference topics (pydoc_data) and stdlib docstrings."""
+
+    def __iter__(self) -> Iterator[str]:
+        from pydoc_data.topics import topics
+
+        for key in sorted(topics):
+            yield topics[key]
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        for f in sorted(stdlib.glob("*.py")) + sorted(stdlib.glob("*/*.py")):
+            try:
+                tree = ast.parse(f.read_text(encoding="utf-8"))
+            except (SyntaxError, UnicodeDecodeError, OSError):
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    doc = ast.get_docstring(node)
+                    if doc and len(doc) >= 200:
+                        yield doc
+
+    def describe(self) -> str:
+        return "Python's own documentation (pydoc_data topics + standard library docstrings)"
+
+
+def check_hub_reachable(what: str, hint: str, timeout: float = 3.0):
+    """Fail in seconds (not after minutes of retries) when the Hub endpoint cannot be reached."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        raise ConnectionError(f"{what}: HF_HUB_OFFLINE is set, so the Hub cannot be used. {hint}")
+    url = urlparse(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout).close()
+    except OSError as e:
+        raise ConnectionError(f"{what}: cannot reach {constants.ENDPOINT} ({e}). {hint}") from e
+
+
+def make_source(dataset: str, text_column: str = "text", dataset_config: str | None = "sample-10BT"):
+    if dataset == "python-docs":
+        return PythonDocs()
+    if dataset == "fineweb-edu":
+        return HubStream(FINEWEB_EDU, dataset_config, text_column=text_column)
+    if dataset.startswith("hf://"):
+        return HubStream(dataset[len("hf://") :], dataset_config, text_column=text_column)
+    return LocalFiles(dataset, text_column)
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def load_tokenizer(name: str):
+    """`byt5` (byte-level, no files) or any AutoTokenizer name/path; clear error when it cannot be had."""
+    from transformers import AutoTokenizer, ByT5Tokenizer
+
+    if name in ("byt5", "bytes"):
+        tok = ByT5Tokenizer()
+    else:
+        hint = (
+            f"--tokenizer {name!r} is not a local directory and is not in the Hugging Face cache. Pass "
+            "--tokenizer PATH to a tokenizer directory (e.g. ../shared/data/gpt2-tokenizer), or --tokenizer byt5 "
+            "(byte-level, needs no files)."
+        )
+        try:
+            tok = AutoTokenizer.from_pretrained(name, local_files_only=True)
+        except (OSError, ValueError):
+            if Path(name).exists():
+                raise ValueError(f"--tokenizer {name!r}: the directory holds no loadable tokenizer.") from None
+            check_hub_reachable(f"--tokenizer {name!r}", hint)
+            try:
+                tok = AutoTokenizer.from_pretrained(name)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"--tokenizer {name!r} could not be loaded: {e}\n{hint}") from None
+    tok.init_kwargs.pop("local_files_only", None)  # not a property of the tokenizer: keep it out of exports
+    if tok.eos_token_id is None:
+        raise ValueError(f"--tokenizer {name!r} has no EOS token; packing needs one between documents.")
+    return tok
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+@dataclass
+class DataState:
+    epoch: int = 0
+    doc: int = 0  # documents of this rank's shuffled order fully consumed in this epoch
+    offset: int = 0  # tokens already consumed of document `doc`
+
+    def to_dict(self):
+        return asdict(self)
+
+
+def shuffled(items: Iterator, buffer_size: int, rng: random.Random) -> Iterator:
+    """Buffer shuffle (what streaming datasets do): deterministic for a given rng."""
+    if buffer_size <= 1:
+        yield from items
+        return
+    buf = []
+    for item in items:
+        if len(buf) < buffer_size:
+            buf.append(item)
+            continue
+        i = rng.randrange(buffer_size)
+        yield buf[i]
+        buf[i] = item
+    rng.shuffle(buf)
+    yield from buf
+
+
+class Packer:
+    """Packs this rank's training documents into rows; iterate to get (input_ids, position_ids, labels, state)."""
+
+    def __init__(self, source, tokenizer, seq_len: int, *, rank: int = 0, world_size: int = 1, seed: int = 0,
+                 shuffle_buffer: int = 10_000, val_every: int = 100, cross_doc: bool = False,
+                 state: DataState | None = None, tokenize_batch: int = 64, shard: str = "docs"):  # fmt: skip
+        if shard not in ("docs", "rows"):
+            raise ValueError(f"--data-shard must be 'docs' or 'rows', got {shard!r}.")
+        self.source, self.tokenizer, self.seq_len = source, tokenizer, seq_len
+        self.rank, self.world_size, self.seed, self.shard = rank, world_size, seed, shard
+        # "docs": each rank reads only its documents (scales); "rows": every rank packs the global row stream and
+        # keeps rows rank, rank+W, ...: the batches, losses and DataState do not depend on the number of processes.
+        self.doc_rank, self.doc_world = (rank, world_size) if shard == "docs" else (0, 1)
+        self.shuffle_buffer, self.val_every, self.cross_doc = shuffle_buffer, val_every, cross_doc
+        self.state = state or DataState()
+        self.tokenize_batch = tokenize_batch
+
+    def rank_documents(self, epoch: int) -> Iterator[str]:
+        train_docs = (t for i, t in enumerate(self.source) if self.val_every <= 0 or i % self.val_every != 0)
+        mine = itertools.islice(train_docs, self.doc_rank, None, self.doc_world)
+        rng = random.Random(f"{self.seed}-{epoch}-{self.doc_rank}")
+        return shuffled(mine, self.shuffle_buffer, rng)
+
+    def tokenized(self, texts: Iterator[str]) -> Iterator[list[int]]:
+        eos = self.tokenizer.eos_token_id
+        while chunk := list(itertools.islice(texts, self.tokenize_batch)):
+            for ids in self.tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]:
+                yield ids + [eos]
+
+    def __iter__(self):
+        if self.shard == "docs" or self.world_size == 1:
+            yield from self._rows()
+            return
+        mine = None  # rows mode: keep row `rank` of every round of W rows, with the state after the round
+        for g, row in enumerate(self._rows()):
+            if g % self.world_size == self.rank:
+                mine = row
+            if g % self.world_size == self.world_size - 1:
+                yield (*mine[:3], row[3])
+
+    def _rows(self):
+        T, st = self.seq_len, self.state
+        epoch, doc, offset = st.epoch, st.doc, st.offset
+        ids, pos, lab = [], [], []
+        while True:
+            docs = self.rank_documents(epoch)
+            for _ in itertools.islice(docs, doc):  # resume: skip consumed documents without tokenizing them
+                pass
+            seen = False
+            for k, toks in enumerate(self.tokenized(docs), start=doc):
+                seen = True
+                p = offset
+                while p < len(toks):
+                    take = min(T - len(ids), len(toks) - p)
+                    ids += toks[p : p + take]
+                    lab += toks[p : p + take]
+                    if not self.cross_doc:
+                        if len(pos) > 0 and p == 0:
+                            lab[len(pos)] = -100  # first token of a document: no prediction across documents
+                        pos += range(take)
+                    p += take
+                    if len(ids) == T:
+                        nxt = DataState(epoch, k, p) if p < len(toks) else DataState(epoch, k + 1, 0)
+                        yield ids, (pos if not self.cross_doc else list(range(T))), lab, nxt
+                        ids, pos, lab = [], [], []
+                offset = 0
+            if not seen and doc == 0:
+                raise ValueError(
+                    f"rank {self.rank} got no training documents from {self.source.describe()} "
+                    f"(val_every={self.val_every}, world_size={self.world_size}): the dataset is too small or empty."
+                )
+            epoch, doc, offset = epoch + 1, 0, 0
+
+
+def validation_rows(source, tokenizer, seq_len: int, val_every: int, val_tokens: int, cross_doc: bool = False):
+    """The held-out rows: documents i % val_every == 0, packed like training, the last row padded (label -100)."""
+    if val_every <= 0 or val_tokens <= 0:
+        return []
+    eos = tokenizer.eos_token_id
+    rows, ids, pos, lab = [], [], [], []
+    for i, text in enumerate(source):
+        if i % val_every != 0:
+            continue
+        toks = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"] + [eos]
+        frag = 0  # position inside the document fragment of this row (restarts at a row start, like training)
+        for p, t in enumerate(toks):
+            lab.append(-100 if (p == 0 and ids and not cross_doc) else t)
+            ids.append(t)
+            pos.append(len(pos) if cross_doc else frag)
+            frag += 1
+            if len(ids) == seq_len:
+                rows.append((ids, pos, lab))
+                ids, pos, lab, frag = [], [], [], 0
+                if len(rows) * seq_len >= val_tokens:
+                    return rows
+    if ids:  # pad the last row: each pad token is its own one-token document with no label
+        n = seq_len - len(ids)
+        rows.append((ids + [eos] * n, pos + ([0] * n if not cross_doc else list(range(len(pos), seq_len))), lab + [-100] * n))
+    return rows
+
+
+def to_batch(rows, device=None) -> dict[str, torch.Tensor]:
+    ids, pos, lab = (torch.tensor([r[j] for r in rows], dtype=torch.long) for j in range(3))
+    batch = {"input_ids": ids, "position_ids": pos, "labels": lab}
+    return {k: v.to(device) for k, v in batch.items()} if device is not None else batch
+
+
+def num_label_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """Tokens that carry a loss after the model's internal shift."""
+    return (labels[:, 1:] != -100).sum()
+
+
+class BatchLoader:
+    """Micro-batches of `micro_batch_size` rows from a Packer, prefetched on a background thread.
+
+    Yields (batch dict of CPU tensors, DataState after the batch). Errors raised while reading or tokenizing
+    surface in the training thread.
+    """
+
+    _END = object()
+
+    def __init__(self, packer: Packer, micro_batch_size: int, prefetch: int = 8):
+        self.packer, self.micro_batch_size = packer, micro_batch_size
+        self.queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._produce, name="nsa-data", daemon=True)
+        self.thread.start()
+
+    def _produce(self):
+        try:
+            rows = iter(self.packer)
+            while not self.stop.is_set():
+                chunk = list(itertools.islice(rows, self.micro_batch_size))
+                self._put((to_batch([r[:3] for r in chunk]), chunk[-1][3]))
+        except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+            self._put(e)
+
+    def _put(self, item):
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(timeout=10)

@@ -1,0 +1,63 @@
+"""Render `model_cards/nsa_model_card.md` (a `string.Template`: `${name}` fields) for an exported checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from string import Template
+
+TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "nsa_model_card.md"
+
+
+def human(n: float) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.1f}{unit}"
+    return f"{n:g}"
+
+
+def run_card_fields(cfg, config, *, n_params, step, tokens_seen, val_loss, val_ppl, last, wall_s, world,
+                    mixed_precision, device, data_description, out_dir) -> dict:
+    """Every `${field}` of the template, from the run's config (TrainConfig), the model config and its figures."""
+    from . import data, metrics
+
+    versions = metrics.package_versions()
+    dataset_id = data.FINEWEB_EDU if cfg.dataset == "fineweb-edu" else cfg.dataset.removeprefix("hf://")
+    on_hub = cfg.dataset == "fineweb-edu" or cfg.dataset.startswith("hf://")
+    tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * world * cfg.seq_len
+    return {
+        "model_name": Path(cfg.push_to_hub or Path(out_dir).name).name,
+        "repo_or_path": cfg.push_to_hub or str(Path(out_dir) / "final"),
+        "datasets_yaml": f"datasets:\n- {dataset_id}\n" if on_hub else "",
+        "num_parameters_human": human(n_params), "attention_mode": config.attention_mode,
+        "steps": step, "tokens_seen": f"{tokens_seen:,}",
+        "val_loss": None if val_loss is None else f"{val_loss:.4f}",
+        "val_ppl": None if val_ppl is None else f"{val_ppl:.2f}",
+        "tokens_per_s": f"{last['tok_s']:,.0f}" if last.get("tok_s") else None,
+        "mfu": f"{last['mfu_dense']:.1%} / {last['mfu_nsa']:.1%}" if last.get("mfu_dense") is not None else None,
+        "peak_mem": f"{last['peak_mem_gb']:.2f} GB" if last.get("peak_mem_gb") else None,
+        "wall_time": f"{wall_s / 60:.1f} min",
+        **{k: getattr(config, k) for k in (
+            "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "cmp_block_size", "cmp_stride", "sel_block_size", "sel_num_blocks", "window_size", "vocab_size")},
+        "tokenizer": cfg.tokenizer, "data_description": data_description, "seq_len": cfg.seq_len,
+        "doc_masking": "documents packed with EOS between them, attention across documents (GPT-2 style)"
+        if cfg.cross_doc_attention else "documents packed with EOS between them and never attended across",
+        "global_batch": cfg.micro_batch_size * cfg.grad_accum * world, "micro_batch_size": cfg.micro_batch_size,
+        "grad_accum": cfg.grad_accum, "num_processes": world, "tokens_per_step": f"{tokens_per_step:,}",
+        "lr": cfg.lr, "betas": f"({cfg.beta1}, {cfg.beta2})", "weight_decay": cfg.weight_decay,
+        "warmup_steps": cfg.warmup_steps, "grad_clip": cfg.grad_clip, "mixed_precision": mixed_precision,
+        "device": device, "git_sha": metrics.git_sha(Path(__file__).resolve().parents[1]),
+        "torch_version": versions["torch"], "transformers_version": versions["transformers"],
+        "accelerate_version": versions["accelerate"],
+    }  # fmt: skip
+
+
+def render(fields: dict, template: Path = TEMPLATE) -> str:
+    """Every `${name}` in the template must be given: a missing figure is an error, not a blank card."""
+    return Template(Path(template).read_text()).substitute({k: ("n/a" if v is None else v) for k, v in fields.items()})
+
+
+def write_model_card(out_dir: Path, fields: dict, template: Path = TEMPLATE) -> Path:
+    path = Path(out_dir) / "README.md"
+    path.write_text(render(fields, template))
+    return path

@@ -1,0 +1,206 @@
+"""Data pipeline: sources, packing with document boundaries, validation split, resumable state, bad input."""
+
+import itertools
+import json
+import time
+
+import pytest
+import torch
+from train_helpers import GPT2, PARQUET, needs_shared
+
+from nsa_train import data
+
+
+class ListSource:
+    def __init__(self, texts):
+        self.texts = texts
+
+    def __iter__(self):
+        return iter(self.texts)
+
+    def describe(self):
+        return "list"
+
+
+@pytest.fixture(scope="module")
+def byt5():
+    return data.load_tokenizer("byt5")
+
+
+def docs(n, seed=0):
+    """Distinct documents of varying length (a few bytes to a few rows)."""
+    return [f"doc{i:03d}:" + "abcdefghij"[i % 10] * (3 + (i * 7 + seed) % 41) for i in range(n)]
+
+
+def test_packing_marks_document_boundaries(byt5):
+    texts = docs(30)
+    rows = list(itertools.islice(data.Packer(ListSource(texts), byt5, 32, val_every=0, shuffle_buffer=0), 20))
+    stream_ids = [t for r in rows for t in r[0]]
+    # the token stream is the documents in order, each followed by EOS
+    expected = [t for text in texts for t in byt5(text, add_special_tokens=False)["input_ids"] + [byt5.eos_token_id]]
+    assert stream_ids == expected[: len(stream_ids)]
+    for ids, pos, lab, _ in rows:
+        assert len(ids) == len(pos) == len(lab) == 32
+        assert pos[0] == 0
+        for j in range(1, 32):
+            starts_doc = ids[j - 1] == byt5.eos_token_id
+            # positions restart exactly where a document starts; its first token gets no label
+            assert (pos[j] == 0) == starts_doc
+            assert (lab[j] == -100) == starts_doc
+            if not starts_doc:
+                assert pos[j] == pos[j - 1] + 1 and lab[j] == ids[j]
+
+
+def test_cross_doc_rows_are_gpt2_style(byt5):
+    rows = list(itertools.islice(data.Packer(ListSource(docs(30)), byt5, 32, val_every=0, shuffle_buffer=0,
+                                             cross_doc=True), 5))  # fmt: skip
+    for ids, pos, lab, _ in rows:
+        assert pos == list(range(32)) and lab == ids
+
+
+def test_model_sees_documents_through_position_ids(byt5):
+    """The rows' position_ids make the model's document layout restart where the packer put a document start."""
+    from modeling_nsa.nsa_layout import document_positions
+
+    ids, pos, lab, _ = next(iter(data.Packer(ListSource(docs(30)), byt5, 64, val_every=0, shuffle_buffer=0)))
+    doc_pos = document_positions(torch.tensor([pos]), None, 1, 64, torch.device("cpu"))
+    assert doc_pos[0].tolist() == pos
+
+
+def test_resume_state_reproduces_the_rest_of_the_stream(byt5):
+    src = ListSource(docs(60))
+    kw = dict(val_every=7, shuffle_buffer=16, seed=3)
+    full = list(itertools.islice(data.Packer(src, byt5, 48, **kw), 40))  # crosses into epoch 1
+    assert full[-1][3].epoch >= 1
+    for cut in (0, 5, 17, 33):
+        resumed = list(itertools.islice(data.Packer(src, byt5, 48, state=full[cut][3], **kw), 40 - cut - 1))
+        assert [r[:3] for r in resumed] == [r[:3] for r in full[cut + 1 :]], f"resume after row {cut}"
+
+
+def test_validation_documents_never_reach_training(byt5):
+    texts = docs(100)
+    val = data.validation_rows(ListSource(texts), byt5, 32, val_every=10, val_tokens=10**6)
+    train = list(itertools.islice(data.Packer(ListSource(texts), byt5, 32, val_every=10, shuffle_buffer=8), 60))
+
+    def decoded_docs(rows):
+        stream = bytes(t - 3 for r in rows for t, lab in zip(r[0], r[2]) if t >= 3).decode("utf-8", "replace")
+        return {d for d in stream.split("doc") if d}
+
+    val_docs, train_docs = decoded_docs(val), decoded_docs(train)
+    assert {f"{i:03d}" for i in range(0, 100, 10)} == {d[:3] for d in val_docs}
+    assert not {d[:3] for d in val_docs} & {d[:3] for d in train_docs}
+    assert val[-1][2][-1] == -100  # the padded tail of the last row carries no loss
+
+
+def test_row_sharding_is_independent_of_process_count(byt5):
+    src = ListSource(docs(80))
+    kw = dict(val_every=0, shuffle_buffer=10, seed=5, shard="rows")
+    one = list(itertools.islice(data.Packer(src, byt5, 32, **kw), 12))
+    r0 = list(itertools.islice(data.Packer(src, byt5, 32, rank=0, world_size=2, **kw), 6))
+    r1 = list(itertools.islice(data.Packer(src, byt5, 32, rank=1, world_size=2, **kw), 6))
+    assert [r[:3] for r in one[0::2]] == [r[:3] for r in r0]
+    assert [r[:3] for r in one[1::2]] == [r[:3] for r in r1]
+    assert [r[3] for r in r0] == [r[3] for r in r1] == [r[3] for r in one[1::2]]  # same resumable state on both
+
+
+def test_doc_sharding_splits_documents_between_ranks(byt5):
+    src = ListSource(docs(40))
+    kw = dict(val_every=0, shuffle_buffer=0, world_size=2)
+    r0 = [r for r in itertools.islice(data.Packer(src, byt5, 16, rank=0, **kw), 30)]
+    stream0 = bytes(t - 3 for r in r0 for t in r[0] if t >= 3).decode()
+    assert "doc000" in stream0 and "doc002" in stream0 and "doc001" not in stream0
+
+
+def test_batch_loader_carries_state_and_label_count(byt5):
+    loader = data.BatchLoader(data.Packer(ListSource(docs(50)), byt5, 32, val_every=0, shuffle_buffer=0), 3)
+    batch, state = next(loader)
+    loader.close()
+    assert batch["input_ids"].shape == batch["position_ids"].shape == batch["labels"].shape == (3, 32)
+    assert isinstance(state, data.DataState) and state.doc > 0
+    n = int(data.num_label_tokens(batch["labels"]))
+    assert n == int((batch["labels"][:, 1:] != -100).sum()) and 0 < n < 3 * 31
+
+
+def test_batch_loader_surfaces_reader_errors(byt5):
+    class Broken(ListSource):
+        def __iter__(self):
+            yield "one document"
+            raise OSError("disk vanished")
+
+    loader = data.BatchLoader(data.Packer(Broken([]), byt5, 64, val_every=0, shuffle_buffer=0), 2)
+    with pytest.raises(OSError, match="disk vanished"):
+        next(loader)
+
+
+def test_local_jsonl_txt_dir_and_glob(tmp_path):
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"body": f"text {i}"}) for i in range(3)) + "\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.txt").write_text("a whole file is one document\nwith two lines")
+    (tmp_path / "notes.md").write_text("ignored")
+    assert list(data.LocalFiles(str(tmp_path / "a.jsonl"), "body")) == ["text 0", "text 1", "text 2"]
+    assert len(list(data.LocalFiles(str(tmp_path), "body"))) == 4
+    assert list(data.LocalFiles(str(tmp_path / "**" / "*.txt"), "body")) == ["a whole file is one document\nwith two lines"]
+
+
+@needs_shared
+def test_shared_parquet_reads_without_datasets(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # the GPU machine has no `datasets`
+    src = data.make_source(str(PARQUET))
+    first = list(itertools.islice(src, 3))
+    assert len(first) == 3 and all(isinstance(t, str) and len(t) > 50 for t in first)
+
+
+def test_python_docs_source_ships_with_python():
+    texts = list(itertools.islice(data.PythonDocs(), 200))
+    assert len(texts) == 200 and sum(map(len, texts)) > 100_000
+
+
+# ---------------------------------------------------------------- bad input: clear errors
+
+
+def test_missing_and_empty_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        data.make_source(str(tmp_path / "nope.parquet"))
+    with pytest.raises(FileNotFoundError, match="no data files"):
+        data.make_source(str(tmp_path))
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    with pytest.raises(ValueError, match="empty"):
+        data.make_source(str(tmp_path / "empty.parquet"))
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    with pytest.raises(ValueError, match="no records"):
+        data.make_source(str(tmp_path / "blank.jsonl"))
+
+
+@needs_shared
+def test_missing_text_column():
+    with pytest.raises(ValueError, match=r"--text-column 'body' not found.*\['text', 'id', 'url', 'topic'\]"):
+        data.make_source(str(PARQUET), text_column="body")
+
+
+def test_dataset_with_no_documents(byt5, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "zero.parquet")
+    packer = data.Packer(data.make_source(str(tmp_path / "zero.parquet")), byt5, 32, val_every=0)
+    with pytest.raises(ValueError, match="no training documents"):
+        next(iter(packer))
+
+
+def test_unknown_tokenizer_fails_fast_with_advice(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    t0 = time.time()
+    with pytest.raises((ValueError, ConnectionError), match="--tokenizer byt5"):
+        data.load_tokenizer("no-such-org/no-such-tokenizer")
+    assert time.time() - t0 < 30
+
+
+@needs_shared
+def test_local_tokenizer_directory():
+    tok = data.load_tokenizer(str(GPT2))
+    assert len(tok) == 50257 and tok.eos_token_id == 50256
+    assert "local_files_only" not in tok.init_kwargs

@@ -1,0 +1,263 @@
+"""The training loop in one process: learning, gradient accumulation, resume, checkpoints, failures, bad input.
+
+Every run is a tiny NSAForCausalLM (2 layers, hidden 64) in float32 on CPU with fixed seeds, so runs that should be
+equal are compared with tight tolerances.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from train_helpers import (
+    REPO,
+    assert_same_weights,
+    final_state,
+    needs_shared,
+    run_cli,
+    run_main,
+    tiny_args,
+    train_losses,
+    val_losses,
+)
+
+from nsa_train import checkpoint
+
+pytestmark = needs_shared
+
+
+def test_validation_loss_falls(tmp_path):
+    out = tmp_path / "run"
+    summary = run_main(tiny_args(out, max_steps=40, eval_every=20, val_tokens=2048, lr=5e-3, warmup_steps=4))
+    val = val_losses(out)
+    assert set(val) == {0, 20, 40}
+    assert val[0] > 10.0  # ln(50304) = 10.83: an untrained model
+    assert val[40] < val[0] - 2.5, val  # well below the start
+    assert summary["val_loss"] == pytest.approx(val[40])
+    record = json.loads((out / "run.json").read_text())
+    assert record["config"]["seq_len"] == 64 and record["packages"]["torch"] == torch.__version__
+    assert "git_sha" in record and record["device"]["type"] == "cpu"
+    assert json.loads((out / "heartbeat.json").read_text())["step"] == 40
+
+
+def test_grad_accumulation_equals_big_batch(tmp_path):
+    """4 micro-batches of 2 rows == 1 micro-batch of 8 rows: same losses, same weights."""
+    big, acc = tmp_path / "big", tmp_path / "acc"
+    run_main(tiny_args(big, micro_batch_size=8, grad_accum=1, max_steps=3))
+    run_main(tiny_args(acc, micro_batch_size=2, grad_accum=4, max_steps=3))
+    lb, la = train_losses(big), train_losses(acc)
+    assert list(lb) == [1, 2, 3]
+    for s in lb:
+        assert la[s] == pytest.approx(lb[s], rel=1e-5, abs=1e-6), (s, la, lb)
+    # the gradient itself (Adam's update is nearly scale-invariant, so a mis-weighted loss shows here first)
+    gb, ga = train_losses(big, "grad_norm"), train_losses(acc, "grad_norm")
+    for s in gb:
+        assert ga[s] == pytest.approx(gb[s], rel=1e-5), (s, ga, gb)
+    assert_same_weights(final_state(acc), final_state(big), atol=1e-4, rtol=1e-3)
+
+
+def test_resume_reproduces_uninterrupted_run(tmp_path):
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    run_main(tiny_args(full, max_steps=6, save_every=3, keep_last=5))
+    assert [d.name for d in checkpoint.checkpoint_dirs(full / "checkpoints")] == ["step_00000003", "step_00000006"]
+    # a run that stopped after step 3: only its checkpoint exists
+    shutil.copytree(full / "checkpoints" / "step_00000003", resumed / "checkpoints" / "step_00000003")
+    summary = run_main(tiny_args(resumed, max_steps=6, save_every=3, resume="latest"))
+    lf, lr = train_losses(full), train_losses(resumed)
+    assert list(lr) == [4, 5, 6]
+    for s in lr:
+        assert lr[s] == pytest.approx(lf[s], rel=1e-6, abs=1e-7), (s, lf, lr)
+        assert train_losses(resumed, "grad_norm")[s] == pytest.approx(train_losses(full, "grad_norm")[s], rel=1e-6)
+    assert_same_weights(final_state(resumed), final_state(full), atol=1e-6, rtol=1e-6)
+    assert summary["tokens_seen"] == 6 * 4 * 64
+
+
+def test_checkpoint_killed_mid_write_is_never_latest(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    real_write = checkpoint._write_json
+
+    def dying_write(path, obj):
+        if path.name == checkpoint.STATE_FILE and obj["step"] == 4:
+            raise KeyboardInterrupt("killed while writing step 4")  # the process dies mid-checkpoint
+        return real_write(path, obj)
+
+    monkeypatch.setattr(checkpoint, "_write_json", dying_write)
+    with pytest.raises(KeyboardInterrupt):
+        run_main(tiny_args(out, max_steps=6, save_every=2, keep_last=5))
+    ckpts = out / "checkpoints"
+    assert (ckpts / ".tmp-step_00000004" / "model.safetensors").exists()  # the half-written one is there ...
+    assert checkpoint.latest_checkpoint(ckpts).name == "step_00000002"  # ... and is not picked up
+    assert checkpoint.resolve_resume("latest", ckpts).name == "step_00000002"
+    (ckpts / "step_00000009").mkdir()  # a step directory without trainer_state.json is not complete either
+    assert checkpoint.latest_checkpoint(ckpts).name == "step_00000002"
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        checkpoint.resolve_resume(str(ckpts / ".tmp-step_00000004"), ckpts)
+    monkeypatch.setattr(checkpoint, "_write_json", real_write)
+    run_main(tiny_args(out, max_steps=6, save_every=2, keep_last=2, resume="latest"))
+    assert [d.name for d in checkpoint.checkpoint_dirs(ckpts)] == ["step_00000004", "step_00000006"]  # keep-last 2
+    assert not list(ckpts.glob(".tmp-*"))  # the stale temporary directory was cleaned
+
+
+def _poison_loss_at(monkeypatch, bad_calls):
+    """Make the model's loss NaN on the given forward calls (counting from 1)."""
+    from modeling_nsa import NSAForCausalLM
+
+    real_forward, calls = NSAForCausalLM.forward, {"n": 0}
+
+    def forward(self, *args, **kwargs):
+        out = real_forward(self, *args, **kwargs)
+        if self.training:
+            calls["n"] += 1
+            if calls["n"] in bad_calls:
+                out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setattr(NSAForCausalLM, "forward", forward)
+
+
+def test_nonfinite_loss_stops_before_touching_weights(tmp_path, monkeypatch):
+    _poison_loss_at(monkeypatch, {3})
+    with pytest.raises(FloatingPointError, match=r"non-finite loss/gradient at step 2.*NOT updated.*--skip-nonfinite"):
+        run_main(tiny_args(tmp_path / "run", max_steps=5, save_every=2))
+
+
+def test_nonfinite_loss_skip_flag(tmp_path, monkeypatch):
+    _poison_loss_at(monkeypatch, {3})
+    summary = run_main(tiny_args(tmp_path / "run", max_steps=5, skip_nonfinite=True))
+    assert summary["skipped"] == 1 and summary["finished"]
+    assert all(torch.isfinite(v).all() for v in final_state(tmp_path / "run").values())
+
+
+def test_watchdog_dumps_stacks_and_exits(tmp_path):
+    code = textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        from nsa_train.metrics import Watchdog
+        def stuck_in_collective():
+            time.sleep(60)
+        wd = Watchdog(1.0, Path({str(tmp_path)!r}) / "hb.json", Path({str(tmp_path)!r}) / "stacks.txt")
+        wd.beat(step=7)
+        stuck_in_collective()
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3
+    assert "no progress" in proc.stderr and "stuck_in_collective" in proc.stderr
+    assert "stuck_in_collective" in (tmp_path / "stacks.txt").read_text()
+    assert json.loads((tmp_path / "hb.json").read_text())["step"] == 7
+
+
+def test_sigterm_saves_and_resume_continues(tmp_path):
+    """SIGTERM mid-run: a checkpoint at the current step, exit 0; resuming finishes like an uninterrupted run."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    args = tiny_args(out, max_steps=400, save_every=0)
+    proc = subprocess.Popen([sys.executable, "train_accelerate.py", *args], cwd=str(REPO),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        hb = out / "heartbeat.json"
+        if hb.exists() and json.loads(hb.read_text()).get("step", 0) >= 2:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    log, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, log[-3000:]
+    assert "SIGTERM" in log
+    ckpt = checkpoint.latest_checkpoint(out / "checkpoints")
+    step = json.loads((ckpt / checkpoint.STATE_FILE).read_text())["step"]
+    assert step >= 2 and not (out / "final").exists()
+    assert json.loads((out / "summary.json").read_text())["finished"] is False
+    summary = run_main(tiny_args(out, max_steps=step + 1, save_every=0, resume="latest"))  # it resumes from there
+    assert summary["finished"] and summary["step"] == step + 1 and step + 1 in train_losses(out)
+
+
+# ---------------------------------------------------------------- bad input: errors before any step
+
+
+def test_seq_len_the_model_cannot_take(tmp_path):
+    with pytest.raises(ValueError, match=r"--seq-len 9000 cannot be taken.*max_position_embeddings=8192"):
+        run_main(tiny_args(tmp_path, seq_len=9000))
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_invalid_model_settings(tmp_path):
+    with pytest.raises(ValueError, match="cmp_stride"):
+        run_main(tiny_args(tmp_path, model_overrides='{"cmp_stride": 5}'))
+    with pytest.raises(ValueError, match="--model 'huge'"):
+        run_main(tiny_args(tmp_path, model="huge"))
+
+
+def test_cli_errors_are_clear(tmp_path):
+    proc = run_cli(["--preset", "nope"], check=False, timeout=120)
+    assert proc.returncode != 0 and "unknown --preset 'nope'" in proc.stderr
+    proc = run_cli(tiny_args(tmp_path / "r", dataset=tmp_path / "missing.parquet"), check=False, timeout=120)
+    assert proc.returncode == 2 and "error: --dataset" in proc.stderr and "no such file" in proc.stderr
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_push_without_token_fails_before_training(tmp_path, monkeypatch):
+    from nsa_train import hub
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr("huggingface_hub.get_token", lambda: None)
+    with pytest.raises(hub.HubError, match="no Hugging Face token"):
+        run_main(tiny_args(tmp_path, push_to_hub="me/nsa-test"))
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_trainer_feeds_document_boundaries_to_the_model(tmp_path, monkeypatch):
+    """The loop passes position_ids that restart at document starts (NSA's packed-document input) and masked labels;
+    with --cross-doc-attention it passes plain 0..T-1 positions and every label."""
+    from modeling_nsa import NSAForCausalLM
+
+    seen, real_forward = [], NSAForCausalLM.forward
+
+    def spy(self, *args, **kwargs):
+        if self.training:
+            seen.append({k: kwargs.get(k) for k in ("input_ids", "position_ids", "labels", "num_items_in_batch")})
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(NSAForCausalLM, "forward", spy)
+    run_main(tiny_args(tmp_path / "docs", max_steps=2, micro_batch_size=8))
+    pos, lab = seen[0]["position_ids"], seen[0]["labels"]
+    starts = (pos[:, 1:] == 0)
+    assert starts.any(), "a batch of 8 x 64 wiki tokens holds a document boundary"
+    assert torch.equal(starts, lab[:, 1:] == -100)
+    assert torch.equal(seen[0]["input_ids"][:, :-1][starts], torch.full_like(seen[0]["input_ids"][:, :-1][starts], 50256))
+    assert int(seen[0]["num_items_in_batch"]) == int((lab[:, 1:] != -100).sum())
+    seen.clear()
+    run_main(tiny_args(tmp_path / "cross", max_steps=1, micro_batch_size=8, cross_doc_attention=True))
+    assert torch.equal(seen[0]["position_ids"], torch.arange(64).expand(8, 64))
+    assert torch.equal(seen[0]["labels"], seen[0]["input_ids"])
+
+
+def test_gradient_checkpointing_and_dense_baseline(tmp_path):
+    """--gradient-checkpointing changes memory, not the math; --attention-mode dense trains the A/B baseline."""
+    plain, ckpt, dense = tmp_path / "plain", tmp_path / "ckpt", tmp_path / "dense"
+    run_main(tiny_args(plain, max_steps=2))
+    run_main(tiny_args(ckpt, max_steps=2, gradient_checkpointing=True))
+    lp, lc = train_losses(plain), train_losses(ckpt)
+    assert lc == pytest.approx(lp, rel=1e-6)
+    assert train_losses(ckpt, "grad_norm") == pytest.approx(train_losses(plain, "grad_norm"), rel=1e-5)
+    run_main(tiny_args(dense, max_steps=2))
+    run_main(tiny_args(dense, max_steps=2, attention_mode="dense", output_dir=dense))
+    record = json.loads((dense / "run.json").read_text())
+    assert record["model_config"]["attention_mode"] == "dense"
+    assert record["flops_per_token"]["dense"] == record["flops_per_token"]["nsa"]
+    assert json.loads((dense / "final" / "config.json").read_text())["attention_mode"] == "dense"
+
+
+def test_help_lists_every_flag(capsys):
+    import train_accelerate
+
+    with pytest.raises(SystemExit) as exit_info:
+        train_accelerate.parse_args(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--preset", "--dataset", "--seq-len", "--ddp-comm-hook", "--resume", "--push-to-hub", "--stall-timeout"):
+        assert flag in text

@@ -1,0 +1,472 @@
+"""Train an NSA language model with Hugging Face Accelerate. Read it top to bottom.
+
+    python train_accelerate.py --preset smoke                                  # CPU, no network, a few minutes
+    accelerate launch --config_file accelerate_configs/single_gpu.yaml train_accelerate.py --dataset fineweb-edu
+    accelerate launch --config_file accelerate_configs/ddp_2gpu_bf16.yaml train_accelerate.py --dataset fineweb-edu
+
+One optimizer step = `grad_accum` micro-batches of `micro_batch_size` rows of `seq_len` tokens on every process.
+The loss is a sum over label tokens divided by the number of label tokens in the whole step (all micro-batches,
+all processes), so any split of the same global batch gives the same update.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import (
+    DDPCommunicationHookType,
+    DistributedDataParallelKwargs,
+    ProjectConfiguration,
+    broadcast_object_list,
+    gather_object,
+    is_tensorboard_available,
+    parse_flag_from_env,
+    set_seed,
+)
+from tqdm.auto import tqdm
+from transformers import HfArgumentParser
+
+from nsa_train import checkpoint, data, hub, metrics
+from nsa_train.model_card import run_card_fields, write_model_card
+
+MODEL_PRESETS = {
+    "125m": {},  # NSAConfig defaults: 12 layers, hidden 768, 12 q / 2 kv heads, paper NSA sizes
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, cmp_block_size=16, cmp_stride=8, sel_block_size=16,
+                 sel_num_blocks=4, window_size=32, cmp_mlp_hidden_size=32),
+    "smoke": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, cmp_block_size=16, cmp_stride=8, sel_block_size=16,
+                  sel_num_blocks=4, window_size=64, cmp_mlp_hidden_size=64),
+}  # fmt: skip
+
+PRESETS = {  # defaults a preset sets; flags given on the command line still win
+    "smoke": dict(dataset="python-docs", tokenizer="byt5", model="smoke", seq_len=128, micro_batch_size=8,
+                  max_steps=400, lr=3e-3, warmup_steps=20, eval_every=100, save_every=200, val_tokens=8192,
+                  val_every_doc=50, shuffle_buffer=500, log_every=10, mixed_precision="no",
+                  sample_prompt="The Python "),
+}  # fmt: skip
+
+
+@dataclass
+class TrainConfig:
+    preset: str | None = field(default=None, metadata={"help": f"Defaults for a named setup: {list(PRESETS)}."})
+    # data
+    dataset: str = field(default="fineweb-edu", metadata={"help": "fineweb-edu | python-docs | hf://NAME | PATH (file, dir, glob of parquet/jsonl/txt)."})
+    dataset_config: str = field(default="sample-10BT", metadata={"help": "Hub dataset config (FineWeb-Edu: sample-10BT, sample-100BT, ...)."})
+    text_column: str = "text"
+    tokenizer: str = field(default="gpt2", metadata={"help": "AutoTokenizer name or path, or 'byt5' (byte-level, no files)."})
+    seq_len: int = 2048
+    cross_doc_attention: bool = field(default=False, metadata={"help": "GPT-2 style rows: attend across documents."})
+    data_shard: Literal["docs", "rows"] = field(default="docs", metadata={"help": "docs: each rank tokenizes its own documents; rows: every rank packs the global stream (results independent of the process count)."})
+    shuffle_buffer: int = 10_000
+    val_every_doc: int = field(default=100, metadata={"help": "Document i is held out for validation when i %% N == 0."})
+    val_tokens: int = field(default=1 << 18, metadata={"help": "Validation set size in tokens (split across processes)."})
+    # model
+    model: str = field(default="125m", metadata={"help": f"{list(MODEL_PRESETS)} or a config.json path."})
+    model_overrides: str = field(default="", metadata={"help": 'JSON of NSAConfig fields, e.g. \'{"num_hidden_layers": 6}\'.'})
+    attention_mode: Literal["nsa", "dense"] = "nsa"
+    nsa_backend: Literal["auto", "reference", "triton"] = "auto"
+    gradient_checkpointing: bool = False
+    compile: bool = False
+    # optimization
+    micro_batch_size: int = 16
+    grad_accum: int = 1
+    max_steps: int = 5000
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 200
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 1337
+    mixed_precision: Literal["no", "bf16", "fp16"] | None = field(default=None, metadata={"help": "Default: the accelerate config's (bf16 in the GPU YAMLs)."})
+    skip_nonfinite: bool = field(default=False, metadata={"help": "Skip a step with a non-finite loss/grad instead of stopping."})
+    # DDP (ignored on one process)
+    ddp_comm_hook: Literal["auto", "bf16", "fp16", "powersgd", "none"] = field(default="auto", metadata={"help": "Gradient all-reduce compression. auto: bf16 on multi-GPU NCCL, none otherwise."})
+    ddp_bucket_cap_mb: int = 25
+    ddp_static_graph: bool = True
+    powersgd_rank: int = 4
+    # logging, eval, watchdog
+    output_dir: str | None = field(default=None, metadata={"help": "Default runs/<date-time>."})
+    log_every: int = 10
+    eval_every: int = 250
+    report_to: Literal["tensorboard", "trackio", "none"] = "tensorboard"
+    stall_timeout: float = field(default=1800.0, metadata={"help": "Seconds without progress before the watchdog dumps stacks and exits (0: off)."})
+    peak_tflops: float | None = field(default=None, metadata={"help": "Peak TFLOPS per device for MFU (default: known GPUs, bf16)."})
+    sample_prompt: str | None = field(default=None, metadata={"help": "Generate from this prompt with the exported model at the end."})
+    # checkpoints and the Hub
+    save_every: int = 1000
+    keep_last: int = 3
+    resume: str | None = field(default=None, metadata={"help": "'latest' (in --output-dir) or a checkpoint path."})
+    export_every_save: bool = field(default=False, metadata={"help": "Also write the HF checkpoint (and push, with --push-to-hub) at each save."})
+    push_to_hub: str | None = field(default=None, metadata={"help": "REPO_ID to upload final/ to (token and repo checked before training)."})
+    hub_private: bool = False
+    hub_intermediate: Literal["commit", "branch"] = field(default="commit", metadata={"help": "Intermediate pushes as commits on main or as branches step-N."})
+
+
+def parse_args(argv=None) -> TrainConfig:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = HfArgumentParser(TrainConfig)
+    preset = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--preset"), None)
+    if preset is not None:
+        if preset not in PRESETS:
+            raise SystemExit(f"error: unknown --preset {preset!r}; choose from {list(PRESETS)}.")
+        parser.set_defaults(**PRESETS[preset])
+    (cfg,) = parser.parse_args_into_dataclasses(args=argv)
+    return cfg
+
+
+def build_model(cfg: TrainConfig, tokenizer):
+    from modeling_nsa import NSAConfig, NSAForCausalLM
+
+    if cfg.model in MODEL_PRESETS:
+        fields = dict(MODEL_PRESETS[cfg.model])
+    elif Path(cfg.model).is_file():
+        fields = json.loads(Path(cfg.model).read_text())
+        fields = {k: v for k, v in fields.items() if k in NSAConfig.__dataclass_fields__}
+    else:
+        raise ValueError(f"--model {cfg.model!r}: not one of {list(MODEL_PRESETS)} and not a config file.")
+    fields.update(json.loads(cfg.model_overrides) if cfg.model_overrides else {})
+    fields.update(
+        vocab_size=math.ceil(len(tokenizer) / 64) * 64,  # padded for tensor cores (GPT-2: 50257 -> 50304)
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        attention_mode=cfg.attention_mode, nsa_backend=cfg.nsa_backend,
+    )  # fmt: skip
+    config = NSAConfig(**fields)  # raises ValueError on invalid NSA settings
+    if cfg.seq_len < 2 or cfg.seq_len > config.max_position_embeddings:
+        raise ValueError(
+            f"--seq-len {cfg.seq_len} cannot be taken by this model (max_position_embeddings="
+            f"{config.max_position_embeddings}); use 2..{config.max_position_embeddings} or raise it with "
+            f'--model-overrides \'{{"max_position_embeddings": {max(cfg.seq_len, 2)}}}\'.'
+        )
+    return NSAForCausalLM(config)
+
+
+def make_optimizer(model, cfg: TrainConfig, device):
+    """AdamW; weight decay on matrices only (no decay on norms, biases, embeddings)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 or "embed" in name else decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to cfg.lr, then cosine down to cfg.lr * min_lr_ratio at max_steps."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def ddp_kwargs(cfg: TrainConfig, num_processes: int) -> DistributedDataParallelKwargs:
+    hook = cfg.ddp_comm_hook
+    if hook == "auto":  # bf16 compression needs NCCL: multi-GPU only
+        hook = "bf16" if torch.cuda.is_available() and num_processes > 1 else "none"
+    hooks = {"bf16": DDPCommunicationHookType.BF16, "fp16": DDPCommunicationHookType.FP16,
+             "powersgd": DDPCommunicationHookType.POWER_SGD, "none": DDPCommunicationHookType.NO}  # fmt: skip
+    return DistributedDataParallelKwargs(
+        comm_hook=hooks[hook],
+        comm_state_option={"matrix_approximation_rank": cfg.powersgd_rank} if hook == "powersgd" else {},
+        bucket_cap_mb=cfg.ddp_bucket_cap_mb,
+        static_graph=cfg.ddp_static_graph,
+        find_unused_parameters=False,
+        gradient_as_bucket_view=True,
+    )
+
+
+@torch.no_grad()
+def evaluate(model, rows, cfg: TrainConfig, accelerator) -> tuple[float, float]:
+    """Validation loss (mean over label tokens of every process) and perplexity."""
+    model.eval()
+    sums = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # (loss sum, label tokens)
+    mine = rows[accelerator.process_index :: accelerator.num_processes]
+    for i in range(0, len(mine), cfg.micro_batch_size):
+        batch = data.to_batch(mine[i : i + cfg.micro_batch_size], accelerator.device)
+        n = data.num_label_tokens(batch["labels"])
+        with accelerator.autocast():
+            loss = model(**batch, num_items_in_batch=n).loss
+        sums += torch.stack([loss.double() * n, n.double()])
+    sums = accelerator.reduce(sums, reduction="sum")
+    model.train()
+    val_loss = (sums[0] / sums[1].clamp(min=1)).item()
+    return val_loss, math.exp(min(val_loss, 50.0))
+
+
+def main(cfg: TrainConfig) -> dict:
+    cleanup: list = []  # background threads (data prefetch, watchdog) stop however the run ends
+    try:
+        return train(cfg, cleanup)
+    finally:
+        for close in reversed(cleanup):
+            close()
+
+
+def train(cfg: TrainConfig, cleanup: list) -> dict:
+    t_start = time.time()
+    # the process group before the Accelerator (whose TensorBoard logger needs the output dir, the same on every process)
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    out = [cfg.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"]
+    broadcast_object_list(out) if state.num_processes > 1 else None
+    out_dir = Path(out[0])
+    ckpt_root = out_dir / "checkpoints"
+    accelerator = Accelerator(
+        gradient_accumulation_steps=cfg.grad_accum,
+        mixed_precision=cfg.mixed_precision,
+        log_with=None if cfg.report_to == "none" else cfg.report_to,
+        project_config=ProjectConfiguration(project_dir=str(out_dir), logging_dir=str(out_dir)),
+        kwargs_handlers=[ddp_kwargs(cfg, state.num_processes)],
+    )
+    main_proc, world = accelerator.is_main_process, accelerator.num_processes
+    say = accelerator.print
+    if cfg.report_to == "tensorboard" and not is_tensorboard_available():
+        say("tensorboard is not installed: logging to stdout and metrics.jsonl only (pip install tensorboard)")
+        cfg.report_to = "none"
+    if main_proc:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    watchdog = metrics.Watchdog(cfg.stall_timeout, out_dir / "heartbeat.json" if main_proc else None,
+                                out_dir / f"stacks_rank{accelerator.process_index}.txt")  # fmt: skip
+    cleanup.append(watchdog.stop)
+    set_seed(cfg.seed)
+
+    # --- everything that can fail fails here, before the first step
+    tokenizer = data.load_tokenizer(cfg.tokenizer)
+    source = data.make_source(cfg.dataset, cfg.text_column, cfg.dataset_config)
+    model = build_model(cfg, tokenizer)
+    tokenizer.model_max_length = model.config.max_position_embeddings  # long documents are packed, not truncated
+    hub_api = None
+    if cfg.push_to_hub:
+        result = [None]
+        if main_proc:
+            try:
+                hub_api, url = hub.preflight(cfg.push_to_hub, private=cfg.hub_private)
+                say(f"hub: pushing to {url}")
+            except hub.HubError as e:
+                result = [str(e)]
+        broadcast_object_list(result) if world > 1 else None
+        if result[0]:
+            raise hub.HubError(result[0])
+    val_rows = data.validation_rows(source, tokenizer, cfg.seq_len, cfg.val_every_doc, cfg.val_tokens,
+                                    cfg.cross_doc_attention)  # fmt: skip
+    watchdog.beat(phase="setup")
+    if cfg.gradient_checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    n_params = sum(p.numel() for p in model.parameters())
+    flops_dense, flops_nsa = metrics.flops_per_token(model, cfg.seq_len)
+    peak = metrics.peak_flops(accelerator.device, cfg.peak_tflops)
+
+    optimizer = make_optimizer(model, cfg, accelerator.device)
+    if cfg.compile:
+        model = torch.compile(model)
+    model, optimizer = accelerator.prepare(model, optimizer)
+
+    step, tokens_seen, skipped, val_loss, val_ppl = 0, 0, 0, None, None
+    data_state = data.DataState()
+    resume_from = checkpoint.resolve_resume(cfg.resume, ckpt_root)
+    if resume_from is not None:
+        trainer_state, ds = checkpoint.load_checkpoint(accelerator, resume_from)
+        step, tokens_seen, skipped = trainer_state["step"], trainer_state["tokens_seen"], trainer_state["skipped_steps"]
+        val_loss, val_ppl = trainer_state.get("val_loss"), trainer_state.get("val_ppl")
+        data_state = data.DataState(**ds)
+        say(f"resumed from {resume_from} at step {step} ({tokens_seen:,} tokens)")
+    packer = data.Packer(source, tokenizer, cfg.seq_len, rank=accelerator.process_index, world_size=world,
+                         seed=cfg.seed, shuffle_buffer=cfg.shuffle_buffer, val_every=cfg.val_every_doc,
+                         cross_doc=cfg.cross_doc_attention, state=data_state, shard=cfg.data_shard)  # fmt: skip
+    loader = data.BatchLoader(packer, cfg.micro_batch_size)
+    cleanup.append(loader.close)
+
+    run_config = asdict(cfg) | {"output_dir": str(out_dir), "world_size": world}
+    if main_proc:
+        metrics.write_run_record(out_dir / "run.json", run_config, accelerator, accelerator.unwrap_model(model),
+                                 {"data": source.describe(), "flops_per_token": {"dense": flops_dense, "nsa": flops_nsa}})  # fmt: skip
+    if cfg.report_to != "none":  # TensorBoard events go to <output_dir>/logs
+        accelerator.init_trackers("logs", config={k: v for k, v in run_config.items() if v is not None})
+    tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * world * cfg.seq_len
+    say(f"model: {n_params / 1e6:.2f}M params, attention {cfg.attention_mode}; data: {source.describe()}; "
+        f"{world} process(es) x {cfg.grad_accum} x {cfg.micro_batch_size} rows x {cfg.seq_len} = "
+        f"{tokens_per_step:,} tokens/step; output {out_dir}")  # fmt: skip
+
+    stop = {"signal": None}  # SIGTERM (preemption, scancel): finish the step, save, exit 0
+    previous_handler = signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))
+    cleanup.append(lambda: signal.signal(signal.SIGTERM, previous_handler))
+
+    def save(at_step: int):
+        trainer_state = {"step": at_step, "tokens_seen": tokens_seen, "skipped_steps": skipped, "world_size": world,
+                         "val_loss": val_loss, "val_ppl": val_ppl, "config": run_config}  # fmt: skip
+        path = checkpoint.save_checkpoint(accelerator, ckpt_root, at_step, trainer_state, data_state.to_dict(),
+                                          cfg.keep_last)  # fmt: skip
+        say(f"saved {path}")
+        if cfg.export_every_save:
+            export(f"step {at_step}", branch=f"step-{at_step}" if cfg.hub_intermediate == "branch" else None)
+
+    def export(message: str, branch: str | None = None):
+        if main_proc:
+            final = checkpoint.export_hf_checkpoint(accelerator.unwrap_model(model), tokenizer, out_dir / "final")
+            write_model_card(final, card_fields())
+            if hub_api is not None:
+                hub.push_folder(hub_api, cfg.push_to_hub, final, message, branch=branch)
+                say(f"pushed {final} to {cfg.push_to_hub} ({branch or 'main'}): {message}")
+        accelerator.wait_for_everyone()
+
+    def card_fields() -> dict:
+        return run_card_fields(cfg, accelerator.unwrap_model(model).config, n_params=n_params, step=step,
+                               tokens_seen=tokens_seen, val_loss=val_loss, val_ppl=val_ppl, last=last,
+                               wall_s=time.time() - t_start, world=world, mixed_precision=accelerator.mixed_precision,
+                               device=metrics.device_info(accelerator).get("gpu", accelerator.device.type),
+                               data_description=source.describe(), out_dir=out_dir)  # fmt: skip
+
+    # --- the loop
+    model.train()
+    last: dict = {}
+    log_file = open(out_dir / "metrics.jsonl", "a") if main_proc else None
+    bar = tqdm(total=cfg.max_steps, initial=step, disable=not (main_proc and sys.stderr.isatty()), desc="train")
+    loss_acc = torch.zeros((), device=accelerator.device)
+    t_log, tokens_at_log = time.time(), tokens_seen
+    if accelerator.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(accelerator.device)
+    if val_rows and cfg.eval_every and step == 0:  # the starting point of the validation curve
+        val_loss, val_ppl = evaluate(accelerator.unwrap_model(model), val_rows, cfg, accelerator)
+        if main_proc:
+            tqdm.write(f"step 0: val loss {val_loss:.4f} ppl {val_ppl:.2f}")
+            log_file.write(json.dumps({"step": 0, "val_loss": val_loss, "val_ppl": val_ppl}) + "\n")
+        t_log = time.time()
+    while step < cfg.max_steps:
+        lr = lr_at(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        micro = [next(loader) for _ in range(cfg.grad_accum)]
+        n_items = sum(data.num_label_tokens(b["labels"]) for b, _ in micro).to(accelerator.device)
+        n_items = accelerator.reduce(n_items, reduction="sum")  # label tokens in the whole step, all processes
+        step_loss = torch.zeros((), device=accelerator.device)
+        for batch, _ in micro:
+            batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
+            with accelerator.accumulate(model):
+                loss = model(**batch, num_items_in_batch=n_items).loss  # local token sum / global token count
+                # accelerate divides by grad_accum and DDP averages over processes: undo both
+                accelerator.backward(loss * cfg.grad_accum * world)
+                step_loss += loss.detach()
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        grad_norm = float(grad_norm)  # one host sync per step; identical on every process after the all-reduce
+        if not math.isfinite(grad_norm) and accelerator.mixed_precision != "fp16":  # fp16: the scaler skips itself
+            if not cfg.skip_nonfinite:
+                latest = checkpoint.latest_checkpoint(ckpt_root)
+                raise FloatingPointError(
+                    f"non-finite loss/gradient at step {step} (loss {float(step_loss):.4g}, grad norm {grad_norm}, "
+                    f"lr {lr:.3g}); the weights were NOT updated. Last checkpoint: {latest}. Lower --lr, raise "
+                    "--warmup-steps or pass --skip-nonfinite to skip such steps."
+                )
+            skipped += 1
+            say(f"step {step}: non-finite gradient, step skipped ({skipped} so far)")
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        tokens_seen += tokens_per_step
+        data_state = micro[-1][1]
+        loss_acc += step_loss
+        watchdog.beat(step=step, tokens_seen=tokens_seen)
+        bar.update(1)
+
+        if step % cfg.log_every == 0 or step == cfg.max_steps:
+            loss_avg = (accelerator.reduce(loss_acc, reduction="sum") / cfg.log_every).item() if cfg.log_every else 0.0
+            if step % cfg.log_every:  # the last partial window
+                loss_avg = loss_avg * cfg.log_every / (step % cfg.log_every)
+            dt = time.time() - t_log
+            tok_s = (tokens_seen - tokens_at_log) / max(dt, 1e-9)
+            if accelerator.device.type == "cuda":
+                peak_mem = torch.cuda.max_memory_allocated(accelerator.device) / 2**30
+            else:
+                import resource
+
+                peak_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+            last = {"step": step, "loss": loss_avg, "lr": lr, "grad_norm": grad_norm, "tok_s": tok_s,
+                    "mfu_dense": flops_dense * tok_s / (peak * world) if peak else None,
+                    "mfu_nsa": flops_nsa * tok_s / (peak * world) if peak else None,
+                    "peak_mem_gb": peak_mem, "tokens_seen": tokens_seen, "skipped": skipped}  # fmt: skip
+            mfu = f" mfu {last['mfu_dense']:.1%}/{last['mfu_nsa']:.1%}" if peak else ""
+            bar.set_postfix(loss=f"{loss_avg:.4f}", tok_s=f"{tok_s:,.0f}")
+            if main_proc:
+                tqdm.write(f"step {step}: loss {loss_avg:.4f} lr {lr:.2e} grad_norm {grad_norm:.3f} "
+                           f"tok/s {tok_s:,.0f}{mfu} mem {peak_mem:.2f}GB")  # fmt: skip
+                log_file.write(json.dumps(last) + "\n")
+                log_file.flush()
+            if cfg.report_to != "none":
+                accelerator.log({f"train/{k}": v for k, v in last.items() if v is not None and k != "step"}, step=step)
+            loss_acc.zero_()
+            t_log, tokens_at_log = time.time(), tokens_seen
+
+        if val_rows and cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+            val_loss, val_ppl = evaluate(accelerator.unwrap_model(model), val_rows, cfg, accelerator)
+            if main_proc:
+                tqdm.write(f"step {step}: val loss {val_loss:.4f} ppl {val_ppl:.2f}")
+                log_file.write(json.dumps({"step": step, "val_loss": val_loss, "val_ppl": val_ppl}) + "\n")
+                log_file.flush()
+            if cfg.report_to != "none":
+                accelerator.log({"val/loss": val_loss, "val/ppl": val_ppl}, step=step)
+            watchdog.beat(step=step, phase="eval")
+            t_log = time.time()  # do not count evaluation in tokens/s
+
+        stop_now = torch.tensor(float(stop["signal"] is not None), device=accelerator.device)
+        if world > 1:
+            stop_now = accelerator.reduce(stop_now, reduction="sum")  # a signal on any process stops them all
+        if stop_now.item() > 0:
+            say(f"SIGTERM at step {step}: saving a checkpoint and exiting")
+            save(step)
+            break
+        if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
+            save(step)
+            watchdog.beat(step=step, phase="save")
+            t_log = time.time()
+    bar.close()
+
+    finished = step >= cfg.max_steps and stop["signal"] is None
+    if finished:
+        if cfg.save_every:
+            save(step)
+        export("final" if cfg.push_to_hub else "")
+        if main_proc and cfg.sample_prompt:
+            m = accelerator.unwrap_model(model).eval()
+            ids = tokenizer(cfg.sample_prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(accelerator.device)
+            with torch.no_grad(), accelerator.autocast():
+                gen = m.generate(ids, max_new_tokens=48, do_sample=False)
+            say(f"sample: {tokenizer.decode(gen[0])!r}")
+    if cfg.report_to != "none":
+        accelerator.end_training()
+    if log_file:
+        log_file.close()
+    # every process reports a digest of its weights: DDP replicas must be bit-identical
+    digests = gather_object([metrics.weights_digest(accelerator.unwrap_model(model))]) if world > 1 else [
+        metrics.weights_digest(accelerator.unwrap_model(model))]
+    if len(set(digests)) > 1:
+        say(f"WARNING: the {world} processes hold different weights: {digests}")
+    summary = {"step": step, "tokens_seen": tokens_seen, "val_loss": val_loss, "val_ppl": val_ppl,
+               "finished": finished, "output_dir": str(out_dir), "weight_digests": digests,
+               **{k: v for k, v in last.items() if k != "step"}}  # fmt: skip
+    if main_proc:
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        say(f"done: {json.dumps(summary)}")
+    return summary
+
+
+if __name__ == "__main__":
+    config = parse_args()
+    try:
+        main(config)
+    except (ValueError, FileNotFoundError, ConnectionError, ImportError, hub.HubError, FloatingPointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
