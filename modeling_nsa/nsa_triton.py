@@ -71,16 +71,61 @@ def triton_supports(params: NSAParams, head_dim: int) -> bool:
 
 if _HAS_TRITON:
 
+    @triton.jit
+    def _load_do(DO, GATE, row, row_ok, d, D: tl.constexpr, BR: tl.constexpr):
+        """The branch's output gradient g_br * dout for the given rows, rounded to the input dtype (never
+        materialized in memory)."""
+        do = tl.load(DO + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        gt = tl.load(GATE + row * 3 + BR, mask=row_ok, other=0.0).to(tl.float32)
+        return (do.to(tl.float32) * gt[:, None]).to(DO.dtype.element_ty)
+
+    @triton.jit
+    def _store_dq(DQ, DQO, row, row_ok, d, dq, D: tl.constexpr, ACC: tl.constexpr):
+        """ACC 0: first branch, store fp32; 1: add to the fp32 accumulator; 2: last branch, add and write
+        the final dq in the input dtype to DQO. Fixed branch order: deterministic."""
+        dq_ptr = DQ + row[:, None] * D + d[None, :]
+        if ACC == 0:
+            tl.store(dq_ptr, dq, mask=row_ok[:, None])
+        else:
+            prev = tl.load(dq_ptr, mask=row_ok[:, None], other=0.0)
+            if ACC == 1:
+                tl.store(dq_ptr, prev + dq, mask=row_ok[:, None])
+            else:
+                tl.store(DQO + row[:, None] * D + d[None, :], (prev + dq).to(DQO.dtype.element_ty), mask=row_ok[:, None])
+
+    @triton.jit
+    def _bwd_prep_kernel(
+        DOUT, OC, OS, OW, GATE, DG, DELTA, R,
+        D: tl.constexpr, BLOCK_R: tl.constexpr,
+    ):
+        """Per (token, head) row: dgates[i] = dout . o_i and delta_i = rowsum(round(g_i dout) * o_i)."""
+        rr = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        ok = rr < R
+        d = tl.arange(0, D)
+        off = rr[:, None] * D + d[None, :]
+        do = tl.load(DOUT + off, mask=ok[:, None], other=0.0).to(tl.float32)
+        for i in tl.static_range(3):
+            if i == 0:
+                o = tl.load(OC + off, mask=ok[:, None], other=0.0).to(tl.float32)
+            elif i == 1:
+                o = tl.load(OS + off, mask=ok[:, None], other=0.0).to(tl.float32)
+            else:
+                o = tl.load(OW + off, mask=ok[:, None], other=0.0).to(tl.float32)
+            gt = tl.load(GATE + rr * 3 + i, mask=ok, other=0.0).to(tl.float32)
+            tl.store(DG + rr * 3 + i, tl.sum(do * o, 1).to(DG.dtype.element_ty), mask=ok)
+            dob = (do * gt[:, None]).to(DOUT.dtype.element_ty).to(tl.float32)
+            tl.store(DELTA + i * R + rr, tl.sum(dob * o, 1), mask=ok)
+
     # ------------------------------------------------------------------------------------------
     # Interval attention (compressed + window branches)
     # ------------------------------------------------------------------------------------------
 
     @triton.jit
     def _interval_fwd_kernel(
-        Q, K, V, LO, HI, O, LSE,
+        Q, K, V, LO, HI, O, LSE, OC, OS, GATE, OUT,
         Tq, Nk, sm_scale2,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-        QPB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        QPB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COMBINE: tl.constexpr,
     ):
         pid_q = tl.program_id(0)
         pid_bg = tl.program_id(1)
@@ -121,16 +166,26 @@ if _HAS_TRITON:
             m_i = m_new
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
-        tl.store(O + row[:, None] * D + d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+        out_ptr = row[:, None] * D + d[None, :]
+        tl.store(O + out_ptr, out.to(O.dtype.element_ty), mask=row_ok[:, None])
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("inf"))
         tl.store(LSE + row, lse, mask=row_ok)
+        if COMBINE:  # o = g_cmp o_cmp + g_slc o_slc + g_win o_win (fp32), the branch outputs as stored
+            o_c = tl.load(OC + out_ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            o_s = tl.load(OS + out_ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            g0 = tl.load(GATE + row * 3, mask=row_ok, other=0.0).to(tl.float32)
+            g1 = tl.load(GATE + row * 3 + 1, mask=row_ok, other=0.0).to(tl.float32)
+            g2 = tl.load(GATE + row * 3 + 2, mask=row_ok, other=0.0).to(tl.float32)
+            o_w = out.to(O.dtype.element_ty).to(tl.float32)
+            res = g0[:, None] * o_c + g1[:, None] * o_s + g2[:, None] * o_w
+            tl.store(OUT + out_ptr, res.to(OUT.dtype.element_ty), mask=row_ok[:, None])
 
     @triton.jit
     def _interval_bwd_dq_kernel(
-        Q, K, V, LO, HI, DO, LSE, DELTA, DQ,
+        Q, K, V, LO, HI, DO, GATE, LSE, DELTA, DQ, DQO,
         Tq, Nk, sm_scale2, scale,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-        QPB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        QPB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BR: tl.constexpr, ACC: tl.constexpr,
     ):
         pid_q = tl.program_id(0)
         pid_bg = tl.program_id(1)
@@ -149,7 +204,7 @@ if _HAS_TRITON:
         d = tl.arange(0, D)
         row = (b * Tq + qi) * H + g * G + hh
         q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-        do = tl.load(DO + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        do = _load_do(DO, GATE, row, row_ok, d, D, BR)
         lse = tl.load(LSE + row, mask=row_ok, other=0.0)
         lse = tl.where(lse == float("inf"), 0.0, lse)
         delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
@@ -167,16 +222,14 @@ if _HAS_TRITON:
             dp = tl.dot(do, tl.trans(v))
             ds = p * (dp - delta[:, None])
             dq += tl.dot(ds.to(k.dtype), k)
-        dq_ptr = DQ + row[:, None] * D + d[None, :]
-        prev = tl.load(dq_ptr, mask=row_ok[:, None], other=0.0)
-        tl.store(dq_ptr, prev + dq * scale, mask=row_ok[:, None])
+        _store_dq(DQ, DQO, row, row_ok, d, dq * scale, D, ACC)
 
     @triton.jit
     def _interval_bwd_dkdv_kernel(
-        Q, K, V, LO, HI, QA, QB, DO, LSE, DELTA, DK, DV,
+        Q, K, V, LO, HI, QA, QB, DO, GATE, LSE, DELTA, DK, DV,
         Tq, Nk, n_ktiles, sm_scale2, scale,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-        QPB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_SPLIT: tl.constexpr,
+        QPB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_SPLIT: tl.constexpr, BR: tl.constexpr,
     ):
         # N_SPLIT > 1: program (tile, split) handles one slice of the tile's query range and writes an
         # fp32 partial to DK/DV[split] (summed afterwards in a fixed order: deterministic).
@@ -209,7 +262,7 @@ if _HAS_TRITON:
             hi = tl.load(HI + b * Tq + qi, mask=row_ok, other=0)
             row = (b * Tq + qi) * H + g * G + hh
             q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-            do = tl.load(DO + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+            do = _load_do(DO, GATE, row, row_ok, d, D, BR)
             lse = tl.load(LSE + row, mask=row_ok, other=0.0)
             lse = tl.where(lse == float("inf"), 0.0, lse)
             delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
@@ -321,47 +374,87 @@ if _HAS_TRITON:
     # Selected attention
     # ------------------------------------------------------------------------------------------
 
+    # Query tiles: a program packs BLOCK_M rows = QPB consecutive queries x the G heads of one KV group
+    # and walks the union of the tile's selected blocks (consecutive queries share the forced blocks and
+    # much of the top-n). A block is named by its absolute first key a = doc_start + j * l' (a block
+    # start lies inside its document, so equal a means same document); the candidates are the tile's
+    # (query, slot) entries in order, a candidate already chosen by an earlier query of the tile is
+    # skipped, and each row attends block a iff its own query selected it (keys s <= t).
+
+    @triton.jit
+    def _sel_tile_rows(IDX, DOCPOS, pid_q, pid_bg, b, Tq, Tk, q_off,
+                       G: tl.constexpr, LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr,
+                       QPB: tl.constexpr, BLOCK_M: tl.constexpr):
+        r = tl.arange(0, BLOCK_M)
+        qr = r // G
+        qi = pid_q * QPB + qr
+        row_ok = (r < QPB * G) & (qi < Tq)
+        qi = tl.where(row_ok, qi, 0)
+        t_abs = q_off + qi
+        pos = tl.load(DOCPOS + b * Tk + t_abs, mask=row_ok, other=-1)
+        start = t_abs - pos
+        slot = tl.arange(0, N_PAD)
+        j_rows = tl.load(IDX + (pid_bg.to(tl.int64) * Tq + qi)[:, None] * N_SEL + slot[None, :],
+                         mask=row_ok[:, None] & (slot < N_SEL)[None, :], other=-1)
+        a_rows = tl.where(j_rows >= 0, start[:, None] + j_rows.to(tl.int64) * LB, -1)
+        return r, qr, qi, row_ok, t_abs, a_rows
+
+    @triton.jit
+    def _sel_candidate(IDX, DOCPOS, c, pid_q, pid_bg, b, Tq, Tk, q_off, qr, a_rows,
+                       LB: tl.constexpr, N_SEL: tl.constexpr, QPB: tl.constexpr):
+        """Candidate c = (tile query c // N_SEL, slot c % N_SEL): its block start a, whether to process it
+        (valid and not chosen by an earlier query of the tile) and the rows that selected it."""
+        cq = c // N_SEL
+        tq = pid_q * QPB + cq
+        tq_ok = tq < Tq
+        tq_c = tl.where(tq_ok, tq, 0)
+        j = tl.load(IDX + (pid_bg.to(tl.int64) * Tq + tq_c) * N_SEL + c % N_SEL)
+        pos = tl.load(DOCPOS + b * Tk + q_off + tq_c)
+        a = (q_off + tq_c - pos) + j.to(tl.int64) * LB
+        sel = tl.sum((a_rows == a).to(tl.int32), 1) > 0
+        seen = tl.max(tl.where((qr < cq) & sel, 1, 0), 0)
+        go = tq_ok & (j >= 0) & (pos >= 0) & (seen == 0)
+        return a, go, sel
+
     @triton.jit
     def _sel_fwd_kernel(
         Q, K, V, IDX, DOCPOS, O, LSE,
         Tq, Tk, q_off, sm_scale2,
-        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
-        LB: tl.constexpr, N_SEL: tl.constexpr,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+        LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr,
     ):
-        t = tl.program_id(0)
+        pid_q = tl.program_id(0)
         pid_bg = tl.program_id(1)
         b = (pid_bg // HKV).to(tl.int64)
         g = pid_bg % HKV
-        t_abs = q_off + t
-        pos = tl.load(DOCPOS + b * Tk + t_abs)
-        start = t_abs - pos
-        hh = tl.arange(0, G_PAD)
-        row_ok = hh < G
+        r, qr, qi, row_ok, t_abs, a_rows = _sel_tile_rows(IDX, DOCPOS, pid_q, pid_bg, b, Tq, Tk, q_off,
+                                                          G, LB, N_SEL, N_PAD, QPB, BLOCK_M)
         d = tl.arange(0, D)
-        row = (b * Tq + t) * H + g * G + hh
+        row = (b * Tq + qi) * H + g * G + r % G
         q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
         kv_base = b * Tk * HKV * D + g * D
-        idx_base = IDX + (pid_bg.to(tl.int64) * Tq + t) * N_SEL
-        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([G_PAD], tl.float32)
-        acc = tl.zeros([G_PAD, D], tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
         kb = tl.arange(0, LB)
-        for si in range(N_SEL):
-            j = tl.load(idx_base + si)
-            kk = start + j * LB + kb
-            k_ok = ((j + kb * 0) >= 0) & (kk <= t_abs)
-            kv_off = kv_base + kk.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
-            k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * sm_scale2
-            s = tl.where(k_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+        for c in range(QPB * N_SEL):
+            a, go, sel = _sel_candidate(IDX, DOCPOS, c, pid_q, pid_bg, b, Tq, Tk, q_off, qr, a_rows, LB, N_SEL, QPB)
+            if go:
+                kk = a + kb
+                k_ld = kk < Tk
+                kv_off = kv_base + kk[:, None] * (HKV * D) + d[None, :]
+                k = tl.load(K + kv_off, mask=k_ld[:, None], other=0.0)
+                vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
+                s = tl.dot(q, tl.trans(k)) * sm_scale2
+                s = tl.where(vis, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_safe)
+                p = tl.exp2(s - m_safe[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(V + kv_off, mask=k_ld[:, None], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         tl.store(O + row[:, None] * D + d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
@@ -370,62 +463,83 @@ if _HAS_TRITON:
 
     @triton.jit
     def _sel_bwd_dq_kernel(
-        Q, K, V, IDX, DOCPOS, DO, LSE, DELTA, DQ,
+        Q, K, V, IDX, DOCPOS, DO, GATE, LSE, DELTA, DQ, DQO,
         Tq, Tk, q_off, sm_scale2, scale,
-        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
-        LB: tl.constexpr, N_SEL: tl.constexpr,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+        LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr,
+        BR: tl.constexpr, ACC: tl.constexpr,
     ):
-        t = tl.program_id(0)
+        pid_q = tl.program_id(0)
         pid_bg = tl.program_id(1)
         b = (pid_bg // HKV).to(tl.int64)
         g = pid_bg % HKV
-        t_abs = q_off + t
-        pos = tl.load(DOCPOS + b * Tk + t_abs)
-        start = t_abs - pos
-        hh = tl.arange(0, G_PAD)
-        row_ok = hh < G
+        r, qr, qi, row_ok, t_abs, a_rows = _sel_tile_rows(IDX, DOCPOS, pid_q, pid_bg, b, Tq, Tk, q_off,
+                                                          G, LB, N_SEL, N_PAD, QPB, BLOCK_M)
         d = tl.arange(0, D)
-        row = (b * Tq + t) * H + g * G + hh
+        row = (b * Tq + qi) * H + g * G + r % G
         q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-        do = tl.load(DO + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        do = _load_do(DO, GATE, row, row_ok, d, D, BR)
         lse = tl.load(LSE + row, mask=row_ok, other=0.0)
         lse = tl.where(lse == float("inf"), 0.0, lse)
         delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
         kv_base = b * Tk * HKV * D + g * D
-        idx_base = IDX + (pid_bg.to(tl.int64) * Tq + t) * N_SEL
-        dq = tl.zeros([G_PAD, D], tl.float32)
+        dq = tl.zeros([BLOCK_M, D], tl.float32)
         kb = tl.arange(0, LB)
-        for si in range(N_SEL):
-            j = tl.load(idx_base + si)
-            kk = start + j * LB + kb
-            k_ok = ((j + kb * 0) >= 0) & (kk <= t_abs)
-            kv_off = kv_base + kk.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
-            k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
-            v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * sm_scale2
-            p = tl.where(k_ok[None, :], tl.exp2(s - lse[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k)
-        dq_ptr = DQ + row[:, None] * D + d[None, :]
-        prev = tl.load(dq_ptr, mask=row_ok[:, None], other=0.0)
-        tl.store(dq_ptr, prev + dq * scale, mask=row_ok[:, None])
+        for c in range(QPB * N_SEL):
+            a, go, sel = _sel_candidate(IDX, DOCPOS, c, pid_q, pid_bg, b, Tq, Tk, q_off, qr, a_rows, LB, N_SEL, QPB)
+            if go:
+                kk = a + kb
+                k_ld = kk < Tk
+                kv_off = kv_base + kk[:, None] * (HKV * D) + d[None, :]
+                k = tl.load(K + kv_off, mask=k_ld[:, None], other=0.0)
+                v = tl.load(V + kv_off, mask=k_ld[:, None], other=0.0)
+                vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
+                s = tl.dot(q, tl.trans(k)) * sm_scale2
+                p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+                dp = tl.dot(do, tl.trans(v))
+                ds = p * (dp - delta[:, None])
+                dq += tl.dot(ds.to(k.dtype), k)
+        _store_dq(DQ, DQO, row, row_ok, d, dq * scale, D, ACC)
 
     @triton.jit
     def _sel_bwd_dkdv_kernel(
-        Q, K, V, PAIR_OFF, PAIR_Q, DOCPOS, DO, LSE, DELTA, DK, DV,
-        Tq, Tk, q_off, sm_scale2, scale,
+        Q, K, V, PAIR_OFF, PAIR_Q, HPOS, DOCPOS, DO, GATE, LSE, DELTA, DK, DV, PDK, PDV,
+        Tq, Tk, q_off, sm_scale2, scale, heavy_min, n_flat,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-        LB: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr,
+        LB: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr,
+        HEAVY_PASS: tl.constexpr, N_SPLIT: tl.constexpr,
     ):
-        a = tl.program_id(0)  # absolute index of a selection block's first key
-        pid_bg = tl.program_id(1)
+        # Load skew (block 0 is chosen by every query of its document): a block with more than heavy_min
+        # pairs is skipped by the main pass (grid: block start x batch*kv head) and done by the heavy pass
+        # (grid: heavy slot h x 1 x N_SPLIT; HPOS[h] names the block), each split writing an fp32 partial
+        # that _sel_dkdv_reduce_kernel sums in split order (deterministic, no atomics).
+        if HEAVY_PASS:
+            h = tl.program_id(0).to(tl.int64)
+            pid_s = tl.program_id(2)
+            f = tl.load(HPOS + h)
+            valid = f < n_flat
+            f = tl.where(valid, f, 0)
+            a = f % Tk
+            pid_bg = f // Tk
+        else:
+            h = 0
+            pid_s = 0
+            valid = True
+            a = tl.program_id(0)  # absolute index of a selection block's first key
+            pid_bg = tl.program_id(1)
         b = (pid_bg // HKV).to(tl.int64)
         g = pid_bg % HKV
         off = pid_bg.to(tl.int64) * Tk + a
         p_begin = tl.load(PAIR_OFF + off)
         p_end = tl.load(PAIR_OFF + off + 1)
-        if p_end > p_begin:
+        if HEAVY_PASS:
+            span = tl.cdiv(tl.cdiv(p_end - p_begin, N_SPLIT), QPB) * QPB
+            p_begin = p_begin + pid_s * span
+            p_end = tl.minimum(p_end, p_begin + span)
+            go = valid
+        else:
+            go = (p_end > p_begin) & ((p_end - p_begin) <= heavy_min)
+        if go:
             kk = a + tl.arange(0, LB)
             # keys of this block: same document as its first key (a block may be cut by the doc end)
             a_start = a - tl.load(DOCPOS + b * Tk + a)
@@ -445,7 +559,7 @@ if _HAS_TRITON:
                 qi = tl.load(PAIR_Q + pi, mask=row_ok, other=0)
                 row = (b * Tq + qi) * H + g * G + hh
                 q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-                do = tl.load(DO + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+                do = _load_do(DO, GATE, row, row_ok, d, D, BR)
                 lse = tl.load(LSE + row, mask=row_ok, other=0.0)
                 lse = tl.where(lse == float("inf"), 0.0, lse)
                 delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
@@ -456,7 +570,39 @@ if _HAS_TRITON:
                 dp = tl.dot(do, tl.trans(v))
                 ds = p * (dp - delta[:, None])
                 dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
-            tl.store(DK + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=k_ok[:, None])
+            if HEAVY_PASS:
+                p_off = ((h * N_SPLIT + pid_s) * LB + tl.arange(0, LB).to(tl.int64))[:, None] * D + d[None, :]
+                tl.store(PDK + p_off, dk * scale)
+                tl.store(PDV + p_off, dv)
+            else:
+                tl.store(DK + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=k_ok[:, None])
+                tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
+
+    @triton.jit
+    def _sel_dkdv_reduce_kernel(
+        PDK, PDV, HPOS, DOCPOS, DK, DV, Tk, n_flat,
+        HKV: tl.constexpr, D: tl.constexpr, LB: tl.constexpr, N_SPLIT: tl.constexpr,
+    ):
+        h = tl.program_id(0).to(tl.int64)
+        f = tl.load(HPOS + h)  # flat (batch * kv head, block start) of the h-th heavy block
+        if f < n_flat:
+            pid_bg = f // Tk
+            a = f % Tk
+            b = pid_bg // HKV
+            g = pid_bg % HKV
+            kk = a + tl.arange(0, LB)
+            a_start = a - tl.load(DOCPOS + b * Tk + a)
+            k_pos = tl.load(DOCPOS + b * Tk + kk, mask=kk < Tk, other=-1)
+            k_ok = (kk < Tk) & (k_pos >= 0) & (kk - k_pos == a_start)
+            d = tl.arange(0, D)
+            kv_off = b * Tk * HKV * D + g * D + kk[:, None] * (HKV * D) + d[None, :]
+            dk = tl.zeros([LB, D], tl.float32)
+            dv = tl.zeros([LB, D], tl.float32)
+            for sp in tl.static_range(N_SPLIT):
+                p_off = ((h * N_SPLIT + sp) * LB + tl.arange(0, LB).to(tl.int64))[:, None] * D + d[None, :]
+                dk += tl.load(PDK + p_off)
+                dv += tl.load(PDV + p_off)
+            tl.store(DK + kv_off, dk.to(DK.dtype.element_ty), mask=k_ok[:, None])
             tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
 
 
@@ -467,11 +613,27 @@ if _HAS_TRITON:
 _LOG2E = 1.4426950408889634
 _DKDV_SPLIT = None  # tests force the split query range of the compressed/window dK/dV kernel
 _TOPN_BLOCKS_PER_CHUNK = None  # tests set a small value to exercise the multi-chunk top-n merge
+_SEL_ROWS = None  # tests force the selected-attention query tile (rows = queries x G)
+_SEL_SPLIT = None  # tests force (heavy_min pairs, splits) of the selected dK/dV load-skew split
 
 
 def _rows_per_program(group: int, head_dim: int) -> tuple[int, int]:
     """(BLOCK_M, queries per program) for (query x head) row packing."""
     block_m = max(16, _next_pow2(group), 64 if head_dim <= 128 else 32)
+    return block_m, max(1, block_m // group)
+
+
+def _sel_rows_per_program(group: int, head_dim: int, num_keys: int, params: NSAParams) -> tuple[int, int]:
+    """(BLOCK_M, queries per program) for the selected-attention query tiles. A tile walks the union of its
+    queries' blocks: with few eligible blocks (short documents) the union stays near n, so wide tiles
+    (>= 64 rows) pay; with many eligible blocks and unrelated queries it grows with the tile, so the
+    tile is narrower there."""
+    if _SEL_ROWS:
+        block_m = max(16, _next_pow2(group), _SEL_ROWS)
+    else:
+        num_blocks = -(-num_keys // params.sel_block_size)
+        wide = num_blocks <= 8 * params.sel_num_blocks
+        block_m = max(16, _next_pow2(group), (64 if wide else 32) if head_dim <= 128 else 32)
     return block_m, max(1, block_m // group)
 
 
@@ -500,31 +662,34 @@ def _layout(cmp_end, doc_pos, num_queries, num_win, params: NSAParams):
     return as32(c_lo), as32(c_hi), as32(w_lo), as32(w_hi)
 
 
-def _interval_fwd(q, k, v, lo, hi, scale):
+def _interval_fwd(q, k, v, lo, hi, scale, combine=None):
+    """combine=(o_cmp, o_slc, gates): also write the gated sum of the three branches (returned third)."""
     batch, num_q, num_heads, head_dim = q.shape
     num_keys, num_kv = k.shape[1], k.shape[2]
     group = num_heads // num_kv
     o = torch.empty_like(q)
     lse = torch.empty(batch, num_q, num_heads, device=q.device, dtype=torch.float32)
+    out = torch.empty_like(q) if combine is not None else o
+    o_c, o_s, gates = combine if combine is not None else (o, o, lse)
     block_m, qpb = _rows_per_program(group, head_dim)
     grid = (triton.cdiv(num_q, qpb), batch * num_kv)
     _interval_fwd_kernel[grid](
-        q, k, v, lo, hi, o, lse, num_q, num_keys, scale * _LOG2E,
+        q, k, v, lo, hi, o, lse, o_c, o_s, gates, out, num_q, num_keys, scale * _LOG2E,
         H=num_heads, HKV=num_kv, G=group, D=head_dim, QPB=qpb, BLOCK_M=block_m, BLOCK_N=64,
-        num_warps=4 if head_dim <= 64 else 8,
+        COMBINE=combine is not None, num_warps=4 if head_dim <= 64 else 8,
     )
-    return o, lse
+    return (o, lse, out) if combine is not None else (o, lse)
 
 
-def _interval_bwd(q, k, v, lo, hi, do, lse, delta, dq, scale):
+def _interval_bwd(q, k, v, lo, hi, do, gates, branch, lse, delta, dq, dq_out, acc, scale):
     batch, num_q, num_heads, head_dim = q.shape
     num_keys, num_kv = k.shape[1], k.shape[2]
     group = num_heads // num_kv
     block_m, qpb = _rows_per_program(group, head_dim)
     grid = (triton.cdiv(num_q, qpb), batch * num_kv)
     _interval_bwd_dq_kernel[grid](
-        q, k, v, lo, hi, do, lse, delta, dq, num_q, num_keys, scale * _LOG2E, scale,
-        H=num_heads, HKV=num_kv, G=group, D=head_dim, QPB=qpb, BLOCK_M=block_m, BLOCK_N=64,
+        q, k, v, lo, hi, do, gates, lse, delta, dq, dq_out, num_q, num_keys, scale * _LOG2E, scale,
+        H=num_heads, HKV=num_kv, G=group, D=head_dim, QPB=qpb, BLOCK_M=block_m, BLOCK_N=64, BR=branch, ACC=acc,
         num_warps=4 if head_dim <= 64 else 8,
     )
     block_n = 64
@@ -550,9 +715,9 @@ def _interval_bwd(q, k, v, lo, hi, do, lse, delta, dq, scale):
         dk = k.new_empty((n_split,) + tuple(k.shape), dtype=torch.float32)
         dv = torch.empty_like(dk)
     _interval_bwd_dkdv_kernel[(n_ktiles, batch * num_kv, n_split)](
-        q, k, v, lo, hi, qa, qb, do, lse, delta, dk, dv, num_q, num_keys, n_ktiles, scale * _LOG2E, scale,
+        q, k, v, lo, hi, qa, qb, do, gates, lse, delta, dk, dv, num_q, num_keys, n_ktiles, scale * _LOG2E, scale,
         H=num_heads, HKV=num_kv, G=group, D=head_dim, QPB=qpb, BLOCK_M=block_m, BLOCK_N=block_n,
-        N_SPLIT=n_split, num_warps=4 if head_dim <= 64 else 8,
+        N_SPLIT=n_split, BR=branch, num_warps=4 if head_dim <= 64 else 8,
     )
     if n_split > 1:
         dk, dv = dk.sum(0).to(k.dtype), dv.sum(0).to(v.dtype)
@@ -588,25 +753,30 @@ def _sel_fwd(q, k, v, idx, doc_pos, params: NSAParams, scale):
     group = num_heads // num_kv
     o = torch.empty_like(q)
     lse = torch.empty(batch, num_q, num_heads, device=q.device, dtype=torch.float32)
-    _sel_fwd_kernel[(num_q, batch * num_kv)](
+    n_sel = idx.shape[-1]
+    block_m, qpb = _sel_rows_per_program(group, head_dim, num_keys, params)
+    _sel_fwd_kernel[(triton.cdiv(num_q, qpb), batch * num_kv)](
         q, k, v, idx, doc_pos, o, lse, num_q, num_keys, num_keys - num_q, scale * _LOG2E,
-        H=num_heads, HKV=num_kv, G=group, D=head_dim, G_PAD=max(16, _next_pow2(group)),
-        LB=params.sel_block_size, N_SEL=idx.shape[-1], num_warps=2,
+        H=num_heads, HKV=num_kv, G=group, D=head_dim,
+        LB=params.sel_block_size, N_SEL=n_sel, N_PAD=_next_pow2(n_sel), QPB=qpb, BLOCK_M=block_m,
+        num_warps=4 if head_dim <= 64 else 8,
     )
     return o, lse
 
 
-def _sel_bwd(q, k, v, idx, doc_pos, do, lse, delta, dq, params: NSAParams, scale):
+def _sel_bwd(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, dq, dq_out, acc, params: NSAParams, scale):
     batch, num_q, num_heads, head_dim = q.shape
     num_keys, num_kv = k.shape[1], k.shape[2]
     group = num_heads // num_kv
     n_sel = idx.shape[-1]
     lb = params.sel_block_size
     q_off = num_keys - num_q
-    _sel_bwd_dq_kernel[(num_q, batch * num_kv)](
-        q, k, v, idx, doc_pos, do, lse, delta, dq, num_q, num_keys, q_off, scale * _LOG2E, scale,
-        H=num_heads, HKV=num_kv, G=group, D=head_dim, G_PAD=max(16, _next_pow2(group)),
-        LB=lb, N_SEL=n_sel, num_warps=2,
+    block_m_q, qpb_q = _sel_rows_per_program(group, head_dim, num_keys, params)
+    _sel_bwd_dq_kernel[(triton.cdiv(num_q, qpb_q), batch * num_kv)](
+        q, k, v, idx, doc_pos, do, gates, lse, delta, dq, dq_out, num_q, num_keys, q_off, scale * _LOG2E, scale,
+        H=num_heads, HKV=num_kv, G=group, D=head_dim,
+        LB=lb, N_SEL=n_sel, N_PAD=_next_pow2(n_sel), QPB=qpb_q, BLOCK_M=block_m_q, BR=branch, ACC=acc,
+        num_warps=4 if head_dim <= 64 else 8,
     )
     # Inverted index: (query, block) pairs sorted by (batch, kv head, block start); stable, so every
     # block's queries come in increasing order and the accumulation order is fixed.
@@ -623,10 +793,28 @@ def _sel_bwd(q, k, v, idx, doc_pos, do, lse, delta, dq, params: NSAParams, scale
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
     block_m, qpb = _rows_per_program(group, head_dim)
-    _sel_bwd_dkdv_kernel[(num_keys, batch * num_kv)](
-        q, k, v, pair_off, pair_q, doc_pos, do, lse, delta, dk, dv, num_q, num_keys, q_off, scale * _LOG2E, scale,
-        H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=lb, QPB=qpb, BLOCK_M=block_m,
-        num_warps=4 if head_dim <= 64 else 8,
+    # heavy blocks (more than heavy_min pairs) are split over n_split programs; at most
+    # total pairs / (heavy_min + 1) of them, so the fp32 partials stay small (static shapes, no sync)
+    heavy_min, n_split = _SEL_SPLIT or (8192, 16)
+    n_flat = batch * num_kv * num_keys
+    cnt = pair_off[1:] - pair_off[:-1]
+    heavy = cnt > heavy_min
+    n_heavy = max(1, min(n_flat, (batch * num_kv * num_q * n_sel) // (heavy_min + 1)))
+    heavy_cum = torch.cumsum(heavy.long(), 0)
+    # flat index of the h-th heavy block (n_flat where there are fewer)
+    hpos = torch.searchsorted(heavy_cum, torch.arange(1, n_heavy + 1, device=q.device, dtype=torch.int64))
+    hpos = hpos.contiguous()
+    pdk = torch.empty(n_heavy, n_split, lb, head_dim, device=q.device, dtype=torch.float32)
+    pdv = torch.empty_like(pdk)
+    args = (q, k, v, pair_off, pair_q, hpos, doc_pos, do, gates, lse, delta, dk, dv, pdk, pdv,
+            num_q, num_keys, q_off, scale * _LOG2E, scale, heavy_min, n_flat)
+    meta = dict(H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=lb, QPB=qpb, BLOCK_M=block_m, BR=branch,
+                N_SPLIT=n_split, num_warps=4 if head_dim <= 64 else 8)
+    _sel_bwd_dkdv_kernel[(num_keys, batch * num_kv, 1)](*args, HEAVY_PASS=False, **meta)
+    _sel_bwd_dkdv_kernel[(n_heavy, 1, n_split)](*args, HEAVY_PASS=True, **meta)
+    _sel_dkdv_reduce_kernel[(n_heavy,)](
+        pdk, pdv, hpos, doc_pos, dk, dv, num_keys, n_flat, HKV=num_kv, D=head_dim, LB=lb, N_SPLIT=n_split,
+        num_warps=4,
     )
     return dk, dv
 
@@ -637,10 +825,9 @@ def _forward_impl(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, d
     o_cmp, lse_cmp = _interval_fwd(q, k_cmp, v_cmp, c_lo, c_hi, scale)
     idx = _select_topn(q, k_cmp, lse_cmp, doc_pos, c_lo, c_hi, params, scale)
     o_slc, lse_slc = _sel_fwd(q, k_slc, v_slc, idx, doc_pos, params, scale)
-    o_win, lse_win = _interval_fwd(q, k_win, v_win, w_lo, w_hi, scale)
-    g = gates.float()
-    out = g[..., 0:1] * o_cmp.float() + g[..., 1:2] * o_slc.float() + g[..., 2:3] * o_win.float()
-    return out.to(q.dtype), o_cmp, o_slc, o_win, lse_cmp, lse_slc, lse_win, idx
+    # the window kernel also writes the gated sum of the three branches (fp32, one pass)
+    o_win, lse_win, out = _interval_fwd(q, k_win, v_win, w_lo, w_hi, scale, combine=(o_cmp, o_slc, gates))
+    return out, o_cmp, o_slc, o_win, lse_cmp, lse_slc, lse_win, idx
 
 
 def _params_tuple(params: NSAParams):
@@ -697,26 +884,27 @@ def _nsa_bwd_op(
     p = _params_from(params)
     num_q = q.shape[1]
     c_lo, c_hi, w_lo, w_hi = _layout(cmp_end, doc_pos, num_q, k_win.shape[1], p)
-    dout = dout.contiguous()
-    g = gates.float()
-    dout32 = dout.float()
-    dgates = torch.stack(
-        [(dout32 * o.float()).sum(-1) for o in (o_cmp, o_slc, o_win)], dim=-1
-    ).to(gates.dtype)
-    dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-
-    def branch_do(i, o):
-        do = (dout32 * g[..., i : i + 1]).to(q.dtype).contiguous()
-        delta = (do.float() * o.float()).sum(-1).contiguous()
-        return do, delta
-
-    do, delta = branch_do(0, o_cmp)
-    dk_cmp, dv_cmp = _interval_bwd(q, k_cmp, v_cmp, c_lo, c_hi, do, lse_cmp, delta, dq, scale)
-    do, delta = branch_do(1, o_slc)
-    dk_slc, dv_slc = _sel_bwd(q, k_slc, v_slc, idx, doc_pos, do, lse_slc, delta, dq, p, scale)
-    do, delta = branch_do(2, o_win)
-    dk_win, dv_win = _interval_bwd(q, k_win, v_win, w_lo, w_hi, do, lse_win, delta, dq, scale)
-    return dq.to(q.dtype), dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates
+    # One pass over dout and the branch outputs: dgates and the three per-branch deltas. The branch
+    # gradients g_i * dout are formed inside the kernels (never materialized).
+    dout = dout.to(q.dtype).contiguous()
+    batch, _, num_heads, head_dim = q.shape
+    rows = batch * num_q * num_heads
+    dgates = torch.empty_like(gates)
+    delta = torch.empty(3, batch, num_q, num_heads, device=q.device, dtype=torch.float32)
+    block_r = 64 if head_dim <= 64 else 32
+    _bwd_prep_kernel[(triton.cdiv(rows, block_r),)](
+        dout, o_cmp, o_slc, o_win, gates, dgates, delta, rows, D=head_dim, BLOCK_R=block_r, num_warps=4,
+    )
+    # dq: fp32 accumulator across the branches in a fixed order; the last branch writes dq in q's dtype
+    dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+    dq_out = torch.empty_like(q)
+    dk_cmp, dv_cmp = _interval_bwd(q, k_cmp, v_cmp, c_lo, c_hi, dout, gates, 0, lse_cmp, delta[0], dq, dq_out, 0,
+                                   scale)
+    dk_slc, dv_slc = _sel_bwd(q, k_slc, v_slc, idx, doc_pos, dout, gates, 1, lse_slc, delta[1], dq, dq_out, 1, p,
+                              scale)
+    dk_win, dv_win = _interval_bwd(q, k_win, v_win, w_lo, w_hi, dout, gates, 2, lse_win, delta[2], dq, dq_out, 2,
+                                   scale)
+    return dq_out, dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates
 
 
 @_nsa_bwd_op.register_fake

@@ -99,6 +99,8 @@ def run_case(case: dict) -> dict:
     layout, reference, tri = import_nsa()
     tri._TOPN_BLOCKS_PER_CHUNK = case.get("bj")
     tri._DKDV_SPLIT = case.get("split")
+    tri._SEL_ROWS = case.get("sel_rows")
+    tri._SEL_SPLIT = tuple(case["sel_split"]) if case.get("sel_split") else None
     dtype = getattr(torch, case.get("dtype", "float32"))
     device = case.get("device", "cpu")
     params = dict(TINY if case.get("params", "tiny") == "tiny" else DEFAULT)
