@@ -11,7 +11,6 @@ This file travels as remote code: it imports only torch, transformers and its fl
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -349,7 +348,7 @@ class NSAAttention(nn.Module):
                 k_win, v_win = k_slc, v_slc
             if cache is None:
                 cmp_end = compressed_token_ends(doc_pos, self.params)  # (B, Nc)
-                k_cmp, v_cmp = self._compress(k_raw, v_raw, cmp_end, doc_pos, cos, sin, cmp_end)
+                k_cmp, v_cmp = self._compress(k_raw, v_raw, cmp_end, cos, sin, cmp_end)
             else:
                 k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win = self._cached_inputs(
                     cache, doc_pos, cos, sin, k_raw, v_raw, k_slc, v_slc, k_win, v_win
@@ -360,8 +359,9 @@ class NSAAttention(nn.Module):
             )  # fmt: skip
         return self.o_proj(out.reshape(batch, num_queries, self.num_heads * self.head_dim)), None
 
-    def _compress(self, k_raw, v_raw, local_end, doc_pos, cos, sin, global_end):
-        """Compressed k (rotated at i*d + l - 1, the last position it covers) and v."""
+    def _compress(self, k_raw, v_raw, local_end, cos, sin, global_end):
+        """Compressed k (rotated at i*d + l - 1, the last position it covers) and v. local_end indexes
+        k_raw/v_raw; global_end indexes cos/sin (the key positions)."""
         k_cmp, v_cmp = self.compressor(k_raw, v_raw, local_end)
         index = global_end.clamp(min=0)
         gather = index[:, :, None].expand(-1, -1, cos.shape[-1])
@@ -391,7 +391,7 @@ class NSAAttention(nn.Module):
         local_end = compressed_token_ends(raw_doc_pos, params, num_slots=num_queries // params.cmp_stride + 1)
         offset = num_keys - num_queries - tail_len
         global_end = torch.where(local_end >= 0, local_end + offset, local_end)
-        k_new, v_new = self._compress(raw_k, raw_v, local_end, doc_pos, cos, sin, global_end)
+        k_new, v_new = self._compress(raw_k, raw_v, local_end, cos, sin, global_end)
         _append_compressed(cache, k_new, v_new, global_end)
         _trim_compressed_capacity(cache, num_keys, params.cmp_stride)
         keep_tail = params.cmp_block_size - 1

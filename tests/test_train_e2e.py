@@ -109,7 +109,7 @@ def test_smoke_preset_end_to_end_with_hub_push(tmp_path, fake_hub):
     assert "${" not in card
     assert f"| final validation loss | {summary['val_loss']:.4f} |" in card
     assert f"| final validation perplexity | {summary['val_ppl']:.2f} |" in card
-    assert f"| optimizer steps | 24 |" in card and f"| tokens seen | {summary['tokens_seen']:,} |" in card
+    assert "| optimizer steps | 24 |" in card and f"| tokens seen | {summary['tokens_seen']:,} |" in card
     assert f"{summary['tok_s']:,.0f}" in card
 
     # the Hub stand-in received exactly the exported files, token checked and repo created before training
