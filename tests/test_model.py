@@ -79,3 +79,15 @@ def test_cu_seqlens_and_position_id_restarts_describe_the_same_documents():
     torch.testing.assert_close(by_cu_seqlens, by_positions, rtol=0, atol=0)
     alone = model(ids[:, 13:53], use_cache=False).logits
     torch.testing.assert_close(by_cu_seqlens[:, 13:53], alone, rtol=1e-10, atol=1e-10)
+
+
+def test_backend_auto_is_reference_on_cpu_and_explicit_triton_without_a_gpu_fails_clearly(monkeypatch):
+    from modeling_nsa.modeling_nsa import resolve_nsa_backend
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cpu = torch.device("cpu")
+    assert resolve_nsa_backend("auto", cpu) == "reference"
+    assert resolve_nsa_backend("reference", cpu) == "reference"
+    model = NSAForCausalLM(NSAConfig(**{**TINY, "nsa_backend": "triton"}))
+    with pytest.raises(RuntimeError, match="nsa_backend='triton' but .*Use nsa_backend='reference'"):
+        model(torch.randint(0, 113, (1, 20)))
