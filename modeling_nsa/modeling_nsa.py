@@ -259,35 +259,27 @@ class NSACache(Cache):
         self.num_valid = self.num_valid.index_select(0, beam_idx.to(self.num_valid.device))
 
 
-def _append_compressed(layer: NSALayerCache, k_new, v_new, end_new):
+def _append_compressed(layer: NSALayerCache, k_new, v_new, end_new, max_slots: int):
     """Append each row's newly emitted compressed tokens after its own count (rows emit at
-    different steps under left padding). Slots past a row's count hold end = -1 (empty)."""
+    different steps under left padding). Slots past a row's count hold end = -1 (empty).
+
+    Buffers keep max_slots = Tk // d + 1 slots, a static bound no row exceeds; the Nn spare slots
+    appended for the scatter hold only empty entries once it is done and are dropped again."""
     batch, num_new = end_new.shape
     if layer.cmp_count is None:
         layer.cmp_count = torch.zeros(batch, dtype=torch.long, device=end_new.device)
         layer.cmp_k = k_new.new_zeros(batch, 0, *k_new.shape[2:])
         layer.cmp_v = v_new.new_zeros(batch, 0, *v_new.shape[2:])
         layer.cmp_end = end_new.new_full((batch, 0), -1)
-    capacity_needed = layer.cmp_end.shape[1] + num_new  # static bound, no host sync
-    if layer.cmp_end.shape[1] < capacity_needed:
-        grow = capacity_needed - layer.cmp_end.shape[1]
-        layer.cmp_k = torch.cat([layer.cmp_k, k_new.new_zeros(batch, grow, *k_new.shape[2:])], dim=1)
-        layer.cmp_v = torch.cat([layer.cmp_v, v_new.new_zeros(batch, grow, *v_new.shape[2:])], dim=1)
-        layer.cmp_end = torch.cat([layer.cmp_end, end_new.new_full((batch, grow), -1)], dim=1)
+    cmp_k = torch.cat([layer.cmp_k, torch.zeros_like(k_new)], dim=1)
+    cmp_v = torch.cat([layer.cmp_v, torch.zeros_like(v_new)], dim=1)
+    cmp_end = torch.cat([layer.cmp_end, torch.full_like(end_new, -1)], dim=1)
     slots = layer.cmp_count[:, None] + torch.arange(num_new, device=end_new.device)  # (B, Nn)
     index = slots[:, :, None, None].expand(-1, -1, *k_new.shape[2:])
-    layer.cmp_k = layer.cmp_k.scatter(1, index, k_new)
-    layer.cmp_v = layer.cmp_v.scatter(1, index, v_new)
-    layer.cmp_end = layer.cmp_end.scatter(1, slots, end_new)
+    layer.cmp_k = cmp_k.scatter(1, index, k_new)[:, :max_slots]
+    layer.cmp_v = cmp_v.scatter(1, index, v_new)[:, :max_slots]
+    layer.cmp_end = cmp_end.scatter(1, slots, end_new)[:, :max_slots]
     layer.cmp_count = layer.cmp_count + (end_new >= 0).sum(-1)
-
-
-def _trim_compressed_capacity(layer: NSALayerCache, num_keys: int, stride: int):
-    """Keep the compressed buffers at the static bound Tk // d + 1 slots (rows never hold more)."""
-    bound = num_keys // stride + 1
-    if layer.cmp_end.shape[1] > bound:
-        layer.cmp_k, layer.cmp_v = layer.cmp_k[:, :bound], layer.cmp_v[:, :bound]
-        layer.cmp_end = layer.cmp_end[:, :bound]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -392,8 +384,7 @@ class NSAAttention(nn.Module):
         offset = num_keys - num_queries - tail_len
         global_end = torch.where(local_end >= 0, local_end + offset, local_end)
         k_new, v_new = self._compress(raw_k, raw_v, local_end, cos, sin, global_end)
-        _append_compressed(cache, k_new, v_new, global_end)
-        _trim_compressed_capacity(cache, num_keys, params.cmp_stride)
+        _append_compressed(cache, k_new, v_new, global_end, max_slots=num_keys // params.cmp_stride + 1)
         keep_tail = params.cmp_block_size - 1
         cache.tail_k, cache.tail_v = raw_k[:, -keep_tail:], raw_v[:, -keep_tail:]
 
