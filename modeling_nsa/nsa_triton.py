@@ -596,14 +596,19 @@ if _HAS_TRITON:
             k_ok = (kk < Tk) & (k_pos >= 0) & (kk - k_pos == a_start)
             d = tl.arange(0, D)
             kv_off = b * Tk * HKV * D + g * D + kk[:, None] * (HKV * D) + d[None, :]
-            dk = tl.zeros([LB, D], tl.float32)
-            dv = tl.zeros([LB, D], tl.float32)
-            for sp in tl.static_range(N_SPLIT):
-                p_off = ((h * N_SPLIT + sp) * LB + tl.arange(0, LB).to(tl.int64))[:, None] * D + d[None, :]
-                dk += tl.load(PDK + p_off)
-                dv += tl.load(PDV + p_off)
-            tl.store(DK + kv_off, dk.to(DK.dtype.element_ty), mask=k_ok[:, None])
-            tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
+            # one fp32 tile live at a time (dK, then dV), summed in split order: deterministic
+            for which in tl.static_range(2):
+                acc = tl.zeros([LB, D], tl.float32)
+                for sp in range(N_SPLIT):
+                    p_off = ((h * N_SPLIT + sp) * LB + tl.arange(0, LB).to(tl.int64))[:, None] * D + d[None, :]
+                    if which == 0:
+                        acc += tl.load(PDK + p_off)
+                    else:
+                        acc += tl.load(PDV + p_off)
+                if which == 0:
+                    tl.store(DK + kv_off, acc.to(DK.dtype.element_ty), mask=k_ok[:, None])
+                else:
+                    tl.store(DV + kv_off, acc.to(DV.dtype.element_ty), mask=k_ok[:, None])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -621,6 +626,27 @@ def _rows_per_program(group: int, head_dim: int) -> tuple[int, int]:
     """(BLOCK_M, queries per program) for (query x head) row packing."""
     block_m = max(16, _next_pow2(group), 64 if head_dim <= 128 else 32)
     return block_m, max(1, block_m // group)
+
+
+def _compute_capability(device) -> int:
+    """sm version (90 for H100, 80 for A100) of a CUDA device; 90 elsewhere (interpreter). tests/triton_aot.py
+    replaces this to record the launches each architecture gets."""
+    if torch.device(device).type != "cuda":
+        return 90
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+def _dkdv_launch(group: int, head_dim: int, device) -> tuple[int, int, dict]:
+    """(BLOCK_M, queries per program, launch options) for the dK/dV kernels, which hold fp32 dK and dV
+    tiles across their query loop. Chosen with tests/triton_aot.py (registers and spills per variant):
+    8 warps; 32-row query tiles where 64 rows spill (head_dim 128, and head_dim 64 before Hopper); no
+    software pipelining at head_dim 128."""
+    if head_dim <= 64 and _compute_capability(device) >= 90:
+        block_m, qpb = _rows_per_program(group, head_dim)
+        return block_m, qpb, dict(num_warps=8)
+    block_m = max(16, _next_pow2(group), 32)
+    return block_m, max(1, block_m // group), dict(num_warps=8, num_stages=2 if head_dim <= 64 else 1)
 
 
 def _sel_rows_per_program(group: int, head_dim: int, num_keys: int, params: NSAParams) -> tuple[int, int]:
@@ -692,6 +718,7 @@ def _interval_bwd(q, k, v, lo, hi, do, gates, branch, lse, delta, dq, dq_out, ac
         H=num_heads, HKV=num_kv, G=group, D=head_dim, QPB=qpb, BLOCK_M=block_m, BLOCK_N=64, BR=branch, ACC=acc,
         num_warps=4 if head_dim <= 64 else 8,
     )
+    block_m, qpb, dkdv_opts = _dkdv_launch(group, head_dim, q.device)
     block_n = 64
     n_ktiles = triton.cdiv(max(num_keys, 1), block_n)
     # Queries that can see key tile [c0, c1): hi(t) > c0 and lo(t) < c1 (lo, hi monotone on valid queries).
@@ -717,7 +744,7 @@ def _interval_bwd(q, k, v, lo, hi, do, gates, branch, lse, delta, dq, dq_out, ac
     _interval_bwd_dkdv_kernel[(n_ktiles, batch * num_kv, n_split)](
         q, k, v, lo, hi, qa, qb, do, gates, lse, delta, dk, dv, num_q, num_keys, n_ktiles, scale * _LOG2E, scale,
         H=num_heads, HKV=num_kv, G=group, D=head_dim, QPB=qpb, BLOCK_M=block_m, BLOCK_N=block_n,
-        N_SPLIT=n_split, BR=branch, num_warps=4 if head_dim <= 64 else 8,
+        N_SPLIT=n_split, BR=branch, **dkdv_opts,
     )
     if n_split > 1:
         dk, dv = dk.sum(0).to(k.dtype), dv.sum(0).to(v.dtype)
@@ -742,7 +769,7 @@ def _select_topn(q, k_cmp, lse_cmp, doc_pos, c_lo, c_hi, params: NSAParams, scal
         H=num_heads, HKV=num_kv, G=group, D=head_dim, G_PAD=max(16, _next_pow2(group)),
         L=params.cmp_block_size, DS=params.cmp_stride, LB=params.sel_block_size,
         N_SEL=n_sel, N_PAD=_next_pow2(n_sel), INIT=params.sel_init_blocks, LOCAL=params.sel_local_blocks,
-        BJ=bj, HALO=halo, num_warps=2,
+        BJ=bj, HALO=halo, num_warps=4,
     )
     return idx
 
@@ -792,7 +819,7 @@ def _sel_bwd(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, dq, dq_out, a
     pair_off = torch.searchsorted(sorted_key, torch.arange(sentinel + 1, device=q.device)).contiguous()
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
-    block_m, qpb = _rows_per_program(group, head_dim)
+    block_m, qpb, dkdv_opts = _dkdv_launch(group, head_dim, q.device)
     # heavy blocks (more than heavy_min pairs) are split over n_split programs; at most
     # total pairs / (heavy_min + 1) of them, so the fp32 partials stay small (static shapes, no sync)
     heavy_min, n_split = _SEL_SPLIT or (8192, 16)
@@ -809,7 +836,7 @@ def _sel_bwd(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, dq, dq_out, a
     args = (q, k, v, pair_off, pair_q, hpos, doc_pos, do, gates, lse, delta, dk, dv, pdk, pdv,
             num_q, num_keys, q_off, scale * _LOG2E, scale, heavy_min, n_flat)
     meta = dict(H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=lb, QPB=qpb, BLOCK_M=block_m, BR=branch,
-                N_SPLIT=n_split, num_warps=4 if head_dim <= 64 else 8)
+                N_SPLIT=n_split, **dkdv_opts)
     _sel_bwd_dkdv_kernel[(num_keys, batch * num_kv, 1)](*args, HEAVY_PASS=False, **meta)
     _sel_bwd_dkdv_kernel[(n_heavy, 1, n_split)](*args, HEAVY_PASS=True, **meta)
     _sel_dkdv_reduce_kernel[(n_heavy,)](

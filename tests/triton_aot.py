@@ -1,0 +1,195 @@
+"""Compile every Triton kernel launch of the NSA op for NVIDIA GPUs, on a machine without one.
+
+Triton's interpreter checks what the kernels compute, not whether they compile: loop-carried type
+changes, tl.dot shapes below 16, or a variable bound in only one branch of an ``if`` pass on CPU and
+fail on the first GPU launch. This script runs the host-side launchers of ``nsa_triton`` on CPU
+tensors with every kernel replaced by a recorder, then compiles each recorded launch (the JIT's own
+argument specialization, constexprs and options) ahead of time for the requested architectures with
+the ptxas that ships in the triton wheel, and reports registers, spills and shared memory per kernel.
+
+    python tests/triton_aot.py [--arch 90 80] [--json out.json]
+
+Used by tests/test_triton_compile.py (CI) and as a resource table when tuning tile sizes.
+TRITON_INTERPRET must be unset (the kernels must be JITFunctions, not interpreted ones).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from triton_helpers import DEFAULT, import_nsa, make_inputs  # noqa: E402
+
+_, _, tri = import_nsa()
+
+
+class _Recorder:
+    """Stands in for a @triton.jit kernel: ``kernel[grid](*args, **kwargs)`` records the launch."""
+
+    def __init__(self, name, fn, sink):
+        self.name, self.fn, self.sink = name, fn, sink
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.sink.append((self.name, self.fn, args, kwargs))
+
+        return launch
+
+
+def capture_launches(run) -> list:
+    """Launches (name, jit_fn, args, kwargs) made by ``run()`` with every kernel of nsa_triton recorded."""
+    sink: list = []
+    kernels = {n: getattr(tri, n) for n in dir(tri) if n.endswith("_kernel") and n.startswith("_")}
+    try:
+        for name, fn in kernels.items():
+            setattr(tri, name, _Recorder(name, fn, sink))
+        run()
+    finally:
+        for name, fn in kernels.items():
+            setattr(tri, name, fn)
+    return sink
+
+
+def _scenario(B, T, H, Hkv, D, dtype, layout="varlen", decode_steps=()):
+    """Forward, backward and select_blocks at one shape (plus cached decode steps at Tk in decode_steps)."""
+
+    def run():
+        t, cmp_end, doc_pos, p = make_inputs(B, T, H, Hkv, D, DEFAULT, dtype, "cpu", layout)
+        args = tri._prepare(t["q"], t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"], t["v_slc"], t["k_win"], t["v_win"],
+                            t["gates"], doc_pos)
+        scale = D ** -0.5
+        outs = tri._forward_impl(*args, p, scale)
+        dout = torch.randn_like(t["q"])
+        tri._nsa_bwd_op(dout, *args, *outs[1:], tri._params_tuple(p), scale)
+        tri.select_blocks_triton(t["q"], t["k_cmp"], cmp_end, doc_pos, p)
+        for tk in decode_steps:
+            w = min(tk, p.window_size)
+            tri.nsa_decode_triton(t["q"][:, tk - 1:tk], t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"][:, :tk],
+                                  t["v_slc"][:, :tk], t["k_win"][:, tk - w:tk], t["v_win"][:, tk - w:tk],
+                                  t["gates"][:, tk - 1:tk], doc_pos[:, :tk], p)
+
+    return run
+
+
+# The shapes the kernels meet: the 125M layout (G=6) short and long (the selected-attention tile
+# narrows above 8n eligible blocks), fla's layout (G=16), G=1, head_dim 128 in fp16, and decode.
+SCENARIOS = {
+    "125M-G6-d64-bf16": _scenario(2, 300, 12, 2, 64, torch.bfloat16, decode_steps=(1, 300)),
+    "125M-G6-d64-bf16-long": _scenario(1, 8300, 12, 2, 64, torch.bfloat16, layout="single"),
+    "fla-G16-d64-bf16": _scenario(1, 300, 16, 1, 64, torch.bfloat16, layout="pad"),
+    "G1-d64-bf16": _scenario(1, 200, 4, 4, 64, torch.bfloat16),
+    "G4-d128-fp16": _scenario(2, 200, 8, 2, 128, torch.float16, layout="pad", decode_steps=(200,)),
+}
+
+
+def _specialize(fn, args, kwargs, arch):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, spec, opts = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)
+    return target, options, signature, constexprs, attrs
+
+
+def _resources(cubin: bytes) -> dict:
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    line = next((ln for ln in text.splitlines() if "REG:" in ln), "")
+    fields = dict(tok.split(":", 1) for tok in line.split() if ":" in tok)
+    return {k.lower(): int(fields[k]) for k in ("REG", "STACK", "LOCAL") if k in fields}
+
+
+_LAUNCHES: list = []  # (arch, scenario, name, fn, args, kwargs); filled before the worker pool forks
+
+
+def _compile_one(i):
+    arch, scenario, name, fn, args, kwargs = _LAUNCHES[i]
+    import triton
+    from triton.compiler import ASTSource
+
+    res = dict(scenario=scenario, kernel=name, arch=arch,
+               constexprs={k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")})
+    t0 = time.time()
+    try:
+        target, options, signature, constexprs, attrs = _specialize(fn, args, kwargs, arch)
+        kern = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+        res.update(ok=True, shared=kern.metadata.shared, num_warps=options.num_warps, **_resources(kern.asm["cubin"]))
+    except Exception as exc:  # reported per launch, so the failing kernel and shape are named
+        res.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[-2000:]}")
+    res["seconds"] = round(time.time() - t0, 2)
+    return res
+
+
+def collect(arch: int, scenarios=None) -> list:
+    """Unique launches the launchers make on an sm_<arch> device over the scenarios: one per (kernel,
+    specialization) signature."""
+    launches, seen = [], set()
+    real = tri._compute_capability
+    tri._compute_capability = lambda device: arch
+    try:
+        for sname in scenarios or SCENARIOS:
+            for name, fn, args, kwargs in capture_launches(SCENARIOS[sname]):
+                key_args = tuple((str(a.dtype), a.dim()) if torch.is_tensor(a) else type(a).__name__ for a in args)
+                key = (name, key_args, tuple(sorted(kwargs.items())))
+                if key not in seen:
+                    seen.add(key)
+                    launches.append((sname, name, fn, args, kwargs))
+    finally:
+        tri._compute_capability = real
+    return launches
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", type=int, nargs="*", default=[90, 80], help="compute capabilities (90 H100, 80 A100)")
+    ap.add_argument("--scenarios", nargs="*", default=None, choices=list(SCENARIOS))
+    ap.add_argument("--kernels", nargs="*", default=None, help="only these kernel names (default: all)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        sys.exit("triton_aot.py compiles real kernels: unset TRITON_INTERPRET")
+    for arch in args.arch:
+        _LAUNCHES.extend((arch, *x) for x in collect(arch, args.scenarios) if not args.kernels or x[1] in args.kernels)
+    jobs = range(len(_LAUNCHES))
+    import multiprocessing
+
+    with ProcessPoolExecutor(max_workers=args.workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        results = list(pool.map(_compile_one, jobs))
+    print("| arch | kernel | scenario | warps | regs | spill (stack/local B) | smem KiB | s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if r["ok"]:
+            print(f"| sm_{r['arch']} | {r['kernel']} | {r['scenario']} | {r['num_warps']} | {r.get('reg', '?')} | "
+                  f"{r.get('stack', '?')}/{r.get('local', '?')} | {r['shared'] / 1024:.0f} | {r['seconds']} |")
+        else:
+            print(f"| sm_{r['arch']} | {r['kernel']} | {r['scenario']} | FAILED: {r['error'][:300]} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    print("RESULTS_JSON=" + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
