@@ -56,13 +56,15 @@ def _next_pow2(x: int) -> int:
 
 
 def triton_supports(params: NSAParams, head_dim: int) -> bool:
-    """Shapes the kernels handle: head_dim a power of two in [16, 256], l' and l'/d powers of two."""
+    """Shapes the kernels handle: head_dim a power of two in [16, 256], l' a power of two >= 16 (a
+    selection block is one tl.dot operand), l'/d a power of two."""
     lb, ds = params.sel_block_size, params.cmp_stride
     pow2 = lambda x: x > 0 and (x & (x - 1)) == 0  # noqa: E731
     return (
         pow2(head_dim)
         and 16 <= head_dim <= 256
         and pow2(lb)
+        and lb >= 16
         and lb % ds == 0
         and pow2(lb // ds)
         and params.cmp_block_size % ds == 0
@@ -282,6 +284,93 @@ if _HAS_TRITON:
     # ------------------------------------------------------------------------------------------
 
     @triton.jit
+    def _topn_block_scores(q, lse, row_ok, kc_base, j0, n_vis, sm_scale2,
+                           D: tl.constexpr, HKV: tl.constexpr, L: tl.constexpr, DS: tl.constexpr,
+                           LB: tl.constexpr, BJ: tl.constexpr, HALO: tl.constexpr):
+        """Importance scores of selection blocks j0 .. j0+BJ-1 of one query (Eqs. 8-10): the compression
+        probabilities exp2(s - lse) of its heads (rows of q), recomputed from the compressed keys at
+        kc_base (the query's document's first compressed token, n_vis of them visible), summed over the
+        heads and spread over the blocks by the overlap weights. Returns (scores (BJ,), block indices)."""
+        R: tl.constexpr = LB // DS
+        BC: tl.constexpr = BJ * R
+        d = tl.arange(0, D)
+        jj = (j0 + tl.arange(0, BJ)).to(tl.int32)
+        # compressed tokens starting inside the chunk's blocks
+        ii = j0 * R + tl.arange(0, BC)
+        tok_ok = ii < n_vis
+        kc = tl.load(kc_base + ii.to(tl.int64)[:, None] * (HKV * D) + d[None, :], mask=tok_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(kc)) * sm_scale2
+        p = tl.where(row_ok[:, None] & tok_ok[None, :], tl.exp2(s - lse[:, None]), 0.0)
+        ps = tl.sum(p, 0)
+        st = ii * DS
+        ov = tl.minimum((jj[None, :] + 1) * LB, st[:, None] + L) - tl.maximum(jj[None, :] * LB, st[:, None])
+        wgt = (tl.maximum(ov, 0) // DS).to(tl.float32)
+        score = tl.sum(ps[:, None] * wgt, 0)
+        # tokens starting before the chunk that still reach into it (l > d)
+        ih = j0 * R - HALO + tl.arange(0, HALO)
+        h_ok = (ih >= 0) & (ih < n_vis)
+        kh = tl.load(kc_base + ih.to(tl.int64)[:, None] * (HKV * D) + d[None, :], mask=h_ok[:, None], other=0.0)
+        sh = tl.sum(q.to(tl.float32)[:, None, :] * kh.to(tl.float32)[None, :, :], 2) * sm_scale2
+        ph = tl.where(row_ok[:, None] & h_ok[None, :], tl.exp2(sh - lse[:, None]), 0.0)
+        psh = tl.sum(ph, 0)
+        sth = ih * DS
+        ovh = tl.minimum((jj[None, :] + 1) * LB, sth[:, None] + L) - tl.maximum(jj[None, :] * LB, sth[:, None])
+        wgth = (tl.maximum(ovh, 0) // DS).to(tl.float32)
+        score += tl.sum(psh[:, None] * wgth, 0)
+        return score, jj
+
+    @triton.jit
+    def _topn_merge(top_v, top_i, prio, ci, N_SEL: tl.constexpr, N_PAD: tl.constexpr):
+        """Merge a chunk (priorities prio of blocks ci, all above the list's indices) into the running
+        top list (top_v, top_i), sorted by: a beats b iff v_a > v_b or (v_a == v_b and i_a < i_b).
+
+        All in parallel: a list entry's new rank is its slot plus the chunk entries beating it; a chunk
+        entry's rank counts the beaters in both; ranks >= N_SEL fall off."""
+        slot = tl.arange(0, N_PAD)
+        lv = top_v
+        li = tl.where(top_i < 0, 1 << 30, top_i)
+        c_beats_l = (prio[None, :] > lv[:, None]) | ((prio[None, :] == lv[:, None]) & (ci[None, :] < li[:, None]))
+        rank_l = slot + tl.sum(c_beats_l.to(tl.int32), 1)
+        l_beats_c = (lv[None, :] > prio[:, None]) | ((lv[None, :] == prio[:, None]) & (li[None, :] < ci[:, None]))
+        l_beats_c = l_beats_c & (slot[None, :] < N_SEL)
+        c_beats_c = (prio[None, :] > prio[:, None]) | ((prio[None, :] == prio[:, None]) & (ci[None, :] < ci[:, None]))
+        rank_c = tl.sum(l_beats_c.to(tl.int32), 1) + tl.sum(c_beats_c.to(tl.int32), 1)
+        rank_l = tl.where(slot < N_SEL, rank_l, 1 << 20)
+        hit_l = rank_l[None, :] == slot[:, None]  # (new slot, old slot)
+        hit_c = rank_c[None, :] == slot[:, None]  # (new slot, chunk entry)
+        new_v = tl.maximum(
+            tl.max(tl.where(hit_l, lv[None, :], float("-inf")), 1),
+            tl.max(tl.where(hit_c, prio[None, :], float("-inf")), 1),
+        )
+        new_i = tl.maximum(tl.max(tl.where(hit_l, top_i[None, :], -1), 1), tl.max(tl.where(hit_c, ci[None, :], -1), 1))
+        return new_v, new_i
+
+    @triton.jit
+    def _topn_select(q, lse, row_ok, kc_base, n_vis, pos, sm_scale2,
+                     D: tl.constexpr, HKV: tl.constexpr, L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr,
+                     N_SEL: tl.constexpr, N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
+                     BJ: tl.constexpr, HALO: tl.constexpr):
+        """Top-n selection blocks of one query at in-document position pos (Eq. 11 with the forced initial
+        and local blocks), streaming over its eligible blocks in chunks of BJ with a running sorted list.
+        Returns (N_PAD,) block indices by priority, -1 where unused (fewer than n eligible)."""
+        n_blocks = tl.where(pos >= 0, pos // LB + 1, 0).to(tl.int32)
+        own = (pos // LB).to(tl.int32)
+        slot = tl.arange(0, N_PAD)
+        top_v = tl.full([N_PAD], float("-inf"), tl.float32)
+        top_i = tl.full([N_PAD], -1, tl.int32)
+        for j0 in range(0, n_blocks, BJ):
+            score, jj = _topn_block_scores(q, lse, row_ok, kc_base, j0, n_vis, sm_scale2, D, HKV, L, DS, LB, BJ, HALO)
+            elig = jj < n_blocks
+            forced = elig & ((jj < INIT) | ((jj > own - LOCAL) & (jj <= own)))
+            prio = tl.where(elig, score, float("-inf"))
+            prio = tl.where(forced, float("inf"), prio)
+            last = tl.max(tl.where(slot == N_SEL - 1, top_v, float("-inf")), 0)
+            best = tl.max(prio, 0)
+            if (best > last) | (best == float("inf")):  # the chunk changes the list
+                top_v, top_i = _topn_merge(top_v, top_i, prio, jj, N_SEL, N_PAD)
+        return tl.where(top_v > float("-inf"), top_i, -1)
+
+    @triton.jit
     def _select_topn_kernel(
         Q, KC, LSE, DOCPOS, CLO, CHI, IDX,
         Tq, Tk, Nc, q_off, sm_scale2,
@@ -304,71 +393,113 @@ if _HAS_TRITON:
         q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
         lse = tl.load(LSE + row, mask=row_ok, other=0.0)
         lse = tl.where(lse == float("inf"), 0.0, lse)
-        n_blocks = tl.where(pos >= 0, pos // LB + 1, 0).to(tl.int32)
-        own = (pos // LB).to(tl.int32)
-        R: tl.constexpr = LB // DS
-        BC: tl.constexpr = BJ * R
         kc_base = KC + b * Nc * HKV * D + g * D + c_lo.to(tl.int64) * (HKV * D)
+        out = _topn_select(q, lse, row_ok, kc_base, n_vis, pos, sm_scale2,
+                           D, HKV, L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, HALO)
         slot = tl.arange(0, N_PAD)
-        top_v = tl.full([N_PAD], float("-inf"), tl.float32)
-        top_i = tl.full([N_PAD], -1, tl.int32)
-        jb = tl.arange(0, BJ)
-        for j0 in range(0, n_blocks, BJ):
-            jj = (j0 + jb).to(tl.int32)
-            # compressed tokens starting inside the chunk's blocks
-            ii = j0 * R + tl.arange(0, BC)
-            tok_ok = ii < n_vis
-            kc = tl.load(kc_base + ii.to(tl.int64)[:, None] * (HKV * D) + d[None, :], mask=tok_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(kc)) * sm_scale2
-            p = tl.where(row_ok[:, None] & tok_ok[None, :], tl.exp2(s - lse[:, None]), 0.0)
-            ps = tl.sum(p, 0)
-            st = ii * DS
-            ov = tl.minimum((jj[None, :] + 1) * LB, st[:, None] + L) - tl.maximum(jj[None, :] * LB, st[:, None])
-            wgt = (tl.maximum(ov, 0) // DS).to(tl.float32)
-            score = tl.sum(ps[:, None] * wgt, 0)
-            # tokens starting before the chunk that still reach into it (l > d)
-            ih = j0 * R - HALO + tl.arange(0, HALO)
-            h_ok = (ih >= 0) & (ih < n_vis)
-            kh = tl.load(kc_base + ih.to(tl.int64)[:, None] * (HKV * D) + d[None, :], mask=h_ok[:, None], other=0.0)
-            sh = tl.sum(q.to(tl.float32)[:, None, :] * kh.to(tl.float32)[None, :, :], 2) * sm_scale2
-            ph = tl.where(row_ok[:, None] & h_ok[None, :], tl.exp2(sh - lse[:, None]), 0.0)
-            psh = tl.sum(ph, 0)
-            sth = ih * DS
-            ovh = tl.minimum((jj[None, :] + 1) * LB, sth[:, None] + L) - tl.maximum(jj[None, :] * LB, sth[:, None])
-            wgth = (tl.maximum(ovh, 0) // DS).to(tl.float32)
-            score += tl.sum(psh[:, None] * wgth, 0)
-            elig = jj < n_blocks
-            forced = elig & ((jj < INIT) | ((jj > own - LOCAL) & (jj <= own)))
-            prio = tl.where(elig, score, float("-inf"))
-            prio = tl.where(forced, float("inf"), prio)
-            # merge the chunk into the sorted running list (list entries have lower block indices)
-            last = tl.max(tl.where(slot == N_SEL - 1, top_v, float("-inf")), 0)
-            best = tl.max(prio, 0)
-            if (best > last) | (best == float("inf")):
-                # rank merge, all in parallel: a beats b iff v_a > v_b or (v_a == v_b and i_a < i_b).
-                # The list is sorted by that order, so a list entry's new rank is its slot plus the
-                # chunk entries beating it; a chunk entry's rank counts the beaters in both.
-                ci = jj
-                lv = top_v
-                li = tl.where(top_i < 0, 1 << 30, top_i)
-                c_beats_l = (prio[None, :] > lv[:, None]) | ((prio[None, :] == lv[:, None]) & (ci[None, :] < li[:, None]))
-                rank_l = slot + tl.sum(c_beats_l.to(tl.int32), 1)
-                l_beats_c = (lv[None, :] > prio[:, None]) | ((lv[None, :] == prio[:, None]) & (li[None, :] < ci[:, None]))
-                l_beats_c = l_beats_c & (slot[None, :] < N_SEL)
-                c_beats_c = (prio[None, :] > prio[:, None]) | ((prio[None, :] == prio[:, None]) & (ci[None, :] < ci[:, None]))
-                rank_c = tl.sum(l_beats_c.to(tl.int32), 1) + tl.sum(c_beats_c.to(tl.int32), 1)
-                rank_l = tl.where(slot < N_SEL, rank_l, 1 << 20)
-                hit_l = rank_l[None, :] == slot[:, None]  # (new slot, old slot)
-                hit_c = rank_c[None, :] == slot[:, None]  # (new slot, chunk entry)
-                new_v = tl.maximum(
-                    tl.max(tl.where(hit_l, lv[None, :], float("-inf")), 1),
-                    tl.max(tl.where(hit_c, prio[None, :], float("-inf")), 1),
-                )
-                new_i = tl.maximum(tl.max(tl.where(hit_l, top_i[None, :], -1), 1), tl.max(tl.where(hit_c, ci[None, :], -1), 1))
-                top_v = new_v
-                top_i = new_i
-        out = tl.where(top_v > float("-inf"), top_i, -1)
         tl.store(IDX + (pid_bg.to(tl.int64) * Tq + t) * N_SEL + slot, out, mask=slot < N_SEL)
+
+    # ------------------------------------------------------------------------------------------
+    # Decoding: one fused kernel per step
+    # ------------------------------------------------------------------------------------------
+
+    @triton.jit
+    def _softmax_tile(s, v, m_i, l_i, acc):
+        """Online-softmax update with one key tile: s (M, N) base-2 logits, -inf where not visible."""
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _decode_kernel(
+        Q, KC, VC, CEND, KS, VS, KW, VW, GATE, DOCPOS, OUT,
+        Tk, Nc, Tw, sm_scale2,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+        L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr,
+        N_SEL: tl.constexpr, N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, WIN: tl.constexpr,
+        BJ: tl.constexpr, HALO: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        """One query per row (the newest of Tk keys), one program per (row, KV group), rows = its G heads:
+        compressed attention, top-n from its probabilities, selected and window attention and the gated
+        sum, in one launch. Reads the compressed keys (twice), the n selected blocks and the last w keys."""
+        pid_bg = tl.program_id(0)
+        b = (pid_bg // HKV).to(tl.int64)
+        g = pid_bg % HKV
+        t = Tk - 1
+        pos = tl.load(DOCPOS + b * Tk + t)
+        valid = pos >= 0  # a padded query gets 0 from every branch
+        start = t - pos  # first key of the query's document
+        hh = tl.arange(0, G_PAD)
+        row_ok = hh < G
+        d = tl.arange(0, D)
+        row = b * H + g * G + hh
+        q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        zero_m = tl.full([G_PAD], float("-inf"), tl.float32)
+        zero_l = tl.zeros([G_PAD], tl.float32)
+        zero_acc = tl.zeros([G_PAD, D], tl.float32)
+        kn = tl.arange(0, BLOCK_N)
+        # compressed branch: slot c is visible iff start <= cmp_end[c] <= t (slots sorted by end, -1 = empty);
+        # also count the slots of earlier documents (c_lo) and the visible ones for the selection
+        cmp_base = b * Nc * HKV * D + g * D
+        m_i, l_i, acc = zero_m, zero_l, zero_acc
+        c_lo = tl.full([], 0, tl.int32)
+        n_vis = tl.full([], 0, tl.int32)
+        for c0 in range(0, tl.where(valid, Nc, 0), BLOCK_N):
+            cc = c0 + kn
+            end = tl.load(CEND + b * Nc + cc, mask=cc < Nc, other=-1)
+            vis = (end >= start) & (end <= t)
+            c_lo += tl.sum(((end >= 0) & (end < start)).to(tl.int32), 0)
+            n_vis += tl.sum(vis.to(tl.int32), 0)
+            kv_off = cmp_base + cc.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
+            k = tl.load(KC + kv_off, mask=vis[:, None], other=0.0)
+            v = tl.load(VC + kv_off, mask=vis[:, None], other=0.0)
+            s = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
+            m_i, l_i, acc = _softmax_tile(s, v, m_i, l_i, acc)
+        has = l_i > 0
+        o_cmp = (acc / tl.where(has, l_i, 1.0)[:, None]).to(OUT.dtype.element_ty).to(tl.float32)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), 0.0)
+        # top-n blocks from the compression probabilities
+        kc_base = KC + cmp_base + c_lo.to(tl.int64) * (HKV * D)
+        top_i = _topn_select(q, lse, row_ok, kc_base, n_vis, pos, sm_scale2,
+                             D, HKV, L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, HALO)
+        # selected branch: the n blocks' keys up to t
+        slot = tl.arange(0, N_PAD)
+        kb = tl.arange(0, LB)
+        slc_base = b * Tk * HKV * D + g * D
+        m_i, l_i, acc = zero_m, zero_l, zero_acc
+        for i in range(N_SEL):
+            j = tl.sum(tl.where(slot == i, top_i, 0), 0)
+            kk = tl.where(j >= 0, start + j.to(tl.int64) * LB, t + 1) + kb  # unused slot: nothing visible
+            vis = kk <= t
+            kv_off = slc_base + kk[:, None] * (HKV * D) + d[None, :]
+            k = tl.load(KS + kv_off, mask=vis[:, None], other=0.0)
+            v = tl.load(VS + kv_off, mask=vis[:, None], other=0.0)
+            s = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
+            m_i, l_i, acc = _softmax_tile(s, v, m_i, l_i, acc)
+        o_slc = (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(OUT.dtype.element_ty).to(tl.float32)
+        # window branch: KW holds keys Tk-Tw .. Tk-1; visible from max(start, t - w + 1)
+        w_off = Tk - Tw
+        w_lo = tl.maximum(tl.maximum(start, t - WIN + 1) - w_off, 0).to(tl.int32)
+        win_base = b * Tw * HKV * D + g * D
+        m_i, l_i, acc = zero_m, zero_l, zero_acc
+        for i0 in range(w_lo, tl.where(valid, Tw, 0), BLOCK_N):
+            ii = i0 + kn
+            vis = ii < Tw
+            kv_off = win_base + ii.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
+            k = tl.load(KW + kv_off, mask=vis[:, None], other=0.0)
+            v = tl.load(VW + kv_off, mask=vis[:, None], other=0.0)
+            s = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
+            m_i, l_i, acc = _softmax_tile(s, v, m_i, l_i, acc)
+        o_win = (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(OUT.dtype.element_ty).to(tl.float32)
+        g0 = tl.load(GATE + row * 3, mask=row_ok, other=0.0).to(tl.float32)
+        g1 = tl.load(GATE + row * 3 + 1, mask=row_ok, other=0.0).to(tl.float32)
+        g2 = tl.load(GATE + row * 3 + 2, mask=row_ok, other=0.0).to(tl.float32)
+        out = g0[:, None] * o_cmp + g1[:, None] * o_slc + g2[:, None] * o_win
+        tl.store(OUT + row[:, None] * D + d[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
 
     # ------------------------------------------------------------------------------------------
     # Selected attention
@@ -759,11 +890,7 @@ def _select_topn(q, k_cmp, lse_cmp, doc_pos, c_lo, c_hi, params: NSAParams, scal
     num_blocks = triton.cdiv(num_keys, params.sel_block_size)
     n_sel = min(params.sel_num_blocks, num_blocks)
     idx = torch.empty(batch, num_kv, num_q, n_sel, device=q.device, dtype=torch.int32)
-    halo = _next_pow2(max(1, params.cmp_block_size // params.cmp_stride - 1))
-    ratio = params.sel_block_size // params.cmp_stride
-    bj = max(1, 64 // ratio) if ratio <= 64 else 1
-    bj = max(bj, 16 // min(ratio, 16))
-    bj = _TOPN_BLOCKS_PER_CHUNK or bj
+    bj, halo = _topn_chunk(params)
     _select_topn_kernel[(num_q, batch * num_kv)](
         q, k_cmp, lse_cmp, doc_pos, c_lo, c_hi, idx, num_q, num_keys, num_slots, num_keys - num_q, scale * _LOG2E,
         H=num_heads, HKV=num_kv, G=group, D=head_dim, G_PAD=max(16, _next_pow2(group)),
@@ -772,6 +899,36 @@ def _select_topn(q, k_cmp, lse_cmp, doc_pos, c_lo, c_hi, params: NSAParams, scal
         BJ=bj, HALO=halo, num_warps=4,
     )
     return idx
+
+
+def _topn_chunk(params: NSAParams) -> tuple[int, int]:
+    """(BJ selection blocks per chunk, HALO compressed tokens reaching into a chunk from before) for the
+    top-n streaming: chunks of about 64 compressed tokens, at least 16 (the smallest tl.dot)."""
+    halo = _next_pow2(max(1, params.cmp_block_size // params.cmp_stride - 1))
+    ratio = params.sel_block_size // params.cmp_stride
+    bj = max(1, 64 // ratio) if ratio <= 64 else 1
+    bj = max(bj, 16 // min(ratio, 16))
+    return _TOPN_BLOCKS_PER_CHUNK or bj, halo
+
+
+def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params: NSAParams, scale):
+    """One query per row (Tq == 1): the fused decode kernel, one launch for the three branches."""
+    batch, _, num_heads, head_dim = q.shape
+    num_slots, num_kv = k_cmp.shape[1], k_cmp.shape[2]
+    num_keys, num_win = k_slc.shape[1], k_win.shape[1]
+    group = num_heads // num_kv
+    n_sel = min(params.sel_num_blocks, triton.cdiv(num_keys, params.sel_block_size))
+    bj, halo = _topn_chunk(params)
+    out = torch.empty_like(q)
+    _decode_kernel[(batch * num_kv,)](
+        q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, out,
+        num_keys, num_slots, num_win, scale * _LOG2E,
+        H=num_heads, HKV=num_kv, G=group, D=head_dim, G_PAD=max(16, _next_pow2(group)),
+        L=params.cmp_block_size, DS=params.cmp_stride, LB=params.sel_block_size,
+        N_SEL=n_sel, N_PAD=_next_pow2(n_sel), INIT=params.sel_init_blocks, LOCAL=params.sel_local_blocks,
+        WIN=params.window_size, BJ=bj, HALO=halo, BLOCK_N=64, num_warps=4,
+    )
+    return out
 
 
 def _sel_fwd(q, k, v, idx, doc_pos, params: NSAParams, scale):
@@ -1018,6 +1175,8 @@ def nsa_decode_triton(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gate
     if not triton_supports(params, head_dim):
         return _reference_fallback(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, scale)
     args = _prepare(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos)
+    if q.shape[1] == 1:  # the generation step: one fused launch
+        return _decode_step(*args, params, scale)
     return _forward_impl(*args, params, scale)[0]
 
 

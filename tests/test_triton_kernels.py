@@ -53,6 +53,11 @@ CPU_CASES = [
     # selected dK/dV: blocks with more than 5 (query, block) pairs split over 3 programs + fixed-order reduce
     dict(B=2, T=70, H=6, Hkv=2, D=16, layout="varlen", sel_split=[5, 3]),
     dict(kind="decode", B=2, T=60, H=4, Hkv=2, D=16, steps=[1, 8, 23, 60], Tw=16, layout="pad"),
+    # the fused decode kernel: queries in later documents of packed rows (slots of earlier documents
+    # before theirs), at and around compressed/selection block boundaries; fp16 with a window cache
+    # longer than w
+    dict(kind="decode", B=2, T=90, H=6, Hkv=1, D=16, steps=[1, 3, 4, 5, 17, 31, 64, 90], Tw=16, layout="varlen"),
+    dict(kind="decode", B=1, T=70, H=2, Hkv=2, D=32, steps=[1, 2, 16, 17, 33, 70], Tw=40, dtype="float16"),
 ]
 
 
