@@ -96,6 +96,17 @@ if _HAS_TRITON:
                 tl.store(DQO + row[:, None] * D + d[None, :], (prev + dq).to(DQO.dtype.element_ty), mask=row_ok[:, None])
 
     @triton.jit
+    def _softmax_tile(s, v, m_i, l_i, acc):
+        """Online-softmax update with one key tile: s (M, N) base-2 logits, -inf where not visible."""
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _bwd_prep_kernel(
         DOUT, OC, OS, OW, GATE, DG, DELTA, R,
         D: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -404,17 +415,6 @@ if _HAS_TRITON:
     # ------------------------------------------------------------------------------------------
 
     @triton.jit
-    def _softmax_tile(s, v, m_i, l_i, acc):
-        """Online-softmax update with one key tile: s (M, N) base-2 logits, -inf where not visible."""
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        return m_new, l_i, acc
-
-    @triton.jit
     def _decode_kernel(
         Q, KC, VC, CEND, KS, VS, KW, VW, GATE, DOCPOS, OUT,
         Tk, Nc, Tw, sm_scale2,
@@ -508,17 +508,16 @@ if _HAS_TRITON:
     # Query tiles: a program packs BLOCK_M rows = QPB consecutive queries x the G heads of one KV group
     # and walks the union of the tile's selected blocks (consecutive queries share the forced blocks and
     # much of the top-n). A block is named by its absolute first key a = doc_start + j * l' (a block
-    # start lies inside its document, so equal a means same document); the candidates are the tile's
-    # (query, slot) entries in order, a candidate already chosen by an earlier query of the tile is
-    # skipped, and each row attends block a iff its own query selected it (keys s <= t).
+    # start lies inside its document, so equal a means same document). The launcher lists each tile's
+    # distinct blocks (_tile_block_union: sorted, deduplicated, static shapes); each row attends block a
+    # iff its own query selected it (keys s <= t).
 
     @triton.jit
     def _sel_tile_rows(IDX, DOCPOS, pid_q, pid_bg, b, Tq, Tk, q_off,
                        G: tl.constexpr, LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr,
                        QPB: tl.constexpr, BLOCK_M: tl.constexpr):
         r = tl.arange(0, BLOCK_M)
-        qr = r // G
-        qi = pid_q * QPB + qr
+        qi = pid_q * QPB + r // G
         row_ok = (r < QPB * G) & (qi < Tq)
         qi = tl.where(row_ok, qi, 0)
         t_abs = q_off + qi
@@ -527,30 +526,13 @@ if _HAS_TRITON:
         slot = tl.arange(0, N_PAD)
         j_rows = tl.load(IDX + (pid_bg.to(tl.int64) * Tq + qi)[:, None] * N_SEL + slot[None, :],
                          mask=row_ok[:, None] & (slot < N_SEL)[None, :], other=-1)
-        a_rows = tl.where(j_rows >= 0, start[:, None] + j_rows.to(tl.int64) * LB, -1)
-        return r, qr, qi, row_ok, t_abs, a_rows
-
-    @triton.jit
-    def _sel_candidate(IDX, DOCPOS, c, pid_q, pid_bg, b, Tq, Tk, q_off, qr, a_rows,
-                       LB: tl.constexpr, N_SEL: tl.constexpr, QPB: tl.constexpr):
-        """Candidate c = (tile query c // N_SEL, slot c % N_SEL): its block start a, whether to process it
-        (valid and not chosen by an earlier query of the tile) and the rows that selected it."""
-        cq = c // N_SEL
-        tq = pid_q * QPB + cq
-        tq_ok = tq < Tq
-        tq_c = tl.where(tq_ok, tq, 0)
-        j = tl.load(IDX + (pid_bg.to(tl.int64) * Tq + tq_c) * N_SEL + c % N_SEL)
-        pos = tl.load(DOCPOS + b * Tk + q_off + tq_c)
-        a = (q_off + tq_c - pos) + j.to(tl.int64) * LB
-        sel = tl.sum((a_rows == a).to(tl.int32), 1) > 0
-        seen = tl.max(tl.where((qr < cq) & sel, 1, 0), 0)
-        go = tq_ok & (j >= 0) & (pos >= 0) & (seen == 0)
-        return a, go, sel
+        a_rows = tl.where(j_rows >= 0, start[:, None] + j_rows.to(tl.int64) * LB, -1)  # (BLOCK_M, N_PAD)
+        return r, qi, row_ok, t_abs, a_rows
 
     @triton.jit
     def _sel_fwd_kernel(
-        Q, K, V, IDX, DOCPOS, O, LSE,
-        Tq, Tk, q_off, sm_scale2,
+        Q, K, V, IDX, UBLK, UCNT, DOCPOS, O, LSE,
+        Tq, Tk, q_off, n_tiles, sm_scale2,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr,
     ):
@@ -558,8 +540,9 @@ if _HAS_TRITON:
         pid_bg = tl.program_id(1)
         b = (pid_bg // HKV).to(tl.int64)
         g = pid_bg % HKV
-        r, qr, qi, row_ok, t_abs, a_rows = _sel_tile_rows(IDX, DOCPOS, pid_q, pid_bg, b, Tq, Tk, q_off,
-                                                          G, LB, N_SEL, N_PAD, QPB, BLOCK_M)
+        r, qi, row_ok, t_abs, a_rows = _sel_tile_rows(IDX, DOCPOS, pid_q, pid_bg, b, Tq, Tk, q_off,
+                                                      G, LB, N_SEL, N_PAD, QPB, BLOCK_M)
+        tile = pid_bg.to(tl.int64) * n_tiles + pid_q
         d = tl.arange(0, D)
         row = (b * Tq + qi) * H + g * G + r % G
         q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
@@ -568,24 +551,17 @@ if _HAS_TRITON:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         kb = tl.arange(0, LB)
-        for c in range(QPB * N_SEL):
-            a, go, sel = _sel_candidate(IDX, DOCPOS, c, pid_q, pid_bg, b, Tq, Tk, q_off, qr, a_rows, LB, N_SEL, QPB)
-            if go:
-                kk = a + kb
-                k_ld = kk < Tk
-                kv_off = kv_base + kk[:, None] * (HKV * D) + d[None, :]
-                k = tl.load(K + kv_off, mask=k_ld[:, None], other=0.0)
-                vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
-                s = tl.dot(q, tl.trans(k)) * sm_scale2
-                s = tl.where(vis, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_safe)
-                p = tl.exp2(s - m_safe[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(V + kv_off, mask=k_ld[:, None], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m_i = m_new
+        for u in range(tl.load(UCNT + tile)):
+            a = tl.load(UBLK + tile * (QPB * N_SEL) + u).to(tl.int64)  # the tile's u-th distinct block
+            sel = tl.sum((a_rows == a).to(tl.int32), 1) > 0  # rows whose query selected it
+            kk = a + kb
+            k_ld = kk < Tk
+            kv_off = kv_base + kk[:, None] * (HKV * D) + d[None, :]
+            k = tl.load(K + kv_off, mask=k_ld[:, None], other=0.0)
+            vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
+            s = tl.where(vis, tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
+            v = tl.load(V + kv_off, mask=k_ld[:, None], other=0.0)
+            m_i, l_i, acc = _softmax_tile(s, v, m_i, l_i, acc)
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         tl.store(O + row[:, None] * D + d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
@@ -594,8 +570,8 @@ if _HAS_TRITON:
 
     @triton.jit
     def _sel_bwd_dq_kernel(
-        Q, K, V, IDX, DOCPOS, DO, GATE, LSE, DELTA, DQ, DQO,
-        Tq, Tk, q_off, sm_scale2, scale,
+        Q, K, V, IDX, UBLK, UCNT, DOCPOS, DO, GATE, LSE, DELTA, DQ, DQO,
+        Tq, Tk, q_off, n_tiles, sm_scale2, scale,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr,
         BR: tl.constexpr, ACC: tl.constexpr,
@@ -604,8 +580,9 @@ if _HAS_TRITON:
         pid_bg = tl.program_id(1)
         b = (pid_bg // HKV).to(tl.int64)
         g = pid_bg % HKV
-        r, qr, qi, row_ok, t_abs, a_rows = _sel_tile_rows(IDX, DOCPOS, pid_q, pid_bg, b, Tq, Tk, q_off,
-                                                          G, LB, N_SEL, N_PAD, QPB, BLOCK_M)
+        r, qi, row_ok, t_abs, a_rows = _sel_tile_rows(IDX, DOCPOS, pid_q, pid_bg, b, Tq, Tk, q_off,
+                                                      G, LB, N_SEL, N_PAD, QPB, BLOCK_M)
+        tile = pid_bg.to(tl.int64) * n_tiles + pid_q
         d = tl.arange(0, D)
         row = (b * Tq + qi) * H + g * G + r % G
         q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
@@ -616,20 +593,20 @@ if _HAS_TRITON:
         kv_base = b * Tk * HKV * D + g * D
         dq = tl.zeros([BLOCK_M, D], tl.float32)
         kb = tl.arange(0, LB)
-        for c in range(QPB * N_SEL):
-            a, go, sel = _sel_candidate(IDX, DOCPOS, c, pid_q, pid_bg, b, Tq, Tk, q_off, qr, a_rows, LB, N_SEL, QPB)
-            if go:
-                kk = a + kb
-                k_ld = kk < Tk
-                kv_off = kv_base + kk[:, None] * (HKV * D) + d[None, :]
-                k = tl.load(K + kv_off, mask=k_ld[:, None], other=0.0)
-                v = tl.load(V + kv_off, mask=k_ld[:, None], other=0.0)
-                vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
-                s = tl.dot(q, tl.trans(k)) * sm_scale2
-                p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
-                dp = tl.dot(do, tl.trans(v))
-                ds = p * (dp - delta[:, None])
-                dq += tl.dot(ds.to(k.dtype), k)
+        for u in range(tl.load(UCNT + tile)):
+            a = tl.load(UBLK + tile * (QPB * N_SEL) + u).to(tl.int64)
+            sel = tl.sum((a_rows == a).to(tl.int32), 1) > 0
+            kk = a + kb
+            k_ld = kk < Tk
+            kv_off = kv_base + kk[:, None] * (HKV * D) + d[None, :]
+            k = tl.load(K + kv_off, mask=k_ld[:, None], other=0.0)
+            v = tl.load(V + kv_off, mask=k_ld[:, None], other=0.0)
+            vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
+            s = tl.dot(q, tl.trans(k)) * sm_scale2
+            p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k)
         _store_dq(DQ, DQO, row, row_ok, d, dq * scale, D, ACC)
 
     @triton.jit
@@ -931,6 +908,26 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     return out
 
 
+def _tile_block_union(idx, doc_pos, qpb: int, sel_block_size: int):
+    """The distinct selected blocks of each query tile (qpb consecutive queries), as absolute first keys,
+    ascending, then padding. idx (B, Hkv, Tq, n') in-document block indices (-1 unused); doc_pos (B, Tk)
+    with the queries its last Tq positions. Returns (blocks (B, Hkv, n_tiles, qpb*n') int32, counts
+    (B, Hkv, n_tiles) int32). Two segmented sorts, static shapes, no host synchronization."""
+    batch, num_kv, num_q, n_sel = idx.shape
+    num_keys = doc_pos.shape[1]
+    q_off = num_keys - num_q
+    n_tiles = triton.cdiv(num_q, qpb)
+    none = torch.iinfo(torch.int32).max
+    start = torch.arange(q_off, num_keys, device=idx.device) - doc_pos[:, q_off:]  # (B, Tq) document starts
+    a = torch.where(idx >= 0, start[:, None, :, None] + idx.long() * sel_block_size, none)  # (B, Hkv, Tq, n')
+    a = torch.nn.functional.pad(a, (0, 0, 0, n_tiles * qpb - num_q), value=none)
+    a = a.view(batch, num_kv, n_tiles, qpb * n_sel).sort(-1).values
+    repeat = torch.zeros_like(a, dtype=torch.bool)
+    repeat[..., 1:] = a[..., 1:] == a[..., :-1]
+    a = torch.where(repeat, none, a).sort(-1).values  # distinct blocks first
+    return a.to(torch.int32).contiguous(), (a < none).sum(-1).to(torch.int32).contiguous()
+
+
 def _sel_fwd(q, k, v, idx, doc_pos, params: NSAParams, scale):
     batch, num_q, num_heads, head_dim = q.shape
     num_keys, num_kv = k.shape[1], k.shape[2]
@@ -939,8 +936,10 @@ def _sel_fwd(q, k, v, idx, doc_pos, params: NSAParams, scale):
     lse = torch.empty(batch, num_q, num_heads, device=q.device, dtype=torch.float32)
     n_sel = idx.shape[-1]
     block_m, qpb = _sel_rows_per_program(group, head_dim, num_keys, params)
+    blocks, counts = _tile_block_union(idx, doc_pos, qpb, params.sel_block_size)
     _sel_fwd_kernel[(triton.cdiv(num_q, qpb), batch * num_kv)](
-        q, k, v, idx, doc_pos, o, lse, num_q, num_keys, num_keys - num_q, scale * _LOG2E,
+        q, k, v, idx, blocks, counts, doc_pos, o, lse, num_q, num_keys, num_keys - num_q, counts.shape[-1],
+        scale * _LOG2E,
         H=num_heads, HKV=num_kv, G=group, D=head_dim,
         LB=params.sel_block_size, N_SEL=n_sel, N_PAD=_next_pow2(n_sel), QPB=qpb, BLOCK_M=block_m,
         num_warps=4 if head_dim <= 64 else 8,
@@ -956,8 +955,10 @@ def _sel_bwd(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, dq, dq_out, a
     lb = params.sel_block_size
     q_off = num_keys - num_q
     block_m_q, qpb_q = _sel_rows_per_program(group, head_dim, num_keys, params)
+    blocks, counts = _tile_block_union(idx, doc_pos, qpb_q, lb)
     _sel_bwd_dq_kernel[(triton.cdiv(num_q, qpb_q), batch * num_kv)](
-        q, k, v, idx, doc_pos, do, gates, lse, delta, dq, dq_out, num_q, num_keys, q_off, scale * _LOG2E, scale,
+        q, k, v, idx, blocks, counts, doc_pos, do, gates, lse, delta, dq, dq_out, num_q, num_keys, q_off,
+        counts.shape[-1], scale * _LOG2E, scale,
         H=num_heads, HKV=num_kv, G=group, D=head_dim,
         LB=lb, N_SEL=n_sel, N_PAD=_next_pow2(n_sel), QPB=qpb_q, BLOCK_M=block_m_q, BR=branch, ACC=acc,
         num_warps=4 if head_dim <= 64 else 8,
