@@ -82,20 +82,6 @@ if _HAS_TRITON:
         return (do.to(tl.float32) * gt[:, None]).to(DO.dtype.element_ty)
 
     @triton.jit
-    def _store_dq(DQ, DQO, row, row_ok, d, dq, D: tl.constexpr, ACC: tl.constexpr):
-        """ACC 0: first branch, store fp32; 1: add to the fp32 accumulator; 2: last branch, add and write
-        the final dq in the input dtype to DQO. Fixed branch order: deterministic."""
-        dq_ptr = DQ + row[:, None] * D + d[None, :]
-        if ACC == 0:
-            tl.store(dq_ptr, dq, mask=row_ok[:, None])
-        else:
-            prev = tl.load(dq_ptr, mask=row_ok[:, None], other=0.0)
-            if ACC == 1:
-                tl.store(dq_ptr, prev + dq, mask=row_ok[:, None])
-            else:
-                tl.store(DQO + row[:, None] * D + d[None, :], (prev + dq).to(DQO.dtype.element_ty), mask=row_ok[:, None])
-
-    @triton.jit
     def _softmax_tile(s, v, m_i, l_i, acc):
         """Online-softmax update with one key tile: s (M, N) base-2 logits, -inf where not visible."""
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -105,29 +91,6 @@ if _HAS_TRITON:
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         return m_new, l_i, acc
-
-    @triton.jit
-    def _bwd_prep_kernel(
-        DOUT, OC, OS, OW, GATE, DG, DELTA, R,
-        D: tl.constexpr, BLOCK_R: tl.constexpr,
-    ):
-        """Per (token, head) row: dgates[i] = dout . o_i and delta_i = rowsum(round(g_i dout) * o_i)."""
-        rr = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-        ok = rr < R
-        d = tl.arange(0, D)
-        off = rr[:, None] * D + d[None, :]
-        do = tl.load(DOUT + off, mask=ok[:, None], other=0.0).to(tl.float32)
-        for i in tl.static_range(3):
-            if i == 0:
-                o = tl.load(OC + off, mask=ok[:, None], other=0.0).to(tl.float32)
-            elif i == 1:
-                o = tl.load(OS + off, mask=ok[:, None], other=0.0).to(tl.float32)
-            else:
-                o = tl.load(OW + off, mask=ok[:, None], other=0.0).to(tl.float32)
-            gt = tl.load(GATE + rr * 3 + i, mask=ok, other=0.0).to(tl.float32)
-            tl.store(DG + rr * 3 + i, tl.sum(do * o, 1).to(DG.dtype.element_ty), mask=ok)
-            dob = (do * gt[:, None]).to(DOUT.dtype.element_ty).to(tl.float32)
-            tl.store(DELTA + i * R + rr, tl.sum(dob * o, 1), mask=ok)
 
     # ------------------------------------------------------------------------------------------
     # Interval attention (compressed + window branches)
@@ -192,50 +155,6 @@ if _HAS_TRITON:
             o_w = out.to(O.dtype.element_ty).to(tl.float32)
             res = g0[:, None] * o_c + g1[:, None] * o_s + g2[:, None] * o_w
             tl.store(OUT + out_ptr, res.to(OUT.dtype.element_ty), mask=row_ok[:, None])
-
-    @triton.jit
-    def _interval_bwd_dq_kernel(
-        Q, K, V, LO, HI, DO, GATE, LSE, DELTA, DQ, DQO,
-        Tq, Nk, sm_scale2, scale,
-        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-        QPB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BR: tl.constexpr, ACC: tl.constexpr,
-    ):
-        pid_q = tl.program_id(0)
-        pid_bg = tl.program_id(1)
-        b = (pid_bg // HKV).to(tl.int64)
-        g = pid_bg % HKV
-        r = tl.arange(0, BLOCK_M)
-        qi = pid_q * QPB + r // G
-        hh = r % G
-        row_ok = (r < QPB * G) & (qi < Tq)
-        qi = tl.where(row_ok, qi, 0)
-        lo = tl.load(LO + b * Tq + qi, mask=row_ok, other=0)
-        hi = tl.load(HI + b * Tq + qi, mask=row_ok, other=0)
-        hi = tl.where(row_ok, hi, lo)
-        k_begin = tl.min(tl.where(hi > lo, lo, Nk), axis=0)
-        k_end = tl.max(hi, axis=0)
-        d = tl.arange(0, D)
-        row = (b * Tq + qi) * H + g * G + hh
-        q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-        do = _load_do(DO, GATE, row, row_ok, d, D, BR)
-        lse = tl.load(LSE + row, mask=row_ok, other=0.0)
-        lse = tl.where(lse == float("inf"), 0.0, lse)
-        delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
-        kv_base = b * Nk * HKV * D + g * D
-        dq = tl.zeros([BLOCK_M, D], tl.float32)
-        for k0 in range(k_begin, k_end, BLOCK_N):
-            kk = k0 + tl.arange(0, BLOCK_N)
-            k_ok = kk < k_end
-            kv_off = kv_base + kk.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
-            k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
-            v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * sm_scale2
-            vis = (kk[None, :] >= lo[:, None]) & (kk[None, :] < hi[:, None])
-            p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k)
-        _store_dq(DQ, DQO, row, row_ok, d, dq * scale, D, ACC)
 
     @triton.jit
     def _interval_bwd_dkdv_kernel(
@@ -411,6 +330,109 @@ if _HAS_TRITON:
         tl.store(IDX + (pid_bg.to(tl.int64) * Tq + t) * N_SEL + slot, out, mask=slot < N_SEL)
 
     # ------------------------------------------------------------------------------------------
+    # Backward dQ: one kernel for the three branches
+    # ------------------------------------------------------------------------------------------
+
+    @triton.jit
+    def _interval_dq(q, do, lse, delta, K, V, kv_base, lo, hi, row_ok, Nk, sm_scale2,
+                     HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+        """dQ (unscaled) of one interval branch for the tile's rows: keys [lo, hi) of K/V per row."""
+        hi = tl.where(row_ok, hi, lo)
+        k_begin = tl.min(tl.where(hi > lo, lo, Nk), axis=0)
+        k_end = tl.max(hi, axis=0)
+        d = tl.arange(0, D)
+        dq = tl.zeros(q.shape, tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_N):
+            kk = k0 + tl.arange(0, BLOCK_N)
+            k_ok = kk < k_end
+            kv_off = kv_base + kk.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
+            k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
+            v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * sm_scale2
+            vis = (kk[None, :] >= lo[:, None]) & (kk[None, :] < hi[:, None])
+            p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k)
+        return dq
+
+    @triton.jit
+    def _branch_prep(DOUT, O, GATE, DG, DELTA, row, row_ok, d, R, D: tl.constexpr, BR: tl.constexpr):
+        """dgate = dout . o and delta = rowsum(round(g dout) * o) of one branch for the tile's rows;
+        stores both (delta also feeds the dK/dV kernels) and returns (round(g dout), delta)."""
+        off = row[:, None] * D + d[None, :]
+        dout = tl.load(DOUT + off, mask=row_ok[:, None], other=0.0)
+        o = tl.load(O + off, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        gt = tl.load(GATE + row * 3 + BR, mask=row_ok, other=0.0).to(tl.float32)
+        tl.store(DG + row * 3 + BR, tl.sum(dout.to(tl.float32) * o, 1).to(DG.dtype.element_ty), mask=row_ok)
+        do = (dout.to(tl.float32) * gt[:, None]).to(DOUT.dtype.element_ty)
+        delta = tl.sum(do.to(tl.float32) * o, 1)
+        tl.store(DELTA + BR * R + row, delta, mask=row_ok)
+        return do, delta
+
+    @triton.jit
+    def _bwd_dq_kernel(
+        Q, DOUT, GATE, DG, DELTA, DQ,
+        KC, VC, C_LO, C_HI, LSE_C, OC,
+        KS, VS, IDX, UBLK, UCNT, DOCPOS, LSE_S, OS,
+        KW, VW, W_LO, W_HI, LSE_W, OW,
+        Tq, Tk, Nc, Tw, q_off, n_tiles, R, sm_scale2, scale,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+        LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        """dQ of all three branches for one query tile, accumulated in registers in a fixed branch order and
+        written once in q's dtype; also the gate gradients and the per-branch deltas. The branch output
+        gradient g_i * dout is formed here (never materialized)."""
+        pid_q = tl.program_id(0)
+        pid_bg = tl.program_id(1)
+        b = (pid_bg // HKV).to(tl.int64)
+        g = pid_bg % HKV
+        r, qi, row_ok, t_abs, a_rows = _sel_tile_rows(IDX, DOCPOS, pid_q, pid_bg, b, Tq, Tk, q_off,
+                                                      G, LB, N_SEL, N_PAD, QPB, BLOCK_M)
+        d = tl.arange(0, D)
+        row = (b * Tq + qi) * H + g * G + r % G
+        q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        # compressed branch
+        do, delta = _branch_prep(DOUT, OC, GATE, DG, DELTA, row, row_ok, d, R, D, 0)
+        lse = tl.load(LSE_C + row, mask=row_ok, other=0.0)
+        lse = tl.where(lse == float("inf"), 0.0, lse)
+        lo = tl.load(C_LO + b * Tq + qi, mask=row_ok, other=0)
+        hi = tl.load(C_HI + b * Tq + qi, mask=row_ok, other=0)
+        dq = _interval_dq(q, do, lse, delta, KC, VC, b * Nc * HKV * D + g * D, lo, hi, row_ok, Nc, sm_scale2,
+                          HKV, D, BLOCK_N)
+        # selected branch: the tile's distinct blocks (see _tile_block_union)
+        do, delta = _branch_prep(DOUT, OS, GATE, DG, DELTA, row, row_ok, d, R, D, 1)
+        lse = tl.load(LSE_S + row, mask=row_ok, other=0.0)
+        lse = tl.where(lse == float("inf"), 0.0, lse)
+        tile = pid_bg.to(tl.int64) * n_tiles + pid_q
+        kv_base = b * Tk * HKV * D + g * D
+        kb = tl.arange(0, LB)
+        for u in range(tl.load(UCNT + tile)):
+            a = tl.load(UBLK + tile * (QPB * N_SEL) + u).to(tl.int64)
+            sel = tl.sum((a_rows == a).to(tl.int32), 1) > 0
+            kk = a + kb
+            k_ld = kk < Tk
+            kv_off = kv_base + kk[:, None] * (HKV * D) + d[None, :]
+            k = tl.load(KS + kv_off, mask=k_ld[:, None], other=0.0)
+            v = tl.load(VS + kv_off, mask=k_ld[:, None], other=0.0)
+            vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
+            s = tl.dot(q, tl.trans(k)) * sm_scale2
+            p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k)
+        # window branch
+        do, delta = _branch_prep(DOUT, OW, GATE, DG, DELTA, row, row_ok, d, R, D, 2)
+        lse = tl.load(LSE_W + row, mask=row_ok, other=0.0)
+        lse = tl.where(lse == float("inf"), 0.0, lse)
+        lo = tl.load(W_LO + b * Tq + qi, mask=row_ok, other=0)
+        hi = tl.load(W_HI + b * Tq + qi, mask=row_ok, other=0)
+        dq += _interval_dq(q, do, lse, delta, KW, VW, b * Tw * HKV * D + g * D, lo, hi, row_ok, Tw, sm_scale2,
+                           HKV, D, BLOCK_N)
+        tl.store(DQ + row[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+    # ------------------------------------------------------------------------------------------
     # Decoding: one fused kernel per step
     # ------------------------------------------------------------------------------------------
 
@@ -569,47 +591,6 @@ if _HAS_TRITON:
         tl.store(LSE + row, lse, mask=row_ok)
 
     @triton.jit
-    def _sel_bwd_dq_kernel(
-        Q, K, V, IDX, UBLK, UCNT, DOCPOS, DO, GATE, LSE, DELTA, DQ, DQO,
-        Tq, Tk, q_off, n_tiles, sm_scale2, scale,
-        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-        LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr,
-        BR: tl.constexpr, ACC: tl.constexpr,
-    ):
-        pid_q = tl.program_id(0)
-        pid_bg = tl.program_id(1)
-        b = (pid_bg // HKV).to(tl.int64)
-        g = pid_bg % HKV
-        r, qi, row_ok, t_abs, a_rows = _sel_tile_rows(IDX, DOCPOS, pid_q, pid_bg, b, Tq, Tk, q_off,
-                                                      G, LB, N_SEL, N_PAD, QPB, BLOCK_M)
-        tile = pid_bg.to(tl.int64) * n_tiles + pid_q
-        d = tl.arange(0, D)
-        row = (b * Tq + qi) * H + g * G + r % G
-        q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-        do = _load_do(DO, GATE, row, row_ok, d, D, BR)
-        lse = tl.load(LSE + row, mask=row_ok, other=0.0)
-        lse = tl.where(lse == float("inf"), 0.0, lse)
-        delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
-        kv_base = b * Tk * HKV * D + g * D
-        dq = tl.zeros([BLOCK_M, D], tl.float32)
-        kb = tl.arange(0, LB)
-        for u in range(tl.load(UCNT + tile)):
-            a = tl.load(UBLK + tile * (QPB * N_SEL) + u).to(tl.int64)
-            sel = tl.sum((a_rows == a).to(tl.int32), 1) > 0
-            kk = a + kb
-            k_ld = kk < Tk
-            kv_off = kv_base + kk[:, None] * (HKV * D) + d[None, :]
-            k = tl.load(K + kv_off, mask=k_ld[:, None], other=0.0)
-            v = tl.load(V + kv_off, mask=k_ld[:, None], other=0.0)
-            vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
-            s = tl.dot(q, tl.trans(k)) * sm_scale2
-            p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k)
-        _store_dq(DQ, DQO, row, row_ok, d, dq * scale, D, ACC)
-
-    @triton.jit
     def _sel_bwd_dkdv_kernel(
         Q, K, V, PAIR_OFF, PAIR_Q, HPOS, DOCPOS, DO, GATE, LSE, DELTA, DK, DV, PDK, PDV,
         Tq, Tk, q_off, sm_scale2, scale, heavy_min, n_flat,
@@ -757,6 +738,17 @@ def _dkdv_launch(group: int, head_dim: int, device) -> tuple[int, int, dict]:
     return block_m, max(1, block_m // group), dict(num_warps=8, num_stages=2 if head_dim <= 64 else 1)
 
 
+def _dq_launch(group: int, head_dim: int, num_keys: int, params: NSAParams, device) -> tuple[int, int, dict]:
+    """(BLOCK_M, queries per program, launch options) for the fused dQ kernel (query tiles as the selected
+    attention's). From tests/triton_aot.py: on sm_90 8 warps keep the 64-row tile in registers; before
+    Hopper 64 rows spill whatever the warps, so the tile is 32 rows there."""
+    if _compute_capability(device) >= 90:
+        block_m, qpb = _sel_rows_per_program(group, head_dim, num_keys, params)
+        return block_m, qpb, dict(num_warps=8)
+    block_m = max(16, _next_pow2(group), 32)
+    return block_m, max(1, block_m // group), dict(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+
+
 def _sel_rows_per_program(group: int, head_dim: int, num_keys: int, params: NSAParams) -> tuple[int, int]:
     """(BLOCK_M, queries per program) for the selected-attention query tiles. A tile walks the union of its
     queries' blocks: with few eligible blocks (short documents) the union stays near n, so wide tiles
@@ -815,17 +807,10 @@ def _interval_fwd(q, k, v, lo, hi, scale, combine=None):
     return (o, lse, out) if combine is not None else (o, lse)
 
 
-def _interval_bwd(q, k, v, lo, hi, do, gates, branch, lse, delta, dq, dq_out, acc, scale):
+def _interval_bwd_dkdv(q, k, v, lo, hi, do, gates, branch, lse, delta, scale):
     batch, num_q, num_heads, head_dim = q.shape
     num_keys, num_kv = k.shape[1], k.shape[2]
     group = num_heads // num_kv
-    block_m, qpb = _rows_per_program(group, head_dim)
-    grid = (triton.cdiv(num_q, qpb), batch * num_kv)
-    _interval_bwd_dq_kernel[grid](
-        q, k, v, lo, hi, do, gates, lse, delta, dq, dq_out, num_q, num_keys, scale * _LOG2E, scale,
-        H=num_heads, HKV=num_kv, G=group, D=head_dim, QPB=qpb, BLOCK_M=block_m, BLOCK_N=64, BR=branch, ACC=acc,
-        num_warps=4 if head_dim <= 64 else 8,
-    )
     block_m, qpb, dkdv_opts = _dkdv_launch(group, head_dim, q.device)
     block_n = 64
     n_ktiles = triton.cdiv(max(num_keys, 1), block_n)
@@ -947,22 +932,13 @@ def _sel_fwd(q, k, v, idx, doc_pos, params: NSAParams, scale):
     return o, lse
 
 
-def _sel_bwd(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, dq, dq_out, acc, params: NSAParams, scale):
+def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: NSAParams, scale):
     batch, num_q, num_heads, head_dim = q.shape
     num_keys, num_kv = k.shape[1], k.shape[2]
     group = num_heads // num_kv
     n_sel = idx.shape[-1]
     lb = params.sel_block_size
     q_off = num_keys - num_q
-    block_m_q, qpb_q = _sel_rows_per_program(group, head_dim, num_keys, params)
-    blocks, counts = _tile_block_union(idx, doc_pos, qpb_q, lb)
-    _sel_bwd_dq_kernel[(triton.cdiv(num_q, qpb_q), batch * num_kv)](
-        q, k, v, idx, blocks, counts, doc_pos, do, gates, lse, delta, dq, dq_out, num_q, num_keys, q_off,
-        counts.shape[-1], scale * _LOG2E, scale,
-        H=num_heads, HKV=num_kv, G=group, D=head_dim,
-        LB=lb, N_SEL=n_sel, N_PAD=_next_pow2(n_sel), QPB=qpb_q, BLOCK_M=block_m_q, BR=branch, ACC=acc,
-        num_warps=4 if head_dim <= 64 else 8,
-    )
     # Inverted index: (query, block) pairs sorted by (batch, kv head, block start); stable, so every
     # block's queries come in increasing order and the accumulation order is fixed.
     t_idx = torch.arange(num_q, device=q.device)
@@ -1067,29 +1043,33 @@ def _nsa_bwd_op(
     params: list[int], scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     p = _params_from(params)
-    num_q = q.shape[1]
-    c_lo, c_hi, w_lo, w_hi = _layout(cmp_end, doc_pos, num_q, k_win.shape[1], p)
-    # One pass over dout and the branch outputs: dgates and the three per-branch deltas. The branch
-    # gradients g_i * dout are formed inside the kernels (never materialized).
+    batch, num_q, num_heads, head_dim = q.shape
+    num_keys, num_kv, num_win = k_slc.shape[1], k_slc.shape[2], k_win.shape[1]
+    group = num_heads // num_kv
+    c_lo, c_hi, w_lo, w_hi = _layout(cmp_end, doc_pos, num_q, num_win, p)
     dout = dout.to(q.dtype).contiguous()
-    batch, _, num_heads, head_dim = q.shape
-    rows = batch * num_q * num_heads
+    # dQ of the three branches, dgates and the per-branch deltas in one kernel (query tiles as the
+    # selected attention's); the dK/dV kernels then read the deltas.
+    dq = torch.empty_like(q)
     dgates = torch.empty_like(gates)
     delta = torch.empty(3, batch, num_q, num_heads, device=q.device, dtype=torch.float32)
-    block_r = 64 if head_dim <= 64 else 32
-    _bwd_prep_kernel[(triton.cdiv(rows, block_r),)](
-        dout, o_cmp, o_slc, o_win, gates, dgates, delta, rows, D=head_dim, BLOCK_R=block_r, num_warps=4,
+    block_m, qpb, dq_opts = _dq_launch(group, head_dim, num_keys, p, q.device)
+    n_sel = idx.shape[-1]
+    blocks, counts = _tile_block_union(idx, doc_pos, qpb, p.sel_block_size)
+    _bwd_dq_kernel[(triton.cdiv(num_q, qpb), batch * num_kv)](
+        q, dout, gates, dgates, delta, dq,
+        k_cmp, v_cmp, c_lo, c_hi, lse_cmp, o_cmp,
+        k_slc, v_slc, idx, blocks, counts, doc_pos, lse_slc, o_slc,
+        k_win, v_win, w_lo, w_hi, lse_win, o_win,
+        num_q, num_keys, k_cmp.shape[1], num_win, num_keys - num_q, counts.shape[-1], batch * num_q * num_heads,
+        scale * _LOG2E, scale,
+        H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=p.sel_block_size, N_SEL=n_sel, N_PAD=_next_pow2(n_sel),
+        QPB=qpb, BLOCK_M=block_m, BLOCK_N=64, **dq_opts,
     )
-    # dq: fp32 accumulator across the branches in a fixed order; the last branch writes dq in q's dtype
-    dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    dq_out = torch.empty_like(q)
-    dk_cmp, dv_cmp = _interval_bwd(q, k_cmp, v_cmp, c_lo, c_hi, dout, gates, 0, lse_cmp, delta[0], dq, dq_out, 0,
-                                   scale)
-    dk_slc, dv_slc = _sel_bwd(q, k_slc, v_slc, idx, doc_pos, dout, gates, 1, lse_slc, delta[1], dq, dq_out, 1, p,
-                              scale)
-    dk_win, dv_win = _interval_bwd(q, k_win, v_win, w_lo, w_hi, dout, gates, 2, lse_win, delta[2], dq, dq_out, 2,
-                                   scale)
-    return dq_out, dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates
+    dk_cmp, dv_cmp = _interval_bwd_dkdv(q, k_cmp, v_cmp, c_lo, c_hi, dout, gates, 0, lse_cmp, delta[0], scale)
+    dk_slc, dv_slc = _sel_bwd_dkdv(q, k_slc, v_slc, idx, doc_pos, dout, gates, 1, lse_slc, delta[1], p, scale)
+    dk_win, dv_win = _interval_bwd_dkdv(q, k_win, v_win, w_lo, w_hi, dout, gates, 2, lse_win, delta[2], scale)
+    return dq, dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates
 
 
 @_nsa_bwd_op.register_fake
