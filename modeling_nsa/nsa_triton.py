@@ -592,16 +592,17 @@ if _HAS_TRITON:
 
     @triton.jit
     def _sel_bwd_dkdv_kernel(
-        Q, K, V, PAIR_OFF, PAIR_Q, HPOS, DOCPOS, DO, GATE, LSE, DELTA, DK, DV, PDK, PDV,
-        Tq, Tk, q_off, sm_scale2, scale, heavy_min, n_flat,
+        Q, K, V, PAIR_OFF, PAIR_Q, HPOS, HCUM, DOCPOS, DO, GATE, LSE, DELTA, DK, DV, PDK, PDV,
+        Tq, Tk, q_off, sm_scale2, scale, heavy_min, n_flat, n_heavy,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         LB: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr,
         HEAVY_PASS: tl.constexpr, N_SPLIT: tl.constexpr,
     ):
         # Load skew (block 0 is chosen by every query of its document): a block with more than heavy_min
-        # pairs is skipped by the main pass (grid: block start x batch*kv head) and done by the heavy pass
-        # (grid: heavy slot h x 1 x N_SPLIT; HPOS[h] names the block), each split writing an fp32 partial
-        # that _sel_dkdv_reduce_kernel sums in split order (deterministic, no atomics).
+        # pairs and a partial slot (HCUM, its 1-based heavy rank, <= n_heavy) is skipped by the main pass
+        # (grid: block start x batch*kv head) and done by the heavy pass (grid: heavy slot h x 1 x N_SPLIT;
+        # HPOS[h] names the block), each split writing an fp32 partial that _sel_dkdv_reduce_kernel sums
+        # in split order (deterministic, no atomics).
         if HEAVY_PASS:
             h = tl.program_id(0).to(tl.int64)
             pid_s = tl.program_id(2)
@@ -627,7 +628,8 @@ if _HAS_TRITON:
             p_end = tl.minimum(p_end, p_begin + span)
             go = valid
         else:
-            go = (p_end > p_begin) & ((p_end - p_begin) <= heavy_min)
+            # heavy blocks past the n_heavy partial slots stay here (slower, still exact)
+            go = (p_end > p_begin) & (((p_end - p_begin) <= heavy_min) | (tl.load(HCUM + off) > n_heavy))
         if go:
             kk = a + tl.arange(0, LB)
             # keys of this block: same document as its first key (a block may be cut by the doc end)
@@ -708,7 +710,7 @@ _LOG2E = 1.4426950408889634
 _DKDV_SPLIT = None  # tests force the split query range of the compressed/window dK/dV kernel
 _TOPN_BLOCKS_PER_CHUNK = None  # tests set a small value to exercise the multi-chunk top-n merge
 _SEL_ROWS = None  # tests force the selected-attention query tile (rows = queries x G)
-_SEL_SPLIT = None  # tests force (heavy_min pairs, splits) of the selected dK/dV load-skew split
+_SEL_SPLIT = None  # tests force (heavy_min pairs, splits, partial slots) of the selected dK/dV load-skew split
 
 
 def _rows_per_program(group: int, head_dim: int) -> tuple[int, int]:
@@ -947,28 +949,32 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: 
     a = start[:, None, :, None] + j * lb  # (B, Hkv, Tq, n')
     bg = torch.arange(batch * num_kv, device=q.device).view(batch, num_kv, 1, 1)
     sentinel = batch * num_kv * num_keys
-    key = torch.where(j >= 0, bg * num_keys + a, torch.full_like(a, sentinel)).flatten()
+    key_dtype = torch.int32 if sentinel < 2**31 - 1 else torch.int64
+    key = torch.where(j >= 0, bg * num_keys + a, torch.full_like(a, sentinel)).flatten().to(key_dtype)
     sorted_key, order = torch.sort(key, stable=True)
     pair_q = (order // n_sel % num_q).to(torch.int32).contiguous()
-    pair_off = torch.searchsorted(sorted_key, torch.arange(sentinel + 1, device=q.device)).contiguous()
+    pair_off = torch.searchsorted(sorted_key, torch.arange(sentinel + 1, device=q.device, dtype=key_dtype))
+    pair_off = pair_off.contiguous()
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
     block_m, qpb, dkdv_opts = _dkdv_launch(group, head_dim, q.device)
-    # heavy blocks (more than heavy_min pairs) are split over n_split programs; at most
-    # total pairs / (heavy_min + 1) of them, so the fp32 partials stay small (static shapes, no sync)
-    heavy_min, n_split = _SEL_SPLIT or (8192, 16)
+    # Heavy blocks (more than heavy_min pairs) are split over n_split programs writing fp32 partials to
+    # n_heavy slots (static shapes, no sync): at most total pairs / (heavy_min + 1) blocks can be heavy,
+    # capped at `slots` partials (16 MiB each for dK and dV at d64); the main pass keeps the rest.
+    heavy_min, n_split, slots = _SEL_SPLIT or (8192, 16, 64)
     n_flat = batch * num_kv * num_keys
     cnt = pair_off[1:] - pair_off[:-1]
     heavy = cnt > heavy_min
-    n_heavy = max(1, min(n_flat, (batch * num_kv * num_q * n_sel) // (heavy_min + 1)))
-    heavy_cum = torch.cumsum(heavy.long(), 0)
+    n_heavy = max(1, min(n_flat, slots, (batch * num_kv * num_q * n_sel) // (heavy_min + 1)))
+    heavy_cum = torch.cumsum(heavy.long(), 0)  # heavy blocks up to and including each (b, kv, block start)
     # flat index of the h-th heavy block (n_flat where there are fewer)
     hpos = torch.searchsorted(heavy_cum, torch.arange(1, n_heavy + 1, device=q.device, dtype=torch.int64))
     hpos = hpos.contiguous()
+    heavy_cum = torch.where(heavy, heavy_cum, 0).contiguous()
     pdk = torch.empty(n_heavy, n_split, lb, head_dim, device=q.device, dtype=torch.float32)
     pdv = torch.empty_like(pdk)
-    args = (q, k, v, pair_off, pair_q, hpos, doc_pos, do, gates, lse, delta, dk, dv, pdk, pdv,
-            num_q, num_keys, q_off, scale * _LOG2E, scale, heavy_min, n_flat)
+    args = (q, k, v, pair_off, pair_q, hpos, heavy_cum, doc_pos, do, gates, lse, delta, dk, dv, pdk, pdv,
+            num_q, num_keys, q_off, scale * _LOG2E, scale, heavy_min, n_flat, n_heavy)
     meta = dict(H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=lb, QPB=qpb, BLOCK_M=block_m, BR=branch,
                 N_SPLIT=n_split, **dkdv_opts)
     _sel_bwd_dkdv_kernel[(num_keys, batch * num_kv, 1)](*args, HEAVY_PASS=False, **meta)
