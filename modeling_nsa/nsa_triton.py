@@ -9,16 +9,24 @@ Layout of the work (no (T x Nc) or (T x T) tensor is ever built):
   tensor cores and each K/V tile is read once for G heads. dK/dV: one program per key tile loops over
   the queries that can see it (a query range found by searchsorted on the monotone lo/hi), so every
   key tile has a single writer (deterministic, fp32 accumulation).
-- Top-n: one program per (query, KV group) recomputes the compression probabilities from q, the
-  compressed keys and the saved log-sum-exp, folds them into selection-block scores with the
-  overlap weights (summed over the G heads), forces the initial/local blocks, and keeps a running
-  sorted top-n list (ties to the lower block index) while streaming over the blocks.
-- Selected attention forward/dQ: one program per (query, KV group), rows = the G heads.
+- Top-n: one program per tile of consecutive queries (x their G heads) of one KV group recomputes
+  the compression probabilities from q, the compressed keys and the saved log-sum-exp (each key tile
+  serves the whole tile in one tl.dot), folds them into selection-block scores with the overlap
+  weights (summed over the G heads), forces the initial/local blocks, and keeps a running sorted
+  top-n list per query (ties to the lower block index) while streaming over the blocks.
+- Selected attention forward: query tiles walk the union of their queries' blocks (listed, sorted
+  and deduplicated by the launcher); each row attends only the blocks its query chose.
   dK/dV: the (query, block) pairs are sorted by block (an inverted index, static shapes); one program
-  per selection block loops over the queries that chose it (rows packed as query x head): one writer.
+  per selection block loops over the queries that chose it: one writer, heavy blocks split into
+  fp32 partials summed in a fixed order.
+- Backward dQ: one kernel per query tile for all three branches (dQ in registers, written once),
+  which also writes the gate gradients and the per-branch deltas the dK/dV kernels read.
+- Decoding (one query per row): one kernel per step runs all three branches, the top-n and the gates.
 
 Everything is wrapped in two torch.library custom ops (forward, backward) with fake
 implementations and autograd, without host synchronization, so torch.compile(fullgraph=True) works.
+Tile sizes and warps are chosen per architecture with tests/triton_aot.py, which compiles every
+launch for sm_90/sm_80 on a CPU machine and reports registers and spills.
 """
 
 from __future__ import annotations
@@ -68,6 +76,7 @@ def triton_supports(params: NSAParams, head_dim: int) -> bool:
         and lb % ds == 0
         and pow2(lb // ds)
         and params.cmp_block_size % ds == 0
+        and params.cmp_block_size <= lb  # a compressed token overlaps at most two selection blocks
     )
 
 
@@ -214,89 +223,85 @@ if _HAS_TRITON:
     # ------------------------------------------------------------------------------------------
 
     @triton.jit
-    def _topn_block_scores(q, lse, row_ok, kc_base, j0, n_vis, sm_scale2,
-                           D: tl.constexpr, HKV: tl.constexpr, L: tl.constexpr, DS: tl.constexpr,
-                           LB: tl.constexpr, BJ: tl.constexpr, HALO: tl.constexpr):
-        """Importance scores of selection blocks j0 .. j0+BJ-1 of one query (Eqs. 8-10): the compression
-        probabilities exp2(s - lse) of its heads (rows of q), recomputed from the compressed keys at
-        kc_base (the query's document's first compressed token, n_vis of them visible), summed over the
-        heads and spread over the blocks by the overlap weights. Returns (scores (BJ,), block indices)."""
-        R: tl.constexpr = LB // DS
-        BC: tl.constexpr = BJ * R
-        d = tl.arange(0, D)
-        jj = (j0 + tl.arange(0, BJ)).to(tl.int32)
-        # compressed tokens starting inside the chunk's blocks
-        ii = j0 * R + tl.arange(0, BC)
-        tok_ok = ii < n_vis
-        kc = tl.load(kc_base + ii.to(tl.int64)[:, None] * (HKV * D) + d[None, :], mask=tok_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(kc)) * sm_scale2
-        p = tl.where(row_ok[:, None] & tok_ok[None, :], tl.exp2(s - lse[:, None]), 0.0)
-        ps = tl.sum(p, 0)
-        st = ii * DS
-        ov = tl.minimum((jj[None, :] + 1) * LB, st[:, None] + L) - tl.maximum(jj[None, :] * LB, st[:, None])
-        wgt = (tl.maximum(ov, 0) // DS).to(tl.float32)
-        score = tl.sum(ps[:, None] * wgt, 0)
-        # tokens starting before the chunk that still reach into it (l > d)
-        ih = j0 * R - HALO + tl.arange(0, HALO)
-        h_ok = (ih >= 0) & (ih < n_vis)
-        kh = tl.load(kc_base + ih.to(tl.int64)[:, None] * (HKV * D) + d[None, :], mask=h_ok[:, None], other=0.0)
-        sh = tl.sum(q.to(tl.float32)[:, None, :] * kh.to(tl.float32)[None, :, :], 2) * sm_scale2
-        ph = tl.where(row_ok[:, None] & h_ok[None, :], tl.exp2(sh - lse[:, None]), 0.0)
-        psh = tl.sum(ph, 0)
-        sth = ih * DS
-        ovh = tl.minimum((jj[None, :] + 1) * LB, sth[:, None] + L) - tl.maximum(jj[None, :] * LB, sth[:, None])
-        wgth = (tl.maximum(ovh, 0) // DS).to(tl.float32)
-        score += tl.sum(psh[:, None] * wgth, 0)
-        return score, jj
-
-    @triton.jit
     def _topn_merge(top_v, top_i, prio, ci, N_SEL: tl.constexpr, N_PAD: tl.constexpr):
-        """Merge a chunk (priorities prio of blocks ci, all above the list's indices) into the running
-        top list (top_v, top_i), sorted by: a beats b iff v_a > v_b or (v_a == v_b and i_a < i_b).
-
-        All in parallel: a list entry's new rank is its slot plus the chunk entries beating it; a chunk
-        entry's rank counts the beaters in both; ranks >= N_SEL fall off."""
+        """Merge a chunk (priorities prio (Q, BJ) of blocks ci (BJ,), all above the lists' indices) into
+        each query's running top list (top_v, top_i) (Q, N_PAD), sorted by: a beats b iff v_a > v_b or
+        (v_a == v_b and i_a < i_b). All in parallel: a list entry's new rank is its slot plus the chunk
+        entries beating it; a chunk entry's rank counts the beaters in both; ranks >= N_SEL fall off."""
         slot = tl.arange(0, N_PAD)
         lv = top_v
         li = tl.where(top_i < 0, 1 << 30, top_i)
-        c_beats_l = (prio[None, :] > lv[:, None]) | ((prio[None, :] == lv[:, None]) & (ci[None, :] < li[:, None]))
-        rank_l = slot + tl.sum(c_beats_l.to(tl.int32), 1)
-        l_beats_c = (lv[None, :] > prio[:, None]) | ((lv[None, :] == prio[:, None]) & (li[None, :] < ci[:, None]))
-        l_beats_c = l_beats_c & (slot[None, :] < N_SEL)
-        c_beats_c = (prio[None, :] > prio[:, None]) | ((prio[None, :] == prio[:, None]) & (ci[None, :] < ci[:, None]))
-        rank_c = tl.sum(l_beats_c.to(tl.int32), 1) + tl.sum(c_beats_c.to(tl.int32), 1)
-        rank_l = tl.where(slot < N_SEL, rank_l, 1 << 20)
-        hit_l = rank_l[None, :] == slot[:, None]  # (new slot, old slot)
-        hit_c = rank_c[None, :] == slot[:, None]  # (new slot, chunk entry)
-        new_v = tl.maximum(
-            tl.max(tl.where(hit_l, lv[None, :], float("-inf")), 1),
-            tl.max(tl.where(hit_c, prio[None, :], float("-inf")), 1),
-        )
-        new_i = tl.maximum(tl.max(tl.where(hit_l, top_i[None, :], -1), 1), tl.max(tl.where(hit_c, ci[None, :], -1), 1))
+        cv = prio[:, None, :]  # chunk entries along the last axis
+        c_beats_l = (cv > lv[:, :, None]) | ((cv == lv[:, :, None]) & (ci[None, None, :] < li[:, :, None]))
+        rank_l = slot[None, :] + tl.sum(c_beats_l.to(tl.int32), 2)  # (Q, N_PAD)
+        l_beats_c = (lv[:, None, :] > prio[:, :, None]) | (
+            (lv[:, None, :] == prio[:, :, None]) & (li[:, None, :] < ci[None, :, None]))
+        l_beats_c = l_beats_c & (slot[None, None, :] < N_SEL)
+        c_beats_c = (cv > prio[:, :, None]) | ((cv == prio[:, :, None]) & (ci[None, None, :] < ci[None, :, None]))
+        rank_c = tl.sum(l_beats_c.to(tl.int32), 2) + tl.sum(c_beats_c.to(tl.int32), 2)  # (Q, BJ)
+        rank_l = tl.where(slot[None, :] < N_SEL, rank_l, 1 << 20)
+        hit_l = rank_l[:, None, :] == slot[None, :, None]  # (Q, new slot, old slot)
+        hit_c = rank_c[:, None, :] == slot[None, :, None]  # (Q, new slot, chunk entry)
+        new_v = tl.maximum(tl.max(tl.where(hit_l, lv[:, None, :], float("-inf")), 2),
+                           tl.max(tl.where(hit_c, cv, float("-inf")), 2))
+        new_i = tl.maximum(tl.max(tl.where(hit_l, top_i[:, None, :], -1), 2),
+                           tl.max(tl.where(hit_c, ci[None, None, :], -1), 2))
         return new_v, new_i
 
     @triton.jit
-    def _topn_select(q, lse, row_ok, kc_base, n_vis, pos, sm_scale2,
-                     D: tl.constexpr, HKV: tl.constexpr, L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr,
-                     N_SEL: tl.constexpr, N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
-                     BJ: tl.constexpr, HALO: tl.constexpr):
-        """Top-n selection blocks of one query at in-document position pos (Eq. 11 with the forced initial
-        and local blocks), streaming over its eligible blocks in chunks of BJ with a running sorted list.
-        Returns (N_PAD,) block indices by priority, -1 where unused (fewer than n eligible)."""
-        n_blocks = tl.where(pos >= 0, pos // LB + 1, 0).to(tl.int32)
+    def _topn_tile(q, lse, row_ok, kc_base, n_vis_rows, pos, sm_scale2,
+                   D: tl.constexpr, HKV: tl.constexpr, L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr,
+                   N_SEL: tl.constexpr, N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
+                   BJ: tl.constexpr, QPB: tl.constexpr, G_PAD: tl.constexpr):
+        """Top-n selection blocks (Eqs. 8-11) of QPB queries of one document at in-document positions pos
+        (QPB,); q/lse/row_ok hold their rows query-major (QPB x G_PAD heads, padded heads masked), with
+        n_vis_rows visible compressed tokens per row from kc_base (the document's first).
+
+        Streams over the blocks in chunks of BJ: one compressed-key tile per chunk serves every query and
+        head (a tl.dot of all rows), the probabilities exp2(s - lse) are summed over each query's heads
+        and spread over blocks by the overlap counts: a token starting at offset r*d in its block gives
+        w0[r] = min(l' - r*d, l) / d to it and w1[r] = max(0, r*d + l - l') / d to the next (l <= l'),
+        carried into the next chunk. Forced initial/local blocks get +inf. Each query keeps a sorted
+        running list; returns (QPB, N_PAD) block indices by priority, -1 where unused."""
+        R: tl.constexpr = LB // DS
+        BC: tl.constexpr = BJ * R
+        d = tl.arange(0, D)
+        n_blocks = tl.where(pos >= 0, pos // LB + 1, 0).to(tl.int32)  # (QPB,) eligible blocks
         own = (pos // LB).to(tl.int32)
         slot = tl.arange(0, N_PAD)
-        top_v = tl.full([N_PAD], float("-inf"), tl.float32)
-        top_i = tl.full([N_PAD], -1, tl.int32)
-        for j0 in range(0, n_blocks, BJ):
-            score, jj = _topn_block_scores(q, lse, row_ok, kc_base, j0, n_vis, sm_scale2, D, HKV, L, DS, LB, BJ, HALO)
-            elig = jj < n_blocks
-            forced = elig & ((jj < INIT) | ((jj > own - LOCAL) & (jj <= own)))
+        jb = tl.arange(0, BJ)
+        rr = tl.arange(0, R) * DS
+        w0 = (tl.minimum(LB - rr, L) // DS).to(tl.float32)  # (R,)
+        w1 = (tl.maximum(rr + L - LB, 0) // DS).to(tl.float32)
+        top_v = tl.full([QPB, N_PAD], float("-inf"), tl.float32)
+        top_i = tl.full([QPB, N_PAD], -1, tl.int32)
+        carry = tl.zeros([QPB], tl.float32)
+        n_tok = tl.max(n_vis_rows, 0)
+        for j0 in range(0, tl.max(n_blocks, 0), BJ):
+            ii = j0 * R + tl.arange(0, BC)  # in-document compressed tokens starting in the chunk's blocks
+            kc = tl.load(kc_base + ii.to(tl.int64)[:, None] * (HKV * D) + d[None, :], mask=(ii < n_tok)[:, None],
+                         other=0.0)
+            s = tl.dot(q, tl.trans(kc)) * sm_scale2  # (QPB*G_PAD, BC)
+            vis = row_ok[:, None] & (ii[None, :] < n_vis_rows[:, None])
+            p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+            ps = tl.sum(tl.reshape(p, (QPB, G_PAD, BC)), 1)  # (QPB, BC): summed over the heads
+            p3 = tl.reshape(ps, (QPB, BJ, R))
+            to_own = tl.sum(p3 * w0[None, None, :], 2)  # (QPB, BJ)
+            to_next = tl.sum(p3 * w1[None, None, :], 2)
+            # block j receives to_next of block j - 1 (the previous chunk's last block for j = j0)
+            from_prev = tl.sum(tl.where(jb[None, :, None] == jb[None, None, :] + 1, to_next[:, None, :], 0.0), 2)
+            score = to_own + from_prev + tl.where(jb[None, :] == 0, carry[:, None], 0.0)
+            carry = tl.sum(tl.where(jb[None, :] == BJ - 1, to_next, 0.0), 1)
+            jj = (j0 + jb).to(tl.int32)
+            elig = jj[None, :] < n_blocks[:, None]
+            local = (jj[None, :] > (own - LOCAL)[:, None]) & (jj[None, :] <= own[:, None])
+            forced = elig & ((jj[None, :] < INIT) | local)
             prio = tl.where(elig, score, float("-inf"))
             prio = tl.where(forced, float("inf"), prio)
-            last = tl.max(tl.where(slot == N_SEL - 1, top_v, float("-inf")), 0)
-            best = tl.max(prio, 0)
-            if (best > last) | (best == float("inf")):  # the chunk changes the list
+            last = tl.max(tl.where(slot[None, :] == N_SEL - 1, top_v, float("-inf")), 1)
+            best = tl.max(prio, 1)
+            change = (best > last) | (best == float("inf"))
+            if tl.max(change.to(tl.int32), 0) > 0:  # the chunk changes some query's list
                 top_v, top_i = _topn_merge(top_v, top_i, prio, jj, N_SEL, N_PAD)
         return tl.where(top_v > float("-inf"), top_i, -1)
 
@@ -307,27 +312,48 @@ if _HAS_TRITON:
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
         L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr,
         N_SEL: tl.constexpr, N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
-        BJ: tl.constexpr, HALO: tl.constexpr,
+        BJ: tl.constexpr, QPB: tl.constexpr,
     ):
-        t = tl.program_id(0)
+        """Top-n for a tile of QPB consecutive queries x G_PAD head rows of one KV group. A tile inside one
+        document shares each compressed-key tile; a tile across a document boundary (rare) is done one
+        query at a time (each pass masks the other queries' rows)."""
+        pid_q = tl.program_id(0)
         pid_bg = tl.program_id(1)
         b = (pid_bg // HKV).to(tl.int64)
         g = pid_bg % HKV
-        pos = tl.load(DOCPOS + b * Tk + q_off + t)
-        c_lo = tl.load(CLO + b * Tq + t)
-        n_vis = tl.load(CHI + b * Tq + t) - c_lo
-        hh = tl.arange(0, G_PAD)
-        row_ok = hh < G
+        qq = tl.arange(0, QPB)
+        tq = pid_q * QPB + qq  # (QPB,) queries
+        tq_ok = tq < Tq
+        tq = tl.where(tq_ok, tq, 0)
+        pos = tl.load(DOCPOS + b * Tk + q_off + tq, mask=tq_ok, other=-1)
+        c_lo = tl.load(CLO + b * Tq + tq, mask=tq_ok, other=0)
+        start = q_off + tq - pos  # document start of each valid query
+        # one document (or none: all padding) <=> the largest valid start is not above the smallest
+        one_doc = tl.max(tl.where(pos >= 0, start, -1), 0) <= tl.min(tl.where(pos >= 0, start, 1 << 62), 0)
+        r = tl.arange(0, QPB * G_PAD)
+        rq = r // G_PAD  # query of each row
+        hh = r % G_PAD
+        ti = pid_q * QPB + rq
+        row_ok = (hh < G) & (ti < Tq)
+        ti = tl.where(row_ok, ti, 0)
         d = tl.arange(0, D)
-        row = (b * Tq + t) * H + g * G + hh
+        row = (b * Tq + ti) * H + g * G + hh
         q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
         lse = tl.load(LSE + row, mask=row_ok, other=0.0)
         lse = tl.where(lse == float("inf"), 0.0, lse)
-        kc_base = KC + b * Nc * HKV * D + g * D + c_lo.to(tl.int64) * (HKV * D)
-        out = _topn_select(q, lse, row_ok, kc_base, n_vis, pos, sm_scale2,
-                           D, HKV, L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, HALO)
+        n_vis_rows = tl.load(CHI + b * Tq + ti, mask=row_ok, other=0) - tl.load(CLO + b * Tq + ti, mask=row_ok, other=0)
+        top = tl.full([QPB, N_PAD], -1, tl.int32)
+        for i in range(tl.where(one_doc, 1, QPB)):
+            mine = one_doc | (qq == i)  # (QPB,) the queries this pass decides
+            c_lo_i = tl.where(one_doc, tl.max(c_lo, 0), tl.sum(tl.where(qq == i, c_lo, 0), 0))
+            kc_base = KC + b * Nc * HKV * D + g * D + c_lo_i.to(tl.int64) * (HKV * D)
+            rows_i = row_ok & (one_doc | (rq == i))
+            res = _topn_tile(q, lse, rows_i, kc_base, n_vis_rows, pos, sm_scale2,
+                             D, HKV, L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, QPB, G_PAD)
+            top = tl.where(mine[:, None], res, top)
         slot = tl.arange(0, N_PAD)
-        tl.store(IDX + (pid_bg.to(tl.int64) * Tq + t) * N_SEL + slot, out, mask=slot < N_SEL)
+        out_ptr = IDX + (pid_bg.to(tl.int64) * Tq + tq)[:, None] * N_SEL + slot[None, :]
+        tl.store(out_ptr, top, mask=tq_ok[:, None] & (slot < N_SEL)[None, :])
 
     # ------------------------------------------------------------------------------------------
     # Backward dQ: one kernel for the three branches
@@ -443,7 +469,7 @@ if _HAS_TRITON:
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
         L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr,
         N_SEL: tl.constexpr, N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, WIN: tl.constexpr,
-        BJ: tl.constexpr, HALO: tl.constexpr, BLOCK_N: tl.constexpr,
+        BJ: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         """One query per row (the newest of Tk keys), one program per (row, KV group), rows = its G heads:
         compressed attention, top-n from its probabilities, selected and window attention and the gated
@@ -486,8 +512,9 @@ if _HAS_TRITON:
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), 0.0)
         # top-n blocks from the compression probabilities
         kc_base = KC + cmp_base + c_lo.to(tl.int64) * (HKV * D)
-        top_i = _topn_select(q, lse, row_ok, kc_base, n_vis, pos, sm_scale2,
-                             D, HKV, L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, HALO)
+        top_i = _topn_tile(q, lse, row_ok, kc_base, tl.zeros([G_PAD], tl.int32) + n_vis, tl.zeros([1], tl.int64) + pos,
+                           sm_scale2, D, HKV, L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, 1, G_PAD)
+        top_i = tl.reshape(top_i, (N_PAD,))
         # selected branch: the n blocks' keys up to t
         slot = tl.arange(0, N_PAD)
         kb = tl.arange(0, LB)
@@ -854,25 +881,25 @@ def _select_topn(q, k_cmp, lse_cmp, doc_pos, c_lo, c_hi, params: NSAParams, scal
     num_blocks = triton.cdiv(num_keys, params.sel_block_size)
     n_sel = min(params.sel_num_blocks, num_blocks)
     idx = torch.empty(batch, num_kv, num_q, n_sel, device=q.device, dtype=torch.int32)
-    bj, halo = _topn_chunk(params)
-    _select_topn_kernel[(num_q, batch * num_kv)](
+    bj = _topn_chunk(params)
+    g_pad = _next_pow2(group)
+    qpb = max(1, min(16, 64 // g_pad), 16 // g_pad)  # rows = qpb * g_pad: 64 (>= 16 for tl.dot), <= 16 queries
+    _select_topn_kernel[(triton.cdiv(num_q, qpb), batch * num_kv)](
         q, k_cmp, lse_cmp, doc_pos, c_lo, c_hi, idx, num_q, num_keys, num_slots, num_keys - num_q, scale * _LOG2E,
-        H=num_heads, HKV=num_kv, G=group, D=head_dim, G_PAD=max(16, _next_pow2(group)),
+        H=num_heads, HKV=num_kv, G=group, D=head_dim, G_PAD=g_pad,
         L=params.cmp_block_size, DS=params.cmp_stride, LB=params.sel_block_size,
         N_SEL=n_sel, N_PAD=_next_pow2(n_sel), INIT=params.sel_init_blocks, LOCAL=params.sel_local_blocks,
-        BJ=bj, HALO=halo, num_warps=4,
+        BJ=bj, QPB=qpb, num_warps=8,  # 8: no spills on sm_80/sm_90 (tests/triton_aot.py)
     )
     return idx
 
 
-def _topn_chunk(params: NSAParams) -> tuple[int, int]:
-    """(BJ selection blocks per chunk, HALO compressed tokens reaching into a chunk from before) for the
-    top-n streaming: chunks of about 64 compressed tokens, at least 16 (the smallest tl.dot)."""
-    halo = _next_pow2(max(1, params.cmp_block_size // params.cmp_stride - 1))
+def _topn_chunk(params: NSAParams) -> int:
+    """BJ selection blocks per top-n chunk: about 64 compressed tokens, at least 16 (the smallest tl.dot)."""
     ratio = params.sel_block_size // params.cmp_stride
     bj = max(1, 64 // ratio) if ratio <= 64 else 1
     bj = max(bj, 16 // min(ratio, 16))
-    return _TOPN_BLOCKS_PER_CHUNK or bj, halo
+    return _TOPN_BLOCKS_PER_CHUNK or bj
 
 
 def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params: NSAParams, scale):
@@ -882,7 +909,7 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     num_keys, num_win = k_slc.shape[1], k_win.shape[1]
     group = num_heads // num_kv
     n_sel = min(params.sel_num_blocks, triton.cdiv(num_keys, params.sel_block_size))
-    bj, halo = _topn_chunk(params)
+    bj = _topn_chunk(params)
     out = torch.empty_like(q)
     _decode_kernel[(batch * num_kv,)](
         q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, out,
@@ -890,7 +917,7 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
         H=num_heads, HKV=num_kv, G=group, D=head_dim, G_PAD=max(16, _next_pow2(group)),
         L=params.cmp_block_size, DS=params.cmp_stride, LB=params.sel_block_size,
         N_SEL=n_sel, N_PAD=_next_pow2(n_sel), INIT=params.sel_init_blocks, LOCAL=params.sel_local_blocks,
-        WIN=params.window_size, BJ=bj, HALO=halo, BLOCK_N=64, num_warps=4,
+        WIN=params.window_size, BJ=bj, BLOCK_N=64, num_warps=4,
     )
     return out
 
