@@ -618,6 +618,47 @@ if _HAS_TRITON:
         tl.store(LSE + row, lse, mask=row_ok)
 
     @triton.jit
+    def _sel_block_dkdv(Q, K, V, PAIR_Q, DOCPOS, DO, GATE, LSE, DELTA, a, pid_bg, p_begin, p_end,
+                        Tq, Tk, q_off, sm_scale2,
+                        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
+                        QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr):
+        """dK (unscaled), dV of the selection block whose first key is a, over its (query, block) pairs
+        [p_begin, p_end) (rows packed as query x head). Returns (dk, dv, kv_off, k_ok)."""
+        b = (pid_bg // HKV).to(tl.int64)
+        g = pid_bg % HKV
+        kk = a + tl.arange(0, LB)
+        # keys of this block: same document as its first key (a block may be cut by the doc end)
+        a_start = a - tl.load(DOCPOS + b * Tk + a)
+        k_pos = tl.load(DOCPOS + b * Tk + kk, mask=kk < Tk, other=-1)
+        k_ok = (kk < Tk) & (k_pos >= 0) & (kk - k_pos == a_start)
+        d = tl.arange(0, D)
+        kv_off = b * Tk * HKV * D + g * D + kk.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
+        k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
+        v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
+        dk = tl.zeros([LB, D], tl.float32)
+        dv = tl.zeros([LB, D], tl.float32)
+        r = tl.arange(0, BLOCK_M)
+        hh = r % G
+        for p0 in range(p_begin, p_end, QPB):
+            pi = p0 + r // G
+            row_ok = (r < QPB * G) & (pi < p_end)
+            qi = tl.load(PAIR_Q + pi, mask=row_ok, other=0)
+            row = (b * Tq + qi) * H + g * G + hh
+            q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+            do = _load_do(DO, GATE, row, row_ok, d, D, BR)
+            lse = tl.load(LSE + row, mask=row_ok, other=0.0)
+            lse = tl.where(lse == float("inf"), 0.0, lse)
+            delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k)) * sm_scale2
+            vis = row_ok[:, None] & k_ok[None, :] & (kk[None, :] <= (q_off + qi)[:, None])
+            p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        return dk, dv, kv_off, k_ok
+
+    @triton.jit
     def _sel_bwd_dkdv_kernel(
         Q, K, V, PAIR_OFF, PAIR_Q, HPOS, HCUM, DOCPOS, DO, GATE, LSE, DELTA, DK, DV, PDK, PDV,
         Tq, Tk, q_off, sm_scale2, scale, heavy_min, n_flat, n_heavy,
@@ -625,74 +666,50 @@ if _HAS_TRITON:
         LB: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr,
         HEAVY_PASS: tl.constexpr, N_SPLIT: tl.constexpr,
     ):
-        # Load skew (block 0 is chosen by every query of its document): a block with more than heavy_min
-        # pairs and a partial slot (HCUM, its 1-based heavy rank, <= n_heavy) is skipped by the main pass
-        # (grid: block start x batch*kv head) and done by the heavy pass (grid: heavy slot h x 1 x N_SPLIT;
+        # Main pass (grid: key range of LB keys x batch*kv head): the blocks starting in the range that
+        # have (query, block) pairs, found with one vector load of their pair counts; usually one per
+        # range (more where short documents start blocks close together). Load skew (block 0 is chosen by
+        # every query of its document): a block with more than heavy_min pairs and a partial slot (HCUM, its
+        # 1-based heavy rank, <= n_heavy) is left to the heavy pass (grid: heavy slot h x 1 x N_SPLIT;
         # HPOS[h] names the block), each split writing an fp32 partial that _sel_dkdv_reduce_kernel sums
         # in split order (deterministic, no atomics).
+        d = tl.arange(0, D)
         if HEAVY_PASS:
             h = tl.program_id(0).to(tl.int64)
             pid_s = tl.program_id(2)
             f = tl.load(HPOS + h)
-            valid = f < n_flat
-            f = tl.where(valid, f, 0)
-            a = f % Tk
-            pid_bg = f // Tk
-        else:
-            h = 0
-            pid_s = 0
-            valid = True
-            a = tl.program_id(0)  # absolute index of a selection block's first key
-            pid_bg = tl.program_id(1)
-        b = (pid_bg // HKV).to(tl.int64)
-        g = pid_bg % HKV
-        off = pid_bg.to(tl.int64) * Tk + a
-        p_begin = tl.load(PAIR_OFF + off)
-        p_end = tl.load(PAIR_OFF + off + 1)
-        if HEAVY_PASS:
-            span = tl.cdiv(tl.cdiv(p_end - p_begin, N_SPLIT), QPB) * QPB
-            p_begin = p_begin + pid_s * span
-            p_end = tl.minimum(p_end, p_begin + span)
-            go = valid
-        else:
-            # heavy blocks past the n_heavy partial slots stay here (slower, still exact)
-            go = (p_end > p_begin) & (((p_end - p_begin) <= heavy_min) | (tl.load(HCUM + off) > n_heavy))
-        if go:
-            kk = a + tl.arange(0, LB)
-            # keys of this block: same document as its first key (a block may be cut by the doc end)
-            a_start = a - tl.load(DOCPOS + b * Tk + a)
-            k_pos = tl.load(DOCPOS + b * Tk + kk, mask=kk < Tk, other=-1)
-            k_ok = (kk < Tk) & (k_pos >= 0) & (kk - k_pos == a_start)
-            d = tl.arange(0, D)
-            kv_off = b * Tk * HKV * D + g * D + kk.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
-            k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
-            v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
-            dk = tl.zeros([LB, D], tl.float32)
-            dv = tl.zeros([LB, D], tl.float32)
-            r = tl.arange(0, BLOCK_M)
-            hh = r % G
-            for p0 in range(p_begin, p_end, QPB):
-                pi = p0 + r // G
-                row_ok = (r < QPB * G) & (pi < p_end)
-                qi = tl.load(PAIR_Q + pi, mask=row_ok, other=0)
-                row = (b * Tq + qi) * H + g * G + hh
-                q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-                do = _load_do(DO, GATE, row, row_ok, d, D, BR)
-                lse = tl.load(LSE + row, mask=row_ok, other=0.0)
-                lse = tl.where(lse == float("inf"), 0.0, lse)
-                delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
-                s = tl.dot(q, tl.trans(k)) * sm_scale2
-                vis = row_ok[:, None] & k_ok[None, :] & (kk[None, :] <= (q_off + qi)[:, None])
-                p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
-                dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-                dp = tl.dot(do, tl.trans(v))
-                ds = p * (dp - delta[:, None])
-                dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
-            if HEAVY_PASS:
+            if f < n_flat:
+                a = f % Tk
+                pid_bg = f // Tk
+                p_begin = tl.load(PAIR_OFF + f)
+                p_end = tl.load(PAIR_OFF + f + 1)
+                span = tl.cdiv(tl.cdiv(p_end - p_begin, N_SPLIT), QPB) * QPB
+                p_begin = p_begin + pid_s * span
+                p_end = tl.minimum(p_end, p_begin + span)
+                dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, DOCPOS, DO, GATE, LSE, DELTA, a, pid_bg,
+                                                       p_begin, p_end, Tq, Tk, q_off, sm_scale2,
+                                                       H, HKV, G, D, LB, QPB, BLOCK_M, BR)
                 p_off = ((h * N_SPLIT + pid_s) * LB + tl.arange(0, LB).to(tl.int64))[:, None] * D + d[None, :]
                 tl.store(PDK + p_off, dk * scale)
                 tl.store(PDV + p_off, dv)
-            else:
+        else:
+            pid_bg = tl.program_id(1)
+            aa = tl.program_id(0) * LB + tl.arange(0, LB)  # candidate block starts in this key range
+            a_ok = aa < Tk
+            off = pid_bg.to(tl.int64) * Tk + aa
+            beg = tl.load(PAIR_OFF + off, mask=a_ok, other=0)
+            cnt = tl.load(PAIR_OFF + off + 1, mask=a_ok, other=0) - beg
+            # heavy blocks past the n_heavy partial slots stay here (slower, still exact)
+            mine = (cnt > 0) & ((cnt <= heavy_min) | (tl.load(HCUM + off, mask=a_ok, other=0) > n_heavy))
+            rank = tl.cumsum(mine.to(tl.int32), 0) - 1
+            for i in range(tl.sum(mine.to(tl.int32), 0)):
+                hit = mine & (rank == i)
+                a = tl.sum(tl.where(hit, aa, 0), 0)
+                p_begin = tl.sum(tl.where(hit, beg, 0), 0)
+                p_end = p_begin + tl.sum(tl.where(hit, cnt, 0), 0)
+                dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, DOCPOS, DO, GATE, LSE, DELTA, a, pid_bg,
+                                                       p_begin, p_end, Tq, Tk, q_off, sm_scale2,
+                                                       H, HKV, G, D, LB, QPB, BLOCK_M, BR)
                 tl.store(DK + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=k_ok[:, None])
                 tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
 
@@ -1004,7 +1021,7 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: 
             num_q, num_keys, q_off, scale * _LOG2E, scale, heavy_min, n_flat, n_heavy)
     meta = dict(H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=lb, QPB=qpb, BLOCK_M=block_m, BR=branch,
                 N_SPLIT=n_split, **dkdv_opts)
-    _sel_bwd_dkdv_kernel[(num_keys, batch * num_kv, 1)](*args, HEAVY_PASS=False, **meta)
+    _sel_bwd_dkdv_kernel[(triton.cdiv(num_keys, lb), batch * num_kv, 1)](*args, HEAVY_PASS=False, **meta)
     _sel_bwd_dkdv_kernel[(n_heavy, 1, n_split)](*args, HEAVY_PASS=True, **meta)
     _sel_dkdv_reduce_kernel[(n_heavy,)](
         pdk, pdv, hpos, doc_pos, dk, dv, num_keys, n_flat, HKV=num_kv, D=head_dim, LB=lb, N_SPLIT=n_split,

@@ -4,8 +4,8 @@ The interpreter tests check what the kernels compute; this checks that the same 
 launchers' real specializations, constexprs and num_warps at the shapes in tests/triton_aot.py)
 compile to cubins with the ptxas shipped in the triton wheel, and that on sm_90 (the benchmark
 device) none spills registers to local memory: a spill costs a large share of a kernel's speed, and
-the launchers pick tiles and warps per architecture so that none does. (On sm_80 the heavy-block pass
-of the selected dK/dV kernel keeps an 8-byte stack frame at head_dim 64; `python tests/triton_aot.py` prints the table.)
+the launchers pick tiles and warps per architecture so that none does. (On sm_80 the selected dK/dV kernel keeps a stack frame of
+up to 24 bytes at head_dim 64; `python tests/triton_aot.py` prints the table.)
 Runs in a subprocess so TRITON_INTERPRET from another test cannot leak in.
 """
 
