@@ -21,7 +21,10 @@ Layout of the work (no (T x Nc) or (T x T) tensor is ever built):
   fp32 partials summed in a fixed order.
 - Backward dQ: one kernel per query tile for all three branches (dQ in registers, written once),
   which also writes the gate gradients and the per-branch deltas the dK/dV kernels read.
-- Decoding (one query per row): one kernel per step runs all three branches, the top-n and the gates.
+- Decoding (one query per row): the compressed keys are split over programs (softmax partials and
+  probabilities, all SMs busy at long context); one program per (row, KV group) then merges them,
+  picks the top-n from those probabilities without re-reading a key, and runs the selected and window
+  branches and the gates. Two launches per step.
 
 Everything is wrapped in two torch.library custom ops (forward, backward) with fake
 implementations and autograd, without host synchronization, so torch.compile(fullgraph=True) works.
@@ -249,30 +252,57 @@ if _HAS_TRITON:
         return new_v, new_i
 
     @triton.jit
-    def _topn_tile(q, lse, row_ok, kc_base, n_vis_rows, pos, sm_scale2,
-                   D: tl.constexpr, HKV: tl.constexpr, L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr,
-                   N_SEL: tl.constexpr, N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
-                   BJ: tl.constexpr, QPB: tl.constexpr, G_PAD: tl.constexpr):
-        """Top-n selection blocks (Eqs. 8-11) of QPB queries of one document at in-document positions pos
-        (QPB,); q/lse/row_ok hold their rows query-major (QPB x G_PAD heads, padded heads masked), with
-        n_vis_rows visible compressed tokens per row from kc_base (the document's first).
-
-        Streams over the blocks in chunks of BJ: one compressed-key tile per chunk serves every query and
-        head (a tl.dot of all rows), the probabilities exp2(s - lse) are summed over each query's heads
-        and spread over blocks by the overlap counts: a token starting at offset r*d in its block gives
-        w0[r] = min(l' - r*d, l) / d to it and w1[r] = max(0, r*d + l - l') / d to the next (l <= l'),
-        carried into the next chunk. Forced initial/local blocks get +inf. Each query keeps a sorted
-        running list; returns (QPB, N_PAD) block indices by priority, -1 where unused."""
+    def _topn_chunk_update(ps, carry, top_v, top_i, j0, n_blocks, own,
+                           L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr, N_SEL: tl.constexpr,
+                           N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, BJ: tl.constexpr,
+                           QPB: tl.constexpr):
+        """Fold one chunk into QPB queries' running top-n lists (Eqs. 9-11). ps (QPB, BJ*R): compression
+        probabilities of the in-document compressed tokens starting in blocks j0 .. j0+BJ-1, summed over
+        each query's heads. A token starting at offset r*d in its block gives w0[r] = min(l' - r*d, l) / d
+        to it and w1[r] = max(0, r*d + l - l') / d to the next (l <= l'); carry (QPB,) brings the previous
+        chunk's last block's share. Forced initial/local blocks get +inf. Returns (carry, top_v, top_i)."""
         R: tl.constexpr = LB // DS
-        BC: tl.constexpr = BJ * R
-        d = tl.arange(0, D)
-        n_blocks = tl.where(pos >= 0, pos // LB + 1, 0).to(tl.int32)  # (QPB,) eligible blocks
-        own = (pos // LB).to(tl.int32)
         slot = tl.arange(0, N_PAD)
         jb = tl.arange(0, BJ)
         rr = tl.arange(0, R) * DS
         w0 = (tl.minimum(LB - rr, L) // DS).to(tl.float32)  # (R,)
         w1 = (tl.maximum(rr + L - LB, 0) // DS).to(tl.float32)
+        p3 = tl.reshape(ps, (QPB, BJ, R))
+        to_own = tl.sum(p3 * w0[None, None, :], 2)  # (QPB, BJ)
+        to_next = tl.sum(p3 * w1[None, None, :], 2)
+        # block j receives to_next of block j - 1 (the previous chunk's last block for j = j0)
+        from_prev = tl.sum(tl.where(jb[None, :, None] == jb[None, None, :] + 1, to_next[:, None, :], 0.0), 2)
+        score = to_own + from_prev + tl.where(jb[None, :] == 0, carry[:, None], 0.0)
+        carry = tl.sum(tl.where(jb[None, :] == BJ - 1, to_next, 0.0), 1)
+        jj = (j0 + jb).to(tl.int32)
+        elig = jj[None, :] < n_blocks[:, None]
+        local = (jj[None, :] > (own - LOCAL)[:, None]) & (jj[None, :] <= own[:, None])
+        forced = elig & ((jj[None, :] < INIT) | local)
+        prio = tl.where(elig, score, float("-inf"))
+        prio = tl.where(forced, float("inf"), prio)
+        last = tl.max(tl.where(slot[None, :] == N_SEL - 1, top_v, float("-inf")), 1)
+        best = tl.max(prio, 1)
+        change = (best > last) | (best == float("inf"))
+        if tl.max(change.to(tl.int32), 0) > 0:  # the chunk changes some query's list
+            top_v, top_i = _topn_merge(top_v, top_i, prio, jj, N_SEL, N_PAD)
+        return carry, top_v, top_i
+
+    @triton.jit
+    def _topn_tile(q, lse, row_ok, kc_base, n_vis_rows, pos, sm_scale2,
+                   D: tl.constexpr, HKV: tl.constexpr, L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr,
+                   N_SEL: tl.constexpr, N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
+                   BJ: tl.constexpr, QPB: tl.constexpr, G_PAD: tl.constexpr):
+        """Top-n selection blocks of QPB queries of one document at in-document positions pos (QPB,); q/lse/
+        row_ok hold their rows query-major (QPB x G_PAD heads, padded heads masked), with n_vis_rows visible
+        compressed tokens per row from kc_base (the document's first). Streams over the blocks in chunks of
+        BJ: one compressed-key tile per chunk serves every query and head (a tl.dot of all rows), and the
+        probabilities exp2(s - lse) summed over each query's heads go to _topn_chunk_update. Returns
+        (QPB, N_PAD) block indices by priority, -1 where unused."""
+        R: tl.constexpr = LB // DS
+        BC: tl.constexpr = BJ * R
+        d = tl.arange(0, D)
+        n_blocks = tl.where(pos >= 0, pos // LB + 1, 0).to(tl.int32)  # (QPB,) eligible blocks
+        own = (pos // LB).to(tl.int32)
         top_v = tl.full([QPB, N_PAD], float("-inf"), tl.float32)
         top_i = tl.full([QPB, N_PAD], -1, tl.int32)
         carry = tl.zeros([QPB], tl.float32)
@@ -285,24 +315,8 @@ if _HAS_TRITON:
             vis = row_ok[:, None] & (ii[None, :] < n_vis_rows[:, None])
             p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
             ps = tl.sum(tl.reshape(p, (QPB, G_PAD, BC)), 1)  # (QPB, BC): summed over the heads
-            p3 = tl.reshape(ps, (QPB, BJ, R))
-            to_own = tl.sum(p3 * w0[None, None, :], 2)  # (QPB, BJ)
-            to_next = tl.sum(p3 * w1[None, None, :], 2)
-            # block j receives to_next of block j - 1 (the previous chunk's last block for j = j0)
-            from_prev = tl.sum(tl.where(jb[None, :, None] == jb[None, None, :] + 1, to_next[:, None, :], 0.0), 2)
-            score = to_own + from_prev + tl.where(jb[None, :] == 0, carry[:, None], 0.0)
-            carry = tl.sum(tl.where(jb[None, :] == BJ - 1, to_next, 0.0), 1)
-            jj = (j0 + jb).to(tl.int32)
-            elig = jj[None, :] < n_blocks[:, None]
-            local = (jj[None, :] > (own - LOCAL)[:, None]) & (jj[None, :] <= own[:, None])
-            forced = elig & ((jj[None, :] < INIT) | local)
-            prio = tl.where(elig, score, float("-inf"))
-            prio = tl.where(forced, float("inf"), prio)
-            last = tl.max(tl.where(slot[None, :] == N_SEL - 1, top_v, float("-inf")), 1)
-            best = tl.max(prio, 1)
-            change = (best > last) | (best == float("inf"))
-            if tl.max(change.to(tl.int32), 0) > 0:  # the chunk changes some query's list
-                top_v, top_i = _topn_merge(top_v, top_i, prio, jj, N_SEL, N_PAD)
+            carry, top_v, top_i = _topn_chunk_update(ps, carry, top_v, top_i, j0, n_blocks, own,
+                                                     L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, QPB)
         return tl.where(top_v > float("-inf"), top_i, -1)
 
     @triton.jit
@@ -354,201 +368,6 @@ if _HAS_TRITON:
         slot = tl.arange(0, N_PAD)
         out_ptr = IDX + (pid_bg.to(tl.int64) * Tq + tq)[:, None] * N_SEL + slot[None, :]
         tl.store(out_ptr, top, mask=tq_ok[:, None] & (slot < N_SEL)[None, :])
-
-    # ------------------------------------------------------------------------------------------
-    # Backward dQ: one kernel for the three branches
-    # ------------------------------------------------------------------------------------------
-
-    @triton.jit
-    def _interval_dq(q, do, lse, delta, K, V, kv_base, lo, hi, row_ok, Nk, sm_scale2,
-                     HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
-        """dQ (unscaled) of one interval branch for the tile's rows: keys [lo, hi) of K/V per row."""
-        hi = tl.where(row_ok, hi, lo)
-        k_begin = tl.min(tl.where(hi > lo, lo, Nk), axis=0)
-        k_end = tl.max(hi, axis=0)
-        d = tl.arange(0, D)
-        dq = tl.zeros(q.shape, tl.float32)
-        for k0 in range(k_begin, k_end, BLOCK_N):
-            kk = k0 + tl.arange(0, BLOCK_N)
-            k_ok = kk < k_end
-            kv_off = kv_base + kk.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
-            k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
-            v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * sm_scale2
-            vis = (kk[None, :] >= lo[:, None]) & (kk[None, :] < hi[:, None])
-            p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k)
-        return dq
-
-    @triton.jit
-    def _branch_prep(DOUT, O, GATE, DG, DELTA, row, row_ok, d, R, D: tl.constexpr, BR: tl.constexpr):
-        """dgate = dout . o and delta = rowsum(round(g dout) * o) of one branch for the tile's rows;
-        stores both (delta also feeds the dK/dV kernels) and returns (round(g dout), delta)."""
-        off = row[:, None] * D + d[None, :]
-        dout = tl.load(DOUT + off, mask=row_ok[:, None], other=0.0)
-        o = tl.load(O + off, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        gt = tl.load(GATE + row * 3 + BR, mask=row_ok, other=0.0).to(tl.float32)
-        tl.store(DG + row * 3 + BR, tl.sum(dout.to(tl.float32) * o, 1).to(DG.dtype.element_ty), mask=row_ok)
-        do = (dout.to(tl.float32) * gt[:, None]).to(DOUT.dtype.element_ty)
-        delta = tl.sum(do.to(tl.float32) * o, 1)
-        tl.store(DELTA + BR * R + row, delta, mask=row_ok)
-        return do, delta
-
-    @triton.jit
-    def _bwd_dq_kernel(
-        Q, DOUT, GATE, DG, DELTA, DQ,
-        KC, VC, C_LO, C_HI, LSE_C, OC,
-        KS, VS, IDX, UBLK, UCNT, DOCPOS, LSE_S, OS,
-        KW, VW, W_LO, W_HI, LSE_W, OW,
-        Tq, Tk, Nc, Tw, q_off, n_tiles, R, sm_scale2, scale,
-        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-        LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-    ):
-        """dQ of all three branches for one query tile, accumulated in registers in a fixed branch order and
-        written once in q's dtype; also the gate gradients and the per-branch deltas. The branch output
-        gradient g_i * dout is formed here (never materialized)."""
-        pid_q = tl.program_id(0)
-        pid_bg = tl.program_id(1)
-        b = (pid_bg // HKV).to(tl.int64)
-        g = pid_bg % HKV
-        r, qi, row_ok, t_abs, a_rows = _sel_tile_rows(IDX, DOCPOS, pid_q, pid_bg, b, Tq, Tk, q_off,
-                                                      G, LB, N_SEL, N_PAD, QPB, BLOCK_M)
-        d = tl.arange(0, D)
-        row = (b * Tq + qi) * H + g * G + r % G
-        q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-        # compressed branch
-        do, delta = _branch_prep(DOUT, OC, GATE, DG, DELTA, row, row_ok, d, R, D, 0)
-        lse = tl.load(LSE_C + row, mask=row_ok, other=0.0)
-        lse = tl.where(lse == float("inf"), 0.0, lse)
-        lo = tl.load(C_LO + b * Tq + qi, mask=row_ok, other=0)
-        hi = tl.load(C_HI + b * Tq + qi, mask=row_ok, other=0)
-        dq = _interval_dq(q, do, lse, delta, KC, VC, b * Nc * HKV * D + g * D, lo, hi, row_ok, Nc, sm_scale2,
-                          HKV, D, BLOCK_N)
-        # selected branch: the tile's distinct blocks (see _tile_block_union)
-        do, delta = _branch_prep(DOUT, OS, GATE, DG, DELTA, row, row_ok, d, R, D, 1)
-        lse = tl.load(LSE_S + row, mask=row_ok, other=0.0)
-        lse = tl.where(lse == float("inf"), 0.0, lse)
-        tile = pid_bg.to(tl.int64) * n_tiles + pid_q
-        kv_base = b * Tk * HKV * D + g * D
-        kb = tl.arange(0, LB)
-        for u in range(tl.load(UCNT + tile)):
-            a = tl.load(UBLK + tile * (QPB * N_SEL) + u).to(tl.int64)
-            sel = tl.sum((a_rows == a).to(tl.int32), 1) > 0
-            kk = a + kb
-            k_ld = kk < Tk
-            kv_off = kv_base + kk[:, None] * (HKV * D) + d[None, :]
-            k = tl.load(KS + kv_off, mask=k_ld[:, None], other=0.0)
-            v = tl.load(VS + kv_off, mask=k_ld[:, None], other=0.0)
-            vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
-            s = tl.dot(q, tl.trans(k)) * sm_scale2
-            p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k)
-        # window branch
-        do, delta = _branch_prep(DOUT, OW, GATE, DG, DELTA, row, row_ok, d, R, D, 2)
-        lse = tl.load(LSE_W + row, mask=row_ok, other=0.0)
-        lse = tl.where(lse == float("inf"), 0.0, lse)
-        lo = tl.load(W_LO + b * Tq + qi, mask=row_ok, other=0)
-        hi = tl.load(W_HI + b * Tq + qi, mask=row_ok, other=0)
-        dq += _interval_dq(q, do, lse, delta, KW, VW, b * Tw * HKV * D + g * D, lo, hi, row_ok, Tw, sm_scale2,
-                           HKV, D, BLOCK_N)
-        tl.store(DQ + row[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
-
-    # ------------------------------------------------------------------------------------------
-    # Decoding: one fused kernel per step
-    # ------------------------------------------------------------------------------------------
-
-    @triton.jit
-    def _decode_kernel(
-        Q, KC, VC, CEND, KS, VS, KW, VW, GATE, DOCPOS, OUT,
-        Tk, Nc, Tw, sm_scale2,
-        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
-        L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr,
-        N_SEL: tl.constexpr, N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, WIN: tl.constexpr,
-        BJ: tl.constexpr, BLOCK_N: tl.constexpr,
-    ):
-        """One query per row (the newest of Tk keys), one program per (row, KV group), rows = its G heads:
-        compressed attention, top-n from its probabilities, selected and window attention and the gated
-        sum, in one launch. Reads the compressed keys (twice), the n selected blocks and the last w keys."""
-        pid_bg = tl.program_id(0)
-        b = (pid_bg // HKV).to(tl.int64)
-        g = pid_bg % HKV
-        t = Tk - 1
-        pos = tl.load(DOCPOS + b * Tk + t)
-        valid = pos >= 0  # a padded query gets 0 from every branch
-        start = t - pos  # first key of the query's document
-        hh = tl.arange(0, G_PAD)
-        row_ok = hh < G
-        d = tl.arange(0, D)
-        row = b * H + g * G + hh
-        q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-        zero_m = tl.full([G_PAD], float("-inf"), tl.float32)
-        zero_l = tl.zeros([G_PAD], tl.float32)
-        zero_acc = tl.zeros([G_PAD, D], tl.float32)
-        kn = tl.arange(0, BLOCK_N)
-        # compressed branch: slot c is visible iff start <= cmp_end[c] <= t (slots sorted by end, -1 = empty);
-        # also count the slots of earlier documents (c_lo) and the visible ones for the selection
-        cmp_base = b * Nc * HKV * D + g * D
-        m_i, l_i, acc = zero_m, zero_l, zero_acc
-        c_lo = tl.full([], 0, tl.int32)
-        n_vis = tl.full([], 0, tl.int32)
-        for c0 in range(0, tl.where(valid, Nc, 0), BLOCK_N):
-            cc = c0 + kn
-            end = tl.load(CEND + b * Nc + cc, mask=cc < Nc, other=-1)
-            vis = (end >= start) & (end <= t)
-            c_lo += tl.sum(((end >= 0) & (end < start)).to(tl.int32), 0)
-            n_vis += tl.sum(vis.to(tl.int32), 0)
-            kv_off = cmp_base + cc.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
-            k = tl.load(KC + kv_off, mask=vis[:, None], other=0.0)
-            v = tl.load(VC + kv_off, mask=vis[:, None], other=0.0)
-            s = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
-            m_i, l_i, acc = _softmax_tile(s, v, m_i, l_i, acc)
-        has = l_i > 0
-        o_cmp = (acc / tl.where(has, l_i, 1.0)[:, None]).to(OUT.dtype.element_ty).to(tl.float32)
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), 0.0)
-        # top-n blocks from the compression probabilities
-        kc_base = KC + cmp_base + c_lo.to(tl.int64) * (HKV * D)
-        top_i = _topn_tile(q, lse, row_ok, kc_base, tl.zeros([G_PAD], tl.int32) + n_vis, tl.zeros([1], tl.int64) + pos,
-                           sm_scale2, D, HKV, L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, 1, G_PAD)
-        top_i = tl.reshape(top_i, (N_PAD,))
-        # selected branch: the n blocks' keys up to t
-        slot = tl.arange(0, N_PAD)
-        kb = tl.arange(0, LB)
-        slc_base = b * Tk * HKV * D + g * D
-        m_i, l_i, acc = zero_m, zero_l, zero_acc
-        for i in range(N_SEL):
-            j = tl.sum(tl.where(slot == i, top_i, 0), 0)
-            kk = tl.where(j >= 0, start + j.to(tl.int64) * LB, t + 1) + kb  # unused slot: nothing visible
-            vis = kk <= t
-            kv_off = slc_base + kk[:, None] * (HKV * D) + d[None, :]
-            k = tl.load(KS + kv_off, mask=vis[:, None], other=0.0)
-            v = tl.load(VS + kv_off, mask=vis[:, None], other=0.0)
-            s = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
-            m_i, l_i, acc = _softmax_tile(s, v, m_i, l_i, acc)
-        o_slc = (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(OUT.dtype.element_ty).to(tl.float32)
-        # window branch: KW holds keys Tk-Tw .. Tk-1; visible from max(start, t - w + 1)
-        w_off = Tk - Tw
-        w_lo = tl.maximum(tl.maximum(start, t - WIN + 1) - w_off, 0).to(tl.int32)
-        win_base = b * Tw * HKV * D + g * D
-        m_i, l_i, acc = zero_m, zero_l, zero_acc
-        for i0 in range(w_lo, tl.where(valid, Tw, 0), BLOCK_N):
-            ii = i0 + kn
-            vis = ii < Tw
-            kv_off = win_base + ii.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
-            k = tl.load(KW + kv_off, mask=vis[:, None], other=0.0)
-            v = tl.load(VW + kv_off, mask=vis[:, None], other=0.0)
-            s = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
-            m_i, l_i, acc = _softmax_tile(s, v, m_i, l_i, acc)
-        o_win = (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(OUT.dtype.element_ty).to(tl.float32)
-        g0 = tl.load(GATE + row * 3, mask=row_ok, other=0.0).to(tl.float32)
-        g1 = tl.load(GATE + row * 3 + 1, mask=row_ok, other=0.0).to(tl.float32)
-        g2 = tl.load(GATE + row * 3 + 2, mask=row_ok, other=0.0).to(tl.float32)
-        out = g0[:, None] * o_cmp + g1[:, None] * o_slc + g2[:, None] * o_win
-        tl.store(OUT + row[:, None] * D + d[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
 
     # ------------------------------------------------------------------------------------------
     # Selected attention
@@ -745,6 +564,261 @@ if _HAS_TRITON:
                 else:
                     tl.store(DV + kv_off, acc.to(DV.dtype.element_ty), mask=k_ok[:, None])
 
+    # ------------------------------------------------------------------------------------------
+    # Backward dQ: one kernel for the three branches
+    # ------------------------------------------------------------------------------------------
+
+    @triton.jit
+    def _interval_dq(q, do, lse, delta, K, V, kv_base, lo, hi, row_ok, Nk, sm_scale2,
+                     HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+        """dQ (unscaled) of one interval branch for the tile's rows: keys [lo, hi) of K/V per row."""
+        hi = tl.where(row_ok, hi, lo)
+        k_begin = tl.min(tl.where(hi > lo, lo, Nk), axis=0)
+        k_end = tl.max(hi, axis=0)
+        d = tl.arange(0, D)
+        dq = tl.zeros(q.shape, tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_N):
+            kk = k0 + tl.arange(0, BLOCK_N)
+            k_ok = kk < k_end
+            kv_off = kv_base + kk.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
+            k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
+            v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * sm_scale2
+            vis = (kk[None, :] >= lo[:, None]) & (kk[None, :] < hi[:, None])
+            p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k)
+        return dq
+
+    @triton.jit
+    def _branch_prep(DOUT, O, GATE, DG, DELTA, row, row_ok, d, R, D: tl.constexpr, BR: tl.constexpr):
+        """dgate = dout . o and delta = rowsum(round(g dout) * o) of one branch for the tile's rows;
+        stores both (delta also feeds the dK/dV kernels) and returns (round(g dout), delta)."""
+        off = row[:, None] * D + d[None, :]
+        dout = tl.load(DOUT + off, mask=row_ok[:, None], other=0.0)
+        o = tl.load(O + off, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        gt = tl.load(GATE + row * 3 + BR, mask=row_ok, other=0.0).to(tl.float32)
+        tl.store(DG + row * 3 + BR, tl.sum(dout.to(tl.float32) * o, 1).to(DG.dtype.element_ty), mask=row_ok)
+        do = (dout.to(tl.float32) * gt[:, None]).to(DOUT.dtype.element_ty)
+        delta = tl.sum(do.to(tl.float32) * o, 1)
+        tl.store(DELTA + BR * R + row, delta, mask=row_ok)
+        return do, delta
+
+    @triton.jit
+    def _bwd_dq_kernel(
+        Q, DOUT, GATE, DG, DELTA, DQ,
+        KC, VC, C_LO, C_HI, LSE_C, OC,
+        KS, VS, IDX, UBLK, UCNT, DOCPOS, LSE_S, OS,
+        KW, VW, W_LO, W_HI, LSE_W, OW,
+        Tq, Tk, Nc, Tw, q_off, n_tiles, R, sm_scale2, scale,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+        LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        """dQ of all three branches for one query tile, accumulated in registers in a fixed branch order and
+        written once in q's dtype; also the gate gradients and the per-branch deltas. The branch output
+        gradient g_i * dout is formed here (never materialized)."""
+        pid_q = tl.program_id(0)
+        pid_bg = tl.program_id(1)
+        b = (pid_bg // HKV).to(tl.int64)
+        g = pid_bg % HKV
+        r, qi, row_ok, t_abs, a_rows = _sel_tile_rows(IDX, DOCPOS, pid_q, pid_bg, b, Tq, Tk, q_off,
+                                                      G, LB, N_SEL, N_PAD, QPB, BLOCK_M)
+        d = tl.arange(0, D)
+        row = (b * Tq + qi) * H + g * G + r % G
+        q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        # compressed branch
+        do, delta = _branch_prep(DOUT, OC, GATE, DG, DELTA, row, row_ok, d, R, D, 0)
+        lse = tl.load(LSE_C + row, mask=row_ok, other=0.0)
+        lse = tl.where(lse == float("inf"), 0.0, lse)
+        lo = tl.load(C_LO + b * Tq + qi, mask=row_ok, other=0)
+        hi = tl.load(C_HI + b * Tq + qi, mask=row_ok, other=0)
+        dq = _interval_dq(q, do, lse, delta, KC, VC, b * Nc * HKV * D + g * D, lo, hi, row_ok, Nc, sm_scale2,
+                          HKV, D, BLOCK_N)
+        # selected branch: the tile's distinct blocks (see _tile_block_union)
+        do, delta = _branch_prep(DOUT, OS, GATE, DG, DELTA, row, row_ok, d, R, D, 1)
+        lse = tl.load(LSE_S + row, mask=row_ok, other=0.0)
+        lse = tl.where(lse == float("inf"), 0.0, lse)
+        tile = pid_bg.to(tl.int64) * n_tiles + pid_q
+        kv_base = b * Tk * HKV * D + g * D
+        kb = tl.arange(0, LB)
+        for u in range(tl.load(UCNT + tile)):
+            a = tl.load(UBLK + tile * (QPB * N_SEL) + u).to(tl.int64)
+            sel = tl.sum((a_rows == a).to(tl.int32), 1) > 0
+            kk = a + kb
+            k_ld = kk < Tk
+            kv_off = kv_base + kk[:, None] * (HKV * D) + d[None, :]
+            k = tl.load(KS + kv_off, mask=k_ld[:, None], other=0.0)
+            v = tl.load(VS + kv_off, mask=k_ld[:, None], other=0.0)
+            vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
+            s = tl.dot(q, tl.trans(k)) * sm_scale2
+            p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k)
+        # window branch
+        do, delta = _branch_prep(DOUT, OW, GATE, DG, DELTA, row, row_ok, d, R, D, 2)
+        lse = tl.load(LSE_W + row, mask=row_ok, other=0.0)
+        lse = tl.where(lse == float("inf"), 0.0, lse)
+        lo = tl.load(W_LO + b * Tq + qi, mask=row_ok, other=0)
+        hi = tl.load(W_HI + b * Tq + qi, mask=row_ok, other=0)
+        dq += _interval_dq(q, do, lse, delta, KW, VW, b * Tw * HKV * D + g * D, lo, hi, row_ok, Tw, sm_scale2,
+                           HKV, D, BLOCK_N)
+        tl.store(DQ + row[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+    # ------------------------------------------------------------------------------------------
+    # Decoding: two kernels per step (compressed keys split over programs, then the rest)
+    # ------------------------------------------------------------------------------------------
+
+    @triton.jit
+    def _decode_cmp_split_kernel(
+        Q, KC, VC, CEND, DOCPOS, PM, PL, PACC, PP, PCNT,
+        Tk, Nc, S, sm_scale2,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+        CS: tl.constexpr,
+    ):
+        """Decode, split s of the compressed slots [s*CS, (s+1)*CS) of one (row, KV group): the split's
+        softmax partials (max m, sum l, unnormalized output acc), its probabilities exp2(x - m) per head and
+        slot (the top-n rescales them once the log-sum-exp is known), and two counts: slots of earlier
+        documents and visible slots. A slot is visible iff start <= cmp_end <= t (slots sorted by end)."""
+        pid_bg = tl.program_id(0)
+        sp = tl.program_id(1)
+        b = (pid_bg // HKV).to(tl.int64)
+        g = pid_bg % HKV
+        t = Tk - 1
+        pos = tl.load(DOCPOS + b * Tk + t)
+        start = tl.where(pos >= 0, t - pos, Tk)  # a padded query sees nothing
+        hh = tl.arange(0, G_PAD)
+        row_ok = hh < G
+        d = tl.arange(0, D)
+        row = b * H + g * G + hh
+        q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        cc = sp * CS + tl.arange(0, CS)
+        end = tl.load(CEND + b * Nc + cc, mask=cc < Nc, other=-1)
+        vis = (end >= start) & (end <= t)
+        kv_off = b * Nc * HKV * D + g * D + cc.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
+        k = tl.load(KC + kv_off, mask=vis[:, None], other=0.0)
+        v = tl.load(VC + kv_off, mask=vis[:, None], other=0.0)
+        x = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))  # (G_PAD, CS)
+        m = tl.max(x, 1)
+        p = tl.exp2(x - tl.where(m == float("-inf"), 0.0, m)[:, None])
+        base = (pid_bg.to(tl.int64) * S + sp) * G_PAD + hh  # (G_PAD,) partial rows
+        tl.store(PM + base, m)
+        tl.store(PL + base, tl.sum(p, 1))
+        tl.store(PACC + base[:, None] * D + d[None, :], tl.dot(p.to(v.dtype), v))
+        tl.store(PP + base[:, None] * CS + tl.arange(0, CS)[None, :], p)
+        cnt = (pid_bg.to(tl.int64) * S + sp) * 2
+        tl.store(PCNT + cnt, tl.sum(((end >= 0) & (end < start)).to(tl.int32), 0))
+        tl.store(PCNT + cnt + 1, tl.sum(vis.to(tl.int32), 0))
+
+    @triton.jit
+    def _decode_finish_kernel(
+        Q, PM, PL, PACC, PP, PCNT, KS, VS, KW, VW, GATE, DOCPOS, OUT,
+        Tk, Tw, S, sm_scale2,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+        L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr,
+        N_SEL: tl.constexpr, N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, WIN: tl.constexpr,
+        BJ: tl.constexpr, CS: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        """Decode, one program per (row, KV group), rows = its G heads: merges the compressed-branch splits
+        (log-sum-exp and output), picks the top-n blocks from the splits' probabilities (no compressed key
+        is read again), then selected and window attention and the gated sum."""
+        pid_bg = tl.program_id(0)
+        b = (pid_bg // HKV).to(tl.int64)
+        g = pid_bg % HKV
+        t = Tk - 1
+        pos = tl.load(DOCPOS + b * Tk + t)
+        valid = pos >= 0  # a padded query gets 0 from every branch
+        start = t - pos  # first key of the query's document
+        hh = tl.arange(0, G_PAD)
+        row_ok = hh < G
+        d = tl.arange(0, D)
+        row = b * H + g * G + hh
+        q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        # compressed branch: merge the splits' partials
+        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32)
+        c_lo = tl.full([], 0, tl.int32)
+        n_vis = tl.full([], 0, tl.int32)
+        for sp in range(S):
+            base = (pid_bg.to(tl.int64) * S + sp) * G_PAD + hh
+            m_s = tl.load(PM + base)
+            m_new = tl.maximum(m_i, m_s)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            a_old = tl.exp2(m_i - m_safe)
+            a_s = tl.exp2(m_s - m_safe)
+            l_i = l_i * a_old + tl.load(PL + base) * a_s
+            acc = acc * a_old[:, None] + tl.load(PACC + base[:, None] * D + d[None, :]) * a_s[:, None]
+            m_i = m_new
+            cnt = (pid_bg.to(tl.int64) * S + sp) * 2
+            c_lo += tl.load(PCNT + cnt)
+            n_vis += tl.load(PCNT + cnt + 1)
+        has = l_i > 0
+        o_cmp = (acc / tl.where(has, l_i, 1.0)[:, None]).to(OUT.dtype.element_ty).to(tl.float32)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), 0.0)
+        # top-n: probabilities exp2(x - lse) = p_split * exp2(m_split - lse), token by in-document index
+        R: tl.constexpr = LB // DS
+        BC: tl.constexpr = BJ * R
+        pos1 = tl.zeros([1], tl.int64) + pos
+        n_blocks = tl.where(pos1 >= 0, pos1 // LB + 1, 0).to(tl.int32)
+        own = (pos1 // LB).to(tl.int32)
+        top_v = tl.full([1, N_PAD], float("-inf"), tl.float32)
+        top_i = tl.full([1, N_PAD], -1, tl.int32)
+        carry = tl.zeros([1], tl.float32)
+        for j0 in range(0, tl.max(n_blocks, 0), BJ):
+            ii = j0 * R + tl.arange(0, BC)
+            tok_ok = ii < n_vis
+            slot = (c_lo + ii).to(tl.int64)
+            pbase = (pid_bg.to(tl.int64) * S + slot // CS)[None, :] * G_PAD + hh[:, None]  # (G_PAD, BC)
+            ok = row_ok[:, None] & tok_ok[None, :]
+            p = tl.load(PP + pbase * CS + (slot % CS)[None, :], mask=ok, other=0.0)
+            m_tok = tl.load(PM + pbase, mask=ok, other=0.0)
+            prob = tl.where(ok, p * tl.exp2(m_tok - lse[:, None]), 0.0)
+            ps = tl.reshape(tl.sum(prob, 0), (1, BC))
+            carry, top_v, top_i = _topn_chunk_update(ps, carry, top_v, top_i, j0, n_blocks, own,
+                                                     L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, 1)
+        top_i = tl.reshape(tl.where(top_v > float("-inf"), top_i, -1), (N_PAD,))
+        # selected branch: the n blocks' keys up to t
+        slot_n = tl.arange(0, N_PAD)
+        kb = tl.arange(0, LB)
+        slc_base = b * Tk * HKV * D + g * D
+        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32)
+        for i in range(N_SEL):
+            j = tl.sum(tl.where(slot_n == i, top_i, 0), 0)
+            kk = tl.where(j >= 0, start + j.to(tl.int64) * LB, t + 1) + kb  # unused slot: nothing visible
+            vis = kk <= t
+            kv_off = slc_base + kk[:, None] * (HKV * D) + d[None, :]
+            k = tl.load(KS + kv_off, mask=vis[:, None], other=0.0)
+            v = tl.load(VS + kv_off, mask=vis[:, None], other=0.0)
+            x = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
+            m_i, l_i, acc = _softmax_tile(x, v, m_i, l_i, acc)
+        o_slc = (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(OUT.dtype.element_ty).to(tl.float32)
+        # window branch: KW holds keys Tk-Tw .. Tk-1; visible from max(start, t - w + 1)
+        w_lo = tl.maximum(tl.maximum(start, t - WIN + 1) - (Tk - Tw), 0).to(tl.int32)
+        win_base = b * Tw * HKV * D + g * D
+        kn = tl.arange(0, BLOCK_N)
+        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32)
+        for i0 in range(w_lo, tl.where(valid, Tw, 0), BLOCK_N):
+            ii = i0 + kn
+            vis = ii < Tw
+            kv_off = win_base + ii.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
+            k = tl.load(KW + kv_off, mask=vis[:, None], other=0.0)
+            v = tl.load(VW + kv_off, mask=vis[:, None], other=0.0)
+            x = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
+            m_i, l_i, acc = _softmax_tile(x, v, m_i, l_i, acc)
+        o_win = (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(OUT.dtype.element_ty).to(tl.float32)
+        g0 = tl.load(GATE + row * 3, mask=row_ok, other=0.0).to(tl.float32)
+        g1 = tl.load(GATE + row * 3 + 1, mask=row_ok, other=0.0).to(tl.float32)
+        g2 = tl.load(GATE + row * 3 + 2, mask=row_ok, other=0.0).to(tl.float32)
+        out = g0[:, None] * o_cmp + g1[:, None] * o_slc + g2[:, None] * o_win
+        tl.store(OUT + row[:, None] * D + d[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+
 
 # ----------------------------------------------------------------------------------------------
 # Host-side launchers (static shapes, no host synchronization)
@@ -754,6 +828,7 @@ _LOG2E = 1.4426950408889634
 _DKDV_SPLIT = None  # tests force the split query range of the compressed/window dK/dV kernel
 _TOPN_BLOCKS_PER_CHUNK = None  # tests set a small value to exercise the multi-chunk top-n merge
 _SEL_ROWS = None  # tests force the selected-attention query tile (rows = queries x G)
+_DECODE_SPLIT = None  # tests force the compressed slots per decode split program
 _SEL_SPLIT = None  # tests force (heavy_min pairs, splits, partial slots) of the selected dK/dV load-skew split
 
 
@@ -920,21 +995,35 @@ def _topn_chunk(params: NSAParams) -> int:
 
 
 def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params: NSAParams, scale):
-    """One query per row (Tq == 1): the fused decode kernel, one launch for the three branches."""
+    """One query per row (Tq == 1), two launches: the compressed keys split over CS-slot programs
+    (softmax partials and probabilities, all SMs busy at long context), then one program per (row, KV
+    group) for the merge, the top-n, the selected and window branches and the gates."""
     batch, _, num_heads, head_dim = q.shape
     num_slots, num_kv = k_cmp.shape[1], k_cmp.shape[2]
     num_keys, num_win = k_slc.shape[1], k_win.shape[1]
     group = num_heads // num_kv
+    g_pad = max(16, _next_pow2(group))
     n_sel = min(params.sel_num_blocks, triton.cdiv(num_keys, params.sel_block_size))
-    bj = _topn_chunk(params)
+    split = _DECODE_SPLIT or 64  # compressed slots per split program (a power of two >= 16)
+    n_split = max(1, triton.cdiv(num_slots, split))
+    rows = batch * num_kv * n_split * g_pad
+    part_m = torch.empty(rows, device=q.device, dtype=torch.float32)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty(rows, head_dim, device=q.device, dtype=torch.float32)
+    part_p = torch.empty(rows, split, device=q.device, dtype=torch.float32)
+    counts = torch.empty(batch * num_kv * n_split, 2, device=q.device, dtype=torch.int32)
+    common = dict(H=num_heads, HKV=num_kv, G=group, D=head_dim, G_PAD=g_pad)
+    _decode_cmp_split_kernel[(batch * num_kv, n_split)](
+        q, k_cmp, v_cmp, cmp_end, doc_pos, part_m, part_l, part_acc, part_p, counts,
+        num_keys, num_slots, n_split, scale * _LOG2E, CS=split, num_warps=4, **common,
+    )
     out = torch.empty_like(q)
-    _decode_kernel[(batch * num_kv,)](
-        q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, out,
-        num_keys, num_slots, num_win, scale * _LOG2E,
-        H=num_heads, HKV=num_kv, G=group, D=head_dim, G_PAD=max(16, _next_pow2(group)),
+    _decode_finish_kernel[(batch * num_kv,)](
+        q, part_m, part_l, part_acc, part_p, counts, k_slc, v_slc, k_win, v_win, gates, doc_pos, out,
+        num_keys, num_win, n_split, scale * _LOG2E,
         L=params.cmp_block_size, DS=params.cmp_stride, LB=params.sel_block_size,
         N_SEL=n_sel, N_PAD=_next_pow2(n_sel), INIT=params.sel_init_blocks, LOCAL=params.sel_local_blocks,
-        WIN=params.window_size, BJ=bj, BLOCK_N=64, num_warps=4,
+        WIN=params.window_size, BJ=_topn_chunk(params), CS=split, BLOCK_N=64, num_warps=4, **common,
     )
     return out
 

@@ -4,8 +4,9 @@ The interpreter tests check what the kernels compute; this checks that the same 
 launchers' real specializations, constexprs and num_warps at the shapes in tests/triton_aot.py)
 compile to cubins with the ptxas shipped in the triton wheel, and that on sm_90 (the benchmark
 device) none spills registers to local memory: a spill costs a large share of a kernel's speed, and
-the launchers pick tiles and warps per architecture so that none does. (On sm_80 the selected dK/dV kernel keeps a stack frame of
-up to 24 bytes at head_dim 64; `python tests/triton_aot.py` prints the table.)
+the launchers pick tiles and warps per architecture so that none does. (On sm_80 the selected dK/dV
+kernel keeps a stack frame of up to 24 bytes at head_dim 64; `python tests/triton_aot.py` prints the
+table.)
 Runs in a subprocess so TRITON_INTERPRET from another test cannot leak in.
 """
 
@@ -52,7 +53,8 @@ def test_every_kernel_launch_compiles(aot_results, arch):
     kernels = {r["kernel"] for r in rows}
     # the whole op: forward, top-n, backward (incl. the selected dK/dV split and its reduce) and decode
     for name in ["_interval_fwd_kernel", "_select_topn_kernel", "_sel_fwd_kernel", "_bwd_dq_kernel",
-                 "_interval_bwd_dkdv_kernel", "_sel_bwd_dkdv_kernel", "_sel_dkdv_reduce_kernel", "_decode_kernel"]:
+                 "_interval_bwd_dkdv_kernel", "_sel_bwd_dkdv_kernel", "_sel_dkdv_reduce_kernel",
+                 "_decode_cmp_split_kernel", "_decode_finish_kernel"]:
         assert name in kernels, (name, sorted(kernels))
     failed = [(r["kernel"], r["scenario"], r["error"]) for r in rows if not r["ok"]]
     assert not failed, failed

@@ -32,7 +32,7 @@ GRADS = ["dq", "dk_cmp", "dv_cmp", "dk_slc", "dv_slc", "dk_win", "dv_win", "dgat
 
 def _case_id(c):
     parts = [c.get("kind", "attn"), f"T{c['T']}", f"G{c['H'] // c['Hkv']}", f"hkv{c['Hkv']}", f"d{c['D']}",
-             c.get("layout", "single"), c.get("dtype", "float32")] + ([f"bj{c['bj']}-split{c['split']}"] if c.get("bj") else []) + ([f"selrows{c['sel_rows']}"] if c.get("sel_rows") else []) + ([f"selsplit{c['sel_split'][2]}slots"] if c.get("sel_split") else [])
+             c.get("layout", "single"), c.get("dtype", "float32")] + ([f"bj{c['bj']}-split{c['split']}"] if c.get("bj") else []) + ([f"selrows{c['sel_rows']}"] if c.get("sel_rows") else []) + ([f"selsplit{c['sel_split'][2]}slots"] if c.get("sel_split") else []) + ([f"split{c['decode_split']}"] if c.get("decode_split") else [])
     return "-".join(parts)
 
 
@@ -59,6 +59,10 @@ CPU_CASES = [
     # before theirs), at and around compressed/selection block boundaries; fp16 with a window cache
     # longer than w
     dict(kind="decode", B=2, T=90, H=6, Hkv=1, D=16, steps=[1, 3, 4, 5, 17, 31, 64, 90], Tw=16, layout="varlen"),
+    # split compressed slots (16 per program, 5 splits): the merge across splits, a document's slots
+    # starting inside a later split, top-n chunks spanning two splits
+    dict(kind="decode", B=2, T=300, H=6, Hkv=2, D=16, steps=[20, 150, 257, 300], Tw=16, layout="varlen",
+         decode_split=16),
     dict(kind="decode", B=1, T=70, H=2, Hkv=2, D=32, steps=[1, 2, 16, 17, 33, 70], Tw=40, dtype="float16"),
 ]
 

@@ -164,6 +164,7 @@ def run_case(case: dict) -> dict:
 def run_decode_case(case: dict) -> dict:
     """Decode (Tq = 1, window cache of the last Tw keys) Triton vs reference at every position in steps."""
     layout, reference, tri = import_nsa()
+    tri._DECODE_SPLIT = case.get("decode_split")
     dtype = getattr(torch, case.get("dtype", "float32"))
     device = case.get("device", "cpu")
     params = dict(TINY if case.get("params", "tiny") == "tiny" else DEFAULT)
