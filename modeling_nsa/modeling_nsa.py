@@ -500,8 +500,9 @@ class NSAModel(NSAPreTrainedModel):
         shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:2])
         if len(shape) != 2:
             raise ValueError(f"input_ids must be (batch, seq_len), got shape {shape}.")
-        if input_ids is not None and not torch.compiler.is_compiling():
-            # One host sync per forward buys a clear message instead of a CUDA device assert.
+        if input_ids is not None and past_len == 0 and not torch.compiler.is_compiling():
+            # One host sync per forward buys a clear message instead of a CUDA device assert. Not on steps
+            # after a cache (generation feeds back the model's own tokens): no sync per generated token.
             low, high = int(input_ids.min()), int(input_ids.max())
             if low < 0 or high >= self.config.vocab_size:
                 raise ValueError(

@@ -114,3 +114,36 @@ def test_cache_memory_is_bounded_by_what_nsa_reads():
         expected_emitted = (total - cfg.cmp_block_size) // cfg.cmp_stride + 1
         assert torch.equal(layer.cmp_count, torch.full((2,), expected_emitted))
         assert layer.k_slc.shape[1] == total
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS), ids=list(VARIANTS))
+def test_cached_decoding_step_makes_no_host_synchronization(variant):
+    """A generation step queues its GPU work without waiting for it (no .item(), nonzero or
+    data-dependent shapes), so steps pipeline and can be captured in a CUDA graph."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class SyncRecorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.syncs = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+                        torch.ops.aten.item.default):
+                self.syncs.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    model = make_model(**VARIANTS[variant])
+    prompt = torch.randint(0, TINY["vocab_size"], (2, 37), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(prompt)
+    mask[0, :4] = 0  # left padding
+    with torch.no_grad():
+        out = model(prompt, attention_mask=mask, use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        recorder = SyncRecorder()
+        with recorder:
+            for _ in range(3):  # crosses a compression boundary (d=4)
+                mask = torch.cat([mask, mask.new_ones(2, 1)], dim=1)
+                out = model(token, attention_mask=mask, past_key_values=cache, use_cache=True)
+                cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    assert recorder.syncs == [], recorder.syncs
