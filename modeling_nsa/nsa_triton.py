@@ -94,6 +94,29 @@ if _HAS_TRITON:
         return (do.to(tl.float32) * gt[:, None]).to(DO.dtype.element_ty)
 
     @triton.jit
+    def _bwd_rows(Q, DO, GATE, LSE, DELTA, row, row_ok, d, D: tl.constexpr, BR: tl.constexpr):
+        """A query tile's rows for a dK/dV update: q, the branch's output gradient round(g dout), the
+        log-sum-exp (0 where no key was visible) and delta."""
+        q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        do = _load_do(DO, GATE, row, row_ok, d, D, BR)
+        lse = tl.load(LSE + row, mask=row_ok, other=0.0)
+        lse = tl.where(lse == float("inf"), 0.0, lse)
+        delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+        return q, do, lse, delta
+
+    @triton.jit
+    def _dkdv_update(q, do, lse, delta, k, v, vis, sm_scale2, dk, dv):
+        """One query tile's share of a key tile's dK (unscaled) and dV: the flash-attention backward with
+        the probabilities recomputed from the saved log-sum-exp."""
+        s = tl.dot(q, tl.trans(k)) * sm_scale2
+        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        return dk, dv
+
+    @triton.jit
     def _softmax_tile(s, v, m_i, l_i, acc):
         """Online-softmax update with one key tile: s (M, N) base-2 logits, -inf where not visible."""
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -205,18 +228,9 @@ if _HAS_TRITON:
             lo = tl.load(LO + b * Tq + qi, mask=row_ok, other=0)
             hi = tl.load(HI + b * Tq + qi, mask=row_ok, other=0)
             row = (b * Tq + qi) * H + g * G + hh
-            q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-            do = _load_do(DO, GATE, row, row_ok, d, D, BR)
-            lse = tl.load(LSE + row, mask=row_ok, other=0.0)
-            lse = tl.where(lse == float("inf"), 0.0, lse)
-            delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * sm_scale2
+            q, do, lse, delta = _bwd_rows(Q, DO, GATE, LSE, DELTA, row, row_ok, d, D, BR)
             vis = row_ok[:, None] & (kk[None, :] >= lo[:, None]) & (kk[None, :] < hi[:, None])
-            p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-            dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+            dk, dv = _dkdv_update(q, do, lse, delta, k, v, vis, sm_scale2, dk, dv)
         split_off = pid_s.to(tl.int64) * (tl.num_programs(1) // HKV) * Nk * HKV * D
         tl.store(DK + split_off + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=k_ok[:, None])
         tl.store(DV + split_off + kv_off, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
@@ -463,18 +477,9 @@ if _HAS_TRITON:
             row_ok = (r < QPB * G) & (pi < p_end)
             qi = tl.load(PAIR_Q + pi, mask=row_ok, other=0)
             row = (b * Tq + qi) * H + g * G + hh
-            q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-            do = _load_do(DO, GATE, row, row_ok, d, D, BR)
-            lse = tl.load(LSE + row, mask=row_ok, other=0.0)
-            lse = tl.where(lse == float("inf"), 0.0, lse)
-            delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * sm_scale2
+            q, do, lse, delta = _bwd_rows(Q, DO, GATE, LSE, DELTA, row, row_ok, d, D, BR)
             vis = row_ok[:, None] & k_ok[None, :] & (kk[None, :] <= (q_off + qi)[:, None])
-            p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-            dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+            dk, dv = _dkdv_update(q, do, lse, delta, k, v, vis, sm_scale2, dk, dv)
         return dk, dv, kv_off, k_ok
 
     @triton.jit
