@@ -1042,15 +1042,15 @@ def _tile_block_union(idx, doc_pos, qpb: int, sel_block_size: int):
     num_keys = doc_pos.shape[1]
     q_off = num_keys - num_q
     n_tiles = triton.cdiv(num_q, qpb)
-    none = torch.iinfo(torch.int32).max
-    start = torch.arange(q_off, num_keys, device=idx.device) - doc_pos[:, q_off:]  # (B, Tq) document starts
-    a = torch.where(idx >= 0, start[:, None, :, None] + idx.long() * sel_block_size, none)  # (B, Hkv, Tq, n')
+    none = torch.iinfo(torch.int32).max  # key indices fit int32 (Tk < 2**31): half the memory of int64
+    start = (torch.arange(q_off, num_keys, device=idx.device) - doc_pos[:, q_off:]).to(torch.int32)  # (B, Tq)
+    a = torch.where(idx >= 0, start[:, None, :, None] + idx * sel_block_size, none)  # (B, Hkv, Tq, n') int32
     a = torch.nn.functional.pad(a, (0, 0, 0, n_tiles * qpb - num_q), value=none)
     a = a.view(batch, num_kv, n_tiles, qpb * n_sel).sort(-1).values
     repeat = torch.zeros_like(a, dtype=torch.bool)
     repeat[..., 1:] = a[..., 1:] == a[..., :-1]
     a = torch.where(repeat, none, a).sort(-1).values  # distinct blocks first
-    return a.to(torch.int32).contiguous(), (a < none).sum(-1).to(torch.int32).contiguous()
+    return a.contiguous(), (a < none).sum(-1, dtype=torch.int32).contiguous()
 
 
 def _sel_fwd(q, k, v, idx, doc_pos, params: NSAParams, scale):
