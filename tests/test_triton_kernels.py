@@ -32,7 +32,7 @@ GRADS = ["dq", "dk_cmp", "dv_cmp", "dk_slc", "dv_slc", "dk_win", "dv_win", "dgat
 
 def _case_id(c):
     parts = [c.get("kind", "attn"), f"T{c['T']}", f"G{c['H'] // c['Hkv']}", f"hkv{c['Hkv']}", f"d{c['D']}",
-             c.get("layout", "single"), c.get("dtype", "float32")] + ([f"bj{c['bj']}-split{c['split']}"] if c.get("bj") else []) + ([f"selrows{c['sel_rows']}"] if c.get("sel_rows") else []) + ([f"selsplit{c['sel_split'][2]}slots"] if c.get("sel_split") else []) + ([f"split{c['decode_split']}"] if c.get("decode_split") else [])
+             c.get("layout", "single"), c.get("dtype", "float32")] + ([f"bj{c['bj']}-split{c['split']}"] if c.get("bj") else []) + ([f"selrows{c['sel_rows']}"] if c.get("sel_rows") else []) + ([f"selsplit{c['sel_split'][2]}slots"] if c.get("sel_split") else []) + ([f"split{c['decode_split']}"] if c.get("decode_split") else []) + ([f"sm{c['arch']}"] if c.get("arch") else [])
     return "-".join(parts)
 
 
@@ -54,6 +54,8 @@ CPU_CASES = [
     # then with one partial slot, so the other heavy blocks stay in the main pass
     dict(B=2, T=70, H=6, Hkv=2, D=16, layout="varlen", sel_split=[5, 3, 64]),
     dict(B=2, T=70, H=6, Hkv=2, D=16, layout="varlen", sel_split=[5, 3, 1]),
+    # the tiles an A100 (sm_80) gets: 32-row dQ and dK/dV query tiles
+    dict(B=2, T=90, H=12, Hkv=2, D=16, layout="varlen", arch=80),
     dict(kind="decode", B=2, T=60, H=4, Hkv=2, D=16, steps=[1, 8, 23, 60], Tw=16, layout="pad"),
     # the fused decode kernel: queries in later documents of packed rows (slots of earlier documents
     # before theirs), at and around compressed/selection block boundaries; fp16 with a window cache

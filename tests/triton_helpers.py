@@ -101,6 +101,10 @@ def run_case(case: dict) -> dict:
     tri._DKDV_SPLIT = case.get("split")
     tri._SEL_ROWS = case.get("sel_rows")
     tri._SEL_SPLIT = tuple(case["sel_split"]) if case.get("sel_split") else None
+    # the launch configuration an architecture gets (tiles differ before Hopper); the default otherwise
+    tri.__dict__.setdefault("_real_compute_capability", tri._compute_capability)
+    arch = case.get("arch")
+    tri._compute_capability = (lambda device: arch) if arch else tri._real_compute_capability
     dtype = getattr(torch, case.get("dtype", "float32"))
     device = case.get("device", "cpu")
     params = dict(TINY if case.get("params", "tiny") == "tiny" else DEFAULT)
