@@ -11,7 +11,7 @@ PY=${PY:-python}
 mkdir -p "$OUT"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests attention model profile train)
-{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader;
+{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || echo "no nvidia-smi";
   $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__)"; git rev-parse --short HEAD 2>/dev/null || true; } | tee "$OUT/env.txt"
 if [ -n "${FLA_WHEEL:-}" ]; then  # fla-core for the comparison column; report whether it imports
@@ -27,5 +27,5 @@ for step in "${steps[@]}"; do
     profile)    $PY bench/profile_nsa.py ;;
     train)      DATA=${DATA:-../shared/data} STEPS=${STEPS:-50} MB=${MB:-8} OUT="$OUT/train" bash bench/train_gpu_check.sh ;;
     *)          echo "unknown step $step (tests attention model profile train)"; exit 2 ;;
-  esac 2>&1 | tee "$OUT/$step.log"
+  esac 2>&1 | tee "$OUT/$step.log" || echo "== $step exited non-zero (log: $OUT/$step.log)" | tee -a "$OUT/env.txt"
 done
