@@ -90,6 +90,7 @@ SCENARIOS = {
     "fla-G16-d64-bf16": _scenario(1, 300, 16, 1, 64, torch.bfloat16, layout="pad"),
     "G1-d64-bf16": _scenario(1, 200, 4, 4, 64, torch.bfloat16),
     "G4-d128-fp16": _scenario(2, 200, 8, 2, 128, torch.float16, layout="pad", decode_steps=(200,)),
+    "G8-d128-bf16-long": _scenario(1, 8300, 16, 2, 128, torch.bfloat16, layout="single"),
 }
 
 
