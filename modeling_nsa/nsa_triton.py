@@ -1082,18 +1082,21 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: 
     q_off = num_keys - num_q
     # Inverted index: (query, block) pairs sorted by (batch, kv head, block start); stable, so every
     # block's queries come in increasing order and the accumulation order is fixed.
-    t_idx = torch.arange(num_q, device=q.device)
-    start = (t_idx + q_off)[None, :] - doc_pos[:, q_off:]  # (B, Tq)
-    j = idx.long()
-    a = start[:, None, :, None] + j * lb  # (B, Hkv, Tq, n')
-    bg = torch.arange(batch * num_kv, device=q.device).view(batch, num_kv, 1, 1)
+    # Built in int32 where the flat (batch, kv head, key) index fits, and temporaries dropped early: this
+    # runs at the backward's memory peak.
     sentinel = batch * num_kv * num_keys
     key_dtype = torch.int32 if sentinel < 2**31 - 1 else torch.int64
-    key = torch.where(j >= 0, bg * num_keys + a, torch.full_like(a, sentinel)).flatten().to(key_dtype)
+    start = (torch.arange(q_off, num_keys, device=q.device) - doc_pos[:, q_off:]).to(key_dtype)  # (B, Tq)
+    bg = torch.arange(batch * num_kv, device=q.device, dtype=key_dtype).view(batch, num_kv, 1, 1)
+    key = (bg * num_keys + start[:, None, :, None]) + idx.to(key_dtype) * lb  # (B, Hkv, Tq, n') block starts
+    key = torch.where(idx >= 0, key, sentinel).flatten()
     sorted_key, order = torch.sort(key, stable=True)
+    del key
     pair_q = (order // n_sel % num_q).to(torch.int32).contiguous()
+    del order
     pair_off = torch.searchsorted(sorted_key, torch.arange(sentinel + 1, device=q.device, dtype=key_dtype))
     pair_off = pair_off.contiguous()
+    del sorted_key
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
     block_m, qpb, dkdv_opts = _dkdv_launch(group, head_dim, q.device)
@@ -1194,13 +1197,14 @@ def _nsa_bwd_op(
     c_lo, c_hi, w_lo, w_hi = _layout(cmp_end, doc_pos, num_q, num_win, p)
     dout = dout.to(q.dtype).contiguous()
     # dQ of the three branches, dgates and the per-branch deltas in one kernel (query tiles as the
-    # selected attention's); the dK/dV kernels then read the deltas.
-    dq = torch.empty_like(q)
-    dgates = torch.empty_like(gates)
-    delta = torch.empty(3, batch, num_q, num_heads, device=q.device, dtype=torch.float32)
+    # selected attention's); the dK/dV kernels then read the deltas. The block union (sort temporaries)
+    # comes before dQ is allocated, which lowers the backward's peak memory.
     block_m, qpb, dq_opts = _dq_launch(group, head_dim, num_keys, p, q.device)
     n_sel = idx.shape[-1]
     blocks, counts = _tile_block_union(idx, doc_pos, qpb, p.sel_block_size)
+    dq = torch.empty_like(q)
+    dgates = torch.empty_like(gates)
+    delta = torch.empty(3, batch, num_q, num_heads, device=q.device, dtype=torch.float32)
     _bwd_dq_kernel[(triton.cdiv(num_q, qpb), batch * num_kv)](
         q, dout, gates, dgates, delta, dq,
         k_cmp, v_cmp, c_lo, c_hi, lse_cmp, o_cmp,
@@ -1211,6 +1215,7 @@ def _nsa_bwd_op(
         H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=p.sel_block_size, N_SEL=n_sel, N_PAD=_next_pow2(n_sel),
         QPB=qpb, BLOCK_M=block_m, BLOCK_N=64, **dq_opts,
     )
+    del blocks, counts
     dk_cmp, dv_cmp = _interval_bwd_dkdv(q, k_cmp, v_cmp, c_lo, c_hi, dout, gates, 0, lse_cmp, delta[0], scale)
     dk_slc, dv_slc = _sel_bwd_dkdv(q, k_slc, v_slc, idx, doc_pos, dout, gates, 1, lse_slc, delta[1], p, scale)
     dk_win, dv_win = _interval_bwd_dkdv(q, k_win, v_win, w_lo, w_hi, dout, gates, 2, lse_win, delta[2], scale)
@@ -1235,9 +1240,14 @@ def _setup_context(ctx, inputs, output):
     )
     ctx.params = params
     ctx.scale = scale
+    # The branch outputs, LSEs and indices are returned only to be saved; without this, autograd would
+    # build zero gradients for them (three q-sized tensors: 288 MiB at B*T = 64k with 12 heads).
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, *unused):
+    if dout is None:  # the gated output is not part of the loss
+        return (None,) * 12
     saved = ctx.saved_tensors
     grads = _nsa_bwd_op(dout, *saved, ctx.params, ctx.scale)
     dq, dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates = grads

@@ -66,6 +66,8 @@ CPU_CASES = [
     dict(kind="decode", B=2, T=300, H=6, Hkv=2, D=16, steps=[20, 150, 257, 300], Tw=16, layout="varlen",
          decode_split=16),
     dict(kind="decode", B=1, T=70, H=2, Hkv=2, D=32, steps=[1, 2, 16, 17, 33, 70], Tw=40, dtype="float16"),
+    # torch.compile(fullgraph=True) of the op, forward and backward through AOTAutograd, against eager
+    dict(kind="compile", B=2, T=40, H=4, Hkv=2, D=16, layout="varlen"),
 ]
 
 
@@ -85,8 +87,8 @@ def interpreter_results():
 
 def _check(res, case, tol):
     assert "error" not in res, res.get("trace", res.get("error"))
-    if case.get("kind") == "decode":
-        assert res["decode"] <= tol, res
+    if case.get("kind") in ("decode", "compile"):
+        assert res[case["kind"]] <= tol, res
         return
     assert not res["nan"]
     assert res["out"] <= tol, res

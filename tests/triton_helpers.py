@@ -191,12 +191,34 @@ def run_decode_case(case: dict) -> dict:
     return {"decode": worst}
 
 
+def run_compile_case(case: dict) -> dict:
+    """torch.compile(fullgraph=True) of the op (AOTAutograd, `case["backend"]`) against eager: loss and
+    all gradients. The custom ops' fake implementations, autograd registration and unused-output
+    gradients are what this exercises."""
+    _, _, tri = import_nsa()
+    t, cmp_end, doc_pos, p = make_inputs(case["B"], case["T"], case["H"], case["Hkv"], case["D"], TINY,
+                                         torch.float32, "cpu", case.get("layout", "single"))
+    order = ["q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates"]
+
+    def loss(q, kc, vc, ks, vs, kw, vw, g):
+        return tri.nsa_attention_triton(q, kc, vc, cmp_end, ks, vs, kw, vw, g, doc_pos, p).square().sum()
+
+    results = []
+    for fn in (loss, torch.compile(loss, fullgraph=True, backend=case.get("backend", "aot_eager"))):
+        leaves = [t[n].clone().requires_grad_(True) for n in order]
+        value = fn(*leaves)
+        value.backward()
+        results.append([value.detach()] + [x.grad for x in leaves])
+    return {"compile": max(rel(c, e) for c, e in zip(results[1], results[0]))}
+
+
 def main(argv):
     cases = json.loads(argv[1])
     results = []
     for case in cases:
         try:
-            res = run_decode_case(case) if case.get("kind") == "decode" else run_case(case)
+            runner = {"decode": run_decode_case, "compile": run_compile_case}.get(case.get("kind"), run_case)
+            res = runner(case)
         except Exception as exc:  # report, so the test names the failing case
             import traceback
 
