@@ -44,10 +44,12 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self.tensors: list[weakref.ref] = []
         self.peak = 0
+        self.at_peak: list = []
         self.existing = {t.untyped_storage().data_ptr() for t in existing}  # allocated before the step
 
-    def live(self) -> int:
-        seen, total = set(), 0
+    def live(self, describe: bool = False):
+        """Bytes of the live storages (or, with describe, one (shape, dtype, bytes) per storage)."""
+        seen, total, rows = set(), 0, []
         alive = []
         for ref in self.tensors:
             t = ref()
@@ -58,8 +60,14 @@ class LiveBytes(TorchDispatchMode):
             if storage.data_ptr() not in seen and storage.data_ptr() not in self.existing:
                 seen.add(storage.data_ptr())
                 total += storage.nbytes()
+                rows.append((tuple(t.shape), t.dtype, storage.nbytes()))
         self.tensors = alive
-        return total
+        return rows if describe else total
+
+    def update_peak(self):
+        total = self.live()
+        if total > self.peak:
+            self.peak, self.at_peak = total, self.live(describe=True)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         impl = _OP_IMPLS.get(func)
@@ -71,7 +79,7 @@ class LiveBytes(TorchDispatchMode):
         for t in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > 0:
                 self.tensors.append(weakref.ref(t))
-        self.peak = max(self.peak, self.live())
+        self.update_peak()
         return out
 
 
@@ -93,7 +101,8 @@ def without_kernels(run):
             setattr(tri, name, fn)
 
 
-def step_peak_mib(batch: int, seq_len: int, heads=12, kv_heads=2, head_dim=64) -> float:
+def step_peak(batch: int, seq_len: int, heads=12, kv_heads=2, head_dim=64) -> "LiveBytes":
+    """The tracker after one fwd+bwd step of the op: .peak bytes and .at_peak (shape, dtype, bytes) rows."""
     t, cmp_end, doc_pos, params = make_inputs(batch, seq_len, heads, kv_heads, head_dim, DEFAULT, torch.bfloat16,
                                               "cpu", "single")
     leaves = {n: x.requires_grad_(True) for n, x in t.items()}
@@ -107,10 +116,10 @@ def step_peak_mib(batch: int, seq_len: int, heads=12, kv_heads=2, head_dim=64) -
                                            doc_pos, params)
             grads = torch.autograd.grad(out, list(leaves.values()), dout)
             del grads
-            mode.peak = max(mode.peak, mode.live())
+            mode.update_peak()
 
     without_kernels(step)
-    return mode.peak / 2**20
+    return mode
 
 
 def main():
@@ -125,7 +134,7 @@ def main():
         heads, kv_heads, head_dim = (int(x) for x in spec.split(","))
         for seq_len in args.lengths:
             batch = max(1, args.tokens // seq_len)
-            mib = step_peak_mib(batch, seq_len, heads, kv_heads, head_dim)
+            mib = step_peak(batch, seq_len, heads, kv_heads, head_dim).peak / 2**20
             print(f"| {heads} q / {kv_heads} kv, d{head_dim} | {seq_len} | {batch} | {mib:.0f} |", flush=True)
 
 

@@ -1,0 +1,44 @@
+"""What the Triton op keeps in memory at its fwd+bwd peak (CPU allocation accounting, bench/memory_cpu.py).
+
+The step runs the op's host code with no-op kernels; every shape is static, so the tensors alive at the
+peak are those a GPU run allocates. The query-sized ones must be exactly: the gated output, the three
+saved branch outputs and dQ, all in the input dtype. Zero gradients materialized for the saved-only
+outputs (three more) or an fp32 dQ accumulator would show here; so would a heavy-block partial buffer
+sized by the worst case instead of its cap.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+try:
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except Exception:
+    HAS_TRITON = False
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_peak_holds_only_output_branch_outputs_and_dq():
+    import memory_cpu
+
+    # enough key tiles that the window dK/dV needs no split partials (those are capped in absolute size:
+    # at most 1024 programs' fp32 tiles, 32 MiB at d64, which dominates only at small B*T)
+    batch, seq_len, heads, head_dim = 8, 4096, 12, 64
+    mode = memory_cpu.step_peak(batch, seq_len, heads, 2, head_dim)
+    q_shape = (batch, seq_len, heads, head_dim)
+    q_bytes = batch * seq_len * heads * head_dim * 2
+    query_sized = [row for row in mode.at_peak if row[2] >= q_bytes]
+    assert len(query_sized) == 5, query_sized
+    assert all(shape == q_shape and dtype == torch.bfloat16 for shape, dtype, _ in query_sized), query_sized
+    # everything else together stays below two query-sized tensors at this shape
+    rest = sum(nbytes for _, _, nbytes in mode.at_peak) - 5 * q_bytes
+    assert rest < 2 * q_bytes, (rest / q_bytes, sorted(mode.at_peak, key=lambda r: -r[2])[:8])
