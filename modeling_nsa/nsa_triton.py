@@ -94,15 +94,33 @@ if _HAS_TRITON:
         return (do.to(tl.float32) * gt[:, None]).to(DO.dtype.element_ty)
 
     @triton.jit
+    def _gated_sum(GATE, row, row_ok, o_cmp, o_slc, o_win):
+        """g_cmp o_cmp + g_slc o_slc + g_win o_win in fp32 (Eq. 5), from the branch outputs as stored."""
+        g0 = tl.load(GATE + row * 3, mask=row_ok, other=0.0).to(tl.float32)
+        g1 = tl.load(GATE + row * 3 + 1, mask=row_ok, other=0.0).to(tl.float32)
+        g2 = tl.load(GATE + row * 3 + 2, mask=row_ok, other=0.0).to(tl.float32)
+        return g0[:, None] * o_cmp + g1[:, None] * o_slc + g2[:, None] * o_win
+
+    @triton.jit
+    def _branch_output(acc, l_i, dtype: tl.constexpr):
+        """A branch's normalized output (0 where no key was visible) rounded to the stored dtype, in fp32."""
+        return (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _load_lse(LSE, row, row_ok):
+        """A branch's saved log-sum-exp of the given rows, 0 where no key was visible (stored as +inf): the
+        probabilities recomputed from it are then 0 through their masks, never NaN."""
+        lse = tl.load(LSE + row, mask=row_ok, other=0.0)
+        return tl.where(lse == float("inf"), 0.0, lse)
+
+    @triton.jit
     def _bwd_rows(Q, DO, GATE, LSE, DELTA, row, row_ok, d, D: tl.constexpr, BR: tl.constexpr):
         """A query tile's rows for a dK/dV update: q, the branch's output gradient round(g dout), the
         log-sum-exp (0 where no key was visible) and delta."""
         q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
         do = _load_do(DO, GATE, row, row_ok, d, D, BR)
-        lse = tl.load(LSE + row, mask=row_ok, other=0.0)
-        lse = tl.where(lse == float("inf"), 0.0, lse)
         delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
-        return q, do, lse, delta
+        return q, do, _load_lse(LSE, row, row_ok), delta
 
     @triton.jit
     def _dkdv_update(q, do, lse, delta, k, v, vis, sm_scale2, dk, dv):
@@ -184,11 +202,7 @@ if _HAS_TRITON:
         if COMBINE:  # o = g_cmp o_cmp + g_slc o_slc + g_win o_win (fp32), the branch outputs as stored
             o_c = tl.load(OC + out_ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)
             o_s = tl.load(OS + out_ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)
-            g0 = tl.load(GATE + row * 3, mask=row_ok, other=0.0).to(tl.float32)
-            g1 = tl.load(GATE + row * 3 + 1, mask=row_ok, other=0.0).to(tl.float32)
-            g2 = tl.load(GATE + row * 3 + 2, mask=row_ok, other=0.0).to(tl.float32)
-            o_w = out.to(O.dtype.element_ty).to(tl.float32)
-            res = g0[:, None] * o_c + g1[:, None] * o_s + g2[:, None] * o_w
+            res = _gated_sum(GATE, row, row_ok, o_c, o_s, out.to(O.dtype.element_ty).to(tl.float32))
             tl.store(OUT + out_ptr, res.to(OUT.dtype.element_ty), mask=row_ok[:, None])
 
     @triton.jit
@@ -367,8 +381,7 @@ if _HAS_TRITON:
         d = tl.arange(0, D)
         row = (b * Tq + ti) * H + g * G + hh
         q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-        lse = tl.load(LSE + row, mask=row_ok, other=0.0)
-        lse = tl.where(lse == float("inf"), 0.0, lse)
+        lse = _load_lse(LSE, row, row_ok)
         n_vis_rows = tl.load(CHI + b * Tq + ti, mask=row_ok, other=0) - tl.load(CLO + b * Tq + ti, mask=row_ok, other=0)
         top = tl.full([QPB, N_PAD], -1, tl.int32)
         for i in range(tl.where(one_doc, 1, QPB)):
@@ -574,6 +587,15 @@ if _HAS_TRITON:
     # ------------------------------------------------------------------------------------------
 
     @triton.jit
+    def _dq_update(q, do, lse, delta, k, v, vis, sm_scale2, dq):
+        """A key tile's share of the query tile's dQ (unscaled): the flash-attention backward with the
+        probabilities recomputed from the saved log-sum-exp (the dQ side of _dkdv_update)."""
+        s = tl.dot(q, tl.trans(k)) * sm_scale2
+        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        return dq + tl.dot(ds.to(k.dtype), k)
+
+    @triton.jit
     def _interval_dq(q, do, lse, delta, K, V, kv_base, lo, hi, row_ok, Nk, sm_scale2,
                      HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
         """dQ (unscaled) of one interval branch for the tile's rows: keys [lo, hi) of K/V per row."""
@@ -588,12 +610,8 @@ if _HAS_TRITON:
             kv_off = kv_base + kk.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
             k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
             v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * sm_scale2
             vis = (kk[None, :] >= lo[:, None]) & (kk[None, :] < hi[:, None])
-            p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k)
+            dq = _dq_update(q, do, lse, delta, k, v, vis, sm_scale2, dq)
         return dq
 
     @triton.jit
@@ -635,16 +653,14 @@ if _HAS_TRITON:
         q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
         # compressed branch
         do, delta = _branch_prep(DOUT, OC, GATE, DG, DELTA, row, row_ok, d, R, D, 0)
-        lse = tl.load(LSE_C + row, mask=row_ok, other=0.0)
-        lse = tl.where(lse == float("inf"), 0.0, lse)
+        lse = _load_lse(LSE_C, row, row_ok)
         lo = tl.load(C_LO + b * Tq + qi, mask=row_ok, other=0)
         hi = tl.load(C_HI + b * Tq + qi, mask=row_ok, other=0)
         dq = _interval_dq(q, do, lse, delta, KC, VC, b * Nc * HKV * D + g * D, lo, hi, row_ok, Nc, sm_scale2,
                           HKV, D, BLOCK_N)
         # selected branch: the tile's distinct blocks (see _tile_block_union)
         do, delta = _branch_prep(DOUT, OS, GATE, DG, DELTA, row, row_ok, d, R, D, 1)
-        lse = tl.load(LSE_S + row, mask=row_ok, other=0.0)
-        lse = tl.where(lse == float("inf"), 0.0, lse)
+        lse = _load_lse(LSE_S, row, row_ok)
         tile = pid_bg.to(tl.int64) * n_tiles + pid_q
         kv_base = b * Tk * HKV * D + g * D
         kb = tl.arange(0, LB)
@@ -657,15 +673,10 @@ if _HAS_TRITON:
             k = tl.load(KS + kv_off, mask=k_ld[:, None], other=0.0)
             v = tl.load(VS + kv_off, mask=k_ld[:, None], other=0.0)
             vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
-            s = tl.dot(q, tl.trans(k)) * sm_scale2
-            p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k)
+            dq = _dq_update(q, do, lse, delta, k, v, vis, sm_scale2, dq)
         # window branch
         do, delta = _branch_prep(DOUT, OW, GATE, DG, DELTA, row, row_ok, d, R, D, 2)
-        lse = tl.load(LSE_W + row, mask=row_ok, other=0.0)
-        lse = tl.where(lse == float("inf"), 0.0, lse)
+        lse = _load_lse(LSE_W, row, row_ok)
         lo = tl.load(W_LO + b * Tq + qi, mask=row_ok, other=0)
         hi = tl.load(W_HI + b * Tq + qi, mask=row_ok, other=0)
         dq += _interval_dq(q, do, lse, delta, KW, VW, b * Tw * HKV * D + g * D, lo, hi, row_ok, Tw, sm_scale2,
@@ -761,7 +772,7 @@ if _HAS_TRITON:
             c_lo += tl.load(PCNT + cnt)
             n_vis += tl.load(PCNT + cnt + 1)
         has = l_i > 0
-        o_cmp = (acc / tl.where(has, l_i, 1.0)[:, None]).to(OUT.dtype.element_ty).to(tl.float32)
+        o_cmp = _branch_output(acc, l_i, OUT.dtype.element_ty)
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), 0.0)
         # top-n: probabilities exp2(x - lse) = p_split * exp2(m_split - lse), token by in-document index
         R: tl.constexpr = LB // DS
@@ -801,7 +812,7 @@ if _HAS_TRITON:
             v = tl.load(VS + kv_off, mask=vis[:, None], other=0.0)
             x = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
             m_i, l_i, acc = _softmax_tile(x, v, m_i, l_i, acc)
-        o_slc = (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(OUT.dtype.element_ty).to(tl.float32)
+        o_slc = _branch_output(acc, l_i, OUT.dtype.element_ty)
         # window branch: KW holds keys Tk-Tw .. Tk-1; visible from max(start, t - w + 1)
         w_lo = tl.maximum(tl.maximum(start, t - WIN + 1) - (Tk - Tw), 0).to(tl.int32)
         win_base = b * Tw * HKV * D + g * D
@@ -817,11 +828,8 @@ if _HAS_TRITON:
             v = tl.load(VW + kv_off, mask=vis[:, None], other=0.0)
             x = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
             m_i, l_i, acc = _softmax_tile(x, v, m_i, l_i, acc)
-        o_win = (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(OUT.dtype.element_ty).to(tl.float32)
-        g0 = tl.load(GATE + row * 3, mask=row_ok, other=0.0).to(tl.float32)
-        g1 = tl.load(GATE + row * 3 + 1, mask=row_ok, other=0.0).to(tl.float32)
-        g2 = tl.load(GATE + row * 3 + 2, mask=row_ok, other=0.0).to(tl.float32)
-        out = g0[:, None] * o_cmp + g1[:, None] * o_slc + g2[:, None] * o_win
+        o_win = _branch_output(acc, l_i, OUT.dtype.element_ty)
+        out = _gated_sum(GATE, row, row_ok, o_cmp, o_slc, o_win)
         tl.store(OUT + row[:, None] * D + d[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -837,10 +845,16 @@ _DECODE_SPLIT = None  # tests force the compressed slots per decode split progra
 _SEL_SPLIT = None  # tests force (heavy_min pairs, splits, partial slots) of the selected dK/dV load-skew split
 
 
-def _rows_per_program(group: int, head_dim: int) -> tuple[int, int]:
-    """(BLOCK_M, queries per program) for (query x head) row packing."""
-    block_m = max(16, _next_pow2(group), 64 if head_dim <= 128 else 32)
+def _query_tile(group: int, rows: int) -> tuple[int, int]:
+    """(BLOCK_M, queries per program) for (query x head) row packing: about `rows` rows, at least 16 (the
+    smallest tl.dot) and at least one query's G heads."""
+    block_m = max(16, _next_pow2(group), rows)
     return block_m, max(1, block_m // group)
+
+
+def _rows_per_program(group: int, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_M, queries per program) for the interval kernels."""
+    return _query_tile(group, 64 if head_dim <= 128 else 32)
 
 
 def _compute_capability(device) -> int:
@@ -860,8 +874,7 @@ def _dkdv_launch(group: int, head_dim: int, device) -> tuple[int, int, dict]:
     if head_dim <= 64 and _compute_capability(device) >= 90:
         block_m, qpb = _rows_per_program(group, head_dim)
         return block_m, qpb, dict(num_warps=8)
-    block_m = max(16, _next_pow2(group), 32)
-    return block_m, max(1, block_m // group), dict(num_warps=8, num_stages=2 if head_dim <= 64 else 1)
+    return *_query_tile(group, 32), dict(num_warps=8, num_stages=2 if head_dim <= 64 else 1)
 
 
 def _dq_launch(group: int, head_dim: int, num_keys: int, params: NSAParams, device) -> tuple[int, int, dict]:
@@ -871,8 +884,7 @@ def _dq_launch(group: int, head_dim: int, num_keys: int, params: NSAParams, devi
     if _compute_capability(device) >= 90:
         block_m, qpb = _sel_rows_per_program(group, head_dim, num_keys, params)
         return block_m, qpb, dict(num_warps=8)
-    block_m = max(16, _next_pow2(group), 32)
-    return block_m, max(1, block_m // group), dict(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+    return *_query_tile(group, 32), dict(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
 
 
 def _sel_rows_per_program(group: int, head_dim: int, num_keys: int, params: NSAParams) -> tuple[int, int]:
@@ -881,12 +893,10 @@ def _sel_rows_per_program(group: int, head_dim: int, num_keys: int, params: NSAP
     (>= 64 rows) pay; with many eligible blocks and unrelated queries it grows with the tile, so the
     tile is narrower there."""
     if _SEL_ROWS:
-        block_m = max(16, _next_pow2(group), _SEL_ROWS)
-    else:
-        num_blocks = -(-num_keys // params.sel_block_size)
-        wide = num_blocks <= 8 * params.sel_num_blocks
-        block_m = max(16, _next_pow2(group), (64 if wide else 32) if head_dim <= 128 else 32)
-    return block_m, max(1, block_m // group)
+        return _query_tile(group, _SEL_ROWS)
+    num_blocks = -(-num_keys // params.sel_block_size)
+    wide = num_blocks <= 8 * params.sel_num_blocks
+    return _query_tile(group, (64 if wide else 32) if head_dim <= 128 else 32)
 
 
 def _layout(cmp_end, doc_pos, num_queries, num_win, params: NSAParams):
