@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from triton_aot import tri  # noqa: E402
+from triton_aot import tri, with_kernels_replaced  # noqa: E402
 from triton_helpers import DEFAULT, make_inputs  # noqa: E402
 
 
@@ -90,17 +90,6 @@ class _NoKernel:
         return lambda *args, **kwargs: None
 
 
-def without_kernels(run):
-    kernels = {n: getattr(tri, n) for n in dir(tri) if n.endswith("_kernel") and n.startswith("_")}
-    try:
-        for name in kernels:
-            setattr(tri, name, _NoKernel())
-        run()
-    finally:
-        for name, fn in kernels.items():
-            setattr(tri, name, fn)
-
-
 def step_peak(batch: int, seq_len: int, heads=12, kv_heads=2, head_dim=64) -> "LiveBytes":
     """The tracker after one fwd+bwd step of the op: .peak bytes and .at_peak (shape, dtype, bytes) rows."""
     t, cmp_end, doc_pos, params = make_inputs(batch, seq_len, heads, kv_heads, head_dim, DEFAULT, torch.bfloat16,
@@ -118,7 +107,7 @@ def step_peak(batch: int, seq_len: int, heads=12, kv_heads=2, head_dim=64) -> "L
             del grads
             mode.update_peak()
 
-    without_kernels(step)
+    with_kernels_replaced(step, lambda name, fn: _NoKernel())
     return mode
 
 

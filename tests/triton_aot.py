@@ -47,17 +47,22 @@ class _Recorder:
         return launch
 
 
-def capture_launches(run) -> list:
-    """Launches (name, jit_fn, args, kwargs) made by ``run()`` with every kernel of nsa_triton recorded."""
-    sink: list = []
+def with_kernels_replaced(run, stand_in):
+    """Run ``run()`` with every @triton.jit kernel of nsa_triton replaced by ``stand_in(name, jit_fn)``."""
     kernels = {n: getattr(tri, n) for n in dir(tri) if n.endswith("_kernel") and n.startswith("_")}
     try:
         for name, fn in kernels.items():
-            setattr(tri, name, _Recorder(name, fn, sink))
+            setattr(tri, name, stand_in(name, fn))
         run()
     finally:
         for name, fn in kernels.items():
             setattr(tri, name, fn)
+
+
+def capture_launches(run) -> list:
+    """Launches (name, jit_fn, args, kwargs) made by ``run()`` with every kernel of nsa_triton recorded."""
+    sink: list = []
+    with_kernels_replaced(run, lambda name, fn: _Recorder(name, fn, sink))
     return sink
 
 

@@ -94,13 +94,15 @@ def rel(x, ref):
     return ((x - ref).norm() / ref.norm().clamp_min(1e-2 * max(1, ref.numel()) ** 0.5)).item()
 
 
-def run_case(case: dict) -> dict:
-    """Forward, selection and gradients Triton vs reference for one case; returns relative errors."""
-    layout, reference, tri = import_nsa()
+def case_setup(case: dict):
+    """Set every kernel knob from the case (the others back to their defaults: cases share one process)
+    and build its inputs. Returns (inputs, cmp_end, doc_pos, params, dtype, device)."""
+    _, _, tri = import_nsa()
     tri._TOPN_BLOCKS_PER_CHUNK = case.get("bj")
     tri._DKDV_SPLIT = case.get("split")
     tri._SEL_ROWS = case.get("sel_rows")
     tri._SEL_SPLIT = tuple(case["sel_split"]) if case.get("sel_split") else None
+    tri._DECODE_SPLIT = case.get("decode_split")
     # the launch configuration an architecture gets (tiles differ before Hopper); the default otherwise
     tri.__dict__.setdefault("_real_compute_capability", tri._compute_capability)
     arch = case.get("arch")
@@ -108,11 +110,16 @@ def run_case(case: dict) -> dict:
     dtype = getattr(torch, case.get("dtype", "float32"))
     device = case.get("device", "cpu")
     params = dict(TINY if case.get("params", "tiny") == "tiny" else DEFAULT)
-    B, T, H, Hkv, D = case["B"], case["T"], case["H"], case["Hkv"], case["D"]
-    t, cmp_end, doc_pos, p = make_inputs(B, T, H, Hkv, D, params, dtype, device, case.get("layout", "single"),
-                                         case.get("seed", 0))
-    names = ["q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates"]
-    leaves = {n: t[n].clone().requires_grad_(True) for n in names}
+    t, cmp_end, doc_pos, p = make_inputs(case["B"], case["T"], case["H"], case["Hkv"], case["D"], params, dtype,
+                                         device, case.get("layout", "single"), case.get("seed", 0))
+    return t, cmp_end, doc_pos, p, dtype, device
+
+
+def run_case(case: dict) -> dict:
+    """Forward, selection and gradients Triton vs reference for one case; returns relative errors."""
+    layout, reference, tri = import_nsa()
+    t, cmp_end, doc_pos, p, dtype, device = case_setup(case)
+    leaves = {n: t[n].clone().requires_grad_(True) for n in GRAD_NAMES}
     out = tri.nsa_attention_triton(
         leaves["q"], leaves["k_cmp"], leaves["v_cmp"], cmp_end, leaves["k_slc"], leaves["v_slc"],
         leaves["k_win"], leaves["v_win"], leaves["gates"], doc_pos, p,
@@ -131,7 +138,7 @@ def run_case(case: dict) -> dict:
         captured["scores"], captured["ref"] = block_scores.detach().cpu(), ref_idx.cpu()
         return idx_tri.to(ref_idx.device)
 
-    ref_leaves = {n: t[n].detach().float().clone().requires_grad_(True) for n in names}
+    ref_leaves = {n: t[n].detach().float().clone().requires_grad_(True) for n in GRAD_NAMES}
     reference.select_blocks = patched
     try:
         ref_out = reference.nsa_attention_reference(
@@ -142,7 +149,7 @@ def run_case(case: dict) -> dict:
         reference.select_blocks = orig
     ref_out.backward(dout.float())
     res = {"out": rel(out.detach(), ref_out.detach()), "nan": bool(torch.isnan(out).any())}
-    for n in names:
+    for n in GRAD_NAMES:
         g = leaves[n].grad
         res["d" + n] = float("nan") if g is None else rel(g, ref_leaves[n].grad)
     # selection: indices equal except at genuine near-ties
@@ -168,13 +175,7 @@ def run_case(case: dict) -> dict:
 def run_decode_case(case: dict) -> dict:
     """Decode (Tq = 1, window cache of the last Tw keys) Triton vs reference at every position in steps."""
     layout, reference, tri = import_nsa()
-    tri._DECODE_SPLIT = case.get("decode_split")
-    dtype = getattr(torch, case.get("dtype", "float32"))
-    device = case.get("device", "cpu")
-    params = dict(TINY if case.get("params", "tiny") == "tiny" else DEFAULT)
-    B, T, H, Hkv, D = case["B"], case["T"], case["H"], case["Hkv"], case["D"]
-    t, cmp_end_full, doc_pos, p = make_inputs(B, T, H, Hkv, D, params, dtype, device, case.get("layout", "single"),
-                                             case.get("seed", 0))
+    t, cmp_end_full, doc_pos, p, dtype, device = case_setup(case)
     worst = 0.0
     for Tk in case["steps"]:
         Tw = min(Tk, case.get("Tw", p.window_size))
@@ -196,16 +197,14 @@ def run_compile_case(case: dict) -> dict:
     all gradients. The custom ops' fake implementations, autograd registration and unused-output
     gradients are what this exercises."""
     _, _, tri = import_nsa()
-    t, cmp_end, doc_pos, p = make_inputs(case["B"], case["T"], case["H"], case["Hkv"], case["D"], TINY,
-                                         torch.float32, "cpu", case.get("layout", "single"))
-    order = ["q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates"]
+    t, cmp_end, doc_pos, p, _, _ = case_setup(case)
 
     def loss(q, kc, vc, ks, vs, kw, vw, g):
         return tri.nsa_attention_triton(q, kc, vc, cmp_end, ks, vs, kw, vw, g, doc_pos, p).square().sum()
 
     results = []
     for fn in (loss, torch.compile(loss, fullgraph=True, backend=case.get("backend", "aot_eager"))):
-        leaves = [t[n].clone().requires_grad_(True) for n in order]
+        leaves = [t[n].clone().requires_grad_(True) for n in GRAD_NAMES]
         value = fn(*leaves)
         value.backward()
         results.append([value.detach()] + [x.grad for x in leaves])
