@@ -30,9 +30,20 @@ except Exception:
 GRADS = ["dq", "dk_cmp", "dv_cmp", "dk_slc", "dv_slc", "dk_win", "dv_win", "dgates"]
 
 
+# id parts of the knobs a case may force (triton_helpers.case_setup)
+_KNOB_IDS = {
+    "bj": lambda c: f"bj{c['bj']}-split{c['split']}",
+    "sel_rows": lambda c: f"selrows{c['sel_rows']}",
+    "sel_split": lambda c: f"selsplit{c['sel_split'][2]}slots",
+    "decode_split": lambda c: f"split{c['decode_split']}",
+    "arch": lambda c: f"sm{c['arch']}",
+}
+
+
 def _case_id(c):
     parts = [c.get("kind", "attn"), f"T{c['T']}", f"G{c['H'] // c['Hkv']}", f"hkv{c['Hkv']}", f"d{c['D']}",
-             c.get("layout", "single"), c.get("dtype", "float32")] + ([f"bj{c['bj']}-split{c['split']}"] if c.get("bj") else []) + ([f"selrows{c['sel_rows']}"] if c.get("sel_rows") else []) + ([f"selsplit{c['sel_split'][2]}slots"] if c.get("sel_split") else []) + ([f"split{c['decode_split']}"] if c.get("decode_split") else []) + ([f"sm{c['arch']}"] if c.get("arch") else [])
+             c.get("layout", "single"), c.get("dtype", "float32")]
+    parts += [name(c) for knob, name in _KNOB_IDS.items() if c.get(knob)]
     return "-".join(parts)
 
 
@@ -57,7 +68,7 @@ CPU_CASES = [
     # the tiles an A100 (sm_80) gets: 32-row dQ and dK/dV query tiles
     dict(B=2, T=90, H=12, Hkv=2, D=16, layout="varlen", arch=80),
     dict(kind="decode", B=2, T=60, H=4, Hkv=2, D=16, steps=[1, 8, 23, 60], Tw=16, layout="pad"),
-    # the fused decode kernel: queries in later documents of packed rows (slots of earlier documents
+    # the decode kernels: queries in later documents of packed rows (slots of earlier documents
     # before theirs), at and around compressed/selection block boundaries; fp16 with a window cache
     # longer than w
     dict(kind="decode", B=2, T=90, H=6, Hkv=1, D=16, steps=[1, 3, 4, 5, 17, 31, 64, 90], Tw=16, layout="varlen"),
