@@ -21,10 +21,11 @@ Layout of the work (no (T x Nc) or (T x T) tensor is ever built):
   fp32 partials summed in a fixed order.
 - Backward dQ: one kernel per query tile for all three branches (dQ in registers, written once),
   which also writes the gate gradients and the per-branch deltas the dK/dV kernels read.
-- Decoding (one query per row): the compressed keys are split over programs (softmax partials and
-  probabilities, all SMs busy at long context); one program per (row, KV group) then merges them,
-  picks the top-n from those probabilities without re-reading a key, and runs the selected and window
-  branches and the gates. Two launches per step.
+- Decoding (one query per row), three launches per step, none with a serial loop over the whole context:
+  the compressed keys split over programs (softmax partials and probabilities); the selection blocks
+  split over programs, each scoring its range from those probabilities (no key re-read) and keeping
+  its own top-n list; one program per (row, KV group) merges the partials and the lists and runs the
+  selected and window branches and the gates.
 
 Everything is wrapped in two torch.library custom ops (forward, backward) with fake
 implementations and autograd, without host synchronization, so torch.compile(fullgraph=True) works.
@@ -280,7 +281,7 @@ if _HAS_TRITON:
         return new_v, new_i
 
     @triton.jit
-    def _topn_chunk_update(ps, carry, top_v, top_i, j0, n_blocks, own,
+    def _topn_chunk_update(ps, carry, top_v, top_i, j0, j_min, n_blocks, own,
                            L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr, N_SEL: tl.constexpr,
                            N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, BJ: tl.constexpr,
                            QPB: tl.constexpr):
@@ -288,7 +289,9 @@ if _HAS_TRITON:
         probabilities of the in-document compressed tokens starting in blocks j0 .. j0+BJ-1, summed over
         each query's heads. A token starting at offset r*d in its block gives w0[r] = min(l' - r*d, l) / d
         to it and w1[r] = max(0, r*d + l - l') / d to the next (l <= l'); carry (QPB,) brings the previous
-        chunk's last block's share. Forced initial/local blocks get +inf. Returns (carry, top_v, top_i)."""
+        chunk's last block's share. Only blocks j_min .. n_blocks-1 enter the lists (a decode program owns a
+        block range, which it passes as j_min and n_blocks, and reads one block before it for the carry). Forced initial/local blocks get +inf.
+        Returns (carry, top_v, top_i)."""
         R: tl.constexpr = LB // DS
         slot = tl.arange(0, N_PAD)
         jb = tl.arange(0, BJ)
@@ -303,7 +306,7 @@ if _HAS_TRITON:
         score = to_own + from_prev + tl.where(jb[None, :] == 0, carry[:, None], 0.0)
         carry = tl.sum(tl.where(jb[None, :] == BJ - 1, to_next, 0.0), 1)
         jj = (j0 + jb).to(tl.int32)
-        elig = jj[None, :] < n_blocks[:, None]
+        elig = (jj[None, :] < n_blocks[:, None]) & (jj[None, :] >= j_min)
         local = (jj[None, :] > (own - LOCAL)[:, None]) & (jj[None, :] <= own[:, None])
         forced = elig & ((jj[None, :] < INIT) | local)
         prio = tl.where(elig, score, float("-inf"))
@@ -343,7 +346,7 @@ if _HAS_TRITON:
             vis = row_ok[:, None] & (ii[None, :] < n_vis_rows[:, None])
             p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
             ps = tl.sum(tl.reshape(p, (QPB, G_PAD, BC)), 1)  # (QPB, BC): summed over the heads
-            carry, top_v, top_i = _topn_chunk_update(ps, carry, top_v, top_i, j0, n_blocks, own,
+            carry, top_v, top_i = _topn_chunk_update(ps, carry, top_v, top_i, j0, 0, n_blocks, own,
                                                      L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, QPB)
         return tl.where(top_v > float("-inf"), top_i, -1)
 
@@ -684,7 +687,7 @@ if _HAS_TRITON:
         tl.store(DQ + row[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
     # ------------------------------------------------------------------------------------------
-    # Decoding: two kernels per step (compressed keys split over programs, then the rest)
+    # Decoding: three kernels per step (compressed keys split over programs, block ranges' top-n, the rest)
     # ------------------------------------------------------------------------------------------
 
     @triton.jit
@@ -729,17 +732,100 @@ if _HAS_TRITON:
         tl.store(PCNT + cnt + 1, tl.sum(vis.to(tl.int32), 0))
 
     @triton.jit
-    def _decode_finish_kernel(
-        Q, PM, PL, PACC, PP, PCNT, KS, VS, KW, VW, GATE, DOCPOS, OUT,
-        Tk, Tw, S, sm_scale2,
-        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+    def _decode_cmp_merge(PM, PL, PACC, PCNT, pid_bg, S, hh, d,
+                          G_PAD: tl.constexpr, D: tl.constexpr, SB: tl.constexpr, WITH_ACC: tl.constexpr):
+        """Merge the S compressed-key splits of one (row, KV group), SB splits per vector load: per head the
+        running max m and sum l (and, WITH_ACC, the unnormalized output), and the two slot counts (slots of
+        earlier documents = the document's first slot, visible slots)."""
+        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32)
+        c_lo = tl.full([], 0, tl.int32)
+        n_vis = tl.full([], 0, tl.int32)
+        sb = tl.arange(0, SB)
+        for s0 in range(0, S, SB):
+            sp = s0 + sb
+            ok = sp < S
+            base = (pid_bg.to(tl.int64) * S + sp)[:, None] * G_PAD + hh[None, :]  # (SB, G_PAD) partial rows
+            m_s = tl.load(PM + base, mask=ok[:, None], other=float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(m_s, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            a_old = tl.exp2(m_i - m_safe)
+            a_s = tl.exp2(m_s - m_safe[None, :])  # 0 for empty splits (m_s = -inf)
+            l_i = l_i * a_old + tl.sum(tl.load(PL + base, mask=ok[:, None], other=0.0) * a_s, 0)
+            if WITH_ACC:
+                p_acc = tl.load(PACC + base[:, :, None] * D + d[None, None, :], mask=ok[:, None, None], other=0.0)
+                acc = acc * a_old[:, None] + tl.sum(p_acc * a_s[:, :, None], 0)
+            m_i = m_new
+            cnt = (pid_bg.to(tl.int64) * S + sp) * 2
+            c_lo += tl.sum(tl.load(PCNT + cnt, mask=ok, other=0), 0)
+            n_vis += tl.sum(tl.load(PCNT + cnt + 1, mask=ok, other=0), 0)
+        return m_i, l_i, acc, c_lo, n_vis
+
+    @triton.jit
+    def _decode_topn_kernel(
+        PM, PL, PACC, PP, PCNT, DOCPOS, TOPV, TOPI,
+        Tk, S, n_prog,
+        HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
         L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr,
-        N_SEL: tl.constexpr, N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, WIN: tl.constexpr,
-        BJ: tl.constexpr, CS: tl.constexpr, BLOCK_N: tl.constexpr,
+        N_SEL: tl.constexpr, N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
+        BJ: tl.constexpr, CS: tl.constexpr, SB: tl.constexpr, TB: tl.constexpr,
+    ):
+        """Decode, program (row x KV group, j) of the selection blocks [j*TB, (j+1)*TB): their scores from
+        the splits' stored probabilities (exp2(x - lse) = p_split * exp2(m_split - lse), no key read again),
+        summed over the G heads, and the range's own top-n list (priority, block) for the finish kernel to
+        merge. Block ranges run in parallel: at long context no single program walks every block."""
+        pid_bg = tl.program_id(0)
+        pj = tl.program_id(1)
+        b = (pid_bg // HKV).to(tl.int64)
+        t = Tk - 1
+        hh = tl.arange(0, G_PAD)
+        row_ok = hh < G
+        d = tl.arange(0, D)
+        m_i, l_i, _, c_lo, n_vis = _decode_cmp_merge(PM, PL, PACC, PCNT, pid_bg, S, hh, d, G_PAD, D, SB, False)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), 0.0)
+        pos = tl.load(DOCPOS + b * Tk + t)
+        R: tl.constexpr = LB // DS
+        BC: tl.constexpr = BJ * R
+        pos1 = tl.zeros([1], tl.int64) + pos
+        n_blocks = tl.where(pos1 >= 0, pos1 // LB + 1, 0).to(tl.int32)
+        own = (pos1 // LB).to(tl.int32)
+        top_v = tl.full([1, N_PAD], float("-inf"), tl.float32)
+        top_i = tl.full([1, N_PAD], -1, tl.int32)
+        carry = tl.zeros([1], tl.float32)
+        j_lo = pj * TB
+        n_range = tl.minimum(n_blocks, j_lo + TB)  # blocks past the range belong to the next program
+        j_hi = tl.max(n_range, 0)
+        # start one block early: its tokens' share in block j_lo arrives as the carry (not merged itself)
+        for j0 in range(tl.maximum(j_lo - 1, 0), j_hi, BJ):
+            ii = j0 * R + tl.arange(0, BC)
+            tok_ok = ii < n_vis
+            slot = (c_lo + ii).to(tl.int64)
+            pbase = (pid_bg.to(tl.int64) * S + slot // CS)[None, :] * G_PAD + hh[:, None]  # (G_PAD, BC)
+            ok = row_ok[:, None] & tok_ok[None, :]
+            p = tl.load(PP + pbase * CS + (slot % CS)[None, :], mask=ok, other=0.0)
+            m_tok = tl.load(PM + pbase, mask=ok, other=0.0)
+            prob = tl.where(ok, p * tl.exp2(m_tok - lse[:, None]), 0.0)
+            ps = tl.reshape(tl.sum(prob, 0), (1, BC))
+            carry, top_v, top_i = _topn_chunk_update(ps, carry, top_v, top_i, j0, j_lo, n_range, own,
+                                                     L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, 1)
+        slot_n = tl.arange(0, N_PAD)
+        keep = (slot_n[None, :] < N_SEL) & (top_v > float("-inf"))
+        out = (pid_bg.to(tl.int64) * n_prog + pj) * N_PAD + slot_n
+        tl.store(TOPV + out, tl.reshape(tl.where(keep, top_v, float("-inf")), (N_PAD,)))
+        tl.store(TOPI + out, tl.reshape(tl.where(keep, top_i, -1), (N_PAD,)))
+
+    @triton.jit
+    def _decode_finish_kernel(
+        Q, PM, PL, PACC, PCNT, TOPV, TOPI, KS, VS, KW, VW, GATE, DOCPOS, OUT,
+        Tk, Tw, S, n_prog, sm_scale2,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+        LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, WIN: tl.constexpr,
+        SB: tl.constexpr, LISTS: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         """Decode, one program per (row, KV group), rows = its G heads: merges the compressed-branch splits
-        (log-sum-exp and output), picks the top-n blocks from the splits' probabilities (no compressed key
-        is read again), then selected and window attention and the gated sum."""
+        (log-sum-exp and output) and the block ranges' top-n lists, then selected and window attention and
+        the gated sum."""
         pid_bg = tl.program_id(0)
         b = (pid_bg // HKV).to(tl.int64)
         g = pid_bg % HKV
@@ -753,48 +839,20 @@ if _HAS_TRITON:
         row = b * H + g * G + hh
         q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
         # compressed branch: merge the splits' partials
-        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([G_PAD], tl.float32)
-        acc = tl.zeros([G_PAD, D], tl.float32)
-        c_lo = tl.full([], 0, tl.int32)
-        n_vis = tl.full([], 0, tl.int32)
-        for sp in range(S):
-            base = (pid_bg.to(tl.int64) * S + sp) * G_PAD + hh
-            m_s = tl.load(PM + base)
-            m_new = tl.maximum(m_i, m_s)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            a_old = tl.exp2(m_i - m_safe)
-            a_s = tl.exp2(m_s - m_safe)
-            l_i = l_i * a_old + tl.load(PL + base) * a_s
-            acc = acc * a_old[:, None] + tl.load(PACC + base[:, None] * D + d[None, :]) * a_s[:, None]
-            m_i = m_new
-            cnt = (pid_bg.to(tl.int64) * S + sp) * 2
-            c_lo += tl.load(PCNT + cnt)
-            n_vis += tl.load(PCNT + cnt + 1)
-        has = l_i > 0
+        _, l_i, acc, _, _ = _decode_cmp_merge(PM, PL, PACC, PCNT, pid_bg, S, hh, d, G_PAD, D, SB, True)
         o_cmp = _branch_output(acc, l_i, OUT.dtype.element_ty)
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), 0.0)
-        # top-n: probabilities exp2(x - lse) = p_split * exp2(m_split - lse), token by in-document index
-        R: tl.constexpr = LB // DS
-        BC: tl.constexpr = BJ * R
-        pos1 = tl.zeros([1], tl.int64) + pos
-        n_blocks = tl.where(pos1 >= 0, pos1 // LB + 1, 0).to(tl.int32)
-        own = (pos1 // LB).to(tl.int32)
+        # top-n: merge the block ranges' lists, LISTS at a time (ranges are disjoint: every block once)
+        E: tl.constexpr = LISTS * N_PAD
+        e = tl.arange(0, E)
         top_v = tl.full([1, N_PAD], float("-inf"), tl.float32)
         top_i = tl.full([1, N_PAD], -1, tl.int32)
-        carry = tl.zeros([1], tl.float32)
-        for j0 in range(0, tl.max(n_blocks, 0), BJ):
-            ii = j0 * R + tl.arange(0, BC)
-            tok_ok = ii < n_vis
-            slot = (c_lo + ii).to(tl.int64)
-            pbase = (pid_bg.to(tl.int64) * S + slot // CS)[None, :] * G_PAD + hh[:, None]  # (G_PAD, BC)
-            ok = row_ok[:, None] & tok_ok[None, :]
-            p = tl.load(PP + pbase * CS + (slot % CS)[None, :], mask=ok, other=0.0)
-            m_tok = tl.load(PM + pbase, mask=ok, other=0.0)
-            prob = tl.where(ok, p * tl.exp2(m_tok - lse[:, None]), 0.0)
-            ps = tl.reshape(tl.sum(prob, 0), (1, BC))
-            carry, top_v, top_i = _topn_chunk_update(ps, carry, top_v, top_i, j0, n_blocks, own,
-                                                     L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, 1)
+        for l0 in range(0, n_prog, LISTS):
+            ok = l0 + e // N_PAD < n_prog
+            off = (pid_bg.to(tl.int64) * n_prog + l0) * N_PAD + e
+            v = tl.load(TOPV + off, mask=ok, other=float("-inf"))
+            i = tl.load(TOPI + off, mask=ok, other=-1)
+            i = tl.where(i >= 0, i, (1 << 29) + e)  # distinct stand-ins for unused entries (priority -inf)
+            top_v, top_i = _topn_merge(top_v, top_i, tl.reshape(v, (1, E)), i, N_SEL, N_PAD)
         top_i = tl.reshape(tl.where(top_v > float("-inf"), top_i, -1), (N_PAD,))
         # selected branch: the n blocks' keys up to t
         slot_n = tl.arange(0, N_PAD)
@@ -842,6 +900,7 @@ _DKDV_SPLIT = None  # tests force the split query range of the compressed/window
 _TOPN_BLOCKS_PER_CHUNK = None  # tests set a small value to exercise the multi-chunk top-n merge
 _SEL_ROWS = None  # tests force the selected-attention query tile (rows = queries x G)
 _DECODE_SPLIT = None  # tests force the compressed slots per decode split program
+_DECODE_TOPN_BLOCKS = None  # tests force the selection blocks per decode top-n program
 _SEL_SPLIT = None  # tests force (heavy_min pairs, splits, partial slots) of the selected dK/dV load-skew split
 
 
@@ -1010,35 +1069,47 @@ def _topn_chunk(params: NSAParams) -> int:
 
 
 def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params: NSAParams, scale):
-    """One query per row (Tq == 1), two launches: the compressed keys split over CS-slot programs
-    (softmax partials and probabilities, all SMs busy at long context), then one program per (row, KV
-    group) for the merge, the top-n, the selected and window branches and the gates."""
+    """One query per row (Tq == 1), three launches, none with a long serial loop at long context: the
+    compressed keys split over CS-slot programs (softmax partials and probabilities); the selection blocks
+    split over TB-block programs (scores and a top-n list per range); one program per (row, KV group)
+    merging both and running the selected and window branches and the gates."""
     batch, _, num_heads, head_dim = q.shape
     num_slots, num_kv = k_cmp.shape[1], k_cmp.shape[2]
     num_keys, num_win = k_slc.shape[1], k_win.shape[1]
     group = num_heads // num_kv
     g_pad = max(16, _next_pow2(group))
-    n_sel = min(params.sel_num_blocks, triton.cdiv(num_keys, params.sel_block_size))
+    num_blocks = triton.cdiv(num_keys, params.sel_block_size)
+    n_sel = min(params.sel_num_blocks, num_blocks)
+    n_pad = _next_pow2(n_sel)
     split = _DECODE_SPLIT or 64  # compressed slots per split program (a power of two >= 16)
     n_split = max(1, triton.cdiv(num_slots, split))
+    blocks_per_prog = _DECODE_TOPN_BLOCKS or 64  # selection blocks per top-n program
+    n_prog = triton.cdiv(num_blocks, blocks_per_prog)
     rows = batch * num_kv * n_split * g_pad
     part_m = torch.empty(rows, device=q.device, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty(rows, head_dim, device=q.device, dtype=torch.float32)
     part_p = torch.empty(rows, split, device=q.device, dtype=torch.float32)
     counts = torch.empty(batch * num_kv * n_split, 2, device=q.device, dtype=torch.int32)
-    common = dict(H=num_heads, HKV=num_kv, G=group, D=head_dim, G_PAD=g_pad)
+    top_v = torch.empty(batch * num_kv * n_prog, n_pad, device=q.device, dtype=torch.float32)
+    top_i = torch.empty(batch * num_kv * n_prog, n_pad, device=q.device, dtype=torch.int32)
+    common = dict(HKV=num_kv, G=group, D=head_dim, G_PAD=g_pad)
+    topn = dict(LB=params.sel_block_size, N_SEL=n_sel, N_PAD=n_pad)
+    merge_splits = 8  # splits per vector load in the merges
     _decode_cmp_split_kernel[(batch * num_kv, n_split)](
         q, k_cmp, v_cmp, cmp_end, doc_pos, part_m, part_l, part_acc, part_p, counts,
-        num_keys, num_slots, n_split, scale * _LOG2E, CS=split, num_warps=4, **common,
+        num_keys, num_slots, n_split, scale * _LOG2E, H=num_heads, CS=split, num_warps=4, **common,
+    )
+    _decode_topn_kernel[(batch * num_kv, n_prog)](
+        part_m, part_l, part_acc, part_p, counts, doc_pos, top_v, top_i, num_keys, n_split, n_prog,
+        L=params.cmp_block_size, DS=params.cmp_stride, INIT=params.sel_init_blocks, LOCAL=params.sel_local_blocks,
+        BJ=_topn_chunk(params), CS=split, SB=merge_splits, TB=blocks_per_prog, num_warps=4, **common, **topn,
     )
     out = torch.empty_like(q)
     _decode_finish_kernel[(batch * num_kv,)](
-        q, part_m, part_l, part_acc, part_p, counts, k_slc, v_slc, k_win, v_win, gates, doc_pos, out,
-        num_keys, num_win, n_split, scale * _LOG2E,
-        L=params.cmp_block_size, DS=params.cmp_stride, LB=params.sel_block_size,
-        N_SEL=n_sel, N_PAD=_next_pow2(n_sel), INIT=params.sel_init_blocks, LOCAL=params.sel_local_blocks,
-        WIN=params.window_size, BJ=_topn_chunk(params), CS=split, BLOCK_N=64, num_warps=4, **common,
+        q, part_m, part_l, part_acc, counts, top_v, top_i, k_slc, v_slc, k_win, v_win, gates, doc_pos, out,
+        num_keys, num_win, n_split, n_prog, scale * _LOG2E, H=num_heads, WIN=params.window_size,
+        SB=merge_splits, LISTS=max(1, 64 // n_pad), BLOCK_N=64, num_warps=4, **common, **topn,
     )
     return out
 
@@ -1321,7 +1392,7 @@ def nsa_decode_triton(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gate
     if not triton_supports(params, head_dim):
         return _reference_fallback(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, scale)
     args = _prepare(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos)
-    if q.shape[1] == 1:  # the generation step: one fused launch
+    if q.shape[1] == 1:  # the generation step: three launches, no host work but allocation
         return _decode_step(*args, params, scale)
     return _forward_impl(*args, params, scale)[0]
 

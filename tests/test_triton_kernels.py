@@ -32,11 +32,14 @@ GRADS = ["dq", "dk_cmp", "dv_cmp", "dk_slc", "dv_slc", "dk_win", "dv_win", "dgat
 
 # id parts of the knobs a case may force (triton_helpers.case_setup)
 _KNOB_IDS = {
-    "bj": lambda c: f"bj{c['bj']}-split{c['split']}",
+    "bj": lambda c: f"bj{c['bj']}",
+    "split": lambda c: f"split{c['split']}",
     "sel_rows": lambda c: f"selrows{c['sel_rows']}",
     "sel_split": lambda c: f"selsplit{c['sel_split'][2]}slots",
     "decode_split": lambda c: f"split{c['decode_split']}",
+    "decode_topn_blocks": lambda c: f"topn{c['decode_topn_blocks']}blocks",
     "arch": lambda c: f"sm{c['arch']}",
+    "param_overrides": lambda c: "-".join(f"{k}{v}" for k, v in c["param_overrides"].items()),
 }
 
 
@@ -76,6 +79,13 @@ CPU_CASES = [
     # starting inside a later split, top-n chunks spanning two splits
     dict(kind="decode", B=2, T=300, H=6, Hkv=2, D=16, steps=[20, 150, 257, 300], Tw=16, layout="varlen",
          decode_split=16),
+    # top-n over block ranges (3 blocks per program, chunks of 2: up to 9 programs, ranges cut inside a
+    # chunk) merged in the finish kernel; n = 6 with one local block leaves 4 blocks to the scores, so the
+    # carry into each range's first block (from the block before it) decides picks
+    dict(kind="decode", B=2, T=400, H=6, Hkv=2, D=16, steps=[1, 16, 33, 48, 49, 111, 250, 400], Tw=16,
+         decode_split=16, decode_topn_blocks=3, bj=2, param_overrides=dict(sel_num_blocks=6, sel_local_blocks=1)),
+    dict(kind="decode", B=2, T=110, H=6, Hkv=2, D=16, steps=[1, 16, 33, 47, 48, 64, 95, 110], Tw=16,
+         layout="varlen", decode_split=16, decode_topn_blocks=3, bj=2),
     dict(kind="decode", B=1, T=70, H=2, Hkv=2, D=32, steps=[1, 2, 16, 17, 33, 70], Tw=40, dtype="float16"),
     # torch.compile(fullgraph=True) of the op, forward and backward through AOTAutograd, against eager
     dict(kind="compile", B=2, T=40, H=4, Hkv=2, D=16, layout="varlen"),
@@ -158,7 +168,7 @@ def test_gpu_kernels_match_reference(case):
 
 
 @GPU
-@pytest.mark.parametrize("T", [100, 4097])
+@pytest.mark.parametrize("T", [100, 4097, 9000])  # 9000: top-n over three block ranges
 def test_gpu_decode_matches_reference(T):
     from triton_helpers import run_decode_case
 

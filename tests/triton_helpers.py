@@ -103,6 +103,7 @@ def case_setup(case: dict):
     tri._SEL_ROWS = case.get("sel_rows")
     tri._SEL_SPLIT = tuple(case["sel_split"]) if case.get("sel_split") else None
     tri._DECODE_SPLIT = case.get("decode_split")
+    tri._DECODE_TOPN_BLOCKS = case.get("decode_topn_blocks")
     # the launch configuration an architecture gets (tiles differ before Hopper); the default otherwise
     tri.__dict__.setdefault("_real_compute_capability", tri._compute_capability)
     arch = case.get("arch")
@@ -110,6 +111,7 @@ def case_setup(case: dict):
     dtype = getattr(torch, case.get("dtype", "float32"))
     device = case.get("device", "cpu")
     params = dict(TINY if case.get("params", "tiny") == "tiny" else DEFAULT)
+    params.update(case.get("param_overrides", {}))
     t, cmp_end, doc_pos, p = make_inputs(case["B"], case["T"], case["H"], case["Hkv"], case["D"], params, dtype,
                                          device, case.get("layout", "single"), case.get("seed", 0))
     return t, cmp_end, doc_pos, p, dtype, device

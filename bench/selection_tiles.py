@@ -1,0 +1,92 @@
+"""Selected-attention query tiles: what each tile width costs on given selections (CPU, a model, not a timing).
+
+    python bench/selection_tiles.py [--lengths 2048 8192 65536] [--queries 1024]
+
+The selected-attention kernels (forward and the fused dQ) give one program a tile of QPB consecutive queries
+x the G heads of a KV group (BLOCK_M rows) and walk the union of the tile's selected blocks: each block is
+loaded once for the whole tile, and each row masks the blocks its query did not choose. A wider tile shares
+more loads but its union grows, and every union block costs BLOCK_M rows of QK^T, softmax and PV. This
+script measures both on real selections (the reference's top-n for the last --queries queries of a
+sequence) for the tile widths the launcher can pick:
+
+- blocks/tile: distinct blocks in a tile's union (n = 16 per query);
+- loads/query: union / QPB, K/V blocks each query's tile reads (a query alone reads n);
+- rows/query-head: union x BLOCK_M / (QPB x G), block-rows of math per query head (n = 16 with no waste).
+
+Two input kinds: "random" is what bench/bench_attention.py times (fresh Gaussian q and keys: consecutive
+queries choose nearly unrelated blocks, the worst case for a union), "correlated" makes consecutive queries
+similar (q = shared + 0.3 noise), closer to a trained model where neighbouring queries attend alike. Which
+resource binds (L2 block loads or math) is what `bench_attention.py --sel-rows 16 32 64` measures on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from triton_helpers import DEFAULT, import_nsa  # noqa: E402
+
+layout_mod, reference, tri = import_nsa()
+PARAMS = layout_mod.NSAParams(**DEFAULT)
+
+
+def selections(T: int, H: int, Hkv: int, D: int, num_queries: int, kind: str, gen: torch.Generator):
+    """Top-n block indices (Hkv, Tq, n) of the last num_queries queries of one sequence of T tokens."""
+    doc_pos = torch.arange(T).view(1, T)
+    cmp_end = layout_mod.compressed_token_ends(doc_pos, PARAMS)
+    num_slots, group = cmp_end.shape[1], H // Hkv
+    if kind == "random":
+        q = torch.randn(1, num_queries, H, D, generator=gen)
+    else:
+        q = torch.randn(1, 1, H, D, generator=gen) + 0.3 * torch.randn(1, num_queries, H, D, generator=gen)
+    k_cmp = torch.randn(1, num_slots, Hkv, D, generator=gen)
+    t = torch.arange(T - num_queries, T)
+    visible = (cmp_end[0][None, :] >= 0) & (cmp_end[0][None, :] <= t[:, None])  # (Tq, Nc)
+    q_grouped = q.view(1, num_queries, Hkv, group, D).permute(0, 2, 3, 1, 4)  # (1, Hkv, G, Tq, D)
+    logits = torch.einsum("bkgtd,bnkd->bkgtn", q_grouped, k_cmp) / math.sqrt(D)
+    p_cmp = logits.masked_fill(~visible, float("-inf")).softmax(-1).reshape(1, H, num_queries, num_slots)
+    num_blocks = -(-T // PARAMS.sel_block_size)
+    scores = reference.selection_block_scores(p_cmp, cmp_end, doc_pos, num_blocks, PARAMS, Hkv)
+    return reference.select_blocks(scores, doc_pos[:, T - num_queries:], PARAMS)[0]
+
+
+def tile_costs(idx: torch.Tensor, group: int, rows: int) -> dict:
+    block_m, qpb = tri._query_tile(group, rows)
+    num_kv, num_q, n_sel = idx.shape
+    n_tiles = num_q // qpb
+    tiles = idx[:, : n_tiles * qpb].reshape(num_kv, n_tiles, qpb * n_sel)
+    union = torch.tensor([[len(set(tile.tolist()) - {-1}) for tile in per_kv] for per_kv in tiles]).float().mean()
+    return dict(block_m=block_m, qpb=qpb, union=union.item(), loads=union.item() / qpb,
+                rows=union.item() * block_m / (qpb * group))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", type=int, nargs="*", default=[2048, 8192, 65536])
+    ap.add_argument("--queries", type=int, default=1024, help="queries sampled at the end of each sequence")
+    ap.add_argument("--layouts", nargs="*", default=["12,2,64", "16,1,64"])
+    args = ap.parse_args()
+    print("| layout | T | inputs | tile rows (QPB) | blocks/tile | loads/query | rows/query-head | launcher |")
+    print("|---|---|---|---|---|---|---|---|")
+    for spec in args.layouts:
+        H, Hkv, D = (int(s) for s in spec.split(","))
+        for T in args.lengths:
+            picked = tri._sel_rows_per_program(H // Hkv, D, T, PARAMS)[0]
+            for kind in ("random", "correlated"):
+                idx = selections(T, H, Hkv, D, min(T, args.queries), kind, torch.Generator().manual_seed(0))
+                for rows in (16, 32, 64):
+                    c = tile_costs(idx, H // Hkv, rows)
+                    mark = "<-" if c["block_m"] == picked else ""
+                    print(f"| {H}q/{Hkv}kv d{D} | {T} | {kind} | {c['block_m']} ({c['qpb']}) | {c['union']:.1f} | "
+                          f"{c['loads']:.1f} | {c['rows']:.1f} | {mark} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
