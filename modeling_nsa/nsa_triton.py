@@ -290,8 +290,8 @@ if _HAS_TRITON:
         each query's heads. A token starting at offset r*d in its block gives w0[r] = min(l' - r*d, l) / d
         to it and w1[r] = max(0, r*d + l - l') / d to the next (l <= l'); carry (QPB,) brings the previous
         chunk's last block's share. Only blocks j_min .. n_blocks-1 enter the lists (a decode program owns a
-        block range, which it passes as j_min and n_blocks, and reads one block before it for the carry). Forced initial/local blocks get +inf.
-        Returns (carry, top_v, top_i)."""
+        block range, which it passes as j_min and n_blocks, and reads one block before it for the carry).
+        Forced initial/local blocks get +inf. Returns (carry, top_v, top_i)."""
         R: tl.constexpr = LB // DS
         slot = tl.arange(0, N_PAD)
         jb = tl.arange(0, BJ)
