@@ -86,6 +86,11 @@ CPU_CASES = [
          decode_split=16, decode_topn_blocks=3, bj=2, param_overrides=dict(sel_num_blocks=6, sel_local_blocks=1)),
     dict(kind="decode", B=2, T=110, H=6, Hkv=2, D=16, steps=[1, 16, 33, 47, 48, 64, 95, 110], Tw=16,
          layout="varlen", decode_split=16, decode_topn_blocks=3, bj=2),
+    # the real parameters (l'=64, n=16, w=512) past 64 blocks: two top-n ranges, the second holding one block
+    # at 4160; then five ranges of 16 blocks
+    dict(kind="decode", B=1, T=4400, H=6, Hkv=2, D=16, steps=[4160, 4400], Tw=512, params="default"),
+    dict(kind="decode", B=1, T=4400, H=6, Hkv=2, D=16, steps=[4400], Tw=512, params="default",
+         decode_topn_blocks=16),
     dict(kind="decode", B=1, T=70, H=2, Hkv=2, D=32, steps=[1, 2, 16, 17, 33, 70], Tw=40, dtype="float16"),
     # torch.compile(fullgraph=True) of the op, forward and backward through AOTAutograd, against eager
     dict(kind="compile", B=2, T=40, H=4, Hkv=2, D=16, layout="varlen"),
