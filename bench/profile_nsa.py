@@ -1,4 +1,5 @@
-"""Per-kernel CUDA time of one NSA fwd+bwd step (torch.profiler): where the time goes. Dev tool."""
+"""Per-kernel CUDA time (torch.profiler) of one NSA fwd+bwd step at 2k and 64k, and of one decode step at
+64k context: where the time goes. Dev tool: `python bench/profile_nsa.py`."""
 import sys
 from pathlib import Path
 
@@ -6,6 +7,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import PARAMS, nsa_inputs, tri  # noqa: E402
+
+
+def profile(title, fn, rows=16):
+    for _ in range(2):  # warm-up: kernel compilation stays outside the trace
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    print(f"== {title}")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=40))
+
 
 for B, T in [(32, 2048), (1, 65536)]:
     x, cmp_end, doc_pos = nsa_inputs(B, T, 12, 2, 64)
@@ -16,8 +29,18 @@ for B, T in [(32, 2048), (1, 65536)]:
                                      x["k_win"], x["v_win"], x["gates"], doc_pos, PARAMS)
         torch.autograd.grad(o, list(x.values()), do)
 
-    step(); step(); torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        step(); torch.cuda.synchronize()
-    print(f"== B={B} T={T}")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=40))
+    profile(f"fwd+bwd B={B} T={T}", step)
+    del x
+
+# decode: one new token over a 64k cache (the three decode kernels)
+T = 65536
+x, cmp_end, doc_pos = nsa_inputs(1, T, 12, 2, 64, grad=False)
+w = PARAMS.window_size
+
+
+def decode():
+    tri.nsa_decode_triton(x["q"][:, -1:], x["k_cmp"], x["v_cmp"], cmp_end, x["k_slc"], x["v_slc"], x["k_win"][:, -w:],
+                          x["v_win"][:, -w:], x["gates"][:, -1:], doc_pos, PARAMS)
+
+
+profile(f"decode B=1 context={T}", decode, rows=8)
