@@ -23,9 +23,9 @@ for step in "${steps[@]}"; do
   case "$step" in
     tests)      $PY -m pytest -q tests/test_triton_kernels.py tests/test_model_triton.py -k gpu -rA 2>&1 | tail -n 40 ;;
     attention)  $PY bench/bench_attention.py --json "$OUT/attention.json" ;;
-    # the selected-attention query tile forced to 16/32/64 rows (the launcher's rule is unmeasured)
+    # the selected-attention tile forced (rows:sub-tile rows; the launcher's 64:16 is chosen from counts)
     tiles)      $PY bench/bench_attention.py --json "$OUT/tiles.json" --lengths 2048 8192 65536 --decode \
-                  --sel-rows 16 32 64 ;;
+                  --sel-tiles 64:16 64:64 32:16 16:16 ;;
     model)      $PY bench/bench_model.py --seq-lens 2048 8192 --steps 5 --warmup 2 ;;
     profile)    $PY bench/profile_nsa.py ;;
     train)      DATA=${DATA:-../shared/data} STEPS=${STEPS:-50} MB=${MB:-8} OUT="$OUT/train" bash bench/train_gpu_check.sh ;;

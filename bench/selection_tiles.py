@@ -3,20 +3,21 @@
     python bench/selection_tiles.py [--lengths 2048 8192 65536] [--queries 1024]
 
 The selected-attention kernels (forward and the fused dQ) give one program a tile of QPB consecutive queries
-x the G heads of a KV group (BLOCK_M rows) and walk the union of the tile's selected blocks: each block is
-loaded once for the whole tile, and each row masks the blocks its query did not choose. A wider tile shares
-more loads but its union grows, and every union block costs BLOCK_M rows of QK^T, softmax and PV. This
-script measures both on real selections (the reference's top-n for the last --queries queries of a
-sequence) for the tile widths the launcher can pick:
+x the G heads of a KV group (BLOCK_M rows) and walk the union of the tile's selected blocks, loading each
+block once for the whole tile. Without sub-tiles every union block costs BLOCK_M rows of QK^T, softmax and
+PV, and the union grows with the tile. With sub-tiles (what the kernels do: 16 rows each) a sub-tile does
+the math only for the blocks one of its own rows' queries chose, so a wider tile shares more loads while
+the math stays that of the sub-tile. This script counts both on real selections (the reference's top-n for
+the last --queries queries of a sequence) for several tile widths:
 
 - blocks/tile: distinct blocks in a tile's union (n = 16 per query);
 - loads/query: union / QPB, K/V blocks each query's tile reads (a query alone reads n);
-- rows/query-head: union x BLOCK_M / (QPB x G), block-rows of math per query head (n = 16 with no waste).
+- rows/query-head: block-rows of math per query head (n = 16 with no waste).
 
 Two input kinds: "random" is what bench/bench_attention.py times (fresh Gaussian q and keys: consecutive
 queries choose nearly unrelated blocks, the worst case for a union), "correlated" makes consecutive queries
 similar (q = shared + 0.3 noise), closer to a trained model where neighbouring queries attend alike. Which
-resource binds (L2 block loads or math) is what `bench_attention.py --sel-rows 16 32 64` measures on a GPU.
+resource binds (L2 block loads or math) is what `bench_attention.py --sel-tiles ...` measures on a GPU.
 """
 
 from __future__ import annotations
@@ -57,14 +58,25 @@ def selections(T: int, H: int, Hkv: int, D: int, num_queries: int, kind: str, ge
     return reference.select_blocks(scores, doc_pos[:, T - num_queries:], PARAMS)[0]
 
 
-def tile_costs(idx: torch.Tensor, group: int, rows: int) -> dict:
+def tile_costs(idx: torch.Tensor, group: int, rows: int, sub_rows: int | None = None) -> dict:
+    """Mean union, loads and math of one tile width; sub_rows: the math done per sub-tile of that many rows,
+    only for the blocks one of its rows' queries chose (the loads stay the tile's)."""
     block_m, qpb = tri._query_tile(group, rows)
+    sub_rows = sub_rows or block_m
     num_kv, num_q, n_sel = idx.shape
     n_tiles = num_q // qpb
-    tiles = idx[:, : n_tiles * qpb].reshape(num_kv, n_tiles, qpb * n_sel)
-    union = torch.tensor([[len(set(tile.tolist()) - {-1}) for tile in per_kv] for per_kv in tiles]).float().mean()
-    return dict(block_m=block_m, qpb=qpb, union=union.item(), loads=union.item() / qpb,
-                rows=union.item() * block_m / (qpb * group))
+    tiles = idx[:, : n_tiles * qpb].reshape(num_kv, n_tiles, qpb, n_sel)
+    union, math_rows = [], []
+    for per_kv in tiles:
+        for tile in per_kv:
+            union.append(len(set(tile.flatten().tolist()) - {-1}))
+            subs = 0
+            for r0 in range(0, qpb * group, sub_rows):  # sub-tile rows r0 .. r0 + sub_rows - 1 (query = row // G)
+                queries = tile[r0 // group: min(qpb, (r0 + sub_rows - 1) // group + 1)]
+                subs += len(set(queries.flatten().tolist()) - {-1}) * sub_rows
+            math_rows.append(subs)
+    u = sum(union) / len(union)
+    return dict(block_m=block_m, qpb=qpb, union=u, loads=u / qpb, rows=sum(math_rows) / len(math_rows) / (qpb * group))
 
 
 def main():
@@ -78,13 +90,15 @@ def main():
     for spec in args.layouts:
         H, Hkv, D = (int(s) for s in spec.split(","))
         for T in args.lengths:
-            picked = tri._sel_rows_per_program(H // Hkv, D, T, PARAMS)[0]
+            picked = tri._sel_rows_per_program(H // Hkv, D)[0]
+            picked_sub = tri._sel_sub_tile(picked)
             for kind in ("random", "correlated"):
                 idx = selections(T, H, Hkv, D, min(T, args.queries), kind, torch.Generator().manual_seed(0))
-                for rows in (16, 32, 64):
-                    c = tile_costs(idx, H // Hkv, rows)
-                    mark = "<-" if c["block_m"] == picked else ""
-                    print(f"| {H}q/{Hkv}kv d{D} | {T} | {kind} | {c['block_m']} ({c['qpb']}) | {c['union']:.1f} | "
+                for rows, sub_rows in ((16, None), (32, None), (64, None), (32, 16), (64, 16)):
+                    c = tile_costs(idx, H // Hkv, rows, sub_rows)
+                    mark = "<-" if (c["block_m"], sub_rows or c["block_m"]) == (picked, picked_sub) else ""
+                    width = f"{c['block_m']} ({c['qpb']})" + (f", math per {sub_rows}-row sub-tile" if sub_rows else "")
+                    print(f"| {H}q/{Hkv}kv d{D} | {T} | {kind} | {width} | {c['union']:.1f} | "
                           f"{c['loads']:.1f} | {c['rows']:.1f} | {mark} |", flush=True)
 
 

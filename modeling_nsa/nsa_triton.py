@@ -15,7 +15,9 @@ Layout of the work (no (T x Nc) or (T x T) tensor is ever built):
   weights (summed over the G heads), forces the initial/local blocks, and keeps a running sorted
   top-n list per query (ties to the lower block index) while streaming over the blocks.
 - Selected attention forward: query tiles walk the union of their queries' blocks (listed, sorted
-  and deduplicated by the launcher); each row attends only the blocks its query chose.
+  and deduplicated by the launcher), loading each block once for the tile; the tile's rows run in
+  16-row sub-tiles that do the math only for the blocks their own queries chose, and each row attends
+  only the blocks its query chose.
   dK/dV: the (query, block) pairs are sorted by block (an inverted index, static shapes); one program
   per selection block loops over the queries that chose it: one writer, heavy blocks split into
   fp32 partials summed in a fixed order.
@@ -134,6 +136,11 @@ if _HAS_TRITON:
         ds = p * (dp - delta[:, None])
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
         return dk, dv
+
+    @triton.jit
+    def _softmax_init(ROWS: tl.constexpr, D: tl.constexpr):
+        """Online-softmax state of ROWS rows: running max, running sum, unnormalized output."""
+        return tl.full([ROWS], float("-inf"), tl.float32), tl.zeros([ROWS], tl.float32), tl.zeros([ROWS, D], tl.float32)
 
     @triton.jit
     def _softmax_tile(s, v, m_i, l_i, acc):
@@ -409,12 +416,18 @@ if _HAS_TRITON:
     # start lies inside its document, so equal a means same document). The launcher lists each tile's
     # distinct blocks (_tile_block_union: sorted, deduplicated, static shapes); each row attends block a
     # iff its own query selected it (keys s <= t).
+    # Sub-tiles: the tile's rows are split in SUBS sub-tiles of SUB_M rows (1, 2 or 4, each with its own
+    # softmax state); a union block is loaded once for the tile, and a sub-tile does its math only if one
+    # of its rows' queries chose the block. The tile shares the block loads of many queries while the
+    # math stays near what each query chose (bench/selection_tiles.py counts both).
 
     @triton.jit
-    def _sel_tile_rows(IDX, DOCPOS, pid_q, pid_bg, b, Tq, Tk, q_off,
+    def _sel_tile_rows(IDX, DOCPOS, pid_q, pid_bg, b, Tq, Tk, q_off, r0,
                        G: tl.constexpr, LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr,
-                       QPB: tl.constexpr, BLOCK_M: tl.constexpr):
-        r = tl.arange(0, BLOCK_M)
+                       QPB: tl.constexpr, ROWS: tl.constexpr):
+        """Rows r0 .. r0+ROWS-1 of a query tile: (r, qi, row_ok, t_abs, a_rows (ROWS, N_PAD) first keys of the
+        blocks each row's query chose, -1 unused)."""
+        r = r0 + tl.arange(0, ROWS)
         qi = pid_q * QPB + r // G
         row_ok = (r < QPB * G) & (qi < Tq)
         qi = tl.where(row_ok, qi, 0)
@@ -424,8 +437,52 @@ if _HAS_TRITON:
         slot = tl.arange(0, N_PAD)
         j_rows = tl.load(IDX + (pid_bg.to(tl.int64) * Tq + qi)[:, None] * N_SEL + slot[None, :],
                          mask=row_ok[:, None] & (slot < N_SEL)[None, :], other=-1)
-        a_rows = tl.where(j_rows >= 0, start[:, None] + j_rows.to(tl.int64) * LB, -1)  # (BLOCK_M, N_PAD)
+        a_rows = tl.where(j_rows >= 0, start[:, None] + j_rows.to(tl.int64) * LB, -1)  # (ROWS, N_PAD)
         return r, qi, row_ok, t_abs, a_rows
+
+    @triton.jit
+    def _sel_sub_rows(Q, IDX, DOCPOS, pid_q, pid_bg, Tq, Tk, q_off, r0,
+                      H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
+                      N_SEL: tl.constexpr, N_PAD: tl.constexpr, QPB: tl.constexpr, SUB_M: tl.constexpr):
+        """A sub-tile's q, row indices (into (B*T*H) rows), row mask, query positions and chosen blocks."""
+        b = (pid_bg // HKV).to(tl.int64)
+        g = pid_bg % HKV
+        r, qi, row_ok, t_abs, a_rows = _sel_tile_rows(IDX, DOCPOS, pid_q, pid_bg, b, Tq, Tk, q_off, r0,
+                                                      G, LB, N_SEL, N_PAD, QPB, SUB_M)
+        row = (b * Tq + qi) * H + g * G + r % G
+        d = tl.arange(0, D)
+        q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        return q, row, row_ok, t_abs, a_rows
+
+    @triton.jit
+    def _sel_block(K, V, UBLK, tile, u, kv_base, Tk,
+                   HKV: tl.constexpr, D: tl.constexpr, LB: tl.constexpr, N_SEL: tl.constexpr, QPB: tl.constexpr):
+        """The tile's u-th distinct block: its first key a, key indices kk (LB,) and K, V (LB, D)."""
+        a = tl.load(UBLK + tile * (QPB * N_SEL) + u).to(tl.int64)
+        kk = a + tl.arange(0, LB)
+        k_ld = kk < Tk
+        kv_off = kv_base + kk[:, None] * (HKV * D) + tl.arange(0, D)[None, :]
+        k = tl.load(K + kv_off, mask=k_ld[:, None], other=0.0)
+        v = tl.load(V + kv_off, mask=k_ld[:, None], other=0.0)
+        return a, kk, k, v
+
+    @triton.jit
+    def _sel_fwd_sub(a, kk, k, v, q, t_abs, a_rows, sm_scale2, m_i, l_i, acc):
+        """Block a for one sub-tile: skipped unless one of its rows' queries chose it."""
+        sel = tl.sum((a_rows == a).to(tl.int32), 1) > 0  # rows whose query selected it
+        if tl.max(sel.to(tl.int32), 0) > 0:
+            vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
+            s = tl.where(vis, tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
+            m_i, l_i, acc = _softmax_tile(s, v, m_i, l_i, acc)
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _sel_fwd_store(O, LSE, row, row_ok, m_i, l_i, acc, D: tl.constexpr):
+        has = l_i > 0
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        d = tl.arange(0, D)
+        tl.store(O + row[:, None] * D + d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(LSE + row, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("inf")), mask=row_ok)
 
     @triton.jit
     def _sel_fwd_kernel(
@@ -433,38 +490,41 @@ if _HAS_TRITON:
         Tq, Tk, q_off, n_tiles, sm_scale2,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr,
+        SUB_M: tl.constexpr,
     ):
+        SUBS: tl.constexpr = BLOCK_M // SUB_M
         pid_q = tl.program_id(0)
         pid_bg = tl.program_id(1)
-        b = (pid_bg // HKV).to(tl.int64)
-        g = pid_bg % HKV
-        r, qi, row_ok, t_abs, a_rows = _sel_tile_rows(IDX, DOCPOS, pid_q, pid_bg, b, Tq, Tk, q_off,
-                                                      G, LB, N_SEL, N_PAD, QPB, BLOCK_M)
         tile = pid_bg.to(tl.int64) * n_tiles + pid_q
-        d = tl.arange(0, D)
-        row = (b * Tq + qi) * H + g * G + r % G
-        q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-        kv_base = b * Tk * HKV * D + g * D
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
-        kb = tl.arange(0, LB)
+        kv_base = (pid_bg // HKV).to(tl.int64) * Tk * HKV * D + (pid_bg % HKV) * D
+        q0, row0, ok0, t0, a0 = _sel_sub_rows(Q, IDX, DOCPOS, pid_q, pid_bg, Tq, Tk, q_off, 0,
+                                              H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+        m0, l0, acc0 = _softmax_init(SUB_M, D)
+        if SUBS >= 2:
+            q1, row1, ok1, t1, a1 = _sel_sub_rows(Q, IDX, DOCPOS, pid_q, pid_bg, Tq, Tk, q_off, SUB_M,
+                                                  H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+            m1, l1, acc1 = _softmax_init(SUB_M, D)
+        if SUBS >= 4:
+            q2, row2, ok2, t2, a2 = _sel_sub_rows(Q, IDX, DOCPOS, pid_q, pid_bg, Tq, Tk, q_off, 2 * SUB_M,
+                                                  H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+            m2, l2, acc2 = _softmax_init(SUB_M, D)
+            q3, row3, ok3, t3, a3 = _sel_sub_rows(Q, IDX, DOCPOS, pid_q, pid_bg, Tq, Tk, q_off, 3 * SUB_M,
+                                                  H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+            m3, l3, acc3 = _softmax_init(SUB_M, D)
         for u in range(tl.load(UCNT + tile)):
-            a = tl.load(UBLK + tile * (QPB * N_SEL) + u).to(tl.int64)  # the tile's u-th distinct block
-            sel = tl.sum((a_rows == a).to(tl.int32), 1) > 0  # rows whose query selected it
-            kk = a + kb
-            k_ld = kk < Tk
-            kv_off = kv_base + kk[:, None] * (HKV * D) + d[None, :]
-            k = tl.load(K + kv_off, mask=k_ld[:, None], other=0.0)
-            vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
-            s = tl.where(vis, tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
-            v = tl.load(V + kv_off, mask=k_ld[:, None], other=0.0)
-            m_i, l_i, acc = _softmax_tile(s, v, m_i, l_i, acc)
-        has = l_i > 0
-        out = acc / tl.where(has, l_i, 1.0)[:, None]
-        tl.store(O + row[:, None] * D + d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("inf"))
-        tl.store(LSE + row, lse, mask=row_ok)
+            a, kk, k, v = _sel_block(K, V, UBLK, tile, u, kv_base, Tk, HKV, D, LB, N_SEL, QPB)
+            m0, l0, acc0 = _sel_fwd_sub(a, kk, k, v, q0, t0, a0, sm_scale2, m0, l0, acc0)
+            if SUBS >= 2:
+                m1, l1, acc1 = _sel_fwd_sub(a, kk, k, v, q1, t1, a1, sm_scale2, m1, l1, acc1)
+            if SUBS >= 4:
+                m2, l2, acc2 = _sel_fwd_sub(a, kk, k, v, q2, t2, a2, sm_scale2, m2, l2, acc2)
+                m3, l3, acc3 = _sel_fwd_sub(a, kk, k, v, q3, t3, a3, sm_scale2, m3, l3, acc3)
+        _sel_fwd_store(O, LSE, row0, ok0, m0, l0, acc0, D)
+        if SUBS >= 2:
+            _sel_fwd_store(O, LSE, row1, ok1, m1, l1, acc1, D)
+        if SUBS >= 4:
+            _sel_fwd_store(O, LSE, row2, ok2, m2, l2, acc2, D)
+            _sel_fwd_store(O, LSE, row3, ok3, m3, l3, acc3, D)
 
     @triton.jit
     def _sel_block_dkdv(Q, K, V, PAIR_Q, DOCPOS, DO, GATE, LSE, DELTA, a, pid_bg, p_begin, p_end,
@@ -632,6 +692,33 @@ if _HAS_TRITON:
         return do, delta
 
     @triton.jit
+    def _sel_dq_sub_rows(Q, IDX, DOCPOS, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q, pid_bg, Tq, Tk, q_off, R, r0,
+                         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
+                         N_SEL: tl.constexpr, N_PAD: tl.constexpr, QPB: tl.constexpr, SUB_M: tl.constexpr):
+        """A sub-tile's rows for the selected branch's dQ: q, round(g dout), log-sum-exp, delta (delta and the
+        gate gradient also stored), query positions and chosen blocks."""
+        q, row, row_ok, t_abs, a_rows = _sel_sub_rows(Q, IDX, DOCPOS, pid_q, pid_bg, Tq, Tk, q_off, r0,
+                                                      H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+        do, delta = _branch_prep(DOUT, OS, GATE, DG, DELTA, row, row_ok, tl.arange(0, D), R, D, 1)
+        return q, do, _load_lse(LSE_S, row, row_ok), delta, t_abs, a_rows
+
+    @triton.jit
+    def _sel_dq_sub(a, kk, k, v, q, do, lse, delta, t_abs, a_rows, sm_scale2, dq):
+        """Block a's share of one sub-tile's dQ: skipped unless one of its rows' queries chose it."""
+        sel = tl.sum((a_rows == a).to(tl.int32), 1) > 0
+        if tl.max(sel.to(tl.int32), 0) > 0:
+            vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
+            dq = _dq_update(q, do, lse, delta, k, v, vis, sm_scale2, dq)
+        return dq
+
+    @triton.jit
+    def _rows_cat(x, y):
+        """(M, D), (M, D) -> (2M, D): the rows of x, then those of y."""
+        M: tl.constexpr = x.shape[0]
+        D: tl.constexpr = x.shape[1]
+        return tl.reshape(tl.permute(tl.join(x, y), (2, 0, 1)), (2 * M, D))
+
+    @triton.jit
     def _bwd_dq_kernel(
         Q, DOUT, GATE, DG, DELTA, DQ,
         KC, VC, C_LO, C_HI, LSE_C, OC,
@@ -640,17 +727,21 @@ if _HAS_TRITON:
         Tq, Tk, Nc, Tw, q_off, n_tiles, R, sm_scale2, scale,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
+        SUB_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
-        """dQ of all three branches for one query tile, accumulated in registers in a fixed branch order and
-        written once in q's dtype; also the gate gradients and the per-branch deltas. The branch output
-        gradient g_i * dout is formed here (never materialized)."""
+        """dQ of all three branches for one query tile, accumulated in registers in a fixed branch order
+        (compressed, window, selected) and written once in q's dtype; also the gate gradients and the
+        per-branch deltas. The branch output gradient g_i * dout is formed here (never materialized). The
+        selected branch runs in sub-tiles as in _sel_fwd_kernel, joined back into the tile's rows."""
+        SUBS: tl.constexpr = BLOCK_M // SUB_M
         pid_q = tl.program_id(0)
         pid_bg = tl.program_id(1)
         b = (pid_bg // HKV).to(tl.int64)
         g = pid_bg % HKV
-        r, qi, row_ok, t_abs, a_rows = _sel_tile_rows(IDX, DOCPOS, pid_q, pid_bg, b, Tq, Tk, q_off,
-                                                      G, LB, N_SEL, N_PAD, QPB, BLOCK_M)
+        r = tl.arange(0, BLOCK_M)
+        qi = pid_q * QPB + r // G
+        row_ok = (r < QPB * G) & (qi < Tq)
+        qi = tl.where(row_ok, qi, 0)
         d = tl.arange(0, D)
         row = (b * Tq + qi) * H + g * G + r % G
         q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
@@ -661,22 +752,6 @@ if _HAS_TRITON:
         hi = tl.load(C_HI + b * Tq + qi, mask=row_ok, other=0)
         dq = _interval_dq(q, do, lse, delta, KC, VC, b * Nc * HKV * D + g * D, lo, hi, row_ok, Nc, sm_scale2,
                           HKV, D, BLOCK_N)
-        # selected branch: the tile's distinct blocks (see _tile_block_union)
-        do, delta = _branch_prep(DOUT, OS, GATE, DG, DELTA, row, row_ok, d, R, D, 1)
-        lse = _load_lse(LSE_S, row, row_ok)
-        tile = pid_bg.to(tl.int64) * n_tiles + pid_q
-        kv_base = b * Tk * HKV * D + g * D
-        kb = tl.arange(0, LB)
-        for u in range(tl.load(UCNT + tile)):
-            a = tl.load(UBLK + tile * (QPB * N_SEL) + u).to(tl.int64)
-            sel = tl.sum((a_rows == a).to(tl.int32), 1) > 0
-            kk = a + kb
-            k_ld = kk < Tk
-            kv_off = kv_base + kk[:, None] * (HKV * D) + d[None, :]
-            k = tl.load(KS + kv_off, mask=k_ld[:, None], other=0.0)
-            v = tl.load(VS + kv_off, mask=k_ld[:, None], other=0.0)
-            vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
-            dq = _dq_update(q, do, lse, delta, k, v, vis, sm_scale2, dq)
         # window branch
         do, delta = _branch_prep(DOUT, OW, GATE, DG, DELTA, row, row_ok, d, R, D, 2)
         lse = _load_lse(LSE_W, row, row_ok)
@@ -684,6 +759,40 @@ if _HAS_TRITON:
         hi = tl.load(W_HI + b * Tq + qi, mask=row_ok, other=0)
         dq += _interval_dq(q, do, lse, delta, KW, VW, b * Tw * HKV * D + g * D, lo, hi, row_ok, Tw, sm_scale2,
                            HKV, D, BLOCK_N)
+        # selected branch: the tile's distinct blocks (see _tile_block_union), math per sub-tile
+        q0, do0, lse0, dl0, t0, a0 = _sel_dq_sub_rows(Q, IDX, DOCPOS, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q, pid_bg,
+                                                      Tq, Tk, q_off, R, 0, H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+        dq0 = tl.zeros([SUB_M, D], tl.float32)
+        if SUBS >= 2:
+            q1, do1, lse1, dl1, t1, a1 = _sel_dq_sub_rows(Q, IDX, DOCPOS, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q,
+                                                          pid_bg, Tq, Tk, q_off, R, SUB_M,
+                                                          H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+            dq1 = tl.zeros([SUB_M, D], tl.float32)
+        if SUBS >= 4:
+            q2, do2, lse2, dl2, t2, a2 = _sel_dq_sub_rows(Q, IDX, DOCPOS, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q,
+                                                          pid_bg, Tq, Tk, q_off, R, 2 * SUB_M,
+                                                          H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+            dq2 = tl.zeros([SUB_M, D], tl.float32)
+            q3, do3, lse3, dl3, t3, a3 = _sel_dq_sub_rows(Q, IDX, DOCPOS, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q,
+                                                          pid_bg, Tq, Tk, q_off, R, 3 * SUB_M,
+                                                          H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+            dq3 = tl.zeros([SUB_M, D], tl.float32)
+        tile = pid_bg.to(tl.int64) * n_tiles + pid_q
+        kv_base = b * Tk * HKV * D + g * D
+        for u in range(tl.load(UCNT + tile)):
+            a, kk, k, v = _sel_block(KS, VS, UBLK, tile, u, kv_base, Tk, HKV, D, LB, N_SEL, QPB)
+            dq0 = _sel_dq_sub(a, kk, k, v, q0, do0, lse0, dl0, t0, a0, sm_scale2, dq0)
+            if SUBS >= 2:
+                dq1 = _sel_dq_sub(a, kk, k, v, q1, do1, lse1, dl1, t1, a1, sm_scale2, dq1)
+            if SUBS >= 4:
+                dq2 = _sel_dq_sub(a, kk, k, v, q2, do2, lse2, dl2, t2, a2, sm_scale2, dq2)
+                dq3 = _sel_dq_sub(a, kk, k, v, q3, do3, lse3, dl3, t3, a3, sm_scale2, dq3)
+        if SUBS == 1:
+            dq += dq0
+        if SUBS == 2:
+            dq += _rows_cat(dq0, dq1)
+        if SUBS == 4:
+            dq += _rows_cat(_rows_cat(dq0, dq1), _rows_cat(dq2, dq3))
         tl.store(DQ + row[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
     # ------------------------------------------------------------------------------------------
@@ -899,6 +1008,7 @@ _LOG2E = 1.4426950408889634
 _DKDV_SPLIT = None  # tests force the split query range of the compressed/window dK/dV kernel
 _TOPN_BLOCKS_PER_CHUNK = None  # tests set a small value to exercise the multi-chunk top-n merge
 _SEL_ROWS = None  # tests force the selected-attention query tile (rows = queries x G)
+_SEL_SUB_ROWS = None  # tests force the rows per sub-tile of that tile (= the tile's rows: no sub-tiles)
 _DECODE_SPLIT = None  # tests force the compressed slots per decode split program
 _DECODE_TOPN_BLOCKS = None  # tests force the selection blocks per decode top-n program
 _SEL_SPLIT = None  # tests force (heavy_min pairs, splits, partial slots) of the selected dK/dV load-skew split
@@ -936,26 +1046,30 @@ def _dkdv_launch(group: int, head_dim: int, device) -> tuple[int, int, dict]:
     return *_query_tile(group, 32), dict(num_warps=8, num_stages=2 if head_dim <= 64 else 1)
 
 
-def _dq_launch(group: int, head_dim: int, num_keys: int, params: NSAParams, device) -> tuple[int, int, dict]:
+def _dq_launch(group: int, head_dim: int, device) -> tuple[int, int, dict]:
     """(BLOCK_M, queries per program, launch options) for the fused dQ kernel (query tiles as the selected
     attention's). From tests/triton_aot.py: on sm_90 8 warps keep the 64-row tile in registers; before
     Hopper 64 rows spill whatever the warps, so the tile is 32 rows there."""
     if _compute_capability(device) >= 90:
-        block_m, qpb = _sel_rows_per_program(group, head_dim, num_keys, params)
+        block_m, qpb = _sel_rows_per_program(group, head_dim)
         return block_m, qpb, dict(num_warps=8)
     return *_query_tile(group, 32), dict(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
 
 
-def _sel_rows_per_program(group: int, head_dim: int, num_keys: int, params: NSAParams) -> tuple[int, int]:
-    """(BLOCK_M, queries per program) for the selected-attention query tiles. A tile walks the union of its
-    queries' blocks: with few eligible blocks (short documents) the union stays near n, so wide tiles
-    (>= 64 rows) pay; with many eligible blocks and unrelated queries it grows with the tile, so the
-    tile is narrower there."""
+def _sel_sub_tile(block_m: int) -> int:
+    """Rows per sub-tile of a selected-attention query tile (a sub-tile skips the union blocks none of its
+    queries chose): 16, the smallest tl.dot, and at most 4 sub-tiles per tile."""
+    return min(block_m, max(_SEL_SUB_ROWS or 16, block_m // 4))
+
+
+def _sel_rows_per_program(group: int, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_M, queries per program) for the selected-attention query tiles: as wide as registers allow.
+    A tile loads each block of its queries' union once; its sub-tiles (_sel_sub_tile) do the math only for
+    the blocks their own queries chose, so the math does not grow with the tile but the loads shared per
+    query do (bench/selection_tiles.py)."""
     if _SEL_ROWS:
         return _query_tile(group, _SEL_ROWS)
-    num_blocks = -(-num_keys // params.sel_block_size)
-    wide = num_blocks <= 8 * params.sel_num_blocks
-    return _query_tile(group, (64 if wide else 32) if head_dim <= 128 else 32)
+    return _query_tile(group, 64 if head_dim <= 128 else 32)
 
 
 def _layout(cmp_end, doc_pos, num_queries, num_win, params: NSAParams):
@@ -1141,13 +1255,14 @@ def _sel_fwd(q, k, v, idx, doc_pos, params: NSAParams, scale):
     o = torch.empty_like(q)
     lse = torch.empty(batch, num_q, num_heads, device=q.device, dtype=torch.float32)
     n_sel = idx.shape[-1]
-    block_m, qpb = _sel_rows_per_program(group, head_dim, num_keys, params)
+    block_m, qpb = _sel_rows_per_program(group, head_dim)
     blocks, counts = _tile_block_union(idx, doc_pos, qpb, params.sel_block_size)
     _sel_fwd_kernel[(triton.cdiv(num_q, qpb), batch * num_kv)](
         q, k, v, idx, blocks, counts, doc_pos, o, lse, num_q, num_keys, num_keys - num_q, counts.shape[-1],
         scale * _LOG2E,
         H=num_heads, HKV=num_kv, G=group, D=head_dim,
         LB=params.sel_block_size, N_SEL=n_sel, N_PAD=_next_pow2(n_sel), QPB=qpb, BLOCK_M=block_m,
+        SUB_M=_sel_sub_tile(block_m),
         # head_dim 128: two pipeline stages, or the 32-row tile spills on sm_90 (tests/triton_aot.py)
         **(dict(num_warps=4) if head_dim <= 64 else dict(num_warps=8, num_stages=2)),
     )
@@ -1280,7 +1395,7 @@ def _nsa_bwd_op(
     # dQ of the three branches, dgates and the per-branch deltas in one kernel (query tiles as the
     # selected attention's); the dK/dV kernels then read the deltas. The block union (sort temporaries)
     # comes before dQ is allocated, which lowers the backward's peak memory.
-    block_m, qpb, dq_opts = _dq_launch(group, head_dim, num_keys, p, q.device)
+    block_m, qpb, dq_opts = _dq_launch(group, head_dim, q.device)
     n_sel = idx.shape[-1]
     blocks, counts = _tile_block_union(idx, doc_pos, qpb, p.sel_block_size)
     dq = torch.empty_like(q)
@@ -1294,7 +1409,7 @@ def _nsa_bwd_op(
         num_q, num_keys, k_cmp.shape[1], num_win, num_keys - num_q, counts.shape[-1], batch * num_q * num_heads,
         scale * _LOG2E, scale,
         H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=p.sel_block_size, N_SEL=n_sel, N_PAD=_next_pow2(n_sel),
-        QPB=qpb, BLOCK_M=block_m, BLOCK_N=64, **dq_opts,
+        QPB=qpb, BLOCK_M=block_m, SUB_M=_sel_sub_tile(block_m), BLOCK_N=64, **dq_opts,
     )
     del blocks, counts
     dk_cmp, dv_cmp = _interval_bwd_dkdv(q, k_cmp, v_cmp, c_lo, c_hi, dout, gates, 0, lse_cmp, delta[0], scale)

@@ -35,6 +35,7 @@ _KNOB_IDS = {
     "bj": lambda c: f"bj{c['bj']}",
     "split": lambda c: f"split{c['split']}",
     "sel_rows": lambda c: f"selrows{c['sel_rows']}",
+    "sel_sub_rows": lambda c: f"subrows{c['sel_sub_rows']}",
     "sel_split": lambda c: f"selsplit{c['sel_split'][2]}slots",
     "decode_split": lambda c: f"split{c['decode_split']}",
     "decode_topn_blocks": lambda c: f"topn{c['decode_topn_blocks']}blocks",
@@ -64,6 +65,11 @@ CPU_CASES = [
     # boundaries and padding, T not a multiple of the tile
     dict(B=1, T=77, H=6, Hkv=1, D=16, layout="varlen", sel_rows=16),
     dict(B=2, T=45, H=4, Hkv=2, D=16, layout="pad", dtype="float16", sel_rows=16),
+    # selected-attention sub-tiles (forward and dQ): the default 64-row tiles run 4 sub-tiles of 16 rows, each
+    # skipping the union blocks none of its queries chose; here 2 sub-tiles of a 32-row tile, and the 64-row
+    # tile without sub-tiles
+    dict(B=2, T=90, H=6, Hkv=2, D=16, layout="varlen", sel_rows=32),
+    dict(B=1, T=77, H=8, Hkv=2, D=16, layout="pad", sel_sub_rows=64),
     # selected dK/dV: blocks with more than 5 (query, block) pairs split over 3 programs + fixed-order reduce;
     # then with one partial slot, so the other heavy blocks stay in the main pass
     dict(B=2, T=70, H=6, Hkv=2, D=16, layout="varlen", sel_split=[5, 3, 64]),

@@ -87,9 +87,9 @@ def _scenario(B, T, H, Hkv, D, dtype, layout="varlen", decode_steps=()):
     return run
 
 
-# The shapes the kernels meet: the 125M layout (G=6) short and long (the selected-attention tile
-# narrows above 8n eligible blocks), fla's layout (G=16), G=1, head_dim 128 in fp16, and decode (at 8300: the
-# top-n over several block ranges).
+# The shapes the kernels meet: the 125M layout (G=6) short and long (several top-n chunks, the compressed
+# dK/dV without query splits, decode over several top-n block ranges), fla's layout (G=16), G=1, head_dim
+# 128 in fp16 and bf16, and decode.
 SCENARIOS = {
     "125M-G6-d64-bf16": _scenario(2, 300, 12, 2, 64, torch.bfloat16, decode_steps=(1, 300)),
     "125M-G6-d64-bf16-long": _scenario(1, 8300, 12, 2, 64, torch.bfloat16, layout="single", decode_steps=(8300,)),

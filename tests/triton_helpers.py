@@ -101,6 +101,7 @@ def case_setup(case: dict):
     tri._TOPN_BLOCKS_PER_CHUNK = case.get("bj")
     tri._DKDV_SPLIT = case.get("split")
     tri._SEL_ROWS = case.get("sel_rows")
+    tri._SEL_SUB_ROWS = case.get("sel_sub_rows")
     tri._SEL_SPLIT = tuple(case["sel_split"]) if case.get("sel_split") else None
     tri._DECODE_SPLIT = case.get("decode_split")
     tri._DECODE_TOPN_BLOCKS = case.get("decode_topn_blocks")
