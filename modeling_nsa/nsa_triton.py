@@ -182,9 +182,7 @@ if _HAS_TRITON:
         row = (b * Tq + qi) * H + g * G + hh
         q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
         kv_base = b * Nk * HKV * D + g * D
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        m_i, l_i, acc = _softmax_init(BLOCK_M, D)
         for k0 in range(k_begin, k_end, BLOCK_N):
             kk = k0 + tl.arange(0, BLOCK_N)
             k_ok = kk < k_end
@@ -192,15 +190,8 @@ if _HAS_TRITON:
             k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)) * sm_scale2
             vis = (kk[None, :] >= lo[:, None]) & (kk[None, :] < hi[:, None])
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _softmax_tile(tl.where(vis, s, float("-inf")), v, m_i, l_i, acc)
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         out_ptr = row[:, None] * D + d[None, :]
@@ -846,9 +837,7 @@ if _HAS_TRITON:
         """Merge the S compressed-key splits of one (row, KV group), SB splits per vector load: per head the
         running max m and sum l (and, WITH_ACC, the unnormalized output), and the two slot counts (slots of
         earlier documents = the document's first slot, visible slots)."""
-        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([G_PAD], tl.float32)
-        acc = tl.zeros([G_PAD, D], tl.float32)
+        m_i, l_i, acc = _softmax_init(G_PAD, D)
         c_lo = tl.full([], 0, tl.int32)
         n_vis = tl.full([], 0, tl.int32)
         sb = tl.arange(0, SB)
@@ -967,9 +956,7 @@ if _HAS_TRITON:
         slot_n = tl.arange(0, N_PAD)
         kb = tl.arange(0, LB)
         slc_base = b * Tk * HKV * D + g * D
-        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([G_PAD], tl.float32)
-        acc = tl.zeros([G_PAD, D], tl.float32)
+        m_i, l_i, acc = _softmax_init(G_PAD, D)
         for i in range(N_SEL):
             j = tl.sum(tl.where(slot_n == i, top_i, 0), 0)
             kk = tl.where(j >= 0, start + j.to(tl.int64) * LB, t + 1) + kb  # unused slot: nothing visible
@@ -984,9 +971,7 @@ if _HAS_TRITON:
         w_lo = tl.maximum(tl.maximum(start, t - WIN + 1) - (Tk - Tw), 0).to(tl.int32)
         win_base = b * Tw * HKV * D + g * D
         kn = tl.arange(0, BLOCK_N)
-        m_i = tl.full([G_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([G_PAD], tl.float32)
-        acc = tl.zeros([G_PAD, D], tl.float32)
+        m_i, l_i, acc = _softmax_init(G_PAD, D)
         for i0 in range(w_lo, tl.where(valid, Tw, 0), BLOCK_N):
             ii = i0 + kn
             vis = ii < Tw
