@@ -4,7 +4,8 @@ Layout of the work (no (T x Nc) or (T x T) tensor is ever built):
 
 - Compressed and sliding-window branches are both "interval attention": query t sees a contiguous
   run of keys [lo(t), hi(t)) (compressed slots of its document with end <= t; the last w keys of its
-  document). One flash-attention kernel family serves both. A program packs BLOCK_M rows =
+  document). One flash-attention kernel family serves both; the key tiles inside every row's interval
+  run without masks. A program packs BLOCK_M rows =
   (several consecutive queries) x (the G heads of one KV group), so any G (6, 1, 16, ...) fills the
   tensor cores and each K/V tile is read once for G heads. dK/dV: one program per key tile loops over
   the queries that can see it (a query range found by searchsorted on the monotone lo/hi), so every
@@ -158,6 +159,52 @@ if _HAS_TRITON:
     # ------------------------------------------------------------------------------------------
 
     @triton.jit
+    def _interval_tiles(lo, hi, row_ok, Nk, BLOCK_N: tl.constexpr):
+        """Key range of a query tile's interval branch: (k_begin, k_end) covers every row's [lo, hi), and the
+        BLOCK_N tiles from k_begin that lie in [full_lo, full_hi) are inside every valid row's interval, so
+        they need no mask (the window's and the compressed branch's middle tiles). A valid row with an empty
+        interval (hi <= lo) empties that middle."""
+        hi = tl.where(row_ok, hi, lo)
+        k_begin = tl.min(tl.where(hi > lo, lo, Nk), axis=0)
+        k_end = tl.max(hi, axis=0)
+        lo_max = tl.max(tl.where(row_ok, lo, 0), axis=0)
+        hi_min = tl.min(tl.where(row_ok, hi, Nk), axis=0)
+        n_tiles = tl.cdiv(tl.maximum(k_end - k_begin, 0), BLOCK_N)
+        first = tl.minimum(tl.cdiv(tl.maximum(lo_max - k_begin, 0), BLOCK_N), n_tiles)
+        last = tl.maximum(tl.minimum(tl.maximum(hi_min - k_begin, 0) // BLOCK_N, n_tiles), first)
+        return k_begin, k_end, k_begin + first * BLOCK_N, k_begin + last * BLOCK_N
+
+    @triton.jit
+    def _interval_kv(K, V, kv_base, k0, k_end, lo, hi,
+                     HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+        """Key tile [k0, k0 + BLOCK_N): K, V (BLOCK_N, D) and which rows see which keys (MASKED; otherwise every
+        key is in range and seen by every row, and vis is a constant)."""
+        kk = k0 + tl.arange(0, BLOCK_N)
+        kv_off = kv_base + kk.to(tl.int64)[:, None] * (HKV * D) + tl.arange(0, D)[None, :]
+        if MASKED:
+            k_ok = kk < k_end
+            k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
+            v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
+            vis = (kk[None, :] >= lo[:, None]) & (kk[None, :] < hi[:, None])
+        else:
+            k = tl.load(K + kv_off)
+            v = tl.load(V + kv_off)
+            vis = True
+        return k, v, vis
+
+    @triton.jit
+    def _interval_fwd_range(q, K, V, kv_base, lo, hi, k_from, k_to, k_end, sm_scale2, m_i, l_i, acc,
+                            HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+        """Online softmax over the key tiles from k_from to k_to (masked or not, see _interval_tiles)."""
+        for k0 in range(k_from, k_to, BLOCK_N):
+            k, v, vis = _interval_kv(K, V, kv_base, k0, k_end, lo, hi, HKV, D, BLOCK_N, MASKED)
+            s = tl.dot(q, tl.trans(k)) * sm_scale2
+            if MASKED:
+                s = tl.where(vis, s, float("-inf"))
+            m_i, l_i, acc = _softmax_tile(s, v, m_i, l_i, acc)
+        return m_i, l_i, acc
+
+    @triton.jit
     def _interval_fwd_kernel(
         Q, K, V, LO, HI, O, LSE, OC, OS, GATE, OUT,
         Tq, Nk, sm_scale2,
@@ -176,22 +223,19 @@ if _HAS_TRITON:
         lo = tl.load(LO + b * Tq + qi, mask=row_ok, other=0)
         hi = tl.load(HI + b * Tq + qi, mask=row_ok, other=0)
         hi = tl.where(row_ok, hi, lo)
-        k_begin = tl.min(tl.where(hi > lo, lo, Nk), axis=0)
-        k_end = tl.max(hi, axis=0)
+        k_begin, k_end, full_lo, full_hi = _interval_tiles(lo, hi, row_ok, Nk, BLOCK_N)
         d = tl.arange(0, D)
         row = (b * Tq + qi) * H + g * G + hh
         q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
         kv_base = b * Nk * HKV * D + g * D
         m_i, l_i, acc = _softmax_init(BLOCK_M, D)
-        for k0 in range(k_begin, k_end, BLOCK_N):
-            kk = k0 + tl.arange(0, BLOCK_N)
-            k_ok = kk < k_end
-            kv_off = kv_base + kk.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
-            k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * sm_scale2
-            vis = (kk[None, :] >= lo[:, None]) & (kk[None, :] < hi[:, None])
-            v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
-            m_i, l_i, acc = _softmax_tile(tl.where(vis, s, float("-inf")), v, m_i, l_i, acc)
+        # boundary tiles masked, the middle ones not (rows outside the tile hold q = 0 and are not stored)
+        m_i, l_i, acc = _interval_fwd_range(q, K, V, kv_base, lo, hi, k_begin, full_lo, k_end, sm_scale2, m_i, l_i,
+                                            acc, HKV, D, BLOCK_N, True)
+        m_i, l_i, acc = _interval_fwd_range(q, K, V, kv_base, lo, hi, full_lo, full_hi, k_end, sm_scale2, m_i, l_i,
+                                            acc, HKV, D, BLOCK_N, False)
+        m_i, l_i, acc = _interval_fwd_range(q, K, V, kv_base, lo, hi, full_hi, k_end, k_end, sm_scale2, m_i, l_i,
+                                            acc, HKV, D, BLOCK_N, True)
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         out_ptr = row[:, None] * D + d[None, :]
@@ -641,32 +685,39 @@ if _HAS_TRITON:
     # ------------------------------------------------------------------------------------------
 
     @triton.jit
-    def _dq_update(q, do, lse, delta, k, v, vis, sm_scale2, dq):
+    def _dq_update(q, do, lse, delta, k, v, vis, sm_scale2, dq, MASKED: tl.constexpr):
         """A key tile's share of the query tile's dQ (unscaled): the flash-attention backward with the
-        probabilities recomputed from the saved log-sum-exp (the dQ side of _dkdv_update)."""
+        probabilities recomputed from the saved log-sum-exp (the dQ side of _dkdv_update); vis is ignored
+        unless MASKED."""
         s = tl.dot(q, tl.trans(k)) * sm_scale2
-        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+        p = tl.exp2(s - lse[:, None])
+        if MASKED:
+            p = tl.where(vis, p, 0.0)
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
         return dq + tl.dot(ds.to(k.dtype), k)
 
     @triton.jit
+    def _interval_dq_range(q, do, lse, delta, K, V, kv_base, lo, hi, k_from, k_to, k_end, sm_scale2, dq,
+                           HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+        for k0 in range(k_from, k_to, BLOCK_N):
+            k, v, vis = _interval_kv(K, V, kv_base, k0, k_end, lo, hi, HKV, D, BLOCK_N, MASKED)
+            dq = _dq_update(q, do, lse, delta, k, v, vis, sm_scale2, dq, MASKED)
+        return dq
+
+    @triton.jit
     def _interval_dq(q, do, lse, delta, K, V, kv_base, lo, hi, row_ok, Nk, sm_scale2,
                      HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
-        """dQ (unscaled) of one interval branch for the tile's rows: keys [lo, hi) of K/V per row."""
+        """dQ (unscaled) of one interval branch for the tile's rows: keys [lo, hi) of K/V per row; the middle
+        tiles unmasked (see _interval_tiles; rows outside the tile hold q = do = delta = 0 and add nothing)."""
         hi = tl.where(row_ok, hi, lo)
-        k_begin = tl.min(tl.where(hi > lo, lo, Nk), axis=0)
-        k_end = tl.max(hi, axis=0)
-        d = tl.arange(0, D)
+        k_begin, k_end, full_lo, full_hi = _interval_tiles(lo, hi, row_ok, Nk, BLOCK_N)
         dq = tl.zeros(q.shape, tl.float32)
-        for k0 in range(k_begin, k_end, BLOCK_N):
-            kk = k0 + tl.arange(0, BLOCK_N)
-            k_ok = kk < k_end
-            kv_off = kv_base + kk.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
-            k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
-            v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
-            vis = (kk[None, :] >= lo[:, None]) & (kk[None, :] < hi[:, None])
-            dq = _dq_update(q, do, lse, delta, k, v, vis, sm_scale2, dq)
-        return dq
+        dq = _interval_dq_range(q, do, lse, delta, K, V, kv_base, lo, hi, k_begin, full_lo, k_end, sm_scale2, dq,
+                                HKV, D, BLOCK_N, True)
+        dq = _interval_dq_range(q, do, lse, delta, K, V, kv_base, lo, hi, full_lo, full_hi, k_end, sm_scale2, dq,
+                                HKV, D, BLOCK_N, False)
+        return _interval_dq_range(q, do, lse, delta, K, V, kv_base, lo, hi, full_hi, k_end, k_end, sm_scale2, dq,
+                                  HKV, D, BLOCK_N, True)
 
     @triton.jit
     def _branch_prep(DOUT, O, GATE, DG, DELTA, row, row_ok, d, R, D: tl.constexpr, BR: tl.constexpr):
@@ -699,7 +750,7 @@ if _HAS_TRITON:
         sel = tl.sum((a_rows == a).to(tl.int32), 1) > 0
         if tl.max(sel.to(tl.int32), 0) > 0:
             vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
-            dq = _dq_update(q, do, lse, delta, k, v, vis, sm_scale2, dq)
+            dq = _dq_update(q, do, lse, delta, k, v, vis, sm_scale2, dq, True)
         return dq
 
     @triton.jit

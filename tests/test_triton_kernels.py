@@ -65,6 +65,10 @@ CPU_CASES = [
     # boundaries and padding, T not a multiple of the tile
     dict(B=1, T=77, H=6, Hkv=1, D=16, layout="varlen", sel_rows=16),
     dict(B=2, T=45, H=4, Hkv=2, D=16, layout="pad", dtype="float16", sel_rows=16),
+    # interval branches with key tiles inside every row's interval (run unmasked): a 160-key window, and up to
+    # 99 compressed tokens, so whole 64-key tiles fall inside; padding and document starts around them
+    dict(B=2, T=400, H=6, Hkv=2, D=16, layout="pad", param_overrides=dict(window_size=160)),
+    dict(B=1, T=400, H=4, Hkv=1, D=16, layout="varlen", param_overrides=dict(window_size=160)),
     # selected-attention sub-tiles (forward and dQ): the default 64-row tiles run 4 sub-tiles of 16 rows, each
     # skipping the union blocks none of its queries chose; here 2 sub-tiles of a 32-row tile, and the 64-row
     # tile without sub-tiles
