@@ -5,9 +5,8 @@ Layout of the work (no (T x Nc) or (T x T) tensor is ever built):
 - Compressed and sliding-window branches are both "interval attention": query t sees a contiguous
   run of keys [lo(t), hi(t)) (compressed slots of its document with end <= t; the last w keys of its
   document). One flash-attention kernel family serves both; the key tiles inside every row's interval
-  run without masks. A program packs BLOCK_M rows =
-  (several consecutive queries) x (the G heads of one KV group), so any G (6, 1, 16, ...) fills the
-  tensor cores and each K/V tile is read once for G heads. dK/dV: one program per key tile loops over
+  run without masks. A program packs BLOCK_M rows = (several consecutive queries) x (the G heads of one
+  KV group), so any G (6, 1, 16, ...) fills the tensor cores and each K/V tile is read once for G heads. dK/dV: one program per key tile loops over
   the queries that can see it (a query range found by searchsorted on the monotone lo/hi), so every
   key tile has a single writer (deterministic, fp32 accumulation).
 - Top-n: one program per tile of consecutive queries (x their G heads) of one KV group recomputes
