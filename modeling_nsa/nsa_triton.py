@@ -6,9 +6,10 @@ Layout of the work (no (T x Nc) or (T x T) tensor is ever built):
   run of keys [lo(t), hi(t)) (compressed slots of its document with end <= t; the last w keys of its
   document). One flash-attention kernel family serves both; the key tiles inside every row's interval
   run without masks. A program packs BLOCK_M rows = (several consecutive queries) x (the G heads of one
-  KV group), so any G (6, 1, 16, ...) fills the tensor cores and each K/V tile is read once for G heads. dK/dV: one program per key tile loops over
-  the queries that can see it (a query range found by searchsorted on the monotone lo/hi), so every
-  key tile has a single writer (deterministic, fp32 accumulation).
+  KV group), so any G (6, 1, 16, ...) fills the tensor cores and each K/V tile is read once for G heads.
+  dK/dV: one program per key tile loops over the queries that can see it (a query range found by
+  searchsorted on the monotone lo/hi), so every key tile has a single writer (deterministic, fp32
+  accumulation); query tiles that see the whole key tile run without masks.
 - Top-n: one program per tile of consecutive queries (x their G heads) of one KV group recomputes
   the compression probabilities from q, the compressed keys and the saved log-sum-exp (each key tile
   serves the whole tile in one tl.dot), folds them into selection-block scores with the overlap
@@ -126,11 +127,14 @@ if _HAS_TRITON:
         return q, do, _load_lse(LSE, row, row_ok), delta
 
     @triton.jit
-    def _dkdv_update(q, do, lse, delta, k, v, vis, sm_scale2, dk, dv):
+    def _dkdv_update(q, do, lse, delta, k, v, vis, sm_scale2, dk, dv, MASKED: tl.constexpr):
         """One query tile's share of a key tile's dK (unscaled) and dV: the flash-attention backward with
-        the probabilities recomputed from the saved log-sum-exp."""
+        the probabilities recomputed from the saved log-sum-exp; vis is ignored unless MASKED (rows outside
+        the tile hold q = do = delta = 0 and add nothing)."""
         s = tl.dot(q, tl.trans(k)) * sm_scale2
-        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+        p = tl.exp2(s - lse[:, None])
+        if MASKED:
+            p = tl.where(vis, p, 0.0)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
@@ -285,8 +289,14 @@ if _HAS_TRITON:
             hi = tl.load(HI + b * Tq + qi, mask=row_ok, other=0)
             row = (b * Tq + qi) * H + g * G + hh
             q, do, lse, delta = _bwd_rows(Q, DO, GATE, LSE, DELTA, row, row_ok, d, D, BR)
-            vis = row_ok[:, None] & (kk[None, :] >= lo[:, None]) & (kk[None, :] < hi[:, None])
-            dk, dv = _dkdv_update(q, do, lse, delta, k, v, vis, sm_scale2, dk, dv)
+            # the whole key tile inside every valid row's interval: no mask (as the forward's middle tiles)
+            c0 = pid_k * BLOCK_N
+            inside = (tl.max(tl.where(row_ok, lo, 0), 0) <= c0) & (tl.min(tl.where(row_ok, hi, Nk), 0) >= c0 + BLOCK_N)
+            if inside:
+                dk, dv = _dkdv_update(q, do, lse, delta, k, v, True, sm_scale2, dk, dv, False)
+            else:
+                vis = row_ok[:, None] & (kk[None, :] >= lo[:, None]) & (kk[None, :] < hi[:, None])
+                dk, dv = _dkdv_update(q, do, lse, delta, k, v, vis, sm_scale2, dk, dv, True)
         split_off = pid_s.to(tl.int64) * (tl.num_programs(1) // HKV) * Nk * HKV * D
         tl.store(DK + split_off + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=k_ok[:, None])
         tl.store(DV + split_off + kv_off, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
@@ -589,7 +599,7 @@ if _HAS_TRITON:
             row = (b * Tq + qi) * H + g * G + hh
             q, do, lse, delta = _bwd_rows(Q, DO, GATE, LSE, DELTA, row, row_ok, d, D, BR)
             vis = row_ok[:, None] & k_ok[None, :] & (kk[None, :] <= (q_off + qi)[:, None])
-            dk, dv = _dkdv_update(q, do, lse, delta, k, v, vis, sm_scale2, dk, dv)
+            dk, dv = _dkdv_update(q, do, lse, delta, k, v, vis, sm_scale2, dk, dv, True)
         return dk, dv, kv_off, k_ok
 
     @triton.jit
