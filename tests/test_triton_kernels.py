@@ -104,6 +104,9 @@ CPU_CASES = [
     dict(kind="decode", B=1, T=70, H=2, Hkv=2, D=32, steps=[1, 2, 16, 17, 33, 70], Tw=40, dtype="float16"),
     # torch.compile(fullgraph=True) of the op, forward and backward through AOTAutograd, against eager
     dict(kind="compile", B=2, T=40, H=4, Hkv=2, D=16, layout="varlen"),
+    # torch.library.opcheck of both custom ops: schema, autograd registration, fake implementations against
+    # the real outputs (aot_eager above does not compare their shapes), AOT dispatch
+    dict(kind="opcheck", B=2, T=40, H=4, Hkv=2, D=16, layout="varlen"),
 ]
 
 
@@ -125,6 +128,9 @@ def _check(res, case, tol):
     assert "error" not in res, res.get("trace", res.get("error"))
     if case.get("kind") in ("decode", "compile"):
         assert res[case["kind"]] <= tol, res
+        return
+    if case.get("kind") == "opcheck":
+        assert res and all(outcome == "SUCCESS" for outcome in res.values()), res
         return
     assert not res["nan"]
     assert res["out"] <= tol, res

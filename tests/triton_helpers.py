@@ -214,12 +214,33 @@ def run_compile_case(case: dict) -> dict:
     return {"compile": max(rel(c, e) for c, e in zip(results[1], results[0]))}
 
 
+def run_opcheck_case(case: dict) -> dict:
+    """torch.library.opcheck of both custom ops at the case's shape: schema, autograd registration, the fake
+    implementations against the real outputs (shapes, dtypes, strides: what torch.compile traces with) and
+    AOT dispatch. Returns {"fwd/<check>": "SUCCESS" or the error}."""
+    _, _, tri = import_nsa()
+    t, cmp_end, doc_pos, p, _, _ = case_setup(case)
+    args = tri._prepare(t["q"], t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"], t["v_slc"], t["k_win"], t["v_win"],
+                        t["gates"], doc_pos)
+    params, scale = tri._params_tuple(p), case["D"] ** -0.5
+    leaves = [a.clone().requires_grad_(True) if a.is_floating_point() else a for a in args]
+    outs = tri._nsa_fwd_op(*args, params, scale)
+    dout = torch.randn_like(outs[0])
+    res = {}
+    for name, op, op_args in [("fwd", tri._nsa_fwd_op, (*leaves, params, scale)),
+                              ("bwd", tri._nsa_bwd_op, (dout, *args, *outs[1:], params, scale))]:
+        checks = torch.library.opcheck(op, op_args, raise_exception=False)
+        res.update({f"{name}/{check}": str(outcome)[:400] for check, outcome in checks.items()})
+    return res
+
+
 def main(argv):
     cases = json.loads(argv[1])
     results = []
     for case in cases:
         try:
-            runner = {"decode": run_decode_case, "compile": run_compile_case}.get(case.get("kind"), run_case)
+            runner = {"decode": run_decode_case, "compile": run_compile_case, "opcheck": run_opcheck_case}.get(
+                case.get("kind"), run_case)
             res = runner(case)
         except Exception as exc:  # report, so the test names the failing case
             import traceback
