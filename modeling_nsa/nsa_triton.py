@@ -142,6 +142,15 @@ if _HAS_TRITON:
         return dk, dv
 
     @triton.jit
+    def _tile_rows(pid_q, Tq, r0, G: tl.constexpr, QPB: tl.constexpr, ROWS: tl.constexpr):
+        """Rows r0 .. r0+ROWS-1 of query tile pid_q, packed query-major (QPB queries x G heads): (r, query qi,
+        row_ok); rows past the tile or past Tq get qi = 0 and row_ok = False."""
+        r = r0 + tl.arange(0, ROWS)
+        qi = pid_q * QPB + r // G
+        row_ok = (r < QPB * G) & (qi < Tq)
+        return r, tl.where(row_ok, qi, 0), row_ok
+
+    @triton.jit
     def _softmax_init(ROWS: tl.constexpr, D: tl.constexpr):
         """Online-softmax state of ROWS rows: running max, running sum, unnormalized output."""
         return tl.full([ROWS], float("-inf"), tl.float32), tl.zeros([ROWS], tl.float32), tl.zeros([ROWS, D], tl.float32)
@@ -162,6 +171,11 @@ if _HAS_TRITON:
     # ------------------------------------------------------------------------------------------
 
     @triton.jit
+    def _common_interval(lo, hi, row_ok, Nk):
+        """[lo_max, hi_min): the keys every valid row of a query tile sees (empty if one valid row sees none)."""
+        return tl.max(tl.where(row_ok, lo, 0), axis=0), tl.min(tl.where(row_ok, hi, Nk), axis=0)
+
+    @triton.jit
     def _interval_tiles(lo, hi, row_ok, Nk, BLOCK_N: tl.constexpr):
         """Key range of a query tile's interval branch: (k_begin, k_end) covers every row's [lo, hi), and the
         BLOCK_N tiles from k_begin that lie in [full_lo, full_hi) are inside every valid row's interval, so
@@ -170,8 +184,7 @@ if _HAS_TRITON:
         hi = tl.where(row_ok, hi, lo)
         k_begin = tl.min(tl.where(hi > lo, lo, Nk), axis=0)
         k_end = tl.max(hi, axis=0)
-        lo_max = tl.max(tl.where(row_ok, lo, 0), axis=0)
-        hi_min = tl.min(tl.where(row_ok, hi, Nk), axis=0)
+        lo_max, hi_min = _common_interval(lo, hi, row_ok, Nk)
         n_tiles = tl.cdiv(tl.maximum(k_end - k_begin, 0), BLOCK_N)
         first = tl.minimum(tl.cdiv(tl.maximum(lo_max - k_begin, 0), BLOCK_N), n_tiles)
         last = tl.maximum(tl.minimum(tl.maximum(hi_min - k_begin, 0) // BLOCK_N, n_tiles), first)
@@ -218,11 +231,8 @@ if _HAS_TRITON:
         pid_bg = tl.program_id(1)
         b = (pid_bg // HKV).to(tl.int64)
         g = pid_bg % HKV
-        r = tl.arange(0, BLOCK_M)
-        qi = pid_q * QPB + r // G
+        r, qi, row_ok = _tile_rows(pid_q, Tq, 0, G, QPB, BLOCK_M)
         hh = r % G
-        row_ok = (r < QPB * G) & (qi < Tq)
-        qi = tl.where(row_ok, qi, 0)
         lo = tl.load(LO + b * Tq + qi, mask=row_ok, other=0)
         hi = tl.load(HI + b * Tq + qi, mask=row_ok, other=0)
         hi = tl.where(row_ok, hi, lo)
@@ -290,9 +300,8 @@ if _HAS_TRITON:
             row = (b * Tq + qi) * H + g * G + hh
             q, do, lse, delta = _bwd_rows(Q, DO, GATE, LSE, DELTA, row, row_ok, d, D, BR)
             # the whole key tile inside every valid row's interval: no mask (as the forward's middle tiles)
-            c0 = pid_k * BLOCK_N
-            inside = (tl.max(tl.where(row_ok, lo, 0), 0) <= c0) & (tl.min(tl.where(row_ok, hi, Nk), 0) >= c0 + BLOCK_N)
-            if inside:
+            lo_max, hi_min = _common_interval(lo, hi, row_ok, Nk)
+            if (lo_max <= pid_k * BLOCK_N) & (hi_min >= (pid_k + 1) * BLOCK_N):
                 dk, dv = _dkdv_update(q, do, lse, delta, k, v, True, sm_scale2, dk, dv, False)
             else:
                 vis = row_ok[:, None] & (kk[None, :] >= lo[:, None]) & (kk[None, :] < hi[:, None])
@@ -471,10 +480,7 @@ if _HAS_TRITON:
                        QPB: tl.constexpr, ROWS: tl.constexpr):
         """Rows r0 .. r0+ROWS-1 of a query tile: (r, qi, row_ok, t_abs, a_rows (ROWS, N_PAD) first keys of the
         blocks each row's query chose, -1 unused)."""
-        r = r0 + tl.arange(0, ROWS)
-        qi = pid_q * QPB + r // G
-        row_ok = (r < QPB * G) & (qi < Tq)
-        qi = tl.where(row_ok, qi, 0)
+        r, qi, row_ok = _tile_rows(pid_q, Tq, r0, G, QPB, ROWS)
         t_abs = q_off + qi
         pos = tl.load(DOCPOS + b * Tk + t_abs, mask=row_ok, other=-1)
         start = t_abs - pos
@@ -789,10 +795,7 @@ if _HAS_TRITON:
         pid_bg = tl.program_id(1)
         b = (pid_bg // HKV).to(tl.int64)
         g = pid_bg % HKV
-        r = tl.arange(0, BLOCK_M)
-        qi = pid_q * QPB + r // G
-        row_ok = (r < QPB * G) & (qi < Tq)
-        qi = tl.where(row_ok, qi, 0)
+        r, qi, row_ok = _tile_rows(pid_q, Tq, 0, G, QPB, BLOCK_M)
         d = tl.arange(0, D)
         row = (b * Tq + qi) * H + g * G + r % G
         q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
