@@ -341,17 +341,46 @@ if _HAS_TRITON:
         return new_v, new_i
 
     @triton.jit
+    def _topn_insert(top_v, top_i, prio, ci, N_SEL: tl.constexpr, N_PAD: tl.constexpr):
+        """Insert each query's best chunk entry (prio (Q, BJ) of blocks ci, above the lists' indices) into its
+        sorted list (top_v, top_i) (Q, N_PAD) where it beats the last kept entry, and take it out of prio.
+        One insertion is a (Q, N_PAD, N_PAD) shift instead of _topn_merge's (Q, N_PAD, BJ) rank tensors: the
+        cheap path when few entries of a chunk enter a list (the common case past the first blocks)."""
+        slot = tl.arange(0, N_PAD)
+        best_v = tl.max(prio, 1)  # (Q,)
+        best_i = tl.min(tl.where(prio == best_v[:, None], ci[None, :], 1 << 30), 1)  # lowest index first
+        li = tl.where(top_i < 0, 1 << 30, top_i)
+        l_beats = (top_v > best_v[:, None]) | ((top_v == best_v[:, None]) & (li < best_i[:, None]))
+        rank = tl.sum((l_beats & (slot[None, :] < N_SEL)).to(tl.int32), 1)  # (Q,) the new entry's slot
+        ins = (rank < N_SEL) & (best_v > float("-inf"))
+        src = slot[None, :] - (slot[None, :] > rank[:, None]).to(tl.int32)  # old slot moving to each slot
+        pick = src[:, :, None] == slot[None, None, :]  # (Q, new slot, old slot)
+        new_v = tl.max(tl.where(pick, top_v[:, None, :], float("-inf")), 2)
+        new_i = tl.max(tl.where(pick, top_i[:, None, :], -1), 2)
+        at = slot[None, :] == rank[:, None]
+        kept = slot[None, :] < N_SEL
+        new_v = tl.where(kept, tl.where(at, best_v[:, None], new_v), float("-inf"))
+        new_i = tl.where(kept, tl.where(at, best_i[:, None], new_i), -1)
+        top_v = tl.where(ins[:, None], new_v, top_v)
+        top_i = tl.where(ins[:, None], new_i, top_i)
+        prio = tl.where(ins[:, None] & (ci[None, :] == best_i[:, None]), float("-inf"), prio)
+        return top_v, top_i, prio
+
+    @triton.jit
     def _topn_chunk_update(ps, carry, top_v, top_i, j0, j_min, n_blocks, own,
                            L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr, N_SEL: tl.constexpr,
                            N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, BJ: tl.constexpr,
-                           QPB: tl.constexpr):
+                           QPB: tl.constexpr, INSERT_MAX: tl.constexpr):
         """Fold one chunk into QPB queries' running top-n lists (Eqs. 9-11). ps (QPB, BJ*R): compression
         probabilities of the in-document compressed tokens starting in blocks j0 .. j0+BJ-1, summed over
         each query's heads. A token starting at offset r*d in its block gives w0[r] = min(l' - r*d, l) / d
         to it and w1[r] = max(0, r*d + l - l') / d to the next (l <= l'); carry (QPB,) brings the previous
         chunk's last block's share. Only blocks j_min .. n_blocks-1 enter the lists (a decode program owns a
         block range, which it passes as j_min and n_blocks, and reads one block before it for the carry).
-        Forced initial/local blocks get +inf. Returns (carry, top_v, top_i)."""
+        Forced initial/local blocks get +inf. A chunk whose entries enter no list is skipped; one where at
+        most INSERT_MAX of a query's entries beat its last kept entry inserts them one at a time
+        (_topn_insert), else it is merged whole (_topn_merge); both give the same lists.
+        Returns (carry, top_v, top_i)."""
         R: tl.constexpr = LB // DS
         slot = tl.arange(0, N_PAD)
         jb = tl.arange(0, BJ)
@@ -372,17 +401,20 @@ if _HAS_TRITON:
         prio = tl.where(elig, score, float("-inf"))
         prio = tl.where(forced, float("inf"), prio)
         last = tl.max(tl.where(slot[None, :] == N_SEL - 1, top_v, float("-inf")), 1)
-        best = tl.max(prio, 1)
-        change = (best > last) | (best == float("inf"))
-        if tl.max(change.to(tl.int32), 0) > 0:  # the chunk changes some query's list
+        # chunk indices are above the lists' (blocks come in order), so a tie with the last entry loses
+        n_enter = tl.max(tl.sum((prio > last[:, None]).to(tl.int32), 1), 0)  # most entries entering a list
+        if n_enter > INSERT_MAX:
             top_v, top_i = _topn_merge(top_v, top_i, prio, jj, N_SEL, N_PAD)
+        else:
+            for _ in range(n_enter):
+                top_v, top_i, prio = _topn_insert(top_v, top_i, prio, jj, N_SEL, N_PAD)
         return carry, top_v, top_i
 
     @triton.jit
     def _topn_tile(q, lse, row_ok, kc_base, n_vis_rows, pos, sm_scale2,
                    D: tl.constexpr, HKV: tl.constexpr, L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr,
                    N_SEL: tl.constexpr, N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
-                   BJ: tl.constexpr, QPB: tl.constexpr, G_PAD: tl.constexpr):
+                   BJ: tl.constexpr, QPB: tl.constexpr, G_PAD: tl.constexpr, INSERT_MAX: tl.constexpr):
         """Top-n selection blocks of QPB queries of one document at in-document positions pos (QPB,); q/lse/
         row_ok hold their rows query-major (QPB x G_PAD heads, padded heads masked), with n_vis_rows visible
         compressed tokens per row from kc_base (the document's first). Streams over the blocks in chunks of
@@ -407,7 +439,7 @@ if _HAS_TRITON:
             p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
             ps = tl.sum(tl.reshape(p, (QPB, G_PAD, BC)), 1)  # (QPB, BC): summed over the heads
             carry, top_v, top_i = _topn_chunk_update(ps, carry, top_v, top_i, j0, 0, n_blocks, own,
-                                                     L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, QPB)
+                                                     L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, QPB, INSERT_MAX)
         return tl.where(top_v > float("-inf"), top_i, -1)
 
     @triton.jit
@@ -417,7 +449,7 @@ if _HAS_TRITON:
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
         L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr,
         N_SEL: tl.constexpr, N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
-        BJ: tl.constexpr, QPB: tl.constexpr,
+        BJ: tl.constexpr, QPB: tl.constexpr, INSERT_MAX: tl.constexpr,
     ):
         """Top-n for a tile of QPB consecutive queries x G_PAD head rows of one KV group. A tile inside one
         document shares each compressed-key tile; a tile across a document boundary (rare) is done one
@@ -453,7 +485,7 @@ if _HAS_TRITON:
             kc_base = KC + b * Nc * HKV * D + g * D + c_lo_i.to(tl.int64) * (HKV * D)
             rows_i = row_ok & (one_doc | (rq == i))
             res = _topn_tile(q, lse, rows_i, kc_base, n_vis_rows, pos, sm_scale2,
-                             D, HKV, L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, QPB, G_PAD)
+                             D, HKV, L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, QPB, G_PAD, INSERT_MAX)
             top = tl.where(mine[:, None], res, top)
         slot = tl.arange(0, N_PAD)
         out_ptr = IDX + (pid_bg.to(tl.int64) * Tq + tq)[:, None] * N_SEL + slot[None, :]
@@ -930,7 +962,7 @@ if _HAS_TRITON:
         HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
         L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr,
         N_SEL: tl.constexpr, N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
-        BJ: tl.constexpr, CS: tl.constexpr, SB: tl.constexpr, TB: tl.constexpr,
+        BJ: tl.constexpr, CS: tl.constexpr, SB: tl.constexpr, TB: tl.constexpr, INSERT_MAX: tl.constexpr,
     ):
         """Decode, program (row x KV group, j) of the selection blocks [j*TB, (j+1)*TB): their scores from
         the splits' stored probabilities (exp2(x - lse) = p_split * exp2(m_split - lse), no key read again),
@@ -969,7 +1001,7 @@ if _HAS_TRITON:
             prob = tl.where(ok, p * tl.exp2(m_tok - lse[:, None]), 0.0)
             ps = tl.reshape(tl.sum(prob, 0), (1, BC))
             carry, top_v, top_i = _topn_chunk_update(ps, carry, top_v, top_i, j0, j_lo, n_range, own,
-                                                     L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, 1)
+                                                     L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, 1, INSERT_MAX)
         slot_n = tl.arange(0, N_PAD)
         keep = (slot_n[None, :] < N_SEL) & (top_v > float("-inf"))
         out = (pid_bg.to(tl.int64) * n_prog + pj) * N_PAD + slot_n
@@ -1055,6 +1087,9 @@ if _HAS_TRITON:
 _LOG2E = 1.4426950408889634
 _DKDV_SPLIT = None  # tests force the split query range of the compressed/window dK/dV kernel
 _TOPN_BLOCKS_PER_CHUNK = None  # tests set a small value to exercise the multi-chunk top-n merge
+_TOPN_INSERT_MAX = None  # tests force the top-n insertion/merge threshold (0: always merge)
+_TOPN_ROWS = None  # bench/tune_kernels.py: rows (queries x padded heads) per top-n program
+_TOPN_WARPS = None  # bench/tune_kernels.py: warps of the top-n program
 _SEL_ROWS = None  # tests force the selected-attention query tile (rows = queries x G)
 _SEL_SUB_ROWS = None  # tests force the rows per sub-tile of that tile (= the tile's rows: no sub-tiles)
 _DECODE_SPLIT = None  # tests force the compressed slots per decode split program
@@ -1094,20 +1129,33 @@ def _dkdv_launch(group: int, head_dim: int, device) -> tuple[int, int, dict]:
     return *_query_tile(group, 32), dict(num_warps=8, num_stages=2 if head_dim <= 64 else 1)
 
 
-def _dq_launch(group: int, head_dim: int, device) -> tuple[int, int, dict]:
-    """(BLOCK_M, queries per program, launch options) for the fused dQ kernel (query tiles as the selected
-    attention's). From tests/triton_aot.py: on sm_90 8 warps keep the 64-row tile in registers; before
-    Hopper 64 rows spill whatever the warps, so the tile is 32 rows there."""
+def _dq_launch(group: int, head_dim: int, n_sel: int, device) -> tuple[int, int, dict]:
+    """(BLOCK_M, queries per program, launch options) for the fused dQ kernel. On sm_90 at head_dim 64 with
+    16 or more selected blocks: 128-row tiles, 8 warps (bench/tune_kernels.py on the H100, 2026-11-22: dQ 4.3
+    -> 2.7 ms at 2k, 9.5 -> 6.3 ms on fla's layout at 8k, equal at 64k; the selected forward is slower with
+    128 rows, so it keeps 64); with fewer blocks (T < 1024 at n = 16) the 128-row tile spills, and at
+    head_dim 128 it does not fit: the selected attention's tile there. Before Hopper 64 rows spill whatever
+    the warps, so the tile is 32 rows there (tests/triton_aot.py)."""
     if _compute_capability(device) >= 90:
-        block_m, qpb = _sel_rows_per_program(group, head_dim)
+        rows = 128 if head_dim <= 64 and _next_pow2(n_sel) >= 16 and not _SEL_ROWS else None
+        block_m, qpb = _query_tile(group, rows) if rows else _sel_rows_per_program(group, head_dim)
         return block_m, qpb, dict(num_warps=8)
     return *_query_tile(group, 32), dict(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
 
 
-def _sel_sub_tile(block_m: int) -> int:
+def _sel_sub_tile(block_m: int, head_dim: int, device) -> int:
     """Rows per sub-tile of a selected-attention query tile (a sub-tile skips the union blocks none of its
-    queries chose): 16, the smallest tl.dot, and at most 4 sub-tiles per tile."""
-    return min(block_m, max(_SEL_SUB_ROWS or 16, block_m // 4))
+    queries chose). Hopper's wgmma works on 64-row tiles, so there a 16-row tl.dot costs about a 64-row
+    one and sub-tiles only add work: measured on the H100 (bench_attention.py --sel-tiles, 2026-11-22, d64)
+    the whole 64-row tile was fastest at every length and both layouts. At head_dim 128 the whole 32-row
+    tile spills in the fused dQ (tests/triton_aot.py), so it keeps 16-row sub-tiles. Before Hopper mma works
+    on 16 rows, so there the tile runs as 16-row sub-tiles (at most 4), which skip the blocks none of their
+    queries chose (bench/selection_tiles.py counts the math saved; not timed on such a GPU)."""
+    if _SEL_SUB_ROWS:
+        return min(block_m, max(_SEL_SUB_ROWS, block_m // 4))
+    if _compute_capability(device) >= 90 and head_dim <= 64:
+        return block_m
+    return min(block_m, max(16, block_m // 4))
 
 
 def _sel_rows_per_program(group: int, head_dim: int) -> tuple[int, int]:
@@ -1211,15 +1259,31 @@ def _select_topn(q, k_cmp, lse_cmp, doc_pos, c_lo, c_hi, params: NSAParams, scal
     idx = torch.empty(batch, num_kv, num_q, n_sel, device=q.device, dtype=torch.int32)
     bj = _topn_chunk(params)
     g_pad = _next_pow2(group)
-    qpb = max(1, min(16, 64 // g_pad), 16 // g_pad)  # rows = qpb * g_pad: 64 (>= 16 for tl.dot), <= 16 queries
+    rows = _TOPN_ROWS or 64
+    qpb = max(1, min(16, rows // g_pad), 16 // g_pad)  # rows = qpb * g_pad (>= 16 for tl.dot), <= 16 queries
     _select_topn_kernel[(triton.cdiv(num_q, qpb), batch * num_kv)](
         q, k_cmp, lse_cmp, doc_pos, c_lo, c_hi, idx, num_q, num_keys, num_slots, num_keys - num_q, scale * _LOG2E,
         H=num_heads, HKV=num_kv, G=group, D=head_dim, G_PAD=g_pad,
         L=params.cmp_block_size, DS=params.cmp_stride, LB=params.sel_block_size,
         N_SEL=n_sel, N_PAD=_next_pow2(n_sel), INIT=params.sel_init_blocks, LOCAL=params.sel_local_blocks,
-        BJ=bj, QPB=qpb, num_warps=8,  # 8: no spills on sm_80/sm_90 (tests/triton_aot.py)
+        BJ=bj, QPB=qpb, INSERT_MAX=_topn_insert_max(), num_warps=_topn_warps(q.device),
     )
     return idx
+
+
+def _topn_warps(device) -> int:
+    """Warps of the training top-n program: 4 on sm_90 (bench/tune_kernels.py on the H100, 2026-11-22: 19.1
+    -> 14.6 ms at 64k, 1.3 -> 1.2 ms at 2k), although with 16 selected blocks it spills 8-16 bytes
+    (tests/triton_aot.py; the spill-free 8 warps were the slower); 8 before Hopper (not timed there)."""
+    return _TOPN_WARPS or (4 if _compute_capability(device) >= 90 else 8)
+
+
+def _topn_insert_max() -> int:
+    """Entries of a chunk entering a query's list up to which they are inserted one at a time (_topn_insert)
+    rather than merged whole (_topn_merge): past the first blocks a chunk brings zero or one new entry.
+    4: bench/tune_kernels.py on the H100, 2026-11-22: top-n 23.1 -> 19.1 ms at 64k against merging only,
+    equal at 2k; inserting up to 16 was slower than either (26.6 ms)."""
+    return 4 if _TOPN_INSERT_MAX is None else _TOPN_INSERT_MAX
 
 
 def _topn_chunk(params: NSAParams) -> int:
@@ -1265,7 +1329,8 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     _decode_topn_kernel[(batch * num_kv, n_prog)](
         part_m, part_l, part_acc, part_p, counts, doc_pos, top_v, top_i, num_keys, n_split, n_prog,
         L=params.cmp_block_size, DS=params.cmp_stride, INIT=params.sel_init_blocks, LOCAL=params.sel_local_blocks,
-        BJ=_topn_chunk(params), CS=split, SB=merge_splits, TB=blocks_per_prog, num_warps=4, **common, **topn,
+        BJ=_topn_chunk(params), CS=split, SB=merge_splits, TB=blocks_per_prog, INSERT_MAX=_topn_insert_max(),
+        num_warps=4, **common, **topn,
     )
     out = torch.empty_like(q)
     _decode_finish_kernel[(batch * num_kv,)](
@@ -1310,7 +1375,7 @@ def _sel_fwd(q, k, v, idx, doc_pos, params: NSAParams, scale):
         scale * _LOG2E,
         H=num_heads, HKV=num_kv, G=group, D=head_dim,
         LB=params.sel_block_size, N_SEL=n_sel, N_PAD=_next_pow2(n_sel), QPB=qpb, BLOCK_M=block_m,
-        SUB_M=_sel_sub_tile(block_m),
+        SUB_M=_sel_sub_tile(block_m, head_dim, q.device),
         # head_dim 128: two pipeline stages, or the 32-row tile spills on sm_90 (tests/triton_aot.py)
         **(dict(num_warps=4) if head_dim <= 64 else dict(num_warps=8, num_stages=2)),
     )
@@ -1443,8 +1508,8 @@ def _nsa_bwd_op(
     # dQ of the three branches, dgates and the per-branch deltas in one kernel (query tiles as the
     # selected attention's); the dK/dV kernels then read the deltas. The block union (sort temporaries)
     # comes before dQ is allocated, which lowers the backward's peak memory.
-    block_m, qpb, dq_opts = _dq_launch(group, head_dim, q.device)
     n_sel = idx.shape[-1]
+    block_m, qpb, dq_opts = _dq_launch(group, head_dim, n_sel, q.device)
     blocks, counts = _tile_block_union(idx, doc_pos, qpb, p.sel_block_size)
     dq = torch.empty_like(q)
     dgates = torch.empty_like(gates)
@@ -1457,7 +1522,7 @@ def _nsa_bwd_op(
         num_q, num_keys, k_cmp.shape[1], num_win, num_keys - num_q, counts.shape[-1], batch * num_q * num_heads,
         scale * _LOG2E, scale,
         H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=p.sel_block_size, N_SEL=n_sel, N_PAD=_next_pow2(n_sel),
-        QPB=qpb, BLOCK_M=block_m, SUB_M=_sel_sub_tile(block_m), BLOCK_N=64, **dq_opts,
+        QPB=qpb, BLOCK_M=block_m, SUB_M=_sel_sub_tile(block_m, head_dim, q.device), BLOCK_N=64, **dq_opts,
     )
     del blocks, counts
     dk_cmp, dv_cmp = _interval_bwd_dkdv(q, k_cmp, v_cmp, c_lo, c_hi, dout, gates, 0, lse_cmp, delta[0], scale)

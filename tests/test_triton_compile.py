@@ -4,7 +4,8 @@ The interpreter tests check what the kernels compute; this checks that the same 
 launchers' real specializations, constexprs and num_warps at the shapes in tests/triton_aot.py)
 compile to cubins with the ptxas shipped in the triton wheel, and that on sm_90 (the benchmark
 device) none spills registers to local memory: a spill costs a large share of a kernel's speed, and
-the launchers pick tiles and warps per architecture so that none does. (On sm_80 the selected dK/dV
+the launchers pick tiles and warps per architecture so that none does, except the measured exceptions
+in SPILL_ALLOWED_BYTES. (On sm_80 the selected dK/dV
 kernel keeps a stack frame of up to 24 bytes at head_dim 64; `python tests/triton_aot.py` prints the
 table.)
 Runs in a subprocess so TRITON_INTERPRET from another test cannot leak in.
@@ -60,7 +61,15 @@ def test_every_kernel_launch_compiles(aot_results, arch):
     assert not failed, failed
 
 
+# Measured exceptions: the launch with the spill was timed faster than every spill-free one, and the bytes
+# a kernel may spill are capped, so a change that spills more still fails.
+# _select_topn_kernel at 4 warps: 8-16 bytes with 16 selected blocks; 14.6 ms at 64k against 19.1 ms for the
+# spill-free 8 warps (bench/tune_kernels.py, H100, 2026-11-22).
+SPILL_ALLOWED_BYTES = {"_select_topn_kernel": 16}
+
+
 def test_no_kernel_spills_registers_on_sm90(aot_results):
     spills = [(r["kernel"], r["scenario"], r.get("reg"), r.get("stack"), r.get("local"))
-              for r in _rows(aot_results, 90) if r["ok"] and (r.get("stack", 0) or r.get("local", 0))]
+              for r in _rows(aot_results, 90)
+              if r["ok"] and r.get("stack", 0) + r.get("local", 0) > SPILL_ALLOWED_BYTES.get(r["kernel"], 0)]
     assert not spills, spills

@@ -33,6 +33,7 @@ GRADS = ["dq", "dk_cmp", "dv_cmp", "dk_slc", "dv_slc", "dk_win", "dv_win", "dgat
 # id parts of the knobs a case may force (triton_helpers.case_setup)
 _KNOB_IDS = {
     "bj": lambda c: f"bj{c['bj']}",
+    "topn_insert_max": lambda c: f"insert{c['topn_insert_max']}",
     "split": lambda c: f"split{c['split']}",
     "sel_rows": lambda c: f"selrows{c['sel_rows']}",
     "sel_sub_rows": lambda c: f"subrows{c['sel_sub_rows']}",
@@ -59,8 +60,11 @@ CPU_CASES = [
     dict(B=2, T=47, H=6, Hkv=2, D=16, layout="varlen"),  # G=3: not a power of two
     dict(B=2, T=64, H=4, Hkv=1, D=32, layout="pad", dtype="float16"),
     dict(B=1, T=81, H=6, Hkv=1, D=16, layout="varlen", dtype="float16"),  # G=6
-    dict(B=1, T=100, H=4, Hkv=2, D=16, bj=4, split=3),  # 7 blocks in chunks of 4 (streaming top-n merge);
-    # dK/dV query ranges split in 3 partials
+    # 7 blocks in chunks of 4, each merged whole into the top-n lists (streaming top-n merge); dK/dV query
+    # ranges split in 3 partials
+    dict(B=1, T=100, H=4, Hkv=2, D=16, bj=4, split=3, topn_insert_max=0),
+    # chunks of 2 blocks, every entering block inserted one at a time (the default inserts up to 4 per chunk)
+    dict(B=2, T=100, H=6, Hkv=2, D=16, layout="varlen", bj=2, topn_insert_max=64),
     # selected attention in narrow query tiles (2 queries x G=6 rows; 8 x G=2): tiles cut by document
     # boundaries and padding, T not a multiple of the tile
     dict(B=1, T=77, H=6, Hkv=1, D=16, layout="varlen", sel_rows=16),
@@ -69,16 +73,17 @@ CPU_CASES = [
     # 99 compressed tokens, so whole 64-key tiles fall inside; padding and document starts around them
     dict(B=2, T=400, H=6, Hkv=2, D=16, layout="pad", param_overrides=dict(window_size=160)),
     dict(B=1, T=400, H=4, Hkv=1, D=16, layout="varlen", param_overrides=dict(window_size=160)),
-    # selected-attention sub-tiles (forward and dQ): the default 64-row tiles run 4 sub-tiles of 16 rows, each
-    # skipping the union blocks none of its queries chose; here 2 sub-tiles of a 32-row tile, and the 64-row
-    # tile without sub-tiles
-    dict(B=2, T=90, H=6, Hkv=2, D=16, layout="varlen", sel_rows=32),
-    dict(B=1, T=77, H=8, Hkv=2, D=16, layout="pad", sel_sub_rows=64),
+    # selected-attention sub-tiles (forward and dQ; the default before Hopper), each skipping the union blocks
+    # none of its queries chose: 2 sub-tiles of a 32-row tile, 4 of the 64-row tile
+    dict(B=2, T=90, H=6, Hkv=2, D=16, layout="varlen", sel_rows=32, sel_sub_rows=16),
+    dict(B=1, T=77, H=8, Hkv=2, D=16, layout="pad", sel_sub_rows=16),
+    # 16 selected blocks: the fused dQ takes 128-row tiles (21 queries x G=6) on sm_90
+    dict(B=1, T=300, H=6, Hkv=2, D=16, layout="varlen", param_overrides=dict(sel_num_blocks=16)),
     # selected dK/dV: blocks with more than 5 (query, block) pairs split over 3 programs + fixed-order reduce;
     # then with one partial slot, so the other heavy blocks stay in the main pass
     dict(B=2, T=70, H=6, Hkv=2, D=16, layout="varlen", sel_split=[5, 3, 64]),
     dict(B=2, T=70, H=6, Hkv=2, D=16, layout="varlen", sel_split=[5, 3, 1]),
-    # the tiles an A100 (sm_80) gets: 32-row dQ and dK/dV query tiles
+    # the tiles an A100 (sm_80) gets: 32-row dQ and dK/dV query tiles, selected attention in 16-row sub-tiles
     dict(B=2, T=90, H=12, Hkv=2, D=16, layout="varlen", arch=80),
     dict(kind="decode", B=2, T=60, H=4, Hkv=2, D=16, steps=[1, 8, 23, 60], Tw=16, layout="pad"),
     # the decode kernels: queries in later documents of packed rows (slots of earlier documents

@@ -99,6 +99,7 @@ def case_setup(case: dict):
     and build its inputs. Returns (inputs, cmp_end, doc_pos, params, dtype, device)."""
     _, _, tri = import_nsa()
     tri._TOPN_BLOCKS_PER_CHUNK = case.get("bj")
+    tri._TOPN_INSERT_MAX = case.get("topn_insert_max")
     tri._DKDV_SPLIT = case.get("split")
     tri._SEL_ROWS = case.get("sel_rows")
     tri._SEL_SUB_ROWS = case.get("sel_sub_rows")

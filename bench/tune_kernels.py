@@ -1,0 +1,136 @@
+"""Launch-choice sweep on a GPU: NSA fwd+bwd (and a 64k decode step) under several settings of the Triton
+launcher's knobs, with the time of every kernel, so a default is chosen from one run of the real op.
+
+    python bench/tune_kernels.py [--json tune.json] [--variants base "sub64:_SEL_SUB_ROWS=64" ...]
+
+A variant is NAME or NAME:KNOB=VALUE,KNOB=VALUE (module attributes of modeling_nsa/nsa_triton.py, e.g.
+_SEL_SUB_ROWS, _TOPN_INSERT_MAX, _TOPN_ROWS, _TOPN_WARPS, _TOPN_BLOCKS_PER_CHUNK, _SEL_ROWS); knobs not named
+keep the launcher's defaults. Each variant's top-n block indices must equal the first variant's on the same
+inputs (the knobs change the schedule, never the selection); a mismatch is reported in the table.
+Timings: median of 7 CUDA-event timed steps after warm-up; per-kernel CUDA time from torch.profiler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention import PARAMS, nsa_inputs, time_ms, tri  # noqa: E402
+
+KNOBS = ["_SEL_ROWS", "_SEL_SUB_ROWS", "_TOPN_INSERT_MAX", "_TOPN_ROWS", "_TOPN_WARPS", "_TOPN_BLOCKS_PER_CHUNK"]
+DEFAULT_VARIANTS = [
+    "default",
+    "subtiles16:_SEL_SUB_ROWS=16,_TOPN_INSERT_MAX=0",  # the launcher before 2026-11-22's GPU run
+    "merge_only:_TOPN_INSERT_MAX=0",
+    "insert16:_TOPN_INSERT_MAX=16",
+    "topn128rows:_TOPN_ROWS=128",
+    "topn4warps:_TOPN_WARPS=4",
+    "topn_bj32:_TOPN_BLOCKS_PER_CHUNK=32",
+    "sel128rows:_SEL_ROWS=128",
+]
+CASES = [(12, 2, 2048, 32), (12, 2, 65536, 1), (16, 1, 8192, 8)]  # (H, Hkv, T, B) at d64
+KERNELS = ["_select_topn_kernel", "_sel_fwd_kernel", "_bwd_dq_kernel", "_sel_bwd_dkdv_kernel",
+           "_interval_fwd_kernel", "_interval_bwd_dkdv_kernel"]
+DECODE = ["_decode_cmp_split_kernel", "_decode_topn_kernel", "_decode_finish_kernel"]
+
+
+def parse_variant(text):
+    name, _, knobs = text.partition(":")
+    settings = {}
+    for item in filter(None, knobs.split(",")):
+        key, _, value = item.partition("=")
+        if key not in KNOBS:
+            raise SystemExit(f"unknown knob {key!r} in variant {text!r}; one of {KNOBS}")
+        settings[key] = int(value)
+    return name, settings
+
+
+def apply(settings):
+    for knob in KNOBS:
+        setattr(tri, knob, settings.get(knob))
+
+
+def kernel_ms(fn):
+    """CUDA time per kernel name (ms) of one call, after two warm-up calls (compilation outside)."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.key_averages():
+        total = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        out[ev.key] = out.get(ev.key, 0.0) + total / 1000.0
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    variants = [parse_variant(v) for v in args.variants]
+    rows = []
+    for H, Hkv, T, B in CASES:
+        torch.manual_seed(0)
+        x, cmp_end, doc_pos = nsa_inputs(B, T, H, Hkv, 64)
+        do = torch.randn(B, T, H, 64, device="cuda", dtype=torch.bfloat16)
+
+        def step():
+            o = tri.nsa_attention_triton(x["q"], x["k_cmp"], x["v_cmp"], cmp_end, x["k_slc"], x["v_slc"],
+                                         x["k_win"], x["v_win"], x["gates"], doc_pos, PARAMS)
+            torch.autograd.grad(o, list(x.values()), do)
+
+        ref_idx = None
+        for name, settings in variants:
+            apply(settings)
+            idx = tri.select_blocks_triton(x["q"].detach(), x["k_cmp"].detach(), cmp_end, doc_pos, PARAMS)
+            same = True if ref_idx is None else bool(torch.equal(idx, ref_idx))
+            ref_idx = idx if ref_idx is None else ref_idx
+            per_kernel = kernel_ms(step)
+            row = dict(case=f"{H}q/{Hkv}kv T={T} B={B}", variant=name, fb_ms=time_ms(step), same_topn=same,
+                       **{k: per_kernel.get(k, 0.0) for k in KERNELS})
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del x, do
+    # decode: one token over a 64k cache, per-kernel time (the top-n knobs reach the decode top-n kernel)
+    T = 65536
+    x, cmp_end, doc_pos = nsa_inputs(1, T, 12, 2, 64, grad=False)
+    w = PARAMS.window_size
+
+    def decode():
+        tri.nsa_decode_triton(x["q"][:, -1:], x["k_cmp"], x["v_cmp"], cmp_end, x["k_slc"], x["v_slc"],
+                              x["k_win"][:, -w:], x["v_win"][:, -w:], x["gates"][:, -1:], doc_pos, PARAMS)
+
+    decode_rows = []
+    for name, settings in variants:
+        apply(settings)
+        per_kernel = kernel_ms(decode)
+        decode_rows.append(dict(variant=name, **{k: per_kernel.get(k, 0.0) * 1000 for k in DECODE}))
+    apply({})
+
+    short = {"_select_topn_kernel": "topn", "_sel_fwd_kernel": "sel fwd", "_bwd_dq_kernel": "dQ",
+             "_sel_bwd_dkdv_kernel": "sel dK/dV", "_interval_fwd_kernel": "intv fwd",
+             "_interval_bwd_dkdv_kernel": "intv dK/dV"}
+    print(f"\n# NSA launch sweep: {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, d64 (ms)")
+    print("| case | variant | f+b ms | " + " | ".join(short[k] for k in KERNELS) + " | top-n equal |")
+    print("|---" * (4 + len(KERNELS)) + "|")
+    for r in rows:
+        cells = " | ".join(f"{r[k]:.2f}" for k in KERNELS)
+        print(f"| {r['case']} | {r['variant']} | {r['fb_ms']:.2f} | {cells} | {'yes' if r['same_topn'] else 'NO'} |")
+    print("\n| decode 64k (us) | " + " | ".join(k.strip("_").replace("_kernel", "") for k in DECODE) + " |")
+    print("|---" * (1 + len(DECODE)) + "|")
+    for r in decode_rows:
+        print(f"| {r['variant']} | " + " | ".join(f"{r[k]:.1f}" for k in DECODE) + " |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(fwd_bwd=rows, decode=decode_rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
