@@ -5,10 +5,12 @@
 The selected-attention kernels (forward and the fused dQ) give one program a tile of QPB consecutive queries
 x the G heads of a KV group (BLOCK_M rows) and walk the union of the tile's selected blocks, loading each
 block once for the whole tile. Without sub-tiles every union block costs BLOCK_M rows of QK^T, softmax and
-PV, and the union grows with the tile. With sub-tiles (what the kernels do: 16 rows each) a sub-tile does
-the math only for the blocks one of its own rows' queries chose, so a wider tile shares more loads while
-the math stays that of the sub-tile. This script counts both on real selections (the reference's top-n for
-the last --queries queries of a sequence) for several tile widths:
+PV, and the union grows with the tile. With sub-tiles (16 rows each; what the kernels do before Hopper and
+at head_dim 128) a sub-tile does the math only for the blocks one of its own rows' queries chose, so a wider
+tile shares more loads while the math stays that of the sub-tile. This script counts both on real
+selections (the reference's top-n for the last --queries queries of a sequence) for several tile widths.
+A count is not a timing: on the H100 a 16-row tl.dot costs about a 64-row one (wgmma), and the whole
+64-row tile was the fastest there (bench/tune_kernels.py, README):
 
 - blocks/tile: distinct blocks in a tile's union (n = 16 per query);
 - loads/query: union / QPB, K/V blocks each query's tile reads (a query alone reads n);

@@ -22,16 +22,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import PARAMS, nsa_inputs, time_ms, tri  # noqa: E402
 
-KNOBS = ["_SEL_ROWS", "_SEL_SUB_ROWS", "_TOPN_INSERT_MAX", "_TOPN_ROWS", "_TOPN_WARPS", "_TOPN_BLOCKS_PER_CHUNK"]
+KNOBS = ["_SEL_ROWS", "_SEL_SUB_ROWS", "_TOPN_INSERT_MAX", "_TOPN_ROWS", "_TOPN_WARPS", "_TOPN_BLOCKS_PER_CHUNK",
+         "_DKDV_WARPS", "_DQ_ROWS", "_DQ_WARPS"]
+# The first sweep (H100, 2026-11-22) set the selected tile (no sub-tiles), the dQ tile (128 rows), the top-n
+# warps (4) and insertion (up to 4). Open questions from it: the dK/dV kernels ran at 4 warps at commit
+# 9b9991f and were faster there (64k: compressed/window 7.2 ms, selected 3.8 ms, against 10.7 / 6.1 ms at
+# 8 warps now), and the fused dQ at 64k takes 21 ms against 10.7 ms for 9b9991f's separate dQ kernels.
 DEFAULT_VARIANTS = [
     "default",
-    "subtiles16:_SEL_SUB_ROWS=16,_TOPN_INSERT_MAX=0",  # the launcher before 2026-11-22's GPU run
+    "dkdv4warps:_DKDV_WARPS=4",
+    "dq64rows:_DQ_ROWS=64",
+    "dq64rows4warps:_DQ_ROWS=64,_DQ_WARPS=4",
+    "topn128rows4warps:_TOPN_ROWS=128,_TOPN_WARPS=4",
     "merge_only:_TOPN_INSERT_MAX=0",
-    "insert16:_TOPN_INSERT_MAX=16",
-    "topn128rows:_TOPN_ROWS=128",
-    "topn4warps:_TOPN_WARPS=4",
-    "topn_bj32:_TOPN_BLOCKS_PER_CHUNK=32",
-    "sel128rows:_SEL_ROWS=128",
 ]
 CASES = [(12, 2, 2048, 32), (12, 2, 65536, 1), (16, 1, 8192, 8)]  # (H, Hkv, T, B) at d64
 KERNELS = ["_select_topn_kernel", "_sel_fwd_kernel", "_bwd_dq_kernel", "_sel_bwd_dkdv_kernel",

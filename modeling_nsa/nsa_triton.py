@@ -504,7 +504,8 @@ if _HAS_TRITON:
     # Sub-tiles: the tile's rows are split in SUBS sub-tiles of SUB_M rows (1, 2 or 4, each with its own
     # softmax state); a union block is loaded once for the tile, and a sub-tile does its math only if one
     # of its rows' queries chose the block. The tile shares the block loads of many queries while the
-    # math stays near what each query chose (bench/selection_tiles.py counts both).
+    # math stays near what each query chose (bench/selection_tiles.py counts both). On sm_90 at head_dim 64
+    # the tile is one sub-tile (_sel_sub_tile: a 16-row wgmma costs about a 64-row one).
 
     @triton.jit
     def _sel_tile_rows(IDX, DOCPOS, pid_q, pid_bg, b, Tq, Tk, q_off, r0,
@@ -1090,6 +1091,9 @@ _TOPN_BLOCKS_PER_CHUNK = None  # tests set a small value to exercise the multi-c
 _TOPN_INSERT_MAX = None  # tests force the top-n insertion/merge threshold (0: always merge)
 _TOPN_ROWS = None  # bench/tune_kernels.py: rows (queries x padded heads) per top-n program
 _TOPN_WARPS = None  # bench/tune_kernels.py: warps of the top-n program
+_DKDV_WARPS = None  # bench/tune_kernels.py: warps of the compressed/window and selected dK/dV kernels
+_DQ_ROWS = None  # bench/tune_kernels.py: rows of the fused dQ query tile (sm_90)
+_DQ_WARPS = None  # bench/tune_kernels.py: warps of the fused dQ kernel (sm_90)
 _SEL_ROWS = None  # tests force the selected-attention query tile (rows = queries x G)
 _SEL_SUB_ROWS = None  # tests force the rows per sub-tile of that tile (= the tile's rows: no sub-tiles)
 _DECODE_SPLIT = None  # tests force the compressed slots per decode split program
@@ -1125,8 +1129,8 @@ def _dkdv_launch(group: int, head_dim: int, device) -> tuple[int, int, dict]:
     software pipelining at head_dim 128."""
     if head_dim <= 64 and _compute_capability(device) >= 90:
         block_m, qpb = _rows_per_program(group, head_dim)
-        return block_m, qpb, dict(num_warps=8)
-    return *_query_tile(group, 32), dict(num_warps=8, num_stages=2 if head_dim <= 64 else 1)
+        return block_m, qpb, dict(num_warps=_DKDV_WARPS or 8)
+    return *_query_tile(group, 32), dict(num_warps=_DKDV_WARPS or 8, num_stages=2 if head_dim <= 64 else 1)
 
 
 def _dq_launch(group: int, head_dim: int, n_sel: int, device) -> tuple[int, int, dict]:
@@ -1138,8 +1142,9 @@ def _dq_launch(group: int, head_dim: int, n_sel: int, device) -> tuple[int, int,
     the warps, so the tile is 32 rows there (tests/triton_aot.py)."""
     if _compute_capability(device) >= 90:
         rows = 128 if head_dim <= 64 and _next_pow2(n_sel) >= 16 and not _SEL_ROWS else None
+        rows = _DQ_ROWS or rows
         block_m, qpb = _query_tile(group, rows) if rows else _sel_rows_per_program(group, head_dim)
-        return block_m, qpb, dict(num_warps=8)
+        return block_m, qpb, dict(num_warps=_DQ_WARPS or 8)
     return *_query_tile(group, 32), dict(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
 
 
