@@ -1122,14 +1122,17 @@ def _compute_capability(device) -> int:
     return 10 * major + minor
 
 
-def _dkdv_launch(group: int, head_dim: int, device) -> tuple[int, int, dict]:
+def _dkdv_launch(group: int, head_dim: int, device, interval: bool = False) -> tuple[int, int, dict]:
     """(BLOCK_M, queries per program, launch options) for the dK/dV kernels, which hold fp32 dK and dV
     tiles across their query loop. Chosen with tests/triton_aot.py (registers and spills per variant):
     8 warps; 32-row query tiles where 64 rows spill (head_dim 128, and head_dim 64 before Hopper); no
-    software pipelining at head_dim 128."""
+    software pipelining at head_dim 128. The compressed/window kernel (interval=True) on sm_90 at head_dim
+    64: 4 warps, spill-free there (the selected kernel spills 56-144 bytes at 4 warps); at commit 9b9991f it
+    ran so and took 7.2 ms at 64k, against 10.7 ms at 8 warps on the current kernel (H100, 2026-11-22; the
+    current kernel at 4 warps is not timed yet: bench/tune_kernels.py variant dkdv8warps)."""
     if head_dim <= 64 and _compute_capability(device) >= 90:
         block_m, qpb = _rows_per_program(group, head_dim)
-        return block_m, qpb, dict(num_warps=_DKDV_WARPS or 8)
+        return block_m, qpb, dict(num_warps=_DKDV_WARPS or (4 if interval else 8))
     return *_query_tile(group, 32), dict(num_warps=_DKDV_WARPS or 8, num_stages=2 if head_dim <= 64 else 1)
 
 
@@ -1221,7 +1224,7 @@ def _interval_bwd_dkdv(q, k, v, lo, hi, do, gates, branch, lse, delta, scale):
     batch, num_q, num_heads, head_dim = q.shape
     num_keys, num_kv = k.shape[1], k.shape[2]
     group = num_heads // num_kv
-    block_m, qpb, dkdv_opts = _dkdv_launch(group, head_dim, q.device)
+    block_m, qpb, dkdv_opts = _dkdv_launch(group, head_dim, q.device, interval=True)
     block_n = 64
     n_ktiles = triton.cdiv(max(num_keys, 1), block_n)
     # Queries that can see key tile [c0, c1): hi(t) > c0 and lo(t) < c1 (lo, hi monotone on valid queries).
