@@ -1,7 +1,6 @@
 """Attention benchmark on a GPU: our NSA (Triton, three branches) vs dense causal SDPA vs fla's parallel_nsa.
 
     python bench/bench_attention.py [--json results.json] [--lengths 2048 8192 ...] [--tokens 65536]
-                                    [--sel-tiles 64:16 64:64 32:16 16:16]
 
 Fixed B*T tokens per step; forward and forward+backward median milliseconds (CUDA events, warm-up,
 fresh random bf16 inputs per length), peak memory of the fwd+bwd step, ratios vs dense SDPA and fla.
@@ -83,7 +82,7 @@ def nsa_inputs(B, T, H, Hkv, D, grad=True):
     return x, cmp_end, doc_pos
 
 
-def bench_layout(H, Hkv, D, lengths, tokens, rows, sel_tiles=()):
+def bench_layout(H, Hkv, D, lengths, tokens, rows):
     for T in lengths:
         B = max(1, tokens // T)
         row = dict(layout=f"{H}q/{Hkv}kv d{D}", T=T, B=B)
@@ -104,15 +103,6 @@ def bench_layout(H, Hkv, D, lengths, tokens, rows, sel_tiles=()):
         row["nsa_fwd"] = time_ms(ours_fwd)
         row["nsa_fb"] = time_ms(ours_step)
         row["nsa_mem"] = peak_mib(ours_step)
-        # the selected-attention query tile (rows = queries x G) and its sub-tiles, forced: block loads shared
-        # by a tile against the math of its sub-tiles' unions (bench/selection_tiles.py counts both)
-        for tile in sel_tiles:
-            tri._SEL_ROWS, tri._SEL_SUB_ROWS = (int(v) for v in tile.split(":"))
-            try:
-                row[f"nsa_fwd_tile{tile}"] = time_ms(ours_fwd)
-                row[f"nsa_fb_tile{tile}"] = time_ms(ours_step)
-            finally:
-                tri._SEL_ROWS, tri._SEL_SUB_ROWS = None, None
         del x
         # dense SDPA, same heads (GQA)
         q, k, v = rnd(B, H, T, D), rnd(B, Hkv, T, D), rnd(B, Hkv, T, D)
@@ -210,15 +200,12 @@ def main():
     ap.add_argument("--tokens", type=int, default=65536)
     ap.add_argument("--decode", type=int, nargs="*", default=[4096, 16384, 65536])
     ap.add_argument("--layouts", nargs="*", default=["12,2,64", "16,1,64"])
-    ap.add_argument("--sel-tiles", nargs="*", default=[],
-                    help="also time NSA with the selected-attention tile forced, as rows:sub-tile rows (64:16 64:64 "
-                         "32:16 16:16); the launcher's default is 64:16")
     args = ap.parse_args()
     torch.manual_seed(0)
     rows, dec = [], []
     for spec in args.layouts:
         H, Hkv, D = (int(s) for s in spec.split(","))
-        bench_layout(H, Hkv, D, args.lengths, args.tokens, rows, args.sel_tiles)
+        bench_layout(H, Hkv, D, args.lengths, args.tokens, rows)
     if args.decode:
         bench_decode(12, 2, 64, args.decode, dec)
     dev = torch.cuda.get_device_name()
@@ -234,13 +221,6 @@ def main():
               f"{fmt(r['sdpa_fwd'])} | {fmt(r['sdpa_fb'])} | {fmt(r.get('fla_fwd'))} | {fmt(r.get('fla_fb'))} | "
               f"{ratio_s:.2f}x | {fmt(ratio_f)}{'x' if ratio_f else ''} | {r['nsa_mem']:.0f} | {r['sdpa_mem']:.0f} | "
               f"{fmt(r.get('fla_mem'), 0)} |")
-    if args.sel_tiles:
-        heads = " | ".join(f"tile {v}: fwd / f+b ms" for v in args.sel_tiles)
-        print(f"\n| layout | T | NSA f+b ms (launcher's tile) | {heads} |")
-        print("|---" * (3 + len(args.sel_tiles)) + "|")
-        for r in rows:
-            cells = [f"{fmt(r[f'nsa_fwd_tile{v}'])} / {fmt(r[f'nsa_fb_tile{v}'])}" for v in args.sel_tiles]
-            print(f"| {r['layout']} | {r['T']} | {fmt(r['nsa_fb'])} | " + " | ".join(cells) + " |")
     if dec:
         print("\n| decode (B=1) | context | NSA ms/token | SDPA ms/token | ratio | NSA graphed | SDPA graphed | ratio |")
         print("|---|---|---|---|---|---|---|---|")

@@ -19,7 +19,8 @@ A count is not a timing: on the H100 a 16-row tl.dot costs about a 64-row one (w
 Two input kinds: "random" is what bench/bench_attention.py times (fresh Gaussian q and keys: consecutive
 queries choose nearly unrelated blocks, the worst case for a union), "correlated" makes consecutive queries
 similar (q = shared + 0.3 noise), closer to a trained model where neighbouring queries attend alike. Which
-resource binds (L2 block loads or math) is what `bench_attention.py --sel-tiles ...` measures on a GPU.
+resource binds (L2 block loads or math) is what `bench/tune_kernels.py` measures on a GPU (variants with
+_SEL_ROWS and _SEL_SUB_ROWS). The "launcher" column marks the sm_90 launcher's tile.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def main():
         H, Hkv, D = (int(s) for s in spec.split(","))
         for T in args.lengths:
             picked = tri._sel_rows_per_program(H // Hkv, D)[0]
-            picked_sub = tri._sel_sub_tile(picked)
+            picked_sub = tri._sel_sub_tile(picked, D, "cpu")  # what the launcher picks on sm_90
             for kind in ("random", "correlated"):
                 idx = selections(T, H, Hkv, D, min(T, args.queries), kind, torch.Generator().manual_seed(0))
                 for rows, sub_rows in ((16, None), (32, None), (64, None), (32, 16), (64, 16)):

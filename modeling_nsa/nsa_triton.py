@@ -1144,8 +1144,7 @@ def _dq_launch(group: int, head_dim: int, n_sel: int, device) -> tuple[int, int,
     head_dim 128 it does not fit: the selected attention's tile there. Before Hopper 64 rows spill whatever
     the warps, so the tile is 32 rows there (tests/triton_aot.py)."""
     if _compute_capability(device) >= 90:
-        rows = 128 if head_dim <= 64 and _next_pow2(n_sel) >= 16 and not _SEL_ROWS else None
-        rows = _DQ_ROWS or rows
+        rows = _DQ_ROWS or (128 if head_dim <= 64 and _next_pow2(n_sel) >= 16 and not _SEL_ROWS else None)
         block_m, qpb = _query_tile(group, rows) if rows else _sel_rows_per_program(group, head_dim)
         return block_m, qpb, dict(num_warps=_DQ_WARPS or 8)
     return *_query_tile(group, 32), dict(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
@@ -1154,8 +1153,8 @@ def _dq_launch(group: int, head_dim: int, n_sel: int, device) -> tuple[int, int,
 def _sel_sub_tile(block_m: int, head_dim: int, device) -> int:
     """Rows per sub-tile of a selected-attention query tile (a sub-tile skips the union blocks none of its
     queries chose). Hopper's wgmma works on 64-row tiles, so there a 16-row tl.dot costs about a 64-row
-    one and sub-tiles only add work: measured on the H100 (bench_attention.py --sel-tiles, 2026-11-22, d64)
-    the whole 64-row tile was fastest at every length and both layouts. At head_dim 128 the whole 32-row
+    one and sub-tiles only add work: measured on the H100 (bench/tune_kernels.py, 2026-11-22, d64) the
+    whole 64-row tile was fastest at every length and both layouts. At head_dim 128 the whole 32-row
     tile spills in the fused dQ (tests/triton_aot.py), so it keeps 16-row sub-tiles. Before Hopper mma works
     on 16 rows, so there the tile runs as 16-row sub-tiles (at most 4), which skip the blocks none of their
     queries chose (bench/selection_tiles.py counts the math saved; not timed on such a GPU)."""
