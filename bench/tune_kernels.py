@@ -27,12 +27,11 @@ KNOBS = ["_SEL_ROWS", "_SEL_SUB_ROWS", "_TOPN_INSERT_MAX", "_TOPN_ROWS", "_TOPN_
 # The first sweep (H100, 2026-11-22) set the selected tile (no sub-tiles), the dQ tile (128 rows), the top-n
 # warps (4) and insertion (up to 4). Open questions from it: the dK/dV kernels ran at 4 warps at commit
 # 9b9991f and were faster there (64k: compressed/window 7.2 ms, selected 3.8 ms, against 10.7 / 6.1 ms at
-# 8 warps then); the compressed/window one now defaults to 4 again (untimed), the selected one stays at 8
-# (it spills at 4); and the fused dQ at 64k takes 21 ms against 10.7 ms for 9b9991f's separate kernels.
+# 8 warps in 64321fd); both now compute key-major and default to 4 warps, spill-free (untimed; dkdv8warps
+# is the other choice); and the fused dQ at 64k takes 21 ms against 10.9 ms for 9b9991f's separate kernels.
 DEFAULT_VARIANTS = [
     "default",
     "dkdv8warps:_DKDV_WARPS=8",
-    "dkdv4warps:_DKDV_WARPS=4",
     "dq64rows:_DQ_ROWS=64",
     "dq64rows4warps:_DQ_ROWS=64,_DQ_WARPS=4",
     "topn128rows4warps:_TOPN_ROWS=128,_TOPN_WARPS=4",

@@ -127,18 +127,20 @@ if _HAS_TRITON:
         return q, do, _load_lse(LSE, row, row_ok), delta
 
     @triton.jit
-    def _dkdv_update(q, do, lse, delta, k, v, vis, sm_scale2, dk, dv, MASKED: tl.constexpr):
+    def _dkdv_update(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv, MASKED: tl.constexpr):
         """One query tile's share of a key tile's dK (unscaled) and dV: the flash-attention backward with
-        the probabilities recomputed from the saved log-sum-exp; vis is ignored unless MASKED (rows outside
-        the tile hold q = do = delta = 0 and add nothing)."""
-        s = tl.dot(q, tl.trans(k)) * sm_scale2
-        p = tl.exp2(s - lse[:, None])
+        the probabilities recomputed from the saved log-sum-exp; vis_t (keys, rows) is ignored unless MASKED
+        (rows outside the tile hold q = do = delta = 0 and add nothing). Computed key-major (S^T = K Q^T),
+        so P^T and dS^T come out of their dots in the layout the dV and dK dots take them in (no transpose
+        through shared memory) and the keys, not the query rows, are the dots' M dimension."""
+        s_t = tl.dot(k, tl.trans(q)) * sm_scale2  # (keys, rows)
+        p_t = tl.exp2(s_t - lse[None, :])
         if MASKED:
-            p = tl.where(vis, p, 0.0)
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-        dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+            p_t = tl.where(vis_t, p_t, 0.0)
+        dv += tl.dot(p_t.to(do.dtype), do)
+        dp_t = tl.dot(v, tl.trans(do))
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q)
         return dk, dv
 
     @triton.jit
@@ -304,8 +306,8 @@ if _HAS_TRITON:
             if (lo_max <= pid_k * BLOCK_N) & (hi_min >= (pid_k + 1) * BLOCK_N):
                 dk, dv = _dkdv_update(q, do, lse, delta, k, v, True, sm_scale2, dk, dv, False)
             else:
-                vis = row_ok[:, None] & (kk[None, :] >= lo[:, None]) & (kk[None, :] < hi[:, None])
-                dk, dv = _dkdv_update(q, do, lse, delta, k, v, vis, sm_scale2, dk, dv, True)
+                vis_t = row_ok[None, :] & (kk[:, None] >= lo[None, :]) & (kk[:, None] < hi[None, :])
+                dk, dv = _dkdv_update(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv, True)
         split_off = pid_s.to(tl.int64) * (tl.num_programs(1) // HKV) * Nk * HKV * D
         tl.store(DK + split_off + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=k_ok[:, None])
         tl.store(DV + split_off + kv_off, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
@@ -637,8 +639,8 @@ if _HAS_TRITON:
             qi = tl.load(PAIR_Q + pi, mask=row_ok, other=0)
             row = (b * Tq + qi) * H + g * G + hh
             q, do, lse, delta = _bwd_rows(Q, DO, GATE, LSE, DELTA, row, row_ok, d, D, BR)
-            vis = row_ok[:, None] & k_ok[None, :] & (kk[None, :] <= (q_off + qi)[:, None])
-            dk, dv = _dkdv_update(q, do, lse, delta, k, v, vis, sm_scale2, dk, dv, True)
+            vis_t = row_ok[None, :] & k_ok[:, None] & (kk[:, None] <= (q_off + qi)[None, :])
+            dk, dv = _dkdv_update(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv, True)
         return dk, dv, kv_off, k_ok
 
     @triton.jit
@@ -1122,18 +1124,19 @@ def _compute_capability(device) -> int:
     return 10 * major + minor
 
 
-def _dkdv_launch(group: int, head_dim: int, device, interval: bool = False) -> tuple[int, int, dict]:
+def _dkdv_launch(group: int, head_dim: int, device) -> tuple[int, int, dict]:
     """(BLOCK_M, queries per program, launch options) for the dK/dV kernels, which hold fp32 dK and dV
-    tiles across their query loop. Chosen with tests/triton_aot.py (registers and spills per variant):
-    8 warps; 32-row query tiles where 64 rows spill (head_dim 128, and head_dim 64 before Hopper); no
-    software pipelining at head_dim 128. The compressed/window kernel (interval=True) on sm_90 at head_dim
-    64: 4 warps, spill-free there (the selected kernel spills 56-144 bytes at 4 warps); at commit 9b9991f it
-    ran so and took 7.2 ms at 64k, against 10.7 ms at 8 warps on the current kernel (H100, 2026-11-22; the
-    current kernel at 4 warps is not timed yet: bench/tune_kernels.py variant dkdv8warps)."""
+    tiles across their query loop. Chosen with tests/triton_aot.py (registers and spills per variant) for
+    the key-major update (_dkdv_update): on sm_90 at head_dim 64, 64-row query tiles at 4 warps, spill-free
+    for both kernels (at commit 9b9991f, 4 warps ran the selected and compressed/window kernels in 3.8 and
+    7.2 ms at 64k against 6.1 and 10.7 ms for the 8 warps of 64321fd; H100, 2026-11-22; the key-major
+    update is not timed yet: bench/tune_kernels.py variant dkdv8warps). Elsewhere 32-row tiles at 8 warps
+    without software pipelining, which keeps the stack frame at 0-32 bytes on sm_80 (64 rows, or
+    pipelining, spill more)."""
     if head_dim <= 64 and _compute_capability(device) >= 90:
         block_m, qpb = _rows_per_program(group, head_dim)
-        return block_m, qpb, dict(num_warps=_DKDV_WARPS or (4 if interval else 8))
-    return *_query_tile(group, 32), dict(num_warps=_DKDV_WARPS or 8, num_stages=2 if head_dim <= 64 else 1)
+        return block_m, qpb, dict(num_warps=_DKDV_WARPS or 4)
+    return *_query_tile(group, 32), dict(num_warps=_DKDV_WARPS or 8, num_stages=1)
 
 
 def _dq_launch(group: int, head_dim: int, n_sel: int, device) -> tuple[int, int, dict]:
@@ -1223,7 +1226,7 @@ def _interval_bwd_dkdv(q, k, v, lo, hi, do, gates, branch, lse, delta, scale):
     batch, num_q, num_heads, head_dim = q.shape
     num_keys, num_kv = k.shape[1], k.shape[2]
     group = num_heads // num_kv
-    block_m, qpb, dkdv_opts = _dkdv_launch(group, head_dim, q.device, interval=True)
+    block_m, qpb, dkdv_opts = _dkdv_launch(group, head_dim, q.device)
     block_n = 64
     n_ktiles = triton.cdiv(max(num_keys, 1), block_n)
     # Queries that can see key tile [c0, c1): hi(t) > c0 and lo(t) < c1 (lo, hi monotone on valid queries).
