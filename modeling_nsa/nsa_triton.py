@@ -127,16 +127,14 @@ if _HAS_TRITON:
         return q, do, _load_lse(LSE, row, row_ok), delta
 
     @triton.jit
-    def _dkdv_update(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv, MASKED: tl.constexpr):
+    def _dkdv_update(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv):
         """One query tile's share of a key tile's dK (unscaled) and dV: the flash-attention backward with
-        the probabilities recomputed from the saved log-sum-exp; vis_t (keys, rows) is ignored unless MASKED
-        (rows outside the tile hold q = do = delta = 0 and add nothing). Computed key-major (S^T = K Q^T),
-        so P^T and dS^T come out of their dots in the layout the dV and dK dots take them in (no transpose
-        through shared memory) and the keys, not the query rows, are the dots' M dimension."""
+        the probabilities recomputed from the saved log-sum-exp; vis_t (keys, rows) says which row sees which
+        key. Computed key-major (S^T = K Q^T), so P^T and dS^T come out of their dots in the layout the dV and
+        dK dots take them in (no transpose through shared memory) and the keys, not the query rows, are the
+        dots' M dimension."""
         s_t = tl.dot(k, tl.trans(q)) * sm_scale2  # (keys, rows)
-        p_t = tl.exp2(s_t - lse[None, :])
-        if MASKED:
-            p_t = tl.where(vis_t, p_t, 0.0)
+        p_t = tl.where(vis_t, tl.exp2(s_t - lse[None, :]), 0.0)
         dv += tl.dot(p_t.to(do.dtype), do)
         dp_t = tl.dot(v, tl.trans(do))
         ds_t = p_t * (dp_t - delta[None, :])
@@ -301,13 +299,10 @@ if _HAS_TRITON:
             hi = tl.load(HI + b * Tq + qi, mask=row_ok, other=0)
             row = (b * Tq + qi) * H + g * G + hh
             q, do, lse, delta = _bwd_rows(Q, DO, GATE, LSE, DELTA, row, row_ok, d, D, BR)
-            # the whole key tile inside every valid row's interval: no mask (as the forward's middle tiles)
-            lo_max, hi_min = _common_interval(lo, hi, row_ok, Nk)
-            if (lo_max <= pid_k * BLOCK_N) & (hi_min >= (pid_k + 1) * BLOCK_N):
-                dk, dv = _dkdv_update(q, do, lse, delta, k, v, True, sm_scale2, dk, dv, False)
-            else:
-                vis_t = row_ok[None, :] & (kk[:, None] >= lo[None, :]) & (kk[:, None] < hi[None, :])
-                dk, dv = _dkdv_update(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv, True)
+            # every tile masked, even those inside all rows' intervals: a branch in the loop body would keep
+            # the compiler from software-pipelining the next query tile's loads (tests/triton_aot.py: TTGIR)
+            vis_t = row_ok[None, :] & (kk[:, None] >= lo[None, :]) & (kk[:, None] < hi[None, :])
+            dk, dv = _dkdv_update(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
         split_off = pid_s.to(tl.int64) * (tl.num_programs(1) // HKV) * Nk * HKV * D
         tl.store(DK + split_off + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=k_ok[:, None])
         tl.store(DV + split_off + kv_off, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
@@ -552,10 +547,16 @@ if _HAS_TRITON:
         return a, kk, k, v
 
     @triton.jit
-    def _sel_fwd_sub(a, kk, k, v, q, t_abs, a_rows, sm_scale2, m_i, l_i, acc):
-        """Block a for one sub-tile: skipped unless one of its rows' queries chose it."""
+    def _sel_fwd_sub(a, kk, k, v, q, t_abs, a_rows, sm_scale2, m_i, l_i, acc, WHOLE: tl.constexpr):
+        """Block a for one sub-tile: skipped unless one of its rows' queries chose it. WHOLE: the sub-tile is
+        the whole tile, whose union holds only blocks its queries chose, so no test (and no branch in the
+        loop, which lets the compiler pipeline the block loads)."""
         sel = tl.sum((a_rows == a).to(tl.int32), 1) > 0  # rows whose query selected it
-        if tl.max(sel.to(tl.int32), 0) > 0:
+        if WHOLE:
+            vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
+            s = tl.where(vis, tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
+            m_i, l_i, acc = _softmax_tile(s, v, m_i, l_i, acc)
+        elif tl.max(sel.to(tl.int32), 0) > 0:
             vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
             s = tl.where(vis, tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
             m_i, l_i, acc = _softmax_tile(s, v, m_i, l_i, acc)
@@ -598,12 +599,12 @@ if _HAS_TRITON:
             m3, l3, acc3 = _softmax_init(SUB_M, D)
         for u in range(tl.load(UCNT + tile)):
             a, kk, k, v = _sel_block(K, V, UBLK, tile, u, kv_base, Tk, HKV, D, LB, N_SEL, QPB)
-            m0, l0, acc0 = _sel_fwd_sub(a, kk, k, v, q0, t0, a0, sm_scale2, m0, l0, acc0)
+            m0, l0, acc0 = _sel_fwd_sub(a, kk, k, v, q0, t0, a0, sm_scale2, m0, l0, acc0, SUBS == 1)
             if SUBS >= 2:
-                m1, l1, acc1 = _sel_fwd_sub(a, kk, k, v, q1, t1, a1, sm_scale2, m1, l1, acc1)
+                m1, l1, acc1 = _sel_fwd_sub(a, kk, k, v, q1, t1, a1, sm_scale2, m1, l1, acc1, False)
             if SUBS >= 4:
-                m2, l2, acc2 = _sel_fwd_sub(a, kk, k, v, q2, t2, a2, sm_scale2, m2, l2, acc2)
-                m3, l3, acc3 = _sel_fwd_sub(a, kk, k, v, q3, t3, a3, sm_scale2, m3, l3, acc3)
+                m2, l2, acc2 = _sel_fwd_sub(a, kk, k, v, q2, t2, a2, sm_scale2, m2, l2, acc2, False)
+                m3, l3, acc3 = _sel_fwd_sub(a, kk, k, v, q3, t3, a3, sm_scale2, m3, l3, acc3, False)
         _sel_fwd_store(O, LSE, row0, ok0, m0, l0, acc0, D)
         if SUBS >= 2:
             _sel_fwd_store(O, LSE, row1, ok1, m1, l1, acc1, D)
@@ -640,7 +641,7 @@ if _HAS_TRITON:
             row = (b * Tq + qi) * H + g * G + hh
             q, do, lse, delta = _bwd_rows(Q, DO, GATE, LSE, DELTA, row, row_ok, d, D, BR)
             vis_t = row_ok[None, :] & k_ok[:, None] & (kk[:, None] <= (q_off + qi)[None, :])
-            dk, dv = _dkdv_update(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv, True)
+            dk, dv = _dkdv_update(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
         return dk, dv, kv_off, k_ok
 
     @triton.jit
@@ -795,10 +796,14 @@ if _HAS_TRITON:
         return q, do, _load_lse(LSE_S, row, row_ok), delta, t_abs, a_rows
 
     @triton.jit
-    def _sel_dq_sub(a, kk, k, v, q, do, lse, delta, t_abs, a_rows, sm_scale2, dq):
-        """Block a's share of one sub-tile's dQ: skipped unless one of its rows' queries chose it."""
+    def _sel_dq_sub(a, kk, k, v, q, do, lse, delta, t_abs, a_rows, sm_scale2, dq, WHOLE: tl.constexpr):
+        """Block a's share of one sub-tile's dQ: skipped unless one of its rows' queries chose it (WHOLE: the
+        whole tile, no test, as in _sel_fwd_sub)."""
         sel = tl.sum((a_rows == a).to(tl.int32), 1) > 0
-        if tl.max(sel.to(tl.int32), 0) > 0:
+        if WHOLE:
+            vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
+            dq = _dq_update(q, do, lse, delta, k, v, vis, sm_scale2, dq, True)
+        elif tl.max(sel.to(tl.int32), 0) > 0:
             vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
             dq = _dq_update(q, do, lse, delta, k, v, vis, sm_scale2, dq, True)
         return dq
@@ -870,12 +875,12 @@ if _HAS_TRITON:
         kv_base = b * Tk * HKV * D + g * D
         for u in range(tl.load(UCNT + tile)):
             a, kk, k, v = _sel_block(KS, VS, UBLK, tile, u, kv_base, Tk, HKV, D, LB, N_SEL, QPB)
-            dq0 = _sel_dq_sub(a, kk, k, v, q0, do0, lse0, dl0, t0, a0, sm_scale2, dq0)
+            dq0 = _sel_dq_sub(a, kk, k, v, q0, do0, lse0, dl0, t0, a0, sm_scale2, dq0, SUBS == 1)
             if SUBS >= 2:
-                dq1 = _sel_dq_sub(a, kk, k, v, q1, do1, lse1, dl1, t1, a1, sm_scale2, dq1)
+                dq1 = _sel_dq_sub(a, kk, k, v, q1, do1, lse1, dl1, t1, a1, sm_scale2, dq1, False)
             if SUBS >= 4:
-                dq2 = _sel_dq_sub(a, kk, k, v, q2, do2, lse2, dl2, t2, a2, sm_scale2, dq2)
-                dq3 = _sel_dq_sub(a, kk, k, v, q3, do3, lse3, dl3, t3, a3, sm_scale2, dq3)
+                dq2 = _sel_dq_sub(a, kk, k, v, q2, do2, lse2, dl2, t2, a2, sm_scale2, dq2, False)
+                dq3 = _sel_dq_sub(a, kk, k, v, q3, do3, lse3, dl3, t3, a3, sm_scale2, dq3, False)
         if SUBS == 1:
             dq += dq0
         if SUBS == 2:
@@ -1017,11 +1022,12 @@ if _HAS_TRITON:
         Tk, Tw, S, n_prog, sm_scale2,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
         LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, WIN: tl.constexpr,
-        SB: tl.constexpr, LISTS: tl.constexpr, BLOCK_N: tl.constexpr,
+        SB: tl.constexpr, LISTS: tl.constexpr, SEL_STEP: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         """Decode, one program per (row, KV group), rows = its G heads: merges the compressed-branch splits
         (log-sum-exp and output) and the block ranges' top-n lists, then selected and window attention and
-        the gated sum."""
+        the gated sum. Two programs at B = 1 and 2 KV heads, so the chain of dependent steps is what costs:
+        SEL_STEP selected blocks per step and BLOCK_N window keys per step keep it short."""
         pid_bg = tl.program_id(0)
         b = (pid_bg // HKV).to(tl.int64)
         g = pid_bg % HKV
@@ -1050,14 +1056,16 @@ if _HAS_TRITON:
             i = tl.where(i >= 0, i, (1 << 29) + e)  # distinct stand-ins for unused entries (priority -inf)
             top_v, top_i = _topn_merge(top_v, top_i, tl.reshape(v, (1, E)), i, N_SEL, N_PAD)
         top_i = tl.reshape(tl.where(top_v > float("-inf"), top_i, -1), (N_PAD,))
-        # selected branch: the n blocks' keys up to t
+        # selected branch: the n blocks' keys up to t, SEL_STEP blocks (SEL_STEP * l' keys) per step
         slot_n = tl.arange(0, N_PAD)
-        kb = tl.arange(0, LB)
+        kb = tl.arange(0, SEL_STEP * LB)
         slc_base = b * Tk * HKV * D + g * D
         m_i, l_i, acc = _softmax_init(G_PAD, D)
-        for i in range(N_SEL):
-            j = tl.sum(tl.where(slot_n == i, top_i, 0), 0)
-            kk = tl.where(j >= 0, start + j.to(tl.int64) * LB, t + 1) + kb  # unused slot: nothing visible
+        for i0 in range(0, N_SEL, SEL_STEP):
+            slot_k = i0 + kb // LB  # (SEL_STEP * LB,) list slot of each key
+            j = tl.sum(tl.where(slot_k[:, None] == slot_n[None, :], top_i[None, :], 0), 1)  # the slot's block
+            j = tl.where(slot_k < N_SEL, j, -1)  # -1 (also an unused slot's): nothing visible
+            kk = tl.where(j >= 0, start + j.to(tl.int64) * LB, t + 1) + kb % LB
             vis = kk <= t
             kv_off = slc_base + kk[:, None] * (HKV * D) + d[None, :]
             k = tl.load(KS + kv_off, mask=vis[:, None], other=0.0)
@@ -1100,6 +1108,9 @@ _SEL_ROWS = None  # tests force the selected-attention query tile (rows = querie
 _SEL_SUB_ROWS = None  # tests force the rows per sub-tile of that tile (= the tile's rows: no sub-tiles)
 _DECODE_SPLIT = None  # tests force the compressed slots per decode split program
 _DECODE_TOPN_BLOCKS = None  # tests force the selection blocks per decode top-n program
+_DECODE_SEL_STEP = None  # tests, bench/tune_kernels.py: selected blocks per step of the decode finish kernel
+_DECODE_WIN_TILE = None  # tests, bench/tune_kernels.py: window keys per step of the decode finish kernel
+_DECODE_FINISH_WARPS = None  # bench/tune_kernels.py: warps of the decode finish kernel
 _SEL_SPLIT = None  # tests force (heavy_min pairs, splits, partial slots) of the selected dK/dV load-skew split
 
 
@@ -1145,11 +1156,13 @@ def _dq_launch(group: int, head_dim: int, n_sel: int, device) -> tuple[int, int,
     -> 2.7 ms at 2k, 9.5 -> 6.3 ms on fla's layout at 8k, equal at 64k; the selected forward is slower with
     128 rows, so it keeps 64); with fewer blocks (T < 1024 at n = 16) the 128-row tile spills, and at
     head_dim 128 it does not fit: the selected attention's tile there. Before Hopper 64 rows spill whatever
-    the warps, so the tile is 32 rows there (tests/triton_aot.py)."""
+    the warps, so the tile is 32 rows there (tests/triton_aot.py). Two pipeline stages on sm_90: with the
+    selected loop free of branches (_sel_dq_sub, WHOLE) its block loads are software-pipelined, and the
+    default three stages spill 8 bytes at 128 rows (untimed)."""
     if _compute_capability(device) >= 90:
         rows = _DQ_ROWS or (128 if head_dim <= 64 and _next_pow2(n_sel) >= 16 and not _SEL_ROWS else None)
         block_m, qpb = _query_tile(group, rows) if rows else _sel_rows_per_program(group, head_dim)
-        return block_m, qpb, dict(num_warps=_DQ_WARPS or 8)
+        return block_m, qpb, dict(num_warps=_DQ_WARPS or 8, num_stages=2)
     return *_query_tile(group, 32), dict(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
 
 
@@ -1332,6 +1345,14 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     common = dict(HKV=num_kv, G=group, D=head_dim, G_PAD=g_pad)
     topn = dict(LB=params.sel_block_size, N_SEL=n_sel, N_PAD=n_pad)
     merge_splits = 8  # splits per vector load in the merges
+    # the finish kernel's steps: SEL_STEP selected blocks and BLOCK_N window keys each, 256 keys (128 at
+    # head_dim 128, to stay within shared memory), 8 warps: spill-free (tests/triton_aot.py). The 64k decode
+    # step took one block and 64 keys per step at 4 warps, the finish kernel 55 of its 73 us on the H100
+    # (2026-11-22); the longer steps are untimed (bench/tune_kernels.py variant decode_short_steps).
+    keys_per_step = 256 if head_dim <= 64 else 128
+    sel_step = _DECODE_SEL_STEP or max(1, min(keys_per_step // params.sel_block_size, _next_pow2(n_sel)))
+    win_tile = _DECODE_WIN_TILE or keys_per_step
+    finish_warps = _DECODE_FINISH_WARPS or 8
     _decode_cmp_split_kernel[(batch * num_kv, n_split)](
         q, k_cmp, v_cmp, cmp_end, doc_pos, part_m, part_l, part_acc, part_p, counts,
         num_keys, num_slots, n_split, scale * _LOG2E, H=num_heads, CS=split, num_warps=4, **common,
@@ -1346,7 +1367,8 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     _decode_finish_kernel[(batch * num_kv,)](
         q, part_m, part_l, part_acc, counts, top_v, top_i, k_slc, v_slc, k_win, v_win, gates, doc_pos, out,
         num_keys, num_win, n_split, n_prog, scale * _LOG2E, H=num_heads, WIN=params.window_size,
-        SB=merge_splits, LISTS=max(1, 64 // n_pad), BLOCK_N=64, num_warps=4, **common, **topn,
+        SB=merge_splits, LISTS=max(1, 64 // n_pad), SEL_STEP=sel_step, BLOCK_N=win_tile, num_warps=finish_warps,
+        **common, **topn,
     )
     return out
 

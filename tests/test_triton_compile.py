@@ -73,3 +73,15 @@ def test_no_kernel_spills_registers_on_sm90(aot_results):
               for r in _rows(aot_results, 90)
               if r["ok"] and r.get("stack", 0) + r.get("local", 0) > SPILL_ALLOWED_BYTES.get(r["kernel"], 0)]
     assert not spills, spills
+
+
+# The most shared memory one block may use (CUDA's opt-in limit per block): a launch above it compiles but
+# fails at run time with Triton's OutOfResources, so only a GPU would notice.
+SHARED_LIMIT_BYTES = {90: 227 * 1024, 80: 163 * 1024}
+
+
+@pytest.mark.parametrize("arch", [90, 80], ids=["sm90-H100", "sm80-A100"])
+def test_every_kernel_fits_in_shared_memory(aot_results, arch):
+    over = [(r["kernel"], r["scenario"], r["shared"]) for r in _rows(aot_results, arch)
+            if r["ok"] and r["shared"] > SHARED_LIMIT_BYTES[arch]]
+    assert not over, over

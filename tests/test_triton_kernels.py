@@ -40,6 +40,8 @@ _KNOB_IDS = {
     "sel_split": lambda c: f"selsplit{c['sel_split'][2]}slots",
     "decode_split": lambda c: f"split{c['decode_split']}",
     "decode_topn_blocks": lambda c: f"topn{c['decode_topn_blocks']}blocks",
+    "decode_sel_step": lambda c: f"selstep{c['decode_sel_step']}",
+    "decode_win_tile": lambda c: f"wintile{c['decode_win_tile']}",
     "arch": lambda c: f"sm{c['arch']}",
     "param_overrides": lambda c: "-".join(f"{k}{v}" for k, v in c["param_overrides"].items()),
 }
@@ -107,6 +109,10 @@ CPU_CASES = [
     dict(kind="decode", B=1, T=4400, H=6, Hkv=2, D=16, steps=[4400], Tw=512, params="default",
          decode_topn_blocks=16),
     dict(kind="decode", B=1, T=70, H=2, Hkv=2, D=32, steps=[1, 2, 16, 17, 33, 70], Tw=40, dtype="float16"),
+    # the finish kernel's steps: 4 selected blocks per step over n = 6 (the second step half past the list's
+    # n slots), a 40-key window in 16-key steps (the default takes each whole at these sizes)
+    dict(kind="decode", B=2, T=400, H=6, Hkv=2, D=16, steps=[1, 20, 111, 400], Tw=40, layout="varlen",
+         decode_sel_step=4, decode_win_tile=16, param_overrides=dict(sel_num_blocks=6, window_size=40)),
     # torch.compile(fullgraph=True) of the op, forward and backward through AOTAutograd, against eager
     dict(kind="compile", B=2, T=40, H=4, Hkv=2, D=16, layout="varlen"),
     # torch.library.opcheck of both custom ops: schema, autograd registration, fake implementations against

@@ -106,6 +106,8 @@ def case_setup(case: dict):
     tri._SEL_SPLIT = tuple(case["sel_split"]) if case.get("sel_split") else None
     tri._DECODE_SPLIT = case.get("decode_split")
     tri._DECODE_TOPN_BLOCKS = case.get("decode_topn_blocks")
+    tri._DECODE_SEL_STEP = case.get("decode_sel_step")
+    tri._DECODE_WIN_TILE = case.get("decode_win_tile")
     # the launch configuration an architecture gets (tiles differ before Hopper); the default otherwise
     tri.__dict__.setdefault("_real_compute_capability", tri._compute_capability)
     arch = case.get("arch")
