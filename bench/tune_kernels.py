@@ -29,6 +29,9 @@ KNOBS = ["_SEL_ROWS", "_SEL_SUB_ROWS", "_TOPN_INSERT_MAX", "_TOPN_ROWS", "_TOPN_
 # 9b9991f and were faster there (64k: compressed/window 7.2 ms, selected 3.8 ms, against 10.7 / 6.1 ms at
 # 8 warps in 64321fd); both now compute key-major and default to 4 warps, spill-free (untimed; dkdv8warps
 # is the other choice); and the fused dQ at 64k takes 21 ms against 10.9 ms for 9b9991f's separate kernels.
+# Since then (untimed): the top-n lists are unsorted between chunks and every entering block is inserted
+# (merge_only and insert4 are the earlier choices on top of that), and the decode finish kernel takes longer
+# steps (decode_short_steps is the timed one).
 DEFAULT_VARIANTS = [
     "default",
     "dkdv8warps:_DKDV_WARPS=8",
@@ -36,6 +39,7 @@ DEFAULT_VARIANTS = [
     "dq64rows4warps:_DQ_ROWS=64,_DQ_WARPS=4",
     "topn128rows4warps:_TOPN_ROWS=128,_TOPN_WARPS=4",
     "merge_only:_TOPN_INSERT_MAX=0",
+    "insert4:_TOPN_INSERT_MAX=4",
     # the decode finish kernel as timed on 2026-11-22 (one selected block and 64 window keys per step)
     "decode_short_steps:_DECODE_SEL_STEP=1,_DECODE_WIN_TILE=64,_DECODE_FINISH_WARPS=4",
 ]

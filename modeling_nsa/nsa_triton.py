@@ -9,16 +9,17 @@ Layout of the work (no (T x Nc) or (T x T) tensor is ever built):
   KV group), so any G (6, 1, 16, ...) fills the tensor cores and each K/V tile is read once for G heads.
   dK/dV: one program per key tile loops over the queries that can see it (a query range found by
   searchsorted on the monotone lo/hi), so every key tile has a single writer (deterministic, fp32
-  accumulation); query tiles that see the whole key tile run without masks.
+  accumulation), computed key-major (S^T = K Q^T: no transposes through shared memory).
 - Top-n: one program per tile of consecutive queries (x their G heads) of one KV group recomputes
   the compression probabilities from q, the compressed keys and the saved log-sum-exp (each key tile
   serves the whole tile in one tl.dot), folds them into selection-block scores with the overlap
-  weights (summed over the G heads), forces the initial/local blocks, and keeps a running sorted
-  top-n list per query (ties to the lower block index) while streaming over the blocks.
+  weights (summed over the G heads), forces the initial/local blocks, and keeps a running top-n list
+  per query (unsorted: an entering block replaces the worst entry; sorted once at the end; ties to the
+  lower block index) while streaming over the blocks.
 - Selected attention forward: query tiles walk the union of their queries' blocks (listed, sorted
-  and deduplicated by the launcher), loading each block once for the tile; the tile's rows run in
-  16-row sub-tiles that do the math only for the blocks their own queries chose, and each row attends
-  only the blocks its query chose.
+  and deduplicated by the launcher), loading each block once for the tile; each row attends only the
+  blocks its query chose (before Hopper the rows run in 16-row sub-tiles that skip the blocks none of
+  their queries chose).
   dK/dV: the (query, block) pairs are sorted by block (an inverted index, static shapes); one program
   per selection block loops over the queries that chose it: one writer, heavy blocks split into
   fp32 partials summed in a fixed order.
@@ -68,6 +69,12 @@ def triton_is_usable(device) -> bool:
 
 def _next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    """Ceiling division of host integers (triton.cdiv goes through Triton's JIT machinery: about 2 us a call,
+    which the cached decode step pays three times per token)."""
+    return -(-a // b)
 
 
 def triton_supports(params: NSAParams, head_dim: int) -> bool:
@@ -338,30 +345,51 @@ if _HAS_TRITON:
         return new_v, new_i
 
     @triton.jit
+    def _topn_worst(top_v, top_i, N_SEL: tl.constexpr, N_PAD: tl.constexpr):
+        """Each query's worst kept entry of its (unsorted) list (Q, N_PAD): its priority (-inf while a slot is
+        free) and its slot. Priority order: a beats b iff v_a > v_b or (v_a == v_b and i_a < i_b); free slots
+        (-inf, -1) lose to every entry, and to each other by slot."""
+        slot = tl.arange(0, N_PAD)
+        kept = slot[None, :] < N_SEL
+        li = tl.where(top_i < 0, (1 << 30) + slot[None, :], top_i)  # distinct stand-ins for free slots
+        v = tl.where(kept, top_v, float("inf"))
+        worst_v = tl.min(v, 1)
+        worst_li = tl.max(tl.where(kept & (v == worst_v[:, None]), li, -1), 1)
+        worst_slot = tl.max(tl.where(kept & (li == worst_li[:, None]), slot[None, :], -1), 1)
+        return worst_v, worst_slot
+
+    @triton.jit
     def _topn_insert(top_v, top_i, prio, ci, N_SEL: tl.constexpr, N_PAD: tl.constexpr):
         """Insert each query's best chunk entry (prio (Q, BJ) of blocks ci, above the lists' indices) into its
-        sorted list (top_v, top_i) (Q, N_PAD) where it beats the last kept entry, and take it out of prio.
-        One insertion is a (Q, N_PAD, N_PAD) shift instead of _topn_merge's (Q, N_PAD, BJ) rank tensors: the
-        cheap path when few entries of a chunk enter a list (the common case past the first blocks)."""
+        unsorted list (top_v, top_i) (Q, N_PAD) in place of the worst kept entry, if it beats it, and take it
+        out of prio. A few (Q, N_PAD) and (Q, BJ) reductions: the cheap path when few entries of a chunk enter
+        a list (the common case past the first blocks); the lists are sorted once at the end (_topn_sort)."""
         slot = tl.arange(0, N_PAD)
         best_v = tl.max(prio, 1)  # (Q,)
         best_i = tl.min(tl.where(prio == best_v[:, None], ci[None, :], 1 << 30), 1)  # lowest index first
-        li = tl.where(top_i < 0, 1 << 30, top_i)
-        l_beats = (top_v > best_v[:, None]) | ((top_v == best_v[:, None]) & (li < best_i[:, None]))
-        rank = tl.sum((l_beats & (slot[None, :] < N_SEL)).to(tl.int32), 1)  # (Q,) the new entry's slot
-        ins = (rank < N_SEL) & (best_v > float("-inf"))
-        src = slot[None, :] - (slot[None, :] > rank[:, None]).to(tl.int32)  # old slot moving to each slot
-        pick = src[:, :, None] == slot[None, None, :]  # (Q, new slot, old slot)
-        new_v = tl.max(tl.where(pick, top_v[:, None, :], float("-inf")), 2)
-        new_i = tl.max(tl.where(pick, top_i[:, None, :], -1), 2)
-        at = slot[None, :] == rank[:, None]
-        kept = slot[None, :] < N_SEL
-        new_v = tl.where(kept, tl.where(at, best_v[:, None], new_v), float("-inf"))
-        new_i = tl.where(kept, tl.where(at, best_i[:, None], new_i), -1)
-        top_v = tl.where(ins[:, None], new_v, top_v)
-        top_i = tl.where(ins[:, None], new_i, top_i)
+        worst_v, worst_slot = _topn_worst(top_v, top_i, N_SEL, N_PAD)
+        ins = best_v > worst_v  # the chunk's indices are above the list's, so a tie with the worst loses
+        at = ins[:, None] & (slot[None, :] == worst_slot[:, None])
+        top_v = tl.where(at, best_v[:, None], top_v)
+        top_i = tl.where(at, best_i[:, None], top_i)
         prio = tl.where(ins[:, None] & (ci[None, :] == best_i[:, None]), float("-inf"), prio)
         return top_v, top_i, prio
+
+    @triton.jit
+    def _topn_sort(top_v, top_i, N_SEL: tl.constexpr, N_PAD: tl.constexpr):
+        """The lists (Q, N_PAD) in priority order (see _topn_worst) in slots 0 .. N_SEL-1, free slots last:
+        each kept entry's rank is the number of kept entries beating it."""
+        slot = tl.arange(0, N_PAD)
+        kept = slot < N_SEL
+        li = tl.where(top_i < 0, (1 << 30) + slot[None, :], top_i)
+        beats = (top_v[:, :, None] > top_v[:, None, :]) | (
+            (top_v[:, :, None] == top_v[:, None, :]) & (li[:, :, None] < li[:, None, :]))  # (Q, a, b): a beats b
+        rank = tl.sum((beats & kept[None, :, None]).to(tl.int32), 1)  # (Q, N_PAD)
+        rank = tl.where(kept[None, :], rank, 1 << 20)
+        hit = rank[:, None, :] == slot[None, :, None]  # (Q, new slot, old slot)
+        new_v = tl.max(tl.where(hit, top_v[:, None, :], float("-inf")), 2)
+        new_i = tl.max(tl.where(hit, top_i[:, None, :], -1), 2)
+        return new_v, new_i
 
     @triton.jit
     def _topn_chunk_update(ps, carry, top_v, top_i, j0, j_min, n_blocks, own,
@@ -374,12 +402,12 @@ if _HAS_TRITON:
         to it and w1[r] = max(0, r*d + l - l') / d to the next (l <= l'); carry (QPB,) brings the previous
         chunk's last block's share. Only blocks j_min .. n_blocks-1 enter the lists (a decode program owns a
         block range, which it passes as j_min and n_blocks, and reads one block before it for the carry).
-        Forced initial/local blocks get +inf. A chunk whose entries enter no list is skipped; one where at
-        most INSERT_MAX of a query's entries beat its last kept entry inserts them one at a time
-        (_topn_insert), else it is merged whole (_topn_merge); both give the same lists.
+        Forced initial/local blocks get +inf. The lists are kept unsorted between chunks (the caller sorts
+        them once, _topn_sort). A chunk whose entries enter no list is skipped; one where at most INSERT_MAX of
+        a query's entries beat its worst kept entry inserts them one at a time (_topn_insert), else the lists
+        are sorted and the chunk merged whole (_topn_merge); both keep the same entries.
         Returns (carry, top_v, top_i)."""
         R: tl.constexpr = LB // DS
-        slot = tl.arange(0, N_PAD)
         jb = tl.arange(0, BJ)
         rr = tl.arange(0, R) * DS
         w0 = (tl.minimum(LB - rr, L) // DS).to(tl.float32)  # (R,)
@@ -397,10 +425,15 @@ if _HAS_TRITON:
         forced = elig & ((jj[None, :] < INIT) | local)
         prio = tl.where(elig, score, float("-inf"))
         prio = tl.where(forced, float("inf"), prio)
-        last = tl.max(tl.where(slot[None, :] == N_SEL - 1, top_v, float("-inf")), 1)
-        # chunk indices are above the lists' (blocks come in order), so a tie with the last entry loses
-        n_enter = tl.max(tl.sum((prio > last[:, None]).to(tl.int32), 1), 0)  # most entries entering a list
-        if n_enter > INSERT_MAX:
+        worst = _topn_worst(top_v, top_i, N_SEL, N_PAD)[0]
+        # chunk indices are above the lists' (blocks come in order), so a tie with the worst entry loses
+        n_enter = tl.max(tl.sum((prio > worst[:, None]).to(tl.int32), 1), 0)  # most entries entering a list
+        if INSERT_MAX >= BJ:  # at most BJ entries enter: every chunk inserts (no merge code compiled)
+            if n_enter > 0:  # (the loop inside a branch: then Triton still software-pipelines the chunk loop)
+                for _ in range(n_enter):
+                    top_v, top_i, prio = _topn_insert(top_v, top_i, prio, jj, N_SEL, N_PAD)
+        elif n_enter > INSERT_MAX:
+            top_v, top_i = _topn_sort(top_v, top_i, N_SEL, N_PAD)  # the merge takes sorted lists
             top_v, top_i = _topn_merge(top_v, top_i, prio, jj, N_SEL, N_PAD)
         else:
             for _ in range(n_enter):
@@ -437,6 +470,7 @@ if _HAS_TRITON:
             ps = tl.sum(tl.reshape(p, (QPB, G_PAD, BC)), 1)  # (QPB, BC): summed over the heads
             carry, top_v, top_i = _topn_chunk_update(ps, carry, top_v, top_i, j0, 0, n_blocks, own,
                                                      L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, QPB, INSERT_MAX)
+        top_v, top_i = _topn_sort(top_v, top_i, N_SEL, N_PAD)
         return tl.where(top_v > float("-inf"), top_i, -1)
 
     @triton.jit
@@ -1226,7 +1260,7 @@ def _interval_fwd(q, k, v, lo, hi, scale, combine=None):
     out = torch.empty_like(q) if combine is not None else o
     o_c, o_s, gates = combine if combine is not None else (o, o, lse)
     block_m, qpb = _rows_per_program(group, head_dim)
-    grid = (triton.cdiv(num_q, qpb), batch * num_kv)
+    grid = (_cdiv(num_q, qpb), batch * num_kv)
     _interval_fwd_kernel[grid](
         q, k, v, lo, hi, o, lse, o_c, o_s, gates, out, num_q, num_keys, scale * _LOG2E,
         H=num_heads, HKV=num_kv, G=group, D=head_dim, QPB=qpb, BLOCK_M=block_m, BLOCK_N=64,
@@ -1241,7 +1275,7 @@ def _interval_bwd_dkdv(q, k, v, lo, hi, do, gates, branch, lse, delta, scale):
     group = num_heads // num_kv
     block_m, qpb, dkdv_opts = _dkdv_launch(group, head_dim, q.device)
     block_n = 64
-    n_ktiles = triton.cdiv(max(num_keys, 1), block_n)
+    n_ktiles = _cdiv(max(num_keys, 1), block_n)
     # Queries that can see key tile [c0, c1): hi(t) > c0 and lo(t) < c1 (lo, hi monotone on valid queries).
     hi_m = hi.long().cummax(-1).values.contiguous()
     lo_m = torch.where(hi > lo, lo, torch.zeros_like(lo)).long().cummax(-1).values.contiguous()
@@ -1277,14 +1311,14 @@ def _select_topn(q, k_cmp, lse_cmp, doc_pos, c_lo, c_hi, params: NSAParams, scal
     num_slots, num_kv = k_cmp.shape[1], k_cmp.shape[2]
     num_keys = doc_pos.shape[1]
     group = num_heads // num_kv
-    num_blocks = triton.cdiv(num_keys, params.sel_block_size)
+    num_blocks = _cdiv(num_keys, params.sel_block_size)
     n_sel = min(params.sel_num_blocks, num_blocks)
     idx = torch.empty(batch, num_kv, num_q, n_sel, device=q.device, dtype=torch.int32)
     bj = _topn_chunk(params)
     g_pad = _next_pow2(group)
     rows = _TOPN_ROWS or 64
     qpb = max(1, min(16, rows // g_pad), 16 // g_pad)  # rows = qpb * g_pad (>= 16 for tl.dot), <= 16 queries
-    _select_topn_kernel[(triton.cdiv(num_q, qpb), batch * num_kv)](
+    _select_topn_kernel[(_cdiv(num_q, qpb), batch * num_kv)](
         q, k_cmp, lse_cmp, doc_pos, c_lo, c_hi, idx, num_q, num_keys, num_slots, num_keys - num_q, scale * _LOG2E,
         H=num_heads, HKV=num_kv, G=group, D=head_dim, G_PAD=g_pad,
         L=params.cmp_block_size, DS=params.cmp_stride, LB=params.sel_block_size,
@@ -1303,10 +1337,13 @@ def _topn_warps(device) -> int:
 
 def _topn_insert_max() -> int:
     """Entries of a chunk entering a query's list up to which they are inserted one at a time (_topn_insert)
-    rather than merged whole (_topn_merge): past the first blocks a chunk brings zero or one new entry.
-    4: bench/tune_kernels.py on the H100, 2026-11-22: top-n 23.1 -> 19.1 ms at 64k against merging only,
-    equal at 2k; inserting up to 16 was slower than either (26.6 ms)."""
-    return 4 if _TOPN_INSERT_MAX is None else _TOPN_INSERT_MAX
+    rather than merged whole (_topn_merge). Default: always insert (no merge compiled in the chunk loop). An
+    insertion replaces the worst entry of an unsorted list, 283 SASS instructions on sm_90 against 741 for
+    the sorted-list insertion timed on the H100 (2026-11-22: inserting up to 4 per chunk, merging above,
+    took the 64k top-n from 23.1 to 19.1 ms; inserting up to 16 then was slower, 26.6 ms); a chunk of 16
+    entering blocks costs about what a merge does (tests/triton_aot.py SASS). Untimed: bench/tune_kernels.py
+    variants merge_only and insert4."""
+    return 1 << 16 if _TOPN_INSERT_MAX is None else _TOPN_INSERT_MAX
 
 
 def _topn_chunk(params: NSAParams) -> int:
@@ -1327,13 +1364,13 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     num_keys, num_win = k_slc.shape[1], k_win.shape[1]
     group = num_heads // num_kv
     g_pad = max(16, _next_pow2(group))
-    num_blocks = triton.cdiv(num_keys, params.sel_block_size)
+    num_blocks = _cdiv(num_keys, params.sel_block_size)
     n_sel = min(params.sel_num_blocks, num_blocks)
     n_pad = _next_pow2(n_sel)
     split = _DECODE_SPLIT or 64  # compressed slots per split program (a power of two >= 16)
-    n_split = max(1, triton.cdiv(num_slots, split))
+    n_split = max(1, _cdiv(num_slots, split))
     blocks_per_prog = _DECODE_TOPN_BLOCKS or 64  # selection blocks per top-n program
-    n_prog = triton.cdiv(num_blocks, blocks_per_prog)
+    n_prog = _cdiv(num_blocks, blocks_per_prog)
     rows = batch * num_kv * n_split * g_pad
     part_m = torch.empty(rows, device=q.device, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
@@ -1381,7 +1418,7 @@ def _tile_block_union(idx, doc_pos, qpb: int, sel_block_size: int):
     batch, num_kv, num_q, n_sel = idx.shape
     num_keys = doc_pos.shape[1]
     q_off = num_keys - num_q
-    n_tiles = triton.cdiv(num_q, qpb)
+    n_tiles = _cdiv(num_q, qpb)
     none = torch.iinfo(torch.int32).max  # key indices fit int32 (Tk < 2**31): half the memory of int64
     start = (torch.arange(q_off, num_keys, device=idx.device) - doc_pos[:, q_off:]).to(torch.int32)  # (B, Tq)
     a = torch.where(idx >= 0, start[:, None, :, None] + idx * sel_block_size, none)  # (B, Hkv, Tq, n') int32
@@ -1402,7 +1439,7 @@ def _sel_fwd(q, k, v, idx, doc_pos, params: NSAParams, scale):
     n_sel = idx.shape[-1]
     block_m, qpb = _sel_rows_per_program(group, head_dim)
     blocks, counts = _tile_block_union(idx, doc_pos, qpb, params.sel_block_size)
-    _sel_fwd_kernel[(triton.cdiv(num_q, qpb), batch * num_kv)](
+    _sel_fwd_kernel[(_cdiv(num_q, qpb), batch * num_kv)](
         q, k, v, idx, blocks, counts, doc_pos, o, lse, num_q, num_keys, num_keys - num_q, counts.shape[-1],
         scale * _LOG2E,
         H=num_heads, HKV=num_kv, G=group, D=head_dim,
@@ -1460,7 +1497,7 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: 
             num_q, num_keys, q_off, scale * _LOG2E, scale, heavy_min, n_flat, n_heavy)
     meta = dict(H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=lb, QPB=qpb, BLOCK_M=block_m, BR=branch,
                 N_SPLIT=n_split, **dkdv_opts)
-    _sel_bwd_dkdv_kernel[(triton.cdiv(num_keys, lb), batch * num_kv, 1)](*args, HEAVY_PASS=False, **meta)
+    _sel_bwd_dkdv_kernel[(_cdiv(num_keys, lb), batch * num_kv, 1)](*args, HEAVY_PASS=False, **meta)
     _sel_bwd_dkdv_kernel[(n_heavy, 1, n_split)](*args, HEAVY_PASS=True, **meta)
     _sel_dkdv_reduce_kernel[(n_heavy,)](
         pdk, pdv, hpos, doc_pos, dk, dv, num_keys, n_flat, HKV=num_kv, D=head_dim, LB=lb, N_SPLIT=n_split,
@@ -1546,7 +1583,7 @@ def _nsa_bwd_op(
     dq = torch.empty_like(q)
     dgates = torch.empty_like(gates)
     delta = torch.empty(3, batch, num_q, num_heads, device=q.device, dtype=torch.float32)
-    _bwd_dq_kernel[(triton.cdiv(num_q, qpb), batch * num_kv)](
+    _bwd_dq_kernel[(_cdiv(num_q, qpb), batch * num_kv)](
         q, dout, gates, dgates, delta, dq,
         k_cmp, v_cmp, c_lo, c_hi, lse_cmp, o_cmp,
         k_slc, v_slc, idx, blocks, counts, doc_pos, lse_slc, o_slc,

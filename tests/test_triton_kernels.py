@@ -65,8 +65,9 @@ CPU_CASES = [
     # 7 blocks in chunks of 4, each merged whole into the top-n lists (streaming top-n merge); dK/dV query
     # ranges split in 3 partials
     dict(B=1, T=100, H=4, Hkv=2, D=16, bj=4, split=3, topn_insert_max=0),
-    # chunks of 2 blocks, every entering block inserted one at a time (the default inserts up to 4 per chunk)
-    dict(B=2, T=100, H=6, Hkv=2, D=16, layout="varlen", bj=2, topn_insert_max=64),
+    # chunks of 2 blocks: one entering block inserted into the unsorted list, two sorted and merged, so lists
+    # pass between both forms (the default inserts every entering block)
+    dict(B=2, T=100, H=6, Hkv=2, D=16, layout="varlen", bj=2, topn_insert_max=1),
     # selected attention in narrow query tiles (2 queries x G=6 rows; 8 x G=2): tiles cut by document
     # boundaries and padding, T not a multiple of the tile
     dict(B=1, T=77, H=6, Hkv=1, D=16, layout="varlen", sel_rows=16),

@@ -5,7 +5,8 @@ changes, tl.dot shapes below 16, or a variable bound in only one branch of an ``
 fail on the first GPU launch. This script runs the host-side launchers of ``nsa_triton`` on CPU
 tensors with every kernel replaced by a recorder, then compiles each recorded launch (the JIT's own
 argument specialization, constexprs and options) ahead of time for the requested architectures with
-the ptxas that ships in the triton wheel, and reports registers, spills and shared memory per kernel.
+the ptxas that ships in the triton wheel, and reports registers, spills, shared memory and software-pipelined
+loads per kernel.
 
     python tests/triton_aot.py [--arch 90 80] [--json out.json]
 
@@ -128,6 +129,22 @@ def _resources(cubin: bytes) -> dict:
     return {k.lower(): int(fields[k]) for k in ("REG", "STACK", "LOCAL") if k in fields}
 
 
+def _loop_async_copies(ttgir: str) -> int:
+    """Asynchronous global-to-shared copies inside loop bodies of a kernel's TTGIR: how Triton's software
+    pipeliner shows that a loop's next loads are issued while the current iteration computes (a branch in
+    a loop body, for one, can keep it from doing so)."""
+    count, loop_indents = 0, []
+    for line in ttgir.splitlines():
+        indent = len(line) - len(line.lstrip())
+        while loop_indents and indent <= loop_indents[-1]:
+            loop_indents.pop()
+        if "scf.for" in line:
+            loop_indents.append(indent)
+        elif loop_indents and "async_copy_global_to_local" in line:
+            count += 1
+    return count
+
+
 _LAUNCHES: list = []  # (arch, scenario, name, fn, args, kwargs); filled before the worker pool forks
 
 
@@ -142,7 +159,8 @@ def _compile_one(i):
     try:
         target, options, signature, constexprs, attrs = _specialize(fn, args, kwargs, arch)
         kern = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
-        res.update(ok=True, shared=kern.metadata.shared, num_warps=options.num_warps, **_resources(kern.asm["cubin"]))
+        res.update(ok=True, shared=kern.metadata.shared, num_warps=options.num_warps,
+                   loop_async_copies=_loop_async_copies(kern.asm["ttgir"]), **_resources(kern.asm["cubin"]))
     except Exception as exc:  # reported per launch, so the failing kernel and shape are named
         res.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[-2000:]}")
     res["seconds"] = round(time.time() - t0, 2)
@@ -185,12 +203,13 @@ def main():
 
     with ProcessPoolExecutor(max_workers=args.workers, mp_context=multiprocessing.get_context("fork")) as pool:
         results = list(pool.map(_compile_one, jobs))
-    print("| arch | kernel | scenario | warps | regs | spill (stack/local B) | smem KiB | s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| arch | kernel | scenario | warps | regs | spill (stack/local B) | smem KiB | async copies in loops | s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if r["ok"]:
             print(f"| sm_{r['arch']} | {r['kernel']} | {r['scenario']} | {r['num_warps']} | {r.get('reg', '?')} | "
-                  f"{r.get('stack', '?')}/{r.get('local', '?')} | {r['shared'] / 1024:.0f} | {r['seconds']} |")
+                  f"{r.get('stack', '?')}/{r.get('local', '?')} | {r['shared'] / 1024:.0f} | {r['loop_async_copies']} | "
+                  f"{r['seconds']} |")
         else:
             print(f"| sm_{r['arch']} | {r['kernel']} | {r['scenario']} | FAILED: {r['error'][:300]} |")
     if args.json:
