@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import PARAMS, nsa_inputs, time_ms, tri  # noqa: E402
 
 KNOBS = ["_SEL_ROWS", "_SEL_SUB_ROWS", "_TOPN_INSERT_MAX", "_TOPN_ROWS", "_TOPN_WARPS", "_TOPN_BLOCKS_PER_CHUNK",
-         "_DKDV_WARPS", "_DQ_ROWS", "_DQ_WARPS", "_DECODE_SEL_STEP", "_DECODE_WIN_TILE", "_DECODE_FINISH_WARPS"]
+         "_DKDV_WARPS", "_DQ_ROWS", "_DQ_WARPS", "_DECODE_SEL_STEP", "_DECODE_WIN_TILE", "_DECODE_FINISH_WARPS",
+         "_DECODE_MERGE_SPLITS", "_DECODE_MERGE_LISTS"]
 # The first sweep (H100, 2026-11-22) set the selected tile (no sub-tiles), the dQ tile (128 rows), the top-n
 # warps (4) and insertion (up to 4). Open questions from it: the dK/dV kernels ran at 4 warps at commit
 # 9b9991f and were faster there (64k: compressed/window 7.2 ms, selected 3.8 ms, against 10.7 / 6.1 ms at
@@ -35,13 +36,15 @@ KNOBS = ["_SEL_ROWS", "_SEL_SUB_ROWS", "_TOPN_INSERT_MAX", "_TOPN_ROWS", "_TOPN_
 DEFAULT_VARIANTS = [
     "default",
     "dkdv8warps:_DKDV_WARPS=8",
+    # the selected dQ's union of a 128-row tile (21 queries at G = 6) is about twice a 64-row tile's at 64k on
+    # random inputs (bench/selection_tiles.py): twice the math per query once the loop is pipelined
     "dq64rows:_DQ_ROWS=64",
-    "dq64rows4warps:_DQ_ROWS=64,_DQ_WARPS=4",
-    "topn128rows4warps:_TOPN_ROWS=128,_TOPN_WARPS=4",
     "merge_only:_TOPN_INSERT_MAX=0",
     "insert4:_TOPN_INSERT_MAX=4",
-    # the decode finish kernel as timed on 2026-11-22 (one selected block and 64 window keys per step)
-    "decode_short_steps:_DECODE_SEL_STEP=1,_DECODE_WIN_TILE=64,_DECODE_FINISH_WARPS=4",
+    # the decode finish kernel as timed on 2026-11-22 (one selected block, 64 window keys, 8 splits and 4 lists
+    # per step)
+    "decode_short_steps:_DECODE_SEL_STEP=1,_DECODE_WIN_TILE=64,_DECODE_FINISH_WARPS=4,_DECODE_MERGE_SPLITS=8,"
+    "_DECODE_MERGE_LISTS=4",
 ]
 CASES = [(12, 2, 2048, 32), (12, 2, 65536, 1), (16, 1, 8192, 8)]  # (H, Hkv, T, B) at d64
 KERNELS = ["_select_topn_kernel", "_sel_fwd_kernel", "_bwd_dq_kernel", "_sel_bwd_dkdv_kernel",

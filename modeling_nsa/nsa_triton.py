@@ -1145,6 +1145,8 @@ _DECODE_TOPN_BLOCKS = None  # tests force the selection blocks per decode top-n 
 _DECODE_SEL_STEP = None  # tests, bench/tune_kernels.py: selected blocks per step of the decode finish kernel
 _DECODE_WIN_TILE = None  # tests, bench/tune_kernels.py: window keys per step of the decode finish kernel
 _DECODE_FINISH_WARPS = None  # bench/tune_kernels.py: warps of the decode finish kernel
+_DECODE_MERGE_SPLITS = None  # tests: compressed-key splits per step of the decode merges
+_DECODE_MERGE_LISTS = None  # tests: block ranges' top-n lists per step of the decode finish kernel's merge
 _SEL_SPLIT = None  # tests force (heavy_min pairs, splits, partial slots) of the selected dK/dV load-skew split
 
 
@@ -1381,7 +1383,7 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     top_i = torch.empty(batch * num_kv * n_prog, n_pad, device=q.device, dtype=torch.int32)
     common = dict(HKV=num_kv, G=group, D=head_dim, G_PAD=g_pad)
     topn = dict(LB=params.sel_block_size, N_SEL=n_sel, N_PAD=n_pad)
-    merge_splits = 8  # splits per vector load in the merges
+    merge_splits = _DECODE_MERGE_SPLITS or 8  # splits per vector load in the top-n kernel's merge
     # the finish kernel's steps: SEL_STEP selected blocks and BLOCK_N window keys each, 256 keys (128 at
     # head_dim 128, to stay within shared memory), 8 warps: spill-free (tests/triton_aot.py). The 64k decode
     # step took one block and 64 keys per step at 4 warps, the finish kernel 55 of its 73 us on the H100
@@ -1390,6 +1392,9 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     sel_step = _DECODE_SEL_STEP or max(1, min(keys_per_step // params.sel_block_size, _next_pow2(n_sel)))
     win_tile = _DECODE_WIN_TILE or keys_per_step
     finish_warps = _DECODE_FINISH_WARPS or 8
+    # its merges: 16 compressed-key splits (with their outputs) and 128 list entries per step (spill-free)
+    finish_splits = _DECODE_MERGE_SPLITS or 16
+    lists = _DECODE_MERGE_LISTS or max(1, 128 // n_pad)
     _decode_cmp_split_kernel[(batch * num_kv, n_split)](
         q, k_cmp, v_cmp, cmp_end, doc_pos, part_m, part_l, part_acc, part_p, counts,
         num_keys, num_slots, n_split, scale * _LOG2E, H=num_heads, CS=split, num_warps=4, **common,
@@ -1404,7 +1409,7 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     _decode_finish_kernel[(batch * num_kv,)](
         q, part_m, part_l, part_acc, counts, top_v, top_i, k_slc, v_slc, k_win, v_win, gates, doc_pos, out,
         num_keys, num_win, n_split, n_prog, scale * _LOG2E, H=num_heads, WIN=params.window_size,
-        SB=merge_splits, LISTS=max(1, 64 // n_pad), SEL_STEP=sel_step, BLOCK_N=win_tile, num_warps=finish_warps,
+        SB=finish_splits, LISTS=lists, SEL_STEP=sel_step, BLOCK_N=win_tile, num_warps=finish_warps,
         **common, **topn,
     )
     return out

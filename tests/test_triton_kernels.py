@@ -42,6 +42,8 @@ _KNOB_IDS = {
     "decode_topn_blocks": lambda c: f"topn{c['decode_topn_blocks']}blocks",
     "decode_sel_step": lambda c: f"selstep{c['decode_sel_step']}",
     "decode_win_tile": lambda c: f"wintile{c['decode_win_tile']}",
+    "decode_merge_splits": lambda c: f"merge{c['decode_merge_splits']}splits",
+    "decode_merge_lists": lambda c: f"merge{c['decode_merge_lists']}lists",
     "arch": lambda c: f"sm{c['arch']}",
     "param_overrides": lambda c: "-".join(f"{k}{v}" for k, v in c["param_overrides"].items()),
 }
@@ -100,8 +102,10 @@ CPU_CASES = [
     # top-n over block ranges (3 blocks per program, chunks of 2: up to 9 programs, ranges cut inside a
     # chunk) merged in the finish kernel; n = 6 with one local block leaves 4 blocks to the scores, so the
     # carry into each range's first block (from the block before it) decides picks
+    # (the merges in steps of 2 splits and 2 lists: up to 7 splits and 9 lists, so several steps, one partial)
     dict(kind="decode", B=2, T=400, H=6, Hkv=2, D=16, steps=[1, 16, 33, 48, 49, 111, 250, 400], Tw=16,
-         decode_split=16, decode_topn_blocks=3, bj=2, param_overrides=dict(sel_num_blocks=6, sel_local_blocks=1)),
+         decode_split=16, decode_topn_blocks=3, bj=2, decode_merge_splits=2, decode_merge_lists=2,
+         param_overrides=dict(sel_num_blocks=6, sel_local_blocks=1)),
     dict(kind="decode", B=2, T=110, H=6, Hkv=2, D=16, steps=[1, 16, 33, 47, 48, 64, 95, 110], Tw=16,
          layout="varlen", decode_split=16, decode_topn_blocks=3, bj=2),
     # the real parameters (l'=64, n=16, w=512) past 64 blocks: two top-n ranges, the second holding one block

@@ -108,6 +108,8 @@ def case_setup(case: dict):
     tri._DECODE_TOPN_BLOCKS = case.get("decode_topn_blocks")
     tri._DECODE_SEL_STEP = case.get("decode_sel_step")
     tri._DECODE_WIN_TILE = case.get("decode_win_tile")
+    tri._DECODE_MERGE_SPLITS = case.get("decode_merge_splits")
+    tri._DECODE_MERGE_LISTS = case.get("decode_merge_lists")
     # the launch configuration an architecture gets (tiles differ before Hopper); the default otherwise
     tri.__dict__.setdefault("_real_compute_capability", tri._compute_capability)
     arch = case.get("arch")
