@@ -536,7 +536,8 @@ if _HAS_TRITON:
     # softmax state); a union block is loaded once for the tile, and a sub-tile does its math only if one
     # of its rows' queries chose the block. The tile shares the block loads of many queries while the
     # math stays near what each query chose (bench/selection_tiles.py counts both). On sm_90 at head_dim 64
-    # the tile is one sub-tile (_sel_sub_tile: a 16-row wgmma costs about a 64-row one).
+    # the tile is one sub-tile (_sel_sub_tile: a 16-row wgmma costs about a 64-row one), as it is for the
+    # forward at head_dim 128.
 
     @triton.jit
     def _sel_tile_rows(IDX, DOCPOS, pid_q, pid_bg, b, Tq, Tk, q_off, r0,
@@ -1202,17 +1203,18 @@ def _dq_launch(group: int, head_dim: int, n_sel: int, device) -> tuple[int, int,
     return *_query_tile(group, 32), dict(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
 
 
-def _sel_sub_tile(block_m: int, head_dim: int, device) -> int:
+def _sel_sub_tile(block_m: int, head_dim: int, device, dq: bool = False) -> int:
     """Rows per sub-tile of a selected-attention query tile (a sub-tile skips the union blocks none of its
     queries chose). Hopper's wgmma works on 64-row tiles, so there a 16-row tl.dot costs about a 64-row
     one and sub-tiles only add work: measured on the H100 (bench/tune_kernels.py, 2026-11-22, d64) the
-    whole 64-row tile was fastest at every length and both layouts. At head_dim 128 the whole 32-row
-    tile spills in the fused dQ (tests/triton_aot.py), so it keeps 16-row sub-tiles. Before Hopper mma works
-    on 16 rows, so there the tile runs as 16-row sub-tiles (at most 4), which skip the blocks none of their
-    queries chose (bench/selection_tiles.py counts the math saved; not timed on such a GPU)."""
+    whole 64-row tile was fastest at every length and both layouts; a whole tile also lets the block loop be
+    software-pipelined (no per-block branch). At head_dim 128 the fused dQ (dq=True) keeps 16-row sub-tiles:
+    its whole tile spills (tests/triton_aot.py); the forward's does not. Before Hopper mma works on 16 rows,
+    so there the tile runs as 16-row sub-tiles (at most 4), which skip the blocks none of their queries
+    chose (bench/selection_tiles.py counts the math saved; not timed on such a GPU)."""
     if _SEL_SUB_ROWS:
         return min(block_m, max(_SEL_SUB_ROWS, block_m // 4))
-    if _compute_capability(device) >= 90 and head_dim <= 64:
+    if _compute_capability(device) >= 90 and (head_dim <= 64 or not dq):
         return block_m
     return min(block_m, max(16, block_m // 4))
 
@@ -1596,7 +1598,8 @@ def _nsa_bwd_op(
         num_q, num_keys, k_cmp.shape[1], num_win, num_keys - num_q, counts.shape[-1], batch * num_q * num_heads,
         scale * _LOG2E, scale,
         H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=p.sel_block_size, N_SEL=n_sel, N_PAD=_next_pow2(n_sel),
-        QPB=qpb, BLOCK_M=block_m, SUB_M=_sel_sub_tile(block_m, head_dim, q.device), BLOCK_N=64, **dq_opts,
+        QPB=qpb, BLOCK_M=block_m, SUB_M=_sel_sub_tile(block_m, head_dim, q.device, dq=True), BLOCK_N=64,
+        **dq_opts,
     )
     del blocks, counts
     dk_cmp, dv_cmp = _interval_bwd_dkdv(q, k_cmp, v_cmp, c_lo, c_hi, dout, gates, 0, lse_cmp, delta[0], scale)
