@@ -1178,13 +1178,14 @@ def _dkdv_launch(group: int, head_dim: int, device) -> tuple[int, int, dict]:
     the key-major update (_dkdv_update): on sm_90 at head_dim 64, 64-row query tiles at 4 warps, spill-free
     for both kernels (at commit 9b9991f, 4 warps ran the selected and compressed/window kernels in 3.8 and
     7.2 ms at 64k against 6.1 and 10.7 ms for the 8 warps of 64321fd; H100, 2026-11-22; the key-major
-    update is not timed yet: bench/tune_kernels.py variant dkdv8warps). Elsewhere 32-row tiles at 8 warps
-    without software pipelining, which keeps the stack frame at 0-32 bytes on sm_80 (64 rows, or
-    pipelining, spill more)."""
+    update is not timed yet: bench/tune_kernels.py variant dkdv8warps). Elsewhere 32-row tiles at 8 warps:
+    2 pipeline stages on sm_90 at head_dim 128 (spill-free), none on sm_80, which keeps the stack frame there
+    at 0-32 bytes (64 rows, or pipelining, spill more)."""
     if head_dim <= 64 and _compute_capability(device) >= 90:
         block_m, qpb = _rows_per_program(group, head_dim)
         return block_m, qpb, dict(num_warps=_DKDV_WARPS or 4)
-    return *_query_tile(group, 32), dict(num_warps=_DKDV_WARPS or 8, num_stages=1)
+    stages = 2 if _compute_capability(device) >= 90 else 1
+    return *_query_tile(group, 32), dict(num_warps=_DKDV_WARPS or 8, num_stages=stages)
 
 
 def _dq_launch(group: int, head_dim: int, n_sel: int, device) -> tuple[int, int, dict]:
