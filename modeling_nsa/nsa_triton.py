@@ -1179,8 +1179,9 @@ def _dkdv_launch(group: int, head_dim: int, device) -> tuple[int, int, dict]:
     for both kernels (at commit 9b9991f, 4 warps ran the selected and compressed/window kernels in 3.8 and
     7.2 ms at 64k against 6.1 and 10.7 ms for the 8 warps of 64321fd; H100, 2026-11-22; the key-major
     update is not timed yet: bench/tune_kernels.py variant dkdv8warps). Elsewhere 32-row tiles at 8 warps:
-    2 pipeline stages on sm_90 at head_dim 128 (spill-free), none on sm_80, which keeps the stack frame there
-    at 0-32 bytes (64 rows, or pipelining, spill more)."""
+    2 pipeline stages on sm_90 (spill-free at head_dim 128; head_dim 256 spills about 300-400 bytes with or
+    without them), none on sm_80, which keeps the stack frame there at 0-32 bytes at head_dim 64 (64 rows,
+    or pipelining, spill more)."""
     if head_dim <= 64 and _compute_capability(device) >= 90:
         block_m, qpb = _rows_per_program(group, head_dim)
         return block_m, qpb, dict(num_warps=_DKDV_WARPS or 4)
@@ -1335,8 +1336,8 @@ def _select_topn(q, k_cmp, lse_cmp, doc_pos, c_lo, c_hi, params: NSAParams, scal
 
 def _topn_warps(device) -> int:
     """Warps of the training top-n program: 4 on sm_90 (bench/tune_kernels.py on the H100, 2026-11-22: 19.1
-    -> 14.6 ms at 64k, 1.3 -> 1.2 ms at 2k), although with 16 selected blocks it spills 8-16 bytes
-    (tests/triton_aot.py; the spill-free 8 warps were the slower); 8 before Hopper (not timed there)."""
+    -> 14.6 ms at 64k, 1.3 -> 1.2 ms at 2k, when it still spilled 8-16 bytes with 16 selected blocks; the
+    unsorted lists made it spill-free, tests/triton_aot.py); 8 before Hopper (not timed there)."""
     return _TOPN_WARPS or (4 if _compute_capability(device) >= 90 else 8)
 
 
@@ -1388,10 +1389,11 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     topn = dict(LB=params.sel_block_size, N_SEL=n_sel, N_PAD=n_pad)
     merge_splits = _DECODE_MERGE_SPLITS or 8  # splits per vector load in the top-n kernel's merge
     # the finish kernel's steps: SEL_STEP selected blocks and BLOCK_N window keys each, 256 keys (128 at
-    # head_dim 128, to stay within shared memory), 8 warps: spill-free (tests/triton_aot.py). The 64k decode
+    # head_dim 128, 64 at 256: each step's K and V stay within shared memory), 8 warps: spill-free at head_dim
+    # 64 and 128 (tests/triton_aot.py). The 64k decode
     # step took one block and 64 keys per step at 4 warps, the finish kernel 55 of its 73 us on the H100
     # (2026-11-22); the longer steps are untimed (bench/tune_kernels.py variant decode_short_steps).
-    keys_per_step = 256 if head_dim <= 64 else 128
+    keys_per_step = 256 if head_dim <= 64 else (128 if head_dim <= 128 else 64)
     sel_step = _DECODE_SEL_STEP or max(1, min(keys_per_step // params.sel_block_size, _next_pow2(n_sel)))
     win_tile = _DECODE_WIN_TILE or keys_per_step
     finish_warps = _DECODE_FINISH_WARPS or 8
@@ -1453,7 +1455,7 @@ def _sel_fwd(q, k, v, idx, doc_pos, params: NSAParams, scale):
         H=num_heads, HKV=num_kv, G=group, D=head_dim,
         LB=params.sel_block_size, N_SEL=n_sel, N_PAD=_next_pow2(n_sel), QPB=qpb, BLOCK_M=block_m,
         SUB_M=_sel_sub_tile(block_m, head_dim, q.device),
-        # head_dim 128: two pipeline stages, or the 32-row tile spills on sm_90 (tests/triton_aot.py)
+        # head_dim above 64: 8 warps and two pipeline stages (spill-free at 128 on sm_90; tests/triton_aot.py)
         **(dict(num_warps=4) if head_dim <= 64 else dict(num_warps=8, num_stages=2)),
     )
     return o, lse

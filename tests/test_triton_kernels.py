@@ -154,6 +154,7 @@ def _check(res, case, tol):
         assert res[name] <= tol, (name, res)
     assert res["idx_shape_ok"] and res["idx_sets_valid"], res
     assert res["idx_tie_gap"] <= 1e-4, res  # indices differ only at genuine near-ties
+    assert res["idx_order_gap"] <= 1e-4, res  # and are listed in the reference's priority order
 
 
 @pytest.mark.parametrize("i", range(len(CPU_CASES)), ids=[_case_id(c) for c in CPU_CASES])

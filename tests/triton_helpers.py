@@ -177,6 +177,15 @@ def run_case(case: dict) -> dict:
     else:
         res["idx_tie_gap"] = 0.0
         res["idx_sets_valid"] = True
+    # order: where both chose the same blocks, each position's block has the reference's score up to near-ties
+    # (the lists are by priority: forced blocks first, then by score, ties to the lower index)
+    same_set = (ref_idx.sort(-1).values == idx_tri.sort(-1).values).all(-1) & diff
+    if same_set.any():
+        pick = lambda ix: scores.gather(-1, ix.clamp(min=0)).double()  # noqa: E731
+        scale = scores.abs().amax(-1, keepdim=True).double().clamp_min(1e-12)
+        res["idx_order_gap"] = ((pick(ref_idx) - pick(idx_tri)).abs() / scale)[same_set].max().item()
+    else:
+        res["idx_order_gap"] = 0.0
     return res
 
 
