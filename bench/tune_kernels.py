@@ -41,8 +41,8 @@ DEFAULT_VARIANTS = [
     "dq64rows:_DQ_ROWS=64",
     "merge_only:_TOPN_INSERT_MAX=0",
     "insert4:_TOPN_INSERT_MAX=4",
-    # the decode finish kernel as timed on 2026-11-22 (one selected block, 64 window keys, 8 splits and 4 lists
-    # per step)
+    # the decode kernels as timed on 2026-11-22 (finish: one selected block, 64 window keys, 8 splits and 4
+    # lists per step; top-n: 8 splits per merge step)
     "decode_short_steps:_DECODE_SEL_STEP=1,_DECODE_WIN_TILE=64,_DECODE_FINISH_WARPS=4,_DECODE_MERGE_SPLITS=8,"
     "_DECODE_MERGE_LISTS=4",
 ]

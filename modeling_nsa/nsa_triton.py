@@ -1387,7 +1387,7 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     top_i = torch.empty(batch * num_kv * n_prog, n_pad, device=q.device, dtype=torch.int32)
     common = dict(HKV=num_kv, G=group, D=head_dim, G_PAD=g_pad)
     topn = dict(LB=params.sel_block_size, N_SEL=n_sel, N_PAD=n_pad)
-    merge_splits = _DECODE_MERGE_SPLITS or 8  # splits per vector load in the top-n kernel's merge
+    merge_splits = _DECODE_MERGE_SPLITS or 32  # splits per vector load in the top-n kernel's merge (m, l only)
     # the finish kernel's steps: SEL_STEP selected blocks and BLOCK_N window keys each, 256 keys (128 at
     # head_dim 128, 64 at 256: each step's K and V stay within shared memory), 8 warps: spill-free at head_dim
     # 64 and 128 (tests/triton_aot.py). The 64k decode
