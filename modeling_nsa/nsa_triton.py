@@ -178,11 +178,6 @@ if _HAS_TRITON:
     # ------------------------------------------------------------------------------------------
 
     @triton.jit
-    def _common_interval(lo, hi, row_ok, Nk):
-        """[lo_max, hi_min): the keys every valid row of a query tile sees (empty if one valid row sees none)."""
-        return tl.max(tl.where(row_ok, lo, 0), axis=0), tl.min(tl.where(row_ok, hi, Nk), axis=0)
-
-    @triton.jit
     def _interval_tiles(lo, hi, row_ok, Nk, BLOCK_N: tl.constexpr):
         """Key range of a query tile's interval branch: (k_begin, k_end) covers every row's [lo, hi), and the
         BLOCK_N tiles from k_begin that lie in [full_lo, full_hi) are inside every valid row's interval, so
@@ -191,7 +186,8 @@ if _HAS_TRITON:
         hi = tl.where(row_ok, hi, lo)
         k_begin = tl.min(tl.where(hi > lo, lo, Nk), axis=0)
         k_end = tl.max(hi, axis=0)
-        lo_max, hi_min = _common_interval(lo, hi, row_ok, Nk)
+        lo_max = tl.max(tl.where(row_ok, lo, 0), axis=0)  # [lo_max, hi_min): keys every valid row sees
+        hi_min = tl.min(tl.where(row_ok, hi, Nk), axis=0)
         n_tiles = tl.cdiv(tl.maximum(k_end - k_begin, 0), BLOCK_N)
         first = tl.minimum(tl.cdiv(tl.maximum(lo_max - k_begin, 0), BLOCK_N), n_tiles)
         last = tl.maximum(tl.minimum(tl.maximum(hi_min - k_begin, 0) // BLOCK_N, n_tiles), first)
@@ -345,13 +341,19 @@ if _HAS_TRITON:
         return new_v, new_i
 
     @triton.jit
+    def _topn_order_index(top_i, N_PAD: tl.constexpr):
+        """The block index that breaks priority ties in a list (Q, N_PAD): the entry's own, and for a free slot
+        (-1) a distinct stand-in above every block index, so free slots lose ties and stay distinct."""
+        return tl.where(top_i < 0, (1 << 30) + tl.arange(0, N_PAD)[None, :], top_i)
+
+    @triton.jit
     def _topn_worst(top_v, top_i, N_SEL: tl.constexpr, N_PAD: tl.constexpr):
         """Each query's worst kept entry of its (unsorted) list (Q, N_PAD): its priority (-inf while a slot is
         free) and its slot. Priority order: a beats b iff v_a > v_b or (v_a == v_b and i_a < i_b); free slots
         (-inf, -1) lose to every entry, and to each other by slot."""
         slot = tl.arange(0, N_PAD)
         kept = slot[None, :] < N_SEL
-        li = tl.where(top_i < 0, (1 << 30) + slot[None, :], top_i)  # distinct stand-ins for free slots
+        li = _topn_order_index(top_i, N_PAD)
         v = tl.where(kept, top_v, float("inf"))
         worst_v = tl.min(v, 1)
         worst_li = tl.max(tl.where(kept & (v == worst_v[:, None]), li, -1), 1)
@@ -381,7 +383,7 @@ if _HAS_TRITON:
         each kept entry's rank is the number of kept entries beating it."""
         slot = tl.arange(0, N_PAD)
         kept = slot < N_SEL
-        li = tl.where(top_i < 0, (1 << 30) + slot[None, :], top_i)
+        li = _topn_order_index(top_i, N_PAD)
         beats = (top_v[:, :, None] > top_v[:, None, :]) | (
             (top_v[:, :, None] == top_v[:, None, :]) & (li[:, :, None] < li[:, None, :]))  # (Q, a, b): a beats b
         rank = tl.sum((beats & kept[None, :, None]).to(tl.int32), 1)  # (Q, N_PAD)
@@ -1390,9 +1392,9 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     merge_splits = _DECODE_MERGE_SPLITS or 32  # splits per vector load in the top-n kernel's merge (m, l only)
     # the finish kernel's steps: SEL_STEP selected blocks and BLOCK_N window keys each, 256 keys (128 at
     # head_dim 128, 64 at 256: each step's K and V stay within shared memory), 8 warps: spill-free at head_dim
-    # 64 and 128 (tests/triton_aot.py). The 64k decode
-    # step took one block and 64 keys per step at 4 warps, the finish kernel 55 of its 73 us on the H100
-    # (2026-11-22); the longer steps are untimed (bench/tune_kernels.py variant decode_short_steps).
+    # 64 and 128 (tests/triton_aot.py). The 64k decode step took one block and 64 keys per step at 4 warps,
+    # the finish kernel 55 of its 73 us on the H100 (2026-11-22); the longer steps are untimed
+    # (bench/tune_kernels.py variant decode_short_steps).
     keys_per_step = 256 if head_dim <= 64 else (128 if head_dim <= 128 else 64)
     sel_step = _DECODE_SEL_STEP or max(1, min(keys_per_step // params.sel_block_size, _next_pow2(n_sel)))
     win_tile = _DECODE_WIN_TILE or keys_per_step

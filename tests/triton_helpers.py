@@ -166,13 +166,17 @@ def run_case(case: dict) -> dict:
     diff = (ref_idx != idx_tri).any(-1)
     res["idx_rows_differ"] = int(diff.sum())
     res["idx_rows"] = int(diff.numel())
+    scale = scores.abs().amax(-1, keepdim=True).double().clamp_min(1e-12)
+
+    def scores_at(ix):  # the reference's score of each listed block, in list order
+        return scores.gather(-1, ix.clamp(min=0)).double()
+
     if diff.any():
         def chosen_scores(ix):
-            s = scores.gather(-1, ix.clamp(min=0)).double()
+            s = scores_at(ix)
             return torch.where(ix >= 0, s, torch.full_like(s, -1.0)).sort(-1, descending=True).values
         a, b_ = chosen_scores(ref_idx)[diff], chosen_scores(idx_tri)[diff]
-        scale = scores.abs().amax(-1, keepdim=True).double()[diff].clamp_min(1e-12)
-        res["idx_tie_gap"] = ((a - b_).abs() / scale).max().item()
+        res["idx_tie_gap"] = ((a - b_).abs() / scale[diff]).max().item()
         res["idx_sets_valid"] = bool(((idx_tri[diff] >= 0) == (ref_idx[diff] >= 0)).all())
     else:
         res["idx_tie_gap"] = 0.0
@@ -181,9 +185,7 @@ def run_case(case: dict) -> dict:
     # (the lists are by priority: forced blocks first, then by score, ties to the lower index)
     same_set = (ref_idx.sort(-1).values == idx_tri.sort(-1).values).all(-1) & diff
     if same_set.any():
-        pick = lambda ix: scores.gather(-1, ix.clamp(min=0)).double()  # noqa: E731
-        scale = scores.abs().amax(-1, keepdim=True).double().clamp_min(1e-12)
-        res["idx_order_gap"] = ((pick(ref_idx) - pick(idx_tri)).abs() / scale)[same_set].max().item()
+        res["idx_order_gap"] = ((scores_at(ref_idx) - scores_at(idx_tri)).abs() / scale)[same_set].max().item()
     else:
         res["idx_order_gap"] = 0.0
     return res
