@@ -1,9 +1,12 @@
 """Attention benchmark on a GPU: our NSA (Triton, three branches) vs dense causal SDPA vs fla's parallel_nsa.
 
     python bench/bench_attention.py [--json results.json] [--lengths 2048 8192 ...] [--tokens 65536]
+                                    [--inputs random correlated]
 
 Fixed B*T tokens per step; forward and forward+backward median milliseconds (CUDA events, warm-up,
-fresh random bf16 inputs per length), peak memory of the fwd+bwd step, ratios vs dense SDPA and fla.
+fresh bf16 inputs per length), peak memory of the fwd+bwd step, ratios vs dense SDPA and fla. NSA and fla
+are timed on two kinds of queries (see `queries`): independent random ones, the worst case for the
+selected branch's shared block loads, and correlated ones, closer to a trained model's.
 Layouts: the 125M config (12 q heads, 2 kv heads, d64) and fla's (16 q, 1 kv, d64). Then decode:
 per-token latency (B=1, 1 query, cache of T keys) ours vs dense SDPA over a KV cache, called eagerly and
 replayed from a CUDA graph (GPU time without Python and launch overhead).
@@ -71,78 +74,97 @@ def rnd(*shape, grad=True):
     return torch.randn(*shape, device="cuda", dtype=torch.bfloat16).requires_grad_(grad)
 
 
-def nsa_inputs(B, T, H, Hkv, D, grad=True):
+INPUT_KINDS = ("random", "correlated")
+
+
+def queries(B, T, H, D, kind="random", grad=True):
+    """(B, T, H, D) bf16 queries. "random": independent Gaussian per position (consecutive queries choose
+    nearly unrelated blocks: the selected tiles' block unions are largest). "correlated": one vector per
+    head shared by every position plus 0.3 noise (as bench/selection_tiles.py), so neighbouring queries
+    choose similar blocks, closer to a trained model."""
+    if kind not in INPUT_KINDS:
+        raise ValueError(f"input kind {kind!r}: use one of {INPUT_KINDS}")
+    if kind == "random":
+        return rnd(B, T, H, D, grad=grad)
+    shared = torch.randn(1, 1, H, D, device="cuda")
+    return (shared + 0.3 * torch.randn(B, T, H, D, device="cuda")).to(torch.bfloat16).requires_grad_(grad)
+
+
+def nsa_inputs(B, T, H, Hkv, D, grad=True, kind="random"):
+    """The op's inputs for B rows of one T-token document: fresh Gaussian keys, values and gate logits,
+    queries of the given kind (see queries)."""
     doc_pos = torch.arange(T, device="cuda").expand(B, T).contiguous()
     cmp_end = layout_mod.compressed_token_ends(doc_pos, PARAMS)
     Nc = cmp_end.shape[1]
-    x = dict(q=rnd(B, T, H, D, grad=grad), k_cmp=rnd(B, Nc, Hkv, D, grad=grad), v_cmp=rnd(B, Nc, Hkv, D, grad=grad),
-             k_slc=rnd(B, T, Hkv, D, grad=grad), v_slc=rnd(B, T, Hkv, D, grad=grad),
-             k_win=rnd(B, T, Hkv, D, grad=grad), v_win=rnd(B, T, Hkv, D, grad=grad))
+    x = dict(q=queries(B, T, H, D, kind, grad), k_cmp=rnd(B, Nc, Hkv, D, grad=grad),
+             v_cmp=rnd(B, Nc, Hkv, D, grad=grad), k_slc=rnd(B, T, Hkv, D, grad=grad),
+             v_slc=rnd(B, T, Hkv, D, grad=grad), k_win=rnd(B, T, Hkv, D, grad=grad), v_win=rnd(B, T, Hkv, D, grad=grad))
     x["gates"] = torch.sigmoid(torch.randn(B, T, H, 3, device="cuda")).to(torch.bfloat16).requires_grad_(grad)
     return x, cmp_end, doc_pos
 
 
-def bench_layout(H, Hkv, D, lengths, tokens, rows):
-    for T in lengths:
-        B = max(1, tokens // T)
-        row = dict(layout=f"{H}q/{Hkv}kv d{D}", T=T, B=B)
-        # ours
-        x, cmp_end, doc_pos = nsa_inputs(B, T, H, Hkv, D)
-        do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+def time_nsa(B, T, H, Hkv, D, kind):
+    """Our op's forward ms, forward+backward ms and fwd+bwd peak MiB."""
+    x, cmp_end, doc_pos = nsa_inputs(B, T, H, Hkv, D, kind=kind)
+    do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
 
-        def ours_fwd():
-            with torch.no_grad():
-                return tri.nsa_attention_triton(x["q"], x["k_cmp"], x["v_cmp"], cmp_end, x["k_slc"], x["v_slc"],
-                                                x["k_win"], x["v_win"], x["gates"], doc_pos, PARAMS)
-
-        def ours_step():
+    def ours(grad):
+        with torch.set_grad_enabled(grad):
             o = tri.nsa_attention_triton(x["q"], x["k_cmp"], x["v_cmp"], cmp_end, x["k_slc"], x["v_slc"],
                                          x["k_win"], x["v_win"], x["gates"], doc_pos, PARAMS)
-            torch.autograd.grad(o, list(x.values()), do)
+            if grad:
+                torch.autograd.grad(o, list(x.values()), do)
 
-        row["nsa_fwd"] = time_ms(ours_fwd)
-        row["nsa_fb"] = time_ms(ours_step)
-        row["nsa_mem"] = peak_mib(ours_step)
-        del x
-        # dense SDPA, same heads (GQA)
-        q, k, v = rnd(B, H, T, D), rnd(B, Hkv, T, D), rnd(B, Hkv, T, D)
-        dq = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
+    return dict(nsa_fwd=time_ms(lambda: ours(False)), nsa_fb=time_ms(lambda: ours(True)),
+                nsa_mem=peak_mib(lambda: ours(True)))
 
-        def sdpa_fwd():
-            with torch.no_grad():
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
-        def sdpa_step():
+def time_sdpa(B, T, H, Hkv, D):
+    """Dense causal SDPA (GQA, same heads): forward ms, forward+backward ms, peak MiB. Its time does not
+    depend on the values, so one measurement serves both input kinds."""
+    q, k, v = rnd(B, H, T, D), rnd(B, Hkv, T, D), rnd(B, Hkv, T, D)
+    do = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
+
+    def sdpa(grad):
+        with torch.set_grad_enabled(grad):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            torch.autograd.grad(o, (q, k, v), dq)
+            if grad:
+                torch.autograd.grad(o, (q, k, v), do)
 
-        row["sdpa_fwd"] = time_ms(sdpa_fwd)
-        row["sdpa_fb"] = time_ms(sdpa_step)
-        row["sdpa_mem"] = peak_mib(sdpa_step)
-        del q, k, v
-        if HAS_FLA and (H // Hkv) >= 16:
-            try:
-                qf, kf, vf = rnd(B, T, H, D), rnd(B, T, Hkv, D), rnd(B, T, Hkv, D)
-                gc, gs = (torch.sigmoid(torch.randn(B, T, H, device="cuda")).bfloat16().requires_grad_(True)
-                          for _ in range(2))
+    return dict(sdpa_fwd=time_ms(lambda: sdpa(False)), sdpa_fb=time_ms(lambda: sdpa(True)),
+                sdpa_mem=peak_mib(lambda: sdpa(True)))
 
-                def fla_fwd():
-                    with torch.no_grad():
-                        return parallel_nsa(qf, kf, vf, gc, gs, None, block_counts=16, block_size=64, window_size=0)
 
-                def fla_step():
-                    o = parallel_nsa(qf, kf, vf, gc, gs, None, block_counts=16, block_size=64, window_size=0)
+def time_fla(B, T, H, Hkv, D, kind):
+    """fla-core's parallel_nsa (compression + selection, no window) on its own layout, same query kind."""
+    try:
+        qf, kf, vf = queries(B, T, H, D, kind), rnd(B, T, Hkv, D), rnd(B, T, Hkv, D)
+        gc, gs = (torch.sigmoid(torch.randn(B, T, H, device="cuda")).bfloat16().requires_grad_(True) for _ in range(2))
+        do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+
+        def fla(grad):
+            with torch.set_grad_enabled(grad):
+                o = parallel_nsa(qf, kf, vf, gc, gs, None, block_counts=16, block_size=64, window_size=0)
+                if grad:
                     torch.autograd.grad(o, (qf, kf, vf, gc, gs), do)
 
-                row["fla_fwd"] = time_ms(fla_fwd)
-                row["fla_fb"] = time_ms(fla_step)
-                row["fla_mem"] = peak_mib(fla_step)
-                del qf, kf, vf
-            except Exception as exc:  # report, keep going
-                row["fla_error"] = f"{type(exc).__name__}: {exc}"[:200]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        torch.cuda.empty_cache()
+        return dict(fla_fwd=time_ms(lambda: fla(False)), fla_fb=time_ms(lambda: fla(True)),
+                    fla_mem=peak_mib(lambda: fla(True)))
+    except Exception as exc:  # report, keep going
+        return dict(fla_error=f"{type(exc).__name__}: {exc}"[:200])
+
+
+def bench_layout(H, Hkv, D, lengths, tokens, kinds, rows):
+    for T in lengths:
+        B = max(1, tokens // T)
+        dense = time_sdpa(B, T, H, Hkv, D)
+        for kind in kinds:
+            row = dict(layout=f"{H}q/{Hkv}kv d{D}", heads=H, T=T, B=B, inputs=kind, **time_nsa(B, T, H, Hkv, D, kind), **dense)
+            if HAS_FLA and (H // Hkv) >= 16:
+                row.update(time_fla(B, T, H, Hkv, D, kind))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            torch.cuda.empty_cache()
 
 
 def bench_decode(H, Hkv, D, contexts, rows):
@@ -200,26 +222,29 @@ def main():
     ap.add_argument("--tokens", type=int, default=65536)
     ap.add_argument("--decode", type=int, nargs="*", default=[4096, 16384, 65536])
     ap.add_argument("--layouts", nargs="*", default=["12,2,64", "16,1,64"])
+    ap.add_argument("--inputs", nargs="*", default=list(INPUT_KINDS), choices=INPUT_KINDS,
+                    help="query kinds timed for NSA and fla (dense SDPA does not depend on the values)")
     args = ap.parse_args()
     torch.manual_seed(0)
     rows, dec = [], []
     for spec in args.layouts:
         H, Hkv, D = (int(s) for s in spec.split(","))
-        bench_layout(H, Hkv, D, args.lengths, args.tokens, rows)
+        bench_layout(H, Hkv, D, args.lengths, args.tokens, args.inputs, rows)
     if args.decode:
         bench_decode(12, 2, 64, args.decode, dec)
     dev = torch.cuda.get_device_name()
     print(f"\n# NSA attention benchmark: {dev}, torch {torch.__version__}, {datetime.date.today()}, "
           f"B*T={args.tokens}, bf16, fla={'yes' if HAS_FLA else 'no'}")
-    print("| layout | T | B | NSA fwd ms | NSA f+b ms | SDPA fwd | SDPA f+b | fla fwd | fla f+b | f+b NSA/SDPA "
-          "| f+b NSA/fla | NSA mem MiB | SDPA mem MiB | fla mem MiB |")
-    print("|---" * 15 + "|")
+    print("| layout | T | B | inputs | NSA fwd ms | NSA f+b ms | SDPA fwd | SDPA f+b | fla fwd | fla f+b | f+b NSA/SDPA "
+          "| f+b NSA/fla | NSA f+b ms per q head | NSA mem MiB | SDPA mem MiB | fla mem MiB |")
+    print("|---" * 17 + "|")
     for r in rows:
         ratio_s = r["nsa_fb"] / r["sdpa_fb"]
         ratio_f = r["nsa_fb"] / r["fla_fb"] if "fla_fb" in r else None
-        print(f"| {r['layout']} | {r['T']} | {r['B']} | {fmt(r['nsa_fwd'])} | {fmt(r['nsa_fb'])} | "
+        print(f"| {r['layout']} | {r['T']} | {r['B']} | {r['inputs']} | {fmt(r['nsa_fwd'])} | {fmt(r['nsa_fb'])} | "
               f"{fmt(r['sdpa_fwd'])} | {fmt(r['sdpa_fb'])} | {fmt(r.get('fla_fwd'))} | {fmt(r.get('fla_fb'))} | "
-              f"{ratio_s:.2f}x | {fmt(ratio_f)}{'x' if ratio_f else ''} | {r['nsa_mem']:.0f} | {r['sdpa_mem']:.0f} | "
+              f"{ratio_s:.2f}x | {fmt(ratio_f)}{'x' if ratio_f else ''} | "
+              f"{r['nsa_fb'] / r['heads']:.3f} | {r['nsa_mem']:.0f} | {r['sdpa_mem']:.0f} | "
               f"{fmt(r.get('fla_mem'), 0)} |")
     if dec:
         print("\n| decode (B=1) | context | NSA ms/token | SDPA ms/token | ratio | NSA graphed | SDPA graphed | ratio |")

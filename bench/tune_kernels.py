@@ -46,7 +46,10 @@ DEFAULT_VARIANTS = [
     "decode_short_steps:_DECODE_SEL_STEP=1,_DECODE_WIN_TILE=64,_DECODE_FINISH_WARPS=4,_DECODE_MERGE_SPLITS=8,"
     "_DECODE_MERGE_LISTS=4",
 ]
-CASES = [(12, 2, 2048, 32), (12, 2, 65536, 1), (16, 1, 8192, 8)]  # (H, Hkv, T, B) at d64
+# (H, Hkv, T, B, query kind) at d64; the correlated 64k case: how the selected tiles' block unions (and so the
+# dQ tile's cost) change when neighbouring queries choose alike, as in a trained model
+CASES = [(12, 2, 2048, 32, "random"), (12, 2, 65536, 1, "random"), (12, 2, 65536, 1, "correlated"),
+         (16, 1, 8192, 8, "random")]
 KERNELS = ["_select_topn_kernel", "_sel_fwd_kernel", "_bwd_dq_kernel", "_sel_bwd_dkdv_kernel",
            "_interval_fwd_kernel", "_interval_bwd_dkdv_kernel"]
 DECODE = ["_decode_cmp_split_kernel", "_decode_topn_kernel", "_decode_finish_kernel"]
@@ -90,9 +93,9 @@ def main():
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variants]
     rows = []
-    for H, Hkv, T, B in CASES:
+    for H, Hkv, T, B, kind in CASES:
         torch.manual_seed(0)
-        x, cmp_end, doc_pos = nsa_inputs(B, T, H, Hkv, 64)
+        x, cmp_end, doc_pos = nsa_inputs(B, T, H, Hkv, 64, kind=kind)
         do = torch.randn(B, T, H, 64, device="cuda", dtype=torch.bfloat16)
 
         def step():
@@ -107,7 +110,7 @@ def main():
             same = True if ref_idx is None else bool(torch.equal(idx, ref_idx))
             ref_idx = idx if ref_idx is None else ref_idx
             per_kernel = kernel_ms(step)
-            row = dict(case=f"{H}q/{Hkv}kv T={T} B={B}", variant=name, fb_ms=time_ms(step), same_topn=same,
+            row = dict(case=f"{H}q/{Hkv}kv T={T} B={B} {kind}", variant=name, fb_ms=time_ms(step), same_topn=same,
                        **{k: per_kernel.get(k, 0.0) for k in KERNELS})
             rows.append(row)
             print(json.dumps(row), flush=True)
