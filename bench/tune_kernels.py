@@ -39,6 +39,13 @@ DEFAULT_VARIANTS = [
     # the selected dQ's union of a 128-row tile (21 queries at G = 6) is about twice a 64-row tile's at 64k on
     # random inputs (bench/selection_tiles.py): twice the math per query once the loop is pipelined
     "dq64rows:_DQ_ROWS=64",
+    # 32-row selected tiles (5 queries at G = 6) for the forward and the dQ: on random inputs a 64-row tile's
+    # rows do the math for ~123 union blocks at 64k where each query chose 16 (bench/selection_tiles.py); half
+    # the union per tile, but mma.sync instead of 64-row wgmma on Hopper (spill-free, pipelined: triton_aot)
+    "sel32rows:_SEL_ROWS=32",
+    # whole selected tiles everywhere: on sm_90 only the head_dim 128 dQ changes (16-row sub-tiles, not
+    # pipelined, spill-free -> one 64-row tile, pipelined, 56-72 B spilled: tests/triton_aot.py)
+    "dq128whole:_SEL_SUB_ROWS=128",
     "merge_only:_TOPN_INSERT_MAX=0",
     "insert4:_TOPN_INSERT_MAX=4",
     # the decode kernels as timed on 2026-11-22 (finish: one selected block, 64 window keys, 8 splits and 4
@@ -46,10 +53,11 @@ DEFAULT_VARIANTS = [
     "decode_short_steps:_DECODE_SEL_STEP=1,_DECODE_WIN_TILE=64,_DECODE_FINISH_WARPS=4,_DECODE_MERGE_SPLITS=8,"
     "_DECODE_MERGE_LISTS=4",
 ]
-# (H, Hkv, T, B, query kind) at d64; the correlated 64k case: how the selected tiles' block unions (and so the
-# dQ tile's cost) change when neighbouring queries choose alike, as in a trained model
-CASES = [(12, 2, 2048, 32, "random"), (12, 2, 65536, 1, "random"), (12, 2, 65536, 1, "correlated"),
-         (16, 1, 8192, 8, "random")]
+# (H, Hkv, head_dim, T, B, query kind); the correlated 64k case: how the selected tiles' block unions (and so
+# the dQ tile's cost) change when neighbouring queries choose alike, as in a trained model; the head_dim 128
+# case (G = 8) for the d128 launch choices
+CASES = [(12, 2, 64, 2048, 32, "random"), (12, 2, 64, 65536, 1, "random"), (12, 2, 64, 65536, 1, "correlated"),
+         (16, 1, 64, 8192, 8, "random"), (16, 2, 128, 8192, 4, "random")]
 KERNELS = ["_select_topn_kernel", "_sel_fwd_kernel", "_bwd_dq_kernel", "_sel_bwd_dkdv_kernel",
            "_interval_fwd_kernel", "_interval_bwd_dkdv_kernel"]
 DECODE = ["_decode_cmp_split_kernel", "_decode_topn_kernel", "_decode_finish_kernel"]
@@ -93,10 +101,10 @@ def main():
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variants]
     rows = []
-    for H, Hkv, T, B, kind in CASES:
+    for H, Hkv, D, T, B, kind in CASES:
         torch.manual_seed(0)
-        x, cmp_end, doc_pos = nsa_inputs(B, T, H, Hkv, 64, kind=kind)
-        do = torch.randn(B, T, H, 64, device="cuda", dtype=torch.bfloat16)
+        x, cmp_end, doc_pos = nsa_inputs(B, T, H, Hkv, D, kind=kind)
+        do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
 
         def step():
             o = tri.nsa_attention_triton(x["q"], x["k_cmp"], x["v_cmp"], cmp_end, x["k_slc"], x["v_slc"],
@@ -110,7 +118,7 @@ def main():
             same = True if ref_idx is None else bool(torch.equal(idx, ref_idx))
             ref_idx = idx if ref_idx is None else ref_idx
             per_kernel = kernel_ms(step)
-            row = dict(case=f"{H}q/{Hkv}kv T={T} B={B} {kind}", variant=name, fb_ms=time_ms(step), same_topn=same,
+            row = dict(case=f"{H}q/{Hkv}kv d{D} T={T} B={B} {kind}", variant=name, fb_ms=time_ms(step), same_topn=same,
                        **{k: per_kernel.get(k, 0.0) for k in KERNELS})
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -134,7 +142,7 @@ def main():
     short = {"_select_topn_kernel": "topn", "_sel_fwd_kernel": "sel fwd", "_bwd_dq_kernel": "dQ",
              "_sel_bwd_dkdv_kernel": "sel dK/dV", "_interval_fwd_kernel": "intv fwd",
              "_interval_bwd_dkdv_kernel": "intv dK/dV"}
-    print(f"\n# NSA launch sweep: {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, d64 (ms)")
+    print(f"\n# NSA launch sweep: {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16 (ms)")
     print("| case | variant | f+b ms | " + " | ".join(short[k] for k in KERNELS) + " | top-n equal |")
     print("|---" * (4 + len(KERNELS)) + "|")
     for r in rows:
