@@ -1,6 +1,9 @@
 """Per-kernel CUDA time (torch.profiler) of one NSA fwd+bwd step at 2k and 64k, and of one decode step at
-64k context: where the time goes. Dev tool: `python bench/profile_nsa.py`."""
+64k context: where the time goes. Then the decode step's host time (eager calls are launch-bound: 0.35 ms
+per call against 0.08 ms of GPU time on the H100, 2026-11-22), split into our Python around the kernels
+and the Triton launches themselves. Dev tool: `python bench/profile_nsa.py`."""
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -44,3 +47,37 @@ def decode():
 
 
 profile(f"decode B=1 context={T}", decode, rows=8)
+
+
+def host_us(fn, calls=200):
+    """Mean host wall time of one call (µs), no synchronization inside: what an eager decoding loop pays
+    per layer before the GPU can run."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+class _NoLaunch:
+    """Stands in for a Triton kernel: the launch does nothing (leaves the host code around it)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+total = host_us(decode)
+kernels = {n: getattr(tri, n) for n in ("_decode_cmp_split_kernel", "_decode_topn_kernel", "_decode_finish_kernel")}
+for name in kernels:
+    setattr(tri, name, _NoLaunch())
+try:
+    without = host_us(decode)
+finally:
+    for name, fn in kernels.items():
+        setattr(tri, name, fn)
+print(f"== decode host time per call at context {T}: {total:.1f} us; without the 3 Triton launches {without:.1f} us "
+      f"(launches: {(total - without) / 3:.1f} us each)")
