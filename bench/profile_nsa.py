@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import PARAMS, nsa_inputs, tri  # noqa: E402
 
 
-def profile(title, fn, rows=16):
+def profile(title, fn, rows=30):
     for _ in range(2):  # warm-up: kernel compilation stays outside the trace
         fn()
     torch.cuda.synchronize()
