@@ -216,6 +216,36 @@ def test_gpu_decode_matches_reference(T):
     assert res["decode"] <= 1e-2, res
 
 
+def _gpu_memory_gib() -> float:
+    return torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 0.0
+
+
+@GPU
+@pytest.mark.parametrize(
+    "case",
+    [
+        # q, the output and dq hold 2**31 + 2**20 elements: the last row starts past int32 (about 36 GiB in all)
+        dict(kind="large_offset", B=2049, T=1024, H=16, Hkv=2, D=64, rows=[0, 2048], min_gib=60),
+        # the selected K/V cache holds 2.1 * 2**31 elements (8.5 GiB); row 16 starts at 2**31
+        dict(kind="large_offset_decode", B=17, T=2**20, H=12, Hkv=2, D=64, rows=[0, 16], min_gib=24),
+    ],
+    ids=["train-q-over-int32", "decode-kv-over-int32"],
+)
+def test_gpu_int64_addressing(case):
+    from triton_helpers import run_large_offset_case, run_large_offset_decode_case
+
+    if _gpu_memory_gib() < case["min_gib"]:
+        pytest.skip(f"needs a GPU with {case['min_gib']} GiB (this one has {_gpu_memory_gib():.0f})")
+    runner = run_large_offset_case if case["kind"] == "large_offset" else run_large_offset_decode_case
+    res = runner(dict(case, device="cuda", dtype="bfloat16"))
+    print(case["kind"], json.dumps(res))
+    assert res["finite"] and res["out_equal_alone"], res
+    if case["kind"] == "large_offset":
+        assert res["idx_equal_alone"], res
+        for name in ["out", *GRADS]:
+            assert res[name] <= 1e-2, (name, res)
+
+
 @GPU
 def test_gpu_compile_fullgraph():
     from triton_helpers import DEFAULT, import_nsa, make_inputs

@@ -211,6 +211,106 @@ def run_decode_case(case: dict) -> dict:
     return {"decode": worst}
 
 
+def _device_inputs(B, T, H, Hkv, D, p, dtype, device, seed=0):
+    """make_inputs' tensors (one document per row), drawn on the device: the large-offset cases hold GBs."""
+    layout, _, _ = import_nsa()
+    doc_pos = torch.arange(T, device=device).expand(B, T).contiguous()
+    cmp_end = layout.compressed_token_ends(doc_pos, p)
+    gen = torch.Generator(device).manual_seed(seed)
+    Nc = cmp_end.shape[1]
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
+
+    t = dict(q=rnd(B, T, H, D), k_cmp=rnd(B, Nc, Hkv, D), v_cmp=rnd(B, Nc, Hkv, D), k_slc=rnd(B, T, Hkv, D),
+             v_slc=rnd(B, T, Hkv, D), k_win=rnd(B, T, Hkv, D), v_win=rnd(B, T, Hkv, D))
+    t["gates"] = torch.sigmoid(rnd(B, T, H, 3).float()).to(dtype)
+    return t, cmp_end, doc_pos
+
+
+def _reference_on(t, cmp_end, doc_pos, p, idx, dout):
+    """The fp32 reference's output and input gradients (for output gradient dout) on the kernel's selection
+    idx (as run_case: near-ties may pick other blocks)."""
+    _, reference, _ = import_nsa()
+    leaves = {n: t[n].detach().float().requires_grad_(True) for n in GRAD_NAMES}
+    orig = reference.select_blocks
+    reference.select_blocks = lambda scores, q_doc_pos, prm: idx.to(scores.device)
+    try:
+        out = reference.nsa_attention_reference(
+            leaves["q"], leaves["k_cmp"], leaves["v_cmp"], cmp_end, leaves["k_slc"], leaves["v_slc"],
+            leaves["k_win"], leaves["v_win"], leaves["gates"], doc_pos, p,
+        )
+    finally:
+        reference.select_blocks = orig
+    out.backward(dout.float())
+    return out.detach(), {n: leaves[n].grad for n in GRAD_NAMES}
+
+
+def run_large_offset_case(case: dict) -> dict:
+    """The op (forward and backward) on a batch whose q-sized tensors hold more than 2**31 elements, so the
+    last rows' offsets overflow int32: the kernels must address in int64. For rows `case["rows"]` (the first
+    and the last): the full batch must give them exactly the selection and output the kernels give them in
+    a batch of their own (small offsets), and their gradients must match the fp32 reference on those rows."""
+    layout, _, tri = import_nsa()
+    dtype, device = getattr(torch, case.get("dtype", "bfloat16")), case.get("device", "cuda")
+    p = layout.NSAParams(**(TINY if case.get("params", "default") == "tiny" else DEFAULT))
+    B, T, H, Hkv, D, rows = case["B"], case["T"], case["H"], case["Hkv"], case["D"], case["rows"]
+    t, cmp_end, doc_pos = _device_inputs(B, T, H, Hkv, D, p, dtype, device)
+
+    def op(x, ce, dp):
+        return tri.nsa_attention_triton(x["q"], x["k_cmp"], x["v_cmp"], ce, x["k_slc"], x["v_slc"], x["k_win"],
+                                        x["v_win"], x["gates"], dp, p)
+
+    for x in t.values():
+        x.requires_grad_(True)
+    out = op(t, cmp_end, doc_pos)
+    dout = torch.randn(out.shape, generator=torch.Generator(device).manual_seed(1), device=device, dtype=dtype)
+    out.backward(dout)
+    out = out.detach()[rows]
+    dout = dout[rows]
+    idx = tri.select_blocks_triton(t["q"].detach(), t["k_cmp"].detach(), cmp_end, doc_pos, p)[rows]
+    grads = {n: t[n].grad[rows] for n in GRAD_NAMES}
+    alone = {n: t[n].detach()[rows] for n in GRAD_NAMES}
+    cmp_end, doc_pos = cmp_end[rows], doc_pos[rows]
+    del t  # the full batch (GBs) is no longer needed
+    with torch.no_grad():
+        out_alone = op(alone, cmp_end, doc_pos)
+    idx_alone = tri.select_blocks_triton(alone["q"], alone["k_cmp"], cmp_end, doc_pos, p)
+    res = {"q_elements / 2**31": B * T * H * D / 2**31, "finite": bool(torch.isfinite(out).all()),
+           "idx_equal_alone": bool(torch.equal(idx, idx_alone)), "out_equal_alone": bool(torch.equal(out, out_alone))}
+    ref_out, ref_grads = _reference_on(alone, cmp_end, doc_pos, p, idx, dout)
+    res["out"] = rel(out, ref_out)
+    res.update({"d" + n: rel(grads[n], ref_grads[n]) for n in GRAD_NAMES})
+    return res
+
+
+def run_large_offset_decode_case(case: dict) -> dict:
+    """One decoding step over a cache whose K/V hold more than 2**31 elements (B x Tk x Hkv x D): for rows
+    `case["rows"]` (the first and the last) the full batch must give exactly the output of a batch of those
+    rows alone (small offsets), and a finite one."""
+    layout, _, tri = import_nsa()
+    dtype, device = getattr(torch, case.get("dtype", "bfloat16")), case.get("device", "cuda")
+    p = layout.NSAParams(**(TINY if case.get("params", "default") == "tiny" else DEFAULT))
+    B, Tk, H, Hkv, D, rows = case["B"], case["T"], case["H"], case["Hkv"], case["D"], case["rows"]
+    doc_pos = torch.arange(Tk, device=device).expand(B, Tk).contiguous()
+    cmp_end = layout.compressed_token_ends(doc_pos, p)
+    gen = torch.Generator(device).manual_seed(0)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen, device=device, dtype=dtype)  # noqa: E731
+    Nc, w = cmp_end.shape[1], min(Tk, p.window_size)
+    x = dict(q=rnd(B, 1, H, D), k_cmp=rnd(B, Nc, Hkv, D), v_cmp=rnd(B, Nc, Hkv, D), k_slc=rnd(B, Tk, Hkv, D),
+             v_slc=rnd(B, Tk, Hkv, D), k_win=rnd(B, w, Hkv, D), v_win=rnd(B, w, Hkv, D),
+             gates=torch.sigmoid(rnd(B, 1, H, 3).float()).to(dtype))
+
+    def step(r):
+        return tri.nsa_decode_triton(x["q"][r], x["k_cmp"][r], x["v_cmp"][r], cmp_end[r], x["k_slc"][r],
+                                     x["v_slc"][r], x["k_win"][r], x["v_win"][r], x["gates"][r], doc_pos[r], p)
+
+    out = step(slice(None))[rows]
+    out_alone = step(rows)  # (a copy of those rows: small offsets)
+    return {"kv_elements / 2**31": B * Tk * Hkv * D / 2**31, "finite": bool(torch.isfinite(out).all()),
+            "out_equal_alone": bool(torch.equal(out, out_alone))}
+
+
 def run_compile_case(case: dict) -> dict:
     """torch.compile(fullgraph=True) of the op (AOTAutograd, `case["backend"]`) against eager: loss and
     all gradients. The custom ops' fake implementations, autograd registration and unused-output
@@ -255,8 +355,9 @@ def main(argv):
     results = []
     for case in cases:
         try:
-            runner = {"decode": run_decode_case, "compile": run_compile_case, "opcheck": run_opcheck_case}.get(
-                case.get("kind"), run_case)
+            runner = {"decode": run_decode_case, "compile": run_compile_case, "opcheck": run_opcheck_case,
+                      "large_offset": run_large_offset_case,
+                      "large_offset_decode": run_large_offset_decode_case}.get(case.get("kind"), run_case)
             res = runner(case)
         except Exception as exc:  # report, so the test names the failing case
             import traceback
