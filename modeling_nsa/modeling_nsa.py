@@ -52,25 +52,27 @@ def _log_once(message: str) -> None:
 
 
 def resolve_nsa_backend(requested: str, device: torch.device) -> str:
-    """'auto' -> 'triton' on CUDA when Triton works, else 'reference'. An explicit 'triton' that
-    cannot run raises instead of quietly changing the code path."""
+    """'auto' -> 'triton' where the kernels run (an NVIDIA GPU of compute capability 8.0 or newer with Triton
+    installed), else 'reference', said once in the log on a GPU. An explicit 'triton' that cannot run raises
+    instead of quietly changing the code path."""
     if requested == "reference":
         return "reference"
     try:
-        from .nsa_triton import triton_is_usable
+        from .nsa_triton import triton_unusable_reason
 
-        usable = triton_is_usable(device)
-    except ImportError as error:  # nsa_triton or triton itself missing
-        usable, reason = False, str(error)
-    else:
-        reason = f"Triton cannot run on device {device} (set TRITON_INTERPRET=1 to run kernels on CPU)"
+        reason = triton_unusable_reason(device)
+    except ImportError as error:  # nsa_triton itself missing
+        reason = str(error)
     if requested == "triton":
-        if not usable:
+        if reason:
             raise RuntimeError(f"nsa_backend='triton' but {reason}. Use nsa_backend='reference' or 'auto'.")
         return "triton"
-    if device.type == "cuda" and not usable:
-        _log_once(f"NSA: nsa_backend='auto' falls back to the PyTorch reference on {device}: {reason}.")
-    return "triton" if device.type == "cuda" and usable else "reference"
+    if device.type == "cuda":
+        if reason:
+            _log_once(f"NSA: nsa_backend='auto' falls back to the PyTorch reference on {device}: {reason}.")
+            return "reference"
+        return "triton"
+    return "reference"
 
 
 def nsa_attention(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, backend="auto"):

@@ -34,7 +34,7 @@ Layout of the work (no (T x Nc) or (T x T) tensor is ever built):
 Everything is wrapped in two torch.library custom ops (forward, backward) with fake
 implementations and autograd, without host synchronization, so torch.compile(fullgraph=True) works.
 Tile sizes and warps are chosen per architecture with tests/triton_aot.py, which compiles every
-launch for sm_90/sm_80 on a CPU machine and reports registers and spills.
+launch for sm_90, sm_80 and sm_86 on a CPU machine and reports registers, spills and shared memory.
 """
 
 from __future__ import annotations
@@ -57,14 +57,48 @@ except Exception:  # pragma: no cover - exercised only without triton
     _HAS_TRITON = False
 
 
-def triton_is_usable(device) -> bool:
-    """Triton importable and (device is CUDA, or TRITON_INTERPRET=1 and device is CPU)."""
+# Oldest NVIDIA architecture the kernels are written for: bf16 tensor cores and at least 99 KiB of shared
+# memory per block (compute capability 8.0: A100; 8.6/8.9: RTX 30xx/40xx, A10, L4; 9.0: H100).
+MIN_COMPUTE_CAPABILITY = (8, 0)
+
+
+def triton_unusable_reason(device) -> str | None:
+    """Why the Triton kernels cannot run on `device` (None: they can): Triton missing, no CUDA, a ROCm build,
+    an NVIDIA GPU older than MIN_COMPUTE_CAPABILITY, or a CPU without TRITON_INTERPRET=1."""
     if not _HAS_TRITON:
-        return False
+        return "Triton is not installed (pip install triton)"
     device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.is_available()
-    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET", "0") == "1":
+            return None
+        return "Triton cannot run on device cpu (set TRITON_INTERPRET=1 to run the kernels on CPU, slowly)"
+    if device.type != "cuda":
+        return f"the kernels run on NVIDIA CUDA GPUs, not on device type {device.type!r}"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CUDA_DEVICE_REASONS:  # asked once per GPU: the model asks on every attention call
+        _CUDA_DEVICE_REASONS[index] = _cuda_device_reason(index)
+    return _CUDA_DEVICE_REASONS[index]
+
+
+_CUDA_DEVICE_REASONS: dict[int, str | None] = {}
+
+
+def _cuda_device_reason(index: int) -> str | None:
+    if getattr(torch.version, "hip", None):
+        return "the kernels are written and tested for NVIDIA GPUs; this is a ROCm build of PyTorch"
+    capability = torch.cuda.get_device_capability(index)
+    if tuple(capability) < MIN_COMPUTE_CAPABILITY:
+        need = ".".join(map(str, MIN_COMPUTE_CAPABILITY))
+        return (f"the kernels need compute capability {need} or newer (bf16 tensor cores, 99 KiB of shared "
+                f"memory per block); {torch.cuda.get_device_name(index)} is {capability[0]}.{capability[1]}")
+    return None
+
+
+def triton_is_usable(device) -> bool:
+    """The kernels can run on `device` (see triton_unusable_reason)."""
+    return triton_unusable_reason(device) is None
 
 
 def _next_pow2(x: int) -> int:
@@ -77,21 +111,31 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def triton_supports(params: NSAParams, head_dim: int) -> bool:
-    """Shapes the kernels handle: head_dim a power of two in [16, 256], l' a power of two >= 16 (a
-    selection block is one tl.dot operand), l'/d a power of two."""
+def triton_unsupported_reason(params: NSAParams, head_dim: int, device=None) -> str | None:
+    """Why the kernels do not handle these parameters (None: they do). They need head_dim a power of two in
+    [16, 256], l' a power of two >= 16 (a selection block is one tl.dot operand), l'/d a power of two,
+    l a multiple of d and l <= l' (a compressed token overlaps at most two selection blocks); head_dim 256
+    also needs 160 KiB of shared memory per block (A100, H100; not the 99 KiB of RTX 30xx/40xx, A10, L4)."""
     lb, ds = params.sel_block_size, params.cmp_stride
     pow2 = lambda x: x > 0 and (x & (x - 1)) == 0  # noqa: E731
-    return (
-        pow2(head_dim)
-        and 16 <= head_dim <= 256
-        and pow2(lb)
-        and lb >= 16
-        and lb % ds == 0
-        and pow2(lb // ds)
-        and params.cmp_block_size % ds == 0
-        and params.cmp_block_size <= lb  # a compressed token overlaps at most two selection blocks
-    )
+    if not (pow2(head_dim) and 16 <= head_dim <= 256):
+        return f"head_dim={head_dim} (the kernels take a power of two in [16, 256])"
+    if not (pow2(lb) and lb >= 16):
+        return f"sel_block_size={lb} (the kernels take a power of two >= 16)"
+    if not (lb % ds == 0 and pow2(lb // ds)):
+        return f"sel_block_size / cmp_stride = {lb} / {ds} (the kernels take a power of two)"
+    if not (params.cmp_block_size % ds == 0 and params.cmp_block_size <= lb):
+        return (f"cmp_block_size={params.cmp_block_size} (the kernels take a multiple of cmp_stride={ds} "
+                f"no larger than sel_block_size={lb})")
+    if device is not None and head_dim > 128 and _shared_memory_limit(device) < _LARGE_SHARED_MEMORY:
+        return (f"head_dim={head_dim} needs {_LARGE_SHARED_MEMORY // 1024} KiB of shared memory per block; this "
+                f"GPU has {_shared_memory_limit(device) // 1024} KiB (head_dim <= 128 runs on it)")
+    return None
+
+
+def triton_supports(params: NSAParams, head_dim: int, device=None) -> bool:
+    """The kernels handle these parameters (on `device`, when given): see triton_unsupported_reason."""
+    return triton_unsupported_reason(params, head_dim, device) is None
 
 
 if _HAS_TRITON:
@@ -1174,6 +1218,35 @@ def _compute_capability(device) -> int:
     return 10 * major + minor
 
 
+def _hopper_class(device) -> bool:
+    """Hopper (sm_90, wgmma) and datacenter Blackwell (sm_100/103, tcgen05) multiply 64- or 128-row tiles from
+    shared memory and hold 227 KiB of it per block: they take the wide-tile launch choices below. Ampere and
+    Ada (sm_80-89) and consumer Blackwell (sm_120: mma.sync, 99 KiB) hold accumulators in registers: the
+    smaller tiles (at sm_120 the wide choices spill 500-1000 bytes per thread: tests/triton_aot.py)."""
+    return 90 <= _compute_capability(device) < 120
+
+
+# CUDA's opt-in limit of shared memory per block by compute capability, where the device cannot be asked
+# (tests/triton_aot.py compiles for an architecture on CPU); unknown architectures get the smallest.
+_SHARED_MEMORY_BY_CAPABILITY = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024,
+                                100: 227 * 1024, 103: 227 * 1024, 120: 99 * 1024}
+# Launch choices at or above this limit (A100, H100) use the larger tiles; below it (RTX 30xx/40xx, A10, L4),
+# the decode step takes shorter steps and head_dim 256 is not supported.
+_LARGE_SHARED_MEMORY = 160 * 1024
+
+
+def _shared_memory_limit(device) -> int:
+    """Bytes of shared memory one block of a kernel may use on `device` (the launch choices keep within it;
+    tests/test_triton_compile.py checks every launch against it per architecture)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        limit = getattr(props, "shared_memory_per_block_optin", 0)
+        if limit:
+            return int(limit)
+    return _SHARED_MEMORY_BY_CAPABILITY.get(_compute_capability(device), 99 * 1024)
+
+
 def _dkdv_launch(group: int, head_dim: int, device) -> tuple[int, int, dict]:
     """(BLOCK_M, queries per program, launch options) for the dK/dV kernels, which hold fp32 dK and dV
     tiles across their query loop. Chosen with tests/triton_aot.py (registers and spills per variant) for
@@ -1184,10 +1257,10 @@ def _dkdv_launch(group: int, head_dim: int, device) -> tuple[int, int, dict]:
     2 pipeline stages on sm_90 (spill-free at head_dim 128; head_dim 256 spills about 300-400 bytes with or
     without them), none on sm_80, which keeps the stack frame there at 0-32 bytes at head_dim 64 (64 rows,
     or pipelining, spill more)."""
-    if head_dim <= 64 and _compute_capability(device) >= 90:
+    if head_dim <= 64 and _hopper_class(device):
         block_m, qpb = _rows_per_program(group, head_dim)
         return block_m, qpb, dict(num_warps=_DKDV_WARPS or 4)
-    stages = 2 if _compute_capability(device) >= 90 else 1
+    stages = 2 if _hopper_class(device) else 1
     return *_query_tile(group, 32), dict(num_warps=_DKDV_WARPS or 8, num_stages=stages)
 
 
@@ -1200,7 +1273,7 @@ def _dq_launch(group: int, head_dim: int, n_sel: int, device) -> tuple[int, int,
     the warps, so the tile is 32 rows there (tests/triton_aot.py). Two pipeline stages on sm_90: with the
     selected loop free of branches (_sel_dq_sub, WHOLE) its block loads are software-pipelined, and the
     default three stages spill 8 bytes at 128 rows (untimed)."""
-    if _compute_capability(device) >= 90:
+    if _hopper_class(device):
         rows = _DQ_ROWS or (128 if head_dim <= 64 and _next_pow2(n_sel) >= 16 and not _SEL_ROWS else None)
         block_m, qpb = _query_tile(group, rows) if rows else _sel_rows_per_program(group, head_dim)
         return block_m, qpb, dict(num_warps=_DQ_WARPS or 8, num_stages=2)
@@ -1218,7 +1291,7 @@ def _sel_sub_tile(block_m: int, head_dim: int, device, dq: bool = False) -> int:
     chose (bench/selection_tiles.py counts the math saved; not timed on such a GPU)."""
     if _SEL_SUB_ROWS:
         return min(block_m, max(_SEL_SUB_ROWS, block_m // 4))
-    if _compute_capability(device) >= 90 and (head_dim <= 64 or not dq):
+    if _hopper_class(device) and (head_dim <= 64 or not dq):
         return block_m
     return min(block_m, max(16, block_m // 4))
 
@@ -1340,7 +1413,7 @@ def _topn_warps(device) -> int:
     """Warps of the training top-n program: 4 on sm_90 (bench/tune_kernels.py on the H100, 2026-11-22: 19.1
     -> 14.6 ms at 64k, 1.3 -> 1.2 ms at 2k, when it still spilled 8-16 bytes with 16 selected blocks; the
     unsorted lists made it spill-free, tests/triton_aot.py); 8 before Hopper (not timed there)."""
-    return _TOPN_WARPS or (4 if _compute_capability(device) >= 90 else 8)
+    return _TOPN_WARPS or (4 if _hopper_class(device) else 8)
 
 
 def _topn_insert_max() -> int:
@@ -1394,8 +1467,9 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     # head_dim 128, 64 at 256: each step's K and V stay within shared memory), 8 warps: spill-free at head_dim
     # 64 and 128 (tests/triton_aot.py). The 64k decode step took one block and 64 keys per step at 4 warps,
     # the finish kernel 55 of its 73 us on the H100 (2026-11-22); the longer steps are untimed
-    # (bench/tune_kernels.py variant decode_short_steps).
-    keys_per_step = 256 if head_dim <= 64 else (128 if head_dim <= 128 else 64)
+    # (bench/tune_kernels.py variant decode_short_steps). With 99 KiB of shared memory per block (RTX
+    # 30xx/40xx, A10, L4) half as many keys per step: 256 keys at head_dim 64 take 136 KiB there.
+    keys_per_step = (16384 if _shared_memory_limit(q.device) >= _LARGE_SHARED_MEMORY else 8192) // head_dim
     sel_step = _DECODE_SEL_STEP or max(1, min(keys_per_step // params.sel_block_size, _next_pow2(n_sel)))
     win_tile = _DECODE_WIN_TILE or keys_per_step
     finish_warps = _DECODE_FINISH_WARPS or 8
@@ -1652,9 +1726,6 @@ _nsa_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 # Public API (the dispatcher's seam)
 # ----------------------------------------------------------------------------------------------
 
-_fallback_warned = False
-
-
 def _prepare(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos):
     c = lambda x: x.contiguous()  # noqa: E731
     dt = q.dtype
@@ -1664,17 +1735,21 @@ def _prepare(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_po
     )
 
 
-def _reference_fallback(*args, **kwargs):
-    global _fallback_warned
+_fallback_reasons_logged: set[str] = set()
+
+
+def _reference_fallback(reason: str, *args, **kwargs):
+    """The PyTorch reference in place of the kernels, for parameters they do not handle; says so once per
+    reason (the math is the same function, the speed is not)."""
     from .nsa_reference import nsa_attention_reference
 
-    if not _fallback_warned:
+    if reason not in _fallback_reasons_logged:
         import logging
 
         logging.getLogger(__name__).warning(
-            "nsa_triton: unsupported shape/params for the Triton kernels; using the PyTorch reference."
+            "nsa_triton: the Triton kernels do not handle %s; using the PyTorch reference (much slower).", reason
         )
-        _fallback_warned = True
+        _fallback_reasons_logged.add(reason)
     return nsa_attention_reference(*args, **kwargs)
 
 
@@ -1686,8 +1761,10 @@ def nsa_attention_triton(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, g
     """
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    if not triton_supports(params, head_dim):
-        return _reference_fallback(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, scale)
+    unsupported = triton_unsupported_reason(params, head_dim, q.device)
+    if unsupported:
+        return _reference_fallback(unsupported, q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates,
+                                   doc_pos, params, scale)
     args = _prepare(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos)
     return _nsa_fwd_op(*args, _params_tuple(params), scale)[0]
 
@@ -1699,8 +1776,10 @@ def nsa_decode_triton(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gate
     last Tw. Reads only the visible compressed keys, the n selected blocks and the window keys."""
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    if not triton_supports(params, head_dim):
-        return _reference_fallback(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, scale)
+    unsupported = triton_unsupported_reason(params, head_dim, q.device)
+    if unsupported:
+        return _reference_fallback(unsupported, q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates,
+                                   doc_pos, params, scale)
     args = _prepare(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos)
     if q.shape[1] == 1:  # the generation step: three launches, no host work but allocation
         return _decode_step(*args, params, scale)
@@ -1724,4 +1803,13 @@ def select_blocks_triton(q, k_cmp, cmp_end, doc_pos, params: NSAParams, scale: f
     return _select_topn(q, k_cmp, lse, doc_pos, c_lo, c_hi, params, scale).long()
 
 
-__all__ = ["nsa_attention_triton", "nsa_decode_triton", "select_blocks_triton", "triton_is_usable", "triton_supports"]
+__all__ = [
+    "MIN_COMPUTE_CAPABILITY",
+    "nsa_attention_triton",
+    "nsa_decode_triton",
+    "select_blocks_triton",
+    "triton_is_usable",
+    "triton_supports",
+    "triton_unsupported_reason",
+    "triton_unusable_reason",
+]

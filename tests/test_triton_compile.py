@@ -1,4 +1,5 @@
-"""Every Triton kernel launch the NSA op makes compiles for H100 (sm_90) and A100 (sm_80), on CPU.
+"""Every Triton kernel launch the NSA op makes compiles for H100 (sm_90), A100 (sm_80) and the GPUs with 99 KiB
+of shared memory per block (sm_86: RTX 30xx, A10; sm_89: RTX 40xx, L4 get the same launches), on CPU.
 
 The interpreter tests check what the kernels compute; this checks that the same launches (the
 launchers' real specializations, constexprs and num_warps at the shapes in tests/triton_aot.py)
@@ -36,7 +37,7 @@ def aot_results():
     if not HAS_NVIDIA_BACKEND:
         pytest.skip("triton with its NVIDIA backend is not installed")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(HERE / "triton_aot.py"), "--arch", "90", "80"],
+    proc = subprocess.run([sys.executable, str(HERE / "triton_aot.py"), "--arch", "90", "80", "86"],
                           capture_output=True, text=True, env=env, timeout=900, cwd=str(HERE.parent))
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS_JSON=")]
     assert lines, f"AOT compile run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -47,7 +48,10 @@ def _rows(results, arch):
     return [r for r in results if r["arch"] == arch]
 
 
-@pytest.mark.parametrize("arch", [90, 80], ids=["sm90-H100", "sm80-A100"])
+ARCHS = dict(argvalues=[90, 80, 86], ids=["sm90-H100", "sm80-A100", "sm86-RTX3090"])
+
+
+@pytest.mark.parametrize("arch", **ARCHS)
 def test_every_kernel_launch_compiles(aot_results, arch):
     rows = _rows(aot_results, arch)
     kernels = {r["kernel"] for r in rows}
@@ -78,11 +82,11 @@ def test_no_kernel_spills_registers_on_sm90(aot_results):
 
 
 # The most shared memory one block may use (CUDA's opt-in limit per block): a launch above it compiles but
-# fails at run time with Triton's OutOfResources, so only a GPU would notice.
-SHARED_LIMIT_BYTES = {90: 227 * 1024, 80: 163 * 1024}
+# fails at run time with Triton's OutOfResources, so only a GPU would notice (sm_86 and sm_89: 99 KiB).
+SHARED_LIMIT_BYTES = {90: 227 * 1024, 80: 163 * 1024, 86: 99 * 1024}
 
 
-@pytest.mark.parametrize("arch", [90, 80], ids=["sm90-H100", "sm80-A100"])
+@pytest.mark.parametrize("arch", **ARCHS)
 def test_every_kernel_fits_in_shared_memory(aot_results, arch):
     over = [(r["kernel"], r["scenario"], r["shared"]) for r in _rows(aot_results, arch)
             if r["ok"] and r["shared"] > SHARED_LIMIT_BYTES[arch]]

@@ -1,0 +1,119 @@
+"""Which GPUs get the Triton kernels, and what happens elsewhere: checked on CPU by standing in for the
+CUDA queries. `nsa_backend="auto"` uses the kernels only where they run (an NVIDIA GPU of compute
+capability 8.0 or newer), says once in the log why it does not, and an explicit "triton" that cannot run
+raises with the reason; parameters or head sizes the kernels do not handle run the reference, logged."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+import torch
+
+from triton_helpers import DEFAULT, import_nsa, make_inputs
+
+layout, _, tri = import_nsa()
+from modeling_nsa import modeling_nsa as mn  # noqa: E402
+
+needs_triton = pytest.mark.skipif(not tri._HAS_TRITON, reason="triton is not installed")
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Stand in for one CUDA GPU: set(capability, name, rocm=False)."""
+
+    def set_gpu(capability, name, rocm=False):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.version, "hip", "6.2" if rocm else None)
+        monkeypatch.setattr(tri, "_CUDA_DEVICE_REASONS", {})  # the per-GPU answer is cached
+        mn._logged_once.clear()
+
+    return set_gpu
+
+
+@needs_triton
+@pytest.mark.parametrize("capability,name", [((8, 0), "A100"), ((8, 6), "RTX 3090"), ((8, 9), "L4"),
+                                             ((9, 0), "H100")])
+def test_kernels_run_on_ampere_and_newer(fake_gpu, capability, name):
+    fake_gpu(capability, name)
+    assert tri.triton_unusable_reason(CUDA) is None
+    assert mn.resolve_nsa_backend("auto", CUDA) == "triton"
+    assert mn.resolve_nsa_backend("triton", CUDA) == "triton"
+
+
+@needs_triton
+@pytest.mark.parametrize("capability,name,rocm,expected", [
+    ((7, 5), "Tesla T4", False, "compute capability 8.0 or newer .* Tesla T4 is 7.5"),
+    ((7, 0), "Tesla V100", False, "Tesla V100 is 7.0"),
+    ((9, 4), "AMD Instinct MI300X", True, "ROCm build"),
+], ids=["T4", "V100", "ROCm"])
+def test_older_or_non_nvidia_gpus_use_the_reference_and_say_why(fake_gpu, caplog, capability, name, rocm, expected):
+    fake_gpu(capability, name, rocm)
+    assert tri.triton_unusable_reason(CUDA) is not None
+    with caplog.at_level(logging.WARNING):
+        assert mn.resolve_nsa_backend("auto", CUDA) == "reference"
+        assert mn.resolve_nsa_backend("auto", CUDA) == "reference"
+    logged = [r.getMessage() for r in caplog.records if "falls back to the PyTorch reference" in r.getMessage()]
+    assert len(logged) == 1, logged  # once, not per layer and step
+    assert re.search(expected, logged[0]), logged[0]
+    with pytest.raises(RuntimeError, match=f"nsa_backend='triton' but .*{expected}"):
+        mn.resolve_nsa_backend("triton", CUDA)
+
+
+@pytest.mark.parametrize("capability,expected_kib", [(90, 227), (80, 163), (86, 99), (89, 99), (120, 99)])
+def test_shared_memory_limit_by_architecture(monkeypatch, capability, expected_kib):
+    monkeypatch.setattr(tri, "_compute_capability", lambda device: capability)
+    assert tri._shared_memory_limit("cpu") == expected_kib * 1024
+
+
+@pytest.mark.parametrize("capability,supported", [(90, True), (80, True), (86, False), (89, False)])
+def test_head_dim_256_needs_the_large_shared_memory_of_a100_and_h100(monkeypatch, capability, supported):
+    monkeypatch.setattr(tri, "_compute_capability", lambda device: capability)
+    params = layout.NSAParams(**DEFAULT)
+    assert tri.triton_supports(params, 128, "cpu")
+    assert tri.triton_supports(params, 256, "cpu") == supported
+    if not supported:
+        assert "head_dim=256 needs 160 KiB" in tri.triton_unsupported_reason(params, 256, "cpu")
+
+
+@pytest.mark.parametrize("head_dim,overrides,expected", [
+    (96, {}, "head_dim=96"),
+    (64, {"sel_block_size": 48}, "sel_block_size=48"),
+    (64, {"cmp_stride": 32, "cmp_block_size": 32, "sel_block_size": 96}, "sel_block_size=96"),
+    (64, {"cmp_block_size": 40}, "cmp_block_size=40"),
+], ids=["head_dim96", "sel_block48", "sel_block96", "cmp_block40"])
+def test_unsupported_parameters_are_named(head_dim, overrides, expected):
+    params = layout.NSAParams(**{**DEFAULT, **overrides})
+    assert expected in tri.triton_unsupported_reason(params, head_dim)
+
+
+def test_unsupported_shape_runs_the_reference_and_logs_the_reason_once(monkeypatch, caplog):
+    # head_dim 256 on a 99 KiB GPU: the op gives the reference's output and says why, once per reason
+    monkeypatch.setattr(tri, "_compute_capability", lambda device: 86)
+    monkeypatch.setattr(tri, "_fallback_reasons_logged", set())
+    t, cmp_end, doc_pos, p = make_inputs(1, 40, 2, 1, 256, DEFAULT, torch.float32, "cpu")
+    args = (t["q"], t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"], t["v_slc"], t["k_win"], t["v_win"], t["gates"],
+            doc_pos, p)
+    with caplog.at_level(logging.WARNING):
+        out = tri.nsa_attention_triton(*args)
+        tri.nsa_attention_triton(*args)
+    ref = import_nsa()[1].nsa_attention_reference(*args)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    logged = [r.getMessage() for r in caplog.records if "do not handle head_dim=256" in r.getMessage()]
+    assert len(logged) == 1, [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("capability,wide", [(80, False), (86, False), (89, False), (90, True), (100, True),
+                                             (120, False)])
+def test_wide_tile_launches_only_where_mma_reads_shared_memory(monkeypatch, capability, wide):
+    # sm_120 (RTX 50xx) is numbered above Hopper but multiplies from registers with 99 KiB of shared memory:
+    # given Hopper's tiles its kernels spill 500-1000 bytes per thread (tests/triton_aot.py --arch 120)
+    monkeypatch.setattr(tri, "_compute_capability", lambda device: capability)
+    assert tri._hopper_class("cpu") == wide
+    block_m, _, opts = tri._dq_launch(6, 64, 16, "cpu")
+    assert (block_m, opts["num_warps"]) == ((128, 8) if wide else (32, 4))
