@@ -111,11 +111,18 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def triton_unsupported_reason(params: NSAParams, head_dim: int, device=None) -> str | None:
+def triton_unsupported_reason(params: NSAParams, head_dim: int, device=None, dtype=None) -> str | None:
     """Why the kernels do not handle these parameters (None: they do). They need head_dim a power of two in
     [16, 256], l' a power of two >= 16 (a selection block is one tl.dot operand), l'/d a power of two,
     l a multiple of d and l <= l' (a compressed token overlaps at most two selection blocks); head_dim 256
-    also needs 160 KiB of shared memory per block (A100, H100; not the 99 KiB of RTX 30xx/40xx, A10, L4)."""
+    also needs 160 KiB of shared memory per block (A100, H100; not the 99 KiB of RTX 30xx/40xx, A10, L4).
+    On a GPU the inputs must be bfloat16 or float16: float32 tiles would take twice the shared memory the
+    launches are sized for, and tl.dot would round them to TF32 (the interpreter on CPU runs float32
+    exactly: the CPU tests use it)."""
+    if dtype is not None and device is not None and torch.device(device).type == "cuda":
+        if dtype not in (torch.bfloat16, torch.float16):
+            return (f"dtype={dtype} on a GPU (they take bfloat16 or float16 inputs: train under autocast or "
+                    f"cast the model with model.to(torch.bfloat16))")
     lb, ds = params.sel_block_size, params.cmp_stride
     pow2 = lambda x: x > 0 and (x & (x - 1)) == 0  # noqa: E731
     if not (pow2(head_dim) and 16 <= head_dim <= 256):
@@ -133,9 +140,9 @@ def triton_unsupported_reason(params: NSAParams, head_dim: int, device=None) -> 
     return None
 
 
-def triton_supports(params: NSAParams, head_dim: int, device=None) -> bool:
-    """The kernels handle these parameters (on `device`, when given): see triton_unsupported_reason."""
-    return triton_unsupported_reason(params, head_dim, device) is None
+def triton_supports(params: NSAParams, head_dim: int, device=None, dtype=None) -> bool:
+    """The kernels handle these parameters (on `device`, for `dtype`, when given): see triton_unsupported_reason."""
+    return triton_unsupported_reason(params, head_dim, device, dtype) is None
 
 
 if _HAS_TRITON:
@@ -1735,6 +1742,17 @@ def _prepare(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_po
     )
 
 
+def _autocast_inputs(*tensors):
+    """Under torch.autocast the kernels take the autocast dtype, as SDPA does. The model's RoPE multiplies
+    bf16 projections by float32 cos/sin, so q and the rotated keys reach the op in float32 there; without
+    this cast they would run the float32 path (the reference, on a GPU) in every autocast training step."""
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
+
+
 _fallback_reasons_logged: set[str] = set()
 
 
@@ -1761,7 +1779,9 @@ def nsa_attention_triton(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, g
     """
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    unsupported = triton_unsupported_reason(params, head_dim, q.device)
+    q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates = _autocast_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win,
+                                                                          v_win, gates)
+    unsupported = triton_unsupported_reason(params, head_dim, q.device, q.dtype)
     if unsupported:
         return _reference_fallback(unsupported, q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates,
                                    doc_pos, params, scale)
@@ -1776,7 +1796,9 @@ def nsa_decode_triton(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gate
     last Tw. Reads only the visible compressed keys, the n selected blocks and the window keys."""
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    unsupported = triton_unsupported_reason(params, head_dim, q.device)
+    q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates = _autocast_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win,
+                                                                          v_win, gates)
+    unsupported = triton_unsupported_reason(params, head_dim, q.device, q.dtype)
     if unsupported:
         return _reference_fallback(unsupported, q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates,
                                    doc_pos, params, scale)

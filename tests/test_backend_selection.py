@@ -117,3 +117,45 @@ def test_wide_tile_launches_only_where_mma_reads_shared_memory(monkeypatch, capa
     assert tri._hopper_class("cpu") == wide
     block_m, _, opts = tri._dq_launch(6, 64, 16, "cpu")
     assert (block_m, opts["num_warps"]) == ((128, 8) if wide else (32, 4))
+
+
+@pytest.mark.parametrize("device,dtype,supported", [
+    ("cuda", torch.bfloat16, True), ("cuda", torch.float16, True), ("cuda", torch.float32, False),
+    ("cpu", torch.float32, True),  # the interpreter computes float32 exactly: the CPU kernel tests use it
+])
+def test_float32_inputs_on_a_gpu_run_the_reference(device, dtype, supported):
+    params = layout.NSAParams(**DEFAULT)
+    reason = tri.triton_unsupported_reason(params, 64, device, dtype)
+    assert (reason is None) == supported
+    if not supported:
+        assert "dtype=torch.float32 on a GPU" in reason and "autocast" in reason
+
+
+def test_under_autocast_the_kernels_get_the_autocast_dtype(monkeypatch):
+    # The model's RoPE promotes q and the rotated keys to float32 under autocast (bf16 projection x float32
+    # cos/sin); the op must still get the autocast dtype, as SDPA does, not float32 (the reference on a GPU).
+    seen = {}
+
+    class Launched(Exception):
+        pass
+
+    def record(*args):
+        seen.update({i: a.dtype for i, a in enumerate(args[:10]) if torch.is_tensor(a) and a.is_floating_point()})
+        raise Launched  # the launch itself is not what this checks
+
+    monkeypatch.setattr(tri, "_nsa_fwd_op", record)
+    monkeypatch.setattr(tri, "_decode_step", record)
+    t, cmp_end, doc_pos, p = make_inputs(1, 40, 4, 2, 16, DEFAULT, torch.float32, "cpu")
+    args = (t["q"], t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"], t["v_slc"], t["k_win"], t["v_win"], t["gates"],
+            doc_pos, p)
+    decode_args = (t["q"][:, -1:], *args[1:6], t["k_win"][:, -16:], t["v_win"][:, -16:], t["gates"][:, -1:],
+                   doc_pos, p)
+    for fn, fn_args in ((tri.nsa_attention_triton, args), (tri.nsa_decode_triton, decode_args)):
+        seen.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(Launched):
+            fn(*fn_args)
+        assert seen and set(seen.values()) == {torch.bfloat16}, (fn.__name__, seen)
+        seen.clear()
+        with pytest.raises(Launched):  # without autocast the inputs keep their dtype
+            fn(*fn_args)
+        assert set(seen.values()) == {torch.float32}, (fn.__name__, seen)

@@ -90,13 +90,13 @@ def test_triton_model_under_interpreter_matches_reference_forward_backward_gener
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _models_125m_sizes(layers=2, **extra):
+def _models_125m_sizes(layers=2, dtype=torch.bfloat16, **extra):
     from modeling_nsa import NSAConfig, NSAForCausalLM
 
     torch.manual_seed(0)
     config = dict(num_hidden_layers=layers, **extra)  # NSA defaults: l=32, d=16, l'=64, n=16, w=512, G=6
-    ref = NSAForCausalLM(NSAConfig(**config, nsa_backend="reference")).cuda().to(torch.bfloat16)
-    tri = NSAForCausalLM(NSAConfig(**config, nsa_backend="triton")).cuda().to(torch.bfloat16)
+    ref = NSAForCausalLM(NSAConfig(**config, nsa_backend="reference")).cuda().to(dtype)
+    tri = NSAForCausalLM(NSAConfig(**config, nsa_backend="triton")).cuda().to(dtype)
     tri.load_state_dict(ref.state_dict())
     return ref, tri
 
@@ -151,3 +151,24 @@ def test_gpu_decoder_layer_compiles_fullgraph():
     assert ((compiled.float() - eager.float()).norm() / eager.float().norm()).item() < 1e-2
     compiled.sum().backward()
     assert torch.isfinite(hidden.grad).all()
+
+
+@needs_cuda
+def test_gpu_autocast_training_step_runs_the_kernels():
+    # The trainer's setting (accelerate bf16): float32 weights under autocast. RoPE promotes q and the rotated
+    # keys to float32 there; the kernels must still run, in bf16 (a float32 input would run the reference).
+    from modeling_nsa import nsa_triton
+
+    ref, tri = _models_125m_sizes(dtype=torch.float32)
+    ids = torch.randint(0, 50304, (2, 1000), device="cuda")
+    nsa_triton._fallback_reasons_logged.clear()
+    losses = []
+    for model in (ref, tri):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        losses.append(loss.float().item())
+    assert not nsa_triton._fallback_reasons_logged, nsa_triton._fallback_reasons_logged
+    assert abs(losses[1] - losses[0]) < 1e-2 * losses[0], losses
+    grad = tri.model.layers[0].self_attn.q_proj.weight.grad
+    assert grad is not None and torch.isfinite(grad).all()
