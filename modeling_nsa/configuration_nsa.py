@@ -32,7 +32,8 @@ class NSAConfig(PreTrainedConfig):
     - `compressor` = "mlp": the paper's learnable φ; "mean" is the parameter-free average.
     - `cmp_mlp_hidden_size` = 256: hidden width of φ (l*head_dim -> hidden -> head_dim).
     - `attention_mode` = "nsa"; "dense" is the same model with full causal attention (A/B baseline).
-    - `nsa_backend` = "auto" (Triton on CUDA, PyTorch reference elsewhere), "reference" or "triton".
+    - `nsa_backend` = "auto" (the Triton kernels on NVIDIA GPUs of compute capability 8.0+, the PyTorch
+      reference elsewhere), "reference" or "triton".
 
     ```python
     >>> from modeling_nsa import NSAConfig, NSAForCausalLM

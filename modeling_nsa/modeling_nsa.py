@@ -46,15 +46,19 @@ _logged_once: set[str] = set()
 
 
 def _log_once(message: str) -> None:
-    if message not in _logged_once:
+    """Log a warning the first time it comes up. Not inside torch.compile (logging cannot be traced:
+    fullgraph=True would fail); the eager calls around it say it."""
+    if message not in _logged_once and not torch.compiler.is_compiling():
         _logged_once.add(message)
         logger.warning(message)
 
 
 def resolve_nsa_backend(requested: str, device: torch.device) -> str:
     """'auto' -> 'triton' where the kernels run (an NVIDIA GPU of compute capability 8.0 or newer with Triton
-    installed), else 'reference', said once in the log on a GPU. An explicit 'triton' that cannot run raises
-    instead of quietly changing the code path."""
+    installed), else 'reference', said once in the log on a GPU. An explicit 'triton' on a device where the
+    kernels cannot run raises instead of quietly changing the code path. (Inputs the kernels do not handle on
+    a device where they run, float32 on a GPU or an unsupported head_dim, run the reference with a log line:
+    nsa_triton._reference_fallback.)"""
     if requested == "reference":
         return "reference"
     try:

@@ -1247,11 +1247,16 @@ def _shared_memory_limit(device) -> int:
     tests/test_triton_compile.py checks every launch against it per architecture)."""
     device = torch.device(device)
     if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        limit = getattr(props, "shared_memory_per_block_optin", 0)
-        if limit:
-            return int(limit)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in _CUDA_SHARED_MEMORY:  # asked once per GPU: the decode step asks on every call
+            limit = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", 0)
+            _CUDA_SHARED_MEMORY[index] = int(limit) or _SHARED_MEMORY_BY_CAPABILITY.get(
+                _compute_capability(device), 99 * 1024)
+        return _CUDA_SHARED_MEMORY[index]
     return _SHARED_MEMORY_BY_CAPABILITY.get(_compute_capability(device), 99 * 1024)
+
+
+_CUDA_SHARED_MEMORY: dict[int, int] = {}
 
 
 def _dkdv_launch(group: int, head_dim: int, device) -> tuple[int, int, dict]:
@@ -1476,7 +1481,8 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     # the finish kernel 55 of its 73 us on the H100 (2026-11-22); the longer steps are untimed
     # (bench/tune_kernels.py variant decode_short_steps). With 99 KiB of shared memory per block (RTX
     # 30xx/40xx, A10, L4) half as many keys per step: 256 keys at head_dim 64 take 136 KiB there.
-    keys_per_step = (16384 if _shared_memory_limit(q.device) >= _LARGE_SHARED_MEMORY else 8192) // head_dim
+    budget = 16384 if _shared_memory_limit(q.device) >= _LARGE_SHARED_MEMORY else 8192  # keys x head_dim
+    keys_per_step = min(256, budget // head_dim)
     sel_step = _DECODE_SEL_STEP or max(1, min(keys_per_step // params.sel_block_size, _next_pow2(n_sel)))
     win_tile = _DECODE_WIN_TILE or keys_per_step
     finish_warps = _DECODE_FINISH_WARPS or 8
@@ -1757,11 +1763,13 @@ _fallback_reasons_logged: set[str] = set()
 
 
 def _reference_fallback(reason: str, *args, **kwargs):
-    """The PyTorch reference in place of the kernels, for parameters they do not handle; says so once per
-    reason (the math is the same function, the speed is not)."""
+    """The PyTorch reference in place of the kernels, for what they do not handle (parameters, a head_dim
+    above the GPU's shared memory, float32 inputs on a GPU); says so once per reason (the math is the same
+    function, the speed is not). Inside torch.compile the log is left to the eager calls (logging cannot be
+    traced: fullgraph=True would fail)."""
     from .nsa_reference import nsa_attention_reference
 
-    if reason not in _fallback_reasons_logged:
+    if reason not in _fallback_reasons_logged and not torch.compiler.is_compiling():
         import logging
 
         logging.getLogger(__name__).warning(

@@ -159,3 +159,36 @@ def test_under_autocast_the_kernels_get_the_autocast_dtype(monkeypatch):
         with pytest.raises(Launched):  # without autocast the inputs keep their dtype
             fn(*fn_args)
         assert set(seen.values()) == {torch.float32}, (fn.__name__, seen)
+
+
+def test_shared_memory_limit_asks_the_gpu_once(monkeypatch):
+    from types import SimpleNamespace
+
+    asked = []
+
+    def props(index):
+        asked.append(index)
+        return SimpleNamespace(shared_memory_per_block_optin=101376)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(tri, "_CUDA_SHARED_MEMORY", {})
+    assert tri._shared_memory_limit(CUDA) == 101376
+    assert tri._shared_memory_limit(torch.device("cuda", 0)) == 101376
+    assert asked == [0]  # cached: the decode step asks on every call
+    # a torch without the attribute: the table by compute capability
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(tri, "_CUDA_SHARED_MEMORY", {})
+    assert tri._shared_memory_limit(CUDA) == 163 * 1024
+
+
+def test_reference_fallback_compiles_fullgraph(monkeypatch):
+    # the fallback's log line must not break torch.compile(fullgraph=True) of a model that falls back
+    monkeypatch.setattr(tri, "_compute_capability", lambda device: 86)
+    monkeypatch.setattr(tri, "_fallback_reasons_logged", set())
+    t, cmp_end, doc_pos, p = make_inputs(1, 40, 2, 1, 256, DEFAULT, torch.float32, "cpu")
+    args = (t["q"], t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"], t["v_slc"], t["k_win"], t["v_win"], t["gates"],
+            doc_pos)
+    compiled = torch.compile(lambda *a: tri.nsa_attention_triton(*a, p), fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(*args), import_nsa()[1].nsa_attention_reference(*args, p))

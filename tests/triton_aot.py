@@ -100,6 +100,8 @@ SCENARIOS = {
     "G1-d64-bf16": _scenario(1, 200, 4, 4, 64, torch.bfloat16),
     "G4-d128-fp16": _scenario(2, 200, 8, 2, 128, torch.float16, layout="pad", decode_steps=(200,)),
     "G8-d128-bf16-long": _scenario(1, 8300, 16, 2, 128, torch.bfloat16, layout="single", decode_steps=(8300,)),
+    # head_dim 32: the decode step's keys per step are capped (256), not grown as head_dim shrinks
+    "G4-d32-fp16": _scenario(1, 300, 8, 2, 32, torch.float16, decode_steps=(300,)),
     # head_dim 256 runs on the kernels too with 160 KiB of shared memory per block (not a tuned shape: it
     # compiles, fits and spills; on sm_86 it runs the reference: no launches)
     "G2-d256-bf16": _scenario(1, 300, 4, 2, 256, torch.bfloat16, decode_steps=(300,)),
