@@ -158,8 +158,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, T, heads, D), cos/sin (B, T, D)."""
-    return x * cos[:, :, None] + rotate_half(x) * sin[:, :, None]
+    """x (B, T, heads, D), cos/sin (B, T, D) -> x rotated, in x's dtype. Under autocast the projections are
+    bf16 and cos/sin float32: the product is rounded back to bf16 once, which is what attention consumes
+    (the kernels and SDPA run in the autocast dtype), and the K cache stays bf16 (half the memory, and no
+    cast of the whole cache at every decoding step)."""
+    return (x * cos[:, :, None] + rotate_half(x) * sin[:, :, None]).to(x.dtype)
 
 
 class NSACompressor(nn.Module):

@@ -91,3 +91,17 @@ def test_backend_auto_is_reference_on_cpu_and_explicit_triton_without_a_gpu_fail
     model = NSAForCausalLM(NSAConfig(**{**TINY, "nsa_backend": "triton"}))
     with pytest.raises(RuntimeError, match="nsa_backend='triton' but .*Use nsa_backend='reference'"):
         model(torch.randint(0, 113, (1, 20)))
+
+
+def test_rope_keeps_the_projection_dtype_under_autocast():
+    # bf16 projections x float32 cos/sin (autocast): rotated once in float32, rounded back to bf16, so the
+    # attention gets (and the K cache keeps) bf16, not a float32 promotion
+    from modeling_nsa.modeling_nsa import apply_rope
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 3, 8, generator=gen).to(torch.bfloat16)
+    angles = torch.randn(2, 5, 8, generator=gen)
+    out = apply_rope(x, angles.cos(), angles.sin())
+    assert out.dtype == torch.bfloat16
+    exact = apply_rope(x.double(), angles.cos().double(), angles.sin().double())
+    torch.testing.assert_close(out, exact.to(torch.bfloat16), rtol=0, atol=0)
