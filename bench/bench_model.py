@@ -1,16 +1,19 @@
 """Whole-model training throughput: NSA vs the same model with dense attention vs a HF Llama of the same size.
 
-One training step = forward + backward + fused AdamW, bf16 weights, at a fixed number of tokens per
-step (B * T). Prints one table (tokens/s, peak memory, ratios against Llama measured in the same run)
+One training step = forward + backward + fused AdamW at a fixed number of tokens per step (B * T), in two
+precisions: "bf16" (bf16 weights, as a pure-bf16 run) and "autocast" (float32 weights under
+torch.autocast(bf16): what the trainer's accelerate bf16 configs run). Prints one table
+(tokens/s, peak memory, ratios against Llama measured in the same run; a row per precision and length)
 and writes JSON with --json.
 
-    python bench/bench_model.py                   # T in 2k, 8k, 32k; 32k tokens per step
-    python bench/bench_model.py --seq-lens 2048 --tokens-per-step 32768 --json results.json
+    python bench/bench_model.py                   # T in 2k, 8k, 32k; 32k tokens per step; both precisions
+    python bench/bench_model.py --seq-lens 2048 --tokens-per-step 32768 --precision autocast --json results.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -39,8 +42,13 @@ def build(name: str, seq_len: int):
     return NSAForCausalLM(NSAConfig(**SIZE_125M, max_position_embeddings=seq_len, attention_mode=mode))
 
 
-def time_training(model, batch: int, seq_len: int, steps: int, warmup: int):
-    model = model.to("cuda", torch.bfloat16).train()
+PRECISIONS = ("bf16", "autocast")
+
+
+def time_training(model, batch: int, seq_len: int, steps: int, warmup: int, precision: str):
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: use one of {PRECISIONS}")
+    model = (model.to("cuda", torch.bfloat16) if precision == "bf16" else model.to("cuda")).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     torch.cuda.reset_peak_memory_stats()
     times = []
@@ -48,7 +56,8 @@ def time_training(model, batch: int, seq_len: int, steps: int, warmup: int):
         ids = torch.randint(0, SIZE_125M["vocab_size"], (batch, seq_len), device="cuda")  # fresh every step
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        with torch.autocast("cuda", dtype=torch.bfloat16) if precision == "autocast" else contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -69,31 +78,35 @@ def main():
     parser.add_argument("--models", nargs="+", default=["nsa", "nsa-dense", "llama"])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--precision", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_model.py needs a CUDA GPU.")
 
     rows = []
-    for seq_len in args.seq_lens:
-        batch = max(1, args.tokens_per_step // seq_len)
-        results = {}
-        for name in args.models:
-            torch.manual_seed(0)
-            try:
-                results[name] = time_training(build(name, seq_len), batch, seq_len, args.steps, args.warmup)
-            except torch.OutOfMemoryError:
-                results[name] = None
-            torch.cuda.empty_cache()
-        rows.append({"seq_len": seq_len, "batch": batch, **results})
+    for precision in args.precision:
+        for seq_len in args.seq_lens:
+            batch = max(1, args.tokens_per_step // seq_len)
+            results = {}
+            for name in args.models:
+                torch.manual_seed(0)
+                try:
+                    results[name] = time_training(build(name, seq_len), batch, seq_len, args.steps, args.warmup,
+                                                  precision)
+                except torch.OutOfMemoryError:
+                    results[name] = None
+                torch.cuda.empty_cache()
+            rows.append({"precision": precision, "seq_len": seq_len, "batch": batch, **results})
+            print(json.dumps(rows[-1]), flush=True)
 
     device = torch.cuda.get_device_name()
-    print(f"\nTraining step (fwd+bwd+AdamW), 125M (12 q / 2 kv heads, d64), bf16, {args.tokens_per_step} tokens/step, {device}")
-    header = f"{'T':>6} {'B':>3} " + " ".join(f"{m + ' tok/s':>16} {'GiB':>6}" for m in args.models)
+    print(f"\nTraining step (fwd+bwd+AdamW), 125M (12 q / 2 kv heads, d64), {args.tokens_per_step} tokens/step, {device}")
+    header = f"{'precision':>9} {'T':>6} {'B':>3} " + " ".join(f"{m + ' tok/s':>16} {'GiB':>6}" for m in args.models)
     header += "".join(f" {m + '/llama':>14}" for m in args.models if m != "llama" and "llama" in args.models)
     print(header)
     for row in rows:
-        line = f"{row['seq_len']:>6} {row['batch']:>3} "
+        line = f"{row['precision']:>9} {row['seq_len']:>6} {row['batch']:>3} "
         line += " ".join(
             f"{row[m]['tokens_per_s']:>16,.0f} {row[m]['peak_gib']:>6.1f}" if row[m] else f"{'OOM':>16} {'-':>6}"
             for m in args.models
