@@ -53,11 +53,14 @@ DEFAULT_VARIANTS = [
     "decode_short_steps:_DECODE_SEL_STEP=1,_DECODE_WIN_TILE=64,_DECODE_FINISH_WARPS=4,_DECODE_MERGE_SPLITS=8,"
     "_DECODE_MERGE_LISTS=4",
 ]
-# (H, Hkv, head_dim, T, B, query kind); the correlated 64k case: how the selected tiles' block unions (and so
-# the dQ tile's cost) change when neighbouring queries choose alike, as in a trained model; the head_dim 128
-# case (G = 8) for the d128 launch choices
-CASES = [(12, 2, 64, 2048, 32, "random"), (12, 2, 64, 65536, 1, "random"), (12, 2, 64, 65536, 1, "correlated"),
-         (16, 1, 64, 8192, 8, "random"), (16, 2, 128, 8192, 4, "random")]
+# (H, Hkv, head_dim, T, B, query kind, variants: None = all); the correlated 64k case: how the selected tiles'
+# block unions (and so the dQ tile's cost) change when neighbouring queries choose alike, as in a trained model;
+# the head_dim 128 case (G = 8) for the d128 launch choices. The two extra cases time only the variants they
+# inform (each variant compiles its kernels anew for every shape: the sweep must fit a 10-minute slot).
+CASES = [(12, 2, 64, 2048, 32, "random", None), (12, 2, 64, 65536, 1, "random", None),
+         (12, 2, 64, 65536, 1, "correlated", ("default", "dq64rows", "sel32rows", "merge_only")),
+         (16, 1, 64, 8192, 8, "random", None),
+         (16, 2, 128, 8192, 4, "random", ("default", "dkdv8warps", "dq128whole"))]
 KERNELS = ["_select_topn_kernel", "_sel_fwd_kernel", "_bwd_dq_kernel", "_sel_bwd_dkdv_kernel",
            "_interval_fwd_kernel", "_interval_bwd_dkdv_kernel"]
 DECODE = ["_decode_cmp_split_kernel", "_decode_topn_kernel", "_decode_finish_kernel"]
@@ -101,7 +104,7 @@ def main():
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variants]
     rows = []
-    for H, Hkv, D, T, B, kind in CASES:
+    for H, Hkv, D, T, B, kind, only in CASES:
         torch.manual_seed(0)
         x, cmp_end, doc_pos = nsa_inputs(B, T, H, Hkv, D, kind=kind)
         do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
@@ -113,6 +116,8 @@ def main():
 
         ref_idx = None
         for name, settings in variants:
+            if only and name not in only and name != variants[0][0]:  # the first variant is the reference
+                continue
             apply(settings)
             idx = tri.select_blocks_triton(x["q"].detach(), x["k_cmp"].detach(), cmp_end, doc_pos, PARAMS)
             same = True if ref_idx is None else bool(torch.equal(idx, ref_idx))
