@@ -56,9 +56,9 @@ def _log_once(message: str) -> None:
 def resolve_nsa_backend(requested: str, device: torch.device) -> str:
     """'auto' -> 'triton' where the kernels run (an NVIDIA GPU of compute capability 8.0 or newer with Triton
     installed), else 'reference', said once in the log on a GPU. An explicit 'triton' on a device where the
-    kernels cannot run raises instead of quietly changing the code path. (Inputs the kernels do not handle on
-    a device where they run, float32 on a GPU or an unsupported head_dim, run the reference with a log line:
-    nsa_triton._reference_fallback.)"""
+    kernels cannot run raises instead of quietly changing the code path. (Parameters the kernels do not handle
+    on a device where they run, an unsupported head_dim say, run the reference with a log line:
+    nsa_triton._reference_fallback; float32 inputs on a GPU compute in bf16, logged: nsa_triton._kernel_inputs.)"""
     if requested == "reference":
         return "reference"
     try:

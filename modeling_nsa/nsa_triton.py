@@ -111,18 +111,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def triton_unsupported_reason(params: NSAParams, head_dim: int, device=None, dtype=None) -> str | None:
+def triton_unsupported_reason(params: NSAParams, head_dim: int, device=None) -> str | None:
     """Why the kernels do not handle these parameters (None: they do). They need head_dim a power of two in
     [16, 256], l' a power of two >= 16 (a selection block is one tl.dot operand), l'/d a power of two,
     l a multiple of d and l <= l' (a compressed token overlaps at most two selection blocks); head_dim 256
-    also needs 160 KiB of shared memory per block (A100, H100; not the 99 KiB of RTX 30xx/40xx, A10, L4).
-    On a GPU the inputs must be bfloat16 or float16: float32 tiles would take twice the shared memory the
-    launches are sized for, and tl.dot would round them to TF32 (the interpreter on CPU runs float32
-    exactly: the CPU tests use it)."""
-    if dtype is not None and device is not None and torch.device(device).type == "cuda":
-        if dtype not in (torch.bfloat16, torch.float16):
-            return (f"dtype={dtype} on a GPU (they take bfloat16 or float16 inputs: train under autocast or "
-                    f"cast the model with model.to(torch.bfloat16))")
+    also needs 160 KiB of shared memory per block (A100, H100; not the 99 KiB of RTX 30xx/40xx, A10, L4)."""
     lb, ds = params.sel_block_size, params.cmp_stride
     pow2 = lambda x: x > 0 and (x & (x - 1)) == 0  # noqa: E731
     if not (pow2(head_dim) and 16 <= head_dim <= 256):
@@ -140,9 +133,9 @@ def triton_unsupported_reason(params: NSAParams, head_dim: int, device=None, dty
     return None
 
 
-def triton_supports(params: NSAParams, head_dim: int, device=None, dtype=None) -> bool:
-    """The kernels handle these parameters (on `device`, for `dtype`, when given): see triton_unsupported_reason."""
-    return triton_unsupported_reason(params, head_dim, device, dtype) is None
+def triton_supports(params: NSAParams, head_dim: int, device=None) -> bool:
+    """The kernels handle these parameters (on `device`, when given): see triton_unsupported_reason."""
+    return triton_unsupported_reason(params, head_dim, device) is None
 
 
 if _HAS_TRITON:
@@ -1748,34 +1741,52 @@ def _prepare(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_po
     )
 
 
-def _autocast_inputs(*tensors):
-    """Under torch.autocast the kernels take the autocast dtype, as SDPA does. The model's RoPE multiplies
-    bf16 projections by float32 cos/sin, so q and the rotated keys reach the op in float32 there; without
-    this cast they would run the float32 path (the reference, on a GPU) in every autocast training step."""
-    device_type = tensors[0].device.type
-    if not torch.is_autocast_enabled(device_type):
-        return tensors
-    dtype = torch.get_autocast_dtype(device_type)
-    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
+def kernel_dtype(dtype: torch.dtype, device) -> torch.dtype:
+    """The dtype the kernels compute in (fp32 accumulation) for inputs of `dtype` on `device`: on a GPU
+    bfloat16 or float16 as given, and bfloat16 for anything else (float32 tiles would take twice the shared
+    memory the launches are sized for, and tl.dot would round them to TF32 anyway); under the interpreter on
+    CPU the inputs' own (the CPU tests run float32 exactly)."""
+    if torch.device(device).type != "cuda" or dtype in (torch.bfloat16, torch.float16):
+        return dtype
+    return torch.bfloat16
 
 
-_fallback_reasons_logged: set[str] = set()
+def _kernel_inputs(*tensors):
+    """The floating tensors cast to the dtype the kernels compute in, and the dtype to return the output in.
+    Under torch.autocast that is the autocast dtype, as for SDPA (the model's RoPE runs in float32 there).
+    Float32 (or float64) inputs on a GPU outside autocast compute in bfloat16 and get their output back in
+    their own dtype, said once in the log."""
+    q = tensors[0]
+    device_type = q.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else q.dtype
+    compute = kernel_dtype(dtype, q.device)
+    if compute != dtype:
+        _log_once(f"nsa_triton: {dtype} inputs on a GPU: the kernels compute in {compute} with float32 "
+                  f"accumulation and return {dtype} (nsa_backend='reference' computes in {dtype}; "
+                  f"model.to({compute}) or torch.autocast skips the casts)")
+    return tuple(t.to(compute) if t.is_floating_point() else t for t in tensors), dtype
+
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    """A warning the first time it comes up; not inside torch.compile (logging cannot be traced:
+    fullgraph=True would fail), where the eager calls around it say it."""
+    if message not in _logged and not torch.compiler.is_compiling():
+        import logging
+
+        logging.getLogger(__name__).warning(message)
+        _logged.add(message)
 
 
 def _reference_fallback(reason: str, *args, **kwargs):
     """The PyTorch reference in place of the kernels, for what they do not handle (parameters, a head_dim
-    above the GPU's shared memory, float32 inputs on a GPU); says so once per reason (the math is the same
-    function, the speed is not). Inside torch.compile the log is left to the eager calls (logging cannot be
-    traced: fullgraph=True would fail)."""
+    above the GPU's shared memory); says so once per reason (the math is the same function, the speed is
+    not)."""
     from .nsa_reference import nsa_attention_reference
 
-    if reason not in _fallback_reasons_logged and not torch.compiler.is_compiling():
-        import logging
-
-        logging.getLogger(__name__).warning(
-            "nsa_triton: the Triton kernels do not handle %s; using the PyTorch reference (much slower).", reason
-        )
-        _fallback_reasons_logged.add(reason)
+    _log_once(f"nsa_triton: the Triton kernels do not handle {reason}; using the PyTorch reference (much slower).")
     return nsa_attention_reference(*args, **kwargs)
 
 
@@ -1787,14 +1798,14 @@ def nsa_attention_triton(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, g
     """
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates = _autocast_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win,
-                                                                          v_win, gates)
-    unsupported = triton_unsupported_reason(params, head_dim, q.device, q.dtype)
+    unsupported = triton_unsupported_reason(params, head_dim, q.device)
     if unsupported:
         return _reference_fallback(unsupported, q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates,
                                    doc_pos, params, scale)
+    floats, out_dtype = _kernel_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates)
+    q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates = floats
     args = _prepare(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos)
-    return _nsa_fwd_op(*args, _params_tuple(params), scale)[0]
+    return _nsa_fwd_op(*args, _params_tuple(params), scale)[0].to(out_dtype)
 
 
 @torch.no_grad()
@@ -1804,16 +1815,16 @@ def nsa_decode_triton(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gate
     last Tw. Reads only the visible compressed keys, the n selected blocks and the window keys."""
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates = _autocast_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win,
-                                                                          v_win, gates)
-    unsupported = triton_unsupported_reason(params, head_dim, q.device, q.dtype)
+    unsupported = triton_unsupported_reason(params, head_dim, q.device)
     if unsupported:
         return _reference_fallback(unsupported, q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates,
                                    doc_pos, params, scale)
+    floats, out_dtype = _kernel_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates)
+    q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates = floats
     args = _prepare(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos)
     if q.shape[1] == 1:  # the generation step: three launches, no host work but allocation
-        return _decode_step(*args, params, scale)
-    return _forward_impl(*args, params, scale)[0]
+        return _decode_step(*args, params, scale).to(out_dtype)
+    return _forward_impl(*args, params, scale)[0].to(out_dtype)
 
 
 @torch.no_grad()
@@ -1835,6 +1846,7 @@ def select_blocks_triton(q, k_cmp, cmp_end, doc_pos, params: NSAParams, scale: f
 
 __all__ = [
     "MIN_COMPUTE_CAPABILITY",
+    "kernel_dtype",
     "nsa_attention_triton",
     "nsa_decode_triton",
     "select_blocks_triton",

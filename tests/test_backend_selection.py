@@ -95,7 +95,7 @@ def test_unsupported_parameters_are_named(head_dim, overrides, expected):
 def test_unsupported_shape_runs_the_reference_and_logs_the_reason_once(monkeypatch, caplog):
     # head_dim 256 on a 99 KiB GPU: the op gives the reference's output and says why, once per reason
     monkeypatch.setattr(tri, "_compute_capability", lambda device: 86)
-    monkeypatch.setattr(tri, "_fallback_reasons_logged", set())
+    monkeypatch.setattr(tri, "_logged", set())
     t, cmp_end, doc_pos, p = make_inputs(1, 40, 2, 1, 256, DEFAULT, torch.float32, "cpu")
     args = (t["q"], t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"], t["v_slc"], t["k_win"], t["v_win"], t["gates"],
             doc_pos, p)
@@ -119,16 +119,13 @@ def test_wide_tile_launches_only_where_mma_reads_shared_memory(monkeypatch, capa
     assert (block_m, opts["num_warps"]) == ((128, 8) if wide else (32, 4))
 
 
-@pytest.mark.parametrize("device,dtype,supported", [
-    ("cuda", torch.bfloat16, True), ("cuda", torch.float16, True), ("cuda", torch.float32, False),
-    ("cpu", torch.float32, True),  # the interpreter computes float32 exactly: the CPU kernel tests use it
+@pytest.mark.parametrize("device,dtype,computes_in", [
+    ("cuda", torch.bfloat16, torch.bfloat16), ("cuda", torch.float16, torch.float16),
+    ("cuda", torch.float32, torch.bfloat16), ("cuda", torch.float64, torch.bfloat16),
+    ("cpu", torch.float32, torch.float32),  # the interpreter computes float32 exactly: the CPU kernel tests use it
 ])
-def test_float32_inputs_on_a_gpu_run_the_reference(device, dtype, supported):
-    params = layout.NSAParams(**DEFAULT)
-    reason = tri.triton_unsupported_reason(params, 64, device, dtype)
-    assert (reason is None) == supported
-    if not supported:
-        assert "dtype=torch.float32 on a GPU" in reason and "autocast" in reason
+def test_kernel_dtype_on_a_gpu_is_bf16_or_fp16(device, dtype, computes_in):
+    assert tri.kernel_dtype(dtype, device) == computes_in
 
 
 def test_under_autocast_the_kernels_get_the_autocast_dtype(monkeypatch):
@@ -186,9 +183,31 @@ def test_shared_memory_limit_asks_the_gpu_once(monkeypatch):
 def test_reference_fallback_compiles_fullgraph(monkeypatch):
     # the fallback's log line must not break torch.compile(fullgraph=True) of a model that falls back
     monkeypatch.setattr(tri, "_compute_capability", lambda device: 86)
-    monkeypatch.setattr(tri, "_fallback_reasons_logged", set())
+    monkeypatch.setattr(tri, "_logged", set())
     t, cmp_end, doc_pos, p = make_inputs(1, 40, 2, 1, 256, DEFAULT, torch.float32, "cpu")
     args = (t["q"], t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"], t["v_slc"], t["k_win"], t["v_win"], t["gates"],
             doc_pos)
     compiled = torch.compile(lambda *a: tri.nsa_attention_triton(*a, p), fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(*args), import_nsa()[1].nsa_attention_reference(*args, p))
+
+
+def test_float32_inputs_computed_in_bf16_come_back_in_float32_and_say_so(monkeypatch, caplog):
+    # what a float32 model outside autocast gets on a GPU, with the GPU's dtype rule stood in on CPU
+    monkeypatch.setattr(tri, "kernel_dtype", lambda dtype, device: torch.bfloat16)
+    monkeypatch.setattr(tri, "_logged", set())
+    seen = []
+
+    def fake_op(*args):
+        seen.append(args[0].dtype)
+        return (args[0] * 2,)
+
+    monkeypatch.setattr(tri, "_nsa_fwd_op", fake_op)
+    t, cmp_end, doc_pos, p = make_inputs(1, 40, 4, 2, 16, DEFAULT, torch.float32, "cpu")
+    args = (t["q"], t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"], t["v_slc"], t["k_win"], t["v_win"], t["gates"],
+            doc_pos, p)
+    with caplog.at_level(logging.WARNING):
+        outs = [tri.nsa_attention_triton(*args) for _ in range(2)]
+    assert seen == [torch.bfloat16, torch.bfloat16] and all(o.dtype == torch.float32 for o in outs)
+    torch.testing.assert_close(outs[0], (t["q"].to(torch.bfloat16) * 2).float(), rtol=0, atol=0)
+    said = [r.getMessage() for r in caplog.records if "compute in torch.bfloat16" in r.getMessage()]
+    assert len(said) == 1 and "return torch.float32" in said[0], said
