@@ -1733,11 +1733,16 @@ _nsa_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 # ----------------------------------------------------------------------------------------------
 
 def _prepare(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos):
-    c = lambda x: x.contiguous()  # noqa: E731
+    """Contiguous inputs, K/V in q's dtype, positions int64; tensors already so pass through untouched."""
+
+    def c(x, dtype):
+        x = x if x.dtype == dtype else x.to(dtype)
+        return x if x.is_contiguous() else x.contiguous()
+
     dt = q.dtype
     return (
-        c(q), c(k_cmp.to(dt)), c(v_cmp.to(dt)), c(cmp_end.long()), c(k_slc.to(dt)), c(v_slc.to(dt)),
-        c(k_win.to(dt)), c(v_win.to(dt)), c(gates), c(doc_pos.long()),
+        c(q, dt), c(k_cmp, dt), c(v_cmp, dt), c(cmp_end, torch.int64), c(k_slc, dt), c(v_slc, dt), c(k_win, dt),
+        c(v_win, dt), c(gates, gates.dtype), c(doc_pos, torch.int64),
     )
 
 
@@ -1764,7 +1769,8 @@ def _kernel_inputs(*tensors):
         _log_once(f"nsa_triton: {dtype} inputs on a GPU: the kernels compute in {compute} with float32 "
                   f"accumulation and return {dtype} (nsa_backend='reference' computes in {dtype}; "
                   f"model.to({compute}) or torch.autocast skips the casts)")
-    return tuple(t.to(compute) if t.is_floating_point() else t for t in tensors), dtype
+    # (a no-op .to() still costs about a microsecond of dispatch: the decode step pays it per layer and token)
+    return tuple(t.to(compute) if t.is_floating_point() and t.dtype != compute else t for t in tensors), dtype
 
 
 _logged: set[str] = set()
@@ -1805,7 +1811,8 @@ def nsa_attention_triton(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, g
     floats, out_dtype = _kernel_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates)
     q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates = floats
     args = _prepare(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos)
-    return _nsa_fwd_op(*args, _params_tuple(params), scale)[0].to(out_dtype)
+    out = _nsa_fwd_op(*args, _params_tuple(params), scale)[0]
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 @torch.no_grad()
@@ -1823,8 +1830,10 @@ def nsa_decode_triton(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gate
     q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates = floats
     args = _prepare(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos)
     if q.shape[1] == 1:  # the generation step: three launches, no host work but allocation
-        return _decode_step(*args, params, scale).to(out_dtype)
-    return _forward_impl(*args, params, scale)[0].to(out_dtype)
+        out = _decode_step(*args, params, scale)
+    else:
+        out = _forward_impl(*args, params, scale)[0]
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 @torch.no_grad()
