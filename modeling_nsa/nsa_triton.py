@@ -1845,6 +1845,11 @@ def select_blocks_triton(q, k_cmp, cmp_end, doc_pos, params: NSAParams, scale: f
     """
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    unsupported = triton_unsupported_reason(params, head_dim, q.device)
+    if unsupported:
+        raise ValueError(f"select_blocks_triton: the kernels do not handle {unsupported}; use "
+                         f"nsa_reference.select_blocks")
+    (q, k_cmp), _ = _kernel_inputs(q, k_cmp)
     q = q.contiguous()
     k_cmp = k_cmp.to(q.dtype).contiguous()
     doc_pos = doc_pos.long().contiguous()

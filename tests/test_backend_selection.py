@@ -211,3 +211,11 @@ def test_float32_inputs_computed_in_bf16_come_back_in_float32_and_say_so(monkeyp
     torch.testing.assert_close(outs[0], (t["q"].to(torch.bfloat16) * 2).float(), rtol=0, atol=0)
     said = [r.getMessage() for r in caplog.records if "compute in torch.bfloat16" in r.getMessage()]
     assert len(said) == 1 and "return torch.float32" in said[0], said
+
+
+def test_select_blocks_triton_names_what_it_cannot_do():
+    params = layout.NSAParams(**{**DEFAULT, "sel_block_size": 48})
+    q = torch.zeros(1, 8, 2, 64)
+    with pytest.raises(ValueError, match="sel_block_size=48 .*nsa_reference.select_blocks"):
+        tri.select_blocks_triton(q, torch.zeros(1, 1, 1, 64), torch.zeros(1, 1, dtype=torch.long),
+                                 torch.arange(8)[None], params)
