@@ -103,6 +103,13 @@ def nsa_inputs(B, T, H, Hkv, D, grad=True, kind="random"):
     return x, cmp_end, doc_pos
 
 
+def fwd_fb_mem(name, step):
+    """{name}_fwd and {name}_fb milliseconds and {name}_mem peak MiB of step(grad): a forward without
+    gradients, and a forward + backward."""
+    return {f"{name}_fwd": time_ms(lambda: step(False)), f"{name}_fb": time_ms(lambda: step(True)),
+            f"{name}_mem": peak_mib(lambda: step(True))}
+
+
 def time_nsa(B, T, H, Hkv, D, kind):
     """Our op's forward ms, forward+backward ms and fwd+bwd peak MiB."""
     x, cmp_end, doc_pos = nsa_inputs(B, T, H, Hkv, D, kind=kind)
@@ -115,8 +122,7 @@ def time_nsa(B, T, H, Hkv, D, kind):
             if grad:
                 torch.autograd.grad(o, list(x.values()), do)
 
-    return dict(nsa_fwd=time_ms(lambda: ours(False)), nsa_fb=time_ms(lambda: ours(True)),
-                nsa_mem=peak_mib(lambda: ours(True)))
+    return fwd_fb_mem("nsa", ours)
 
 
 def time_sdpa(B, T, H, Hkv, D):
@@ -131,8 +137,7 @@ def time_sdpa(B, T, H, Hkv, D):
             if grad:
                 torch.autograd.grad(o, (q, k, v), do)
 
-    return dict(sdpa_fwd=time_ms(lambda: sdpa(False)), sdpa_fb=time_ms(lambda: sdpa(True)),
-                sdpa_mem=peak_mib(lambda: sdpa(True)))
+    return fwd_fb_mem("sdpa", sdpa)
 
 
 def time_fla(B, T, H, Hkv, D, kind):
@@ -148,8 +153,7 @@ def time_fla(B, T, H, Hkv, D, kind):
                 if grad:
                     torch.autograd.grad(o, (qf, kf, vf, gc, gs), do)
 
-        return dict(fla_fwd=time_ms(lambda: fla(False)), fla_fb=time_ms(lambda: fla(True)),
-                    fla_mem=peak_mib(lambda: fla(True)))
+        return fwd_fb_mem("fla", fla)
     except Exception as exc:  # report, keep going
         return dict(fla_error=f"{type(exc).__name__}: {exc}"[:200])
 

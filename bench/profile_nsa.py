@@ -10,6 +10,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import PARAMS, nsa_inputs, tri  # noqa: E402
+from memory_cpu import _NoKernel  # noqa: E402
+from triton_aot import with_kernels_replaced  # noqa: E402
 
 
 def profile(title, fn, rows=30):
@@ -63,21 +65,8 @@ def host_us(fn, calls=200):
     return elapsed / calls * 1e6
 
 
-class _NoLaunch:
-    """Stands in for a Triton kernel: the launch does nothing (leaves the host code around it)."""
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-
 total = host_us(decode)
-kernels = {n: getattr(tri, n) for n in ("_decode_cmp_split_kernel", "_decode_topn_kernel", "_decode_finish_kernel")}
-for name in kernels:
-    setattr(tri, name, _NoLaunch())
-try:
-    without = host_us(decode)
-finally:
-    for name, fn in kernels.items():
-        setattr(tri, name, fn)
-print(f"== decode host time per call at context {T}: {total:.1f} us; without the 3 Triton launches {without:.1f} us "
-      f"(launches: {(total - without) / 3:.1f} us each)")
+without = []
+with_kernels_replaced(lambda: without.append(host_us(decode)), lambda name, fn: _NoKernel())
+print(f"== decode host time per call at context {T}: {total:.1f} us; without the 3 Triton launches {without[0]:.1f} "
+      f"us (launches: {(total - without[0]) / 3:.1f} us each)")

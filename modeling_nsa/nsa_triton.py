@@ -76,13 +76,18 @@ def triton_unusable_reason(device) -> str | None:
         return f"the kernels run on NVIDIA CUDA GPUs, not on device type {device.type!r}"
     if not torch.cuda.is_available():
         return "CUDA is not available"
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _cuda_index(device)
     if index not in _CUDA_DEVICE_REASONS:  # asked once per GPU: the model asks on every attention call
         _CUDA_DEVICE_REASONS[index] = _cuda_device_reason(index)
     return _CUDA_DEVICE_REASONS[index]
 
 
 _CUDA_DEVICE_REASONS: dict[int, str | None] = {}
+
+
+def _cuda_index(device: torch.device) -> int:
+    """The index of a CUDA device ("cuda" alone: the current one): the key of the per-GPU caches."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _cuda_device_reason(index: int) -> str | None:
@@ -1240,7 +1245,7 @@ def _shared_memory_limit(device) -> int:
     tests/test_triton_compile.py checks every launch against it per architecture)."""
     device = torch.device(device)
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        index = _cuda_index(device)
         if index not in _CUDA_SHARED_MEMORY:  # asked once per GPU: the decode step asks on every call
             limit = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", 0)
             _CUDA_SHARED_MEMORY[index] = int(limit) or _SHARED_MEMORY_BY_CAPABILITY.get(
@@ -1796,21 +1801,31 @@ def _reference_fallback(reason: str, *args, **kwargs):
     return nsa_attention_reference(*args, **kwargs)
 
 
+def _entry(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params: NSAParams, scale):
+    """What both entry points do first. Returns (the reference's output where the kernels do not handle the
+    parameters, else None; the kernels' prepared inputs; the scale; the dtype to return the output in)."""
+    head_dim = q.shape[-1]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    unsupported = triton_unsupported_reason(params, head_dim, q.device)
+    if unsupported:
+        out = _reference_fallback(unsupported, q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates,
+                                  doc_pos, params, scale)
+        return out, None, scale, out.dtype
+    floats, out_dtype = _kernel_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates)
+    q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates = floats
+    return None, _prepare(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos), scale, out_dtype
+
+
 def nsa_attention_triton(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos,
                          params: NSAParams, scale: float | None = None) -> torch.Tensor:
     """Triton NSA for all queries (training / prefill, Tq == Tk == Tw); same contract as the reference.
 
     Differentiable w.r.t. q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win and gates.
     """
-    head_dim = q.shape[-1]
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    unsupported = triton_unsupported_reason(params, head_dim, q.device)
-    if unsupported:
-        return _reference_fallback(unsupported, q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates,
-                                   doc_pos, params, scale)
-    floats, out_dtype = _kernel_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates)
-    q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates = floats
-    args = _prepare(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos)
+    fallback, args, scale, out_dtype = _entry(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos,
+                                              params, scale)
+    if fallback is not None:
+        return fallback
     out = _nsa_fwd_op(*args, _params_tuple(params), scale)[0]
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
@@ -1820,15 +1835,10 @@ def nsa_decode_triton(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gate
                       params: NSAParams, scale: float | None = None) -> torch.Tensor:
     """Cached decoding step(s): q holds the last Tq (usually 1) of the Tk key positions; k_win/v_win the
     last Tw. Reads only the visible compressed keys, the n selected blocks and the window keys."""
-    head_dim = q.shape[-1]
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    unsupported = triton_unsupported_reason(params, head_dim, q.device)
-    if unsupported:
-        return _reference_fallback(unsupported, q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates,
-                                   doc_pos, params, scale)
-    floats, out_dtype = _kernel_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates)
-    q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates = floats
-    args = _prepare(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos)
+    fallback, args, scale, out_dtype = _entry(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos,
+                                              params, scale)
+    if fallback is not None:
+        return fallback
     if q.shape[1] == 1:  # the generation step: three launches, no host work but allocation
         out = _decode_step(*args, params, scale)
     else:

@@ -139,27 +139,11 @@ def run_case(case: dict) -> dict:
 
     # reference in fp32 on the kernel's selection (see the module docstring)
     captured = {}
-    orig = reference.select_blocks
-
-    def patched(block_scores, q_doc_pos, prm):
-        ref_idx = orig(block_scores, q_doc_pos, prm)
-        captured["scores"], captured["ref"] = block_scores.detach().cpu(), ref_idx.cpu()
-        return idx_tri.to(ref_idx.device)
-
-    ref_leaves = {n: t[n].detach().float().clone().requires_grad_(True) for n in GRAD_NAMES}
-    reference.select_blocks = patched
-    try:
-        ref_out = reference.nsa_attention_reference(
-            ref_leaves["q"], ref_leaves["k_cmp"], ref_leaves["v_cmp"], cmp_end, ref_leaves["k_slc"],
-            ref_leaves["v_slc"], ref_leaves["k_win"], ref_leaves["v_win"], ref_leaves["gates"], doc_pos, p,
-        )
-    finally:
-        reference.select_blocks = orig
-    ref_out.backward(dout.float())
-    res = {"out": rel(out.detach(), ref_out.detach()), "nan": bool(torch.isnan(out).any())}
+    ref_out, ref_grads = _reference_on(t, cmp_end, doc_pos, p, idx_tri, dout, captured)
+    res = {"out": rel(out.detach(), ref_out), "nan": bool(torch.isnan(out).any())}
     for n in GRAD_NAMES:
         g = leaves[n].grad
-        res["d" + n] = float("nan") if g is None else rel(g, ref_leaves[n].grad)
+        res["d" + n] = float("nan") if g is None else rel(g, ref_grads[n])
     # selection: indices equal except at genuine near-ties
     ref_idx, scores = captured["ref"], captured["scores"]
     res["idx_shape_ok"] = tuple(ref_idx.shape) == tuple(idx_tri.shape)
@@ -228,13 +212,21 @@ def _device_inputs(B, T, H, Hkv, D, p, dtype, device, seed=0):
     return t, cmp_end, doc_pos
 
 
-def _reference_on(t, cmp_end, doc_pos, p, idx, dout):
+def _reference_on(t, cmp_end, doc_pos, p, idx, dout, captured=None):
     """The fp32 reference's output and input gradients (for output gradient dout) on the kernel's selection
-    idx (as run_case: near-ties may pick other blocks)."""
+    idx (near-ties may pick other blocks: see the module docstring). captured, when given, receives the
+    reference's block scores ("scores") and its own selection ("ref"), on CPU."""
     _, reference, _ = import_nsa()
-    leaves = {n: t[n].detach().float().requires_grad_(True) for n in GRAD_NAMES}
+    leaves = {n: t[n].detach().float().clone().requires_grad_(True) for n in GRAD_NAMES}
     orig = reference.select_blocks
-    reference.select_blocks = lambda scores, q_doc_pos, prm: idx.to(scores.device)
+
+    def kernel_selection(block_scores, q_doc_pos, prm):
+        if captured is not None:
+            captured["scores"] = block_scores.detach().cpu()
+            captured["ref"] = orig(block_scores, q_doc_pos, prm).cpu()
+        return idx.to(block_scores.device)
+
+    reference.select_blocks = kernel_selection
     try:
         out = reference.nsa_attention_reference(
             leaves["q"], leaves["k_cmp"], leaves["v_cmp"], cmp_end, leaves["k_slc"], leaves["v_slc"],
