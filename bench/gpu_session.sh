@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and figure the README reports, in one place. Each step writes its log (and JSON where
 # the script has one) under $OUT; steps run in the order given (default: all). Usage:
-#   bash bench/gpu_session.sh                         # tests attention tune model profile train
+#   bash bench/gpu_session.sh                         # tests attention tune model generate profile train
 #   bash bench/gpu_session.sh tests attention         # a subset (each step fits a 10-minute slot)
 #   OUT=/tmp/run FLA_WHEEL=wheels/fla_core-0.6.0-py3-none-any.whl bash bench/gpu_session.sh attention
 set -euo pipefail
@@ -10,7 +10,7 @@ OUT=${OUT:-bench/results/gpu_session}
 PY=${PY:-python}
 mkdir -p "$OUT"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests attention tune model profile train)
+[ ${#steps[@]} -eq 0 ] && steps=(tests attention tune model generate profile train)
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || echo "no nvidia-smi";
   $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__)"; git rev-parse --short HEAD 2>/dev/null || true; } | tee "$OUT/env.txt"
@@ -26,8 +26,10 @@ for step in "${steps[@]}"; do
     # launch variants (tiles, warps, top-n insertion) with per-kernel times: where the defaults come from
     tune)       $PY bench/tune_kernels.py --json "$OUT/tune.json" ;;
     model)      $PY bench/bench_model.py --seq-lens 2048 8192 --steps 5 --warmup 2 ;;
+    # generate(): per-token latency and prefill against a HF Llama of the same size, prompts 4k/16k/64k
+    generate)   $PY bench/bench_generate.py --json "$OUT/generate.json" ;;
     profile)    $PY bench/profile_nsa.py ;;
     train)      DATA=${DATA:-../shared/data} STEPS=${STEPS:-50} MB=${MB:-8} OUT="$OUT/train" bash bench/train_gpu_check.sh ;;
-    *)          echo "unknown step $step (tests attention tune model profile train)"; exit 2 ;;
+    *)          echo "unknown step $step (tests attention tune model generate profile train)"; exit 2 ;;
   esac 2>&1 | tee "$OUT/$step.log" || echo "== $step exited non-zero (log: $OUT/$step.log)" | tee -a "$OUT/env.txt"
 done

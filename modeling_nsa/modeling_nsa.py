@@ -211,37 +211,116 @@ class NSACompressor(nn.Module):
 # ----------------------------------------------------------------------------------------------
 
 
+class TokenBuffer:
+    """A (B, n, ...) tensor grown along dim 1 in place. Appending m tokens writes m tokens: the storage keeps
+    spare room, and only a full storage is copied, into one a quarter larger (at least 64 tokens; amortized
+    O(1) per token). torch.cat would copy the whole cache at every decoding step (32 MiB per layer and token
+    at 64k context in the 125M layout). generate() reserves its maximum length up front (`reserve`).
+
+    keep_last: the window cache. An append returns what was kept plus the new tokens (a chunk's first query
+    sees w - 1 keys before it), then keeps only the last keep_last; storage is compacted to its front only when
+    full, with at least keep_last spare tokens, so the copies average under one token per appended token.
+    fill: the value of slots never written (the compressed caches' empty slots: zero keys, end -1)."""
+
+    def __init__(self, keep_last: int | None = None, reserve: int = 0, fill: float = 0):
+        self.keep_last, self.reserve, self.fill = keep_last, reserve, fill
+        self.storage: torch.Tensor | None = None  # (B, capacity, ...)
+        self.start = self.end = 0  # the live tokens are storage[:, start:end]
+
+    def view(self) -> torch.Tensor | None:
+        return None if self.storage is None else self.storage[:, self.start : self.end]
+
+    def _make_room(self, like: torch.Tensor, length: int) -> None:
+        """Storage for `length` live tokens from self.start on; copies the live ones if it must move them."""
+        if self.storage is not None and self.start + length <= self.storage.shape[1]:
+            return
+        live = self.end - self.start
+        spare = max(length // 4, self.keep_last or 0, 64)
+        capacity = max(length + spare, 0 if self.keep_last else self.reserve)
+        storage = like.new_full((like.shape[0], capacity, *like.shape[2:]), self.fill)
+        if live:
+            storage[:, :live] = self.storage[:, self.start : self.end]
+        self.storage, self.start, self.end = storage, 0, live
+
+    def append(self, new: torch.Tensor) -> torch.Tensor:
+        """new (B, m, ...) -> the live tokens plus new, (B, n + m, ...), a view of the storage."""
+        num_new = new.shape[1]
+        self._make_room(new, self.end - self.start + num_new)
+        self.storage[:, self.end : self.end + num_new] = new
+        self.end += num_new
+        out = self.view()
+        if self.keep_last is not None:
+            self.start = max(self.start, self.end - self.keep_last)
+        return out
+
+    def resize(self, length: int, like: torch.Tensor) -> torch.Tensor:
+        """The first `length` tokens (slots past the written ones hold `fill`), a view to write into in place."""
+        self._make_room(like, length)
+        self.end = self.start + length
+        return self.view()
+
+    def index_select(self, index: torch.Tensor) -> None:
+        """Reorder the rows (beam search)."""
+        if self.storage is not None:
+            self.storage = self.storage.index_select(0, index.to(self.storage.device))
+
+
 class NSALayerCache:
     """One layer's decoding state; memory is bounded by what NSA reads.
 
     k_slc/v_slc: every key (selection may pick any block), (B, Tk, Hkv, D), rotated.
     k_win/v_win: the last w keys only (kv_per_branch; otherwise the window reads k_slc).
-    cmp_k/cmp_v/cmp_end/cmp_count: compressed tokens emitted so far (rotated k), per-row counts.
+    cmp_k/cmp_v/cmp_end: compressed tokens emitted so far (rotated k), (B, Tk // d + 1, ...), each row's first
+    cmp_count slots filled (rows emit at different steps under left padding), the rest empty (zero, end -1).
     tail_k/tail_v: the last l - 1 raw keys/values, from which the next compressed token is made.
+    Each is a view of a TokenBuffer (appends write only the new tokens).
     """
 
-    def __init__(self):
-        self.k_slc = self.v_slc = self.k_win = self.v_win = None
-        self.cmp_k = self.cmp_v = self.cmp_end = self.cmp_count = None
+    def __init__(self, reserve: int = 0, window_size: int | None = None, cmp_stride: int = 1):
+        self.buffers = {
+            "k_slc": TokenBuffer(reserve=reserve), "v_slc": TokenBuffer(reserve=reserve),
+            "k_win": TokenBuffer(keep_last=window_size), "v_win": TokenBuffer(keep_last=window_size),
+            "cmp_k": TokenBuffer(reserve=reserve // cmp_stride + 1), "cmp_v": TokenBuffer(reserve=reserve // cmp_stride + 1),
+            "cmp_end": TokenBuffer(reserve=reserve // cmp_stride + 1, fill=-1),
+        }  # fmt: skip
+        self.cmp_count: torch.Tensor | None = None  # (B,) compressed tokens emitted per row
         self.tail_k = self.tail_v = None
 
-    def tensors(self):
-        return {name: value for name, value in vars(self).items() if isinstance(value, torch.Tensor)}
+    def __getattr__(self, name):  # k_slc, cmp_end, ...: the buffer's live tokens
+        buffers = self.__dict__.get("buffers", {})
+        if name in buffers:
+            return buffers[name].view()
+        raise AttributeError(name)
+
+    def index_select(self, index: torch.Tensor) -> None:
+        for buffer in self.buffers.values():
+            buffer.index_select(index)
+        for name in ("cmp_count", "tail_k", "tail_v"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value.index_select(0, index.to(value.device)))
 
 
 class NSACache(Cache):
-    """KV cache for NSA generation (NSA_SPEC, "Incremental decoding")."""
+    """KV cache for NSA generation (NSA_SPEC, "Incremental decoding"). max_cache_len: the longest sequence
+    expected (generate() passes its max_length), reserved at the first append so no step copies the cache;
+    longer sequences still work (the buffers grow)."""
 
     is_compileable = False
 
-    def __init__(self, config: NSAConfig | None = None, num_layers: int | None = None):
-        num_layers = num_layers if num_layers is not None else config.num_hidden_layers
-        super().__init__(layers=[NSALayerCache() for _ in range(num_layers)])
-        self.doc_pos: torch.Tensor | None = None  # (B, Tk) in-document position of every cached token
+    def __init__(self, config: NSAConfig, max_cache_len: int = 0):
+        layers = [NSALayerCache(max_cache_len, config.window_size, config.cmp_stride)
+                  for _ in range(config.num_hidden_layers)]
+        super().__init__(layers=layers)
+        self.positions = TokenBuffer(reserve=max_cache_len)  # (B, Tk) in-document position of every cached token
         self.num_valid: torch.Tensor | None = None  # (B,) position the next token takes in its document
 
+    @property
+    def doc_pos(self) -> torch.Tensor | None:
+        return self.positions.view()
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0 if self.doc_pos is None else self.doc_pos.shape[1]
+        return self.positions.end - self.positions.start
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         return -1
@@ -251,43 +330,38 @@ class NSACache(Cache):
 
         The first chunk may hold packed documents (position_ids restarts) like a forward without
         cache; later chunks continue each row's last document (generation)."""
-        if self.doc_pos is None:
+        if self.num_valid is None:
             new_doc_pos = document_positions(position_ids, attention_mask, batch_size, new_len, device)
-            self.doc_pos = new_doc_pos
         else:
             new_doc_pos = cached_document_positions(attention_mask, self.num_valid, batch_size, new_len, device)
-            self.doc_pos = torch.cat([self.doc_pos, new_doc_pos], dim=1)
-        self.num_valid = self.doc_pos[:, -1] + 1  # the next token's position in the row's last document
-        return self.doc_pos
+        doc_pos = self.positions.append(new_doc_pos)
+        self.num_valid = new_doc_pos[:, -1] + 1  # the next token's position in the row's last document
+        return doc_pos
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
         for layer in self.layers:
-            for name, value in layer.tensors().items():
-                setattr(layer, name, value.index_select(0, beam_idx.to(value.device)))
-        self.doc_pos = self.doc_pos.index_select(0, beam_idx.to(self.doc_pos.device))
+            layer.index_select(beam_idx)
+        self.positions.index_select(beam_idx)
         self.num_valid = self.num_valid.index_select(0, beam_idx.to(self.num_valid.device))
 
 
 def _append_compressed(layer: NSALayerCache, k_new, v_new, end_new, max_slots: int):
-    """Append each row's newly emitted compressed tokens after its own count (rows emit at
-    different steps under left padding). Slots past a row's count hold end = -1 (empty).
-
-    Buffers keep max_slots = Tk // d + 1 slots, a static bound no row exceeds; the Nn spare slots
-    appended for the scatter hold only empty entries once it is done and are dropped again."""
+    """Write each row's newly emitted compressed tokens after its own count (rows emit at different steps
+    under left padding), in place. The view keeps max_slots = Tk // d + 1 slots, a static bound no row
+    exceeds; the scatter also writes each row's Nn - emitted spare entries (zero, end -1: what empty slots
+    hold) past its count, so the buffers are sized for the previous bound + Nn."""
     batch, num_new = end_new.shape
     if layer.cmp_count is None:
         layer.cmp_count = torch.zeros(batch, dtype=torch.long, device=end_new.device)
-        layer.cmp_k = k_new.new_zeros(batch, 0, *k_new.shape[2:])
-        layer.cmp_v = v_new.new_zeros(batch, 0, *v_new.shape[2:])
-        layer.cmp_end = end_new.new_full((batch, 0), -1)
-    cmp_k = torch.cat([layer.cmp_k, torch.zeros_like(k_new)], dim=1)
-    cmp_v = torch.cat([layer.cmp_v, torch.zeros_like(v_new)], dim=1)
-    cmp_end = torch.cat([layer.cmp_end, torch.full_like(end_new, -1)], dim=1)
+    k_buf, v_buf, end_buf = (layer.buffers[name] for name in ("cmp_k", "cmp_v", "cmp_end"))
+    span = end_buf.end - end_buf.start + num_new
     slots = layer.cmp_count[:, None] + torch.arange(num_new, device=end_new.device)  # (B, Nn)
     index = slots[:, :, None, None].expand(-1, -1, *k_new.shape[2:])
-    layer.cmp_k = cmp_k.scatter(1, index, k_new)[:, :max_slots]
-    layer.cmp_v = cmp_v.scatter(1, index, v_new)[:, :max_slots]
-    layer.cmp_end = cmp_end.scatter(1, slots, end_new)[:, :max_slots]
+    k_buf.resize(span, k_new).scatter_(1, index, k_new)
+    v_buf.resize(span, v_new).scatter_(1, index, v_new)
+    end_buf.resize(span, end_new).scatter_(1, slots, end_new)
+    for buffer, like in ((k_buf, k_new), (v_buf, v_new), (end_buf, end_new)):
+        buffer.resize(max_slots, like)  # max_slots <= span: no allocation
     layer.cmp_count = layer.cmp_count + (end_new >= 0).sum(-1)
 
 
@@ -322,7 +396,8 @@ class NSAAttention(nn.Module):
 
     def forward(self, hidden_states, doc_pos, position_embeddings, past_key_values=None, single_document=False, **kwargs):
         """hidden_states (B, Tq, hidden); doc_pos (B, Tk) of every key position (Tk = cached + Tq);
-        position_embeddings = cos, sin (B, Tk, D) at doc_pos; single_document: no padding, no packed
+        position_embeddings = cos, sin (B, W, D) at the last W of doc_pos: all Tk without a cache, the last
+        Tq + l - 1 with one (the queries and the compressed tokens they complete); single_document: no padding, no packed
         documents, no cache (lets dense attention use the plain causal kernel)."""
         batch, num_queries, _ = hidden_states.shape
         cos, sin = position_embeddings
@@ -335,7 +410,7 @@ class NSAAttention(nn.Module):
             k, v = self._branch_kv(kv, "slc")
             k = apply_rope(k, cos_q, sin_q)
             if cache is not None:
-                k, v = self._cache_append(cache, "k_slc", "v_slc", k, v)
+                k, v = cache.buffers["k_slc"].append(k), cache.buffers["v_slc"].append(v)
             out = dense_causal_attention(q, k, v, doc_pos, single_document)
         else:
             gates = torch.sigmoid(self.g_proj(hidden_states)).view(batch, num_queries, self.num_heads, len(BRANCHES))
@@ -360,24 +435,14 @@ class NSAAttention(nn.Module):
             )  # fmt: skip
         return self.o_proj(out.reshape(batch, num_queries, self.num_heads * self.head_dim)), None
 
-    def _compress(self, k_raw, v_raw, local_end, cos, sin, global_end):
+    def _compress(self, k_raw, v_raw, local_end, cos, sin, rope_index):
         """Compressed k (rotated at i*d + l - 1, the last position it covers) and v. local_end indexes
-        k_raw/v_raw; global_end indexes cos/sin (the key positions)."""
+        k_raw/v_raw; rope_index the same key positions in cos/sin (-1 where empty)."""
         k_cmp, v_cmp = self.compressor(k_raw, v_raw, local_end)
-        index = global_end.clamp(min=0)
+        index = rope_index.clamp(min=0)
         gather = index[:, :, None].expand(-1, -1, cos.shape[-1])
         k_cmp = apply_rope(k_cmp, cos.gather(1, gather), sin.gather(1, gather))
         return k_cmp, v_cmp
-
-    @staticmethod
-    def _cache_append(cache: NSALayerCache, k_name, v_name, k, v, keep_last: int | None = None):
-        old_k, old_v = getattr(cache, k_name), getattr(cache, v_name)
-        k = k if old_k is None else torch.cat([old_k, k], dim=1)
-        v = v if old_v is None else torch.cat([old_v, v], dim=1)
-        kept = (k, v) if keep_last is None else (k[:, -keep_last:], v[:, -keep_last:])
-        setattr(cache, k_name, kept[0])
-        setattr(cache, v_name, kept[1])
-        return k, v
 
     def _cached_inputs(self, cache, doc_pos, cos, sin, k_raw, v_raw, k_slc, v_slc, k_win, v_win):
         """Append this chunk to the layer cache; return the compressed, selection and window K/V."""
@@ -392,14 +457,16 @@ class NSAAttention(nn.Module):
         local_end = compressed_token_ends(raw_doc_pos, params, num_slots=num_queries // params.cmp_stride + 1)
         offset = num_keys - num_queries - tail_len
         global_end = torch.where(local_end >= 0, local_end + offset, local_end)
-        k_new, v_new = self._compress(raw_k, raw_v, local_end, cos, sin, global_end)
+        # cos/sin cover the last W key positions, the raw tail + chunk (tail_len + Tq <= W) at their end
+        rope_index = torch.where(local_end >= 0, local_end + cos.shape[1] - raw_k.shape[1], local_end)
+        k_new, v_new = self._compress(raw_k, raw_v, local_end, cos, sin, rope_index)
         _append_compressed(cache, k_new, v_new, global_end, max_slots=num_keys // params.cmp_stride + 1)
         keep_tail = params.cmp_block_size - 1
         cache.tail_k, cache.tail_v = raw_k[:, -keep_tail:], raw_v[:, -keep_tail:]
 
-        k_slc, v_slc = self._cache_append(cache, "k_slc", "v_slc", k_slc, v_slc)
-        if self.num_kv_sets == 3:
-            k_win, v_win = self._cache_append(cache, "k_win", "v_win", k_win, v_win, keep_last=params.window_size)
+        k_slc, v_slc = cache.buffers["k_slc"].append(k_slc), cache.buffers["v_slc"].append(v_slc)
+        if self.num_kv_sets == 3:  # the window buffers keep the last w keys
+            k_win, v_win = cache.buffers["k_win"].append(k_win), cache.buffers["v_win"].append(v_win)
         else:  # shared K/V: the window reads the last keys of the selection cache
             span = min(num_keys, params.window_size + num_queries - 1)
             k_win, v_win = k_slc[:, -span:], v_slc[:, -span:]
@@ -573,7 +640,10 @@ class NSAModel(NSAPreTrainedModel):
             doc_pos = past_key_values.append_positions(position_ids, attention_mask, batch, num_new, device)  # (B, Tk)
         else:
             doc_pos = document_positions(position_ids, attention_mask, batch, num_new, device)  # (B, T)
-        position_embeddings = self.rotary_emb(doc_pos, inputs_embeds.dtype)
+        # With a cache only the new tokens and the compressed tokens they complete are rotated, not all Tk
+        # (cos/sin of every cached position would cost O(Tk) per generated token).
+        rope_span = doc_pos.shape[1] if past_key_values is None else num_new + self.config.cmp_block_size - 1
+        position_embeddings = self.rotary_emb(doc_pos[:, -rope_span:], inputs_embeds.dtype)
 
         single_document = position_ids is None and attention_mask is None and cu_seqlens is None and past_key_values is None
         hidden_states = inputs_embeds
@@ -601,10 +671,13 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
     def set_input_embeddings(self, value):
         self.model.embed_tokens = value
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """generate() gets an NSACache (selection/window/compressed state), never a DynamicCache."""
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs, generation_mode=None, batch_size=None, max_cache_length=0
+    ):
+        """generate() gets an NSACache (selection/window/compressed state), never a DynamicCache, with room
+        for generate()'s max_length reserved (no step copies the cache)."""
         if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
-            model_kwargs["past_key_values"] = NSACache(self.config)
+            model_kwargs["past_key_values"] = NSACache(self.config, max_cache_len=max_cache_length or 0)
 
     def forward(
         self,

@@ -982,20 +982,21 @@ if _HAS_TRITON:
     @triton.jit
     def _decode_cmp_split_kernel(
         Q, KC, VC, CEND, DOCPOS, PM, PL, PACC, PP, PCNT,
-        Tk, Nc, S, sm_scale2,
+        Tk, Nc, S, sm_scale2, kc_bs, vc_bs, ce_bs, dp_bs,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
         CS: tl.constexpr,
     ):
         """Decode, split s of the compressed slots [s*CS, (s+1)*CS) of one (row, KV group): the split's
         softmax partials (max m, sum l, unnormalized output acc), its probabilities exp2(x - m) per head and
         slot (the top-n rescales them once the log-sum-exp is known), and two counts: slots of earlier
-        documents and visible slots. A slot is visible iff start <= cmp_end <= t (slots sorted by end)."""
+        documents and visible slots. A slot is visible iff start <= cmp_end <= t (slots sorted by end).
+        *_bs: batch strides (elements) of KC, VC, CEND, DOCPOS: the cache's buffers are views with room to grow."""
         pid_bg = tl.program_id(0)
         sp = tl.program_id(1)
         b = (pid_bg // HKV).to(tl.int64)
         g = pid_bg % HKV
         t = Tk - 1
-        pos = tl.load(DOCPOS + b * Tk + t)
+        pos = tl.load(DOCPOS + b * dp_bs + t)
         start = tl.where(pos >= 0, t - pos, Tk)  # a padded query sees nothing
         hh = tl.arange(0, G_PAD)
         row_ok = hh < G
@@ -1003,11 +1004,11 @@ if _HAS_TRITON:
         row = b * H + g * G + hh
         q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
         cc = sp * CS + tl.arange(0, CS)
-        end = tl.load(CEND + b * Nc + cc, mask=cc < Nc, other=-1)
+        end = tl.load(CEND + b * ce_bs + cc, mask=cc < Nc, other=-1)
         vis = (end >= start) & (end <= t)
-        kv_off = b * Nc * HKV * D + g * D + cc.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
-        k = tl.load(KC + kv_off, mask=vis[:, None], other=0.0)
-        v = tl.load(VC + kv_off, mask=vis[:, None], other=0.0)
+        kv_off = g * D + cc.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
+        k = tl.load(KC + b * kc_bs + kv_off, mask=vis[:, None], other=0.0)
+        v = tl.load(VC + b * vc_bs + kv_off, mask=vis[:, None], other=0.0)
         x = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))  # (G_PAD, CS)
         m = tl.max(x, 1)
         p = tl.exp2(x - tl.where(m == float("-inf"), 0.0, m)[:, None])
@@ -1052,7 +1053,7 @@ if _HAS_TRITON:
     @triton.jit
     def _decode_topn_kernel(
         PM, PL, PACC, PP, PCNT, DOCPOS, TOPV, TOPI,
-        Tk, S, n_prog,
+        Tk, S, n_prog, dp_bs,
         HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
         L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr,
         N_SEL: tl.constexpr, N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
@@ -1071,7 +1072,7 @@ if _HAS_TRITON:
         d = tl.arange(0, D)
         m_i, l_i, _, c_lo, n_vis = _decode_cmp_merge(PM, PL, PACC, PCNT, pid_bg, S, hh, d, G_PAD, D, SB, False)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), 0.0)
-        pos = tl.load(DOCPOS + b * Tk + t)
+        pos = tl.load(DOCPOS + b * dp_bs + t)
         R: tl.constexpr = LB // DS
         BC: tl.constexpr = BJ * R
         pos1 = tl.zeros([1], tl.int64) + pos
@@ -1105,7 +1106,7 @@ if _HAS_TRITON:
     @triton.jit
     def _decode_finish_kernel(
         Q, PM, PL, PACC, PCNT, TOPV, TOPI, KS, VS, KW, VW, GATE, DOCPOS, OUT,
-        Tk, Tw, S, n_prog, sm_scale2,
+        Tk, Tw, S, n_prog, sm_scale2, ks_bs, vs_bs, kw_bs, vw_bs, dp_bs,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
         LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, WIN: tl.constexpr,
         SB: tl.constexpr, LISTS: tl.constexpr, SEL_STEP: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -1113,12 +1114,13 @@ if _HAS_TRITON:
         """Decode, one program per (row, KV group), rows = its G heads: merges the compressed-branch splits
         (log-sum-exp and output) and the block ranges' top-n lists, then selected and window attention and
         the gated sum. Two programs at B = 1 and 2 KV heads, so the chain of dependent steps is what costs:
-        SEL_STEP selected blocks per step and BLOCK_N window keys per step keep it short."""
+        SEL_STEP selected blocks per step and BLOCK_N window keys per step keep it short. *_bs: batch strides
+        (elements) of KS, VS, KW, VW, DOCPOS (views of the cache's buffers)."""
         pid_bg = tl.program_id(0)
         b = (pid_bg // HKV).to(tl.int64)
         g = pid_bg % HKV
         t = Tk - 1
-        pos = tl.load(DOCPOS + b * Tk + t)
+        pos = tl.load(DOCPOS + b * dp_bs + t)
         valid = pos >= 0  # a padded query gets 0 from every branch
         start = t - pos  # first key of the query's document
         hh = tl.arange(0, G_PAD)
@@ -1145,7 +1147,6 @@ if _HAS_TRITON:
         # selected branch: the n blocks' keys up to t, SEL_STEP blocks (SEL_STEP * l' keys) per step
         slot_n = tl.arange(0, N_PAD)
         kb = tl.arange(0, SEL_STEP * LB)
-        slc_base = b * Tk * HKV * D + g * D
         m_i, l_i, acc = _softmax_init(G_PAD, D)
         for i0 in range(0, N_SEL, SEL_STEP):
             slot_k = i0 + kb // LB  # (SEL_STEP * LB,) list slot of each key
@@ -1153,23 +1154,22 @@ if _HAS_TRITON:
             j = tl.where(slot_k < N_SEL, j, -1)  # -1 (also an unused slot's): nothing visible
             kk = tl.where(j >= 0, start + j.to(tl.int64) * LB, t + 1) + kb % LB
             vis = kk <= t
-            kv_off = slc_base + kk[:, None] * (HKV * D) + d[None, :]
-            k = tl.load(KS + kv_off, mask=vis[:, None], other=0.0)
-            v = tl.load(VS + kv_off, mask=vis[:, None], other=0.0)
+            kv_off = g * D + kk[:, None] * (HKV * D) + d[None, :]
+            k = tl.load(KS + b * ks_bs + kv_off, mask=vis[:, None], other=0.0)
+            v = tl.load(VS + b * vs_bs + kv_off, mask=vis[:, None], other=0.0)
             x = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
             m_i, l_i, acc = _softmax_tile(x, v, m_i, l_i, acc)
         o_slc = _branch_output(acc, l_i, OUT.dtype.element_ty)
         # window branch: KW holds keys Tk-Tw .. Tk-1; visible from max(start, t - w + 1)
         w_lo = tl.maximum(tl.maximum(start, t - WIN + 1) - (Tk - Tw), 0).to(tl.int32)
-        win_base = b * Tw * HKV * D + g * D
         kn = tl.arange(0, BLOCK_N)
         m_i, l_i, acc = _softmax_init(G_PAD, D)
         for i0 in range(w_lo, tl.where(valid, Tw, 0), BLOCK_N):
             ii = i0 + kn
             vis = ii < Tw
-            kv_off = win_base + ii.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
-            k = tl.load(KW + kv_off, mask=vis[:, None], other=0.0)
-            v = tl.load(VW + kv_off, mask=vis[:, None], other=0.0)
+            kv_off = g * D + ii.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
+            k = tl.load(KW + b * kw_bs + kv_off, mask=vis[:, None], other=0.0)
+            v = tl.load(VW + b * vw_bs + kv_off, mask=vis[:, None], other=0.0)
             x = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
             m_i, l_i, acc = _softmax_tile(x, v, m_i, l_i, acc)
         o_win = _branch_output(acc, l_i, OUT.dtype.element_ty)
@@ -1489,10 +1489,11 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     lists = _DECODE_MERGE_LISTS or max(1, 128 // n_pad)
     _decode_cmp_split_kernel[(batch * num_kv, n_split)](
         q, k_cmp, v_cmp, cmp_end, doc_pos, part_m, part_l, part_acc, part_p, counts,
-        num_keys, num_slots, n_split, scale * _LOG2E, H=num_heads, CS=split, num_warps=4, **common,
+        num_keys, num_slots, n_split, scale * _LOG2E, k_cmp.stride(0), v_cmp.stride(0), cmp_end.stride(0),
+        doc_pos.stride(0), H=num_heads, CS=split, num_warps=4, **common,
     )
     _decode_topn_kernel[(batch * num_kv, n_prog)](
-        part_m, part_l, part_acc, part_p, counts, doc_pos, top_v, top_i, num_keys, n_split, n_prog,
+        part_m, part_l, part_acc, part_p, counts, doc_pos, top_v, top_i, num_keys, n_split, n_prog, doc_pos.stride(0),
         L=params.cmp_block_size, DS=params.cmp_stride, INIT=params.sel_init_blocks, LOCAL=params.sel_local_blocks,
         BJ=_topn_chunk(params), CS=split, SB=merge_splits, TB=blocks_per_prog, INSERT_MAX=_topn_insert_max(),
         num_warps=4, **common, **topn,
@@ -1500,7 +1501,8 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     out = torch.empty_like(q)
     _decode_finish_kernel[(batch * num_kv,)](
         q, part_m, part_l, part_acc, counts, top_v, top_i, k_slc, v_slc, k_win, v_win, gates, doc_pos, out,
-        num_keys, num_win, n_split, n_prog, scale * _LOG2E, H=num_heads, WIN=params.window_size,
+        num_keys, num_win, n_split, n_prog, scale * _LOG2E, k_slc.stride(0), v_slc.stride(0), k_win.stride(0),
+        v_win.stride(0), doc_pos.stride(0), H=num_heads, WIN=params.window_size,
         SB=finish_splits, LISTS=lists, SEL_STEP=sel_step, BLOCK_N=win_tile, num_warps=finish_warps,
         **common, **topn,
     )
@@ -1737,17 +1739,29 @@ _nsa_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 # Public API (the dispatcher's seam)
 # ----------------------------------------------------------------------------------------------
 
-def _prepare(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos):
-    """Contiguous inputs, K/V in q's dtype, positions int64; tensors already so pass through untouched."""
+def _rows_contiguous(x: torch.Tensor) -> bool:
+    """Each batch row of x is contiguous (any batch stride): a view [:, a:b] of a (B, capacity, ...) buffer."""
+    expected = 1
+    for size, stride in zip(reversed(x.shape[1:]), reversed(x.stride()[1:])):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
-    def c(x, dtype):
+
+def _prepare(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, batch_strided=False):
+    """Contiguous inputs, K/V in q's dtype, positions int64; tensors already so pass through untouched.
+    batch_strided (the decode step, whose kernels take batch strides): the cache's tensors need only
+    contiguous rows, so the views of the cache's buffers are read where they are, not copied per token."""
+
+    def c(x, dtype, rows_only=False):
         x = x if x.dtype == dtype else x.to(dtype)
-        return x if x.is_contiguous() else x.contiguous()
+        return x if (x.is_contiguous() or (rows_only and _rows_contiguous(x))) else x.contiguous()
 
-    dt = q.dtype
+    dt, r = q.dtype, batch_strided
     return (
-        c(q, dt), c(k_cmp, dt), c(v_cmp, dt), c(cmp_end, torch.int64), c(k_slc, dt), c(v_slc, dt), c(k_win, dt),
-        c(v_win, dt), c(gates, gates.dtype), c(doc_pos, torch.int64),
+        c(q, dt), c(k_cmp, dt, r), c(v_cmp, dt, r), c(cmp_end, torch.int64, r), c(k_slc, dt, r), c(v_slc, dt, r),
+        c(k_win, dt, r), c(v_win, dt, r), c(gates, gates.dtype), c(doc_pos, torch.int64, r),
     )
 
 
@@ -1801,7 +1815,8 @@ def _reference_fallback(reason: str, *args, **kwargs):
     return nsa_attention_reference(*args, **kwargs)
 
 
-def _entry(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params: NSAParams, scale):
+def _entry(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params: NSAParams, scale,
+           batch_strided=False):
     """What both entry points do first. Returns (the reference's output where the kernels do not handle the
     parameters, else None; the kernels' prepared inputs; the scale; the dtype to return the output in)."""
     head_dim = q.shape[-1]
@@ -1813,7 +1828,8 @@ def _entry(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos,
         return out, None, scale, out.dtype
     floats, out_dtype = _kernel_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates)
     q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates = floats
-    return None, _prepare(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos), scale, out_dtype
+    inputs = _prepare(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, batch_strided)
+    return None, inputs, scale, out_dtype
 
 
 def nsa_attention_triton(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos,
@@ -1834,12 +1850,14 @@ def nsa_attention_triton(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, g
 def nsa_decode_triton(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos,
                       params: NSAParams, scale: float | None = None) -> torch.Tensor:
     """Cached decoding step(s): q holds the last Tq (usually 1) of the Tk key positions; k_win/v_win the
-    last Tw. Reads only the visible compressed keys, the n selected blocks and the window keys."""
+    last Tw. Reads only the visible compressed keys, the n selected blocks and the window keys. One query
+    per row: the cache's tensors are read in place (views of NSACache's buffers, any batch stride)."""
+    single = q.shape[1] == 1
     fallback, args, scale, out_dtype = _entry(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos,
-                                              params, scale)
+                                              params, scale, batch_strided=single)
     if fallback is not None:
         return fallback
-    if q.shape[1] == 1:  # the generation step: three launches, no host work but allocation
+    if single:  # the generation step: three launches, no host work but allocation
         out = _decode_step(*args, params, scale)
     else:
         out = _forward_impl(*args, params, scale)[0]

@@ -147,3 +147,92 @@ def test_cached_decoding_step_makes_no_host_synchronization(variant):
                 out = model(token, attention_mask=mask, past_key_values=cache, use_cache=True)
                 cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
     assert recorder.syncs == [], recorder.syncs
+
+
+def test_token_buffer_appends_in_place_and_matches_concatenation():
+    from modeling_nsa.modeling_nsa import TokenBuffer
+
+    gen = torch.Generator().manual_seed(6)
+    grown, window = TokenBuffer(), TokenBuffer(keep_last=20)
+    expected, expected_window, reallocations, storage = None, None, 0, None
+    for step in range(600):
+        new = torch.randn(2, 37 if step == 0 else 1 + step % 3, 3, generator=gen)
+        expected = new if expected is None else torch.cat([expected, new], 1)
+        got = grown.append(new)
+        reallocations += grown.storage is not storage
+        storage = grown.storage
+        assert torch.equal(got, expected)
+        # the window cache: what was kept plus the new tokens, then only the last 20 kept (the old torch.cat)
+        with_new = new if expected_window is None else torch.cat([expected_window, new], 1)
+        assert torch.equal(window.append(new), with_new)
+        expected_window = with_new[:, -20:]
+        assert torch.equal(window.view(), expected_window)
+    assert reallocations <= 16, reallocations  # 1.25x growth from 37 to about 1,240 tokens: 15, not 600
+    assert window.storage.shape[1] <= 2 * 20 + 64 + 3  # bounded by w, not by the sequence
+    reserved = TokenBuffer(reserve=1000)
+    reserved.append(torch.zeros(1, 10))
+    first = reserved.storage
+    for _ in range(990):
+        reserved.append(torch.ones(1, 1))
+    assert reserved.storage is first and reserved.view().shape == (1, 1000)
+
+
+def test_generate_reserves_its_length_and_never_copies_the_cache(monkeypatch):
+    from modeling_nsa.modeling_nsa import TokenBuffer
+
+    storages = {}
+    append = TokenBuffer.append
+
+    def recording_append(self, new):
+        out = append(self, new)
+        storages.setdefault(id(self), set()).add(self.storage.data_ptr())
+        return out
+
+    monkeypatch.setattr(TokenBuffer, "append", recording_append)
+    model = make_model()
+    rotated = []  # positions RoPE is computed for per forward: each step's token and the l - 1 before it
+    model.model.rotary_emb.register_forward_hook(lambda module, args, output: rotated.append(args[0].shape[1]))
+    out = model.generate(
+        torch.randint(0, 97, (2, 10)), max_new_tokens=150, min_new_tokens=150, do_sample=False,
+        return_dict_in_generate=True, pad_token_id=0,
+    )  # fmt: skip
+    cache = out.past_key_values
+    grown = [cache.positions] + [layer.buffers[n] for layer in cache.layers for n in ("k_slc", "v_slc")]
+    for buffer in grown:  # one storage for the whole generation, sized for generate()'s max_length
+        assert len(storages[id(buffer)]) == 1 and buffer.storage.shape[1] >= 159
+    for layer in cache.layers:  # the window cache moves its last w keys to the front only when full
+        assert len(storages[id(layer.buffers["k_win"])]) <= 3
+    assert rotated[0] == 10 and set(rotated[1:]) == {1 + model.config.cmp_block_size - 1}
+
+
+@pytest.mark.skipif(not __import__("modeling_nsa.nsa_triton").nsa_triton._HAS_TRITON, reason="triton is not installed")
+def test_triton_decoding_step_reads_the_cache_where_it_is():
+    """The decode kernels get the cache's buffers themselves (batch strides), not per-token copies."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from triton_aot import capture_launches
+
+    from modeling_nsa import nsa_triton
+
+    model = make_model(**VARIANTS["mean-kvshared"])
+    prompt = torch.randint(1, 97, (3, 45), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones_like(prompt)
+    mask[1, :6] = 0
+    with torch.no_grad():
+        cache = model(prompt, attention_mask=mask, use_cache=True).past_key_values
+    layer, doc_pos = cache.layers[0], cache.doc_pos
+    window = layer.k_slc[:, -model.config.window_size :], layer.v_slc[:, -model.config.window_size :]
+    assert not layer.k_slc.is_contiguous() and not doc_pos.is_contiguous()  # views with room to grow
+    q = torch.randn(3, 1, 6, 16, dtype=torch.float64)
+    gates = torch.rand(3, 1, 6, 3, dtype=torch.float64)
+    launches = capture_launches(lambda: nsa_triton.nsa_decode_triton(
+        q, layer.cmp_k, layer.cmp_v, layer.cmp_end, layer.k_slc, layer.v_slc, *window, gates, doc_pos, model.model.layers[0].self_attn.params
+    ))  # fmt: skip
+    passed = {arg.data_ptr() for _, _, args, _ in launches for arg in args if torch.is_tensor(arg)}
+    for tensor in (layer.cmp_k, layer.cmp_v, layer.cmp_end, layer.k_slc, layer.v_slc, *window, doc_pos):
+        assert tensor.data_ptr() in passed
+    finish = next(args for name, _, args, _ in launches if name == "_decode_finish_kernel")
+    strides = [arg for arg in finish if isinstance(arg, int)]
+    assert layer.buffers["k_slc"].storage.stride(0) in strides  # the buffer's batch stride, not a copy's

@@ -45,6 +45,7 @@ _KNOB_IDS = {
     "decode_merge_splits": lambda c: f"merge{c['decode_merge_splits']}splits",
     "decode_merge_lists": lambda c: f"merge{c['decode_merge_lists']}lists",
     "arch": lambda c: f"sm{c['arch']}",
+    "cache_views": lambda c: "cacheviews",
     "param_overrides": lambda c: "-".join(f"{k}{v}" for k, v in c["param_overrides"].items()),
 }
 
@@ -91,6 +92,10 @@ CPU_CASES = [
     # the tiles an A100 (sm_80) gets: 32-row dQ and dK/dV query tiles, selected attention in 16-row sub-tiles
     dict(B=2, T=90, H=12, Hkv=2, D=16, layout="varlen", arch=80),
     dict(kind="decode", B=2, T=60, H=4, Hkv=2, D=16, steps=[1, 8, 23, 60], Tw=16, layout="pad"),
+    # the cache's tensors as NSACache passes them: views of larger buffers (read in place, batch strides),
+    # the spare room NaN; split compressed slots and packed documents
+    dict(kind="decode", B=3, T=90, H=6, Hkv=2, D=16, steps=[1, 17, 64, 90], Tw=16, layout="varlen",
+         decode_split=16, cache_views=True),
     # the decode kernels: queries in later documents of packed rows (slots of earlier documents
     # before theirs), at and around compressed/selection block boundaries; fp16 with a window cache
     # longer than w

@@ -175,8 +175,17 @@ def run_case(case: dict) -> dict:
     return res
 
 
+def in_buffer(x: torch.Tensor, front: int = 3, back: int = 5) -> torch.Tensor:
+    """x as NSACache holds it: a view of a larger (B, front + n + back, ...) buffer, each row contiguous, the
+    rest NaN (floats) or 7 (ints), so a read outside the view or with the wrong batch stride shows."""
+    buffer = x.new_full((x.shape[0], front + x.shape[1] + back, *x.shape[2:]), float("nan") if x.is_floating_point() else 7)
+    buffer[:, front : front + x.shape[1]] = x
+    return buffer[:, front : front + x.shape[1]]
+
+
 def run_decode_case(case: dict) -> dict:
-    """Decode (Tq = 1, window cache of the last Tw keys) Triton vs reference at every position in steps."""
+    """Decode (Tq = 1, window cache of the last Tw keys) Triton vs reference at every position in steps.
+    cache_views: every cache tensor a view of a larger buffer (`in_buffer`), as NSACache passes them."""
     layout, reference, tri = import_nsa()
     t, cmp_end_full, doc_pos, p, dtype, device = case_setup(case)
     worst = 0.0
@@ -186,8 +195,12 @@ def run_decode_case(case: dict) -> dict:
         ce = layout.compressed_token_ends(dp, p, num_slots=cmp_end_full.shape[1])
         # slots of the prefix are the first slots of the full layout (sorted by end index)
         sl = lambda x: x[:, :Tk]  # noqa: E731
-        args = (t["q"][:, Tk - 1 : Tk], t["k_cmp"], t["v_cmp"], ce, sl(t["k_slc"]), sl(t["v_slc"]),
-                t["k_win"][:, Tk - Tw : Tk], t["v_win"][:, Tk - Tw : Tk], t["gates"][:, Tk - 1 : Tk], dp, p)
+        cache = [t["k_cmp"], t["v_cmp"], ce, sl(t["k_slc"]), sl(t["v_slc"]), t["k_win"][:, Tk - Tw : Tk],
+                 t["v_win"][:, Tk - Tw : Tk], dp]
+        if case.get("cache_views"):
+            cache = [in_buffer(x) for x in cache]
+        k_cmp, v_cmp, ce, k_slc, v_slc, k_win, v_win, dp = cache
+        args = (t["q"][:, Tk - 1 : Tk], k_cmp, v_cmp, ce, k_slc, v_slc, k_win, v_win, t["gates"][:, Tk - 1 : Tk], dp, p)
         o = tri.nsa_decode_triton(*args)
         r = reference.nsa_attention_reference(*[a.float() if torch.is_tensor(a) and a.is_floating_point() else a
                                                 for a in args])
