@@ -99,6 +99,16 @@ def test_sampling_with_cache_equals_sampling_without_cache():
     assert torch.equal(with_cache, without_cache)
 
 
+@pytest.mark.parametrize("variant", ["mlp-kvsplit", "mean-kvshared"])
+def test_beam_search_with_cache_equals_beam_search_without(variant):
+    # beam search reorders the cache's rows every step (NSACache.reorder_cache: every buffer, the positions)
+    model = make_model(**VARIANTS[variant])
+    prompt = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(4))
+    kwargs = dict(max_new_tokens=30, min_new_tokens=30, num_beams=3, do_sample=False, pad_token_id=0)
+    with_cache = model.generate(prompt, **kwargs)
+    assert torch.equal(with_cache, model.generate(prompt, use_cache=False, **kwargs))
+
+
 def test_cache_memory_is_bounded_by_what_nsa_reads():
     model = make_model()
     cfg = model.config
