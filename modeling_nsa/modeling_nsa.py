@@ -158,11 +158,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, T, heads, D), cos/sin (B, T, D) -> x rotated, in x's dtype. Under autocast the projections are
+    """x (B, T, heads, D), cos/sin (B, T, 1, D) (one head axis to broadcast, made once per layer: decoding runs
+    this per layer and token, where every op's dispatch counts) -> x rotated, in x's dtype. Under autocast the projections are
     bf16 and cos/sin float32: the product is rounded back to bf16 once, which is what attention consumes
     (the kernels and SDPA run in the autocast dtype), and the K cache stays bf16 (half the memory, and no
     cast of the whole cache at every decoding step)."""
-    return (x * cos[:, :, None] + rotate_half(x) * sin[:, :, None]).to(x.dtype)
+    return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 
 class NSACompressor(nn.Module):
@@ -196,14 +197,18 @@ class NSACompressor(nn.Module):
         flat = blocks.permute(0, 1, 3, 2, 4).reshape(batch, num_slots, num_kv_heads, block * head_dim)
         return mlp(flat)
 
-    def forward(self, k_raw, v_raw, cmp_end):
-        """k_raw/v_raw (B, T, Hkv, D), cmp_end (B, N) -> compressed k, v (B, N, Hkv, D), zero at empty slots."""
-        keep = (cmp_end >= 0)[:, :, None, None]
-        k_blocks = gather_compression_blocks(k_raw, cmp_end, self.block_size)
-        v_blocks = gather_compression_blocks(v_raw, cmp_end, self.block_size)
+    def compress_blocks(self, k_blocks, v_blocks, keep):
+        """k_blocks/v_blocks (B, N, l, Hkv, D), keep (B, N) bool -> compressed k, v (B, N, Hkv, D), zero where not keep."""
+        keep = keep[:, :, None, None]
         k = self._compress(k_blocks, getattr(self, "k_pos_emb", None), getattr(self, "k_mlp", None))
         v = self._compress(v_blocks, getattr(self, "v_pos_emb", None), getattr(self, "v_mlp", None))
         return k * keep, v * keep
+
+    def forward(self, k_raw, v_raw, cmp_end):
+        """k_raw/v_raw (B, T, Hkv, D), cmp_end (B, N) -> compressed k, v (B, N, Hkv, D), zero at empty slots."""
+        k_blocks = gather_compression_blocks(k_raw, cmp_end, self.block_size)
+        v_blocks = gather_compression_blocks(v_raw, cmp_end, self.block_size)
+        return self.compress_blocks(k_blocks, v_blocks, cmp_end >= 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -228,7 +233,7 @@ class TokenBuffer:
         self.start = self.end = 0  # the live tokens are storage[:, start:end]
 
     def view(self) -> torch.Tensor | None:
-        return None if self.storage is None else self.storage[:, self.start : self.end]
+        return None if self.storage is None else self.storage.narrow(1, self.start, self.end - self.start)
 
     def _make_room(self, like: torch.Tensor, length: int) -> None:
         """Storage for `length` live tokens from self.start on; copies the live ones if it must move them."""
@@ -252,6 +257,10 @@ class TokenBuffer:
         if self.keep_last is not None:
             self.start = max(self.start, self.end - self.keep_last)
         return out
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` live tokens (no more than there are)."""
+        self.end = self.start + min(length, self.end - self.start)
 
     def resize(self, length: int, like: torch.Tensor) -> torch.Tensor:
         """The first `length` tokens (slots past the written ones hold `fill`), a view to write into in place."""
@@ -360,8 +369,8 @@ def _append_compressed(layer: NSALayerCache, k_new, v_new, end_new, max_slots: i
     k_buf.resize(span, k_new).scatter_(1, index, k_new)
     v_buf.resize(span, v_new).scatter_(1, index, v_new)
     end_buf.resize(span, end_new).scatter_(1, slots, end_new)
-    for buffer, like in ((k_buf, k_new), (v_buf, v_new), (end_buf, end_new)):
-        buffer.resize(max_slots, like)  # max_slots <= span: no allocation
+    for buffer in (k_buf, v_buf, end_buf):
+        buffer.truncate(max_slots)
     layer.cmp_count = layer.cmp_count + (end_new >= 0).sum(-1)
 
 
@@ -401,7 +410,7 @@ class NSAAttention(nn.Module):
         documents, no cache (lets dense attention use the plain causal kernel)."""
         batch, num_queries, _ = hidden_states.shape
         cos, sin = position_embeddings
-        cos_q, sin_q = cos[:, -num_queries:], sin[:, -num_queries:]
+        cos_q, sin_q = cos[:, -num_queries:, None], sin[:, -num_queries:, None]  # (B, Tq, 1, D)
         q = apply_rope(self.q_proj(hidden_states).view(batch, num_queries, self.num_heads, self.head_dim), cos_q, sin_q)
         kv = self.kv_proj(hidden_states).view(batch, num_queries, self.num_kv_sets, 2, self.num_kv_heads, self.head_dim)
         cache = past_key_values.layers[self.layer_idx] if past_key_values is not None else None
@@ -427,7 +436,7 @@ class NSAAttention(nn.Module):
                 k_cmp, v_cmp = self._compress(k_raw, v_raw, cmp_end, cos, sin, cmp_end)
             else:
                 k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win = self._cached_inputs(
-                    cache, doc_pos, cos, sin, k_raw, v_raw, k_slc, v_slc, k_win, v_win
+                    cache, doc_pos, cos, sin, cos_q, sin_q, k_raw, v_raw, k_slc, v_slc, k_win, v_win
                 )
             out = nsa_attention(
                 q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, self.params,
@@ -441,28 +450,38 @@ class NSAAttention(nn.Module):
         k_cmp, v_cmp = self.compressor(k_raw, v_raw, local_end)
         index = rope_index.clamp(min=0)
         gather = index[:, :, None].expand(-1, -1, cos.shape[-1])
-        k_cmp = apply_rope(k_cmp, cos.gather(1, gather), sin.gather(1, gather))
+        k_cmp = apply_rope(k_cmp, cos.gather(1, gather)[:, :, None], sin.gather(1, gather)[:, :, None])
         return k_cmp, v_cmp
 
-    def _cached_inputs(self, cache, doc_pos, cos, sin, k_raw, v_raw, k_slc, v_slc, k_win, v_win):
+    def _cached_inputs(self, cache, doc_pos, cos, sin, cos_q, sin_q, k_raw, v_raw, k_slc, v_slc, k_win, v_win):
         """Append this chunk to the layer cache; return the compressed, selection and window K/V."""
         params, num_queries = self.params, k_raw.shape[1]
         num_keys = doc_pos.shape[1]
+        block, stride = params.cmp_block_size, params.cmp_stride
         # Compressed tokens ending inside this chunk, made from the cached raw tail + the chunk.
         tail_len = 0 if cache.tail_k is None else cache.tail_k.shape[1]
         raw_k = k_raw if cache.tail_k is None else torch.cat([cache.tail_k, k_raw], dim=1)
         raw_v = v_raw if cache.tail_v is None else torch.cat([cache.tail_v, v_raw], dim=1)
-        raw_doc_pos = doc_pos[:, num_keys - num_queries - tail_len :].clone()
-        raw_doc_pos[:, :tail_len] = -1  # tail tokens emitted their compressed tokens already
-        local_end = compressed_token_ends(raw_doc_pos, params, num_slots=num_queries // params.cmp_stride + 1)
-        offset = num_keys - num_queries - tail_len
-        global_end = torch.where(local_end >= 0, local_end + offset, local_end)
-        # cos/sin cover the last W key positions, the raw tail + chunk (tail_len + Tq <= W) at their end
-        rope_index = torch.where(local_end >= 0, local_end + cos.shape[1] - raw_k.shape[1], local_end)
-        k_new, v_new = self._compress(raw_k, raw_v, local_end, cos, sin, rope_index)
-        _append_compressed(cache, k_new, v_new, global_end, max_slots=num_keys // params.cmp_stride + 1)
-        keep_tail = params.cmp_block_size - 1
-        cache.tail_k, cache.tail_v = raw_k[:, -keep_tail:], raw_v[:, -keep_tail:]
+        if num_queries == 1 and tail_len == block - 1:
+            # The generation step: the token completes at most one compressed token, made from the l raw keys
+            # ending at it (the tail and the token) and rotated at the token's own position (cos_q).
+            # A third of the general path's host work (no slot layout, no gathers): it runs per layer and token.
+            pos = doc_pos[:, -1:]  # (B, 1)
+            emits = (pos >= block - 1) & ((pos - (block - 1)) % stride == 0)  # (B, 1), ends i*d + l - 1 (Eq. 7)
+            k_new, v_new = self.compressor.compress_blocks(raw_k[:, None], raw_v[:, None], emits)  # (B, 1, Hkv, D)
+            k_new = apply_rope(k_new, cos_q, sin_q)
+            global_end = torch.where(emits, num_keys - 1, -1)
+        else:
+            raw_doc_pos = doc_pos[:, num_keys - num_queries - tail_len :].clone()
+            raw_doc_pos[:, :tail_len] = -1  # tail tokens emitted their compressed tokens already
+            local_end = compressed_token_ends(raw_doc_pos, params, num_slots=num_queries // stride + 1)
+            offset = num_keys - num_queries - tail_len
+            global_end = torch.where(local_end >= 0, local_end + offset, local_end)
+            # cos/sin cover the last W key positions, the raw tail + chunk (tail_len + Tq <= W) at their end
+            rope_index = torch.where(local_end >= 0, local_end + cos.shape[1] - raw_k.shape[1], local_end)
+            k_new, v_new = self._compress(raw_k, raw_v, local_end, cos, sin, rope_index)
+        _append_compressed(cache, k_new, v_new, global_end, max_slots=num_keys // stride + 1)
+        cache.tail_k, cache.tail_v = raw_k[:, -(block - 1) :], raw_v[:, -(block - 1) :]
 
         k_slc, v_slc = cache.buffers["k_slc"].append(k_slc), cache.buffers["v_slc"].append(v_slc)
         if self.num_kv_sets == 3:  # the window buffers keep the last w keys

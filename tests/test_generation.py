@@ -246,3 +246,44 @@ def test_triton_decoding_step_reads_the_cache_where_it_is():
     finish = next(args for name, _, args, _ in launches if name == "_decode_finish_kernel")
     strides = [arg for arg in finish if isinstance(arg, int)]
     assert layer.buffers["k_slc"].storage.stride(0) in strides  # the buffer's batch stride, not a copy's
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS), ids=list(VARIANTS))
+def test_decoding_step_allocates_nothing_that_grows_with_the_context(variant, monkeypatch):
+    """Outside the attention math (stubbed here), a cached step makes no tensor the size of the cache: it
+    appends in place (no torch.cat of the cache) and rotates only the new token (no RoPE of every cached
+    position). The largest fresh allocation is the same at 100 and at 1,000 cached tokens."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from modeling_nsa import modeling_nsa
+
+    class LargestAllocation(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = [a for a in (*args, *(kwargs or {}).values()) if torch.is_tensor(a)]
+            inputs += [t for a in args if isinstance(a, (list, tuple)) for t in a if torch.is_tensor(t)]
+            shared = {t.untyped_storage().data_ptr() for t in inputs}
+            for tensor in out if isinstance(out, (list, tuple)) else [out]:
+                if torch.is_tensor(tensor) and tensor.untyped_storage().data_ptr() not in shared:  # not a view
+                    self.numel = max(self.numel, tensor.numel())
+            return out
+
+    monkeypatch.setattr(modeling_nsa, "nsa_attention", lambda q, *args, **kwargs: torch.zeros_like(q))
+    model = make_model(**VARIANTS[variant])
+    if variant == "dense":  # dense attention reads every key by definition: stub it too
+        monkeypatch.setattr(modeling_nsa, "dense_causal_attention", lambda q, *args, **kwargs: torch.zeros_like(q))
+    largest = []
+    for context in (100, 1000):
+        prompt = torch.randint(1, 97, (2, context), generator=torch.Generator().manual_seed(context))
+        cache = NSACache(model.config, max_cache_len=context + 8)
+        with torch.no_grad():
+            model(prompt, past_key_values=cache, use_cache=True)
+            recorder = LargestAllocation()
+            with recorder:
+                model(prompt[:, :1], past_key_values=cache, use_cache=True)
+        largest.append(recorder.numel)
+    assert largest[0] == largest[1], largest

@@ -100,7 +100,7 @@ def test_rope_keeps_the_projection_dtype_under_autocast():
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 5, 3, 8, generator=gen).to(torch.bfloat16)
-    angles = torch.randn(2, 5, 8, generator=gen)
+    angles = torch.randn(2, 5, 1, 8, generator=gen)
     out = apply_rope(x, angles.cos(), angles.sin())
     assert out.dtype == torch.bfloat16
     exact = apply_rope(x.double(), angles.cos().double(), angles.sin().double())
