@@ -222,15 +222,21 @@ class TokenBuffer:
     O(1) per token). torch.cat would copy the whole cache at every decoding step (32 MiB per layer and token
     at 64k context in the 125M layout). generate() reserves its maximum length up front (`reserve`).
 
-    keep_last: the window cache. An append returns what was kept plus the new tokens (a chunk's first query
-    sees w - 1 keys before it), then keeps only the last keep_last; storage is compacted to its front only when
-    full, with at least keep_last spare tokens, so the copies average under one token per appended token.
+    keep_last: the window cache and the raw tail. An append returns what was kept plus the new tokens (a chunk's
+    first query sees w - 1 keys before it), then keeps only the last keep_last; storage is compacted to its front
+    only when full, with at least keep_last spare tokens, so the copies average under one token per appended
+    token. While record_past is set (transformers' rollback protocol: assisted decoding), appends keep
+    everything until the next crop(), which can then take back any of the tokens appended since.
     fill: the value of slots never written (the compressed caches' empty slots: zero keys, end -1)."""
 
     def __init__(self, keep_last: int | None = None, reserve: int = 0, fill: float = 0):
         self.keep_last, self.reserve, self.fill = keep_last, reserve, fill
         self.storage: torch.Tensor | None = None  # (B, capacity, ...)
         self.start = self.end = 0  # the live tokens are storage[:, start:end]
+        self.record_past = False
+
+    def __len__(self) -> int:
+        return self.end - self.start
 
     def view(self) -> torch.Tensor | None:
         return None if self.storage is None else self.storage.narrow(1, self.start, self.end - self.start)
@@ -254,9 +260,25 @@ class TokenBuffer:
         self.storage[:, self.end : self.end + num_new] = new
         self.end += num_new
         out = self.view()
-        if self.keep_last is not None:
+        if self.keep_last is not None and not self.record_past:
             self.start = max(self.start, self.end - self.keep_last)
         return out
+
+    def check_crop(self, num_tokens: int, length_after: int) -> None:
+        """A keep_last buffer can take back num_tokens only if its last min(keep_last, length_after) remain."""
+        if self.keep_last is not None and len(self) - num_tokens < min(self.keep_last, length_after):
+            raise ValueError(
+                f"NSACache.crop({-num_tokens}): the window/tail caches hold the last {len(self)} tokens, and must "
+                f"keep {min(self.keep_last, length_after)} after it; call cache.activate_past_recording() before "
+                "adding the tokens to be taken back (generate() does so for assisted decoding)."
+            )
+
+    def crop(self, num_tokens: int, length_after: int) -> None:
+        """Take back the last num_tokens, of a sequence then length_after long (check_crop first); a keep_last
+        buffer then keeps its last keep_last again."""
+        self.end -= num_tokens
+        if self.keep_last is not None:
+            self.start = max(self.start, self.end - self.keep_last)
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` live tokens (no more than there are)."""
@@ -281,19 +303,47 @@ class NSALayerCache:
     k_win/v_win: the last w keys only (kv_per_branch; otherwise the window reads k_slc).
     cmp_k/cmp_v/cmp_end: compressed tokens emitted so far (rotated k), (B, Tk // d + 1, ...), each row's first
     cmp_count slots filled (rows emit at different steps under left padding), the rest empty (zero, end -1).
-    tail_k/tail_v: the last l - 1 raw keys/values, from which the next compressed token is made.
+    tail_k/tail_v: the last l - 1 raw (un-rotated) keys/values, from which the next compressed token is made.
     Each is a view of a TokenBuffer (appends write only the new tokens).
     """
 
-    def __init__(self, reserve: int = 0, window_size: int | None = None, cmp_stride: int = 1):
+    is_compileable = False
+    is_croppable = True  # crop() restores exactly the state before the tokens it takes back
+
+    def __init__(self, config: NSAConfig, reserve: int = 0):
+        slots = reserve // config.cmp_stride + 1
+        window, tail = config.window_size, config.cmp_block_size - 1
         self.buffers = {
             "k_slc": TokenBuffer(reserve=reserve), "v_slc": TokenBuffer(reserve=reserve),
-            "k_win": TokenBuffer(keep_last=window_size), "v_win": TokenBuffer(keep_last=window_size),
-            "cmp_k": TokenBuffer(reserve=reserve // cmp_stride + 1), "cmp_v": TokenBuffer(reserve=reserve // cmp_stride + 1),
-            "cmp_end": TokenBuffer(reserve=reserve // cmp_stride + 1, fill=-1),
+            "k_win": TokenBuffer(keep_last=window), "v_win": TokenBuffer(keep_last=window),
+            "tail_k": TokenBuffer(keep_last=tail), "tail_v": TokenBuffer(keep_last=tail),
+            "cmp_k": TokenBuffer(reserve=slots), "cmp_v": TokenBuffer(reserve=slots),
+            "cmp_end": TokenBuffer(reserve=slots, fill=-1),
         }  # fmt: skip
+        self.cmp_stride = config.cmp_stride
         self.cmp_count: torch.Tensor | None = None  # (B,) compressed tokens emitted per row
-        self.tail_k = self.tail_v = None
+
+    def activate_past_recording(self) -> None:
+        for buffer in self.buffers.values():
+            buffer.record_past = True
+
+    def crop(self, num_tokens: int, length_after: int) -> None:
+        """Take back the last num_tokens (the cache then holds length_after): keys, window, raw tail, and the
+        compressed tokens that end among them (per row: emptied, the count lowered)."""
+        cropped = [self.buffers[name] for name in ("k_slc", "v_slc", "k_win", "v_win", "tail_k", "tail_v")]
+        cropped = [buffer for buffer in cropped if buffer.storage is not None]
+        for buffer in cropped:  # raises before anything changed
+            buffer.check_crop(num_tokens, length_after)
+        for buffer in cropped:
+            buffer.crop(num_tokens, length_after)
+        if self.cmp_count is not None:
+            taken = self.cmp_end >= length_after  # (B, S) compressed tokens ending in the taken-back tokens
+            self.cmp_k.masked_fill_(taken[:, :, None, None], 0)
+            self.cmp_v.masked_fill_(taken[:, :, None, None], 0)
+            self.cmp_end.masked_fill_(taken, -1)
+            self.cmp_count = self.cmp_count - taken.sum(-1)
+            for name in ("cmp_k", "cmp_v", "cmp_end"):
+                self.buffers[name].truncate(length_after // self.cmp_stride + 1)
 
     def __getattr__(self, name):  # k_slc, cmp_end, ...: the buffer's live tokens
         buffers = self.__dict__.get("buffers", {})
@@ -304,10 +354,8 @@ class NSALayerCache:
     def index_select(self, index: torch.Tensor) -> None:
         for buffer in self.buffers.values():
             buffer.index_select(index)
-        for name in ("cmp_count", "tail_k", "tail_v"):
-            value = getattr(self, name)
-            if value is not None:
-                setattr(self, name, value.index_select(0, index.to(value.device)))
+        if self.cmp_count is not None:
+            self.cmp_count = self.cmp_count.index_select(0, index.to(self.cmp_count.device))
 
 
 class NSACache(Cache):
@@ -318,9 +366,7 @@ class NSACache(Cache):
     is_compileable = False
 
     def __init__(self, config: NSAConfig, max_cache_len: int = 0):
-        layers = [NSALayerCache(max_cache_len, config.window_size, config.cmp_stride)
-                  for _ in range(config.num_hidden_layers)]
-        super().__init__(layers=layers)
+        super().__init__(layers=[NSALayerCache(config, max_cache_len) for _ in range(config.num_hidden_layers)])
         self.positions = TokenBuffer(reserve=max_cache_len)  # (B, Tk) in-document position of every cached token
         self.num_valid: torch.Tensor | None = None  # (B,) position the next token takes in its document
 
@@ -346,6 +392,30 @@ class NSACache(Cache):
         doc_pos = self.positions.append(new_doc_pos)
         self.num_valid = new_doc_pos[:, -1] + 1  # the next token's position in the row's last document
         return doc_pos
+
+    def activate_past_recording(self) -> None:
+        """From now until the next crop(), keep every appended token, so crop() can take any of them back
+        (transformers calls this for assisted decoding)."""
+        for layer in self.layers:
+            layer.activate_past_recording()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Take back the last -tokens_to_remove tokens (a negative count or 0, as transformers' caches take it:
+        assisted decoding drops the rejected draft tokens). Deeper than the tokens added since
+        activate_past_recording() (or than w and l - 1 without it) raises."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"NSACache.crop({tokens_to_remove}): pass minus the number of tokens to take back.")
+        num_tokens, length = -tokens_to_remove, self.get_seq_length()
+        if num_tokens > length:
+            raise ValueError(f"NSACache.crop({tokens_to_remove}): the cache holds only {length} tokens.")
+        for layer in self.layers:  # every layer holds the same lengths: the first raises before any changed
+            layer.crop(num_tokens, length - num_tokens)
+        self.positions.truncate(length - num_tokens)
+        self.num_valid = self.doc_pos[:, -1] + 1 if length > num_tokens else None
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
         for layer in self.layers:
@@ -459,16 +529,16 @@ class NSAAttention(nn.Module):
         num_keys = doc_pos.shape[1]
         block, stride = params.cmp_block_size, params.cmp_stride
         # Compressed tokens ending inside this chunk, made from the cached raw tail + the chunk.
-        tail_len = 0 if cache.tail_k is None else cache.tail_k.shape[1]
-        raw_k = k_raw if cache.tail_k is None else torch.cat([cache.tail_k, k_raw], dim=1)
-        raw_v = v_raw if cache.tail_v is None else torch.cat([cache.tail_v, v_raw], dim=1)
-        if num_queries == 1 and tail_len == block - 1:
+        raw_k, raw_v = cache.buffers["tail_k"].append(k_raw), cache.buffers["tail_v"].append(v_raw)
+        tail_len = raw_k.shape[1] - num_queries  # l - 1 (fewer at a document's start, more while recording)
+        if num_queries == 1 and tail_len >= block - 1:
             # The generation step: the token completes at most one compressed token, made from the l raw keys
             # ending at it (the tail and the token) and rotated at the token's own position (cos_q).
             # A third of the general path's host work (no slot layout, no gathers): it runs per layer and token.
             pos = doc_pos[:, -1:]  # (B, 1)
             emits = (pos >= block - 1) & ((pos - (block - 1)) % stride == 0)  # (B, 1), ends i*d + l - 1 (Eq. 7)
-            k_new, v_new = self.compressor.compress_blocks(raw_k[:, None], raw_v[:, None], emits)  # (B, 1, Hkv, D)
+            blocks = raw_k[:, None, -block:], raw_v[:, None, -block:]  # (B, 1, l, Hkv, D)
+            k_new, v_new = self.compressor.compress_blocks(*blocks, emits)  # (B, 1, Hkv, D)
             k_new = apply_rope(k_new, cos_q, sin_q)
             global_end = torch.where(emits, num_keys - 1, -1)
         else:
@@ -481,7 +551,6 @@ class NSAAttention(nn.Module):
             rope_index = torch.where(local_end >= 0, local_end + cos.shape[1] - raw_k.shape[1], local_end)
             k_new, v_new = self._compress(raw_k, raw_v, local_end, cos, sin, rope_index)
         _append_compressed(cache, k_new, v_new, global_end, max_slots=num_keys // stride + 1)
-        cache.tail_k, cache.tail_v = raw_k[:, -(block - 1) :], raw_v[:, -(block - 1) :]
 
         k_slc, v_slc = cache.buffers["k_slc"].append(k_slc), cache.buffers["v_slc"].append(v_slc)
         if self.num_kv_sets == 3:  # the window buffers keep the last w keys
@@ -696,7 +765,10 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
         """generate() gets an NSACache (selection/window/compressed state), never a DynamicCache, with room
         for generate()'s max_length reserved (no step copies the cache)."""
         if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
-            model_kwargs["past_key_values"] = NSACache(self.config, max_cache_len=max_cache_length or 0)
+            cache = NSACache(self.config, max_cache_len=max_cache_length or 0)
+            if getattr(generation_config, "is_assistant", False):  # an assistant's drafts are taken back: record them
+                cache.activate_past_recording()
+            model_kwargs["past_key_values"] = cache
 
     def forward(
         self,

@@ -287,3 +287,49 @@ def test_decoding_step_allocates_nothing_that_grows_with_the_context(variant, mo
                 model(prompt[:, :1], past_key_values=cache, use_cache=True)
         largest.append(recorder.numel)
     assert largest[0] == largest[1], largest
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS), ids=list(VARIANTS))
+def test_assisted_and_prompt_lookup_decoding_give_plain_greedy_tokens(variant):
+    # speculative decoding verifies draft tokens in one chunk and takes the rejected ones back
+    # (NSACache.crop); greedy verification must reproduce plain greedy decoding exactly
+    model = make_model(**VARIANTS[variant])
+    assistant = make_model(seed=1, **VARIANTS[variant])  # a different model: most drafts get rejected
+    prompt = torch.randint(1, 97, (1, 40), generator=torch.Generator().manual_seed(9))
+    prompt[0, 20:30] = prompt[0, :10]  # repeats for prompt lookup to draft from
+    kwargs = dict(max_new_tokens=60, min_new_tokens=60, do_sample=False, pad_token_id=0)
+    plain = model.generate(prompt, **kwargs)
+    assert torch.equal(model.generate(prompt, assistant_model=assistant, **kwargs), plain)
+    assert torch.equal(model.generate(prompt, prompt_lookup_num_tokens=5, **kwargs), plain)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS), ids=list(VARIANTS))
+def test_crop_takes_tokens_back_exactly(variant):
+    model = make_model(**VARIANTS[variant])
+    tokens = torch.randint(1, 97, (2, 70), generator=torch.Generator().manual_seed(10))
+    draft = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        full = model(tokens, use_cache=False).logits
+        cache = NSACache(model.config)
+        model(tokens[:, :45], past_key_values=cache, use_cache=True)
+        cache.activate_past_recording()
+        model(draft[:, :5], past_key_values=cache, use_cache=True)  # drafts, one chunk and single tokens
+        for t in range(5, 12):
+            model(draft[:, t : t + 1], past_key_values=cache, use_cache=True)
+        cache.crop(-12)  # across compression (d = 4), selection (l' = 16) and window (w = 20) boundaries
+        assert cache.get_seq_length() == 45
+        rest = [model(tokens[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(45, 70)]
+    torch.testing.assert_close(torch.cat(rest, 1), full[:, 45:], rtol=1e-9, atol=1e-9)
+
+
+def test_crop_deeper_than_what_the_cache_kept_says_how_to_allow_it():
+    model = make_model()  # separate window K/V: only the last w = 20 are kept without recording
+    cache = NSACache(model.config)
+    with torch.no_grad():
+        model(torch.randint(1, 97, (1, 60)), past_key_values=cache, use_cache=True)
+    cache.crop(0)
+    with pytest.raises(ValueError, match="activate_past_recording"):
+        cache.crop(-30)
+    assert cache.get_seq_length() == 60 and cache.layers[0].k_slc.shape[1] == 60  # nothing changed
+    with pytest.raises(ValueError, match="minus the number of tokens"):
+        cache.crop(5)
