@@ -256,6 +256,15 @@ class TokenBuffer:
     def append(self, new: torch.Tensor) -> torch.Tensor:
         """new (B, m, ...) -> the live tokens plus new, (B, n + m, ...), a view of the storage."""
         num_new = new.shape[1]
+        if self.keep_last is not None and not self.record_past and num_new > self.keep_last:
+            # A chunk longer than what is kept (a prompt): returned whole, only its last keep_last stored, so
+            # the window and tail storage stays about 2 * keep_last, not the prompt's length.
+            out = new if self.storage is None else torch.cat([self.view(), new], dim=1)
+            self.storage, self.start, self.end = None, 0, 0
+            self._make_room(new, self.keep_last)
+            self.storage[:, : self.keep_last] = out[:, -self.keep_last :]
+            self.end = self.keep_last
+            return out
         self._make_room(new, self.end - self.start + num_new)
         self.storage[:, self.end : self.end + num_new] = new
         self.end += num_new

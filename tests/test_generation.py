@@ -113,17 +113,24 @@ def test_cache_memory_is_bounded_by_what_nsa_reads():
     model = make_model()
     cfg = model.config
     out = model.generate(
-        torch.randint(0, 97, (2, 10)), max_new_tokens=90, min_new_tokens=90, do_sample=False,
+        torch.randint(1, 97, (2, 150)), max_new_tokens=90, min_new_tokens=90, do_sample=False,
         return_dict_in_generate=True, pad_token_id=0,
     )  # fmt: skip
     total = out.sequences.shape[1] - 1  # the last token is generated, never fed back
     for layer in out.past_key_values.layers:
         assert layer.k_win.shape[1] == cfg.window_size  # the window cache never grows beyond w
         assert layer.tail_k.shape[1] == cfg.cmp_block_size - 1
+        for name in ("k_win", "v_win", "tail_k", "tail_v"):  # nor does its storage
+            assert layer.buffers[name].storage.shape[1] <= 2 * cfg.window_size + 64
         assert layer.cmp_k.shape[1] <= total // cfg.cmp_stride + 1
         expected_emitted = (total - cfg.cmp_block_size) // cfg.cmp_stride + 1
         assert torch.equal(layer.cmp_count, torch.full((2,), expected_emitted))
         assert layer.k_slc.shape[1] == total
+    with torch.no_grad():  # right after a long prompt too: its window and tail are copies of its last keys
+        cache = model(torch.randint(1, 97, (2, 300)), use_cache=True).past_key_values
+    for layer in cache.layers:
+        for name in ("k_win", "v_win", "tail_k", "tail_v"):
+            assert layer.buffers[name].storage.shape[1] <= 2 * cfg.window_size + 64
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS), ids=list(VARIANTS))
