@@ -774,6 +774,11 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
         """generate() gets an NSACache (selection/window/compressed state), never a DynamicCache, with room
         for generate()'s max_length reserved (no step copies the cache)."""
         if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
+            if generation_config.cache_implementation is not None:
+                _log_once(
+                    f"NSA: generate() uses NSACache (compressed, selection and window state); "
+                    f"cache_implementation={generation_config.cache_implementation!r} is ignored."
+                )
             cache = NSACache(self.config, max_cache_len=max_cache_length or 0)
             if getattr(generation_config, "is_assistant", False):  # an assistant's drafts are taken back: record them
                 cache.activate_past_recording()

@@ -340,3 +340,17 @@ def test_crop_deeper_than_what_the_cache_kept_says_how_to_allow_it():
     assert cache.get_seq_length() == 60 and cache.layers[0].k_slc.shape[1] == 60  # nothing changed
     with pytest.raises(ValueError, match="minus the number of tokens"):
         cache.crop(5)
+
+
+def test_a_requested_cache_implementation_is_declined_in_the_log(caplog):
+    import logging
+
+    from modeling_nsa import modeling_nsa
+
+    modeling_nsa._logged_once.clear()
+    model = make_model()
+    with caplog.at_level(logging.WARNING):
+        out = model.generate(torch.randint(1, 97, (1, 5)), max_new_tokens=3, do_sample=False, pad_token_id=0,
+                             cache_implementation="static", return_dict_in_generate=True)
+    assert isinstance(out.past_key_values, NSACache)
+    assert any("cache_implementation='static' is ignored" in r.getMessage() for r in caplog.records)
