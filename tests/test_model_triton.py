@@ -1,7 +1,7 @@
 """The whole model on the Triton path equals the model on the reference path.
 
 CPU (CI): with TRITON_INTERPRET=1 a model built with nsa_backend="triton" runs the real kernels on CPU
-tensors: forward, backward and cached generation, in a subprocess (Triton reads the variable when
+tensors: forward, backward, cached generation and prompt-lookup decoding, in a subprocess (Triton reads the variable when
 kernels are defined). GPU: logits and loss at the 125M NSA sizes in bf16, cached decoding, and
 torch.compile(fullgraph=True) of a decoder layer.
 """
@@ -59,8 +59,14 @@ INTERPRETED = textwrap.dedent(
             gen = model.generate(ids[:, :9], max_new_tokens=40, min_new_tokens=40, do_sample=False,
                                  output_logits=True, return_dict_in_generate=True, pad_token_id=0)
             out[name] = (o.logits.detach(), o.loss.detach(), grads, gen.sequences, torch.stack(gen.logits, 1))
+        # speculative (prompt-lookup) decoding on the kernels: draft chunks verified after the cache (the chunk
+        # kernels, a window cache longer than w while recording), rejected drafts cropped; plain greedy tokens
+        prompt = torch.cat([ids[:1, :12], ids[:1, :8], ids[:1, 12:20]], 1)  # repeats to draft from
+        greedy = dict(max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=0)
+        lookup = tri.generate(prompt, prompt_lookup_num_tokens=4, **greedy)
         rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
         results[variant] = dict(
+            lookup_same_tokens=bool(torch.equal(lookup, ref.generate(prompt, **greedy))),
             logits=rel(out["tri"][0], out["ref"][0]), loss=abs(out["tri"][1] - out["ref"][1]).item(),
             grads=rel(out["tri"][2], out["ref"][2]), same_tokens=bool(torch.equal(out["tri"][3], out["ref"][3])),
             gen_logits=rel(out["tri"][4], out["ref"][4]),
@@ -86,6 +92,7 @@ def test_triton_model_under_interpreter_matches_reference_forward_backward_gener
         assert r["logits"] < 1e-5 and r["loss"] < 1e-5, (variant, r)
         assert r["grads"] < 1e-4, (variant, r)
         assert r["same_tokens"] and r["gen_logits"] < 1e-5, (variant, r)
+        assert r["lookup_same_tokens"], (variant, r)
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
