@@ -226,7 +226,10 @@ class TokenBuffer:
     first query sees w - 1 keys before it), then keeps only the last keep_last; storage is compacted to its front
     only when full, with at least keep_last spare tokens, so the copies average under one token per appended
     token. While record_past is set (transformers' rollback protocol: assisted decoding), appends keep
-    everything until the next crop(), which can then take back any of the tokens appended since.
+    everything, and crop() can take back any of the tokens appended since the previous crop() (each crop then
+    trims back to keep_last; recording stays on until record_past is cleared).
+    Where autograd may hold views of the storage (gradients through a chunk after the cache), writes go to a
+    copy of it instead (O(n), only on that path).
     fill: the value of slots never written (the compressed caches' empty slots: zero keys, end -1)."""
 
     def __init__(self, keep_last: int | None = None, reserve: int = 0, fill: float = 0):
@@ -240,6 +243,11 @@ class TokenBuffer:
 
     def view(self) -> torch.Tensor | None:
         return None if self.storage is None else self.storage.narrow(1, self.start, self.end - self.start)
+
+    def _writable(self, new: torch.Tensor) -> None:
+        """In-place writes would break tensors autograd saved from earlier chunks: write into a copy then."""
+        if torch.is_grad_enabled() and (new.requires_grad or self.storage.requires_grad):
+            self.storage = self.storage.clone()
 
     def _make_room(self, like: torch.Tensor, length: int) -> None:
         """Storage for `length` live tokens from self.start on; copies the live ones if it must move them."""
@@ -266,6 +274,7 @@ class TokenBuffer:
             self.end = self.keep_last
             return out
         self._make_room(new, self.end - self.start + num_new)
+        self._writable(new)
         self.storage[:, self.end : self.end + num_new] = new
         self.end += num_new
         out = self.view()
@@ -288,6 +297,12 @@ class TokenBuffer:
         self.end -= num_tokens
         if self.keep_last is not None:
             self.start = max(self.start, self.end - self.keep_last)
+            if self.storage.shape[1] > 4 * max(self.keep_last, 64):  # sized by a prompt recorded whole
+                live, self.storage = self.storage[:, self.start : self.end], None
+                self.start = self.end = 0
+                self._make_room(live, live.shape[1])
+                self.storage[:, : live.shape[1]] = live
+                self.end = live.shape[1]
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` live tokens (no more than there are)."""
@@ -296,13 +311,16 @@ class TokenBuffer:
     def resize(self, length: int, like: torch.Tensor) -> torch.Tensor:
         """The first `length` tokens (slots past the written ones hold `fill`), a view to write into in place."""
         self._make_room(like, length)
+        self._writable(like)
         self.end = self.start + length
         return self.view()
 
     def index_select(self, index: torch.Tensor) -> None:
-        """Reorder the rows (beam search)."""
+        """Reorder the rows (beam search): the live tokens only, not the whole reserved storage."""
         if self.storage is not None:
-            self.storage = self.storage.index_select(0, index.to(self.storage.device))
+            live = self.storage[:, self.start : self.end]
+            self._writable(live)
+            self.storage[:, self.start : self.end] = live.index_select(0, index.to(self.storage.device))
 
 
 class NSALayerCache:
@@ -320,7 +338,7 @@ class NSALayerCache:
     is_croppable = True  # crop() restores exactly the state before the tokens it takes back
 
     def __init__(self, config: NSAConfig, reserve: int = 0):
-        slots = reserve // config.cmp_stride + 1
+        slots = reserve // config.cmp_stride + 2  # the last step's scatter spans the previous bound + 1
         window, tail = config.window_size, config.cmp_block_size - 1
         self.buffers = {
             "k_slc": TokenBuffer(reserve=reserve), "v_slc": TokenBuffer(reserve=reserve),
@@ -332,9 +350,17 @@ class NSALayerCache:
         self.cmp_stride = config.cmp_stride
         self.cmp_count: torch.Tensor | None = None  # (B,) compressed tokens emitted per row
 
-    def activate_past_recording(self) -> None:
+    @property
+    def record_past(self) -> bool:
+        return any(buffer.record_past for buffer in self.buffers.values())
+
+    @record_past.setter
+    def record_past(self, value: bool) -> None:  # transformers clears it when it hands the cache back
         for buffer in self.buffers.values():
-            buffer.record_past = True
+            buffer.record_past = value
+
+    def activate_past_recording(self) -> None:
+        self.record_past = True
 
     def crop(self, num_tokens: int, length_after: int) -> None:
         """Take back the last num_tokens (the cache then holds length_after): keys, window, raw tail, and the
@@ -347,6 +373,8 @@ class NSALayerCache:
             buffer.crop(num_tokens, length_after)
         if self.cmp_count is not None:
             taken = self.cmp_end >= length_after  # (B, S) compressed tokens ending in the taken-back tokens
+            for name in ("cmp_k", "cmp_v", "cmp_end"):
+                self.buffers[name]._writable(taken)
             self.cmp_k.masked_fill_(taken[:, :, None, None], 0)
             self.cmp_v.masked_fill_(taken[:, :, None, None], 0)
             self.cmp_end.masked_fill_(taken, -1)
@@ -403,8 +431,8 @@ class NSACache(Cache):
         return doc_pos
 
     def activate_past_recording(self) -> None:
-        """From now until the next crop(), keep every appended token, so crop() can take any of them back
-        (transformers calls this for assisted decoding)."""
+        """From now on keep every appended token until the next crop(), so crop() can take any of them back
+        (transformers calls this for assisted decoding; `layer.record_past = False` ends it)."""
         for layer in self.layers:
             layer.activate_past_recording()
 
@@ -539,7 +567,7 @@ class NSAAttention(nn.Module):
         block, stride = params.cmp_block_size, params.cmp_stride
         # Compressed tokens ending inside this chunk, made from the cached raw tail + the chunk.
         raw_k, raw_v = cache.buffers["tail_k"].append(k_raw), cache.buffers["tail_v"].append(v_raw)
-        tail_len = raw_k.shape[1] - num_queries  # l - 1 (fewer at a document's start, more while recording)
+        tail_len = raw_k.shape[1] - num_queries  # l - 1 (fewer at the cache's start, more while recording)
         if num_queries == 1 and tail_len >= block - 1:
             # The generation step: the token completes at most one compressed token, made from the l raw keys
             # ending at it (the tail and the token) and rotated at the token's own position (cos_q).
@@ -556,7 +584,8 @@ class NSAAttention(nn.Module):
             local_end = compressed_token_ends(raw_doc_pos, params, num_slots=num_queries // stride + 1)
             offset = num_keys - num_queries - tail_len
             global_end = torch.where(local_end >= 0, local_end + offset, local_end)
-            # cos/sin cover the last W key positions, the raw tail + chunk (tail_len + Tq <= W) at their end
+            # cos/sin cover the last W key positions, the raw tail + chunk at their end (a recording tail may be
+            # longer than W - Tq, but only tokens ending inside the chunk are emitted: their index stays >= 0)
             rope_index = torch.where(local_end >= 0, local_end + cos.shape[1] - raw_k.shape[1], local_end)
             k_new, v_new = self._compress(raw_k, raw_v, local_end, cos, sin, rope_index)
         _append_compressed(cache, k_new, v_new, global_end, max_slots=num_keys // stride + 1)

@@ -198,27 +198,32 @@ def test_generate_reserves_its_length_and_never_copies_the_cache(monkeypatch):
     from modeling_nsa.modeling_nsa import TokenBuffer
 
     storages = {}
-    append = TokenBuffer.append
 
-    def recording_append(self, new):
-        out = append(self, new)
-        storages.setdefault(id(self), set()).add(self.storage.data_ptr())
-        return out
+    def recording(method):
+        def record_storage(self, *args):
+            out = method(self, *args)
+            storages.setdefault(id(self), set()).add(self.storage.data_ptr())
+            return out
 
-    monkeypatch.setattr(TokenBuffer, "append", recording_append)
-    model = make_model()
+        return record_storage
+
+    monkeypatch.setattr(TokenBuffer, "append", recording(TokenBuffer.append))
+    model = make_model(kv_per_branch=True)
     rotated = []  # positions RoPE is computed for per forward: each step's token and the l - 1 before it
     model.model.rotary_emb.register_forward_hook(lambda module, args, output: rotated.append(args[0].shape[1]))
+    monkeypatch.setattr(TokenBuffer, "resize", recording(TokenBuffer.resize))
     out = model.generate(
-        torch.randint(0, 97, (2, 10)), max_new_tokens=150, min_new_tokens=150, do_sample=False,
+        torch.randint(0, 97, (2, 10)), max_new_tokens=400, min_new_tokens=400, do_sample=False,
         return_dict_in_generate=True, pad_token_id=0,
     )  # fmt: skip
     cache = out.past_key_values
-    grown = [cache.positions] + [layer.buffers[n] for layer in cache.layers for n in ("k_slc", "v_slc")]
+    names = ("k_slc", "v_slc", "cmp_k", "cmp_v", "cmp_end")
+    grown = [cache.positions] + [layer.buffers[n] for layer in cache.layers for n in names]
     for buffer in grown:  # one storage for the whole generation, sized for generate()'s max_length
-        assert len(storages[id(buffer)]) == 1 and buffer.storage.shape[1] >= 159
+        assert len(storages[id(buffer)]) == 1, buffer
+    assert cache.positions.storage.shape[1] >= 409
     for layer in cache.layers:  # the window cache moves its last w keys to the front only when full
-        assert len(storages[id(layer.buffers["k_win"])]) <= 3
+        assert len(storages[id(layer.buffers["k_win"])]) <= 10  # 400 tokens, w = 20: every 20+ tokens
     assert rotated[0] == 10 and set(rotated[1:]) == {1 + model.config.cmp_block_size - 1}
 
 
@@ -315,18 +320,22 @@ def test_crop_takes_tokens_back_exactly(variant):
     model = make_model(**VARIANTS[variant])
     tokens = torch.randint(1, 97, (2, 70), generator=torch.Generator().manual_seed(10))
     draft = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(11))
+    mask = torch.ones(2, 82, dtype=torch.long)
+    mask[1, :7] = 0  # left padding: the rows' compressed tokens fall at different steps
     with torch.no_grad():
-        full = model(tokens, use_cache=False).logits
+        full = model(tokens, attention_mask=mask[:, :70], use_cache=False).logits
         cache = NSACache(model.config)
-        model(tokens[:, :45], past_key_values=cache, use_cache=True)
+        model(tokens[:, :45], attention_mask=mask[:, :45], past_key_values=cache, use_cache=True)
         cache.activate_past_recording()
-        model(draft[:, :5], past_key_values=cache, use_cache=True)  # drafts, one chunk and single tokens
-        for t in range(5, 12):
-            model(draft[:, t : t + 1], past_key_values=cache, use_cache=True)
+        model(draft[:, :5], attention_mask=mask[:, :50], past_key_values=cache, use_cache=True)  # drafts: a chunk
+        for t in range(5, 12):  # and single tokens
+            model(draft[:, t : t + 1], attention_mask=mask[:, : 46 + t], past_key_values=cache, use_cache=True)
         cache.crop(-12)  # across compression (d = 4), selection (l' = 16) and window (w = 20) boundaries
         assert cache.get_seq_length() == 45
-        rest = [model(tokens[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(45, 70)]
-    torch.testing.assert_close(torch.cat(rest, 1), full[:, 45:], rtol=1e-9, atol=1e-9)
+        rest = [model(tokens[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache, use_cache=True).logits
+                for t in range(45, 70)]  # fmt: skip
+    torch.testing.assert_close(torch.cat(rest, 1)[0], full[0, 45:], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(torch.cat(rest, 1)[1], full[1, 45:], rtol=1e-9, atol=1e-9)
 
 
 def test_crop_deeper_than_what_the_cache_kept_says_how_to_allow_it():
@@ -354,3 +363,49 @@ def test_a_requested_cache_implementation_is_declined_in_the_log(caplog):
                              cache_implementation="static", return_dict_in_generate=True)
     assert isinstance(out.past_key_values, NSACache)
     assert any("cache_implementation='static' is ignored" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS), ids=list(VARIANTS))
+def test_gradients_flow_through_chunks_after_a_cache(variant):
+    # two chunks with gradients after a cache filled without: the same function of the parameters as one
+    # chunk of both, so the same gradients (the cache's in-place writes must not break autograd's saved views)
+    model = make_model(**VARIANTS[variant])
+    tokens = torch.randint(1, 97, (1, 40), generator=torch.Generator().manual_seed(12))
+    grads = []
+    for chunks in ([(30, 40)], [(30, 35), (35, 40)]):
+        model.zero_grad()
+        cache = NSACache(model.config)
+        with torch.no_grad():
+            model(tokens[:, :30], past_key_values=cache, use_cache=True)
+        logits = [model(tokens[:, a:b], past_key_values=cache, use_cache=True).logits for a, b in chunks]
+        torch.cat(logits, 1).pow(2).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-9, atol=1e-9)
+
+
+def test_recording_stops_when_transformers_clears_it():
+    model = make_model()  # separate window K/V
+    cache = NSACache(model.config)
+    cache.activate_past_recording()
+    with torch.no_grad():
+        model(torch.randint(1, 97, (1, 30)), past_key_values=cache, use_cache=True)
+        for layer in cache.layers:
+            assert layer.record_past
+            layer.record_past = False  # what generate() does when it hands a recording cache back
+        for _ in range(3):
+            model(torch.randint(1, 97, (1, 1)), past_key_values=cache, use_cache=True)
+    assert all(layer.k_win.shape[1] == model.config.window_size for layer in cache.layers)
+
+
+def test_a_prompt_recorded_whole_does_not_size_the_window_storage_after_a_crop():
+    # assisted decoding turns recording on before the prompt: the first crop gives the prompt-sized window and
+    # tail storage back
+    model = make_model()
+    cache = NSACache(model.config)
+    cache.activate_past_recording()
+    with torch.no_grad():
+        model(torch.randint(1, 97, (1, 400)), past_key_values=cache, use_cache=True)
+    cache.crop(-2)
+    for layer in cache.layers:
+        for name in ("k_win", "v_win", "tail_k", "tail_v"):
+            assert layer.buffers[name].storage.shape[1] <= 4 * 64, name
