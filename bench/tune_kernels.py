@@ -24,7 +24,7 @@ from bench_attention import PARAMS, nsa_inputs, time_ms, tri  # noqa: E402
 
 KNOBS = ["_SEL_ROWS", "_SEL_SUB_ROWS", "_TOPN_INSERT_MAX", "_TOPN_ROWS", "_TOPN_WARPS", "_TOPN_BLOCKS_PER_CHUNK",
          "_DKDV_WARPS", "_DQ_ROWS", "_DQ_WARPS", "_DECODE_SEL_STEP", "_DECODE_WIN_TILE", "_DECODE_FINISH_WARPS",
-         "_DECODE_MERGE_SPLITS", "_DECODE_MERGE_LISTS"]
+         "_DECODE_MERGE_SPLITS", "_DECODE_MERGE_LISTS", "_DECODE_SPLIT"]
 # The first sweep (H100, 2026-11-22) set the selected tile (no sub-tiles), the dQ tile (128 rows), the top-n
 # warps (4) and insertion (up to 4). Open questions from it: the dK/dV kernels ran at 4 warps at commit
 # 9b9991f and were faster there (64k: compressed/window 7.2 ms, selected 3.8 ms, against 10.7 / 6.1 ms at
@@ -52,7 +52,13 @@ DEFAULT_VARIANTS = [
     # lists per step; top-n: 8 splits per merge step)
     "decode_short_steps:_DECODE_SEL_STEP=1,_DECODE_WIN_TILE=64,_DECODE_FINISH_WARPS=4,_DECODE_MERGE_SPLITS=8,"
     "_DECODE_MERGE_LISTS=4",
+    # compressed keys per split program (default 64; 64 splits at 64k, whose partial outputs, 16 x 64 fp32 each,
+    # the finish kernel merges 16 at a time): fewer, larger splits. Spill-free at head_dim 64 on sm_80/86/90;
+    # 256 spills 96-104 B at head_dim 128 (tests/triton_aot.py), so only 128 could become a default there.
+    "decode_split128:_DECODE_SPLIT=128",
+    "decode_split256:_DECODE_SPLIT=256",
 ]
+# Variants named decode_* change only the decode kernels: they are timed in the decode section alone.
 # (H, Hkv, head_dim, T, B, query kind, variants: None = all); the correlated 64k case: how the selected tiles'
 # block unions (and so the dQ tile's cost) change when neighbouring queries choose alike, as in a trained model;
 # the head_dim 128 case (G = 8) for the d128 launch choices. The two extra cases time only the variants they
@@ -118,6 +124,8 @@ def main():
         for name, settings in variants:
             if only and name not in only and name != variants[0][0]:  # the first variant is the reference
                 continue
+            if name.startswith("decode_"):
+                continue
             apply(settings)
             idx = tri.select_blocks_triton(x["q"].detach(), x["k_cmp"].detach(), cmp_end, doc_pos, PARAMS)
             same = True if ref_idx is None else bool(torch.equal(idx, ref_idx))
@@ -141,7 +149,8 @@ def main():
     for name, settings in variants:
         apply(settings)
         per_kernel = kernel_ms(decode)
-        decode_rows.append(dict(variant=name, **{k: per_kernel.get(k, 0.0) * 1000 for k in DECODE}))
+        row = dict(variant=name, **{k: per_kernel.get(k, 0.0) * 1000 for k in DECODE})
+        decode_rows.append(dict(row, total=sum(row[k] for k in DECODE)))
     apply({})
 
     short = {"_select_topn_kernel": "topn", "_sel_fwd_kernel": "sel fwd", "_bwd_dq_kernel": "dQ",
@@ -153,10 +162,10 @@ def main():
     for r in rows:
         cells = " | ".join(f"{r[k]:.2f}" for k in KERNELS)
         print(f"| {r['case']} | {r['variant']} | {r['fb_ms']:.2f} | {cells} | {'yes' if r['same_topn'] else 'NO'} |")
-    print("\n| decode 64k (us) | " + " | ".join(k.strip("_").replace("_kernel", "") for k in DECODE) + " |")
-    print("|---" * (1 + len(DECODE)) + "|")
+    print("\n| decode 64k (us) | " + " | ".join(k.strip("_").replace("_kernel", "") for k in DECODE) + " | total |")
+    print("|---" * (2 + len(DECODE)) + "|")
     for r in decode_rows:
-        print(f"| {r['variant']} | " + " | ".join(f"{r[k]:.1f}" for k in DECODE) + " |")
+        print(f"| {r['variant']} | " + " | ".join(f"{r[k]:.1f}" for k in DECODE) + f" | {r['total']:.1f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(fwd_bwd=rows, decode=decode_rows), indent=1))
 

@@ -96,6 +96,10 @@ CPU_CASES = [
     # the spare room NaN; split compressed slots and packed documents
     dict(kind="decode", B=3, T=90, H=6, Hkv=2, D=16, steps=[1, 17, 64, 90], Tw=16, layout="varlen",
          decode_split=16, cache_views=True),
+    # 256 compressed slots per split (bench/tune_kernels.py variant decode_split256): a row's slots in one or
+    # two splits
+    dict(kind="decode", B=2, T=600, H=6, Hkv=2, D=16, steps=[1, 300, 600], Tw=16, layout="varlen",
+         decode_split=256, cache_views=True),
     # the decode kernels: queries in later documents of packed rows (slots of earlier documents
     # before theirs), at and around compressed/selection block boundaries; fp16 with a window cache
     # longer than w
