@@ -133,13 +133,16 @@ def test_gpu_cached_decoding_matches_full_forward():
     _, tri = _models_125m_sizes()
     tri.eval()
     ids = torch.randint(0, 50304, (2, 700), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :50] = 0  # left padding: the decode kernels read the cache's buffers with batch strides, per-row positions
     with torch.no_grad():
-        full = tri(ids, use_cache=False).logits.float()
+        full = tri(ids, attention_mask=mask, use_cache=False).logits.float()
         from modeling_nsa import NSACache
 
         cache = NSACache(tri.config)
-        steps = [tri(ids[:, :600], past_key_values=cache, use_cache=True).logits.float()]
-        steps += [tri(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits.float() for t in range(600, 700)]
+        steps = [tri(ids[:, :600], attention_mask=mask[:, :600], past_key_values=cache, use_cache=True).logits.float()]
+        steps += [tri(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache, use_cache=True).logits.float()
+                  for t in range(600, 700)]  # fmt: skip
     cached = torch.cat(steps, 1)
     assert ((cached - full).norm() / full.norm()).item() < 1e-2
 
