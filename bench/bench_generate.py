@@ -25,10 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_model import SIZE_125M  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList  # noqa: E402
-
-from modeling_nsa import NSAConfig, NSAForCausalLM  # noqa: E402
+from bench_model import SIZE_125M, build, llama_ratio_cells, llama_ratio_header  # noqa: E402
+from transformers import LogitsProcessor, LogitsProcessorList  # noqa: E402
 
 SIZES = {
     "125m": SIZE_125M,
@@ -36,15 +34,6 @@ SIZES = {
     "tiny": dict(vocab_size=512, hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
                  num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
 }  # fmt: skip
-
-
-def build(name: str, size: dict, max_len: int):
-    if name == "llama":
-        config = LlamaConfig(**size, max_position_embeddings=max_len)
-        config._attn_implementation = "sdpa"
-        return LlamaForCausalLM(config)
-    mode = "dense" if name == "nsa-dense" else "nsa"
-    return NSAForCausalLM(NSAConfig(**size, max_position_embeddings=max_len, attention_mode=mode))
 
 
 def _sync(device):
@@ -111,7 +100,7 @@ def main():
         row = {"prompt_len": prompt_len, "batch": args.batch}
         for name in args.models:
             torch.manual_seed(0)
-            model = build(name, SIZES[args.size], prompt_len + args.new_tokens + 8).to(device, dtype).eval()
+            model = build(name, prompt_len + args.new_tokens + 8, SIZES[args.size]).to(device, dtype).eval()
             try:
                 with torch.no_grad():
                     row[name] = measure(model, args.batch, prompt_len, args.new_tokens, args.repeats, device)
@@ -126,17 +115,13 @@ def main():
     where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"\ngenerate(): {args.size}, B = {args.batch}, {args.new_tokens} new tokens (greedy), {dtype}, {where}")
     print(f"{'prompt':>7} " + " ".join(f"{m + ' ms/token':>18} {'prefill ms':>10}" for m in args.models)
-          + "".join(f" {m + '/llama':>16}" for m in args.models if m != "llama" and "llama" in args.models))
+          + llama_ratio_header(args.models, 16))
     for row in rows:
         line = f"{row['prompt_len']:>7} " + " ".join(
             f"{row[m]['ms_per_token']:>18.3f} {row[m]['prefill_ms']:>10.1f}" if row[m] else f"{'OOM':>18} {'-':>10}"
             for m in args.models
         )
-        for m in args.models:
-            if m != "llama" and "llama" in args.models:
-                ok = row[m] and row["llama"]
-                line += f" {row[m]['ms_per_token'] / row['llama']['ms_per_token']:>16.2f}" if ok else f" {'-':>16}"
-        print(line)
+        print(line + llama_ratio_cells(row, args.models, "ms_per_token", 16))
     if args.json:
         args.json.write_text(json.dumps({"device": where, "size": args.size, "rows": rows}, indent=2))
 

@@ -33,13 +33,29 @@ SIZE_125M = dict(
 )  # fmt: skip
 
 
-def build(name: str, seq_len: int):
+def build(name: str, seq_len: int, size: dict = SIZE_125M):
+    """"nsa", "nsa-dense" (the same model with dense attention) or "llama" (HF Llama, SDPA) of `size`."""
     if name == "llama":
-        config = LlamaConfig(**SIZE_125M, max_position_embeddings=seq_len)
+        config = LlamaConfig(**size, max_position_embeddings=seq_len)
         config._attn_implementation = "sdpa"
         return LlamaForCausalLM(config)
     mode = "dense" if name == "nsa-dense" else "nsa"
-    return NSAForCausalLM(NSAConfig(**SIZE_125M, max_position_embeddings=seq_len, attention_mode=mode))
+    return NSAForCausalLM(NSAConfig(**size, max_position_embeddings=seq_len, attention_mode=mode))
+
+
+def llama_ratio_header(models, width: int) -> str:
+    """The header of the model/llama ratio columns (none without llama among the models)."""
+    return "".join(f" {m + '/llama':>{width}}" for m in models if m != "llama" and "llama" in models)
+
+
+def llama_ratio_cells(row: dict, models, key: str, width: int) -> str:
+    """row[model][key] / row["llama"][key] per model, '-' where either is missing (out of memory)."""
+    line = ""
+    for m in models:
+        if m != "llama" and "llama" in models:
+            ok = row[m] and row["llama"]
+            line += f" {row[m][key] / row['llama'][key]:>{width}.2f}" if ok else f" {'-':>{width}}"
+    return line
 
 
 PRECISIONS = ("bf16", "autocast")
@@ -103,7 +119,7 @@ def main():
     device = torch.cuda.get_device_name()
     print(f"\nTraining step (fwd+bwd+AdamW), 125M (12 q / 2 kv heads, d64), {args.tokens_per_step} tokens/step, {device}")
     header = f"{'precision':>9} {'T':>6} {'B':>3} " + " ".join(f"{m + ' tok/s':>16} {'GiB':>6}" for m in args.models)
-    header += "".join(f" {m + '/llama':>14}" for m in args.models if m != "llama" and "llama" in args.models)
+    header += llama_ratio_header(args.models, 14)
     print(header)
     for row in rows:
         line = f"{row['precision']:>9} {row['seq_len']:>6} {row['batch']:>3} "
@@ -111,11 +127,7 @@ def main():
             f"{row[m]['tokens_per_s']:>16,.0f} {row[m]['peak_gib']:>6.1f}" if row[m] else f"{'OOM':>16} {'-':>6}"
             for m in args.models
         )
-        for m in args.models:
-            if m != "llama" and "llama" in args.models:
-                ok = row[m] and row["llama"]
-                line += f" {row[m]['tokens_per_s'] / row['llama']['tokens_per_s']:>14.2f}" if ok else f" {'-':>14}"
-        print(line)
+        print(line + llama_ratio_cells(row, args.models, "tokens_per_s", 14))
     if args.json:
         args.json.write_text(json.dumps({"device": device, "rows": rows}, indent=2))
 

@@ -261,6 +261,13 @@ class TokenBuffer:
             storage[:, :live] = self.storage[:, self.start : self.end]
         self.storage, self.start, self.end = storage, 0, live
 
+    def _store(self, tokens: torch.Tensor) -> None:
+        """A fresh storage (with spare room) holding exactly `tokens` (B, n, ...)."""
+        self.storage, self.start, self.end = None, 0, 0
+        self._make_room(tokens, tokens.shape[1])
+        self.storage[:, : tokens.shape[1]] = tokens
+        self.end = tokens.shape[1]
+
     def append(self, new: torch.Tensor) -> torch.Tensor:
         """new (B, m, ...) -> the live tokens plus new, (B, n + m, ...), a view of the storage."""
         num_new = new.shape[1]
@@ -268,10 +275,7 @@ class TokenBuffer:
             # A chunk longer than what is kept (a prompt): returned whole, only its last keep_last stored, so
             # the window and tail storage stays about 2 * keep_last, not the prompt's length.
             out = new if self.storage is None else torch.cat([self.view(), new], dim=1)
-            self.storage, self.start, self.end = None, 0, 0
-            self._make_room(new, self.keep_last)
-            self.storage[:, : self.keep_last] = out[:, -self.keep_last :]
-            self.end = self.keep_last
+            self._store(out[:, -self.keep_last :])
             return out
         self._make_room(new, self.end - self.start + num_new)
         self._writable(new)
@@ -298,11 +302,7 @@ class TokenBuffer:
         if self.keep_last is not None:
             self.start = max(self.start, self.end - self.keep_last)
             if self.storage.shape[1] > 4 * max(self.keep_last, 64):  # sized by a prompt recorded whole
-                live, self.storage = self.storage[:, self.start : self.end], None
-                self.start = self.end = 0
-                self._make_room(live, live.shape[1])
-                self.storage[:, : live.shape[1]] = live
-                self.end = live.shape[1]
+                self._store(self.view())
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` live tokens (no more than there are)."""
@@ -335,7 +335,7 @@ class NSALayerCache:
     """
 
     is_compileable = False
-    is_croppable = True  # crop() restores exactly the state before the tokens it takes back
+    is_croppable = True  # crop() restores exactly the state before the tokens it takes back (Cache.is_croppable)
 
     def __init__(self, config: NSAConfig, reserve: int = 0):
         slots = reserve // config.cmp_stride + 2  # the last step's scatter spans the previous bound + 1
@@ -373,14 +373,12 @@ class NSALayerCache:
             buffer.crop(num_tokens, length_after)
         if self.cmp_count is not None:
             taken = self.cmp_end >= length_after  # (B, S) compressed tokens ending in the taken-back tokens
-            for name in ("cmp_k", "cmp_v", "cmp_end"):
-                self.buffers[name]._writable(taken)
-            self.cmp_k.masked_fill_(taken[:, :, None, None], 0)
-            self.cmp_v.masked_fill_(taken[:, :, None, None], 0)
-            self.cmp_end.masked_fill_(taken, -1)
+            for buffer in (self.buffers[name] for name in ("cmp_k", "cmp_v", "cmp_end")):
+                buffer._writable(taken)
+                slots = buffer.view()  # emptied back to what a never-written slot holds
+                slots.masked_fill_(taken.view(*taken.shape, *[1] * (slots.dim() - 2)), buffer.fill)
+                buffer.truncate(length_after // self.cmp_stride + 1)
             self.cmp_count = self.cmp_count - taken.sum(-1)
-            for name in ("cmp_k", "cmp_v", "cmp_end"):
-                self.buffers[name].truncate(length_after // self.cmp_stride + 1)
 
     def __getattr__(self, name):  # k_slc, cmp_end, ...: the buffer's live tokens
         buffers = self.__dict__.get("buffers", {})
@@ -412,7 +410,7 @@ class NSACache(Cache):
         return self.positions.view()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.positions.end - self.positions.start
+        return len(self.positions)
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         return -1
@@ -449,10 +447,6 @@ class NSACache(Cache):
             layer.crop(num_tokens, length - num_tokens)
         self.positions.truncate(length - num_tokens)
         self.num_valid = self.doc_pos[:, -1] + 1 if length > num_tokens else None
-
-    @property
-    def is_croppable(self) -> bool:
-        return True
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
         for layer in self.layers:

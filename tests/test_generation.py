@@ -230,10 +230,6 @@ def test_generate_reserves_its_length_and_never_copies_the_cache(monkeypatch):
 @pytest.mark.skipif(not __import__("modeling_nsa.nsa_triton").nsa_triton._HAS_TRITON, reason="triton is not installed")
 def test_triton_decoding_step_reads_the_cache_where_it_is():
     """The decode kernels get the cache's buffers themselves (batch strides), not per-token copies."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
     from triton_aot import capture_launches
 
     from modeling_nsa import nsa_triton
