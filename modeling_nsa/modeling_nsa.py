@@ -79,8 +79,10 @@ def resolve_nsa_backend(requested: str, device: torch.device) -> str:
     return "reference"
 
 
-def nsa_attention(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, backend="auto"):
-    """Gated NSA output (B, Tq, H, D) for queries at the last Tq of Tk key positions.
+def nsa_attention(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, backend="auto",
+                  query_end=None):
+    """Gated NSA output (B, Tq, H, D) for queries at the last Tq of Tk key positions (or, query_end: a static
+    cache's step, the queries ending at key query_end[0]).
 
     Arguments as `nsa_reference.nsa_attention_reference`. The Triton path covers training/prefill
     (Tq = Tk = Tw, differentiable) and chunks after a cache (decode, no autograd); a chunk after a
@@ -91,16 +93,18 @@ def nsa_attention(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, d
         from . import nsa_triton
 
         num_queries, num_keys, num_win = q.shape[1], k_slc.shape[1], k_win.shape[1]
-        if num_queries == num_keys == num_win:
+        if num_queries == num_keys == num_win and query_end is None:
             return nsa_triton.nsa_attention_triton(
                 q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params
             )
         if not (torch.is_grad_enabled() and q.requires_grad):
             return nsa_triton.nsa_decode_triton(
-                q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params
+                q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, query_end=query_end
             )
         _log_once("NSA: no differentiable Triton kernel for a chunk after a cache; using the reference.")
-    return nsa_attention_reference(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params)
+    return nsa_attention_reference(
+        q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, query_end=query_end
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -393,23 +397,126 @@ class NSALayerCache:
             self.cmp_count = self.cmp_count.index_select(0, index.to(self.cmp_count.device))
 
 
+def _static_address(tensor: torch.Tensor) -> torch.Tensor:
+    """A buffer a compiled decoding step writes in place: CUDA graphs keep reading it where it is (no copy)."""
+    if not torch.compiler.is_compiling():
+        torch._dynamo.mark_static_address(tensor)
+    return tensor
+
+
+class NSAStaticLayerCache:
+    """One layer's decoding state in buffers of fixed size (NSACache(static=True)), written in place at the
+    cache's device-side cursor: a decoding step has the same shapes, addresses and launches at every token, so
+    torch.compile records it once (generate() compiles it on a GPU: CUDA graphs, no per-op host dispatch) and
+    replays it. The price is memory: the key buffers hold max_cache_len tokens from the prompt on.
+
+    k_slc/v_slc (B, N, Hkv, D): key p at index p (not yet written: zero, with doc_pos -1).
+    k_win/v_win (B, w, Hkv, D): a ring, key p at slot p % w (kv_per_branch; otherwise the window reads k_slc).
+    tail_k/tail_v (B, l, Hkv, D): a ring of the raw keys/values, p at slot p % l (the next compressed token's).
+    cmp_k/cmp_v/cmp_end (B, N // d + 2, ...): each row's compressed tokens in its first cmp_count slots, the rest
+    empty (zero, end -1); the last slot takes the (empty) writes of rows that emit nothing at a step.
+    """
+
+    is_compileable = True
+    is_croppable = False  # no record of past window/tail entries: speculative decoding needs the dynamic cache
+
+    def __init__(self, config: NSAConfig, max_cache_len: int):
+        self.capacity, self.num_slots = max_cache_len, max_cache_len // config.cmp_stride + 2
+        self.window_size, self.block_size = config.window_size, config.cmp_block_size
+        self.separate_window = config.kv_per_branch and config.attention_mode != "dense"
+        self.tensors: dict[str, torch.Tensor] = {}  # allocated at the prompt (batch, device, dtype known then)
+        self.cmp_count: torch.Tensor | None = None  # (B,) compressed tokens emitted per row
+
+    def __getattr__(self, name):  # k_slc, cmp_end, ...: the whole buffer
+        tensors = self.__dict__.get("tensors", {})
+        if name in tensors:
+            return tensors[name]
+        raise AttributeError(name)
+
+    def store_prompt(self, k_slc, v_slc, k_win=None, v_win=None, k_raw=None, v_raw=None, k_cmp=None, v_cmp=None,
+                     cmp_end=None):
+        """Allocate the buffers and write the prompt's state (its keys (B, T, Hkv, D) at 0 .. T-1; the compressed
+        tokens (B, Nc, Hkv, D), valid slots first per row, as compressed_token_ends lays them out)."""
+        batch, num_keys = k_slc.shape[:2]
+
+        def buffer(like, length, fill=0):
+            return _static_address(like.new_full((batch, length, *like.shape[2:]), fill))
+
+        def ring(name, tokens, slots):  # the last `slots` tokens, key p at slot p % slots
+            self.tensors[name] = buffer(tokens, slots)
+            first = max(0, num_keys - slots)
+            index = torch.arange(first, num_keys, device=tokens.device) % slots
+            self.tensors[name].index_copy_(1, index, tokens[:, first:])
+
+        for name, tokens in (("k_slc", k_slc), ("v_slc", v_slc)):
+            self.tensors[name] = buffer(tokens, self.capacity)
+            self.tensors[name][:, :num_keys] = tokens
+        if k_raw is None:  # dense attention keeps keys only
+            return
+        if self.separate_window:
+            ring("k_win", k_win, self.window_size)
+            ring("v_win", v_win, self.window_size)
+        ring("tail_k", k_raw, self.block_size)
+        ring("tail_v", v_raw, self.block_size)
+        num_new = cmp_end.shape[1]
+        for name, tokens, fill in (("cmp_k", k_cmp, 0), ("cmp_v", v_cmp, 0), ("cmp_end", cmp_end, -1)):
+            self.tensors[name] = buffer(tokens, self.num_slots, fill)
+            self.tensors[name][:, :num_new] = tokens
+        self.cmp_count = _static_address((cmp_end >= 0).sum(-1))
+
+    def index_select(self, index: torch.Tensor) -> None:
+        """Reorder the rows (beam search), in place: the buffers keep their addresses."""
+        for tensor in [*self.tensors.values(), *([self.cmp_count] if self.cmp_count is not None else [])]:
+            tensor.copy_(tensor.index_select(0, index.to(tensor.device)))
+
+    def activate_past_recording(self) -> None:
+        self.crop(0, 0)
+
+    def crop(self, num_tokens: int, length_after: int) -> None:
+        raise ValueError(
+            "NSACache(static=True) cannot take tokens back (it keeps no past window or raw-tail entries); "
+            "assisted and prompt-lookup decoding need the default cache: drop cache_implementation='static'."
+        )
+
+
 class NSACache(Cache):
     """KV cache for NSA generation (NSA_SPEC, "Incremental decoding"). max_cache_len: the longest sequence
     expected (generate() passes its max_length), reserved at the first append so no step copies the cache;
-    longer sequences still work (the buffers grow)."""
+    longer sequences still work (the buffers grow).
 
-    is_compileable = False
+    static=True (generate(cache_implementation="static")): fixed-size buffers of max_cache_len tokens written at
+    a device-side cursor (NSAStaticLayerCache), so each decoding step is the same graph; generate() then compiles
+    the decoding forward on a GPU (CUDA graphs). The prompt comes first, whole; then one token per step, at
+    most max_cache_len in all; no crop()."""
 
-    def __init__(self, config: NSAConfig, max_cache_len: int = 0):
-        super().__init__(layers=[NSALayerCache(config, max_cache_len) for _ in range(config.num_hidden_layers)])
+    def __init__(self, config: NSAConfig, max_cache_len: int = 0, static: bool = False):
+        if static and max_cache_len <= 0:
+            raise ValueError(
+                f"NSACache(static=True) needs max_cache_len > 0 (got {max_cache_len}): the longest prompt + "
+                "generated length, which its buffers hold from the start."
+            )
+        layer_class = NSAStaticLayerCache if static else NSALayerCache
+        super().__init__(layers=[layer_class(config, max_cache_len) for _ in range(config.num_hidden_layers)])
+        self.static, self.max_cache_len = static, max_cache_len
         self.positions = TokenBuffer(reserve=max_cache_len)  # (B, Tk) in-document position of every cached token
         self.num_valid: torch.Tensor | None = None  # (B,) position the next token takes in its document
+        # static: the positions of all max_cache_len keys (-1 until written) and the key index of the next token,
+        # as device tensors (a compiled step must not read a host value that changes per token)
+        self.static_positions: torch.Tensor | None = None
+        self.cursor: torch.Tensor | None = None  # (1,) int64
+        self.decoding = False  # static: the prompt is stored, steps follow
+
+    @property
+    def is_compileable(self) -> bool:
+        return self.static
 
     @property
     def doc_pos(self) -> torch.Tensor | None:
-        return self.positions.view()
+        return self.static_positions if self.static else self.positions.view()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        if self.static:  # reads the device cursor (generate asks before the prompt and between chunks only)
+            return 0 if self.cursor is None else int(self.cursor)
         return len(self.positions)
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
@@ -419,7 +526,10 @@ class NSACache(Cache):
         """Record the new tokens' doc_pos; returns doc_pos of every key position (B, Tk).
 
         The first chunk may hold packed documents (position_ids restarts) like a forward without
-        cache; later chunks continue each row's last document (generation)."""
+        cache; later chunks continue each row's last document (generation).
+        A static cache returns the prompt's positions for the prompt, then the whole (B, max_cache_len) buffer."""
+        if self.static:
+            return self._append_static_positions(position_ids, attention_mask, batch_size, new_len, device)
         if self.num_valid is None:
             new_doc_pos = document_positions(position_ids, attention_mask, batch_size, new_len, device)
         else:
@@ -427,6 +537,36 @@ class NSACache(Cache):
         doc_pos = self.positions.append(new_doc_pos)
         self.num_valid = new_doc_pos[:, -1] + 1  # the next token's position in the row's last document
         return doc_pos
+
+    def _append_static_positions(self, position_ids, attention_mask, batch_size, new_len, device) -> torch.Tensor:
+        if not self.decoding:  # the prompt (eager: generate() compiles the steps after it)
+            if new_len > self.max_cache_len:
+                raise ValueError(
+                    f"NSACache(static=True, max_cache_len={self.max_cache_len}) cannot hold a prompt of {new_len} "
+                    "tokens; make max_cache_len at least prompt + new tokens."
+                )
+            doc_pos = document_positions(position_ids, attention_mask, batch_size, new_len, device)
+            self.static_positions = _static_address(doc_pos.new_full((batch_size, self.max_cache_len), -1))
+            self.static_positions[:, :new_len] = doc_pos
+            self.num_valid = _static_address(doc_pos[:, -1] + 1)
+            self.cursor = _static_address(torch.full((1,), new_len, dtype=torch.long, device=device))
+            return doc_pos
+        if new_len != 1:
+            raise ValueError(
+                f"NSACache(static=True) takes one token per step after the prompt, got {new_len}; chunked "
+                "prefill and speculative decoding need the default cache (no cache_implementation='static')."
+            )
+        new_doc_pos = cached_document_positions(attention_mask, self.num_valid, batch_size, 1, device)  # (B, 1)
+        self.static_positions.index_copy_(1, self.cursor, new_doc_pos)
+        self.num_valid.copy_(new_doc_pos[:, 0] + 1)
+        return self.static_positions
+
+    def advance(self, num_new: int) -> None:
+        """After every layer saw the chunk: a static cache moves its cursor past it (in place, on the device)."""
+        if self.static:
+            if self.decoding:
+                self.cursor.add_(num_new)
+            self.decoding = True
 
     def activate_past_recording(self) -> None:
         """From now on keep every appended token until the next crop(), so crop() can take any of them back
@@ -438,6 +578,8 @@ class NSACache(Cache):
         """Take back the last -tokens_to_remove tokens (a negative count or 0, as transformers' caches take it:
         assisted decoding drops the rejected draft tokens). Deeper than the tokens added since
         activate_past_recording() (or than w and l - 1 without it) raises."""
+        if self.static:
+            self.layers[0].crop(-tokens_to_remove, 0)  # raises: says what to use instead
         if tokens_to_remove > 0:
             raise ValueError(f"NSACache.crop({tokens_to_remove}): pass minus the number of tokens to take back.")
         num_tokens, length = -tokens_to_remove, self.get_seq_length()
@@ -451,6 +593,10 @@ class NSACache(Cache):
     def reorder_cache(self, beam_idx: torch.LongTensor):
         for layer in self.layers:
             layer.index_select(beam_idx)
+        if self.static:
+            for tensor in (self.static_positions, self.num_valid):
+                tensor.copy_(tensor.index_select(0, beam_idx.to(tensor.device)))
+            return
         self.positions.index_select(beam_idx)
         self.num_valid = self.num_valid.index_select(0, beam_idx.to(self.num_valid.device))
 
@@ -515,13 +661,21 @@ class NSAAttention(nn.Module):
         q = apply_rope(self.q_proj(hidden_states).view(batch, num_queries, self.num_heads, self.head_dim), cos_q, sin_q)
         kv = self.kv_proj(hidden_states).view(batch, num_queries, self.num_kv_sets, 2, self.num_kv_heads, self.head_dim)
         cache = past_key_values.layers[self.layer_idx] if past_key_values is not None else None
+        static = cache is not None and past_key_values.static
+        query_end = past_key_values.cursor if static and past_key_values.decoding else None  # (1,) a static step
 
         if self.dense:
             k, v = self._branch_kv(kv, "slc")
             k = apply_rope(k, cos_q, sin_q)
-            if cache is not None:
+            if query_end is not None:
+                cache.k_slc.index_copy_(1, query_end, k)
+                cache.v_slc.index_copy_(1, query_end, v)
+                k, v = cache.k_slc, cache.v_slc
+            elif static:
+                cache.store_prompt(k, v)
+            elif cache is not None:
                 k, v = cache.buffers["k_slc"].append(k), cache.buffers["v_slc"].append(v)
-            out = dense_causal_attention(q, k, v, doc_pos, single_document)
+            out = dense_causal_attention(q, k, v, doc_pos, single_document, query_end=query_end)
         else:
             gates = torch.sigmoid(self.g_proj(hidden_states)).view(batch, num_queries, self.num_heads, len(BRANCHES))
             k_raw, v_raw = self._branch_kv(kv, "cmp")  # compression reads un-rotated keys (Eq. 7)
@@ -532,16 +686,22 @@ class NSAAttention(nn.Module):
                 k_win = apply_rope(k_win, cos_q, sin_q)
             else:
                 k_win, v_win = k_slc, v_slc
-            if cache is None:
+            if cache is None or (static and query_end is None):  # no cache, or a static cache's prompt
                 cmp_end = compressed_token_ends(doc_pos, self.params)  # (B, Nc)
                 k_cmp, v_cmp = self._compress(k_raw, v_raw, cmp_end, cos, sin, cmp_end)
+                if static:
+                    cache.store_prompt(k_slc, v_slc, k_win, v_win, k_raw, v_raw, k_cmp, v_cmp, cmp_end)
+            elif static:
+                k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win = self._static_step_inputs(
+                    cache, doc_pos, query_end, cos_q, sin_q, k_raw, v_raw, k_slc, v_slc, k_win, v_win
+                )
             else:
                 k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win = self._cached_inputs(
                     cache, doc_pos, cos, sin, cos_q, sin_q, k_raw, v_raw, k_slc, v_slc, k_win, v_win
                 )
             out = nsa_attention(
                 q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, self.params,
-                backend=self.config.nsa_backend,
+                backend=self.config.nsa_backend, query_end=query_end,
             )  # fmt: skip
         return self.o_proj(out.reshape(batch, num_queries, self.num_heads * self.head_dim)), None
 
@@ -592,9 +752,40 @@ class NSAAttention(nn.Module):
             k_win, v_win = k_slc[:, -span:], v_slc[:, -span:]
         return cache.cmp_k, cache.cmp_v, cache.cmp_end, k_slc, v_slc, k_win, v_win
 
+    def _static_step_inputs(self, cache, doc_pos, query_end, cos_q, sin_q, k_raw, v_raw, k_slc, v_slc, k_win, v_win):
+        """A static cache's decoding step (one token per row, at key index query_end (1,) on the device): write it
+        in place and return the whole buffers. The same ops and shapes at every token, no host value read."""
+        block, stride = self.params.cmp_block_size, self.params.cmp_stride
+        # The compressed token this step completes (Eq. 7): the l raw keys ending here, from the raw ring.
+        cache.tail_k.index_copy_(1, query_end % block, k_raw)
+        cache.tail_v.index_copy_(1, query_end % block, v_raw)
+        ring_order = (query_end - block + 1 + torch.arange(block, device=query_end.device)) % block  # (l,)
+        blocks = cache.tail_k.index_select(1, ring_order)[:, None], cache.tail_v.index_select(1, ring_order)[:, None]
+        pos = doc_pos.index_select(1, query_end)  # (B, 1)
+        emits = (pos >= block - 1) & ((pos - (block - 1)) % stride == 0)  # (B, 1)
+        k_new, v_new = self.compressor.compress_blocks(*blocks, emits)  # (B, 1, Hkv, D)
+        k_new = apply_rope(k_new, cos_q, sin_q)
+        # each row's next free slot, or (rows emitting nothing) the spare last slot, written empty
+        slot = torch.where(emits, cache.cmp_count[:, None], cache.num_slots - 1)  # (B, 1)
+        cache.cmp_k.scatter_(1, slot[:, :, None, None].expand_as(k_new), k_new)
+        cache.cmp_v.scatter_(1, slot[:, :, None, None].expand_as(v_new), v_new)
+        cache.cmp_end.scatter_(1, slot, torch.where(emits, query_end, -1))
+        cache.cmp_count.add_(emits[:, 0])
 
-def dense_causal_attention(q, k, v, doc_pos, single_document=False):
-    """Full causal attention inside documents (the A/B baseline). q (B, Tq, H, D), k/v (B, Tk, Hkv, D)."""
+        cache.k_slc.index_copy_(1, query_end, k_slc)
+        cache.v_slc.index_copy_(1, query_end, v_slc)
+        if self.num_kv_sets == 3:  # the window ring: key p at slot p % w
+            cache.k_win.index_copy_(1, query_end % self.params.window_size, k_win)
+            cache.v_win.index_copy_(1, query_end % self.params.window_size, v_win)
+            k_win, v_win = cache.k_win, cache.v_win
+        else:  # shared K/V: the window reads the key buffer itself (a "ring" of N slots: key p at slot p)
+            k_win, v_win = cache.k_slc, cache.v_slc
+        return cache.cmp_k, cache.cmp_v, cache.cmp_end, cache.k_slc, cache.v_slc, k_win, v_win
+
+
+def dense_causal_attention(q, k, v, doc_pos, single_document=False, query_end=None):
+    """Full causal attention inside documents (the A/B baseline). q (B, Tq, H, D), k/v (B, Tk, Hkv, D); the
+    queries are the last Tq keys, or (query_end, a static cache's step) the Tq keys ending at key query_end[0]."""
     if single_document:  # one document per row: SDPA's causal kernels (flash / cuDNN) need no mask
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
@@ -603,9 +794,12 @@ def dense_causal_attention(q, k, v, doc_pos, single_document=False):
     batch, num_queries, num_heads, _ = q.shape
     num_keys = k.shape[1]
     key_index = torch.arange(num_keys, device=q.device)
-    q_index = key_index[num_keys - num_queries :]
+    if query_end is None:
+        q_index = key_index[num_keys - num_queries :]
+    else:
+        q_index = query_end - num_queries + 1 + torch.arange(num_queries, device=q.device)
     start = key_index - doc_pos  # document start of each key position
-    q_start, q_doc_pos = start[:, num_keys - num_queries :], doc_pos[:, num_keys - num_queries :]
+    q_start, q_doc_pos = start[:, q_index], doc_pos[:, q_index]
     mask = (
         (q_start[:, :, None] == start[:, None, :])
         & (q_index[:, None] >= key_index[None, :])
@@ -705,7 +899,10 @@ class NSAModel(NSAPreTrainedModel):
                     f"input_ids contain {low if low < 0 else high}, outside the vocabulary [0, {self.config.vocab_size}); "
                     "check the tokenizer matches the model (config.vocab_size)."
                 )
-        if attention_mask is not None:
+        if attention_mask is not None and past_len is None:  # a static cache's step: the last column is the token's
+            if attention_mask.dim() != 2 or attention_mask.shape[0] != shape[0]:
+                raise ValueError(f"attention_mask must be 2-D (batch, ...), got {tuple(attention_mask.shape)}.")
+        elif attention_mask is not None:
             expected = (shape[0], past_len + shape[1])
             if attention_mask.dim() != 2 or tuple(attention_mask.shape) not in {expected, shape}:
                 raise ValueError(
@@ -737,9 +934,11 @@ class NSAModel(NSAPreTrainedModel):
             past_key_values = None
         if use_cache and past_key_values is None:
             past_key_values = NSACache(self.config)
-        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+        static_step = past_key_values is not None and past_key_values.static and past_key_values.decoding
+        # (a static cache's step reads no host length: the compiled step would be recompiled at every token)
+        past_len = None if static_step else past_key_values.get_seq_length() if past_key_values is not None else 0
         batch, num_new = self._check_inputs(input_ids, inputs_embeds, attention_mask, position_ids, past_len)
-        if attention_mask is not None and attention_mask.shape[1] == num_new and past_len > 0:
+        if attention_mask is not None and attention_mask.shape[1] == num_new and (past_len or 0) > 0:
             raise ValueError(
                 f"attention_mask covers only the {num_new} new tokens; with a cache of {past_len} it must cover "
                 f"past + new = {past_len + num_new}."
@@ -763,7 +962,9 @@ class NSAModel(NSAPreTrainedModel):
         # With a cache only the new tokens and the compressed tokens they complete are rotated, not all Tk
         # (cos/sin of every cached position would cost O(Tk) per generated token).
         rope_span = doc_pos.shape[1] if past_key_values is None else num_new + self.config.cmp_block_size - 1
-        position_embeddings = self.rotary_emb(doc_pos[:, -rope_span:], inputs_embeds.dtype)
+        # (a static cache's step: doc_pos is the whole fixed-size buffer; the token sits at the cursor)
+        rope_positions = doc_pos.index_select(1, past_key_values.cursor) if static_step else doc_pos[:, -rope_span:]
+        position_embeddings = self.rotary_emb(rope_positions, inputs_embeds.dtype)
 
         single_document = position_ids is None and attention_mask is None and cu_seqlens is None and past_key_values is None
         hidden_states = inputs_embeds
@@ -771,6 +972,8 @@ class NSAModel(NSAPreTrainedModel):
             hidden_states = layer(
                 hidden_states, doc_pos, position_embeddings, past_key_values=past_key_values, single_document=single_document
             )
+        if past_key_values is not None:
+            past_key_values.advance(num_new)
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None)
 
@@ -795,17 +998,28 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
         self, generation_config, model_kwargs, generation_mode=None, batch_size=None, max_cache_length=0
     ):
         """generate() gets an NSACache (selection/window/compressed state), never a DynamicCache, with room
-        for generate()'s max_length reserved (no step copies the cache)."""
+        for generate()'s max_length reserved (no step copies the cache). cache_implementation="static": fixed-size
+        buffers, and generate() compiles the decoding steps on a GPU (transformers' compile_config: CUDA graphs)."""
         if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
-            if generation_config.cache_implementation is not None:
+            static = generation_config.cache_implementation == "static"
+            if generation_config.cache_implementation not in (None, "static"):
                 _log_once(
                     f"NSA: generate() uses NSACache (compressed, selection and window state); "
-                    f"cache_implementation={generation_config.cache_implementation!r} is ignored."
+                    f"cache_implementation={generation_config.cache_implementation!r} is ignored "
+                    "(NSA supports 'static': fixed-size buffers, compiled decoding)."
                 )
-            cache = NSACache(self.config, max_cache_len=max_cache_length or 0)
+            cache = NSACache(self.config, max_cache_len=max_cache_length or 0, static=static)
             if getattr(generation_config, "is_assistant", False):  # an assistant's drafts are taken back: record them
                 cache.activate_past_recording()
             model_kwargs["past_key_values"] = cache
+
+    def create_masks_for_generate(self, attention_mask=None, past_key_values=None, is_first_iteration=False, **kwargs):
+        """generate() asks for the mask of a compilable (static) cache's steps here. NSA needs no 4-D mask: the
+        prompt's 2-D mask gives each row's padding once, and the cache keeps it in its positions; the steps after
+        it get no mask (every generated token is real), so the compiled step sees the same inputs at every token."""
+        if past_key_values is not None and past_key_values.static and past_key_values.decoding:
+            return None
+        return attention_mask
 
     def forward(
         self,

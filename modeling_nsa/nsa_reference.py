@@ -100,6 +100,7 @@ def nsa_attention_reference(
     params: NSAParams,
     scale: float | None = None,
     return_block_indices: bool = False,
+    query_end: torch.Tensor | None = None,
 ):
     """NSA output for queries at the last Tq of Tk key positions (NSA_SPEC, one layer, step 3).
 
@@ -108,6 +109,11 @@ def nsa_attention_reference(
     k_win/v_win (B, Tw, Hkv, D) = the last Tw key positions; gates (B, Tq, H, 3) in (cmp, slc, win)
     order, already sigmoid-ed; doc_pos (B, Tk) from `nsa_layout`. Returns (B, Tq, H, D) in q's dtype
     (and the selected block indices (B, Hkv, Tq, n') if asked).
+
+    query_end (a static cache's fixed-size buffers, NSACache(static=True)): a 1-element int64 tensor, the
+    key index of the last query; the queries are the Tq key positions ending there, and keys past it are
+    not written yet (doc_pos -1 there). k_win/v_win are then a ring of Tw >= w slots, key p at slot p % Tw.
+    A tensor, not an int: compiled decoding steps must not depend on a host value that changes per token.
     """
     batch, num_queries, num_heads, head_dim = q.shape
     num_keys, num_kv_heads = k_slc.shape[1], k_slc.shape[2]
@@ -122,8 +128,16 @@ def nsa_attention_reference(
 
     q_grouped = q.to(compute_dtype).view(batch, num_queries, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     key_index = torch.arange(num_keys, device=device).expand(batch, -1)
-    q_index = key_index[:, num_keys - num_queries :]
-    q_doc_pos = doc_pos[:, num_keys - num_queries :]
+    if query_end is None:
+        q_index = key_index[:, num_keys - num_queries :]
+        q_doc_pos = doc_pos[:, num_keys - num_queries :]
+        win_index = key_index[:, num_keys - num_win :]  # (B, Tw) the last Tw positions
+    else:
+        last = query_end.reshape(1, 1).to(device=device, dtype=torch.long)
+        q_index = (last - num_queries + 1 + torch.arange(num_queries, device=device)).expand(batch, -1)
+        q_doc_pos = doc_pos.gather(1, q_index)
+        slot = torch.arange(num_win, device=device)
+        win_index = (last - (last - slot) % num_win).expand(batch, -1)  # ring slot r holds key t - ((t - r) mod Tw)
     causal = q_index[:, :, None] >= key_index[:, None, :]
     same_doc_causal = _same_document(q_index, q_doc_pos, key_index, doc_pos) & causal  # (B, Tq, Tk)
 
@@ -151,8 +165,12 @@ def nsa_attention_reference(
     o_slc, _ = _masked_softmax_attention(q_grouped, heads_first(k_slc), heads_first(v_slc), slc_mask, scale)
 
     # Sliding window: the last w keys of the query's document, itself included.
-    win_mask = same_doc_causal[:, :, num_keys - num_win :] & (
-        q_index[:, :, None] - key_index[:, None, num_keys - num_win :] < params.window_size
+    win_doc_pos = doc_pos.gather(1, win_index.clamp(min=0))
+    win_mask = (
+        _same_document(q_index, q_doc_pos, win_index, win_doc_pos)
+        & (win_index >= 0)[:, None, :]  # ring slots not written yet
+        & (q_index[:, :, None] >= win_index[:, None, :])
+        & (q_index[:, :, None] - win_index[:, None, :] < params.window_size)
     )
     o_win, _ = _masked_softmax_attention(q_grouped, heads_first(k_win), heads_first(v_win), win_mask[:, None], scale)
 

@@ -980,22 +980,34 @@ if _HAS_TRITON:
     # ------------------------------------------------------------------------------------------
 
     @triton.jit
+    def _decode_query(TEND, Tk, STATIC: tl.constexpr):
+        """Key index of the decoded query: the last of the Tk keys, or (STATIC: a static cache's buffers of Tk
+        slots, written up to the query) TEND[0], read on the device so that a CUDA graph of the step replays
+        for every token."""
+        if STATIC:
+            t = tl.load(TEND)
+        else:
+            t = (Tk - 1).to(tl.int64)
+        return t
+
+    @triton.jit
     def _decode_cmp_split_kernel(
-        Q, KC, VC, CEND, DOCPOS, PM, PL, PACC, PP, PCNT,
+        Q, KC, VC, CEND, DOCPOS, TEND, PM, PL, PACC, PP, PCNT,
         Tk, Nc, S, sm_scale2, kc_bs, vc_bs, ce_bs, dp_bs,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
-        CS: tl.constexpr,
+        CS: tl.constexpr, STATIC: tl.constexpr,
     ):
         """Decode, split s of the compressed slots [s*CS, (s+1)*CS) of one (row, KV group): the split's
         softmax partials (max m, sum l, unnormalized output acc), its probabilities exp2(x - m) per head and
         slot (the top-n rescales them once the log-sum-exp is known), and two counts: slots of earlier
         documents and visible slots. A slot is visible iff start <= cmp_end <= t (slots sorted by end).
-        *_bs: batch strides (elements) of KC, VC, CEND, DOCPOS: the cache's buffers are views with room to grow."""
+        *_bs: batch strides (elements) of KC, VC, CEND, DOCPOS: the cache's buffers are views with room to grow.
+        STATIC (a static cache's fixed-size buffers): the query is key TEND[0], not Tk - 1 (_decode_query)."""
         pid_bg = tl.program_id(0)
         sp = tl.program_id(1)
         b = (pid_bg // HKV).to(tl.int64)
         g = pid_bg % HKV
-        t = Tk - 1
+        t = _decode_query(TEND, Tk, STATIC)
         pos = tl.load(DOCPOS + b * dp_bs + t)
         start = tl.where(pos >= 0, t - pos, Tk)  # a padded query sees nothing
         hh = tl.arange(0, G_PAD)
@@ -1052,12 +1064,13 @@ if _HAS_TRITON:
 
     @triton.jit
     def _decode_topn_kernel(
-        PM, PL, PACC, PP, PCNT, DOCPOS, TOPV, TOPI,
+        PM, PL, PACC, PP, PCNT, DOCPOS, TEND, TOPV, TOPI,
         Tk, S, n_prog, dp_bs,
         HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
         L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr,
         N_SEL: tl.constexpr, N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
         BJ: tl.constexpr, CS: tl.constexpr, SB: tl.constexpr, TB: tl.constexpr, INSERT_MAX: tl.constexpr,
+        STATIC: tl.constexpr,
     ):
         """Decode, program (row x KV group, j) of the selection blocks [j*TB, (j+1)*TB): their scores from
         the splits' stored probabilities (exp2(x - lse) = p_split * exp2(m_split - lse), no key read again),
@@ -1066,7 +1079,7 @@ if _HAS_TRITON:
         pid_bg = tl.program_id(0)
         pj = tl.program_id(1)
         b = (pid_bg // HKV).to(tl.int64)
-        t = Tk - 1
+        t = _decode_query(TEND, Tk, STATIC)
         hh = tl.arange(0, G_PAD)
         row_ok = hh < G
         d = tl.arange(0, D)
@@ -1105,21 +1118,23 @@ if _HAS_TRITON:
 
     @triton.jit
     def _decode_finish_kernel(
-        Q, PM, PL, PACC, PCNT, TOPV, TOPI, KS, VS, KW, VW, GATE, DOCPOS, OUT,
+        Q, PM, PL, PACC, PCNT, TOPV, TOPI, KS, VS, KW, VW, GATE, DOCPOS, TEND, OUT,
         Tk, Tw, S, n_prog, sm_scale2, ks_bs, vs_bs, kw_bs, vw_bs, dp_bs,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
         LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, WIN: tl.constexpr,
         SB: tl.constexpr, LISTS: tl.constexpr, SEL_STEP: tl.constexpr, BLOCK_N: tl.constexpr,
+        STATIC: tl.constexpr,
     ):
         """Decode, one program per (row, KV group), rows = its G heads: merges the compressed-branch splits
         (log-sum-exp and output) and the block ranges' top-n lists, then selected and window attention and
         the gated sum. Two programs at B = 1 and 2 KV heads, so the chain of dependent steps is what costs:
         SEL_STEP selected blocks per step and BLOCK_N window keys per step keep it short. *_bs: batch strides
-        (elements) of KS, VS, KW, VW, DOCPOS (views of the cache's buffers)."""
+        (elements) of KS, VS, KW, VW, DOCPOS (views of the cache's buffers). STATIC: the query is key TEND[0]
+        and KW/VW a ring of Tw slots (key p at slot p % Tw); otherwise KW/VW hold keys Tk - Tw .. Tk - 1."""
         pid_bg = tl.program_id(0)
         b = (pid_bg // HKV).to(tl.int64)
         g = pid_bg % HKV
-        t = Tk - 1
+        t = _decode_query(TEND, Tk, STATIC)
         pos = tl.load(DOCPOS + b * dp_bs + t)
         valid = pos >= 0  # a padded query gets 0 from every branch
         start = t - pos  # first key of the query's document
@@ -1160,13 +1175,22 @@ if _HAS_TRITON:
             x = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
             m_i, l_i, acc = _softmax_tile(x, v, m_i, l_i, acc)
         o_slc = _branch_output(acc, l_i, OUT.dtype.element_ty)
-        # window branch: KW holds keys Tk-Tw .. Tk-1; visible from max(start, t - w + 1)
-        w_lo = tl.maximum(tl.maximum(start, t - WIN + 1) - (Tk - Tw), 0).to(tl.int32)
+        # window branch: keys p from max(start, t - w + 1) to t, at KW's slot p - (Tk - Tw) (or p % Tw: a ring)
+        if STATIC:
+            first_kept = t - Tw + 1  # the ring's oldest key
+        else:
+            first_kept = (Tk - Tw).to(tl.int64)
+        p_lo = tl.maximum(tl.maximum(start, t - WIN + 1), first_kept)
+        p_hi = tl.where(valid, t + 1, p_lo)
         kn = tl.arange(0, BLOCK_N)
         m_i, l_i, acc = _softmax_init(G_PAD, D)
-        for i0 in range(w_lo, tl.where(valid, Tw, 0), BLOCK_N):
-            ii = i0 + kn
-            vis = ii < Tw
+        for p0 in range(p_lo, p_hi, BLOCK_N):
+            pp = p0 + kn
+            vis = pp < p_hi
+            if STATIC:
+                ii = pp % Tw
+            else:
+                ii = pp - (Tk - Tw)
             kv_off = g * D + ii.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
             k = tl.load(KW + b * kw_bs + kv_off, mask=vis[:, None], other=0.0)
             v = tl.load(VW + b * vw_bs + kv_off, mask=vis[:, None], other=0.0)
@@ -1445,11 +1469,14 @@ def _topn_chunk(params: NSAParams) -> int:
     return _TOPN_BLOCKS_PER_CHUNK or bj
 
 
-def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params: NSAParams, scale):
+def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params: NSAParams, scale,
+                 query_end=None):
     """One query per row (Tq == 1), three launches, none with a long serial loop at long context: the
     compressed keys split over CS-slot programs (softmax partials and probabilities); the selection blocks
     split over TB-block programs (scores and a top-n list per range); one program per (row, KV group)
-    merging both and running the selected and window branches and the gates."""
+    merging both and running the selected and window branches and the gates.
+    query_end (a static cache): the query's key index as a 1-element int64 tensor, read by the kernels; every
+    grid then follows the buffers' fixed sizes, so the launches are the same at every token (CUDA graphs)."""
     batch, _, num_heads, head_dim = q.shape
     num_slots, num_kv = k_cmp.shape[1], k_cmp.shape[2]
     num_keys, num_win = k_slc.shape[1], k_win.shape[1]
@@ -1487,23 +1514,26 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     # its merges: 16 compressed-key splits (with their outputs) and 128 list entries per step (spill-free)
     finish_splits = _DECODE_MERGE_SPLITS or 16
     lists = _DECODE_MERGE_LISTS or max(1, 128 // n_pad)
+    static = query_end is not None
+    query_end = query_end if static else doc_pos  # (unread without STATIC)
     _decode_cmp_split_kernel[(batch * num_kv, n_split)](
-        q, k_cmp, v_cmp, cmp_end, doc_pos, part_m, part_l, part_acc, part_p, counts,
+        q, k_cmp, v_cmp, cmp_end, doc_pos, query_end, part_m, part_l, part_acc, part_p, counts,
         num_keys, num_slots, n_split, scale * _LOG2E, k_cmp.stride(0), v_cmp.stride(0), cmp_end.stride(0),
-        doc_pos.stride(0), H=num_heads, CS=split, num_warps=4, **common,
+        doc_pos.stride(0), H=num_heads, CS=split, STATIC=static, num_warps=4, **common,
     )
     _decode_topn_kernel[(batch * num_kv, n_prog)](
-        part_m, part_l, part_acc, part_p, counts, doc_pos, top_v, top_i, num_keys, n_split, n_prog, doc_pos.stride(0),
+        part_m, part_l, part_acc, part_p, counts, doc_pos, query_end, top_v, top_i, num_keys, n_split, n_prog,
+        doc_pos.stride(0),
         L=params.cmp_block_size, DS=params.cmp_stride, INIT=params.sel_init_blocks, LOCAL=params.sel_local_blocks,
         BJ=_topn_chunk(params), CS=split, SB=merge_splits, TB=blocks_per_prog, INSERT_MAX=_topn_insert_max(),
-        num_warps=4, **common, **topn,
+        STATIC=static, num_warps=4, **common, **topn,
     )
     out = torch.empty_like(q)
     _decode_finish_kernel[(batch * num_kv,)](
-        q, part_m, part_l, part_acc, counts, top_v, top_i, k_slc, v_slc, k_win, v_win, gates, doc_pos, out,
+        q, part_m, part_l, part_acc, counts, top_v, top_i, k_slc, v_slc, k_win, v_win, gates, doc_pos, query_end, out,
         num_keys, num_win, n_split, n_prog, scale * _LOG2E, k_slc.stride(0), v_slc.stride(0), k_win.stride(0),
         v_win.stride(0), doc_pos.stride(0), H=num_heads, WIN=params.window_size,
-        SB=finish_splits, LISTS=lists, SEL_STEP=sel_step, BLOCK_N=win_tile, num_warps=finish_warps,
+        SB=finish_splits, LISTS=lists, SEL_STEP=sel_step, BLOCK_N=win_tile, STATIC=static, num_warps=finish_warps,
         **common, **topn,
     )
     return out
@@ -1643,6 +1673,23 @@ def _nsa_fwd_op(
     return _forward_impl(
         q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, _params_from(params), scale
     )
+
+
+@torch.library.custom_op(f"{_NS}::decode_static", mutates_args=())
+def _nsa_decode_static_op(
+    q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, cmp_end: torch.Tensor,
+    k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor,
+    gates: torch.Tensor, doc_pos: torch.Tensor, query_end: torch.Tensor, params: list[int], scale: float,
+) -> torch.Tensor:
+    """A static cache's decoding step as one opaque op: torch.compile (generate()'s CUDA-graphed decoding)
+    records its three launches without tracing the launcher's host code."""
+    return _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos,
+                        _params_from(params), scale, query_end=query_end)
+
+
+@_nsa_decode_static_op.register_fake
+def _(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, query_end, params, scale):
+    return torch.empty_like(q)
 
 
 @_nsa_fwd_op.register_fake
@@ -1816,7 +1863,7 @@ def _reference_fallback(reason: str, *args, **kwargs):
 
 
 def _entry(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params: NSAParams, scale,
-           batch_strided=False):
+           batch_strided=False, query_end=None):
     """What both entry points do first. Returns (the reference's output where the kernels do not handle the
     parameters, else None; the kernels' prepared inputs; the scale; the dtype to return the output in)."""
     head_dim = q.shape[-1]
@@ -1824,7 +1871,7 @@ def _entry(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos,
     unsupported = triton_unsupported_reason(params, head_dim, q.device)
     if unsupported:
         out = _reference_fallback(unsupported, q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates,
-                                  doc_pos, params, scale)
+                                  doc_pos, params, scale, query_end=query_end)
         return out, None, scale, out.dtype
     floats, out_dtype = _kernel_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates)
     q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates = floats
@@ -1848,16 +1895,22 @@ def nsa_attention_triton(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, g
 
 @torch.no_grad()
 def nsa_decode_triton(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos,
-                      params: NSAParams, scale: float | None = None) -> torch.Tensor:
+                      params: NSAParams, scale: float | None = None, query_end: torch.Tensor | None = None) -> torch.Tensor:
     """Cached decoding step(s): q holds the last Tq (usually 1) of the Tk key positions; k_win/v_win the
     last Tw. Reads only the visible compressed keys, the n selected blocks and the window keys. One query
-    per row: the cache's tensors are read in place (views of NSACache's buffers, any batch stride)."""
+    per row: the cache's tensors are read in place (views of NSACache's buffers, any batch stride).
+    query_end: a static cache's step (one query per row, at key query_end[0] of fixed-size buffers, the
+    window a ring; nsa_reference.nsa_attention_reference describes the layout)."""
     single = q.shape[1] == 1
+    if query_end is not None and not single:
+        raise ValueError(f"nsa_decode_triton: a static cache decodes one token per row per step, got {q.shape[1]}.")
     fallback, args, scale, out_dtype = _entry(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos,
-                                              params, scale, batch_strided=single)
+                                              params, scale, batch_strided=single, query_end=query_end)
     if fallback is not None:
         return fallback
-    if single:  # the generation step: three launches, no host work but allocation
+    if query_end is not None:
+        out = _nsa_decode_static_op(*args, query_end, _params_tuple(params), scale)
+    elif single:  # the generation step: three launches, no host work but allocation
         out = _decode_step(*args, params, scale)
     else:
         out = _forward_impl(*args, params, scale)[0]

@@ -356,9 +356,15 @@ def test_a_requested_cache_implementation_is_declined_in_the_log(caplog):
     model = make_model()
     with caplog.at_level(logging.WARNING):
         out = model.generate(torch.randint(1, 97, (1, 5)), max_new_tokens=3, do_sample=False, pad_token_id=0,
+                             cache_implementation="offloaded", return_dict_in_generate=True)
+    assert isinstance(out.past_key_values, NSACache) and not out.past_key_values.static
+    assert any("cache_implementation='offloaded' is ignored" in r.getMessage() for r in caplog.records)
+    caplog.clear()  # "static" is honoured (NSACache(static=True)), so not declined
+    with caplog.at_level(logging.WARNING):
+        out = model.generate(torch.randint(1, 97, (1, 5)), max_new_tokens=3, do_sample=False, pad_token_id=0,
                              cache_implementation="static", return_dict_in_generate=True)
-    assert isinstance(out.past_key_values, NSACache)
-    assert any("cache_implementation='static' is ignored" in r.getMessage() for r in caplog.records)
+    assert out.past_key_values.static
+    assert not any("is ignored" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS), ids=list(VARIANTS))
