@@ -987,7 +987,7 @@ if _HAS_TRITON:
         if STATIC:
             t = tl.load(TEND)
         else:
-            t = (Tk - 1).to(tl.int64)
+            t = Tk - 1
         return t
 
     @triton.jit
@@ -1175,22 +1175,20 @@ if _HAS_TRITON:
             x = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
             m_i, l_i, acc = _softmax_tile(x, v, m_i, l_i, acc)
         o_slc = _branch_output(acc, l_i, OUT.dtype.element_ty)
-        # window branch: keys p from max(start, t - w + 1) to t, at KW's slot p - (Tk - Tw) (or p % Tw: a ring)
+        # window branch: KW holds the Tw keys ending at t, key first_kept + i at slot i (or, a ring: at slot
+        # (first_kept + i) % Tw); visible from max(start, t - w + 1)
         if STATIC:
-            first_kept = t - Tw + 1  # the ring's oldest key
+            first_kept = t - Tw + 1
         else:
-            first_kept = (Tk - Tw).to(tl.int64)
-        p_lo = tl.maximum(tl.maximum(start, t - WIN + 1), first_kept)
-        p_hi = tl.where(valid, t + 1, p_lo)
+            first_kept = Tk - Tw
+        w_lo = tl.maximum(tl.maximum(start, t - WIN + 1) - first_kept, 0).to(tl.int32)
         kn = tl.arange(0, BLOCK_N)
         m_i, l_i, acc = _softmax_init(G_PAD, D)
-        for p0 in range(p_lo, p_hi, BLOCK_N):
-            pp = p0 + kn
-            vis = pp < p_hi
+        for i0 in range(w_lo, tl.where(valid, Tw, 0), BLOCK_N):
+            ii = i0 + kn
+            vis = ii < Tw
             if STATIC:
-                ii = pp % Tw
-            else:
-                ii = pp - (Tk - Tw)
+                ii = (ii + first_kept) % Tw  # >= 0 where visible: first_kept + w_lo >= start >= 0
             kv_off = g * D + ii.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
             k = tl.load(KW + b * kw_bs + kv_off, mask=vis[:, None], other=0.0)
             v = tl.load(VW + b * vw_bs + kv_off, mask=vis[:, None], other=0.0)

@@ -411,3 +411,98 @@ def test_a_prompt_recorded_whole_does_not_size_the_window_storage_after_a_crop()
     for layer in cache.layers:
         for name in ("k_win", "v_win", "tail_k", "tail_v"):
             assert layer.buffers[name].storage.shape[1] <= 4 * 64, name
+
+
+# ---------------------------------------------------------------- static cache (compiled decoding)
+
+
+def left_padded_prompt(batch=2, length=13, pad=4, seed=3):
+    prompt = torch.randint(1, 97, (batch, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(prompt)
+    mask[0, :pad] = 0
+    return prompt, mask
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS), ids=list(VARIANTS))
+def test_static_cache_generates_what_the_default_cache_does(variant):
+    # 70 tokens after a left-padded prompt: the window ring (w = 20) and raw-tail ring (l = 8) wrap many times
+    model = make_model(**VARIANTS[variant])
+    prompt, mask = left_padded_prompt()
+    kw = dict(max_new_tokens=70, min_new_tokens=70, do_sample=False, output_logits=True, return_dict_in_generate=True,
+              pad_token_id=0)  # fmt: skip
+    default = model.generate(prompt, attention_mask=mask, **kw)
+    static = model.generate(prompt, attention_mask=mask, cache_implementation="static", **kw)
+    cache = static.past_key_values
+    assert cache.static and cache.is_compileable and not default.past_key_values.static
+    assert torch.equal(static.sequences, default.sequences)
+    torch.testing.assert_close(torch.stack(static.logits, 1), torch.stack(default.logits, 1), rtol=1e-6, atol=1e-6)
+    # fixed sizes: the keys of max_length tokens, a w-slot window ring and an l-slot raw ring
+    layer = cache.layers[0]
+    assert layer.k_slc.shape[1] == cache.max_cache_len >= 13 + 69 and int(cache.cursor) == 13 + 69
+    if variant != "dense":
+        assert layer.tail_k.shape[1] == TINY["cmp_block_size"]
+        assert layer.cmp_end.shape[1] == cache.max_cache_len // TINY["cmp_stride"] + 2
+        if variant == "mlp-kvsplit":
+            assert layer.k_win.shape[1] == TINY["window_size"]
+
+
+def test_beam_search_with_the_static_cache_equals_the_default_cache():
+    model = make_model()
+    prompt, mask = left_padded_prompt()
+    kw = dict(max_new_tokens=30, num_beams=3, do_sample=False, pad_token_id=0, attention_mask=mask)
+    assert torch.equal(model.generate(prompt, cache_implementation="static", **kw), model.generate(prompt, **kw))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS), ids=list(VARIANTS))
+def test_static_cache_decoding_step_compiles_to_one_graph(variant):
+    """What generate() compiles on a GPU (the decoding forward with a static cache) is one graph for every
+    token: fullgraph (no break, no host sync) and no recompilation as the cache fills (no guard on a length)."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    model = make_model(**VARIANTS[variant])
+    prompt, mask = left_padded_prompt()
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return aot_eager(gm, example_inputs)  # functionalizes the in-place cache writes, as inductor does
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model.forward, fullgraph=True, dynamic=False, backend=counting_backend)
+
+    @torch.no_grad()
+    def decode(forward, steps=24):
+        cache = NSACache(model.config, max_cache_len=13 + steps + 1, static=True)
+        out = model(prompt, attention_mask=mask, past_key_values=cache)  # the prompt: eager, as in generate()
+        logits = [out.logits[:, -1]]
+        for _ in range(steps):
+            out = forward(input_ids=logits[-1].argmax(-1, keepdim=True), past_key_values=cache)
+            logits.append(out.logits[:, -1])
+        return torch.stack(logits, 1)
+
+    eager = decode(model.forward)
+    assert torch.equal(decode(compiled), eager)
+    assert len(graphs) == 1, f"{len(graphs)} graphs for 24 decoding steps"
+    # and no host read inside it (a captured .item() compiles, but syncs and keeps CUDA graphs off)
+    host_reads = [str(node.target) for node in graphs[0].graph.nodes
+                  if node.op in ("call_method", "call_function") and str(getattr(node.target, "__name__", node.target))
+                  in ("item", "tolist", "nonzero", "_local_scalar_dense")]
+    assert host_reads == [], host_reads
+
+
+def test_static_cache_says_what_it_cannot_do():
+    model = make_model()
+    prompt, mask = left_padded_prompt()
+    with pytest.raises(ValueError, match="max_cache_len > 0"):
+        NSACache(model.config, static=True)
+    with pytest.raises(ValueError, match="cannot hold a prompt of 13 tokens"):
+        model(prompt, past_key_values=NSACache(model.config, max_cache_len=12, static=True))
+    cache = NSACache(model.config, max_cache_len=40, static=True)
+    model(prompt, attention_mask=mask, past_key_values=cache)
+    with pytest.raises(ValueError, match="one token per step after the prompt, got 2"):
+        model(prompt[:, :2], past_key_values=cache)
+    with pytest.raises(ValueError, match="cannot take tokens back"):
+        cache.crop(-1)
+    with pytest.raises(ValueError, match="(?i)static"):  # transformers declines it first, else our crop() would
+        model.generate(prompt, attention_mask=mask, assistant_model=make_model(seed=1), max_new_tokens=5,
+                       do_sample=False, pad_token_id=0, cache_implementation="static")

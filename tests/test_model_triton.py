@@ -1,7 +1,7 @@
 """The whole model on the Triton path equals the model on the reference path.
 
 CPU (CI): with TRITON_INTERPRET=1 a model built with nsa_backend="triton" runs the real kernels on CPU
-tensors: forward, backward, cached generation and prompt-lookup decoding, in a subprocess (Triton reads the variable when
+tensors: forward, backward, cached generation (default and static cache) and prompt-lookup decoding, in a subprocess (Triton reads the variable when
 kernels are defined). GPU: logits and loss at the 125M NSA sizes in bf16, cached decoding, and
 torch.compile(fullgraph=True) of a decoder layer.
 """
@@ -65,7 +65,18 @@ INTERPRETED = textwrap.dedent(
         greedy = dict(max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=0)
         lookup = tri.generate(prompt, prompt_lookup_num_tokens=4, **greedy)
         rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
+        # the static cache's step on the kernels (STATIC launches: the query's key index read on the device, the
+        # window a ring; with kv_per_branch=False the window reads the key buffer) after a left-padded prompt
+        mask = torch.ones(2, 9, dtype=torch.long)
+        mask[0, :3] = 0
+        static_kw = dict(max_new_tokens=25, min_new_tokens=25, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True, pad_token_id=0, attention_mask=mask)
+        s_tri = tri.generate(ids[:, :9], cache_implementation="static", **static_kw)
+        s_ref = ref.generate(ids[:, :9], **static_kw)
+        assert s_tri.past_key_values.static
         results[variant] = dict(
+            static_same_tokens=bool(torch.equal(s_tri.sequences, s_ref.sequences)),
+            static_logits=rel(torch.stack(s_tri.logits, 1), torch.stack(s_ref.logits, 1)),
             lookup_same_tokens=bool(torch.equal(lookup, ref.generate(prompt, **greedy))),
             logits=rel(out["tri"][0], out["ref"][0]), loss=abs(out["tri"][1] - out["ref"][1]).item(),
             grads=rel(out["tri"][2], out["ref"][2]), same_tokens=bool(torch.equal(out["tri"][3], out["ref"][3])),
@@ -93,6 +104,7 @@ def test_triton_model_under_interpreter_matches_reference_forward_backward_gener
         assert r["grads"] < 1e-4, (variant, r)
         assert r["same_tokens"] and r["gen_logits"] < 1e-5, (variant, r)
         assert r["lookup_same_tokens"], (variant, r)
+        assert r["static_same_tokens"] and r["static_logits"] < 1e-5, (variant, r)
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

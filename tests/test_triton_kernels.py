@@ -46,6 +46,7 @@ _KNOB_IDS = {
     "decode_merge_lists": lambda c: f"merge{c['decode_merge_lists']}lists",
     "arch": lambda c: f"sm{c['arch']}",
     "cache_views": lambda c: "cacheviews",
+    "static": lambda c: "static",
     "param_overrides": lambda c: "-".join(f"{k}{v}" for k, v in c["param_overrides"].items()),
 }
 
@@ -127,6 +128,11 @@ CPU_CASES = [
     # n slots), a 40-key window in 16-key steps (the default takes each whole at these sizes)
     dict(kind="decode", B=2, T=400, H=6, Hkv=2, D=16, steps=[1, 20, 111, 400], Tw=40, layout="varlen",
          decode_sel_step=4, decode_win_tile=16, param_overrides=dict(sel_num_blocks=6, window_size=40)),
+    # NSACache(static=True)'s layout: full-length key buffers (unwritten keys NaN), the window a ring (first
+    # filling, then wrapped past w = 16), the query's key index a tensor; several documents per row, and
+    # 16-slot splits and 3-block top-n ranges so that programs past the written keys exist and must find nothing
+    dict(kind="decode", B=2, T=90, H=6, Hkv=2, D=16, steps=[1, 9, 16, 17, 50, 89], Tw=16, layout="varlen",
+         decode_split=16, decode_topn_blocks=3, static=True),
     # torch.compile(fullgraph=True) of the op, forward and backward through AOTAutograd, against eager
     dict(kind="compile", B=2, T=40, H=4, Hkv=2, D=16, layout="varlen"),
     # torch.library.opcheck of both custom ops: schema, autograd registration, fake implementations against

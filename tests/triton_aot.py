@@ -86,6 +86,11 @@ def _scenario(B, T, H, Hkv, D, dtype, layout="varlen", decode_steps=()):
             tri.nsa_decode_triton(t["q"][:, tk - 1:tk], t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"][:, :tk],
                                   t["v_slc"][:, :tk], t["k_win"][:, tk - w:tk], t["v_win"][:, tk - w:tk],
                                   t["gates"][:, tk - 1:tk], doc_pos[:, :tk], p)
+            # a static cache's step (STATIC launches): full-length buffers, a w-slot window ring
+            query_end = torch.tensor([tk - 1])
+            tri.nsa_decode_triton(t["q"][:, tk - 1:tk], t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"], t["v_slc"],
+                                  t["k_win"][:, :p.window_size], t["v_win"][:, :p.window_size],
+                                  t["gates"][:, tk - 1:tk], doc_pos, p, query_end=query_end)
 
     return run
 

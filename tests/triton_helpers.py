@@ -183,9 +183,27 @@ def in_buffer(x: torch.Tensor, front: int = 3, back: int = 5) -> torch.Tensor:
     return buffer[:, front : front + x.shape[1]]
 
 
+def static_layout(t, ce, doc_pos, Tk, Tw):
+    """The cache as NSACache(static=True) holds it after Tk keys: key and position buffers of the case's full
+    length (keys not written yet NaN, their positions -1), the window a ring of Tw slots (key p at p % Tw; slots
+    not written yet NaN), and the query's key index Tk - 1 as a tensor. Any read of an unwritten entry shows."""
+    nan = float("nan")
+    k_slc, v_slc = t["k_slc"].clone(), t["v_slc"].clone()
+    k_slc[:, Tk:], v_slc[:, Tk:] = nan, nan
+    dp = doc_pos.clone()
+    dp[:, Tk:] = -1
+    k_win, v_win = t["k_win"].new_full((t["k_win"].shape[0], Tw, *t["k_win"].shape[2:]), nan), None
+    v_win = k_win.clone()
+    kept = torch.arange(max(0, Tk - Tw), Tk)
+    k_win[:, kept % Tw], v_win[:, kept % Tw] = t["k_win"][:, kept], t["v_win"][:, kept]
+    query_end = torch.tensor([Tk - 1], dtype=torch.long, device=doc_pos.device)
+    return [t["k_cmp"], t["v_cmp"], ce, k_slc, v_slc, k_win, v_win, dp], query_end
+
+
 def run_decode_case(case: dict) -> dict:
     """Decode (Tq = 1, window cache of the last Tw keys) Triton vs reference at every position in steps.
-    cache_views: every cache tensor a view of a larger buffer (`in_buffer`), as NSACache passes them."""
+    cache_views: every cache tensor a view of a larger buffer (`in_buffer`), as NSACache passes them.
+    static: NSACache(static=True)'s layout (`static_layout`), for both the kernels and the reference."""
     layout, reference, tri = import_nsa()
     t, cmp_end_full, doc_pos, p, dtype, device = case_setup(case)
     worst = 0.0
@@ -199,11 +217,20 @@ def run_decode_case(case: dict) -> dict:
                  t["v_win"][:, Tk - Tw : Tk], dp]
         if case.get("cache_views"):
             cache = [in_buffer(x) for x in cache]
+        query_end = None
+        if case.get("static"):  # its oracle: the reference on the plain layout (the static one must not change it)
+            plain = [x.float() if x.is_floating_point() else x for x in cache]
+            cache, query_end = static_layout(t, ce, doc_pos, Tk, case.get("Tw", p.window_size))
         k_cmp, v_cmp, ce, k_slc, v_slc, k_win, v_win, dp = cache
         args = (t["q"][:, Tk - 1 : Tk], k_cmp, v_cmp, ce, k_slc, v_slc, k_win, v_win, t["gates"][:, Tk - 1 : Tk], dp, p)
-        o = tri.nsa_decode_triton(*args)
-        r = reference.nsa_attention_reference(*[a.float() if torch.is_tensor(a) and a.is_floating_point() else a
-                                                for a in args])
+        o = tri.nsa_decode_triton(*args, query_end=query_end)
+        floats = [a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
+        if query_end is not None:
+            static_ref = reference.nsa_attention_reference(*floats, query_end=query_end)
+            floats[1:8], floats[9] = plain[:7], plain[7]
+        r = reference.nsa_attention_reference(*floats)
+        if query_end is not None:
+            worst = max(worst, rel(static_ref, r) if r.norm() > 0 else static_ref.abs().max().item())
         worst = max(worst, rel(o, r) if r.norm() > 0 else o.float().abs().max().item())
     return {"decode": worst}
 
@@ -336,9 +363,10 @@ def run_compile_case(case: dict) -> dict:
 
 
 def run_opcheck_case(case: dict) -> dict:
-    """torch.library.opcheck of both custom ops at the case's shape: schema, autograd registration, the fake
+    """torch.library.opcheck of the custom ops at the case's shape: schema, autograd registration, the fake
     implementations against the real outputs (shapes, dtypes, strides: what torch.compile traces with) and
-    AOT dispatch. Returns {"fwd/<check>": "SUCCESS" or the error}."""
+    AOT dispatch. Returns {"fwd/<check>": "SUCCESS" or the error}. The static decoding step's op at a static
+    cache's layout after T - 5 keys."""
     _, _, tri = import_nsa()
     t, cmp_end, doc_pos, p, _, _ = case_setup(case)
     args = tri._prepare(t["q"], t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"], t["v_slc"], t["k_win"], t["v_win"],
@@ -352,6 +380,13 @@ def run_opcheck_case(case: dict) -> dict:
                               ("bwd", tri._nsa_bwd_op, (dout, *args, *outs[1:], params, scale))]:
         checks = torch.library.opcheck(op, op_args, raise_exception=False)
         res.update({f"{name}/{check}": str(outcome)[:400] for check, outcome in checks.items()})
+    Tk = case["T"] - 5
+    ce = import_nsa()[0].compressed_token_ends(doc_pos[:, :Tk], p, num_slots=cmp_end.shape[1])
+    cache, query_end = static_layout(t, ce, doc_pos, Tk, p.window_size)
+    cache = [torch.nan_to_num(x) if x.is_floating_point() else x for x in cache]  # opcheck compares outputs
+    step = tri._prepare(t["q"][:, Tk - 1 : Tk], *cache[:7], t["gates"][:, Tk - 1 : Tk], cache[7], batch_strided=True)
+    checks = torch.library.opcheck(tri._nsa_decode_static_op, (*step, query_end, params, scale), raise_exception=False)
+    res.update({f"decode_static/{check}": str(outcome)[:400] for check, outcome in checks.items()})
     return res
 
 
