@@ -7,6 +7,11 @@ Timed inside generate(): a logits processor notes when each token's logits are r
 the first token; per-token = first to last token over N - 1 steps; medians of --repeats runs. NSA's steps run the three Triton decode kernels per layer on
 a GPU; the cache is sized once for generate()'s max_length (no step copies it).
 
+"-static" models generate with cache_implementation="static": fixed-size caches, and generate() compiles the
+decoding forward (transformers' default compile_config: inductor with CUDA graphs), so the steps pay no
+per-op host dispatch. The compilation happens in the warm-up run (same prompt and length: the cache's size
+is part of the compiled shapes) and is reported as compile_s, not timed in the steps.
+
     python bench/bench_generate.py                               # prompts 4k, 16k, 64k; B = 1; 64 new tokens
     python bench/bench_generate.py --prompt-lens 8192 --batch 8 --json gen.json
     python bench/bench_generate.py --device cpu --size tiny --prompt-lens 512 --new-tokens 8   # a CPU smoke run
@@ -25,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_model import SIZE_125M, build, llama_ratio_cells, llama_ratio_header  # noqa: E402
+from bench_model import SIZE_125M, build  # noqa: E402
 from transformers import LogitsProcessor, LogitsProcessorList  # noqa: E402
 
 SIZES = {
@@ -54,12 +59,18 @@ class StepClock(LogitsProcessor):
         return scores
 
 
-def measure(model, batch: int, prompt_len: int, new_tokens: int, repeats: int, device) -> dict:
+def measure(model, batch: int, prompt_len: int, new_tokens: int, repeats: int, device, static=False) -> dict:
     """Median over repeats of the prefill (generate() start to the first token's logits) and of the time per
     cached step (first to last token's logits over new_tokens - 1 steps)."""
     prompt = torch.randint(1, model.config.vocab_size, (batch, prompt_len), device=device)
     kwargs = dict(attention_mask=torch.ones_like(prompt), do_sample=False, pad_token_id=0)
-    model.generate(prompt, max_new_tokens=2, min_new_tokens=2, **kwargs)  # warm-up: kernel compilation
+    if static:
+        kwargs["cache_implementation"] = "static"
+        torch._dynamo.reset()
+    start = time.perf_counter()
+    warm_tokens = new_tokens if static else 2  # a static cache's size is part of what is compiled
+    model.generate(prompt, max_new_tokens=warm_tokens, min_new_tokens=warm_tokens, **kwargs)  # warm-up: compilation
+    compile_s = time.perf_counter() - start
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     prefill, per_token = [], []
@@ -73,10 +84,18 @@ def measure(model, batch: int, prompt_len: int, new_tokens: int, repeats: int, d
         prefill.append(clock.times[0] - start)
         per_token.append((clock.times[-1] - clock.times[0]) / (new_tokens - 1))
     ms = statistics.median(per_token) * 1e3
-    row = {"prefill_ms": statistics.median(prefill) * 1e3, "ms_per_token": ms, "tokens_per_s": batch / ms * 1e3}
+    row = {"prefill_ms": statistics.median(prefill) * 1e3, "ms_per_token": ms, "tokens_per_s": batch / ms * 1e3,
+           "compile_s": compile_s}
     if device.type == "cuda":
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return row
+
+
+def ratio_pairs(models) -> list[tuple[str, str]]:
+    """(model, its Llama baseline) for the ratio columns: a -static model against llama-static, others against
+    llama (each where the baseline was run)."""
+    pairs = [(m, "llama-static" if m.endswith("-static") else "llama") for m in models if not m.startswith("llama")]
+    return [(m, base) for m, base in pairs if base in models]
 
 
 def main():
@@ -85,7 +104,8 @@ def main():
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=64, help="at least 2")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--models", nargs="+", default=["nsa", "nsa-dense", "llama"])
+    parser.add_argument("--models", nargs="+", default=["nsa", "nsa-static", "nsa-dense", "llama", "llama-static"],
+                        help="nsa, nsa-dense, llama; a -static suffix: cache_implementation='static' (compiled steps)")
     parser.add_argument("--size", choices=list(SIZES), default="125m")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json", type=Path)
@@ -100,10 +120,12 @@ def main():
         row = {"prompt_len": prompt_len, "batch": args.batch}
         for name in args.models:
             torch.manual_seed(0)
-            model = build(name, prompt_len + args.new_tokens + 8, SIZES[args.size]).to(device, dtype).eval()
+            static = name.endswith("-static")
+            model = build(name.removesuffix("-static"), prompt_len + args.new_tokens + 8, SIZES[args.size])
+            model = model.to(device, dtype).eval()
             try:
                 with torch.no_grad():
-                    row[name] = measure(model, args.batch, prompt_len, args.new_tokens, args.repeats, device)
+                    row[name] = measure(model, args.batch, prompt_len, args.new_tokens, args.repeats, device, static)
             except torch.OutOfMemoryError:
                 row[name] = None
             del model
@@ -115,13 +137,16 @@ def main():
     where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"\ngenerate(): {args.size}, B = {args.batch}, {args.new_tokens} new tokens (greedy), {dtype}, {where}")
     print(f"{'prompt':>7} " + " ".join(f"{m + ' ms/token':>18} {'prefill ms':>10}" for m in args.models)
-          + llama_ratio_header(args.models, 16))
+          + "".join(f" {m + '/' + base:>24}" for m, base in ratio_pairs(args.models)))
     for row in rows:
         line = f"{row['prompt_len']:>7} " + " ".join(
             f"{row[m]['ms_per_token']:>18.3f} {row[m]['prefill_ms']:>10.1f}" if row[m] else f"{'OOM':>18} {'-':>10}"
             for m in args.models
         )
-        print(line + llama_ratio_cells(row, args.models, "ms_per_token", 16))
+        print(line + "".join(
+            f" {row[m]['ms_per_token'] / row[base]['ms_per_token']:>24.2f}" if row[m] and row[base] else f" {'-':>24}"
+            for m, base in ratio_pairs(args.models)
+        ))
     if args.json:
         args.json.write_text(json.dumps({"device": where, "size": args.size, "rows": rows}, indent=2))
 

@@ -26,8 +26,9 @@ for step in "${steps[@]}"; do
     # launch variants (tiles, warps, top-n insertion) with per-kernel times: where the defaults come from
     tune)       $PY bench/tune_kernels.py --json "$OUT/tune.json" ;;
     model)      $PY bench/bench_model.py --seq-lens 2048 8192 --steps 5 --warmup 2 ;;
-    # generate(): per-token latency and prefill against a HF Llama of the same size, prompts 4k/16k/64k
-    generate)   $PY bench/bench_generate.py --json "$OUT/generate.json" ;;
+    # generate(): per-token latency and prefill against a HF Llama of the same size, default and static
+    # (compiled) caches; prompts 4k and 64k (each static model compiles once per prompt length)
+    generate)   $PY bench/bench_generate.py --prompt-lens 4096 65536 --json "$OUT/generate.json" ;;
     profile)    $PY bench/profile_nsa.py ;;
     train)      DATA=${DATA:-../shared/data} STEPS=${STEPS:-50} MB=${MB:-8} OUT="$OUT/train" bash bench/train_gpu_check.sh ;;
     *)          echo "unknown step $step (tests attention tune model generate profile train)"; exit 2 ;;

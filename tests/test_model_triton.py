@@ -160,6 +160,30 @@ def test_gpu_cached_decoding_matches_full_forward():
 
 
 @needs_cuda
+def test_gpu_static_cache_generate_compiles_the_step_and_matches_the_default_cache():
+    # generate(cache_implementation="static") on a GPU: transformers compiles the decoding forward (its default
+    # compile_config: inductor, CUDA graphs); the tokens follow the default cache's until a bf16 near-tie
+    # parts them, and the logits agree up to there (the same inputs)
+    _, tri = _models_125m_sizes()
+    tri.eval()
+    ids = torch.randint(0, 50304, (2, 600), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :50] = 0
+    kw = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False, output_logits=True, return_dict_in_generate=True,
+              pad_token_id=0, attention_mask=mask)  # fmt: skip
+    default = tri.generate(ids, **kw)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    static = tri.generate(ids, cache_implementation="static", **kw)
+    assert static.past_key_values.static and torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    new_default, new_static = default.sequences[:, 600:], static.sequences[:, 600:]
+    differs = (new_default != new_static).any(0).nonzero()
+    same_until = int(differs[0]) if len(differs) else 64  # steps 0 .. same_until saw the same tokens
+    a, b = torch.stack(static.logits, 1)[:, : same_until + 1], torch.stack(default.logits, 1)[:, : same_until + 1]
+    assert ((a - b).norm() / b.norm()).item() < 2e-2, same_until
+
+
+@needs_cuda
 def test_gpu_decoder_layer_compiles_fullgraph():
     from modeling_nsa.nsa_layout import document_positions
 
