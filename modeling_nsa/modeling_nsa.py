@@ -497,7 +497,8 @@ class NSACache(Cache):
             )
         layer_class = NSAStaticLayerCache if static else NSALayerCache
         super().__init__(layers=[layer_class(config, max_cache_len) for _ in range(config.num_hidden_layers)])
-        self.static, self.max_cache_len = static, max_cache_len
+        # (not "max_cache_len": a read-only property of transformers' Cache in 5.17)
+        self.static, self.capacity = static, max_cache_len
         self.positions = TokenBuffer(reserve=max_cache_len)  # (B, Tk) in-document position of every cached token
         self.num_valid: torch.Tensor | None = None  # (B,) position the next token takes in its document
         # static: the positions of all max_cache_len keys (-1 until written) and the key index of the next token,
@@ -520,7 +521,7 @@ class NSACache(Cache):
         return len(self.positions)
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        return -1
+        return self.capacity if self.static else -1
 
     def append_positions(self, position_ids, attention_mask, batch_size, new_len, device) -> torch.Tensor:
         """Record the new tokens' doc_pos; returns doc_pos of every key position (B, Tk).
@@ -540,13 +541,13 @@ class NSACache(Cache):
 
     def _append_static_positions(self, position_ids, attention_mask, batch_size, new_len, device) -> torch.Tensor:
         if not self.decoding:  # the prompt (eager: generate() compiles the steps after it)
-            if new_len > self.max_cache_len:
+            if new_len > self.capacity:
                 raise ValueError(
-                    f"NSACache(static=True, max_cache_len={self.max_cache_len}) cannot hold a prompt of {new_len} "
+                    f"NSACache(static=True, max_cache_len={self.capacity}) cannot hold a prompt of {new_len} "
                     "tokens; make max_cache_len at least prompt + new tokens."
                 )
             doc_pos = document_positions(position_ids, attention_mask, batch_size, new_len, device)
-            self.static_positions = _static_address(doc_pos.new_full((batch_size, self.max_cache_len), -1))
+            self.static_positions = _static_address(doc_pos.new_full((batch_size, self.capacity), -1))
             self.static_positions[:, :new_len] = doc_pos
             self.num_valid = _static_address(doc_pos[:, -1] + 1)
             self.cursor = _static_address(torch.full((1,), new_len, dtype=torch.long, device=device))

@@ -70,7 +70,7 @@ def triton_unusable_reason(device) -> str | None:
     device = torch.device(device)
     if device.type == "cpu":
         if os.environ.get("TRITON_INTERPRET", "0") == "1":
-            return None
+            return _interpreter_reason()
         return "Triton cannot run on device cpu (set TRITON_INTERPRET=1 to run the kernels on CPU, slowly)"
     if device.type != "cuda":
         return f"the kernels run on NVIDIA CUDA GPUs, not on device type {device.type!r}"
@@ -83,6 +83,22 @@ def triton_unusable_reason(device) -> str | None:
 
 
 _CUDA_DEVICE_REASONS: dict[int, str | None] = {}
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("+")[0].split(".")[:2] if part.isdigit())
+
+
+def _interpreter_reason() -> str | None:
+    """Triton before 3.7 turns a loop bound computed in a kernel into an int with int(array) (fixed in 3.7 with
+    .squeeze()); numpy 2.4 made that an error for 1-element arrays, so every kernel with such a loop fails in the
+    interpreter there (the compiled GPU path is unaffected)."""
+    import numpy
+
+    if _version(triton.__version__) < (3, 7) and _version(numpy.__version__) >= (2, 4):
+        return (f"Triton {triton.__version__}'s interpreter fails with numpy {numpy.__version__} (int() of a "
+                "1-element array); install triton>=3.7 or numpy<2.4 to run the kernels on CPU")
+    return None
 
 
 def _cuda_index(device: torch.device) -> int:

@@ -438,10 +438,10 @@ def test_static_cache_generates_what_the_default_cache_does(variant):
     torch.testing.assert_close(torch.stack(static.logits, 1), torch.stack(default.logits, 1), rtol=1e-6, atol=1e-6)
     # fixed sizes: the keys of max_length tokens, a w-slot window ring and an l-slot raw ring
     layer = cache.layers[0]
-    assert layer.k_slc.shape[1] == cache.max_cache_len >= 13 + 69 and int(cache.cursor) == 13 + 69
+    assert layer.k_slc.shape[1] == cache.capacity >= 13 + 69 and int(cache.cursor) == 13 + 69
     if variant != "dense":
         assert layer.tail_k.shape[1] == TINY["cmp_block_size"]
-        assert layer.cmp_end.shape[1] == cache.max_cache_len // TINY["cmp_stride"] + 2
+        assert layer.cmp_end.shape[1] == cache.capacity // TINY["cmp_stride"] + 2
         if variant == "mlp-kvsplit":
             assert layer.k_win.shape[1] == TINY["window_size"]
 

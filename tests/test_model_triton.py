@@ -90,7 +90,13 @@ INTERPRETED = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def _interpreter_reason():
+    from modeling_nsa import nsa_triton
+
+    return nsa_triton._interpreter_reason() if HAS_TRITON else "triton is not installed"
+
+
+@pytest.mark.skipif(bool(_interpreter_reason()), reason=str(_interpreter_reason()))
 def test_triton_model_under_interpreter_matches_reference_forward_backward_generate():
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(

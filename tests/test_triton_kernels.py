@@ -145,6 +145,8 @@ CPU_CASES = [
 def interpreter_results():
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
+    if tri_module()._interpreter_reason():  # an environment without a working interpreter, named
+        pytest.skip(tri_module()._interpreter_reason())
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(
         [sys.executable, str(HERE / "triton_helpers.py"), json.dumps(CPU_CASES)],
@@ -153,6 +155,31 @@ def interpreter_results():
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS_JSON=")]
     assert lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads(lines[-1][len("RESULTS_JSON="):])
+
+
+def tri_module():
+    from triton_helpers import import_nsa
+
+    return import_nsa()[2]
+
+
+def test_a_broken_interpreter_is_named(monkeypatch):
+    """Triton < 3.7's interpreter with numpy >= 2.4 fails inside every kernel with a loop bound computed in the
+    kernel; the backend check says so (and what to install) instead."""
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    import numpy
+
+    tri = tri_module()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(tri.triton, "__version__", "3.6.0")
+    monkeypatch.setattr(numpy, "__version__", "2.4.1")
+    assert "install triton>=3.7 or numpy<2.4" in tri.triton_unusable_reason("cpu")
+    monkeypatch.setattr(numpy, "__version__", "2.3.5")
+    assert tri.triton_unusable_reason("cpu") is None
+    monkeypatch.setattr(tri.triton, "__version__", "3.7.0")
+    monkeypatch.setattr(numpy, "__version__", "2.4.1")
+    assert tri.triton_unusable_reason("cpu") is None
 
 
 def _check(res, case, tol):
@@ -183,7 +210,8 @@ def test_triton_is_usable_reports_device():
     from triton_helpers import import_nsa
 
     _, _, tri = import_nsa()
-    assert tri.triton_is_usable("cpu") == (HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1")
+    interpreter = HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1" and not tri._interpreter_reason()
+    assert tri.triton_is_usable("cpu") == interpreter
     if not torch.cuda.is_available():
         assert not tri.triton_is_usable("cuda")
 
