@@ -229,6 +229,8 @@ def main():
     ap.add_argument("--inputs", nargs="*", default=list(INPUT_KINDS), choices=INPUT_KINDS,
                     help="query kinds timed for NSA and fla (dense SDPA does not depend on the values)")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_attention.py needs a CUDA GPU (bench/memory_cpu.py predicts its memory column on CPU).")
     torch.manual_seed(0)
     rows, dec = [], []
     for spec in args.layouts:

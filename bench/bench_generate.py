@@ -112,7 +112,7 @@ def main():
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench_generate.py needs a CUDA GPU (or --device cpu --size tiny for a smoke run).")
+        raise SystemExit("bench_generate.py needs a CUDA GPU (or, a smoke run: --device cpu --size tiny --prompt-lens 512 --new-tokens 8).")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
     rows = []

@@ -13,6 +13,9 @@ from bench_attention import PARAMS, nsa_inputs, tri  # noqa: E402
 from memory_cpu import _NoKernel  # noqa: E402
 from triton_aot import with_kernels_replaced  # noqa: E402
 
+if not torch.cuda.is_available():
+    raise SystemExit("profile_nsa.py needs a CUDA GPU.")
+
 
 def profile(title, fn, rows=30):
     for _ in range(2):  # warm-up: kernel compilation stays outside the trace

@@ -108,6 +108,9 @@ def main():
     ap.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("tune_kernels.py needs a CUDA GPU (tests/triton_aot.py reports the launches' registers, "
+                         "spills and shared memory on CPU).")
     variants = [parse_variant(v) for v in args.variants]
     rows = []
     for H, Hkv, D, T, B, kind, only in CASES:
