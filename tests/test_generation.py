@@ -490,6 +490,23 @@ def test_static_cache_decoding_step_compiles_to_one_graph(variant):
     assert host_reads == [], host_reads
 
 
+def test_generate_compiles_the_static_cache_steps_into_one_graph():
+    """generate()'s own path (as on a GPU, here forced on CPU with aot_eager): transformers compiles the forward
+    for the steps after the prompt; fullgraph=True, one graph for 30 tokens, the default cache's tokens."""
+    from transformers import CompileConfig
+
+    model = make_model()
+    prompt, mask = left_padded_prompt()
+    compile_config = CompileConfig(fullgraph=True, backend="aot_eager", dynamic=False)
+    compile_config._compile_all_devices = True  # transformers compiles on GPUs only unless told
+    kw = dict(max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=0, attention_mask=mask)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = model.generate(prompt, cache_implementation="static", compile_config=compile_config, **kw)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert torch.equal(compiled, model.generate(prompt, **kw))
+
+
 def test_static_cache_says_what_it_cannot_do():
     model = make_model()
     prompt, mask = left_padded_prompt()
