@@ -11,6 +11,8 @@ all processes), so any split of the same global batch gives the same update.
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import json
 import math
 import signal
@@ -94,7 +96,7 @@ class TrainConfig:
     # DDP (ignored on one process)
     ddp_comm_hook: Literal["auto", "bf16", "fp16", "powersgd", "none"] = field(default="auto", metadata={"help": "Gradient all-reduce compression. auto: bf16 on multi-GPU NCCL, none otherwise."})
     ddp_bucket_cap_mb: int = 25
-    ddp_static_graph: bool = True
+    ddp_static_graph: bool = field(default=True, metadata={"help": "DDP static_graph (off: --no-ddp-static-graph)."})
     powersgd_rank: int = 4
     # logging, eval, watchdog
     output_dir: str | None = field(default=None, metadata={"help": "Default runs/<date-time>."})
@@ -114,15 +116,32 @@ class TrainConfig:
     hub_intermediate: Literal["commit", "branch"] = field(default="commit", metadata={"help": "Intermediate pushes as commits on main or as branches step-N."})
 
 
+def build_parser() -> HfArgumentParser:
+    parser = HfArgumentParser(TrainConfig, usage="%(prog)s [--preset smoke] [--FLAG VALUE ...]  (--help lists every flag)")
+    for action in parser._actions:
+        if action.option_strings[0].startswith("--no_"):  # its default would read False; the flag's own help says it
+            action.help = argparse.SUPPRESS
+        elif not action.help:  # the formatter appends "(default: ...)" to help text, but only if there is some
+            action.help = "(default: %(default)s)"
+    return parser
+
+
 def parse_args(argv=None) -> TrainConfig:
     argv = sys.argv[1:] if argv is None else argv
-    parser = HfArgumentParser(TrainConfig)
-    preset = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--preset"), None)
+    parser = build_parser()
+    # a first pass finds the preset however it is spelled (--preset smoke, --preset=smoke); --help waits for the
+    # second pass so that it shows the preset's defaults
+    preset = parser.parse_known_args([a for a in argv if a not in ("-h", "--help")])[0].preset
     if preset is not None:
         if preset not in PRESETS:
-            raise SystemExit(f"error: unknown --preset {preset!r}; choose from {list(PRESETS)}.")
+            parser.error(f"unknown --preset {preset!r}; choose from {list(PRESETS)}.")
         parser.set_defaults(**PRESETS[preset])
-    (cfg,) = parser.parse_args_into_dataclasses(args=argv)
+    cfg, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    if unknown:
+        flags = [s for a in parser._actions for s in a.option_strings if "_" not in s]  # the --dash-spelling
+        close = [m for u in unknown if u.startswith("-") for m in difflib.get_close_matches(u.split("=")[0], flags, 3)]
+        hint = f" (did you mean {' or '.join(dict.fromkeys(close))}?)" if close else ""
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     return cfg
 
 
@@ -136,7 +155,7 @@ def build_model(cfg: TrainConfig, tokenizer):
         fields = {k: v for k, v in fields.items() if k in NSAConfig.__dataclass_fields__}
     else:
         raise ValueError(f"--model {cfg.model!r}: not one of {list(MODEL_PRESETS)} and not a config file.")
-    fields.update(json.loads(cfg.model_overrides) if cfg.model_overrides else {})
+    fields.update(parse_model_overrides(cfg.model_overrides, NSAConfig))
     fields.update(
         vocab_size=math.ceil(len(tokenizer) / 64) * 64,  # padded for tensor cores (GPT-2: 50257 -> 50304)
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -151,6 +170,31 @@ def build_model(cfg: TrainConfig, tokenizer):
             f'--model-overrides \'{{"max_position_embeddings": {max(cfg.seq_len, 2)}}}\'.'
         )
     return NSAForCausalLM(config)
+
+
+# NSAConfig fields the trainer sets from other flags after the overrides (an override of them would be lost)
+SET_BY_FLAGS = {"vocab_size": "--tokenizer", "bos_token_id": "--tokenizer", "eos_token_id": "--tokenizer",
+                "pad_token_id": "--tokenizer", "attention_mode": "--attention-mode", "nsa_backend": "--nsa-backend"}  # fmt: skip
+
+
+def parse_model_overrides(text: str, config_class) -> dict:
+    example = 'e.g. --model-overrides \'{"num_hidden_layers": 6, "cmp_stride": 8}\''
+    try:
+        overrides = json.loads(text) if text else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--model-overrides {text!r} is not valid JSON ({e}); keys need double quotes, {example}.") from None
+    if not isinstance(overrides, dict):
+        raise ValueError(f"--model-overrides {text!r} must be a JSON object of NSAConfig fields, {example}.")
+    known = config_class.__dataclass_fields__
+    for key in overrides:
+        if key in SET_BY_FLAGS:
+            raise ValueError(f"--model-overrides {key!r}: this run sets {key} from {SET_BY_FLAGS[key]}; use that flag.")
+        if key not in known:
+            close = difflib.get_close_matches(key, known, 3)
+            hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+            raise ValueError(f"--model-overrides: {key!r} is not an NSAConfig field; {hint}The fields are listed in "
+                             "modeling_nsa/configuration_nsa.py (NSAConfig).")  # fmt: skip
+    return overrides
 
 
 def make_optimizer(model, cfg: TrainConfig, device):
@@ -222,6 +266,12 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     broadcast_object_list(out) if state.num_processes > 1 else None
     out_dir = Path(out[0])
     ckpt_root = out_dir / "checkpoints"
+    existing = checkpoint.latest_checkpoint(ckpt_root)
+    if existing is not None and not cfg.resume:  # a new run here would mix its checkpoints with the old run's
+        raise ValueError(
+            f"--output-dir {out_dir} already holds checkpoints of a run (latest: {existing.name}). Pass --resume "
+            "latest to continue that run, or a new (or empty) --output-dir to start a new one."
+        )
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.grad_accum,
         mixed_precision=cfg.mixed_precision,
@@ -234,6 +284,9 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     if cfg.report_to == "tensorboard" and not is_tensorboard_available():
         say("tensorboard is not installed: logging to stdout and metrics.jsonl only (pip install tensorboard)")
         cfg.report_to = "none"
+    if cfg.warmup_steps >= cfg.max_steps > 0:
+        say(f"warning: --warmup-steps {cfg.warmup_steps} >= --max-steps {cfg.max_steps}: the whole run is warm-up and "
+            "the cosine decay never starts; lower --warmup-steps (e.g. to a tenth of --max-steps).")
     if main_proc:
         out_dir.mkdir(parents=True, exist_ok=True)
     watchdog = metrics.Watchdog(cfg.stall_timeout, out_dir / "heartbeat.json" if main_proc else None,
@@ -277,9 +330,12 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
 
     step, tokens_seen, skipped, val_loss, val_ppl = 0, 0, 0, None, None
     data_state = data.DataState()
+    model_config = checkpoint.model_fields(accelerator.unwrap_model(model).config)
     resume_from = checkpoint.resolve_resume(cfg.resume, ckpt_root)
+    if resume_from is None and cfg.resume == "latest":
+        say(f"--resume latest: no checkpoint found in {ckpt_root}; training starts from step 0")
     if resume_from is not None:
-        trainer_state, ds = checkpoint.load_checkpoint(accelerator, resume_from)
+        trainer_state, ds = checkpoint.load_checkpoint(accelerator, resume_from, model_config)
         step, tokens_seen, skipped = trainer_state["step"], trainer_state["tokens_seen"], trainer_state["skipped_steps"]
         val_loss, val_ppl = trainer_state.get("val_loss"), trainer_state.get("val_ppl")
         data_state = data.DataState(**ds)
@@ -307,7 +363,8 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
 
     def save(at_step: int):
         trainer_state = {"step": at_step, "tokens_seen": tokens_seen, "skipped_steps": skipped, "world_size": world,
-                         "val_loss": val_loss, "val_ppl": val_ppl, "config": run_config}  # fmt: skip
+                         "val_loss": val_loss, "val_ppl": val_ppl, "config": run_config,
+                         "model_config": model_config}  # fmt: skip
         path = checkpoint.save_checkpoint(accelerator, ckpt_root, at_step, trainer_state, data_state.to_dict(),
                                           cfg.keep_last)  # fmt: skip
         say(f"saved {path}")
@@ -445,13 +502,11 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
             with torch.no_grad(), accelerator.autocast():
                 gen = m.generate(ids, max_new_tokens=48, do_sample=False)
             say(f"sample: {tokenizer.decode(gen[0])!r}")
-    if cfg.report_to != "none":
-        accelerator.end_training()
     if log_file:
         log_file.close()
     # every process reports a digest of its weights: DDP replicas must be bit-identical
-    digests = gather_object([metrics.weights_digest(accelerator.unwrap_model(model))]) if world > 1 else [
-        metrics.weights_digest(accelerator.unwrap_model(model))]
+    digest = metrics.weights_digest(accelerator.unwrap_model(model))
+    digests = gather_object([digest]) if world > 1 else [digest]
     if len(set(digests)) > 1:
         say(f"WARNING: the {world} processes hold different weights: {digests}")
     summary = {"step": step, "tokens_seen": tokens_seen, "val_loss": val_loss, "val_ppl": val_ppl,
@@ -460,6 +515,8 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     if main_proc:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         say(f"done: {json.dumps(summary)}")
+    if cfg.report_to != "none":  # last: it also destroys the process group, so no collective may follow it
+        accelerator.end_training()
     return summary
 
 

@@ -12,14 +12,23 @@ removed by the next save).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
+import shlex
 import shutil
 from pathlib import Path
 
 STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+RUNTIME_FIELDS = {"nsa_backend", "use_cache"}  # chosen per run: the weights do not depend on them
+MODEL_FLAGS = ("model", "model_overrides", "tokenizer", "attention_mode")  # the flags that build the model
+
+
+def model_fields(config) -> dict:
+    """The model config a checkpoint's weights belong to: the config class's own fields, less runtime choices."""
+    return {k: getattr(config, k) for k in type(config).__annotations__ if k not in RUNTIME_FIELDS}
 
 
 def checkpoint_dirs(ckpt_root: Path) -> list[Path]:
@@ -77,11 +86,26 @@ def save_checkpoint(accelerator, ckpt_root: Path, step: int, trainer_state: dict
     return final
 
 
-def load_checkpoint(accelerator, path: Path) -> tuple[dict, dict]:
-    """Restores model/optimizer/RNG; returns (trainer_state, this rank's data state)."""
+def load_checkpoint(accelerator, path: Path, model_config: dict | None = None) -> tuple[dict, dict]:
+    """Restores model/optimizer/RNG; returns (trainer_state, this rank's data state).
+
+    With `model_config` (`model_fields` of this run's model), a checkpoint of another model is an error naming the
+    differing fields, instead of load_state's size mismatch (checked only if the checkpoint recorded its own).
+    """
     path = Path(path)
-    accelerator.load_state(str(path))
     trainer_state = json.loads((path / STATE_FILE).read_text())
+    saved = trainer_state.get("model_config")
+    if model_config is not None and saved is not None and saved != model_config:
+        diff = ", ".join(f"{k} {saved.get(k)!r} vs {model_config.get(k)!r}"
+                         for k in sorted(saved.keys() | model_config.keys()) if saved.get(k) != model_config.get(k))  # fmt: skip
+        run = trainer_state.get("config", {})
+        flags = " ".join(f"--{k.replace('_', '-')} {shlex.quote(str(run[k]))}" for k in MODEL_FLAGS if run.get(k))
+        raise ValueError(
+            f"--resume {path}: the checkpoint holds another model than this run builds (checkpoint vs this run: "
+            f"{diff}). Resume with the model flags of the run that wrote it ({flags}), or start a new run in a new "
+            "--output-dir."
+        )
+    accelerator.load_state(str(path))
     data_file = path / f"data_state_rank{accelerator.process_index}.json"
     if not data_file.is_file():
         raise FileNotFoundError(
@@ -99,6 +123,12 @@ def export_hf_checkpoint(model, tokenizer, out_dir: Path, max_new_tokens: int = 
     tmp = out_dir.with_name(f".tmp-{out_dir.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
+    # batched generation pads prompts on the left (a decoder continues from the last position of each row), and
+    # padding needs a pad token: the model's (EOS when the tokenizer has none). Training packs rows, never pads.
+    tokenizer = copy.deepcopy(tokenizer)  # the run's own tokenizer stays as it was
+    tokenizer.padding_side = tokenizer.init_kwargs["padding_side"] = "left"  # init_kwargs: what save_pretrained writes
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
     tokenizer.save_pretrained(tmp)
     GenerationConfig(
         bos_token_id=model.config.bos_token_id,

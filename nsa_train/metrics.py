@@ -104,6 +104,10 @@ def package_versions() -> dict[str, str | None]:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             out[name] = None
+    # torch's own version names its build (2.11.0+cu130, 2.13.0+cpu); pip's metadata may not (PyPI's CUDA wheels)
+    import torch
+
+    out["torch"] = torch.__version__
     return out
 
 

@@ -2,6 +2,8 @@
 
 `--data-shard rows` makes the global batch of a step the same rows whatever the process count, so the runs must
 agree: to float tolerance without a comm hook, and closely (but not bit-exactly) with the fp16 compression hook.
+The first run reports to TensorBoard, the default, whose end_training destroys the process group: every collective
+must come before it (the second keeps `--report-to none`).
 """
 
 import json
@@ -30,10 +32,10 @@ def one_process(tmp_path_factory):
     return out
 
 
-def _two_processes(out, hook):
+def _two_processes(out, hook, report_to="none"):
     proc = run_cli(tiny_args(out, micro_batch_size=2, max_steps=STEPS, data_shard="rows", ddp_comm_hook=hook,
-                             eval_every=STEPS, val_tokens=512),  # fmt: skip
-                   launcher=accelerate_2proc(), env=CPU_DDP, timeout=400)
+                             eval_every=STEPS, val_tokens=512, report_to=report_to),  # fmt: skip
+                   launcher=accelerate_2proc(), env=CPU_DDP, timeout=400)  # exit status 0 checked
     summary = json.loads((out / "summary.json").read_text())
     record = json.loads((out / "run.json").read_text())
     assert record["device"]["num_processes"] == 2 and "MULTI_CPU" in record["device"]["distributed_type"], proc.stdout
@@ -43,7 +45,8 @@ def _two_processes(out, hook):
 
 
 def test_ddp_matches_one_process(tmp_path, one_process):
-    _two_processes(tmp_path, "none")
+    _two_processes(tmp_path, "none", report_to=None)  # no flag: the default, TensorBoard
+    assert list((tmp_path / "logs").rglob("events.out.tfevents*"))
     l1, l2 = train_losses(one_process), train_losses(tmp_path)
     assert list(l2) == list(range(1, STEPS + 1))
     g1, g2 = train_losses(one_process, "grad_norm"), train_losses(tmp_path, "grad_norm")

@@ -139,6 +139,17 @@ def test_smoke_preset_end_to_end_with_hub_push(tmp_path, fake_hub):
         gen = model.generate(ids, max_new_tokens=12)
         assert gen.shape[1] == ids.shape[1] + 12, gen.shape
         print("GENERATED", type(model).__name__, repr(tok.decode(gen[0])))
+        # batched prompts: the exported tokenizer pads on the left, so every row continues from its own last token
+        batch = tok(["The Python ", "A"], return_tensors="pt", padding=True, add_special_tokens=False)
+        assert tok.padding_side == "left" and batch.input_ids[1, 0] == tok.pad_token_id, batch
+        gen = model.generate(**batch, max_new_tokens=4)
+        assert gen.shape == (2, batch.input_ids.shape[1] + 4), gen.shape
+        # the model card's snippet, as written (with the local path for the repo id): no EOS after the prompt
+        card = open(path + "/README.md").read()
+        snippet = card.split("```python\\n", 1)[1].split("```", 1)[0].replace("tester/nsa-smoke", path)
+        namespace = {{}}
+        exec(snippet, namespace)
+        assert namespace["inputs"].input_ids[0, -1] != tok.eos_token_id, namespace["inputs"]
     """)
     proc = subprocess.run([sys.executable, "-c", load], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -5,6 +5,7 @@ equal are compared with tight tolerances.
 """
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -190,11 +191,48 @@ def test_invalid_model_settings(tmp_path):
         run_main(tiny_args(tmp_path, model_overrides='{"cmp_stride": 5}'))
     with pytest.raises(ValueError, match="--model 'huge'"):
         run_main(tiny_args(tmp_path, model="huge"))
+    # a misspelt field is not silently dropped
+    with pytest.raises(ValueError, match=r"'cmp_strid' is not an NSAConfig field; did you mean 'cmp_stride'"):
+        run_main(tiny_args(tmp_path, model_overrides='{"cmp_strid": 6}'))
+    with pytest.raises(ValueError, match=r"--model-overrides '\{cmp_stride: 6\}' is not valid JSON.*\{\"num_hidden_layers\": 6"):
+        run_main(tiny_args(tmp_path, model_overrides="{cmp_stride: 6}"))
+    with pytest.raises(ValueError, match=r"sets attention_mode from --attention-mode"):  # the flag would overwrite it
+        run_main(tiny_args(tmp_path, model_overrides='{"attention_mode": "dense"}'))
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_output_dir_of_another_run_and_resume_with_another_model(tmp_path):
+    out = tmp_path / "run"
+    run_main(tiny_args(out, max_steps=1, save_every=1))
+    # without --resume, a second run would mix its checkpoints with the first's
+    with pytest.raises(ValueError, match=r"already holds checkpoints of a run \(latest: step_00000001\)\. Pass "
+                                         r"--resume latest.*new \(or empty\) --output-dir"):  # fmt: skip
+        run_main(tiny_args(out, max_steps=2))
+    # resuming with another model: the differing fields and the flags that built the checkpoint, not a size mismatch
+    with pytest.raises(ValueError, match=r"another model.*\(checkpoint vs this run:.*hidden_size 64 vs 128.*\)\. "
+                                         r"Resume with.*--model tiny"):  # fmt: skip
+        run_main(tiny_args(out, max_steps=2, model="smoke", resume="latest"))
+    assert set(train_losses(out)) == {1}  # the first run's metrics only
+
+
+def test_short_run_notes_and_exported_tokenizer(tmp_path, capsys):
+    """`--resume latest` with nothing to resume and a warm-up longer than the run say so; the exported tokenizer
+    pads on the left (batched generation) with a pad token."""
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "run"
+    run_main(tiny_args(out, max_steps=2, warmup_steps=5, resume="latest"))
+    log = capsys.readouterr().out
+    assert f"--resume latest: no checkpoint found in {out / 'checkpoints'}; training starts from step 0" in log
+    assert "warning: --warmup-steps 5 >= --max-steps 2" in log
+    tok = AutoTokenizer.from_pretrained(out / "final")
+    assert tok.padding_side == "left" and tok.pad_token == tok.eos_token
+    assert tok(["a b c", "a"], padding=True).input_ids[1][0] == tok.pad_token_id
 
 
 def test_cli_errors_are_clear(tmp_path):
     proc = run_cli(["--preset", "nope"], check=False, timeout=120)
-    assert proc.returncode != 0 and "unknown --preset 'nope'" in proc.stderr
+    assert proc.returncode == 2 and "unknown --preset 'nope'" in proc.stderr
     proc = run_cli(tiny_args(tmp_path / "r", dataset=tmp_path / "missing.parquet"), check=False, timeout=120)
     assert proc.returncode == 2 and "error: --dataset" in proc.stderr and "no such file" in proc.stderr
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
@@ -261,3 +299,24 @@ def test_help_lists_every_flag(capsys):
     text = capsys.readouterr().out
     for flag in ("--preset", "--dataset", "--seq-len", "--ddp-comm-hook", "--resume", "--push-to-hub", "--stall-timeout"):
         assert flag in text
+    # every flag shows its default (argparse shows it only for flags with help text)
+    assert all(a.help for a in train_accelerate.build_parser()._actions)
+    for flag, default in (("--seq-len SEQ_LEN", 2048), ("--lr LR", 0.0006), ("--max-steps MAX_STEPS", 5000),
+                          ("--micro-batch-size MICRO_BATCH_SIZE", 16)):  # fmt: skip
+        assert re.search(rf"{flag}\s+\(default: {default}\)", text), flag
+    with pytest.raises(SystemExit):  # with a preset, its defaults
+        train_accelerate.parse_args(["--preset=smoke", "--help"])
+    assert re.search(r"--seq-len SEQ_LEN\s+\(default: 128\)", capsys.readouterr().out)
+
+
+def test_preset_and_unknown_flags(capsys):
+    import train_accelerate
+
+    for argv in (["--preset", "smoke"], ["--preset=smoke"]):
+        cfg = train_accelerate.parse_args([*argv, "--max-steps", "20"])
+        assert (cfg.dataset, cfg.seq_len, cfg.warmup_steps, cfg.max_steps) == ("python-docs", 128, 20, 20), argv
+    with pytest.raises(SystemExit) as exit_info:  # argparse's error, not a ValueError traceback
+        train_accelerate.parse_args(["--lr-rate", "3"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: unrecognized arguments: --lr-rate 3 (did you mean" in err and "--lr?" in err
