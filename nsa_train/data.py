@@ -81,11 +81,10 @@ class LocalFiles:
                 except Exception as e:  # noqa: BLE001 - pyarrow raises several types for corrupt files
                     raise ValueError(f"--dataset: cannot read parquet file {str(f)!r}: {e}") from e
             elif f.suffix in (".jsonl", ".json"):
-                with open(f, encoding="utf-8") as fh:
-                    first = next((line for line in fh if line.strip()), None)
+                first = next(_json_records(f), None)
                 if first is None:
                     raise ValueError(f"--dataset: data file {str(f)!r} has no records.")
-                names = list(json.loads(first).keys())
+                names = list(first.keys())
             else:
                 continue
             if self.text_column not in names:
@@ -102,12 +101,10 @@ class LocalFiles:
                 for batch in pq.ParquetFile(f).iter_batches(batch_size=1024, columns=[self.text_column]):
                     yield from (t for t in batch.column(0).to_pylist() if t)
             elif f.suffix in (".jsonl", ".json"):
-                with open(f, encoding="utf-8") as fh:
-                    for line in fh:
-                        if line.strip():
-                            text = json.loads(line).get(self.text_column)
-                            if text:
-                                yield text
+                for record in _json_records(f):
+                    text = record.get(self.text_column)
+                    if text:
+                        yield text
             else:
                 text = f.read_text(encoding="utf-8", errors="replace")
                 if text.strip():
@@ -115,6 +112,23 @@ class LocalFiles:
 
     def describe(self) -> str:
         return f"local files {self.spec} ({len(self.files)} file(s), column {self.text_column!r})"
+
+
+def _json_records(path: Path) -> Iterator[dict]:
+    """The objects of a JSON Lines file (one per line, streamed) or of a .json file holding one array of them
+    (read whole). Anything else is an error naming the file and the two forms."""
+    forms = "use JSON Lines (one object per line) or a .json file holding one array of objects"
+    with open(path, encoding="utf-8") as fh:
+        whole_array = path.suffix == ".json" and fh.read(4096).lstrip().startswith("[")
+        fh.seek(0)
+        try:
+            records = json.load(fh) if whole_array else (json.loads(line) for line in fh if line.strip())
+            for record in records:
+                if not isinstance(record, dict):
+                    raise ValueError(f"--dataset: {str(path)!r} holds a {type(record).__name__}, not an object; {forms}.")
+                yield record
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--dataset: {str(path)!r} is not valid JSON Lines ({e}); {forms}.") from None
 
 
 class HubStream:

@@ -142,6 +142,20 @@ def test_local_jsonl_txt_dir_and_glob(tmp_path):
     assert list(data.LocalFiles(str(tmp_path / "**" / "*.txt"), "body")) == ["a whole file is one document\nwith two lines"]
 
 
+def test_json_array_and_json_lines_files(tmp_path):
+    records = [{"body": f"text {i}", "n": i} for i in range(3)]
+    (tmp_path / "array.json").write_text(json.dumps(records, indent=2))  # one array, pretty-printed
+    (tmp_path / "lines.json").write_text("\n".join(map(json.dumps, records)))  # JSON Lines named .json
+    for name in ("array.json", "lines.json"):
+        assert list(data.make_source(str(tmp_path / name), text_column="body")) == ["text 0", "text 1", "text 2"]
+    (tmp_path / "object.json").write_text(json.dumps({"body": ["a", "b"]}, indent=2))  # neither form
+    with pytest.raises(ValueError, match=r"object.json' is not valid JSON Lines.*one array of objects"):
+        data.make_source(str(tmp_path / "object.json"), text_column="body")
+    (tmp_path / "strings.json").write_text(json.dumps(["a", "b"]))
+    with pytest.raises(ValueError, match=r"holds a str, not an object"):
+        data.make_source(str(tmp_path / "strings.json"), text_column="body")
+
+
 @needs_shared
 def test_shared_parquet_reads_without_datasets(monkeypatch):
     import sys
