@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import logging
 import math
 import signal
 import sys
@@ -249,6 +250,21 @@ def evaluate(model, rows, cfg: TrainConfig, accelerator) -> tuple[float, float]:
     return val_loss, math.exp(min(val_loss, 50.0))
 
 
+class TiedHeadSaveNotice(logging.Filter):
+    """accelerate drops lm_head.weight, the tied copy of the input embeddings, from every checkpoint and warns that
+    this "should be OK, but check": the model ties it again when it is built, and resume is tested bit-exact, so the
+    warning at every save only alarms. Other shared tensors are still reported."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Removed shared tensor {'lm_head.weight'}" not in record.getMessage()
+
+
+def quiet_tied_head_notice() -> None:
+    saver_log = logging.getLogger("accelerate.utils.other")
+    if not any(isinstance(f, TiedHeadSaveNotice) for f in saver_log.filters):
+        saver_log.addFilter(TiedHeadSaveNotice())
+
+
 def main(cfg: TrainConfig) -> dict:
     cleanup: list = []  # background threads (data prefetch, watchdog) stop however the run ends
     try:
@@ -260,6 +276,7 @@ def main(cfg: TrainConfig) -> dict:
 
 def train(cfg: TrainConfig, cleanup: list) -> dict:
     t_start = time.time()
+    quiet_tied_head_notice()
     # the process group before the Accelerator (whose TensorBoard logger needs the output dir, the same on every process)
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
     out = [cfg.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"]

@@ -320,3 +320,14 @@ def test_preset_and_unknown_flags(capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "error: unrecognized arguments: --lr-rate 3 (did you mean" in err and "--lr?" in err
+
+
+def test_checkpoints_do_not_warn_about_the_tied_head(tmp_path, caplog):
+    # accelerate drops lm_head.weight (the embeddings' tied copy) from each checkpoint and warned about it at every
+    # save; the tie is rebuilt with the model, so the warning only alarms (exact resume is tested above)
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        run_main(tiny_args(tmp_path / "run", max_steps=1, save_every=1))
+    assert (tmp_path / "run" / "checkpoints" / "step_00000001").is_dir()
+    assert not [r.getMessage() for r in caplog.records if "Removed shared tensor" in r.getMessage()]
