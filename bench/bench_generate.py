@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_model import SIZE_125M, build  # noqa: E402
+from bench_model import SIZE_125M, build, llama_ratio_cells, llama_ratio_header  # noqa: E402
 from transformers import LogitsProcessor, LogitsProcessorList  # noqa: E402
 
 SIZES = {
@@ -91,13 +91,6 @@ def measure(model, batch: int, prompt_len: int, new_tokens: int, repeats: int, d
     return row
 
 
-def ratio_pairs(models) -> list[tuple[str, str]]:
-    """(model, its Llama baseline) for the ratio columns: a -static model against llama-static, others against
-    llama (each where the baseline was run)."""
-    pairs = [(m, "llama-static" if m.endswith("-static") else "llama") for m in models if not m.startswith("llama")]
-    return [(m, base) for m, base in pairs if base in models]
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=[4096, 16384, 65536])
@@ -137,16 +130,13 @@ def main():
     where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"\ngenerate(): {args.size}, B = {args.batch}, {args.new_tokens} new tokens (greedy), {dtype}, {where}")
     print(f"{'prompt':>7} " + " ".join(f"{m + ' ms/token':>18} {'prefill ms':>10}" for m in args.models)
-          + "".join(f" {m + '/' + base:>24}" for m, base in ratio_pairs(args.models)))
+          + llama_ratio_header(args.models, 24))
     for row in rows:
         line = f"{row['prompt_len']:>7} " + " ".join(
             f"{row[m]['ms_per_token']:>18.3f} {row[m]['prefill_ms']:>10.1f}" if row[m] else f"{'OOM':>18} {'-':>10}"
             for m in args.models
         )
-        print(line + "".join(
-            f" {row[m]['ms_per_token'] / row[base]['ms_per_token']:>24.2f}" if row[m] and row[base] else f" {'-':>24}"
-            for m, base in ratio_pairs(args.models)
-        ))
+        print(line + llama_ratio_cells(row, args.models, "ms_per_token", 24))
     if args.json:
         args.json.write_text(json.dumps({"device": where, "size": args.size, "rows": rows}, indent=2))
 

@@ -43,19 +43,24 @@ def build(name: str, seq_len: int, size: dict = SIZE_125M):
     return NSAForCausalLM(NSAConfig(**size, max_position_embeddings=seq_len, attention_mode=mode))
 
 
+def llama_ratio_pairs(models) -> list[tuple[str, str]]:
+    """(model, its Llama baseline) for the ratio columns: a "-static" model (bench_generate: compiled decoding)
+    against "llama-static", the others against "llama"; each only where its baseline was run."""
+    pairs = [(m, "llama-static" if m.endswith("-static") else "llama") for m in models if not m.startswith("llama")]
+    return [(m, base) for m, base in pairs if base in models]
+
+
 def llama_ratio_header(models, width: int) -> str:
-    """The header of the model/llama ratio columns (none without llama among the models)."""
-    return "".join(f" {m + '/llama':>{width}}" for m in models if m != "llama" and "llama" in models)
+    """The header of the model/baseline ratio columns (none without a Llama baseline among the models)."""
+    return "".join(f" {m + '/' + base:>{width}}" for m, base in llama_ratio_pairs(models))
 
 
 def llama_ratio_cells(row: dict, models, key: str, width: int) -> str:
-    """row[model][key] / row["llama"][key] per model, '-' where either is missing (out of memory)."""
-    line = ""
-    for m in models:
-        if m != "llama" and "llama" in models:
-            ok = row[m] and row["llama"]
-            line += f" {row[m][key] / row['llama'][key]:>{width}.2f}" if ok else f" {'-':>{width}}"
-    return line
+    """row[model][key] / row[baseline][key] per pair, '-' where either is missing (out of memory)."""
+    return "".join(
+        f" {row[m][key] / row[base][key]:>{width}.2f}" if row[m] and row[base] else f" {'-':>{width}}"
+        for m, base in llama_ratio_pairs(models)
+    )
 
 
 PRECISIONS = ("bf16", "autocast")
