@@ -146,13 +146,19 @@ def test_gpu_model_logits_loss_and_grads_triton_vs_reference(seq_len, documents)
     assert ((tri_grad - ref_grad).norm() / ref_grad.norm()).item() < 5e-2
 
 
+def _decoding_model_and_left_padded_ids(seq_len: int):
+    """The Triton model in eval mode and 2 rows of ids, the second left-padded by 50 (per-row positions: the decode
+    kernels read the cache's buffers with batch strides)."""
+    _, tri = _models_125m_sizes()
+    ids = torch.randint(0, 50304, (2, seq_len), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :50] = 0
+    return tri.eval(), ids, mask
+
+
 @needs_cuda
 def test_gpu_cached_decoding_matches_full_forward():
-    _, tri = _models_125m_sizes()
-    tri.eval()
-    ids = torch.randint(0, 50304, (2, 700), device="cuda")
-    mask = torch.ones_like(ids)
-    mask[1, :50] = 0  # left padding: the decode kernels read the cache's buffers with batch strides, per-row positions
+    tri, ids, mask = _decoding_model_and_left_padded_ids(700)
     with torch.no_grad():
         full = tri(ids, attention_mask=mask, use_cache=False).logits.float()
         from modeling_nsa import NSACache
@@ -170,11 +176,7 @@ def test_gpu_static_cache_generate_compiles_the_step_and_matches_the_default_cac
     # generate(cache_implementation="static") on a GPU: transformers compiles the decoding forward (its default
     # compile_config: inductor, CUDA graphs); the tokens follow the default cache's until a bf16 near-tie
     # parts them, and the logits agree up to there (the same inputs)
-    _, tri = _models_125m_sizes()
-    tri.eval()
-    ids = torch.randint(0, 50304, (2, 600), device="cuda")
-    mask = torch.ones_like(ids)
-    mask[1, :50] = 0
+    tri, ids, mask = _decoding_model_and_left_padded_ids(600)
     kw = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False, output_logits=True, return_dict_in_generate=True,
               pad_token_id=0, attention_mask=mask)  # fmt: skip
     default = tri.generate(ids, **kw)

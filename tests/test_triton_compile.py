@@ -82,7 +82,9 @@ SPILL_CHECKED_FROM_TRITON = (3, 9)
 def _triton_version() -> tuple[int, ...]:
     import triton
 
-    return tuple(int(part) for part in triton.__version__.split("+")[0].split(".")[:2])
+    from modeling_nsa.nsa_triton import _version  # the parse the backend's interpreter check uses
+
+    return _version(triton.__version__)
 
 
 @pytest.mark.skipif(not HAS_NVIDIA_BACKEND or _triton_version() < SPILL_CHECKED_FROM_TRITON,

@@ -192,7 +192,7 @@ def static_layout(t, ce, doc_pos, Tk, Tw):
     k_slc[:, Tk:], v_slc[:, Tk:] = nan, nan
     dp = doc_pos.clone()
     dp[:, Tk:] = -1
-    k_win, v_win = t["k_win"].new_full((t["k_win"].shape[0], Tw, *t["k_win"].shape[2:]), nan), None
+    k_win = t["k_win"].new_full((t["k_win"].shape[0], Tw, *t["k_win"].shape[2:]), nan)
     v_win = k_win.clone()
     kept = torch.arange(max(0, Tk - Tw), Tk)
     k_win[:, kept % Tw], v_win[:, kept % Tw] = t["k_win"][:, kept], t["v_win"][:, kept]
