@@ -1423,7 +1423,7 @@ def _interval_bwd_dkdv(q, k, v, lo, hi, do, gates, branch, lse, delta, scale):
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
     else:
-        dk = k.new_empty((n_split,) + tuple(k.shape), dtype=torch.float32)
+        dk = torch.empty((n_split,) + tuple(k.shape), device=k.device, dtype=torch.float32)
         dv = torch.empty_like(dk)
     _interval_bwd_dkdv_kernel[(n_ktiles, batch * num_kv, n_split)](
         q, k, v, lo, hi, qa, qb, do, gates, lse, delta, dk, dv, num_q, num_keys, n_ktiles, scale * _LOG2E, scale,

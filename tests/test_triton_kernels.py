@@ -2,7 +2,9 @@
 
 CPU (CI): the real kernels run under Triton's interpreter (TRITON_INTERPRET=1) at tiny shapes, fp32
 and fp16, in ONE subprocess (Triton reads the variable when kernels are defined, so it must be set
-before anything imports triton). GPU: bf16/fp16 at the issue's shapes (skipped without CUDA).
+before anything imports triton), with the launchers' torch.empty buffers filled with NaN and 2**30
+(triton_helpers.PoisonedAllocations: a GPU's fresh memory is arbitrary, a CPU's tends to be zero). GPU: bf16/fp16
+at the issue's shapes (skipped without CUDA).
 Near-tie handling in the selection is explained in tests/triton_helpers.py.
 """
 

@@ -390,8 +390,33 @@ def run_opcheck_case(case: dict) -> dict:
     return res
 
 
+class PoisonedAllocations(types.ModuleType):
+    """torch as nsa_triton sees it in the kernel tests: torch.empty / torch.empty_like return memory filled with
+    NaN (floating point) or 2**30 (integers) instead of whatever the allocator held. On a GPU that memory is
+    arbitrary (often an earlier tensor's values, NaN included), while fresh CPU memory tends to be zero, so a
+    kernel reading an element it never wrote, or a launcher leaving part of an output unwritten, would pass on
+    CPU and fail on a GPU; poisoned, the NaN or the out-of-range index shows in the results."""
+
+    def __init__(self):
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def _poison(x):
+        return x.fill_(float("nan") if x.is_floating_point() else (True if x.dtype == torch.bool else 1 << 30))
+
+    def empty(self, *args, **kwargs):
+        return self._poison(torch.empty(*args, **kwargs))
+
+    def empty_like(self, *args, **kwargs):
+        return self._poison(torch.empty_like(*args, **kwargs))
+
+
 def main(argv):
     cases = json.loads(argv[1])
+    import_nsa()[2].torch = PoisonedAllocations()  # every case: see PoisonedAllocations
     results = []
     for case in cases:
         try:
