@@ -20,19 +20,20 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import PARAMS, nsa_inputs, time_ms, tri  # noqa: E402
+from bench_attention import PARAMS, cuda_graph, nsa_inputs, time_ms, tri  # noqa: E402
 
 KNOBS = ["_SEL_ROWS", "_SEL_SUB_ROWS", "_TOPN_INSERT_MAX", "_TOPN_ROWS", "_TOPN_WARPS", "_TOPN_BLOCKS_PER_CHUNK",
-         "_DKDV_WARPS", "_DQ_ROWS", "_DQ_WARPS", "_DECODE_SEL_STEP", "_DECODE_WIN_TILE", "_DECODE_FINISH_WARPS",
-         "_DECODE_MERGE_SPLITS", "_DECODE_MERGE_LISTS", "_DECODE_SPLIT"]
+         "_DKDV_WARPS", "_DQ_ROWS", "_DQ_WARPS", "_DECODE_SEL_STEP", "_DECODE_WIN_TILE", "_DECODE_SEL_PART",
+         "_DECODE_WIN_PART", "_DECODE_PARTS_WARPS", "_DECODE_MERGE_SPLITS", "_DECODE_MERGE_LISTS", "_DECODE_SPLIT"]
 # The first sweep (H100, 2026-11-22) set the selected tile (no sub-tiles), the dQ tile (128 rows), the top-n
 # warps (4) and insertion (up to 4). Open questions from it: the dK/dV kernels ran at 4 warps at commit
 # 9b9991f and were faster there (64k: compressed/window 7.2 ms, selected 3.8 ms, against 10.7 / 6.1 ms at
 # 8 warps in 64321fd); both now compute key-major and default to 4 warps, spill-free (untimed; dkdv8warps
 # is the other choice); and the fused dQ at 64k takes 21 ms against 10.9 ms for 9b9991f's separate kernels.
 # Since then (untimed): the top-n lists are unsorted between chunks and every entering block is inserted
-# (merge_only and insert4 are the earlier choices on top of that), and the decode finish kernel takes longer
-# steps (decode_short_steps is the timed one).
+# (merge_only and insert4 are the earlier choices on top of that), and the decode step's last kernel (one program
+# per row and KV group walking the three branches, 55 of the 73 us at 64k) became a parts kernel, the branches'
+# steps side by side (4 selected parts, 2 window parts and the compressed merge at 64k), and a combine kernel.
 DEFAULT_VARIANTS = [
     "default",
     "dkdv8warps:_DKDV_WARPS=8",
@@ -48,12 +49,14 @@ DEFAULT_VARIANTS = [
     "dq128whole:_SEL_SUB_ROWS=128",
     "merge_only:_TOPN_INSERT_MAX=0",
     "insert4:_TOPN_INSERT_MAX=4",
-    # the decode kernels as timed on 2026-11-22 (finish: one selected block, 64 window keys, 8 splits and 4
-    # lists per step; top-n: 8 splits per merge step)
-    "decode_short_steps:_DECODE_SEL_STEP=1,_DECODE_WIN_TILE=64,_DECODE_FINISH_WARPS=4,_DECODE_MERGE_SPLITS=8,"
-    "_DECODE_MERGE_LISTS=4",
+    # one part per branch (all 16 selected blocks in one program, 4 per step; the whole window in another, 256
+    # keys per step): the former serial walk, with its three branches side by side
+    "decode_three_parts:_DECODE_SEL_PART=16,_DECODE_WIN_PART=512",
+    # smaller parts: one selected block and 128 window keys each (16 + 4 + 1 programs per row and KV group)
+    "decode_small_parts:_DECODE_SEL_STEP=1,_DECODE_WIN_TILE=128",
+    "decode_parts4warps:_DECODE_PARTS_WARPS=4",
     # compressed keys per split program (default 64; 64 splits at 64k, whose partial outputs, 16 x 64 fp32 each,
-    # the finish kernel merges 16 at a time): fewer, larger splits. Spill-free at head_dim 64 on sm_80/86/90;
+    # the compressed part merges 16 at a time): fewer, larger splits. Spill-free at head_dim 64 on sm_80/86/90;
     # 256 spills 96-104 B at head_dim 128 (tests/triton_aot.py), so only 128 could become a default there.
     "decode_split128:_DECODE_SPLIT=128",
     "decode_split256:_DECODE_SPLIT=256",
@@ -69,7 +72,7 @@ CASES = [(12, 2, 64, 2048, 32, "random", None), (12, 2, 64, 65536, 1, "random", 
          (16, 2, 128, 8192, 4, "random", ("default", "dkdv8warps", "dq128whole"))]
 KERNELS = ["_select_topn_kernel", "_sel_fwd_kernel", "_bwd_dq_kernel", "_sel_bwd_dkdv_kernel",
            "_interval_fwd_kernel", "_interval_bwd_dkdv_kernel"]
-DECODE = ["_decode_cmp_split_kernel", "_decode_topn_kernel", "_decode_finish_kernel"]
+DECODE = ["_decode_cmp_split_kernel", "_decode_topn_kernel", "_decode_parts_kernel", "_decode_combine_kernel"]
 
 
 def parse_variant(text):
@@ -153,6 +156,9 @@ def main():
         apply(settings)
         per_kernel = kernel_ms(decode)
         row = dict(variant=name, **{k: per_kernel.get(k, 0.0) * 1000 for k in DECODE})
+        # the step replayed from a CUDA graph (as generate() with a static cache runs it): the kernels' times and
+        # the gaps between them, without Python
+        row["graphed"] = time_ms(cuda_graph(decode), 5, 50) * 1000
         decode_rows.append(dict(row, total=sum(row[k] for k in DECODE)))
     apply({})
 
@@ -165,10 +171,12 @@ def main():
     for r in rows:
         cells = " | ".join(f"{r[k]:.2f}" for k in KERNELS)
         print(f"| {r['case']} | {r['variant']} | {r['fb_ms']:.2f} | {cells} | {'yes' if r['same_topn'] else 'NO'} |")
-    print("\n| decode 64k (us) | " + " | ".join(k.strip("_").replace("_kernel", "") for k in DECODE) + " | total |")
-    print("|---" * (2 + len(DECODE)) + "|")
+    print("\n| decode 64k (us) | " + " | ".join(k.strip("_").replace("_kernel", "") for k in DECODE)
+          + " | kernels' sum | CUDA-graphed step |")
+    print("|---" * (3 + len(DECODE)) + "|")
     for r in decode_rows:
-        print(f"| {r['variant']} | " + " | ".join(f"{r[k]:.1f}" for k in DECODE) + f" | {r['total']:.1f} |")
+        print(f"| {r['variant']} | " + " | ".join(f"{r[k]:.1f}" for k in DECODE)
+              + f" | {r['total']:.1f} | {r['graphed']:.1f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(fwd_bwd=rows, decode=decode_rows), indent=1))
 

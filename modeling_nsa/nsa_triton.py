@@ -25,11 +25,12 @@ Layout of the work (no (T x Nc) or (T x T) tensor is ever built):
   fp32 partials summed in a fixed order.
 - Backward dQ: one kernel per query tile for all three branches (dQ in registers, written once),
   which also writes the gate gradients and the per-branch deltas the dK/dV kernels read.
-- Decoding (one query per row), three launches per step, none with a serial loop over the whole context:
+- Decoding (one query per row), four launches per step, none with a serial loop over the whole context:
   the compressed keys split over programs (softmax partials and probabilities); the selection blocks
   split over programs, each scoring its range from those probabilities (no key re-read) and keeping
-  its own top-n list; one program per (row, KV group) merges the partials and the lists and runs the
-  selected and window branches and the gates.
+  its own top-n list; the branches in parts side by side (a few selected blocks after merging the lists,
+  a span of the window, the compressed partials' merge), each writing a softmax partial; one program per
+  (row, KV group) merging the parts and applying the gates.
 
 Everything is wrapped in two torch.library custom ops (forward, backward) with fake
 implementations and autograd, without host synchronization, so torch.compile(fullgraph=True) works.
@@ -992,7 +993,8 @@ if _HAS_TRITON:
         tl.store(DQ + row[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
     # ------------------------------------------------------------------------------------------
-    # Decoding: three kernels per step (compressed keys split over programs, block ranges' top-n, the rest)
+    # Decoding: four kernels per step (compressed keys split over programs, block ranges' top-n, the branches
+    # in parts, their combination)
     # ------------------------------------------------------------------------------------------
 
     @triton.jit
@@ -1050,32 +1052,34 @@ if _HAS_TRITON:
         tl.store(PCNT + cnt + 1, tl.sum(vis.to(tl.int32), 0))
 
     @triton.jit
-    def _decode_cmp_merge(PM, PL, PACC, PCNT, pid_bg, S, hh, d,
-                          G_PAD: tl.constexpr, D: tl.constexpr, SB: tl.constexpr, WITH_ACC: tl.constexpr):
-        """Merge the S compressed-key splits of one (row, KV group), SB splits per vector load: per head the
-        running max m and sum l (and, WITH_ACC, the unnormalized output), and the two slot counts (slots of
-        earlier documents = the document's first slot, visible slots)."""
+    def _merge_partials(PM, PL, PACC, PCNT, first, count, hh, d, G_PAD: tl.constexpr, D: tl.constexpr,
+                        SB: tl.constexpr, WITH_ACC: tl.constexpr, COUNTS: tl.constexpr):
+        """Online-softmax merge of `count` consecutive softmax partials (rows first*G_PAD + head of PM, PL, PACC),
+        SB per vector load: per head the running max m and sum l and (WITH_ACC) the unnormalized output; with
+        COUNTS (the compressed-key splits) also the two slot counts (slots of earlier documents = the document's
+        first slot, visible slots)."""
         m_i, l_i, acc = _softmax_init(G_PAD, D)
         c_lo = tl.full([], 0, tl.int32)
         n_vis = tl.full([], 0, tl.int32)
         sb = tl.arange(0, SB)
-        for s0 in range(0, S, SB):
+        for s0 in range(0, count, SB):
             sp = s0 + sb
-            ok = sp < S
-            base = (pid_bg.to(tl.int64) * S + sp)[:, None] * G_PAD + hh[None, :]  # (SB, G_PAD) partial rows
+            ok = sp < count
+            base = (first + sp)[:, None] * G_PAD + hh[None, :]  # (SB, G_PAD) partial rows
             m_s = tl.load(PM + base, mask=ok[:, None], other=float("-inf"))
             m_new = tl.maximum(m_i, tl.max(m_s, 0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             a_old = tl.exp2(m_i - m_safe)
-            a_s = tl.exp2(m_s - m_safe[None, :])  # 0 for empty splits (m_s = -inf)
+            a_s = tl.exp2(m_s - m_safe[None, :])  # 0 for empty partials (m_s = -inf)
             l_i = l_i * a_old + tl.sum(tl.load(PL + base, mask=ok[:, None], other=0.0) * a_s, 0)
             if WITH_ACC:
                 p_acc = tl.load(PACC + base[:, :, None] * D + d[None, None, :], mask=ok[:, None, None], other=0.0)
                 acc = acc * a_old[:, None] + tl.sum(p_acc * a_s[:, :, None], 0)
             m_i = m_new
-            cnt = (pid_bg.to(tl.int64) * S + sp) * 2
-            c_lo += tl.sum(tl.load(PCNT + cnt, mask=ok, other=0), 0)
-            n_vis += tl.sum(tl.load(PCNT + cnt + 1, mask=ok, other=0), 0)
+            if COUNTS:
+                cnt = (first + sp) * 2
+                c_lo += tl.sum(tl.load(PCNT + cnt, mask=ok, other=0), 0)
+                n_vis += tl.sum(tl.load(PCNT + cnt + 1, mask=ok, other=0), 0)
         return m_i, l_i, acc, c_lo, n_vis
 
     @triton.jit
@@ -1090,7 +1094,7 @@ if _HAS_TRITON:
     ):
         """Decode, program (row x KV group, j) of the selection blocks [j*TB, (j+1)*TB): their scores from
         the splits' stored probabilities (exp2(x - lse) = p_split * exp2(m_split - lse), no key read again),
-        summed over the G heads, and the range's own top-n list (priority, block) for the finish kernel to
+        summed over the G heads, and the range's own top-n list (priority, block) for the selected parts to
         merge. Block ranges run in parallel: at long context no single program walks every block."""
         pid_bg = tl.program_id(0)
         pj = tl.program_id(1)
@@ -1099,7 +1103,8 @@ if _HAS_TRITON:
         hh = tl.arange(0, G_PAD)
         row_ok = hh < G
         d = tl.arange(0, D)
-        m_i, l_i, _, c_lo, n_vis = _decode_cmp_merge(PM, PL, PACC, PCNT, pid_bg, S, hh, d, G_PAD, D, SB, False)
+        m_i, l_i, _, c_lo, n_vis = _merge_partials(PM, PL, PACC, PCNT, pid_bg.to(tl.int64) * S, S, hh, d, G_PAD, D,
+                                                   SB, False, True)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), 0.0)
         pos = tl.load(DOCPOS + b * dp_bs + t)
         R: tl.constexpr = LB // DS
@@ -1133,21 +1138,25 @@ if _HAS_TRITON:
         tl.store(TOPI + out, tl.reshape(tl.where(keep, top_i, -1), (N_PAD,)))
 
     @triton.jit
-    def _decode_finish_kernel(
-        Q, PM, PL, PACC, PCNT, TOPV, TOPI, KS, VS, KW, VW, GATE, DOCPOS, TEND, OUT,
-        Tk, Tw, S, n_prog, sm_scale2, ks_bs, vs_bs, kw_bs, vw_bs, dp_bs,
+    def _decode_parts_kernel(
+        Q, PM, PL, PACC, PCNT, TOPV, TOPI, KS, VS, KW, VW, DOCPOS, TEND, OM, OL, OACC,
+        Tk, Tw, S, n_prog, n_parts, sm_scale2, ks_bs, vs_bs, kw_bs, vw_bs, dp_bs,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
         LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, WIN: tl.constexpr,
-        SB: tl.constexpr, LISTS: tl.constexpr, SEL_STEP: tl.constexpr, BLOCK_N: tl.constexpr,
-        STATIC: tl.constexpr,
+        SB: tl.constexpr, LISTS: tl.constexpr, SEL_STEP: tl.constexpr, SEL_PART: tl.constexpr,
+        SEL_PARTS: tl.constexpr, BLOCK_N: tl.constexpr, WIN_PART: tl.constexpr, STATIC: tl.constexpr,
     ):
-        """Decode, one program per (row, KV group), rows = its G heads: merges the compressed-branch splits
-        (log-sum-exp and output) and the block ranges' top-n lists, then selected and window attention and
-        the gated sum. Two programs at B = 1 and 2 KV heads, so the chain of dependent steps is what costs:
-        SEL_STEP selected blocks per step and BLOCK_N window keys per step keep it short. *_bs: batch strides
-        (elements) of KS, VS, KW, VW, DOCPOS (views of the cache's buffers). STATIC: the query is key TEND[0]
-        and KW/VW a ring of Tw slots (key p at slot p % Tw); otherwise KW/VW hold keys Tk - Tw .. Tk - 1."""
+        """Decode, program (row x KV group, part), rows = the group's G heads. Parts 0 .. SEL_PARTS - 1: SEL_PART
+        of the n selected blocks (list slots), after merging the block ranges' top-n lists; the next parts up to
+        n_parts - 2: WIN_PART window keys each; the last part: the compressed branch, merging its splits. Each
+        writes its softmax partial (max, sum, unnormalized output per head) for _decode_combine_kernel. At B = 1
+        one program per (row, KV group) walked all three branches one step after another (55 of the step's 73 us
+        at 64k on the H100, 2026-11-22); the parts run side by side. SEL_STEP selected blocks and BLOCK_N window
+        keys per step. *_bs: batch strides (elements) of KS, VS, KW, VW, DOCPOS (views of the cache's buffers).
+        STATIC: the query is key TEND[0] and KW/VW a ring of Tw slots (key p at slot p % Tw); otherwise KW/VW
+        hold keys Tk - Tw .. Tk - 1."""
         pid_bg = tl.program_id(0)
+        part = tl.program_id(1)
         b = (pid_bg // HKV).to(tl.int64)
         g = pid_bg % HKV
         t = _decode_query(TEND, Tk, STATIC)
@@ -1159,60 +1168,94 @@ if _HAS_TRITON:
         d = tl.arange(0, D)
         row = b * H + g * G + hh
         q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-        # compressed branch: merge the splits' partials
-        _, l_i, acc, _, _ = _decode_cmp_merge(PM, PL, PACC, PCNT, pid_bg, S, hh, d, G_PAD, D, SB, True)
-        o_cmp = _branch_output(acc, l_i, OUT.dtype.element_ty)
-        # top-n: merge the block ranges' lists, LISTS at a time (ranges are disjoint: every block once)
-        E: tl.constexpr = LISTS * N_PAD
-        e = tl.arange(0, E)
-        top_v = tl.full([1, N_PAD], float("-inf"), tl.float32)
-        top_i = tl.full([1, N_PAD], -1, tl.int32)
-        for l0 in range(0, n_prog, LISTS):
-            ok = l0 + e // N_PAD < n_prog
-            off = (pid_bg.to(tl.int64) * n_prog + l0) * N_PAD + e
-            v = tl.load(TOPV + off, mask=ok, other=float("-inf"))
-            i = tl.load(TOPI + off, mask=ok, other=-1)
-            i = tl.where(i >= 0, i, (1 << 29) + e)  # distinct stand-ins for unused entries (priority -inf)
-            top_v, top_i = _topn_merge(top_v, top_i, tl.reshape(v, (1, E)), i, N_SEL, N_PAD)
-        top_i = tl.reshape(tl.where(top_v > float("-inf"), top_i, -1), (N_PAD,))
-        # selected branch: the n blocks' keys up to t, SEL_STEP blocks (SEL_STEP * l' keys) per step
-        slot_n = tl.arange(0, N_PAD)
-        kb = tl.arange(0, SEL_STEP * LB)
         m_i, l_i, acc = _softmax_init(G_PAD, D)
-        for i0 in range(0, N_SEL, SEL_STEP):
-            slot_k = i0 + kb // LB  # (SEL_STEP * LB,) list slot of each key
-            j = tl.sum(tl.where(slot_k[:, None] == slot_n[None, :], top_i[None, :], 0), 1)  # the slot's block
-            j = tl.where(slot_k < N_SEL, j, -1)  # -1 (also an unused slot's): nothing visible
-            kk = tl.where(j >= 0, start + j.to(tl.int64) * LB, t + 1) + kb % LB
-            vis = kk <= t
-            kv_off = g * D + kk[:, None] * (HKV * D) + d[None, :]
-            k = tl.load(KS + b * ks_bs + kv_off, mask=vis[:, None], other=0.0)
-            v = tl.load(VS + b * vs_bs + kv_off, mask=vis[:, None], other=0.0)
-            x = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
-            m_i, l_i, acc = _softmax_tile(x, v, m_i, l_i, acc)
-        o_slc = _branch_output(acc, l_i, OUT.dtype.element_ty)
-        # window branch: KW holds the Tw keys ending at t, key first_kept + i at slot i (or, a ring: at slot
-        # (first_kept + i) % Tw); visible from max(start, t - w + 1)
-        if STATIC:
-            first_kept = t - Tw + 1
-        else:
-            first_kept = Tk - Tw
-        w_lo = tl.maximum(tl.maximum(start, t - WIN + 1) - first_kept, 0).to(tl.int32)
-        kn = tl.arange(0, BLOCK_N)
-        m_i, l_i, acc = _softmax_init(G_PAD, D)
-        for i0 in range(w_lo, tl.where(valid, Tw, 0), BLOCK_N):
-            ii = i0 + kn
-            vis = ii < Tw
+        if part < SEL_PARTS:
+            # top-n: merge the block ranges' lists, LISTS at a time (ranges are disjoint: every block once)
+            E: tl.constexpr = LISTS * N_PAD
+            e = tl.arange(0, E)
+            top_v = tl.full([1, N_PAD], float("-inf"), tl.float32)
+            top_i = tl.full([1, N_PAD], -1, tl.int32)
+            for l0 in range(0, n_prog, LISTS):
+                ok = l0 + e // N_PAD < n_prog
+                off = (pid_bg.to(tl.int64) * n_prog + l0) * N_PAD + e
+                v = tl.load(TOPV + off, mask=ok, other=float("-inf"))
+                i = tl.load(TOPI + off, mask=ok, other=-1)
+                i = tl.where(i >= 0, i, (1 << 29) + e)  # distinct stand-ins for unused entries (priority -inf)
+                top_v, top_i = _topn_merge(top_v, top_i, tl.reshape(v, (1, E)), i, N_SEL, N_PAD)
+            top_i = tl.reshape(tl.where(top_v > float("-inf"), top_i, -1), (N_PAD,))
+            # this part's list slots, SEL_STEP blocks (SEL_STEP * l' keys up to t) per step
+            slot_n = tl.arange(0, N_PAD)
+            kb = tl.arange(0, SEL_STEP * LB)
+            slot_end = tl.minimum(part * SEL_PART + SEL_PART, N_SEL)
+            for i0 in range(part * SEL_PART, slot_end, SEL_STEP):
+                slot_k = i0 + kb // LB  # (SEL_STEP * LB,) list slot of each key
+                j = tl.sum(tl.where(slot_k[:, None] == slot_n[None, :], top_i[None, :], 0), 1)  # the slot's block
+                j = tl.where(slot_k < slot_end, j, -1)  # -1 (also an unused slot's): nothing visible
+                kk = tl.where(j >= 0, start + j.to(tl.int64) * LB, t + 1) + kb % LB
+                vis = kk <= t
+                kv_off = g * D + kk[:, None] * (HKV * D) + d[None, :]
+                k = tl.load(KS + b * ks_bs + kv_off, mask=vis[:, None], other=0.0)
+                v = tl.load(VS + b * vs_bs + kv_off, mask=vis[:, None], other=0.0)
+                x = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
+                m_i, l_i, acc = _softmax_tile(x, v, m_i, l_i, acc)
+        elif part < n_parts - 1:
+            # window: KW holds the Tw keys ending at t, key first_kept + i at slot i (or, a ring: at slot
+            # (first_kept + i) % Tw); visible from max(start, t - w + 1); this part's WIN_PART of them
             if STATIC:
-                ii = (ii + first_kept) % Tw  # >= 0 where visible: first_kept + w_lo >= start >= 0
-            kv_off = g * D + ii.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
-            k = tl.load(KW + b * kw_bs + kv_off, mask=vis[:, None], other=0.0)
-            v = tl.load(VW + b * vw_bs + kv_off, mask=vis[:, None], other=0.0)
-            x = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
-            m_i, l_i, acc = _softmax_tile(x, v, m_i, l_i, acc)
-        o_win = _branch_output(acc, l_i, OUT.dtype.element_ty)
+                first_kept = t - Tw + 1
+            else:
+                first_kept = Tk - Tw
+            w_lo = tl.maximum(tl.maximum(start, t - WIN + 1) - first_kept, 0).to(tl.int32)
+            i_lo = w_lo + (part - SEL_PARTS) * WIN_PART
+            i_hi = tl.minimum(i_lo + WIN_PART, tl.where(valid, Tw, 0))
+            kn = tl.arange(0, BLOCK_N)
+            for i0 in range(i_lo, i_hi, BLOCK_N):
+                ii = i0 + kn
+                vis = ii < i_hi
+                if STATIC:
+                    ii = (ii + first_kept) % Tw  # >= 0 where visible: first_kept + w_lo >= start >= 0
+                kv_off = g * D + ii.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
+                k = tl.load(KW + b * kw_bs + kv_off, mask=vis[:, None], other=0.0)
+                v = tl.load(VW + b * vw_bs + kv_off, mask=vis[:, None], other=0.0)
+                x = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
+                m_i, l_i, acc = _softmax_tile(x, v, m_i, l_i, acc)
+        else:
+            # compressed branch: merge the splits' partials
+            m_i, l_i, acc, _, _ = _merge_partials(PM, PL, PACC, PCNT, pid_bg.to(tl.int64) * S, S, hh, d, G_PAD, D,
+                                                  SB, True, True)
+        base = (pid_bg.to(tl.int64) * n_parts + part) * G_PAD + hh  # (G_PAD,) partial rows
+        tl.store(OM + base, m_i)
+        tl.store(OL + base, l_i)
+        tl.store(OACC + base[:, None] * D + d[None, :], acc)
+
+    @triton.jit
+    def _decode_combine_kernel(
+        OM, OL, OACC, GATE, OUT, n_parts,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+        SEL_PARTS: tl.constexpr, PB: tl.constexpr,
+    ):
+        """Decode, one program per (row, KV group): each branch's output from its parts' partials (selected:
+        the first SEL_PARTS, window: the next, compressed: the last), PB parts per vector load, rounded to the
+        output dtype as the training path stores them, and the gated sum (Eq. 5)."""
+        pid_bg = tl.program_id(0)
+        b = (pid_bg // HKV).to(tl.int64)
+        g = pid_bg % HKV
+        hh = tl.arange(0, G_PAD)
+        row_ok = hh < G
+        d = tl.arange(0, D)
+        row = b * H + g * G + hh
+        dtype: tl.constexpr = OUT.dtype.element_ty
+        first = pid_bg.to(tl.int64) * n_parts
+        _, l_i, acc, _, _ = _merge_partials(OM, OL, OACC, OM, first, SEL_PARTS, hh, d, G_PAD, D, PB, True, False)
+        o_slc = _branch_output(acc, l_i, dtype)
+        _, l_i, acc, _, _ = _merge_partials(OM, OL, OACC, OM, first + SEL_PARTS, n_parts - 1 - SEL_PARTS, hh, d,
+                                            G_PAD, D, PB, True, False)
+        o_win = _branch_output(acc, l_i, dtype)
+        _, l_i, acc, _, _ = _merge_partials(OM, OL, OACC, OM, first + n_parts - 1, 1, hh, d, G_PAD, D, PB, True,
+                                            False)
+        o_cmp = _branch_output(acc, l_i, dtype)
         out = _gated_sum(GATE, row, row_ok, o_cmp, o_slc, o_win)
-        tl.store(OUT + row[:, None] * D + d[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(OUT + row[:, None] * D + d[None, :], out.to(dtype), mask=row_ok[:, None])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1232,11 +1275,13 @@ _SEL_ROWS = None  # tests force the selected-attention query tile (rows = querie
 _SEL_SUB_ROWS = None  # tests force the rows per sub-tile of that tile (= the tile's rows: no sub-tiles)
 _DECODE_SPLIT = None  # tests force the compressed slots per decode split program
 _DECODE_TOPN_BLOCKS = None  # tests force the selection blocks per decode top-n program
-_DECODE_SEL_STEP = None  # tests, bench/tune_kernels.py: selected blocks per step of the decode finish kernel
-_DECODE_WIN_TILE = None  # tests, bench/tune_kernels.py: window keys per step of the decode finish kernel
-_DECODE_FINISH_WARPS = None  # bench/tune_kernels.py: warps of the decode finish kernel
+_DECODE_SEL_STEP = None  # tests, bench/tune_kernels.py: selected blocks per step of a decode selected part
+_DECODE_WIN_TILE = None  # tests, bench/tune_kernels.py: window keys per step of a decode window part
+_DECODE_SEL_PART = None  # tests, bench/tune_kernels.py: selected blocks per decode part program
+_DECODE_WIN_PART = None  # tests, bench/tune_kernels.py: window keys per decode part program
+_DECODE_PARTS_WARPS = None  # bench/tune_kernels.py: warps of the decode parts kernel
 _DECODE_MERGE_SPLITS = None  # tests: compressed-key splits per step of the decode merges
-_DECODE_MERGE_LISTS = None  # tests: block ranges' top-n lists per step of the decode finish kernel's merge
+_DECODE_MERGE_LISTS = None  # tests: block ranges' top-n lists per step of the decode parts' list merge
 _SEL_SPLIT = None  # tests force (heavy_min pairs, splits, partial slots) of the selected dK/dV load-skew split
 
 
@@ -1485,10 +1530,11 @@ def _topn_chunk(params: NSAParams) -> int:
 
 def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params: NSAParams, scale,
                  query_end=None):
-    """One query per row (Tq == 1), three launches, none with a long serial loop at long context: the
+    """One query per row (Tq == 1), four launches, none with a long serial loop at long context: the
     compressed keys split over CS-slot programs (softmax partials and probabilities); the selection blocks
-    split over TB-block programs (scores and a top-n list per range); one program per (row, KV group)
-    merging both and running the selected and window branches and the gates.
+    split over TB-block programs (scores and a top-n list per range); the branches in parts (a few selected
+    blocks, a span of the window, the compressed splits' merge) side by side; one program per (row, KV group)
+    merging the parts and applying the gates.
     query_end (a static cache): the query's key index as a 1-element int64 tensor, read by the kernels; every
     grid then follows the buffers' fixed sizes, so the launches are the same at every token (CUDA graphs)."""
     batch, _, num_heads, head_dim = q.shape
@@ -1514,19 +1560,23 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     common = dict(HKV=num_kv, G=group, D=head_dim, G_PAD=g_pad)
     topn = dict(LB=params.sel_block_size, N_SEL=n_sel, N_PAD=n_pad)
     merge_splits = _DECODE_MERGE_SPLITS or 32  # splits per vector load in the top-n kernel's merge (m, l only)
-    # the finish kernel's steps: SEL_STEP selected blocks and BLOCK_N window keys each, 256 keys (128 at
-    # head_dim 128, 64 at 256: each step's K and V stay within shared memory), 8 warps: spill-free at head_dim
-    # 64 and 128 (tests/triton_aot.py). The 64k decode step took one block and 64 keys per step at 4 warps,
-    # the finish kernel 55 of its 73 us on the H100 (2026-11-22); the longer steps are untimed
-    # (bench/tune_kernels.py variant decode_short_steps). With 99 KiB of shared memory per block (RTX
-    # 30xx/40xx, A10, L4) half as many keys per step: 256 keys at head_dim 64 take 136 KiB there.
+    # The parts' steps: SEL_STEP selected blocks and BLOCK_N window keys each, 256 keys (128 at head_dim 128, 64 at
+    # 256: each step's K and V stay within shared memory), 8 warps: spill-free at head_dim 64 and 128
+    # (tests/triton_aot.py). With 99 KiB of shared memory per block (RTX 30xx/40xx, A10, L4) half as many keys
+    # per step: 256 keys at head_dim 64 take 136 KiB there. By default a part is one step: at n = 16, l' = 64,
+    # w = 512 and head_dim 64, 4 selected parts, 2 window parts and the compressed merge, 7 programs per (row, KV
+    # group) where one program took all of it in 12 steps (untimed; bench/tune_kernels.py variant
+    # decode_three_parts: one part per branch).
     budget = 16384 if _shared_memory_limit(q.device) >= _LARGE_SHARED_MEMORY else 8192  # keys x head_dim
     keys_per_step = min(256, budget // head_dim)
     sel_step = _DECODE_SEL_STEP or max(1, min(keys_per_step // params.sel_block_size, _next_pow2(n_sel)))
     win_tile = _DECODE_WIN_TILE or keys_per_step
-    finish_warps = _DECODE_FINISH_WARPS or 8
-    # its merges: 16 compressed-key splits (with their outputs) and 128 list entries per step (spill-free)
-    finish_splits = _DECODE_MERGE_SPLITS or 16
+    sel_part = max(sel_step, _DECODE_SEL_PART or sel_step)
+    win_part = max(win_tile, _DECODE_WIN_PART or win_tile)
+    sel_parts, win_parts = _cdiv(n_sel, sel_part), _cdiv(num_win, win_part)
+    n_parts = sel_parts + win_parts + 1  # the last: the compressed branch
+    # the compressed merge: 16 splits (with their outputs) per step; the list merge: 128 entries per step
+    part_splits = _DECODE_MERGE_SPLITS or 16
     lists = _DECODE_MERGE_LISTS or max(1, 128 // n_pad)
     static = query_end is not None
     query_end = query_end if static else doc_pos  # (unread without STATIC)
@@ -1542,13 +1592,21 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
         BJ=_topn_chunk(params), CS=split, SB=merge_splits, TB=blocks_per_prog, INSERT_MAX=_topn_insert_max(),
         STATIC=static, num_warps=4, **common, **topn,
     )
+    out_m = torch.empty(batch * num_kv * n_parts * g_pad, device=q.device, dtype=torch.float32)
+    out_l = torch.empty_like(out_m)
+    out_acc = torch.empty(out_m.shape[0], head_dim, device=q.device, dtype=torch.float32)
+    _decode_parts_kernel[(batch * num_kv, n_parts)](
+        q, part_m, part_l, part_acc, counts, top_v, top_i, k_slc, v_slc, k_win, v_win, doc_pos, query_end,
+        out_m, out_l, out_acc,
+        num_keys, num_win, n_split, n_prog, n_parts, scale * _LOG2E, k_slc.stride(0), v_slc.stride(0),
+        k_win.stride(0), v_win.stride(0), doc_pos.stride(0), H=num_heads, WIN=params.window_size,
+        SB=part_splits, LISTS=lists, SEL_STEP=sel_step, SEL_PART=sel_part, SEL_PARTS=sel_parts, BLOCK_N=win_tile,
+        WIN_PART=win_part, STATIC=static, num_warps=_DECODE_PARTS_WARPS or 8, num_stages=1, **common, **topn,
+    )
     out = torch.empty_like(q)
-    _decode_finish_kernel[(batch * num_kv,)](
-        q, part_m, part_l, part_acc, counts, top_v, top_i, k_slc, v_slc, k_win, v_win, gates, doc_pos, query_end, out,
-        num_keys, num_win, n_split, n_prog, scale * _LOG2E, k_slc.stride(0), v_slc.stride(0), k_win.stride(0),
-        v_win.stride(0), doc_pos.stride(0), H=num_heads, WIN=params.window_size,
-        SB=finish_splits, LISTS=lists, SEL_STEP=sel_step, BLOCK_N=win_tile, STATIC=static, num_warps=finish_warps,
-        **common, **topn,
+    _decode_combine_kernel[(batch * num_kv,)](
+        out_m, out_l, out_acc, gates, out, n_parts, H=num_heads, SEL_PARTS=sel_parts,
+        PB=max(1, 256 // head_dim), num_warps=4, **common,  # PB parts per load: spill-free to head_dim 256
     )
     return out
 
@@ -1696,7 +1754,7 @@ def _nsa_decode_static_op(
     gates: torch.Tensor, doc_pos: torch.Tensor, query_end: torch.Tensor, params: list[int], scale: float,
 ) -> torch.Tensor:
     """A static cache's decoding step as one opaque op: torch.compile (generate()'s CUDA-graphed decoding)
-    records its three launches without tracing the launcher's host code."""
+    records its four launches without tracing the launcher's host code."""
     return _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos,
                         _params_from(params), scale, query_end=query_end)
 
@@ -1924,7 +1982,7 @@ def nsa_decode_triton(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gate
         return fallback
     if query_end is not None:
         out = _nsa_decode_static_op(*args, query_end, _params_tuple(params), scale)
-    elif single:  # the generation step: three launches, no host work but allocation
+    elif single:  # the generation step: four launches, no host work but allocation
         out = _decode_step(*args, params, scale)
     else:
         out = _forward_impl(*args, params, scale)[0]

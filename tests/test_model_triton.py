@@ -2,7 +2,8 @@
 
 CPU (CI): with TRITON_INTERPRET=1 a model built with nsa_backend="triton" runs the real kernels on CPU
 tensors: forward, backward, cached generation (default and static cache) and prompt-lookup decoding, in a subprocess (Triton reads the variable when
-kernels are defined). GPU: logits and loss at the 125M NSA sizes in bf16, cached decoding, and
+kernels are defined), with every kernel access bounds-checked and the launchers' empty buffers poisoned
+(tests/triton_helpers.py). GPU: logits and loss at the 125M NSA sizes in bf16, cached decoding, and
 torch.compile(fullgraph=True) of a decoder layer.
 """
 
@@ -40,6 +41,11 @@ INTERPRETED = textwrap.dedent(
     import json, sys, torch
     from modeling_nsa import NSAConfig, NSAForCausalLM
     from modeling_nsa import modeling_nsa as mn
+    from modeling_nsa import nsa_triton
+    sys.path.insert(0, "tests")
+    from triton_helpers import PoisonedAllocations, check_memory_accesses
+    nsa_triton.torch = PoisonedAllocations()  # unwritten buffer elements read as NaN, as a GPU's may
+    check_memory_accesses()  # every kernel access inside its tensors (NSACache's views included)
     config = json.loads(sys.argv[1])
     results = {}
     for variant, extra in {"mlp-kvsplit": {}, "mean-kvshared": {"compressor": "mean", "kv_per_branch": False}}.items():
@@ -82,7 +88,6 @@ INTERPRETED = textwrap.dedent(
             grads=rel(out["tri"][2], out["ref"][2]), same_tokens=bool(torch.equal(out["tri"][3], out["ref"][3])),
             gen_logits=rel(out["tri"][4], out["ref"][4]),
         )
-    from modeling_nsa import nsa_triton
     fell_back = [m for m in nsa_triton._logged if "do not handle" in m]
     assert not fell_back, f"the Triton path fell back to the reference: {fell_back}"
     print("RESULTS " + json.dumps(results))

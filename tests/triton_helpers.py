@@ -108,6 +108,8 @@ def case_setup(case: dict):
     tri._DECODE_TOPN_BLOCKS = case.get("decode_topn_blocks")
     tri._DECODE_SEL_STEP = case.get("decode_sel_step")
     tri._DECODE_WIN_TILE = case.get("decode_win_tile")
+    tri._DECODE_SEL_PART = case.get("decode_sel_part")
+    tri._DECODE_WIN_PART = case.get("decode_win_part")
     tri._DECODE_MERGE_SPLITS = case.get("decode_merge_splits")
     tri._DECODE_MERGE_LISTS = case.get("decode_merge_lists")
     # the launch configuration an architecture gets (tiles differ before Hopper); the default otherwise
@@ -414,9 +416,106 @@ class PoisonedAllocations(types.ModuleType):
         return self._poison(torch.empty_like(*args, **kwargs))
 
 
+class MemoryAccessError(RuntimeError):
+    pass
+
+
+def check_memory_accesses():
+    """Make Triton's interpreter check every load and store of a kernel, as compute-sanitizer's memcheck and
+    racecheck do on a GPU. Within one launch:
+    - each address a program touches (mask on) lies inside one of the tensors the kernel was launched with (a
+      view's whole span): the interpreter reads and writes raw host addresses unchecked, so an access outside
+      returns a neighbour's bytes or corrupts them and may pass on CPU; on a GPU it faults or corrupts silently;
+    - no program reads or writes an element another program of the launch wrote: the interpreter runs programs
+      one after another, so such a dependency works on CPU; on a GPU they run concurrently and it is a race.
+    Raises MemoryAccessError naming the kernel, the program and the access."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    launch = {}  # the running launch: kernel, tensors' address ranges, addresses earlier programs wrote
+
+    def spans(values):
+        for x in values:
+            if isinstance(x, (tuple, list)):
+                yield from spans(x)
+            elif torch.is_tensor(x) and x.numel() > 0:
+                extent = 1 + sum((size - 1) * stride for size, stride in zip(x.shape, x.stride()))
+                yield x.data_ptr(), x.data_ptr() + extent * x.element_size()
+
+    init_args = interpreter.GridExecutor._init_args_hst
+
+    def init_args_recording_ranges(self, args_dev, kwargs):
+        args_hst, kwargs_hst = init_args(self, args_dev, kwargs)
+        merged = []
+        for lo, hi in sorted(spans([*args_hst, *kwargs_hst.values()])):
+            if merged and lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        launch.clear()
+        launch.update(kernel=self.fn.__name__, lo=np.array([r[0] for r in merged], dtype=np.uint64),
+                      hi=np.array([r[1] for r in merged], dtype=np.uint64), program=None,
+                      written_before=np.empty(0, np.uint64), written_now=[])
+        return args_hst, kwargs_hst
+
+    set_grid_idx = interpreter.InterpreterBuilder.set_grid_idx
+
+    def set_grid_idx_closing_the_program(self, x, y, z):
+        if launch:  # the finished program's writes join those the next programs may not touch
+            launch["written_before"] = np.union1d(launch["written_before"], np.concatenate(
+                [launch["written_before"][:0], *launch["written_now"]]))
+            launch["written_now"] = []
+            launch["program"] = (x, y, z)
+        return set_grid_idx(self, x, y, z)
+
+    def fail(kind, what, count, first):
+        raise MemoryAccessError(f"{launch['kernel']}, program {launch['program']}: {kind} of {count} element(s) "
+                                f"{what} (first at {first})")
+
+    def check(kind, ptrs, mask):
+        address = ptrs.data[np.broadcast_to(mask.data, ptrs.data.shape)].astype(np.uint64).ravel()
+        if address.size == 0 or not launch:
+            return
+        size = np.uint64(np.dtype(interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize)
+        i = np.searchsorted(launch["lo"], address, side="right") - 1
+        inside = (i >= 0) & (address + size <= launch["hi"][np.maximum(i, 0)])
+        if not inside.all():
+            bad = int(address[~inside][0])
+            gaps = [bad - int(hi) if bad >= int(hi) else bad - int(lo) for lo, hi in zip(launch["lo"], launch["hi"])]
+            nearest = min(gaps, key=abs)
+            fail(kind, "outside every tensor it was given", int((~inside).sum()),
+                 f"{nearest:+d} bytes {'past the end of' if nearest >= 0 else 'before'} the nearest one")
+        before = launch["written_before"]
+        if before.size:
+            j = np.minimum(np.searchsorted(before, address), before.size - 1)
+            shared = before[j] == address
+            if shared.any():
+                fail(kind, "that another program of the launch wrote (a race on a GPU)", int(shared.sum()),
+                     f"byte {int(address[shared][0] - launch['lo'][i[shared][0]])} of its tensor")
+        if kind == "store":
+            launch["written_now"].append(address)
+
+    load, store = interpreter.InterpreterBuilder.create_masked_load, interpreter.InterpreterBuilder.create_masked_store
+
+    def checked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+        check("load", ptrs, mask)
+        return load(self, ptrs, mask, other, cache_policy, is_volatile)
+
+    def checked_store(self, ptrs, value, mask, cache_policy):
+        check("store", ptrs, mask)
+        return store(self, ptrs, value, mask, cache_policy)
+
+    interpreter.GridExecutor._init_args_hst = init_args_recording_ranges
+    interpreter.InterpreterBuilder.set_grid_idx = set_grid_idx_closing_the_program
+    interpreter.InterpreterBuilder.create_masked_load = checked_load
+    interpreter.InterpreterBuilder.create_masked_store = checked_store
+
+
 def main(argv):
     cases = json.loads(argv[1])
     import_nsa()[2].torch = PoisonedAllocations()  # every case: see PoisonedAllocations
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        check_memory_accesses()
     results = []
     for case in cases:
         try:
