@@ -24,16 +24,18 @@ from bench_attention import PARAMS, cuda_graph, nsa_inputs, time_ms, tri  # noqa
 
 KNOBS = ["_SEL_ROWS", "_SEL_SUB_ROWS", "_TOPN_INSERT_MAX", "_TOPN_ROWS", "_TOPN_WARPS", "_TOPN_BLOCKS_PER_CHUNK",
          "_DKDV_WARPS", "_DQ_ROWS", "_DQ_WARPS", "_DECODE_SEL_STEP", "_DECODE_WIN_TILE", "_DECODE_SEL_PART",
-         "_DECODE_WIN_PART", "_DECODE_PARTS_WARPS", "_DECODE_MERGE_SPLITS", "_DECODE_MERGE_LISTS", "_DECODE_SPLIT"]
+         "_DECODE_WIN_PART", "_DECODE_PARTS", "_DECODE_WARPS", "_DECODE_MERGE_SPLITS", "_DECODE_MERGE_LISTS",
+         "_DECODE_SPLIT"]
 # The first sweep (H100, 2026-11-22) set the selected tile (no sub-tiles), the dQ tile (128 rows), the top-n
 # warps (4) and insertion (up to 4). Open questions from it: the dK/dV kernels ran at 4 warps at commit
 # 9b9991f and were faster there (64k: compressed/window 7.2 ms, selected 3.8 ms, against 10.7 / 6.1 ms at
 # 8 warps in 64321fd); both now compute key-major and default to 4 warps, spill-free (untimed; dkdv8warps
 # is the other choice); and the fused dQ at 64k takes 21 ms against 10.9 ms for 9b9991f's separate kernels.
 # Since then (untimed): the top-n lists are unsorted between chunks and every entering block is inserted
-# (merge_only and insert4 are the earlier choices on top of that), and the decode step's last kernel (one program
-# per row and KV group walking the three branches, 55 of the 73 us at 64k) became a parts kernel, the branches'
-# steps side by side (4 selected parts, 2 window parts and the compressed merge at 64k), and a combine kernel.
+# (merge_only and insert4 are the earlier choices on top of that), the decode finish kernel (one program per row
+# and KV group walking the three branches, 55 of the 73 us at 64k) takes longer steps, and a CUDA-graphed step
+# replaces it with a parts kernel (4 selected parts, 2 window parts and the compressed merge side by side at 64k)
+# and a combine kernel.
 DEFAULT_VARIANTS = [
     "default",
     "dkdv8warps:_DKDV_WARPS=8",
@@ -49,12 +51,20 @@ DEFAULT_VARIANTS = [
     "dq128whole:_SEL_SUB_ROWS=128",
     "merge_only:_TOPN_INSERT_MAX=0",
     "insert4:_TOPN_INSERT_MAX=4",
-    # one part per branch (all 16 selected blocks in one program, 4 per step; the whole window in another, 256
-    # keys per step): the former serial walk, with its three branches side by side
-    "decode_three_parts:_DECODE_SEL_PART=16,_DECODE_WIN_PART=512",
+    # the step's last launches: eager steps take the finish kernel (one program per row and KV group), CUDA-graphed
+    # static-cache steps the parts and combine kernels; the kernels' sum below times the eager call, the graphed
+    # column the static one. Each forced both ways:
+    "decode_parts:_DECODE_PARTS=1",
+    "decode_finish:_DECODE_PARTS=0",
+    # one part per branch (all 16 selected blocks in one program, 4 per step; the whole window in another)
+    "decode_three_parts:_DECODE_PARTS=1,_DECODE_SEL_PART=16,_DECODE_WIN_PART=512",
     # smaller parts: one selected block and 128 window keys each (16 + 4 + 1 programs per row and KV group)
-    "decode_small_parts:_DECODE_SEL_STEP=1,_DECODE_WIN_TILE=128",
-    "decode_parts4warps:_DECODE_PARTS_WARPS=4",
+    "decode_small_parts:_DECODE_PARTS=1,_DECODE_SEL_STEP=1,_DECODE_WIN_TILE=128",
+    "decode_4warps:_DECODE_WARPS=4",
+    # the finish kernel as timed on 2026-11-22 (one selected block, 64 window keys, 8 splits and 4 lists per step;
+    # top-n: 8 splits per merge step)
+    "decode_short_steps:_DECODE_PARTS=0,_DECODE_SEL_STEP=1,_DECODE_WIN_TILE=64,_DECODE_WARPS=4,"
+    "_DECODE_MERGE_SPLITS=8,_DECODE_MERGE_LISTS=4",
     # compressed keys per split program (default 64; 64 splits at 64k, whose partial outputs, 16 x 64 fp32 each,
     # the compressed part merges 16 at a time): fewer, larger splits. Spill-free at head_dim 64 on sm_80/86/90;
     # 256 spills 96-104 B at head_dim 128 (tests/triton_aot.py), so only 128 could become a default there.
@@ -72,7 +82,8 @@ CASES = [(12, 2, 64, 2048, 32, "random", None), (12, 2, 64, 65536, 1, "random", 
          (16, 2, 128, 8192, 4, "random", ("default", "dkdv8warps", "dq128whole"))]
 KERNELS = ["_select_topn_kernel", "_sel_fwd_kernel", "_bwd_dq_kernel", "_sel_bwd_dkdv_kernel",
            "_interval_fwd_kernel", "_interval_bwd_dkdv_kernel"]
-DECODE = ["_decode_cmp_split_kernel", "_decode_topn_kernel", "_decode_parts_kernel", "_decode_combine_kernel"]
+DECODE = ["_decode_cmp_split_kernel", "_decode_topn_kernel", "_decode_finish_kernel", "_decode_parts_kernel",
+          "_decode_combine_kernel"]
 
 
 def parse_variant(text):
@@ -147,9 +158,12 @@ def main():
     x, cmp_end, doc_pos = nsa_inputs(1, T, 12, 2, 64, grad=False)
     w = PARAMS.window_size
 
-    def decode():
+    def decode(query_end=None):  # eager (the window: the last w keys), or a static cache's step (a w-slot ring)
         tri.nsa_decode_triton(x["q"][:, -1:], x["k_cmp"], x["v_cmp"], cmp_end, x["k_slc"], x["v_slc"],
-                              x["k_win"][:, -w:], x["v_win"][:, -w:], x["gates"][:, -1:], doc_pos, PARAMS)
+                              x["k_win"][:, -w:], x["v_win"][:, -w:], x["gates"][:, -1:], doc_pos, PARAMS,
+                              query_end=query_end)
+
+    query_end = torch.tensor([T - 1], device="cuda")
 
     decode_rows = []
     for name, settings in variants:
@@ -158,7 +172,7 @@ def main():
         row = dict(variant=name, **{k: per_kernel.get(k, 0.0) * 1000 for k in DECODE})
         # the step replayed from a CUDA graph (as generate() with a static cache runs it): the kernels' times and
         # the gaps between them, without Python
-        row["graphed"] = time_ms(cuda_graph(decode), 5, 50) * 1000
+        row["graphed"] = time_ms(cuda_graph(lambda: decode(query_end)), 5, 50) * 1000
         decode_rows.append(dict(row, total=sum(row[k] for k in DECODE)))
     apply({})
 

@@ -25,12 +25,13 @@ Layout of the work (no (T x Nc) or (T x T) tensor is ever built):
   fp32 partials summed in a fixed order.
 - Backward dQ: one kernel per query tile for all three branches (dQ in registers, written once),
   which also writes the gate gradients and the per-branch deltas the dK/dV kernels read.
-- Decoding (one query per row), four launches per step, none with a serial loop over the whole context:
-  the compressed keys split over programs (softmax partials and probabilities); the selection blocks
-  split over programs, each scoring its range from those probabilities (no key re-read) and keeping
-  its own top-n list; the branches in parts side by side (a few selected blocks after merging the lists,
-  a span of the window, the compressed partials' merge), each writing a softmax partial; one program per
-  (row, KV group) merging the parts and applying the gates.
+- Decoding (one query per row), none of the launches with a serial loop over the whole context: the
+  compressed keys split over programs (softmax partials and probabilities); the selection blocks split
+  over programs, each scoring its range from those probabilities (no key re-read) and keeping its own
+  top-n list; then one program per (row, KV group) merges the partials and the lists and runs the
+  selected and window branches and the gates (three launches: eager decoding is host-bound). A static
+  cache's step (CUDA-graphed) runs that last part as parts side by side (a few selected blocks, a span of
+  the window, the compressed merge) and a combine kernel (four launches, a short chain on the GPU).
 
 Everything is wrapped in two torch.library custom ops (forward, backward) with fake
 implementations and autograd, without host synchronization, so torch.compile(fullgraph=True) works.
@@ -993,8 +994,8 @@ if _HAS_TRITON:
         tl.store(DQ + row[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
     # ------------------------------------------------------------------------------------------
-    # Decoding: four kernels per step (compressed keys split over programs, block ranges' top-n, the branches
-    # in parts, their combination)
+    # Decoding: compressed keys split over programs, block ranges' top-n, then the branches and the gates (one
+    # program per row and KV group, or parts side by side and their combination)
     # ------------------------------------------------------------------------------------------
 
     @triton.jit
@@ -1138,6 +1139,119 @@ if _HAS_TRITON:
         tl.store(TOPI + out, tl.reshape(tl.where(keep, top_i, -1), (N_PAD,)))
 
     @triton.jit
+    def _decode_rows(Q, DOCPOS, TEND, pid_bg, Tk, dp_bs, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
+                     D: tl.constexpr, G_PAD: tl.constexpr, STATIC: tl.constexpr):
+        """A decode program's query: (b, g, the query's key index t, its document's first key, valid (not
+        padding), the G heads' rows of Q padded to G_PAD, row_ok, q (G_PAD, D), d)."""
+        b = (pid_bg // HKV).to(tl.int64)
+        g = pid_bg % HKV
+        t = _decode_query(TEND, Tk, STATIC)
+        pos = tl.load(DOCPOS + b * dp_bs + t)
+        hh = tl.arange(0, G_PAD)
+        row_ok = hh < G
+        d = tl.arange(0, D)
+        row = b * H + g * G + hh
+        q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        return b, g, t, t - pos, pos >= 0, row, row_ok, q, d
+
+    @triton.jit
+    def _decode_selected(q, TOPV, TOPI, KS, VS, pid_bg, b, g, t, start, n_prog, slot_lo, slot_hi, sm_scale2, ks_bs,
+                         vs_bs, d, HKV: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
+                         N_PAD: tl.constexpr, N_SEL: tl.constexpr, LISTS: tl.constexpr, SEL_STEP: tl.constexpr):
+        """Selected attention over list slots [slot_lo, slot_hi) of the query's top-n, SEL_STEP blocks (SEL_STEP * l'
+        keys up to t) per step, after merging the block ranges' lists LISTS at a time (ranges are disjoint: every
+        block once). Returns the softmax state (max, sum, unnormalized output) per head."""
+        E: tl.constexpr = LISTS * N_PAD
+        e = tl.arange(0, E)
+        top_v = tl.full([1, N_PAD], float("-inf"), tl.float32)
+        top_i = tl.full([1, N_PAD], -1, tl.int32)
+        for l0 in range(0, n_prog, LISTS):
+            ok = l0 + e // N_PAD < n_prog
+            off = (pid_bg.to(tl.int64) * n_prog + l0) * N_PAD + e
+            v = tl.load(TOPV + off, mask=ok, other=float("-inf"))
+            i = tl.load(TOPI + off, mask=ok, other=-1)
+            i = tl.where(i >= 0, i, (1 << 29) + e)  # distinct stand-ins for unused entries (priority -inf)
+            top_v, top_i = _topn_merge(top_v, top_i, tl.reshape(v, (1, E)), i, N_SEL, N_PAD)
+        top_i = tl.reshape(tl.where(top_v > float("-inf"), top_i, -1), (N_PAD,))
+        slot_n = tl.arange(0, N_PAD)
+        kb = tl.arange(0, SEL_STEP * LB)
+        m_i, l_i, acc = _softmax_init(G_PAD, D)
+        for i0 in range(slot_lo, slot_hi, SEL_STEP):
+            slot_k = i0 + kb // LB  # (SEL_STEP * LB,) list slot of each key
+            j = tl.sum(tl.where(slot_k[:, None] == slot_n[None, :], top_i[None, :], 0), 1)  # the slot's block
+            j = tl.where(slot_k < slot_hi, j, -1)  # -1 (also an unused slot's): nothing visible
+            kk = tl.where(j >= 0, start + j.to(tl.int64) * LB, t + 1) + kb % LB
+            vis = kk <= t
+            kv_off = g * D + kk[:, None] * (HKV * D) + d[None, :]
+            k = tl.load(KS + b * ks_bs + kv_off, mask=vis[:, None], other=0.0)
+            v = tl.load(VS + b * vs_bs + kv_off, mask=vis[:, None], other=0.0)
+            x = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
+            m_i, l_i, acc = _softmax_tile(x, v, m_i, l_i, acc)
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _decode_window(q, KW, VW, b, g, t, start, valid, Tk, Tw, i_from, i_count, sm_scale2, kw_bs, vw_bs, d,
+                       HKV: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, WIN: tl.constexpr,
+                       BLOCK_N: tl.constexpr, STATIC: tl.constexpr):
+        """Window attention over i_count of the query's visible window keys, from the i_from-th, BLOCK_N per step.
+        KW holds the Tw keys ending at t, key first_kept + i at slot i (STATIC, a ring: at slot (first_kept + i) %
+        Tw); visible from max(start, t - w + 1). Returns the softmax state per head."""
+        if STATIC:
+            first_kept = t - Tw + 1
+        else:
+            first_kept = Tk - Tw
+        w_lo = tl.maximum(tl.maximum(start, t - WIN + 1) - first_kept, 0).to(tl.int32)
+        i_lo = w_lo + i_from
+        i_hi = tl.minimum(i_lo + i_count, tl.where(valid, Tw, 0))
+        kn = tl.arange(0, BLOCK_N)
+        m_i, l_i, acc = _softmax_init(G_PAD, D)
+        for i0 in range(i_lo, i_hi, BLOCK_N):
+            ii = i0 + kn
+            vis = ii < i_hi
+            if STATIC:
+                ii = (ii + first_kept) % Tw  # >= 0 where visible: first_kept + w_lo >= start >= 0
+            kv_off = g * D + ii.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
+            k = tl.load(KW + b * kw_bs + kv_off, mask=vis[:, None], other=0.0)
+            v = tl.load(VW + b * vw_bs + kv_off, mask=vis[:, None], other=0.0)
+            x = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
+            m_i, l_i, acc = _softmax_tile(x, v, m_i, l_i, acc)
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _decode_finish_kernel(
+        Q, PM, PL, PACC, PCNT, TOPV, TOPI, KS, VS, KW, VW, GATE, DOCPOS, TEND, OUT,
+        Tk, Tw, S, n_prog, sm_scale2, ks_bs, vs_bs, kw_bs, vw_bs, dp_bs,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+        LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, WIN: tl.constexpr,
+        SB: tl.constexpr, LISTS: tl.constexpr, SEL_STEP: tl.constexpr, BLOCK_N: tl.constexpr,
+        STATIC: tl.constexpr,
+    ):
+        """Decode, one program per (row, KV group), rows = its G heads: merges the compressed-branch splits,
+        then selected and window attention, and the gated sum. The third and last launch of an eager step, where
+        every launch costs host time (0.35 ms per call against 0.08 ms of GPU time at B = 1 on the H100,
+        2026-11-22). At B = 1 it runs two programs whose chain of steps is what costs on the GPU (55 of the 73 us
+        at 64k, in steps half as long): a CUDA-graphed step (a static cache) takes _decode_parts_kernel and
+        _decode_combine_kernel instead. *_bs: batch strides (elements) of KS, VS, KW, VW, DOCPOS (views of the
+        cache's buffers). STATIC: the query is key TEND[0] and KW/VW a ring of Tw slots (key p at slot p % Tw);
+        otherwise KW/VW hold keys Tk - Tw .. Tk - 1."""
+        pid_bg = tl.program_id(0)
+        b, g, t, start, valid, row, row_ok, q, d = _decode_rows(Q, DOCPOS, TEND, pid_bg, Tk, dp_bs, H, HKV, G, D,
+                                                                 G_PAD, STATIC)
+        hh = tl.arange(0, G_PAD)
+        dtype: tl.constexpr = OUT.dtype.element_ty
+        _, l_i, acc, _, _ = _merge_partials(PM, PL, PACC, PCNT, pid_bg.to(tl.int64) * S, S, hh, d, G_PAD, D, SB, True,
+                                            True)
+        o_cmp = _branch_output(acc, l_i, dtype)
+        _, l_i, acc = _decode_selected(q, TOPV, TOPI, KS, VS, pid_bg, b, g, t, start, n_prog, 0, N_SEL, sm_scale2,
+                                       ks_bs, vs_bs, d, HKV, G_PAD, D, LB, N_PAD, N_SEL, LISTS, SEL_STEP)
+        o_slc = _branch_output(acc, l_i, dtype)
+        _, l_i, acc = _decode_window(q, KW, VW, b, g, t, start, valid, Tk, Tw, 0, Tw, sm_scale2, kw_bs, vw_bs, d,
+                                     HKV, G_PAD, D, WIN, BLOCK_N, STATIC)
+        o_win = _branch_output(acc, l_i, dtype)
+        out = _gated_sum(GATE, row, row_ok, o_cmp, o_slc, o_win)
+        tl.store(OUT + row[:, None] * D + d[None, :], out.to(dtype), mask=row_ok[:, None])
+
+    @triton.jit
     def _decode_parts_kernel(
         Q, PM, PL, PACC, PCNT, TOPV, TOPI, KS, VS, KW, VW, DOCPOS, TEND, OM, OL, OACC,
         Tk, Tw, S, n_prog, n_parts, sm_scale2, ks_bs, vs_bs, kw_bs, vw_bs, dp_bs,
@@ -1146,83 +1260,27 @@ if _HAS_TRITON:
         SB: tl.constexpr, LISTS: tl.constexpr, SEL_STEP: tl.constexpr, SEL_PART: tl.constexpr,
         SEL_PARTS: tl.constexpr, BLOCK_N: tl.constexpr, WIN_PART: tl.constexpr, STATIC: tl.constexpr,
     ):
-        """Decode, program (row x KV group, part), rows = the group's G heads. Parts 0 .. SEL_PARTS - 1: SEL_PART
-        of the n selected blocks (list slots), after merging the block ranges' top-n lists; the next parts up to
-        n_parts - 2: WIN_PART window keys each; the last part: the compressed branch, merging its splits. Each
-        writes its softmax partial (max, sum, unnormalized output per head) for _decode_combine_kernel. At B = 1
-        one program per (row, KV group) walked all three branches one step after another (55 of the step's 73 us
-        at 64k on the H100, 2026-11-22); the parts run side by side. SEL_STEP selected blocks and BLOCK_N window
-        keys per step. *_bs: batch strides (elements) of KS, VS, KW, VW, DOCPOS (views of the cache's buffers).
-        STATIC: the query is key TEND[0] and KW/VW a ring of Tw slots (key p at slot p % Tw); otherwise KW/VW
-        hold keys Tk - Tw .. Tk - 1."""
+        """Decode, program (row x KV group, part): _decode_finish_kernel's work in parts that run side by side, for
+        a CUDA-graphed step, where a launch costs microseconds and the finish kernel's chain of steps is what
+        costs. Parts 0 .. SEL_PARTS - 1: SEL_PART of the n selected blocks (list slots); the next parts up to
+        n_parts - 2: WIN_PART window keys each; the last part: the compressed branch's splits merged. Each writes
+        its softmax partial (max, sum, unnormalized output per head) for _decode_combine_kernel."""
         pid_bg = tl.program_id(0)
         part = tl.program_id(1)
-        b = (pid_bg // HKV).to(tl.int64)
-        g = pid_bg % HKV
-        t = _decode_query(TEND, Tk, STATIC)
-        pos = tl.load(DOCPOS + b * dp_bs + t)
-        valid = pos >= 0  # a padded query gets 0 from every branch
-        start = t - pos  # first key of the query's document
+        b, g, t, start, valid, row, row_ok, q, d = _decode_rows(Q, DOCPOS, TEND, pid_bg, Tk, dp_bs, H, HKV, G, D,
+                                                                 G_PAD, STATIC)
         hh = tl.arange(0, G_PAD)
-        row_ok = hh < G
-        d = tl.arange(0, D)
-        row = b * H + g * G + hh
-        q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-        m_i, l_i, acc = _softmax_init(G_PAD, D)
         if part < SEL_PARTS:
-            # top-n: merge the block ranges' lists, LISTS at a time (ranges are disjoint: every block once)
-            E: tl.constexpr = LISTS * N_PAD
-            e = tl.arange(0, E)
-            top_v = tl.full([1, N_PAD], float("-inf"), tl.float32)
-            top_i = tl.full([1, N_PAD], -1, tl.int32)
-            for l0 in range(0, n_prog, LISTS):
-                ok = l0 + e // N_PAD < n_prog
-                off = (pid_bg.to(tl.int64) * n_prog + l0) * N_PAD + e
-                v = tl.load(TOPV + off, mask=ok, other=float("-inf"))
-                i = tl.load(TOPI + off, mask=ok, other=-1)
-                i = tl.where(i >= 0, i, (1 << 29) + e)  # distinct stand-ins for unused entries (priority -inf)
-                top_v, top_i = _topn_merge(top_v, top_i, tl.reshape(v, (1, E)), i, N_SEL, N_PAD)
-            top_i = tl.reshape(tl.where(top_v > float("-inf"), top_i, -1), (N_PAD,))
-            # this part's list slots, SEL_STEP blocks (SEL_STEP * l' keys up to t) per step
-            slot_n = tl.arange(0, N_PAD)
-            kb = tl.arange(0, SEL_STEP * LB)
-            slot_end = tl.minimum(part * SEL_PART + SEL_PART, N_SEL)
-            for i0 in range(part * SEL_PART, slot_end, SEL_STEP):
-                slot_k = i0 + kb // LB  # (SEL_STEP * LB,) list slot of each key
-                j = tl.sum(tl.where(slot_k[:, None] == slot_n[None, :], top_i[None, :], 0), 1)  # the slot's block
-                j = tl.where(slot_k < slot_end, j, -1)  # -1 (also an unused slot's): nothing visible
-                kk = tl.where(j >= 0, start + j.to(tl.int64) * LB, t + 1) + kb % LB
-                vis = kk <= t
-                kv_off = g * D + kk[:, None] * (HKV * D) + d[None, :]
-                k = tl.load(KS + b * ks_bs + kv_off, mask=vis[:, None], other=0.0)
-                v = tl.load(VS + b * vs_bs + kv_off, mask=vis[:, None], other=0.0)
-                x = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
-                m_i, l_i, acc = _softmax_tile(x, v, m_i, l_i, acc)
+            slot_hi = tl.minimum(part * SEL_PART + SEL_PART, N_SEL)
+            m_i, l_i, acc = _decode_selected(q, TOPV, TOPI, KS, VS, pid_bg, b, g, t, start, n_prog, part * SEL_PART,
+                                             slot_hi, sm_scale2, ks_bs, vs_bs, d, HKV, G_PAD, D, LB, N_PAD, N_SEL,
+                                             LISTS, SEL_STEP)
         elif part < n_parts - 1:
-            # window: KW holds the Tw keys ending at t, key first_kept + i at slot i (or, a ring: at slot
-            # (first_kept + i) % Tw); visible from max(start, t - w + 1); this part's WIN_PART of them
-            if STATIC:
-                first_kept = t - Tw + 1
-            else:
-                first_kept = Tk - Tw
-            w_lo = tl.maximum(tl.maximum(start, t - WIN + 1) - first_kept, 0).to(tl.int32)
-            i_lo = w_lo + (part - SEL_PARTS) * WIN_PART
-            i_hi = tl.minimum(i_lo + WIN_PART, tl.where(valid, Tw, 0))
-            kn = tl.arange(0, BLOCK_N)
-            for i0 in range(i_lo, i_hi, BLOCK_N):
-                ii = i0 + kn
-                vis = ii < i_hi
-                if STATIC:
-                    ii = (ii + first_kept) % Tw  # >= 0 where visible: first_kept + w_lo >= start >= 0
-                kv_off = g * D + ii.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
-                k = tl.load(KW + b * kw_bs + kv_off, mask=vis[:, None], other=0.0)
-                v = tl.load(VW + b * vw_bs + kv_off, mask=vis[:, None], other=0.0)
-                x = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
-                m_i, l_i, acc = _softmax_tile(x, v, m_i, l_i, acc)
+            m_i, l_i, acc = _decode_window(q, KW, VW, b, g, t, start, valid, Tk, Tw, (part - SEL_PARTS) * WIN_PART,
+                                           WIN_PART, sm_scale2, kw_bs, vw_bs, d, HKV, G_PAD, D, WIN, BLOCK_N, STATIC)
         else:
-            # compressed branch: merge the splits' partials
-            m_i, l_i, acc, _, _ = _merge_partials(PM, PL, PACC, PCNT, pid_bg.to(tl.int64) * S, S, hh, d, G_PAD, D,
-                                                  SB, True, True)
+            m_i, l_i, acc, _, _ = _merge_partials(PM, PL, PACC, PCNT, pid_bg.to(tl.int64) * S, S, hh, d, G_PAD, D, SB,
+                                                  True, True)
         base = (pid_bg.to(tl.int64) * n_parts + part) * G_PAD + hh  # (G_PAD,) partial rows
         tl.store(OM + base, m_i)
         tl.store(OL + base, l_i)
@@ -1277,9 +1335,10 @@ _DECODE_SPLIT = None  # tests force the compressed slots per decode split progra
 _DECODE_TOPN_BLOCKS = None  # tests force the selection blocks per decode top-n program
 _DECODE_SEL_STEP = None  # tests, bench/tune_kernels.py: selected blocks per step of a decode selected part
 _DECODE_WIN_TILE = None  # tests, bench/tune_kernels.py: window keys per step of a decode window part
+_DECODE_PARTS = None  # tests, bench/tune_kernels.py: 1/0 force the decode step's parts + combine / finish kernels
 _DECODE_SEL_PART = None  # tests, bench/tune_kernels.py: selected blocks per decode part program
 _DECODE_WIN_PART = None  # tests, bench/tune_kernels.py: window keys per decode part program
-_DECODE_PARTS_WARPS = None  # bench/tune_kernels.py: warps of the decode parts kernel
+_DECODE_WARPS = None  # bench/tune_kernels.py: warps of the decode finish and parts kernels
 _DECODE_MERGE_SPLITS = None  # tests: compressed-key splits per step of the decode merges
 _DECODE_MERGE_LISTS = None  # tests: block ranges' top-n lists per step of the decode parts' list merge
 _SEL_SPLIT = None  # tests force (heavy_min pairs, splits, partial slots) of the selected dK/dV load-skew split
@@ -1530,11 +1589,13 @@ def _topn_chunk(params: NSAParams) -> int:
 
 def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params: NSAParams, scale,
                  query_end=None):
-    """One query per row (Tq == 1), four launches, none with a long serial loop at long context: the
+    """One query per row (Tq == 1), none of the launches with a long serial loop at long context: the
     compressed keys split over CS-slot programs (softmax partials and probabilities); the selection blocks
-    split over TB-block programs (scores and a top-n list per range); the branches in parts (a few selected
-    blocks, a span of the window, the compressed splits' merge) side by side; one program per (row, KV group)
-    merging the parts and applying the gates.
+    split over TB-block programs (scores and a top-n list per range); then the branches and the gates. Those
+    last take one program per (row, KV group) in an eager step (three launches: each costs host time, and eager
+    decoding is host-bound at small batch), or, in a static cache's step (CUDA-graphed by generate()), parts
+    side by side (a few selected blocks, a span of the window, the compressed splits' merge) and a combine
+    kernel (four launches, a short chain of steps on the GPU).
     query_end (a static cache): the query's key index as a 1-element int64 tensor, read by the kernels; every
     grid then follows the buffers' fixed sizes, so the launches are the same at every token (CUDA graphs)."""
     batch, _, num_heads, head_dim = q.shape
@@ -1560,13 +1621,13 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     common = dict(HKV=num_kv, G=group, D=head_dim, G_PAD=g_pad)
     topn = dict(LB=params.sel_block_size, N_SEL=n_sel, N_PAD=n_pad)
     merge_splits = _DECODE_MERGE_SPLITS or 32  # splits per vector load in the top-n kernel's merge (m, l only)
-    # The parts' steps: SEL_STEP selected blocks and BLOCK_N window keys each, 256 keys (128 at head_dim 128, 64 at
-    # 256: each step's K and V stay within shared memory), 8 warps: spill-free at head_dim 64 and 128
-    # (tests/triton_aot.py). With 99 KiB of shared memory per block (RTX 30xx/40xx, A10, L4) half as many keys
-    # per step: 256 keys at head_dim 64 take 136 KiB there. By default a part is one step: at n = 16, l' = 64,
-    # w = 512 and head_dim 64, 4 selected parts, 2 window parts and the compressed merge, 7 programs per (row, KV
-    # group) where one program took all of it in 12 steps (untimed; bench/tune_kernels.py variant
-    # decode_three_parts: one part per branch).
+    # Steps of SEL_STEP selected blocks and BLOCK_N window keys, 256 keys (128 at head_dim 128, 64 at 256: each
+    # step's K and V stay within shared memory), 8 warps: spill-free at head_dim 64 and 128 (tests/triton_aot.py).
+    # With 99 KiB of shared memory per block (RTX 30xx/40xx, A10, L4) half as many keys per step: 256 keys at
+    # head_dim 64 take 136 KiB there. The finish kernel took one block and 64 keys per step at 4 warps, 55 of the
+    # step's 73 us at 64k on the H100 (2026-11-22; untimed since). In parts, a part is one step by default: at
+    # n = 16, l' = 64, w = 512 and head_dim 64, 4 selected parts, 2 window parts and the compressed merge, 7
+    # programs per (row, KV group) where the finish kernel walks 12 steps (untimed; bench/tune_kernels.py).
     budget = 16384 if _shared_memory_limit(q.device) >= _LARGE_SHARED_MEMORY else 8192  # keys x head_dim
     keys_per_step = min(256, budget // head_dim)
     sel_step = _DECODE_SEL_STEP or max(1, min(keys_per_step // params.sel_block_size, _next_pow2(n_sel)))
@@ -1592,18 +1653,26 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
         BJ=_topn_chunk(params), CS=split, SB=merge_splits, TB=blocks_per_prog, INSERT_MAX=_topn_insert_max(),
         STATIC=static, num_warps=4, **common, **topn,
     )
+    out = torch.empty_like(q)
+    common_last = dict(H=num_heads, WIN=params.window_size, SB=part_splits, LISTS=lists, SEL_STEP=sel_step,
+                       BLOCK_N=win_tile, STATIC=static, num_warps=_DECODE_WARPS or 8, **common, **topn)
+    strides = (k_slc.stride(0), v_slc.stride(0), k_win.stride(0), v_win.stride(0), doc_pos.stride(0))
+    if not (static if _DECODE_PARTS is None else _DECODE_PARTS):
+        _decode_finish_kernel[(batch * num_kv,)](
+            q, part_m, part_l, part_acc, counts, top_v, top_i, k_slc, v_slc, k_win, v_win, gates, doc_pos, query_end,
+            out, num_keys, num_win, n_split, n_prog, scale * _LOG2E, *strides, **common_last,
+        )
+        return out
     out_m = torch.empty(batch * num_kv * n_parts * g_pad, device=q.device, dtype=torch.float32)
     out_l = torch.empty_like(out_m)
     out_acc = torch.empty(out_m.shape[0], head_dim, device=q.device, dtype=torch.float32)
+    # one stage: a part is one step by default (nothing to overlap), and the two branches' pipeline buffers would
+    # not share shared memory (258 KiB on sm_90)
     _decode_parts_kernel[(batch * num_kv, n_parts)](
         q, part_m, part_l, part_acc, counts, top_v, top_i, k_slc, v_slc, k_win, v_win, doc_pos, query_end,
-        out_m, out_l, out_acc,
-        num_keys, num_win, n_split, n_prog, n_parts, scale * _LOG2E, k_slc.stride(0), v_slc.stride(0),
-        k_win.stride(0), v_win.stride(0), doc_pos.stride(0), H=num_heads, WIN=params.window_size,
-        SB=part_splits, LISTS=lists, SEL_STEP=sel_step, SEL_PART=sel_part, SEL_PARTS=sel_parts, BLOCK_N=win_tile,
-        WIN_PART=win_part, STATIC=static, num_warps=_DECODE_PARTS_WARPS or 8, num_stages=1, **common, **topn,
+        out_m, out_l, out_acc, num_keys, num_win, n_split, n_prog, n_parts, scale * _LOG2E, *strides,
+        SEL_PART=sel_part, SEL_PARTS=sel_parts, WIN_PART=win_part, num_stages=1, **common_last,
     )
-    out = torch.empty_like(q)
     _decode_combine_kernel[(batch * num_kv,)](
         out_m, out_l, out_acc, gates, out, n_parts, H=num_heads, SEL_PARTS=sel_parts,
         PB=max(1, 256 // head_dim), num_warps=4, **common,  # PB parts per load: spill-free to head_dim 256
@@ -1754,7 +1823,7 @@ def _nsa_decode_static_op(
     gates: torch.Tensor, doc_pos: torch.Tensor, query_end: torch.Tensor, params: list[int], scale: float,
 ) -> torch.Tensor:
     """A static cache's decoding step as one opaque op: torch.compile (generate()'s CUDA-graphed decoding)
-    records its four launches without tracing the launcher's host code."""
+    records its launches without tracing the launcher's host code."""
     return _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos,
                         _params_from(params), scale, query_end=query_end)
 
@@ -1982,7 +2051,7 @@ def nsa_decode_triton(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gate
         return fallback
     if query_end is not None:
         out = _nsa_decode_static_op(*args, query_end, _params_tuple(params), scale)
-    elif single:  # the generation step: four launches, no host work but allocation
+    elif single:  # the generation step: three launches, no host work but allocation
         out = _decode_step(*args, params, scale)
     else:
         out = _forward_impl(*args, params, scale)[0]

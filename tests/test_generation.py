@@ -251,7 +251,7 @@ def test_triton_decoding_step_reads_the_cache_where_it_is():
     passed = {arg.data_ptr() for _, _, args, _ in launches for arg in args if torch.is_tensor(arg)}
     for tensor in (layer.cmp_k, layer.cmp_v, layer.cmp_end, layer.k_slc, layer.v_slc, *window, doc_pos):
         assert tensor.data_ptr() in passed
-    finish = next(args for name, _, args, _ in launches if name == "_decode_parts_kernel")
+    finish = next(args for name, _, args, _ in launches if name == "_decode_finish_kernel")
     strides = [arg for arg in finish if isinstance(arg, int)]
     assert layer.buffers["k_slc"].storage.stride(0) in strides  # the buffer's batch stride, not a copy's
 

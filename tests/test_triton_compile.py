@@ -58,7 +58,8 @@ def test_every_kernel_launch_compiles(aot_results, arch):
     # the whole op: forward, top-n, backward (incl. the selected dK/dV split and its reduce) and decode
     for name in ["_interval_fwd_kernel", "_select_topn_kernel", "_sel_fwd_kernel", "_bwd_dq_kernel",
                  "_interval_bwd_dkdv_kernel", "_sel_bwd_dkdv_kernel", "_sel_dkdv_reduce_kernel",
-                 "_decode_cmp_split_kernel", "_decode_topn_kernel", "_decode_parts_kernel", "_decode_combine_kernel"]:
+                 "_decode_cmp_split_kernel", "_decode_topn_kernel", "_decode_finish_kernel", "_decode_parts_kernel",
+                 "_decode_combine_kernel"]:
         assert name in kernels, (name, sorted(kernels))
     failed = [(r["kernel"], r["scenario"], r["error"]) for r in rows if not r["ok"]]
     assert not failed, failed
@@ -117,7 +118,7 @@ def test_every_kernel_fits_in_shared_memory(aot_results, arch):
 # kernel: each of its programs takes one step by default, and the two branches' pipeline buffers would not share
 # shared memory, 258 KiB on sm_90; it runs one stage.)
 PIPELINED_KERNELS = ["_interval_fwd_kernel", "_select_topn_kernel", "_sel_fwd_kernel", "_bwd_dq_kernel",
-                     "_interval_bwd_dkdv_kernel", "_sel_bwd_dkdv_kernel"]
+                     "_interval_bwd_dkdv_kernel", "_sel_bwd_dkdv_kernel", "_decode_finish_kernel"]
 UNPIPELINED_LOOPS_ALLOWED = {("_bwd_dq_kernel", "-d128-"): 1}
 
 

@@ -44,6 +44,7 @@ _KNOB_IDS = {
     "decode_topn_blocks": lambda c: f"topn{c['decode_topn_blocks']}blocks",
     "decode_sel_step": lambda c: f"selstep{c['decode_sel_step']}",
     "decode_win_tile": lambda c: f"wintile{c['decode_win_tile']}",
+    "decode_parts": lambda c: "parts" if c["decode_parts"] else "finish",
     "decode_sel_part": lambda c: f"selpart{c['decode_sel_part']}",
     "decode_win_part": lambda c: f"winpart{c['decode_win_part']}",
     "decode_merge_splits": lambda c: f"merge{c['decode_merge_splits']}splits",
@@ -58,7 +59,7 @@ _KNOB_IDS = {
 def _case_id(c):
     parts = [c.get("kind", "attn"), f"T{c['T']}", f"G{c['H'] // c['Hkv']}", f"hkv{c['Hkv']}", f"d{c['D']}",
              c.get("layout", "single"), c.get("dtype", "float32")]
-    parts += [name(c) for knob, name in _KNOB_IDS.items() if c.get(knob)]
+    parts += [name(c) for knob, name in _KNOB_IDS.items() if c.get(knob) is not None]
     return "-".join(parts)
 
 
@@ -128,18 +129,25 @@ CPU_CASES = [
     dict(kind="decode", B=1, T=4400, H=6, Hkv=2, D=16, steps=[4400], Tw=512, params="default",
          decode_topn_blocks=16),
     dict(kind="decode", B=1, T=70, H=2, Hkv=2, D=32, steps=[1, 2, 16, 17, 33, 70], Tw=40, dtype="float16"),
-    # the branch parts: 4 selected blocks per part over n = 6 (the second part half past the list's n slots),
-    # a 40-key window in 16-key parts (3 parts, the last holding 8 keys; the default takes each whole here)
+    # the finish kernel's steps: 4 selected blocks per step over n = 6 (the second step half past the list's
+    # n slots), a 40-key window in 16-key steps (the default takes each whole at these sizes); then the same steps
+    # as parts side by side (a CUDA-graphed step's kernels): 2 selected parts, 3 window parts (the last of 8 keys)
     dict(kind="decode", B=2, T=400, H=6, Hkv=2, D=16, steps=[1, 20, 111, 400], Tw=40, layout="varlen",
          decode_sel_step=4, decode_win_tile=16, param_overrides=dict(sel_num_blocks=6, window_size=40)),
-    # parts of several steps: 2 selected blocks per step, 4 per part (parts of 2 steps and 1); 16 window keys per
-    # step, 32 per part (2 steps, then 1 of 8 keys); and on a static cache's window ring
     dict(kind="decode", B=2, T=400, H=6, Hkv=2, D=16, steps=[1, 20, 111, 400], Tw=40, layout="varlen",
-         decode_sel_step=2, decode_sel_part=4, decode_win_tile=16, decode_win_part=32,
+         decode_parts=True, decode_sel_step=4, decode_win_tile=16,
+         param_overrides=dict(sel_num_blocks=6, window_size=40)),
+    # parts of several steps: 2 selected blocks per step, 4 per part (parts of 2 steps and 1); 16 window keys per
+    # step, 32 per part (2 steps, then 1 of 8 keys); then on a static cache's window ring (parts by default there),
+    # and a static cache's step through the finish kernel
+    dict(kind="decode", B=2, T=400, H=6, Hkv=2, D=16, steps=[1, 20, 111, 400], Tw=40, layout="varlen",
+         decode_parts=True, decode_sel_step=2, decode_sel_part=4, decode_win_tile=16, decode_win_part=32,
          param_overrides=dict(sel_num_blocks=6, window_size=40)),
     dict(kind="decode", B=2, T=120, H=6, Hkv=2, D=16, steps=[1, 30, 41, 77, 119], layout="pad", static=True,
          decode_sel_step=2, decode_sel_part=4, decode_win_tile=16, decode_win_part=32,
          param_overrides=dict(sel_num_blocks=6, window_size=40)),
+    dict(kind="decode", B=2, T=90, H=6, Hkv=2, D=16, steps=[1, 16, 17, 50, 89], Tw=16, layout="varlen", static=True,
+         decode_parts=False),
     # NSACache(static=True)'s layout: full-length key buffers (unwritten keys NaN), the window a ring (first
     # filling, then wrapped past w = 16), the query's key index a tensor; several documents per row, and
     # 16-slot splits and 3-block top-n ranges so that programs past the written keys exist and must find nothing

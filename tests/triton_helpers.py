@@ -108,6 +108,7 @@ def case_setup(case: dict):
     tri._DECODE_TOPN_BLOCKS = case.get("decode_topn_blocks")
     tri._DECODE_SEL_STEP = case.get("decode_sel_step")
     tri._DECODE_WIN_TILE = case.get("decode_win_tile")
+    tri._DECODE_PARTS = case.get("decode_parts")
     tri._DECODE_SEL_PART = case.get("decode_sel_part")
     tri._DECODE_WIN_PART = case.get("decode_win_part")
     tri._DECODE_MERGE_SPLITS = case.get("decode_merge_splits")
