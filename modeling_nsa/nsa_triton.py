@@ -1240,7 +1240,7 @@ if _HAS_TRITON:
         hh = tl.arange(0, G_PAD)
         dtype: tl.constexpr = OUT.dtype.element_ty
         _, l_i, acc, _, _ = _merge_partials(PM, PL, PACC, PCNT, pid_bg.to(tl.int64) * S, S, hh, d, G_PAD, D, SB, True,
-                                            True)
+                                            False)  # (the slot counts are the top-n kernel's)
         o_cmp = _branch_output(acc, l_i, dtype)
         _, l_i, acc = _decode_selected(q, TOPV, TOPI, KS, VS, pid_bg, b, g, t, start, n_prog, 0, N_SEL, sm_scale2,
                                        ks_bs, vs_bs, d, HKV, G_PAD, D, LB, N_PAD, N_SEL, LISTS, SEL_STEP)
@@ -1280,7 +1280,7 @@ if _HAS_TRITON:
                                            WIN_PART, sm_scale2, kw_bs, vw_bs, d, HKV, G_PAD, D, WIN, BLOCK_N, STATIC)
         else:
             m_i, l_i, acc, _, _ = _merge_partials(PM, PL, PACC, PCNT, pid_bg.to(tl.int64) * S, S, hh, d, G_PAD, D, SB,
-                                                  True, True)
+                                                  True, False)
         base = (pid_bg.to(tl.int64) * n_parts + part) * G_PAD + hh  # (G_PAD,) partial rows
         tl.store(OM + base, m_i)
         tl.store(OL + base, l_i)
