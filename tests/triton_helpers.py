@@ -498,13 +498,13 @@ def check_memory_accesses():
 
     load, store = interpreter.InterpreterBuilder.create_masked_load, interpreter.InterpreterBuilder.create_masked_store
 
-    def checked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+    def checked_load(self, ptrs, mask, *rest):  # (the arguments after mask differ between triton versions)
         check("load", ptrs, mask)
-        return load(self, ptrs, mask, other, cache_policy, is_volatile)
+        return load(self, ptrs, mask, *rest)
 
-    def checked_store(self, ptrs, value, mask, cache_policy):
+    def checked_store(self, ptrs, value, mask, *rest):
         check("store", ptrs, mask)
-        return store(self, ptrs, value, mask, cache_policy)
+        return store(self, ptrs, value, mask, *rest)
 
     interpreter.GridExecutor._init_args_hst = init_args_recording_ranges
     interpreter.InterpreterBuilder.set_grid_idx = set_grid_idx_closing_the_program
