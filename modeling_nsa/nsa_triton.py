@@ -1024,16 +1024,9 @@ if _HAS_TRITON:
         STATIC (a static cache's fixed-size buffers): the query is key TEND[0], not Tk - 1 (_decode_query)."""
         pid_bg = tl.program_id(0)
         sp = tl.program_id(1)
-        b = (pid_bg // HKV).to(tl.int64)
-        g = pid_bg % HKV
-        t = _decode_query(TEND, Tk, STATIC)
-        pos = tl.load(DOCPOS + b * dp_bs + t)
-        start = tl.where(pos >= 0, t - pos, Tk)  # a padded query sees nothing
-        hh = tl.arange(0, G_PAD)
-        row_ok = hh < G
-        d = tl.arange(0, D)
-        row = b * H + g * G + hh
-        q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        b, g, t, start, valid, hh, row, row_ok, q, d = _decode_rows(Q, DOCPOS, TEND, pid_bg, Tk, dp_bs, H, HKV, G, D,
+                                                                     G_PAD, STATIC)
+        start = tl.where(valid, start, Tk)  # a padded query sees nothing
         cc = sp * CS + tl.arange(0, CS)
         end = tl.load(CEND + b * ce_bs + cc, mask=cc < Nc, other=-1)
         vis = (end >= start) & (end <= t)
@@ -1139,20 +1132,25 @@ if _HAS_TRITON:
         tl.store(TOPI + out, tl.reshape(tl.where(keep, top_i, -1), (N_PAD,)))
 
     @triton.jit
-    def _decode_rows(Q, DOCPOS, TEND, pid_bg, Tk, dp_bs, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
-                     D: tl.constexpr, G_PAD: tl.constexpr, STATIC: tl.constexpr):
-        """A decode program's query: (b, g, the query's key index t, its document's first key, valid (not
-        padding), the G heads' rows of Q padded to G_PAD, row_ok, q (G_PAD, D), d)."""
+    def _group_rows(pid_bg, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                    G_PAD: tl.constexpr):
+        """A decode program's (row b, KV group g) and its G heads: (b, g, head index hh (G_PAD,), their rows of
+        the (B * H) query/output rows, row_ok (hh < G), d = arange(D))."""
         b = (pid_bg // HKV).to(tl.int64)
         g = pid_bg % HKV
+        hh = tl.arange(0, G_PAD)
+        return b, g, hh, b * H + g * G + hh, hh < G, tl.arange(0, D)
+
+    @triton.jit
+    def _decode_rows(Q, DOCPOS, TEND, pid_bg, Tk, dp_bs, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
+                     D: tl.constexpr, G_PAD: tl.constexpr, STATIC: tl.constexpr):
+        """A decode program's query: _group_rows' (b, g, hh, row, row_ok, d) with the query's key index t, its
+        document's first key (t + 1 for a padded query), valid (not padding) and q (G_PAD, D)."""
+        b, g, hh, row, row_ok, d = _group_rows(pid_bg, H, HKV, G, D, G_PAD)
         t = _decode_query(TEND, Tk, STATIC)
         pos = tl.load(DOCPOS + b * dp_bs + t)
-        hh = tl.arange(0, G_PAD)
-        row_ok = hh < G
-        d = tl.arange(0, D)
-        row = b * H + g * G + hh
         q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-        return b, g, t, t - pos, pos >= 0, row, row_ok, q, d
+        return b, g, t, t - pos, pos >= 0, hh, row, row_ok, q, d
 
     @triton.jit
     def _decode_selected(q, TOPV, TOPI, KS, VS, pid_bg, b, g, t, start, n_prog, slot_lo, slot_hi, sm_scale2, ks_bs,
@@ -1235,9 +1233,8 @@ if _HAS_TRITON:
         cache's buffers). STATIC: the query is key TEND[0] and KW/VW a ring of Tw slots (key p at slot p % Tw);
         otherwise KW/VW hold keys Tk - Tw .. Tk - 1."""
         pid_bg = tl.program_id(0)
-        b, g, t, start, valid, row, row_ok, q, d = _decode_rows(Q, DOCPOS, TEND, pid_bg, Tk, dp_bs, H, HKV, G, D,
-                                                                 G_PAD, STATIC)
-        hh = tl.arange(0, G_PAD)
+        b, g, t, start, valid, hh, row, row_ok, q, d = _decode_rows(Q, DOCPOS, TEND, pid_bg, Tk, dp_bs, H, HKV, G, D,
+                                                                     G_PAD, STATIC)
         dtype: tl.constexpr = OUT.dtype.element_ty
         _, l_i, acc, _, _ = _merge_partials(PM, PL, PACC, PCNT, pid_bg.to(tl.int64) * S, S, hh, d, G_PAD, D, SB, True,
                                             False)  # (the slot counts are the top-n kernel's)
@@ -1267,9 +1264,9 @@ if _HAS_TRITON:
         its softmax partial (max, sum, unnormalized output per head) for _decode_combine_kernel."""
         pid_bg = tl.program_id(0)
         part = tl.program_id(1)
-        b, g, t, start, valid, row, row_ok, q, d = _decode_rows(Q, DOCPOS, TEND, pid_bg, Tk, dp_bs, H, HKV, G, D,
-                                                                 G_PAD, STATIC)
-        hh = tl.arange(0, G_PAD)
+        # (rows unused: a name reused by the branches below must keep one type, so not `_`)
+        b, g, t, start, valid, hh, rows, rows_ok, q, d = _decode_rows(Q, DOCPOS, TEND, pid_bg, Tk, dp_bs, H, HKV, G, D,
+                                                                     G_PAD, STATIC)
         if part < SEL_PARTS:
             slot_hi = tl.minimum(part * SEL_PART + SEL_PART, N_SEL)
             m_i, l_i, acc = _decode_selected(q, TOPV, TOPI, KS, VS, pid_bg, b, g, t, start, n_prog, part * SEL_PART,
@@ -1296,12 +1293,7 @@ if _HAS_TRITON:
         the first SEL_PARTS, window: the next, compressed: the last), PB parts per vector load, rounded to the
         output dtype as the training path stores them, and the gated sum (Eq. 5)."""
         pid_bg = tl.program_id(0)
-        b = (pid_bg // HKV).to(tl.int64)
-        g = pid_bg % HKV
-        hh = tl.arange(0, G_PAD)
-        row_ok = hh < G
-        d = tl.arange(0, D)
-        row = b * H + g * G + hh
+        _, _, hh, row, row_ok, d = _group_rows(pid_bg, H, HKV, G, D, G_PAD)
         dtype: tl.constexpr = OUT.dtype.element_ty
         first = pid_bg.to(tl.int64) * n_parts
         _, l_i, acc, _, _ = _merge_partials(OM, OL, OACC, OM, first, SEL_PARTS, hh, d, G_PAD, D, PB, True, False)

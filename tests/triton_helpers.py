@@ -462,10 +462,10 @@ def check_memory_accesses():
     set_grid_idx = interpreter.InterpreterBuilder.set_grid_idx
 
     def set_grid_idx_closing_the_program(self, x, y, z):
-        if launch:  # the finished program's writes join those the next programs may not touch
-            launch["written_before"] = np.union1d(launch["written_before"], np.concatenate(
-                [launch["written_before"][:0], *launch["written_now"]]))
-            launch["written_now"] = []
+        if launch:
+            if launch["written_now"]:  # the finished program's writes join those the next programs may not touch
+                launch["written_before"] = np.union1d(launch["written_before"], np.concatenate(launch["written_now"]))
+                launch["written_now"] = []
             launch["program"] = (x, y, z)
         return set_grid_idx(self, x, y, z)
 
@@ -512,11 +512,17 @@ def check_memory_accesses():
     interpreter.InterpreterBuilder.create_masked_store = checked_store
 
 
-def main(argv):
-    cases = json.loads(argv[1])
-    import_nsa()[2].torch = PoisonedAllocations()  # every case: see PoisonedAllocations
+def check_kernels_as_on_a_gpu():
+    """Poisoned allocations in nsa_triton's launchers and, under the interpreter, every kernel access checked (see
+    PoisonedAllocations and check_memory_accesses). Call once per process, before the kernels run."""
+    import_nsa()[2].torch = PoisonedAllocations()
     if os.environ.get("TRITON_INTERPRET") == "1":
         check_memory_accesses()
+
+
+def main(argv):
+    cases = json.loads(argv[1])
+    check_kernels_as_on_a_gpu()
     results = []
     for case in cases:
         try:
