@@ -171,8 +171,13 @@ def main():
         per_kernel = kernel_ms(decode)
         row = dict(variant=name, **{k: per_kernel.get(k, 0.0) * 1000 for k in DECODE})
         # the step replayed from a CUDA graph (as generate() with a static cache runs it): the kernels' times and
-        # the gaps between them, without Python
-        row["graphed"] = time_ms(cuda_graph(lambda: decode(query_end)), 5, 50) * 1000
+        # the gaps between them, without Python (a failed capture is reported, as bench_attention does, and the
+        # sweep goes on)
+        try:
+            row["graphed"] = time_ms(cuda_graph(lambda: decode(query_end)), 5, 50) * 1000
+        except Exception as exc:
+            row["graphed"], row["graph_error"] = float("nan"), f"{type(exc).__name__}: {exc}"[:200]
+            print(json.dumps(row), flush=True)
         decode_rows.append(dict(row, total=sum(row[k] for k in DECODE)))
     apply({})
 
