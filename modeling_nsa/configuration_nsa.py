@@ -54,7 +54,7 @@ class NSAConfig(PreTrainedConfig):
     head_dim: int = 64
     hidden_act: str = "silu"
     max_position_embeddings: int = 8192
-    rope_theta: float = 10000.0
+    rope_theta: float | int = 10000.0  # an int (config.json files often say 500000) is stored as a float
     rms_norm_eps: float = 1e-6
     initializer_range: float = 0.02
     use_cache: bool = True
@@ -79,11 +79,14 @@ class NSAConfig(PreTrainedConfig):
     nsa_backend: str = "auto"
 
     def __post_init__(self, **kwargs):
+        if isinstance(self.rope_theta, int) and not isinstance(self.rope_theta, bool):
+            self.rope_theta = float(self.rope_theta)
         self.validate_nsa()
         super().__post_init__(**kwargs)
 
     def validate_nsa(self):
-        """The one validation step: run at construction and on load; raises `ValueError` naming the values."""
+        """The one validation step: run at construction, on load and when a model is built from the config (a
+        field set after construction is checked there); raises `ValueError` naming the values."""
         positive = (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "max_position_embeddings", "cmp_block_size", "cmp_stride",
@@ -118,7 +121,7 @@ class NSAConfig(PreTrainedConfig):
                 f"sel_init_blocks + sel_local_blocks ({self.sel_init_blocks} + {self.sel_local_blocks}) must not "
                 f"exceed sel_num_blocks (n={self.sel_num_blocks}): forced blocks take slots of the n."
             )
-        if self.rope_theta <= 0:
+        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}.")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}.")

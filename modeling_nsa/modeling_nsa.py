@@ -57,8 +57,8 @@ def resolve_nsa_backend(requested: str, device: torch.device) -> str:
     """'auto' -> 'triton' where the kernels run (an NVIDIA GPU of compute capability 8.0 or newer with Triton
     installed), else 'reference', said once in the log on a GPU. An explicit 'triton' on a device where the
     kernels cannot run raises instead of quietly changing the code path. (Parameters the kernels do not handle
-    on a device where they run, an unsupported head_dim say, run the reference with a log line:
-    nsa_triton._reference_fallback; float32 inputs on a GPU compute in bf16, logged: nsa_triton._kernel_inputs.)"""
+    on a device where they run, an unsupported head_dim say, run the reference with a log line under 'auto'
+    (nsa_triton._reference_fallback) and raise under 'triton'; float32 inputs on a GPU compute in bf16, logged: nsa_triton._kernel_inputs.)"""
     if requested == "reference":
         return "reference"
     try:
@@ -79,6 +79,19 @@ def resolve_nsa_backend(requested: str, device: torch.device) -> str:
     return "reference"
 
 
+def _check_explicit_triton(config) -> None:
+    """nsa_backend='triton' with NSA parameters the kernels do not handle raises when the model is built (with
+    'auto' they run the reference, logged), rather than running the O(T^2)-memory reference in their place."""
+    if config.nsa_backend != "triton" or config.attention_mode != "nsa":
+        return
+    from .nsa_triton import triton_unsupported_reason
+
+    reason = triton_unsupported_reason(NSAParams.from_config(config), config.head_dim)
+    if reason:
+        raise ValueError(f"nsa_backend='triton' but the Triton kernels do not handle {reason}. Change it, or use "
+                         "nsa_backend='auto' (the PyTorch reference where the kernels do not apply, logged).")
+
+
 def nsa_attention(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, backend="auto",
                   query_end=None):
     """Gated NSA output (B, Tq, H, D) for queries at the last Tq of Tk key positions (or, query_end: a static
@@ -88,9 +101,15 @@ def nsa_attention(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, d
     (Tq = Tk = Tw, differentiable) and chunks after a cache (decode, no autograd); a chunk after a
     cache that needs gradients uses the reference, logged once.
     """
-    backend = resolve_nsa_backend(backend, q.device)
+    requested, backend = backend, resolve_nsa_backend(backend, q.device)
     if backend == "triton":
         from . import nsa_triton
+
+        if requested == "triton":  # (the device's part: head_dim 256 needs 160 KiB of shared memory per block)
+            unsupported = nsa_triton.triton_unsupported_reason(params, q.shape[-1], q.device)
+            if unsupported:
+                raise RuntimeError(f"nsa_backend='triton' but the Triton kernels do not handle {unsupported} on "
+                                   f"{q.device}. Use nsa_backend='auto' (the PyTorch reference there, logged).")
 
         num_queries, num_keys, num_win = q.shape[1], k_slc.shape[1], k_win.shape[1]
         if num_queries == num_keys == num_win and query_end is None:
@@ -105,6 +124,17 @@ def nsa_attention(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, d
     return nsa_attention_reference(
         q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, query_end=query_end
     )
+
+
+def _check_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> None:
+    """cu_seqlens must be [0, n1, n1 + n2, ...]: 1-D, starting at 0, non-decreasing, ending at most at T."""
+    values = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() != 1 or len(values) < 2:
+        raise ValueError(f"cu_seqlens must be a 1-D list of at least 2 cumulative lengths [0, n1, n1 + n2, ...], "
+                         f"got {values}.")
+    if values[0] != 0 or any(b < a for a, b in zip(values, values[1:])) or values[-1] > seq_len:
+        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at most at the row's {seq_len} "
+                         f"tokens (the cumulative document lengths [0, n1, n1 + n2, ...]); got {values}.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -526,15 +556,17 @@ class NSACache(Cache):
     def append_positions(self, position_ids, attention_mask, batch_size, new_len, device) -> torch.Tensor:
         """Record the new tokens' doc_pos; returns doc_pos of every key position (B, Tk).
 
-        The first chunk may hold packed documents (position_ids restarts) like a forward without
-        cache; later chunks continue each row's last document (generation).
+        Every chunk follows a forward's document rules (a document starts where position_ids is 0 and after
+        padding), so a row fed in chunks gets the doc_pos of one forward over it: a chunk's first token
+        continues the row's last document (generation) unless a rule starts a new one there.
         A static cache returns the prompt's positions for the prompt, then the whole (B, max_cache_len) buffer."""
         if self.static:
             return self._append_static_positions(position_ids, attention_mask, batch_size, new_len, device)
         if self.num_valid is None:
             new_doc_pos = document_positions(position_ids, attention_mask, batch_size, new_len, device)
         else:
-            new_doc_pos = cached_document_positions(attention_mask, self.num_valid, batch_size, new_len, device)
+            new_doc_pos = cached_document_positions(position_ids, attention_mask, self.num_valid, batch_size, new_len,
+                                                    device)
         doc_pos = self.positions.append(new_doc_pos)
         self.num_valid = new_doc_pos[:, -1] + 1  # the next token's position in the row's last document
         return doc_pos
@@ -557,7 +589,8 @@ class NSACache(Cache):
                 f"NSACache(static=True) takes one token per step after the prompt, got {new_len}; chunked "
                 "prefill and speculative decoding need the default cache (no cache_implementation='static')."
             )
-        new_doc_pos = cached_document_positions(attention_mask, self.num_valid, batch_size, 1, device)  # (B, 1)
+        new_doc_pos = cached_document_positions(position_ids, attention_mask, self.num_valid, batch_size, 1,
+                                                device)  # (B, 1)
         self.static_positions.index_copy_(1, self.cursor, new_doc_pos)
         self.num_valid.copy_(new_doc_pos[:, 0] + 1)
         return self.static_positions
@@ -870,6 +903,8 @@ class NSAPreTrainedModel(PreTrainedModel):
 
 class NSAModel(NSAPreTrainedModel):
     def __init__(self, config: NSAConfig):
+        config.validate_nsa()  # again: a field may have been set since the config was built
+        _check_explicit_triton(config)
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
@@ -923,8 +958,10 @@ class NSAModel(NSAPreTrainedModel):
         use_cache: bool | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
-        """Documents in a packed row: `position_ids` restarting at 0 (transformers' convention).
-        Padding: `attention_mask` zeros. Tokens appended to a filled cache continue each row's last document."""
+        """Documents in a packed row: a document starts where `position_ids` is 0 (transformers' convention) or
+        at `cu_seqlens` (one flattened row). Padding: `attention_mask` zeros; the first token after padding starts
+        a document. Tokens appended to a filled cache follow the same rules: they continue each row's last
+        document unless one starts a new one."""
         # Training forwards build no cache unless asked: the cache is for generation.
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
         if self.gradient_checkpointing and self.training:
@@ -955,6 +992,8 @@ class NSAModel(NSAPreTrainedModel):
                     f"cu_seqlens describes one flattened row without a cache; got batch={batch}, "
                     f"cache={'yes' if past_key_values is not None else 'no'}. Pass use_cache=False and input_ids of shape (1, T)."
                 )
+            if not torch.compiler.is_compiling():  # (a host read: checked eagerly only)
+                _check_cu_seqlens(cu_seqlens, num_new)
             doc_pos = document_positions_from_cu_seqlens(cu_seqlens, num_new, device)
         elif past_key_values is not None:
             doc_pos = past_key_values.append_positions(position_ids, attention_mask, batch, num_new, device)  # (B, Tk)

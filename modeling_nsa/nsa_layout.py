@@ -56,8 +56,10 @@ def document_positions(
 ) -> torch.Tensor:
     """Per-token position inside its document, -1 for padding. Returns (B, T) int64.
 
-    A document starts at the row start, where `position_ids` does not continue the previous
-    token by +1 (transformers' packed-sequence convention: ids restart at 0), and after padding.
+    A document starts at the row start, where `position_ids` is 0 (transformers' packed-sequence
+    convention, as its flash-attention path reads it), and at the first valid token after padding.
+    Other jumps in `position_ids` do not split a document, so a cache's later chunks (which see no
+    earlier ids) apply the same rule: cached_document_positions.
     """
     index = torch.arange(seq_len, device=device)
     valid = (
@@ -69,7 +71,7 @@ def document_positions(
     is_start[:, 0] = True
     if position_ids is not None:
         position_ids = position_ids.to(device).expand(batch_size, seq_len)
-        is_start[:, 1:] |= position_ids[:, 1:] != position_ids[:, :-1] + 1
+        is_start[:, 1:] |= position_ids[:, 1:] == 0
     is_start[:, 1:] |= ~valid[:, :-1]
     start_index = torch.where(is_start, index, torch.zeros_like(index)).cummax(dim=-1).values  # (B, T)
     doc_pos = index - start_index
@@ -77,19 +79,35 @@ def document_positions(
 
 
 def cached_document_positions(
-    attention_mask: torch.Tensor | None, past_valid: torch.Tensor, batch_size: int, new_len: int, device
+    position_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    past_valid: torch.Tensor,
+    batch_size: int,
+    new_len: int,
+    device,
 ) -> torch.Tensor:
-    """doc_pos of `new_len` tokens appended to a cache holding `past_valid` (B,) valid tokens per row.
+    """doc_pos of `new_len` tokens appended to a cache whose last token has doc_pos `past_valid - 1` (B,)
+    (0 where it was padding). Returns (B, new_len) int64, -1 at padding.
 
-    With a cache each row is one document (generation); `attention_mask` covers past + new tokens
-    (left padding allowed). Returns (B, new_len) int64, -1 at padding.
+    The rules of document_positions over the whole row, applied to the new tokens only: each continues the
+    row's last document unless its position id is 0 or it follows padding (`attention_mask` covers past +
+    new tokens), so every chunking of a row gives the doc_pos of one forward over it.
     """
-    if attention_mask is None:
-        new_valid = torch.ones(batch_size, new_len, dtype=torch.long, device=device)
-    else:
-        new_valid = attention_mask[:, -new_len:].to(device=device, dtype=torch.long)
-    doc_pos = past_valid[:, None] + new_valid.cumsum(-1) - 1
-    return torch.where(new_valid.bool(), doc_pos, torch.full_like(doc_pos, -1))
+    index = torch.arange(new_len, device=device)
+    valid = (
+        torch.ones(batch_size, new_len, dtype=torch.bool, device=device)
+        if attention_mask is None
+        else attention_mask[:, -new_len:].to(device=device).bool()
+    )
+    is_start = torch.zeros(batch_size, new_len, dtype=torch.bool, device=device)
+    if position_ids is not None:
+        is_start |= position_ids[:, -new_len:].to(device).expand(batch_size, new_len) == 0
+    is_start[:, 1:] |= ~valid[:, :-1]
+    # start index of each token's document; -past_valid: the one the cache's last token is in
+    continuing = (-past_valid.to(device=device, dtype=torch.long))[:, None].expand(batch_size, new_len)
+    start_index = torch.where(is_start, index, continuing).cummax(dim=-1).values  # (B, new_len)
+    doc_pos = index - start_index
+    return torch.where(valid, doc_pos, torch.full_like(doc_pos, -1))
 
 
 def compressed_token_ends(doc_pos: torch.Tensor, params: NSAParams, num_slots: int | None = None) -> torch.Tensor:

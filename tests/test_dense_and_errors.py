@@ -140,6 +140,43 @@ def test_valid_odd_config_accepted():
     assert cfg.num_key_value_groups == 3
 
 
+def test_a_field_set_after_construction_is_checked_when_the_model_is_built():
+    config = tiny_config()
+    config.window_size = 0  # attribute assignment runs no validation of its own
+    with pytest.raises(ValueError, match="window_size must be a positive integer, got 0"):
+        NSAForCausalLM(config)
+    config = tiny_config()
+    config.cmp_stride = 3
+    with pytest.raises(ValueError, match="cmp_stride"):
+        NSAForCausalLM(config)
+
+
+def test_an_integer_rope_theta_is_accepted_as_a_float(tmp_path):
+    """config.json files often say "rope_theta": 500000."""
+    import json
+
+    assert NSAConfig(rope_theta=500000).rope_theta == 500000.0
+    NSAConfig().save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    data = json.loads(path.read_text())
+    data["rope_theta"] = 500000
+    path.write_text(json.dumps(data))
+    loaded = NSAConfig.from_pretrained(tmp_path)
+    assert isinstance(loaded.rope_theta, float) and loaded.rope_theta == 500000.0
+    with pytest.raises(ValueError, match="rope_theta"):
+        NSAConfig(rope_theta=0)
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (dict(head_dim=48), "head_dim=48"),  # even (RoPE), not a power of two
+    (dict(head_dim=16, cmp_block_size=32, cmp_stride=4, sel_block_size=16), "cmp_block_size=32"),  # l > l'
+], ids=["head_dim48", "l-above-lsel"])  # fmt: skip
+def test_explicit_triton_with_parameters_the_kernels_do_not_handle_fails_when_built(overrides, needle):
+    with pytest.raises(ValueError, match=f"nsa_backend='triton' but the Triton kernels do not handle {needle}"):
+        NSAForCausalLM(tiny_config(nsa_backend="triton", **overrides))
+    NSAForCausalLM(tiny_config(nsa_backend="auto", **overrides))  # 'auto' runs the reference there
+
+
 @pytest.fixture(scope="module")
 def small_model():
     torch.manual_seed(0)
@@ -168,3 +205,12 @@ def test_position_ids_length_mismatch(small_model):
     ids = torch.randint(0, 61, (1, 10))
     with pytest.raises(ValueError, match="9"):
         small_model(ids, position_ids=torch.arange(9)[None])
+
+
+@pytest.mark.parametrize("cu_seqlens", [[2, 5, 10], [0, 7, 5, 10], [0, 5, 11], [0]],
+                         ids=["not-from-0", "decreasing", "past-the-row", "one-value"])  # fmt: skip
+def test_malformed_cu_seqlens_raise_naming_them(small_model, cu_seqlens):
+    ids = torch.randint(0, 61, (1, 10))
+    with pytest.raises(ValueError, match="cu_seqlens") as info:
+        small_model(ids, cu_seq_lens_q=torch.tensor(cu_seqlens, dtype=torch.int32), use_cache=False)
+    assert str(cu_seqlens) in str(info.value)

@@ -69,6 +69,43 @@ def test_cached_logits_match_full_forward_for_chunks_and_single_tokens(variant):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS), ids=list(VARIANTS))
+def test_chunks_with_padding_gaps_and_document_restarts_give_the_full_forward_logits(variant):
+    """The document rules (a new document where position_ids is 0 and after padding) hold across chunks: a
+    chunk's first token may follow padding or start a document, a gap may open inside a chunk. Padded tokens
+    are never attended: changing their ids changes no valid logit, cached or not."""
+    model = make_model(**VARIANTS[variant])
+    T = 64
+    tokens = torch.randint(1, 97, (2, T), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[0, :3] = 0  # left padding
+    mask[0, 19:22] = 0  # a gap inside the second chunk, running to its end
+    mask[0, 30:31] = 0  # a gap inside the third chunk
+    mask[1, 40:41] = 0  # a gap that is the first token of a chunk
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # generate()'s ids: they run on across gaps
+    position_ids[1, 45:] = torch.arange(T - 45)  # row 1: a packed document starts inside a later chunk
+    position_ids[1, 52:] = torch.arange(T - 52)  # ... and one at a chunk's first token
+    bounds = [0, 9, 22, 40, 46, 52, 53, 57, *range(58, T + 1)]
+    valid = mask.bool()
+
+    def chunked(ids):
+        cache, pieces = NSACache(model.config), []
+        for a, b in zip(bounds, bounds[1:]):
+            out = model(ids[:, a:b], attention_mask=mask[:, :b], position_ids=position_ids[:, a:b],
+                        past_key_values=cache, use_cache=True)  # fmt: skip
+            pieces.append(out.logits)
+        return torch.cat(pieces, 1)
+
+    with torch.no_grad():
+        full = model(tokens, attention_mask=mask, position_ids=position_ids, use_cache=False).logits
+        got = chunked(tokens)
+        torch.testing.assert_close(got[valid], full[valid], rtol=1e-9, atol=1e-9)
+        other_padding = torch.where(valid, tokens, torch.randint_like(tokens, 1, 97))
+        torch.testing.assert_close(chunked(other_padding)[valid], got[valid], rtol=0, atol=0)
+        full_other = model(other_padding, attention_mask=mask, position_ids=position_ids, use_cache=False).logits
+        torch.testing.assert_close(full_other[valid], full[valid], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS), ids=list(VARIANTS))
 def test_left_padded_batch_generation_equals_one_by_one(variant):
     model = make_model(**VARIANTS[variant])
     gen = torch.Generator().manual_seed(2)

@@ -81,6 +81,19 @@ def test_cu_seqlens_and_position_id_restarts_describe_the_same_documents():
     torch.testing.assert_close(by_cu_seqlens[:, 13:53], alone, rtol=1e-10, atol=1e-10)
 
 
+def test_only_a_restart_at_zero_starts_a_document():
+    """transformers' packed-sequence rule: a jump in position_ids (ids offset or skipped) is not a document start."""
+    torch.manual_seed(0)
+    model = NSAForCausalLM(NSAConfig(**TINY)).double().eval()
+    ids = torch.randint(0, 113, (1, 30))
+    one_document = model(ids, use_cache=False).logits
+    jumps = torch.cat([torch.arange(5, 17), torch.arange(40, 58)])[None]  # starts at 5, jumps from 16 to 40
+    torch.testing.assert_close(model(ids, position_ids=jumps, use_cache=False).logits, one_document, rtol=0, atol=0)
+    restart = torch.cat([torch.arange(12), torch.arange(18)])[None]
+    two_documents = model(ids, position_ids=restart, use_cache=False).logits
+    torch.testing.assert_close(two_documents[:, 12:], model(ids[:, 12:], use_cache=False).logits, rtol=1e-10, atol=1e-10)
+
+
 def test_backend_auto_is_reference_on_cpu_and_explicit_triton_without_a_gpu_fails_clearly(monkeypatch):
     from modeling_nsa.modeling_nsa import resolve_nsa_backend
 
