@@ -79,10 +79,25 @@ class NSAConfig(PreTrainedConfig):
     nsa_backend: str = "auto"
 
     def __post_init__(self, **kwargs):
+        # transformers 5 spells RoPE as rope_parameters (rope_scaling before it): NSA's is plain RoPE, whose one
+        # parameter is rope_theta, so those become rope_theta here and any scaling is refused
+        for name in ("rope_scaling", "rope_parameters"):
+            if kwargs.get(name) is not None:
+                self._take_rope_parameters(name, kwargs.pop(name))
+            kwargs.pop(name, None)
         if isinstance(self.rope_theta, int) and not isinstance(self.rope_theta, bool):
             self.rope_theta = float(self.rope_theta)
         self.validate_nsa()
         super().__post_init__(**kwargs)
+
+    def _take_rope_parameters(self, name: str, value) -> None:
+        rope_type = value.get("rope_type", value.get("type", "default")) if isinstance(value, dict) else None
+        if rope_type != "default":
+            raise ValueError(
+                f"NSAConfig.{name}={value!r}: NSA's rotary embedding is plain RoPE (rope_type 'default'), with no "
+                "scaling; set rope_theta (e.g. rope_theta=500000.0) instead."
+            )
+        self.rope_theta = value.get("rope_theta", self.rope_theta)
 
     def validate_nsa(self):
         """The one validation step: run at construction, on load and when a model is built from the config (a
@@ -121,6 +136,12 @@ class NSAConfig(PreTrainedConfig):
                 f"sel_init_blocks + sel_local_blocks ({self.sel_init_blocks} + {self.sel_local_blocks}) must not "
                 f"exceed sel_num_blocks (n={self.sel_num_blocks}): forced blocks take slots of the n."
             )
+        for name in ("rope_parameters",):  # set after construction (config.rope_scaling = ... sets it too)
+            if getattr(self, name, None) is not None:
+                self._take_rope_parameters(name, getattr(self, name))
+                if isinstance(self.rope_theta, int) and not isinstance(self.rope_theta, bool):
+                    self.rope_theta = float(self.rope_theta)
+                delattr(self, name)
         if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}.")
         if self.head_dim % 2 != 0:

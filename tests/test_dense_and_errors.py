@@ -167,6 +167,26 @@ def test_an_integer_rope_theta_is_accepted_as_a_float(tmp_path):
         NSAConfig(rope_theta=0)
 
 
+def test_rope_parameters_give_rope_theta_and_scaling_is_refused():
+    """transformers 5's rope_parameters (rope_scaling before it): plain RoPE takes its rope_theta; a scaled RoPE,
+    which NSA does not implement, is refused rather than ignored (also when set after construction)."""
+    config = NSAConfig(rope_parameters={"rope_type": "default", "rope_theta": 500000})
+    assert config.rope_theta == 500000.0 and "rope_parameters" not in config.to_dict()
+    for bad in [dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}),
+                dict(rope_scaling={"rope_type": "linear", "factor": 4.0})]:  # fmt: skip
+        with pytest.raises(ValueError, match="plain RoPE .*set rope_theta"):
+            NSAConfig(**bad)
+    config = tiny_config()
+    config.rope_parameters = {"rope_type": "linear", "factor": 2.0}
+    with pytest.raises(ValueError, match="plain RoPE"):
+        NSAForCausalLM(config)
+    config = tiny_config()
+    config.rope_parameters = {"rope_type": "default", "rope_theta": 1000.0}
+    model = NSAForCausalLM(config)
+    expected = 1.0 / 1000.0 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8)
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, expected)
+
+
 @pytest.mark.parametrize("overrides,needle", [
     (dict(head_dim=48), "head_dim=48"),  # even (RoPE), not a power of two
     (dict(head_dim=16, cmp_block_size=32, cmp_stride=4, sel_block_size=16), "cmp_block_size=32"),  # l > l'
