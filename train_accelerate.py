@@ -32,13 +32,14 @@ from accelerate.utils import (
     broadcast_object_list,
     gather_object,
     is_tensorboard_available,
+    is_trackio_available,
     parse_flag_from_env,
     set_seed,
 )
 from tqdm.auto import tqdm
 from transformers import HfArgumentParser
 
-from nsa_train import checkpoint, data, hub, metrics
+from nsa_train import checkpoint, data, hub, metrics, model_card
 from nsa_train.model_card import run_card_fields, write_model_card
 
 MODEL_PRESETS = {
@@ -63,8 +64,8 @@ PRESETS = {  # defaults a preset sets; flags given on the command line still win
 class TrainConfig:
     preset: str | None = field(default=None, metadata={"help": f"Defaults for a named setup: {list(PRESETS)}."})
     # data
-    dataset: str = field(default="fineweb-edu", metadata={"help": "fineweb-edu | python-docs | hf://NAME | PATH (file, dir, glob of parquet/jsonl/txt)."})
-    dataset_config: str = field(default="sample-10BT", metadata={"help": "Hub dataset config (FineWeb-Edu: sample-10BT, sample-100BT, ...)."})
+    dataset: str = field(default="fineweb-edu", metadata={"help": "fineweb-edu | python-docs | hf://NAME (a Hub dataset, streamed) | PATH (file, dir, glob of parquet/jsonl/txt)."})
+    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset config; when not given: sample-10BT for fineweb-edu (or sample-100BT, ...), the dataset's own default for hf://NAME."})
     text_column: str = "text"
     tokenizer: str = field(default="gpt2", metadata={"help": "AutoTokenizer name or path, or 'byt5' (byte-level, no files)."})
     seq_len: int = 2048
@@ -74,10 +75,10 @@ class TrainConfig:
     val_every_doc: int = field(default=100, metadata={"help": "Document i is held out for validation when i %% N == 0."})
     val_tokens: int = field(default=1 << 18, metadata={"help": "Validation set size in tokens (split across processes)."})
     # model
-    model: str = field(default="125m", metadata={"help": f"{list(MODEL_PRESETS)} or a config.json path."})
+    model: str = field(default="125m", metadata={"help": f"The architecture (weights start random): {list(MODEL_PRESETS)}, a config.json or a directory holding one (e.g. a run's final/)."})
     model_overrides: str = field(default="", metadata={"help": 'JSON of NSAConfig fields, e.g. \'{"num_hidden_layers": 6}\'.'})
-    attention_mode: Literal["nsa", "dense"] = "nsa"
-    nsa_backend: Literal["auto", "reference", "triton"] = "auto"
+    attention_mode: Literal["nsa", "dense"] | None = field(default=None, metadata={"help": "nsa | dense; when not given: the --model config.json's, else nsa."})
+    nsa_backend: Literal["auto", "reference", "triton"] = field(default="auto", metadata={"help": "A runtime choice: a --model config.json's value is not used."})
     gradient_checkpointing: bool = False
     compile: bool = False
     # optimization
@@ -101,7 +102,7 @@ class TrainConfig:
     powersgd_rank: int = 4
     # logging, eval, watchdog
     output_dir: str | None = field(default=None, metadata={"help": "Default runs/<date-time>."})
-    log_every: int = 10
+    log_every: int = field(default=10, metadata={"help": "Log the training loss every N steps (0: never)."})
     eval_every: int = 250
     report_to: Literal["tensorboard", "trackio", "none"] = "tensorboard"
     stall_timeout: float = field(default=1800.0, metadata={"help": "Seconds without progress before the watchdog dumps stacks and exits (0: off)."})
@@ -143,27 +144,42 @@ def parse_args(argv=None) -> TrainConfig:
         close = [m for u in unknown if u.startswith("-") for m in difflib.get_close_matches(u.split("=")[0], flags, 3)]
         hint = f" (did you mean {' or '.join(dict.fromkeys(close))}?)" if close else ""
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    for name, least in (("micro_batch_size", 1), ("grad_accum", 1), ("max_steps", 0), ("log_every", 0),
+                        ("eval_every", 0), ("save_every", 0)):  # fmt: skip
+        if getattr(cfg, name) < least:
+            flag = "--" + name.replace("_", "-")
+            parser.error(f"{flag} {getattr(cfg, name)}: must be {'a positive integer' if least else 'at least 0'}.")
     return cfg
 
 
 def build_model(cfg: TrainConfig, tokenizer):
+    from huggingface_hub.errors import StrictDataclassError
+
     from modeling_nsa import NSAConfig, NSAForCausalLM
 
+    config_file = Path(cfg.model) / "config.json" if Path(cfg.model).is_dir() else Path(cfg.model)
     if cfg.model in MODEL_PRESETS:
         fields = dict(MODEL_PRESETS[cfg.model])
-    elif Path(cfg.model).is_file():
-        fields = json.loads(Path(cfg.model).read_text())
+    elif config_file.is_file():  # the architecture only: the weights start random
+        fields = json.loads(config_file.read_text())
         fields = {k: v for k, v in fields.items() if k in NSAConfig.__dataclass_fields__}
     else:
-        raise ValueError(f"--model {cfg.model!r}: not one of {list(MODEL_PRESETS)} and not a config file.")
-    fields.update(parse_model_overrides(cfg.model_overrides, NSAConfig))
+        raise ValueError(f"--model {cfg.model!r}: not one of {list(MODEL_PRESETS)}, a config.json file or a directory "
+                         "holding one.")  # fmt: skip
+    overrides = parse_model_overrides(cfg.model_overrides, NSAConfig)
+    fields.update(overrides)
     fields.update(
         vocab_size=math.ceil(len(tokenizer) / 64) * 64,  # padded for tensor cores (GPT-2: 50257 -> 50304)
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-        attention_mode=cfg.attention_mode, nsa_backend=cfg.nsa_backend,
+        attention_mode=cfg.attention_mode or fields.get("attention_mode", "nsa"),  # the flag, else the file's
+        nsa_backend=cfg.nsa_backend,  # a runtime choice, never the file's
     )  # fmt: skip
-    config = NSAConfig(**fields)  # raises ValueError on invalid NSA settings
+    try:
+        config = NSAConfig(**fields)  # raises ValueError on invalid NSA settings
+    except (TypeError, StrictDataclassError) as e:  # a value of the wrong type, e.g. "2" for 2
+        source = "--model-overrides" if any(repr(k) in str(e) for k in overrides) else f"--model {cfg.model!r}"
+        raise ValueError(f"{source}: {' '.join(str(e).split())}") from None
     if cfg.seq_len < 2 or cfg.seq_len > config.max_position_embeddings:
         raise ValueError(
             f"--seq-len {cfg.seq_len} cannot be taken by this model (max_position_embeddings="
@@ -289,6 +305,17 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
             f"--output-dir {out_dir} already holds checkpoints of a run (latest: {existing.name}). Pass --resume "
             "latest to continue that run, or a new (or empty) --output-dir to start a new one."
         )
+    leftovers = [name for name in ("metrics.jsonl", "final", "summary.json") if (out_dir / name).exists()]
+    if leftovers and not cfg.resume:  # a run without checkpoints: its metrics and final/ would be mixed or replaced
+        raise ValueError(
+            f"--output-dir {out_dir} already holds the output of a run ({', '.join(leftovers)}) and no checkpoint. "
+            "Pass a new (or empty) --output-dir to start a new run (--resume latest would train again here from "
+            "step 0, adding to its metrics.jsonl)."
+        )
+    for tracker, available in (("tensorboard", is_tensorboard_available), ("trackio", is_trackio_available)):
+        if cfg.report_to == tracker and not available():
+            state.print(f"{tracker} is not installed: logging to stdout and metrics.jsonl only (pip install {tracker})")
+            cfg.report_to = "none"
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.grad_accum,
         mixed_precision=cfg.mixed_precision,
@@ -298,14 +325,9 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     )
     main_proc, world = accelerator.is_main_process, accelerator.num_processes
     say = accelerator.print
-    if cfg.report_to == "tensorboard" and not is_tensorboard_available():
-        say("tensorboard is not installed: logging to stdout and metrics.jsonl only (pip install tensorboard)")
-        cfg.report_to = "none"
     if cfg.warmup_steps >= cfg.max_steps > 0:
         say(f"warning: --warmup-steps {cfg.warmup_steps} >= --max-steps {cfg.max_steps}: the whole run is warm-up and "
             "the cosine decay never starts; lower --warmup-steps (e.g. to a tenth of --max-steps).")
-    if main_proc:
-        out_dir.mkdir(parents=True, exist_ok=True)
     watchdog = metrics.Watchdog(cfg.stall_timeout, out_dir / "heartbeat.json" if main_proc else None,
                                 out_dir / f"stacks_rank{accelerator.process_index}.txt")  # fmt: skip
     cleanup.append(watchdog.stop)
@@ -316,6 +338,14 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     source = data.make_source(cfg.dataset, cfg.text_column, cfg.dataset_config)
     model = build_model(cfg, tokenizer)
     tokenizer.model_max_length = model.config.max_position_embeddings  # long documents are packed, not truncated
+    cfg.attention_mode = model.config.attention_mode  # the flag's or the --model file's: run.json records it
+    if cfg.attention_mode == "nsa":  # an explicit --nsa-backend triton where the kernels cannot run fails here
+        from modeling_nsa.modeling_nsa import resolve_nsa_backend
+
+        try:
+            resolve_nsa_backend(cfg.nsa_backend, accelerator.device)
+        except RuntimeError as e:
+            raise ValueError(f"--nsa-backend {cfg.nsa_backend}: {e} (--nsa-backend auto picks what runs here)") from None
     hub_api = None
     if cfg.push_to_hub:
         result = [None]
@@ -330,6 +360,8 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
             raise hub.HubError(result[0])
     val_rows = data.validation_rows(source, tokenizer, cfg.seq_len, cfg.val_every_doc, cfg.val_tokens,
                                     cfg.cross_doc_attention)  # fmt: skip
+    if main_proc:  # only now: a run that fails in its checks above leaves no empty directory behind
+        out_dir.mkdir(parents=True, exist_ok=True)
     watchdog.beat(phase="setup")
     if cfg.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23
@@ -348,22 +380,27 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     step, tokens_seen, skipped, val_loss, val_ppl = 0, 0, 0, None, None
     data_state = data.DataState()
     model_config = checkpoint.model_fields(accelerator.unwrap_model(model).config)
+    run_config = asdict(cfg) | {"output_dir": str(out_dir), "world_size": world}
     resume_from = checkpoint.resolve_resume(cfg.resume, ckpt_root)
     if resume_from is None and cfg.resume == "latest":
         say(f"--resume latest: no checkpoint found in {ckpt_root}; training starts from step 0")
     if resume_from is not None:
-        trainer_state, ds = checkpoint.load_checkpoint(accelerator, resume_from, model_config)
+        trainer_state, ds = checkpoint.load_checkpoint(accelerator, resume_from, model_config, run_config)
         step, tokens_seen, skipped = trainer_state["step"], trainer_state["tokens_seen"], trainer_state["skipped_steps"]
         val_loss, val_ppl = trainer_state.get("val_loss"), trainer_state.get("val_ppl")
         data_state = data.DataState(**ds)
         say(f"resumed from {resume_from} at step {step} ({tokens_seen:,} tokens)")
+        if step >= cfg.max_steps and (out_dir / "final").is_dir():  # final/, its card and summary.json stay as they are
+            say(f"the run is finished: step {step} >= --max-steps {cfg.max_steps} and {out_dir / 'final'} is "
+                "exported; nothing to do (raise --max-steps to train further).")
+            return {"step": step, "tokens_seen": tokens_seen, "val_loss": val_loss, "val_ppl": val_ppl,
+                    "finished": True, "output_dir": str(out_dir)}  # fmt: skip
     packer = data.Packer(source, tokenizer, cfg.seq_len, rank=accelerator.process_index, world_size=world,
                          seed=cfg.seed, shuffle_buffer=cfg.shuffle_buffer, val_every=cfg.val_every_doc,
                          cross_doc=cfg.cross_doc_attention, state=data_state, shard=cfg.data_shard)  # fmt: skip
     loader = data.BatchLoader(packer, cfg.micro_batch_size)
     cleanup.append(loader.close)
 
-    run_config = asdict(cfg) | {"output_dir": str(out_dir), "world_size": world}
     if main_proc:
         metrics.write_run_record(out_dir / "run.json", run_config, accelerator, accelerator.unwrap_model(model),
                                  {"data": source.describe(), "flops_per_token": {"dense": flops_dense, "nsa": flops_nsa}})  # fmt: skip
@@ -402,7 +439,7 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
                                tokens_seen=tokens_seen, val_loss=val_loss, val_ppl=val_ppl, last=last,
                                wall_s=time.time() - t_start, world=world, mixed_precision=accelerator.mixed_precision,
                                device=metrics.device_info(accelerator).get("gpu", accelerator.device.type),
-                               data_description=source.describe(), out_dir=out_dir)  # fmt: skip
+                               data_description=model_card.data_description(source), out_dir=out_dir)  # fmt: skip
 
     # --- the loop
     model.train()
@@ -456,8 +493,8 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
         watchdog.beat(step=step, tokens_seen=tokens_seen)
         bar.update(1)
 
-        if step % cfg.log_every == 0 or step == cfg.max_steps:
-            loss_avg = (accelerator.reduce(loss_acc, reduction="sum") / cfg.log_every).item() if cfg.log_every else 0.0
+        if cfg.log_every and (step % cfg.log_every == 0 or step == cfg.max_steps):
+            loss_avg = (accelerator.reduce(loss_acc, reduction="sum") / cfg.log_every).item()
             if step % cfg.log_every:  # the last partial window
                 loss_avg = loss_avg * cfg.log_every / (step % cfg.log_every)
             dt = time.time() - t_log
@@ -526,9 +563,8 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     digests = gather_object([digest]) if world > 1 else [digest]
     if len(set(digests)) > 1:
         say(f"WARNING: the {world} processes hold different weights: {digests}")
-    summary = {"step": step, "tokens_seen": tokens_seen, "val_loss": val_loss, "val_ppl": val_ppl,
-               "finished": finished, "output_dir": str(out_dir), "weight_digests": digests,
-               **{k: v for k, v in last.items() if k != "step"}}  # fmt: skip
+    summary = {**last, "step": step, "tokens_seen": tokens_seen, "val_loss": val_loss, "val_ppl": val_ppl,
+               "finished": finished, "output_dir": str(out_dir), "weight_digests": digests}  # now, not the last log's
     if main_proc:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         say(f"done: {json.dumps(summary)}")

@@ -24,11 +24,23 @@ STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 RUNTIME_FIELDS = {"nsa_backend", "use_cache"}  # chosen per run: the weights do not depend on them
 MODEL_FLAGS = ("model", "model_overrides", "tokenizer", "attention_mode")  # the flags that build the model
+# the flags that decide which token a saved data position points at: a resume must keep them
+DATA_FLAGS = ("dataset", "dataset_config", "text_column", "tokenizer", "seed", "shuffle_buffer", "val_every_doc",
+              "data_shard", "cross_doc_attention", "seq_len")  # fmt: skip
 
 
 def model_fields(config) -> dict:
     """The model config a checkpoint's weights belong to: the config class's own fields, less runtime choices."""
     return {k: getattr(config, k) for k in type(config).__annotations__ if k not in RUNTIME_FIELDS}
+
+
+def data_fields(run_config: dict) -> dict:
+    """The DATA_FLAGS of a run's config, with the Hub config it actually reads (None for local data)."""
+    from .data import hub_config
+
+    fields = {k: run_config.get(k) for k in DATA_FLAGS}
+    fields["dataset_config"] = hub_config(str(fields["dataset"]), fields["dataset_config"])
+    return fields
 
 
 def checkpoint_dirs(ckpt_root: Path) -> list[Path]:
@@ -86,27 +98,51 @@ def save_checkpoint(accelerator, ckpt_root: Path, step: int, trainer_state: dict
     return final
 
 
-def load_checkpoint(accelerator, path: Path, model_config: dict | None = None) -> tuple[dict, dict]:
+def load_checkpoint(accelerator, path: Path, model_config: dict | None = None,
+                    run_config: dict | None = None) -> tuple[dict, dict]:  # fmt: skip
     """Restores model/optimizer/RNG; returns (trainer_state, this rank's data state).
 
     With `model_config` (`model_fields` of this run's model), a checkpoint of another model is an error naming the
     differing fields, instead of load_state's size mismatch (checked only if the checkpoint recorded its own).
+    With `run_config` (this run's flags), changed DATA_FLAGS are an error naming them: the saved data position
+    would point into another token stream. So is another process count under --data-shard docs, where each
+    rank's position is in its own share of the documents. Under `rows` every rank holds the same position in the
+    one global row stream, so any process count continues it exactly (rank 0's state is used).
     """
     path = Path(path)
     trainer_state = json.loads((path / STATE_FILE).read_text())
+    run = trainer_state.get("config", {})
     saved = trainer_state.get("model_config")
     if model_config is not None and saved is not None and saved != model_config:
         diff = ", ".join(f"{k} {saved.get(k)!r} vs {model_config.get(k)!r}"
                          for k in sorted(saved.keys() | model_config.keys()) if saved.get(k) != model_config.get(k))  # fmt: skip
-        run = trainer_state.get("config", {})
         flags = " ".join(f"--{k.replace('_', '-')} {shlex.quote(str(run[k]))}" for k in MODEL_FLAGS if run.get(k))
         raise ValueError(
             f"--resume {path}: the checkpoint holds another model than this run builds (checkpoint vs this run: "
             f"{diff}). Resume with the model flags of the run that wrote it ({flags}), or start a new run in a new "
             "--output-dir."
         )
+    if run_config is not None and run:
+        saved_data, given = data_fields(run), data_fields(run_config)
+        changed = [k for k in DATA_FLAGS if saved_data[k] != given[k]]
+        if changed:
+            diff = ", ".join(f"--{k.replace('_', '-')} {saved_data[k]!r} vs {given[k]!r}" for k in changed)
+            raise ValueError(
+                f"--resume {path}: the data flags differ from the run that wrote the checkpoint (checkpoint vs this "
+                f"run: {diff}), so its saved data position would point into other data. Resume with the "
+                "checkpoint's values, or start a new run in a new --output-dir."
+            )
+    saved_world, world = trainer_state.get("world_size"), accelerator.num_processes
+    shard = run.get("data_shard", "docs")
+    if saved_world is not None and saved_world != world and shard != "rows":
+        raise ValueError(
+            f"--resume {path}: the checkpoint was written by {saved_world} process(es) under --data-shard {shard} "
+            f"(each process saved its position in its own share of the documents); this run has {world}. Resume "
+            f"with {saved_world} process(es)."
+        )
     accelerator.load_state(str(path))
-    data_file = path / f"data_state_rank{accelerator.process_index}.json"
+    rank = 0 if shard == "rows" else accelerator.process_index  # rows: the same global position on every rank
+    data_file = path / f"data_state_rank{rank}.json"
     if not data_file.is_file():
         raise FileNotFoundError(
             f"{data_file} is missing: the checkpoint was written with {trainer_state.get('world_size')} "

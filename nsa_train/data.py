@@ -37,6 +37,7 @@ import torch
 
 LOCAL_SUFFIXES = (".parquet", ".jsonl", ".json", ".txt")
 FINEWEB_EDU = "HuggingFaceFW/fineweb-edu"
+FINEWEB_EDU_CONFIG = "sample-10BT"  # --dataset-config for fineweb-edu when none is given
 
 
 # ----------------------------------------------------------------------------- sources
@@ -51,6 +52,12 @@ class LocalFiles:
         if any(ch in spec for ch in "*?["):
             files = [Path(p) for p in sorted(glob.glob(spec, recursive=True))]
         elif path.is_dir():
+            if (path / "dataset_dict.json").is_file() or ((path / "state.json").is_file() and any(path.glob("*.arrow"))):
+                raise ValueError(
+                    f"--dataset {spec!r} is a `datasets` save_to_disk folder (Arrow files), which is not supported. "
+                    f"Write it as parquet, e.g. `datasets.load_from_disk({spec!r}).to_parquet('data.parquet')` (for "
+                    "a DatasetDict, pick a split: `load_from_disk(...)['train']`), and pass --dataset data.parquet."
+                )
             files = sorted(p for p in path.rglob("*") if p.is_file())
         elif path.exists():
             files = [path]
@@ -145,7 +152,14 @@ class HubStream:
     def __iter__(self) -> Iterator[str]:
         import datasets
 
-        ds = datasets.load_dataset(self.name, name=self.config, split=self.split, streaming=True)
+        try:
+            ds = datasets.load_dataset(self.name, name=self.config, split=self.split, streaming=True)
+        except ValueError as e:  # e.g. "BuilderConfig 'x' not found. Available: [...]", "Config name is missing"
+            if "config" not in str(e).lower():
+                raise
+            given = repr(self.config) if self.config else "not given (the dataset's default)"
+            raise ValueError(f"--dataset {self.name}: --dataset-config {given} does not fit this dataset: {e} "
+                             "Pass --dataset-config NAME with one of its configs.") from None
         for example in ds:
             if example.get(self.text_column):
                 yield example[self.text_column]
@@ -192,13 +206,21 @@ def check_hub_reachable(what: str, hint: str, timeout: float = 3.0):
         raise ConnectionError(f"{what}: cannot reach {constants.ENDPOINT} ({e}). {hint}") from e
 
 
-def make_source(dataset: str, text_column: str = "text", dataset_config: str | None = "sample-10BT"):
+def hub_config(dataset: str, dataset_config: str | None) -> str | None:
+    """The Hub config a run reads: --dataset-config if given, else sample-10BT for fineweb-edu and the dataset's
+    own default for hf://NAME (None); None for local data and python-docs, which have no config."""
+    if dataset == "fineweb-edu":
+        return dataset_config or FINEWEB_EDU_CONFIG
+    return dataset_config if dataset.startswith("hf://") else None
+
+
+def make_source(dataset: str, text_column: str = "text", dataset_config: str | None = None):
     if dataset == "python-docs":
         return PythonDocs()
     if dataset == "fineweb-edu":
-        return HubStream(FINEWEB_EDU, dataset_config, text_column=text_column)
+        return HubStream(FINEWEB_EDU, hub_config(dataset, dataset_config), text_column=text_column)
     if dataset.startswith("hf://"):
-        return HubStream(dataset[len("hf://") :], dataset_config, text_column=text_column)
+        return HubStream(dataset[len("hf://") :], hub_config(dataset, dataset_config), text_column=text_column)
     return LocalFiles(dataset, text_column)
 
 

@@ -175,6 +175,7 @@ class Watchdog:
                 sys.stderr.flush()
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 if self.stacks_path is not None:
+                    self.stacks_path.parent.mkdir(parents=True, exist_ok=True)  # a stall in setup: not made yet
                     with open(self.stacks_path, "w") as fh:
                         fh.write(msg)
                         fh.flush()

@@ -1,11 +1,19 @@
-"""Render `model_cards/nsa_model_card.md` (a `string.Template`: `${name}` fields) for an exported checkpoint."""
+"""Render `model_cards/nsa_model_card.md` (a `string.Template`: `${name}` fields) for an exported checkpoint. The
+card may be pushed to the Hub, so it holds no local paths."""
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 from string import Template
 
-TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "nsa_model_card.md"
+def _templates():
+    """model_cards/ beside the package in a checkout; installed from a wheel it is nsa_train/model_cards/."""
+    checkout = Path(__file__).resolve().parents[1] / "model_cards"
+    return checkout if checkout.is_dir() else resources.files(f"{__package__}.model_cards")
+
+
+TEMPLATE = _templates() / "nsa_model_card.md"
 
 
 def human(n: float) -> str:
@@ -26,7 +34,7 @@ def run_card_fields(cfg, config, *, n_params, step, tokens_seen, val_loss, val_p
     tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * world * cfg.seq_len
     return {
         "model_name": Path(cfg.push_to_hub or Path(out_dir).name).name,
-        "repo_or_path": cfg.push_to_hub or str(Path(out_dir) / "final"),
+        "repo_or_path": cfg.push_to_hub or "path/to/checkpoint",
         "datasets_yaml": f"datasets:\n- {dataset_id}\n" if on_hub else "",
         "num_parameters_human": human(n_params), "attention_mode": config.attention_mode,
         "steps": step, "tokens_seen": f"{tokens_seen:,}",
@@ -39,7 +47,8 @@ def run_card_fields(cfg, config, *, n_params, step, tokens_seen, val_loss, val_p
         **{k: getattr(config, k) for k in (
             "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
             "head_dim", "cmp_block_size", "cmp_stride", "sel_block_size", "sel_num_blocks", "window_size", "vocab_size")},
-        "tokenizer": cfg.tokenizer, "data_description": data_description, "seq_len": cfg.seq_len,
+        "tokenizer": Path(cfg.tokenizer).name if Path(cfg.tokenizer).exists() else cfg.tokenizer,
+        "data_description": data_description, "seq_len": cfg.seq_len,
         "doc_masking": "documents packed with EOS between them, attention across documents (GPT-2 style)"
         if cfg.cross_doc_attention else "documents packed with EOS between them and never attended across",
         "global_batch": cfg.micro_batch_size * cfg.grad_accum * world, "micro_batch_size": cfg.micro_batch_size,
@@ -52,12 +61,23 @@ def run_card_fields(cfg, config, *, n_params, step, tokens_seen, val_loss, val_p
     }  # fmt: skip
 
 
-def render(fields: dict, template: Path = TEMPLATE) -> str:
+def data_description(source) -> str:
+    """`source.describe()` without local paths: local files by their file names."""
+    from .data import LocalFiles
+
+    if not isinstance(source, LocalFiles):
+        return source.describe()
+    names = [f.name for f in source.files]
+    shown = ", ".join(names[:5]) + (f", ... ({len(names)} files)" if len(names) > 5 else "")
+    return f"local files {shown} (column {source.text_column!r})"
+
+
+def render(fields: dict, template=TEMPLATE) -> str:
     """Every `${name}` in the template must be given: a missing figure is an error, not a blank card."""
-    return Template(Path(template).read_text()).substitute({k: ("n/a" if v is None else v) for k, v in fields.items()})
+    return Template(template.read_text()).substitute({k: ("n/a" if v is None else v) for k, v in fields.items()})
 
 
-def write_model_card(out_dir: Path, fields: dict, template: Path = TEMPLATE) -> Path:
+def write_model_card(out_dir: Path, fields: dict, template=TEMPLATE) -> Path:
     path = Path(out_dir) / "README.md"
     path.write_text(render(fields, template))
     return path

@@ -166,6 +166,25 @@ def test_shared_parquet_reads_without_datasets(monkeypatch):
     assert len(first) == 3 and all(isinstance(t, str) and len(t) > 50 for t in first)
 
 
+def test_hub_dataset_config_defaults(tmp_path, monkeypatch):
+    """--dataset-config defaults to sample-10BT for fineweb-edu only: hf://NAME gets the dataset's own default, and a
+    config the dataset lacks is an error naming --dataset-config. A local dataset repository stands in for the Hub."""
+    import train_accelerate
+
+    monkeypatch.setattr(data, "check_hub_reachable", lambda what, hint: None)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "README.md").write_text("---\nconfigs:\n- config_name: default\n  data_files: '*.jsonl'\n---\n")
+    (repo / "a.jsonl").write_text(json.dumps({"text": "first document"}) + "\n" + json.dumps({"text": "second"}) + "\n")
+    cfg = train_accelerate.parse_args(["--dataset", f"hf://{repo}"])
+    source = data.make_source(cfg.dataset, cfg.text_column, cfg.dataset_config)
+    assert source.config is None and list(source) == ["first document", "second"]
+    assert data.make_source("fineweb-edu", dataset_config=cfg.dataset_config).config == "sample-10BT"
+    assert data.make_source("fineweb-edu", dataset_config="sample-100BT").config == "sample-100BT"
+    with pytest.raises(ValueError, match=r"--dataset-config 'sample-10BT' does not fit.*'default'.*Pass --dataset-config"):
+        list(data.make_source(f"hf://{repo}", dataset_config="sample-10BT"))
+
+
 def test_python_docs_source_ships_with_python():
     texts = list(itertools.islice(data.PythonDocs(), 200))
     assert len(texts) == 200 and sum(map(len, texts)) > 100_000
@@ -185,6 +204,17 @@ def test_missing_and_empty_files(tmp_path):
     (tmp_path / "blank.jsonl").write_text("\n\n")
     with pytest.raises(ValueError, match="no records"):
         data.make_source(str(tmp_path / "blank.jsonl"))
+
+
+def test_save_to_disk_folder_is_refused_with_advice(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"text": ["a document", "another"]}).save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(ValueError, match=r"save_to_disk folder.*not supported.*to_parquet\('data.parquet'\).*--dataset data.parquet"):
+        data.make_source(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["x"]})}).save_to_disk(str(tmp_path / "dict"))
+    with pytest.raises(ValueError, match=r"save_to_disk folder.*\['train'\]"):
+        data.make_source(str(tmp_path / "dict"))
 
 
 @needs_shared

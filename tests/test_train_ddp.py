@@ -7,6 +7,7 @@ must come before it (the second keeps `--report-to none`).
 """
 
 import json
+import shutil
 
 import pytest
 from train_helpers import (
@@ -32,9 +33,9 @@ def one_process(tmp_path_factory):
     return out
 
 
-def _two_processes(out, hook, report_to="none"):
+def _two_processes(out, hook, report_to="none", **extra):
     proc = run_cli(tiny_args(out, micro_batch_size=2, max_steps=STEPS, data_shard="rows", ddp_comm_hook=hook,
-                             eval_every=STEPS, val_tokens=512, report_to=report_to),  # fmt: skip
+                             eval_every=STEPS, val_tokens=512, report_to=report_to, **extra),  # fmt: skip
                    launcher=accelerate_2proc(), env=CPU_DDP, timeout=400)  # exit status 0 checked
     summary = json.loads((out / "summary.json").read_text())
     record = json.loads((out / "run.json").read_text())
@@ -45,7 +46,7 @@ def _two_processes(out, hook, report_to="none"):
 
 
 def test_ddp_matches_one_process(tmp_path, one_process):
-    _two_processes(tmp_path, "none", report_to=None)  # no flag: the default, TensorBoard
+    _two_processes(tmp_path, "none", report_to=None, save_every=2)  # no --report-to: the default, TensorBoard
     assert list((tmp_path / "logs").rglob("events.out.tfevents*"))
     l1, l2 = train_losses(one_process), train_losses(tmp_path)
     assert list(l2) == list(range(1, STEPS + 1))
@@ -54,6 +55,13 @@ def test_ddp_matches_one_process(tmp_path, one_process):
         assert l2[s] == pytest.approx(l1[s], rel=1e-5, abs=1e-6), (s, l1, l2)
         assert g2[s] == pytest.approx(g1[s], rel=1e-5), (s, g1, g2)  # gradients weighted by global token count
     assert_same_weights(final_state(tmp_path), final_state(one_process), atol=1e-4, rtol=1e-3)
+    # its step-2 checkpoint resumed on 1 process: under --data-shard rows every rank saved the same position in the
+    # global row stream, so the run continues with the same rows (under docs another process count is refused)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
+    run_main(tiny_args(resumed, micro_batch_size=4, max_steps=STEPS, data_shard="rows", resume="latest"))
+    assert list(train_losses(resumed)) == [3] and train_losses(resumed)[3] == pytest.approx(l1[3], rel=1e-5)
+    assert_same_weights(final_state(resumed), final_state(one_process), atol=1e-4, rtol=1e-3)
 
 
 def test_ddp_fp16_comm_hook(tmp_path, one_process):

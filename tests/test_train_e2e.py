@@ -3,6 +3,7 @@ fresh process with trust_remote_code and used to generate; the Hub preflight's e
 
 import base64
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -11,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from train_helpers import free_port, run_cli
+from train_helpers import REPO, free_port, run_cli
 
 from nsa_train import hub
 
@@ -154,6 +155,34 @@ def test_smoke_preset_end_to_end_with_hub_push(tmp_path, fake_hub):
     proc = subprocess.run([sys.executable, "-c", load], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "GENERATED NSAForCausalLM" in proc.stdout
+
+
+def test_wheel_ships_the_model_card_template(tmp_path):
+    """A non-editable install (the built wheel, unpacked) holds the model card template and renders it from there."""
+    import shutil
+    import zipfile
+
+    src = tmp_path / "src"  # the package's sources only (a build writes build/ and *.egg-info next to them)
+    for name in ("modeling_nsa", "nsa_train", "model_cards"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md", "LICENSE", "train_accelerate.py"):
+        shutil.copy(REPO / name, src / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "dist")], check=True, capture_output=True, timeout=300)  # fmt: skip
+    (wheel,) = (tmp_path / "dist").glob("nsa_transformers-*.whl")
+    assert "nsa_train/model_cards/nsa_model_card.md" in zipfile.ZipFile(wheel).namelist()
+    zipfile.ZipFile(wheel).extractall(tmp_path / "site")
+    render = textwrap.dedent("""
+        from string import Template
+        import nsa_train.model_card as mc
+        print(mc.__file__)
+        names = Template(mc.TEMPLATE.read_text()).get_identifiers()
+        assert "${" not in mc.render({k: "x" for k in names}) and len(names) > 30
+    """)
+    proc = subprocess.run([sys.executable, "-c", render], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path / "site")},
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith(str(tmp_path / "site" / "nsa_train")), proc.stdout
 
 
 def test_hub_preflight_rejects_bad_token(fake_hub, monkeypatch):

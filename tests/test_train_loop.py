@@ -14,7 +14,9 @@ import textwrap
 import pytest
 import torch
 from train_helpers import (
+    PARQUET,
     REPO,
+    SHARED,
     assert_same_weights,
     final_state,
     needs_shared,
@@ -177,6 +179,28 @@ def test_sigterm_saves_and_resume_continues(tmp_path):
     assert summary["finished"] and summary["step"] == step + 1 and step + 1 in train_losses(out)
 
 
+def test_summary_counts_tokens_up_to_a_stop_between_log_steps(tmp_path, monkeypatch):
+    """A SIGTERM during step 3 with --log-every 2: summary.json has the tokens of 3 steps, not the step-2 log's."""
+    import signal
+
+    from modeling_nsa import NSAForCausalLM
+
+    real_forward, calls = NSAForCausalLM.forward, {"n": 0}
+
+    def forward(self, *args, **kwargs):
+        if self.training:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                signal.raise_signal(signal.SIGTERM)  # the trainer's handler: finish the step, save, stop
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(NSAForCausalLM, "forward", forward)
+    summary = run_main(tiny_args(tmp_path, max_steps=10, log_every=2))
+    assert summary["step"] == 3 and not summary["finished"] and list(train_losses(tmp_path)) == [2]
+    assert summary["tokens_seen"] == 3 * 4 * 64
+    assert json.loads((tmp_path / "summary.json").read_text())["tokens_seen"] == 3 * 4 * 64
+
+
 # ---------------------------------------------------------------- bad input: errors before any step
 
 
@@ -201,6 +225,60 @@ def test_invalid_model_settings(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_bad_numbers_are_argument_errors(capsys):
+    import train_accelerate
+
+    for flag, value, says in (("--micro-batch-size", "0", "a positive integer"),
+                              ("--grad-accum", "0", "a positive integer"), ("--log-every", "-1", "at least 0")):
+        with pytest.raises(SystemExit) as exit_info:
+            train_accelerate.parse_args([flag, value])
+        assert exit_info.value.code == 2
+        assert f"error: {flag} {value}: must be {says}" in capsys.readouterr().err
+
+
+def test_missing_tracker_is_said(tmp_path, capsys, monkeypatch):
+    import train_accelerate
+
+    monkeypatch.setattr(train_accelerate, "is_trackio_available", lambda: False)
+    assert run_main(tiny_args(tmp_path, max_steps=1, report_to="trackio"))["finished"]
+    assert "trackio is not installed: logging to stdout and metrics.jsonl only (pip install trackio)" in capsys.readouterr().out
+
+
+def test_log_every_zero_logs_nothing(tmp_path):
+    summary = run_main(tiny_args(tmp_path, max_steps=2, log_every=0))
+    assert summary["finished"] and train_losses(tmp_path) == {} and summary["tokens_seen"] == 2 * 4 * 64
+
+
+def test_wrong_types_and_backends_fail_before_training(tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=r"^--model-overrides: .*'num_hidden_layers'.*expected int, got str"):
+        run_main(tiny_args(out, model_overrides='{"num_hidden_layers": "2"}'))
+    (tmp_path / "cfg.json").write_text(json.dumps({"hidden_size": "64"}))
+    with pytest.raises(ValueError, match=r"^--model '.*cfg.json': .*'hidden_size'.*expected int, got str"):
+        run_main(tiny_args(out, model=tmp_path / "cfg.json"))
+    if not torch.cuda.is_available():  # the kernels need an NVIDIA GPU: an error at startup, not at the first step
+        with pytest.raises(ValueError, match=r"--nsa-backend triton: nsa_backend='triton' but .*--nsa-backend auto"):
+            run_main(tiny_args(out, nsa_backend="triton"))
+    assert not out.exists()  # nothing ran, and no empty run directory is left
+
+
+def test_model_from_a_config_file_or_directory(tmp_path):
+    """--model takes a config.json or a directory holding one (the architecture; the weights start random). Its
+    attention_mode is used unless --attention-mode is given; --nsa-backend is a runtime flag, never the file's."""
+    import train_accelerate
+
+    cfg_dir = tmp_path / "cfg"
+    cfg_dir.mkdir()
+    fields = dict(train_accelerate.MODEL_PRESETS["tiny"], attention_mode="dense", nsa_backend="triton", hidden_size=96)
+    (cfg_dir / "config.json").write_text(json.dumps(fields))
+    run_main(tiny_args(tmp_path / "a", model=cfg_dir, max_steps=1))
+    record = json.loads((tmp_path / "a" / "run.json").read_text())
+    assert record["model_config"]["attention_mode"] == "dense" and record["model_config"]["hidden_size"] == 96
+    assert record["config"]["attention_mode"] == "dense" and record["model_config"]["nsa_backend"] == "auto"
+    run_main(tiny_args(tmp_path / "b", model=cfg_dir / "config.json", attention_mode="nsa", max_steps=1))
+    assert json.loads((tmp_path / "b" / "run.json").read_text())["model_config"]["attention_mode"] == "nsa"
+
+
 def test_output_dir_of_another_run_and_resume_with_another_model(tmp_path):
     out = tmp_path / "run"
     run_main(tiny_args(out, max_steps=1, save_every=1))
@@ -213,6 +291,65 @@ def test_output_dir_of_another_run_and_resume_with_another_model(tmp_path):
                                          r"Resume with.*--model tiny"):  # fmt: skip
         run_main(tiny_args(out, max_steps=2, model="smoke", resume="latest"))
     assert set(train_losses(out)) == {1}  # the first run's metrics only
+
+
+def test_output_dir_of_a_run_without_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    run_main(tiny_args(out, max_steps=1))  # --save-every 0: metrics.jsonl and final/, no checkpoint
+    with pytest.raises(ValueError, match=r"already holds the output of a run \(metrics.jsonl, final, summary.json\) "
+                                         r"and no checkpoint\. Pass a new \(or empty\) --output-dir.*--resume latest"):  # fmt: skip
+        run_main(tiny_args(out, max_steps=1))
+    assert set(train_losses(out)) == {1}
+
+
+def test_resume_of_a_finished_run_changes_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    run_main(tiny_args(out, max_steps=2, save_every=2))
+    files = {p: p.read_bytes() for p in [out / "summary.json", out / "metrics.jsonl", *(out / "final").iterdir()]}
+    mtimes = {p: p.stat().st_mtime_ns for p in files}
+    summary = run_main(tiny_args(out, max_steps=2, save_every=2, resume="latest"))
+    assert summary["finished"] and summary["step"] == 2
+    assert "the run is finished: step 2 >= --max-steps 2" in capsys.readouterr().out
+    assert {p: p.read_bytes() for p in files} == files and {p: p.stat().st_mtime_ns for p in files} == mtimes
+    # the model card names no local path: it may be pushed to the Hub
+    card = (out / "final" / "README.md").read_text()
+    assert str(tmp_path) not in card and str(SHARED) not in card
+    assert 'from_pretrained("path/to/checkpoint"' in card and "tokenizer `gpt2-tokenizer`" in card
+    assert f"Data: local files {PARQUET.name} (column 'text')" in card
+
+
+def _fake_world_size(ckpt, world: int):
+    """Make a 1-process checkpoint look written by `world` processes (every rank's data state file)."""
+    state = json.loads((ckpt / checkpoint.STATE_FILE).read_text())
+    state["world_size"] = world
+    (ckpt / checkpoint.STATE_FILE).write_text(json.dumps(state))
+    for rank in range(1, world):
+        shutil.copy(ckpt / "data_state_rank0.json", ckpt / f"data_state_rank{rank}.json")
+
+
+def test_resume_with_other_data_flags_or_process_count(tmp_path):
+    out = tmp_path / "run"
+    run_main(tiny_args(out, max_steps=1, save_every=1))
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"text": "another corpus"}) + "\n")
+    # the saved data position belongs to the data flags: changed ones are named, checkpoint vs this run
+    with pytest.raises(ValueError, match=r"data flags differ.*\(checkpoint vs this run: --dataset '.*parquet' vs "
+                                         r"'.*other.jsonl', --cross-doc-attention False vs True, --seq-len 64 vs 32\)"):  # fmt: skip
+        run_main(tiny_args(out, max_steps=2, resume="latest", dataset=other, seq_len=32, cross_doc_attention=True))
+    with pytest.raises(ValueError, match=r"--seed 1234 vs 7, --data-shard 'docs' vs 'rows'"):
+        run_main(tiny_args(out, max_steps=2, resume="latest", seed=7, data_shard="rows"))
+    # --data-shard docs: each process saved its place in its own share of the documents
+    _fake_world_size(checkpoint.latest_checkpoint(out / "checkpoints"), 2)
+    with pytest.raises(ValueError, match=r"written by 2 process\(es\) under --data-shard docs.*this run has 1\. "
+                                         r"Resume with 2 process\(es\)"):  # fmt: skip
+        run_main(tiny_args(out, max_steps=2, resume="latest"))
+    assert set(train_losses(out)) == {1}
+    # --data-shard rows: one global position, so another process count continues it (tests/test_train_ddp.py
+    # checks 2 processes -> 1 against an uninterrupted run)
+    rows = tmp_path / "rows"
+    run_main(tiny_args(rows, max_steps=1, save_every=1, data_shard="rows"))
+    _fake_world_size(checkpoint.latest_checkpoint(rows / "checkpoints"), 2)
+    assert run_main(tiny_args(rows, max_steps=2, resume="latest", data_shard="rows"))["step"] == 2
 
 
 def test_short_run_notes_and_exported_tokenizer(tmp_path, capsys):
@@ -235,7 +372,9 @@ def test_cli_errors_are_clear(tmp_path):
     assert proc.returncode == 2 and "unknown --preset 'nope'" in proc.stderr
     proc = run_cli(tiny_args(tmp_path / "r", dataset=tmp_path / "missing.parquet"), check=False, timeout=120)
     assert proc.returncode == 2 and "error: --dataset" in proc.stderr and "no such file" in proc.stderr
-    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+    assert not (tmp_path / "r").exists()  # a run that fails its checks leaves no empty directory
+    proc = run_cli(tiny_args(tmp_path / "r", model_overrides='{"num_hidden_layers": "2"}'), check=False, timeout=120)
+    assert proc.returncode == 2 and "error: --model-overrides:" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_push_without_token_fails_before_training(tmp_path, monkeypatch):
@@ -282,8 +421,7 @@ def test_gradient_checkpointing_and_dense_baseline(tmp_path):
     lp, lc = train_losses(plain), train_losses(ckpt)
     assert lc == pytest.approx(lp, rel=1e-6)
     assert train_losses(ckpt, "grad_norm") == pytest.approx(train_losses(plain, "grad_norm"), rel=1e-5)
-    run_main(tiny_args(dense, max_steps=2))
-    run_main(tiny_args(dense, max_steps=2, attention_mode="dense", output_dir=dense))
+    run_main(tiny_args(dense, max_steps=2, attention_mode="dense"))
     record = json.loads((dense / "run.json").read_text())
     assert record["model_config"]["attention_mode"] == "dense"
     assert record["flops_per_token"]["dense"] == record["flops_per_token"]["nsa"]
