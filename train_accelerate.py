@@ -77,6 +77,7 @@ class TrainConfig:
     # model
     model: str = field(default="125m", metadata={"help": f"The architecture (weights start random): {list(MODEL_PRESETS)}, a config.json or a directory holding one (e.g. a run's final/)."})
     model_overrides: str = field(default="", metadata={"help": 'JSON of NSAConfig fields, e.g. \'{"num_hidden_layers": 6}\'.'})
+    init_from: str | None = field(default=None, metadata={"help": "Start from a saved model's weights (a run's final/ or a Hub id): its architecture, so --model and --model-overrides are not used."})
     attention_mode: Literal["nsa", "dense"] | None = field(default=None, metadata={"help": "nsa | dense; when not given: the --model config.json's, else nsa."})
     nsa_backend: Literal["auto", "reference", "triton"] = field(default="auto", metadata={"help": "A runtime choice: a --model config.json's value is not used."})
     gradient_checkpointing: bool = False
@@ -104,6 +105,7 @@ class TrainConfig:
     output_dir: str | None = field(default=None, metadata={"help": "Default runs/<date-time>."})
     log_every: int = field(default=10, metadata={"help": "Log the training loss every N steps (0: never)."})
     eval_every: int = 250
+    eval_only: bool = field(default=False, metadata={"help": "Evaluate the --init-from model on the held-out rows, write eval.json and exit (no training)."})
     report_to: Literal["tensorboard", "trackio", "none"] = "tensorboard"
     stall_timeout: float = field(default=1800.0, metadata={"help": "Seconds without progress before the watchdog dumps stacks and exits (0: off)."})
     peak_tflops: float | None = field(default=None, metadata={"help": "Peak TFLOPS per device for MFU (default: known GPUs, bf16)."})
@@ -144,6 +146,11 @@ def parse_args(argv=None) -> TrainConfig:
         close = [m for u in unknown if u.startswith("-") for m in difflib.get_close_matches(u.split("=")[0], flags, 3)]
         hint = f" (did you mean {' or '.join(dict.fromkeys(close))}?)" if close else ""
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    if cfg.eval_only and not cfg.init_from:
+        parser.error("--eval-only evaluates the model given by --init-from (a run's final/ or a Hub id); pass it.")
+    if cfg.init_from and cfg.model_overrides:
+        parser.error(f"--model-overrides {cfg.model_overrides!r}: not used with --init-from {cfg.init_from!r}, whose "
+                     "architecture is the saved model's; drop one of them.")
     for name, least in (("micro_batch_size", 1), ("grad_accum", 1), ("max_steps", 0), ("log_every", 0),
                         ("eval_every", 0), ("save_every", 0)):  # fmt: skip
         if getattr(cfg, name) < least:
@@ -157,6 +164,8 @@ def build_model(cfg: TrainConfig, tokenizer):
 
     from modeling_nsa import NSAConfig, NSAForCausalLM
 
+    if cfg.init_from:
+        return load_model(cfg, tokenizer)
     config_file = Path(cfg.model) / "config.json" if Path(cfg.model).is_dir() else Path(cfg.model)
     if cfg.model in MODEL_PRESETS:
         fields = dict(MODEL_PRESETS[cfg.model])
@@ -180,13 +189,40 @@ def build_model(cfg: TrainConfig, tokenizer):
     except (TypeError, StrictDataclassError) as e:  # a value of the wrong type, e.g. "2" for 2
         source = "--model-overrides" if any(repr(k) in str(e) for k in overrides) else f"--model {cfg.model!r}"
         raise ValueError(f"{source}: {' '.join(str(e).split())}") from None
+    check_seq_len(cfg, config)
+    return NSAForCausalLM(config)
+
+
+def check_seq_len(cfg: TrainConfig, config) -> None:
     if cfg.seq_len < 2 or cfg.seq_len > config.max_position_embeddings:
+        fix = ("a --seq-len the saved model takes" if cfg.init_from else
+               f'--model-overrides \'{{"max_position_embeddings": {max(cfg.seq_len, 2)}}}\'')
         raise ValueError(
             f"--seq-len {cfg.seq_len} cannot be taken by this model (max_position_embeddings="
-            f"{config.max_position_embeddings}); use 2..{config.max_position_embeddings} or raise it with "
-            f'--model-overrides \'{{"max_position_embeddings": {max(cfg.seq_len, 2)}}}\'.'
+            f"{config.max_position_embeddings}); use 2..{config.max_position_embeddings} or {fix}."
         )
-    return NSAForCausalLM(config)
+
+
+def load_model(cfg: TrainConfig, tokenizer):
+    """--init-from: a saved NSAForCausalLM (directory or Hub id), in float32 (the trainer's master weights; autocast
+    computes in bf16), with this run's --nsa-backend. Its tokenizer must fit its vocabulary."""
+    from modeling_nsa import NSAForCausalLM
+
+    try:
+        model = NSAForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32, nsa_backend=cfg.nsa_backend)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--init-from {cfg.init_from!r}: cannot load an NSA model from it ({' '.join(str(e).split())})"
+                         ) from None
+    config = model.config
+    if cfg.attention_mode and cfg.attention_mode != config.attention_mode:
+        raise ValueError(f"--attention-mode {cfg.attention_mode}: the --init-from model is {config.attention_mode!r} "
+                         "(its weights fit that mode only); drop the flag.")
+    if len(tokenizer) > config.vocab_size:
+        raise ValueError(f"--tokenizer {cfg.tokenizer!r} has {len(tokenizer)} tokens, more than the --init-from model's "
+                         f"vocab_size {config.vocab_size}; pass the tokenizer it was trained with (e.g. --tokenizer "
+                         f"{cfg.init_from}).")
+    check_seq_len(cfg, config)
+    return model
 
 
 # NSAConfig fields the trainer sets from other flags after the overrides (an override of them would be lost)
@@ -266,6 +302,24 @@ def evaluate(model, rows, cfg: TrainConfig, accelerator) -> tuple[float, float]:
     return val_loss, math.exp(min(val_loss, 50.0))
 
 
+def evaluate_only(cfg: TrainConfig, accelerator, model, val_rows, source, out_dir: Path) -> dict:
+    """--eval-only: the --init-from model's loss on this run's held-out rows (the rows training would hold out with
+    the same data flags), written to <output_dir>/eval.json."""
+    if not val_rows:
+        raise ValueError(f"--eval-only: no validation rows (--val-every-doc {cfg.val_every_doc}, --val-tokens "
+                         f"{cfg.val_tokens}); both must be > 0.")
+    model = accelerator.prepare(model)
+    val_loss, val_ppl = evaluate(accelerator.unwrap_model(model), val_rows, cfg, accelerator)
+    result = {"init_from": cfg.init_from, "data": model_card.data_description(source), "seq_len": cfg.seq_len,
+              "val_rows": len(val_rows), "val_loss": val_loss, "val_ppl": val_ppl,
+              "mixed_precision": accelerator.mixed_precision, "num_processes": accelerator.num_processes}  # fmt: skip
+    if accelerator.is_main_process:
+        (out_dir / "eval.json").write_text(json.dumps(result, indent=2))
+    accelerator.print(f"eval: {cfg.init_from}: val loss {val_loss:.4f} ppl {val_ppl:.2f} on {len(val_rows)} rows of "
+                      f"{cfg.seq_len} tokens ({result['data']}); written to {out_dir / 'eval.json'}")
+    return result
+
+
 class TiedHeadSaveNotice(logging.Filter):
     """accelerate drops lm_head.weight, the tied copy of the input embeddings, from every checkpoint and warns that
     this "should be OK, but check": the model ties it again when it is built, and resume is tested bit-exact, so the
@@ -300,13 +354,13 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     out_dir = Path(out[0])
     ckpt_root = out_dir / "checkpoints"
     existing = checkpoint.latest_checkpoint(ckpt_root)
-    if existing is not None and not cfg.resume:  # a new run here would mix its checkpoints with the old run's
+    if existing is not None and not cfg.resume and not cfg.eval_only:  # a new run here would mix its checkpoints with the old run's
         raise ValueError(
             f"--output-dir {out_dir} already holds checkpoints of a run (latest: {existing.name}). Pass --resume "
             "latest to continue that run, or a new (or empty) --output-dir to start a new one."
         )
     leftovers = [name for name in ("metrics.jsonl", "final", "summary.json") if (out_dir / name).exists()]
-    if leftovers and not cfg.resume:  # a run without checkpoints: its metrics and final/ would be mixed or replaced
+    if leftovers and not cfg.resume and not cfg.eval_only:  # a run without checkpoints: its metrics and final/ would be mixed or replaced
         raise ValueError(
             f"--output-dir {out_dir} already holds the output of a run ({', '.join(leftovers)}) and no checkpoint. "
             "Pass a new (or empty) --output-dir to start a new run (--resume latest would train again here from "
@@ -363,6 +417,8 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     if main_proc:  # only now: a run that fails in its checks above leaves no empty directory behind
         out_dir.mkdir(parents=True, exist_ok=True)
     watchdog.beat(phase="setup")
+    if cfg.eval_only:
+        return evaluate_only(cfg, accelerator, model, val_rows, source, out_dir)
     if cfg.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23
             model.activation_checkpointing_enable({"use_reentrant": False})

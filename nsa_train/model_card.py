@@ -48,6 +48,8 @@ def run_card_fields(cfg, config, *, n_params, step, tokens_seen, val_loss, val_p
             "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
             "head_dim", "cmp_block_size", "cmp_stride", "sel_block_size", "sel_num_blocks", "window_size", "vocab_size")},
         "tokenizer": Path(cfg.tokenizer).name if Path(cfg.tokenizer).exists() else cfg.tokenizer,
+        "init_description": "initialized at random" if not getattr(cfg, "init_from", None) else
+        f"initialized from `{Path(cfg.init_from).name if Path(cfg.init_from).exists() else cfg.init_from}`",
         "data_description": data_description, "seq_len": cfg.seq_len,
         "doc_masking": "documents packed with EOS between them, attention across documents (GPT-2 style)"
         if cfg.cross_doc_attention else "documents packed with EOS between them and never attended across",

@@ -469,3 +469,31 @@ def test_checkpoints_do_not_warn_about_the_tied_head(tmp_path, caplog):
         run_main(tiny_args(tmp_path / "run", max_steps=1, save_every=1))
     assert (tmp_path / "run" / "checkpoints" / "step_00000001").is_dir()
     assert not [r.getMessage() for r in caplog.records if "Removed shared tensor" in r.getMessage()]
+
+
+def test_init_from_a_saved_model_and_eval_only(tmp_path, capsys):
+    """--init-from starts from a saved model's weights (its step-0 validation loss is the one it ended with), and
+    --eval-only evaluates it on the same held-out rows, writes eval.json and trains nothing."""
+    first = tmp_path / "first"
+    run_main(tiny_args(first, max_steps=3, eval_every=3))
+    ended_with = val_losses(first)[3]
+    result = run_main(tiny_args(tmp_path / "eval", init_from=first / "final", eval_only=True))
+    assert json.loads((tmp_path / "eval" / "eval.json").read_text()) == result
+    assert result["val_loss"] == pytest.approx(ended_with, rel=1e-6) and result["val_rows"] > 0
+    assert not (tmp_path / "eval" / "metrics.jsonl").exists() and not (tmp_path / "eval" / "final").exists()
+    run_main(tiny_args(tmp_path / "more", init_from=first / "final", max_steps=1, eval_every=1))
+    assert val_losses(tmp_path / "more")[0] == pytest.approx(ended_with, rel=1e-6)
+    assert "initialized from `final`" in (tmp_path / "more" / "final" / "README.md").read_text()
+    assert "initialized at random" in (first / "final" / "README.md").read_text()
+    # what cannot work fails before anything runs, naming the flag
+    for args, message in [
+        (dict(eval_only=True), "--eval-only evaluates the model given by --init-from"),
+        (dict(init_from=first / "final", model_overrides='{"num_hidden_layers": 1}'), "not used with --init-from"),
+    ]:  # fmt: skip
+        with pytest.raises(SystemExit):
+            run_main(tiny_args(tmp_path / "bad", **args))
+        assert message in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--init-from .*cannot load an NSA model"):
+        run_main(tiny_args(tmp_path / "bad", init_from=tmp_path / "nothing-here", eval_only=True))
+    with pytest.raises(ValueError, match="--attention-mode dense: the --init-from model is 'nsa'"):
+        run_main(tiny_args(tmp_path / "bad", init_from=first / "final", attention_mode="dense"))
