@@ -21,6 +21,7 @@ from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
+from transformers.utils import can_return_tuple
 
 from .configuration_nsa import NSAConfig
 from .nsa_layout import (
@@ -69,7 +70,8 @@ def resolve_nsa_backend(requested: str, device: torch.device) -> str:
         reason = str(error)
     if requested == "triton":
         if reason:
-            raise RuntimeError(f"nsa_backend='triton' but {reason}. Use nsa_backend='reference' or 'auto'.")
+            raise RuntimeError(f"nsa_backend='triton' but {reason}. Use nsa_backend='reference' or 'auto' (a saved "
+                               "model: from_pretrained(..., nsa_backend='auto') overrides the saved value).")
         return "triton"
     if device.type == "cuda":
         if reason:
@@ -231,18 +233,19 @@ class NSACompressor(nn.Module):
         flat = blocks.permute(0, 1, 3, 2, 4).reshape(batch, num_slots, num_kv_heads, block * head_dim)
         return mlp(flat)
 
-    def compress_blocks(self, k_blocks, v_blocks, keep):
-        """k_blocks/v_blocks (B, N, l, Hkv, D), keep (B, N) bool -> compressed k, v (B, N, Hkv, D), zero where not keep."""
+    def forward(self, k, v, cmp_end=None, keep=None):
+        """Compressed k, v (B, N, Hkv, D), zero at empty slots, from either
+        - raw keys/values k, v (B, T, Hkv, D) and cmp_end (B, N): the blocks are gathered here; or
+        - blocks k, v (B, N, l, Hkv, D) gathered by the caller and keep (B, N) bool (a decoding step's own block).
+        Both go through forward: hooks that load weights as a module runs (accelerate's offloading) see every use."""
+        if cmp_end is not None:
+            k = gather_compression_blocks(k, cmp_end, self.block_size)
+            v = gather_compression_blocks(v, cmp_end, self.block_size)
+            keep = cmp_end >= 0
         keep = keep[:, :, None, None]
-        k = self._compress(k_blocks, getattr(self, "k_pos_emb", None), getattr(self, "k_mlp", None))
-        v = self._compress(v_blocks, getattr(self, "v_pos_emb", None), getattr(self, "v_mlp", None))
+        k = self._compress(k, getattr(self, "k_pos_emb", None), getattr(self, "k_mlp", None))
+        v = self._compress(v, getattr(self, "v_pos_emb", None), getattr(self, "v_mlp", None))
         return k * keep, v * keep
-
-    def forward(self, k_raw, v_raw, cmp_end):
-        """k_raw/v_raw (B, T, Hkv, D), cmp_end (B, N) -> compressed k, v (B, N, Hkv, D), zero at empty slots."""
-        k_blocks = gather_compression_blocks(k_raw, cmp_end, self.block_size)
-        v_blocks = gather_compression_blocks(v_raw, cmp_end, self.block_size)
-        return self.compress_blocks(k_blocks, v_blocks, cmp_end >= 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -763,7 +766,7 @@ class NSAAttention(nn.Module):
             pos = doc_pos[:, -1:]  # (B, 1)
             emits = (pos >= block - 1) & ((pos - (block - 1)) % stride == 0)  # (B, 1), ends i*d + l - 1 (Eq. 7)
             blocks = raw_k[:, None, -block:], raw_v[:, None, -block:]  # (B, 1, l, Hkv, D)
-            k_new, v_new = self.compressor.compress_blocks(*blocks, emits)  # (B, 1, Hkv, D)
+            k_new, v_new = self.compressor(*blocks, keep=emits)  # (B, 1, Hkv, D)
             k_new = apply_rope(k_new, cos_q, sin_q)
             global_end = torch.where(emits, num_keys - 1, -1)
         else:
@@ -797,7 +800,7 @@ class NSAAttention(nn.Module):
         blocks = cache.tail_k.index_select(1, ring_order)[:, None], cache.tail_v.index_select(1, ring_order)[:, None]
         pos = doc_pos.index_select(1, query_end)  # (B, 1)
         emits = (pos >= block - 1) & ((pos - (block - 1)) % stride == 0)  # (B, 1)
-        k_new, v_new = self.compressor.compress_blocks(*blocks, emits)  # (B, 1, Hkv, D)
+        k_new, v_new = self.compressor(*blocks, keep=emits)  # (B, 1, Hkv, D)
         k_new = apply_rope(k_new, cos_q, sin_q)
         # each row's next free slot, or (rows emitting nothing) the spare last slot, written empty
         slot = torch.where(emits, cache.cmp_count[:, None], cache.num_slots - 1)  # (B, 1)
@@ -948,6 +951,7 @@ class NSAModel(NSAPreTrainedModel):
             raise ValueError(f"position_ids has length {position_ids.shape[-1]} but the input has {shape[1]} tokens.")
         return shape
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -965,6 +969,8 @@ class NSAModel(NSAPreTrainedModel):
         # Training forwards build no cache unless asked: the cache is for generation.
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
         if self.gradient_checkpointing and self.training:
+            if use_cache:
+                _log_once("NSA: use_cache=True does not combine with gradient checkpointing in training; no cache is built.")
             use_cache = False
         if past_key_values is not None and not isinstance(past_key_values, NSACache):
             if past_key_values.get_seq_length() > 0:
@@ -1007,15 +1013,26 @@ class NSAModel(NSAPreTrainedModel):
         position_embeddings = self.rotary_emb(rope_positions, inputs_embeds.dtype)
 
         single_document = position_ids is None and attention_mask is None and cu_seqlens is None and past_key_values is None
+        output_hidden_states = kwargs.get("output_hidden_states")
+        output_hidden_states = self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        if kwargs.get("output_attentions", self.config.output_attentions):
+            _log_once("NSA: output_attentions=True returns no attention weights (attentions=None): the three branches "
+                      "never form a (T x T) attention matrix.")
         hidden_states = inputs_embeds
+        all_hidden_states = (inputs_embeds,) if output_hidden_states else None  # each layer's input, then the output
         for layer in self.layers:
             hidden_states = layer(
                 hidden_states, doc_pos, position_embeddings, past_key_values=past_key_values, single_document=single_document
             )
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
         if past_key_values is not None:
             past_key_values.advance(num_new)
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None)
+        if output_hidden_states:  # transformers' convention: num_hidden_layers + 1, the last one normalized
+            all_hidden_states = all_hidden_states[:-1] + (hidden_states,)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None,
+                                       hidden_states=all_hidden_states)  # fmt: skip
 
 
 class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
@@ -1061,6 +1078,7 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
             return None
         return attention_mask
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -1075,7 +1093,7 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
     ) -> CausalLMOutputWithPast:
         """`labels` are the input ids (shifted inside `self.loss_function`); -100 is ignored. Pass
         `num_items_in_batch` to get a sum over tokens divided by that count (gradient accumulation)."""
-        varlen = {key: kwargs[key] for key in ("cu_seq_lens_q", "cu_seqlens") if key in kwargs}
+        passed = ("cu_seq_lens_q", "cu_seqlens", "output_hidden_states", "output_attentions")
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -1083,7 +1101,7 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
-            **varlen,
+            **{key: kwargs[key] for key in passed if key in kwargs},
         )
         hidden_states = outputs.last_hidden_state
         slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -1091,7 +1109,8 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+                                      hidden_states=outputs.hidden_states)
 
 
 NSAModel.register_for_auto_class("AutoModel")

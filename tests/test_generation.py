@@ -560,3 +560,18 @@ def test_static_cache_says_what_it_cannot_do():
     with pytest.raises(ValueError, match="(?i)static"):  # transformers declines it first, else our crop() would
         model.generate(prompt, attention_mask=mask, assistant_model=make_model(seed=1), max_new_tokens=5,
                        do_sample=False, pad_token_id=0, cache_implementation="static")
+
+
+def test_generate_with_offloaded_weights_equals_generate_in_memory():
+    """accelerate's offloading (device_map with disk/CPU offload, cpu_offload) loads a module's weights when its
+    forward runs: a decoding step's compressed token must go through the compressor's forward, or its weights
+    stay on the meta device."""
+    from accelerate import cpu_offload
+
+    model = make_model(compressor="mlp")
+    prompt = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(2))
+    kwargs = dict(max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=0)  # crosses l = 8, d = 4
+    expected = model.generate(prompt, **kwargs)
+    offloaded = cpu_offload(make_model(compressor="mlp"), execution_device=torch.device("cpu"))
+    assert offloaded.model.layers[0].self_attn.compressor.k_pos_emb.device.type == "meta"
+    assert torch.equal(offloaded.generate(prompt, **kwargs), expected)

@@ -118,3 +118,32 @@ def test_rope_keeps_the_projection_dtype_under_autocast():
     assert out.dtype == torch.bfloat16
     exact = apply_rope(x.double(), angles.cos().double(), angles.sin().double())
     torch.testing.assert_close(out, exact.to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_hidden_states_and_tuple_outputs_follow_transformers():
+    """output_hidden_states gives num_hidden_layers + 1 states (the embeddings, each layer's output, the last one
+    normalized), from forward, the config and generate(); return_dict=False gives a tuple, as for Llama."""
+    torch.manual_seed(0)
+    model = NSAForCausalLM(NSAConfig(**TINY)).double().eval()
+    ids = torch.randint(0, 113, (2, 21))
+    layer_outputs = []
+    hooks = [layer.register_forward_hook(lambda m, a, out: layer_outputs.append(out)) for layer in model.model.layers]
+    out = model(ids, output_hidden_states=True, use_cache=False)
+    for hook in hooks:
+        hook.remove()
+    states = out.hidden_states
+    assert len(states) == TINY["num_hidden_layers"] + 1
+    torch.testing.assert_close(states[0], model.model.embed_tokens(ids))
+    for k in range(1, len(states) - 1):
+        torch.testing.assert_close(states[k], layer_outputs[k - 1])
+    torch.testing.assert_close(states[-1], model.model.norm(layer_outputs[-1]))
+    assert model(ids, use_cache=False).hidden_states is None
+    model.config.output_hidden_states = True
+    assert len(model.model(ids, use_cache=False).hidden_states) == TINY["num_hidden_layers"] + 1
+    model.config.output_hidden_states = False
+    generated = model.generate(ids[:, :5], max_new_tokens=3, do_sample=False, output_hidden_states=True,
+                               return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
+    assert len(generated.hidden_states) == 3 and all(len(step) == TINY["num_hidden_layers"] + 1 for step in generated.hidden_states)
+    loss, logits = model(ids, labels=ids, use_cache=False, return_dict=False)
+    torch.testing.assert_close(logits, model(ids, use_cache=False).logits)
+    assert loss.ndim == 0 and isinstance(model.model(ids, use_cache=False, return_dict=False), tuple)
