@@ -302,6 +302,11 @@ def evaluate(model, rows, cfg: TrainConfig, accelerator) -> tuple[float, float]:
     return val_loss, math.exp(min(val_loss, 50.0))
 
 
+def run_precision(accelerator) -> str:
+    """The precision the steps run in: accelerate keeps "fp16" where it applies none (no fp16 autocast on CPU)."""
+    return "no" if accelerator.mixed_precision == "fp16" and not accelerator.native_amp else accelerator.mixed_precision
+
+
 def evaluate_only(cfg: TrainConfig, accelerator, model, val_rows, source, out_dir: Path) -> dict:
     """--eval-only: the --init-from model's loss on this run's held-out rows (the rows training would hold out with
     the same data flags), written to <output_dir>/eval.json."""
@@ -312,7 +317,7 @@ def evaluate_only(cfg: TrainConfig, accelerator, model, val_rows, source, out_di
     val_loss, val_ppl = evaluate(accelerator.unwrap_model(model), val_rows, cfg, accelerator)
     result = {"init_from": cfg.init_from, "data": model_card.data_description(source), "seq_len": cfg.seq_len,
               "val_rows": len(val_rows), "val_loss": val_loss, "val_ppl": val_ppl,
-              "mixed_precision": accelerator.mixed_precision, "num_processes": accelerator.num_processes}  # fmt: skip
+              "mixed_precision": run_precision(accelerator), "num_processes": accelerator.num_processes}  # fmt: skip
     if accelerator.is_main_process:
         (out_dir / "eval.json").write_text(json.dumps(result, indent=2))
     accelerator.print(f"eval: {cfg.init_from}: val loss {val_loss:.4f} ppl {val_ppl:.2f} on {len(val_rows)} rows of "
@@ -379,6 +384,9 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     )
     main_proc, world = accelerator.is_main_process, accelerator.num_processes
     say = accelerator.print
+    if accelerator.mixed_precision == "fp16" and not accelerator.native_amp:
+        say("warning: --mixed-precision fp16 does nothing here (accelerate autocasts to fp16 on GPUs only): the steps "
+            "run in float32 and the card says so; --mixed-precision bf16 autocasts on CPU too.")
     if cfg.warmup_steps >= cfg.max_steps > 0:
         say(f"warning: --warmup-steps {cfg.warmup_steps} >= --max-steps {cfg.max_steps}: the whole run is warm-up and "
             "the cosine decay never starts; lower --warmup-steps (e.g. to a tenth of --max-steps).")
@@ -493,7 +501,7 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     def card_fields() -> dict:
         return run_card_fields(cfg, accelerator.unwrap_model(model).config, n_params=n_params, step=step,
                                tokens_seen=tokens_seen, val_loss=val_loss, val_ppl=val_ppl, last=last,
-                               wall_s=time.time() - t_start, world=world, mixed_precision=accelerator.mixed_precision,
+                               wall_s=time.time() - t_start, world=world, mixed_precision=run_precision(accelerator),
                                device=metrics.device_info(accelerator).get("gpu", accelerator.device.type),
                                data_description=model_card.data_description(source), out_dir=out_dir)  # fmt: skip
 
@@ -529,7 +537,7 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
                 step_loss += loss.detach()
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         grad_norm = float(grad_norm)  # one host sync per step; identical on every process after the all-reduce
-        if not math.isfinite(grad_norm) and accelerator.mixed_precision != "fp16":  # fp16: the scaler skips itself
+        if not math.isfinite(grad_norm) and run_precision(accelerator) != "fp16":  # fp16: the scaler skips itself
             if not cfg.skip_nonfinite:
                 latest = checkpoint.latest_checkpoint(ckpt_root)
                 raise FloatingPointError(

@@ -244,6 +244,13 @@ def test_missing_tracker_is_said(tmp_path, capsys, monkeypatch):
     assert "trackio is not installed: logging to stdout and metrics.jsonl only (pip install trackio)" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 autocast applies on a GPU")
+def test_fp16_where_accelerate_applies_none_is_said_and_recorded_as_float32(tmp_path, capsys):
+    run_main(tiny_args(tmp_path, max_steps=1, mixed_precision="fp16"))
+    assert "--mixed-precision fp16 does nothing here" in capsys.readouterr().out
+    assert "- Precision: no;" in (tmp_path / "final" / "README.md").read_text()
+
+
 def test_log_every_zero_logs_nothing(tmp_path):
     summary = run_main(tiny_args(tmp_path, max_steps=2, log_every=0))
     assert summary["finished"] and train_losses(tmp_path) == {} and summary["tokens_seen"] == 2 * 4 * 64
