@@ -528,7 +528,7 @@ if _HAS_TRITON:
         top_v = tl.full([QPB, N_PAD], float("-inf"), tl.float32)
         top_i = tl.full([QPB, N_PAD], -1, tl.int32)
         carry = tl.zeros([QPB], tl.float32)
-        n_tok = tl.max(n_vis_rows, 0)
+        n_tok = tl.max(tl.where(row_ok, n_vis_rows, 0), 0)  # this pass's rows: another document's may see more
         for j0 in range(0, tl.max(n_blocks, 0), BJ):
             ii = j0 * R + tl.arange(0, BC)  # in-document compressed tokens starting in the chunk's blocks
             kc = tl.load(kc_base + ii.to(tl.int64)[:, None] * (HKV * D) + d[None, :], mask=(ii < n_tok)[:, None],

@@ -97,6 +97,11 @@ CPU_CASES = [
     dict(B=2, T=70, H=6, Hkv=2, D=16, layout="varlen", sel_split=[5, 3, 1]),
     # the tiles an A100 (sm_80) gets: 32-row dQ and dK/dV query tiles, selected attention in 16-row sub-tiles
     dict(B=2, T=90, H=12, Hkv=2, D=16, layout="varlen", arch=80),
+    # found by a randomized search (2026-11-23): a top-n tile across two documents at the end of the batch, whose
+    # later document's pass read compressed keys past the tensor (the earlier document's rows see more of them)
+    dict(B=1, T=65, H=6, Hkv=2, D=16, layout="varlen", dtype="float16", seed=628567,
+         param_overrides=dict(cmp_block_size=4, cmp_stride=4, sel_block_size=64, sel_num_blocks=5, sel_init_blocks=0,
+                              sel_local_blocks=1, window_size=1)),
     dict(kind="decode", B=2, T=60, H=4, Hkv=2, D=16, steps=[1, 8, 23, 60], Tw=16, layout="pad"),
     # the cache's tensors as NSACache passes them: views of larger buffers (read in place, batch strides),
     # the spare room NaN; split compressed slots and packed documents
