@@ -61,21 +61,8 @@ def document_positions(
     Other jumps in `position_ids` do not split a document, so a cache's later chunks (which see no
     earlier ids) apply the same rule: cached_document_positions.
     """
-    index = torch.arange(seq_len, device=device)
-    valid = (
-        torch.ones(batch_size, seq_len, dtype=torch.bool, device=device)
-        if attention_mask is None
-        else attention_mask.to(device=device).bool()
-    )
-    is_start = torch.zeros(batch_size, seq_len, dtype=torch.bool, device=device)
-    is_start[:, 0] = True
-    if position_ids is not None:
-        position_ids = position_ids.to(device).expand(batch_size, seq_len)
-        is_start[:, 1:] |= position_ids[:, 1:] == 0
-    is_start[:, 1:] |= ~valid[:, :-1]
-    start_index = torch.where(is_start, index, torch.zeros_like(index)).cummax(dim=-1).values  # (B, T)
-    doc_pos = index - start_index
-    return torch.where(valid, doc_pos, torch.full_like(doc_pos, -1))
+    no_past = torch.zeros(batch_size, dtype=torch.long, device=device)  # the row's first token starts a document
+    return cached_document_positions(position_ids, attention_mask, no_past, batch_size, seq_len, device)
 
 
 def cached_document_positions(
@@ -91,7 +78,8 @@ def cached_document_positions(
 
     The rules of document_positions over the whole row, applied to the new tokens only: each continues the
     row's last document unless its position id is 0 or it follows padding (`attention_mask` covers past +
-    new tokens), so every chunking of a row gives the doc_pos of one forward over it.
+    new tokens), so every chunking of a row gives the doc_pos of one forward over it (document_positions is
+    this with no past).
     """
     index = torch.arange(new_len, device=device)
     valid = (
