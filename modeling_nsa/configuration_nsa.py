@@ -82,11 +82,9 @@ class NSAConfig(PreTrainedConfig):
         # transformers 5 spells RoPE as rope_parameters (rope_scaling before it): NSA's is plain RoPE, whose one
         # parameter is rope_theta, so those become rope_theta here and any scaling is refused
         for name in ("rope_scaling", "rope_parameters"):
-            if kwargs.get(name) is not None:
-                self._take_rope_parameters(name, kwargs.pop(name))
-            kwargs.pop(name, None)
-        if isinstance(self.rope_theta, int) and not isinstance(self.rope_theta, bool):
-            self.rope_theta = float(self.rope_theta)
+            value = kwargs.pop(name, None)
+            if value is not None:
+                self._take_rope_parameters(name, value)
         self.validate_nsa()
         super().__post_init__(**kwargs)
 
@@ -136,12 +134,11 @@ class NSAConfig(PreTrainedConfig):
                 f"sel_init_blocks + sel_local_blocks ({self.sel_init_blocks} + {self.sel_local_blocks}) must not "
                 f"exceed sel_num_blocks (n={self.sel_num_blocks}): forced blocks take slots of the n."
             )
-        for name in ("rope_parameters",):  # set after construction (config.rope_scaling = ... sets it too)
-            if getattr(self, name, None) is not None:
-                self._take_rope_parameters(name, getattr(self, name))
-                if isinstance(self.rope_theta, int) and not isinstance(self.rope_theta, bool):
-                    self.rope_theta = float(self.rope_theta)
-                delattr(self, name)
+        if getattr(self, "rope_parameters", None) is not None:  # set after construction (config.rope_scaling = ... too)
+            self._take_rope_parameters("rope_parameters", self.rope_parameters)
+            del self.rope_parameters
+        if isinstance(self.rope_theta, int) and not isinstance(self.rope_theta, bool):
+            self.rope_theta = float(self.rope_theta)  # an int, given or from rope_parameters: stored as a float
         if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}.")
         if self.head_dim % 2 != 0:
