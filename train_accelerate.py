@@ -359,13 +359,14 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     out_dir = Path(out[0])
     ckpt_root = out_dir / "checkpoints"
     existing = checkpoint.latest_checkpoint(ckpt_root)
-    if existing is not None and not cfg.resume and not cfg.eval_only:  # a new run here would mix its checkpoints with the old run's
+    new_run = not cfg.resume and not cfg.eval_only  # (--eval-only writes eval.json only)
+    if existing is not None and new_run:  # a new run here would mix its checkpoints with the old run's
         raise ValueError(
             f"--output-dir {out_dir} already holds checkpoints of a run (latest: {existing.name}). Pass --resume "
             "latest to continue that run, or a new (or empty) --output-dir to start a new one."
         )
     leftovers = [name for name in ("metrics.jsonl", "final", "summary.json") if (out_dir / name).exists()]
-    if leftovers and not cfg.resume and not cfg.eval_only:  # a run without checkpoints: its metrics and final/ would be mixed or replaced
+    if leftovers and new_run:  # a run without checkpoints: its metrics and final/ would be mixed or replaced
         raise ValueError(
             f"--output-dir {out_dir} already holds the output of a run ({', '.join(leftovers)}) and no checkpoint. "
             "Pass a new (or empty) --output-dir to start a new run (--resume latest would train again here from "
@@ -384,7 +385,8 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     )
     main_proc, world = accelerator.is_main_process, accelerator.num_processes
     say = accelerator.print
-    if accelerator.mixed_precision == "fp16" and not accelerator.native_amp:
+    precision = run_precision(accelerator)
+    if precision != accelerator.mixed_precision:
         say("warning: --mixed-precision fp16 does nothing here (accelerate autocasts to fp16 on GPUs only): the steps "
             "run in float32 and the card says so; --mixed-precision bf16 autocasts on CPU too.")
     if cfg.warmup_steps >= cfg.max_steps > 0:
@@ -501,7 +503,7 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     def card_fields() -> dict:
         return run_card_fields(cfg, accelerator.unwrap_model(model).config, n_params=n_params, step=step,
                                tokens_seen=tokens_seen, val_loss=val_loss, val_ppl=val_ppl, last=last,
-                               wall_s=time.time() - t_start, world=world, mixed_precision=run_precision(accelerator),
+                               wall_s=time.time() - t_start, world=world, mixed_precision=precision,
                                device=metrics.device_info(accelerator).get("gpu", accelerator.device.type),
                                data_description=model_card.data_description(source), out_dir=out_dir)  # fmt: skip
 
@@ -537,7 +539,7 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
                 step_loss += loss.detach()
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         grad_norm = float(grad_norm)  # one host sync per step; identical on every process after the all-reduce
-        if not math.isfinite(grad_norm) and run_precision(accelerator) != "fp16":  # fp16: the scaler skips itself
+        if not math.isfinite(grad_norm) and precision != "fp16":  # fp16: the scaler skips itself
             if not cfg.skip_nonfinite:
                 latest = checkpoint.latest_checkpoint(ckpt_root)
                 raise FloatingPointError(

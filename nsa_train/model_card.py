@@ -7,6 +7,7 @@ from importlib import resources
 from pathlib import Path
 from string import Template
 
+
 def _templates():
     """model_cards/ beside the package in a checkout; installed from a wheel it is nsa_train/model_cards/."""
     checkout = Path(__file__).resolve().parents[1] / "model_cards"
@@ -14,6 +15,11 @@ def _templates():
 
 
 TEMPLATE = _templates() / "nsa_model_card.md"
+
+
+def without_local_path(name_or_path: str) -> str:
+    """A Hub id as it is; a local file or directory by its name alone (the card may be pushed)."""
+    return Path(name_or_path).name if Path(name_or_path).exists() else name_or_path
 
 
 def human(n: float) -> str:
@@ -47,9 +53,9 @@ def run_card_fields(cfg, config, *, n_params, step, tokens_seen, val_loss, val_p
         **{k: getattr(config, k) for k in (
             "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
             "head_dim", "cmp_block_size", "cmp_stride", "sel_block_size", "sel_num_blocks", "window_size", "vocab_size")},
-        "tokenizer": Path(cfg.tokenizer).name if Path(cfg.tokenizer).exists() else cfg.tokenizer,
-        "init_description": "initialized at random" if not getattr(cfg, "init_from", None) else
-        f"initialized from `{Path(cfg.init_from).name if Path(cfg.init_from).exists() else cfg.init_from}`",
+        "tokenizer": without_local_path(cfg.tokenizer),
+        "init_description": f"initialized from `{without_local_path(cfg.init_from)}`"
+        if getattr(cfg, "init_from", None) else "initialized at random",
         "data_description": data_description, "seq_len": cfg.seq_len,
         "doc_masking": "documents packed with EOS between them, attention across documents (GPT-2 style)"
         if cfg.cross_doc_attention else "documents packed with EOS between them and never attended across",
