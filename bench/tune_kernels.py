@@ -76,9 +76,11 @@ DEFAULT_VARIANTS = [
 # block unions (and so the dQ tile's cost) change when neighbouring queries choose alike, as in a trained model;
 # the head_dim 128 case (G = 8) for the d128 launch choices. The two extra cases time only the variants they
 # inform (each variant compiles its kernels anew for every shape: the sweep must fit a 10-minute slot).
-CASES = [(12, 2, 64, 2048, 32, "random", None), (12, 2, 64, 65536, 1, "random", None),
-         (12, 2, 64, 65536, 1, "correlated", ("default", "dq64rows", "sel32rows", "merge_only")),
+# Cases run in this order, most informative first, and every row is saved as it comes: a sweep stopped at its
+# time limit still leaves the rows it finished (the decode section runs before all of them).
+CASES = [(12, 2, 64, 65536, 1, "random", None), (12, 2, 64, 2048, 32, "random", None),
          (16, 1, 64, 8192, 8, "random", None),
+         (12, 2, 64, 65536, 1, "correlated", ("default", "dq64rows", "sel32rows", "merge_only")),
          (16, 2, 128, 8192, 4, "random", ("default", "dkdv8warps", "dq128whole"))]
 KERNELS = ["_select_topn_kernel", "_sel_fwd_kernel", "_bwd_dq_kernel", "_sel_bwd_dkdv_kernel",
            "_interval_fwd_kernel", "_interval_bwd_dkdv_kernel"]
@@ -126,7 +128,38 @@ def main():
         raise SystemExit("tune_kernels.py needs a CUDA GPU (tests/triton_aot.py reports the launches' registers, "
                          "spills and shared memory on CPU).")
     variants = [parse_variant(v) for v in args.variants]
-    rows = []
+    rows, decode_rows = [], []
+
+    def save():
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(fwd_bwd=rows, decode=decode_rows), indent=1))
+
+    # decode: one token over a 64k cache, per-kernel time (the top-n knobs reach the decode top-n kernel)
+    T = 65536
+    x, cmp_end, doc_pos = nsa_inputs(1, T, 12, 2, 64, grad=False)
+    w = PARAMS.window_size
+
+    def decode(query_end=None):  # eager (the window: the last w keys), or a static cache's step (a w-slot ring)
+        tri.nsa_decode_triton(x["q"][:, -1:], x["k_cmp"], x["v_cmp"], cmp_end, x["k_slc"], x["v_slc"],
+                              x["k_win"][:, -w:], x["v_win"][:, -w:], x["gates"][:, -1:], doc_pos, PARAMS,
+                              query_end=query_end)
+
+    query_end = torch.tensor([T - 1], device="cuda")
+
+    for name, settings in variants:
+        apply(settings)
+        per_kernel = kernel_ms(decode)
+        row = dict(variant=name, **{k: per_kernel.get(k, 0.0) * 1000 for k in DECODE})
+        # the step replayed from a CUDA graph (as generate() with a static cache runs it): the kernels' times and
+        # the gaps between them, without Python (a failed capture is reported, as bench_attention does, and the
+        # sweep goes on)
+        try:
+            row["graphed"] = time_ms(cuda_graph(lambda: decode(query_end)), 5, 50) * 1000
+        except Exception as exc:
+            row["graphed"], row["graph_error"] = float("nan"), f"{type(exc).__name__}: {exc}"[:200]
+        decode_rows.append(dict(row, total=sum(row[k] for k in DECODE)))
+        save()
+        print(json.dumps(decode_rows[-1]), flush=True)
     for H, Hkv, D, T, B, kind, only in CASES:
         torch.manual_seed(0)
         x, cmp_end, doc_pos = nsa_inputs(B, T, H, Hkv, D, kind=kind)
@@ -151,34 +184,8 @@ def main():
             row = dict(case=f"{H}q/{Hkv}kv d{D} T={T} B={B} {kind}", variant=name, fb_ms=time_ms(step), same_topn=same,
                        **{k: per_kernel.get(k, 0.0) for k in KERNELS})
             rows.append(row)
+            save()
             print(json.dumps(row), flush=True)
-        del x, do
-    # decode: one token over a 64k cache, per-kernel time (the top-n knobs reach the decode top-n kernel)
-    T = 65536
-    x, cmp_end, doc_pos = nsa_inputs(1, T, 12, 2, 64, grad=False)
-    w = PARAMS.window_size
-
-    def decode(query_end=None):  # eager (the window: the last w keys), or a static cache's step (a w-slot ring)
-        tri.nsa_decode_triton(x["q"][:, -1:], x["k_cmp"], x["v_cmp"], cmp_end, x["k_slc"], x["v_slc"],
-                              x["k_win"][:, -w:], x["v_win"][:, -w:], x["gates"][:, -1:], doc_pos, PARAMS,
-                              query_end=query_end)
-
-    query_end = torch.tensor([T - 1], device="cuda")
-
-    decode_rows = []
-    for name, settings in variants:
-        apply(settings)
-        per_kernel = kernel_ms(decode)
-        row = dict(variant=name, **{k: per_kernel.get(k, 0.0) * 1000 for k in DECODE})
-        # the step replayed from a CUDA graph (as generate() with a static cache runs it): the kernels' times and
-        # the gaps between them, without Python (a failed capture is reported, as bench_attention does, and the
-        # sweep goes on)
-        try:
-            row["graphed"] = time_ms(cuda_graph(lambda: decode(query_end)), 5, 50) * 1000
-        except Exception as exc:
-            row["graphed"], row["graph_error"] = float("nan"), f"{type(exc).__name__}: {exc}"[:200]
-            print(json.dumps(row), flush=True)
-        decode_rows.append(dict(row, total=sum(row[k] for k in DECODE)))
     apply({})
 
     short = {"_select_topn_kernel": "topn", "_sel_fwd_kernel": "sel fwd", "_bwd_dq_kernel": "dQ",
@@ -196,8 +203,6 @@ def main():
     for r in decode_rows:
         print(f"| {r['variant']} | " + " | ".join(f"{r[k]:.1f}" for k in DECODE)
               + f" | {r['total']:.1f} | {r['graphed']:.1f} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(fwd_bwd=rows, decode=decode_rows), indent=1))
 
 
 if __name__ == "__main__":
