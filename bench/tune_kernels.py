@@ -26,16 +26,11 @@ KNOBS = ["_SEL_ROWS", "_SEL_SUB_ROWS", "_TOPN_INSERT_MAX", "_TOPN_ROWS", "_TOPN_
          "_DKDV_WARPS", "_DQ_ROWS", "_DQ_WARPS", "_DECODE_SEL_STEP", "_DECODE_WIN_TILE", "_DECODE_SEL_PART",
          "_DECODE_WIN_PART", "_DECODE_PARTS", "_DECODE_WARPS", "_DECODE_MERGE_SPLITS", "_DECODE_MERGE_LISTS",
          "_DECODE_SPLIT"]
-# The first sweep (H100, 2026-11-22) set the selected tile (no sub-tiles), the dQ tile (128 rows), the top-n
-# warps (4) and insertion (up to 4). Open questions from it: the dK/dV kernels ran at 4 warps at commit
-# 9b9991f and were faster there (64k: compressed/window 7.2 ms, selected 3.8 ms, against 10.7 / 6.1 ms at
-# 8 warps in 64321fd); both now compute key-major and default to 4 warps, spill-free (untimed; dkdv8warps
-# is the other choice); and the fused dQ at 64k takes 21 ms against 10.9 ms for 9b9991f's separate kernels.
-# Since then (untimed): the top-n lists are unsorted between chunks and every entering block is inserted
-# (merge_only and insert4 are the earlier choices on top of that), the decode finish kernel (one program per row
-# and KV group walking the three branches, 55 of the 73 us at 64k) takes longer steps, and a CUDA-graphed step
-# replaces it with a parts kernel (4 selected parts, 2 window parts and the compressed merge side by side at 64k)
-# and a combine kernel.
+# Each variant is the other side of a default. The sweeps (H100): 2026-11-22 set the selected tile (no
+# sub-tiles), the dQ tile (128 rows), the top-n warps (4) and insertion; 2026-11-23 (the kernels changed in
+# between: key-major dK/dV, pipelined loops, unsorted top-n lists, decode parts) kept dK/dV at 4 warps,
+# 128-row dQ tiles and inserting every entering block in training, and set the decode step's warps (4), splits
+# (256 compressed slots) and its top-n merge (whole chunks).
 DEFAULT_VARIANTS = [
     "default",
     "dkdv8warps:_DKDV_WARPS=8",
@@ -60,16 +55,19 @@ DEFAULT_VARIANTS = [
     "decode_three_parts:_DECODE_PARTS=1,_DECODE_SEL_PART=16,_DECODE_WIN_PART=512",
     # smaller parts: one selected block and 128 window keys each (16 + 4 + 1 programs per row and KV group)
     "decode_small_parts:_DECODE_PARTS=1,_DECODE_SEL_STEP=1,_DECODE_WIN_TILE=128",
-    "decode_4warps:_DECODE_WARPS=4",
+    "decode_8warps:_DECODE_WARPS=8",
+    # each entering block inserted into the decode top-n lists (the training top-n's default)
+    "decode_insert_all:_TOPN_INSERT_MAX=65536",
     # the finish kernel as timed on 2026-11-22 (one selected block, 64 window keys, 8 splits and 4 lists per step;
     # top-n: 8 splits per merge step)
     "decode_short_steps:_DECODE_PARTS=0,_DECODE_SEL_STEP=1,_DECODE_WIN_TILE=64,_DECODE_WARPS=4,"
     "_DECODE_MERGE_SPLITS=8,_DECODE_MERGE_LISTS=4",
-    # compressed keys per split program (default 64; 64 splits at 64k, whose partial outputs, 16 x 64 fp32 each,
-    # the compressed part merges 16 at a time): fewer, larger splits. Spill-free at head_dim 64 on sm_80/86/90;
-    # 256 spills 96-104 B at head_dim 128 (tests/triton_aot.py), so only 128 could become a default there.
+    # compressed keys per split program (default 256 to head_dim 64: 16 splits at 64k, whose partial outputs the
+    # compressed merge takes 16 at a time; 64 was the default before): more, smaller splits
+    "decode_split64:_DECODE_SPLIT=64",
     "decode_split128:_DECODE_SPLIT=128",
-    "decode_split256:_DECODE_SPLIT=256",
+    # the step as timed on 2026-11-23 before these defaults: 8 warps, 64-slot splits, every entering block inserted
+    "decode_before:_DECODE_WARPS=8,_DECODE_SPLIT=64,_TOPN_INSERT_MAX=65536",
 ]
 # Variants named decode_* change only the decode kernels: they are timed in the decode section alone.
 # (H, Hkv, head_dim, T, B, query kind, variants: None = all); the correlated 64k case: how the selected tiles'
@@ -123,6 +121,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--decode-only", action="store_true", help="the decode section alone")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tune_kernels.py needs a CUDA GPU (tests/triton_aot.py reports the launches' registers, "
@@ -160,7 +159,7 @@ def main():
         decode_rows.append(dict(row, total=sum(row[k] for k in DECODE)))
         save()
         print(json.dumps(decode_rows[-1]), flush=True)
-    for H, Hkv, D, T, B, kind, only in CASES:
+    for H, Hkv, D, T, B, kind, only in [] if args.decode_only else CASES:
         torch.manual_seed(0)
         x, cmp_end, doc_pos = nsa_inputs(B, T, H, Hkv, D, kind=kind)
         do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)

@@ -1395,9 +1395,9 @@ def _dkdv_launch(group: int, head_dim: int, device) -> tuple[int, int, dict]:
     """(BLOCK_M, queries per program, launch options) for the dK/dV kernels, which hold fp32 dK and dV
     tiles across their query loop. Chosen with tests/triton_aot.py (registers and spills per variant) for
     the key-major update (_dkdv_update): on sm_90 at head_dim 64, 64-row query tiles at 4 warps, spill-free
-    for both kernels (at commit 9b9991f, 4 warps ran the selected and compressed/window kernels in 3.8 and
-    7.2 ms at 64k against 6.1 and 10.7 ms for the 8 warps of 64321fd; H100, 2026-11-22; the key-major
-    update is not timed yet: bench/tune_kernels.py variant dkdv8warps). Elsewhere 32-row tiles at 8 warps:
+    for both kernels (H100, 2026-11-23, bench/tune_kernels.py: the selected kernel 3.9 ms at 64k and 2.0 ms
+    at 2k x 32 against 6.0 and 3.9 ms at 8 warps, variant dkdv8warps; the compressed/window kernel 1.75 ms at
+    2k x 32 against 2.75). Elsewhere 32-row tiles at 8 warps:
     2 pipeline stages on sm_90 (spill-free at head_dim 128; head_dim 256 spills about 300-400 bytes with or
     without them), none on sm_80, which keeps the stack frame there at 0-32 bytes at head_dim 64 (64 rows,
     or pipelining, spill more)."""
@@ -1416,7 +1416,8 @@ def _dq_launch(group: int, head_dim: int, n_sel: int, device) -> tuple[int, int,
     head_dim 128 it does not fit: the selected attention's tile there. Before Hopper 64 rows spill whatever
     the warps, so the tile is 32 rows there (tests/triton_aot.py). Two pipeline stages on sm_90: with the
     selected loop free of branches (_sel_dq_sub, WHOLE) its block loads are software-pipelined, and the
-    default three stages spill 8 bytes at 128 rows (untimed)."""
+    default three stages spill 8 bytes at 128 rows. H100, 2026-11-23: 128 rows beat 64 (variant dq64rows)
+    and 32 (sel32rows) at 2k, 8k and 64k, random and correlated queries (64k: 16.9 / 18.3 / 20.6 ms)."""
     if _hopper_class(device):
         rows = _DQ_ROWS or (128 if head_dim <= 64 and _next_pow2(n_sel) >= 16 and not _SEL_ROWS else None)
         block_m, qpb = _query_tile(group, rows) if rows else _sel_rows_per_program(group, head_dim)
@@ -1566,9 +1567,17 @@ def _topn_insert_max() -> int:
     insertion replaces the worst entry of an unsorted list, 283 SASS instructions on sm_90 against 741 for
     the sorted-list insertion timed on the H100 (2026-11-22: inserting up to 4 per chunk, merging above,
     took the 64k top-n from 23.1 to 19.1 ms; inserting up to 16 then was slower, 26.6 ms); a chunk of 16
-    entering blocks costs about what a merge does (tests/triton_aot.py SASS). Untimed: bench/tune_kernels.py
-    variants merge_only and insert4."""
+    entering blocks costs about what a merge does (tests/triton_aot.py SASS). H100, 2026-11-23 (64k, random
+    queries): 9.4 ms inserting every entering block, 15.0 ms inserting up to 4 (variant insert4), 43.0 ms
+    merging every chunk (merge_only)."""
     return 1 << 16 if _TOPN_INSERT_MAX is None else _TOPN_INSERT_MAX
+
+
+def _decode_topn_insert_max() -> int:
+    """The decode top-n kernel's threshold (see _topn_insert_max): merge every chunk whole. A decode program
+    scores 64 blocks for one query, so most of its chunks bring several entering blocks; on the H100
+    (2026-11-23, 64k cache) its time was 12.8 us merging against 32.3 us inserting each entering block."""
+    return 0 if _TOPN_INSERT_MAX is None else _TOPN_INSERT_MAX
 
 
 def _topn_chunk(params: NSAParams) -> int:
@@ -1598,7 +1607,10 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     num_blocks = _cdiv(num_keys, params.sel_block_size)
     n_sel = min(params.sel_num_blocks, num_blocks)
     n_pad = _next_pow2(n_sel)
-    split = _DECODE_SPLIT or 64  # compressed slots per split program (a power of two >= 16)
+    # compressed slots per split program (a power of two >= 16): 256 at head_dim <= 64 (the H100 sweep of
+    # 2026-11-23: the 64k step's merge of 16 splits took 40 us in the finish kernel against 73 us for 64
+    # splits of 64 slots), 128 above (256 spills 96-104 B at head_dim 128: tests/triton_aot.py)
+    split = _DECODE_SPLIT or (256 if head_dim <= 64 else 128)
     n_split = max(1, _cdiv(num_slots, split))
     blocks_per_prog = _DECODE_TOPN_BLOCKS or 64  # selection blocks per top-n program
     n_prog = _cdiv(num_blocks, blocks_per_prog)
@@ -1614,12 +1626,14 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     topn = dict(LB=params.sel_block_size, N_SEL=n_sel, N_PAD=n_pad)
     merge_splits = _DECODE_MERGE_SPLITS or 32  # splits per vector load in the top-n kernel's merge (m, l only)
     # Steps of SEL_STEP selected blocks and BLOCK_N window keys, 256 keys (128 at head_dim 128, 64 at 256: each
-    # step's K and V stay within shared memory), 8 warps: spill-free at head_dim 64 and 128 (tests/triton_aot.py).
+    # step's K and V stay within shared memory), 4 warps to head_dim 64 (H100, 2026-11-23, 64k: the finish kernel
+    # 47 us at 4 warps against 73 us at 8, the graphed static step 76 against 100 us; the finish kernel spills
+    # 8-104 B there with triton 3.9, tests/test_triton_compile.py), 8 above (4 spill 200-264 B at head_dim 128).
     # With 99 KiB of shared memory per block (RTX 30xx/40xx, A10, L4) half as many keys per step: 256 keys at
-    # head_dim 64 take 136 KiB there. The finish kernel took one block and 64 keys per step at 4 warps, 55 of the
-    # step's 73 us at 64k on the H100 (2026-11-22; untimed since). In parts, a part is one step by default: at
-    # n = 16, l' = 64, w = 512 and head_dim 64, 4 selected parts, 2 window parts and the compressed merge, 7
-    # programs per (row, KV group) where the finish kernel walks 12 steps (untimed; bench/tune_kernels.py).
+    # head_dim 64 take 136 KiB there. In parts, a part is one step by default: at n = 16, l' = 64, w = 512 and
+    # head_dim 64, 4 selected parts, 2 window parts and the compressed merge, 7 programs per (row, KV group)
+    # where the finish kernel walks 12 steps (graphed at 64k on the H100, 2026-11-23, at 8 warps: 100 us in parts
+    # against 125 us with the finish kernel).
     budget = 16384 if _shared_memory_limit(q.device) >= _LARGE_SHARED_MEMORY else 8192  # keys x head_dim
     keys_per_step = min(256, budget // head_dim)
     sel_step = _DECODE_SEL_STEP or max(1, min(keys_per_step // params.sel_block_size, _next_pow2(n_sel)))
@@ -1642,12 +1656,13 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
         part_m, part_l, part_acc, part_p, counts, doc_pos, query_end, top_v, top_i, num_keys, n_split, n_prog,
         doc_pos.stride(0),
         L=params.cmp_block_size, DS=params.cmp_stride, INIT=params.sel_init_blocks, LOCAL=params.sel_local_blocks,
-        BJ=_topn_chunk(params), CS=split, SB=merge_splits, TB=blocks_per_prog, INSERT_MAX=_topn_insert_max(),
+        BJ=_topn_chunk(params), CS=split, SB=merge_splits, TB=blocks_per_prog, INSERT_MAX=_decode_topn_insert_max(),
         STATIC=static, num_warps=4, **common, **topn,
     )
     out = torch.empty_like(q)
     common_last = dict(H=num_heads, WIN=params.window_size, SB=part_splits, LISTS=lists, SEL_STEP=sel_step,
-                       BLOCK_N=win_tile, STATIC=static, num_warps=_DECODE_WARPS or 8, **common, **topn)
+                       BLOCK_N=win_tile, STATIC=static, num_warps=_DECODE_WARPS or (4 if head_dim <= 64 else 8),
+                       **common, **topn)
     strides = (k_slc.stride(0), v_slc.stride(0), k_win.stride(0), v_win.stride(0), doc_pos.stride(0))
     if not (static if _DECODE_PARTS is None else _DECODE_PARTS):
         _decode_finish_kernel[(batch * num_kv,)](

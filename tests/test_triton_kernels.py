@@ -119,6 +119,10 @@ CPU_CASES = [
     # starting inside a later split, top-n chunks spanning two splits
     dict(kind="decode", B=2, T=300, H=6, Hkv=2, D=16, steps=[20, 150, 257, 300], Tw=16, layout="varlen",
          decode_split=16),
+    # the same with each entering block inserted into the decode top-n lists (the training top-n's default;
+    # decoding merges whole chunks by default)
+    dict(kind="decode", B=2, T=300, H=6, Hkv=2, D=16, steps=[20, 150, 257, 300], Tw=16, layout="varlen",
+         decode_split=16, topn_insert_max=65536),
     # top-n over block ranges (3 blocks per program, chunks of 2: up to 9 programs, ranges cut inside a
     # chunk) merged in the finish kernel; n = 6 with one local block leaves 4 blocks to the scores, so the
     # carry into each range's first block (from the block before it) decides picks
