@@ -1561,23 +1561,21 @@ def _topn_warps(device) -> int:
     return _TOPN_WARPS or (4 if _hopper_class(device) else 8)
 
 
-def _topn_insert_max() -> int:
+def _topn_insert_max(decode: bool = False) -> int:
     """Entries of a chunk entering a query's list up to which they are inserted one at a time (_topn_insert)
-    rather than merged whole (_topn_merge). Default: always insert (no merge compiled in the chunk loop). An
-    insertion replaces the worst entry of an unsorted list, 283 SASS instructions on sm_90 against 741 for
-    the sorted-list insertion timed on the H100 (2026-11-22: inserting up to 4 per chunk, merging above,
-    took the 64k top-n from 23.1 to 19.1 ms; inserting up to 16 then was slower, 26.6 ms); a chunk of 16
-    entering blocks costs about what a merge does (tests/triton_aot.py SASS). H100, 2026-11-23 (64k, random
-    queries): 9.4 ms inserting every entering block, 15.0 ms inserting up to 4 (variant insert4), 43.0 ms
-    merging every chunk (merge_only)."""
-    return 1 << 16 if _TOPN_INSERT_MAX is None else _TOPN_INSERT_MAX
-
-
-def _decode_topn_insert_max() -> int:
-    """The decode top-n kernel's threshold (see _topn_insert_max): merge every chunk whole. A decode program
-    scores 64 blocks for one query, so most of its chunks bring several entering blocks; on the H100
-    (2026-11-23, 64k cache) its time was 12.8 us merging against 32.3 us inserting each entering block."""
-    return 0 if _TOPN_INSERT_MAX is None else _TOPN_INSERT_MAX
+    rather than merged whole (_topn_merge); tests and bench/tune_kernels.py force it with _TOPN_INSERT_MAX.
+    Training's top-n inserts every entering block (no merge compiled in the chunk loop). An insertion replaces
+    the worst entry of an unsorted list, 283 SASS instructions on sm_90 against 741 for the sorted-list
+    insertion timed on the H100 (2026-11-22: inserting up to 4 per chunk, merging above, took the 64k top-n
+    from 23.1 to 19.1 ms; inserting up to 16 then was slower, 26.6 ms); a chunk of 16 entering blocks costs
+    about what a merge does (tests/triton_aot.py SASS). H100, 2026-11-23 (64k, random queries): 9.4 ms
+    inserting every entering block, 15.0 ms inserting up to 4 (variant insert4), 43.0 ms merging every chunk
+    (merge_only). The decode top-n merges every chunk: a decode program scores 64 blocks for one query, so
+    most of its chunks bring several entering blocks (64k cache, same day: 11.8 us merging against 31.3 us
+    inserting, variant decode_insert_all)."""
+    if _TOPN_INSERT_MAX is not None:
+        return _TOPN_INSERT_MAX
+    return 0 if decode else 1 << 16
 
 
 def _topn_chunk(params: NSAParams) -> int:
@@ -1607,9 +1605,9 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     num_blocks = _cdiv(num_keys, params.sel_block_size)
     n_sel = min(params.sel_num_blocks, num_blocks)
     n_pad = _next_pow2(n_sel)
-    # compressed slots per split program (a power of two >= 16): 256 at head_dim <= 64 (the H100 sweep of
-    # 2026-11-23: the 64k step's merge of 16 splits took 40 us in the finish kernel against 73 us for 64
-    # splits of 64 slots), 128 above (256 spills 96-104 B at head_dim 128: tests/triton_aot.py)
+    # compressed slots per split program (a power of two >= 16): 256 at head_dim <= 64 (H100, 2026-11-23, 64k,
+    # the other defaults as they are: the finish kernel, which merges the splits, 34.9 us against 39.1 / 46.9 us
+    # with splits of 128 / 64 slots), 128 above (256 spills 96-104 B at head_dim 128: tests/triton_aot.py)
     split = _DECODE_SPLIT or (256 if head_dim <= 64 else 128)
     n_split = max(1, _cdiv(num_slots, split))
     blocks_per_prog = _DECODE_TOPN_BLOCKS or 64  # selection blocks per top-n program
@@ -1627,8 +1625,9 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     merge_splits = _DECODE_MERGE_SPLITS or 32  # splits per vector load in the top-n kernel's merge (m, l only)
     # Steps of SEL_STEP selected blocks and BLOCK_N window keys, 256 keys (128 at head_dim 128, 64 at 256: each
     # step's K and V stay within shared memory), 4 warps to head_dim 64 (H100, 2026-11-23, 64k: the finish kernel
-    # 47 us at 4 warps against 73 us at 8, the graphed static step 76 against 100 us; the finish kernel spills
-    # 8-104 B there with triton 3.9, tests/test_triton_compile.py), 8 above (4 spill 200-264 B at head_dim 128).
+    # 34.9 us at 4 warps against 41.2 us at 8, the graphed static step 50.1 against 53.7 us; the finish kernel
+    # spills 8-104 B there with triton 3.9, tests/test_triton_compile.py), 8 above (4 spill 200-264 B at head_dim
+    # 128).
     # With 99 KiB of shared memory per block (RTX 30xx/40xx, A10, L4) half as many keys per step: 256 keys at
     # head_dim 64 take 136 KiB there. In parts, a part is one step by default: at n = 16, l' = 64, w = 512 and
     # head_dim 64, 4 selected parts, 2 window parts and the compressed merge, 7 programs per (row, KV group)
@@ -1656,7 +1655,7 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
         part_m, part_l, part_acc, part_p, counts, doc_pos, query_end, top_v, top_i, num_keys, n_split, n_prog,
         doc_pos.stride(0),
         L=params.cmp_block_size, DS=params.cmp_stride, INIT=params.sel_init_blocks, LOCAL=params.sel_local_blocks,
-        BJ=_topn_chunk(params), CS=split, SB=merge_splits, TB=blocks_per_prog, INSERT_MAX=_decode_topn_insert_max(),
+        BJ=_topn_chunk(params), CS=split, SB=merge_splits, TB=blocks_per_prog, INSERT_MAX=_topn_insert_max(decode=True),
         STATIC=static, num_warps=4, **common, **topn,
     )
     out = torch.empty_like(q)
