@@ -13,8 +13,8 @@ are GPT-2 style: positions 0..T-1 and every label kept.
 The position in the stream is three integers, ``DataState(epoch, doc, offset)``: the next token to read is
 token ``offset`` of document ``doc`` of this rank's shuffled order in ``epoch``. Every batch carries the state
 after it, so a checkpoint records exactly what the loop consumed (prefetching included) and resume continues
-with the same rows. Local files are read with pyarrow/json only; `datasets` is imported only to stream from
-the Hub.
+with the same rows. Local files are read with pyarrow/json only; `datasets` is imported only to stream (from the
+Hub, or local parquet shards given as ``parquet:PATH`` through the same streaming call).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import torch
 LOCAL_SUFFIXES = (".parquet", ".jsonl", ".json", ".txt")
 FINEWEB_EDU = "HuggingFaceFW/fineweb-edu"
 FINEWEB_EDU_CONFIG = "sample-10BT"  # --dataset-config for fineweb-edu when none is given
+PARQUET_STREAM = "parquet:"  # --dataset parquet:PATH streams local parquet shards the way the Hub is streamed
 
 
 # ----------------------------------------------------------------------------- sources
@@ -138,34 +139,98 @@ def _json_records(path: Path) -> Iterator[dict]:
             raise ValueError(f"--dataset: {str(path)!r} is not valid JSON Lines ({e}); {forms}.") from None
 
 
-class HubStream:
-    """A Hub dataset streamed with `datasets` (imported here only), e.g. FineWeb-Edu sample-10BT."""
+class StreamedDataset:
+    """A dataset streamed by `datasets.load_dataset(..., streaming=True)` (`datasets` is imported here only).
 
-    def __init__(self, name: str, config: str | None, split: str = "train", text_column: str = "text"):
-        self.name, self.config, self.split, self.text_column = name, config, split, text_column
+    The Hub (`from_hub`: FineWeb-Edu, hf://NAME) and local parquet shards (`from_parquet`: --dataset parquet:PATH,
+    e.g. a downloaded copy of FineWeb-Edu) go through the same call, the second with the "parquet" builder and
+    `data_files`, so the streaming path the Hub runs on is also what runs offline. Files stream in name order.
+    """
+
+    def __init__(self, path: str, config: str | None = None, *, split: str = "train", text_column: str = "text",
+                 data_files: list[str] | None = None, flag: str | None = None):  # fmt: skip
+        self.path, self.config, self.split, self.text_column, self.data_files = path, config, split, text_column, data_files
+        self.flag = flag or f"--dataset {path}"  # how the user named it, for error messages
         try:
             import datasets  # noqa: F401
         except ImportError as e:
-            raise ImportError(f"--dataset {name} streams from the Hub and needs `pip install datasets`.") from e
-        check_hub_reachable(f"--dataset {name}", hint="Pass --dataset PATH with local parquet/jsonl/txt files.")
+            raise ImportError(f"{self.flag} is streamed with `datasets`: pip install datasets") from e
+
+    @classmethod
+    def from_hub(cls, name: str, config: str | None, text_column: str = "text") -> StreamedDataset:
+        source = cls(name, config, text_column=text_column)
+        check_hub_reachable(source.flag, hint=LOCAL_HINT)
+        return source
+
+    @classmethod
+    def from_parquet(cls, spec: str, text_column: str = "text") -> StreamedDataset:
+        """`spec` as for local files (a file, a directory or a glob); its parquet files, checked before training."""
+        files = [f for f in LocalFiles(spec, text_column).files if f.suffix == ".parquet"]
+        if not files:
+            raise FileNotFoundError(f"--dataset {PARQUET_STREAM}{spec}: no .parquet files there.")
+        return cls("parquet", text_column=text_column, data_files=[str(f) for f in files],
+                   flag=f"--dataset {PARQUET_STREAM}{spec}")  # fmt: skip
 
     def __iter__(self) -> Iterator[str]:
         import datasets
 
         try:
-            ds = datasets.load_dataset(self.name, name=self.config, split=self.split, streaming=True)
+            ds = datasets.load_dataset(self.path, name=self.config, split=self.split, data_files=self.data_files,
+                                       streaming=True)  # fmt: skip
+            for example in ds:
+                if example.get(self.text_column):
+                    yield example[self.text_column]
         except ValueError as e:  # e.g. "BuilderConfig 'x' not found. Available: [...]", "Config name is missing"
-            if "config" not in str(e).lower():
+            if "config" not in str(e).lower() or self.data_files is not None:
                 raise
             given = repr(self.config) if self.config else "not given (the dataset's default)"
-            raise ValueError(f"--dataset {self.name}: --dataset-config {given} does not fit this dataset: {e} "
+            raise ValueError(f"{self.flag}: --dataset-config {given} does not fit this dataset: {e} "
                              "Pass --dataset-config NAME with one of its configs.") from None
-        for example in ds:
-            if example.get(self.text_column):
-                yield example[self.text_column]
+        except Exception as e:
+            clear = hub_access_error(self.flag, e) if self.data_files is None else None
+            if clear is None:
+                raise
+            raise clear from e
 
     def describe(self) -> str:
-        return f"{self.name} ({self.config or 'default'}, split {self.split}, streamed)"
+        if self.data_files is not None:  # file names only: this text also goes into the model card
+            names = [Path(f).name for f in self.data_files]
+            shown = ", ".join(names[:5]) + (f", ... ({len(names)} files)" if len(names) > 5 else "")
+            return f"local parquet shards {shown} (column {self.text_column!r}, streamed)"
+        return f"{self.path} ({self.config or 'default'}, split {self.split}, streamed)"
+
+
+LOCAL_HINT = ("Pass --dataset parquet:DIR with local parquet shards (e.g. a downloaded copy of FineWeb-Edu) or "
+              "--dataset PATH with parquet/jsonl/txt files.")
+
+
+def hub_access_error(what: str, error: BaseException) -> Exception | None:
+    """The clear error for a failure to reach the Hub or to be let in (network down, offline mode, gated or
+    private dataset, bad token), or None when `error` is none of these. Network errors become ConnectionError,
+    refusals ValueError: the trainer prints either as one line before step 1."""
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        from datasets.exceptions import DatasetNotFoundError
+    except ImportError:  # an older `datasets`
+        DatasetNotFoundError = RepositoryNotFoundError  # noqa: N806
+    reason = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+    status = getattr(getattr(error, "response", None), "status_code", None)
+    if isinstance(error, GatedRepoError) or status in (401, 403):
+        return ValueError(
+            f"{what}: the Hub refused access ({reason}). A gated or private dataset needs its terms accepted on its "
+            f"Hub page and a token: `hf auth login` or HF_TOKEN=... {LOCAL_HINT}"
+        )
+    if isinstance(error, (RepositoryNotFoundError, DatasetNotFoundError)):
+        return ValueError(f"{what}: no such dataset on the Hub, or not one your token may read ({reason}). Check the "
+                          f"name and `hf auth whoami`. {LOCAL_HINT}")  # fmt: skip
+    http_client = ("httpx", "httpx2", "requests", "urllib3", "aiohttp")  # transport errors of the HTTP clients
+    if isinstance(error, (ConnectionError, TimeoutError, LocalEntryNotFoundError, HfHubHTTPError)) or any(
+        c.__module__.split(".")[0] in http_client for c in type(error).__mro__
+    ):
+        return ConnectionError(f"{what}: cannot stream it from the Hub ({reason}). Check the network and that "
+                               f"HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are unset. {LOCAL_HINT}")  # fmt: skip
+    return None
 
 
 class PythonDocs:
@@ -215,12 +280,15 @@ def hub_config(dataset: str, dataset_config: str | None) -> str | None:
 
 
 def make_source(dataset: str, text_column: str = "text", dataset_config: str | None = None):
+    """--dataset: python-docs | fineweb-edu | hf://NAME | parquet:PATH (streamed with `datasets`) | PATH (pyarrow)."""
     if dataset == "python-docs":
         return PythonDocs()
     if dataset == "fineweb-edu":
-        return HubStream(FINEWEB_EDU, hub_config(dataset, dataset_config), text_column=text_column)
+        return StreamedDataset.from_hub(FINEWEB_EDU, hub_config(dataset, dataset_config), text_column)
     if dataset.startswith("hf://"):
-        return HubStream(dataset[len("hf://") :], hub_config(dataset, dataset_config), text_column=text_column)
+        return StreamedDataset.from_hub(dataset[len("hf://") :], hub_config(dataset, dataset_config), text_column)
+    if dataset.startswith(PARQUET_STREAM):
+        return StreamedDataset.from_parquet(dataset[len(PARQUET_STREAM) :], text_column)
     return LocalFiles(dataset, text_column)
 
 
