@@ -1,0 +1,636 @@
+"""Long-context retrieval evaluation of any causal LM: passkey and needle-in-a-haystack, length x depth.
+
+    python -m nsa_train.long_context runs/nsa/final --task passkey --lengths 1024 4096 16384 \\
+        --depths 0 0.25 0.5 0.75 1.0 --samples 20 --batch-size 4 --out runs/nsa/long_context
+
+Each case is one prompt of exactly `length` tokens: a short instruction, a haystack, a hidden item placed so
+that a fraction `depth` of the haystack comes before it (0: at the start, 1: just before the question), and a
+question whose answer is the hidden item:
+
+- passkey: a random 5-digit number hidden in repeated filler sentences (Mohtashami & Jaggi, 2023);
+- needle: a sentence giving a secret word, hidden in real text: documents of a local parquet/jsonl/txt file
+  (`--haystack`, default the shared `wiki-summaries-en.parquet` beside the checkout when present) or, offline,
+  Python's own documentation (`--haystack python-docs`).
+
+The hidden item starts at a sentence boundary of the haystack (the nearest one to the asked depth, within a
+few tokens), and the case records the depth it really got. Two scorings:
+
+- `generate`: the model's own greedy answer (batched `generate()`, left padding; an NSA model decodes with its
+  NSACache); right when its first word is the answer;
+- `loglik`: the answer is fed after the prompt; right when every answer token is the model's argmax, and the
+  answer tokens' mean log-probability is reported too.
+
+Lengths above the model's training length (a run's `--seq-len` from its run.json, a config's
+`training_seq_len`, else `max_position_embeddings`) run and are flagged as extrapolation; lengths above what
+a learned position table holds are refused. The result is a table (length x depth accuracy), a JSON file and
+a heatmap PNG like the NSA paper's Figure 5 (matplotlib: `pip install "nsa-transformers[plot]"`).
+
+From Python (e.g. at the end of a training run) call `run_long_context_eval(model, tokenizer, ...)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import itertools
+import json
+import math
+import random
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+TASKS = ("passkey", "needle")
+SCORINGS = ("generate", "loglik")
+DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+SHARED_HAYSTACK = Path(__file__).resolve().parents[2] / "shared" / "data" / "wiki-summaries-en.parquet"
+
+# Filler for the passkey task: plain sentences, reshuffled per repetition so the haystack is not one period.
+FILLER_SENTENCES = (
+    "The morning train left the station on time.",
+    "A light rain fell over the quiet fields.",
+    "The baker opened the shop before sunrise.",
+    "Children walked to school along the river.",
+    "The old clock in the square struck nine.",
+    "Boats rocked gently in the small harbour.",
+    "A farmer repaired the fence beside the road.",
+    "The library was warm and nearly empty.",
+    "Clouds drifted slowly over the distant hills.",
+    "The market filled with voices by midday.",
+)
+PASSKEY_HEADER = ("There is a pass key hidden somewhere in the text below. Find it and remember it: you will be "
+                  "asked for it at the end.\n\n")  # fmt: skip
+PASSKEY_NEEDLE = " The pass key is {answer}. Remember it. {answer} is the pass key."
+PASSKEY_QUESTION = "\n\nWhat is the pass key? The pass key is"
+
+NEEDLE_HEADER = ("A sentence about a secret word is hidden somewhere in the text below. Find it: you will be asked "
+                 "for the word at the end.\n\n")  # fmt: skip
+NEEDLE_SENTENCE = " The secret word of the {place} is {answer}."
+NEEDLE_QUESTION = "\n\nWhat is the secret word of the {place}? The secret word of the {place} is"
+NEEDLE_PLACES = ("harbour", "castle", "garden", "museum", "bakery", "lighthouse", "library", "orchard", "observatory",
+                 "monastery", "market", "bridge")  # fmt: skip
+NEEDLE_WORDS = ("apple", "river", "candle", "silver", "thunder", "violet", "marble", "lantern", "copper", "meadow",
+                "falcon", "harvest", "anchor", "velvet", "glacier", "pepper", "compass", "ember", "willow", "saddle")  # fmt: skip
+
+SENTENCE_ENDS = (".", "!", "?", "\n")
+
+
+@dataclass
+class RetrievalCase:
+    """One prompt: `prompt_ids` of exactly `length` tokens with the hidden item at token `needle_start`."""
+
+    length: int
+    depth: float  # asked
+    actual_depth: float  # haystack tokens before the item / haystack tokens
+    answer: str
+    prompt_ids: list[int]
+    answer_ids: list[int]
+    needle_start: int
+    needle_len: int
+    haystack_start: int  # first haystack token (after special tokens and the header)
+    haystack_len: int
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_task(task: str) -> str:
+    if task not in TASKS:
+        raise ValueError(f"--task {task!r}: unknown task; choose one of {', '.join(TASKS)}.")
+    return task
+
+
+def check_scoring(scoring: str) -> str:
+    if scoring not in SCORINGS:
+        raise ValueError(f"--scoring {scoring!r}: unknown scoring; choose one of {', '.join(SCORINGS)}.")
+    return scoring
+
+
+def check_depths(depths) -> list[float]:
+    depths = [float(d) for d in depths]
+    if not depths:
+        raise ValueError("--depths: give at least one depth in [0, 1], e.g. --depths 0 0.25 0.5 0.75 1.0.")
+    for d in depths:
+        if not (0.0 <= d <= 1.0) or math.isnan(d):
+            raise ValueError(f"--depths {d:g}: a depth is the fraction of the haystack before the hidden item, in "
+                             "[0, 1] (0: at the start, 1: just before the question); e.g. --depths 0 0.5 1.")
+    if len(set(depths)) != len(depths):
+        raise ValueError(f"--depths {' '.join(f'{d:g}' for d in depths)}: a depth is repeated; give each once.")
+    return depths
+
+
+def check_lengths(lengths, position_limit: int | None, limit_source: str = "") -> list[int]:
+    lengths = [int(n) for n in lengths]
+    if not lengths:
+        raise ValueError("--lengths: give at least one prompt length in tokens, e.g. --lengths 1024 4096.")
+    if len(set(lengths)) != len(lengths):
+        raise ValueError(f"--lengths {' '.join(map(str, lengths))}: a length is repeated; give each once.")
+    for n in lengths:
+        if n < 1:
+            raise ValueError(f"--lengths {n}: a prompt length is a positive number of tokens.")
+        if position_limit is not None and n > position_limit:
+            raise ValueError(
+                f"--lengths {n}: above what the model's positions allow ({position_limit} positions, {limit_source}); "
+                f"use lengths <= {position_limit}. A model with rotary positions (NSA, Llama) takes longer prompts "
+                "(flagged as extrapolation beyond its training length)."
+            )
+    return sorted(lengths)
+
+
+def position_limit(config) -> tuple[int | None, str]:
+    """The most positions the model can embed: a learned position table's size, None for rotary positions
+    (RoPE extrapolates: longer prompts run, flagged against the training length instead)."""
+    if getattr(config, "n_positions", None):  # GPT-2 family: a learned table
+        return int(config.n_positions), "config n_positions: a learned position table"
+    rotary = getattr(config, "model_type", None) == "nsa" or any(
+        getattr(config, name, None) is not None for name in ("rope_theta", "rope_parameters", "rope_scaling", "rotary_dim")
+    )
+    if rotary:
+        return None, "rotary positions"
+    if getattr(config, "max_position_embeddings", None):  # OPT, BERT-like: a learned table of that size
+        return int(config.max_position_embeddings), "config max_position_embeddings: a learned position table"
+    return None, "no position limit known"
+
+
+def training_length(config, model_path: str | Path | None = None) -> tuple[int | None, str]:
+    """The row length the model was trained at: a config's `training_seq_len`, the `--seq-len` a run of this
+    project recorded (run.json beside a run's final/), else max_position_embeddings (what HF checkpoints set
+    to their training context)."""
+    if getattr(config, "training_seq_len", None):
+        return int(config.training_seq_len), "config training_seq_len"
+    if model_path is not None:
+        run_json = Path(model_path) / ".." / "run.json"
+        if run_json.is_file():
+            try:
+                seq_len = json.loads(run_json.read_text()).get("config", {}).get("seq_len")
+            except (json.JSONDecodeError, AttributeError):
+                seq_len = None
+            if seq_len:
+                return int(seq_len), f"the run's --seq-len ({run_json.resolve().parent.name}/run.json)"
+    for name in ("max_position_embeddings", "n_positions"):
+        if getattr(config, name, None):
+            return int(getattr(config, name)), f"config {name}"
+    return None, "unknown"
+
+
+def _special_prefix(tokenizer) -> list[int]:
+    """The special tokens the tokenizer puts before a text (Llama's BOS; none for GPT-2 and ByT5)."""
+    plain = tokenizer("a b", add_special_tokens=False).input_ids
+    full = tokenizer("a b").input_ids
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return list(full[:start])
+    return []
+
+
+def _encode_exact(tokenizer, text: str, what: str, vocab_size: int | None) -> list[int]:
+    """Token ids of a text the task needs verbatim: every character must survive the round trip (no unknown
+    token) and every id must fit the model's vocabulary."""
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    unk = getattr(tokenizer, "unk_token_id", None)
+    decoded = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    if (unk is not None and unk in ids) or decoded.split() != text.split():
+        raise ValueError(f"the tokenizer ({type(tokenizer).__name__}) cannot represent the {what} {text.strip()!r} "
+                         f"(it reads back as {decoded.strip()!r}); the task needs a tokenizer that covers plain "
+                         "English text and digits (e.g. GPT-2 BPE, a SentencePiece model, or byte-level ByT5): "
+                         "pass --tokenizer with one.")  # fmt: skip
+    if vocab_size is not None and ids and max(ids) >= vocab_size:
+        raise ValueError(f"the tokenizer gives token id {max(ids)} for the {what} {text.strip()!r}, outside the model's "
+                         f"vocabulary of {vocab_size}; pass --tokenizer the model was trained with.")
+    return ids
+
+
+# ----------------------------------------------------------------------------- haystacks
+
+
+class Haystack:
+    """A pool of haystack tokens with the sentence boundaries in it; a case takes a slice of it."""
+
+    def __init__(self, tokenizer, token_ids: list[int], description: str, cycle_sentences: list[list[int]] | None = None):
+        self.tokenizer, self.ids, self.description = tokenizer, token_ids, description
+        self.cycle_sentences = cycle_sentences  # passkey filler: sentences reshuffled per repetition
+        self._ends_sentence: dict[int, bool] = {}
+
+    def ends_sentence(self, token_id: int) -> bool:
+        if token_id not in self._ends_sentence:
+            text = self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False).rstrip(" ")
+            self._ends_sentence[token_id] = text.endswith(SENTENCE_ENDS)
+        return self._ends_sentence[token_id]
+
+    def take(self, num_tokens: int, rng: random.Random) -> list[int]:
+        """`num_tokens` haystack tokens starting at a sentence boundary (random for real text)."""
+        if self.cycle_sentences is not None:
+            out: list[int] = []
+            while len(out) < num_tokens:
+                order = list(range(len(self.cycle_sentences)))
+                rng.shuffle(order)
+                for i in order:
+                    out += self.cycle_sentences[i]
+            return out[:num_tokens]
+        pool = self.ids
+        while len(pool) < num_tokens + 1:  # a short source repeats (the description says so)
+            pool = pool + self.ids
+        start = rng.randrange(0, len(pool) - num_tokens)
+        limit = min(len(pool) - num_tokens, start + 256)
+        while start < limit and not (start == 0 or self.ends_sentence(pool[start - 1])):
+            start += 1
+        return pool[start : start + num_tokens]
+
+    def snap_to_boundary(self, tokens: list[int], index: int, radius: int) -> int:
+        """The sentence boundary nearest to `index` within `radius` tokens (index itself if none): the hidden
+        item goes between sentences, not inside one."""
+        for offset in range(radius + 1):
+            for candidate in (index - offset, index + offset):
+                if 0 <= candidate <= len(tokens) and (
+                    candidate in (0, len(tokens)) or self.ends_sentence(tokens[candidate - 1])
+                ):
+                    return candidate
+        return index
+
+
+def filler_haystack(tokenizer) -> Haystack:
+    sentences = [tokenizer(" " + s, add_special_tokens=False).input_ids for s in FILLER_SENTENCES]
+    return Haystack(tokenizer, list(itertools.chain(*sentences)), "filler sentences", cycle_sentences=sentences)
+
+
+def text_haystack(tokenizer, source: str | None, num_tokens: int, text_column: str = "text") -> Haystack:
+    """Documents of `source` (a parquet/jsonl/txt path, or "python-docs"), tokenized until `num_tokens` (at
+    least) are pooled, separated by blank lines. None: the shared wiki parquet if present, else Python's docs."""
+    from . import data
+
+    if source is None:
+        source = str(SHARED_HAYSTACK) if SHARED_HAYSTACK.is_file() else "python-docs"
+    if source in ("fineweb-edu",) or source.startswith("hf://"):
+        raise ValueError(f"--haystack {source!r}: a streamed Hub dataset is not supported here; pass a local "
+                         "parquet/jsonl/txt file or 'python-docs'.")
+    documents = data.make_source(source, text_column)
+    pool: list[int] = []
+    separator = tokenizer("\n\n", add_special_tokens=False).input_ids
+    texts = iter(documents)
+    while len(pool) < num_tokens:
+        chunk = list(itertools.islice(texts, 64))
+        if not chunk:
+            break
+        for ids in tokenizer(chunk, add_special_tokens=False, verbose=False).input_ids:
+            pool += ids + separator
+    if not pool:
+        raise ValueError(f"--haystack {source!r}: no text in it.")
+    description = documents.describe()
+    if len(pool) < num_tokens:
+        description += f" (only {len(pool):,} tokens: repeated to fill the longest prompt)"
+    return Haystack(tokenizer, pool, description)
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+def _item_texts(task: str, rng: random.Random) -> tuple[str, str, str, str]:
+    """(header, hidden item, question, answer) of one case."""
+    if task == "passkey":
+        answer = str(rng.randint(10000, 99999))
+        return PASSKEY_HEADER, PASSKEY_NEEDLE.format(answer=answer), PASSKEY_QUESTION, answer
+    place, answer = rng.choice(NEEDLE_PLACES), rng.choice(NEEDLE_WORDS)
+    return NEEDLE_HEADER, NEEDLE_SENTENCE.format(place=place, answer=answer), NEEDLE_QUESTION.format(place=place), answer
+
+
+def _answer_ids(tokenizer, question: str, answer: str, vocab_size: int | None) -> list[int]:
+    """The answer's tokens as they follow the question (tokenized together, so that a tokenizer that merges
+    across the boundary gives the ids the model would produce)."""
+    question_ids = tokenizer(question, add_special_tokens=False).input_ids
+    joint = _encode_exact(tokenizer, question + " " + answer, "answer", vocab_size)
+    if joint[: len(question_ids)] == question_ids and len(joint) > len(question_ids):
+        return joint[len(question_ids) :]
+    return _encode_exact(tokenizer, " " + answer, "answer", vocab_size)
+
+
+def build_case(tokenizer, task: str, length: int, depth: float, haystack: Haystack, rng: random.Random,
+               vocab_size: int | None = None, prefix: list[int] | None = None) -> RetrievalCase:  # fmt: skip
+    header, item, question, answer = _item_texts(task, rng)
+    prefix = _special_prefix(tokenizer) if prefix is None else prefix
+    header_ids = _encode_exact(tokenizer, header, "instruction", vocab_size)
+    item_ids = _encode_exact(tokenizer, item, "hidden item", vocab_size)
+    question_ids = _encode_exact(tokenizer, question, "question", vocab_size)
+    fixed = len(prefix) + len(header_ids) + len(item_ids) + len(question_ids)
+    budget = length - fixed
+    if budget < 0:
+        raise ValueError(f"--lengths {length}: too short for the {task} task's fixed text ({fixed} tokens with this "
+                         f"tokenizer: instruction, hidden item and question); use lengths >= {fixed}.")  # fmt: skip
+    hay = haystack.take(budget, rng)
+    cut = round(depth * budget)
+    cut = haystack.snap_to_boundary(hay, cut, radius=min(32, max(2, budget // 50)))
+    haystack_start = len(prefix) + len(header_ids)
+    prompt = prefix + header_ids + hay[:cut] + item_ids + hay[cut:] + question_ids
+    return RetrievalCase(
+        length=length, depth=depth, actual_depth=cut / budget if budget else depth, answer=answer,
+        prompt_ids=prompt, answer_ids=_answer_ids(tokenizer, question, answer, vocab_size),
+        needle_start=haystack_start + cut, needle_len=len(item_ids), haystack_start=haystack_start, haystack_len=budget,
+    )  # fmt: skip
+
+
+def build_cases(tokenizer, task: str, lengths, depths, samples: int, seed: int = 0, haystack: str | None = None,
+                text_column: str = "text", vocab_size: int | None = None) -> tuple[list[RetrievalCase], str]:  # fmt: skip
+    """`samples` cases per (length, depth), each from its own seeded generator (so a cell's cases do not depend on
+    the other lengths or depths asked). Returns the cases and the haystack's description."""
+    check_task(task)
+    if samples < 1:
+        raise ValueError(f"--samples {samples}: give at least 1 case per (length, depth).")
+    hay = filler_haystack(tokenizer) if task == "passkey" else text_haystack(
+        tokenizer, haystack, 2 * max(lengths), text_column)  # fmt: skip
+    prefix = _special_prefix(tokenizer)
+    cases = [
+        build_case(tokenizer, task, length, depth, hay, random.Random(f"{seed}-{task}-{length}-{depth:g}-{i}"),
+                   vocab_size, prefix)  # fmt: skip
+        for length in lengths for depth in depths for i in range(samples)
+    ]
+    return cases, hay.description
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+def first_word(text: str) -> str:
+    words = text.split()
+    return words[0].strip(".,;:!?\"'()[]") if words else ""
+
+
+def _left_padded(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+        mask[row, width - len(seq) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _pad_id(tokenizer, model) -> int:
+    for value in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None),
+                  getattr(getattr(model, "config", None), "pad_token_id", None)):  # fmt: skip
+        if value is not None:
+            return int(value)
+    return 0  # the attention mask hides padding: its id is never read
+
+
+@torch.no_grad()
+def score_generate(model, tokenizer, cases: list[RetrievalCase], device, pad_id: int) -> list[dict]:
+    """Greedy answers for a batch of cases (left padding): right when the first generated word is the answer."""
+    ids, mask = _left_padded([c.prompt_ids for c in cases], pad_id, device)
+    max_new = max(len(c.answer_ids) for c in cases) + 3
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                         pad_token_id=pad_id)  # fmt: skip
+    results = []
+    for row, case in enumerate(cases):
+        text = tokenizer.decode(out[row, ids.shape[1] :].tolist(), skip_special_tokens=True)
+        results.append({"correct": first_word(text) == case.answer, "prediction": text.strip()})
+    return results
+
+
+@torch.no_grad()
+def score_loglik(model, cases: list[RetrievalCase], device, pad_id: int) -> list[dict]:
+    """Teacher-forced answers: right when every answer token is the argmax; the answer's mean log-prob."""
+    sequences = [c.prompt_ids + c.answer_ids for c in cases]
+    ids, mask = _left_padded(sequences, pad_id, device)
+    keep = max(len(c.answer_ids) for c in cases) + 1  # the logits that predict answer tokens, at most
+    kwargs = {"logits_to_keep": keep} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    logits = model(input_ids=ids, attention_mask=mask, **kwargs).logits[:, -keep:].float()  # (B, keep, V)
+    log_probs = torch.log_softmax(logits, dim=-1)
+    results = []
+    for row, case in enumerate(cases):
+        n = len(case.answer_ids)
+        # answer token j sits at position S - n + j; the logits predicting it at S - n - 1 + j, kept index keep - n - 1 + j
+        rows = log_probs[row, keep - n - 1 : keep - 1]  # (n, V)
+        target = torch.tensor(case.answer_ids, device=rows.device)
+        token_lp = rows.gather(-1, target[:, None])[:, 0]
+        results.append({"correct": bool((rows.argmax(-1) == target).all()), "answer_logprob": float(token_lp.mean())})
+    return results
+
+
+# ----------------------------------------------------------------------------- the evaluation
+
+
+def run_long_context_eval(model, tokenizer, task: str = "passkey", lengths=(1024, 4096), depths=DEFAULT_DEPTHS, *,
+                          samples: int = 10, batch_size: int = 4, scoring: str = "generate", seed: int = 0,
+                          haystack: str | None = None, text_column: str = "text", training_len: int | None = None,
+                          model_path: str | Path | None = None, out_dir: str | Path | None = None,
+                          model_name: str | None = None, log=print) -> dict:  # fmt: skip
+    """Evaluate `model` on `samples` cases per (length, depth); returns (and with `out_dir` writes as JSON and
+    PNG) the accuracy per cell. `training_len` (default: from the config, or `model_path`'s run.json) marks
+    longer lengths as extrapolation. The model is put in eval mode and back in its mode after."""
+    check_task(task)
+    check_scoring(scoring)
+    depths = check_depths(depths)
+    if batch_size < 1:
+        raise ValueError(f"--batch-size {batch_size}: give at least 1.")
+    config = getattr(model, "config", None)
+    limit, limit_source = position_limit(config)
+    lengths = check_lengths(lengths, limit, limit_source)
+    if training_len is None:
+        training_len, train_source = training_length(config, model_path)
+    else:
+        train_source = "given"
+    vocab_size = getattr(config, "vocab_size", None)
+    cases, haystack_description = build_cases(tokenizer, task, lengths, depths, samples, seed, haystack, text_column,
+                                              vocab_size)  # fmt: skip
+    device = next(model.parameters()).device
+    pad_id = _pad_id(tokenizer, model)
+    was_training = model.training
+    model.eval()
+    started = time.time()
+    scored: list[dict] = []
+    try:
+        for i in range(0, len(cases), batch_size):  # cases are ordered by length: a batch has one length
+            batch = cases[i : i + batch_size]
+            if scoring == "generate":
+                scored += score_generate(model, tokenizer, batch, device, pad_id)
+            else:
+                scored += score_loglik(model, batch, device, pad_id)
+    finally:
+        model.train(was_training)
+    cells = []
+    for length in lengths:
+        for depth in depths:
+            mine = [(c, s) for c, s in zip(cases, scored) if c.length == length and c.depth == depth]
+            cell = {"length": length, "depth": depth, "samples": len(mine),
+                    "accuracy": sum(s["correct"] for _, s in mine) / len(mine),
+                    "actual_depth_mean": sum(c.actual_depth for c, _ in mine) / len(mine),
+                    "extrapolation": training_len is not None and length > training_len}  # fmt: skip
+            if scoring == "loglik":
+                cell["answer_logprob_mean"] = sum(s["answer_logprob"] for _, s in mine) / len(mine)
+            cell["cases"] = [{"answer": c.answer, "needle_start": c.needle_start, **s} for c, s in mine]
+            cells.append(cell)
+    result = {
+        "model": model_name or (str(model_path) if model_path else type(model).__name__),
+        "model_class": type(model).__name__,
+        "attention_mode": getattr(config, "attention_mode", None),
+        "task": task, "scoring": scoring, "lengths": lengths, "depths": depths, "samples": samples, "seed": seed,
+        "haystack": haystack_description if task == "needle" else "filler sentences",
+        "training_len": training_len, "training_len_source": train_source,
+        "extrapolated_lengths": [n for n in lengths if training_len is not None and n > training_len],
+        "device": str(device), "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "date": time.strftime("%Y-%m-%d"), "wall_s": round(time.time() - started, 2),
+        "accuracy": [[cell["accuracy"] for cell in cells if cell["length"] == n] for n in lengths],
+        "cells": cells,
+    }  # fmt: skip
+    log(format_table(result))
+    if out_dir is not None:
+        paths = write_outputs(result, out_dir)
+        log("wrote " + ", ".join(str(p) for p in paths))
+    return result
+
+
+def format_table(result: dict) -> str:
+    """Markdown table: one row per length, one column per depth, accuracy in percent; '*' marks extrapolation."""
+    depths = result["depths"]
+    head = f"{result['task']} ({result['scoring']}), {result['samples']} case(s) per cell, accuracy %"
+    lines = [head, "", "| length | " + " | ".join(f"depth {d:g}" for d in depths) + " | mean |",
+             "|---|" + "---|" * (len(depths) + 1)]  # fmt: skip
+    for length, row in zip(result["lengths"], result["accuracy"]):
+        mark = "*" if length in result["extrapolated_lengths"] else ""
+        cells = " | ".join(f"{100 * a:.0f}" for a in row)
+        lines.append(f"| {length:,}{mark} | {cells} | {100 * sum(row) / len(row):.0f} |")
+    if result["extrapolated_lengths"]:
+        lines.append(f"\n* beyond the training length {result['training_len']:,} ({result['training_len_source']}): "
+                     "extrapolation")  # fmt: skip
+    return "\n".join(lines)
+
+
+def write_outputs(result: dict, out_dir: str | Path) -> list[Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{result['task']}_{result['scoring']}"
+    json_path = out_dir / f"{stem}.json"
+    json_path.write_text(json.dumps(result, indent=2))
+    paths = [json_path]
+    try:
+        paths.append(plot_heatmap(result, out_dir / f"{stem}.png"))
+    except ImportError:
+        print('matplotlib is not installed: no heatmap PNG (pip install "nsa-transformers[plot]")', file=sys.stderr)
+    return paths
+
+
+def plot_heatmap(result: dict, path: str | Path) -> Path:
+    """Accuracy heatmap, depth (rows, 0 at the top) x length (columns), as in the NSA paper's Figure 5."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths, depths = result["lengths"], result["depths"]
+    grid = [[result["accuracy"][i][j] for i in range(len(lengths))] for j in range(len(depths))]  # (depth, length)
+    fig, ax = plt.subplots(figsize=(1.1 * len(lengths) + 2.5, 0.5 * len(depths) + 2.0))
+    image = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+    for j in range(len(depths)):
+        for i in range(len(lengths)):
+            ax.text(i, j, f"{100 * grid[j][i]:.0f}", ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(lengths)), [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths])
+    ax.set_yticks(range(len(depths)), [f"{100 * d:g}%" for d in depths])
+    ax.set_xlabel("context length (tokens)" + ("; dashed: training length" if result["extrapolated_lengths"] else ""))
+    ax.set_ylabel("depth of the hidden item")
+    if result["extrapolated_lengths"]:
+        first = lengths.index(result["extrapolated_lengths"][0])
+        ax.axvline(first - 0.5, color="black", linestyle="--", linewidth=1)
+    name = "/".join(Path(str(result["model"])).parts[-2:])  # runs/<run>/final -> <run>/final
+    ax.set_title(f"{name}: {result['task']} ({result['scoring']})", fontsize=9)
+    fig.colorbar(image, ax=ax, label="accuracy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def card_section(result: dict) -> str:
+    """A model card's summary of one result: the table and how it was measured."""
+    return (f"### Long-context retrieval: {result['task']}\n\n{format_table(result)}\n\n"
+            f"Haystack: {result['haystack']}; {result['device']}, {result['dtype']}, {result['date']}.\n")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def load_model_and_tokenizer(spec: str, tokenizer_spec: str | None = None, device: str | None = None,
+                             dtype: str = "auto", nsa_backend: str = "auto", trust_remote_code: bool = False):  # fmt: skip
+    """A run's final/, a saved directory or a Hub id: this project's NSA models through the installed code (with
+    `nsa_backend`), any other causal LM through AutoModelForCausalLM."""
+    import modeling_nsa  # noqa: F401  (registers model_type "nsa" with the Auto classes)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dtype == "auto":
+        dtype = "bfloat16" if str(device).startswith("cuda") else "float32"
+    try:
+        config = AutoConfig.from_pretrained(spec, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"MODEL {spec!r}: cannot load a model config from it ({' '.join(str(e).split())[:300]}); pass "
+                         "a run's final/ directory, a saved model directory or a Hub id.") from None  # fmt: skip
+    extra = {"nsa_backend": nsa_backend} if config.model_type == "nsa" else {}
+    model = AutoModelForCausalLM.from_pretrained(spec, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code,
+                                                 **extra)  # fmt: skip
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_spec or spec, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--tokenizer {tokenizer_spec or spec!r}: cannot load a tokenizer ({' '.join(str(e).split())[:300]}); "
+                         "pass --tokenizer with the model's tokenizer directory or Hub id.") from None  # fmt: skip
+    return model.to(device), tokenizer
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m nsa_train.long_context", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    p.add_argument("model", metavar="MODEL", help="a run's final/ directory, a saved model directory or a Hub id")
+    p.add_argument("--task", default="passkey", help=f"one of {', '.join(TASKS)}")
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096], help="prompt lengths in tokens")
+    p.add_argument("--depths", type=float, nargs="+", default=list(DEFAULT_DEPTHS),
+                   help="fractions of the haystack before the hidden item, in [0, 1]")
+    p.add_argument("--samples", type=int, default=10, help="cases per (length, depth)")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--scoring", default="generate", help=f"one of {', '.join(SCORINGS)}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--haystack", default=None, help="needle: a parquet/jsonl/txt file of documents or 'python-docs' "
+                   f"(default: {SHARED_HAYSTACK.name} beside the checkout when present, else python-docs)")
+    p.add_argument("--text-column", default="text")
+    p.add_argument("--tokenizer", default=None, help="default: MODEL's")
+    p.add_argument("--training-len", type=int, default=None,
+                   help="the model's training length (default: the run's run.json, else the config)")
+    p.add_argument("--out", default=None, help="output directory (default: <run>/long_context for a run's final/, "
+                   "else ./long_context)")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on a GPU, float32 on CPU")
+    p.add_argument("--nsa-backend", default="auto", choices=["auto", "reference", "triton"])
+    p.add_argument("--trust-remote-code", action="store_true")
+    return p
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    # cheap checks first: a typo fails before a model is loaded
+    check_task(args.task)
+    check_scoring(args.scoring)
+    check_depths(args.depths)
+    model, tokenizer = load_model_and_tokenizer(args.model, args.tokenizer, args.device, args.dtype, args.nsa_backend,
+                                                args.trust_remote_code)  # fmt: skip
+    out = args.out
+    if out is None:
+        run_dir = Path(args.model) / ".."
+        out = run_dir / "long_context" if (run_dir / "run.json").is_file() else Path("long_context")
+    return run_long_context_eval(
+        model, tokenizer, args.task, args.lengths, args.depths, samples=args.samples, batch_size=args.batch_size,
+        scoring=args.scoring, seed=args.seed, haystack=args.haystack, text_column=args.text_column,
+        training_len=args.training_len, model_path=args.model, out_dir=out, model_name=args.model,
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+__all__ = ["RetrievalCase", "build_case", "build_cases", "card_section", "format_table", "plot_heatmap",
+           "run_long_context_eval", "score_generate", "score_loglik"]  # fmt: skip
