@@ -1,0 +1,265 @@
+"""nsa_train.long_context: passkey / needle prompts, both scorings, the CLI on an NSA run and a HF Llama, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from transformers import ByT5Tokenizer
+
+from nsa_train import long_context as lc
+
+REPO = Path(__file__).resolve().parents[1]
+GPT2 = REPO.parent / "shared" / "data" / "gpt2-tokenizer"
+
+
+@pytest.fixture(scope="module")
+def byt5():
+    return ByT5Tokenizer()
+
+
+@pytest.fixture(scope="module")
+def nsa_run(tmp_path_factory, byt5):
+    """A tiny NSA model saved as a run's final/, with the run.json the trainer writes beside it (seq_len 256)."""
+    from modeling_nsa import NSAConfig, NSAForCausalLM
+
+    run = tmp_path_factory.mktemp("nsa-run")
+    config = NSAConfig(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, cmp_block_size=16, cmp_stride=8,
+                       sel_block_size=16, sel_num_blocks=3, window_size=32, cmp_mlp_hidden_size=16,
+                       max_position_embeddings=1024, eos_token_id=byt5.eos_token_id, pad_token_id=byt5.pad_token_id)  # fmt: skip
+    torch.manual_seed(0)
+    NSAForCausalLM(config).save_pretrained(run / "final")
+    byt5.save_pretrained(run / "final")
+    (run / "run.json").write_text(json.dumps({"config": {"seq_len": 256}}))
+    return run
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory, byt5):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("llama")
+    config = LlamaConfig(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                         eos_token_id=byt5.eos_token_id, pad_token_id=byt5.pad_token_id)  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    byt5.save_pretrained(path)
+    return path
+
+
+def tokenizers():
+    out = [pytest.param("byt5", id="byt5")]
+    out.append(pytest.param("gpt2", id="gpt2", marks=pytest.mark.skipif(not GPT2.is_dir(), reason=f"no {GPT2}")))
+    return out
+
+
+def load_tokenizer(name):
+    from transformers import AutoTokenizer
+
+    return ByT5Tokenizer() if name == "byt5" else AutoTokenizer.from_pretrained(GPT2)
+
+
+def find(sequence, part):
+    return [i for i in range(len(sequence) - len(part) + 1) if sequence[i : i + len(part)] == part]
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+@pytest.mark.parametrize("name", tokenizers())
+@pytest.mark.parametrize("task", ["passkey", "needle"])
+def test_prompt_has_exact_length_and_the_item_at_the_asked_depth(name, task):
+    tokenizer = load_tokenizer(name)
+    depths = [0.0, 0.3, 0.5, 0.75, 1.0]
+    cases, _ = lc.build_cases(tokenizer, task, [400, 900], depths, samples=2, seed=3, haystack="python-docs")
+    assert len(cases) == 2 * len(depths) * 2
+    for case in cases:
+        assert len(case.prompt_ids) == case.length
+        item = case.prompt_ids[case.needle_start : case.needle_start + case.needle_len]
+        item_text = tokenizer.decode(item)
+        assert case.answer in item_text and ("pass key" if task == "passkey" else "secret word") in item_text
+        # the item is where the case says, once, and that place is the asked fraction of the haystack
+        assert find(case.prompt_ids, item) == [case.needle_start]
+        where = (case.needle_start - case.haystack_start) / case.haystack_len
+        assert abs(where - case.depth) <= 0.05, (case.depth, where)
+        assert abs(where - case.actual_depth) < 1e-9
+        # the question closes the prompt and the answer appears nowhere else in the haystack
+        text = tokenizer.decode(case.prompt_ids)
+        assert text.rstrip().endswith("The pass key is" if task == "passkey" else "is")
+        assert text.count(case.answer) == (2 if task == "passkey" else 1)
+        assert case.answer in tokenizer.decode(case.answer_ids)
+
+
+def test_cases_are_seeded_per_cell(byt5):
+    one, _ = lc.build_cases(byt5, "passkey", [300], [0.5], samples=3, seed=7)
+    again, _ = lc.build_cases(byt5, "passkey", [300, 600], [0.0, 0.5], samples=3, seed=7)
+    assert [c.prompt_ids for c in one] == [c.prompt_ids for c in again if c.length == 300 and c.depth == 0.5]
+    other, _ = lc.build_cases(byt5, "passkey", [300], [0.5], samples=3, seed=8)
+    assert [c.answer for c in one] != [c.answer for c in other]
+
+
+# ----------------------------------------------------------------------------- scoring on hand-made models
+
+
+class ScriptedLM(nn.Module):
+    """A causal LM whose answers are scripted: `right(prompt_ids)` says whether it knows the answer of that prompt.
+    Its logits put all mass on the true next token (or on another one) and its generate() writes the answer (or
+    another number)."""
+
+    def __init__(self, cases, right, vocab_size=384):
+        super().__init__()
+        self.config = type("Config", (), {"vocab_size": vocab_size, "max_position_embeddings": 4096,
+                                          "model_type": "scripted", "rope_theta": 1e4})()  # fmt: skip
+        self.anchor = nn.Parameter(torch.zeros(1))
+        self.answers = {tuple(c.prompt_ids): c.answer_ids for c in cases}
+        self.right = right
+
+    def forward(self, input_ids, attention_mask, logits_to_keep=0):
+        assert attention_mask.shape == input_ids.shape
+        batch, length = input_ids.shape
+        next_ids = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
+        for row in range(batch):
+            tokens = input_ids[row][attention_mask[row].bool()].tolist()
+            prompt = next(p for p in self.answers if tuple(tokens[: len(p)]) == p)
+            if not self.right(prompt):
+                next_ids[row] = (next_ids[row] + 1) % self.config.vocab_size
+        logits = 10.0 * nn.functional.one_hot(next_ids, self.config.vocab_size).float()
+        return type("Out", (), {"logits": logits[:, -logits_to_keep:] if logits_to_keep else logits})()
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, do_sample, pad_token_id):
+        rows = []
+        for row in range(input_ids.shape[0]):
+            prompt = tuple(input_ids[row][attention_mask[row].bool()].tolist())
+            answer = self.answers[prompt] if self.right(prompt) else [ord(c) + 3 for c in " 00000"]
+            rows.append(input_ids[row].tolist() + (answer + [1] * max_new_tokens)[:max_new_tokens])
+        return torch.tensor(rows)
+
+
+@pytest.mark.parametrize("task", ["passkey", "needle"])
+@pytest.mark.parametrize("scoring", ["generate", "loglik"])
+def test_scoring_on_scripted_answers(byt5, task, scoring):
+    lengths, depths = [300, 420], [0.0, 0.5, 1.0]
+    kw = dict(samples=3, seed=1, haystack="python-docs")
+    cases, _ = lc.build_cases(byt5, task, lengths, depths, **kw)
+    depth_of = {tuple(c.prompt_ids): c.depth for c in cases}
+    # right at depth 0 always, at depth 0.5 for the 420-token prompts only, never at depth 1
+    model = ScriptedLM(cases, lambda p: depth_of[p] == 0.0 or (depth_of[p] == 0.5 and len(p) == 420))
+    result = lc.run_long_context_eval(model, byt5, task, lengths, depths, batch_size=4, scoring=scoring,
+                                      training_len=300, log=lambda s: None, **kw)  # fmt: skip
+    assert result["accuracy"] == [[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
+    assert result["extrapolated_lengths"] == [420]
+    if scoring == "loglik":  # a right answer has log-prob ~0 (-0.017: 383 other logits at 0), a wrong one ~ -10
+        by_cell = {(c["length"], c["depth"]): c["answer_logprob_mean"] for c in result["cells"]}
+        assert by_cell[(300, 0.0)] > -0.02 and by_cell[(300, 1.0)] < -9
+
+
+def test_first_word_rule():
+    assert lc.first_word(" 12345. And") == "12345"
+    assert lc.first_word("\n'violet', said") == "violet"
+    assert lc.first_word("   ") == ""
+
+
+# ----------------------------------------------------------------------------- real models, the CLI
+
+
+def test_cli_on_an_nsa_run_flags_extrapolation_and_writes_outputs(nsa_run, tmp_path):
+    out = tmp_path / "out"
+    result = lc.main([str(nsa_run / "final"), "--task", "passkey", "--lengths", "240", "320", "--depths", "0", "0.5",
+                      "1", "--samples", "2", "--batch-size", "3", "--out", str(out)])  # fmt: skip
+    assert result["training_len"] == 256 and "run.json" in result["training_len_source"]
+    assert result["extrapolated_lengths"] == [320]
+    assert result["attention_mode"] == "nsa"
+    saved = json.loads((out / "passkey_generate.json").read_text())
+    assert saved["accuracy"] == result["accuracy"] and len(saved["cells"]) == 6
+    assert all(len(cell["cases"]) == 2 for cell in saved["cells"])
+    assert (out / "passkey_generate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("scoring", ["generate", "loglik"])
+def test_cli_on_a_hf_llama_needle(llama_dir, tmp_path, scoring):
+    out = tmp_path / "out"
+    result = lc.main([str(llama_dir), "--task", "needle", "--lengths", "300", "400", "--depths", "0.25", "0.75",
+                      "--samples", "2", "--scoring", scoring, "--haystack", "python-docs", "--out", str(out)])  # fmt: skip
+    assert result["model_class"] == "LlamaForCausalLM" and result["training_len"] == 512
+    assert result["extrapolated_lengths"] == []
+    assert (out / f"needle_{scoring}.json").is_file() and (out / f"needle_{scoring}.png").is_file()
+    assert len(result["accuracy"]) == 2 and all(len(row) == 2 for row in result["accuracy"])
+
+
+def test_loglik_matches_a_direct_computation_on_a_real_model(llama_dir, byt5):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    cases, _ = lc.build_cases(byt5, "needle", [320], [0.5], samples=3, seed=2, haystack="python-docs")
+    scored = lc.score_loglik(model, cases, torch.device("cpu"), pad_id=0)
+    for case, score in zip(cases, scored):  # one case alone, no padding, every logit kept
+        ids = torch.tensor([case.prompt_ids + case.answer_ids])
+        with torch.no_grad():
+            log_probs = torch.log_softmax(model(ids).logits[0].float(), -1)
+        n = len(case.answer_ids)
+        picked = [log_probs[len(case.prompt_ids) - 1 + j, t] for j, t in enumerate(case.answer_ids)]
+        argmax = [int(log_probs[len(case.prompt_ids) - 1 + j].argmax()) for j in range(n)]
+        assert score["answer_logprob"] == pytest.approx(float(sum(picked) / n), abs=1e-4)
+        assert score["correct"] == (argmax == case.answer_ids)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_bad_inputs_are_named_with_the_fix(byt5, llama_dir):
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    llama = AutoModelForCausalLM.from_pretrained(llama_dir)
+    quiet = dict(log=lambda s: None, samples=1)
+    with pytest.raises(ValueError, match=r"--task 'retrieve': unknown task; choose one of passkey, needle"):
+        lc.run_long_context_eval(llama, byt5, "retrieve", [300], [0.5], **quiet)
+    with pytest.raises(ValueError, match=r"--scoring 'sample'"):
+        lc.run_long_context_eval(llama, byt5, "passkey", [300], [0.5], scoring="sample", **quiet)
+    for depths, needle in (([1.5], r"--depths 1.5: .* in \[0, 1\]"), ([-0.1], r"--depths -0.1"),
+                           ([], r"at least one depth"), ([0.5, 0.5], r"repeated")):  # fmt: skip
+        with pytest.raises(ValueError, match=needle):
+            lc.run_long_context_eval(llama, byt5, "passkey", [300], depths, **quiet)
+    with pytest.raises(ValueError, match=r"--lengths 20: too short for the passkey task's fixed text \(\d+ tokens.*use lengths >= \d+"):
+        lc.run_long_context_eval(llama, byt5, "passkey", [20], [0.5], **quiet)
+    with pytest.raises(ValueError, match=r"--samples 0"):
+        lc.run_long_context_eval(llama, byt5, "passkey", [300], [0.5], log=lambda s: None, samples=0)
+    with pytest.raises(ValueError, match=r"--haystack 'hf://x/y': a streamed Hub dataset"):
+        lc.run_long_context_eval(llama, byt5, "needle", [300], [0.5], haystack="hf://x/y", **quiet)
+    # a learned position table (GPT-2's n_positions) cannot take longer prompts
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=384, n_positions=128, n_embd=16, n_layer=1, n_head=2))
+    with pytest.raises(ValueError, match=r"--lengths 256: above what the model's positions allow \(128 positions, "
+                                         r"config n_positions.*use lengths <= 128"):  # fmt: skip
+        lc.run_long_context_eval(gpt2, byt5, "passkey", [100, 256], [0.5], **quiet)
+    # a tokenizer without the needed tokens: a word-level vocabulary that has no digits
+    small = word_level_tokenizer()
+    with pytest.raises(ValueError, match=r"cannot represent the .* pass --tokenizer"):
+        lc.run_long_context_eval(llama, small, "passkey", [300], [0.5], **quiet)
+    # token ids beyond the model's vocabulary
+    tiny_vocab = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_positions=512, n_embd=16, n_layer=1, n_head=2))
+    with pytest.raises(ValueError, match=r"outside the model's vocabulary of 100; pass --tokenizer"):
+        lc.run_long_context_eval(tiny_vocab, byt5, "passkey", [300], [0.5], **quiet)
+
+
+def word_level_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = "[UNK] the pass key is there a hidden somewhere in text below".split()
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+
+
+def test_cli_errors_exit_2_before_loading(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "nsa_train.long_context", str(tmp_path / "missing"), "--task", "qa"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "error: --task 'qa': unknown task" in proc.stderr
+    with pytest.raises(ValueError, match=r"MODEL '.*missing': cannot load a model config"):
+        lc.main([str(tmp_path / "missing"), "--lengths", "100"])
