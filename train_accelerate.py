@@ -16,7 +16,6 @@ import difflib
 import json
 import logging
 import math
-import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -36,11 +35,14 @@ from accelerate.utils import (
     parse_flag_from_env,
     set_seed,
 )
-from tqdm.auto import tqdm
 from transformers import HfArgumentParser
 
 from nsa_train import checkpoint, data, hub, metrics, model_card
-from nsa_train.model_card import run_card_fields, write_model_card
+from nsa_train.evaluation import evaluate, validation_loss
+from nsa_train.export import Exporter, generate_sample
+from nsa_train.preemption import SigtermStop
+from nsa_train.run_state import RunState
+from nsa_train.step_log import StepLog
 
 MODEL_PRESETS = {
     "125m": {},  # NSAConfig defaults: 12 layers, hidden 768, 12 q / 2 kv heads, paper NSA sizes
@@ -284,27 +286,109 @@ def ddp_kwargs(cfg: TrainConfig, num_processes: int) -> DistributedDataParallelK
     )
 
 
-@torch.no_grad()
-def evaluate(model, rows, cfg: TrainConfig, accelerator) -> tuple[float, float]:
-    """Validation loss (mean over label tokens of every process) and perplexity."""
-    model.eval()
-    sums = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # (loss sum, label tokens)
-    mine = rows[accelerator.process_index :: accelerator.num_processes]
-    for i in range(0, len(mine), cfg.micro_batch_size):
-        batch = data.to_batch(mine[i : i + cfg.micro_batch_size], accelerator.device)
-        n = data.num_label_tokens(batch["labels"])
-        with accelerator.autocast():
-            loss = model(**batch, num_items_in_batch=n).loss
-        sums += torch.stack([loss.double() * n, n.double()])
-    sums = accelerator.reduce(sums, reduction="sum")
-    model.train()
-    val_loss = (sums[0] / sums[1].clamp(min=1)).item()
-    return val_loss, math.exp(min(val_loss, 50.0))
+def output_dir(cfg: TrainConfig, state: PartialState) -> Path:
+    """The run's directory, the same on every process (a default's time stamp is the main process's). A new run
+    refuses one that holds another run's output. Not created yet: a run that fails its checks leaves none."""
+    out = [cfg.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"]
+    broadcast_object_list(out) if state.num_processes > 1 else None
+    out_dir = Path(out[0])
+    checkpoint.check_output_dir(out_dir, new_run=not cfg.resume and not cfg.eval_only)  # (--eval-only: eval.json only)
+    return out_dir
+
+
+def make_accelerator(cfg: TrainConfig, out_dir: Path, state: PartialState) -> Accelerator:
+    for tracker, available in (("tensorboard", is_tensorboard_available), ("trackio", is_trackio_available)):
+        if cfg.report_to == tracker and not available():
+            state.print(f"{tracker} is not installed: logging to stdout and metrics.jsonl only (pip install {tracker})")
+            cfg.report_to = "none"
+    return Accelerator(
+        gradient_accumulation_steps=cfg.grad_accum,
+        mixed_precision=cfg.mixed_precision,
+        log_with=None if cfg.report_to == "none" else cfg.report_to,
+        project_config=ProjectConfiguration(project_dir=str(out_dir), logging_dir=str(out_dir)),
+        kwargs_handlers=[ddp_kwargs(cfg, state.num_processes)],
+    )
 
 
 def run_precision(accelerator) -> str:
     """The precision the steps run in: accelerate keeps "fp16" where it applies none (no fp16 autocast on CPU)."""
     return "no" if accelerator.mixed_precision == "fp16" and not accelerator.native_amp else accelerator.mixed_precision
+
+
+def warn_about_settings(cfg: TrainConfig, accelerator, precision: str) -> None:
+    if precision != accelerator.mixed_precision:
+        accelerator.print("warning: --mixed-precision fp16 does nothing here (accelerate autocasts to fp16 on GPUs "
+                          "only): the steps run in float32 and the card says so; --mixed-precision bf16 autocasts on "
+                          "CPU too.")  # fmt: skip
+    if cfg.warmup_steps >= cfg.max_steps > 0:
+        accelerator.print(f"warning: --warmup-steps {cfg.warmup_steps} >= --max-steps {cfg.max_steps}: the whole run "
+                          "is warm-up and the cosine decay never starts; lower --warmup-steps (e.g. to a tenth of "
+                          "--max-steps).")  # fmt: skip
+
+
+def check_backend(cfg: TrainConfig, device) -> None:
+    """An explicit --nsa-backend triton where the kernels cannot run fails at startup, not at the first step."""
+    if cfg.attention_mode != "nsa":
+        return
+    from modeling_nsa.modeling_nsa import resolve_nsa_backend
+
+    try:
+        resolve_nsa_backend(cfg.nsa_backend, device)
+    except RuntimeError as e:
+        raise ValueError(f"--nsa-backend {cfg.nsa_backend}: {e} (--nsa-backend auto picks what runs here)") from None
+
+
+def enable_gradient_checkpointing(model) -> None:
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def train_step(model, optimizer, micro_batches, cfg: TrainConfig, accelerator, precision: str):
+    """One optimizer step over the step's micro-batches. Returns (loss summed over them, gradient norm, whether the
+    weights were updated: not when the gradient is non-finite, except under fp16, whose scaler skips on its own)."""
+    world = accelerator.num_processes
+    n_items = sum(data.num_label_tokens(b["labels"]) for b, _ in micro_batches).to(accelerator.device)
+    n_items = accelerator.reduce(n_items, reduction="sum")  # label tokens in the whole step, all processes
+    step_loss = torch.zeros((), device=accelerator.device)
+    for batch, _ in micro_batches:
+        batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
+        with accelerator.accumulate(model):
+            loss = model(**batch, num_items_in_batch=n_items).loss  # local token sum / global token count
+            # accelerate divides by grad_accum and DDP averages over processes: undo both
+            accelerator.backward(loss * cfg.grad_accum * world)
+            step_loss += loss.detach()
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+    grad_norm = float(grad_norm)  # one host sync per step; identical on every process after the all-reduce
+    updated = math.isfinite(grad_norm) or precision == "fp16"
+    if updated:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return step_loss, grad_norm, updated
+
+
+def skip_nonfinite_step(cfg: TrainConfig, run: RunState, checkpoints: checkpoint.RunCheckpoints, step_loss,
+                        grad_norm: float, lr: float) -> None:  # fmt: skip
+    """A step that left the weights as they were: an error, or with --skip-nonfinite counted and said."""
+    if not cfg.skip_nonfinite:
+        latest = checkpoint.latest_checkpoint(checkpoints.root)
+        raise FloatingPointError(
+            f"non-finite loss/gradient at step {run.step} (loss {float(step_loss):.4g}, grad norm {grad_norm}, "
+            f"lr {lr:.3g}); the weights were NOT updated. Last checkpoint: {latest}. Lower --lr, raise "
+            "--warmup-steps or pass --skip-nonfinite to skip such steps."
+        )
+    run.skipped_steps += 1
+    checkpoints.accelerator.print(f"step {run.step}: non-finite gradient, step skipped ({run.skipped_steps} so far)")
+
+
+def save(model, run: RunState, checkpoints: checkpoint.RunCheckpoints, exporter: Exporter, cfg: TrainConfig) -> None:
+    """A checkpoint of the run (every process); with --export-every-save also final/ (and its push)."""
+    path = checkpoints.save(run)
+    checkpoints.accelerator.print(f"saved {path}")
+    if cfg.export_every_save:
+        branch = f"step-{run.step}" if cfg.hub_intermediate == "branch" else None
+        exporter.export(model, run, f"step {run.step}", branch=branch)
 
 
 def evaluate_only(cfg: TrainConfig, accelerator, model, val_rows, source, out_dir: Path) -> dict:
@@ -314,14 +398,15 @@ def evaluate_only(cfg: TrainConfig, accelerator, model, val_rows, source, out_di
         raise ValueError(f"--eval-only: no validation rows (--val-every-doc {cfg.val_every_doc}, --val-tokens "
                          f"{cfg.val_tokens}); both must be > 0.")
     model = accelerator.prepare(model)
-    val_loss, val_ppl = evaluate(accelerator.unwrap_model(model), val_rows, cfg, accelerator)
+    metrics = validation_loss(accelerator.unwrap_model(model), val_rows, cfg.micro_batch_size, accelerator)
     result = {"init_from": cfg.init_from, "data": model_card.data_description(source), "seq_len": cfg.seq_len,
-              "val_rows": len(val_rows), "val_loss": val_loss, "val_ppl": val_ppl,
-              "mixed_precision": run_precision(accelerator), "num_processes": accelerator.num_processes}  # fmt: skip
+              "val_rows": len(val_rows), **metrics, "mixed_precision": run_precision(accelerator),
+              "num_processes": accelerator.num_processes}  # fmt: skip
     if accelerator.is_main_process:
         (out_dir / "eval.json").write_text(json.dumps(result, indent=2))
-    accelerator.print(f"eval: {cfg.init_from}: val loss {val_loss:.4f} ppl {val_ppl:.2f} on {len(val_rows)} rows of "
-                      f"{cfg.seq_len} tokens ({result['data']}); written to {out_dir / 'eval.json'}")
+    accelerator.print(f"eval: {cfg.init_from}: val loss {result['val_loss']:.4f} ppl {result['val_ppl']:.2f} on "
+                      f"{len(val_rows)} rows of {cfg.seq_len} tokens ({result['data']}); written to "
+                      f"{out_dir / 'eval.json'}")  # fmt: skip
     return result
 
 
@@ -341,7 +426,7 @@ def quiet_tied_head_notice() -> None:
 
 
 def main(cfg: TrainConfig) -> dict:
-    cleanup: list = []  # background threads (data prefetch, watchdog) stop however the run ends
+    cleanup: list = []  # background threads (data prefetch, watchdog) and the SIGTERM handler, however the run ends
     try:
         return train(cfg, cleanup)
     finally:
@@ -350,48 +435,15 @@ def main(cfg: TrainConfig) -> dict:
 
 
 def train(cfg: TrainConfig, cleanup: list) -> dict:
-    t_start = time.time()
+    started = time.time()
     quiet_tied_head_notice()
     # the process group before the Accelerator (whose TensorBoard logger needs the output dir, the same on every process)
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
-    out = [cfg.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"]
-    broadcast_object_list(out) if state.num_processes > 1 else None
-    out_dir = Path(out[0])
-    ckpt_root = out_dir / "checkpoints"
-    existing = checkpoint.latest_checkpoint(ckpt_root)
-    new_run = not cfg.resume and not cfg.eval_only  # (--eval-only writes eval.json only)
-    if existing is not None and new_run:  # a new run here would mix its checkpoints with the old run's
-        raise ValueError(
-            f"--output-dir {out_dir} already holds checkpoints of a run (latest: {existing.name}). Pass --resume "
-            "latest to continue that run, or a new (or empty) --output-dir to start a new one."
-        )
-    leftovers = [name for name in ("metrics.jsonl", "final", "summary.json") if (out_dir / name).exists()]
-    if leftovers and new_run:  # a run without checkpoints: its metrics and final/ would be mixed or replaced
-        raise ValueError(
-            f"--output-dir {out_dir} already holds the output of a run ({', '.join(leftovers)}) and no checkpoint. "
-            "Pass a new (or empty) --output-dir to start a new run (--resume latest would train again here from "
-            "step 0, adding to its metrics.jsonl)."
-        )
-    for tracker, available in (("tensorboard", is_tensorboard_available), ("trackio", is_trackio_available)):
-        if cfg.report_to == tracker and not available():
-            state.print(f"{tracker} is not installed: logging to stdout and metrics.jsonl only (pip install {tracker})")
-            cfg.report_to = "none"
-    accelerator = Accelerator(
-        gradient_accumulation_steps=cfg.grad_accum,
-        mixed_precision=cfg.mixed_precision,
-        log_with=None if cfg.report_to == "none" else cfg.report_to,
-        project_config=ProjectConfiguration(project_dir=str(out_dir), logging_dir=str(out_dir)),
-        kwargs_handlers=[ddp_kwargs(cfg, state.num_processes)],
-    )
-    main_proc, world = accelerator.is_main_process, accelerator.num_processes
-    say = accelerator.print
+    out_dir = output_dir(cfg, state)
+    accelerator = make_accelerator(cfg, out_dir, state)
+    main_proc, world, say = accelerator.is_main_process, accelerator.num_processes, accelerator.print
     precision = run_precision(accelerator)
-    if precision != accelerator.mixed_precision:
-        say("warning: --mixed-precision fp16 does nothing here (accelerate autocasts to fp16 on GPUs only): the steps "
-            "run in float32 and the card says so; --mixed-precision bf16 autocasts on CPU too.")
-    if cfg.warmup_steps >= cfg.max_steps > 0:
-        say(f"warning: --warmup-steps {cfg.warmup_steps} >= --max-steps {cfg.max_steps}: the whole run is warm-up and "
-            "the cosine decay never starts; lower --warmup-steps (e.g. to a tenth of --max-steps).")
+    warn_about_settings(cfg, accelerator, precision)
     watchdog = metrics.Watchdog(cfg.stall_timeout, out_dir / "heartbeat.json" if main_proc else None,
                                 out_dir / f"stacks_rank{accelerator.process_index}.txt")  # fmt: skip
     cleanup.append(watchdog.stop)
@@ -403,25 +455,8 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     model = build_model(cfg, tokenizer)
     tokenizer.model_max_length = model.config.max_position_embeddings  # long documents are packed, not truncated
     cfg.attention_mode = model.config.attention_mode  # the flag's or the --model file's: run.json records it
-    if cfg.attention_mode == "nsa":  # an explicit --nsa-backend triton where the kernels cannot run fails here
-        from modeling_nsa.modeling_nsa import resolve_nsa_backend
-
-        try:
-            resolve_nsa_backend(cfg.nsa_backend, accelerator.device)
-        except RuntimeError as e:
-            raise ValueError(f"--nsa-backend {cfg.nsa_backend}: {e} (--nsa-backend auto picks what runs here)") from None
-    hub_api = None
-    if cfg.push_to_hub:
-        result = [None]
-        if main_proc:
-            try:
-                hub_api, url = hub.preflight(cfg.push_to_hub, private=cfg.hub_private)
-                say(f"hub: pushing to {url}")
-            except hub.HubError as e:
-                result = [str(e)]
-        broadcast_object_list(result) if world > 1 else None
-        if result[0]:
-            raise hub.HubError(result[0])
+    check_backend(cfg, accelerator.device)
+    hub_api = hub.preflight_on_main(accelerator, cfg.push_to_hub, private=cfg.hub_private)
     val_rows = data.validation_rows(source, tokenizer, cfg.seq_len, cfg.val_every_doc, cfg.val_tokens,
                                     cfg.cross_doc_attention)  # fmt: skip
     if main_proc:  # only now: a run that fails in its checks above leaves no empty directory behind
@@ -429,208 +464,91 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     watchdog.beat(phase="setup")
     if cfg.eval_only:
         return evaluate_only(cfg, accelerator, model, val_rows, source, out_dir)
-    if cfg.gradient_checkpointing:
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23
-            model.activation_checkpointing_enable({"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    n_params = sum(p.numel() for p in model.parameters())
-    flops_dense, flops_nsa = metrics.flops_per_token(model, cfg.seq_len)
-    peak = metrics.peak_flops(accelerator.device, cfg.peak_tflops)
 
+    # --- the model, its optimizer, and where the run stands
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    n_params = sum(p.numel() for p in model.parameters())
+    flops = metrics.flops_per_token(model, cfg.seq_len)  # (dense-equivalent, NSA-executed)
     optimizer = make_optimizer(model, cfg, accelerator.device)
     if cfg.compile:
         model = torch.compile(model)
     model, optimizer = accelerator.prepare(model, optimizer)
-
-    step, tokens_seen, skipped, val_loss, val_ppl = 0, 0, 0, None, None
-    data_state = data.DataState()
-    model_config = checkpoint.model_fields(accelerator.unwrap_model(model).config)
     run_config = asdict(cfg) | {"output_dir": str(out_dir), "world_size": world}
-    resume_from = checkpoint.resolve_resume(cfg.resume, ckpt_root)
-    if resume_from is None and cfg.resume == "latest":
-        say(f"--resume latest: no checkpoint found in {ckpt_root}; training starts from step 0")
-    if resume_from is not None:
-        trainer_state, ds = checkpoint.load_checkpoint(accelerator, resume_from, model_config, run_config)
-        step, tokens_seen, skipped = trainer_state["step"], trainer_state["tokens_seen"], trainer_state["skipped_steps"]
-        val_loss, val_ppl = trainer_state.get("val_loss"), trainer_state.get("val_ppl")
-        data_state = data.DataState(**ds)
-        say(f"resumed from {resume_from} at step {step} ({tokens_seen:,} tokens)")
-        if step >= cfg.max_steps and (out_dir / "final").is_dir():  # final/, its card and summary.json stay as they are
-            say(f"the run is finished: step {step} >= --max-steps {cfg.max_steps} and {out_dir / 'final'} is "
-                "exported; nothing to do (raise --max-steps to train further).")
-            return {"step": step, "tokens_seen": tokens_seen, "val_loss": val_loss, "val_ppl": val_ppl,
-                    "finished": True, "output_dir": str(out_dir)}  # fmt: skip
+    checkpoints = checkpoint.RunCheckpoints(accelerator, out_dir / "checkpoints", run_config,
+                                            checkpoint.model_fields(accelerator.unwrap_model(model).config), cfg.keep_last)  # fmt: skip
+    run = checkpoints.resume(cfg.resume, started)
+    if run.step >= cfg.max_steps and (out_dir / "final").is_dir():  # final/, its card and summary.json stay as they are
+        say(f"the run is finished: step {run.step} >= --max-steps {cfg.max_steps} and {out_dir / 'final'} is "
+            "exported; nothing to do (raise --max-steps to train further).")
+        return run.summary(finished=True, output_dir=str(out_dir))
     packer = data.Packer(source, tokenizer, cfg.seq_len, rank=accelerator.process_index, world_size=world,
                          seed=cfg.seed, shuffle_buffer=cfg.shuffle_buffer, val_every=cfg.val_every_doc,
-                         cross_doc=cfg.cross_doc_attention, state=data_state, shard=cfg.data_shard)  # fmt: skip
+                         cross_doc=cfg.cross_doc_attention, state=run.data, shard=cfg.data_shard)  # fmt: skip
     loader = data.BatchLoader(packer, cfg.micro_batch_size)
     cleanup.append(loader.close)
-
+    exporter = Exporter(cfg, accelerator, tokenizer, out_dir, hub_api=hub_api, card_facts=dict(
+        n_params=n_params, world=world, mixed_precision=precision, data_description=model_card.data_description(source),
+        device=metrics.device_info(accelerator).get("gpu", accelerator.device.type)))  # fmt: skip
     if main_proc:
         metrics.write_run_record(out_dir / "run.json", run_config, accelerator, accelerator.unwrap_model(model),
-                                 {"data": source.describe(), "flops_per_token": {"dense": flops_dense, "nsa": flops_nsa}})  # fmt: skip
-    if cfg.report_to != "none":  # TensorBoard events go to <output_dir>/logs
-        accelerator.init_trackers("logs", config={k: v for k, v in run_config.items() if v is not None})
+                                 {"data": source.describe(), "flops_per_token": dict(zip(("dense", "nsa"), flops))})  # fmt: skip
     tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * world * cfg.seq_len
     say(f"model: {n_params / 1e6:.2f}M params, attention {cfg.attention_mode}; data: {source.describe()}; "
         f"{world} process(es) x {cfg.grad_accum} x {cfg.micro_batch_size} rows x {cfg.seq_len} = "
         f"{tokens_per_step:,} tokens/step; output {out_dir}")  # fmt: skip
 
-    stop = {"signal": None}  # SIGTERM (preemption, scancel): finish the step, save, exit 0
-    previous_handler = signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))
-    cleanup.append(lambda: signal.signal(signal.SIGTERM, previous_handler))
-
-    def save(at_step: int):
-        trainer_state = {"step": at_step, "tokens_seen": tokens_seen, "skipped_steps": skipped, "world_size": world,
-                         "val_loss": val_loss, "val_ppl": val_ppl, "config": run_config,
-                         "model_config": model_config}  # fmt: skip
-        path = checkpoint.save_checkpoint(accelerator, ckpt_root, at_step, trainer_state, data_state.to_dict(),
-                                          cfg.keep_last)  # fmt: skip
-        say(f"saved {path}")
-        if cfg.export_every_save:
-            export(f"step {at_step}", branch=f"step-{at_step}" if cfg.hub_intermediate == "branch" else None)
-
-    def export(message: str, branch: str | None = None):
-        if main_proc:
-            final = checkpoint.export_hf_checkpoint(accelerator.unwrap_model(model), tokenizer, out_dir / "final")
-            write_model_card(final, card_fields())
-            if hub_api is not None:
-                hub.push_folder(hub_api, cfg.push_to_hub, final, message, branch=branch)
-                say(f"pushed {final} to {cfg.push_to_hub} ({branch or 'main'}): {message}")
-        accelerator.wait_for_everyone()
-
-    def card_fields() -> dict:
-        return run_card_fields(cfg, accelerator.unwrap_model(model).config, n_params=n_params, step=step,
-                               tokens_seen=tokens_seen, val_loss=val_loss, val_ppl=val_ppl, last=last,
-                               wall_s=time.time() - t_start, world=world, mixed_precision=precision,
-                               device=metrics.device_info(accelerator).get("gpu", accelerator.device.type),
-                               data_description=model_card.data_description(source), out_dir=out_dir)  # fmt: skip
-
     # --- the loop
+    stop = SigtermStop()
+    cleanup.append(stop.restore)
     model.train()
-    last: dict = {}
-    log_file = open(out_dir / "metrics.jsonl", "a") if main_proc else None
-    bar = tqdm(total=cfg.max_steps, initial=step, disable=not (main_proc and sys.stderr.isatty()), desc="train")
-    loss_acc = torch.zeros((), device=accelerator.device)
-    t_log, tokens_at_log = time.time(), tokens_seen
-    if accelerator.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(accelerator.device)
-    if val_rows and cfg.eval_every and step == 0:  # the starting point of the validation curve
-        val_loss, val_ppl = evaluate(accelerator.unwrap_model(model), val_rows, cfg, accelerator)
-        if main_proc:
-            tqdm.write(f"step 0: val loss {val_loss:.4f} ppl {val_ppl:.2f}")
-            log_file.write(json.dumps({"step": 0, "val_loss": val_loss, "val_ppl": val_ppl}) + "\n")
-        t_log = time.time()
-    while step < cfg.max_steps:
-        lr = lr_at(step, cfg)
+    log = StepLog(accelerator, out_dir, cfg, run, flops, metrics.peak_flops(accelerator.device, cfg.peak_tflops),
+                  run_config)  # fmt: skip
+    evaluating = bool(val_rows) and cfg.eval_every > 0
+    if evaluating and run.step == 0:  # the starting point of the validation curve
+        log.log_eval(0, evaluate(accelerator.unwrap_model(model), run, val_rows, cfg.micro_batch_size, accelerator))
+    while run.step < cfg.max_steps:
+        lr = lr_at(run.step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        micro = [next(loader) for _ in range(cfg.grad_accum)]
-        n_items = sum(data.num_label_tokens(b["labels"]) for b, _ in micro).to(accelerator.device)
-        n_items = accelerator.reduce(n_items, reduction="sum")  # label tokens in the whole step, all processes
-        step_loss = torch.zeros((), device=accelerator.device)
-        for batch, _ in micro:
-            batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
-            with accelerator.accumulate(model):
-                loss = model(**batch, num_items_in_batch=n_items).loss  # local token sum / global token count
-                # accelerate divides by grad_accum and DDP averages over processes: undo both
-                accelerator.backward(loss * cfg.grad_accum * world)
-                step_loss += loss.detach()
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-        grad_norm = float(grad_norm)  # one host sync per step; identical on every process after the all-reduce
-        if not math.isfinite(grad_norm) and precision != "fp16":  # fp16: the scaler skips itself
-            if not cfg.skip_nonfinite:
-                latest = checkpoint.latest_checkpoint(ckpt_root)
-                raise FloatingPointError(
-                    f"non-finite loss/gradient at step {step} (loss {float(step_loss):.4g}, grad norm {grad_norm}, "
-                    f"lr {lr:.3g}); the weights were NOT updated. Last checkpoint: {latest}. Lower --lr, raise "
-                    "--warmup-steps or pass --skip-nonfinite to skip such steps."
-                )
-            skipped += 1
-            say(f"step {step}: non-finite gradient, step skipped ({skipped} so far)")
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        tokens_seen += tokens_per_step
-        data_state = micro[-1][1]
-        loss_acc += step_loss
-        watchdog.beat(step=step, tokens_seen=tokens_seen)
-        bar.update(1)
-
-        if cfg.log_every and (step % cfg.log_every == 0 or step == cfg.max_steps):
-            loss_avg = (accelerator.reduce(loss_acc, reduction="sum") / cfg.log_every).item()
-            if step % cfg.log_every:  # the last partial window
-                loss_avg = loss_avg * cfg.log_every / (step % cfg.log_every)
-            dt = time.time() - t_log
-            tok_s = (tokens_seen - tokens_at_log) / max(dt, 1e-9)
-            if accelerator.device.type == "cuda":
-                peak_mem = torch.cuda.max_memory_allocated(accelerator.device) / 2**30
-            else:
-                import resource
-
-                peak_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-            last = {"step": step, "loss": loss_avg, "lr": lr, "grad_norm": grad_norm, "tok_s": tok_s,
-                    "mfu_dense": flops_dense * tok_s / (peak * world) if peak else None,
-                    "mfu_nsa": flops_nsa * tok_s / (peak * world) if peak else None,
-                    "peak_mem_gb": peak_mem, "tokens_seen": tokens_seen, "skipped": skipped}  # fmt: skip
-            mfu = f" mfu {last['mfu_dense']:.1%}/{last['mfu_nsa']:.1%}" if peak else ""
-            bar.set_postfix(loss=f"{loss_avg:.4f}", tok_s=f"{tok_s:,.0f}")
-            if main_proc:
-                tqdm.write(f"step {step}: loss {loss_avg:.4f} lr {lr:.2e} grad_norm {grad_norm:.3f} "
-                           f"tok/s {tok_s:,.0f}{mfu} mem {peak_mem:.2f}GB")  # fmt: skip
-                log_file.write(json.dumps(last) + "\n")
-                log_file.flush()
-            if cfg.report_to != "none":
-                accelerator.log({f"train/{k}": v for k, v in last.items() if v is not None and k != "step"}, step=step)
-            loss_acc.zero_()
-            t_log, tokens_at_log = time.time(), tokens_seen
-
-        if val_rows and cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps):
-            val_loss, val_ppl = evaluate(accelerator.unwrap_model(model), val_rows, cfg, accelerator)
-            if main_proc:
-                tqdm.write(f"step {step}: val loss {val_loss:.4f} ppl {val_ppl:.2f}")
-                log_file.write(json.dumps({"step": step, "val_loss": val_loss, "val_ppl": val_ppl}) + "\n")
-                log_file.flush()
-            if cfg.report_to != "none":
-                accelerator.log({"val/loss": val_loss, "val/ppl": val_ppl}, step=step)
-            watchdog.beat(step=step, phase="eval")
-            t_log = time.time()  # do not count evaluation in tokens/s
-
-        stop_now = torch.tensor(float(stop["signal"] is not None), device=accelerator.device)
-        if world > 1:
-            stop_now = accelerator.reduce(stop_now, reduction="sum")  # a signal on any process stops them all
-        if stop_now.item() > 0:
-            say(f"SIGTERM at step {step}: saving a checkpoint and exiting")
-            save(step)
+        micro_batches = [next(loader) for _ in range(cfg.grad_accum)]  # (batch, DataState after it)
+        step_loss, grad_norm, updated = train_step(model, optimizer, micro_batches, cfg, accelerator, precision)
+        if not updated:
+            skip_nonfinite_step(cfg, run, checkpoints, step_loss, grad_norm, lr)
+        run.advance(tokens_per_step, data=micro_batches[-1][1])
+        log.step_done(step_loss)
+        watchdog.beat(step=run.step, tokens_seen=run.tokens_seen)
+        if log.due(run.step):
+            log.log_training(run, lr, grad_norm)
+        if evaluating and (run.step % cfg.eval_every == 0 or run.step == cfg.max_steps):
+            log.log_eval(run.step, evaluate(accelerator.unwrap_model(model), run, val_rows, cfg.micro_batch_size,
+                                            accelerator))  # fmt: skip
+            watchdog.beat(step=run.step, phase="eval")
+        if stop.requested(accelerator):
+            say(f"SIGTERM at step {run.step}: saving a checkpoint and exiting")
+            save(model, run, checkpoints, exporter, cfg)
             break
-        if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
-            save(step)
-            watchdog.beat(step=step, phase="save")
-            t_log = time.time()
-    bar.close()
+        if cfg.save_every and run.step % cfg.save_every == 0 and run.step < cfg.max_steps:
+            save(model, run, checkpoints, exporter, cfg)
+            watchdog.beat(step=run.step, phase="save")
+            log.restart_clock()
 
-    finished = step >= cfg.max_steps and stop["signal"] is None
+    # --- the end: final checkpoint and export, then the summary
+    finished = run.step >= cfg.max_steps and not stop.stopped
     if finished:
         if cfg.save_every:
-            save(step)
-        export("final" if cfg.push_to_hub else "")
+            save(model, run, checkpoints, exporter, cfg)
+        exporter.export(model, run, "final" if cfg.push_to_hub else "")
         if main_proc and cfg.sample_prompt:
-            m = accelerator.unwrap_model(model).eval()
-            ids = tokenizer(cfg.sample_prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(accelerator.device)
-            with torch.no_grad(), accelerator.autocast():
-                gen = m.generate(ids, max_new_tokens=48, do_sample=False)
-            say(f"sample: {tokenizer.decode(gen[0])!r}")
-    if log_file:
-        log_file.close()
+            sample = generate_sample(accelerator.unwrap_model(model), tokenizer, cfg.sample_prompt, accelerator)
+            say(f"sample: {sample!r}")
+    log.close()
     # every process reports a digest of its weights: DDP replicas must be bit-identical
     digest = metrics.weights_digest(accelerator.unwrap_model(model))
     digests = gather_object([digest]) if world > 1 else [digest]
     if len(set(digests)) > 1:
         say(f"WARNING: the {world} processes hold different weights: {digests}")
-    summary = {**last, "step": step, "tokens_seen": tokens_seen, "val_loss": val_loss, "val_ppl": val_ppl,
-               "finished": finished, "output_dir": str(out_dir), "weight_digests": digests}  # now, not the last log's
+    summary = run.summary(finished=finished, output_dir=str(out_dir), weight_digests=digests)
     if main_proc:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         say(f"done: {json.dumps(summary)}")

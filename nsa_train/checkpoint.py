@@ -18,7 +18,11 @@ import os
 import re
 import shlex
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from .run_state import RunState
 
 STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -71,6 +75,55 @@ def resolve_resume(resume: str | None, ckpt_root: Path) -> Path | None:
     if not (path / STATE_FILE).is_file():
         raise FileNotFoundError(f"--resume {resume!r} is not a complete checkpoint (no {STATE_FILE}).")
     return path
+
+
+def check_output_dir(out_dir: Path, new_run: bool) -> None:
+    """A new run (no --resume) refuses a directory that holds another run's output, which it would mix or replace."""
+    if not new_run:
+        return
+    existing = latest_checkpoint(Path(out_dir) / "checkpoints")
+    if existing is not None:  # a new run here would mix its checkpoints with the old run's
+        raise ValueError(
+            f"--output-dir {out_dir} already holds checkpoints of a run (latest: {existing.name}). Pass --resume "
+            "latest to continue that run, or a new (or empty) --output-dir to start a new one."
+        )
+    leftovers = [name for name in ("metrics.jsonl", "final", "summary.json") if (Path(out_dir) / name).exists()]
+    if leftovers:  # a run without checkpoints: its metrics and final/ would be mixed or replaced
+        raise ValueError(
+            f"--output-dir {out_dir} already holds the output of a run ({', '.join(leftovers)}) and no checkpoint. "
+            "Pass a new (or empty) --output-dir to start a new run (--resume latest would train again here from "
+            "step 0, adding to its metrics.jsonl)."
+        )
+
+
+@dataclass
+class RunCheckpoints:
+    """A run's checkpoints under `root`: `save` writes a RunState with the accelerate state (model, optimizer, RNG)
+    and `resume` restores both, after checking that the checkpoint belongs to this run's model and data."""
+
+    accelerator: Any
+    root: Path
+    run_config: dict  # this run's flags (saved; DATA_FLAGS compared on resume)
+    model_config: dict  # model_fields of this run's model (saved; compared on resume)
+    keep_last: int = 3
+
+    def save(self, run: RunState) -> Path:
+        """Every process calls this."""
+        trainer_state = run.trainer_state(self.accelerator.num_processes, self.run_config, self.model_config)
+        return save_checkpoint(self.accelerator, self.root, run.step, trainer_state, run.data.to_dict(), self.keep_last)
+
+    def resume(self, resume: str | None, started: float) -> RunState:
+        """`--resume`'s checkpoint restored, or a fresh RunState when there is none (none given, or `latest` in a
+        directory without one yet)."""
+        path = resolve_resume(resume, self.root)
+        if path is None:
+            if resume == "latest":
+                self.accelerator.print(f"--resume latest: no checkpoint found in {self.root}; training starts from step 0")
+            return RunState(started=started)
+        trainer_state, data_state = load_checkpoint(self.accelerator, path, self.model_config, self.run_config)
+        run = RunState.from_checkpoint(trainer_state, data_state, started)
+        self.accelerator.print(f"resumed from {path} at step {run.step} ({run.tokens_seen:,} tokens)")
+        return run
 
 
 def save_checkpoint(accelerator, ckpt_root: Path, step: int, trainer_state: dict, data_state: dict,

@@ -43,6 +43,27 @@ def preflight(repo_id: str, token: str | None = None, private: bool = False):
     return api, str(url)
 
 
+def preflight_on_main(accelerator, repo_id: str | None, private: bool = False):
+    """`preflight` on the main process, its HubError raised on every process (all stop before training). Returns
+    the API client on the main process; None elsewhere, or when `repo_id` is None (the run does not push)."""
+    if not repo_id:
+        return None
+    from accelerate.utils import broadcast_object_list
+
+    api, error = None, [None]
+    if accelerator.is_main_process:
+        try:
+            api, url = preflight(repo_id, private=private)
+            accelerator.print(f"hub: pushing to {url}")
+        except HubError as e:
+            error = [str(e)]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(error)
+    if error[0]:
+        raise HubError(error[0])
+    return api
+
+
 def push_folder(api, repo_id: str, folder: Path, message: str, branch: str | None = None):
     """Upload `folder` as one commit on `branch` (default: main; a branch is created from main if missing)."""
     if branch:

@@ -3,6 +3,7 @@ card may be pushed to the Hub, so it holds no local paths."""
 
 from __future__ import annotations
 
+import time
 from importlib import resources
 from pathlib import Path
 from string import Template
@@ -29,10 +30,12 @@ def human(n: float) -> str:
     return f"{n:g}"
 
 
-def run_card_fields(cfg, config, *, n_params, step, tokens_seen, val_loss, val_ppl, last, wall_s, world,
-                    mixed_precision, device, data_description, out_dir) -> dict:
-    """Every `${field}` of the template, from the run's config (TrainConfig), the model config and its figures."""
+def run_card_fields(cfg, config, run, *, n_params, world, mixed_precision, device, data_description, out_dir) -> dict:
+    """Every `${field}` of the template, from the run's config (TrainConfig), the model config, where the run stands
+    (a RunState) and the run's other figures."""
     from . import data, metrics
+
+    last, val_loss, val_ppl = run.last_log, run.val_loss, run.val_ppl
 
     versions = metrics.package_versions()
     dataset_id = data.FINEWEB_EDU if cfg.dataset == "fineweb-edu" else cfg.dataset.removeprefix("hf://")
@@ -43,13 +46,13 @@ def run_card_fields(cfg, config, *, n_params, step, tokens_seen, val_loss, val_p
         "repo_or_path": cfg.push_to_hub or "path/to/checkpoint",
         "datasets_yaml": f"datasets:\n- {dataset_id}\n" if on_hub else "",
         "num_parameters_human": human(n_params), "attention_mode": config.attention_mode,
-        "steps": step, "tokens_seen": f"{tokens_seen:,}",
+        "steps": run.step, "tokens_seen": f"{run.tokens_seen:,}",
         "val_loss": None if val_loss is None else f"{val_loss:.4f}",
         "val_ppl": None if val_ppl is None else f"{val_ppl:.2f}",
         "tokens_per_s": f"{last['tok_s']:,.0f}" if last.get("tok_s") else None,
         "mfu": f"{last['mfu_dense']:.1%} / {last['mfu_nsa']:.1%}" if last.get("mfu_dense") is not None else None,
         "peak_mem": f"{last['peak_mem_gb']:.2f} GB" if last.get("peak_mem_gb") else None,
-        "wall_time": f"{wall_s / 60:.1f} min",
+        "wall_time": f"{(time.time() - run.started) / 60:.1f} min",
         **{k: getattr(config, k) for k in (
             "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
             "head_dim", "cmp_block_size", "cmp_stride", "sel_block_size", "sel_num_blocks", "window_size", "vocab_size")},

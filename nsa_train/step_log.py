@@ -1,0 +1,105 @@
+"""Where a run's figures go: the console (a tqdm bar on a terminal, one line per log), `<output_dir>/metrics.jsonl`
+(main process, one JSON object per log) and the trackers (TensorBoard or trackio, `--report-to`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .run_state import RunState
+
+# how the console line shows an evaluation metric (others: "<name> <value>")
+EVAL_CONSOLE = {"val_loss": "val loss {:.4f}", "val_ppl": "ppl {:.2f}"}
+
+
+def peak_memory_gb(device) -> float:
+    """The process's peak memory: allocated GPU memory on CUDA, the resident set size otherwise."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class StepLog:
+    """The training loss averaged over the `log_every` steps since the last log, tokens/s over the training time
+    since then (evaluations and saves restart the clock, so they are not counted), MFU against `peak_flops`, and
+    each evaluation's metrics. Every process calls every method (the loss is all-reduced); the main one writes."""
+
+    def __init__(self, accelerator, out_dir: Path, cfg, run: RunState, flops_per_token: tuple[float, float],
+                 peak_flops: float | None, run_config: dict):  # fmt: skip
+        self.accelerator, self.cfg = accelerator, cfg
+        self.flops_dense, self.flops_nsa = flops_per_token
+        self.peak_flops = peak_flops
+        self.main = accelerator.is_main_process
+        self.trackers = cfg.report_to != "none"
+        if self.trackers:  # TensorBoard events go to <output_dir>/logs
+            accelerator.init_trackers("logs", config={k: v for k, v in run_config.items() if v is not None})
+        self.file = open(Path(out_dir) / "metrics.jsonl", "a") if self.main else None
+        self.bar = tqdm(total=cfg.max_steps, initial=run.step, disable=not (self.main and sys.stderr.isatty()),
+                        desc="train")  # fmt: skip
+        self.loss_sum = torch.zeros((), device=accelerator.device)  # step losses since the last log, this process
+        self.tokens_at_log = run.tokens_seen
+        self.restart_clock()
+        if accelerator.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(accelerator.device)
+
+    def restart_clock(self) -> None:
+        """Time from now on counts towards tokens/s (called after work that trains no tokens)."""
+        self.clock = time.time()
+
+    def step_done(self, step_loss: torch.Tensor) -> None:
+        self.loss_sum += step_loss
+        self.bar.update(1)
+
+    def due(self, step: int) -> bool:
+        return bool(self.cfg.log_every) and (step % self.cfg.log_every == 0 or step == self.cfg.max_steps)
+
+    def log_training(self, run: RunState, lr: float, grad_norm: float) -> None:
+        """The log record of `run.step` (kept as `run.last_log`): console, metrics.jsonl, trackers."""
+        log_every, world = self.cfg.log_every, self.accelerator.num_processes
+        loss = (self.accelerator.reduce(self.loss_sum, reduction="sum") / log_every).item()
+        if run.step % log_every:  # the last, partial window
+            loss = loss * log_every / (run.step % log_every)
+        tok_s = (run.tokens_seen - self.tokens_at_log) / max(time.time() - self.clock, 1e-9)
+        peak = self.peak_flops
+        record = {"step": run.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tok_s": tok_s,
+                  "mfu_dense": self.flops_dense * tok_s / (peak * world) if peak else None,
+                  "mfu_nsa": self.flops_nsa * tok_s / (peak * world) if peak else None,
+                  "peak_mem_gb": peak_memory_gb(self.accelerator.device), "tokens_seen": run.tokens_seen,
+                  "skipped": run.skipped_steps}  # fmt: skip
+        run.last_log = record
+        self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}")
+        mfu = f" mfu {record['mfu_dense']:.1%}/{record['mfu_nsa']:.1%}" if peak else ""
+        self._write(f"step {run.step}: loss {loss:.4f} lr {lr:.2e} grad_norm {grad_norm:.3f} tok/s {tok_s:,.0f}{mfu} "
+                    f"mem {record['peak_mem_gb']:.2f}GB", record)  # fmt: skip
+        if self.trackers:
+            self.accelerator.log({f"train/{k}": v for k, v in record.items() if v is not None and k != "step"},
+                                 step=run.step)  # fmt: skip
+        self.loss_sum.zero_()
+        self.tokens_at_log = run.tokens_seen
+        self.restart_clock()
+
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """One evaluation's metrics (`<group>_<name>`; trackers: `<group>/<name>`)."""
+        shown = " ".join(EVAL_CONSOLE[k].format(v) if k in EVAL_CONSOLE else f"{k} {v:.4g}" for k, v in metrics.items())
+        self._write(f"step {step}: {shown}", {"step": step, **metrics})
+        if self.trackers:
+            self.accelerator.log({k.replace("_", "/", 1): v for k, v in metrics.items()}, step=step)
+        self.restart_clock()  # evaluation trains no tokens
+
+    def _write(self, line: str, record: dict) -> None:
+        if self.main:
+            tqdm.write(line)
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.file:
+            self.file.close()
