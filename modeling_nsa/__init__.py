@@ -3,7 +3,8 @@
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .configuration_nsa import NSAConfig
-from .modeling_nsa import NSACache, NSAForCausalLM, NSAModel, NSAPreTrainedModel, nsa_attention
+from .modeling_nsa import NSAForCausalLM, NSAModel, NSAPreTrainedModel, nsa_attention
+from .nsa_cache import NSACache
 from .nsa_layout import NSAParams
 from .nsa_reference import nsa_attention_reference
 

@@ -204,7 +204,7 @@ def test_cached_decoding_step_makes_no_host_synchronization(variant):
 
 
 def test_token_buffer_appends_in_place_and_matches_concatenation():
-    from modeling_nsa.modeling_nsa import TokenBuffer
+    from modeling_nsa.nsa_cache import TokenBuffer
 
     gen = torch.Generator().manual_seed(6)
     grown, window = TokenBuffer(), TokenBuffer(keep_last=20)
@@ -232,7 +232,7 @@ def test_token_buffer_appends_in_place_and_matches_concatenation():
 
 
 def test_generate_reserves_its_length_and_never_copies_the_cache(monkeypatch):
-    from modeling_nsa.modeling_nsa import TokenBuffer
+    from modeling_nsa.nsa_cache import TokenBuffer
 
     storages = {}
 
