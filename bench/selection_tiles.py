@@ -20,7 +20,7 @@ Two input kinds: "random" is what bench/bench_attention.py times (fresh Gaussian
 queries choose nearly unrelated blocks, the worst case for a union), "correlated" makes consecutive queries
 similar (q = shared + 0.3 noise), closer to a trained model where neighbouring queries attend alike. Which
 resource binds (L2 block loads or math) is what `bench/tune_kernels.py` measures on a GPU (variants with
-_SEL_ROWS and _SEL_SUB_ROWS). The "launcher" column marks the sm_90 launcher's tile.
+sel_rows and sel_sub_rows). The "launcher" column marks the sm_90 launcher's tile.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Launch-choice sweep on a GPU: NSA fwd+bwd (and a 64k decode step) under several settings of the Triton
 launcher's knobs, with the time of every kernel, so a default is chosen from one run of the real op.
 
-    python bench/tune_kernels.py [--json tune.json] [--variants base "sub64:_SEL_SUB_ROWS=64" ...]
+    python bench/tune_kernels.py [--json tune.json] [--variants base "sub64:sel_sub_rows=64" ...]
 
-A variant is NAME or NAME:KNOB=VALUE,KNOB=VALUE (module attributes of modeling_nsa/nsa_triton.py, e.g.
-_SEL_SUB_ROWS, _TOPN_INSERT_MAX, _TOPN_ROWS, _TOPN_WARPS, _TOPN_BLOCKS_PER_CHUNK, _SEL_ROWS); knobs not named
-keep the launcher's defaults. Each variant's top-n block indices must equal the first variant's on the same
+A variant is NAME or NAME:KNOB=VALUE,KNOB=VALUE (fields of the kernels' LaunchOverrides, e.g. sel_sub_rows,
+topn_insert_max, topn_rows, topn_warps, topn_blocks_per_chunk, sel_rows), run under launch_overrides(KNOB=VALUE,
+...); knobs not named keep the launcher's defaults. Each variant's top-n block indices must equal the first variant's on the same
 inputs (the knobs change the schedule, never the selection); a mismatch is reported in the table.
 Timings: median of 7 CUDA-event timed steps after warm-up; per-kernel CUDA time from torch.profiler.
 """
@@ -13,6 +13,7 @@ Timings: median of 7 CUDA-event timed steps after warm-up; per-kernel CUDA time 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -22,10 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import PARAMS, cuda_graph, nsa_inputs, time_ms, tri  # noqa: E402
 
-KNOBS = ["_SEL_ROWS", "_SEL_SUB_ROWS", "_TOPN_INSERT_MAX", "_TOPN_ROWS", "_TOPN_WARPS", "_TOPN_BLOCKS_PER_CHUNK",
-         "_DKDV_WARPS", "_DQ_ROWS", "_DQ_WARPS", "_DECODE_SEL_STEP", "_DECODE_WIN_TILE", "_DECODE_SEL_PART",
-         "_DECODE_WIN_PART", "_DECODE_PARTS", "_DECODE_WARPS", "_DECODE_MERGE_SPLITS", "_DECODE_MERGE_LISTS",
-         "_DECODE_SPLIT"]
+KNOBS = [field.name for field in dataclasses.fields(tri.LaunchOverrides)]
+
 # Each variant is the other side of a default. The sweeps (H100): 2026-11-22 set the selected tile (no
 # sub-tiles), the dQ tile (128 rows), the top-n warps (4) and insertion; 2026-11-23 (the kernels changed in
 # between: key-major dK/dV, pipelined loops, unsorted top-n lists, decode parts) kept dK/dV at 4 warps,
@@ -33,41 +32,41 @@ KNOBS = ["_SEL_ROWS", "_SEL_SUB_ROWS", "_TOPN_INSERT_MAX", "_TOPN_ROWS", "_TOPN_
 # (256 compressed slots) and its top-n merge (whole chunks).
 DEFAULT_VARIANTS = [
     "default",
-    "dkdv8warps:_DKDV_WARPS=8",
+    "dkdv8warps:dkdv_warps=8",
     # the selected dQ's union of a 128-row tile (21 queries at G = 6) is about twice a 64-row tile's at 64k on
     # random inputs (bench/selection_tiles.py): twice the math per query once the loop is pipelined
-    "dq64rows:_DQ_ROWS=64",
+    "dq64rows:dq_rows=64",
     # 32-row selected tiles (5 queries at G = 6) for the forward and the dQ: on random inputs a 64-row tile's
     # rows do the math for ~123 union blocks at 64k where each query chose 16 (bench/selection_tiles.py); half
     # the union per tile, but mma.sync instead of 64-row wgmma on Hopper (spill-free, pipelined: triton_aot)
-    "sel32rows:_SEL_ROWS=32",
+    "sel32rows:sel_rows=32",
     # whole selected tiles everywhere: on sm_90 only the head_dim 128 dQ changes (16-row sub-tiles, not
     # pipelined, spill-free -> one 64-row tile, pipelined, 56-72 B spilled: tests/triton_aot.py)
-    "dq128whole:_SEL_SUB_ROWS=128",
-    "merge_only:_TOPN_INSERT_MAX=0",
-    "insert4:_TOPN_INSERT_MAX=4",
+    "dq128whole:sel_sub_rows=128",
+    "merge_only:topn_insert_max=0",
+    "insert4:topn_insert_max=4",
     # the step's last launches: eager steps take the finish kernel (one program per row and KV group), CUDA-graphed
     # static-cache steps the parts and combine kernels; the kernels' sum below times the eager call, the graphed
     # column the static one. Each forced both ways:
-    "decode_parts:_DECODE_PARTS=1",
-    "decode_finish:_DECODE_PARTS=0",
+    "decode_parts:decode_parts=1",
+    "decode_finish:decode_parts=0",
     # one part per branch (all 16 selected blocks in one program, 4 per step; the whole window in another)
-    "decode_three_parts:_DECODE_PARTS=1,_DECODE_SEL_PART=16,_DECODE_WIN_PART=512",
+    "decode_three_parts:decode_parts=1,decode_sel_part=16,decode_win_part=512",
     # smaller parts: one selected block and 128 window keys each (16 + 4 + 1 programs per row and KV group)
-    "decode_small_parts:_DECODE_PARTS=1,_DECODE_SEL_STEP=1,_DECODE_WIN_TILE=128",
-    "decode_8warps:_DECODE_WARPS=8",
+    "decode_small_parts:decode_parts=1,decode_sel_step=1,decode_win_tile=128",
+    "decode_8warps:decode_warps=8",
     # each entering block inserted into the decode top-n lists (the training top-n's default)
-    "decode_insert_all:_TOPN_INSERT_MAX=65536",
+    "decode_insert_all:topn_insert_max=65536",
     # the finish kernel as timed on 2026-11-22 (one selected block, 64 window keys, 8 splits and 4 lists per step;
     # top-n: 8 splits per merge step)
-    "decode_short_steps:_DECODE_PARTS=0,_DECODE_SEL_STEP=1,_DECODE_WIN_TILE=64,_DECODE_WARPS=4,"
-    "_DECODE_MERGE_SPLITS=8,_DECODE_MERGE_LISTS=4",
+    "decode_short_steps:decode_parts=0,decode_sel_step=1,decode_win_tile=64,decode_warps=4,"
+    "decode_merge_splits=8,decode_merge_lists=4",
     # compressed keys per split program (default 256 to head_dim 64: 16 splits at 64k, whose partial outputs the
     # compressed merge takes 16 at a time; 64 was the default before): more, smaller splits
-    "decode_split64:_DECODE_SPLIT=64",
-    "decode_split128:_DECODE_SPLIT=128",
+    "decode_split64:decode_split=64",
+    "decode_split128:decode_split=128",
     # the step as timed on 2026-11-23 before these defaults: 8 warps, 64-slot splits, every entering block inserted
-    "decode_before:_DECODE_WARPS=8,_DECODE_SPLIT=64,_TOPN_INSERT_MAX=65536",
+    "decode_before:decode_warps=8,decode_split=64,topn_insert_max=65536",
 ]
 # Variants named decode_* change only the decode kernels: they are timed in the decode section alone.
 # (H, Hkv, head_dim, T, B, query kind, variants: None = all); the correlated 64k case: how the selected tiles'
@@ -95,11 +94,6 @@ def parse_variant(text):
             raise SystemExit(f"unknown knob {key!r} in variant {text!r}; one of {KNOBS}")
         settings[key] = int(value)
     return name, settings
-
-
-def apply(settings):
-    for knob in KNOBS:
-        setattr(tri, knob, settings.get(knob))
 
 
 def kernel_ms(fn):
@@ -146,16 +140,16 @@ def main():
     query_end = torch.tensor([T - 1], device="cuda")
 
     for name, settings in variants:
-        apply(settings)
-        per_kernel = kernel_ms(decode)
-        row = dict(variant=name, **{k: per_kernel.get(k, 0.0) * 1000 for k in DECODE})
-        # the step replayed from a CUDA graph (as generate() with a static cache runs it): the kernels' times and
-        # the gaps between them, without Python (a failed capture is reported, as bench_attention does, and the
-        # sweep goes on)
-        try:
-            row["graphed"] = time_ms(cuda_graph(lambda: decode(query_end)), 5, 50) * 1000
-        except Exception as exc:
-            row["graphed"], row["graph_error"] = float("nan"), f"{type(exc).__name__}: {exc}"[:200]
+        with tri.launch_overrides(**settings):
+            per_kernel = kernel_ms(decode)
+            row = dict(variant=name, **{k: per_kernel.get(k, 0.0) * 1000 for k in DECODE})
+            # the step replayed from a CUDA graph (as generate() with a static cache runs it): the kernels' times
+            # and the gaps between them, without Python (a failed capture is reported, as bench_attention does, and
+            # the sweep goes on)
+            try:
+                row["graphed"] = time_ms(cuda_graph(lambda: decode(query_end)), 5, 50) * 1000
+            except Exception as exc:
+                row["graphed"], row["graph_error"] = float("nan"), f"{type(exc).__name__}: {exc}"[:200]
         decode_rows.append(dict(row, total=sum(row[k] for k in DECODE)))
         save()
         print(json.dumps(decode_rows[-1]), flush=True)
@@ -175,17 +169,17 @@ def main():
                 continue
             if name.startswith("decode_"):
                 continue
-            apply(settings)
-            idx = tri.select_blocks_triton(x["q"].detach(), x["k_cmp"].detach(), cmp_end, doc_pos, PARAMS)
+            with tri.launch_overrides(**settings):
+                idx = tri.select_blocks_triton(x["q"].detach(), x["k_cmp"].detach(), cmp_end, doc_pos, PARAMS)
+                per_kernel = kernel_ms(step)
+                fb_ms = time_ms(step)
             same = True if ref_idx is None else bool(torch.equal(idx, ref_idx))
             ref_idx = idx if ref_idx is None else ref_idx
-            per_kernel = kernel_ms(step)
-            row = dict(case=f"{H}q/{Hkv}kv d{D} T={T} B={B} {kind}", variant=name, fb_ms=time_ms(step), same_topn=same,
+            row = dict(case=f"{H}q/{Hkv}kv d{D} T={T} B={B} {kind}", variant=name, fb_ms=fb_ms, same_topn=same,
                        **{k: per_kernel.get(k, 0.0) for k in KERNELS})
             rows.append(row)
             save()
             print(json.dumps(row), flush=True)
-    apply({})
 
     short = {"_select_topn_kernel": "topn", "_sel_fwd_kernel": "sel fwd", "_bwd_dq_kernel": "dQ",
              "_sel_bwd_dkdv_kernel": "sel dK/dV", "_interval_fwd_kernel": "intv fwd",

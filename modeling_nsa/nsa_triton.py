@@ -41,6 +41,8 @@ launch for sm_90, sm_80 and sm_86 on a CPU machine and reports registers, spills
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import os
 
@@ -1313,27 +1315,55 @@ if _HAS_TRITON:
 # ----------------------------------------------------------------------------------------------
 
 _LOG2E = 1.4426950408889634
-_DKDV_SPLIT = None  # tests force the split query range of the compressed/window dK/dV kernel
-_TOPN_BLOCKS_PER_CHUNK = None  # tests set a small value to exercise the multi-chunk top-n merge
-_TOPN_INSERT_MAX = None  # tests force the top-n insertion/merge threshold (0: always merge)
-_TOPN_ROWS = None  # bench/tune_kernels.py: rows (queries x padded heads) per top-n program
-_TOPN_WARPS = None  # bench/tune_kernels.py: warps of the top-n program
-_DKDV_WARPS = None  # bench/tune_kernels.py: warps of the compressed/window and selected dK/dV kernels
-_DQ_ROWS = None  # bench/tune_kernels.py: rows of the fused dQ query tile (sm_90)
-_DQ_WARPS = None  # bench/tune_kernels.py: warps of the fused dQ kernel (sm_90)
-_SEL_ROWS = None  # tests force the selected-attention query tile (rows = queries x G)
-_SEL_SUB_ROWS = None  # tests force the rows per sub-tile of that tile (= the tile's rows: no sub-tiles)
-_DECODE_SPLIT = None  # tests force the compressed slots per decode split program
-_DECODE_TOPN_BLOCKS = None  # tests force the selection blocks per decode top-n program
-_DECODE_SEL_STEP = None  # tests, bench/tune_kernels.py: selected blocks per step of a decode selected part
-_DECODE_WIN_TILE = None  # tests, bench/tune_kernels.py: window keys per step of a decode window part
-_DECODE_PARTS = None  # tests, bench/tune_kernels.py: 1/0 force the decode step's parts + combine / finish kernels
-_DECODE_SEL_PART = None  # tests, bench/tune_kernels.py: selected blocks per decode part program
-_DECODE_WIN_PART = None  # tests, bench/tune_kernels.py: window keys per decode part program
-_DECODE_WARPS = None  # bench/tune_kernels.py: warps of the decode finish and parts kernels
-_DECODE_MERGE_SPLITS = None  # tests: compressed-key splits per step of the decode merges
-_DECODE_MERGE_LISTS = None  # tests: block ranges' top-n lists per step of the decode parts' list merge
-_SEL_SPLIT = None  # tests force (heavy_min pairs, splits, partial slots) of the selected dK/dV load-skew split
+@dataclasses.dataclass
+class LaunchOverrides:
+    """Launch choices forced by the tests (to reach every path of the kernels at tiny sizes) and by
+    bench/tune_kernels.py (to time the other side of a default). None: the launcher's own choice. They change
+    how the work is scheduled (tiles, splits, warps), never the result. Set them with `launch_overrides`."""
+
+    dkdv_split: int | None = None  # splits of the query range of the compressed/window dK/dV kernel
+    topn_blocks_per_chunk: int | None = None  # selection blocks per top-n chunk (small: the multi-chunk merge)
+    topn_insert_max: int | None = None  # the top-n insertion/merge threshold (0: always merge)
+    topn_rows: int | None = None  # rows (queries x padded heads) per top-n program
+    topn_warps: int | None = None  # warps of the top-n program
+    dkdv_warps: int | None = None  # warps of the compressed/window and selected dK/dV kernels
+    dq_rows: int | None = None  # rows of the fused dQ query tile (sm_90)
+    dq_warps: int | None = None  # warps of the fused dQ kernel (sm_90)
+    sel_rows: int | None = None  # the selected-attention query tile (rows = queries x G)
+    sel_sub_rows: int | None = None  # rows per sub-tile of that tile (= the tile's rows: no sub-tiles)
+    sel_split: tuple[int, int, int] | None = None  # (heavy_min pairs, splits, partial slots) of the selected dK/dV
+    decode_split: int | None = None  # compressed slots per decode split program
+    decode_topn_blocks: int | None = None  # selection blocks per decode top-n program
+    decode_sel_step: int | None = None  # selected blocks per step of a decode selected part
+    decode_win_tile: int | None = None  # window keys per step of a decode window part
+    decode_parts: int | None = None  # 1/0: the decode step's parts + combine kernels / the finish kernel
+    decode_sel_part: int | None = None  # selected blocks per decode part program
+    decode_win_part: int | None = None  # window keys per decode part program
+    decode_warps: int | None = None  # warps of the decode finish and parts kernels
+    decode_merge_splits: int | None = None  # compressed-key splits per step of the decode merges
+    decode_merge_lists: int | None = None  # block ranges' top-n lists per step of the decode parts' list merge
+
+
+_OVERRIDES = LaunchOverrides()  # what the launchers read; changed only through launch_overrides
+
+
+@contextlib.contextmanager
+def launch_overrides(**choices):
+    """Force launch choices inside a `with` block: `with launch_overrides(topn_blocks_per_chunk=2): ...`. The
+    choices not named keep their current value (the default, or an enclosing block's); all are restored on
+    exit. A name that is not a LaunchOverrides field raises, naming the valid ones."""
+    valid = [field.name for field in dataclasses.fields(LaunchOverrides)]
+    unknown = sorted(set(choices) - set(valid))
+    if unknown:
+        raise TypeError(f"launch_overrides: unknown launch choice(s) {unknown}; valid: {valid}")
+    saved = {name: getattr(_OVERRIDES, name) for name in choices}
+    try:
+        for name, value in choices.items():
+            setattr(_OVERRIDES, name, value)
+        yield _OVERRIDES
+    finally:
+        for name, value in saved.items():
+            setattr(_OVERRIDES, name, value)
 
 
 def _query_tile(group: int, rows: int) -> tuple[int, int]:
@@ -1403,9 +1433,9 @@ def _dkdv_launch(group: int, head_dim: int, device) -> tuple[int, int, dict]:
     or pipelining, spill more)."""
     if head_dim <= 64 and _hopper_class(device):
         block_m, qpb = _rows_per_program(group, head_dim)
-        return block_m, qpb, dict(num_warps=_DKDV_WARPS or 4)
+        return block_m, qpb, dict(num_warps=_OVERRIDES.dkdv_warps or 4)
     stages = 2 if _hopper_class(device) else 1
-    return *_query_tile(group, 32), dict(num_warps=_DKDV_WARPS or 8, num_stages=stages)
+    return *_query_tile(group, 32), dict(num_warps=_OVERRIDES.dkdv_warps or 8, num_stages=stages)
 
 
 def _dq_launch(group: int, head_dim: int, n_sel: int, device) -> tuple[int, int, dict]:
@@ -1419,9 +1449,10 @@ def _dq_launch(group: int, head_dim: int, n_sel: int, device) -> tuple[int, int,
     default three stages spill 8 bytes at 128 rows. H100, 2026-11-23: 128 rows beat 64 (variant dq64rows)
     and 32 (sel32rows) at 2k, 8k and 64k, random and correlated queries (64k: 16.9 / 18.3 / 20.6 ms)."""
     if _hopper_class(device):
-        rows = _DQ_ROWS or (128 if head_dim <= 64 and _next_pow2(n_sel) >= 16 and not _SEL_ROWS else None)
+        wide = head_dim <= 64 and _next_pow2(n_sel) >= 16 and not _OVERRIDES.sel_rows
+        rows = _OVERRIDES.dq_rows or (128 if wide else None)
         block_m, qpb = _query_tile(group, rows) if rows else _sel_rows_per_program(group, head_dim)
-        return block_m, qpb, dict(num_warps=_DQ_WARPS or 8, num_stages=2)
+        return block_m, qpb, dict(num_warps=_OVERRIDES.dq_warps or 8, num_stages=2)
     return *_query_tile(group, 32), dict(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
 
 
@@ -1434,8 +1465,8 @@ def _sel_sub_tile(block_m: int, head_dim: int, device, dq: bool = False) -> int:
     its whole tile spills (tests/triton_aot.py); the forward's does not. Before Hopper mma works on 16 rows,
     so there the tile runs as 16-row sub-tiles (at most 4), which skip the blocks none of their queries
     chose (bench/selection_tiles.py counts the math saved; not timed on such a GPU)."""
-    if _SEL_SUB_ROWS:
-        return min(block_m, max(_SEL_SUB_ROWS, block_m // 4))
+    if _OVERRIDES.sel_sub_rows:
+        return min(block_m, max(_OVERRIDES.sel_sub_rows, block_m // 4))
     if _hopper_class(device) and (head_dim <= 64 or not dq):
         return block_m
     return min(block_m, max(16, block_m // 4))
@@ -1446,8 +1477,8 @@ def _sel_rows_per_program(group: int, head_dim: int) -> tuple[int, int]:
     A tile loads each block of its queries' union once; its sub-tiles (_sel_sub_tile) do the math only for
     the blocks their own queries chose, so the math does not grow with the tile but the loads shared per
     query do (bench/selection_tiles.py)."""
-    if _SEL_ROWS:
-        return _query_tile(group, _SEL_ROWS)
+    if _OVERRIDES.sel_rows:
+        return _query_tile(group, _OVERRIDES.sel_rows)
     return _query_tile(group, 64 if head_dim <= 128 else 32)
 
 
@@ -1515,7 +1546,7 @@ def _interval_bwd_dkdv(q, k, v, lo, hi, do, gates, branch, lse, delta, scale):
     programs = n_ktiles * batch * num_kv
     if programs < 1024 and num_q > 4 * block_n:
         n_split = max(1, min(64, 1024 // max(1, programs), num_q // (8 * qpb)))
-    n_split = _DKDV_SPLIT or n_split
+    n_split = _OVERRIDES.dkdv_split or n_split
     if n_split == 1:
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
@@ -1542,7 +1573,7 @@ def _select_topn(q, k_cmp, lse_cmp, doc_pos, c_lo, c_hi, params: NSAParams, scal
     idx = torch.empty(batch, num_kv, num_q, n_sel, device=q.device, dtype=torch.int32)
     bj = _topn_chunk(params)
     g_pad = _next_pow2(group)
-    rows = _TOPN_ROWS or 64
+    rows = _OVERRIDES.topn_rows or 64
     qpb = max(1, min(16, rows // g_pad), 16 // g_pad)  # rows = qpb * g_pad (>= 16 for tl.dot), <= 16 queries
     _select_topn_kernel[(_cdiv(num_q, qpb), batch * num_kv)](
         q, k_cmp, lse_cmp, doc_pos, c_lo, c_hi, idx, num_q, num_keys, num_slots, num_keys - num_q, scale * _LOG2E,
@@ -1558,12 +1589,13 @@ def _topn_warps(device) -> int:
     """Warps of the training top-n program: 4 on sm_90 (bench/tune_kernels.py on the H100, 2026-11-22: 19.1
     -> 14.6 ms at 64k, 1.3 -> 1.2 ms at 2k, when it still spilled 8-16 bytes with 16 selected blocks; the
     unsorted lists made it spill-free, tests/triton_aot.py); 8 before Hopper (not timed there)."""
-    return _TOPN_WARPS or (4 if _hopper_class(device) else 8)
+    return _OVERRIDES.topn_warps or (4 if _hopper_class(device) else 8)
 
 
 def _topn_insert_max(decode: bool = False) -> int:
     """Entries of a chunk entering a query's list up to which they are inserted one at a time (_topn_insert)
-    rather than merged whole (_topn_merge); tests and bench/tune_kernels.py force it with _TOPN_INSERT_MAX.
+    rather than merged whole (_topn_merge); tests and bench/tune_kernels.py force it
+    (launch_overrides(topn_insert_max=...)).
     Training's top-n inserts every entering block (no merge compiled in the chunk loop). An insertion replaces
     the worst entry of an unsorted list, 283 SASS instructions on sm_90 against 741 for the sorted-list
     insertion timed on the H100 (2026-11-22: inserting up to 4 per chunk, merging above, took the 64k top-n
@@ -1573,8 +1605,8 @@ def _topn_insert_max(decode: bool = False) -> int:
     (merge_only). The decode top-n merges every chunk: a decode program scores 64 blocks for one query, so
     most of its chunks bring several entering blocks (64k cache, same day: 11.8 us merging against 31.3 us
     inserting, variant decode_insert_all)."""
-    if _TOPN_INSERT_MAX is not None:
-        return _TOPN_INSERT_MAX
+    if _OVERRIDES.topn_insert_max is not None:
+        return _OVERRIDES.topn_insert_max
     return 0 if decode else 1 << 16
 
 
@@ -1583,7 +1615,7 @@ def _topn_chunk(params: NSAParams) -> int:
     ratio = params.sel_block_size // params.cmp_stride
     bj = max(1, 64 // ratio) if ratio <= 64 else 1
     bj = max(bj, 16 // min(ratio, 16))
-    return _TOPN_BLOCKS_PER_CHUNK or bj
+    return _OVERRIDES.topn_blocks_per_chunk or bj
 
 
 def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params: NSAParams, scale,
@@ -1608,9 +1640,9 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     # compressed slots per split program (a power of two >= 16): 256 at head_dim <= 64 (H100, 2026-11-23, 64k,
     # the other defaults as they are: the finish kernel, which merges the splits, 34.9 us against 39.1 / 46.9 us
     # with splits of 128 / 64 slots), 128 above (256 spills 96-104 B at head_dim 128: tests/triton_aot.py)
-    split = _DECODE_SPLIT or (256 if head_dim <= 64 else 128)
+    split = _OVERRIDES.decode_split or (256 if head_dim <= 64 else 128)
     n_split = max(1, _cdiv(num_slots, split))
-    blocks_per_prog = _DECODE_TOPN_BLOCKS or 64  # selection blocks per top-n program
+    blocks_per_prog = _OVERRIDES.decode_topn_blocks or 64  # selection blocks per top-n program
     n_prog = _cdiv(num_blocks, blocks_per_prog)
     rows = batch * num_kv * n_split * g_pad
     part_m = torch.empty(rows, device=q.device, dtype=torch.float32)
@@ -1622,7 +1654,8 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     top_i = torch.empty(batch * num_kv * n_prog, n_pad, device=q.device, dtype=torch.int32)
     common = dict(HKV=num_kv, G=group, D=head_dim, G_PAD=g_pad)
     topn = dict(LB=params.sel_block_size, N_SEL=n_sel, N_PAD=n_pad)
-    merge_splits = _DECODE_MERGE_SPLITS or 32  # splits per vector load in the top-n kernel's merge (m, l only)
+    # splits per vector load in the top-n kernel's merge (m, l only)
+    merge_splits = _OVERRIDES.decode_merge_splits or 32
     # Steps of SEL_STEP selected blocks and BLOCK_N window keys, 256 keys (128 at head_dim 128, 64 at 256: each
     # step's K and V stay within shared memory), 4 warps to head_dim 64 (H100, 2026-11-23, 64k: the finish kernel
     # 34.9 us at 4 warps against 41.2 us at 8, the graphed static step 50.1 against 53.7 us; the finish kernel
@@ -1635,15 +1668,15 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     # against 125 us with the finish kernel).
     budget = 16384 if _shared_memory_limit(q.device) >= _LARGE_SHARED_MEMORY else 8192  # keys x head_dim
     keys_per_step = min(256, budget // head_dim)
-    sel_step = _DECODE_SEL_STEP or max(1, min(keys_per_step // params.sel_block_size, _next_pow2(n_sel)))
-    win_tile = _DECODE_WIN_TILE or keys_per_step
-    sel_part = max(sel_step, _DECODE_SEL_PART or sel_step)
-    win_part = max(win_tile, _DECODE_WIN_PART or win_tile)
+    sel_step = _OVERRIDES.decode_sel_step or max(1, min(keys_per_step // params.sel_block_size, _next_pow2(n_sel)))
+    win_tile = _OVERRIDES.decode_win_tile or keys_per_step
+    sel_part = max(sel_step, _OVERRIDES.decode_sel_part or sel_step)
+    win_part = max(win_tile, _OVERRIDES.decode_win_part or win_tile)
     sel_parts, win_parts = _cdiv(n_sel, sel_part), _cdiv(num_win, win_part)
     n_parts = sel_parts + win_parts + 1  # the last: the compressed branch
     # the compressed merge: 16 splits (with their outputs) per step; the list merge: 128 entries per step
-    part_splits = _DECODE_MERGE_SPLITS or 16
-    lists = _DECODE_MERGE_LISTS or max(1, 128 // n_pad)
+    part_splits = _OVERRIDES.decode_merge_splits or 16
+    lists = _OVERRIDES.decode_merge_lists or max(1, 128 // n_pad)
     static = query_end is not None
     query_end = query_end if static else doc_pos  # (unread without STATIC)
     _decode_cmp_split_kernel[(batch * num_kv, n_split)](
@@ -1660,10 +1693,11 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     )
     out = torch.empty_like(q)
     common_last = dict(H=num_heads, WIN=params.window_size, SB=part_splits, LISTS=lists, SEL_STEP=sel_step,
-                       BLOCK_N=win_tile, STATIC=static, num_warps=_DECODE_WARPS or (4 if head_dim <= 64 else 8),
+                       BLOCK_N=win_tile, STATIC=static,
+                       num_warps=_OVERRIDES.decode_warps or (4 if head_dim <= 64 else 8),
                        **common, **topn)
     strides = (k_slc.stride(0), v_slc.stride(0), k_win.stride(0), v_win.stride(0), doc_pos.stride(0))
-    if not (static if _DECODE_PARTS is None else _DECODE_PARTS):
+    if not (static if _OVERRIDES.decode_parts is None else _OVERRIDES.decode_parts):
         _decode_finish_kernel[(batch * num_kv,)](
             q, part_m, part_l, part_acc, counts, top_v, top_i, k_slc, v_slc, k_win, v_win, gates, doc_pos, query_end,
             out, num_keys, num_win, n_split, n_prog, scale * _LOG2E, *strides, **common_last,
@@ -1757,7 +1791,7 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: 
     # Heavy blocks (more than heavy_min pairs) are split over n_split programs writing fp32 partials to
     # n_heavy slots (static shapes, no sync): at most total pairs / (heavy_min + 1) blocks can be heavy,
     # capped at `slots` partials (16 MiB each for dK and dV at d64); the main pass keeps the rest.
-    heavy_min, n_split, slots = _SEL_SPLIT or (8192, 16, 64)
+    heavy_min, n_split, slots = _OVERRIDES.sel_split or (8192, 16, 64)
     n_flat = batch * num_kv * num_keys
     cnt = pair_off[1:] - pair_off[:-1]
     heavy = cnt > heavy_min

@@ -219,3 +219,19 @@ def test_select_blocks_triton_names_what_it_cannot_do():
     with pytest.raises(ValueError, match="sel_block_size=48 .*nsa_reference.select_blocks"):
         tri.select_blocks_triton(q, torch.zeros(1, 1, 1, 64), torch.zeros(1, 1, dtype=torch.long),
                                  torch.arange(8)[None], params)
+
+
+def test_launch_overrides_reach_the_launchers_for_the_block_only_and_name_the_valid_choices():
+    # G = 6, head_dim 64: the selected tile is 64 rows by default, 32 rows forced, and the default again after
+    default = tri._sel_rows_per_program(6, 64)
+    with tri.launch_overrides(sel_rows=32, dkdv_warps=2):
+        assert tri._sel_rows_per_program(6, 64) == (32, 5)
+        assert tri._dkdv_launch(6, 64, "cpu")[2]["num_warps"] == 2
+        with tri.launch_overrides(sel_rows=16):  # nested: the inner block's value, then the outer one's again
+            assert tri._sel_rows_per_program(6, 64)[0] == 16
+        assert tri._sel_rows_per_program(6, 64) == (32, 5)
+    assert tri._sel_rows_per_program(6, 64) == default == (64, 10)
+    assert tri._dkdv_launch(6, 64, "cpu")[2]["num_warps"] == 4
+    with pytest.raises(TypeError, match=r"unknown launch choice\(s\) \['sel_tile'\]; valid: .*'sel_rows'"):
+        with tri.launch_overrides(sel_tile=32):
+            pass

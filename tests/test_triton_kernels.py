@@ -32,7 +32,7 @@ except Exception:
 GRADS = ["dq", "dk_cmp", "dv_cmp", "dk_slc", "dv_slc", "dk_win", "dv_win", "dgates"]
 
 
-# id parts of the knobs a case may force (triton_helpers.case_setup)
+# id parts of the launch choices a case may force (triton_helpers.case_launch)
 _KNOB_IDS = {
     "bj": lambda c: f"bj{c['bj']}",
     "topn_insert_max": lambda c: f"insert{c['topn_insert_max']}",

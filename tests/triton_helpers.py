@@ -14,6 +14,9 @@ attention math is checked exactly whatever the tie outcome.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import importlib
 import json
 import os
@@ -94,29 +97,42 @@ def rel(x, ref):
     return ((x - ref).norm() / ref.norm().clamp_min(1e-2 * max(1, ref.numel()) ** 0.5)).item()
 
 
-def case_setup(case: dict):
-    """Set every kernel knob from the case (the others back to their defaults: cases share one process)
-    and build its inputs. Returns (inputs, cmp_end, doc_pos, params, dtype, device)."""
+# case keys named otherwise than the LaunchOverrides field they force (the other keys are the fields' names)
+CASE_KEY_FIELDS = {"bj": "topn_blocks_per_chunk", "split": "dkdv_split"}
+
+
+@contextlib.contextmanager
+def case_launch(case: dict):
+    """Inside the block the launchers take the case's forced launch choices (launch_overrides) and the launch
+    configuration of the case's architecture ("arch": tiles differ before Hopper); the defaults outside, so
+    cases sharing one process do not leak into each other."""
     _, _, tri = import_nsa()
-    tri._TOPN_BLOCKS_PER_CHUNK = case.get("bj")
-    tri._TOPN_INSERT_MAX = case.get("topn_insert_max")
-    tri._DKDV_SPLIT = case.get("split")
-    tri._SEL_ROWS = case.get("sel_rows")
-    tri._SEL_SUB_ROWS = case.get("sel_sub_rows")
-    tri._SEL_SPLIT = tuple(case["sel_split"]) if case.get("sel_split") else None
-    tri._DECODE_SPLIT = case.get("decode_split")
-    tri._DECODE_TOPN_BLOCKS = case.get("decode_topn_blocks")
-    tri._DECODE_SEL_STEP = case.get("decode_sel_step")
-    tri._DECODE_WIN_TILE = case.get("decode_win_tile")
-    tri._DECODE_PARTS = case.get("decode_parts")
-    tri._DECODE_SEL_PART = case.get("decode_sel_part")
-    tri._DECODE_WIN_PART = case.get("decode_win_part")
-    tri._DECODE_MERGE_SPLITS = case.get("decode_merge_splits")
-    tri._DECODE_MERGE_LISTS = case.get("decode_merge_lists")
-    # the launch configuration an architecture gets (tiles differ before Hopper); the default otherwise
-    tri.__dict__.setdefault("_real_compute_capability", tri._compute_capability)
-    arch = case.get("arch")
-    tri._compute_capability = (lambda device: arch) if arch else tri._real_compute_capability
+    fields = {field.name for field in dataclasses.fields(tri.LaunchOverrides)}
+    choices = {CASE_KEY_FIELDS.get(key, key): tuple(value) if isinstance(value, list) else value
+               for key, value in case.items() if CASE_KEY_FIELDS.get(key, key) in fields and value is not None}
+    arch, real = case.get("arch"), tri._compute_capability
+    if arch:
+        tri._compute_capability = lambda device: arch
+    try:
+        with tri.launch_overrides(**choices):
+            yield
+    finally:
+        tri._compute_capability = real
+
+
+def with_case_launch(runner):
+    """`runner(case)` run inside case_launch(case)."""
+
+    @functools.wraps(runner)
+    def run(case: dict) -> dict:
+        with case_launch(case):
+            return runner(case)
+
+    return run
+
+
+def case_setup(case: dict):
+    """Build a case's inputs. Returns (inputs, cmp_end, doc_pos, params, dtype, device)."""
     dtype = getattr(torch, case.get("dtype", "float32"))
     device = case.get("device", "cpu")
     params = dict(TINY if case.get("params", "tiny") == "tiny" else DEFAULT)
@@ -126,6 +142,7 @@ def case_setup(case: dict):
     return t, cmp_end, doc_pos, p, dtype, device
 
 
+@with_case_launch
 def run_case(case: dict) -> dict:
     """Forward, selection and gradients Triton vs reference for one case; returns relative errors."""
     layout, reference, tri = import_nsa()
@@ -203,6 +220,7 @@ def static_layout(t, ce, doc_pos, Tk, Tw):
     return [t["k_cmp"], t["v_cmp"], ce, k_slc, v_slc, k_win, v_win, dp], query_end
 
 
+@with_case_launch
 def run_decode_case(case: dict) -> dict:
     """Decode (Tq = 1, window cache of the last Tw keys) Triton vs reference at every position in steps.
     cache_views: every cache tensor a view of a larger buffer (`in_buffer`), as NSACache passes them.
@@ -346,6 +364,7 @@ def run_large_offset_decode_case(case: dict) -> dict:
             "out_equal_alone": bool(torch.equal(out, out_alone))}
 
 
+@with_case_launch
 def run_compile_case(case: dict) -> dict:
     """torch.compile(fullgraph=True) of the op (AOTAutograd, `case["backend"]`) against eager: loss and
     all gradients. The custom ops' fake implementations, autograd registration and unused-output
@@ -365,6 +384,7 @@ def run_compile_case(case: dict) -> dict:
     return {"compile": max(rel(c, e) for c, e in zip(results[1], results[0]))}
 
 
+@with_case_launch
 def run_opcheck_case(case: dict) -> dict:
     """torch.library.opcheck of the custom ops at the case's shape: schema, autograd registration, the fake
     implementations against the real outputs (shapes, dtypes, strides: what torch.compile traces with) and
