@@ -36,6 +36,9 @@ from .nsa_reference import nsa_attention_reference
 logger = logging.getLogger(__name__)
 
 BRANCHES = ("cmp", "slc", "win")  # gate order, paper Eq. 5
+# transformers 5.24 renamed past_key_values to cache (generate() passes the new name, outputs hold it); the
+# transformers range this project supports has either, so the cache travels under the name the installed one uses
+CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -468,7 +471,7 @@ class NSAPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["NSADecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = [CACHE_NAME]
     _supports_sdpa = True
 
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -549,12 +552,14 @@ class NSAModel(NSAPreTrainedModel):
         past_key_values: NSACache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
+        cache: NSACache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """Documents in a packed row: a document starts where `position_ids` is 0 (transformers' convention) or
         at `cu_seqlens` (one flattened row). Padding: `attention_mask` zeros; the first token after padding starts
         a document. Tokens appended to a filled cache follow the same rules: they continue each row's last
         document unless one starts a new one."""
+        past_key_values = cache if cache is not None else past_key_values  # (transformers >= 5.24's name)
         # Training forwards build no cache unless asked: the cache is for generation.
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
         if self.gradient_checkpointing and self.training:
@@ -620,8 +625,8 @@ class NSAModel(NSAPreTrainedModel):
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:  # transformers' convention: num_hidden_layers + 1, the last one normalized
             all_hidden_states = all_hidden_states[:-1] + (hidden_states,)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values if use_cache else None,
-                                       hidden_states=all_hidden_states)  # fmt: skip
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, hidden_states=all_hidden_states,
+                                       **{CACHE_NAME: past_key_values if use_cache else None})  # fmt: skip
 
 
 class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
@@ -646,7 +651,7 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
         """generate() gets an NSACache (selection/window/compressed state), never a DynamicCache, with room
         for generate()'s max_length reserved (no step copies the cache). cache_implementation="static": fixed-size
         buffers, and generate() compiles the decoding steps on a GPU (transformers' compile_config: CUDA graphs)."""
-        if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
+        if model_kwargs.get(CACHE_NAME) is None and generation_config.use_cache is not False:
             static = generation_config.cache_implementation == "static"
             if generation_config.cache_implementation not in (None, "static"):
                 _log_once(
@@ -657,12 +662,14 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
             cache = NSACache(self.config, max_cache_len=max_cache_length or 0, static=static)
             if getattr(generation_config, "is_assistant", False):  # an assistant's drafts are taken back: record them
                 cache.activate_past_recording()
-            model_kwargs["past_key_values"] = cache
+            model_kwargs[CACHE_NAME] = cache
 
-    def create_masks_for_generate(self, attention_mask=None, past_key_values=None, is_first_iteration=False, **kwargs):
+    def create_masks_for_generate(self, attention_mask=None, past_key_values=None, is_first_iteration=False, cache=None,
+                                  **kwargs):
         """generate() asks for the mask of a compilable (static) cache's steps here. NSA needs no 4-D mask: the
         prompt's 2-D mask gives each row's padding once, and the cache keeps it in its positions; the steps after
         it get no mask (every generated token is real), so the compiled step sees the same inputs at every token."""
+        past_key_values = cache if cache is not None else past_key_values
         if past_key_values is not None and past_key_values.static and past_key_values.decoding:
             return None
         return attention_mask
@@ -682,7 +689,7 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
     ) -> CausalLMOutputWithPast:
         """`labels` are the input ids (shifted inside `self.loss_function`); -100 is ignored. Pass
         `num_items_in_batch` to get a sum over tokens divided by that count (gradient accumulation)."""
-        passed = ("cu_seq_lens_q", "cu_seqlens", "output_hidden_states", "output_attentions")
+        passed = ("cache", "cu_seq_lens_q", "cu_seqlens", "output_hidden_states", "output_attentions")
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -698,8 +705,8 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
-                                      hidden_states=outputs.hidden_states)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
+                                      **{CACHE_NAME: getattr(outputs, CACHE_NAME)})
 
 
 NSAModel.register_for_auto_class("AutoModel")
