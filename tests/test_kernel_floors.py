@@ -1,0 +1,179 @@
+"""bench/kernel_floors.py: the per-kernel work counts against a brute-force enumeration by the naive oracle's
+rules (tests/naive_nsa.py picks the selected blocks on random inputs), the byte counts against the tensors the
+op really takes, the profiler-to-row mapping, and the CPU command line. No GPU."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "bench"))
+
+import kernel_floors as kf  # noqa: E402
+import naive_nsa  # noqa: E402
+from triton_helpers import TINY, make_inputs  # noqa: E402
+
+from modeling_nsa import NSAConfig  # noqa: E402
+from modeling_nsa.nsa_layout import NSAParams  # noqa: E402
+from modeling_nsa.nsa_reference import nsa_attention_reference  # noqa: E402
+
+NO_LOCAL = dict(TINY, sel_local_blocks=0)  # the own block is not forced: the selected count is a lower bound
+ODD = dict(cmp_block_size=12, cmp_stride=4, sel_block_size=8, sel_num_blocks=3, sel_init_blocks=1,
+           sel_local_blocks=1, window_size=5)  # l > l', w < l'
+
+
+def brute_pairs(params: dict, T: int, H: int = 2, Hkv: int = 1, seed: int = 0):
+    """Per-row (query, key) pairs of each branch for one T-token document, enumerated query by query: the
+    compressed tokens whose last key is at or before t (cmp_end from the layout code), the keys s <= t of the
+    blocks the naive oracle selects on random inputs (per KV group), the window and causal keys. Returns
+    per-head totals and, for the selected branch, the per-(KV group, query) key counts."""
+    x, cmp_end, doc_pos, p = make_inputs(1, T, H, Hkv, 8, params, torch.float32, "cpu", seed=seed)
+    _, blocks = naive_nsa.naive_nsa_attention(x["q"], x["k_cmp"], x["v_cmp"], cmp_end, x["k_slc"], x["v_slc"],
+                                              x["k_win"], x["v_win"], x["gates"], doc_pos, p,
+                                              return_block_indices=True)
+    ends = [e for e in cmp_end[0].tolist() if e >= 0]
+    lb, w = params["sel_block_size"], params["window_size"]
+    counts = dict(cmp=0, sel=0, win=0, dense=0, sel_blocks=0)
+    sel_per_group = []
+    for t in range(T):
+        counts["cmp"] += sum(1 for e in ends if e <= t)
+        counts["win"] += sum(1 for s in range(T) if t - w < s <= t)
+        counts["dense"] += sum(1 for s in range(T) if s <= t)
+        per_group = [sum(1 for j in blocks[0][g][t] for s in range(j * lb, (j + 1) * lb) if s <= t)
+                     for g in range(Hkv)]
+        sel_per_group.append(per_group)
+        counts["sel"] += per_group[0]
+        counts["sel_blocks"] += len(blocks[0][0][t])
+    return counts, sel_per_group
+
+
+@pytest.mark.parametrize("params", [TINY, ODD], ids=["tiny", "odd"])
+@pytest.mark.parametrize("T", [1, 7, 37, 100])
+def test_pair_counts_match_enumeration(params, T):
+    counts, per_group = brute_pairs(params, T, H=4, Hkv=2)
+    p = NSAParams(**params)
+    assert kf.compressed_pairs(T, p) == counts["cmp"]
+    assert kf.selected_pairs(T, p) == counts["sel"]
+    assert kf.selected_block_pairs(T, p) == counts["sel_blocks"]
+    assert kf.window_pairs(T, p) == counts["win"]
+    assert kf.dense_pairs(T) == counts["dense"]
+    # every KV group's queries attend to as many selected keys as the closed form says for each query
+    assert all(g == [kf.selected_keys(t, p)] * 2 for t, g in enumerate(per_group))
+
+
+def test_selected_count_is_a_lower_bound_without_local_blocks():
+    T = 100
+    counts, per_group = brute_pairs(NO_LOCAL, T, seed=3)
+    p = NSAParams(**NO_LOCAL)
+    assert all(g[0] >= kf.selected_keys(t, p) for t, g in enumerate(per_group))
+    assert kf.selected_pairs(T, p) <= counts["sel"]
+
+
+def test_kernel_work_flops_follow_the_pairs():
+    """Matmul FLOPs per pair: 4*D forward, 2*D top-n, 6*D dQ (three branches), 8*D dK/dV; 4*D / 10*D dense."""
+    B, T, H, Hkv, D = 3, 100, 4, 2, 8
+    counts, _ = brute_pairs(TINY, T, H=H, Hkv=Hkv)
+    work = {w.name: w for w in kf.kernel_work(TINY, B, T, H, Hkv, D)}
+    assert list(work) == ["cmp_fwd", "topn", "sel_fwd", "win_fwd", "dq", "cmp_dkdv", "sel_dkdv", "win_dkdv"]
+    per_pair = dict(cmp_fwd=("cmp", 4), topn=("cmp", 2), sel_fwd=("sel", 4), win_fwd=("win", 4),
+                    cmp_dkdv=("cmp", 8), sel_dkdv=("sel", 8), win_dkdv=("win", 8))
+    for name, (branch, factor) in per_pair.items():
+        assert work[name].pairs == work[name].exps == B * H * counts[branch], name
+        assert work[name].flops == factor * D * B * H * counts[branch], name
+    assert work["dq"].flops == 6 * D * B * H * (counts["cmp"] + counts["sel"] + counts["win"])
+    fwd, bwd = kf.dense_work(B, T, H, Hkv, D)
+    assert (fwd.flops, bwd.flops) == (4 * D * B * H * counts["dense"], 10 * D * B * H * counts["dense"])
+
+
+def test_kernel_work_bytes_match_the_tensors():
+    """Bytes read and written against the nbytes of the tensors the op takes and returns at bf16 (the compressed
+    K/V counted over the row's real tokens, not its empty slots)."""
+    B, T, H, Hkv, D = 2, 100, 4, 2, 8
+    x, cmp_end, doc_pos, p = make_inputs(B, T, H, Hkv, D, TINY, torch.bfloat16, "cpu")
+    n_cmp = int((cmp_end[0] >= 0).sum())
+    out, idx = nsa_attention_reference(x["q"], x["k_cmp"], x["v_cmp"], cmp_end, x["k_slc"], x["v_slc"],
+                                       x["k_win"], x["v_win"], x["gates"], doc_pos, p, return_block_indices=True)
+    idx32 = idx.to(torch.int32)  # (B, Hkv, T, n') as the kernels store it
+    q, kv = x["q"].nbytes, x["k_slc"].nbytes
+    kv_cmp = x["k_cmp"][:, :n_cmp].nbytes
+    lse = torch.empty(B, T, H, dtype=torch.float32).nbytes
+    ranges = 2 * torch.empty(B, T, dtype=torch.int32).nbytes
+    work = {w.name: w for w in kf.kernel_work(p, B, T, H, Hkv, D)}
+    assert (work["cmp_fwd"].bytes_read, work["cmp_fwd"].bytes_written) == (q + 2 * kv_cmp + ranges, out.nbytes + lse)
+    assert work["topn"].bytes_written == idx32.nbytes
+    assert work["sel_fwd"].bytes_read == q + 2 * kv + idx32.nbytes + doc_pos.nbytes
+    assert work["win_fwd"].bytes_read == 3 * q + 2 * kv + ranges + x["gates"].nbytes
+    assert work["win_fwd"].bytes_written == 2 * out.nbytes + lse
+    assert work["dq"].bytes_written == q + x["gates"].nbytes + 3 * lse
+    assert work["sel_dkdv"].bytes_written == x["k_slc"].nbytes + x["v_slc"].nbytes
+    assert work["cmp_dkdv"].bytes_written == 2 * kv_cmp
+
+
+def test_parameters_from_config_params_or_dict_agree():
+    config = NSAConfig()
+    by_config = kf.kernel_work(config, 1, 4096, 12, 2, 64)
+    assert by_config == kf.kernel_work(NSAParams.from_config(config), 1, 4096, 12, 2, 64)
+    assert by_config == kf.kernel_work({f: getattr(config, f) for f in TINY}, 1, 4096, 12, 2, 64)
+    with pytest.raises(ValueError, match="window_size"):
+        kf.kernel_work({k: v for k, v in TINY.items() if k != "window_size"}, 1, 64, 2, 1, 8)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        kf.kernel_work(TINY, 1, 64, 3, 2, 8)
+
+
+def test_floors_and_bound():
+    w = kf.KernelWork("k", "fwd", pairs=10, flops=2e12, exps=1e9, bytes_read=2e9, bytes_written=1e9)
+    f = w.floors(1000.0, 3000.0)
+    assert f["flop_ms"] == pytest.approx(2.0) and f["byte_ms"] == pytest.approx(1.0)
+    assert (f["floor_ms"], f["bound"]) == (pytest.approx(2.0), "compute")
+    f = w.floors(1000.0, 1000.0, gexps=250.0)  # 1e9 exponentials at 250 G/s: 4 ms
+    assert (f["floor_ms"], f["bound"]) == (pytest.approx(4.0), "exp")
+
+
+def test_profiler_events_map_to_rows():
+    """Two identical steps: the interval kernels' first launch is the compressed branch, the second the window;
+    a kernel no row names lands in `other`; a changed launch count leaves those rows empty, not wrong."""
+    step = [("_interval_fwd_kernel", 1.0), ("_select_topn_kernel", 2.0), ("_sel_fwd_kernel", 3.0),
+            ("_interval_fwd_kernel", 4.0), ("_bwd_dq_kernel", 5.0), ("_interval_bwd_dkdv_kernel", 6.0),
+            ("_sel_bwd_dkdv_kernel", 7.0), ("_sel_bwd_dkdv_kernel", 0.5), ("_sel_dkdv_reduce_kernel", 0.25),
+            ("_interval_bwd_dkdv_kernel", 8.0), ("void at::native::sort_kernel", 9.0)]
+    events, clock = [], 0.0
+    for rep in range(3):
+        for name, us in step:
+            events.append((name, clock, us * 1000 * (1 + 0.01 * rep)))  # durations in us; ms in the table
+            clock += 1e4
+    rows, other = kf.assign_rows(kf.group_kernel_times(events, 3), kf.TRAINING_KERNELS)
+    expected = dict(cmp_fwd=1.0, topn=2.0, sel_fwd=3.0, win_fwd=4.0, dq=5.0, cmp_dkdv=6.0, sel_dkdv=7.75, win_dkdv=8.0)
+    assert rows == pytest.approx({k: v * 1.01 for k, v in expected.items()})
+    assert other == pytest.approx({"void at::native::sort_kernel": 9.0 * 1.01})
+    three = [e for e in events if e[0] != "_interval_fwd_kernel"] + [("_interval_fwd_kernel", i * 7.0, 1000.0)
+                                                                     for i in range(9)]
+    rows, other = kf.assign_rows(kf.group_kernel_times(three, 3), kf.TRAINING_KERNELS)
+    assert rows["cmp_fwd"] is None and rows["win_fwd"] is None and other["_interval_fwd_kernel"] == pytest.approx(3.0)
+
+
+def test_command_line_without_gpu(tmp_path, capsys):
+    out = tmp_path / "floors.json"
+    kf.main(["--analytic", "--ceilings", "800,3000,4000", "--lengths", "2048", "65536", "--layouts", "12,2,64",
+             "--decode-batch", "1", "32", "--decode-lengths", "65536", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["ceilings"] == dict(tflops=800.0, gbps=3000.0, gexps=4000.0, measured=False)
+    assert [(c["T"], c["B"]) for c in data["training"]] == [(2048, 32), (65536, 1)]
+    assert [(c["B"], c["T"]) for c in data["decode"]] == [(1, 65536), (32, 65536)]
+    for case in data["training"] + data["decode"]:
+        for r in case["rows"]:
+            assert r["floor_ms"] == max(r["flop_ms"], r["byte_ms"], r["exp_ms"])
+    long = {r["kernel"]: r for r in data["training"][1]["rows"]}
+    # at 64k a query attends ~2,047 compressed + ~1,024 selected + 512 window keys on average (NSA_SPEC, cost per
+    # query), dense causal 32,768: about 9x the forward's matmul work
+    nsa_fwd = sum(long[k]["flops"] for k in ("cmp_fwd", "sel_fwd", "win_fwd"))
+    assert long["dense_fwd"]["flops"] / nsa_fwd == pytest.approx(32768.5 / (2047 + 1024 + 512), rel=0.02)
+    text = capsys.readouterr().out
+    assert "| fused dQ (3 branches) + dgates |" in text and "decode B=32 context 65536" in text
+    with pytest.raises(SystemExit):
+        kf.main(["--ceilings", "800"])
