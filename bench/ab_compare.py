@@ -1,0 +1,357 @@
+"""NSA against its dense twin: train both (same seed, data order, tokens and schedule) and compare them.
+
+    python bench/ab_compare.py --out runs/ab --seeds 0 1 -- --dataset ../shared/data/wiki-summaries-en.parquet \\
+        --tokenizer ../shared/data/gpt2-tokenizer --model tiny --seq-len 1024 --max-steps 2000 --eval-every 200
+    python bench/ab_compare.py --out runs/ab --runs runs/ab/nsa-seed0 runs/ab/dense-seed0     # finished runs only
+
+Every flag after `--` goes to train_accelerate.py unchanged, for every run; this script adds `--attention-mode`,
+`--seed` and `--output-dir <out>/<mode>-seed<S>`. The dense twin is the same NSAConfig with
+`attention_mode="dense"`: the same parameters except NSA's own (gate projection, compressor, the extra K/V
+sets), the same data order (the packer's shuffle is seeded by `--seed`) and the same schedule. A run already
+finished in its directory is not trained again; one stopped with checkpoints continues (`--resume latest`), so a
+long comparison can be split across sessions by running the same command again.
+
+It reads what the trainer writes per run (run.json: config and device; metrics.jsonl: training logs and every
+evaluation; summary.json) and writes `<out>/ab_compare.md` (tables), `ab_compare.png` (validation loss against
+tokens, and NSA - dense) and `ab_compare.json`. Validation losses are compared at the token counts every run
+evaluated at; with two or more seeds of a mode, the seed-to-seed spread (sample standard deviation, min-max)
+is given beside the difference, so a gap can be read against the noise. Needs matplotlib for the PNG
+(`pip install "nsa-transformers[plot]"`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MODES = ("nsa", "dense")
+# train_accelerate.py flags this script sets per run
+OWN_FLAGS = ("--attention-mode", "--seed", "--output-dir", "--resume")
+# NSAConfig fields that only NSA uses: the one set of fields the two modes' models may differ in
+NSA_FIELDS = {"attention_mode", "nsa_backend", "cmp_block_size", "cmp_stride", "sel_block_size", "sel_num_blocks",
+              "sel_init_blocks", "sel_local_blocks", "window_size", "kv_per_branch", "compressor",
+              "cmp_mlp_hidden_size"}  # fmt: skip
+# run.json config entries that may differ between the runs of one comparison
+PER_RUN_CONFIG = {"attention_mode", "output_dir", "seed", "resume"}
+TARGET_NATS = 0.02  # issue 19: NSA validation loss <= dense + 0.02 nats at equal tokens
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def check_train_flags(train_flags: list[str]) -> None:
+    for flag in train_flags:
+        name = flag.split("=")[0]
+        if name.replace("_", "-") in OWN_FLAGS:
+            raise ValueError(f"train flag {name}: ab_compare.py sets {', '.join(OWN_FLAGS)} for each run itself "
+                             "(--seeds for the seeds, --out for the directories); drop it from the flags after --.")
+    if _flag_value(train_flags, "--eval-every") == "0":
+        raise ValueError("--eval-every 0: the comparison needs validation losses; give --eval-every N > 0.")
+
+
+def _flag_value(flags: list[str], name: str) -> str | None:
+    """The value the trainer will read for `name`: its last occurrence, as argparse takes it."""
+    value = None
+    for i, flag in enumerate(flags):
+        if flag.replace("_", "-") == name and i + 1 < len(flags):
+            value = flags[i + 1]
+        elif flag.replace("_", "-").startswith(name + "="):
+            value = flag.split("=", 1)[1]
+    return value
+
+
+def run_state(run_dir: Path) -> str:
+    """'finished', 'resumable' (checkpoints, not finished), 'blocked' (other output, no checkpoint) or 'new'."""
+    summary = run_dir / "summary.json"
+    if summary.is_file() and json.loads(summary.read_text()).get("finished"):
+        return "finished"
+    if any((run_dir / "checkpoints").glob("step_*")):
+        return "resumable"
+    if any((run_dir / name).exists() for name in ("metrics.jsonl", "final", "summary.json")):
+        return "blocked"
+    return "new"
+
+
+def train_runs(out: Path, seeds: list[int], modes: list[str], train_flags: list[str], launcher: list[str],
+               env: dict | None = None) -> list[Path]:  # fmt: skip
+    """Train every (seed, mode) not finished yet, one after another; returns the run directories."""
+    check_train_flags(train_flags)
+    runs = []
+    for seed in seeds:
+        for mode in modes:
+            run_dir = out / f"{mode}-seed{seed}"
+            runs.append(run_dir)
+            state = run_state(run_dir)
+            if state == "finished":
+                print(f"{run_dir}: finished already, not trained again")
+                continue
+            if state == "blocked":
+                raise ValueError(f"{run_dir} holds the output of an unfinished run without checkpoints, which cannot "
+                                 "continue; remove it (or pass another --out) and run again.")  # fmt: skip
+            cmd = [*launcher, str(REPO / "train_accelerate.py"), *train_flags, "--attention-mode", mode,
+                   "--seed", str(seed), "--output-dir", str(run_dir)]  # fmt: skip
+            if state == "resumable":
+                cmd += ["--resume", "latest"]
+            print(("resuming: " if state == "resumable" else "training: ") + shlex.join(cmd), flush=True)
+            started = time.time()
+            proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **(env or {})})
+            if proc.returncode != 0:
+                raise RuntimeError(f"the {mode} run of seed {seed} failed (exit {proc.returncode}); its output is in "
+                                   f"{run_dir}. Command: {shlex.join(cmd)}")  # fmt: skip
+            print(f"{run_dir}: done in {time.time() - started:.0f} s", flush=True)
+    return runs
+
+
+# ----------------------------------------------------------------------------- reading runs
+
+
+def read_run(run_dir: Path) -> dict:
+    """One run's figures from the files the trainer writes."""
+    run_dir = Path(run_dir)
+    record_file, metrics_file = run_dir / "run.json", run_dir / "metrics.jsonl"
+    if not record_file.is_file() or not metrics_file.is_file():
+        raise ValueError(f"--runs {run_dir}: not a training run of train_accelerate.py (needs run.json and "
+                         "metrics.jsonl); pass the --output-dir of a run.")  # fmt: skip
+    record = json.loads(record_file.read_text())
+    config, model_config = record.get("config", {}), record.get("model_config", {})
+    tokens_per_step = (config.get("micro_batch_size", 0) * config.get("grad_accum", 1) * config.get("world_size", 1)
+                       * config.get("seq_len", 0))  # fmt: skip
+    train, evals = {}, {}
+    for line in metrics_file.read_text().splitlines():
+        if not line.strip():
+            continue
+        entry = json.loads(line)
+        step = entry.get("step")
+        if "val_loss" in entry:  # a resumed run may repeat a step: the last record wins
+            evals[step] = entry
+        elif "loss" in entry:
+            train[step] = entry
+    if not evals:
+        raise ValueError(f"--runs {run_dir}: metrics.jsonl holds no validation loss; train with --eval-every N > 0.")
+    summary_file = run_dir / "summary.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+    train_rows = [train[s] for s in sorted(train)]
+    speeds = [r["tok_s"] for r in train_rows[1:] or train_rows if r.get("tok_s")]  # the first window compiles/warms up
+    return {
+        "dir": str(run_dir), "name": run_dir.name,
+        "mode": model_config.get("attention_mode", config.get("attention_mode")), "seed": config.get("seed"),
+        "config": config, "model_config": model_config, "num_parameters": record.get("num_parameters"),
+        "device": (record.get("device") or {}).get("gpu") or (record.get("device") or {}).get("type"),
+        "git_sha": record.get("git_sha"), "started": record.get("started"),
+        "tokens_per_step": tokens_per_step,
+        "val": [(s * tokens_per_step, evals[s]["val_loss"]) for s in sorted(evals)],  # (tokens, loss)
+        "train": [(r.get("tokens_seen", r["step"] * tokens_per_step), r["loss"]) for r in train_rows],
+        "tok_s": statistics.median(speeds) if speeds else None,
+        "peak_mem_gb": max((r["peak_mem_gb"] for r in train_rows if r.get("peak_mem_gb")), default=None),
+        "finished": summary.get("finished"), "steps": summary.get("step", max(train, default=None)),
+    }  # fmt: skip
+
+
+def config_differences(runs: list[dict]) -> list[str]:
+    """What differs between the runs besides the attention mode, the seed and the directories: NSA's own model
+    fields may differ (dense ignores them); anything else means the comparison is not like for like."""
+    notes = []
+    base = runs[0]
+    for other in runs[1:]:
+        for key in sorted(set(base["config"]) | set(other["config"])):
+            if key in PER_RUN_CONFIG:
+                continue
+            if base["config"].get(key) != other["config"].get(key):
+                notes.append(f"{base['name']} / {other['name']}: train config {key} = {base['config'].get(key)!r} / "
+                             f"{other['config'].get(key)!r}")  # fmt: skip
+        for key in sorted(set(base["model_config"]) | set(other["model_config"])):
+            if key in NSA_FIELDS or key.startswith("_") or key == "transformers_version":
+                continue
+            if base["model_config"].get(key) != other["model_config"].get(key):
+                notes.append(f"{base['name']} / {other['name']}: model config {key} = "
+                             f"{base['model_config'].get(key)!r} / {other['model_config'].get(key)!r}")  # fmt: skip
+    return notes
+
+
+# ----------------------------------------------------------------------------- comparing
+
+
+def _spread(values: list[float]) -> dict:
+    out = {"mean": statistics.fmean(values), "n": len(values), "min": min(values), "max": max(values)}
+    out["std"] = statistics.stdev(values) if len(values) >= 2 else None
+    return out
+
+
+def compare(runs: list[dict]) -> dict:
+    """Per mode, per evaluated token count (those every run of both modes reached): mean validation loss over
+    seeds, its spread, and NSA - dense."""
+    by_mode = {m: [r for r in runs if r["mode"] == m] for m in MODES}
+    by_mode = {m: rs for m, rs in by_mode.items() if rs}
+    common = None
+    for r in runs:
+        tokens = {t for t, _ in r["val"]}
+        common = tokens if common is None else common & tokens
+    curve = []
+    for tokens in sorted(common or ()):
+        row = {"tokens": tokens}
+        for mode, rs in by_mode.items():
+            row[mode] = _spread([dict(r["val"])[tokens] for r in rs])
+        if "nsa" in row and "dense" in row:
+            row["nsa_minus_dense"] = row["nsa"]["mean"] - row["dense"]["mean"]
+        curve.append(row)
+    final = curve[-1] if curve else None
+    verdict = None
+    if final and "nsa_minus_dense" in final:
+        gap = final["nsa_minus_dense"]
+        noise = max((final[m]["std"] or 0.0) for m in by_mode)
+        verdict = {"tokens": final["tokens"], "nsa_minus_dense": gap, "target": TARGET_NATS,
+                   "met": gap <= TARGET_NATS, "seed_std": noise or None,
+                   "beyond_noise": noise > 0 and abs(gap) > 2 * noise}  # fmt: skip
+    return {"curve": curve, "final": verdict, "modes": list(by_mode)}
+
+
+def _fmt(x, spec="{:.4f}"):
+    return "" if x is None else spec.format(x)
+
+
+def markdown(runs: list[dict], comparison: dict, notes: list[str]) -> str:
+    lines = ["# NSA vs dense", "",
+             "| run | mode | seed | params | device | steps | tokens | val loss | val ppl | tok/s (median) | peak mem GB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in runs:
+        tokens, loss = r["val"][-1]
+        lines.append(f"| {r['name']} | {r['mode']} | {r['seed']} | {r['num_parameters'] / 1e6:.2f}M | {r['device']} | "
+                     f"{r['steps']} | {tokens:,} | {loss:.4f} | {math.exp(min(loss, 50)):.2f} | {_fmt(r['tok_s'], '{:,.0f}')} | "
+                     f"{_fmt(r['peak_mem_gb'], '{:.2f}')} |")  # fmt: skip
+    modes = comparison["modes"]
+    lines += ["", "Validation loss at equal tokens (mean over seeds; ± sample std over seeds where >= 2):", "",
+              "| tokens | " + " | ".join(modes) + (" | NSA - dense |" if len(modes) == 2 else ""),
+              "|---|" + "---|" * (len(modes) + (len(modes) == 2))]  # fmt: skip
+    for row in comparison["curve"]:
+        cells = []
+        for m in modes:
+            s = row[m]
+            cells.append(f"{s['mean']:.4f}" + (f" ± {s['std']:.4f}" if s["std"] is not None else ""))
+        diff = f" | {row['nsa_minus_dense']:+.4f}" if "nsa_minus_dense" in row else ""
+        lines.append(f"| {row['tokens']:,} | " + " | ".join(cells) + diff + " |")
+    final = comparison["final"]
+    if final:
+        spread = (f"; seed-to-seed std {final['seed_std']:.4f} nats "
+                  f"({'the gap is beyond 2 std' if final['beyond_noise'] else 'the gap is within 2 std: noise'})"
+                  if final["seed_std"] else "; one seed per mode: no spread measured (give --seeds 0 1)")  # fmt: skip
+        lines += ["", f"At {final['tokens']:,} tokens NSA - dense = {final['nsa_minus_dense']:+.4f} nats "
+                      f"(target <= +{TARGET_NATS}: {'met' if final['met'] else 'MISSED'}){spread}."]  # fmt: skip
+    if notes:
+        lines += ["", "**The runs differ beyond the attention mode** (not a like-for-like comparison):", ""]
+        lines += [f"- {n}" for n in notes]
+    else:
+        lines += ["", "The runs' configs differ only in the attention mode, the seed and the output directory "
+                      "(and NSA's own model fields, which dense does not use)."]  # fmt: skip
+    lines += ["", f"Peak memory: allocated GPU memory on CUDA, the process's resident set size on CPU. "
+                  f"Written {time.strftime('%Y-%m-%d')}."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: list[dict], comparison: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"nsa": "tab:blue", "dense": "tab:orange"}
+    panels = 2 if any("nsa_minus_dense" in r for r in comparison["curve"]) else 1
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4), squeeze=False)
+    ax = axes[0][0]
+    for r in runs:
+        tokens, losses = zip(*r["val"])
+        ax.plot(tokens, losses, marker="o", markersize=3, color=colors.get(r["mode"], "gray"),
+                linestyle="-" if (r["seed"] or 0) % 2 == 0 else "--", label=f"{r['mode']} seed {r['seed']}")  # fmt: skip
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("validation loss (nats)")
+    ax.set_title("validation loss")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    if panels == 2:
+        ax = axes[0][1]
+        rows = [r for r in comparison["curve"] if "nsa_minus_dense" in r]
+        tokens = [r["tokens"] for r in rows]
+        gap = [r["nsa_minus_dense"] for r in rows]
+        ax.plot(tokens, gap, marker="o", markersize=3, color="black", label="NSA - dense (mean over seeds)")
+        stds = [max((r[m]["std"] or 0.0) for m in ("nsa", "dense")) for r in rows]
+        if any(stds):
+            ax.fill_between(tokens, [g - 2 * s for g, s in zip(gap, stds)], [g + 2 * s for g, s in zip(gap, stds)],
+                            color="gray", alpha=0.25, label="± 2 seed std")  # fmt: skip
+        ax.axhline(TARGET_NATS, color="red", linestyle=":", label=f"target +{TARGET_NATS}")
+        ax.axhline(0.0, color="gray", linewidth=0.8)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("nats")
+        ax.set_title("NSA - dense validation loss")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_comparison(run_dirs: list[Path], out: Path) -> dict:
+    runs = [read_run(Path(d)) for d in run_dirs]
+    modes = {r["mode"] for r in runs}
+    if len(runs) < 2:
+        raise ValueError(f"--runs: give at least two runs to compare (got {len(runs)}).")
+    if not modes <= set(MODES):
+        raise ValueError(f"--runs: attention modes {sorted(modes)}; the runs must be {' or '.join(MODES)} runs.")
+    notes = config_differences(runs)
+    comparison = compare(runs)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ab_compare.md").write_text(markdown(runs, comparison, notes))
+    result = {"runs": [{k: v for k, v in r.items() if k not in ("config", "model_config")} for r in runs],
+              "comparison": comparison, "config_differences": notes, "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+    (out / "ab_compare.json").write_text(json.dumps(result, indent=2))
+    try:
+        plot(runs, comparison, out / "ab_compare.png")
+    except ImportError:
+        print('matplotlib is not installed: no PNG (pip install "nsa-transformers[plot]")', file=sys.stderr)
+    print((out / "ab_compare.md").read_text())
+    return result
+
+
+def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    train_flags = argv[argv.index("--") + 1 :] if "--" in argv else []
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(prog="bench/ab_compare.py", description=__doc__.split("\n\n")[0],
+                                usage="%(prog)s --out DIR [--seeds S ...] [--modes nsa dense] -- TRAIN_FLAGS  |  "
+                                      "%(prog)s --out DIR --runs RUN_DIR RUN_DIR ...")  # fmt: skip
+    p.add_argument("--out", required=True, help="directory of the runs and the comparison")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--runs", nargs="+", default=None, help="compare these finished runs (no training)")
+    p.add_argument("--launcher", default=shlex.quote(sys.executable),
+                   help="how to start train_accelerate.py, e.g. 'accelerate launch --config_file "
+                        "accelerate_configs/single_gpu.yaml' (default: this Python)")  # fmt: skip
+    args = p.parse_args(own)
+    out = Path(args.out)
+    if args.runs:
+        if train_flags:
+            p.error("--runs compares finished runs: train flags after -- are not used; drop them.")
+        run_dirs = [Path(d) for d in args.runs]
+    else:
+        if not train_flags:
+            p.error("give the training flags after --, e.g. -- --model tiny --max-steps 500 --eval-every 50.")
+        if len(set(args.seeds)) != len(args.seeds):
+            p.error(f"--seeds {' '.join(map(str, args.seeds))}: a seed is repeated.")
+        run_dirs = train_runs(out, args.seeds, args.modes, train_flags, shlex.split(args.launcher))
+    return write_comparison(run_dirs, out)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, RuntimeError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

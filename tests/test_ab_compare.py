@@ -1,0 +1,130 @@
+"""bench/ab_compare.py: two tiny runs (NSA and its dense twin) trained through train_accelerate.py and compared."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import ab_compare  # noqa: E402
+
+
+def train_flags(data_file: Path) -> list[str]:
+    return ["--dataset", str(data_file), "--tokenizer", "byt5", "--model", "tiny", "--seq-len", "64",
+            "--micro-batch-size", "2", "--max-steps", "2", "--warmup-steps", "1", "--eval-every", "1",
+            "--val-tokens", "256", "--val-every-doc", "5", "--log-every", "1", "--save-every", "0",
+            "--report-to", "none", "--mixed-precision", "no", "--shuffle-buffer", "16"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ab(tmp_path_factory):
+    """Both modes, one seed, two steps each, on a small JSON-lines corpus (the README's paragraphs)."""
+    root = tmp_path_factory.mktemp("ab")
+    paragraphs = [p for p in (ROOT / "README.md").read_text().split("\n\n") if len(p) > 80]
+    data_file = root / "docs.jsonl"
+    data_file.write_text("\n".join(json.dumps({"text": p}) for p in paragraphs))
+    out = root / "out"
+    result = ab_compare.main(["--out", str(out), "--seeds", "3", "--", *train_flags(data_file)])
+    return out, data_file, result
+
+
+def test_trains_both_modes_and_writes_table_plot_and_json(ab):
+    out, _, result = ab
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["nsa-seed3", "dense-seed3", "ab_compare.md", "ab_compare.png", "ab_compare.json"])
+    assert (out / "ab_compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = (out / "ab_compare.md").read_text()
+    assert "| nsa-seed3 | nsa | 3 |" in table and "| dense-seed3 | dense | 3 |" in table
+    assert "differ only in the attention mode" in table
+    # the curve is the evaluations at steps 0, 1, 2 (128 tokens per step), NSA - dense from the runs' own logs
+    curve = result["comparison"]["curve"]
+    assert [row["tokens"] for row in curve] == [0, 128, 256]
+    for run_name, mode in (("nsa-seed3", "nsa"), ("dense-seed3", "dense")):
+        logged = [json.loads(line) for line in (out / run_name / "metrics.jsonl").read_text().splitlines()]
+        val = [entry["val_loss"] for entry in logged if "val_loss" in entry]
+        assert [row[mode]["mean"] for row in curve] == val
+    assert curve[-1]["nsa_minus_dense"] == pytest.approx(curve[-1]["nsa"]["mean"] - curve[-1]["dense"]["mean"])
+    assert json.loads((out / "ab_compare.json").read_text())["comparison"] == result["comparison"]
+
+
+def test_the_two_runs_differ_only_in_attention_mode(ab):
+    out, _, _ = ab
+    nsa, dense = (json.loads((out / name / "run.json").read_text()) for name in ("nsa-seed3", "dense-seed3"))
+    differing = {k for k in nsa["config"].keys() | dense["config"].keys() if nsa["config"].get(k) != dense["config"].get(k)}
+    assert differing == {"attention_mode", "output_dir"}
+    assert (nsa["config"]["attention_mode"], dense["config"]["attention_mode"]) == ("nsa", "dense")
+    assert nsa["config"]["seed"] == dense["config"]["seed"] == 3
+    model_diff = {k for k in nsa["model_config"] if nsa["model_config"][k] != dense["model_config"].get(k)}
+    assert model_diff == {"attention_mode"}
+    # same schedule and tokens: the same tokens seen at every log
+    tokens = [[json.loads(line).get("tokens_seen") for line in (out / n / "metrics.jsonl").read_text().splitlines()]
+              for n in ("nsa-seed3", "dense-seed3")]  # fmt: skip
+    assert tokens[0] == tokens[1]
+
+
+def test_finished_runs_are_compared_again_without_training(ab, tmp_path, capsys):
+    out, data_file, result = ab
+    stamps = {n: (out / n / "summary.json").stat().st_mtime_ns for n in ("nsa-seed3", "dense-seed3")}
+    again = ab_compare.main(["--out", str(out), "--seeds", "3", "--", *train_flags(data_file)])
+    assert "finished already, not trained again" in capsys.readouterr().out
+    assert {n: (out / n / "summary.json").stat().st_mtime_ns for n in stamps} == stamps
+    assert again["comparison"] == result["comparison"]
+    # --runs: finished runs from anywhere; a run whose training config differs is reported as not like for like
+    other = tmp_path / "dense-other-lr"
+    shutil.copytree(out / "dense-seed3", other)
+    record = json.loads((other / "run.json").read_text())
+    record["config"]["lr"] = 1.0
+    (other / "run.json").write_text(json.dumps(record))
+    compared = ab_compare.main(["--out", str(tmp_path / "cmp"), "--runs", str(out / "nsa-seed3"), str(other)])
+    assert [n for n in compared["config_differences"] if "train config lr = 0.0006 / 1.0" in n]
+    assert "**The runs differ beyond the attention mode**" in (tmp_path / "cmp" / "ab_compare.md").read_text()
+
+
+def fake_run(mode, seed, losses, tokens_per_step=100):
+    return {"name": f"{mode}-seed{seed}", "mode": mode, "seed": seed,
+            "val": [(i * tokens_per_step, loss) for i, loss in enumerate(losses)]}  # fmt: skip
+
+
+def test_seed_spread_and_the_verdict():
+    runs = [fake_run("nsa", 0, [5.0, 4.0, 3.10]), fake_run("nsa", 1, [5.1, 4.1, 3.14]),
+            fake_run("dense", 0, [5.0, 3.9, 3.00]), fake_run("dense", 1, [5.2, 4.0, 3.06])]  # fmt: skip
+    comparison = ab_compare.compare(runs)
+    last = comparison["curve"][-1]
+    assert last["tokens"] == 200
+    assert last["nsa"]["mean"] == pytest.approx(3.12) and last["dense"]["mean"] == pytest.approx(3.03)
+    assert last["nsa"]["std"] == pytest.approx(statistics.stdev([3.10, 3.14]))
+    assert last["dense"]["std"] == pytest.approx(statistics.stdev([3.00, 3.06]))
+    final = comparison["final"]
+    assert final["nsa_minus_dense"] == pytest.approx(0.09) and not final["met"]
+    assert final["seed_std"] == pytest.approx(statistics.stdev([3.00, 3.06]))
+    assert final["beyond_noise"] == (0.09 > 2 * statistics.stdev([3.00, 3.06]))
+    # only the token counts every run evaluated at are compared
+    runs[0]["val"] = runs[0]["val"][:2]
+    assert [row["tokens"] for row in ab_compare.compare(runs)["curve"]] == [0, 100]
+
+
+def test_bad_inputs(tmp_path, ab):
+    out, data_file, _ = ab
+    for flag in ("--seed", "--output-dir", "--attention-mode", "--attention_mode"):
+        with pytest.raises(ValueError, match=f"train flag {flag}: ab_compare.py sets"):
+            ab_compare.main(["--out", str(tmp_path), "--", *train_flags(data_file), flag, "1"])
+    with pytest.raises(ValueError, match=r"--eval-every 0: the comparison needs validation losses"):
+        ab_compare.main(["--out", str(tmp_path), "--", *train_flags(data_file), "--eval-every", "0"])
+    with pytest.raises(ValueError, match=r"--runs .*nothing: not a training run of train_accelerate.py"):
+        ab_compare.main(["--out", str(tmp_path), "--runs", str(out / "nsa-seed3"), str(tmp_path / "nothing")])
+    with pytest.raises(ValueError, match=r"give at least two runs"):
+        ab_compare.main(["--out", str(tmp_path), "--runs", str(out / "nsa-seed3")])
+    blocked = tmp_path / "blocked"
+    (blocked / "nsa-seed0").mkdir(parents=True)
+    (blocked / "nsa-seed0" / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"nsa-seed0 holds the output of an unfinished run without checkpoints"):
+        ab_compare.main(["--out", str(blocked), "--seeds", "0", "--", *train_flags(data_file)])
+    with pytest.raises(SystemExit):
+        ab_compare.main(["--out", str(tmp_path), "--seeds", "1", "1", "--", *train_flags(data_file)])
