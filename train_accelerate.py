@@ -29,7 +29,6 @@ from accelerate.utils import (
     DistributedDataParallelKwargs,
     ProjectConfiguration,
     broadcast_object_list,
-    gather_object,
     is_tensorboard_available,
     is_trackio_available,
     parse_flag_from_env,
@@ -474,9 +473,10 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     if cfg.compile:
         model = torch.compile(model)
     model, optimizer = accelerator.prepare(model, optimizer)
+    unwrapped = accelerator.unwrap_model(model)  # without DDP and torch.compile: evaluation, export, digests
     run_config = asdict(cfg) | {"output_dir": str(out_dir), "world_size": world}
     checkpoints = checkpoint.RunCheckpoints(accelerator, out_dir / "checkpoints", run_config,
-                                            checkpoint.model_fields(accelerator.unwrap_model(model).config), cfg.keep_last)  # fmt: skip
+                                            checkpoint.model_fields(unwrapped.config), cfg.keep_last)  # fmt: skip
     run = checkpoints.resume(cfg.resume, started)
     if run.step >= cfg.max_steps and (out_dir / "final").is_dir():  # final/, its card and summary.json stay as they are
         say(f"the run is finished: step {run.step} >= --max-steps {cfg.max_steps} and {out_dir / 'final'} is "
@@ -487,12 +487,11 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
                          cross_doc=cfg.cross_doc_attention, state=run.data, shard=cfg.data_shard)  # fmt: skip
     loader = data.BatchLoader(packer, cfg.micro_batch_size)
     cleanup.append(loader.close)
-    exporter = Exporter(cfg, accelerator, tokenizer, out_dir, hub_api=hub_api, card_facts=dict(
-        n_params=n_params, world=world, mixed_precision=precision, data_description=model_card.data_description(source),
-        device=metrics.device_info(accelerator).get("gpu", accelerator.device.type)))  # fmt: skip
+    exporter = Exporter(cfg, accelerator, tokenizer, out_dir, hub_api, n_params=n_params, precision=precision,
+                        source=source)  # fmt: skip
     if main_proc:
-        metrics.write_run_record(out_dir / "run.json", run_config, accelerator, accelerator.unwrap_model(model),
-                                 {"data": source.describe(), "flops_per_token": dict(zip(("dense", "nsa"), flops))})  # fmt: skip
+        extra = {"data": source.describe(), "flops_per_token": dict(zip(("dense", "nsa"), flops))}
+        metrics.write_run_record(out_dir / "run.json", run_config, accelerator, unwrapped, extra)
     tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * world * cfg.seq_len
     say(f"model: {n_params / 1e6:.2f}M params, attention {cfg.attention_mode}; data: {source.describe()}; "
         f"{world} process(es) x {cfg.grad_accum} x {cfg.micro_batch_size} rows x {cfg.seq_len} = "
@@ -506,7 +505,7 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
                   run_config)  # fmt: skip
     evaluating = bool(val_rows) and cfg.eval_every > 0
     if evaluating and run.step == 0:  # the starting point of the validation curve
-        log.log_eval(0, evaluate(accelerator.unwrap_model(model), run, val_rows, cfg.micro_batch_size, accelerator))
+        log.log_eval(0, evaluate(unwrapped, run, val_rows, cfg.micro_batch_size, accelerator))
     while run.step < cfg.max_steps:
         lr = lr_at(run.step, cfg)
         for group in optimizer.param_groups:
@@ -521,8 +520,7 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
         if log.due(run.step):
             log.log_training(run, lr, grad_norm)
         if evaluating and (run.step % cfg.eval_every == 0 or run.step == cfg.max_steps):
-            log.log_eval(run.step, evaluate(accelerator.unwrap_model(model), run, val_rows, cfg.micro_batch_size,
-                                            accelerator))  # fmt: skip
+            log.log_eval(run.step, evaluate(unwrapped, run, val_rows, cfg.micro_batch_size, accelerator))
             watchdog.beat(step=run.step, phase="eval")
         if stop.requested(accelerator):
             say(f"SIGTERM at step {run.step}: saving a checkpoint and exiting")
@@ -540,14 +538,9 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
             save(model, run, checkpoints, exporter, cfg)
         exporter.export(model, run, "final" if cfg.push_to_hub else "")
         if main_proc and cfg.sample_prompt:
-            sample = generate_sample(accelerator.unwrap_model(model), tokenizer, cfg.sample_prompt, accelerator)
-            say(f"sample: {sample!r}")
+            say(f"sample: {generate_sample(unwrapped, tokenizer, cfg.sample_prompt, accelerator)!r}")
     log.close()
-    # every process reports a digest of its weights: DDP replicas must be bit-identical
-    digest = metrics.weights_digest(accelerator.unwrap_model(model))
-    digests = gather_object([digest]) if world > 1 else [digest]
-    if len(set(digests)) > 1:
-        say(f"WARNING: the {world} processes hold different weights: {digests}")
+    digests = metrics.replica_digests(unwrapped, accelerator)  # DDP replicas must hold bit-identical weights
     summary = run.summary(finished=finished, output_dir=str(out_dir), weight_digests=digests)
     if main_proc:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -118,7 +118,8 @@ class RunCheckpoints:
         path = resolve_resume(resume, self.root)
         if path is None:
             if resume == "latest":
-                self.accelerator.print(f"--resume latest: no checkpoint found in {self.root}; training starts from step 0")
+                self.accelerator.print(f"--resume latest: no checkpoint found in {self.root}; training starts from "
+                                       "step 0")  # fmt: skip
             return RunState(started=started)
         trainer_state, data_state = load_checkpoint(self.accelerator, path, self.model_config, self.run_config)
         run = RunState.from_checkpoint(trainer_state, data_state, started)

@@ -3,36 +3,38 @@ model card, uploaded when the run pushes to the Hub; and a greedy sample from it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from . import hub
 from .checkpoint import export_hf_checkpoint
-from .model_card import run_card_fields, write_model_card
+from .metrics import device_info
+from .model_card import data_description, run_card_fields, write_model_card
 from .run_state import RunState
 
 
-@dataclass
 class Exporter:
-    """Writes final/ (main process) and pushes it with `hub_api`; every process calls `export` and waits for it."""
+    """Writes final/ (main process) and pushes it with `hub_api` (from hub.preflight_on_main: None when the run does
+    not push, and on every other process). Every process calls `export` and waits for it."""
 
-    cfg: Any  # the run's TrainConfig
-    accelerator: Any
-    tokenizer: Any
-    out_dir: Path
-    card_facts: dict  # what the card says about the run that does not change as it trains (model_card.run_card_fields)
-    hub_api: Any = None  # from hub.preflight_on_main: None when the run does not push (and on every other process)
+    def __init__(self, cfg, accelerator, tokenizer, out_dir: Path, hub_api=None, *, n_params: int, precision: str,
+                 source):  # fmt: skip
+        self.cfg, self.accelerator, self.tokenizer, self.out_dir = cfg, accelerator, tokenizer, Path(out_dir)
+        self.hub_api = hub_api
+        # what the card says about the run that does not change as it trains
+        self.card_facts = dict(n_params=n_params, world=accelerator.num_processes, mixed_precision=precision,
+                               device=device_info(accelerator).get("gpu", accelerator.device.type),
+                               data_description=data_description(source))  # fmt: skip
 
     def export(self, model, run: RunState, message: str = "", branch: str | None = None) -> Path:
         """final/ as of `run`; pushed as one commit (`message`) on `branch` (default: main). Returns its path."""
-        final = Path(self.out_dir) / "final"
+        final = self.out_dir / "final"
         if self.accelerator.is_main_process:
             model = self.accelerator.unwrap_model(model)
             export_hf_checkpoint(model, self.tokenizer, final)
-            write_model_card(final, run_card_fields(self.cfg, model.config, run, out_dir=self.out_dir, **self.card_facts))
+            card = run_card_fields(self.cfg, model.config, run, out_dir=self.out_dir, **self.card_facts)
+            write_model_card(final, card)
             if self.hub_api is not None:
                 hub.push_folder(self.hub_api, self.cfg.push_to_hub, final, message, branch=branch)
                 self.accelerator.print(f"pushed {final} to {self.cfg.push_to_hub} ({branch or 'main'}): {message}")

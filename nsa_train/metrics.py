@@ -86,6 +86,18 @@ def weights_digest(model) -> str:
     return h.hexdigest()[:16]
 
 
+def replica_digests(model, accelerator) -> list[str]:
+    """Every process's `weights_digest` (a collective under several processes); a warning when they differ."""
+    digests = [weights_digest(model)]
+    if accelerator.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        digests = gather_object(digests)
+    if len(set(digests)) > 1:
+        accelerator.print(f"WARNING: the {accelerator.num_processes} processes hold different weights: {digests}")
+    return digests
+
+
 def git_sha(repo: Path) -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
