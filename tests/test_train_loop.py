@@ -467,6 +467,57 @@ def test_preset_and_unknown_flags(capsys):
     assert "error: unrecognized arguments: --lr-rate 3 (did you mean" in err and "--lr?" in err
 
 
+def test_run_state_is_what_a_checkpoint_holds():
+    """RunState -> trainer_state.json (+ the data state) -> RunState gives the same progress; the file keeps the
+    keys older checkpoints have, and a checkpoint without the validation figures still resumes."""
+    import dataclasses
+
+    from nsa_train.data import DataState
+    from nsa_train.run_state import RunState
+
+    run = RunState(step=7, tokens_seen=7 * 256, skipped_steps=1, val_loss=3.5, val_ppl=33.1, data=DataState(1, 2, 3),
+                   last_log={"loss": 3.4})  # fmt: skip
+    saved = json.loads(json.dumps(run.trainer_state(2, {"seed": 1}, {"hidden_size": 64})))
+    assert set(saved) == {"step", "tokens_seen", "skipped_steps", "world_size", "val_loss", "val_ppl", "config",
+                          "model_config"}  # fmt: skip
+    assert (saved["world_size"], saved["config"], saved["model_config"]) == (2, {"seed": 1}, {"hidden_size": 64})
+    back = RunState.from_checkpoint(saved, json.loads(json.dumps(run.data.to_dict())), started=run.started)
+    assert back == dataclasses.replace(run, last_log={})  # the last log record belongs to the process that wrote it
+    older = {k: saved[k] for k in ("step", "tokens_seen", "skipped_steps")}
+    assert RunState.from_checkpoint(older, {"epoch": 0, "doc": 5, "offset": 0}, started=0.0).val_loss is None
+
+
+def test_every_evaluation_metric_is_logged(tmp_path, capsys):
+    """An evaluation's metrics dict is logged whole: metrics.jsonl keeps each name, the trackers get <group>/<name>,
+    the console line shows each (a metric added to the dict needs no logging code)."""
+    from types import SimpleNamespace
+
+    from nsa_train.run_state import RunState
+    from nsa_train.step_log import StepLog
+
+    class Tracked:  # what StepLog uses of the Accelerator, recording what goes to the trackers
+        is_main_process, num_processes, device = True, 1, torch.device("cpu")
+
+        def __init__(self):
+            self.logged = []
+
+        def init_trackers(self, name, config):
+            self.logged.append(("init", name))
+
+        def log(self, values, step):
+            self.logged.append((values, step))
+
+    accelerator = Tracked()
+    log = StepLog(accelerator, tmp_path, SimpleNamespace(report_to="tensorboard", max_steps=10, log_every=1),
+                  RunState(), (1.0, 1.0), None, {"seed": 1})  # fmt: skip
+    log.log_eval(5, {"val_loss": 2.0, "val_ppl": 7.389, "sel_recall": 0.75})
+    log.close()
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 5, "val_loss": 2.0, "val_ppl": 7.389,
+                                                                     "sel_recall": 0.75}  # fmt: skip
+    assert accelerator.logged == [("init", "logs"), ({"val/loss": 2.0, "val/ppl": 7.389, "sel/recall": 0.75}, 5)]
+    assert "step 5: val loss 2.0000 ppl 7.39 sel_recall 0.75" in capsys.readouterr().out
+
+
 def test_checkpoints_do_not_warn_about_the_tied_head(tmp_path, caplog):
     # accelerate drops lm_head.weight (the embeddings' tied copy) from each checkpoint and warned about it at every
     # save; the tie is rebuilt with the model, so the warning only alarms (exact resume is tested above)
