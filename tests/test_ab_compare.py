@@ -128,3 +128,53 @@ def test_bad_inputs(tmp_path, ab):
         ab_compare.main(["--out", str(blocked), "--seeds", "0", "--", *train_flags(data_file)])
     with pytest.raises(SystemExit):
         ab_compare.main(["--out", str(tmp_path), "--seeds", "1", "1", "--", *train_flags(data_file)])
+
+
+# ----------------------------------------------------------------------------- bench/build_corpus.py
+
+
+def fake_linux_doc_deb(path: Path) -> Path:
+    """A .deb laid out as linux-doc's: an ar archive whose data.tar.xz holds html/_sources/**/*.txt pages."""
+    import io
+    import tarfile
+
+    prose = "The scheduler picks the next task to run on each processor. " * 12
+    pages = {
+        "process/howto.rst.txt": (".. SPDX-License-Identifier: GPL-2.0\n\n.. _howto:\n\nHOWTO\n=====\n\n"
+                                  f"{prose}\nSee :ref:`the rules <rules>` and ``make htmldocs``.\n"),
+        "hwmon/table.rst.txt": "+----+----+\n| 0x | 1f |\n+----+----+\n" * 40,  # mostly not letters: dropped
+        "short.rst.txt": "Too short.\n",  # under --min-chars: dropped
+        "translations/it_IT/howto.rst.txt": prose,  # a translation: dropped
+    }  # fmt: skip
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w:xz") as tar:
+        for name, text in pages.items():
+            blob = text.encode()
+            info = tarfile.TarInfo(f"./usr/share/doc/linux-doc-6.12/html/_sources/{name}")
+            info.size = len(blob)
+            tar.addfile(info, io.BytesIO(blob))
+    members = [("debian-binary", b"2.0\n"), ("control.tar.xz", b""), ("data.tar.xz", data.getvalue())]
+    out = b"!<arch>\n"
+    for name, blob in members:
+        out += f"{name + '/':<16}{0:<12}{0:<6}{0:<6}{100644:<8}{len(blob):<10}`\n".encode() + blob
+        out += b"\n" if len(blob) % 2 else b""
+    path.write_bytes(out)
+    return path
+
+
+def test_build_corpus_from_a_deb(tmp_path):
+    import pyarrow.parquet as pq
+
+    import build_corpus
+
+    out = tmp_path / "corpus.parquet"
+    stats = build_corpus.main(["--deb", str(fake_linux_doc_deb(tmp_path / "linux-doc.deb")), "--out", str(out),
+                               "--min-chars", "200"])  # fmt: skip
+    rows = pq.read_table(out).to_pylist()
+    assert stats["documents"] == 1 and stats["pages_read"] == 4
+    assert [r["id"] for r in rows] == ["process/howto.rst"] and rows[0]["license"] == "GPL-2.0"
+    text = rows[0]["text"]
+    assert text.startswith("HOWTO\n\nThe scheduler picks") and "=====" not in text and "SPDX" not in text
+    assert text.endswith("See the rules and make htmldocs.")
+    with pytest.raises(ValueError, match=r"--deb .*: not a Debian package"):
+        build_corpus.main(["--deb", str(out), "--out", str(tmp_path / "x.parquet")])
