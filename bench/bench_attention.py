@@ -1,15 +1,18 @@
 """Attention benchmark on a GPU: our NSA (Triton, three branches) vs dense causal SDPA vs fla's parallel_nsa.
 
     python bench/bench_attention.py [--json results.json] [--lengths 2048 8192 ...] [--tokens 65536]
-                                    [--inputs random correlated]
+                                    [--inputs random correlated captured --captured FILE] [--decode-batch 1 32]
 
 Fixed B*T tokens per step; forward and forward+backward median milliseconds (CUDA events, warm-up,
 fresh bf16 inputs per length), peak memory of the fwd+bwd step, ratios vs dense SDPA and fla. NSA and fla
 are timed on two kinds of queries (see `queries`): independent random ones, the worst case for the
-selected branch's shared block loads, and correlated ones, closer to a trained model's.
+selected branch's shared block loads, and correlated ones, closer to a trained model's; with
+`--inputs captured --captured FILE`, also a trained model's own q, K/V and gates (bench/capture_qkv.py writes
+the file; each row is a crop of the captured tokens: capture_qkv.bench_inputs; layouts other than the capture's
+are skipped).
 Layouts: the 125M config (12 q heads, 2 kv heads, d64) and fla's (16 q, 1 kv, d64). Then decode:
-per-token latency (B=1, 1 query, cache of T keys) ours vs dense SDPA over a KV cache, called eagerly and
-replayed from a CUDA graph (GPU time without Python and launch overhead; ours as a static cache's step, the
+per-token latency (--decode-batch rows of 1 query, cache of T keys) ours vs dense SDPA over a KV cache, called
+eagerly and replayed from a CUDA graph (GPU time without Python and launch overhead; ours as a static cache's step, the
 kernels generate() records in its graph).
 Our NSA is the attention op only (q, per-branch k/v, compressed k/v, gates given); the compression
 MLP and projections are outside the timed region, as they are outside SDPA's.
@@ -31,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+import capture_qkv  # noqa: E402
 from triton_helpers import import_nsa  # noqa: E402
 
 layout_mod, _, tri = import_nsa()
@@ -75,7 +79,16 @@ def rnd(*shape, grad=True):
     return torch.randn(*shape, device="cuda", dtype=torch.bfloat16).requires_grad_(grad)
 
 
-INPUT_KINDS = ("random", "correlated")
+QUERY_KINDS = ("random", "correlated")
+INPUT_KINDS = QUERY_KINDS + ("captured",)
+CAPTURED = {}  # the "captured" kind's tensors: use_captured
+
+
+def use_captured(path):
+    """Load bench/capture_qkv.py's file for the "captured" input kind."""
+    if not path:
+        raise SystemExit("--inputs captured needs --captured FILE (written by bench/capture_qkv.py)")
+    CAPTURED["saved"] = capture_qkv.load_capture(path)
 
 
 def queries(B, T, H, D, kind="random", grad=True):
@@ -83,8 +96,8 @@ def queries(B, T, H, D, kind="random", grad=True):
     nearly unrelated blocks: the selected tiles' block unions are largest). "correlated": one vector per
     head shared by every position plus 0.3 noise (as bench/selection_tiles.py), so neighbouring queries
     choose similar blocks, closer to a trained model."""
-    if kind not in INPUT_KINDS:
-        raise ValueError(f"input kind {kind!r}: use one of {INPUT_KINDS}")
+    if kind not in QUERY_KINDS:
+        raise ValueError(f"query kind {kind!r}: use one of {QUERY_KINDS}")
     if kind == "random":
         return rnd(B, T, H, D, grad=grad)
     shared = torch.randn(1, 1, H, D, device="cuda")
@@ -93,7 +106,9 @@ def queries(B, T, H, D, kind="random", grad=True):
 
 def nsa_inputs(B, T, H, Hkv, D, grad=True, kind="random"):
     """The op's inputs for B rows of one T-token document: fresh Gaussian keys, values and gate logits,
-    queries of the given kind (see queries)."""
+    queries of the given kind (see queries); "captured": a trained model's tensors, cropped (use_captured)."""
+    if kind == "captured":
+        return capture_qkv.bench_inputs(CAPTURED["saved"], B, T, H, Hkv, D, PARAMS, grad=grad)
     doc_pos = torch.arange(T, device="cuda").expand(B, T).contiguous()
     cmp_end = layout_mod.compressed_token_ends(doc_pos, PARAMS)
     Nc = cmp_end.shape[1]
@@ -164,6 +179,10 @@ def bench_layout(H, Hkv, D, lengths, tokens, kinds, rows):
         B = max(1, tokens // T)
         dense = time_sdpa(B, T, H, Hkv, D)
         for kind in kinds:
+            if kind == "captured" and not capture_qkv.fits(CAPTURED["saved"], H, Hkv, D):
+                print(f"# no captured inputs for {H}q/{Hkv}kv d{D}: the capture's layout is "
+                      f"{capture_qkv.layout_of(CAPTURED['saved'])}", flush=True)
+                continue
             row = dict(layout=f"{H}q/{Hkv}kv d{D}", heads=H, T=T, B=B, inputs=kind, **time_nsa(B, T, H, Hkv, D, kind), **dense)
             if HAS_FLA and (H // Hkv) >= 16:
                 row.update(time_fla(B, T, H, Hkv, D, kind))
@@ -172,9 +191,9 @@ def bench_layout(H, Hkv, D, lengths, tokens, kinds, rows):
             torch.cuda.empty_cache()
 
 
-def bench_decode(H, Hkv, D, contexts, rows):
+def bench_decode(H, Hkv, D, contexts, rows, batch=1):
     for T in contexts:
-        B = 1
+        B = batch
         x, cmp_end, doc_pos = nsa_inputs(B, T, H, Hkv, D, grad=False)
         w = PARAMS.window_size
         q1 = x["q"][:, -1:].contiguous()
@@ -193,7 +212,7 @@ def bench_decode(H, Hkv, D, contexts, rows):
         def dense():
             return F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True)
 
-        row = dict(layout=f"decode {H}q/{Hkv}kv d{D}", T=T, nsa_ms=time_ms(ours, 5, 50), sdpa_ms=time_ms(dense, 5, 50))
+        row = dict(layout=f"decode {H}q/{Hkv}kv d{D}", B=B, T=T, nsa_ms=time_ms(ours, 5, 50), sdpa_ms=time_ms(dense, 5, 50))
         try:
             # graphed as generate() runs it: a static cache's step (the kernels it takes for a CUDA graph)
             row["nsa_graph_ms"] = time_ms(cuda_graph(lambda: ours(query_end)), 5, 50)
@@ -230,18 +249,22 @@ def main():
     ap.add_argument("--tokens", type=int, default=65536)
     ap.add_argument("--decode", type=int, nargs="*", default=[4096, 16384, 65536])
     ap.add_argument("--layouts", nargs="*", default=["12,2,64", "16,1,64"])
-    ap.add_argument("--inputs", nargs="*", default=list(INPUT_KINDS), choices=INPUT_KINDS,
-                    help="query kinds timed for NSA and fla (dense SDPA does not depend on the values)")
+    ap.add_argument("--inputs", nargs="*", default=list(QUERY_KINDS), choices=INPUT_KINDS,
+                    help="input kinds timed for NSA and fla (dense SDPA does not depend on the values)")
+    ap.add_argument("--captured", default=None, help="bench/capture_qkv.py's file, for --inputs captured")
+    ap.add_argument("--decode-batch", type=int, nargs="*", default=[1], help="rows per decoding step")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention.py needs a CUDA GPU (bench/memory_cpu.py predicts its memory column on CPU).")
     torch.manual_seed(0)
+    if "captured" in args.inputs:
+        use_captured(args.captured)
     rows, dec = [], []
     for spec in args.layouts:
         H, Hkv, D = (int(s) for s in spec.split(","))
         bench_layout(H, Hkv, D, args.lengths, args.tokens, args.inputs, rows)
-    if args.decode:
-        bench_decode(12, 2, 64, args.decode, dec)
+    for batch in args.decode_batch if args.decode else []:
+        bench_decode(12, 2, 64, args.decode, dec, batch)
     dev = torch.cuda.get_device_name()
     print(f"\n# NSA attention benchmark: {dev}, torch {torch.__version__}, {datetime.date.today()}, "
           f"B*T={args.tokens}, bf16, fla={'yes' if HAS_FLA else 'no'}")
@@ -257,12 +280,12 @@ def main():
               f"{r['nsa_fb'] / r['heads']:.3f} | {r['nsa_mem']:.0f} | {r['sdpa_mem']:.0f} | "
               f"{fmt(r.get('fla_mem'), 0)} |")
     if dec:
-        print("\n| decode (B=1) | context | NSA ms/token | SDPA ms/token | ratio | NSA graphed | SDPA graphed | ratio |")
+        print("\n| decode (B rows) | context | NSA ms/token | SDPA ms/token | ratio | NSA graphed | SDPA graphed | ratio |")
         print("|---|---|---|---|---|---|---|---|")
         for r in dec:
             g_n, g_s = r.get("nsa_graph_ms"), r.get("sdpa_graph_ms")
             g_ratio = f"{g_n / g_s:.2f}x" if g_n and g_s else "-"
-            print(f"| {r['layout']} | {r['T']} | {r['nsa_ms']:.3f} | {r['sdpa_ms']:.3f} | {r['nsa_ms'] / r['sdpa_ms']:.2f}x "
+            print(f"| {r['layout']} B={r['B']} | {r['T']} | {r['nsa_ms']:.3f} | {r['sdpa_ms']:.3f} | {r['nsa_ms'] / r['sdpa_ms']:.2f}x "
                   f"| {fmt(g_n, 3)} | {fmt(g_s, 3)} | {g_ratio} |")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -486,6 +486,9 @@ def run_gpu(args, params):
                decode=[])
     for H, Hkv, D, T, B in layout_cases(args.layouts, args.lengths, args.tokens):
         for kind in args.inputs:
+            if kind == "captured" and not ba.capture_qkv.fits(ba.CAPTURED["saved"], H, Hkv, D):
+                print(f"# no captured inputs for {H}q/{Hkv}kv d{D}", flush=True)
+                continue
             torch.manual_seed(0)
             x, cmp_end, doc_pos = ba.nsa_inputs(B, T, H, Hkv, D, kind=kind)
             do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
