@@ -8,6 +8,7 @@ and writes JSON with --json.
 
     python bench/bench_model.py                   # T in 2k, 8k, 32k; 32k tokens per step; both precisions
     python bench/bench_model.py --seq-lens 2048 --tokens-per-step 32768 --precision autocast --json results.json
+    python bench/bench_model.py --seq-lens 32768 65536 --gradient-checkpointing   # long contexts, every model alike
 """
 
 from __future__ import annotations
@@ -66,10 +67,15 @@ def llama_ratio_cells(row: dict, models, key: str, width: int) -> str:
 PRECISIONS = ("bf16", "autocast")
 
 
-def time_training(model, batch: int, seq_len: int, steps: int, warmup: int, precision: str):
+def time_training(model, batch: int, seq_len: int, steps: int, warmup: int, precision: str,
+                  checkpointing: bool = False):
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: use one of {PRECISIONS}")
     model = (model.to("cuda", torch.bfloat16) if precision == "bf16" else model.to("cuda")).train()
+    if checkpointing:  # as the trainer's --gradient-checkpointing (non-reentrant), for NSA, dense mode and Llama
+        from train_accelerate import enable_gradient_checkpointing
+
+        enable_gradient_checkpointing(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     torch.cuda.reset_peak_memory_stats()
     times = []
@@ -100,6 +106,8 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--precision", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="recompute each decoder layer in the backward (every model), for 32k-64k tokens per row")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -114,15 +122,17 @@ def main():
                 torch.manual_seed(0)
                 try:
                     results[name] = time_training(build(name, seq_len), batch, seq_len, args.steps, args.warmup,
-                                                  precision)
+                                                  precision, args.gradient_checkpointing)
                 except torch.OutOfMemoryError:
                     results[name] = None
                 torch.cuda.empty_cache()
-            rows.append({"precision": precision, "seq_len": seq_len, "batch": batch, **results})
+            rows.append({"precision": precision, "seq_len": seq_len, "batch": batch,
+                         "gradient_checkpointing": args.gradient_checkpointing, **results})
             print(json.dumps(rows[-1]), flush=True)
 
     device = torch.cuda.get_device_name()
-    print(f"\nTraining step (fwd+bwd+AdamW), 125M (12 q / 2 kv heads, d64), {args.tokens_per_step} tokens/step, {device}")
+    print(f"\nTraining step (fwd+bwd+AdamW), 125M (12 q / 2 kv heads, d64), {args.tokens_per_step} tokens/step, {device}"
+          + (", gradient checkpointing" if args.gradient_checkpointing else ""))
     header = f"{'precision':>9} {'T':>6} {'B':>3} " + " ".join(f"{m + ' tok/s':>16} {'GiB':>6}" for m in args.models)
     header += llama_ratio_header(args.models, 14)
     print(header)
