@@ -11,6 +11,7 @@ This file travels as remote code: it imports only torch, transformers and its fl
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -23,10 +24,9 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import can_return_tuple
 
 from .configuration_nsa import NSAConfig
-from .nsa_cache import NSACache, _append_compressed
+from .nsa_cache import BranchKeys, NSACache, sequence_keys
 from .nsa_layout import (
     NSAParams,
-    compressed_token_ends,
     document_positions,
     document_positions_from_cu_seqlens,
     gather_compression_blocks,
@@ -289,127 +289,44 @@ class NSAAttention(nn.Module):
         cos_q, sin_q = cos[:, -num_queries:, None], sin[:, -num_queries:, None]  # (B, Tq, 1, D)
         q = apply_rope(self.q_proj(hidden_states).view(batch, num_queries, self.num_heads, self.head_dim), cos_q, sin_q)
         kv = self.kv_proj(hidden_states).view(batch, num_queries, self.num_kv_sets, 2, self.num_kv_heads, self.head_dim)
-        cache = past_key_values.layers[self.layer_idx] if past_key_values is not None else None
-        static = cache is not None and past_key_values.static
-        query_end = past_key_values.cursor if static and past_key_values.decoding else None  # (1,) a static step
-
         if self.dense:
             k, v = self._branch_kv(kv, "slc")
             k = apply_rope(k, cos_q, sin_q)
-            if query_end is not None:
-                cache.k_slc.index_copy_(1, query_end, k)
-                cache.v_slc.index_copy_(1, query_end, v)
-                k, v = cache.k_slc, cache.v_slc
-            elif static:
-                cache.store_prompt(k, v)
-            elif cache is not None:
-                k, v = cache.buffers["k_slc"].append(k), cache.buffers["v_slc"].append(v)
-            out = dense_causal_attention(q, k, v, doc_pos, single_document, query_end=query_end)
+            keys = BranchKeys(k, v) if past_key_values is None else past_key_values.update(k, v, self.layer_idx, doc_pos)
+            out = dense_causal_attention(q, keys.k_slc, keys.v_slc, doc_pos, single_document, query_end=keys.query_end)
         else:
             gates = torch.sigmoid(self.g_proj(hidden_states)).view(batch, num_queries, self.num_heads, len(BRANCHES))
             k_raw, v_raw = self._branch_kv(kv, "cmp")  # compression reads un-rotated keys (Eq. 7)
             k_slc, v_slc = self._branch_kv(kv, "slc")
             k_slc = apply_rope(k_slc, cos_q, sin_q)
+            k_win = v_win = None  # shared K/V: the window reads the selection keys
             if self.num_kv_sets == 3:
                 k_win, v_win = self._branch_kv(kv, "win")
                 k_win = apply_rope(k_win, cos_q, sin_q)
+            step = dict(k_win=k_win, v_win=v_win, k_raw=k_raw, v_raw=v_raw,
+                        compress=partial(self._compress, cos=cos, sin=sin, num_keys=doc_pos.shape[1]))
+            if past_key_values is None:
+                keys = sequence_keys(k_slc, v_slc, doc_pos, self.params, **step)
             else:
-                k_win, v_win = k_slc, v_slc
-            if cache is None or (static and query_end is None):  # no cache, or a static cache's prompt
-                cmp_end = compressed_token_ends(doc_pos, self.params)  # (B, Nc)
-                k_cmp, v_cmp = self._compress(k_raw, v_raw, cmp_end, cos, sin, cmp_end)
-                if static:
-                    cache.store_prompt(k_slc, v_slc, k_win, v_win, k_raw, v_raw, k_cmp, v_cmp, cmp_end)
-            elif static:
-                k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win = self._static_step_inputs(
-                    cache, doc_pos, query_end, cos_q, sin_q, k_raw, v_raw, k_slc, v_slc, k_win, v_win
-                )
-            else:
-                k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win = self._cached_inputs(
-                    cache, doc_pos, cos, sin, cos_q, sin_q, k_raw, v_raw, k_slc, v_slc, k_win, v_win
-                )
+                keys = past_key_values.update(k_slc, v_slc, self.layer_idx, doc_pos, **step)
             out = nsa_attention(
-                q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, self.params,
-                backend=self.config.nsa_backend, query_end=query_end,
+                q, keys.k_cmp, keys.v_cmp, keys.cmp_end, keys.k_slc, keys.v_slc, keys.k_win, keys.v_win, gates, doc_pos,
+                self.params, backend=self.config.nsa_backend, query_end=keys.query_end,
             )  # fmt: skip
         return self.o_proj(out.reshape(batch, num_queries, self.num_heads * self.head_dim)), None
 
-    def _compress(self, k_raw, v_raw, local_end, cos, sin, rope_index):
-        """Compressed k (rotated at i*d + l - 1, the last position it covers) and v. local_end indexes
-        k_raw/v_raw; rope_index the same key positions in cos/sin (-1 where empty)."""
-        k_cmp, v_cmp = self.compressor(k_raw, v_raw, local_end)
-        index = rope_index.clamp(min=0)
+    def _compress(self, k, v, cmp_end=None, keep=None, key_index=None, *, cos, sin, num_keys):
+        """Compressed k, rotated at the position of the last key each covers (Eq. 7), and v (B, N, Hkv, D), through
+        the compressor's forward (hooks that load weights as a module runs, accelerate's offloading, see it).
+        k, v: raw keys (B, T, Hkv, D) with cmp_end (B, N) indexing them, or gathered blocks (B, N, l, Hkv, D) with
+        keep (B, N). key_index (B, N): each token's last key among the num_keys keys (-1: empty), whose last W
+        positions cos/sin (B, W, D) cover; None: the step's last position (a decoding step's one block)."""
+        k_cmp, v_cmp = self.compressor(k, v, cmp_end, keep)
+        if key_index is None:
+            return apply_rope(k_cmp, cos[:, -1:, None], sin[:, -1:, None]), v_cmp
+        index = (key_index + cos.shape[1] - num_keys).clamp(min=0)  # (empty slots: zero, rotated anywhere)
         gather = index[:, :, None].expand(-1, -1, cos.shape[-1])
-        k_cmp = apply_rope(k_cmp, cos.gather(1, gather)[:, :, None], sin.gather(1, gather)[:, :, None])
-        return k_cmp, v_cmp
-
-    def _cached_inputs(self, cache, doc_pos, cos, sin, cos_q, sin_q, k_raw, v_raw, k_slc, v_slc, k_win, v_win):
-        """Append this chunk to the layer cache; return the compressed, selection and window K/V."""
-        params, num_queries = self.params, k_raw.shape[1]
-        num_keys = doc_pos.shape[1]
-        block, stride = params.cmp_block_size, params.cmp_stride
-        # Compressed tokens ending inside this chunk, made from the cached raw tail + the chunk.
-        raw_k, raw_v = cache.buffers["tail_k"].append(k_raw), cache.buffers["tail_v"].append(v_raw)
-        tail_len = raw_k.shape[1] - num_queries  # l - 1 (fewer at the cache's start, more while recording)
-        if num_queries == 1 and tail_len >= block - 1:
-            # The generation step: the token completes at most one compressed token, made from the l raw keys
-            # ending at it (the tail and the token) and rotated at the token's own position (cos_q).
-            # A third of the general path's host work (no slot layout, no gathers): it runs per layer and token.
-            pos = doc_pos[:, -1:]  # (B, 1)
-            emits = (pos >= block - 1) & ((pos - (block - 1)) % stride == 0)  # (B, 1), ends i*d + l - 1 (Eq. 7)
-            blocks = raw_k[:, None, -block:], raw_v[:, None, -block:]  # (B, 1, l, Hkv, D)
-            k_new, v_new = self.compressor(*blocks, keep=emits)  # (B, 1, Hkv, D)
-            k_new = apply_rope(k_new, cos_q, sin_q)
-            global_end = torch.where(emits, num_keys - 1, -1)
-        else:
-            raw_doc_pos = doc_pos[:, num_keys - num_queries - tail_len :].clone()
-            raw_doc_pos[:, :tail_len] = -1  # tail tokens emitted their compressed tokens already
-            local_end = compressed_token_ends(raw_doc_pos, params, num_slots=num_queries // stride + 1)
-            offset = num_keys - num_queries - tail_len
-            global_end = torch.where(local_end >= 0, local_end + offset, local_end)
-            # cos/sin cover the last W key positions, the raw tail + chunk at their end (a recording tail may be
-            # longer than W - Tq, but only tokens ending inside the chunk are emitted: their index stays >= 0)
-            rope_index = torch.where(local_end >= 0, local_end + cos.shape[1] - raw_k.shape[1], local_end)
-            k_new, v_new = self._compress(raw_k, raw_v, local_end, cos, sin, rope_index)
-        _append_compressed(cache, k_new, v_new, global_end, max_slots=num_keys // stride + 1)
-
-        k_slc, v_slc = cache.buffers["k_slc"].append(k_slc), cache.buffers["v_slc"].append(v_slc)
-        if self.num_kv_sets == 3:  # the window buffers keep the last w keys
-            k_win, v_win = cache.buffers["k_win"].append(k_win), cache.buffers["v_win"].append(v_win)
-        else:  # shared K/V: the window reads the last keys of the selection cache
-            span = min(num_keys, params.window_size + num_queries - 1)
-            k_win, v_win = k_slc[:, -span:], v_slc[:, -span:]
-        return cache.cmp_k, cache.cmp_v, cache.cmp_end, k_slc, v_slc, k_win, v_win
-
-    def _static_step_inputs(self, cache, doc_pos, query_end, cos_q, sin_q, k_raw, v_raw, k_slc, v_slc, k_win, v_win):
-        """A static cache's decoding step (one token per row, at key index query_end (1,) on the device): write it
-        in place and return the whole buffers. The same ops and shapes at every token, no host value read."""
-        block, stride = self.params.cmp_block_size, self.params.cmp_stride
-        # The compressed token this step completes (Eq. 7): the l raw keys ending here, from the raw ring.
-        cache.tail_k.index_copy_(1, query_end % block, k_raw)
-        cache.tail_v.index_copy_(1, query_end % block, v_raw)
-        ring_order = (query_end - block + 1 + torch.arange(block, device=query_end.device)) % block  # (l,)
-        blocks = cache.tail_k.index_select(1, ring_order)[:, None], cache.tail_v.index_select(1, ring_order)[:, None]
-        pos = doc_pos.index_select(1, query_end)  # (B, 1)
-        emits = (pos >= block - 1) & ((pos - (block - 1)) % stride == 0)  # (B, 1)
-        k_new, v_new = self.compressor(*blocks, keep=emits)  # (B, 1, Hkv, D)
-        k_new = apply_rope(k_new, cos_q, sin_q)
-        # each row's next free slot, or (rows emitting nothing) the spare last slot, written empty
-        slot = torch.where(emits, cache.cmp_count[:, None], cache.num_slots - 1)  # (B, 1)
-        cache.cmp_k.scatter_(1, slot[:, :, None, None].expand_as(k_new), k_new)
-        cache.cmp_v.scatter_(1, slot[:, :, None, None].expand_as(v_new), v_new)
-        cache.cmp_end.scatter_(1, slot, torch.where(emits, query_end, -1))
-        cache.cmp_count.add_(emits[:, 0])
-
-        cache.k_slc.index_copy_(1, query_end, k_slc)
-        cache.v_slc.index_copy_(1, query_end, v_slc)
-        if self.num_kv_sets == 3:  # the window ring: key p at slot p % w
-            cache.k_win.index_copy_(1, query_end % self.params.window_size, k_win)
-            cache.v_win.index_copy_(1, query_end % self.params.window_size, v_win)
-            k_win, v_win = cache.k_win, cache.v_win
-        else:  # shared K/V: the window reads the key buffer itself (a "ring" of N slots: key p at slot p)
-            k_win, v_win = cache.k_slc, cache.v_slc
-        return cache.cmp_k, cache.cmp_v, cache.cmp_end, cache.k_slc, cache.v_slc, k_win, v_win
+        return apply_rope(k_cmp, cos.gather(1, gather)[:, :, None], sin.gather(1, gather)[:, :, None]), v_cmp
 
 
 def dense_causal_attention(q, k, v, doc_pos, single_document=False, query_end=None):

@@ -1,16 +1,68 @@
 """NSA's generation cache: NSACache (a transformers Cache) with one NSALayerCache per layer (growing buffers) or,
 static=True, one NSAStaticLayerCache per layer (fixed-size buffers a compiled decoding step writes in place).
 
+As Llama's attention calls `past_key_values.update(k, v, layer_idx)`, NSA's calls `NSACache.update(...)` once per
+layer and step: the layer cache stores what the step computed (selection, window and raw keys, and the compressed
+tokens the step completes) and returns what the three branches read (`BranchKeys`). The compressed tokens are made
+by a function the attention passes in (its compressor module and RoPE: the math stays in the model).
+
 Imports only torch, transformers and flat siblings (it travels with checkpoints as remote code; no triton).
 """
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 from transformers.cache_utils import Cache
 
 from .configuration_nsa import NSAConfig
-from .nsa_layout import cached_document_positions, document_positions
+from .nsa_layout import (
+    NSAParams,
+    cached_document_positions,
+    compressed_token_ends,
+    document_positions,
+    ends_compressed_token,
+)
+
+# compress(k, v, cmp_end=None, keep=None, key_index=None) -> k_cmp, v_cmp (B, N, Hkv, D), k rotated
+# (NSAAttention._compress): from raw keys/values (B, T, Hkv, D) and cmp_end (B, N) indexing them, or from gathered
+# blocks (B, N, l, Hkv, D) and keep (B, N); key_index (B, N): the key position of each token's last key (its RoPE
+# position), None: the step's last query position (a decoding step's one block).
+Compress = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
+
+
+class BranchKeys(NamedTuple):
+    """What one attention step reads (NSA_SPEC; the arguments of nsa_attention / dense attention).
+
+    k_slc/v_slc (B, Tk, Hkv, D): every key (selection, or dense attention), rotated.
+    k_win/v_win: the sliding window's keys (the last ones, or a static cache's ring); None in dense mode.
+    k_cmp/v_cmp (B, Nc, Hkv, D), cmp_end (B, Nc): the compressed tokens and each one's last key index (-1: empty
+    slot); None in dense mode.
+    query_end (1,): a static cache's step, whose queries end at this key index; None: the queries are the last keys.
+    """
+
+    k_slc: torch.Tensor
+    v_slc: torch.Tensor
+    k_win: torch.Tensor | None = None
+    v_win: torch.Tensor | None = None
+    k_cmp: torch.Tensor | None = None
+    v_cmp: torch.Tensor | None = None
+    cmp_end: torch.Tensor | None = None
+    query_end: torch.Tensor | None = None
+
+
+def sequence_keys(key_states, value_states, doc_pos, params: NSAParams, k_win=None, v_win=None, k_raw=None,
+                  v_raw=None, compress: Compress | None = None) -> BranchKeys:
+    """What a step with no cache before it reads (a forward without cache, a static cache's prompt): its own keys
+    and every compressed token of its documents. Arguments as NSACache.update; k_raw None: dense attention."""
+    if k_raw is None:
+        return BranchKeys(key_states, value_states)
+    cmp_end = compressed_token_ends(doc_pos, params)  # (B, Nc)
+    k_cmp, v_cmp = compress(k_raw, v_raw, cmp_end, key_index=cmp_end)
+    if k_win is None:  # shared K/V: the window reads the selection keys
+        k_win, v_win = key_states, value_states
+    return BranchKeys(key_states, value_states, k_win, v_win, k_cmp, v_cmp, cmp_end)
 
 
 class TokenBuffer:
@@ -144,8 +196,69 @@ class NSALayerCache:
             "cmp_k": TokenBuffer(reserve=slots), "cmp_v": TokenBuffer(reserve=slots),
             "cmp_end": TokenBuffer(reserve=slots, fill=-1),
         }  # fmt: skip
-        self.cmp_stride = config.cmp_stride
+        self.params, self.cmp_stride = NSAParams.from_config(config), config.cmp_stride
         self.cmp_count: torch.Tensor | None = None  # (B,) compressed tokens emitted per row
+
+    def update(self, key_states, value_states, doc_pos, k_win=None, v_win=None, k_raw=None, v_raw=None,
+               compress: Compress | None = None, query_end=None) -> BranchKeys:
+        """Append a chunk of Tq tokens (NSACache.update's arguments); return every key, the window's last
+        w + Tq - 1 (a chunk's first query sees w - 1 before it), and the compressed tokens so far, with those the
+        chunk completes made from the raw tail and the chunk."""
+        k_slc, v_slc = self.buffers["k_slc"].append(key_states), self.buffers["v_slc"].append(value_states)
+        if k_raw is None:  # dense attention reads the keys only
+            return BranchKeys(k_slc, v_slc)
+        num_keys, num_queries = doc_pos.shape[1], k_raw.shape[1]
+        k_new, v_new, end_new = self._new_compressed(k_raw, v_raw, doc_pos, compress)
+        self._append_compressed(k_new, v_new, end_new, max_slots=num_keys // self.cmp_stride + 1)
+        if k_win is not None:  # the window buffers keep the last w keys
+            k_win, v_win = self.buffers["k_win"].append(k_win), self.buffers["v_win"].append(v_win)
+        else:  # shared K/V: the window reads the last keys of the selection cache
+            span = min(num_keys, self.params.window_size + num_queries - 1)
+            k_win, v_win = k_slc[:, -span:], v_slc[:, -span:]
+        return BranchKeys(k_slc, v_slc, k_win, v_win, self.cmp_k, self.cmp_v, self.cmp_end)
+
+    def _new_compressed(self, k_raw, v_raw, doc_pos, compress: Compress):
+        """The compressed tokens ending inside this chunk, made from the cached raw tail + the chunk (B, Tq, Hkv, D):
+        k, v (B, Nn, Hkv, D) and the key index of each one's last key (B, Nn), -1 where a row emits fewer."""
+        block, stride = self.params.cmp_block_size, self.params.cmp_stride
+        num_keys, num_queries = doc_pos.shape[1], k_raw.shape[1]
+        raw_k, raw_v = self.buffers["tail_k"].append(k_raw), self.buffers["tail_v"].append(v_raw)
+        tail_len = raw_k.shape[1] - num_queries  # l - 1 (fewer at the cache's start, more while recording)
+        if num_queries == 1 and tail_len >= block - 1:
+            # The generation step: the token completes at most one compressed token, made from the l raw keys
+            # ending at it (the tail and the token) and rotated at the token's own position.
+            # A third of the general path's host work (no slot layout, no gathers): it runs per layer and token.
+            emits = ends_compressed_token(doc_pos[:, -1:], self.params)  # (B, 1)
+            k_new, v_new = compress(raw_k[:, None, -block:], raw_v[:, None, -block:], keep=emits)  # (B, 1, Hkv, D)
+            return k_new, v_new, torch.where(emits, num_keys - 1, -1)
+        raw_doc_pos = doc_pos[:, num_keys - num_queries - tail_len :].clone()
+        raw_doc_pos[:, :tail_len] = -1  # tail tokens emitted their compressed tokens already
+        local_end = compressed_token_ends(raw_doc_pos, self.params, num_slots=num_queries // stride + 1)
+        offset = num_keys - num_queries - tail_len
+        global_end = torch.where(local_end >= 0, local_end + offset, local_end)
+        # (a recording tail may reach before the positions the step rotated, but only tokens ending inside the
+        # chunk are emitted, and their RoPE positions are the chunk's)
+        k_new, v_new = compress(raw_k, raw_v, local_end, key_index=global_end)
+        return k_new, v_new, global_end
+
+    def _append_compressed(self, k_new, v_new, end_new, max_slots: int) -> None:
+        """Write each row's newly emitted compressed tokens after its own count (rows emit at different steps
+        under left padding), in place. The view keeps max_slots = Tk // d + 1 slots, a static bound no row
+        exceeds; the scatter also writes each row's Nn - emitted spare entries (zero, end -1: what empty slots
+        hold) past its count, so the buffers are sized for the previous bound + Nn."""
+        batch, num_new = end_new.shape
+        if self.cmp_count is None:
+            self.cmp_count = torch.zeros(batch, dtype=torch.long, device=end_new.device)
+        k_buf, v_buf, end_buf = (self.buffers[name] for name in ("cmp_k", "cmp_v", "cmp_end"))
+        span = end_buf.end - end_buf.start + num_new
+        slots = self.cmp_count[:, None] + torch.arange(num_new, device=end_new.device)  # (B, Nn)
+        index = slots[:, :, None, None].expand(-1, -1, *k_new.shape[2:])
+        k_buf.resize(span, k_new).scatter_(1, index, k_new)
+        v_buf.resize(span, v_new).scatter_(1, index, v_new)
+        end_buf.resize(span, end_new).scatter_(1, slots, end_new)
+        for buffer in (k_buf, v_buf, end_buf):
+            buffer.truncate(max_slots)
+        self.cmp_count = self.cmp_count + (end_new >= 0).sum(-1)
 
     @property
     def record_past(self) -> bool:
@@ -215,8 +328,8 @@ class NSAStaticLayerCache:
 
     def __init__(self, config: NSAConfig, max_cache_len: int):
         self.capacity, self.num_slots = max_cache_len, max_cache_len // config.cmp_stride + 2
+        self.params = NSAParams.from_config(config)
         self.window_size, self.block_size = config.window_size, config.cmp_block_size
-        self.separate_window = config.kv_per_branch and config.attention_mode != "dense"
         self.tensors: dict[str, torch.Tensor] = {}  # allocated at the prompt (batch, device, dtype known then)
         self.cmp_count: torch.Tensor | None = None  # (B,) compressed tokens emitted per row
 
@@ -225,6 +338,44 @@ class NSAStaticLayerCache:
         if name in tensors:
             return tensors[name]
         raise AttributeError(name)
+
+    def update(self, key_states, value_states, doc_pos, k_win=None, v_win=None, k_raw=None, v_raw=None,
+               compress: Compress | None = None, query_end=None) -> BranchKeys:
+        """The prompt (query_end None): allocate the buffers, store its state, return its own keys. A decoding step
+        (one token per row at key index query_end (1,), on the device): write it in place and return the whole
+        buffers; the same ops and shapes at every token, no host value read."""
+        if query_end is None:
+            keys = sequence_keys(key_states, value_states, doc_pos, self.params, k_win, v_win, k_raw, v_raw, compress)
+            self.store_prompt(key_states, value_states, k_win, v_win, k_raw, v_raw, keys.k_cmp, keys.v_cmp, keys.cmp_end)
+            return keys
+        self.k_slc.index_copy_(1, query_end, key_states)
+        self.v_slc.index_copy_(1, query_end, value_states)
+        if k_raw is None:  # dense attention reads the keys only
+            return BranchKeys(self.k_slc, self.v_slc, query_end=query_end)
+        self._store_compressed_step(k_raw, v_raw, doc_pos, compress, query_end)
+        if k_win is not None:  # the window ring: key p at slot p % w
+            self.k_win.index_copy_(1, query_end % self.window_size, k_win)
+            self.v_win.index_copy_(1, query_end % self.window_size, v_win)
+            k_win, v_win = self.k_win, self.v_win
+        else:  # shared K/V: the window reads the key buffer itself (a "ring" of N slots: key p at slot p)
+            k_win, v_win = self.k_slc, self.v_slc
+        return BranchKeys(self.k_slc, self.v_slc, k_win, v_win, self.cmp_k, self.cmp_v, self.cmp_end, query_end)
+
+    def _store_compressed_step(self, k_raw, v_raw, doc_pos, compress: Compress, query_end) -> None:
+        """The compressed token this step completes (Eq. 7): the l raw keys ending here, from the raw ring."""
+        block = self.block_size
+        self.tail_k.index_copy_(1, query_end % block, k_raw)
+        self.tail_v.index_copy_(1, query_end % block, v_raw)
+        ring_order = (query_end - block + 1 + torch.arange(block, device=query_end.device)) % block  # (l,)
+        blocks = self.tail_k.index_select(1, ring_order)[:, None], self.tail_v.index_select(1, ring_order)[:, None]
+        emits = ends_compressed_token(doc_pos.index_select(1, query_end), self.params)  # (B, 1)
+        k_new, v_new = compress(*blocks, keep=emits)  # (B, 1, Hkv, D), rotated at the token's position
+        # each row's next free slot, or (rows emitting nothing) the spare last slot, written empty
+        slot = torch.where(emits, self.cmp_count[:, None], self.num_slots - 1)  # (B, 1)
+        self.cmp_k.scatter_(1, slot[:, :, None, None].expand_as(k_new), k_new)
+        self.cmp_v.scatter_(1, slot[:, :, None, None].expand_as(v_new), v_new)
+        self.cmp_end.scatter_(1, slot, torch.where(emits, query_end, -1))
+        self.cmp_count.add_(emits[:, 0])
 
     def store_prompt(self, k_slc, v_slc, k_win=None, v_win=None, k_raw=None, v_raw=None, k_cmp=None, v_cmp=None,
                      cmp_end=None):
@@ -246,7 +397,7 @@ class NSAStaticLayerCache:
             self.tensors[name][:, :num_keys] = tokens
         if k_raw is None:  # dense attention keeps keys only
             return
-        if self.separate_window:
+        if k_win is not None:  # kv_per_branch (shared K/V: the window reads k_slc)
             ring("k_win", k_win, self.window_size)
             ring("v_win", v_win, self.window_size)
         ring("tail_k", k_raw, self.block_size)
@@ -315,6 +466,16 @@ class NSACache(Cache):
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         return self.capacity if self.static else -1
+
+    def update(self, key_states, value_states, layer_idx: int, doc_pos, k_win=None, v_win=None, k_raw=None,
+               v_raw=None, compress: Compress | None = None) -> BranchKeys:
+        """Store one attention step's keys in layer `layer_idx` and return what its branches read (Llama's
+        Cache.update, with NSA's branches). key_states/value_states (B, Tq, Hkv, D): the selection keys (dense
+        attention's keys), rotated; doc_pos (B, Tk): as append_positions returned it. NSA mode adds k_win/v_win
+        (rotated; None with shared K/V), k_raw/v_raw (un-rotated, compression's input) and `compress`."""
+        query_end = self.cursor if self.decoding else None  # a static cache's step: written at the cursor
+        return self.layers[layer_idx].update(key_states, value_states, doc_pos, k_win, v_win, k_raw, v_raw, compress,
+                                             query_end)
 
     def append_positions(self, position_ids, attention_mask, batch_size, new_len, device) -> torch.Tensor:
         """Record the new tokens' doc_pos; returns doc_pos of every key position (B, Tk).
@@ -396,23 +557,3 @@ class NSACache(Cache):
             return
         self.positions.index_select(beam_idx)
         self.num_valid = self.num_valid.index_select(0, beam_idx.to(self.num_valid.device))
-
-
-def _append_compressed(layer: NSALayerCache, k_new, v_new, end_new, max_slots: int):
-    """Write each row's newly emitted compressed tokens after its own count (rows emit at different steps
-    under left padding), in place. The view keeps max_slots = Tk // d + 1 slots, a static bound no row
-    exceeds; the scatter also writes each row's Nn - emitted spare entries (zero, end -1: what empty slots
-    hold) past its count, so the buffers are sized for the previous bound + Nn."""
-    batch, num_new = end_new.shape
-    if layer.cmp_count is None:
-        layer.cmp_count = torch.zeros(batch, dtype=torch.long, device=end_new.device)
-    k_buf, v_buf, end_buf = (layer.buffers[name] for name in ("cmp_k", "cmp_v", "cmp_end"))
-    span = end_buf.end - end_buf.start + num_new
-    slots = layer.cmp_count[:, None] + torch.arange(num_new, device=end_new.device)  # (B, Nn)
-    index = slots[:, :, None, None].expand(-1, -1, *k_new.shape[2:])
-    k_buf.resize(span, k_new).scatter_(1, index, k_new)
-    v_buf.resize(span, v_new).scatter_(1, index, v_new)
-    end_buf.resize(span, end_new).scatter_(1, slots, end_new)
-    for buffer in (k_buf, v_buf, end_buf):
-        buffer.truncate(max_slots)
-    layer.cmp_count = layer.cmp_count + (end_new >= 0).sum(-1)

@@ -98,16 +98,21 @@ def cached_document_positions(
     return torch.where(valid, doc_pos, torch.full_like(doc_pos, -1))
 
 
+def ends_compressed_token(doc_pos: torch.Tensor, params: NSAParams) -> torch.Tensor:
+    """True where a token is the last raw key of a compressed token: in-document position i*d + l - 1 (Eq. 7)."""
+    block, stride = params.cmp_block_size, params.cmp_stride
+    return (doc_pos >= block - 1) & ((doc_pos - (block - 1)) % stride == 0)
+
+
 def compressed_token_ends(doc_pos: torch.Tensor, params: NSAParams, num_slots: int | None = None) -> torch.Tensor:
     """Index of the last raw key of each compressed token, per row. (B, T) -> (B, num_slots) int64, -1 = empty.
 
     Compressed token i of a document ends at in-document position i*d + l - 1 (Eq. 7); slots are
     filled in order of that index, so each document's tokens are a contiguous run of slots.
     """
-    l, d = params.cmp_block_size, params.cmp_stride
     batch_size, seq_len = doc_pos.shape
     num_slots = params.num_cmp_slots(seq_len) if num_slots is None else num_slots
-    emits = (doc_pos >= l - 1) & ((doc_pos - (l - 1)) % d == 0)  # (B, T)
+    emits = ends_compressed_token(doc_pos, params)  # (B, T)
     slot = emits.long().cumsum(-1) - 1
     slot = torch.where(emits, slot, torch.full_like(slot, num_slots))  # non-emitting tokens -> spare slot
     index = torch.arange(seq_len, device=doc_pos.device).expand(batch_size, seq_len)
