@@ -1,16 +1,26 @@
 #!/usr/bin/env bash
 # Every GPU check and figure the README reports, in one place. Each step writes its log (and JSON where
-# the script has one) under $OUT; steps run in the order given (default: all). Usage:
-#   bash bench/gpu_session.sh                         # tests attention tune model generate profile train
-#   bash bench/gpu_session.sh tests attention         # a subset (each step fits a 10-minute slot)
+# the script has one) under $OUT; steps run in the order given (default: all), and env.txt records each
+# step's wall time. Usage:
+#   bash bench/gpu_session.sh                         # tests capture attention floors tune model model-long generate profile train
+#   bash bench/gpu_session.sh capture attention       # a subset (bench/KERNELS.md, "Next GPU session": the calls)
 #   OUT=/tmp/run FLA_WHEEL=wheels/fla_core-0.6.0-py3-none-any.whl bash bench/gpu_session.sh attention
+# Data: the shared wiki parquet and GPT-2 tokenizer from $DATA (default ../shared/data beside the checkout, else
+# runs/data: on a device machine, which gets only the checkout, copy ../shared/data there and carry runs/data).
+# capture: trains a 125M NSA for $CAPTURE_STEPS steps on it (or takes $CKPT, an NSA checkpoint) and captures its
+# attention inputs at 64k tokens to $CAPTURED, which attention and floors then time as a third input kind.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu_session}
 PY=${PY:-python}
+DATA=${DATA:-../shared/data}
+[ -d "$DATA" ] || DATA=runs/data
+CAPTURED=${CAPTURED:-runs/captured/captured.pt}
+CAPTURE_STEPS=${CAPTURE_STEPS:-200}
+LENGTHS=${LENGTHS:-2048 8192 32768 65536}  # issue 18's table
 mkdir -p "$OUT"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests attention tune model generate profile train)
+[ ${#steps[@]} -eq 0 ] && steps=(tests capture attention floors tune model model-long generate profile train)
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || echo "no nvidia-smi";
   $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__)"; git rev-parse --short HEAD 2>/dev/null || true; } | tee "$OUT/env.txt"
@@ -18,19 +28,50 @@ if [ -n "${FLA_WHEEL:-}" ]; then  # fla-core for the comparison column; report w
   $PY -m pip install --quiet --no-deps "$FLA_WHEEL" || true
   $PY -c "from fla.ops.nsa import parallel_nsa; print('fla import ok')" 2>&1 | tail -1 | tee -a "$OUT/env.txt"
 fi
+
+capture() {  # a briefly trained 125M NSA (unless $CKPT), then its q/K/V/gates at 64k tokens of real text
+  local ckpt=${CKPT:-}
+  if [ -z "$ckpt" ]; then
+    rm -rf runs/capture-125m
+    $PY train_accelerate.py --dataset "$DATA/wiki-summaries-en.parquet" --tokenizer "$DATA/gpt2-tokenizer" \
+      --model 125m --seq-len 2048 --micro-batch-size 8 --max-steps "$CAPTURE_STEPS" --lr 6e-4 --warmup-steps 20 \
+      --log-every 50 --eval-every "$CAPTURE_STEPS" --val-tokens 65536 --save-every 0 --report-to none \
+      --mixed-precision bf16 --output-dir runs/capture-125m 2>&1 | tail -n 12
+    ckpt=runs/capture-125m/final
+  fi
+  $PY bench/capture_qkv.py "$ckpt" --out "$CAPTURED" --seq-len 65536 --data "$DATA/wiki-summaries-en.parquet"
+}
+
+captured_kind() {  # the captured input kind, where the capture step has left its file
+  if [ -f "$CAPTURED" ]; then echo "captured --captured $CAPTURED"; else echo "# no $CAPTURED: random and correlated only" >&2; fi
+}
+
 for step in "${steps[@]}"; do
   echo "== $step" | tee -a "$OUT/env.txt"
+  start=$(date +%s)
   case "$step" in
     tests)      $PY -m pytest -q tests/test_triton_kernels.py tests/test_model_triton.py -k gpu -rA 2>&1 | tail -n 40 ;;
-    attention)  $PY bench/bench_attention.py --json "$OUT/attention.json" ;;
+    capture)    capture ;;
+    # issue 18's op rows: f+b against dense SDPA at each length, both layouts, three input kinds (captured: the
+    # 125M layout only); decode at B = 1 and 32, eager and CUDA-graphed
+    attention)  $PY bench/bench_attention.py --lengths $LENGTHS --inputs random correlated $(captured_kind) \
+                  --decode 8192 32768 65536 --decode-batch 1 32 --json "$OUT/attention.json" ;;
+    # per kernel: time, FLOP / byte / exp floors at the ceilings measured in the same run, achieved fraction
+    floors)     $PY bench/kernel_floors.py --lengths $LENGTHS --inputs random $(captured_kind) \
+                  --decode-lengths 8192 65536 --json "$OUT/floors.json" ;;
     # launch variants (tiles, warps, top-n insertion) with per-kernel times: where the defaults come from
     tune)       $PY bench/tune_kernels.py --json "$OUT/tune.json" ;;
-    model)      $PY bench/bench_model.py --seq-lens 2048 8192 --steps 5 --warmup 2 ;;
+    model)      $PY bench/bench_model.py --seq-lens 2048 8192 32768 --steps 5 --warmup 2 --json "$OUT/model.json" ;;
+    # 32k and 64k rows per step (64k: one row, 64k tokens), every model with gradient checkpointing
+    model-long) $PY bench/bench_model.py --seq-lens 32768 65536 --gradient-checkpointing --precision bf16 --steps 3 \
+                  --warmup 2 --json "$OUT/model_long.json" ;;
     # generate(): per-token latency and prefill against a HF Llama of the same size, default and static
     # (compiled) caches; prompts 4k and 64k (each static model compiles once per prompt length)
     generate)   $PY bench/bench_generate.py --prompt-lens 4096 65536 --json "$OUT/generate.json" ;;
     profile)    $PY bench/profile_nsa.py ;;
-    train)      DATA=${DATA:-../shared/data} STEPS=${STEPS:-50} MB=${MB:-8} OUT="$OUT/train" bash bench/train_gpu_check.sh ;;
-    *)          echo "unknown step $step (tests attention tune model generate profile train)"; exit 2 ;;
+    train)      DATA=$DATA STEPS=${STEPS:-50} MB=${MB:-8} OUT="$OUT/train" bash bench/train_gpu_check.sh ;;
+    *)          echo "unknown step $step (tests capture attention floors tune model model-long generate profile train)"
+                exit 2 ;;
   esac 2>&1 | tee "$OUT/$step.log" || echo "== $step exited non-zero (log: $OUT/$step.log)" | tee -a "$OUT/env.txt"
+  echo "== $step took $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
 done
