@@ -1,0 +1,125 @@
+"""Which blocks each query selected, for one prompt, one layer and one KV head group: a PNG.
+
+    python bench/selection_map.py runs/nsa/final --prompt-file some.txt --layer 3 --group 0 --out map.png
+    python bench/selection_map.py runs/nsa/final --prompt "The Python language ..." --layer 0
+
+Rows are the prompt's queries (top: the first token), columns the selection blocks of l' keys. A cell is
+dark blue where the query selected the block by its score (paper Eqs. 9-11), orange where the block was forced
+(the first sel_init_blocks and the sel_local_blocks ending at the query's own), light green where the sliding
+window covers part of the block (it is attended whether selected or not) and light grey where the block is
+eligible but was not chosen; white is the future. The block indices are the reference's top-n
+(`nsa_train.selection_stats.capture_selections`), so the picture is what the model computes on any backend.
+The layer's statistics (`nsa_train.selection_stats`) are printed beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nsa_train.selection_stats import capture_selections, format_stats, layer_statistics  # noqa: E402
+
+FUTURE, ELIGIBLE, WINDOW, SELECTED, FORCED = 0, 1, 2, 3, 4
+COLORS = ["white", "#d9d9d9", "#c7e9c0", "#2b5ca8", "#f28e2b"]
+
+
+def selection_map(selection, row: int = 0, group: int = 0) -> torch.Tensor:
+    """(T, Nb) int8 codes (FUTURE, ELIGIBLE, WINDOW, SELECTED, FORCED) for one row and KV group."""
+    params = selection.params
+    block = params.sel_block_size
+    doc_pos = selection.doc_pos[row]  # (T,)
+    indices = selection.block_indices[row, group]  # (T, n')
+    num_queries = doc_pos.shape[0]
+    num_blocks = (num_queries + block - 1) // block
+    j = torch.arange(num_blocks)[None, :]  # (1, Nb)
+    pos = doc_pos[:, None]  # (T, 1)
+    valid = pos >= 0
+    codes = torch.full((num_queries, num_blocks), FUTURE, dtype=torch.int8)
+    codes[valid & (j * block <= pos)] = ELIGIBLE
+    in_window = valid & ((j + 1) * block > pos - params.window_size + 1) & (j * block <= pos)
+    codes[in_window] = WINDOW
+    chosen = torch.zeros(num_queries, num_blocks + 1, dtype=torch.bool)
+    chosen.scatter_(1, torch.where(indices >= 0, indices, num_blocks), True)
+    chosen = chosen[:, :num_blocks] & valid
+    own = pos.clamp(min=0) // block
+    forced = (j < params.sel_init_blocks) | ((j > own - params.sel_local_blocks) & (j <= own))
+    codes[chosen] = SELECTED
+    codes[chosen & forced] = FORCED
+    return codes
+
+
+def plot_map(codes: torch.Tensor, path: str | Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    num_queries, num_blocks = codes.shape
+    fig, ax = plt.subplots(figsize=(min(12, 2 + 0.12 * num_blocks + 3), min(12, 2 + 0.01 * num_queries + 3)))
+    ax.imshow(codes.numpy(), cmap=ListedColormap(COLORS), vmin=0, vmax=len(COLORS) - 1, aspect="auto",
+              interpolation="nearest")  # fmt: skip
+    ax.set_xlabel("key block (l' keys each)")
+    ax.set_ylabel("query position")
+    ax.set_title(title, fontsize=9)
+    legend = [Patch(color=COLORS[c], label=label) for c, label in
+              ((SELECTED, "selected (top-n)"), (FORCED, "forced"), (WINDOW, "in the window"), (ELIGIBLE, "not chosen"))]  # fmt: skip
+    ax.legend(handles=legend, fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="bench/selection_map.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("model", metavar="MODEL", help="a run's final/ directory, a saved NSA model or a Hub id")
+    text = p.add_mutually_exclusive_group(required=True)
+    text.add_argument("--prompt", help="the prompt text")
+    text.add_argument("--prompt-file", type=Path, help="a text file holding the prompt")
+    p.add_argument("--layer", type=int, default=0)
+    p.add_argument("--group", type=int, default=0, help="KV head group (0 .. num_key_value_heads - 1)")
+    p.add_argument("--max-len", type=int, default=2048, help="tokens of the prompt kept")
+    p.add_argument("--out", type=Path, default=Path("selection_map.png"))
+    p.add_argument("--device", default=None)
+    args = p.parse_args(argv)
+
+    from nsa_train.long_context import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(args.model, device=args.device, dtype="float32")
+    config = model.config
+    if getattr(config, "attention_mode", None) != "nsa":
+        raise ValueError(f"MODEL {args.model!r}: not an NSA model (attention_mode "
+                         f"{getattr(config, 'attention_mode', None)!r}); a selection map needs NSA's selection.")  # fmt: skip
+    if not 0 <= args.layer < config.num_hidden_layers:
+        raise ValueError(f"--layer {args.layer}: the model has layers 0..{config.num_hidden_layers - 1}.")
+    if not 0 <= args.group < config.num_key_value_heads:
+        raise ValueError(f"--group {args.group}: the model has KV head groups 0..{config.num_key_value_heads - 1}.")
+    prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text(encoding="utf-8")
+    ids = tokenizer(prompt, return_tensors="pt").input_ids[:, : args.max_len]
+    if ids.shape[1] < 2:
+        raise ValueError("--prompt: give a prompt of at least 2 tokens.")
+    selection = capture_selections(model, {"input_ids": ids}, max_rows=1, max_len=args.max_len)[args.layer]
+    stats = {"layers": [{"layer": args.layer, **layer_statistics(selection.gates, selection.block_indices,
+                                                                   selection.doc_pos, selection.params)}]}  # fmt: skip
+    codes = selection_map(selection, row=0, group=args.group)
+    name = "/".join(Path(args.model).parts[-2:])
+    plot_map(codes, args.out, f"{name}: layer {args.layer}, KV group {args.group}, {ids.shape[1]} tokens "
+                              f"(l'={config.sel_block_size}, n={config.sel_num_blocks}, w={config.window_size})")  # fmt: skip
+    print(format_stats(stats))
+    print(f"wrote {args.out}")
+    return {"codes": codes, "stats": stats}
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

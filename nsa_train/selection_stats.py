@@ -1,0 +1,245 @@
+"""What NSA's gates and selection do in a model, per layer: numbers a researcher can read.
+
+    stats = compute_selection_stats(model, batch)        # batch: the trainer's dict (input_ids, position_ids, ...)
+    metrics = flatten_stats(stats)                       # {"stats_l0_gate_cmp_mean": ..., ...} for metrics/TensorBoard
+    append_stats_jsonl(out_dir / "stats.jsonl", step, stats)
+
+Per layer, over the valid (non-padding) queries of the batch:
+
+- gates (NSA_SPEC "One layer", step 2; paper Eq. 5): mean and standard deviation of each branch's gate
+  (cmp, slc, win) over queries and heads;
+- selection (Eqs. 8-12), per query and KV group, from the selected block indices of the reference's top-n
+  (`nsa_reference.select_blocks`): the distance in blocks from the query's own block to each block it selects
+  (0: its own block) as a histogram with power-of-two bins, its mean, and the share of selected blocks that lie
+  wholly before the sliding window (what selection adds beyond the window); the share of selections that are
+  forced blocks (the sel_init_blocks first ones and the sel_local_blocks ending at the query's own); the mean
+  number of blocks selected; and the overlap between neighbouring queries (t and t + 1 of one document, same
+  KV group): |S_t ∩ S_t+1| / |S_t+1|, the share of a query's blocks that the query before it also chose, which
+  is what the selected kernel's query tiles share, and the Jaccard index |S_t ∩ S_t+1| / |S_t ∪ S_t+1|.
+
+How the indices are had: the model runs its own forward once (no cache, no gradient) while the layer seam
+`nsa_attention` of the model's code records its inputs; the reference (`nsa_attention_reference` with
+`return_block_indices=True`) then selects on those inputs, on whatever backend the forward ran. The
+reference holds (queries x keys) scores per head, so rows are cut to `max_len` tokens (causal: the kept
+queries' selections do not change).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import math
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+BRANCHES = ("cmp", "slc", "win")
+
+
+@dataclass
+class LayerSelection:
+    """One layer's gates and selection for a batch, on the CPU."""
+
+    layer: int
+    gates: torch.Tensor  # (B, T, H, 3) in (cmp, slc, win) order, after the sigmoid
+    block_indices: torch.Tensor  # (B, Hkv, T, n') in-document block indices, -1 for unused slots
+    doc_pos: torch.Tensor  # (B, T) position in the document, -1 for padding
+    params: object  # NSAParams
+
+
+def _attention_modules(model):
+    return [m for m in model.modules() if type(m).__name__ == "NSAAttention"]
+
+
+@contextmanager
+def _recording_seam(model, sink: dict):
+    """While active, every NSAAttention's call of its module's `nsa_attention` seam records (gates, block
+    indices, doc_pos) in `sink[layer_idx]`; the call itself runs unchanged."""
+    modules = _attention_modules(model)
+    code = sys.modules[type(modules[0]).__module__]  # this project's modeling_nsa, or a checkpoint's remote copy
+    package = code.__package__ or "modeling_nsa"
+    try:
+        reference = importlib.import_module(".nsa_reference", package).nsa_attention_reference
+    except ImportError:
+        from modeling_nsa.nsa_reference import nsa_attention_reference as reference
+    seam = code.nsa_attention
+    signature = inspect.signature(seam)
+    current = {"layer": None}
+
+    def record(*args, **kwargs):
+        out = seam(*args, **kwargs)
+        a = signature.bind(*args, **kwargs).arguments
+        if a.get("query_end") is None:  # a static cache's step is not a forward over the prompt
+            _, indices = reference(a["q"], a["k_cmp"], a["v_cmp"], a["cmp_end"], a["k_slc"], a["v_slc"], a["k_win"],
+                                   a["v_win"], a["gates"], a["doc_pos"], a["params"], return_block_indices=True)  # fmt: skip
+            sink[current["layer"]] = LayerSelection(current["layer"], a["gates"].detach().float().cpu(), indices.cpu(),
+                                                    a["doc_pos"].cpu(), a["params"])  # fmt: skip
+        return out
+
+    handles = [m.register_forward_pre_hook(lambda mod, args: current.update(layer=mod.layer_idx)) for m in modules]
+    code.nsa_attention = record
+    try:
+        yield
+    finally:
+        code.nsa_attention = seam
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def capture_selections(model, batch: dict, max_rows: int = 2, max_len: int = 2048) -> list[LayerSelection]:
+    """Run the model once on (at most `max_rows` rows of at most `max_len` tokens of) `batch` and return every NSA
+    layer's gates and selected blocks. A dense model has none: []."""
+    if not _attention_modules(model) or getattr(model.config, "attention_mode", "nsa") != "nsa":
+        return []
+    if "input_ids" not in batch:
+        raise ValueError(f"compute_selection_stats: the batch needs input_ids (got keys {sorted(batch)}).")
+    device = next(model.parameters()).device
+    inputs = {k: v[:max_rows, :max_len].to(device) for k, v in batch.items()
+              if k in ("input_ids", "position_ids", "attention_mask") and v is not None}  # fmt: skip
+    sink: dict[int, LayerSelection] = {}
+    was_training = model.training
+    model.eval()
+    try:
+        with _recording_seam(model, sink):
+            model(**inputs, use_cache=False)
+    finally:
+        model.train(was_training)
+    missing = [m.layer_idx for m in _attention_modules(model) if m.layer_idx not in sink]
+    if missing:
+        raise RuntimeError(f"compute_selection_stats: layers {missing} did not call the nsa_attention seam of "
+                           f"{type(_attention_modules(model)[0]).__module__}; the seam moved, update "
+                           "nsa_train/selection_stats.py.")  # fmt: skip
+    return [sink[i] for i in sorted(sink)]
+
+
+def distance_bins(num_blocks: int) -> list[str]:
+    """Histogram bin labels for distances 0 .. num_blocks - 1: 0, 1, 2-3, 4-7, ..."""
+    labels = ["0"]
+    low = 1
+    while low < max(num_blocks, 2):
+        high = 2 * low - 1
+        labels.append(str(low) if low == high else f"{low}-{high}")
+        low *= 2
+    return labels
+
+
+def distance_bin(distance: torch.Tensor) -> torch.Tensor:
+    """Bin index of each distance: 0 -> 0, d >= 1 -> floor(log2(d)) + 1."""
+    safe = distance.clamp(min=1).double()
+    return torch.where(distance > 0, torch.floor(torch.log2(safe)).long() + 1, torch.zeros_like(distance))
+
+
+def layer_statistics(gates: torch.Tensor, block_indices: torch.Tensor, doc_pos: torch.Tensor, params) -> dict:
+    """The statistics of one layer (see the module docstring) from its gates (B, T, H, 3), selected block indices
+    (B, Hkv, T, n') and doc_pos (B, T), the queries being all T positions."""
+    block = params.sel_block_size
+    valid_q = doc_pos >= 0  # (B, T)
+    out: dict = {"queries": int(valid_q.sum())}
+    gate_values = gates.float()[valid_q]  # (Nq, H, 3)
+    for b, name in enumerate(BRANCHES):
+        values = gate_values[..., b].reshape(-1)
+        out[f"gate_{name}_mean"] = float(values.mean()) if values.numel() else math.nan
+        out[f"gate_{name}_std"] = float(values.std(unbiased=False)) if values.numel() else math.nan
+
+    idx = block_indices.long()  # (B, Hkv, T, n)
+    chosen = (idx >= 0) & valid_q[:, None, :, None]
+    own = (doc_pos.clamp(min=0) // block)[:, None, :, None]  # (B, 1, T, 1)
+    distance = own - idx
+    forced = chosen & ((idx < params.sel_init_blocks) | ((idx > own - params.sel_local_blocks) & (idx <= own)))
+    # a block lies wholly before the window when its last key is older than the window's first key t - w + 1
+    beyond_window = chosen & ((idx + 1) * block <= doc_pos[:, None, :, None] - params.window_size + 1)
+    total = int(chosen.sum())
+    num_blocks = max(1, (doc_pos.shape[1] + block - 1) // block)
+    labels = distance_bins(num_blocks)
+    bins = torch.bincount(distance_bin(distance[chosen]), minlength=len(labels))[: len(labels)]
+    out.update({
+        "selections": total,
+        "blocks_per_query": total / max(1, int(valid_q.sum()) * idx.shape[1]),
+        "distance_mean": float(distance[chosen].double().mean()) if total else math.nan,
+        "distance_hist": {label: int(n) for label, n in zip(labels, bins.tolist())},
+        "distance_share": {label: int(n) / max(1, total) for label, n in zip(labels, bins.tolist())},
+        "beyond_window_share": int(beyond_window.sum()) / max(1, total),
+        "forced_share": int(forced.sum()) / max(1, total),
+    })  # fmt: skip
+
+    # neighbouring queries t, t + 1 of one document, per KV group: their sets of blocks
+    member = torch.zeros(*idx.shape[:3], num_blocks + 1, dtype=torch.bool)
+    member.scatter_(-1, torch.where(chosen, idx, num_blocks), True)
+    member = member[..., :num_blocks]  # (B, Hkv, T, Nb)
+    start = torch.arange(doc_pos.shape[1])[None, :] - doc_pos  # a document's first index, per token
+    pair = valid_q[:, :-1] & valid_q[:, 1:] & (start[:, :-1] == start[:, 1:])  # (B, T - 1)
+    both = (member[:, :, :-1] & member[:, :, 1:]).sum(-1).double()  # (B, Hkv, T - 1)
+    either = (member[:, :, :-1] | member[:, :, 1:]).sum(-1).double()
+    later = member[:, :, 1:].sum(-1).double()
+    pair = pair[:, None, :].expand_as(both)
+    out["neighbour_pairs"] = int(pair.sum())
+    out["neighbour_overlap"] = float((both / later.clamp(min=1))[pair].mean()) if pair.any() else math.nan
+    out["neighbour_jaccard"] = float((both / either.clamp(min=1))[pair].mean()) if pair.any() else math.nan
+    return out
+
+
+def compute_selection_stats(model, batch: dict, max_rows: int = 2, max_len: int = 2048) -> dict:
+    """Per-layer gate and selection statistics of `model` (unwrapped, any device) on a batch of the trainer's
+    rows (`input_ids` and optionally `position_ids` / `attention_mask`). {"layers": []} for a dense model."""
+    selections = capture_selections(model, batch, max_rows, max_len)
+    layers = [{"layer": s.layer, **layer_statistics(s.gates, s.block_indices, s.doc_pos, s.params)} for s in selections]
+    rows, length = (tuple(batch["input_ids"][:max_rows, :max_len].shape) if "input_ids" in batch else (0, 0))
+    return {"attention_mode": getattr(model.config, "attention_mode", None), "rows": rows, "seq_len": length,
+            "layers": layers}  # fmt: skip
+
+
+SCALARS = ("gate_cmp_mean", "gate_cmp_std", "gate_slc_mean", "gate_slc_std", "gate_win_mean", "gate_win_std",
+           "blocks_per_query", "distance_mean", "beyond_window_share", "forced_share", "neighbour_overlap",
+           "neighbour_jaccard")  # fmt: skip
+
+
+def flatten_stats(stats: dict, group: str = "stats") -> dict[str, float]:
+    """Scalars named `<group>_l<layer>_<name>` (the trainer's `<group>_<name>` metric convention: TensorBoard shows
+    `<group>/l<layer>_<name>`), plus the mean over layers as `<group>_all_<name>`; the histogram as shares."""
+    flat: dict[str, float] = {}
+    for layer in stats["layers"]:
+        for name in SCALARS:
+            flat[f"{group}_l{layer['layer']}_{name}"] = layer[name]
+        for label, share in layer["distance_share"].items():
+            flat[f"{group}_l{layer['layer']}_distance_{label}"] = share
+    if stats["layers"]:
+        for name in SCALARS:
+            values = [layer[name] for layer in stats["layers"] if not math.isnan(layer[name])]
+            flat[f"{group}_all_{name}"] = sum(values) / len(values) if values else math.nan
+    return flat
+
+
+def append_stats_jsonl(path: str | Path, step: int, stats: dict) -> None:
+    """One line per measurement: {"step": ..., **stats} (the whole per-layer record, histograms included)."""
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": step, **stats}) + "\n")
+
+
+def format_stats(stats: dict) -> str:
+    """A Markdown table, one row per layer (for the console and the model card)."""
+    if not stats["layers"]:
+        return "No selection statistics: the model uses dense attention."
+    head = ("| layer | gate cmp | gate slc | gate win | blocks/query | forced | mean distance (blocks) | beyond window | "
+            "neighbour overlap |")  # fmt: skip
+    lines = [head, "|---" * 9 + "|"]
+    for layer in stats["layers"]:
+        gates = " | ".join(f"{layer[f'gate_{b}_mean']:.3f} ± {layer[f'gate_{b}_std']:.3f}" for b in BRANCHES)
+        lines.append(f"| {layer['layer']} | {gates} | {layer['blocks_per_query']:.2f} | {layer['forced_share']:.1%} | "
+                     f"{layer['distance_mean']:.2f} | {layer['beyond_window_share']:.1%} | "
+                     f"{layer['neighbour_overlap']:.1%} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def card_section(stats: dict) -> str:
+    """A model card's summary: the per-layer table and what it was measured on."""
+    return (f"### Gates and selection\n\nMeasured on {stats['rows']} row(s) of {stats['seq_len']} tokens "
+            f"(`nsa_train.selection_stats`).\n\n{format_stats(stats)}\n")  # fmt: skip
+
+
+__all__ = ["LayerSelection", "append_stats_jsonl", "capture_selections", "card_section", "compute_selection_stats",
+           "flatten_stats", "format_stats", "layer_statistics"]  # fmt: skip

@@ -1,0 +1,199 @@
+"""nsa_train.selection_stats against a plain-loop computation from the reference's selected indices, and
+bench/selection_map.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from modeling_nsa import NSAConfig, NSAForCausalLM
+from nsa_train import selection_stats as ss
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import selection_map  # noqa: E402
+
+CONFIG = dict(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, cmp_block_size=8, cmp_stride=4, sel_block_size=8, sel_num_blocks=4,
+              window_size=16, cmp_mlp_hidden_size=16, nsa_backend="reference")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return NSAForCausalLM(NSAConfig(**CONFIG)).eval()
+
+
+@pytest.fixture(scope="module")
+def batch():
+    """Row 0: two packed documents (position_ids restart at 0); row 1: left padding, then one document."""
+    torch.manual_seed(1)
+    T = 80
+    input_ids = torch.randint(0, 384, (2, T))
+    position_ids = torch.stack([torch.cat([torch.arange(35), torch.arange(T - 35)]),
+                                torch.cat([torch.zeros(9, dtype=torch.long), torch.arange(T - 9)])])  # fmt: skip
+    attention_mask = torch.ones(2, T, dtype=torch.long)
+    attention_mask[1, :9] = 0
+    return {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask, "labels": input_ids}
+
+
+def loop_statistics(gates, indices, doc_pos, cfg) -> dict:
+    """The statistics written out query by query from NSA_SPEC's definitions (no tensors ops beyond indexing)."""
+    B, Hkv, T, _ = indices.shape
+    block, window = cfg["sel_block_size"], cfg["window_size"]
+    gate_values = {b: [] for b in ss.BRANCHES}
+    distances, forced, beyond, overlaps, jaccards, queries = [], 0, 0, [], [], 0
+    sets = {}
+    for b in range(B):
+        for t in range(T):
+            p = int(doc_pos[b, t])
+            if p < 0:
+                continue
+            queries += 1
+            for h in range(gates.shape[2]):
+                for k, name in enumerate(ss.BRANCHES):
+                    gate_values[name].append(float(gates[b, t, h, k]))
+            own = p // block
+            for g in range(Hkv):
+                chosen = {int(j) for j in indices[b, g, t] if j >= 0}
+                sets[b, g, t] = chosen
+                for j in chosen:
+                    distances.append(own - j)
+                    forced += j < 1 or own - 2 < j <= own  # sel_init_blocks 1, sel_local_blocks 2 (the defaults)
+                    beyond += (j + 1) * block - 1 < p - window + 1
+    for (b, g, t), chosen in sets.items():
+        following = sets.get((b, g, t + 1))
+        if following is not None and int(doc_pos[b, t + 1]) == int(doc_pos[b, t]) + 1:  # same document
+            overlaps.append(len(chosen & following) / len(following))
+            jaccards.append(len(chosen & following) / len(chosen | following))
+    hist = {}
+    for d in distances:
+        label = "0" if d == 0 else next(f"{lo}-{2 * lo - 1}" if lo > 1 else "1"
+                                        for lo in (2**k for k in range(20)) if lo <= d < 2 * lo)  # fmt: skip
+        hist[label] = hist.get(label, 0) + 1
+    out = {"queries": queries, "selections": len(distances), "blocks_per_query": len(distances) / (queries * Hkv),
+           "distance_mean": sum(distances) / len(distances), "forced_share": forced / len(distances),
+           "beyond_window_share": beyond / len(distances), "neighbour_pairs": len(overlaps),
+           "neighbour_overlap": sum(overlaps) / len(overlaps), "neighbour_jaccard": sum(jaccards) / len(jaccards),
+           "distance_hist": hist}  # fmt: skip
+    for name, values in gate_values.items():
+        out[f"gate_{name}_mean"] = statistics.fmean(values)
+        out[f"gate_{name}_std"] = statistics.pstdev(values)
+    return out
+
+
+def test_statistics_equal_a_plain_loop_over_the_reference_selection(model, batch):
+    selections = ss.capture_selections(model, batch)
+    assert [s.layer for s in selections] == [0, 1]
+    stats = ss.compute_selection_stats(model, batch)
+    assert stats["rows"] == 2 and stats["seq_len"] == 80 and len(stats["layers"]) == 2
+    for selection, layer in zip(selections, stats["layers"]):
+        expected = loop_statistics(selection.gates, selection.block_indices, selection.doc_pos, CONFIG)
+        assert expected["queries"] == 80 + 71
+        for key, value in expected.items():
+            if key == "distance_hist":
+                assert {k: v for k, v in layer[key].items() if v} == value
+            else:
+                assert layer[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+        assert sum(layer["distance_share"].values()) == pytest.approx(1.0)
+
+
+def test_the_captured_selection_is_the_one_the_layers_compute(model, batch):
+    """The gates are the layer's own (sigmoid of g_proj on the normalized layer input) and the selection obeys
+    NSA_SPEC's rules for every query: forced blocks in, only eligible blocks, min(n, eligible) of them."""
+    out = model(**{k: batch[k] for k in ("input_ids", "position_ids", "attention_mask")}, output_hidden_states=True)
+    for selection in ss.capture_selections(model, batch):
+        layer = model.model.layers[selection.layer]
+        hidden = layer.input_layernorm(out.hidden_states[selection.layer])
+        gates = torch.sigmoid(layer.self_attn.g_proj(hidden)).view(2, 80, 4, 3)
+        valid = selection.doc_pos >= 0
+        torch.testing.assert_close(selection.gates[valid], gates[valid].float())
+        for b in range(2):
+            for t in range(80):
+                p = int(selection.doc_pos[b, t])
+                if p < 0:
+                    continue
+                own = p // 8
+                eligible = own + 1
+                for g in range(2):
+                    chosen = [int(j) for j in selection.block_indices[b, g, t] if j >= 0]
+                    assert len(set(chosen)) == len(chosen) == min(4, eligible)
+                    assert all(0 <= j <= own for j in chosen)
+                    assert {0, own, max(own - 1, 0)} <= set(chosen)
+
+
+def test_a_different_selection_gives_different_statistics(model, batch):
+    """The statistics read the indices: shifting every selection one block back changes distance and forced share."""
+    selection = ss.capture_selections(model, batch)[0]
+    base = ss.layer_statistics(selection.gates, selection.block_indices, selection.doc_pos, selection.params)
+    shifted = torch.where(selection.block_indices > 0, selection.block_indices - 1, selection.block_indices)
+    moved = ss.layer_statistics(selection.gates, shifted, selection.doc_pos, selection.params)
+    assert moved["distance_mean"] > base["distance_mean"]
+    assert moved["forced_share"] != base["forced_share"]
+
+
+def test_flat_metrics_jsonl_and_table(model, batch, tmp_path):
+    stats = ss.compute_selection_stats(model, batch)
+    flat = ss.flatten_stats(stats)
+    assert flat["stats_l1_forced_share"] == stats["layers"][1]["forced_share"]
+    assert flat["stats_all_gate_slc_mean"] == pytest.approx(
+        (stats["layers"][0]["gate_slc_mean"] + stats["layers"][1]["gate_slc_mean"]) / 2)
+    assert flat["stats_l0_distance_0"] == stats["layers"][0]["distance_share"]["0"]
+    assert all(isinstance(v, float) and not math.isnan(v) for v in flat.values())
+    path = tmp_path / "stats.jsonl"
+    ss.append_stats_jsonl(path, 7, stats)
+    ss.append_stats_jsonl(path, 14, stats)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["step"] for line in lines] == [7, 14] and lines[0]["layers"] == stats["layers"]
+    table = ss.format_stats(stats)
+    assert table.count("\n") == 3 and "| 1 |" in table
+
+
+def test_dense_model_and_bad_batch():
+    torch.manual_seed(0)
+    dense = NSAForCausalLM(NSAConfig(**{**CONFIG, "attention_mode": "dense"}))
+    stats = ss.compute_selection_stats(dense, {"input_ids": torch.randint(0, 384, (1, 20))})
+    assert stats["layers"] == [] and ss.flatten_stats(stats) == {}
+    assert "dense attention" in ss.format_stats(stats)
+    nsa = NSAForCausalLM(NSAConfig(**CONFIG))
+    with pytest.raises(ValueError, match=r"the batch needs input_ids \(got keys \['labels'\]\)"):
+        ss.compute_selection_stats(nsa, {"labels": torch.zeros(1, 4, dtype=torch.long)})
+
+
+def test_selection_map_codes_and_png(model, batch, tmp_path):
+    selection = ss.capture_selections(model, batch)[1]
+    codes = selection_map.selection_map(selection, row=1, group=1)
+    assert codes.shape == (80, 10)
+    for t in range(80):
+        p = int(selection.doc_pos[1, t])
+        chosen = {int(j) for j in selection.block_indices[1, 1, t] if j >= 0}
+        for j in range(10):
+            code = int(codes[t, j])
+            if p < 0 or j * 8 > p:
+                assert code == selection_map.FUTURE
+            elif j in chosen:
+                forced = j < 1 or p // 8 - 2 < j <= p // 8
+                assert code == (selection_map.FORCED if forced else selection_map.SELECTED)
+            else:
+                assert code == (selection_map.WINDOW if (j + 1) * 8 > p - 16 + 1 else selection_map.ELIGIBLE)
+    png = selection_map.plot_map(codes, tmp_path / "map.png", "test")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_selection_map_cli(model, tmp_path):
+    from transformers import ByT5Tokenizer
+
+    model.save_pretrained(tmp_path / "final")
+    ByT5Tokenizer().save_pretrained(tmp_path / "final")
+    result = selection_map.main([str(tmp_path / "final"), "--prompt", "A prompt of a few dozen bytes, long enough.",
+                                 "--layer", "1", "--group", "0", "--out", str(tmp_path / "map.png")])  # fmt: skip
+    assert (tmp_path / "map.png").is_file() and result["codes"].shape[0] == 44
+    with pytest.raises(ValueError, match=r"--layer 5: the model has layers 0..1"):
+        selection_map.main([str(tmp_path / "final"), "--prompt", "abc", "--layer", "5"])
