@@ -98,8 +98,9 @@ class NSAConfig(PreTrainedConfig):
         self.rope_theta = value.get("rope_theta", self.rope_theta)
 
     def validate_nsa(self):
-        """The one validation step: run at construction, on load and when a model is built from the config (a
-        field set after construction is checked there); raises `ValueError` naming the values."""
+        """The one validation step; raises `ValueError` naming the values. __post_init__ runs it (construction and
+        loading), NSAPreTrainedModel when a model is built (a field may have been set since), and, being a @strict
+        class validator, `validate()` too (transformers calls it at save; it wraps the error)."""
         positive = (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "max_position_embeddings", "cmp_block_size", "cmp_stride",

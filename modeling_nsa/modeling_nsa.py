@@ -391,6 +391,13 @@ class NSAPreTrainedModel(PreTrainedModel):
     _skip_keys_device_placement = [CACHE_NAME]
     _supports_sdpa = True
 
+    def __init__(self, config: NSAConfig, *args, **kwargs):
+        # Every model class checks its config when built: a field may have been set since it was constructed
+        # (the same check the config runs then), and the backend must handle the NSA parameters.
+        config.validate_nsa()
+        _check_explicit_triton(config)
+        super().__init__(config, *args, **kwargs)
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Record both Auto classes in `auto_map`, whichever class is saved, so the checkpoint loads
         with AutoModel and AutoModelForCausalLM (trust_remote_code=True)."""
@@ -415,8 +422,6 @@ class NSAPreTrainedModel(PreTrainedModel):
 
 class NSAModel(NSAPreTrainedModel):
     def __init__(self, config: NSAConfig):
-        config.validate_nsa()  # again: a field may have been set since the config was built
-        _check_explicit_triton(config)
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
