@@ -615,7 +615,7 @@ def main(argv=None) -> dict:
                                                 args.trust_remote_code)  # fmt: skip
     out = args.out
     if out is None:
-        run_dir = Path(args.model) / ".."
+        run_dir = Path(args.model).resolve().parent  # a run's final/ sits in the run's directory
         out = run_dir / "long_context" if (run_dir / "run.json").is_file() else Path("long_context")
     return run_long_context_eval(
         model, tokenizer, args.task, args.lengths, args.depths, samples=args.samples, batch_size=args.batch_size,
