@@ -64,6 +64,12 @@ sys.path.insert(0, str(ROOT))
 from modeling_nsa.configuration_nsa import NSAConfig  # noqa: E402
 from modeling_nsa.nsa_layout import NSAParams  # noqa: E402
 
+try:  # the exp-rate kernel of the GPU run; the counts need no triton
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - CPU installs without triton
+    triton = tl = None
+
 BF16, FP32, INT32, INT64 = 2, 4, 4, 8  # bytes per element as the launchers store them
 
 # Profiler kernel names (the Triton functions' names) of each row; (name, k): the k-th launch of that kernel
@@ -426,10 +432,18 @@ def measure_ceilings(time_ms):
 def exp_rate(time_ms, iterations: int = 2048, block: int = 1024) -> float:
     """G exp/s of fp32 exp2 on the GPU's special-function units (what a softmax's exponentials run on; about
     matmul's rate per (query, key) pair at head_dim 64): many independent chains of x = exp2(x) * -0.5 held in
-    registers, so neither memory nor latency limits it."""
+    registers (_exp_rate_kernel), so neither memory nor latency limits it."""
     import torch
-    import triton
-    import triton.language as tl
+
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    programs = torch.cuda.get_device_properties(0).multi_processor_count * 32
+    out = torch.empty(programs * block, device="cuda", dtype=torch.float32)
+    ms = time_ms(lambda: _exp_rate_kernel[(programs,)](out, iterations, BLOCK=block, num_warps=4), 2, 5)
+    return programs * block * iterations / (ms * 1e-3) / 1e9
+
+
+if triton is not None:
 
     @triton.jit
     def _exp_rate_kernel(out, n_iter, BLOCK: tl.constexpr):
@@ -440,11 +454,6 @@ def exp_rate(time_ms, iterations: int = 2048, block: int = 1024) -> float:
             x = tl.exp2(x) * -0.5  # stays in [-0.5, -0.35]
             acc += x
         tl.store(out + offs, acc)
-
-    programs = torch.cuda.get_device_properties(0).multi_processor_count * 32
-    out = torch.empty(programs * block, device="cuda", dtype=torch.float32)
-    ms = time_ms(lambda: _exp_rate_kernel[(programs,)](out, iterations, BLOCK=block, num_warps=4), 2, 5)
-    return programs * block * iterations / (ms * 1e-3) / 1e9
 
 
 def profile_events(fn, reps: int = 5):
@@ -468,7 +477,6 @@ def profile_events(fn, reps: int = 5):
 
 def run_gpu(args, params):
     import torch
-    import torch.nn.functional as F
 
     sys.path.insert(0, str(ROOT / "bench"))
     import bench_attention as ba  # its inputs and timers; the kernels through the public entry points only
@@ -502,18 +510,9 @@ def run_gpu(args, params):
             kernels_ms = sum(t for t in times.values() if t) + sum(other.values())
             op_ms = ba.time_ms(step)
             del x, do
-            q, k, v = ba.rnd(B, H, T, D), ba.rnd(B, Hkv, T, D), ba.rnd(B, Hkv, T, D)
-            dd = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
-
-            def sdpa(grad):
-                with torch.set_grad_enabled(grad):
-                    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-                    if grad:
-                        torch.autograd.grad(o, (q, k, v), dd)
-
-            dense_fwd, dense_fb = ba.time_ms(lambda: sdpa(False)), ba.time_ms(lambda: sdpa(True))
-            del q, k, v, dd
             torch.cuda.empty_cache()
+            dense = ba.time_sdpa(B, T, H, Hkv, D)
+            dense_fwd, dense_fb = dense["sdpa_fwd"], dense["sdpa_fb"]
             times.update(dense_fwd=dense_fwd, dense_bwd=dense_fb - dense_fwd)
             works = kernel_work(params, B, T, H, Hkv, D) + dense_work(B, T, H, Hkv, D)
             rows = table_rows(works, ceilings, times)
