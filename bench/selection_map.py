@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from nsa_train.long_context import run_command  # noqa: E402
 from nsa_train.selection_stats import capture_selections, format_stats, layer_statistics  # noqa: E402
 
 FUTURE, ELIGIBLE, WINDOW, SELECTED, FORCED = 0, 1, 2, 3, 4
@@ -118,8 +119,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_command(main)

@@ -624,13 +624,19 @@ def main(argv=None) -> dict:
     )  # fmt: skip
 
 
-if __name__ == "__main__":
+def run_command(main_function, errors=(ValueError, FileNotFoundError, RuntimeError)) -> None:
+    """Run a command's main(): an error from bad input (the message names the value and the fix) prints as one
+    line `error: ...` and exits with status 2, not as a traceback. Shared by the quality tools' scripts."""
     try:
-        main()
-    except (ValueError, FileNotFoundError) as err:
+        main_function()
+    except errors as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
 
 
+if __name__ == "__main__":
+    run_command(main)
+
+
 __all__ = ["RetrievalCase", "build_case", "build_cases", "card_section", "format_table", "plot_heatmap",
-           "run_long_context_eval", "score_generate", "score_loglik"]  # fmt: skip
+           "run_command", "run_long_context_eval", "score_generate", "score_loglik"]  # fmt: skip
