@@ -6,11 +6,12 @@ move, against the machine's ceilings measured in the same run, next to the time 
     python bench/kernel_floors.py --ceilings 790,3000     # no GPU: the counts and the floors at given ceilings
 
 On a GPU it measures the ceilings first (bf16 TFLOP/s of an 8192^3 torch.matmul on random data; copy GB/s of a
-1 GiB device-to-device copy, bytes read + written), then times one forward + backward of the op per layout
+1 GiB device-to-device copy, bytes read + written; fp32 exp2/s of a register-only Triton loop), then times one forward + backward of the op per layout
 and length (B*T fixed as in bench/bench_attention.py) under torch.profiler, by kernel name, and one decoding
 step per context and batch (each kernel under the profiler; the whole static-cache step replayed from a CUDA
-graph). It prints, per kernel: time ms, FLOP floor ms (FLOPs / TFLOP/s), byte floor ms (bytes / GB/s),
-floor = the larger, achieved = floor / time, and what bounds the floor (compute or memory). Dense causal
+graph). It prints, per kernel: time ms, FLOP floor ms (FLOPs / TFLOP/s), byte floor ms (bytes / GB/s), exp
+floor ms (exponentials / exp/s), floor = the largest, achieved = floor / time, and what bounds the floor
+(compute, memory or exp). Dense causal
 SDPA's forward, backward and decode rows are the baseline, timed in the same run. Without a GPU (or with
 --analytic) it prints the counts, and the floors when --ceilings TFLOPS,GBPS[,GEXPS] is given.
 
@@ -27,8 +28,10 @@ Counting rules (`kernel_work`, `dense_work`, `decode_work`; pure functions of th
   not counted). The fused dQ kernel recomputes S and dP = dO V^T and forms dQ = dS K: 3 products, 6*D per
   pair, for all three branches. Each dK/dV kernel recomputes S and dP and forms dV = P^T dO and dK = dS^T Q:
   4 products, 8*D per pair (the split recomputes S and dP in both, 14*D per pair in all against
-  FlashAttention-2's 10*D, which dense SDPA's backward row counts). Exponentials and softmax bookkeeping are
-  not counted.
+  FlashAttention-2's 10*D, which dense SDPA's backward row counts). Exponentials are counted apart, one per
+  pair in every kernel that forms probabilities (each forward, top-n, dQ, each dK/dV; dense forward and
+  backward): at head_dim 64 a pair's 4*D = 256 forward FLOPs take about as long on the tensor cores as its
+  exponential on the special-function units. Other softmax bookkeeping is not counted.
 - Bytes: every input the kernel needs read once and every output written once, in the dtype the launcher
   passes or stores it: q, k, v, o, dO, gates, dq, dk, dv in bf16 (the benchmark's dtype); log-sum-exps and
   deltas fp32; query ranges and top-n indices int32; doc_pos and cmp_end int64. Only the compressed tokens a
