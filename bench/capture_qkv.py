@@ -122,9 +122,13 @@ def capture_layers(model, input_ids: torch.Tensor, layers: list[int]) -> dict[in
 
 
 def _commit() -> str | None:
+    """The checkout's short commit, "+dirty" where tracked files differ from it; None outside a checkout."""
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
     try:
-        run = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, check=True).stdout  # noqa: E731
-        return run("rev-parse", "--short", "HEAD").strip() + ("+dirty" if run("status", "--porcelain", "-uno").strip() else "")
+        return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "-uno") else "")
     except Exception:  # noqa: BLE001 - not a checkout
         return None
 

@@ -2,7 +2,8 @@
 # Every GPU check and figure the README reports, in one place. Each step writes its log (and JSON where
 # the script has one) under $OUT; steps run in the order given (default: all), and env.txt records each
 # step's wall time. Usage:
-#   bash bench/gpu_session.sh                         # tests capture attention floors tune model model-long generate profile train
+#   bash bench/gpu_session.sh                         # every step: tests capture attention floors tune model
+#                                                     #   model-long generate profile train
 #   bash bench/gpu_session.sh capture attention       # a subset (bench/KERNELS.md, "Next GPU session": the calls)
 #   OUT=/tmp/run FLA_WHEEL=wheels/fla_core-0.6.0-py3-none-any.whl bash bench/gpu_session.sh attention
 # Data: the shared wiki parquet and GPT-2 tokenizer from $DATA (default ../shared/data beside the checkout, else
@@ -43,7 +44,8 @@ capture() {  # a briefly trained 125M NSA (unless $CKPT), then its q/K/V/gates a
 }
 
 captured_kind() {  # the captured input kind, where the capture step has left its file
-  if [ -f "$CAPTURED" ]; then echo "captured --captured $CAPTURED"; else echo "# no $CAPTURED: random and correlated only" >&2; fi
+  if [ -f "$CAPTURED" ]; then echo "captured --captured $CAPTURED"
+  else echo "# no $CAPTURED (the capture step writes it): no captured inputs" >&2; fi
 }
 
 for step in "${steps[@]}"; do

@@ -6,8 +6,8 @@ move, against the machine's ceilings measured in the same run, next to the time 
     python bench/kernel_floors.py --ceilings 790,3000     # no GPU: the counts and the floors at given ceilings
 
 On a GPU it measures the ceilings first (bf16 TFLOP/s of an 8192^3 torch.matmul on random data; copy GB/s of a
-1 GiB device-to-device copy, bytes read + written; fp32 exp2/s of a register-only Triton loop), then times one forward + backward of the op per layout
-and length (B*T fixed as in bench/bench_attention.py) under torch.profiler, by kernel name, and one decoding
+1 GiB device-to-device copy, bytes read + written; fp32 exp2/s of a register-only Triton loop), then times one
+forward + backward of the op per layout and length (B*T fixed as in bench/bench_attention.py) under torch.profiler, by kernel name, and one decoding
 step per context and batch (each kernel under the profiler; the whole static-cache step replayed from a CUDA
 graph). It prints, per kernel: time ms, FLOP floor ms (FLOPs / TFLOP/s), byte floor ms (bytes / GB/s), exp
 floor ms (exponentials / exp/s), floor = the largest, achieved = floor / time, and what bounds the floor
@@ -558,8 +558,8 @@ def time_decode(ba, params, ceilings, B, T, H, Hkv, D):
     del x
     qd = ba.rnd(B, H, 1, D, grad=False)
     kd, vd = ba.rnd(B, Hkv, T, D, grad=False), ba.rnd(B, Hkv, T, D, grad=False)
-    times["dense_decode"] = ba.time_ms(ba.cuda_graph(lambda: F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True)),
-                                       5, 50)
+    dense = ba.cuda_graph(lambda: F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True))
+    times["dense_decode"] = ba.time_ms(dense, 5, 50)
     del qd, kd, vd
     torch.cuda.empty_cache()
     rows = table_rows(decode_work(params, B, T, H, Hkv, D), ceilings, times)
