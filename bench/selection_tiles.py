@@ -35,9 +35,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from triton_helpers import DEFAULT, import_nsa  # noqa: E402
+from triton_helpers import DEFAULT, import_nsa, kernel_module  # noqa: E402
 
-layout_mod, reference, tri = import_nsa()
+layout_mod, reference, _ = import_nsa()
+launch = kernel_module("launch")  # the launchers' tile choices
 PARAMS = layout_mod.NSAParams(**DEFAULT)
 
 
@@ -64,7 +65,7 @@ def selections(T: int, H: int, Hkv: int, D: int, num_queries: int, kind: str, ge
 def tile_costs(idx: torch.Tensor, group: int, rows: int, sub_rows: int | None = None) -> dict:
     """Mean union, loads and math of one tile width; sub_rows: the math done per sub-tile of that many rows,
     only for the blocks one of its rows' queries chose (the loads stay the tile's)."""
-    block_m, qpb = tri._query_tile(group, rows)
+    block_m, qpb = launch._query_tile(group, rows)
     sub_rows = sub_rows or block_m
     num_kv, num_q, n_sel = idx.shape
     n_tiles = num_q // qpb
@@ -93,8 +94,8 @@ def main():
     for spec in args.layouts:
         H, Hkv, D = (int(s) for s in spec.split(","))
         for T in args.lengths:
-            picked = tri._sel_rows_per_program(H // Hkv, D)[0]
-            picked_sub = tri._sel_sub_tile(picked, D, "cpu")  # what the launcher picks on sm_90
+            picked = launch._sel_rows_per_program(H // Hkv, D)[0]
+            picked_sub = launch._sel_sub_tile(picked, D, "cpu")  # what the launcher picks on sm_90
             for kind in ("random", "correlated"):
                 idx = selections(T, H, Hkv, D, min(T, args.queries), kind, torch.Generator().manual_seed(0))
                 for rows, sub_rows in ((16, None), (32, None), (64, None), (32, 16), (64, 16)):

@@ -11,9 +11,10 @@ import re
 import pytest
 import torch
 
-from triton_helpers import DEFAULT, import_nsa, make_inputs
+from triton_helpers import DEFAULT, import_nsa, kernel_module, make_inputs
 
 layout, _, tri = import_nsa()
+common, launch = kernel_module("common"), kernel_module("launch")
 from modeling_nsa import modeling_nsa as mn  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not tri._HAS_TRITON, reason="triton is not installed")
@@ -30,7 +31,7 @@ def fake_gpu(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         monkeypatch.setattr(torch.version, "hip", "6.2" if rocm else None)
-        monkeypatch.setattr(tri, "_CUDA_DEVICE_REASONS", {})  # the per-GPU answer is cached
+        monkeypatch.setattr(common, "_CUDA_DEVICE_REASONS", {})  # the per-GPU answer is cached
         mn._logged_once.clear()
 
     return set_gpu
@@ -67,13 +68,13 @@ def test_older_or_non_nvidia_gpus_use_the_reference_and_say_why(fake_gpu, caplog
 
 @pytest.mark.parametrize("capability,expected_kib", [(90, 227), (80, 163), (86, 99), (89, 99), (120, 99)])
 def test_shared_memory_limit_by_architecture(monkeypatch, capability, expected_kib):
-    monkeypatch.setattr(tri, "_compute_capability", lambda device: capability)
-    assert tri._shared_memory_limit("cpu") == expected_kib * 1024
+    monkeypatch.setattr(common, "_compute_capability", lambda device: capability)
+    assert common._shared_memory_limit("cpu") == expected_kib * 1024
 
 
 @pytest.mark.parametrize("capability,supported", [(90, True), (80, True), (86, False), (89, False)])
 def test_head_dim_256_needs_the_large_shared_memory_of_a100_and_h100(monkeypatch, capability, supported):
-    monkeypatch.setattr(tri, "_compute_capability", lambda device: capability)
+    monkeypatch.setattr(common, "_compute_capability", lambda device: capability)
     params = layout.NSAParams(**DEFAULT)
     assert tri.triton_supports(params, 128, "cpu")
     assert tri.triton_supports(params, 256, "cpu") == supported
@@ -94,7 +95,7 @@ def test_unsupported_parameters_are_named(head_dim, overrides, expected):
 
 def test_unsupported_shape_runs_the_reference_and_logs_the_reason_once(monkeypatch, caplog):
     # head_dim 256 on a 99 KiB GPU: the op gives the reference's output and says why, once per reason
-    monkeypatch.setattr(tri, "_compute_capability", lambda device: 86)
+    monkeypatch.setattr(common, "_compute_capability", lambda device: 86)
     monkeypatch.setattr(tri, "_logged", set())
     t, cmp_end, doc_pos, p = make_inputs(1, 40, 2, 1, 256, DEFAULT, torch.float32, "cpu")
     args = (t["q"], t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"], t["v_slc"], t["k_win"], t["v_win"], t["gates"],
@@ -113,9 +114,9 @@ def test_unsupported_shape_runs_the_reference_and_logs_the_reason_once(monkeypat
 def test_wide_tile_launches_only_where_mma_reads_shared_memory(monkeypatch, capability, wide):
     # sm_120 (RTX 50xx) is numbered above Hopper but multiplies from registers with 99 KiB of shared memory:
     # given Hopper's tiles its kernels spill 500-1000 bytes per thread (tests/triton_aot.py --arch 120)
-    monkeypatch.setattr(tri, "_compute_capability", lambda device: capability)
-    assert tri._hopper_class("cpu") == wide
-    block_m, _, opts = tri._dq_launch(6, 64, 16, "cpu")
+    monkeypatch.setattr(common, "_compute_capability", lambda device: capability)
+    assert common._hopper_class("cpu") == wide
+    block_m, _, opts = launch._dq_launch(6, 64, 16, "cpu")
     assert (block_m, opts["num_warps"]) == ((128, 8) if wide else (32, 4))
 
 
@@ -169,20 +170,20 @@ def test_shared_memory_limit_asks_the_gpu_once(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", props)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(tri, "_CUDA_SHARED_MEMORY", {})
-    assert tri._shared_memory_limit(CUDA) == 101376
-    assert tri._shared_memory_limit(torch.device("cuda", 0)) == 101376
+    monkeypatch.setattr(common, "_CUDA_SHARED_MEMORY", {})
+    assert common._shared_memory_limit(CUDA) == 101376
+    assert common._shared_memory_limit(torch.device("cuda", 0)) == 101376
     assert asked == [0]  # cached: the decode step asks on every call
     # a torch without the attribute: the table by compute capability
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace())
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    monkeypatch.setattr(tri, "_CUDA_SHARED_MEMORY", {})
-    assert tri._shared_memory_limit(CUDA) == 163 * 1024
+    monkeypatch.setattr(common, "_CUDA_SHARED_MEMORY", {})
+    assert common._shared_memory_limit(CUDA) == 163 * 1024
 
 
 def test_reference_fallback_compiles_fullgraph(monkeypatch):
     # the fallback's log line must not break torch.compile(fullgraph=True) of a model that falls back
-    monkeypatch.setattr(tri, "_compute_capability", lambda device: 86)
+    monkeypatch.setattr(common, "_compute_capability", lambda device: 86)
     monkeypatch.setattr(tri, "_logged", set())
     t, cmp_end, doc_pos, p = make_inputs(1, 40, 2, 1, 256, DEFAULT, torch.float32, "cpu")
     args = (t["q"], t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"], t["v_slc"], t["k_win"], t["v_win"], t["gates"],
@@ -223,15 +224,15 @@ def test_select_blocks_triton_names_what_it_cannot_do():
 
 def test_launch_overrides_reach_the_launchers_for_the_block_only_and_name_the_valid_choices():
     # G = 6, head_dim 64: the selected tile is 64 rows by default, 32 rows forced, and the default again after
-    default = tri._sel_rows_per_program(6, 64)
+    default = launch._sel_rows_per_program(6, 64)
     with tri.launch_overrides(sel_rows=32, dkdv_warps=2):
-        assert tri._sel_rows_per_program(6, 64) == (32, 5)
-        assert tri._dkdv_launch(6, 64, "cpu")[2]["num_warps"] == 2
+        assert launch._sel_rows_per_program(6, 64) == (32, 5)
+        assert launch._dkdv_launch(6, 64, "cpu")[2]["num_warps"] == 2
         with tri.launch_overrides(sel_rows=16):  # nested: the inner block's value, then the outer one's again
-            assert tri._sel_rows_per_program(6, 64)[0] == 16
-        assert tri._sel_rows_per_program(6, 64) == (32, 5)
-    assert tri._sel_rows_per_program(6, 64) == default == (64, 10)
-    assert tri._dkdv_launch(6, 64, "cpu")[2]["num_warps"] == 4
+            assert launch._sel_rows_per_program(6, 64)[0] == 16
+        assert launch._sel_rows_per_program(6, 64) == (32, 5)
+    assert launch._sel_rows_per_program(6, 64) == default == (64, 10)
+    assert launch._dkdv_launch(6, 64, "cpu")[2]["num_warps"] == 4
     with pytest.raises(TypeError, match=r"unknown launch choice\(s\) \['sel_tile'\]; valid: .*'sel_rows'"):
         with tri.launch_overrides(sel_tile=32):
             pass

@@ -95,9 +95,9 @@ INTERPRETED = textwrap.dedent(
 
 
 def _interpreter_reason():
-    from modeling_nsa import nsa_triton
+    from modeling_nsa import nsa_triton_common
 
-    return nsa_triton._interpreter_reason() if HAS_TRITON else "triton is not installed"
+    return nsa_triton_common._interpreter_reason() if HAS_TRITON else "triton is not installed"
 
 
 @pytest.mark.skipif(bool(_interpreter_reason()), reason=str(_interpreter_reason()))

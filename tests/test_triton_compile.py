@@ -85,7 +85,7 @@ SPILL_CHECKED_FROM_TRITON = (3, 9)
 def _triton_version() -> tuple[int, ...]:
     import triton
 
-    from modeling_nsa.nsa_triton import _version  # the parse the backend's interpreter check uses
+    from modeling_nsa.nsa_triton_common import _version  # the parse the backend's interpreter check uses
 
     return _version(triton.__version__)
 

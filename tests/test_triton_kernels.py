@@ -174,8 +174,8 @@ CPU_CASES = [
 def interpreter_results():
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
-    if tri_module()._interpreter_reason():  # an environment without a working interpreter, named
-        pytest.skip(tri_module()._interpreter_reason())
+    if common_module()._interpreter_reason():  # an environment without a working interpreter, named
+        pytest.skip(common_module()._interpreter_reason())
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     try:  # about 4 minutes on 2 idle cores; a loaded machine may take several times that
         proc = subprocess.run(
@@ -189,10 +189,10 @@ def interpreter_results():
     return json.loads(lines[-1][len("RESULTS_JSON="):])
 
 
-def tri_module():
-    from triton_helpers import import_nsa
+def common_module():
+    from triton_helpers import kernel_module
 
-    return import_nsa()[2]
+    return kernel_module("common")
 
 
 def test_a_broken_interpreter_is_named(monkeypatch):
@@ -202,7 +202,7 @@ def test_a_broken_interpreter_is_named(monkeypatch):
         pytest.skip("triton is not installed")
     import numpy
 
-    tri = tri_module()
+    tri = common_module()
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(tri.triton, "__version__", "3.6.0")
     monkeypatch.setattr(numpy, "__version__", "2.4.1")
@@ -242,7 +242,7 @@ def test_triton_is_usable_reports_device():
     from triton_helpers import import_nsa
 
     _, _, tri = import_nsa()
-    interpreter = HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1" and not tri._interpreter_reason()
+    interpreter = HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1" and not common_module()._interpreter_reason()
     assert tri.triton_is_usable("cpu") == interpreter
     if not torch.cuda.is_available():
         assert not tri.triton_is_usable("cuda")

@@ -2,7 +2,7 @@
 
 Triton's interpreter checks what the kernels compute, not whether they compile: loop-carried type
 changes, tl.dot shapes below 16, or a variable bound in only one branch of an ``if`` pass on CPU and
-fail on the first GPU launch. This script runs the host-side launchers of ``nsa_triton`` on CPU
+fail on the first GPU launch. This script runs the host-side launchers of the kernel files on CPU
 tensors with every kernel replaced by a recorder, then compiles each recorded launch (the JIT's own
 argument specialization, constexprs and options) ahead of time for the requested architectures with
 the ptxas that ships in the triton wheel, and reports registers, spills, shared memory and software-pipelined
@@ -30,9 +30,10 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from triton_helpers import DEFAULT, import_nsa, make_inputs  # noqa: E402
+from triton_helpers import DEFAULT, import_nsa, kernel_module, kernel_modules, make_inputs  # noqa: E402
 
 _, _, tri = import_nsa()
+common = kernel_module("common")  # (where _compute_capability is looked up)
 
 
 class _Recorder:
@@ -49,19 +50,22 @@ class _Recorder:
 
 
 def with_kernels_replaced(run, stand_in):
-    """Run ``run()`` with every @triton.jit kernel of nsa_triton replaced by ``stand_in(name, jit_fn)``."""
-    kernels = {n: getattr(tri, n) for n in dir(tri) if n.endswith("_kernel") and n.startswith("_")}
+    """Run ``run()`` with every @triton.jit kernel of the kernel files replaced by ``stand_in(name, jit_fn)``
+    (in each file that names it: the launchers look their kernels up in their own file's globals)."""
+    kernels = {(module, n): getattr(module, n) for module in kernel_modules() for n in dir(module)
+               if n.endswith("_kernel") and n.startswith("_")}
+    stand_ins = {}
     try:
-        for name, fn in kernels.items():
-            setattr(tri, name, stand_in(name, fn))
+        for (module, name), fn in kernels.items():
+            setattr(module, name, stand_ins.setdefault(name, stand_in(name, fn)))
         run()
     finally:
-        for name, fn in kernels.items():
-            setattr(tri, name, fn)
+        for (module, name), fn in kernels.items():
+            setattr(module, name, fn)
 
 
 def capture_launches(run) -> list:
-    """Launches (name, jit_fn, args, kwargs) made by ``run()`` with every kernel of nsa_triton recorded."""
+    """Launches (name, jit_fn, args, kwargs) made by ``run()`` with every kernel of the kernel files recorded."""
     sink: list = []
     with_kernels_replaced(run, lambda name, fn: _Recorder(name, fn, sink))
     return sink
@@ -191,8 +195,8 @@ def collect(arch: int, scenarios=None) -> list:
     """Unique launches the launchers make on an sm_<arch> device over the scenarios: one per (kernel,
     specialization) signature."""
     launches, seen = [], set()
-    real = tri._compute_capability
-    tri._compute_capability = lambda device: arch
+    real = common._compute_capability
+    common._compute_capability = lambda device: arch
     try:
         for sname in scenarios or SCENARIOS:
             for name, fn, args, kwargs in capture_launches(SCENARIOS[sname]):
@@ -202,7 +206,7 @@ def collect(arch: int, scenarios=None) -> list:
                     seen.add(key)
                     launches.append((sname, name, fn, args, kwargs))
     finally:
-        tri._compute_capability = real
+        common._compute_capability = real
     return launches
 
 

@@ -47,6 +47,20 @@ def import_nsa():
     return layout, reference, tri
 
 
+KERNEL_FILES = ("common", "launch", "interval", "topn", "selected", "dq", "decode")
+
+
+def kernel_module(name: str):
+    """modeling_nsa.nsa_triton_<name>: one of KERNEL_FILES (nsa_triton.py imports them all)."""
+    import_nsa()
+    return importlib.import_module(f"modeling_nsa.nsa_triton_{name}")
+
+
+def kernel_modules() -> list:
+    """nsa_triton and its sibling kernel files: where the kernels, the launchers and their globals live."""
+    return [import_nsa()[2]] + [kernel_module(name) for name in KERNEL_FILES]
+
+
 TINY = dict(cmp_block_size=8, cmp_stride=4, sel_block_size=16, sel_num_blocks=4, sel_init_blocks=1,
             sel_local_blocks=2, window_size=16)
 DEFAULT = dict(cmp_block_size=32, cmp_stride=16, sel_block_size=64, sel_num_blocks=16, sel_init_blocks=1,
@@ -107,17 +121,18 @@ def case_launch(case: dict):
     configuration of the case's architecture ("arch": tiles differ before Hopper); the defaults outside, so
     cases sharing one process do not leak into each other."""
     _, _, tri = import_nsa()
+    common = kernel_module("common")  # (where _compute_capability is looked up)
     fields = {field.name for field in dataclasses.fields(tri.LaunchOverrides)}
     choices = {CASE_KEY_FIELDS.get(key, key): tuple(value) if isinstance(value, list) else value
                for key, value in case.items() if CASE_KEY_FIELDS.get(key, key) in fields and value is not None}
-    arch, real = case.get("arch"), tri._compute_capability
+    arch, real = case.get("arch"), common._compute_capability
     if arch:
-        tri._compute_capability = lambda device: arch
+        common._compute_capability = lambda device: arch
     try:
         with tri.launch_overrides(**choices):
             yield
     finally:
-        tri._compute_capability = real
+        common._compute_capability = real
 
 
 def with_case_launch(runner):
@@ -414,7 +429,7 @@ def run_opcheck_case(case: dict) -> dict:
 
 
 class PoisonedAllocations(types.ModuleType):
-    """torch as nsa_triton sees it in the kernel tests: torch.empty / torch.empty_like return memory filled with
+    """torch as the kernel files see it in the kernel tests: torch.empty / torch.empty_like return memory filled with
     NaN (floating point) or 2**30 (integers) instead of whatever the allocator held. On a GPU that memory is
     arbitrary (often an earlier tensor's values, NaN included), while fresh CPU memory tends to be zero, so a
     kernel reading an element it never wrote, or a launcher leaving part of an output unwritten, would pass on
@@ -533,9 +548,11 @@ def check_memory_accesses():
 
 
 def check_kernels_as_on_a_gpu():
-    """Poisoned allocations in nsa_triton's launchers and, under the interpreter, every kernel access checked (see
-    PoisonedAllocations and check_memory_accesses). Call once per process, before the kernels run."""
-    import_nsa()[2].torch = PoisonedAllocations()
+    """Poisoned allocations in the kernel files' launchers and, under the interpreter, every kernel access checked
+    (see PoisonedAllocations and check_memory_accesses). Call once per process, before the kernels run."""
+    for module in kernel_modules():
+        if hasattr(module, "torch"):
+            module.torch = PoisonedAllocations()
     if os.environ.get("TRITON_INTERPRET") == "1":
         check_memory_accesses()
 

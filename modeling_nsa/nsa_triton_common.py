@@ -1,0 +1,251 @@
+"""What every NSA kernel file shares: whether the kernels can run here (Triton installed, the GPU's architecture,
+the NSA parameters), the GPU's shared memory, and the @triton.jit helpers of more than one branch (the online
+softmax, the packing of (query x head) rows, the flash-attention dK/dV update, the gated sum of Eq. 5).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .nsa_layout import NSAParams
+
+
+try:  # the module must import where triton is missing (CPU-only installs, macOS)
+    import triton
+    import triton.language as tl
+
+    _HAS_TRITON = True
+except Exception:  # pragma: no cover - exercised only without triton
+    triton = None
+    tl = None
+    _HAS_TRITON = False
+
+
+if _HAS_TRITON:
+
+    @triton.jit
+    def _load_do(DO, GATE, row, row_ok, d, D: tl.constexpr, BR: tl.constexpr):
+        """The branch's output gradient g_br * dout for the given rows, rounded to the input dtype (never
+        materialized in memory)."""
+        do = tl.load(DO + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        gt = tl.load(GATE + row * 3 + BR, mask=row_ok, other=0.0).to(tl.float32)
+        return (do.to(tl.float32) * gt[:, None]).to(DO.dtype.element_ty)
+
+    @triton.jit
+    def _gated_sum(GATE, row, row_ok, o_cmp, o_slc, o_win):
+        """g_cmp o_cmp + g_slc o_slc + g_win o_win in fp32 (Eq. 5), from the branch outputs as stored."""
+        g0 = tl.load(GATE + row * 3, mask=row_ok, other=0.0).to(tl.float32)
+        g1 = tl.load(GATE + row * 3 + 1, mask=row_ok, other=0.0).to(tl.float32)
+        g2 = tl.load(GATE + row * 3 + 2, mask=row_ok, other=0.0).to(tl.float32)
+        return g0[:, None] * o_cmp + g1[:, None] * o_slc + g2[:, None] * o_win
+
+    @triton.jit
+    def _branch_output(acc, l_i, dtype: tl.constexpr):
+        """A branch's normalized output (0 where no key was visible) rounded to the stored dtype, in fp32."""
+        return (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _load_lse(LSE, row, row_ok):
+        """A branch's saved log-sum-exp of the given rows, 0 where no key was visible (stored as +inf): the
+        probabilities recomputed from it are then 0 through their masks, never NaN."""
+        lse = tl.load(LSE + row, mask=row_ok, other=0.0)
+        return tl.where(lse == float("inf"), 0.0, lse)
+
+    @triton.jit
+    def _bwd_rows(Q, DO, GATE, LSE, DELTA, row, row_ok, d, D: tl.constexpr, BR: tl.constexpr):
+        """A query tile's rows for a dK/dV update: q, the branch's output gradient round(g dout), the
+        log-sum-exp (0 where no key was visible) and delta."""
+        q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        do = _load_do(DO, GATE, row, row_ok, d, D, BR)
+        delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+        return q, do, _load_lse(LSE, row, row_ok), delta
+
+    @triton.jit
+    def _dkdv_update(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv):
+        """One query tile's share of a key tile's dK (unscaled) and dV: the flash-attention backward with
+        the probabilities recomputed from the saved log-sum-exp; vis_t (keys, rows) says which row sees which
+        key. Computed key-major (S^T = K Q^T), so P^T and dS^T come out of their dots in the layout the dV and
+        dK dots take them in (no transpose through shared memory) and the keys, not the query rows, are the
+        dots' M dimension."""
+        s_t = tl.dot(k, tl.trans(q)) * sm_scale2  # (keys, rows)
+        p_t = tl.where(vis_t, tl.exp2(s_t - lse[None, :]), 0.0)
+        dv += tl.dot(p_t.to(do.dtype), do)
+        dp_t = tl.dot(v, tl.trans(do))
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q)
+        return dk, dv
+
+    @triton.jit
+    def _tile_rows(pid_q, Tq, r0, G: tl.constexpr, QPB: tl.constexpr, ROWS: tl.constexpr):
+        """Rows r0 .. r0+ROWS-1 of query tile pid_q, packed query-major (QPB queries x G heads): (r, query qi,
+        row_ok); rows past the tile or past Tq get qi = 0 and row_ok = False."""
+        r = r0 + tl.arange(0, ROWS)
+        qi = pid_q * QPB + r // G
+        row_ok = (r < QPB * G) & (qi < Tq)
+        return r, tl.where(row_ok, qi, 0), row_ok
+
+    @triton.jit
+    def _softmax_init(ROWS: tl.constexpr, D: tl.constexpr):
+        """Online-softmax state of ROWS rows: running max, running sum, unnormalized output."""
+        return tl.full([ROWS], float("-inf"), tl.float32), tl.zeros([ROWS], tl.float32), tl.zeros([ROWS, D], tl.float32)
+
+    @triton.jit
+    def _softmax_tile(s, v, m_i, l_i, acc):
+        """Online-softmax update with one key tile: s (M, N) base-2 logits, -inf where not visible."""
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+
+# Oldest NVIDIA architecture the kernels are written for: bf16 tensor cores and at least 99 KiB of shared
+# memory per block (compute capability 8.0: A100; 8.6/8.9: RTX 30xx/40xx, A10, L4; 9.0: H100).
+MIN_COMPUTE_CAPABILITY = (8, 0)
+
+
+def triton_unusable_reason(device) -> str | None:
+    """Why the Triton kernels cannot run on `device` (None: they can): Triton missing, no CUDA, a ROCm build,
+    an NVIDIA GPU older than MIN_COMPUTE_CAPABILITY, or a CPU without TRITON_INTERPRET=1."""
+    if not _HAS_TRITON:
+        return "Triton is not installed (pip install triton)"
+    device = torch.device(device)
+    if device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET", "0") == "1":
+            return _interpreter_reason()
+        return "Triton cannot run on device cpu (set TRITON_INTERPRET=1 to run the kernels on CPU, slowly)"
+    if device.type != "cuda":
+        return f"the kernels run on NVIDIA CUDA GPUs, not on device type {device.type!r}"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    index = _cuda_index(device)
+    if index not in _CUDA_DEVICE_REASONS:  # asked once per GPU: the model asks on every attention call
+        _CUDA_DEVICE_REASONS[index] = _cuda_device_reason(index)
+    return _CUDA_DEVICE_REASONS[index]
+
+
+_CUDA_DEVICE_REASONS: dict[int, str | None] = {}
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("+")[0].split(".")[:2] if part.isdigit())
+
+
+def _interpreter_reason() -> str | None:
+    """Triton before 3.7 turns a loop bound computed in a kernel into an int with int(array) (fixed in 3.7 with
+    .squeeze()); numpy 2.4 made that an error for 1-element arrays, so every kernel with such a loop fails in the
+    interpreter there (the compiled GPU path is unaffected)."""
+    import numpy
+
+    if _version(triton.__version__) < (3, 7) and _version(numpy.__version__) >= (2, 4):
+        return (f"Triton {triton.__version__}'s interpreter fails with numpy {numpy.__version__} (int() of a "
+                "1-element array); install triton>=3.7 or numpy<2.4 to run the kernels on CPU")
+    return None
+
+
+def _cuda_index(device: torch.device) -> int:
+    """The index of a CUDA device ("cuda" alone: the current one): the key of the per-GPU caches."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _cuda_device_reason(index: int) -> str | None:
+    if getattr(torch.version, "hip", None):
+        return "the kernels are written and tested for NVIDIA GPUs; this is a ROCm build of PyTorch"
+    capability = torch.cuda.get_device_capability(index)
+    if tuple(capability) < MIN_COMPUTE_CAPABILITY:
+        need = ".".join(map(str, MIN_COMPUTE_CAPABILITY))
+        return (f"the kernels need compute capability {need} or newer (bf16 tensor cores, 99 KiB of shared "
+                f"memory per block); {torch.cuda.get_device_name(index)} is {capability[0]}.{capability[1]}")
+    return None
+
+
+def triton_is_usable(device) -> bool:
+    """The kernels can run on `device` (see triton_unusable_reason)."""
+    return triton_unusable_reason(device) is None
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    """Ceiling division of host integers (triton.cdiv goes through Triton's JIT machinery: about 2 us a call,
+    which the cached decode step pays three times per token)."""
+    return -(-a // b)
+
+
+def triton_unsupported_reason(params: NSAParams, head_dim: int, device=None) -> str | None:
+    """Why the kernels do not handle these parameters (None: they do). They need head_dim a power of two in
+    [16, 256], l' a power of two >= 16 (a selection block is one tl.dot operand), l'/d a power of two,
+    l a multiple of d and l <= l' (a compressed token overlaps at most two selection blocks); head_dim 256
+    also needs 160 KiB of shared memory per block (A100, H100; not the 99 KiB of RTX 30xx/40xx, A10, L4)."""
+    lb, ds = params.sel_block_size, params.cmp_stride
+    pow2 = lambda x: x > 0 and (x & (x - 1)) == 0  # noqa: E731
+    if not (pow2(head_dim) and 16 <= head_dim <= 256):
+        return f"head_dim={head_dim} (the kernels take a power of two in [16, 256])"
+    if not (pow2(lb) and lb >= 16):
+        return f"sel_block_size={lb} (the kernels take a power of two >= 16)"
+    if not (lb % ds == 0 and pow2(lb // ds)):
+        return f"sel_block_size / cmp_stride = {lb} / {ds} (the kernels take a power of two)"
+    if not (params.cmp_block_size % ds == 0 and params.cmp_block_size <= lb):
+        return (f"cmp_block_size={params.cmp_block_size} (the kernels take a multiple of cmp_stride={ds} "
+                f"no larger than sel_block_size={lb})")
+    if device is not None and head_dim > 128 and _shared_memory_limit(device) < _LARGE_SHARED_MEMORY:
+        return (f"head_dim={head_dim} needs {_LARGE_SHARED_MEMORY // 1024} KiB of shared memory per block; this "
+                f"GPU has {_shared_memory_limit(device) // 1024} KiB (head_dim <= 128 runs on it)")
+    return None
+
+
+def triton_supports(params: NSAParams, head_dim: int, device=None) -> bool:
+    """The kernels handle these parameters (on `device`, when given): see triton_unsupported_reason."""
+    return triton_unsupported_reason(params, head_dim, device) is None
+
+
+def _compute_capability(device) -> int:
+    """sm version (90 for H100, 80 for A100) of a CUDA device; 90 elsewhere (interpreter). tests/triton_aot.py
+    replaces this to record the launches each architecture gets."""
+    if torch.device(device).type != "cuda":
+        return 90
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+def _hopper_class(device) -> bool:
+    """Hopper (sm_90, wgmma) and datacenter Blackwell (sm_100/103, tcgen05) multiply 64- or 128-row tiles from
+    shared memory and hold 227 KiB of it per block: they take the wide-tile launch choices below. Ampere and
+    Ada (sm_80-89) and consumer Blackwell (sm_120: mma.sync, 99 KiB) hold accumulators in registers: the
+    smaller tiles (at sm_120 the wide choices spill 500-1000 bytes per thread: tests/triton_aot.py)."""
+    return 90 <= _compute_capability(device) < 120
+
+
+# CUDA's opt-in limit of shared memory per block by compute capability, where the device cannot be asked
+# (tests/triton_aot.py compiles for an architecture on CPU); unknown architectures get the smallest.
+_SHARED_MEMORY_BY_CAPABILITY = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024,
+                                100: 227 * 1024, 103: 227 * 1024, 120: 99 * 1024}
+# Launch choices at or above this limit (A100, H100) use the larger tiles; below it (RTX 30xx/40xx, A10, L4),
+# the decode step takes shorter steps and head_dim 256 is not supported.
+_LARGE_SHARED_MEMORY = 160 * 1024
+
+
+def _shared_memory_limit(device) -> int:
+    """Bytes of shared memory one block of a kernel may use on `device` (the launch choices keep within it;
+    tests/test_triton_compile.py checks every launch against it per architecture)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = _cuda_index(device)
+        if index not in _CUDA_SHARED_MEMORY:  # asked once per GPU: the decode step asks on every call
+            limit = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", 0)
+            _CUDA_SHARED_MEMORY[index] = int(limit) or _SHARED_MEMORY_BY_CAPABILITY.get(
+                _compute_capability(device), 99 * 1024)
+        return _CUDA_SHARED_MEMORY[index]
+    return _SHARED_MEMORY_BY_CAPABILITY.get(_compute_capability(device), 99 * 1024)
+
+
+_CUDA_SHARED_MEMORY: dict[int, int] = {}
+
+
+_LOG2E = 1.4426950408889634

@@ -1,0 +1,448 @@
+"""The cached decoding step (one query per row): the compressed keys split over programs, the selection blocks'
+top-n per block range, then the selected and window branches and the gates, in one program per (row, KV group)
+or, for a CUDA-graphed static cache, in parts side by side and a combine kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .nsa_layout import NSAParams
+from .nsa_triton_common import _LARGE_SHARED_MEMORY, _LOG2E, _cdiv, _next_pow2, _shared_memory_limit
+from .nsa_triton_launch import _OVERRIDES, _topn_chunk, _topn_insert_max
+
+
+try:  # the module must import where triton is missing (CPU-only installs, macOS)
+    import triton
+    import triton.language as tl
+
+    _HAS_TRITON = True
+except Exception:  # pragma: no cover - exercised only without triton
+    triton = None
+    tl = None
+    _HAS_TRITON = False
+
+
+if _HAS_TRITON:
+    from .nsa_triton_common import _branch_output, _gated_sum, _softmax_init, _softmax_tile
+    from .nsa_triton_topn import _topn_chunk_update, _topn_merge
+
+    # ------------------------------------------------------------------------------------------
+    # Decoding: compressed keys split over programs, block ranges' top-n, then the branches and the gates (one
+    # program per row and KV group, or parts side by side and their combination)
+    # ------------------------------------------------------------------------------------------
+
+    @triton.jit
+    def _decode_query(TEND, Tk, STATIC: tl.constexpr):
+        """Key index of the decoded query: the last of the Tk keys, or (STATIC: a static cache's buffers of Tk
+        slots, written up to the query) TEND[0], read on the device so that a CUDA graph of the step replays
+        for every token."""
+        if STATIC:
+            t = tl.load(TEND)
+        else:
+            t = Tk - 1
+        return t
+
+    @triton.jit
+    def _decode_cmp_split_kernel(
+        Q, KC, VC, CEND, DOCPOS, TEND, PM, PL, PACC, PP, PCNT,
+        Tk, Nc, S, sm_scale2, kc_bs, vc_bs, ce_bs, dp_bs,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+        CS: tl.constexpr, STATIC: tl.constexpr,
+    ):
+        """Decode, split s of the compressed slots [s*CS, (s+1)*CS) of one (row, KV group): the split's
+        softmax partials (max m, sum l, unnormalized output acc), its probabilities exp2(x - m) per head and
+        slot (the top-n rescales them once the log-sum-exp is known), and two counts: slots of earlier
+        documents and visible slots. A slot is visible iff start <= cmp_end <= t (slots sorted by end).
+        *_bs: batch strides (elements) of KC, VC, CEND, DOCPOS: the cache's buffers are views with room to grow.
+        STATIC (a static cache's fixed-size buffers): the query is key TEND[0], not Tk - 1 (_decode_query)."""
+        pid_bg = tl.program_id(0)
+        sp = tl.program_id(1)
+        b, g, t, start, valid, hh, row, row_ok, q, d = _decode_rows(Q, DOCPOS, TEND, pid_bg, Tk, dp_bs, H, HKV, G, D,
+                                                                     G_PAD, STATIC)
+        start = tl.where(valid, start, Tk)  # a padded query sees nothing
+        cc = sp * CS + tl.arange(0, CS)
+        end = tl.load(CEND + b * ce_bs + cc, mask=cc < Nc, other=-1)
+        vis = (end >= start) & (end <= t)
+        kv_off = g * D + cc.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
+        k = tl.load(KC + b * kc_bs + kv_off, mask=vis[:, None], other=0.0)
+        v = tl.load(VC + b * vc_bs + kv_off, mask=vis[:, None], other=0.0)
+        x = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))  # (G_PAD, CS)
+        m = tl.max(x, 1)
+        p = tl.exp2(x - tl.where(m == float("-inf"), 0.0, m)[:, None])
+        base = (pid_bg.to(tl.int64) * S + sp) * G_PAD + hh  # (G_PAD,) partial rows
+        tl.store(PM + base, m)
+        tl.store(PL + base, tl.sum(p, 1))
+        tl.store(PACC + base[:, None] * D + d[None, :], tl.dot(p.to(v.dtype), v))
+        tl.store(PP + base[:, None] * CS + tl.arange(0, CS)[None, :], p)
+        cnt = (pid_bg.to(tl.int64) * S + sp) * 2
+        tl.store(PCNT + cnt, tl.sum(((end >= 0) & (end < start)).to(tl.int32), 0))
+        tl.store(PCNT + cnt + 1, tl.sum(vis.to(tl.int32), 0))
+
+    @triton.jit
+    def _merge_partials(PM, PL, PACC, PCNT, first, count, hh, d, G_PAD: tl.constexpr, D: tl.constexpr,
+                        SB: tl.constexpr, WITH_ACC: tl.constexpr, COUNTS: tl.constexpr):
+        """Online-softmax merge of `count` consecutive softmax partials (rows first*G_PAD + head of PM, PL, PACC),
+        SB per vector load: per head the running max m and sum l and (WITH_ACC) the unnormalized output; with
+        COUNTS (the compressed-key splits) also the two slot counts (slots of earlier documents = the document's
+        first slot, visible slots)."""
+        m_i, l_i, acc = _softmax_init(G_PAD, D)
+        c_lo = tl.full([], 0, tl.int32)
+        n_vis = tl.full([], 0, tl.int32)
+        sb = tl.arange(0, SB)
+        for s0 in range(0, count, SB):
+            sp = s0 + sb
+            ok = sp < count
+            base = (first + sp)[:, None] * G_PAD + hh[None, :]  # (SB, G_PAD) partial rows
+            m_s = tl.load(PM + base, mask=ok[:, None], other=float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(m_s, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            a_old = tl.exp2(m_i - m_safe)
+            a_s = tl.exp2(m_s - m_safe[None, :])  # 0 for empty partials (m_s = -inf)
+            l_i = l_i * a_old + tl.sum(tl.load(PL + base, mask=ok[:, None], other=0.0) * a_s, 0)
+            if WITH_ACC:
+                p_acc = tl.load(PACC + base[:, :, None] * D + d[None, None, :], mask=ok[:, None, None], other=0.0)
+                acc = acc * a_old[:, None] + tl.sum(p_acc * a_s[:, :, None], 0)
+            m_i = m_new
+            if COUNTS:
+                cnt = (first + sp) * 2
+                c_lo += tl.sum(tl.load(PCNT + cnt, mask=ok, other=0), 0)
+                n_vis += tl.sum(tl.load(PCNT + cnt + 1, mask=ok, other=0), 0)
+        return m_i, l_i, acc, c_lo, n_vis
+
+    @triton.jit
+    def _decode_topn_kernel(
+        PM, PL, PACC, PP, PCNT, DOCPOS, TEND, TOPV, TOPI,
+        Tk, S, n_prog, dp_bs,
+        HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+        L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr,
+        N_SEL: tl.constexpr, N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
+        BJ: tl.constexpr, CS: tl.constexpr, SB: tl.constexpr, TB: tl.constexpr, INSERT_MAX: tl.constexpr,
+        STATIC: tl.constexpr,
+    ):
+        """Decode, program (row x KV group, j) of the selection blocks [j*TB, (j+1)*TB): their scores from
+        the splits' stored probabilities (exp2(x - lse) = p_split * exp2(m_split - lse), no key read again),
+        summed over the G heads, and the range's own top-n list (priority, block) for the selected parts to
+        merge. Block ranges run in parallel: at long context no single program walks every block."""
+        pid_bg = tl.program_id(0)
+        pj = tl.program_id(1)
+        b = (pid_bg // HKV).to(tl.int64)
+        t = _decode_query(TEND, Tk, STATIC)
+        hh = tl.arange(0, G_PAD)
+        row_ok = hh < G
+        d = tl.arange(0, D)
+        m_i, l_i, _, c_lo, n_vis = _merge_partials(PM, PL, PACC, PCNT, pid_bg.to(tl.int64) * S, S, hh, d, G_PAD, D,
+                                                   SB, False, True)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), 0.0)
+        pos = tl.load(DOCPOS + b * dp_bs + t)
+        R: tl.constexpr = LB // DS
+        BC: tl.constexpr = BJ * R
+        pos1 = tl.zeros([1], tl.int64) + pos
+        n_blocks = tl.where(pos1 >= 0, pos1 // LB + 1, 0).to(tl.int32)
+        own = (pos1 // LB).to(tl.int32)
+        top_v = tl.full([1, N_PAD], float("-inf"), tl.float32)
+        top_i = tl.full([1, N_PAD], -1, tl.int32)
+        carry = tl.zeros([1], tl.float32)
+        j_lo = pj * TB
+        n_range = tl.minimum(n_blocks, j_lo + TB)  # blocks past the range belong to the next program
+        j_hi = tl.max(n_range, 0)
+        # start one block early: its tokens' share in block j_lo arrives as the carry (not merged itself)
+        for j0 in range(tl.maximum(j_lo - 1, 0), j_hi, BJ):
+            ii = j0 * R + tl.arange(0, BC)
+            tok_ok = ii < n_vis
+            slot = (c_lo + ii).to(tl.int64)
+            pbase = (pid_bg.to(tl.int64) * S + slot // CS)[None, :] * G_PAD + hh[:, None]  # (G_PAD, BC)
+            ok = row_ok[:, None] & tok_ok[None, :]
+            p = tl.load(PP + pbase * CS + (slot % CS)[None, :], mask=ok, other=0.0)
+            m_tok = tl.load(PM + pbase, mask=ok, other=0.0)
+            prob = tl.where(ok, p * tl.exp2(m_tok - lse[:, None]), 0.0)
+            ps = tl.reshape(tl.sum(prob, 0), (1, BC))
+            carry, top_v, top_i = _topn_chunk_update(ps, carry, top_v, top_i, j0, j_lo, n_range, own,
+                                                     L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, 1, INSERT_MAX)
+        slot_n = tl.arange(0, N_PAD)
+        keep = (slot_n[None, :] < N_SEL) & (top_v > float("-inf"))
+        out = (pid_bg.to(tl.int64) * n_prog + pj) * N_PAD + slot_n
+        tl.store(TOPV + out, tl.reshape(tl.where(keep, top_v, float("-inf")), (N_PAD,)))
+        tl.store(TOPI + out, tl.reshape(tl.where(keep, top_i, -1), (N_PAD,)))
+
+    @triton.jit
+    def _group_rows(pid_bg, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                    G_PAD: tl.constexpr):
+        """A decode program's (row b, KV group g) and its G heads: (b, g, head index hh (G_PAD,), their rows of
+        the (B * H) query/output rows, row_ok (hh < G), d = arange(D))."""
+        b = (pid_bg // HKV).to(tl.int64)
+        g = pid_bg % HKV
+        hh = tl.arange(0, G_PAD)
+        return b, g, hh, b * H + g * G + hh, hh < G, tl.arange(0, D)
+
+    @triton.jit
+    def _decode_rows(Q, DOCPOS, TEND, pid_bg, Tk, dp_bs, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
+                     D: tl.constexpr, G_PAD: tl.constexpr, STATIC: tl.constexpr):
+        """A decode program's query: _group_rows' (b, g, hh, row, row_ok, d) with the query's key index t, its
+        document's first key (t + 1 for a padded query), valid (not padding) and q (G_PAD, D)."""
+        b, g, hh, row, row_ok, d = _group_rows(pid_bg, H, HKV, G, D, G_PAD)
+        t = _decode_query(TEND, Tk, STATIC)
+        pos = tl.load(DOCPOS + b * dp_bs + t)
+        q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        return b, g, t, t - pos, pos >= 0, hh, row, row_ok, q, d
+
+    @triton.jit
+    def _decode_selected(q, TOPV, TOPI, KS, VS, pid_bg, b, g, t, start, n_prog, slot_lo, slot_hi, sm_scale2, ks_bs,
+                         vs_bs, d, HKV: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
+                         N_PAD: tl.constexpr, N_SEL: tl.constexpr, LISTS: tl.constexpr, SEL_STEP: tl.constexpr):
+        """Selected attention over list slots [slot_lo, slot_hi) of the query's top-n, SEL_STEP blocks (SEL_STEP * l'
+        keys up to t) per step, after merging the block ranges' lists LISTS at a time (ranges are disjoint: every
+        block once). Returns the softmax state (max, sum, unnormalized output) per head."""
+        E: tl.constexpr = LISTS * N_PAD
+        e = tl.arange(0, E)
+        top_v = tl.full([1, N_PAD], float("-inf"), tl.float32)
+        top_i = tl.full([1, N_PAD], -1, tl.int32)
+        for l0 in range(0, n_prog, LISTS):
+            ok = l0 + e // N_PAD < n_prog
+            off = (pid_bg.to(tl.int64) * n_prog + l0) * N_PAD + e
+            v = tl.load(TOPV + off, mask=ok, other=float("-inf"))
+            i = tl.load(TOPI + off, mask=ok, other=-1)
+            i = tl.where(i >= 0, i, (1 << 29) + e)  # distinct stand-ins for unused entries (priority -inf)
+            top_v, top_i = _topn_merge(top_v, top_i, tl.reshape(v, (1, E)), i, N_SEL, N_PAD)
+        top_i = tl.reshape(tl.where(top_v > float("-inf"), top_i, -1), (N_PAD,))
+        slot_n = tl.arange(0, N_PAD)
+        kb = tl.arange(0, SEL_STEP * LB)
+        m_i, l_i, acc = _softmax_init(G_PAD, D)
+        for i0 in range(slot_lo, slot_hi, SEL_STEP):
+            slot_k = i0 + kb // LB  # (SEL_STEP * LB,) list slot of each key
+            j = tl.sum(tl.where(slot_k[:, None] == slot_n[None, :], top_i[None, :], 0), 1)  # the slot's block
+            j = tl.where(slot_k < slot_hi, j, -1)  # -1 (also an unused slot's): nothing visible
+            kk = tl.where(j >= 0, start + j.to(tl.int64) * LB, t + 1) + kb % LB
+            vis = kk <= t
+            kv_off = g * D + kk[:, None] * (HKV * D) + d[None, :]
+            k = tl.load(KS + b * ks_bs + kv_off, mask=vis[:, None], other=0.0)
+            v = tl.load(VS + b * vs_bs + kv_off, mask=vis[:, None], other=0.0)
+            x = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
+            m_i, l_i, acc = _softmax_tile(x, v, m_i, l_i, acc)
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _decode_window(q, KW, VW, b, g, t, start, valid, Tk, Tw, i_from, i_count, sm_scale2, kw_bs, vw_bs, d,
+                       HKV: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, WIN: tl.constexpr,
+                       BLOCK_N: tl.constexpr, STATIC: tl.constexpr):
+        """Window attention over i_count of the query's visible window keys, from the i_from-th, BLOCK_N per step.
+        KW holds the Tw keys ending at t, key first_kept + i at slot i (STATIC, a ring: at slot (first_kept + i) %
+        Tw); visible from max(start, t - w + 1). Returns the softmax state per head."""
+        if STATIC:
+            first_kept = t - Tw + 1
+        else:
+            first_kept = Tk - Tw
+        w_lo = tl.maximum(tl.maximum(start, t - WIN + 1) - first_kept, 0).to(tl.int32)
+        i_lo = w_lo + i_from
+        i_hi = tl.minimum(i_lo + i_count, tl.where(valid, Tw, 0))
+        kn = tl.arange(0, BLOCK_N)
+        m_i, l_i, acc = _softmax_init(G_PAD, D)
+        for i0 in range(i_lo, i_hi, BLOCK_N):
+            ii = i0 + kn
+            vis = ii < i_hi
+            if STATIC:
+                ii = (ii + first_kept) % Tw  # >= 0 where visible: first_kept + w_lo >= start >= 0
+            kv_off = g * D + ii.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
+            k = tl.load(KW + b * kw_bs + kv_off, mask=vis[:, None], other=0.0)
+            v = tl.load(VW + b * vw_bs + kv_off, mask=vis[:, None], other=0.0)
+            x = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
+            m_i, l_i, acc = _softmax_tile(x, v, m_i, l_i, acc)
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _decode_finish_kernel(
+        Q, PM, PL, PACC, PCNT, TOPV, TOPI, KS, VS, KW, VW, GATE, DOCPOS, TEND, OUT,
+        Tk, Tw, S, n_prog, sm_scale2, ks_bs, vs_bs, kw_bs, vw_bs, dp_bs,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+        LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, WIN: tl.constexpr,
+        SB: tl.constexpr, LISTS: tl.constexpr, SEL_STEP: tl.constexpr, BLOCK_N: tl.constexpr,
+        STATIC: tl.constexpr,
+    ):
+        """Decode, one program per (row, KV group), rows = its G heads: merges the compressed-branch splits,
+        then selected and window attention, and the gated sum. The third and last launch of an eager step, where
+        every launch costs host time (0.35 ms per call against 0.08 ms of GPU time at B = 1 on the H100,
+        2026-11-22). At B = 1 it runs two programs whose chain of steps is what costs on the GPU (55 of the 73 us
+        at 64k, in steps half as long): a CUDA-graphed step (a static cache) takes _decode_parts_kernel and
+        _decode_combine_kernel instead. *_bs: batch strides (elements) of KS, VS, KW, VW, DOCPOS (views of the
+        cache's buffers). STATIC: the query is key TEND[0] and KW/VW a ring of Tw slots (key p at slot p % Tw);
+        otherwise KW/VW hold keys Tk - Tw .. Tk - 1."""
+        pid_bg = tl.program_id(0)
+        b, g, t, start, valid, hh, row, row_ok, q, d = _decode_rows(Q, DOCPOS, TEND, pid_bg, Tk, dp_bs, H, HKV, G, D,
+                                                                     G_PAD, STATIC)
+        dtype: tl.constexpr = OUT.dtype.element_ty
+        _, l_i, acc, _, _ = _merge_partials(PM, PL, PACC, PCNT, pid_bg.to(tl.int64) * S, S, hh, d, G_PAD, D, SB, True,
+                                            False)  # (the slot counts are the top-n kernel's)
+        o_cmp = _branch_output(acc, l_i, dtype)
+        _, l_i, acc = _decode_selected(q, TOPV, TOPI, KS, VS, pid_bg, b, g, t, start, n_prog, 0, N_SEL, sm_scale2,
+                                       ks_bs, vs_bs, d, HKV, G_PAD, D, LB, N_PAD, N_SEL, LISTS, SEL_STEP)
+        o_slc = _branch_output(acc, l_i, dtype)
+        _, l_i, acc = _decode_window(q, KW, VW, b, g, t, start, valid, Tk, Tw, 0, Tw, sm_scale2, kw_bs, vw_bs, d,
+                                     HKV, G_PAD, D, WIN, BLOCK_N, STATIC)
+        o_win = _branch_output(acc, l_i, dtype)
+        out = _gated_sum(GATE, row, row_ok, o_cmp, o_slc, o_win)
+        tl.store(OUT + row[:, None] * D + d[None, :], out.to(dtype), mask=row_ok[:, None])
+
+    @triton.jit
+    def _decode_parts_kernel(
+        Q, PM, PL, PACC, PCNT, TOPV, TOPI, KS, VS, KW, VW, DOCPOS, TEND, OM, OL, OACC,
+        Tk, Tw, S, n_prog, n_parts, sm_scale2, ks_bs, vs_bs, kw_bs, vw_bs, dp_bs,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+        LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, WIN: tl.constexpr,
+        SB: tl.constexpr, LISTS: tl.constexpr, SEL_STEP: tl.constexpr, SEL_PART: tl.constexpr,
+        SEL_PARTS: tl.constexpr, BLOCK_N: tl.constexpr, WIN_PART: tl.constexpr, STATIC: tl.constexpr,
+    ):
+        """Decode, program (row x KV group, part): _decode_finish_kernel's work in parts that run side by side, for
+        a CUDA-graphed step, where a launch costs microseconds and the finish kernel's chain of steps is what
+        costs. Parts 0 .. SEL_PARTS - 1: SEL_PART of the n selected blocks (list slots); the next parts up to
+        n_parts - 2: WIN_PART window keys each; the last part: the compressed branch's splits merged. Each writes
+        its softmax partial (max, sum, unnormalized output per head) for _decode_combine_kernel."""
+        pid_bg = tl.program_id(0)
+        part = tl.program_id(1)
+        # (rows unused: a name reused by the branches below must keep one type, so not `_`)
+        b, g, t, start, valid, hh, rows, rows_ok, q, d = _decode_rows(Q, DOCPOS, TEND, pid_bg, Tk, dp_bs, H, HKV, G, D,
+                                                                     G_PAD, STATIC)
+        if part < SEL_PARTS:
+            slot_hi = tl.minimum(part * SEL_PART + SEL_PART, N_SEL)
+            m_i, l_i, acc = _decode_selected(q, TOPV, TOPI, KS, VS, pid_bg, b, g, t, start, n_prog, part * SEL_PART,
+                                             slot_hi, sm_scale2, ks_bs, vs_bs, d, HKV, G_PAD, D, LB, N_PAD, N_SEL,
+                                             LISTS, SEL_STEP)
+        elif part < n_parts - 1:
+            m_i, l_i, acc = _decode_window(q, KW, VW, b, g, t, start, valid, Tk, Tw, (part - SEL_PARTS) * WIN_PART,
+                                           WIN_PART, sm_scale2, kw_bs, vw_bs, d, HKV, G_PAD, D, WIN, BLOCK_N, STATIC)
+        else:
+            m_i, l_i, acc, _, _ = _merge_partials(PM, PL, PACC, PCNT, pid_bg.to(tl.int64) * S, S, hh, d, G_PAD, D, SB,
+                                                  True, False)
+        base = (pid_bg.to(tl.int64) * n_parts + part) * G_PAD + hh  # (G_PAD,) partial rows
+        tl.store(OM + base, m_i)
+        tl.store(OL + base, l_i)
+        tl.store(OACC + base[:, None] * D + d[None, :], acc)
+
+    @triton.jit
+    def _decode_combine_kernel(
+        OM, OL, OACC, GATE, OUT, n_parts,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+        SEL_PARTS: tl.constexpr, PB: tl.constexpr,
+    ):
+        """Decode, one program per (row, KV group): each branch's output from its parts' partials (selected:
+        the first SEL_PARTS, window: the next, compressed: the last), PB parts per vector load, rounded to the
+        output dtype as the training path stores them, and the gated sum (Eq. 5)."""
+        pid_bg = tl.program_id(0)
+        _, _, hh, row, row_ok, d = _group_rows(pid_bg, H, HKV, G, D, G_PAD)
+        dtype: tl.constexpr = OUT.dtype.element_ty
+        first = pid_bg.to(tl.int64) * n_parts
+        _, l_i, acc, _, _ = _merge_partials(OM, OL, OACC, OM, first, SEL_PARTS, hh, d, G_PAD, D, PB, True, False)
+        o_slc = _branch_output(acc, l_i, dtype)
+        _, l_i, acc, _, _ = _merge_partials(OM, OL, OACC, OM, first + SEL_PARTS, n_parts - 1 - SEL_PARTS, hh, d,
+                                            G_PAD, D, PB, True, False)
+        o_win = _branch_output(acc, l_i, dtype)
+        _, l_i, acc, _, _ = _merge_partials(OM, OL, OACC, OM, first + n_parts - 1, 1, hh, d, G_PAD, D, PB, True,
+                                            False)
+        o_cmp = _branch_output(acc, l_i, dtype)
+        out = _gated_sum(GATE, row, row_ok, o_cmp, o_slc, o_win)
+        tl.store(OUT + row[:, None] * D + d[None, :], out.to(dtype), mask=row_ok[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# Host-side launchers (static shapes, no host synchronization)
+# ----------------------------------------------------------------------------------------------
+
+def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params: NSAParams, scale,
+                 query_end=None):
+    """One query per row (Tq == 1), none of the launches with a long serial loop at long context: the
+    compressed keys split over CS-slot programs (softmax partials and probabilities); the selection blocks
+    split over TB-block programs (scores and a top-n list per range); then the branches and the gates. Those
+    last take one program per (row, KV group) in an eager step (three launches: each costs host time, and eager
+    decoding is host-bound at small batch), or, in a static cache's step (CUDA-graphed by generate()), parts
+    side by side (a few selected blocks, a span of the window, the compressed splits' merge) and a combine
+    kernel (four launches, a short chain of steps on the GPU).
+    query_end (a static cache): the query's key index as a 1-element int64 tensor, read by the kernels; every
+    grid then follows the buffers' fixed sizes, so the launches are the same at every token (CUDA graphs)."""
+    batch, _, num_heads, head_dim = q.shape
+    num_slots, num_kv = k_cmp.shape[1], k_cmp.shape[2]
+    num_keys, num_win = k_slc.shape[1], k_win.shape[1]
+    group = num_heads // num_kv
+    g_pad = max(16, _next_pow2(group))
+    num_blocks = _cdiv(num_keys, params.sel_block_size)
+    n_sel = min(params.sel_num_blocks, num_blocks)
+    n_pad = _next_pow2(n_sel)
+    # compressed slots per split program (a power of two >= 16): 256 at head_dim <= 64 (H100, 2026-11-23, 64k,
+    # the other defaults as they are: the finish kernel, which merges the splits, 34.9 us against 39.1 / 46.9 us
+    # with splits of 128 / 64 slots), 128 above (256 spills 96-104 B at head_dim 128: tests/triton_aot.py)
+    split = _OVERRIDES.decode_split or (256 if head_dim <= 64 else 128)
+    n_split = max(1, _cdiv(num_slots, split))
+    blocks_per_prog = _OVERRIDES.decode_topn_blocks or 64  # selection blocks per top-n program
+    n_prog = _cdiv(num_blocks, blocks_per_prog)
+    rows = batch * num_kv * n_split * g_pad
+    part_m = torch.empty(rows, device=q.device, dtype=torch.float32)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty(rows, head_dim, device=q.device, dtype=torch.float32)
+    part_p = torch.empty(rows, split, device=q.device, dtype=torch.float32)
+    counts = torch.empty(batch * num_kv * n_split, 2, device=q.device, dtype=torch.int32)
+    top_v = torch.empty(batch * num_kv * n_prog, n_pad, device=q.device, dtype=torch.float32)
+    top_i = torch.empty(batch * num_kv * n_prog, n_pad, device=q.device, dtype=torch.int32)
+    common = dict(HKV=num_kv, G=group, D=head_dim, G_PAD=g_pad)
+    topn = dict(LB=params.sel_block_size, N_SEL=n_sel, N_PAD=n_pad)
+    # splits per vector load in the top-n kernel's merge (m, l only)
+    merge_splits = _OVERRIDES.decode_merge_splits or 32
+    # Steps of SEL_STEP selected blocks and BLOCK_N window keys, 256 keys (128 at head_dim 128, 64 at 256: each
+    # step's K and V stay within shared memory), 4 warps to head_dim 64 (H100, 2026-11-23, 64k: the finish kernel
+    # 34.9 us at 4 warps against 41.2 us at 8, the graphed static step 50.1 against 53.7 us; the finish kernel
+    # spills 8-104 B there with triton 3.9, tests/test_triton_compile.py), 8 above (4 spill 200-264 B at head_dim
+    # 128).
+    # With 99 KiB of shared memory per block (RTX 30xx/40xx, A10, L4) half as many keys per step: 256 keys at
+    # head_dim 64 take 136 KiB there. In parts, a part is one step by default: at n = 16, l' = 64, w = 512 and
+    # head_dim 64, 4 selected parts, 2 window parts and the compressed merge, 7 programs per (row, KV group)
+    # where the finish kernel walks 12 steps (graphed at 64k on the H100, 2026-11-23, at 8 warps: 100 us in parts
+    # against 125 us with the finish kernel).
+    budget = 16384 if _shared_memory_limit(q.device) >= _LARGE_SHARED_MEMORY else 8192  # keys x head_dim
+    keys_per_step = min(256, budget // head_dim)
+    sel_step = _OVERRIDES.decode_sel_step or max(1, min(keys_per_step // params.sel_block_size, _next_pow2(n_sel)))
+    win_tile = _OVERRIDES.decode_win_tile or keys_per_step
+    sel_part = max(sel_step, _OVERRIDES.decode_sel_part or sel_step)
+    win_part = max(win_tile, _OVERRIDES.decode_win_part or win_tile)
+    sel_parts, win_parts = _cdiv(n_sel, sel_part), _cdiv(num_win, win_part)
+    n_parts = sel_parts + win_parts + 1  # the last: the compressed branch
+    # the compressed merge: 16 splits (with their outputs) per step; the list merge: 128 entries per step
+    part_splits = _OVERRIDES.decode_merge_splits or 16
+    lists = _OVERRIDES.decode_merge_lists or max(1, 128 // n_pad)
+    static = query_end is not None
+    query_end = query_end if static else doc_pos  # (unread without STATIC)
+    _decode_cmp_split_kernel[(batch * num_kv, n_split)](
+        q, k_cmp, v_cmp, cmp_end, doc_pos, query_end, part_m, part_l, part_acc, part_p, counts,
+        num_keys, num_slots, n_split, scale * _LOG2E, k_cmp.stride(0), v_cmp.stride(0), cmp_end.stride(0),
+        doc_pos.stride(0), H=num_heads, CS=split, STATIC=static, num_warps=4, **common,
+    )
+    _decode_topn_kernel[(batch * num_kv, n_prog)](
+        part_m, part_l, part_acc, part_p, counts, doc_pos, query_end, top_v, top_i, num_keys, n_split, n_prog,
+        doc_pos.stride(0),
+        L=params.cmp_block_size, DS=params.cmp_stride, INIT=params.sel_init_blocks, LOCAL=params.sel_local_blocks,
+        BJ=_topn_chunk(params), CS=split, SB=merge_splits, TB=blocks_per_prog, INSERT_MAX=_topn_insert_max(decode=True),
+        STATIC=static, num_warps=4, **common, **topn,
+    )
+    out = torch.empty_like(q)
+    common_last = dict(H=num_heads, WIN=params.window_size, SB=part_splits, LISTS=lists, SEL_STEP=sel_step,
+                       BLOCK_N=win_tile, STATIC=static,
+                       num_warps=_OVERRIDES.decode_warps or (4 if head_dim <= 64 else 8),
+                       **common, **topn)
+    strides = (k_slc.stride(0), v_slc.stride(0), k_win.stride(0), v_win.stride(0), doc_pos.stride(0))
+    if not (static if _OVERRIDES.decode_parts is None else _OVERRIDES.decode_parts):
+        _decode_finish_kernel[(batch * num_kv,)](
+            q, part_m, part_l, part_acc, counts, top_v, top_i, k_slc, v_slc, k_win, v_win, gates, doc_pos, query_end,
+            out, num_keys, num_win, n_split, n_prog, scale * _LOG2E, *strides, **common_last,
+        )
+        return out
+    out_m = torch.empty(batch * num_kv * n_parts * g_pad, device=q.device, dtype=torch.float32)
+    out_l = torch.empty_like(out_m)
+    out_acc = torch.empty(out_m.shape[0], head_dim, device=q.device, dtype=torch.float32)
+    # one stage: a part is one step by default (nothing to overlap), and the two branches' pipeline buffers would
+    # not share shared memory (258 KiB on sm_90)
+    _decode_parts_kernel[(batch * num_kv, n_parts)](
+        q, part_m, part_l, part_acc, counts, top_v, top_i, k_slc, v_slc, k_win, v_win, doc_pos, query_end,
+        out_m, out_l, out_acc, num_keys, num_win, n_split, n_prog, n_parts, scale * _LOG2E, *strides,
+        SEL_PART=sel_part, SEL_PARTS=sel_parts, WIN_PART=win_part, num_stages=1, **common_last,
+    )
+    _decode_combine_kernel[(batch * num_kv,)](
+        out_m, out_l, out_acc, gates, out, n_parts, H=num_heads, SEL_PARTS=sel_parts,
+        PB=max(1, 256 // head_dim), num_warps=4, **common,  # PB parts per load: spill-free to head_dim 256
+    )
+    return out

@@ -1,0 +1,182 @@
+"""The backward's dQ: one kernel per query tile for all three branches (dQ in registers, written once), which
+also writes the gate gradients and the per-branch deltas the dK/dV kernels read.
+"""
+
+from __future__ import annotations
+
+
+
+
+try:  # the module must import where triton is missing (CPU-only installs, macOS)
+    import triton
+    import triton.language as tl
+
+    _HAS_TRITON = True
+except Exception:  # pragma: no cover - exercised only without triton
+    triton = None
+    tl = None
+    _HAS_TRITON = False
+
+
+if _HAS_TRITON:
+    from .nsa_triton_common import _load_lse, _tile_rows
+    from .nsa_triton_interval import _interval_kv, _interval_tiles
+    from .nsa_triton_selected import _sel_block, _sel_sub_rows
+
+    # ------------------------------------------------------------------------------------------
+    # Backward dQ: one kernel for the three branches
+    # ------------------------------------------------------------------------------------------
+
+    @triton.jit
+    def _dq_update(q, do, lse, delta, k, v, vis, sm_scale2, dq, MASKED: tl.constexpr):
+        """A key tile's share of the query tile's dQ (unscaled): the flash-attention backward with the
+        probabilities recomputed from the saved log-sum-exp (the dQ side of _dkdv_update); vis is ignored
+        unless MASKED."""
+        s = tl.dot(q, tl.trans(k)) * sm_scale2
+        p = tl.exp2(s - lse[:, None])
+        if MASKED:
+            p = tl.where(vis, p, 0.0)
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        return dq + tl.dot(ds.to(k.dtype), k)
+
+    @triton.jit
+    def _interval_dq_range(q, do, lse, delta, K, V, kv_base, lo, hi, k_from, k_to, k_end, sm_scale2, dq,
+                           HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+        for k0 in range(k_from, k_to, BLOCK_N):
+            k, v, vis = _interval_kv(K, V, kv_base, k0, k_end, lo, hi, HKV, D, BLOCK_N, MASKED)
+            dq = _dq_update(q, do, lse, delta, k, v, vis, sm_scale2, dq, MASKED)
+        return dq
+
+    @triton.jit
+    def _interval_dq(q, do, lse, delta, K, V, kv_base, lo, hi, row_ok, Nk, sm_scale2,
+                     HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+        """dQ (unscaled) of one interval branch for the tile's rows: keys [lo, hi) of K/V per row; the middle
+        tiles unmasked (see _interval_tiles; rows outside the tile hold q = do = delta = 0 and add nothing)."""
+        hi = tl.where(row_ok, hi, lo)
+        k_begin, k_end, full_lo, full_hi = _interval_tiles(lo, hi, row_ok, Nk, BLOCK_N)
+        dq = tl.zeros(q.shape, tl.float32)
+        dq = _interval_dq_range(q, do, lse, delta, K, V, kv_base, lo, hi, k_begin, full_lo, k_end, sm_scale2, dq,
+                                HKV, D, BLOCK_N, True)
+        dq = _interval_dq_range(q, do, lse, delta, K, V, kv_base, lo, hi, full_lo, full_hi, k_end, sm_scale2, dq,
+                                HKV, D, BLOCK_N, False)
+        return _interval_dq_range(q, do, lse, delta, K, V, kv_base, lo, hi, full_hi, k_end, k_end, sm_scale2, dq,
+                                  HKV, D, BLOCK_N, True)
+
+    @triton.jit
+    def _branch_prep(DOUT, O, GATE, DG, DELTA, row, row_ok, d, R, D: tl.constexpr, BR: tl.constexpr):
+        """dgate = dout . o and delta = rowsum(round(g dout) * o) of one branch for the tile's rows;
+        stores both (delta also feeds the dK/dV kernels) and returns (round(g dout), delta)."""
+        off = row[:, None] * D + d[None, :]
+        dout = tl.load(DOUT + off, mask=row_ok[:, None], other=0.0)
+        o = tl.load(O + off, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        gt = tl.load(GATE + row * 3 + BR, mask=row_ok, other=0.0).to(tl.float32)
+        tl.store(DG + row * 3 + BR, tl.sum(dout.to(tl.float32) * o, 1).to(DG.dtype.element_ty), mask=row_ok)
+        do = (dout.to(tl.float32) * gt[:, None]).to(DOUT.dtype.element_ty)
+        delta = tl.sum(do.to(tl.float32) * o, 1)
+        tl.store(DELTA + BR * R + row, delta, mask=row_ok)
+        return do, delta
+
+    @triton.jit
+    def _sel_dq_sub_rows(Q, IDX, DOCPOS, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q, pid_bg, Tq, Tk, q_off, R, r0,
+                         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
+                         N_SEL: tl.constexpr, N_PAD: tl.constexpr, QPB: tl.constexpr, SUB_M: tl.constexpr):
+        """A sub-tile's rows for the selected branch's dQ: q, round(g dout), log-sum-exp, delta (delta and the
+        gate gradient also stored), query positions and chosen blocks."""
+        q, row, row_ok, t_abs, a_rows = _sel_sub_rows(Q, IDX, DOCPOS, pid_q, pid_bg, Tq, Tk, q_off, r0,
+                                                      H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+        do, delta = _branch_prep(DOUT, OS, GATE, DG, DELTA, row, row_ok, tl.arange(0, D), R, D, 1)
+        return q, do, _load_lse(LSE_S, row, row_ok), delta, t_abs, a_rows
+
+    @triton.jit
+    def _sel_dq_sub(a, kk, k, v, q, do, lse, delta, t_abs, a_rows, sm_scale2, dq, WHOLE: tl.constexpr):
+        """Block a's share of one sub-tile's dQ: skipped unless one of its rows' queries chose it (WHOLE: the
+        whole tile, no test, as in _sel_fwd_sub)."""
+        sel = tl.sum((a_rows == a).to(tl.int32), 1) > 0
+        if WHOLE:
+            vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
+            dq = _dq_update(q, do, lse, delta, k, v, vis, sm_scale2, dq, True)
+        elif tl.max(sel.to(tl.int32), 0) > 0:
+            vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
+            dq = _dq_update(q, do, lse, delta, k, v, vis, sm_scale2, dq, True)
+        return dq
+
+    @triton.jit
+    def _rows_cat(x, y):
+        """(M, D), (M, D) -> (2M, D): the rows of x, then those of y."""
+        M: tl.constexpr = x.shape[0]
+        D: tl.constexpr = x.shape[1]
+        return tl.reshape(tl.permute(tl.join(x, y), (2, 0, 1)), (2 * M, D))
+
+    @triton.jit
+    def _bwd_dq_kernel(
+        Q, DOUT, GATE, DG, DELTA, DQ,
+        KC, VC, C_LO, C_HI, LSE_C, OC,
+        KS, VS, IDX, UBLK, UCNT, DOCPOS, LSE_S, OS,
+        KW, VW, W_LO, W_HI, LSE_W, OW,
+        Tq, Tk, Nc, Tw, q_off, n_tiles, R, sm_scale2, scale,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+        LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr,
+        SUB_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        """dQ of all three branches for one query tile, accumulated in registers in a fixed branch order
+        (compressed, window, selected) and written once in q's dtype; also the gate gradients and the
+        per-branch deltas. The branch output gradient g_i * dout is formed here (never materialized). The
+        selected branch runs in sub-tiles as in _sel_fwd_kernel, joined back into the tile's rows."""
+        SUBS: tl.constexpr = BLOCK_M // SUB_M
+        pid_q = tl.program_id(0)
+        pid_bg = tl.program_id(1)
+        b = (pid_bg // HKV).to(tl.int64)
+        g = pid_bg % HKV
+        r, qi, row_ok = _tile_rows(pid_q, Tq, 0, G, QPB, BLOCK_M)
+        d = tl.arange(0, D)
+        row = (b * Tq + qi) * H + g * G + r % G
+        q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        # compressed branch
+        do, delta = _branch_prep(DOUT, OC, GATE, DG, DELTA, row, row_ok, d, R, D, 0)
+        lse = _load_lse(LSE_C, row, row_ok)
+        lo = tl.load(C_LO + b * Tq + qi, mask=row_ok, other=0)
+        hi = tl.load(C_HI + b * Tq + qi, mask=row_ok, other=0)
+        dq = _interval_dq(q, do, lse, delta, KC, VC, b * Nc * HKV * D + g * D, lo, hi, row_ok, Nc, sm_scale2,
+                          HKV, D, BLOCK_N)
+        # window branch
+        do, delta = _branch_prep(DOUT, OW, GATE, DG, DELTA, row, row_ok, d, R, D, 2)
+        lse = _load_lse(LSE_W, row, row_ok)
+        lo = tl.load(W_LO + b * Tq + qi, mask=row_ok, other=0)
+        hi = tl.load(W_HI + b * Tq + qi, mask=row_ok, other=0)
+        dq += _interval_dq(q, do, lse, delta, KW, VW, b * Tw * HKV * D + g * D, lo, hi, row_ok, Tw, sm_scale2,
+                           HKV, D, BLOCK_N)
+        # selected branch: the tile's distinct blocks (see _tile_block_union), math per sub-tile
+        q0, do0, lse0, dl0, t0, a0 = _sel_dq_sub_rows(Q, IDX, DOCPOS, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q, pid_bg,
+                                                      Tq, Tk, q_off, R, 0, H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+        dq0 = tl.zeros([SUB_M, D], tl.float32)
+        if SUBS >= 2:
+            q1, do1, lse1, dl1, t1, a1 = _sel_dq_sub_rows(Q, IDX, DOCPOS, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q,
+                                                          pid_bg, Tq, Tk, q_off, R, SUB_M,
+                                                          H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+            dq1 = tl.zeros([SUB_M, D], tl.float32)
+        if SUBS >= 4:
+            q2, do2, lse2, dl2, t2, a2 = _sel_dq_sub_rows(Q, IDX, DOCPOS, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q,
+                                                          pid_bg, Tq, Tk, q_off, R, 2 * SUB_M,
+                                                          H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+            dq2 = tl.zeros([SUB_M, D], tl.float32)
+            q3, do3, lse3, dl3, t3, a3 = _sel_dq_sub_rows(Q, IDX, DOCPOS, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q,
+                                                          pid_bg, Tq, Tk, q_off, R, 3 * SUB_M,
+                                                          H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+            dq3 = tl.zeros([SUB_M, D], tl.float32)
+        tile = pid_bg.to(tl.int64) * n_tiles + pid_q
+        kv_base = b * Tk * HKV * D + g * D
+        for u in range(tl.load(UCNT + tile)):
+            a, kk, k, v = _sel_block(KS, VS, UBLK, tile, u, kv_base, Tk, HKV, D, LB, N_SEL, QPB)
+            dq0 = _sel_dq_sub(a, kk, k, v, q0, do0, lse0, dl0, t0, a0, sm_scale2, dq0, SUBS == 1)
+            if SUBS >= 2:
+                dq1 = _sel_dq_sub(a, kk, k, v, q1, do1, lse1, dl1, t1, a1, sm_scale2, dq1, False)
+            if SUBS >= 4:
+                dq2 = _sel_dq_sub(a, kk, k, v, q2, do2, lse2, dl2, t2, a2, sm_scale2, dq2, False)
+                dq3 = _sel_dq_sub(a, kk, k, v, q3, do3, lse3, dl3, t3, a3, sm_scale2, dq3, False)
+        if SUBS == 1:
+            dq += dq0
+        if SUBS == 2:
+            dq += _rows_cat(dq0, dq1)
+        if SUBS == 4:
+            dq += _rows_cat(_rows_cat(dq0, dq1), _rows_cat(dq2, dq3))
+        tl.store(DQ + row[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])

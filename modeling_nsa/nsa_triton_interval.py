@@ -1,0 +1,249 @@
+"""Interval attention: the compressed and sliding-window branches, where query t sees a contiguous run of keys
+[lo(t), hi(t)) (NSA_SPEC; nsa_triton.py describes the kernels' layout of the work): the per-query intervals,
+the forward kernel (which also writes the gated sum of the three branches) and the dK/dV kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .nsa_layout import NSAParams
+from .nsa_triton_common import _LOG2E, _cdiv
+from .nsa_triton_launch import _OVERRIDES, _dkdv_launch, _rows_per_program
+
+
+try:  # the module must import where triton is missing (CPU-only installs, macOS)
+    import triton
+    import triton.language as tl
+
+    _HAS_TRITON = True
+except Exception:  # pragma: no cover - exercised only without triton
+    triton = None
+    tl = None
+    _HAS_TRITON = False
+
+
+if _HAS_TRITON:
+    from .nsa_triton_common import _bwd_rows, _dkdv_update, _gated_sum, _softmax_init, _softmax_tile, _tile_rows
+
+    # ------------------------------------------------------------------------------------------
+    # Interval attention (compressed + window branches)
+    # ------------------------------------------------------------------------------------------
+
+    @triton.jit
+    def _interval_tiles(lo, hi, row_ok, Nk, BLOCK_N: tl.constexpr):
+        """Key range of a query tile's interval branch: (k_begin, k_end) covers every row's [lo, hi), and the
+        BLOCK_N tiles from k_begin that lie in [full_lo, full_hi) are inside every valid row's interval, so
+        they need no mask (the window's and the compressed branch's middle tiles). A valid row with an empty
+        interval (hi <= lo) empties that middle."""
+        hi = tl.where(row_ok, hi, lo)
+        k_begin = tl.min(tl.where(hi > lo, lo, Nk), axis=0)
+        k_end = tl.max(hi, axis=0)
+        lo_max = tl.max(tl.where(row_ok, lo, 0), axis=0)  # [lo_max, hi_min): keys every valid row sees
+        hi_min = tl.min(tl.where(row_ok, hi, Nk), axis=0)
+        n_tiles = tl.cdiv(tl.maximum(k_end - k_begin, 0), BLOCK_N)
+        first = tl.minimum(tl.cdiv(tl.maximum(lo_max - k_begin, 0), BLOCK_N), n_tiles)
+        last = tl.maximum(tl.minimum(tl.maximum(hi_min - k_begin, 0) // BLOCK_N, n_tiles), first)
+        return k_begin, k_end, k_begin + first * BLOCK_N, k_begin + last * BLOCK_N
+
+    @triton.jit
+    def _interval_kv(K, V, kv_base, k0, k_end, lo, hi,
+                     HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+        """Key tile [k0, k0 + BLOCK_N): K, V (BLOCK_N, D) and which rows see which keys (MASKED; otherwise every
+        key is in range and seen by every row, and vis is a constant)."""
+        kk = k0 + tl.arange(0, BLOCK_N)
+        kv_off = kv_base + kk.to(tl.int64)[:, None] * (HKV * D) + tl.arange(0, D)[None, :]
+        if MASKED:
+            k_ok = kk < k_end
+            k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
+            v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
+            vis = (kk[None, :] >= lo[:, None]) & (kk[None, :] < hi[:, None])
+        else:
+            k = tl.load(K + kv_off)
+            v = tl.load(V + kv_off)
+            vis = True
+        return k, v, vis
+
+    @triton.jit
+    def _interval_fwd_range(q, K, V, kv_base, lo, hi, k_from, k_to, k_end, sm_scale2, m_i, l_i, acc,
+                            HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+        """Online softmax over the key tiles from k_from to k_to (masked or not, see _interval_tiles)."""
+        for k0 in range(k_from, k_to, BLOCK_N):
+            k, v, vis = _interval_kv(K, V, kv_base, k0, k_end, lo, hi, HKV, D, BLOCK_N, MASKED)
+            s = tl.dot(q, tl.trans(k)) * sm_scale2
+            if MASKED:
+                s = tl.where(vis, s, float("-inf"))
+            m_i, l_i, acc = _softmax_tile(s, v, m_i, l_i, acc)
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _interval_fwd_kernel(
+        Q, K, V, LO, HI, O, LSE, OC, OS, GATE, OUT,
+        Tq, Nk, sm_scale2,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+        QPB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COMBINE: tl.constexpr,
+    ):
+        pid_q = tl.program_id(0)
+        pid_bg = tl.program_id(1)
+        b = (pid_bg // HKV).to(tl.int64)
+        g = pid_bg % HKV
+        r, qi, row_ok = _tile_rows(pid_q, Tq, 0, G, QPB, BLOCK_M)
+        hh = r % G
+        lo = tl.load(LO + b * Tq + qi, mask=row_ok, other=0)
+        hi = tl.load(HI + b * Tq + qi, mask=row_ok, other=0)
+        hi = tl.where(row_ok, hi, lo)
+        k_begin, k_end, full_lo, full_hi = _interval_tiles(lo, hi, row_ok, Nk, BLOCK_N)
+        d = tl.arange(0, D)
+        row = (b * Tq + qi) * H + g * G + hh
+        q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        kv_base = b * Nk * HKV * D + g * D
+        m_i, l_i, acc = _softmax_init(BLOCK_M, D)
+        # boundary tiles masked, the middle ones not (rows outside the tile hold q = 0 and are not stored)
+        m_i, l_i, acc = _interval_fwd_range(q, K, V, kv_base, lo, hi, k_begin, full_lo, k_end, sm_scale2, m_i, l_i,
+                                            acc, HKV, D, BLOCK_N, True)
+        m_i, l_i, acc = _interval_fwd_range(q, K, V, kv_base, lo, hi, full_lo, full_hi, k_end, sm_scale2, m_i, l_i,
+                                            acc, HKV, D, BLOCK_N, False)
+        m_i, l_i, acc = _interval_fwd_range(q, K, V, kv_base, lo, hi, full_hi, k_end, k_end, sm_scale2, m_i, l_i,
+                                            acc, HKV, D, BLOCK_N, True)
+        has = l_i > 0
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        out_ptr = row[:, None] * D + d[None, :]
+        tl.store(O + out_ptr, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("inf"))
+        tl.store(LSE + row, lse, mask=row_ok)
+        if COMBINE:  # o = g_cmp o_cmp + g_slc o_slc + g_win o_win (fp32), the branch outputs as stored
+            o_c = tl.load(OC + out_ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            o_s = tl.load(OS + out_ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            res = _gated_sum(GATE, row, row_ok, o_c, o_s, out.to(O.dtype.element_ty).to(tl.float32))
+            tl.store(OUT + out_ptr, res.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+
+    @triton.jit
+    def _interval_bwd_dkdv_kernel(
+        Q, K, V, LO, HI, QA, QB, DO, GATE, LSE, DELTA, DK, DV,
+        Tq, Nk, n_ktiles, sm_scale2, scale,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+        QPB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_SPLIT: tl.constexpr, BR: tl.constexpr,
+    ):
+        # N_SPLIT > 1: program (tile, split) handles one slice of the tile's query range and writes an
+        # fp32 partial to DK/DV[split] (summed afterwards in a fixed order: deterministic).
+        pid_k = tl.program_id(0)
+        pid_bg = tl.program_id(1)
+        pid_s = tl.program_id(2)
+        b = (pid_bg // HKV).to(tl.int64)
+        g = pid_bg % HKV
+        kk = pid_k * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_ok = kk < Nk
+        d = tl.arange(0, D)
+        kv_off = b * Nk * HKV * D + g * D + kk.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
+        k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
+        v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
+        q_begin = tl.load(QA + b * n_ktiles + pid_k)
+        q_end = tl.load(QB + b * n_ktiles + pid_k)
+        if N_SPLIT > 1:
+            span = tl.cdiv(tl.cdiv(q_end - q_begin, N_SPLIT), QPB) * QPB
+            q_begin = q_begin + pid_s * span
+            q_end = tl.minimum(q_end, q_begin + span)
+        dk = tl.zeros([BLOCK_N, D], tl.float32)
+        dv = tl.zeros([BLOCK_N, D], tl.float32)
+        r = tl.arange(0, BLOCK_M)
+        hh = r % G
+        for q0 in range(q_begin, q_end, QPB):
+            qi = q0 + r // G
+            row_ok = (r < QPB * G) & (qi < q_end)
+            qi = tl.where(row_ok, qi, 0)
+            lo = tl.load(LO + b * Tq + qi, mask=row_ok, other=0)
+            hi = tl.load(HI + b * Tq + qi, mask=row_ok, other=0)
+            row = (b * Tq + qi) * H + g * G + hh
+            q, do, lse, delta = _bwd_rows(Q, DO, GATE, LSE, DELTA, row, row_ok, d, D, BR)
+            # every tile masked, even those inside all rows' intervals: a branch in the loop body would keep
+            # the compiler from software-pipelining the next query tile's loads (tests/triton_aot.py: TTGIR)
+            vis_t = row_ok[None, :] & (kk[:, None] >= lo[None, :]) & (kk[:, None] < hi[None, :])
+            dk, dv = _dkdv_update(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
+        split_off = pid_s.to(tl.int64) * (tl.num_programs(1) // HKV) * Nk * HKV * D
+        tl.store(DK + split_off + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=k_ok[:, None])
+        tl.store(DV + split_off + kv_off, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# Host-side launchers (static shapes, no host synchronization)
+# ----------------------------------------------------------------------------------------------
+
+def _layout(cmp_end, doc_pos, num_queries, num_win, params: NSAParams):
+    """Per-query metadata in key coordinates: compressed [lo, hi) and window [lo, hi)."""
+    batch, num_keys = doc_pos.shape
+    device = doc_pos.device
+    q_off = num_keys - num_queries
+    t_abs = torch.arange(q_off, num_keys, device=device).expand(batch, -1)
+    pos = doc_pos[:, q_off:]
+    valid = pos >= 0
+    start = t_abs - pos
+    big = torch.iinfo(torch.int64).max
+    ends = torch.where(cmp_end >= 0, cmp_end, torch.full_like(cmp_end, big)).contiguous()
+    c_lo = torch.searchsorted(ends, start.contiguous(), right=False)
+    c_hi = torch.searchsorted(ends, t_abs.contiguous(), right=True)
+    zero = torch.zeros_like(c_lo)
+    c_lo = torch.where(valid, c_lo, zero)
+    c_hi = torch.where(valid, torch.maximum(c_hi, c_lo), zero)
+    w_off = num_keys - num_win
+    w_lo = (torch.maximum(start, t_abs - params.window_size + 1) - w_off).clamp(min=0)
+    w_hi = t_abs + 1 - w_off
+    w_lo = torch.where(valid, w_lo, zero)
+    w_hi = torch.where(valid, w_hi, zero)
+    as32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
+    return as32(c_lo), as32(c_hi), as32(w_lo), as32(w_hi)
+
+
+def _interval_fwd(q, k, v, lo, hi, scale, combine=None):
+    """combine=(o_cmp, o_slc, gates): also write the gated sum of the three branches (returned third)."""
+    batch, num_q, num_heads, head_dim = q.shape
+    num_keys, num_kv = k.shape[1], k.shape[2]
+    group = num_heads // num_kv
+    o = torch.empty_like(q)
+    lse = torch.empty(batch, num_q, num_heads, device=q.device, dtype=torch.float32)
+    out = torch.empty_like(q) if combine is not None else o
+    o_c, o_s, gates = combine if combine is not None else (o, o, lse)
+    block_m, qpb = _rows_per_program(group, head_dim)
+    grid = (_cdiv(num_q, qpb), batch * num_kv)
+    _interval_fwd_kernel[grid](
+        q, k, v, lo, hi, o, lse, o_c, o_s, gates, out, num_q, num_keys, scale * _LOG2E,
+        H=num_heads, HKV=num_kv, G=group, D=head_dim, QPB=qpb, BLOCK_M=block_m, BLOCK_N=64,
+        COMBINE=combine is not None, num_warps=4 if head_dim <= 64 else 8,
+    )
+    return (o, lse, out) if combine is not None else (o, lse)
+
+
+def _interval_bwd_dkdv(q, k, v, lo, hi, do, gates, branch, lse, delta, scale):
+    batch, num_q, num_heads, head_dim = q.shape
+    num_keys, num_kv = k.shape[1], k.shape[2]
+    group = num_heads // num_kv
+    block_m, qpb, dkdv_opts = _dkdv_launch(group, head_dim, q.device)
+    block_n = 64
+    n_ktiles = _cdiv(max(num_keys, 1), block_n)
+    # Queries that can see key tile [c0, c1): hi(t) > c0 and lo(t) < c1 (lo, hi monotone on valid queries).
+    hi_m = hi.long().cummax(-1).values.contiguous()
+    lo_m = torch.where(hi > lo, lo, torch.zeros_like(lo)).long().cummax(-1).values.contiguous()
+    c0 = (torch.arange(n_ktiles, device=q.device) * block_n).expand(batch, -1).contiguous()
+    c1 = (c0 + block_n).clamp(max=num_keys).contiguous()
+    qa = torch.searchsorted(hi_m, c0, right=True).to(torch.int32).contiguous()
+    qb = torch.searchsorted(lo_m, c1, right=False).to(torch.int32).contiguous()
+    # Long query ranges per key tile (the compressed branch: a compressed key is seen by the rest of
+    # its document) with few key tiles: split the range so the GPU is filled.
+    n_split = 1
+    programs = n_ktiles * batch * num_kv
+    if programs < 1024 and num_q > 4 * block_n:
+        n_split = max(1, min(64, 1024 // max(1, programs), num_q // (8 * qpb)))
+    n_split = _OVERRIDES.dkdv_split or n_split
+    if n_split == 1:
+        dk = torch.empty_like(k)
+        dv = torch.empty_like(v)
+    else:
+        dk = torch.empty((n_split,) + tuple(k.shape), device=k.device, dtype=torch.float32)
+        dv = torch.empty_like(dk)
+    _interval_bwd_dkdv_kernel[(n_ktiles, batch * num_kv, n_split)](
+        q, k, v, lo, hi, qa, qb, do, gates, lse, delta, dk, dv, num_q, num_keys, n_ktiles, scale * _LOG2E, scale,
+        H=num_heads, HKV=num_kv, G=group, D=head_dim, QPB=qpb, BLOCK_M=block_m, BLOCK_N=block_n,
+        N_SPLIT=n_split, BR=branch, **dkdv_opts,
+    )
+    if n_split > 1:
+        dk, dv = dk.sum(0).to(k.dtype), dv.sum(0).to(v.dtype)
+    return dk, dv

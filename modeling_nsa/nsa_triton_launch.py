@@ -1,0 +1,169 @@
+"""Launch choices of the NSA kernels: query tiles, warps and pipeline stages per kernel and architecture (chosen
+with tests/triton_aot.py's registers and spills and bench/tune_kernels.py's timings: bench/KERNELS.md), and the
+overrides the tests and the launch sweep force them with (`launch_overrides`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+from .nsa_layout import NSAParams
+from .nsa_triton_common import _hopper_class, _next_pow2
+
+
+@dataclasses.dataclass
+class LaunchOverrides:
+    """Launch choices forced by the tests (to reach every path of the kernels at tiny sizes) and by
+    bench/tune_kernels.py (to time the other side of a default). None: the launcher's own choice. They change
+    how the work is scheduled (tiles, splits, warps), never the result. Set them with `launch_overrides`."""
+
+    dkdv_split: int | None = None  # splits of the query range of the compressed/window dK/dV kernel
+    topn_blocks_per_chunk: int | None = None  # selection blocks per top-n chunk (small: the multi-chunk merge)
+    topn_insert_max: int | None = None  # the top-n insertion/merge threshold (0: always merge)
+    topn_rows: int | None = None  # rows (queries x padded heads) per top-n program
+    topn_warps: int | None = None  # warps of the top-n program
+    dkdv_warps: int | None = None  # warps of the compressed/window and selected dK/dV kernels
+    dq_rows: int | None = None  # rows of the fused dQ query tile (sm_90)
+    dq_warps: int | None = None  # warps of the fused dQ kernel (sm_90)
+    sel_rows: int | None = None  # the selected-attention query tile (rows = queries x G)
+    sel_sub_rows: int | None = None  # rows per sub-tile of that tile (= the tile's rows: no sub-tiles)
+    sel_split: tuple[int, int, int] | None = None  # (heavy_min pairs, splits, partial slots) of the selected dK/dV
+    decode_split: int | None = None  # compressed slots per decode split program
+    decode_topn_blocks: int | None = None  # selection blocks per decode top-n program
+    decode_sel_step: int | None = None  # selected blocks per step of a decode selected part
+    decode_win_tile: int | None = None  # window keys per step of a decode window part
+    decode_parts: int | None = None  # 1/0: the decode step's parts + combine kernels / the finish kernel
+    decode_sel_part: int | None = None  # selected blocks per decode part program
+    decode_win_part: int | None = None  # window keys per decode part program
+    decode_warps: int | None = None  # warps of the decode finish and parts kernels
+    decode_merge_splits: int | None = None  # compressed-key splits per step of the decode merges
+    decode_merge_lists: int | None = None  # block ranges' top-n lists per step of the decode parts' list merge
+
+
+_OVERRIDES = LaunchOverrides()  # what the launchers read; changed only through launch_overrides
+
+
+@contextlib.contextmanager
+def launch_overrides(**choices):
+    """Force launch choices inside a `with` block: `with launch_overrides(topn_blocks_per_chunk=2): ...`. The
+    choices not named keep their current value (the default, or an enclosing block's); all are restored on
+    exit. A name that is not a LaunchOverrides field raises, naming the valid ones."""
+    valid = [field.name for field in dataclasses.fields(LaunchOverrides)]
+    unknown = sorted(set(choices) - set(valid))
+    if unknown:
+        raise TypeError(f"launch_overrides: unknown launch choice(s) {unknown}; valid: {valid}")
+    saved = {name: getattr(_OVERRIDES, name) for name in choices}
+    try:
+        for name, value in choices.items():
+            setattr(_OVERRIDES, name, value)
+        yield _OVERRIDES
+    finally:
+        for name, value in saved.items():
+            setattr(_OVERRIDES, name, value)
+
+
+def _query_tile(group: int, rows: int) -> tuple[int, int]:
+    """(BLOCK_M, queries per program) for (query x head) row packing: about `rows` rows, at least 16 (the
+    smallest tl.dot) and at least one query's G heads."""
+    block_m = max(16, _next_pow2(group), rows)
+    return block_m, max(1, block_m // group)
+
+
+def _rows_per_program(group: int, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_M, queries per program) for the interval kernels."""
+    return _query_tile(group, 64 if head_dim <= 128 else 32)
+
+
+def _dkdv_launch(group: int, head_dim: int, device) -> tuple[int, int, dict]:
+    """(BLOCK_M, queries per program, launch options) for the dK/dV kernels, which hold fp32 dK and dV
+    tiles across their query loop. Chosen with tests/triton_aot.py (registers and spills per variant) for
+    the key-major update (_dkdv_update): on sm_90 at head_dim 64, 64-row query tiles at 4 warps, spill-free
+    for both kernels (H100, 2026-11-23, bench/tune_kernels.py: the selected kernel 3.9 ms at 64k and 2.0 ms
+    at 2k x 32 against 6.0 and 3.9 ms at 8 warps, variant dkdv8warps; the compressed/window kernel 1.75 ms at
+    2k x 32 against 2.75). Elsewhere 32-row tiles at 8 warps:
+    2 pipeline stages on sm_90 (spill-free at head_dim 128; head_dim 256 spills about 300-400 bytes with or
+    without them), none on sm_80, which keeps the stack frame there at 0-32 bytes at head_dim 64 (64 rows,
+    or pipelining, spill more)."""
+    if head_dim <= 64 and _hopper_class(device):
+        block_m, qpb = _rows_per_program(group, head_dim)
+        return block_m, qpb, dict(num_warps=_OVERRIDES.dkdv_warps or 4)
+    stages = 2 if _hopper_class(device) else 1
+    return *_query_tile(group, 32), dict(num_warps=_OVERRIDES.dkdv_warps or 8, num_stages=stages)
+
+
+def _dq_launch(group: int, head_dim: int, n_sel: int, device) -> tuple[int, int, dict]:
+    """(BLOCK_M, queries per program, launch options) for the fused dQ kernel. On sm_90 at head_dim 64 with
+    16 or more selected blocks: 128-row tiles, 8 warps (bench/tune_kernels.py on the H100, 2026-11-22: dQ 4.3
+    -> 2.7 ms at 2k, 9.5 -> 6.3 ms on fla's layout at 8k, equal at 64k; the selected forward is slower with
+    128 rows, so it keeps 64); with fewer blocks (T < 1024 at n = 16) the 128-row tile spills, and at
+    head_dim 128 it does not fit: the selected attention's tile there. Before Hopper 64 rows spill whatever
+    the warps, so the tile is 32 rows there (tests/triton_aot.py). Two pipeline stages on sm_90: with the
+    selected loop free of branches (_sel_dq_sub, WHOLE) its block loads are software-pipelined, and the
+    default three stages spill 8 bytes at 128 rows. H100, 2026-11-23: 128 rows beat 64 (variant dq64rows)
+    and 32 (sel32rows) at 2k, 8k and 64k, random and correlated queries (64k: 16.9 / 18.3 / 20.6 ms)."""
+    if _hopper_class(device):
+        wide = head_dim <= 64 and _next_pow2(n_sel) >= 16 and not _OVERRIDES.sel_rows
+        rows = _OVERRIDES.dq_rows or (128 if wide else None)
+        block_m, qpb = _query_tile(group, rows) if rows else _sel_rows_per_program(group, head_dim)
+        return block_m, qpb, dict(num_warps=_OVERRIDES.dq_warps or 8, num_stages=2)
+    return *_query_tile(group, 32), dict(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+
+
+def _sel_sub_tile(block_m: int, head_dim: int, device, dq: bool = False) -> int:
+    """Rows per sub-tile of a selected-attention query tile (a sub-tile skips the union blocks none of its
+    queries chose). Hopper's wgmma works on 64-row tiles, so there a 16-row tl.dot costs about a 64-row
+    one and sub-tiles only add work: measured on the H100 (bench/tune_kernels.py, 2026-11-22, d64) the
+    whole 64-row tile was fastest at every length and both layouts; a whole tile also lets the block loop be
+    software-pipelined (no per-block branch). At head_dim 128 the fused dQ (dq=True) keeps 16-row sub-tiles:
+    its whole tile spills (tests/triton_aot.py); the forward's does not. Before Hopper mma works on 16 rows,
+    so there the tile runs as 16-row sub-tiles (at most 4), which skip the blocks none of their queries
+    chose (bench/selection_tiles.py counts the math saved; not timed on such a GPU)."""
+    if _OVERRIDES.sel_sub_rows:
+        return min(block_m, max(_OVERRIDES.sel_sub_rows, block_m // 4))
+    if _hopper_class(device) and (head_dim <= 64 or not dq):
+        return block_m
+    return min(block_m, max(16, block_m // 4))
+
+
+def _sel_rows_per_program(group: int, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_M, queries per program) for the selected-attention query tiles: as wide as registers allow.
+    A tile loads each block of its queries' union once; its sub-tiles (_sel_sub_tile) do the math only for
+    the blocks their own queries chose, so the math does not grow with the tile but the loads shared per
+    query do (bench/selection_tiles.py)."""
+    if _OVERRIDES.sel_rows:
+        return _query_tile(group, _OVERRIDES.sel_rows)
+    return _query_tile(group, 64 if head_dim <= 128 else 32)
+
+
+def _topn_warps(device) -> int:
+    """Warps of the training top-n program: 4 on sm_90 (bench/tune_kernels.py on the H100, 2026-11-22: 19.1
+    -> 14.6 ms at 64k, 1.3 -> 1.2 ms at 2k, when it still spilled 8-16 bytes with 16 selected blocks; the
+    unsorted lists made it spill-free, tests/triton_aot.py); 8 before Hopper (not timed there)."""
+    return _OVERRIDES.topn_warps or (4 if _hopper_class(device) else 8)
+
+
+def _topn_insert_max(decode: bool = False) -> int:
+    """Entries of a chunk entering a query's list up to which they are inserted one at a time (_topn_insert)
+    rather than merged whole (_topn_merge); tests and bench/tune_kernels.py force it
+    (launch_overrides(topn_insert_max=...)).
+    Training's top-n inserts every entering block (no merge compiled in the chunk loop). An insertion replaces
+    the worst entry of an unsorted list, 283 SASS instructions on sm_90 against 741 for the sorted-list
+    insertion timed on the H100 (2026-11-22: inserting up to 4 per chunk, merging above, took the 64k top-n
+    from 23.1 to 19.1 ms; inserting up to 16 then was slower, 26.6 ms); a chunk of 16 entering blocks costs
+    about what a merge does (tests/triton_aot.py SASS). H100, 2026-11-23 (64k, random queries): 9.4 ms
+    inserting every entering block, 15.0 ms inserting up to 4 (variant insert4), 43.0 ms merging every chunk
+    (merge_only). The decode top-n merges every chunk: a decode program scores 64 blocks for one query, so
+    most of its chunks bring several entering blocks (64k cache, same day: 11.8 us merging against 31.3 us
+    inserting, variant decode_insert_all)."""
+    if _OVERRIDES.topn_insert_max is not None:
+        return _OVERRIDES.topn_insert_max
+    return 0 if decode else 1 << 16
+
+
+def _topn_chunk(params: NSAParams) -> int:
+    """BJ selection blocks per top-n chunk: about 64 compressed tokens, at least 16 (the smallest tl.dot)."""
+    ratio = params.sel_block_size // params.cmp_stride
+    bj = max(1, 64 // ratio) if ratio <= 64 else 1
+    bj = max(bj, 16 // min(ratio, 16))
+    return _OVERRIDES.topn_blocks_per_chunk or bj

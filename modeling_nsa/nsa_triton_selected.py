@@ -1,0 +1,370 @@
+"""Selected attention: the forward over each query tile's union of chosen blocks and the dK/dV over an inverted
+(block -> queries) index, with the load-skew split of heavily chosen blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .nsa_layout import NSAParams
+from .nsa_triton_common import _LOG2E, _cdiv, _next_pow2
+from .nsa_triton_launch import _OVERRIDES, _dkdv_launch, _sel_rows_per_program, _sel_sub_tile
+
+
+try:  # the module must import where triton is missing (CPU-only installs, macOS)
+    import triton
+    import triton.language as tl
+
+    _HAS_TRITON = True
+except Exception:  # pragma: no cover - exercised only without triton
+    triton = None
+    tl = None
+    _HAS_TRITON = False
+
+
+if _HAS_TRITON:
+    from .nsa_triton_common import _bwd_rows, _dkdv_update, _softmax_init, _softmax_tile, _tile_rows
+
+    # ------------------------------------------------------------------------------------------
+    # Selected attention
+    # ------------------------------------------------------------------------------------------
+
+    # Query tiles: a program packs BLOCK_M rows = QPB consecutive queries x the G heads of one KV group
+    # and walks the union of the tile's selected blocks (consecutive queries share the forced blocks and
+    # much of the top-n). A block is named by its absolute first key a = doc_start + j * l' (a block
+    # start lies inside its document, so equal a means same document). The launcher lists each tile's
+    # distinct blocks (_tile_block_union: sorted, deduplicated, static shapes); each row attends block a
+    # iff its own query selected it (keys s <= t).
+    # Sub-tiles: the tile's rows are split in SUBS sub-tiles of SUB_M rows (1, 2 or 4, each with its own
+    # softmax state); a union block is loaded once for the tile, and a sub-tile does its math only if one
+    # of its rows' queries chose the block. The tile shares the block loads of many queries while the
+    # math stays near what each query chose (bench/selection_tiles.py counts both). On sm_90 at head_dim 64
+    # the tile is one sub-tile (_sel_sub_tile: a 16-row wgmma costs about a 64-row one), as it is for the
+    # forward at head_dim 128.
+
+    @triton.jit
+    def _sel_tile_rows(IDX, DOCPOS, pid_q, pid_bg, b, Tq, Tk, q_off, r0,
+                       G: tl.constexpr, LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr,
+                       QPB: tl.constexpr, ROWS: tl.constexpr):
+        """Rows r0 .. r0+ROWS-1 of a query tile: (r, qi, row_ok, t_abs, a_rows (ROWS, N_PAD) first keys of the
+        blocks each row's query chose, -1 unused)."""
+        r, qi, row_ok = _tile_rows(pid_q, Tq, r0, G, QPB, ROWS)
+        t_abs = q_off + qi
+        pos = tl.load(DOCPOS + b * Tk + t_abs, mask=row_ok, other=-1)
+        start = t_abs - pos
+        slot = tl.arange(0, N_PAD)
+        j_rows = tl.load(IDX + (pid_bg.to(tl.int64) * Tq + qi)[:, None] * N_SEL + slot[None, :],
+                         mask=row_ok[:, None] & (slot < N_SEL)[None, :], other=-1)
+        a_rows = tl.where(j_rows >= 0, start[:, None] + j_rows.to(tl.int64) * LB, -1)  # (ROWS, N_PAD)
+        return r, qi, row_ok, t_abs, a_rows
+
+    @triton.jit
+    def _sel_sub_rows(Q, IDX, DOCPOS, pid_q, pid_bg, Tq, Tk, q_off, r0,
+                      H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
+                      N_SEL: tl.constexpr, N_PAD: tl.constexpr, QPB: tl.constexpr, SUB_M: tl.constexpr):
+        """A sub-tile's q, row indices (into (B*T*H) rows), row mask, query positions and chosen blocks."""
+        b = (pid_bg // HKV).to(tl.int64)
+        g = pid_bg % HKV
+        r, qi, row_ok, t_abs, a_rows = _sel_tile_rows(IDX, DOCPOS, pid_q, pid_bg, b, Tq, Tk, q_off, r0,
+                                                      G, LB, N_SEL, N_PAD, QPB, SUB_M)
+        row = (b * Tq + qi) * H + g * G + r % G
+        d = tl.arange(0, D)
+        q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        return q, row, row_ok, t_abs, a_rows
+
+    @triton.jit
+    def _sel_block(K, V, UBLK, tile, u, kv_base, Tk,
+                   HKV: tl.constexpr, D: tl.constexpr, LB: tl.constexpr, N_SEL: tl.constexpr, QPB: tl.constexpr):
+        """The tile's u-th distinct block: its first key a, key indices kk (LB,) and K, V (LB, D)."""
+        a = tl.load(UBLK + tile * (QPB * N_SEL) + u).to(tl.int64)
+        kk = a + tl.arange(0, LB)
+        k_ld = kk < Tk
+        kv_off = kv_base + kk[:, None] * (HKV * D) + tl.arange(0, D)[None, :]
+        k = tl.load(K + kv_off, mask=k_ld[:, None], other=0.0)
+        v = tl.load(V + kv_off, mask=k_ld[:, None], other=0.0)
+        return a, kk, k, v
+
+    @triton.jit
+    def _sel_fwd_sub(a, kk, k, v, q, t_abs, a_rows, sm_scale2, m_i, l_i, acc, WHOLE: tl.constexpr):
+        """Block a for one sub-tile: skipped unless one of its rows' queries chose it. WHOLE: the sub-tile is
+        the whole tile, whose union holds only blocks its queries chose, so no test (and no branch in the
+        loop, which lets the compiler pipeline the block loads)."""
+        sel = tl.sum((a_rows == a).to(tl.int32), 1) > 0  # rows whose query selected it
+        if WHOLE:
+            vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
+            s = tl.where(vis, tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
+            m_i, l_i, acc = _softmax_tile(s, v, m_i, l_i, acc)
+        elif tl.max(sel.to(tl.int32), 0) > 0:
+            vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
+            s = tl.where(vis, tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
+            m_i, l_i, acc = _softmax_tile(s, v, m_i, l_i, acc)
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _sel_fwd_store(O, LSE, row, row_ok, m_i, l_i, acc, D: tl.constexpr):
+        has = l_i > 0
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        d = tl.arange(0, D)
+        tl.store(O + row[:, None] * D + d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(LSE + row, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("inf")), mask=row_ok)
+
+    @triton.jit
+    def _sel_fwd_kernel(
+        Q, K, V, IDX, UBLK, UCNT, DOCPOS, O, LSE,
+        Tq, Tk, q_off, n_tiles, sm_scale2,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+        LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr,
+        SUB_M: tl.constexpr,
+    ):
+        SUBS: tl.constexpr = BLOCK_M // SUB_M
+        pid_q = tl.program_id(0)
+        pid_bg = tl.program_id(1)
+        tile = pid_bg.to(tl.int64) * n_tiles + pid_q
+        kv_base = (pid_bg // HKV).to(tl.int64) * Tk * HKV * D + (pid_bg % HKV) * D
+        q0, row0, ok0, t0, a0 = _sel_sub_rows(Q, IDX, DOCPOS, pid_q, pid_bg, Tq, Tk, q_off, 0,
+                                              H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+        m0, l0, acc0 = _softmax_init(SUB_M, D)
+        if SUBS >= 2:
+            q1, row1, ok1, t1, a1 = _sel_sub_rows(Q, IDX, DOCPOS, pid_q, pid_bg, Tq, Tk, q_off, SUB_M,
+                                                  H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+            m1, l1, acc1 = _softmax_init(SUB_M, D)
+        if SUBS >= 4:
+            q2, row2, ok2, t2, a2 = _sel_sub_rows(Q, IDX, DOCPOS, pid_q, pid_bg, Tq, Tk, q_off, 2 * SUB_M,
+                                                  H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+            m2, l2, acc2 = _softmax_init(SUB_M, D)
+            q3, row3, ok3, t3, a3 = _sel_sub_rows(Q, IDX, DOCPOS, pid_q, pid_bg, Tq, Tk, q_off, 3 * SUB_M,
+                                                  H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+            m3, l3, acc3 = _softmax_init(SUB_M, D)
+        for u in range(tl.load(UCNT + tile)):
+            a, kk, k, v = _sel_block(K, V, UBLK, tile, u, kv_base, Tk, HKV, D, LB, N_SEL, QPB)
+            m0, l0, acc0 = _sel_fwd_sub(a, kk, k, v, q0, t0, a0, sm_scale2, m0, l0, acc0, SUBS == 1)
+            if SUBS >= 2:
+                m1, l1, acc1 = _sel_fwd_sub(a, kk, k, v, q1, t1, a1, sm_scale2, m1, l1, acc1, False)
+            if SUBS >= 4:
+                m2, l2, acc2 = _sel_fwd_sub(a, kk, k, v, q2, t2, a2, sm_scale2, m2, l2, acc2, False)
+                m3, l3, acc3 = _sel_fwd_sub(a, kk, k, v, q3, t3, a3, sm_scale2, m3, l3, acc3, False)
+        _sel_fwd_store(O, LSE, row0, ok0, m0, l0, acc0, D)
+        if SUBS >= 2:
+            _sel_fwd_store(O, LSE, row1, ok1, m1, l1, acc1, D)
+        if SUBS >= 4:
+            _sel_fwd_store(O, LSE, row2, ok2, m2, l2, acc2, D)
+            _sel_fwd_store(O, LSE, row3, ok3, m3, l3, acc3, D)
+
+    @triton.jit
+    def _sel_block_dkdv(Q, K, V, PAIR_Q, DOCPOS, DO, GATE, LSE, DELTA, a, pid_bg, p_begin, p_end,
+                        Tq, Tk, q_off, sm_scale2,
+                        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
+                        QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr):
+        """dK (unscaled), dV of the selection block whose first key is a, over its (query, block) pairs
+        [p_begin, p_end) (rows packed as query x head). Returns (dk, dv, kv_off, k_ok)."""
+        b = (pid_bg // HKV).to(tl.int64)
+        g = pid_bg % HKV
+        kk = a + tl.arange(0, LB)
+        # keys of this block: same document as its first key (a block may be cut by the doc end)
+        a_start = a - tl.load(DOCPOS + b * Tk + a)
+        k_pos = tl.load(DOCPOS + b * Tk + kk, mask=kk < Tk, other=-1)
+        k_ok = (kk < Tk) & (k_pos >= 0) & (kk - k_pos == a_start)
+        d = tl.arange(0, D)
+        kv_off = b * Tk * HKV * D + g * D + kk.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
+        k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
+        v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
+        dk = tl.zeros([LB, D], tl.float32)
+        dv = tl.zeros([LB, D], tl.float32)
+        r = tl.arange(0, BLOCK_M)
+        hh = r % G
+        for p0 in range(p_begin, p_end, QPB):
+            pi = p0 + r // G
+            row_ok = (r < QPB * G) & (pi < p_end)
+            qi = tl.load(PAIR_Q + pi, mask=row_ok, other=0)
+            row = (b * Tq + qi) * H + g * G + hh
+            q, do, lse, delta = _bwd_rows(Q, DO, GATE, LSE, DELTA, row, row_ok, d, D, BR)
+            vis_t = row_ok[None, :] & k_ok[:, None] & (kk[:, None] <= (q_off + qi)[None, :])
+            dk, dv = _dkdv_update(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
+        return dk, dv, kv_off, k_ok
+
+    @triton.jit
+    def _sel_bwd_dkdv_kernel(
+        Q, K, V, PAIR_OFF, PAIR_Q, HPOS, HCUM, DOCPOS, DO, GATE, LSE, DELTA, DK, DV, PDK, PDV,
+        Tq, Tk, q_off, sm_scale2, scale, heavy_min, n_flat, n_heavy,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+        LB: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr,
+        HEAVY_PASS: tl.constexpr, N_SPLIT: tl.constexpr,
+    ):
+        # Main pass (grid: key range of LB keys x batch*kv head): the blocks starting in the range that
+        # have (query, block) pairs, found with one vector load of their pair counts; usually one per
+        # range (more where short documents start blocks close together). Load skew (block 0 is chosen by
+        # every query of its document): a block with more than heavy_min pairs and a partial slot (HCUM, its
+        # 1-based heavy rank, <= n_heavy) is left to the heavy pass (grid: heavy slot h x 1 x N_SPLIT;
+        # HPOS[h] names the block), each split writing an fp32 partial that _sel_dkdv_reduce_kernel sums
+        # in split order (deterministic, no atomics).
+        d = tl.arange(0, D)
+        if HEAVY_PASS:
+            h = tl.program_id(0).to(tl.int64)
+            pid_s = tl.program_id(2)
+            f = tl.load(HPOS + h)
+            if f < n_flat:
+                a = f % Tk
+                pid_bg = f // Tk
+                p_begin = tl.load(PAIR_OFF + f)
+                p_end = tl.load(PAIR_OFF + f + 1)
+                span = tl.cdiv(tl.cdiv(p_end - p_begin, N_SPLIT), QPB) * QPB
+                p_begin = p_begin + pid_s * span
+                p_end = tl.minimum(p_end, p_begin + span)
+                dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, DOCPOS, DO, GATE, LSE, DELTA, a, pid_bg,
+                                                       p_begin, p_end, Tq, Tk, q_off, sm_scale2,
+                                                       H, HKV, G, D, LB, QPB, BLOCK_M, BR)
+                p_off = ((h * N_SPLIT + pid_s) * LB + tl.arange(0, LB).to(tl.int64))[:, None] * D + d[None, :]
+                tl.store(PDK + p_off, dk * scale)
+                tl.store(PDV + p_off, dv)
+        else:
+            pid_bg = tl.program_id(1)
+            aa = tl.program_id(0) * LB + tl.arange(0, LB)  # candidate block starts in this key range
+            a_ok = aa < Tk
+            off = pid_bg.to(tl.int64) * Tk + aa
+            beg = tl.load(PAIR_OFF + off, mask=a_ok, other=0)
+            cnt = tl.load(PAIR_OFF + off + 1, mask=a_ok, other=0) - beg
+            # heavy blocks past the n_heavy partial slots stay here (slower, still exact)
+            mine = (cnt > 0) & ((cnt <= heavy_min) | (tl.load(HCUM + off, mask=a_ok, other=0) > n_heavy))
+            rank = tl.cumsum(mine.to(tl.int32), 0) - 1
+            for i in range(tl.sum(mine.to(tl.int32), 0)):
+                hit = mine & (rank == i)
+                a = tl.sum(tl.where(hit, aa, 0), 0)
+                p_begin = tl.sum(tl.where(hit, beg, 0), 0)
+                p_end = p_begin + tl.sum(tl.where(hit, cnt, 0), 0)
+                dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, DOCPOS, DO, GATE, LSE, DELTA, a, pid_bg,
+                                                       p_begin, p_end, Tq, Tk, q_off, sm_scale2,
+                                                       H, HKV, G, D, LB, QPB, BLOCK_M, BR)
+                tl.store(DK + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=k_ok[:, None])
+                tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
+
+    @triton.jit
+    def _sel_dkdv_reduce_kernel(
+        PDK, PDV, HPOS, DOCPOS, DK, DV, Tk, n_flat,
+        HKV: tl.constexpr, D: tl.constexpr, LB: tl.constexpr, N_SPLIT: tl.constexpr,
+    ):
+        h = tl.program_id(0).to(tl.int64)
+        f = tl.load(HPOS + h)  # flat (batch * kv head, block start) of the h-th heavy block
+        if f < n_flat:
+            pid_bg = f // Tk
+            a = f % Tk
+            b = pid_bg // HKV
+            g = pid_bg % HKV
+            kk = a + tl.arange(0, LB)
+            a_start = a - tl.load(DOCPOS + b * Tk + a)
+            k_pos = tl.load(DOCPOS + b * Tk + kk, mask=kk < Tk, other=-1)
+            k_ok = (kk < Tk) & (k_pos >= 0) & (kk - k_pos == a_start)
+            d = tl.arange(0, D)
+            kv_off = b * Tk * HKV * D + g * D + kk[:, None] * (HKV * D) + d[None, :]
+            # one fp32 tile live at a time (dK, then dV), summed in split order: deterministic
+            for which in tl.static_range(2):
+                acc = tl.zeros([LB, D], tl.float32)
+                for sp in range(N_SPLIT):
+                    p_off = ((h * N_SPLIT + sp) * LB + tl.arange(0, LB).to(tl.int64))[:, None] * D + d[None, :]
+                    if which == 0:
+                        acc += tl.load(PDK + p_off)
+                    else:
+                        acc += tl.load(PDV + p_off)
+                if which == 0:
+                    tl.store(DK + kv_off, acc.to(DK.dtype.element_ty), mask=k_ok[:, None])
+                else:
+                    tl.store(DV + kv_off, acc.to(DV.dtype.element_ty), mask=k_ok[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# Host-side launchers (static shapes, no host synchronization)
+# ----------------------------------------------------------------------------------------------
+
+def _tile_block_union(idx, doc_pos, qpb: int, sel_block_size: int):
+    """The distinct selected blocks of each query tile (qpb consecutive queries), as absolute first keys,
+    ascending, then padding. idx (B, Hkv, Tq, n') in-document block indices (-1 unused); doc_pos (B, Tk)
+    with the queries its last Tq positions. Returns (blocks (B, Hkv, n_tiles, qpb*n') int32, counts
+    (B, Hkv, n_tiles) int32). Two segmented sorts, static shapes, no host synchronization."""
+    batch, num_kv, num_q, n_sel = idx.shape
+    num_keys = doc_pos.shape[1]
+    q_off = num_keys - num_q
+    n_tiles = _cdiv(num_q, qpb)
+    none = torch.iinfo(torch.int32).max  # key indices fit int32 (Tk < 2**31): half the memory of int64
+    start = (torch.arange(q_off, num_keys, device=idx.device) - doc_pos[:, q_off:]).to(torch.int32)  # (B, Tq)
+    a = torch.where(idx >= 0, start[:, None, :, None] + idx * sel_block_size, none)  # (B, Hkv, Tq, n') int32
+    a = torch.nn.functional.pad(a, (0, 0, 0, n_tiles * qpb - num_q), value=none)
+    a = a.view(batch, num_kv, n_tiles, qpb * n_sel).sort(-1).values
+    repeat = torch.zeros_like(a, dtype=torch.bool)
+    repeat[..., 1:] = a[..., 1:] == a[..., :-1]
+    a = torch.where(repeat, none, a).sort(-1).values  # distinct blocks first
+    return a.contiguous(), (a < none).sum(-1, dtype=torch.int32).contiguous()
+
+
+def _sel_fwd(q, k, v, idx, doc_pos, params: NSAParams, scale):
+    batch, num_q, num_heads, head_dim = q.shape
+    num_keys, num_kv = k.shape[1], k.shape[2]
+    group = num_heads // num_kv
+    o = torch.empty_like(q)
+    lse = torch.empty(batch, num_q, num_heads, device=q.device, dtype=torch.float32)
+    n_sel = idx.shape[-1]
+    block_m, qpb = _sel_rows_per_program(group, head_dim)
+    blocks, counts = _tile_block_union(idx, doc_pos, qpb, params.sel_block_size)
+    _sel_fwd_kernel[(_cdiv(num_q, qpb), batch * num_kv)](
+        q, k, v, idx, blocks, counts, doc_pos, o, lse, num_q, num_keys, num_keys - num_q, counts.shape[-1],
+        scale * _LOG2E,
+        H=num_heads, HKV=num_kv, G=group, D=head_dim,
+        LB=params.sel_block_size, N_SEL=n_sel, N_PAD=_next_pow2(n_sel), QPB=qpb, BLOCK_M=block_m,
+        SUB_M=_sel_sub_tile(block_m, head_dim, q.device),
+        # head_dim above 64: 8 warps and two pipeline stages (spill-free at 128 on sm_90; tests/triton_aot.py)
+        **(dict(num_warps=4) if head_dim <= 64 else dict(num_warps=8, num_stages=2)),
+    )
+    return o, lse
+
+
+def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: NSAParams, scale):
+    batch, num_q, num_heads, head_dim = q.shape
+    num_keys, num_kv = k.shape[1], k.shape[2]
+    group = num_heads // num_kv
+    n_sel = idx.shape[-1]
+    lb = params.sel_block_size
+    q_off = num_keys - num_q
+    # Inverted index: (query, block) pairs sorted by (batch, kv head, block start); stable, so every
+    # block's queries come in increasing order and the accumulation order is fixed.
+    # Built in int32 where the flat (batch, kv head, key) index fits, and temporaries dropped early: this
+    # runs at the backward's memory peak.
+    sentinel = batch * num_kv * num_keys
+    key_dtype = torch.int32 if sentinel < 2**31 - 1 else torch.int64
+    start = (torch.arange(q_off, num_keys, device=q.device) - doc_pos[:, q_off:]).to(key_dtype)  # (B, Tq)
+    bg = torch.arange(batch * num_kv, device=q.device, dtype=key_dtype).view(batch, num_kv, 1, 1)
+    key = (bg * num_keys + start[:, None, :, None]) + idx.to(key_dtype) * lb  # (B, Hkv, Tq, n') block starts
+    key = torch.where(idx >= 0, key, sentinel).flatten()
+    sorted_key, order = torch.sort(key, stable=True)
+    del key
+    pair_q = (order // n_sel % num_q).to(torch.int32).contiguous()
+    del order
+    pair_off = torch.searchsorted(sorted_key, torch.arange(sentinel + 1, device=q.device, dtype=key_dtype))
+    pair_off = pair_off.contiguous()
+    del sorted_key
+    dk = torch.zeros_like(k)
+    dv = torch.zeros_like(v)
+    block_m, qpb, dkdv_opts = _dkdv_launch(group, head_dim, q.device)
+    # Heavy blocks (more than heavy_min pairs) are split over n_split programs writing fp32 partials to
+    # n_heavy slots (static shapes, no sync): at most total pairs / (heavy_min + 1) blocks can be heavy,
+    # capped at `slots` partials (16 MiB each for dK and dV at d64); the main pass keeps the rest.
+    heavy_min, n_split, slots = _OVERRIDES.sel_split or (8192, 16, 64)
+    n_flat = batch * num_kv * num_keys
+    cnt = pair_off[1:] - pair_off[:-1]
+    heavy = cnt > heavy_min
+    n_heavy = max(1, min(n_flat, slots, (batch * num_kv * num_q * n_sel) // (heavy_min + 1)))
+    heavy_cum = torch.cumsum(heavy.long(), 0)  # heavy blocks up to and including each (b, kv, block start)
+    # flat index of the h-th heavy block (n_flat where there are fewer)
+    hpos = torch.searchsorted(heavy_cum, torch.arange(1, n_heavy + 1, device=q.device, dtype=torch.int64))
+    hpos = hpos.contiguous()
+    heavy_cum = torch.where(heavy, heavy_cum, 0).contiguous()
+    pdk = torch.empty(n_heavy, n_split, lb, head_dim, device=q.device, dtype=torch.float32)
+    pdv = torch.empty_like(pdk)
+    args = (q, k, v, pair_off, pair_q, hpos, heavy_cum, doc_pos, do, gates, lse, delta, dk, dv, pdk, pdv,
+            num_q, num_keys, q_off, scale * _LOG2E, scale, heavy_min, n_flat, n_heavy)
+    meta = dict(H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=lb, QPB=qpb, BLOCK_M=block_m, BR=branch,
+                N_SPLIT=n_split, **dkdv_opts)
+    _sel_bwd_dkdv_kernel[(_cdiv(num_keys, lb), batch * num_kv, 1)](*args, HEAVY_PASS=False, **meta)
+    _sel_bwd_dkdv_kernel[(n_heavy, 1, n_split)](*args, HEAVY_PASS=True, **meta)
+    _sel_dkdv_reduce_kernel[(n_heavy,)](
+        pdk, pdv, hpos, doc_pos, dk, dv, num_keys, n_flat, HKV=num_kv, D=head_dim, LB=lb, N_SPLIT=n_split,
+        num_warps=4,
+    )
+    return dk, dv
