@@ -45,6 +45,7 @@ import math
 
 import torch
 
+from .nsa_backend import _log_once
 from .nsa_layout import NSAParams
 from .nsa_triton_common import (  # noqa: F401  (_HAS_TRITON: callers ask this module whether triton imported)
     _HAS_TRITON,
@@ -269,75 +270,60 @@ def _kernel_inputs(*tensors):
     return tuple(t.to(compute) if t.is_floating_point() and t.dtype != compute else t for t in tensors), dtype
 
 
-_logged: set[str] = set()
-
-
-def _log_once(message: str) -> None:
-    """A warning the first time it comes up; not inside torch.compile (logging cannot be traced:
-    fullgraph=True would fail), where the eager calls around it say it."""
-    if message not in _logged and not torch.compiler.is_compiling():
-        import logging
-
-        logging.getLogger(__name__).warning(message)
-        _logged.add(message)
-
-
-def _reference_fallback(reason: str, *args, **kwargs):
-    """The PyTorch reference in place of the kernels, for what they do not handle (parameters, a head_dim
-    above the GPU's shared memory); says so once per reason (the math is the same function, the speed is
-    not)."""
-    from .nsa_reference import nsa_attention_reference
-
-    _log_once(f"nsa_triton: the Triton kernels do not handle {reason}; using the PyTorch reference (much slower).")
-    return nsa_attention_reference(*args, **kwargs)
-
-
-def _entry(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params: NSAParams, scale,
-           batch_strided=False, query_end=None):
-    """What both entry points do first. Returns (the reference's output where the kernels do not handle the
-    parameters, else None; the kernels' prepared inputs; the scale; the dtype to return the output in)."""
-    head_dim = q.shape[-1]
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    unsupported = triton_unsupported_reason(params, head_dim, q.device)
+def _require_support(caller: str, instead: str, params: NSAParams, head_dim: int, device) -> None:
+    """Raise, naming what and what to use instead, where the kernels do not handle these parameters on device."""
+    unsupported = triton_unsupported_reason(params, head_dim, device)
     if unsupported:
-        out = _reference_fallback(unsupported, q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates,
-                                  doc_pos, params, scale, query_end=query_end)
-        return out, None, scale, out.dtype
+        raise ValueError(f"{caller}: the Triton kernels do not handle {unsupported}; use {instead}")
+
+
+_USE_NSA_ATTENTION = ("nsa_backend.nsa_attention(..., backend='auto') (the PyTorch reference where the kernels "
+                      "do not apply) or nsa_reference.nsa_attention_reference")
+
+
+def _kernel_args(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, scale, batch_strided=False):
+    """What both attention entry points do first: (the kernels' prepared inputs, the softmax scale, the dtype to
+    return the output in)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     floats, out_dtype = _kernel_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates)
     q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates = floats
     inputs = _prepare(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, batch_strided)
-    return None, inputs, scale, out_dtype
+    return inputs, scale, out_dtype
 
 
 def nsa_attention_triton(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos,
-                         params: NSAParams, scale: float | None = None) -> torch.Tensor:
+                         params: NSAParams, scale: float | None = None, *, checked: bool = False) -> torch.Tensor:
     """Triton NSA for all queries (training / prefill, Tq == Tk == Tw); same contract as the reference.
 
-    Differentiable w.r.t. q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win and gates.
+    Differentiable w.r.t. q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win and gates. Raises ValueError for
+    parameters the kernels do not handle on q's device (triton_unsupported_reason); checked=True: the caller
+    has asked already (nsa_backend.nsa_attention, which runs the reference there under 'auto').
     """
-    fallback, args, scale, out_dtype = _entry(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos,
-                                              params, scale)
-    if fallback is not None:
-        return fallback
+    if not checked:
+        _require_support("nsa_attention_triton", _USE_NSA_ATTENTION, params, q.shape[-1], q.device)
+    args, scale, out_dtype = _kernel_args(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos,
+                                          scale)
     out = _nsa_fwd_op(*args, _params_tuple(params), scale)[0]
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 @torch.no_grad()
 def nsa_decode_triton(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos,
-                      params: NSAParams, scale: float | None = None, query_end: torch.Tensor | None = None) -> torch.Tensor:
+                      params: NSAParams, scale: float | None = None, query_end: torch.Tensor | None = None, *,
+                      checked: bool = False) -> torch.Tensor:
     """Cached decoding step(s): q holds the last Tq (usually 1) of the Tk key positions; k_win/v_win the
     last Tw. Reads only the visible compressed keys, the n selected blocks and the window keys. One query
     per row: the cache's tensors are read in place (views of NSACache's buffers, any batch stride).
     query_end: a static cache's step (one query per row, at key query_end[0] of fixed-size buffers, the
-    window a ring; nsa_reference.nsa_attention_reference describes the layout)."""
+    window a ring; nsa_reference.nsa_attention_reference describes the layout). Raises ValueError where the
+    kernels do not handle the parameters (checked=True: the caller has asked, as nsa_attention_triton)."""
     single = q.shape[1] == 1
     if query_end is not None and not single:
         raise ValueError(f"nsa_decode_triton: a static cache decodes one token per row per step, got {q.shape[1]}.")
-    fallback, args, scale, out_dtype = _entry(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos,
-                                              params, scale, batch_strided=single, query_end=query_end)
-    if fallback is not None:
-        return fallback
+    if not checked:
+        _require_support("nsa_decode_triton", _USE_NSA_ATTENTION, params, q.shape[-1], q.device)
+    args, scale, out_dtype = _kernel_args(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos,
+                                          scale, batch_strided=single)
     if query_end is not None:
         out = _nsa_decode_static_op(*args, query_end, _params_tuple(params), scale)
     elif single:  # the generation step: three launches, no host work but allocation
@@ -352,14 +338,12 @@ def select_blocks_triton(q, k_cmp, cmp_end, doc_pos, params: NSAParams, scale: f
     """Top-n selected blocks, (B, Hkv, Tq, n') int64 in-document block indices by priority, -1 unused.
 
     q (B, Tq, H, D) are the last Tq of doc_pos's Tk positions; the scores come from the compression
-    branch's probabilities (recomputed from q, k_cmp and the log-sum-exp).
+    branch's probabilities (recomputed from q, k_cmp and the log-sum-exp). Raises ValueError where the kernels
+    do not handle the parameters.
     """
     head_dim = q.shape[-1]
+    _require_support("select_blocks_triton", "nsa_reference.select_blocks", params, head_dim, q.device)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    unsupported = triton_unsupported_reason(params, head_dim, q.device)
-    if unsupported:
-        raise ValueError(f"select_blocks_triton: the kernels do not handle {unsupported}; use "
-                         f"nsa_reference.select_blocks")
     (q, k_cmp), _ = _kernel_inputs(q, k_cmp)
     q = q.contiguous()
     k_cmp = k_cmp.to(q.dtype).contiguous()

@@ -1,7 +1,8 @@
 """Which GPUs get the Triton kernels, and what happens elsewhere: checked on CPU by standing in for the
 CUDA queries. `nsa_backend="auto"` uses the kernels only where they run (an NVIDIA GPU of compute
 capability 8.0 or newer), says once in the log why it does not, and an explicit "triton" that cannot run
-raises with the reason; parameters or head sizes the kernels do not handle run the reference, logged."""
+raises with the reason; parameters or head sizes the kernels do not handle run the reference, logged
+(nsa_backend.nsa_attention decides; the kernel entry points raise on them)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from triton_helpers import DEFAULT, import_nsa, kernel_module, make_inputs
 
 layout, _, tri = import_nsa()
 common, launch = kernel_module("common"), kernel_module("launch")
-from modeling_nsa import modeling_nsa as mn  # noqa: E402
+from modeling_nsa import nsa_backend as backend  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not tri._HAS_TRITON, reason="triton is not installed")
 CUDA = torch.device("cuda")
@@ -32,7 +33,7 @@ def fake_gpu(monkeypatch):
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         monkeypatch.setattr(torch.version, "hip", "6.2" if rocm else None)
         monkeypatch.setattr(common, "_CUDA_DEVICE_REASONS", {})  # the per-GPU answer is cached
-        mn._logged_once.clear()
+        backend._logged_once.clear()
 
     return set_gpu
 
@@ -43,8 +44,8 @@ def fake_gpu(monkeypatch):
 def test_kernels_run_on_ampere_and_newer(fake_gpu, capability, name):
     fake_gpu(capability, name)
     assert tri.triton_unusable_reason(CUDA) is None
-    assert mn.resolve_nsa_backend("auto", CUDA) == "triton"
-    assert mn.resolve_nsa_backend("triton", CUDA) == "triton"
+    assert backend.resolve_nsa_backend("auto", CUDA) == "triton"
+    assert backend.resolve_nsa_backend("triton", CUDA) == "triton"
 
 
 @needs_triton
@@ -57,13 +58,13 @@ def test_older_or_non_nvidia_gpus_use_the_reference_and_say_why(fake_gpu, caplog
     fake_gpu(capability, name, rocm)
     assert tri.triton_unusable_reason(CUDA) is not None
     with caplog.at_level(logging.WARNING):
-        assert mn.resolve_nsa_backend("auto", CUDA) == "reference"
-        assert mn.resolve_nsa_backend("auto", CUDA) == "reference"
+        assert backend.resolve_nsa_backend("auto", CUDA) == "reference"
+        assert backend.resolve_nsa_backend("auto", CUDA) == "reference"
     logged = [r.getMessage() for r in caplog.records if "falls back to the PyTorch reference" in r.getMessage()]
     assert len(logged) == 1, logged  # once, not per layer and step
     assert re.search(expected, logged[0]), logged[0]
     with pytest.raises(RuntimeError, match=f"nsa_backend='triton' but .*{expected}"):
-        mn.resolve_nsa_backend("triton", CUDA)
+        backend.resolve_nsa_backend("triton", CUDA)
 
 
 @pytest.mark.parametrize("capability,expected_kib", [(90, 227), (80, 163), (86, 99), (89, 99), (120, 99)])
@@ -93,16 +94,22 @@ def test_unsupported_parameters_are_named(head_dim, overrides, expected):
     assert expected in tri.triton_unsupported_reason(params, head_dim)
 
 
+def _on_a_gpu_where_the_kernels_run(monkeypatch):
+    """nsa_backend='auto' resolved as on such a GPU (on CPU it resolves to the reference without asking)."""
+    monkeypatch.setattr(backend, "resolve_nsa_backend", lambda requested, device: "triton")
+
+
 def test_unsupported_shape_runs_the_reference_and_logs_the_reason_once(monkeypatch, caplog):
     # head_dim 256 on a 99 KiB GPU: the op gives the reference's output and says why, once per reason
     monkeypatch.setattr(common, "_compute_capability", lambda device: 86)
-    monkeypatch.setattr(tri, "_logged", set())
+    monkeypatch.setattr(backend, "_logged_once", set())
+    _on_a_gpu_where_the_kernels_run(monkeypatch)
     t, cmp_end, doc_pos, p = make_inputs(1, 40, 2, 1, 256, DEFAULT, torch.float32, "cpu")
     args = (t["q"], t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"], t["v_slc"], t["k_win"], t["v_win"], t["gates"],
             doc_pos, p)
     with caplog.at_level(logging.WARNING):
-        out = tri.nsa_attention_triton(*args)
-        tri.nsa_attention_triton(*args)
+        out = backend.nsa_attention(*args)
+        backend.nsa_attention(*args)
     ref = import_nsa()[1].nsa_attention_reference(*args)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     logged = [r.getMessage() for r in caplog.records if "do not handle head_dim=256" in r.getMessage()]
@@ -181,21 +188,39 @@ def test_shared_memory_limit_asks_the_gpu_once(monkeypatch):
     assert common._shared_memory_limit(CUDA) == 163 * 1024
 
 
+def test_kernel_entry_points_raise_on_what_they_do_not_handle(monkeypatch):
+    # no fallback inside the kernels' entry points: the error names the parameter and where the reference is
+    monkeypatch.setattr(common, "_compute_capability", lambda device: 86)
+    t, cmp_end, doc_pos, p = make_inputs(1, 40, 2, 1, 256, DEFAULT, torch.float32, "cpu")
+    args = (t["q"], t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"], t["v_slc"], t["k_win"], t["v_win"], t["gates"],
+            doc_pos, p)
+    decode_args = (t["q"][:, -1:], *args[1:8], t["gates"][:, -1:], *args[9:])
+    for fn, fn_args in ((tri.nsa_attention_triton, args), (tri.nsa_decode_triton, decode_args)):
+        with pytest.raises(ValueError, match=rf"{fn.__name__}: the Triton kernels do not handle head_dim=256 .*"
+                                             r"nsa_backend.nsa_attention\(..., backend='auto'\)"):
+            fn(*fn_args)
+    # the seam under an explicit 'triton' raises too (under 'auto' it runs the reference: the test above)
+    _on_a_gpu_where_the_kernels_run(monkeypatch)
+    with pytest.raises(RuntimeError, match="nsa_backend='triton' but the Triton kernels do not handle head_dim=256"):
+        backend.nsa_attention(*args, backend="triton")
+
+
 def test_reference_fallback_compiles_fullgraph(monkeypatch):
     # the fallback's log line must not break torch.compile(fullgraph=True) of a model that falls back
     monkeypatch.setattr(common, "_compute_capability", lambda device: 86)
-    monkeypatch.setattr(tri, "_logged", set())
+    monkeypatch.setattr(backend, "_logged_once", set())
+    _on_a_gpu_where_the_kernels_run(monkeypatch)
     t, cmp_end, doc_pos, p = make_inputs(1, 40, 2, 1, 256, DEFAULT, torch.float32, "cpu")
     args = (t["q"], t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"], t["v_slc"], t["k_win"], t["v_win"], t["gates"],
             doc_pos)
-    compiled = torch.compile(lambda *a: tri.nsa_attention_triton(*a, p), fullgraph=True, backend="eager")
+    compiled = torch.compile(lambda *a: backend.nsa_attention(*a, p), fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(*args), import_nsa()[1].nsa_attention_reference(*args, p))
 
 
 def test_float32_inputs_computed_in_bf16_come_back_in_float32_and_say_so(monkeypatch, caplog):
     # what a float32 model outside autocast gets on a GPU, with the GPU's dtype rule stood in on CPU
     monkeypatch.setattr(tri, "kernel_dtype", lambda dtype, device: torch.bfloat16)
-    monkeypatch.setattr(tri, "_logged", set())
+    monkeypatch.setattr(backend, "_logged_once", set())
     seen = []
 
     def fake_op(*args):

@@ -41,7 +41,7 @@ INTERPRETED = textwrap.dedent(
     import json, sys, torch
     from modeling_nsa import NSAConfig, NSAForCausalLM
     from modeling_nsa import modeling_nsa as mn
-    from modeling_nsa import nsa_triton
+    from modeling_nsa import nsa_backend
     sys.path.insert(0, "tests")
     from triton_helpers import check_kernels_as_on_a_gpu
     check_kernels_as_on_a_gpu()  # bounds, races, unwritten memory (NSACache's views included)
@@ -87,7 +87,7 @@ INTERPRETED = textwrap.dedent(
             grads=rel(out["tri"][2], out["ref"][2]), same_tokens=bool(torch.equal(out["tri"][3], out["ref"][3])),
             gen_logits=rel(out["tri"][4], out["ref"][4]),
         )
-    fell_back = [m for m in nsa_triton._logged if "do not handle" in m]
+    fell_back = [m for m in nsa_backend._logged_once if "do not handle" in m]
     assert not fell_back, f"the Triton path fell back to the reference: {fell_back}"
     print("RESULTS " + json.dumps(results))
     """
@@ -217,12 +217,12 @@ def test_gpu_float32_weights_run_the_kernels_in_bf16():
     # float32 weights under autocast (the trainer's accelerate bf16; RoPE runs in float32 there) and without
     # it: the kernels run in bf16 both times (no reference fallback); outside autocast the output comes back
     # in float32 and the log says the kernels computed in bf16
-    from modeling_nsa import nsa_triton
+    from modeling_nsa import nsa_backend
 
     ref, tri = _models_125m_sizes(dtype=torch.float32)
     ids = torch.randint(0, 50304, (2, 1000), device="cuda")
     for autocast in (True, False):
-        nsa_triton._logged.clear()
+        nsa_backend._logged_once.clear()
         losses = []
         for model in (ref, tri):
             model.zero_grad(set_to_none=True)
@@ -230,9 +230,9 @@ def test_gpu_float32_weights_run_the_kernels_in_bf16():
                 loss = model(ids, labels=ids, use_cache=False).loss
             loss.backward()
             losses.append(loss.float().item())
-        assert not [m for m in nsa_triton._logged if "do not handle" in m], nsa_triton._logged
-        said_bf16 = [m for m in nsa_triton._logged if "compute in torch.bfloat16" in m]
-        assert bool(said_bf16) == (not autocast), nsa_triton._logged
+        assert not [m for m in nsa_backend._logged_once if "do not handle" in m], nsa_backend._logged_once
+        said_bf16 = [m for m in nsa_backend._logged_once if "compute in torch.bfloat16" in m]
+        assert bool(said_bf16) == (not autocast), nsa_backend._logged_once
         assert abs(losses[1] - losses[0]) < 1e-2 * losses[0], (autocast, losses)
         grad = tri.model.layers[0].self_attn.q_proj.weight.grad
         assert grad is not None and torch.isfinite(grad).all()

@@ -1,0 +1,116 @@
+"""Which implementation computes a layer's NSA: the one place that chooses between the PyTorch reference
+(`nsa_reference.py`, any device, the oracle) and the Triton kernels (`nsa_triton.py`, NVIDIA GPUs), and the one
+place that says in the log when it falls back to the reference.
+
+`nsa_backend` (NSAConfig) is "auto", "reference" or "triton". Under "auto" the kernels run wherever they can
+(an NVIDIA GPU of compute capability 8.0 or newer with Triton installed, NSA parameters and a head size they
+handle) and the reference runs elsewhere, said once in the log on a GPU; an explicit "triton" raises where the
+kernels cannot run instead of quietly changing the code path. The kernel entry points themselves never fall
+back: they raise on inputs they do not handle.
+
+This file travels as remote code and imports without triton: the kernel files are imported only once a device
+asks for them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .nsa_layout import NSAParams
+from .nsa_reference import nsa_attention_reference
+
+logger = logging.getLogger(__name__)
+
+_logged_once: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    """Log a warning the first time it comes up. Not inside torch.compile (logging cannot be traced:
+    fullgraph=True would fail); the eager calls around it say it."""
+    if message not in _logged_once and not torch.compiler.is_compiling():
+        _logged_once.add(message)
+        logger.warning(message)
+
+
+def resolve_nsa_backend(requested: str, device: torch.device) -> str:
+    """'auto' -> 'triton' where the kernels run (an NVIDIA GPU of compute capability 8.0 or newer with Triton
+    installed), else 'reference', said once in the log on a GPU. An explicit 'triton' on a device where the
+    kernels cannot run raises instead of quietly changing the code path. (Parameters the kernels do not handle
+    on a device where they run, an unsupported head_dim say, are nsa_attention's to decide: the reference with
+    a log line under 'auto', an error under 'triton'.)"""
+    if requested == "reference":
+        return "reference"
+    try:
+        from .nsa_triton import triton_unusable_reason
+
+        reason = triton_unusable_reason(device)
+    except ImportError as error:  # nsa_triton itself missing
+        reason = str(error)
+    if requested == "triton":
+        if reason:
+            raise RuntimeError(f"nsa_backend='triton' but {reason}. Use nsa_backend='reference' or 'auto' (a saved "
+                               "model: from_pretrained(..., nsa_backend='auto') overrides the saved value).")
+        return "triton"
+    if device.type == "cuda":
+        if reason:
+            _log_once(f"NSA: nsa_backend='auto' falls back to the PyTorch reference on {device}: {reason}.")
+            return "reference"
+        return "triton"
+    return "reference"
+
+
+def _check_explicit_triton(config) -> None:
+    """nsa_backend='triton' with NSA parameters the kernels do not handle raises when the model is built (with
+    'auto' they run the reference, logged), rather than running the O(T^2)-memory reference in their place."""
+    if config.nsa_backend != "triton" or config.attention_mode != "nsa":
+        return
+    from .nsa_triton import triton_unsupported_reason
+
+    reason = triton_unsupported_reason(NSAParams.from_config(config), config.head_dim)
+    if reason:
+        raise ValueError(f"nsa_backend='triton' but the Triton kernels do not handle {reason}. Change it, or use "
+                         "nsa_backend='auto' (the PyTorch reference where the kernels do not apply, logged).")
+
+
+def nsa_attention(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, backend="auto",
+                  query_end=None):
+    """Gated NSA output (B, Tq, H, D) for queries at the last Tq of Tk key positions (or, query_end: a static
+    cache's step, the queries ending at key query_end[0]).
+
+    Arguments as `nsa_reference.nsa_attention_reference`. The Triton path covers training/prefill
+    (Tq = Tk = Tw, differentiable) and chunks after a cache (decode, no autograd); under 'auto' the reference
+    runs, logged once, for parameters the kernels do not handle on this device and for a chunk after a cache
+    that needs gradients. (Float32 inputs on a GPU compute in bf16, logged: nsa_triton._kernel_inputs.)
+    """
+    requested, backend = backend, resolve_nsa_backend(backend, q.device)
+    if backend == "triton":
+        from . import nsa_triton
+
+        # asked once per call (the device's part: head_dim 256 needs 160 KiB of shared memory per block)
+        unsupported = nsa_triton.triton_unsupported_reason(params, q.shape[-1], q.device)
+        num_queries, num_keys, num_win = q.shape[1], k_slc.shape[1], k_win.shape[1]
+        if unsupported and requested == "triton":
+            raise RuntimeError(f"nsa_backend='triton' but the Triton kernels do not handle {unsupported} on "
+                               f"{q.device}. Use nsa_backend='auto' (the PyTorch reference there, logged).")
+        if unsupported:
+            _log_once(f"NSA: the Triton kernels do not handle {unsupported}; using the PyTorch reference (much "
+                      "slower).")
+        elif num_queries == num_keys == num_win and query_end is None:
+            return nsa_triton.nsa_attention_triton(
+                q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, checked=True
+            )
+        elif not (torch.is_grad_enabled() and q.requires_grad):
+            return nsa_triton.nsa_decode_triton(
+                q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, query_end=query_end,
+                checked=True,
+            )
+        else:
+            _log_once("NSA: no differentiable Triton kernel for a chunk after a cache; using the reference.")
+    return nsa_attention_reference(
+        q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, query_end=query_end
+    )
+
+
+__all__ = ["nsa_attention", "resolve_nsa_backend"]
