@@ -37,8 +37,16 @@ from accelerate.utils import (
 from transformers import HfArgumentParser
 
 from nsa_train import checkpoint, data, hub, metrics, model_card
-from nsa_train.evaluation import evaluate, validation_loss
+from nsa_train.evaluation import (
+    LONG_CONTEXT_LENGTH_FACTORS,
+    EvalSchedule,
+    evaluate,
+    evaluate_long_context,
+    long_context_settings,
+    validation_loss,
+)
 from nsa_train.export import Exporter, generate_sample
+from nsa_train.long_context import DEFAULT_DEPTHS, check_depths, check_lengths
 from nsa_train.preemption import SigtermStop
 from nsa_train.run_state import RunState
 from nsa_train.step_log import StepLog
@@ -111,6 +119,13 @@ class TrainConfig:
     stall_timeout: float = field(default=1800.0, metadata={"help": "Seconds without progress before the watchdog dumps stacks and exits (0: off)."})
     peak_tflops: float | None = field(default=None, metadata={"help": "Peak TFLOPS per device for MFU (default: known GPUs, bf16)."})
     sample_prompt: str | None = field(default=None, metadata={"help": "Generate from this prompt with the exported model at the end."})
+    # quality measurements (nsa_train.selection_stats, nsa_train.long_context)
+    stats_every: int = field(default=-1, metadata={"help": "NSA's selection and gate statistics (stats.jsonl, metrics.jsonl, trackers, the card) on held-out rows every N steps; -1: at every evaluation; 0: off. Dense attention has none."})
+    eval_long_context: bool = field(default=False, metadata={"help": "After the export, evaluate long-context retrieval (<output_dir>/long_context/: JSON and heatmap PNG; the card reports it)."})
+    long_context_task: Literal["passkey", "needle"] = field(default="passkey", metadata={"help": "passkey: a number in filler text; needle: a sentence in the run's documents."})
+    long_context_lengths: list[int] = field(default_factory=list, metadata={"help": f"Prompt lengths in tokens (default: --seq-len times {' '.join(map(str, LONG_CONTEXT_LENGTH_FACTORS))}; longer than --seq-len is extrapolation)."})
+    long_context_depths: list[float] = field(default_factory=lambda: list(DEFAULT_DEPTHS), metadata={"help": "Where the hidden item sits: fractions of the filler before it, in [0, 1]."})
+    long_context_samples: int = field(default=10, metadata={"help": "Prompts per (length, depth)."})
     # checkpoints and the Hub
     save_every: int = 1000
     keep_last: int = 3
@@ -153,10 +168,17 @@ def parse_args(argv=None) -> TrainConfig:
         parser.error(f"--model-overrides {cfg.model_overrides!r}: not used with --init-from {cfg.init_from!r}, whose "
                      "architecture is the saved model's; drop one of them.")
     for name, least in (("micro_batch_size", 1), ("grad_accum", 1), ("max_steps", 0), ("log_every", 0),
-                        ("eval_every", 0), ("save_every", 0)):  # fmt: skip
+                        ("eval_every", 0), ("save_every", 0), ("long_context_samples", 1)):  # fmt: skip
         if getattr(cfg, name) < least:
             flag = "--" + name.replace("_", "-")
             parser.error(f"{flag} {getattr(cfg, name)}: must be {'a positive integer' if least else 'at least 0'}.")
+    if cfg.stats_every < -1:
+        parser.error(f"--stats-every {cfg.stats_every}: -1 (at every evaluation), 0 (off) or a number of steps.")
+    try:  # the evaluation's own checks, its flags named as the trainer spells them
+        check_depths(cfg.long_context_depths)
+        check_lengths(cfg.long_context_lengths or [1], None)
+    except ValueError as e:
+        parser.error(str(e).replace("--depths", "--long-context-depths").replace("--lengths", "--long-context-lengths"))
     return cfg
 
 
@@ -537,8 +559,9 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
         if cfg.save_every:
             save(model, run, checkpoints, exporter, cfg)
         exporter.export(model, run, "final" if cfg.push_to_hub else "")
-        if main_proc and cfg.sample_prompt:
-            say(f"sample: {generate_sample(unwrapped, tokenizer, cfg.sample_prompt, accelerator)!r}")
+        if cfg.sample_prompt:  # on every process: under FSDP each forward gathers the shards from all of them
+            sample = generate_sample(unwrapped, tokenizer, cfg.sample_prompt, accelerator)
+            say(f"sample: {sample!r}")
     log.close()
     digests = metrics.replica_digests(unwrapped, accelerator)  # DDP replicas must hold bit-identical weights
     summary = run.summary(finished=finished, output_dir=str(out_dir), weight_digests=digests)

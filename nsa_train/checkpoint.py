@@ -12,7 +12,9 @@ removed by the next save).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import itertools
 import json
 import os
 import re
@@ -205,14 +207,19 @@ def load_checkpoint(accelerator, path: Path, model_config: dict | None = None,
     return trainer_state, json.loads(data_file.read_text())
 
 
-def export_hf_checkpoint(model, tokenizer, out_dir: Path, max_new_tokens: int = 128) -> Path:
-    """`save_pretrained` (weights + remote code + auto_map), tokenizer and generation config, written atomically."""
+def export_hf_checkpoint(model, tokenizer, out_dir: Path, state_dict=None) -> Path:
+    """`save_pretrained` (weights + remote code + auto_map), tokenizer and generation config, written atomically.
+    `state_dict`: the full weights when the model's own are shards (FSDP: `accelerator.get_state_dict`)."""
     from transformers import GenerationConfig
 
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".tmp-{out_dir.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    if state_dict is not None:  # gathered copies: a tied weight (lm_head = the embeddings) no longer shares storage
+        own = {name for name, _ in itertools.chain(model.named_parameters(), model.named_buffers())}  # one name each
+        state_dict = {name: tensor for name, tensor in state_dict.items() if name in own}
+    with _own_class(model):
+        model.save_pretrained(tmp, state_dict=state_dict)
     # batched generation pads prompts on the left (a decoder continues from the last position of each row), and
     # padding needs a pad token: the model's (EOS when the tokenizer has none). Training packs rows, never pads.
     tokenizer = copy.deepcopy(tokenizer)  # the run's own tokenizer stays as it was
@@ -220,17 +227,36 @@ def export_hf_checkpoint(model, tokenizer, out_dir: Path, max_new_tokens: int = 
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.save_pretrained(tmp)
+    # no length: a saved max_new_tokens would win over the max_length that callers such as lm-evaluation-harness pass
+    # (every generation task would run to that many tokens, whatever its max_gen_toks); pipelines set their own
     GenerationConfig(
         bos_token_id=model.config.bos_token_id,
         eos_token_id=model.config.eos_token_id,
         pad_token_id=model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id,
-        max_new_tokens=max_new_tokens,
         do_sample=False,
     ).save_pretrained(tmp)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
     return out_dir
+
+
+@contextlib.contextmanager
+def _own_class(model):
+    """The model as an instance of its own class while it is saved. fully_shard (FSDP2) gives a module a class made
+    in torch, FSDP<Name>: save_pretrained would copy torch's FSDP files into the checkpoint as its code, point
+    auto_map at them and leave modeling_nsa.py out, and the checkpoint would load nowhere."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded_class = type(model)
+    if not isinstance(model, FSDPModule):
+        yield model
+        return
+    model.__class__ = next(c for c in sharded_class.__mro__ if not issubclass(c, FSDPModule))  # NSAForCausalLM
+    try:
+        yield model
+    finally:
+        model.__class__ = sharded_class
 
 
 def _write_json(path: Path, obj):

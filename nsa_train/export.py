@@ -30,16 +30,27 @@ class Exporter:
     def export(self, model, run: RunState, message: str = "", branch: str | None = None) -> Path:
         """final/ as of `run`; pushed as one commit (`message`) on `branch` (default: main). Returns its path."""
         final = self.out_dir / "final"
+        state_dict = self.accelerator.get_state_dict(model)  # every process: under FSDP it gathers the shards
         if self.accelerator.is_main_process:
             model = self.accelerator.unwrap_model(model)
-            export_hf_checkpoint(model, self.tokenizer, final)
-            card = run_card_fields(self.cfg, model.config, run, out_dir=self.out_dir, **self.card_facts)
-            write_model_card(final, card)
-            if self.hub_api is not None:
-                hub.push_folder(self.hub_api, self.cfg.push_to_hub, final, message, branch=branch)
-                self.accelerator.print(f"pushed {final} to {self.cfg.push_to_hub} ({branch or 'main'}): {message}")
+            export_hf_checkpoint(model, self.tokenizer, final, state_dict=state_dict)
+            self._card_and_push(model, run, message, branch)
         self.accelerator.wait_for_everyone()
         return final
+
+    def update_card(self, model, run: RunState, message: str) -> None:
+        """final/'s model card again, with what the run measured after the export (the long-context evaluation);
+        pushed as one commit (`message`) when the run pushes."""
+        if self.accelerator.is_main_process:
+            self._card_and_push(self.accelerator.unwrap_model(model), run, message)
+        self.accelerator.wait_for_everyone()
+
+    def _card_and_push(self, model, run: RunState, message: str, branch: str | None = None) -> None:
+        final = self.out_dir / "final"
+        write_model_card(final, run_card_fields(self.cfg, model.config, run, out_dir=self.out_dir, **self.card_facts))
+        if self.hub_api is not None:
+            hub.push_folder(self.hub_api, self.cfg.push_to_hub, final, message, branch=branch)
+            self.accelerator.print(f"pushed {final} to {self.cfg.push_to_hub} ({branch or 'main'}): {message}")
 
 
 def generate_sample(model, tokenizer, prompt: str, accelerator, max_new_tokens: int = 48) -> str:

@@ -81,6 +81,8 @@ def weights_digest(model) -> str:
 
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
+        if hasattr(p, "full_tensor"):  # an FSDP shard (DTensor): the whole tensor, gathered on every process
+            p = p.full_tensor()
         h.update(name.encode())
         h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
