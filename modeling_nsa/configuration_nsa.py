@@ -12,6 +12,19 @@ from transformers.configuration_utils import PreTrainedConfig
 ATTENTION_MODES = ("nsa", "dense")
 NSA_BACKENDS = ("auto", "reference", "triton")
 COMPRESSORS = ("mlp", "mean")
+# transformers' defaults, which NSA mode takes (and does not consult): "sdpa", and "eager" that output_attentions sets
+NSA_MODE_ATTN_IMPLEMENTATIONS = (None, "sdpa", "eager")
+
+
+def check_attn_implementation(attention_mode: str, attn_implementation) -> None:
+    """attn_implementation chooses dense mode's attention function (transformers' attention interface). NSA mode
+    computes attention with its own kernels (nsa_backend): it refuses a choice it would not use."""
+    if attention_mode == "nsa" and attn_implementation not in NSA_MODE_ATTN_IMPLEMENTATIONS:
+        raise ValueError(
+            f"attn_implementation={attn_implementation!r} applies to attention_mode='dense' (the dense baseline); "
+            "attention_mode='nsa' computes its attention with the NSA kernels, chosen by nsa_backend ('auto', "
+            "'triton' or 'reference'). Drop attn_implementation, or set attention_mode='dense'."
+        )
 
 
 @strict
@@ -34,6 +47,9 @@ class NSAConfig(PreTrainedConfig):
     - `attention_mode` = "nsa"; "dense" is the same model with full causal attention (A/B baseline).
     - `nsa_backend` = "auto" (the Triton kernels on NVIDIA GPUs of compute capability 8.0+, the PyTorch
       reference elsewhere), "reference" or "triton".
+    - `attn_implementation` (transformers' argument, also `from_pretrained(..., attn_implementation=...)`): dense
+      mode's attention function, "sdpa" (default), "eager", "flex_attention", "flash_attention_2"/"_3" (where
+      installed); packed documents reach each as it takes them. NSA mode refuses any but the defaults.
 
     ```python
     >>> from modeling_nsa import NSAConfig, NSAForCausalLM
@@ -85,8 +101,8 @@ class NSAConfig(PreTrainedConfig):
             value = kwargs.pop(name, None)
             if value is not None:
                 self._take_rope_parameters(name, value)
-        self.validate_nsa()
         super().__post_init__(**kwargs)
+        self.validate_nsa()
 
     def _take_rope_parameters(self, name: str, value) -> None:
         rope_type = value.get("rope_type", value.get("type", "default")) if isinstance(value, dict) else None
@@ -150,6 +166,7 @@ class NSAConfig(PreTrainedConfig):
             raise ValueError(f"attention_mode must be one of {ATTENTION_MODES}, got {self.attention_mode!r}.")
         if self.nsa_backend not in NSA_BACKENDS:
             raise ValueError(f"nsa_backend must be one of {NSA_BACKENDS}, got {self.nsa_backend!r}.")
+        check_attn_implementation(self.attention_mode, getattr(self, "_attn_implementation_internal", None))
 
     @property
     def num_key_value_groups(self) -> int:

@@ -20,10 +20,11 @@ from transformers import initialization as init
 from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import can_return_tuple
 
-from .configuration_nsa import NSAConfig
+from .configuration_nsa import NSAConfig, check_attn_implementation
 from .nsa_backend import (  # noqa: F401  (resolve_nsa_backend, _logged_once: importable from here, as before)
     _check_explicit_triton,
     _log_once,
@@ -34,6 +35,7 @@ from .nsa_backend import (  # noqa: F401  (resolve_nsa_backend, _logged_once: im
 from .nsa_cache import BranchKeys, NSACache, sequence_keys
 from .nsa_layout import (
     NSAParams,
+    dense_attention_kwargs,
     document_positions,
     document_positions_from_cu_seqlens,
     gather_compression_blocks,
@@ -51,6 +53,7 @@ CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ 
 # The seam, nsa_backend.nsa_attention (imported above), computes a layer's NSA from q, per-branch k/v, gates
 # and documents, and alone decides reference or Triton. Its document layout's checks:
 # ----------------------------------------------------------------------------------------------
+
 
 def _check_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> None:
     """cu_seqlens must be [0, n1, n1 + n2, ...]: 1-D, starting at 0, non-decreasing, ending at most at T."""
@@ -186,6 +189,7 @@ class NSAAttention(nn.Module):
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
         self.dense = config.attention_mode == "dense"
+        self.is_causal, self.num_key_value_groups = True, config.num_key_value_groups  # (transformers' attention functions)
         # Independent K/V per branch (paper §3.3.3) or one shared K/V.
         self.num_kv_sets = 3 if (config.kv_per_branch and not self.dense) else 1
         self.params = NSAParams.from_config(config)
@@ -201,11 +205,13 @@ class NSAAttention(nn.Module):
         index = BRANCHES.index(branch) if self.num_kv_sets == 3 else 0
         return kv[:, :, index, 0], kv[:, :, index, 1]
 
-    def forward(self, hidden_states, doc_pos, position_embeddings, past_key_values=None, single_document=False, **kwargs):
+    def forward(self, hidden_states, doc_pos, position_embeddings, past_key_values=None, single_document=False,
+                dense_attention=None, **kwargs):
         """hidden_states (B, Tq, hidden); doc_pos (B, Tk) of every key position (Tk = cached + Tq);
         position_embeddings = cos, sin (B, W, D) at the last W of doc_pos: all Tk without a cache, the last
         Tq + l - 1 with one (the queries and the compressed tokens they complete); single_document: no padding, no packed
-        documents, no cache (lets dense attention use the plain causal kernel)."""
+        documents, no cache (lets dense attention use the plain causal kernel); dense_attention: the documents as
+        the attention function takes them (nsa_layout.dense_attention_kwargs; NSAModel builds them once)."""
         batch, num_queries, _ = hidden_states.shape
         cos, sin = position_embeddings
         cos_q, sin_q = cos[:, -num_queries:, None], sin[:, -num_queries:, None]  # (B, Tq, 1, D)
@@ -215,7 +221,13 @@ class NSAAttention(nn.Module):
             k, v = self._branch_kv(kv, "slc")
             k = apply_rope(k, cos_q, sin_q)
             keys = BranchKeys(k, v) if past_key_values is None else past_key_values.update(k, v, self.layer_idx, doc_pos)
-            out = dense_causal_attention(q, keys.k_slc, keys.v_slc, doc_pos, single_document, query_end=keys.query_end)
+            implementation = self.config._attn_implementation or "sdpa"
+            if dense_attention is None:
+                dense_attention = dense_attention_kwargs(implementation, doc_pos, num_queries, keys.query_end,
+                                                         single_document, q.dtype)  # fmt: skip
+            attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+            out, _ = attention(self, q.transpose(1, 2), keys.k_slc.transpose(1, 2), keys.v_slc.transpose(1, 2),
+                               scaling=self.head_dim**-0.5, dropout=0.0, **dense_attention)  # fmt: skip
         else:
             gates = torch.sigmoid(self.g_proj(hidden_states)).view(batch, num_queries, self.num_heads, len(BRANCHES))
             k_raw, v_raw = self._branch_kv(kv, "cmp")  # compression reads un-rotated keys (Eq. 7)
@@ -251,35 +263,19 @@ class NSAAttention(nn.Module):
         return apply_rope(k_cmp, cos.gather(1, gather)[:, :, None], sin.gather(1, gather)[:, :, None]), v_cmp
 
 
-def dense_causal_attention(q, k, v, doc_pos, single_document=False, query_end=None):
-    """Full causal attention inside documents (the A/B baseline). q (B, Tq, H, D), k/v (B, Tk, Hkv, D); the
-    queries are the last Tq keys, or (query_end, a static cache's step) the Tq keys ending at key query_end[0]."""
-    if single_document:  # one document per row: SDPA's causal kernels (flash / cuDNN) need no mask
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
-        )
-        return out.transpose(1, 2)
-    batch, num_queries, num_heads, _ = q.shape
-    num_keys = k.shape[1]
-    key_index = torch.arange(num_keys, device=q.device)
-    if query_end is None:
-        q_index = key_index[num_keys - num_queries :]
-    else:
-        q_index = query_end - num_queries + 1 + torch.arange(num_queries, device=q.device)
-    start = key_index - doc_pos  # document start of each key position
-    q_start, q_doc_pos = start[:, q_index], doc_pos[:, q_index]
-    mask = (
-        (q_start[:, :, None] == start[:, None, :])
-        & (q_index[:, None] >= key_index[None, :])
-        & (doc_pos[:, None, :] >= 0)
-        & (q_doc_pos[:, :, None] >= 0)
-    )
-    # Padded query rows see nothing; give them their own key so the softmax stays finite (output unused).
-    mask = mask | ((q_doc_pos < 0)[:, :, None] & (q_index[:, None] == key_index[None, :]))
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], enable_gqa=True
-    )
-    return out.transpose(1, 2)
+def eager_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Softmax attention written out (attn_implementation="eager"): query (B, H, Tq, D), key/value (B, Hkv, Tk, D),
+    attention_mask additive (B, 1, Tq, Tk) -> output (B, Tq, H, D) and the weights (B, H, Tq, Tk)."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    # softmax in float32 at least (bf16 scores would round the normalizer), then back to the inputs' dtype
+    weights = scores.softmax(-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
 # ----------------------------------------------------------------------------------------------
@@ -295,10 +291,12 @@ class NSADecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = NSARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = NSARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, doc_pos, position_embeddings, past_key_values=None, single_document=False, **kwargs):
+    def forward(self, hidden_states, doc_pos, position_embeddings, past_key_values=None, single_document=False,
+                dense_attention=None, **kwargs):
         residual = hidden_states
         attn_out, _ = self.self_attn(
-            self.input_layernorm(hidden_states), doc_pos, position_embeddings, past_key_values, single_document
+            self.input_layernorm(hidden_states), doc_pos, position_embeddings, past_key_values, single_document,
+            dense_attention,
         )
         hidden_states = residual + attn_out
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
@@ -311,7 +309,8 @@ class NSAPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["NSADecoderLayer"]
     _skip_keys_device_placement = [CACHE_NAME]
-    _supports_sdpa = True
+    # attention_mode="dense" runs transformers' attention functions (attn_implementation); NSA mode its own kernels
+    _supports_sdpa = _supports_flex_attn = _supports_flash_attn = _supports_attention_backend = True
 
     def __init__(self, config: NSAConfig, *args, **kwargs):
         # Every model class checks its config when built: a field may have been set since it was constructed
@@ -319,6 +318,12 @@ class NSAPreTrainedModel(PreTrainedModel):
         config.validate_nsa()
         _check_explicit_triton(config)
         super().__init__(config, *args, **kwargs)
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+        # from_pretrained(attn_implementation=...) and set_attn_implementation() pass here; NSA mode refuses a choice
+        # it would not use (configuration_nsa.check_attn_implementation)
+        check_attn_implementation(self.config.attention_mode, attn_implementation)
+        return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Record both Auto classes in `auto_map`, whichever class is saved, so the checkpoint loads
@@ -458,10 +463,14 @@ class NSAModel(NSAPreTrainedModel):
                       "never form a (T x T) attention matrix.")
         hidden_states = inputs_embeds
         all_hidden_states = (inputs_embeds,) if output_hidden_states else None  # each layer's input, then the output
+        dense_attention = None  # the documents as dense mode's attention function takes them, for every layer
+        if self.config.attention_mode == "dense":
+            query_end = past_key_values.cursor if static_step else None
+            dense_attention = dense_attention_kwargs(self.config._attn_implementation or "sdpa", doc_pos, num_new,
+                                                     query_end, single_document, inputs_embeds.dtype)  # fmt: skip
         for layer in self.layers:
-            hidden_states = layer(
-                hidden_states, doc_pos, position_embeddings, past_key_values=past_key_values, single_document=single_document
-            )
+            hidden_states = layer(hidden_states, doc_pos, position_embeddings, past_key_values=past_key_values,
+                                  single_document=single_document, dense_attention=dense_attention)  # fmt: skip
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
         if past_key_values is not None:

@@ -141,3 +141,55 @@ def document_positions_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int, d
     doc = torch.searchsorted(cu_seqlens[1:], index, right=True).clamp(max=cu_seqlens.numel() - 2)
     doc_pos = index - cu_seqlens[doc]
     return torch.where(index < cu_seqlens[-1], doc_pos, torch.full_like(doc_pos, -1))[None]
+
+
+def dense_attention_kwargs(implementation: str, doc_pos: torch.Tensor, num_queries: int, query_end=None,
+                           single_document: bool = False, dtype: torch.dtype = torch.float32) -> dict:
+    """The documents of doc_pos (B, Tk) as transformers' attention function `implementation` takes them (dense
+    mode, causal attention inside documents), for queries at the last num_queries keys or (query_end (1,), a static
+    cache's step) ending at key query_end[0]. Returns the function's keyword arguments; built once per forward.
+
+    - "sdpa": a boolean mask (B, 1, Tq, Tk), none for one document per row (SDPA's causal kernels need none).
+    - "eager": the same mask as additive scores (0 / the dtype's minimum).
+    - "flex_attention": a BlockMask from the same rule (no (Tq x Tk) tensor on a GPU, where it is compiled).
+    - "flash_attention_*": transformers' varlen path: every document of every row one sequence of the flattened
+      batch, its lengths from doc_pos as position ids (each padding token a sequence of its own). After a cache: the
+      keys of each row's last document, as a padding mask (a chunk that starts a document there is refused).
+    Each padding query keeps its own key, so no softmax row is empty (its output is unused)."""
+    batch, num_keys = doc_pos.shape
+    flash = implementation.startswith("flash_attention")
+    if single_document and (flash or implementation == "sdpa"):
+        return {"attention_mask": None}  # plain causal attention
+    key_index = torch.arange(num_keys, device=doc_pos.device)
+    # document of each key, by its start index; padding keys each their own (negative) one
+    doc_id = torch.where(doc_pos >= 0, key_index - doc_pos, -1 - key_index)  # (B, Tk)
+    if flash and num_queries == num_keys and query_end is None:
+        from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+        (cu_q, cu_k), (max_q, max_k) = prepare_fa_kwargs_from_position_ids(doc_pos.clamp(min=0))
+        return dict(attention_mask=None, cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, max_length_q=max_q,
+                    max_length_k=max_k)
+    if query_end is None:
+        q_index = key_index[num_keys - num_queries :]
+    else:
+        q_index = query_end - num_queries + 1 + torch.arange(num_queries, device=doc_pos.device)
+    if flash:
+        query_docs = doc_id[:, q_index]  # (B, Tq)
+        if num_queries > 1 and not torch.compiler.is_compiling() and bool((query_docs != query_docs[:, -1:]).any()):
+            raise ValueError(f"attn_implementation={implementation!r} after a cache takes chunks inside one document "
+                             "per row; this chunk starts a document. Use attn_implementation='sdpa' or 'flex_attention'.")
+        return {"attention_mask": (doc_id == query_docs[:, -1:]).long()}  # (B, Tk) the keys of the last document
+    if implementation == "flex_attention":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def same_document_causal(b, h, q, kv):
+            return (q_index[q] >= kv) & (doc_id[b, q_index[q]] == doc_id[b, kv])
+
+        block_mask = create_block_mask(same_document_causal, batch, None, num_queries, num_keys,
+                                       device=doc_pos.device, _compile=doc_pos.is_cuda)  # fmt: skip
+        return {"attention_mask": block_mask}
+    mask = (q_index[:, None] >= key_index) & (doc_id[:, q_index, None] == doc_id[:, None, :])  # (B, Tq, Tk)
+    if implementation == "eager":
+        return {"attention_mask": torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+            ~mask, torch.finfo(dtype).min)[:, None]}  # fmt: skip
+    return {"attention_mask": mask[:, None]}

@@ -319,8 +319,11 @@ def test_decoding_step_allocates_nothing_that_grows_with_the_context(variant, mo
 
     monkeypatch.setattr(modeling_nsa, "nsa_attention", lambda q, *args, **kwargs: torch.zeros_like(q))
     model = make_model(**VARIANTS[variant])
-    if variant == "dense":  # dense attention reads every key by definition: stub it too
-        monkeypatch.setattr(modeling_nsa, "dense_causal_attention", lambda q, *args, **kwargs: torch.zeros_like(q))
+    if variant == "dense":  # dense attention reads every key by definition: stub it too (its mask included)
+        model.config._attn_implementation = "eager"
+        monkeypatch.setattr(modeling_nsa, "dense_attention_kwargs", lambda *args, **kwargs: {"attention_mask": None})
+        monkeypatch.setattr(modeling_nsa, "eager_attention_forward",
+                            lambda module, q, *args, **kwargs: (torch.zeros_like(q).transpose(1, 2), None))
     largest = []
     for context in (100, 1000):
         prompt = torch.randint(1, 97, (2, context), generator=torch.Generator().manual_seed(context))
