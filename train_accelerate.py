@@ -12,6 +12,7 @@ all processes), so any split of the same global batch gives the same update.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import json
 import logging
@@ -176,7 +177,8 @@ def parse_args(argv=None) -> TrainConfig:
         parser.error(f"--stats-every {cfg.stats_every}: -1 (at every evaluation), 0 (off) or a number of steps.")
     try:  # the evaluation's own checks, its flags named as the trainer spells them
         check_depths(cfg.long_context_depths)
-        check_lengths(cfg.long_context_lengths or [1], None)
+        if cfg.long_context_lengths:
+            check_lengths(cfg.long_context_lengths, None)
     except ValueError as e:
         parser.error(str(e).replace("--depths", "--long-context-depths").replace("--lengths", "--long-context-lengths"))
     return cfg
@@ -213,7 +215,31 @@ def build_model(cfg: TrainConfig, tokenizer):
         source = "--model-overrides" if any(repr(k) in str(e) for k in overrides) else f"--model {cfg.model!r}"
         raise ValueError(f"{source}: {' '.join(str(e).split())}") from None
     check_seq_len(cfg, config)
-    return NSAForCausalLM(config)
+    if config.attention_mode == "nsa":
+        return NSAForCausalLM(config)
+    return dense_twin(config, NSAForCausalLM(NSAConfig(**{**fields, "attention_mode": "nsa", "nsa_backend": "reference"})))
+
+
+def dense_twin(config, nsa_model):
+    """A dense model whose weights are `nsa_model`'s, NSA's own modules (gate projection, compressor) left out, so
+    that an A/B pair with one --seed starts from the same weights: built at random, two layouts draw the random
+    numbers in different orders (the NSA-only modules sit between the shared ones). `nsa_model` is built first,
+    from the seeded generator; the dense model is built on a fork of it, so the generator then stands where an NSA
+    run's does. With kv_per_branch the NSA K/V projection holds three sets (cmp, slc, win; paper Sec. 3.3.3) and the
+    dense one a single set: it takes the selection branch's (full-resolution keys, as dense attention reads)."""
+    from modeling_nsa import NSAForCausalLM
+    from modeling_nsa.modeling_nsa import BRANCHES
+
+    with torch.random.fork_rng(devices=[]):  # the build's own draws are overwritten below
+        model = NSAForCausalLM(config)
+    source = dict(nsa_model.named_parameters())
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # the tied lm_head is the embeddings: listed once
+            value = source[name]
+            if name.endswith("kv_proj.weight") and value.shape != param.shape:  # (3 * 2 * Hkv * D, hidden)
+                value = value.view(len(BRANCHES), -1, value.shape[-1])[BRANCHES.index("slc")]  # (2 * Hkv * D, hidden)
+            param.copy_(value)
+    return model
 
 
 def check_seq_len(cfg: TrainConfig, config) -> None:
@@ -446,6 +472,37 @@ def quiet_tied_head_notice() -> None:
         saver_log.addFilter(TiedHeadSaveNotice())
 
 
+def stats_every(cfg: TrainConfig, val_rows, say) -> int:
+    """--stats-every as the run applies it: 0 where there is nothing to measure. Dense attention selects no blocks
+    (compute_selection_stats would return no layers: the trainer does not run it); the statistics are measured on
+    held-out rows."""
+    if cfg.stats_every and cfg.attention_mode != "nsa":
+        if cfg.stats_every > 0:
+            say(f"note: --stats-every {cfg.stats_every}: dense attention has no selection to measure; no statistics.")
+        return 0
+    if cfg.stats_every > 0 and not val_rows:
+        raise ValueError(f"--stats-every {cfg.stats_every}: the statistics are measured on held-out rows and this run "
+                         f"has none (--val-every-doc {cfg.val_every_doc}, --val-tokens {cfg.val_tokens}); both must "
+                         "be > 0.")  # fmt: skip
+    return cfg.stats_every
+
+
+@contextlib.contextmanager
+def beating(watchdog, model, every_s: float = 10.0, **info):
+    """While a long evaluation runs, each forward of `model` is progress: it beats the watchdog (at most every
+    `every_s` seconds), so --stall-timeout bounds one forward, not the whole evaluation."""
+
+    def beat(module, args):
+        if time.monotonic() - watchdog.last > every_s:
+            watchdog.beat(**info)
+
+    handle = model.register_forward_pre_hook(beat)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def main(cfg: TrainConfig) -> dict:
     cleanup: list = []  # background threads (data prefetch, watchdog) and the SIGTERM handler, however the run ends
     try:
@@ -480,6 +537,9 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     hub_api = hub.preflight_on_main(accelerator, cfg.push_to_hub, private=cfg.hub_private)
     val_rows = data.validation_rows(source, tokenizer, cfg.seq_len, cfg.val_every_doc, cfg.val_tokens,
                                     cfg.cross_doc_attention)  # fmt: skip
+    schedule = EvalSchedule(cfg.eval_every if val_rows else 0, stats_every(cfg, val_rows, say), cfg.max_steps,
+                            out_dir / "stats.jsonl")  # fmt: skip
+    long_context = long_context_settings(cfg, tokenizer, model.config.vocab_size) if cfg.eval_long_context else None
     if main_proc:  # only now: a run that fails in its checks above leaves no empty directory behind
         out_dir.mkdir(parents=True, exist_ok=True)
     watchdog.beat(phase="setup")
@@ -525,9 +585,8 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     model.train()
     log = StepLog(accelerator, out_dir, cfg, run, flops, metrics.peak_flops(accelerator.device, cfg.peak_tflops),
                   run_config)  # fmt: skip
-    evaluating = bool(val_rows) and cfg.eval_every > 0
-    if evaluating and run.step == 0:  # the starting point of the validation curve
-        log.log_eval(0, evaluate(unwrapped, run, val_rows, cfg.micro_batch_size, accelerator))
+    if run.step == 0 and schedule.due(0):  # the starting point of the validation curve
+        log.log_eval(0, evaluate(unwrapped, run, val_rows, cfg.micro_batch_size, accelerator, **schedule.what(0)))
     while run.step < cfg.max_steps:
         lr = lr_at(run.step, cfg)
         for group in optimizer.param_groups:
@@ -541,8 +600,9 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
         watchdog.beat(step=run.step, tokens_seen=run.tokens_seen)
         if log.due(run.step):
             log.log_training(run, lr, grad_norm)
-        if evaluating and (run.step % cfg.eval_every == 0 or run.step == cfg.max_steps):
-            log.log_eval(run.step, evaluate(unwrapped, run, val_rows, cfg.micro_batch_size, accelerator))
+        if schedule.due(run.step):
+            log.log_eval(run.step, evaluate(unwrapped, run, val_rows, cfg.micro_batch_size, accelerator,
+                                            **schedule.what(run.step)))  # fmt: skip
             watchdog.beat(step=run.step, phase="eval")
         if stop.requested(accelerator):
             say(f"SIGTERM at step {run.step}: saving a checkpoint and exiting")
@@ -562,6 +622,11 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
         if cfg.sample_prompt:  # on every process: under FSDP each forward gathers the shards from all of them
             sample = generate_sample(unwrapped, tokenizer, cfg.sample_prompt, accelerator)
             say(f"sample: {sample!r}")
+        if long_context:  # on every process too; after the export, which it cannot lose by failing
+            with beating(watchdog, unwrapped, step=run.step, phase="long_context"):
+                log.log_eval(run.step, evaluate_long_context(unwrapped, tokenizer, run, long_context,
+                                                             out_dir / "long_context", accelerator))  # fmt: skip
+            exporter.update_card(model, run, "model card: long-context retrieval")
     log.close()
     digests = metrics.replica_digests(unwrapped, accelerator)  # DDP replicas must hold bit-identical weights
     summary = run.summary(finished=finished, output_dir=str(out_dir), weight_digests=digests)

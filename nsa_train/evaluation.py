@@ -2,16 +2,23 @@
 
 Metric names are `<group>_<name>` (`val_loss`): metrics.jsonl keeps the name, the trackers get `<group>/<name>`
 (`val/loss`). A new measurement taken at each evaluation joins the dict that `evaluate` returns.
+
+Every function here runs on every process: under FSDP each forward gathers the weight shards from all of them,
+so a forward on one process alone would wait forever. The main process writes the files.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from .data import num_label_tokens, to_batch
 from .run_state import RunState
+
+STATS_ROWS = 2  # held-out rows the selection statistics are measured on (the reference holds T x T scores per head)
 
 
 @torch.no_grad()
@@ -33,9 +40,107 @@ def validation_loss(model, rows, micro_batch_size: int, accelerator) -> dict[str
     return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
 
 
-def evaluate(model, run: RunState, val_rows, micro_batch_size: int, accelerator) -> dict[str, float]:
-    """The evaluation of the (unwrapped) model at `run.step`: every metric to log. The validation loss is also
-    recorded in `run`, which checkpoints, the summary and the model card carry."""
-    metrics = validation_loss(model, val_rows, micro_batch_size, accelerator)
-    run.val_loss, run.val_ppl = metrics["val_loss"], metrics["val_ppl"]
+def selection_statistics(model, run: RunState, rows, accelerator, stats_file: Path) -> dict[str, float]:
+    """NSA's gate and selection statistics (`nsa_train.selection_stats`, per layer) on the first STATS_ROWS
+    held-out rows, the same rows on every process and at every step (so the figures of two steps compare). The
+    whole record is appended to `stats_file` (main process) and kept as `run.selection_stats` for the model card;
+    returned as flat `stats_*` metrics."""
+    from .selection_stats import append_stats_jsonl, compute_selection_stats, flatten_stats
+
+    batch = to_batch(rows[:STATS_ROWS], accelerator.device)
+    with accelerator.autocast():  # the precision the model trains in
+        stats = compute_selection_stats(model, batch, max_rows=STATS_ROWS)
+    if accelerator.is_main_process:
+        append_stats_jsonl(stats_file, run.step, stats)
+    run.selection_stats = stats
+    return flatten_stats(stats)
+
+
+def evaluate(model, run: RunState, val_rows, micro_batch_size: int, accelerator, *, loss: bool = True,
+             stats_file: Path | None = None) -> dict[str, float]:  # fmt: skip
+    """The evaluation of the (unwrapped) model at `run.step`: every metric to log. The validation loss (`loss`) is
+    also recorded in `run`, which checkpoints, the summary and the model card carry; with `stats_file`, the
+    selection statistics join the metrics."""
+    metrics = validation_loss(model, val_rows, micro_batch_size, accelerator) if loss else {}
+    if loss:
+        run.val_loss, run.val_ppl = metrics["val_loss"], metrics["val_ppl"]
+    if stats_file is not None:
+        metrics |= selection_statistics(model, run, val_rows, accelerator, stats_file)
     return metrics
+
+
+@dataclass
+class EvalSchedule:
+    """When the trainer evaluates: the validation loss every `eval_every` steps, the selection statistics every
+    `stats_every` steps (-1: at every validation loss), each also at step 0 and at `last_step` (0: never).
+    `stats_file` is where the statistics go."""
+
+    eval_every: int
+    stats_every: int
+    last_step: int
+    stats_file: Path
+
+    def _every(self, step: int, every: int) -> bool:
+        return every > 0 and (step % every == 0 or step == self.last_step)
+
+    def loss_due(self, step: int) -> bool:
+        return self._every(step, self.eval_every)
+
+    def stats_due(self, step: int) -> bool:
+        return self.loss_due(step) if self.stats_every == -1 else self._every(step, self.stats_every)
+
+    def due(self, step: int) -> bool:
+        return self.loss_due(step) or self.stats_due(step)
+
+    def what(self, step: int) -> dict:
+        """`evaluate`'s keyword arguments at `step`."""
+        return {"loss": self.loss_due(step), "stats_file": self.stats_file if self.stats_due(step) else None}
+
+
+LONG_CONTEXT_LENGTH_FACTORS = (1, 2, 4)  # --long-context-lengths default: these multiples of --seq-len
+LONG_CONTEXT_BATCH_SIZE = 4  # prompts per generate() call
+
+
+def long_context_settings(cfg, tokenizer, vocab_size: int | None) -> dict:
+    """`run_long_context_eval`'s keyword arguments for `--eval-long-context`, checked at the start of the run: a
+    length too short for the task's fixed text, or a tokenizer the task cannot use, fails before the first step,
+    not after the last. Lengths default to --seq-len times LONG_CONTEXT_LENGTH_FACTORS (beyond 1: extrapolation).
+    The needle task hides its sentence in the run's own documents; for a streamed Hub dataset, in the shared
+    wiki parquet when present, else in Python's documentation (offline)."""
+    from . import long_context
+
+    if cfg.dataset == "fineweb-edu" or cfg.dataset.startswith("hf://"):
+        haystack = str(long_context.SHARED_HAYSTACK) if long_context.SHARED_HAYSTACK.is_file() else "python-docs"
+    else:
+        haystack = cfg.dataset
+    settings = dict(task=cfg.long_context_task, depths=list(cfg.long_context_depths),
+                    lengths=sorted(cfg.long_context_lengths or [cfg.seq_len * f for f in LONG_CONTEXT_LENGTH_FACTORS]),
+                    samples=cfg.long_context_samples, batch_size=LONG_CONTEXT_BATCH_SIZE, training_len=cfg.seq_len,
+                    haystack=haystack, text_column=cfg.text_column)  # fmt: skip
+    # one case of the shortest length: what the fixed text and the tokenizer allow
+    long_context.build_cases(tokenizer, settings["task"], settings["lengths"][:1], settings["depths"][:1], 1,
+                             haystack=haystack, text_column=cfg.text_column, vocab_size=vocab_size)  # fmt: skip
+    return settings
+
+
+def evaluate_long_context(model, tokenizer, run: RunState, settings: dict, out_dir: Path, accelerator) -> dict:
+    """Long-context retrieval of the (unwrapped) model (`nsa_train.long_context`; `settings` from
+    `long_context_settings`). Every process evaluates the same cases (see the module docstring; under FSDP,
+    generate() keeps the processes in step: transformers' synced_gpus), the main one writes
+    `out_dir`/<task>_<scoring>.json and .png and prints the table. The result is kept as `run.long_context` for
+    the model card (the haystack named without local paths); returned as metrics: the mean accuracy over every
+    cell, `longctx_accuracy`, and each length's, `longctx_len<N>_accuracy`."""
+    from . import data, long_context
+    from .model_card import data_description
+
+    main = accelerator.is_main_process
+    result = long_context.run_long_context_eval(model, tokenizer, **settings, out_dir=out_dir if main else None,
+                                                model_name=str(out_dir.parent / "final"), log=accelerator.print)  # fmt: skip
+    if result["task"] == "needle":  # the card may be pushed: file names, not paths
+        result_for_card = {**result, "haystack": data_description(data.make_source(settings["haystack"],
+                                                                                   settings["text_column"]))}
+    else:
+        result_for_card = result
+    run.long_context = result_for_card
+    per_length = {f"longctx_len{n}_accuracy": sum(row) / len(row) for n, row in zip(result["lengths"], result["accuracy"])}
+    return {"longctx_accuracy": sum(per_length.values()) / len(per_length), **per_length}

@@ -53,6 +53,7 @@ def run_card_fields(cfg, config, run, *, n_params, world, mixed_precision, devic
         "mfu": f"{last['mfu_dense']:.1%} / {last['mfu_nsa']:.1%}" if last.get("mfu_dense") is not None else None,
         "peak_mem": f"{last['peak_mem_gb']:.2f} GB" if last.get("peak_mem_gb") else None,
         "wall_time": f"{(time.time() - run.started) / 60:.1f} min",
+        "quality": quality_section(run, config.attention_mode),
         **{k: getattr(config, k) for k in (
             "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
             "head_dim", "cmp_block_size", "cmp_stride", "sel_block_size", "sel_num_blocks", "window_size", "vocab_size")},
@@ -70,6 +71,23 @@ def run_card_fields(cfg, config, run, *, n_params, world, mixed_precision, devic
         "torch_version": versions["torch"], "transformers_version": versions["transformers"],
         "accelerate_version": versions["accelerate"],
     }  # fmt: skip
+
+
+def quality_section(run, attention_mode: str) -> str:
+    """The card's quality figures: the end-of-run long-context retrieval evaluation and the latest selection and
+    gate statistics, each where the run measured it."""
+    from . import long_context, selection_stats
+
+    parts = [long_context.card_section(run.long_context) if run.long_context else
+             "Long-context retrieval: not measured in this run (train with `--eval-long-context`, or run "
+             "`python -m nsa_train.long_context` on this checkpoint)."]  # fmt: skip
+    if attention_mode != "nsa":
+        parts.append("Selection and gate statistics: none, the model uses dense attention.")
+    elif run.selection_stats:
+        parts.append(selection_stats.card_section(run.selection_stats))
+    else:
+        parts.append("Selection and gate statistics: not measured in this run (`--stats-every`).")
+    return "\n\n".join(part.strip() for part in parts)
 
 
 def data_description(source) -> str:

@@ -16,7 +16,10 @@ class RunState:
     Saved in a checkpoint: `step`, `tokens_seen`, `skipped_steps`, `val_loss`, `val_ppl` (in trainer_state.json)
     and `data`, this process's position in its token stream (in data_state_rank<N>.json). Not saved, because they
     describe this process's own stretch of the run: `last_log`, the latest training-log record (loss, tokens/s,
-    MFU, memory; the summary and the card quote it), and `started`, when this process began (the card's wall time).
+    MFU, memory; the summary and the card quote it), `started`, when this process began (the card's wall time),
+    and what the card's quality section reports: `selection_stats`, the latest selection statistics
+    (`nsa_train.selection_stats`), and `long_context`, the result of the end-of-run retrieval evaluation
+    (`--eval-long-context`); empty when not measured.
     """
 
     step: int = 0
@@ -27,6 +30,8 @@ class RunState:
     data: DataState = field(default_factory=DataState)  # the next token this process reads
     last_log: dict = field(default_factory=dict)
     started: float = field(default_factory=time.time)
+    selection_stats: dict = field(default_factory=dict)
+    long_context: dict = field(default_factory=dict)
 
     def advance(self, tokens: int, data: DataState) -> None:
         """One optimizer step done: `tokens` trained on (all processes), the stream read up to `data`."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from .run_state import RunState
 
 # how the console line shows an evaluation metric (others: "<name> <value>")
 EVAL_CONSOLE = {"val_loss": "val loss {:.4f}", "val_ppl": "ppl {:.2f}"}
+PER_LAYER = re.compile(r"[a-z]+_l\d+_")
 
 
 def peak_memory_gb(device) -> float:
@@ -38,8 +40,9 @@ class StepLog:
         self.peak_flops = peak_flops
         self.main = accelerator.is_main_process
         self.trackers = cfg.report_to != "none"
-        if self.trackers:  # TensorBoard events go to <output_dir>/logs
-            accelerator.init_trackers("logs", config={k: v for k, v in run_config.items() if v is not None})
+        if self.trackers:  # TensorBoard events go to <output_dir>/logs; its hyperparameters are scalars: lists as text
+            accelerator.init_trackers("logs", config={k: " ".join(map(str, v)) if isinstance(v, list) else v
+                                                      for k, v in run_config.items() if v is not None})  # fmt: skip
         self.file = open(Path(out_dir) / "metrics.jsonl", "a") if self.main else None
         self.bar = tqdm(total=cfg.max_steps, initial=run.step, disable=not (self.main and sys.stderr.isatty()),
                         desc="train")  # fmt: skip
@@ -86,8 +89,10 @@ class StepLog:
         self.restart_clock()
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
-        """One evaluation's metrics (`<group>_<name>`; trackers: `<group>/<name>`)."""
-        shown = " ".join(EVAL_CONSOLE[k].format(v) if k in EVAL_CONSOLE else f"{k} {v:.4g}" for k, v in metrics.items())
+        """One evaluation's metrics (`<group>_<name>`; trackers: `<group>/<name>`). The console line leaves out
+        per-layer figures (`<group>_l<N>_<name>`, e.g. the selection statistics; their means over layers show)."""
+        shown = " ".join(EVAL_CONSOLE[k].format(v) if k in EVAL_CONSOLE else f"{k} {v:.4g}" for k, v in metrics.items()
+                         if not PER_LAYER.match(k))  # fmt: skip
         self._write(f"step {step}: {shown}", {"step": step, **metrics})
         if self.trackers:
             self.accelerator.log({k.replace("_", "/", 1): v for k, v in metrics.items()}, step=step)
