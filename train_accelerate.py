@@ -74,7 +74,7 @@ PRESETS = {  # defaults a preset sets; flags given on the command line still win
 class TrainConfig:
     preset: str | None = field(default=None, metadata={"help": f"Defaults for a named setup: {list(PRESETS)}."})
     # data
-    dataset: str = field(default="fineweb-edu", metadata={"help": "fineweb-edu | python-docs | hf://NAME (a Hub dataset, streamed) | PATH (file, dir, glob of parquet/jsonl/txt)."})
+    dataset: str = field(default="fineweb-edu", metadata={"help": "fineweb-edu | python-docs | hf://NAME (a Hub dataset, streamed) | parquet:PATH (local parquet shards, e.g. of FineWeb-Edu, streamed the same way) | PATH (file, dir, glob of parquet/jsonl/txt)."})
     dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset config; when not given: sample-10BT for fineweb-edu (or sample-100BT, ...), the dataset's own default for hf://NAME."})
     text_column: str = "text"
     tokenizer: str = field(default="gpt2", metadata={"help": "AutoTokenizer name or path, or 'byt5' (byte-level, no files)."})
