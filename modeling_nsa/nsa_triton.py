@@ -50,19 +50,16 @@ from .nsa_layout import NSAParams
 from .nsa_triton_common import (  # noqa: F401  (_HAS_TRITON: callers ask this module whether triton imported)
     _HAS_TRITON,
     MIN_COMPUTE_CAPABILITY,
-    _LOG2E,
-    _cdiv,
-    _next_pow2,
     triton_is_usable,
     triton_supports,
     triton_unsupported_reason,
     triton_unusable_reason,
 )
 from .nsa_triton_decode import _decode_step
-from .nsa_triton_dq import _bwd_dq_kernel
+from .nsa_triton_dq import _bwd_dq
 from .nsa_triton_interval import _interval_bwd_dkdv, _interval_fwd, _layout
-from .nsa_triton_launch import LaunchOverrides, _dq_launch, _sel_sub_tile, launch_overrides
-from .nsa_triton_selected import _sel_bwd_dkdv, _sel_fwd, _tile_block_union
+from .nsa_triton_launch import LaunchOverrides, launch_overrides
+from .nsa_triton_selected import _sel_bwd_dkdv, _sel_fwd
 from .nsa_triton_topn import _select_topn
 
 
@@ -146,32 +143,12 @@ def _nsa_bwd_op(
     params: list[int], scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     p = _params_from(params)
-    batch, num_q, num_heads, head_dim = q.shape
-    num_keys, num_kv, num_win = k_slc.shape[1], k_slc.shape[2], k_win.shape[1]
-    group = num_heads // num_kv
-    c_lo, c_hi, w_lo, w_hi = _layout(cmp_end, doc_pos, num_q, num_win, p)
+    c_lo, c_hi, w_lo, w_hi = _layout(cmp_end, doc_pos, q.shape[1], k_win.shape[1], p)
     dout = dout.to(q.dtype).contiguous()
-    # dQ of the three branches, dgates and the per-branch deltas in one kernel (query tiles as the
-    # selected attention's); the dK/dV kernels then read the deltas. The block union (sort temporaries)
-    # comes before dQ is allocated, which lowers the backward's peak memory.
-    n_sel = idx.shape[-1]
-    block_m, qpb, dq_opts = _dq_launch(group, head_dim, n_sel, q.device)
-    blocks, counts = _tile_block_union(idx, doc_pos, qpb, p.sel_block_size)
-    dq = torch.empty_like(q)
-    dgates = torch.empty_like(gates)
-    delta = torch.empty(3, batch, num_q, num_heads, device=q.device, dtype=torch.float32)
-    _bwd_dq_kernel[(_cdiv(num_q, qpb), batch * num_kv)](
-        q, dout, gates, dgates, delta, dq,
-        k_cmp, v_cmp, c_lo, c_hi, lse_cmp, o_cmp,
-        k_slc, v_slc, idx, blocks, counts, doc_pos, lse_slc, o_slc,
-        k_win, v_win, w_lo, w_hi, lse_win, o_win,
-        num_q, num_keys, k_cmp.shape[1], num_win, num_keys - num_q, counts.shape[-1], batch * num_q * num_heads,
-        scale * _LOG2E, scale,
-        H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=p.sel_block_size, N_SEL=n_sel, N_PAD=_next_pow2(n_sel),
-        QPB=qpb, BLOCK_M=block_m, SUB_M=_sel_sub_tile(block_m, head_dim, q.device, dq=True), BLOCK_N=64,
-        **dq_opts,
-    )
-    del blocks, counts
+    # dQ of the three branches, dgates and the per-branch deltas in one kernel; the dK/dV kernels then read the
+    # deltas
+    cmp, win = (k_cmp, v_cmp, c_lo, c_hi, lse_cmp, o_cmp), (k_win, v_win, w_lo, w_hi, lse_win, o_win)
+    dq, dgates, delta = _bwd_dq(q, dout, gates, cmp, (k_slc, v_slc, lse_slc, o_slc), win, idx, doc_pos, p, scale)
     dk_cmp, dv_cmp = _interval_bwd_dkdv(q, k_cmp, v_cmp, c_lo, c_hi, dout, gates, 0, lse_cmp, delta[0], scale)
     dk_slc, dv_slc = _sel_bwd_dkdv(q, k_slc, v_slc, idx, doc_pos, dout, gates, 1, lse_slc, delta[1], p, scale)
     dk_win, dv_win = _interval_bwd_dkdv(q, k_win, v_win, w_lo, w_hi, dout, gates, 2, lse_win, delta[2], scale)

@@ -172,6 +172,14 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
+def _launch_shapes(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int, int, int]:
+    """A launcher's sizes from q (B, Tq, H, D) and one branch's keys k (B, Tk, Hkv, D): (batch, queries, heads,
+    head_dim, keys, KV heads, group G = heads per KV head)."""
+    batch, num_q, num_heads, head_dim = q.shape
+    num_keys, num_kv = k.shape[1], k.shape[2]
+    return batch, num_q, num_heads, head_dim, num_keys, num_kv, num_heads // num_kv
+
+
 def _cdiv(a: int, b: int) -> int:
     """Ceiling division of host integers (triton.cdiv goes through Triton's JIT machinery: about 2 us a call,
     which the cached decode step pays three times per token)."""

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from .nsa_layout import NSAParams
-from .nsa_triton_common import _LARGE_SHARED_MEMORY, _LOG2E, _cdiv, _next_pow2, _shared_memory_limit
-from .nsa_triton_launch import _OVERRIDES, _topn_chunk, _topn_insert_max
+from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes, _next_pow2
+from .nsa_triton_launch import _decode_launch, _topn_chunk, _topn_insert_max
 
 
 try:  # the module must import where triton is missing (CPU-only installs, macOS)
@@ -357,21 +357,17 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     kernel (four launches, a short chain of steps on the GPU).
     query_end (a static cache): the query's key index as a 1-element int64 tensor, read by the kernels; every
     grid then follows the buffers' fixed sizes, so the launches are the same at every token (CUDA graphs)."""
-    batch, _, num_heads, head_dim = q.shape
-    num_slots, num_kv = k_cmp.shape[1], k_cmp.shape[2]
+    batch, _, num_heads, head_dim, num_slots, num_kv, group = _launch_shapes(q, k_cmp)
     num_keys, num_win = k_slc.shape[1], k_win.shape[1]
-    group = num_heads // num_kv
     g_pad = max(16, _next_pow2(group))
     num_blocks = _cdiv(num_keys, params.sel_block_size)
     n_sel = min(params.sel_num_blocks, num_blocks)
     n_pad = _next_pow2(n_sel)
-    # compressed slots per split program (a power of two >= 16): 256 at head_dim <= 64 (H100, 2026-11-23, 64k,
-    # the other defaults as they are: the finish kernel, which merges the splits, 34.9 us against 39.1 / 46.9 us
-    # with splits of 128 / 64 slots), 128 above (256 spills 96-104 B at head_dim 128: tests/triton_aot.py)
-    split = _OVERRIDES.decode_split or (256 if head_dim <= 64 else 128)
+    static = query_end is not None
+    launch = _decode_launch(head_dim, n_sel, params.sel_block_size, static, q.device)
+    split = launch.split
     n_split = max(1, _cdiv(num_slots, split))
-    blocks_per_prog = _OVERRIDES.decode_topn_blocks or 64  # selection blocks per top-n program
-    n_prog = _cdiv(num_blocks, blocks_per_prog)
+    n_prog = _cdiv(num_blocks, launch.topn_blocks)
     rows = batch * num_kv * n_split * g_pad
     part_m = torch.empty(rows, device=q.device, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
@@ -382,30 +378,8 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     top_i = torch.empty(batch * num_kv * n_prog, n_pad, device=q.device, dtype=torch.int32)
     common = dict(HKV=num_kv, G=group, D=head_dim, G_PAD=g_pad)
     topn = dict(LB=params.sel_block_size, N_SEL=n_sel, N_PAD=n_pad)
-    # splits per vector load in the top-n kernel's merge (m, l only)
-    merge_splits = _OVERRIDES.decode_merge_splits or 32
-    # Steps of SEL_STEP selected blocks and BLOCK_N window keys, 256 keys (128 at head_dim 128, 64 at 256: each
-    # step's K and V stay within shared memory), 4 warps to head_dim 64 (H100, 2026-11-23, 64k: the finish kernel
-    # 34.9 us at 4 warps against 41.2 us at 8, the graphed static step 50.1 against 53.7 us; the finish kernel
-    # spills 8-104 B there with triton 3.9, tests/test_triton_compile.py), 8 above (4 spill 200-264 B at head_dim
-    # 128).
-    # With 99 KiB of shared memory per block (RTX 30xx/40xx, A10, L4) half as many keys per step: 256 keys at
-    # head_dim 64 take 136 KiB there. In parts, a part is one step by default: at n = 16, l' = 64, w = 512 and
-    # head_dim 64, 4 selected parts, 2 window parts and the compressed merge, 7 programs per (row, KV group)
-    # where the finish kernel walks 12 steps (graphed at 64k on the H100, 2026-11-23, at 8 warps: 100 us in parts
-    # against 125 us with the finish kernel).
-    budget = 16384 if _shared_memory_limit(q.device) >= _LARGE_SHARED_MEMORY else 8192  # keys x head_dim
-    keys_per_step = min(256, budget // head_dim)
-    sel_step = _OVERRIDES.decode_sel_step or max(1, min(keys_per_step // params.sel_block_size, _next_pow2(n_sel)))
-    win_tile = _OVERRIDES.decode_win_tile or keys_per_step
-    sel_part = max(sel_step, _OVERRIDES.decode_sel_part or sel_step)
-    win_part = max(win_tile, _OVERRIDES.decode_win_part or win_tile)
-    sel_parts, win_parts = _cdiv(n_sel, sel_part), _cdiv(num_win, win_part)
+    sel_parts, win_parts = _cdiv(n_sel, launch.sel_part), _cdiv(num_win, launch.win_part)
     n_parts = sel_parts + win_parts + 1  # the last: the compressed branch
-    # the compressed merge: 16 splits (with their outputs) per step; the list merge: 128 entries per step
-    part_splits = _OVERRIDES.decode_merge_splits or 16
-    lists = _OVERRIDES.decode_merge_lists or max(1, 128 // n_pad)
-    static = query_end is not None
     query_end = query_end if static else doc_pos  # (unread without STATIC)
     _decode_cmp_split_kernel[(batch * num_kv, n_split)](
         q, k_cmp, v_cmp, cmp_end, doc_pos, query_end, part_m, part_l, part_acc, part_p, counts,
@@ -416,16 +390,16 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
         part_m, part_l, part_acc, part_p, counts, doc_pos, query_end, top_v, top_i, num_keys, n_split, n_prog,
         doc_pos.stride(0),
         L=params.cmp_block_size, DS=params.cmp_stride, INIT=params.sel_init_blocks, LOCAL=params.sel_local_blocks,
-        BJ=_topn_chunk(params), CS=split, SB=merge_splits, TB=blocks_per_prog, INSERT_MAX=_topn_insert_max(decode=True),
+        BJ=_topn_chunk(params), CS=split, SB=launch.topn_merge_splits, TB=launch.topn_blocks,
+        INSERT_MAX=_topn_insert_max(decode=True),
         STATIC=static, num_warps=4, **common, **topn,
     )
     out = torch.empty_like(q)
-    common_last = dict(H=num_heads, WIN=params.window_size, SB=part_splits, LISTS=lists, SEL_STEP=sel_step,
-                       BLOCK_N=win_tile, STATIC=static,
-                       num_warps=_OVERRIDES.decode_warps or (4 if head_dim <= 64 else 8),
+    common_last = dict(H=num_heads, WIN=params.window_size, SB=launch.part_splits, LISTS=launch.lists,
+                       SEL_STEP=launch.sel_step, BLOCK_N=launch.win_tile, STATIC=static, num_warps=launch.num_warps,
                        **common, **topn)
     strides = (k_slc.stride(0), v_slc.stride(0), k_win.stride(0), v_win.stride(0), doc_pos.stride(0))
-    if not (static if _OVERRIDES.decode_parts is None else _OVERRIDES.decode_parts):
+    if not launch.parts:
         _decode_finish_kernel[(batch * num_kv,)](
             q, part_m, part_l, part_acc, counts, top_v, top_i, k_slc, v_slc, k_win, v_win, gates, doc_pos, query_end,
             out, num_keys, num_win, n_split, n_prog, scale * _LOG2E, *strides, **common_last,
@@ -439,7 +413,7 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     _decode_parts_kernel[(batch * num_kv, n_parts)](
         q, part_m, part_l, part_acc, counts, top_v, top_i, k_slc, v_slc, k_win, v_win, doc_pos, query_end,
         out_m, out_l, out_acc, num_keys, num_win, n_split, n_prog, n_parts, scale * _LOG2E, *strides,
-        SEL_PART=sel_part, SEL_PARTS=sel_parts, WIN_PART=win_part, num_stages=1, **common_last,
+        SEL_PART=launch.sel_part, SEL_PARTS=sel_parts, WIN_PART=launch.win_part, num_stages=1, **common_last,
     )
     _decode_combine_kernel[(batch * num_kv,)](
         out_m, out_l, out_acc, gates, out, n_parts, H=num_heads, SEL_PARTS=sel_parts,

@@ -4,7 +4,12 @@ also writes the gate gradients and the per-branch deltas the dK/dV kernels read.
 
 from __future__ import annotations
 
+import torch
 
+from .nsa_layout import NSAParams
+from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes, _next_pow2
+from .nsa_triton_launch import _dq_launch, _sel_sub_tile
+from .nsa_triton_selected import _tile_block_union
 
 
 try:  # the module must import where triton is missing (CPU-only installs, macOS)
@@ -180,3 +185,31 @@ if _HAS_TRITON:
         if SUBS == 4:
             dq += _rows_cat(_rows_cat(dq0, dq1), _rows_cat(dq2, dq3))
         tl.store(DQ + row[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# Host-side launcher (static shapes, no host synchronization)
+# ----------------------------------------------------------------------------------------------
+
+def _bwd_dq(q, dout, gates, cmp, slc, win, idx, doc_pos, params: NSAParams, scale):
+    """dQ (B, Tq, H, D), the gate gradients (B, Tq, H, 3) and the per-branch deltas (3, B, Tq, H) in one launch,
+    query tiles as the selected attention's. cmp, win: each interval branch's (keys, values, lo, hi, lse,
+    output); slc: the selected branch's (keys, values, lse, output), idx its blocks. The block union (sort
+    temporaries) comes before dQ is allocated, which lowers the backward's peak memory."""
+    k_cmp, k_slc, k_win = cmp[0], slc[0], win[0]
+    batch, num_q, num_heads, head_dim, num_keys, num_kv, group = _launch_shapes(q, k_slc)
+    n_sel = idx.shape[-1]
+    block_m, qpb, dq_opts = _dq_launch(group, head_dim, n_sel, q.device)
+    blocks, counts = _tile_block_union(idx, doc_pos, qpb, params.sel_block_size)
+    dq = torch.empty_like(q)
+    dgates = torch.empty_like(gates)
+    delta = torch.empty(3, batch, num_q, num_heads, device=q.device, dtype=torch.float32)
+    _bwd_dq_kernel[(_cdiv(num_q, qpb), batch * num_kv)](
+        q, dout, gates, dgates, delta, dq, *cmp, k_slc, slc[1], idx, blocks, counts, doc_pos, *slc[2:], *win,
+        num_q, num_keys, k_cmp.shape[1], k_win.shape[1], num_keys - num_q, counts.shape[-1], batch * num_q * num_heads,
+        scale * _LOG2E, scale,
+        H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=params.sel_block_size, N_SEL=n_sel,
+        N_PAD=_next_pow2(n_sel), QPB=qpb, BLOCK_M=block_m, SUB_M=_sel_sub_tile(block_m, head_dim, q.device, dq=True),
+        BLOCK_N=64, **dq_opts,
+    )
+    return dq, dgates, delta

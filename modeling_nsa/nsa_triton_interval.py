@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .nsa_layout import NSAParams
-from .nsa_triton_common import _LOG2E, _cdiv
+from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes
 from .nsa_triton_launch import _OVERRIDES, _dkdv_launch, _rows_per_program
 
 
@@ -195,9 +195,7 @@ def _layout(cmp_end, doc_pos, num_queries, num_win, params: NSAParams):
 
 def _interval_fwd(q, k, v, lo, hi, scale, combine=None):
     """combine=(o_cmp, o_slc, gates): also write the gated sum of the three branches (returned third)."""
-    batch, num_q, num_heads, head_dim = q.shape
-    num_keys, num_kv = k.shape[1], k.shape[2]
-    group = num_heads // num_kv
+    batch, num_q, num_heads, head_dim, num_keys, num_kv, group = _launch_shapes(q, k)
     o = torch.empty_like(q)
     lse = torch.empty(batch, num_q, num_heads, device=q.device, dtype=torch.float32)
     out = torch.empty_like(q) if combine is not None else o
@@ -213,9 +211,7 @@ def _interval_fwd(q, k, v, lo, hi, scale, combine=None):
 
 
 def _interval_bwd_dkdv(q, k, v, lo, hi, do, gates, branch, lse, delta, scale):
-    batch, num_q, num_heads, head_dim = q.shape
-    num_keys, num_kv = k.shape[1], k.shape[2]
-    group = num_heads // num_kv
+    batch, num_q, num_heads, head_dim, num_keys, num_kv, group = _launch_shapes(q, k)
     block_m, qpb, dkdv_opts = _dkdv_launch(group, head_dim, q.device)
     block_n = 64
     n_ktiles = _cdiv(max(num_keys, 1), block_n)

@@ -9,7 +9,7 @@ import contextlib
 import dataclasses
 
 from .nsa_layout import NSAParams
-from .nsa_triton_common import _hopper_class, _next_pow2
+from .nsa_triton_common import _LARGE_SHARED_MEMORY, _hopper_class, _next_pow2, _shared_memory_limit
 
 
 @dataclasses.dataclass
@@ -167,3 +167,58 @@ def _topn_chunk(params: NSAParams) -> int:
     bj = max(1, 64 // ratio) if ratio <= 64 else 1
     bj = max(bj, 16 // min(ratio, 16))
     return _OVERRIDES.topn_blocks_per_chunk or bj
+
+
+@dataclasses.dataclass(slots=True)
+class DecodeLaunch:
+    """The decoding step's launch choices (nsa_triton_decode._decode_step)."""
+
+    split: int  # compressed slots per split program (CS)
+    topn_blocks: int  # selection blocks per top-n program (TB)
+    topn_merge_splits: int  # splits per vector load in the top-n kernel's merge (m, l only)
+    sel_step: int  # selected blocks per step of the selected branch (SEL_STEP)
+    win_tile: int  # window keys per step of the window branch (BLOCK_N)
+    sel_part: int  # selected blocks per part program
+    win_part: int  # window keys per part program
+    part_splits: int  # compressed splits (with their outputs) per step of the last launch's merge
+    lists: int  # block ranges' top-n lists per step of the list merge
+    num_warps: int  # of the finish and parts kernels
+    parts: bool  # the last launches: parts + combine kernels (else the finish kernel)
+
+
+def _decode_launch(head_dim: int, n_sel: int, sel_block_size: int, static: bool, device) -> DecodeLaunch:
+    """The decoding step's launch choices for this head_dim, n' selected blocks and block size l' on device;
+    static: a static cache's (CUDA-graphed) step."""
+    o = _OVERRIDES
+    # compressed slots per split program (a power of two >= 16): 256 at head_dim <= 64 (H100, 2026-11-23, 64k,
+    # the other defaults as they are: the finish kernel, which merges the splits, 34.9 us against 39.1 / 46.9 us
+    # with splits of 128 / 64 slots), 128 above (256 spills 96-104 B at head_dim 128: tests/triton_aot.py)
+    split = o.decode_split or (256 if head_dim <= 64 else 128)
+    # Steps of SEL_STEP selected blocks and BLOCK_N window keys, 256 keys (128 at head_dim 128, 64 at 256: each
+    # step's K and V stay within shared memory), 4 warps to head_dim 64 (H100, 2026-11-23, 64k: the finish kernel
+    # 34.9 us at 4 warps against 41.2 us at 8, the graphed static step 50.1 against 53.7 us; the finish kernel
+    # spills 8-104 B there with triton 3.9, tests/test_triton_compile.py), 8 above (4 spill 200-264 B at head_dim
+    # 128).
+    # With 99 KiB of shared memory per block (RTX 30xx/40xx, A10, L4) half as many keys per step: 256 keys at
+    # head_dim 64 take 136 KiB there. In parts, a part is one step by default: at n = 16, l' = 64, w = 512 and
+    # head_dim 64, 4 selected parts, 2 window parts and the compressed merge, 7 programs per (row, KV group)
+    # where the finish kernel walks 12 steps (graphed at 64k on the H100, 2026-11-23, at 8 warps: 100 us in parts
+    # against 125 us with the finish kernel).
+    budget = 16384 if _shared_memory_limit(device) >= _LARGE_SHARED_MEMORY else 8192  # keys x head_dim
+    keys_per_step = min(256, budget // head_dim)
+    sel_step = o.decode_sel_step or max(1, min(keys_per_step // sel_block_size, _next_pow2(n_sel)))
+    win_tile = o.decode_win_tile or keys_per_step
+    return DecodeLaunch(
+        split=split,
+        topn_blocks=o.decode_topn_blocks or 64,
+        topn_merge_splits=o.decode_merge_splits or 32,
+        sel_step=sel_step,
+        win_tile=win_tile,
+        sel_part=max(sel_step, o.decode_sel_part or sel_step),
+        win_part=max(win_tile, o.decode_win_part or win_tile),
+        # the compressed merge: 16 splits (with their outputs) per step; the list merge: 128 entries per step
+        part_splits=o.decode_merge_splits or 16,
+        lists=o.decode_merge_lists or max(1, 128 // _next_pow2(n_sel)),
+        num_warps=o.decode_warps or (4 if head_dim <= 64 else 8),
+        parts=bool(static if o.decode_parts is None else o.decode_parts),
+    )

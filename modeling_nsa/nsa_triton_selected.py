@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .nsa_layout import NSAParams
-from .nsa_triton_common import _LOG2E, _cdiv, _next_pow2
+from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes, _next_pow2
 from .nsa_triton_launch import _OVERRIDES, _dkdv_launch, _sel_rows_per_program, _sel_sub_tile
 
 
@@ -295,9 +295,7 @@ def _tile_block_union(idx, doc_pos, qpb: int, sel_block_size: int):
 
 
 def _sel_fwd(q, k, v, idx, doc_pos, params: NSAParams, scale):
-    batch, num_q, num_heads, head_dim = q.shape
-    num_keys, num_kv = k.shape[1], k.shape[2]
-    group = num_heads // num_kv
+    batch, num_q, num_heads, head_dim, num_keys, num_kv, group = _launch_shapes(q, k)
     o = torch.empty_like(q)
     lse = torch.empty(batch, num_q, num_heads, device=q.device, dtype=torch.float32)
     n_sel = idx.shape[-1]
@@ -316,9 +314,7 @@ def _sel_fwd(q, k, v, idx, doc_pos, params: NSAParams, scale):
 
 
 def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: NSAParams, scale):
-    batch, num_q, num_heads, head_dim = q.shape
-    num_keys, num_kv = k.shape[1], k.shape[2]
-    group = num_heads // num_kv
+    batch, num_q, num_heads, head_dim, num_keys, num_kv, group = _launch_shapes(q, k)
     n_sel = idx.shape[-1]
     lb = params.sel_block_size
     q_off = num_keys - num_q

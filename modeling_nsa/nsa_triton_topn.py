@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .nsa_layout import NSAParams
-from .nsa_triton_common import _LOG2E, _cdiv, _next_pow2
+from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes, _next_pow2
 from .nsa_triton_launch import _OVERRIDES, _topn_chunk, _topn_insert_max, _topn_warps
 
 
@@ -246,10 +246,8 @@ if _HAS_TRITON:
 # ----------------------------------------------------------------------------------------------
 
 def _select_topn(q, k_cmp, lse_cmp, doc_pos, c_lo, c_hi, params: NSAParams, scale):
-    batch, num_q, num_heads, head_dim = q.shape
-    num_slots, num_kv = k_cmp.shape[1], k_cmp.shape[2]
+    batch, num_q, num_heads, head_dim, num_slots, num_kv, group = _launch_shapes(q, k_cmp)
     num_keys = doc_pos.shape[1]
-    group = num_heads // num_kv
     num_blocks = _cdiv(num_keys, params.sel_block_size)
     n_sel = min(params.sel_num_blocks, num_blocks)
     idx = torch.empty(batch, num_kv, num_q, n_sel, device=q.device, dtype=torch.int32)
