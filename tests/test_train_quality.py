@@ -1,0 +1,139 @@
+"""The trainer's quality measurements: selection statistics at evaluations (--stats-every), the long-context retrieval
+evaluation at the end (--eval-long-context), the model card's quality section, and the A/B twins' shared initial
+weights. Tiny NSA runs on CPU (tests/train_helpers.py)."""
+
+import json
+
+import pytest
+import torch
+from train_helpers import GPT2, PARQUET, needs_shared, run_main, tiny_args
+
+pytestmark = needs_shared
+
+LONG_CONTEXT = ["--eval-long-context", "--long-context-lengths", "64", "96", "--long-context-depths", "0", "1",
+                "--long-context-samples", "1"]  # fmt: skip
+
+
+def jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def run_with_quality(tmp_path_factory):
+    """Evaluations at steps 0 and 2 (statistics at each: the default --stats-every -1), then the retrieval eval."""
+    out = tmp_path_factory.mktemp("quality") / "run"
+    run_main(tiny_args(out, max_steps=2, eval_every=2) + LONG_CONTEXT)
+    return out
+
+
+def test_statistics_at_every_evaluation(run_with_quality):
+    from modeling_nsa import NSAForCausalLM
+    from nsa_train import data
+    from nsa_train.selection_stats import SCALARS, compute_selection_stats
+
+    out = run_with_quality
+    records = jsonl(out / "stats.jsonl")
+    assert [r["step"] for r in records] == [0, 2]
+    assert [layer["layer"] for layer in records[-1]["layers"]] == [0, 1] and records[-1]["rows"] == 2
+    assert set(SCALARS) <= set(records[-1]["layers"][0])
+    evals = [r for r in jsonl(out / "metrics.jsonl") if "val_loss" in r]
+    assert [r["step"] for r in evals] == [0, 2]
+    for record in evals:
+        assert {"stats_l0_gate_slc_mean", "stats_l1_forced_share", "stats_all_neighbour_overlap",
+                "stats_l0_distance_0"} <= set(record)  # fmt: skip
+    assert not any(k.startswith("stats_") for r in jsonl(out / "metrics.jsonl") if "loss" in r for k in r)
+    # the last record is the exported model's statistics on the first two held-out rows
+    tokenizer = data.load_tokenizer(str(GPT2))
+    rows = data.validation_rows(data.make_source(str(PARQUET)), tokenizer, 64, 50, 1024, False)
+    expected = compute_selection_stats(NSAForCausalLM.from_pretrained(out / "final"), data.to_batch(rows[:2]))
+    for got, want in zip(records[-1]["layers"], expected["layers"]):
+        for name in SCALARS:
+            assert got[name] == pytest.approx(want[name], rel=1e-4, abs=1e-6), name
+        assert got["distance_hist"] == want["distance_hist"]
+    assert evals[-1]["stats_l1_gate_cmp_mean"] == records[-1]["layers"][1]["gate_cmp_mean"]
+
+
+def test_long_context_evaluation_at_the_end(run_with_quality):
+    out = run_with_quality
+    result = json.loads((out / "long_context" / "passkey_generate.json").read_text())
+    assert result["lengths"] == [64, 96] and result["depths"] == [0.0, 1.0] and result["samples"] == 1
+    assert result["extrapolated_lengths"] == [96] and result["training_len"] == 64
+    assert (out / "long_context" / "passkey_generate.png").stat().st_size > 0
+    logged = [r for r in jsonl(out / "metrics.jsonl") if "longctx_accuracy" in r]
+    assert len(logged) == 1 and logged[0]["step"] == 2
+    cells = [a for row in result["accuracy"] for a in row]
+    assert logged[0]["longctx_accuracy"] == pytest.approx(sum(cells) / len(cells))
+    assert logged[0]["longctx_len96_accuracy"] == pytest.approx(sum(result["accuracy"][1]) / 2)
+    card = (out / "final" / "README.md").read_text()
+    quality = card.split("## Quality")[1].split("## Model")[0]
+    assert "### Long-context retrieval: passkey" in quality and "| 96* |" in quality
+    assert "### Gates and selection" in quality and "| 1 | " in quality
+    assert str(out.parent) not in card  # no local paths: the card may be pushed
+
+
+def test_statistics_every_n_steps_without_validation_loss(tmp_path):
+    out = tmp_path / "run"
+    run_main(tiny_args(out, max_steps=2, eval_every=0, stats_every=1))
+    assert [r["step"] for r in jsonl(out / "stats.jsonl")] == [0, 1, 2]
+    evals = [r for r in jsonl(out / "metrics.jsonl") if "stats_all_forced_share" in r]
+    assert [r["step"] for r in evals] == [0, 1, 2] and not any("val_loss" in r for r in evals)
+    assert "not measured in this run (train with `--eval-long-context`" in (out / "final" / "README.md").read_text()
+
+
+def test_statistics_off_and_dense(tmp_path, capsys):
+    off, dense = tmp_path / "off", tmp_path / "dense"
+    run_main(tiny_args(off, max_steps=1, eval_every=1, stats_every=0))
+    assert not (off / "stats.jsonl").exists()
+    assert not any(k.startswith("stats_") for r in jsonl(off / "metrics.jsonl") for k in r)
+    assert "Selection and gate statistics: not measured" in (off / "final" / "README.md").read_text()
+    run_main(tiny_args(dense, max_steps=1, eval_every=1, stats_every=1, attention_mode="dense"))
+    assert "dense attention has no selection to measure" in capsys.readouterr().out
+    assert not (dense / "stats.jsonl").exists()
+    assert "statistics: none, the model uses dense attention" in (dense / "final" / "README.md").read_text()
+
+
+def test_bad_quality_flags(tmp_path, capsys):
+    for argv, message in [
+        (["--long-context-task", "foo"], "invalid choice: 'foo'"),
+        (["--stats-every", "-2"], "--stats-every -2: -1 (at every evaluation), 0 (off)"),
+        (["--long-context-depths", "0", "1.5"], "--long-context-depths 1.5: a depth is the fraction"),
+        (["--long-context-lengths", "64", "0"], "--long-context-lengths 0: a prompt length is a positive"),
+        (["--long-context-samples", "0"], "--long-context-samples 0: must be a positive integer"),
+    ]:  # fmt: skip
+        with pytest.raises(SystemExit):
+            run_main(tiny_args(tmp_path / "bad") + argv)
+        assert message in capsys.readouterr().err, argv
+    # what needs the tokenizer fails before the first step, and leaves no run directory behind
+    with pytest.raises(ValueError, match="--lengths 16: too short for the passkey task's fixed text"):
+        run_main(tiny_args(tmp_path / "short") + ["--eval-long-context", "--long-context-lengths", "16"])
+    with pytest.raises(ValueError, match="--stats-every 5: the statistics are measured on held-out rows"):
+        run_main(tiny_args(tmp_path / "norows", stats_every=5, val_tokens=0))
+    assert not (tmp_path / "short").exists() and not (tmp_path / "norows").exists()
+
+
+@pytest.mark.parametrize("kv_per_branch", [True, False])
+def test_dense_twin_starts_from_the_nsa_weights(kv_per_branch):
+    """Built by the trainer with one seed, the NSA model and its dense twin hold the same shared parameters (the
+    dense K/V projection: the NSA selection branch's set), and the generator stands at the same place after."""
+    from accelerate.utils import set_seed
+
+    import train_accelerate
+    from nsa_train import data
+
+    tokenizer = data.load_tokenizer(str(GPT2))
+    models, after = {}, {}
+    for mode in ("nsa", "dense"):
+        cfg = train_accelerate.parse_args(["--model", "tiny", "--seq-len", "64", "--attention-mode", mode,
+                                           "--model-overrides", json.dumps({"kv_per_branch": kv_per_branch})])  # fmt: skip
+        set_seed(7)
+        models[mode] = train_accelerate.build_model(cfg, tokenizer)
+        after[mode] = torch.rand(4)
+    nsa, dense = dict(models["nsa"].named_parameters()), dict(models["dense"].named_parameters())
+    assert set(dense) < set(nsa) and all(".g_proj." in k or ".compressor." in k for k in set(nsa) - set(dense))
+    for name, param in dense.items():
+        expected = nsa[name]
+        if kv_per_branch and name.endswith("kv_proj.weight"):
+            expected = expected.view(3, -1, expected.shape[-1])[1]  # sets (cmp, slc, win): slc
+        assert torch.equal(param, expected), name
+    assert torch.equal(after["nsa"], after["dense"])
+    assert models["dense"].lm_head.weight is models["dense"].model.embed_tokens.weight  # still tied
