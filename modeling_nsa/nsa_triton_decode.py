@@ -260,10 +260,9 @@ if _HAS_TRITON:
     ):
         """Decode, one program per (row, KV group), rows = its G heads: merges the compressed-branch splits,
         then selected and window attention, and the gated sum. The third and last launch of an eager step, where
-        every launch costs host time (0.35 ms per call against 0.08 ms of GPU time at B = 1 on the H100,
-        2026-11-22). At B = 1 it runs two programs whose chain of steps is what costs on the GPU (55 of the 73 us
-        at 64k, in steps half as long): a CUDA-graphed step (a static cache) takes _decode_parts_kernel and
-        _decode_combine_kernel instead. *_bs: batch strides (elements) of KS, VS, KW, VW, DOCPOS (views of the
+        every launch costs host time (eager decoding at small batch is host-bound: bench/KERNELS.md). At B = 1 it
+        runs two programs whose chain of steps is what costs on the GPU: a CUDA-graphed step (a static cache)
+        takes _decode_parts_kernel and _decode_combine_kernel instead. *_bs: batch strides (elements) of KS, VS, KW, VW, DOCPOS (views of the
         cache's buffers). STATIC: the query is key TEND[0] and KW/VW a ring of Tw slots (key p at slot p % Tw);
         otherwise KW/VW hold keys Tk - Tw .. Tk - 1."""
         pid_bg = tl.program_id(0)

@@ -79,9 +79,8 @@ def _dkdv_launch(group: int, head_dim: int, device) -> tuple[int, int, dict]:
     """(BLOCK_M, queries per program, launch options) for the dK/dV kernels, which hold fp32 dK and dV
     tiles across their query loop. Chosen with tests/triton_aot.py (registers and spills per variant) for
     the key-major update (_dkdv_update): on sm_90 at head_dim 64, 64-row query tiles at 4 warps, spill-free
-    for both kernels (H100, 2026-11-23, bench/tune_kernels.py: the selected kernel 3.9 ms at 64k and 2.0 ms
-    at 2k x 32 against 6.0 and 3.9 ms at 8 warps, variant dkdv8warps; the compressed/window kernel 1.75 ms at
-    2k x 32 against 2.75). Elsewhere 32-row tiles at 8 warps:
+    for both kernels and faster than 8 warps for both (variant dkdv8warps; bench/KERNELS.md). Elsewhere 32-row
+    tiles at 8 warps:
     2 pipeline stages on sm_90 (spill-free at head_dim 128; head_dim 256 spills about 300-400 bytes with or
     without them), none on sm_80, which keeps the stack frame there at 0-32 bytes at head_dim 64 (64 rows,
     or pipelining, spill more)."""
@@ -94,14 +93,13 @@ def _dkdv_launch(group: int, head_dim: int, device) -> tuple[int, int, dict]:
 
 def _dq_launch(group: int, head_dim: int, n_sel: int, device) -> tuple[int, int, dict]:
     """(BLOCK_M, queries per program, launch options) for the fused dQ kernel. On sm_90 at head_dim 64 with
-    16 or more selected blocks: 128-row tiles, 8 warps (bench/tune_kernels.py on the H100, 2026-11-22: dQ 4.3
-    -> 2.7 ms at 2k, 9.5 -> 6.3 ms on fla's layout at 8k, equal at 64k; the selected forward is slower with
+    16 or more selected blocks: 128-row tiles, 8 warps (faster than 64 and 32 rows at 2k, 8k and 64k, random
+    and correlated queries: variants dq64rows, sel32rows, bench/KERNELS.md; the selected forward is slower with
     128 rows, so it keeps 64); with fewer blocks (T < 1024 at n = 16) the 128-row tile spills, and at
     head_dim 128 it does not fit: the selected attention's tile there. Before Hopper 64 rows spill whatever
     the warps, so the tile is 32 rows there (tests/triton_aot.py). Two pipeline stages on sm_90: with the
     selected loop free of branches (_sel_dq_sub, WHOLE) its block loads are software-pipelined, and the
-    default three stages spill 8 bytes at 128 rows. H100, 2026-11-23: 128 rows beat 64 (variant dq64rows)
-    and 32 (sel32rows) at 2k, 8k and 64k, random and correlated queries (64k: 16.9 / 18.3 / 20.6 ms)."""
+    default three stages spill 8 bytes at 128 rows."""
     if _hopper_class(device):
         wide = head_dim <= 64 and _next_pow2(n_sel) >= 16 and not _OVERRIDES.sel_rows
         rows = _OVERRIDES.dq_rows or (128 if wide else None)
@@ -113,8 +111,8 @@ def _dq_launch(group: int, head_dim: int, n_sel: int, device) -> tuple[int, int,
 def _sel_sub_tile(block_m: int, head_dim: int, device, dq: bool = False) -> int:
     """Rows per sub-tile of a selected-attention query tile (a sub-tile skips the union blocks none of its
     queries chose). Hopper's wgmma works on 64-row tiles, so there a 16-row tl.dot costs about a 64-row
-    one and sub-tiles only add work: measured on the H100 (bench/tune_kernels.py, 2026-11-22, d64) the
-    whole 64-row tile was fastest at every length and both layouts; a whole tile also lets the block loop be
+    one and sub-tiles only add work: the whole 64-row tile was the fastest at head_dim 64 at every length and
+    both layouts (bench/KERNELS.md); a whole tile also lets the block loop be
     software-pipelined (no per-block branch). At head_dim 128 the fused dQ (dq=True) keeps 16-row sub-tiles:
     its whole tile spills (tests/triton_aot.py); the forward's does not. Before Hopper mma works on 16 rows,
     so there the tile runs as 16-row sub-tiles (at most 4), which skip the blocks none of their queries
@@ -137,9 +135,9 @@ def _sel_rows_per_program(group: int, head_dim: int) -> tuple[int, int]:
 
 
 def _topn_warps(device) -> int:
-    """Warps of the training top-n program: 4 on sm_90 (bench/tune_kernels.py on the H100, 2026-11-22: 19.1
-    -> 14.6 ms at 64k, 1.3 -> 1.2 ms at 2k, when it still spilled 8-16 bytes with 16 selected blocks; the
-    unsorted lists made it spill-free, tests/triton_aot.py); 8 before Hopper (not timed there)."""
+    """Warps of the training top-n program: 4 on sm_90 (faster than 8 at 2k and 64k, bench/KERNELS.md, when it
+    still spilled 8-16 bytes with 16 selected blocks; the unsorted lists made it spill-free, tests/triton_aot.py);
+    8 before Hopper (not timed there)."""
     return _OVERRIDES.topn_warps or (4 if _hopper_class(device) else 8)
 
 
@@ -147,15 +145,13 @@ def _topn_insert_max(decode: bool = False) -> int:
     """Entries of a chunk entering a query's list up to which they are inserted one at a time (_topn_insert)
     rather than merged whole (_topn_merge); tests and bench/tune_kernels.py force it
     (launch_overrides(topn_insert_max=...)).
-    Training's top-n inserts every entering block (no merge compiled in the chunk loop). An insertion replaces
+    Training's top-n inserts every entering block (no merge compiled in the chunk loop): an insertion replaces
     the worst entry of an unsorted list, 283 SASS instructions on sm_90 against 741 for the sorted-list
-    insertion timed on the H100 (2026-11-22: inserting up to 4 per chunk, merging above, took the 64k top-n
-    from 23.1 to 19.1 ms; inserting up to 16 then was slower, 26.6 ms); a chunk of 16 entering blocks costs
-    about what a merge does (tests/triton_aot.py SASS). H100, 2026-11-23 (64k, random queries): 9.4 ms
-    inserting every entering block, 15.0 ms inserting up to 4 (variant insert4), 43.0 ms merging every chunk
-    (merge_only). The decode top-n merges every chunk: a decode program scores 64 blocks for one query, so
-    most of its chunks bring several entering blocks (64k cache, same day: 11.8 us merging against 31.3 us
-    inserting, variant decode_insert_all)."""
+    insertion it replaced, and a chunk of 16 entering blocks costs about what a merge does (tests/triton_aot.py
+    SASS); inserting every block beat inserting up to 4 and merging every chunk (variants insert4, merge_only).
+    The decode top-n merges every chunk: a decode program scores 64 blocks for one query, so most of its chunks
+    bring several entering blocks (merging beat inserting there, variant decode_insert_all). Timings:
+    bench/KERNELS.md."""
     if _OVERRIDES.topn_insert_max is not None:
         return _OVERRIDES.topn_insert_max
     return 0 if decode else 1 << 16
@@ -190,20 +186,19 @@ def _decode_launch(head_dim: int, n_sel: int, sel_block_size: int, static: bool,
     """The decoding step's launch choices for this head_dim, n' selected blocks and block size l' on device;
     static: a static cache's (CUDA-graphed) step."""
     o = _OVERRIDES
-    # compressed slots per split program (a power of two >= 16): 256 at head_dim <= 64 (H100, 2026-11-23, 64k,
-    # the other defaults as they are: the finish kernel, which merges the splits, 34.9 us against 39.1 / 46.9 us
-    # with splits of 128 / 64 slots), 128 above (256 spills 96-104 B at head_dim 128: tests/triton_aot.py)
+    # compressed slots per split program (a power of two >= 16): 256 at head_dim <= 64 (fewer splits for the
+    # finish kernel to merge: faster than 128 and 64 at 64k, variants decode_split128/64, bench/KERNELS.md), 128
+    # above (256 spills 96-104 B at head_dim 128: tests/triton_aot.py)
     split = o.decode_split or (256 if head_dim <= 64 else 128)
     # Steps of SEL_STEP selected blocks and BLOCK_N window keys, 256 keys (128 at head_dim 128, 64 at 256: each
-    # step's K and V stay within shared memory), 4 warps to head_dim 64 (H100, 2026-11-23, 64k: the finish kernel
-    # 34.9 us at 4 warps against 41.2 us at 8, the graphed static step 50.1 against 53.7 us; the finish kernel
-    # spills 8-104 B there with triton 3.9, tests/test_triton_compile.py), 8 above (4 spill 200-264 B at head_dim
-    # 128).
+    # step's K and V stay within shared memory), 4 warps to head_dim 64 (faster than 8 for the finish kernel and
+    # the graphed static step, variant decode_8warps, bench/KERNELS.md; the finish kernel spills 8-104 B there
+    # with triton 3.9, tests/test_triton_compile.py), 8 above (4 spill 200-264 B at head_dim 128).
     # With 99 KiB of shared memory per block (RTX 30xx/40xx, A10, L4) half as many keys per step: 256 keys at
     # head_dim 64 take 136 KiB there. In parts, a part is one step by default: at n = 16, l' = 64, w = 512 and
     # head_dim 64, 4 selected parts, 2 window parts and the compressed merge, 7 programs per (row, KV group)
-    # where the finish kernel walks 12 steps (graphed at 64k on the H100, 2026-11-23, at 8 warps: 100 us in parts
-    # against 125 us with the finish kernel).
+    # where the finish kernel walks 12 steps (a graphed step is faster in parts: variants decode_parts/finish,
+    # bench/KERNELS.md).
     budget = 16384 if _shared_memory_limit(device) >= _LARGE_SHARED_MEMORY else 8192  # keys x head_dim
     keys_per_step = min(256, budget // head_dim)
     sel_step = o.decode_sel_step or max(1, min(keys_per_step // sel_block_size, _next_pow2(n_sel)))
