@@ -86,10 +86,10 @@ def nsa_attention(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, d
     """
     requested, backend = backend, resolve_nsa_backend(backend, q.device)
     if backend == "triton":
-        from . import nsa_triton
+        from .nsa_triton import nsa_attention_triton, nsa_decode_triton, triton_unsupported_reason
 
         # asked once per call (the device's part: head_dim 256 needs 160 KiB of shared memory per block)
-        unsupported = nsa_triton.triton_unsupported_reason(params, q.shape[-1], q.device)
+        unsupported = triton_unsupported_reason(params, q.shape[-1], q.device)
         num_queries, num_keys, num_win = q.shape[1], k_slc.shape[1], k_win.shape[1]
         if unsupported and requested == "triton":
             raise RuntimeError(f"nsa_backend='triton' but the Triton kernels do not handle {unsupported} on "
@@ -98,11 +98,11 @@ def nsa_attention(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, d
             _log_once(f"NSA: the Triton kernels do not handle {unsupported}; using the PyTorch reference (much "
                       "slower).")
         elif num_queries == num_keys == num_win and query_end is None:
-            return nsa_triton.nsa_attention_triton(
+            return nsa_attention_triton(
                 q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, checked=True
             )
         elif not (torch.is_grad_enabled() and q.requires_grad):
-            return nsa_triton.nsa_decode_triton(
+            return nsa_decode_triton(
                 q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, query_end=query_end,
                 checked=True,
             )

@@ -1,13 +1,16 @@
-"""A saved checkpoint carries its code: it loads with trust_remote_code where this project is not importable."""
+"""A saved checkpoint carries its code: it loads with trust_remote_code where this project is not importable,
+nor triton (a CPU machine without the kernels' dependency), and runs there on the PyTorch reference."""
 
 import json
 import site
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import torch
 
+import modeling_nsa
 from modeling_nsa import NSAConfig, NSAForCausalLM
 
 TINY = dict(
@@ -17,21 +20,37 @@ TINY = dict(
 )  # fmt: skip
 
 # Runs with `python -S` and only site-packages on sys.path (no .pth files, so no editable install
-# of this project and no repository directory): the checkpoint's own code is all there is.
+# of this project and no repository directory): the checkpoint's own code is all there is. An import hook
+# makes `import triton` fail as on a machine without it. The model is loaded with nsa_backend="auto", so the
+# backend choice imports the checkpoint's kernel files (each guards its triton import) and picks the reference.
 CHILD = textwrap.dedent(
     """
-    import sys
+    import importlib, sys
     sys.path[:] = [p for p in sys.path if p] + SITE_PACKAGES
-    try:
-        import modeling_nsa
-    except ImportError:
-        pass
-    else:
-        raise SystemExit("modeling_nsa is importable in the child: the test would prove nothing")
+
+    class NoTriton:
+        def find_spec(self, name, path=None, target=None):
+            if name == "triton" or name.startswith("triton."):
+                raise ModuleNotFoundError(f"No module named {name!r} (blocked in this child)")
+            return None
+
+    sys.meta_path.insert(0, NoTriton())
+    for blocked in ("modeling_nsa", "triton"):
+        try:
+            importlib.import_module(blocked)
+        except ImportError:
+            pass
+        else:
+            raise SystemExit(f"{blocked} is importable in the child: the test would prove nothing")
     import torch
     from transformers import AutoModel, AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(CKPT, trust_remote_code=True).eval()
-    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+    model = AutoModelForCausalLM.from_pretrained(CKPT, trust_remote_code=True, nsa_backend="auto").eval()
+    package = type(model).__module__.rsplit(".", 1)[0]
+    assert package.startswith("transformers_modules"), package
+    kernels = importlib.import_module(package + ".nsa_triton")
+    assert not kernels._HAS_TRITON
+    print("KERNELS", kernels.triton_unusable_reason("cpu"))
+    print("LOADED", sorted(m.rsplit(".", 1)[1] for m in sys.modules if m.startswith(package + ".")))
     ids = torch.load(CKPT + "/ids.pt")
     with torch.no_grad():
         logits = model(ids).logits
@@ -56,8 +75,14 @@ def test_checkpoint_loads_with_trust_remote_code_in_a_fresh_process(tmp_path):
         "AutoModel": "modeling_nsa.NSAModel",
         "AutoModelForCausalLM": "modeling_nsa.NSAForCausalLM",
     }
-    for module in ("configuration_nsa.py", "modeling_nsa.py", "nsa_layout.py", "nsa_reference.py", "nsa_triton.py"):
-        assert (ckpt / module).is_file(), f"{module} was not copied into the checkpoint"
+    # every file of the package but __init__.py: modeling_nsa.py and, through their relative imports, its
+    # siblings (the backend choice, the cache, the layout, the reference and the kernel files)
+    package = {p.name for p in Path(modeling_nsa.__file__).parent.glob("*.py")} - {"__init__.py"}
+    copied = {p.name for p in ckpt.glob("*.py")}
+    assert copied == package, (f"missing from the checkpoint: {sorted(package - copied)}; "
+                               f"not in the package: {sorted(copied - package)}")
+    assert {"nsa_backend.py", "nsa_triton.py", "nsa_triton_common.py", "nsa_triton_launch.py", "nsa_triton_decode.py",
+            "nsa_triton_interval.py", "nsa_triton_topn.py", "nsa_triton_selected.py", "nsa_triton_dq.py"} <= copied
     assert (ckpt / "model.safetensors").is_file()
 
     ids = torch.randint(0, 101, (2, 45))
@@ -73,5 +98,8 @@ def test_checkpoint_loads_with_trust_remote_code_in_a_fresh_process(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "BASE NSAModel" in result.stdout
+    assert "KERNELS Triton is not installed" in result.stdout, result.stdout
+    loaded = next(line for line in result.stdout.splitlines() if line.startswith("LOADED"))
+    assert all(f"'{name[:-3]}'" in loaded for name in copied), (loaded, copied)  # every copied file imported
     torch.testing.assert_close(torch.load(ckpt / "child_logits.pt"), expected, rtol=0, atol=0)
     assert torch.equal(torch.load(ckpt / "child_generated.pt"), expected_generated)
