@@ -15,12 +15,9 @@ from .nsa_layout import NSAParams
 try:  # the module must import where triton is missing (CPU-only installs, macOS)
     import triton
     import triton.language as tl
-
-    _HAS_TRITON = True
 except Exception:  # pragma: no cover - exercised only without triton
-    triton = None
-    tl = None
-    _HAS_TRITON = False
+    triton = tl = None
+_HAS_TRITON = triton is not None
 
 
 if _HAS_TRITON:

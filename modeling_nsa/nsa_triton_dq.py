@@ -15,15 +15,11 @@ from .nsa_triton_selected import _tile_block_union
 try:  # the module must import where triton is missing (CPU-only installs, macOS)
     import triton
     import triton.language as tl
-
-    _HAS_TRITON = True
 except Exception:  # pragma: no cover - exercised only without triton
-    triton = None
-    tl = None
-    _HAS_TRITON = False
+    triton = tl = None
 
 
-if _HAS_TRITON:
+if triton is not None:
     from .nsa_triton_common import _load_lse, _tile_rows
     from .nsa_triton_interval import _interval_kv, _interval_tiles
     from .nsa_triton_selected import _sel_block, _sel_sub_rows

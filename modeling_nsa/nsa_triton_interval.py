@@ -15,15 +15,11 @@ from .nsa_triton_launch import _OVERRIDES, _dkdv_launch, _rows_per_program
 try:  # the module must import where triton is missing (CPU-only installs, macOS)
     import triton
     import triton.language as tl
-
-    _HAS_TRITON = True
 except Exception:  # pragma: no cover - exercised only without triton
-    triton = None
-    tl = None
-    _HAS_TRITON = False
+    triton = tl = None
 
 
-if _HAS_TRITON:
+if triton is not None:
     from .nsa_triton_common import _bwd_rows, _dkdv_update, _gated_sum, _softmax_init, _softmax_tile, _tile_rows
 
     # ------------------------------------------------------------------------------------------
