@@ -217,7 +217,8 @@ def build_model(cfg: TrainConfig, tokenizer):
     check_seq_len(cfg, config)
     if config.attention_mode == "nsa":
         return NSAForCausalLM(config)
-    return dense_twin(config, NSAForCausalLM(NSAConfig(**{**fields, "attention_mode": "nsa", "nsa_backend": "reference"})))
+    nsa_fields = {**fields, "attention_mode": "nsa", "nsa_backend": "reference"}  # never run: any backend builds
+    return dense_twin(config, NSAForCausalLM(NSAConfig(**nsa_fields)))
 
 
 def dense_twin(config, nsa_model):

@@ -7,7 +7,9 @@
 Every flag after `--` goes to train_accelerate.py unchanged, for every run; this script adds `--attention-mode`,
 `--seed` and `--output-dir <out>/<mode>-seed<S>`. The dense twin is the same NSAConfig with
 `attention_mode="dense"`: the same parameters except NSA's own (gate projection, compressor, the extra K/V
-sets), the same data order (the packer's shuffle is seeded by `--seed`) and the same schedule. A run already
+sets), starting from the same values (the trainer's build_model gives the dense model the NSA model's weights
+under the same `--seed`; its K/V projection: the selection branch's set), the same data order (the packer's
+shuffle is seeded by `--seed`) and the same schedule. A run already
 finished in its directory is not trained again; one stopped with checkpoints continues (`--resume latest`), so a
 long comparison can be split across sessions by running the same command again.
 

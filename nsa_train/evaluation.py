@@ -136,11 +136,10 @@ def evaluate_long_context(model, tokenizer, run: RunState, settings: dict, out_d
     main = accelerator.is_main_process
     result = long_context.run_long_context_eval(model, tokenizer, **settings, out_dir=out_dir if main else None,
                                                 model_name=str(out_dir.parent / "final"), log=accelerator.print)  # fmt: skip
-    if result["task"] == "needle":  # the card may be pushed: file names, not paths
-        result_for_card = {**result, "haystack": data_description(data.make_source(settings["haystack"],
-                                                                                   settings["text_column"]))}
-    else:
-        result_for_card = result
-    run.long_context = result_for_card
-    per_length = {f"longctx_len{n}_accuracy": sum(row) / len(row) for n, row in zip(result["lengths"], result["accuracy"])}
+    run.long_context = result
+    if result["task"] == "needle":  # the card may be pushed: the haystack's file names, not its paths
+        haystack = data.make_source(settings["haystack"], settings["text_column"])
+        run.long_context = {**result, "haystack": data_description(haystack)}
+    per_length = {f"longctx_len{n}_accuracy": sum(row) / len(row)
+                  for n, row in zip(result["lengths"], result["accuracy"])}  # fmt: skip
     return {"longctx_accuracy": sum(per_length.values()) / len(per_length), **per_length}

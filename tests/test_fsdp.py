@@ -41,7 +41,10 @@ def one_process(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    proc = run_cli(fsdp_args(out, save_every=2, sample_prompt="The "), launcher=fsdp_launch(), env=CPU, timeout=300)
+    quality = ["--eval-long-context", "--long-context-lengths", "64", "--long-context-depths", "0", "1",
+               "--long-context-samples", "1"]  # fmt: skip  (tests/test_train_quality.py checks what it writes)
+    proc = run_cli(fsdp_args(out, save_every=2, sample_prompt="The ") + quality, launcher=fsdp_launch(), env=CPU,
+                   timeout=300)  # fmt: skip
     return out, proc
 
 
@@ -59,6 +62,10 @@ def test_fsdp_trains_like_one_process(fsdp_run, one_process):
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["weight_digests"]) == 2 and len(set(summary["weight_digests"])) == 1, summary  # gathered
     assert "sample: " in proc.stdout  # generation with sharded weights: every process took part
+    # the quality measurements' forwards, on every process too: the selection statistics at each evaluation and the
+    # long-context evaluation at the end (on one process alone each would wait for the others' shards forever)
+    assert [json.loads(line)["step"] for line in (out / "stats.jsonl").read_text().splitlines()] == [0, STEPS]
+    assert (out / "long_context" / "passkey_generate.json").is_file() and "longctx_accuracy" in proc.stdout
 
 
 def test_fsdp_checkpoint_is_sharded_and_resumes(fsdp_run, one_process, tmp_path):

@@ -20,10 +20,18 @@ def jsonl(path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def run_with_quality(tmp_path_factory):
-    """Evaluations at steps 0 and 2 (statistics at each: the default --stats-every -1), then the retrieval eval."""
+    """Evaluations at steps 0 and 2 (statistics at each: the default --stats-every -1), then the retrieval eval; the
+    run pushes to a stand-in for the Hub that records each push's message and model card."""
+    from nsa_train import hub
+
     out = tmp_path_factory.mktemp("quality") / "run"
-    run_main(tiny_args(out, max_steps=2, eval_every=2) + LONG_CONTEXT)
-    return out
+    pushes = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(hub, "preflight_on_main", lambda accelerator, repo_id, private: "api")
+        patch.setattr(hub, "push_folder", lambda api, repo_id, folder, message, branch=None: pushes.append(
+            (message, (folder / "README.md").read_text())))  # fmt: skip
+        run_main(tiny_args(out, max_steps=2, eval_every=2, push_to_hub="tester/quality") + LONG_CONTEXT)
+    return out, pushes
 
 
 def test_statistics_at_every_evaluation(run_with_quality):
@@ -31,7 +39,7 @@ def test_statistics_at_every_evaluation(run_with_quality):
     from nsa_train import data
     from nsa_train.selection_stats import SCALARS, compute_selection_stats
 
-    out = run_with_quality
+    out, _ = run_with_quality
     records = jsonl(out / "stats.jsonl")
     assert [r["step"] for r in records] == [0, 2]
     assert [layer["layer"] for layer in records[-1]["layers"]] == [0, 1] and records[-1]["rows"] == 2
@@ -54,7 +62,7 @@ def test_statistics_at_every_evaluation(run_with_quality):
 
 
 def test_long_context_evaluation_at_the_end(run_with_quality):
-    out = run_with_quality
+    out, pushes = run_with_quality
     result = json.loads((out / "long_context" / "passkey_generate.json").read_text())
     assert result["lengths"] == [64, 96] and result["depths"] == [0.0, 1.0] and result["samples"] == 1
     assert result["extrapolated_lengths"] == [96] and result["training_len"] == 64
@@ -69,6 +77,19 @@ def test_long_context_evaluation_at_the_end(run_with_quality):
     assert "### Long-context retrieval: passkey" in quality and "| 96* |" in quality
     assert "### Gates and selection" in quality and "| 1 | " in quality
     assert str(out.parent) not in card  # no local paths: the card may be pushed
+    # final/ is pushed at the export, then its card again once the evaluation is in it
+    assert [message for message, _ in pushes] == ["final", "model card: long-context retrieval"]
+    assert "Long-context retrieval: not measured" in pushes[0][1] and pushes[1][1] == card
+
+
+def test_needle_in_the_run_s_own_documents(tmp_path):
+    out = tmp_path / "run"
+    run_main(tiny_args(out, max_steps=1, stats_every=0) + LONG_CONTEXT + ["--long-context-task", "needle"])
+    result = json.loads((out / "long_context" / "needle_generate.json").read_text())
+    assert str(PARQUET) in result["haystack"]  # the run's --dataset
+    card = (out / "final" / "README.md").read_text()
+    assert "### Long-context retrieval: needle" in card and "Haystack: local files wiki-summaries-en.parquet" in card
+    assert str(PARQUET.parent) not in card
 
 
 def test_statistics_every_n_steps_without_validation_loss(tmp_path):
