@@ -33,8 +33,12 @@ Layout of the work (no (T x Nc) or (T x T) tensor is ever built):
   cache's step (CUDA-graphed) runs that last part as parts side by side (a few selected blocks, a span of
   the window, the compressed merge) and a combine kernel (four launches, a short chain on the GPU).
 
-Everything is wrapped in two torch.library custom ops (forward, backward) with fake
-implementations and autograd, without host synchronization, so torch.compile(fullgraph=True) works.
+Files: each branch's kernels and launchers in its own sibling (nsa_triton_interval, _topn, _selected, _dq,
+_decode), the shared @triton.jit helpers and the support checks in nsa_triton_common, every launch choice in
+nsa_triton_launch. This file wraps them in torch.library custom ops (forward, backward, a static cache's
+decoding step) with fake implementations and autograd, without host synchronization, so
+torch.compile(fullgraph=True) works, and holds the public entry points, which raise on inputs the kernels do
+not handle (nsa_backend.nsa_attention decides where the reference runs instead).
 Tile sizes and warps are chosen per architecture with tests/triton_aot.py, which compiles every
 launch for sm_90, sm_80 and sm_86 on a CPU machine and reports registers, spills and shared memory.
 """
