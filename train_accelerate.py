@@ -90,6 +90,7 @@ class TrainConfig:
     init_from: str | None = field(default=None, metadata={"help": "Start from a saved model's weights (a run's final/ or a Hub id): its architecture, so --model and --model-overrides are not used."})
     attention_mode: Literal["nsa", "dense"] | None = field(default=None, metadata={"help": "nsa | dense; when not given: the --model config.json's, else nsa."})
     nsa_backend: Literal["auto", "reference", "triton"] = field(default="auto", metadata={"help": "A runtime choice: a --model config.json's value is not used."})
+    attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"] | None = field(default=None, metadata={"help": "Dense mode's attention function, through transformers' attention interface: sdpa (the default), eager, flex_attention (documents as a block mask), flash_attention_2/3 (documents as varlen; needs flash-attn). NSA mode runs its own kernels and takes none."})
     gradient_checkpointing: bool = False
     compile: bool = False
     # optimization
@@ -209,8 +210,10 @@ def build_model(cfg: TrainConfig, tokenizer):
         attention_mode=cfg.attention_mode or fields.get("attention_mode", "nsa"),  # the flag, else the file's
         nsa_backend=cfg.nsa_backend,  # a runtime choice, never the file's
     )  # fmt: skip
+    check_attn_implementation_flag(cfg, fields["attention_mode"])
+    dense_kwargs = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
     try:
-        config = NSAConfig(**fields)  # raises ValueError on invalid NSA settings
+        config = NSAConfig(**fields, **dense_kwargs)  # raises ValueError on invalid NSA settings
     except (TypeError, StrictDataclassError) as e:  # a value of the wrong type, e.g. "2" for 2
         source = "--model-overrides" if any(repr(k) in str(e) for k in overrides) else f"--model {cfg.model!r}"
         raise ValueError(f"{source}: {' '.join(str(e).split())}") from None
@@ -219,6 +222,13 @@ def build_model(cfg: TrainConfig, tokenizer):
         return NSAForCausalLM(config)
     nsa_fields = {**fields, "attention_mode": "nsa", "nsa_backend": "reference"}  # never run: any backend builds
     return dense_twin(config, NSAForCausalLM(NSAConfig(**nsa_fields)))
+
+
+def check_attn_implementation_flag(cfg: TrainConfig, attention_mode: str) -> None:
+    if cfg.attn_implementation not in (None, "sdpa") and attention_mode == "nsa":
+        raise ValueError(f"--attn-implementation {cfg.attn_implementation} chooses dense attention's function; this run's "
+                         "attention mode is nsa, which runs its own kernels (--nsa-backend). Drop the flag, or add "
+                         "--attention-mode dense for the dense baseline.")
 
 
 def dense_twin(config, nsa_model):
@@ -259,7 +269,9 @@ def load_model(cfg: TrainConfig, tokenizer):
     from modeling_nsa import NSAForCausalLM
 
     try:
-        model = NSAForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32, nsa_backend=cfg.nsa_backend)
+        model = NSAForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32, nsa_backend=cfg.nsa_backend,
+                                               **({"attn_implementation": cfg.attn_implementation}
+                                                  if cfg.attn_implementation else {}))
     except (OSError, ValueError) as e:
         raise ValueError(f"--init-from {cfg.init_from!r}: cannot load an NSA model from it ({' '.join(str(e).split())})"
                          ) from None

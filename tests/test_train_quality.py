@@ -158,3 +158,21 @@ def test_dense_twin_starts_from_the_nsa_weights(kv_per_branch):
         assert torch.equal(param, expected), name
     assert torch.equal(after["nsa"], after["dense"])
     assert models["dense"].lm_head.weight is models["dense"].model.embed_tokens.weight  # still tied
+
+
+def test_attn_implementation_flag_reaches_the_dense_model_and_nsa_refuses_it(tmp_path):
+    """--attn-implementation picks dense mode's attention function (transformers' interface); an NSA run names the
+    flag and the fix rather than ignoring it."""
+    import train_accelerate
+    from nsa_train import data
+
+    tokenizer = data.load_tokenizer(str(GPT2))
+    for implementation in ("eager", "flex_attention"):
+        cfg = train_accelerate.parse_args(["--model", "tiny", "--seq-len", "64", "--attention-mode", "dense",
+                                           "--attn-implementation", implementation])  # fmt: skip
+        assert train_accelerate.build_model(cfg, tokenizer).config._attn_implementation == implementation
+    cfg = train_accelerate.parse_args(["--model", "tiny", "--seq-len", "64", "--attention-mode", "dense"])
+    assert train_accelerate.build_model(cfg, tokenizer).config._attn_implementation in (None, "sdpa")
+    with pytest.raises(ValueError, match="--attn-implementation flex_attention chooses dense attention's function"):
+        run_main(tiny_args(tmp_path / "nsa", attn_implementation="flex_attention"))
+    assert not (tmp_path / "nsa").exists()
