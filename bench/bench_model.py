@@ -9,6 +9,11 @@ and writes JSON with --json.
     python bench/bench_model.py                   # T in 2k, 8k, 32k; 32k tokens per step; both precisions
     python bench/bench_model.py --seq-lens 2048 --tokens-per-step 32768 --precision autocast --json results.json
     python bench/bench_model.py --seq-lens 32768 65536 --gradient-checkpointing   # long contexts, every model alike
+    python bench/bench_model.py --models nsa-dense nsa-dense-flex --documents 1 8   # the dense baseline, packed
+
+--documents N packs N equal documents per row (position_ids restart at 0): the same tokens, attention confined to
+each document. "nsa-dense" runs dense mode through SDPA (a boolean document mask when N > 1), "nsa-dense-flex"
+through FlexAttention (the documents as a block mask), "nsa-dense-eager" written out.
 """
 
 from __future__ import annotations
@@ -34,14 +39,31 @@ SIZE_125M = dict(
 )  # fmt: skip
 
 
+# the same model with dense attention, by the attention function transformers' interface runs (attn_implementation)
+DENSE_MODELS = {"nsa-dense": "sdpa", "nsa-dense-flex": "flex_attention", "nsa-dense-eager": "eager"}
+
+
 def build(name: str, seq_len: int, size: dict = SIZE_125M):
-    """"nsa", "nsa-dense" (the same model with dense attention) or "llama" (HF Llama, SDPA) of `size`."""
+    """"nsa", a DENSE_MODELS name (the same model with dense attention) or "llama" (HF Llama, SDPA) of `size`."""
     if name == "llama":
         config = LlamaConfig(**size, max_position_embeddings=seq_len)
         config._attn_implementation = "sdpa"
         return LlamaForCausalLM(config)
-    mode = "dense" if name == "nsa-dense" else "nsa"
-    return NSAForCausalLM(NSAConfig(**size, max_position_embeddings=seq_len, attention_mode=mode))
+    if name in DENSE_MODELS:
+        return NSAForCausalLM(NSAConfig(**size, max_position_embeddings=seq_len, attention_mode="dense",
+                                        attn_implementation=DENSE_MODELS[name]))
+    if name != "nsa":
+        raise ValueError(f"model {name!r}: use nsa, llama or one of {list(DENSE_MODELS)}")
+    return NSAForCausalLM(NSAConfig(**size, max_position_embeddings=seq_len, attention_mode="nsa"))
+
+
+def document_position_ids(batch: int, seq_len: int, documents: int, device) -> torch.Tensor | None:
+    """(B, T) positions restarting at 0 every T / documents tokens (packed documents), None for one per row."""
+    if documents == 1:
+        return None
+    if seq_len % documents:
+        raise ValueError(f"--documents {documents}: must divide the sequence length {seq_len}")
+    return (torch.arange(seq_len, device=device) % (seq_len // documents)).expand(batch, seq_len)
 
 
 def llama_ratio_pairs(models) -> list[tuple[str, str]]:
@@ -68,7 +90,7 @@ PRECISIONS = ("bf16", "autocast")
 
 
 def time_training(model, batch: int, seq_len: int, steps: int, warmup: int, precision: str,
-                  checkpointing: bool = False):
+                  checkpointing: bool = False, documents: int = 1):
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: use one of {PRECISIONS}")
     model = (model.to("cuda", torch.bfloat16) if precision == "bf16" else model.to("cuda")).train()
@@ -79,12 +101,13 @@ def time_training(model, batch: int, seq_len: int, steps: int, warmup: int, prec
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     torch.cuda.reset_peak_memory_stats()
     times = []
+    position_ids = document_position_ids(batch, seq_len, documents, "cuda")
     for step in range(warmup + steps):
         ids = torch.randint(0, SIZE_125M["vocab_size"], (batch, seq_len), device="cuda")  # fresh every step
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         with torch.autocast("cuda", dtype=torch.bfloat16) if precision == "autocast" else contextlib.nullcontext():
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss = model(input_ids=ids, labels=ids, position_ids=position_ids, use_cache=False).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -108,6 +131,8 @@ def main():
     parser.add_argument("--precision", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="recompute each decoder layer in the backward (every model), for 32k-64k tokens per row")
+    parser.add_argument("--documents", type=int, nargs="+", default=[1],
+                        help="documents packed per row (position_ids restart at 0); a row of the table each")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -116,28 +141,29 @@ def main():
     rows = []
     for precision in args.precision:
         for seq_len in args.seq_lens:
-            batch = max(1, args.tokens_per_step // seq_len)
-            results = {}
-            for name in args.models:
-                torch.manual_seed(0)
-                try:
-                    results[name] = time_training(build(name, seq_len), batch, seq_len, args.steps, args.warmup,
-                                                  precision, args.gradient_checkpointing)
-                except torch.OutOfMemoryError:
-                    results[name] = None
-                torch.cuda.empty_cache()
-            rows.append({"precision": precision, "seq_len": seq_len, "batch": batch,
-                         "gradient_checkpointing": args.gradient_checkpointing, **results})
-            print(json.dumps(rows[-1]), flush=True)
+            for documents in args.documents:
+                batch = max(1, args.tokens_per_step // seq_len)
+                results = {}
+                for name in args.models:
+                    torch.manual_seed(0)
+                    try:
+                        results[name] = time_training(build(name, seq_len), batch, seq_len, args.steps, args.warmup,
+                                                      precision, args.gradient_checkpointing, documents)
+                    except torch.OutOfMemoryError:
+                        results[name] = None
+                    torch.cuda.empty_cache()
+                rows.append({"precision": precision, "seq_len": seq_len, "batch": batch, "documents": documents,
+                             "gradient_checkpointing": args.gradient_checkpointing, **results})
+                print(json.dumps(rows[-1]), flush=True)
 
     device = torch.cuda.get_device_name()
     print(f"\nTraining step (fwd+bwd+AdamW), 125M (12 q / 2 kv heads, d64), {args.tokens_per_step} tokens/step, {device}"
           + (", gradient checkpointing" if args.gradient_checkpointing else ""))
-    header = f"{'precision':>9} {'T':>6} {'B':>3} " + " ".join(f"{m + ' tok/s':>16} {'GiB':>6}" for m in args.models)
+    header = f"{'precision':>9} {'T':>6} {'B':>3} {'docs':>4} " + " ".join(f"{m + ' tok/s':>16} {'GiB':>6}" for m in args.models)
     header += llama_ratio_header(args.models, 14)
     print(header)
     for row in rows:
-        line = f"{row['precision']:>9} {row['seq_len']:>6} {row['batch']:>3} "
+        line = f"{row['precision']:>9} {row['seq_len']:>6} {row['batch']:>3} {row['documents']:>4} "
         line += " ".join(
             f"{row[m]['tokens_per_s']:>16,.0f} {row[m]['peak_gib']:>6.1f}" if row[m] else f"{'OOM':>16} {'-':>6}"
             for m in args.models

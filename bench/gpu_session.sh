@@ -21,7 +21,7 @@ CAPTURE_STEPS=${CAPTURE_STEPS:-200}
 LENGTHS=${LENGTHS:-2048 8192 32768 65536}  # issue 18's table
 mkdir -p "$OUT"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests capture attention floors tune model model-long generate profile train)
+[ ${#steps[@]} -eq 0 ] && steps=(tests capture attention floors tune model dense-docs model-long generate profile train)
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || echo "no nvidia-smi";
   $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__)"; git rev-parse --short HEAD 2>/dev/null || true; } | tee "$OUT/env.txt"
@@ -64,6 +64,10 @@ for step in "${steps[@]}"; do
     # launch variants (tiles, warps, top-n insertion) with per-kernel times: where the defaults come from
     tune)       $PY bench/tune_kernels.py --json "$OUT/tune.json" ;;
     model)      $PY bench/bench_model.py --seq-lens 2048 8192 32768 --steps 5 --warmup 2 --json "$OUT/model.json" ;;
+    # issue 20: the dense baseline with packed documents (8 per row) against one document per row, SDPA's
+    # boolean mask and FlexAttention's block mask (target: packed within 10% of unpacked)
+    dense-docs) $PY bench/bench_model.py --models nsa-dense nsa-dense-flex --seq-lens 2048 8192 --documents 1 8 \
+                  --precision bf16 --steps 5 --warmup 3 --json "$OUT/dense_docs.json" ;;
     # 32k and 64k rows per step (64k: one row, 64k tokens), every model with gradient checkpointing
     model-long) $PY bench/bench_model.py --seq-lens 32768 65536 --gradient-checkpointing --precision bf16 --steps 3 \
                   --warmup 2 --json "$OUT/model_long.json" ;;
@@ -72,7 +76,7 @@ for step in "${steps[@]}"; do
     generate)   $PY bench/bench_generate.py --prompt-lens 4096 65536 --json "$OUT/generate.json" ;;
     profile)    $PY bench/profile_nsa.py ;;
     train)      DATA=$DATA STEPS=${STEPS:-50} MB=${MB:-8} OUT="$OUT/train" bash bench/train_gpu_check.sh ;;
-    *)          echo "unknown step $step (tests capture attention floors tune model model-long generate profile train)"
+    *)          echo "unknown step $step (tests capture attention floors tune model dense-docs model-long generate profile train)"
                 exit 2 ;;
   esac 2>&1 | tee "$OUT/$step.log" || echo "== $step exited non-zero (log: $OUT/$step.log)" | tee -a "$OUT/env.txt"
   echo "== $step took $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"

@@ -11,12 +11,16 @@ STEPS=${STEPS:-80}
 MB=${MB:-8}
 OUT=${OUT:-bench/results/train_gpu_check}
 PY=${PY:-python}
-for mode in nsa dense; do
-  rm -rf "$OUT/$mode"
+# dense: SDPA (a boolean document mask with packed documents); dense-flex: FlexAttention (the documents as a block
+# mask), the fair dense baseline with packed documents (issue 20)
+for run in nsa dense dense-flex; do
+  mode=${run%%-*}
+  impl=(); [[ $run == dense-flex ]] && impl=(--attn-implementation flex_attention)
+  rm -rf "$OUT/$run"
   $PY train_accelerate.py --dataset "$DATA/wiki-summaries-en.parquet" --tokenizer "$DATA/gpt2-tokenizer" \
-    --model 125m --attention-mode "$mode" --seq-len 2048 --micro-batch-size "$MB" --max-steps "$STEPS" \
+    --model 125m --attention-mode "$mode" "${impl[@]}" --seq-len 2048 --micro-batch-size "$MB" --max-steps "$STEPS" \
     --lr 6e-4 --warmup-steps 10 --log-every 10 --eval-every "$STEPS" --val-tokens 65536 --save-every 0 \
     --shuffle-buffer 1000 --report-to none --mixed-precision bf16 --stall-timeout 900 \
-    --output-dir "$OUT/$mode" ${EXTRA:-} 2>&1 | tail -n 30
+    --output-dir "$OUT/$run" ${EXTRA:-} 2>&1 | tail -n 30
 done
-$PY bench/train_gpu_summary.py "$OUT/nsa" "$OUT/dense"
+$PY bench/train_gpu_summary.py "$OUT/nsa" "$OUT/dense" "$OUT/dense-flex"

@@ -20,7 +20,8 @@ def summarize(run: Path) -> dict:
     record = json.loads((run / "run.json").read_text())
     return {
         "run": run.name,
-        "attention": record["config"]["attention_mode"],
+        "attention": record["config"]["attention_mode"]
+        + (f" ({record['config']['attn_implementation']})" if record["config"].get("attn_implementation") else ""),
         "device": record["device"].get("gpu", record["device"]["type"]),
         "params": f"{record['num_parameters'] / 1e6:.1f}M",
         "tok/s": f"{med('tok_s'):,.0f}",
