@@ -1,8 +1,8 @@
 """Triton NSA kernels vs the PyTorch reference.
 
 CPU (CI): the real kernels run under Triton's interpreter (TRITON_INTERPRET=1) at tiny shapes, fp32
-and fp16, in ONE subprocess (Triton reads the variable when kernels are defined, so it must be set
-before anything imports triton), with the launchers' torch.empty buffers filled with NaN and 2**30
+and fp16, in two subprocesses side by side (Triton reads the variable when kernels are defined, so it must be
+set before anything imports triton), with the launchers' torch.empty buffers filled with NaN and 2**30
 (triton_helpers.PoisonedAllocations: a GPU's fresh memory is arbitrary, a CPU's tends to be zero). GPU: bf16/fp16
 at the issue's shapes (skipped without CUDA).
 Near-tie handling in the selection is explained in tests/triton_helpers.py.
@@ -170,23 +170,39 @@ CPU_CASES = [
 ]
 
 
+INTERPRETER_PROCESSES = 2  # CI's machine has 2 cores; the interpreter runs one thread per process
+
+
 @pytest.fixture(scope="module")
 def interpreter_results():
+    """Every CPU case's comparison, run in INTERPRETER_PROCESSES subprocesses side by side (case i in process
+    i % INTERPRETER_PROCESSES, so each gets a mix of short and long cases)."""
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
     if common_module()._interpreter_reason():  # an environment without a working interpreter, named
         pytest.skip(common_module()._interpreter_reason())
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    try:  # about 4 minutes on 2 idle cores; a loaded machine may take several times that
-        proc = subprocess.run(
-            [sys.executable, str(HERE / "triton_helpers.py"), json.dumps(CPU_CASES)],
-            capture_output=True, text=True, env=env, timeout=880, cwd=str(HERE.parent),  # (pytest-timeout: 900)
-        )
-    except subprocess.TimeoutExpired as timeout:  # said once, without the cases' JSON (the exception's argv)
-        pytest.fail(f"the interpreter run of the {len(CPU_CASES)} kernel cases took over {timeout.timeout} s")
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS_JSON=")]
-    assert lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("RESULTS_JSON="):])
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    shares = [list(range(k, len(CPU_CASES), INTERPRETER_PROCESSES)) for k in range(INTERPRETER_PROCESSES)]
+    procs = [
+        subprocess.Popen([sys.executable, str(HERE / "triton_helpers.py"), json.dumps([CPU_CASES[i] for i in share])],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(HERE.parent))
+        for share in shares
+    ]
+    results = [None] * len(CPU_CASES)
+    try:  # about 2 minutes on 2 idle cores; a loaded machine may take several times that
+        for share, proc in zip(shares, procs):
+            try:
+                stdout, stderr = proc.communicate(timeout=880)  # (pytest-timeout: 900)
+            except subprocess.TimeoutExpired as timeout:  # said once, without the cases' JSON (the exception's argv)
+                pytest.fail(f"the interpreter run of {len(share)} kernel cases took over {timeout.timeout} s")
+            lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULTS_JSON=")]
+            assert lines, f"interpreter run failed:\n{stdout[-3000:]}\n{stderr[-3000:]}"
+            for i, result in zip(share, json.loads(lines[-1][len("RESULTS_JSON="):])):
+                results[i] = result
+    finally:
+        for proc in procs:
+            proc.kill()  # no-op for a finished one; a timed-out or failed sibling must not outlive the test
+    return results
 
 
 def common_module():
