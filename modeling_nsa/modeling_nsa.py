@@ -1,16 +1,15 @@
 """NSA decoder (Llama-style) for transformers: attention = Native Sparse Attention (arXiv 2502.11089).
 
 Class split follows transformers' modeling_llama.py: NSARMSNorm, NSAMLP, NSARotaryEmbedding,
-NSACompressor, NSAAttention, NSADecoderLayer, NSAPreTrainedModel, NSAModel, NSAForCausalLM, plus
-NSACache for generation. The attention math lives behind one seam, `nsa_attention(...)`, with two
-implementations: `nsa_reference.py` (PyTorch, CPU path and oracle) and `nsa_triton.py` (GPU).
+NSACompressor, NSAAttention, NSADecoderLayer, NSAPreTrainedModel, NSAModel, NSAForCausalLM; the generation
+cache (NSACache) lives in `nsa_cache.py`. The attention math lives behind one seam, `nsa_backend.nsa_attention(...)`,
+with two implementations: `nsa_reference.py` (PyTorch, CPU path and oracle) and `nsa_triton.py` (GPU).
 
 This file travels as remote code: it imports only torch, transformers and its flat siblings.
 """
 
 from __future__ import annotations
 
-import logging
 from functools import partial
 
 import torch
@@ -40,8 +39,6 @@ from .nsa_layout import (
     document_positions_from_cu_seqlens,
     gather_compression_blocks,
 )
-
-logger = logging.getLogger(__name__)
 
 BRANCHES = ("cmp", "slc", "win")  # gate order, paper Eq. 5
 # transformers 5.24 renamed past_key_values to cache (generate() passes the new name, outputs hold it); the
