@@ -280,6 +280,11 @@ def nsa_attention_triton(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, g
     parameters the kernels do not handle on q's device (triton_unsupported_reason); checked=True: the caller
     has asked already (nsa_backend.nsa_attention, which runs the reference there under 'auto').
     """
+    num_queries, num_keys, num_win = q.shape[1], k_slc.shape[1], k_win.shape[1]
+    if not num_queries == num_keys == num_win:  # (the backward kernels have no cached keys before the queries)
+        raise ValueError(f"nsa_attention_triton: one query per key (Tq == Tk == Tw), got Tq={num_queries}, "
+                         f"Tk={num_keys}, Tw={num_win}; a chunk after a cache goes to nsa_decode_triton (no "
+                         f"gradients) or {_USE_NSA_ATTENTION}")
     if not checked:
         _require_support("nsa_attention_triton", _USE_NSA_ATTENTION, params, q.shape[-1], q.device)
     args, scale, out_dtype = _kernel_args(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos,

@@ -199,6 +199,11 @@ def test_kernel_entry_points_raise_on_what_they_do_not_handle(monkeypatch):
         with pytest.raises(ValueError, match=rf"{fn.__name__}: the Triton kernels do not handle head_dim=256 .*"
                                              r"nsa_backend.nsa_attention\(..., backend='auto'\)"):
             fn(*fn_args)
+    # the differentiable entry point takes one query per key: a chunk after a cache (decode_args' last query of
+    # 40 keys) is refused, naming the shapes and the decode entry point, before any kernel runs
+    with pytest.raises(ValueError, match=r"nsa_attention_triton: one query per key \(Tq == Tk == Tw\), got Tq=1, "
+                                         r"Tk=40, Tw=40; .*nsa_decode_triton"):
+        tri.nsa_attention_triton(*decode_args)
     # the seam under an explicit 'triton' raises too (under 'auto' it runs the reference: the test above)
     _on_a_gpu_where_the_kernels_run(monkeypatch)
     with pytest.raises(RuntimeError, match="nsa_backend='triton' but the Triton kernels do not handle head_dim=256"):
