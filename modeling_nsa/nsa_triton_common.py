@@ -253,4 +253,5 @@ def _shared_memory_limit(device) -> int:
 _CUDA_SHARED_MEMORY: dict[int, int] = {}
 
 
+# log2(e): the kernels exponentiate with exp2, so every launcher passes them scale * _LOG2E
 _LOG2E = 1.4426950408889634
