@@ -398,6 +398,24 @@ def check_backend(cfg: TrainConfig, device) -> None:
         raise ValueError(f"--nsa-backend {cfg.nsa_backend}: {e} (--nsa-backend auto picks what runs here)") from None
 
 
+def check_dense_attention_trains(cfg: TrainConfig, config, device) -> None:
+    """A dense run on flex_attention where torch's FlexAttention has no backward (CPU) would fail at the first
+    step's backward, after the step-0 evaluation: probe it on a tiny input and fail at startup instead. Evaluation
+    (--eval-only) runs forward only, which works there."""
+    if cfg.eval_only or device.type == "cuda" or config.attention_mode != "dense":
+        return
+    if config._attn_implementation != "flex_attention":
+        return
+    from torch.nn.attention.flex_attention import flex_attention
+
+    probe = torch.zeros(1, 1, 16, 16, device=device, requires_grad=True)  # (B, H, T, D)
+    try:
+        flex_attention(probe, probe, probe).sum().backward()
+    except NotImplementedError as e:
+        raise ValueError(f"--attn-implementation flex_attention cannot train on {device.type} ({e}). Train it on a GPU, "
+                         "or use --attn-implementation sdpa (the default) or eager here.") from None
+
+
 def enable_gradient_checkpointing(model) -> None:
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23
         model.activation_checkpointing_enable({"use_reentrant": False})
@@ -547,6 +565,7 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     tokenizer.model_max_length = model.config.max_position_embeddings  # long documents are packed, not truncated
     cfg.attention_mode = model.config.attention_mode  # the flag's or the --model file's: run.json records it
     check_backend(cfg, accelerator.device)
+    check_dense_attention_trains(cfg, model.config, accelerator.device)
     hub_api = hub.preflight_on_main(accelerator, cfg.push_to_hub, private=cfg.hub_private)
     val_rows = data.validation_rows(source, tokenizer, cfg.seq_len, cfg.val_every_doc, cfg.val_tokens,
                                     cfg.cross_doc_attention)  # fmt: skip

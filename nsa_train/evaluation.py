@@ -118,8 +118,15 @@ def long_context_settings(cfg, tokenizer, vocab_size: int | None) -> dict:
                     samples=cfg.long_context_samples, batch_size=LONG_CONTEXT_BATCH_SIZE, training_len=cfg.seq_len,
                     haystack=haystack, text_column=cfg.text_column)  # fmt: skip
     # one case of the shortest length: what the fixed text and the tokenizer allow
-    long_context.build_cases(tokenizer, settings["task"], settings["lengths"][:1], settings["depths"][:1], 1,
-                             haystack=haystack, text_column=cfg.text_column, vocab_size=vocab_size)  # fmt: skip
+    try:
+        long_context.build_cases(tokenizer, settings["task"], settings["lengths"][:1], settings["depths"][:1], 1,
+                                 haystack=haystack, text_column=cfg.text_column, vocab_size=vocab_size)  # fmt: skip
+    except ValueError as e:  # its messages name long_context's CLI flag (--lengths): name the trainer's
+        default = "" if cfg.long_context_lengths else (
+            f" (--long-context-lengths not given: --seq-len {cfg.seq_len} x "
+            f"{' '.join(map(str, LONG_CONTEXT_LENGTH_FACTORS))})")  # fmt: skip
+        raise ValueError(f"--eval-long-context{default}: " + str(e).replace("--lengths ", "--long-context-lengths ")
+                         ) from None
     return settings
 
 

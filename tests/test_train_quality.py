@@ -125,8 +125,10 @@ def test_bad_quality_flags(tmp_path, capsys):
             run_main(tiny_args(tmp_path / "bad") + argv)
         assert message in capsys.readouterr().err, argv
     # what needs the tokenizer fails before the first step, and leaves no run directory behind
-    with pytest.raises(ValueError, match="--lengths 16: too short for the passkey task's fixed text"):
+    with pytest.raises(ValueError, match="--long-context-lengths 16: too short for the passkey task's fixed text"):
         run_main(tiny_args(tmp_path / "short") + ["--eval-long-context", "--long-context-lengths", "16"])
+    with pytest.raises(ValueError, match=r"not given: --seq-len 16 x 1 2 4\): --long-context-lengths 16: too short"):
+        run_main(tiny_args(tmp_path / "short", seq_len=16) + ["--eval-long-context"])
     with pytest.raises(ValueError, match="--stats-every 5: the statistics are measured on held-out rows"):
         run_main(tiny_args(tmp_path / "norows", stats_every=5, val_tokens=0))
     assert not (tmp_path / "short").exists() and not (tmp_path / "norows").exists()
@@ -176,3 +178,12 @@ def test_attn_implementation_flag_reaches_the_dense_model_and_nsa_refuses_it(tmp
     with pytest.raises(ValueError, match="--attn-implementation flex_attention chooses dense attention's function"):
         run_main(tiny_args(tmp_path / "nsa", attn_implementation="flex_attention"))
     assert not (tmp_path / "nsa").exists()
+
+
+def test_flex_attention_training_on_cpu_fails_before_the_first_step(tmp_path, monkeypatch):
+    """torch's FlexAttention has no backward on CPU: a dense flex_attention run there stops at startup with the flag
+    and the way out, not with torch's traceback after the step-0 evaluation."""
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    with pytest.raises(ValueError, match="--attn-implementation flex_attention cannot train on cpu .*sdpa"):
+        run_main(tiny_args(tmp_path / "flex", attention_mode="dense", attn_implementation="flex_attention"))
+    assert not (tmp_path / "flex").exists()
