@@ -67,6 +67,15 @@ def test_streams_local_shards_through_load_dataset(shards, monkeypatch):
     assert str(root) not in source.describe() and "000_00000.parquet" in source.describe()  # the card's text
 
 
+def test_parquet_without_a_path_is_refused(tmp_path, monkeypatch):
+    """`--dataset parquet:` with nothing after it names the missing path instead of reading the working directory."""
+    (tmp_path / "notes.txt").write_text("not training data")
+    monkeypatch.chdir(tmp_path)
+    for spec in ("parquet:", "parquet: "):
+        with pytest.raises(ValueError, match="no path after 'parquet:'"):
+            data.make_source(spec)
+
+
 def test_two_ranks_see_disjoint_documents(shards):
     root, texts = shards
     source = data.make_source(f"parquet:{root}")
