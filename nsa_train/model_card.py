@@ -30,6 +30,11 @@ def human(n: float) -> str:
     return f"{n:g}"
 
 
+# accelerate's mixed_precision value -> what a card reader understands ("Precision: no" said nothing)
+PRECISION_WORDS = {"no": "float32 (no mixed precision)", "bf16": "bf16 autocast, float32 weights",
+                   "fp16": "fp16 autocast, float32 weights"}  # fmt: skip
+
+
 def run_card_fields(cfg, config, run, *, n_params, world, mixed_precision, device, data_description, out_dir) -> dict:
     """Every `${field}` of the template, from the run's config (TrainConfig), the model config, where the run stands
     (a RunState) and the run's other figures."""
@@ -66,7 +71,8 @@ def run_card_fields(cfg, config, run, *, n_params, world, mixed_precision, devic
         "global_batch": cfg.micro_batch_size * cfg.grad_accum * world, "micro_batch_size": cfg.micro_batch_size,
         "grad_accum": cfg.grad_accum, "num_processes": world, "tokens_per_step": f"{tokens_per_step:,}",
         "lr": cfg.lr, "betas": f"({cfg.beta1}, {cfg.beta2})", "weight_decay": cfg.weight_decay,
-        "warmup_steps": cfg.warmup_steps, "grad_clip": cfg.grad_clip, "mixed_precision": mixed_precision,
+        "warmup_steps": cfg.warmup_steps, "grad_clip": cfg.grad_clip,
+        "mixed_precision": PRECISION_WORDS.get(mixed_precision, mixed_precision),
         "device": device, "git_sha": metrics.git_sha(Path(__file__).resolve().parents[1]),
         "torch_version": versions["torch"], "transformers_version": versions["transformers"],
         "accelerate_version": versions["accelerate"],

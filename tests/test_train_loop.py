@@ -248,7 +248,7 @@ def test_missing_tracker_is_said(tmp_path, capsys, monkeypatch):
 def test_fp16_where_accelerate_applies_none_is_said_and_recorded_as_float32(tmp_path, capsys):
     run_main(tiny_args(tmp_path, max_steps=1, mixed_precision="fp16"))
     assert "--mixed-precision fp16 does nothing here" in capsys.readouterr().out
-    assert "- Precision: no;" in (tmp_path / "final" / "README.md").read_text()
+    assert "- Precision: float32 (no mixed precision);" in (tmp_path / "final" / "README.md").read_text()
 
 
 def test_log_every_zero_logs_nothing(tmp_path):
