@@ -103,7 +103,8 @@ def main(argv=None) -> dict:
     if not 0 <= args.group < config.num_key_value_heads:
         raise ValueError(f"--group {args.group}: the model has KV head groups 0..{config.num_key_value_heads - 1}.")
     prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text(encoding="utf-8")
-    ids = tokenizer(prompt, return_tensors="pt").input_ids[:, : args.max_len]
+    # truncated by the tokenizer, which otherwise warns that the whole prompt is longer than the model takes
+    ids = tokenizer(prompt, return_tensors="pt", truncation=True, max_length=args.max_len).input_ids
     if ids.shape[1] < 2:
         raise ValueError("--prompt: give a prompt of at least 2 tokens.")
     selection = capture_selections(model, {"input_ids": ids}, max_rows=1, max_len=args.max_len)[args.layer]

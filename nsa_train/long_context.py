@@ -577,9 +577,16 @@ def load_model_and_tokenizer(spec: str, tokenizer_spec: str | None = None, devic
     return model.to(device), tokenizer
 
 
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" except where X is None: those flags' help says what no value means."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m nsa_train.long_context", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+                                formatter_class=_DefaultsHelpFormatter)  # fmt: skip
     p.add_argument("model", metavar="MODEL", help="a run's final/ directory, a saved model directory or a Hub id")
     p.add_argument("--task", default="passkey", help=f"one of {', '.join(TASKS)}")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096], help="prompt lengths in tokens")
