@@ -166,7 +166,7 @@ class StreamedDataset:
     def from_parquet(cls, spec: str, text_column: str = "text") -> StreamedDataset:
         """`spec` as for local files (a file, a directory or a glob); its parquet files, checked before training."""
         if not spec.strip():  # an empty path would read the working directory's files, whatever they are
-            raise ValueError(f"--dataset {PARQUET_STREAM}: no path after '{PARQUET_STREAM}'; give the shards' "
+            raise ValueError(f"--dataset '{PARQUET_STREAM}': no path after '{PARQUET_STREAM}'; give the shards' "
                              f"directory, file or glob, e.g. --dataset {PARQUET_STREAM}data/fineweb-edu/sample/10BT.")
         files = [f for f in LocalFiles(spec, text_column).files if f.suffix == ".parquet"]
         if not files:
