@@ -143,6 +143,19 @@ def document_positions_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int, d
     return torch.where(index < cu_seqlens[-1], doc_pos, torch.full_like(doc_pos, -1))[None]
 
 
+def takes_flash_arguments(implementation: str) -> bool:
+    """Whether transformers hands `implementation` flash attention's arguments (varlen lengths or a 2-D padding mask):
+    as transformers decides it, by the mask function its mask interface holds for the name, or, for a name not (yet)
+    registered there, by "flash" in the name (is_flash_attention_requested). Not only "flash_attention_*": where
+    flash-attn is not installed but `kernels` is, "flash_attention_2" runs as the Hub kernel
+    "kernels-community/flash-attn2", registered with flash's wrapper and mask."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+    if implementation in ALL_MASK_ATTENTION_FUNCTIONS:
+        return ALL_MASK_ATTENTION_FUNCTIONS[implementation] is flash_attention_mask
+    return "flash" in implementation
+
+
 def dense_attention_kwargs(implementation: str, doc_pos: torch.Tensor, num_queries: int, query_end=None,
                            single_document: bool = False, dtype: torch.dtype = torch.float32) -> dict:
     """The documents of doc_pos (B, Tk) as transformers' attention function `implementation` takes them (dense
@@ -152,12 +165,12 @@ def dense_attention_kwargs(implementation: str, doc_pos: torch.Tensor, num_queri
     - "sdpa": a boolean mask (B, 1, Tq, Tk), none for one document per row (SDPA's causal kernels need none).
     - "eager": the same mask as additive scores (0 / the dtype's minimum).
     - "flex_attention": a BlockMask from the same rule (no (Tq x Tk) tensor on a GPU, where it is compiled).
-    - "flash_attention_*": transformers' varlen path: every document of every row one sequence of the flattened
+    - "flash_attention_*" (and Hub flash kernels: takes_flash_arguments): transformers' varlen path: every document of every row one sequence of the flattened
       batch, its lengths from doc_pos as position ids (each padding token a sequence of its own). After a cache: the
       keys of each row's last document, as a padding mask (a chunk that starts a document there is refused).
     Each padding query keeps its own key, so no softmax row is empty (its output is unused)."""
     batch, num_keys = doc_pos.shape
-    flash = implementation.startswith("flash_attention")
+    flash = takes_flash_arguments(implementation)
     if single_document and (flash or implementation == "sdpa"):
         return {"attention_mask": None}  # plain causal attention
     key_index = torch.arange(num_keys, device=doc_pos.device)

@@ -181,3 +181,30 @@ def test_flash_attention_gets_every_document_as_one_varlen_sequence():
     assert step["attention_mask"].tolist() == [[0, 0, 0, 1, 1, 1, 1, 1]] * 2
     with pytest.raises(ValueError, match="starts a document"):
         dense_attention_kwargs("flash_attention_2", doc_pos, num_queries=6)
+
+
+def test_a_hub_flash_kernel_gets_what_flash_attention_gets(monkeypatch):
+    """Where flash-attn is not installed but `kernels` is, transformers runs attn_implementation="flash_attention_2" as
+    the Hub kernel "kernels-community/flash-attn2" (its flash wrapper, registered with flash's mask function): the
+    model must hand it flash's arguments (varlen lengths, a 2-D mask after a cache), not a (B, 1, Tq, Tk) mask."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+    from modeling_nsa.nsa_layout import dense_attention_kwargs, document_positions
+
+    hub_flash = "kernels-community/flash-attn2"
+    monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, hub_flash, flash_attention_mask)  # as loading does
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[0, :2] = 0
+    doc_pos = document_positions(torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]).expand(2, -1), mask, 2, 8, "cpu")
+    for name in (hub_flash, "kernels-community/vllm-flash-attn3"):  # registered, or not yet: the name says flash
+        for num_queries in (8, 1):
+            got, expected = (dense_attention_kwargs(n, doc_pos, num_queries) for n in (name, "flash_attention_2"))
+            assert got.keys() == expected.keys(), (name, num_queries)
+            for key, value in expected.items():
+                same = got[key] is None if value is None else torch.equal(torch.as_tensor(got[key]), torch.as_tensor(value))
+                assert same, (name, num_queries, key)
+        assert dense_attention_kwargs(name, doc_pos, 8, single_document=True) == {"attention_mask": None}
+    # a Hub kernel registered with SDPA's mask function gets SDPA's (B, 1, Tq, Tk) mask, as transformers gives it
+    sdpa_like = "kernels-community/sdpa-like"
+    monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, sdpa_like, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    assert dense_attention_kwargs(sdpa_like, doc_pos, 8)["attention_mask"].shape == (2, 1, 8, 8)
