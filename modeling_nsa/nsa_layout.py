@@ -165,9 +165,10 @@ def dense_attention_kwargs(implementation: str, doc_pos: torch.Tensor, num_queri
     - "sdpa": a boolean mask (B, 1, Tq, Tk), none for one document per row (SDPA's causal kernels need none).
     - "eager": the same mask as additive scores (0 / the dtype's minimum).
     - "flex_attention": a BlockMask from the same rule (no (Tq x Tk) tensor on a GPU, where it is compiled).
-    - "flash_attention_*" (and Hub flash kernels: takes_flash_arguments): transformers' varlen path: every document of every row one sequence of the flattened
-      batch, its lengths from doc_pos as position ids (each padding token a sequence of its own). After a cache: the
-      keys of each row's last document, as a padding mask (a chunk that starts a document there is refused).
+    - "flash_attention_*" and Hub flash kernels (takes_flash_arguments): transformers' varlen path: every document
+      of every row one sequence of the flattened batch, its lengths from doc_pos as position ids (each padding token
+      a sequence of its own). After a cache: the keys of each row's last document, as a padding mask (a chunk that
+      starts a document there is refused).
     Each padding query keeps its own key, so no softmax row is empty (its output is unused)."""
     batch, num_keys = doc_pos.shape
     flash = takes_flash_arguments(implementation)

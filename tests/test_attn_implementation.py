@@ -192,7 +192,8 @@ def test_a_hub_flash_kernel_gets_what_flash_attention_gets(monkeypatch):
     from modeling_nsa.nsa_layout import dense_attention_kwargs, document_positions
 
     hub_flash = "kernels-community/flash-attn2"
-    monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, hub_flash, flash_attention_mask)  # as loading does
+    # registered as transformers' load_and_register_attn_kernel registers a Hub flash kernel
+    monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, hub_flash, flash_attention_mask)
     mask = torch.ones(2, 8, dtype=torch.long)
     mask[0, :2] = 0
     doc_pos = document_positions(torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]).expand(2, -1), mask, 2, 8, "cpu")
@@ -201,7 +202,8 @@ def test_a_hub_flash_kernel_gets_what_flash_attention_gets(monkeypatch):
             got, expected = (dense_attention_kwargs(n, doc_pos, num_queries) for n in (name, "flash_attention_2"))
             assert got.keys() == expected.keys(), (name, num_queries)
             for key, value in expected.items():
-                same = got[key] is None if value is None else torch.equal(torch.as_tensor(got[key]), torch.as_tensor(value))
+                same = (got[key] is None if value is None
+                        else torch.equal(torch.as_tensor(got[key]), torch.as_tensor(value)))
                 assert same, (name, num_queries, key)
         assert dense_attention_kwargs(name, doc_pos, 8, single_document=True) == {"attention_mask": None}
     # a Hub kernel registered with SDPA's mask function gets SDPA's (B, 1, Tq, Tk) mask, as transformers gives it
