@@ -183,6 +183,14 @@ if triton is not None:
         return b, g, t, t - pos, pos >= 0, hh, row, row_ok, q, d
 
     @triton.jit
+    def _decode_attend(q, K, V, kv_off, vis, sm_scale2, m_i, l_i, acc):
+        """One step of a decode branch: the keys at kv_off (those with vis) into the softmax state of q's heads."""
+        k = tl.load(K + kv_off, mask=vis[:, None], other=0.0)
+        v = tl.load(V + kv_off, mask=vis[:, None], other=0.0)
+        x = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
+        return _softmax_tile(x, v, m_i, l_i, acc)
+
+    @triton.jit
     def _decode_selected(q, TOPV, TOPI, KS, VS, pid_bg, b, g, t, start, n_prog, slot_lo, slot_hi, sm_scale2, ks_bs,
                          vs_bs, d, HKV: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
                          N_PAD: tl.constexpr, N_SEL: tl.constexpr, LISTS: tl.constexpr, SEL_STEP: tl.constexpr):
@@ -211,10 +219,7 @@ if triton is not None:
             kk = tl.where(j >= 0, start + j.to(tl.int64) * LB, t + 1) + kb % LB
             vis = kk <= t
             kv_off = g * D + kk[:, None] * (HKV * D) + d[None, :]
-            k = tl.load(KS + b * ks_bs + kv_off, mask=vis[:, None], other=0.0)
-            v = tl.load(VS + b * vs_bs + kv_off, mask=vis[:, None], other=0.0)
-            x = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
-            m_i, l_i, acc = _softmax_tile(x, v, m_i, l_i, acc)
+            m_i, l_i, acc = _decode_attend(q, KS + b * ks_bs, VS + b * vs_bs, kv_off, vis, sm_scale2, m_i, l_i, acc)
         return m_i, l_i, acc
 
     @triton.jit
@@ -239,10 +244,7 @@ if triton is not None:
             if STATIC:
                 ii = (ii + first_kept) % Tw  # >= 0 where visible: first_kept + w_lo >= start >= 0
             kv_off = g * D + ii.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
-            k = tl.load(KW + b * kw_bs + kv_off, mask=vis[:, None], other=0.0)
-            v = tl.load(VW + b * vw_bs + kv_off, mask=vis[:, None], other=0.0)
-            x = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
-            m_i, l_i, acc = _softmax_tile(x, v, m_i, l_i, acc)
+            m_i, l_i, acc = _decode_attend(q, KW + b * kw_bs, VW + b * vw_bs, kv_off, vis, sm_scale2, m_i, l_i, acc)
         return m_i, l_i, acc
 
     @triton.jit

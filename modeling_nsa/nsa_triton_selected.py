@@ -147,6 +147,15 @@ if triton is not None:
             _sel_fwd_store(O, LSE, row3, ok3, m3, l3, acc3, D)
 
     @triton.jit
+    def _sel_block_keys(DOCPOS, b, a, Tk, LB: tl.constexpr):
+        """The LB keys of the selection block whose first key is a, and which of them are its keys: the same
+        document as key a (a block may be cut by the document's end or the sequence's). Returns (kk, k_ok)."""
+        kk = a + tl.arange(0, LB)
+        a_start = a - tl.load(DOCPOS + b * Tk + a)
+        k_pos = tl.load(DOCPOS + b * Tk + kk, mask=kk < Tk, other=-1)
+        return kk, (kk < Tk) & (k_pos >= 0) & (kk - k_pos == a_start)
+
+    @triton.jit
     def _sel_block_dkdv(Q, K, V, PAIR_Q, DOCPOS, DO, GATE, LSE, DELTA, a, pid_bg, p_begin, p_end,
                         Tq, Tk, q_off, sm_scale2,
                         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
@@ -155,11 +164,7 @@ if triton is not None:
         [p_begin, p_end) (rows packed as query x head). Returns (dk, dv, kv_off, k_ok)."""
         b = (pid_bg // HKV).to(tl.int64)
         g = pid_bg % HKV
-        kk = a + tl.arange(0, LB)
-        # keys of this block: same document as its first key (a block may be cut by the doc end)
-        a_start = a - tl.load(DOCPOS + b * Tk + a)
-        k_pos = tl.load(DOCPOS + b * Tk + kk, mask=kk < Tk, other=-1)
-        k_ok = (kk < Tk) & (k_pos >= 0) & (kk - k_pos == a_start)
+        kk, k_ok = _sel_block_keys(DOCPOS, b, a, Tk, LB)
         d = tl.arange(0, D)
         kv_off = b * Tk * HKV * D + g * D + kk.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
         k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
@@ -245,10 +250,7 @@ if triton is not None:
             a = f % Tk
             b = pid_bg // HKV
             g = pid_bg % HKV
-            kk = a + tl.arange(0, LB)
-            a_start = a - tl.load(DOCPOS + b * Tk + a)
-            k_pos = tl.load(DOCPOS + b * Tk + kk, mask=kk < Tk, other=-1)
-            k_ok = (kk < Tk) & (k_pos >= 0) & (kk - k_pos == a_start)
+            kk, k_ok = _sel_block_keys(DOCPOS, b, a, Tk, LB)
             d = tl.arange(0, D)
             kv_off = b * Tk * HKV * D + g * D + kk[:, None] * (HKV * D) + d[None, :]
             # one fp32 tile live at a time (dK, then dV), summed in split order: deterministic
