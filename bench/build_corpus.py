@@ -1,8 +1,8 @@
 """Build a larger offline English corpus for the A/B runs from text a package registry ships.
 
-    python bench/build_corpus.py --out ../shared/data/linux-docs-en.parquet          # apt-get download + extract
+    python bench/build_corpus.py --out runs/data/linux-docs-en.parquet          # apt-get download + extract
     python bench/build_corpus.py --deb linux-doc-6.12_*.deb --out corpus.parquet     # a .deb fetched before
-    python train_accelerate.py --dataset ../shared/data/linux-docs-en.parquet ...
+    python train_accelerate.py --dataset runs/data/linux-docs-en.parquet ...
 
 The source is Debian's `linux-doc-6.12` package (about 40 MB; the Linux kernel's documentation, GPL-2.0 for
 most pages, some under GFDL-1.1 or CC-BY-4.0, as each page's SPDX line says and the `license` column keeps):
