@@ -4,9 +4,10 @@ launcher's knobs, with the time of every kernel, so a default is chosen from one
     python bench/tune_kernels.py [--json tune.json] [--variants base "sub64:sel_sub_rows=64" ...]
 
 A variant is NAME or NAME:KNOB=VALUE,KNOB=VALUE (fields of the kernels' LaunchOverrides, e.g. sel_sub_rows,
-topn_insert_max, topn_rows, topn_warps, topn_blocks_per_chunk, sel_rows), run under launch_overrides(KNOB=VALUE,
-...); knobs not named keep the launcher's defaults. Each variant's top-n block indices must equal the first variant's on the same
-inputs (the knobs change the schedule, never the selection); a mismatch is reported in the table.
+topn_insert_max, topn_rows, topn_warps, topn_blocks_per_chunk, sel_rows; integers, 1/0 for a yes/no knob such as
+dkdv_unmasked_interior), run under launch_overrides(KNOB=VALUE, ...); knobs not named keep the launcher's
+defaults. Each variant's top-n block indices must equal the first variant's on the same inputs (the knobs change
+the schedule, never the selection); a mismatch is reported in the table.
 Timings: median of 7 CUDA-event timed steps after warm-up; per-kernel CUDA time from torch.profiler.
 """
 
@@ -33,6 +34,10 @@ KNOBS = [field.name for field in dataclasses.fields(tri.LaunchOverrides)]
 DEFAULT_VARIANTS = [
     "default",
     "dkdv8warps:dkdv_warps=8",
+    # the compressed/window dK/dV: the query tiles that see all of a key tile in an unmasked loop of their own
+    # (not yet timed), and every tile masked (the default until a sweep decides): both sides forced
+    "dkdv_interior:dkdv_unmasked_interior=1",
+    "dkdv_masked:dkdv_unmasked_interior=0",
     # the selected dQ's union of a 128-row tile (21 queries at G = 6) is about twice a 64-row tile's at 64k on
     # random inputs (bench/selection_tiles.py): twice the math per query once the loop is pipelined
     "dq64rows:dq_rows=64",
@@ -78,7 +83,7 @@ DEFAULT_VARIANTS = [
 CASES = [(12, 2, 64, 65536, 1, "random", None), (12, 2, 64, 2048, 32, "random", None),
          (16, 1, 64, 8192, 8, "random", None),
          (12, 2, 64, 65536, 1, "correlated", ("default", "dq64rows", "sel32rows", "merge_only")),
-         (16, 2, 128, 8192, 4, "random", ("default", "dkdv8warps", "dq128whole"))]
+         (16, 2, 128, 8192, 4, "random", ("default", "dkdv8warps", "dq128whole", "dkdv_interior", "dkdv_masked"))]
 KERNELS = ["_select_topn_kernel", "_sel_fwd_kernel", "_bwd_dq_kernel", "_sel_bwd_dkdv_kernel",
            "_interval_fwd_kernel", "_interval_bwd_dkdv_kernel"]
 DECODE = ["_decode_cmp_split_kernel", "_decode_topn_kernel", "_decode_finish_kernel", "_decode_parts_kernel",

@@ -114,11 +114,42 @@ if triton is not None:
             tl.store(OUT + out_ptr, res.to(OUT.dtype.element_ty), mask=row_ok[:, None])
 
     @triton.jit
+    def _dkdv_query_tiles(Q, DO, GATE, LSE, DELTA, LO, HI, b, g, q_from, q_to, q_end, Tq, kk, k, v, sm_scale2, dk, dv,
+                          H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, QPB: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BR: tl.constexpr, MASKED: tl.constexpr):
+        """A key tile's dK/dV over the query tiles q_from, q_from + QPB, ... below q_to. MASKED: rows at or past
+        q_end and keys outside a row's [lo, hi) are masked. Otherwise each tile lies inside the queries that see
+        every key of the key tile (_wholly_visible_queries): no interval loads, no mask; the rows past QPB * G
+        (a G that does not divide BLOCK_M) hold q = do = 0 and add nothing."""
+        r = tl.arange(0, BLOCK_M)
+        hh = r % G
+        d = tl.arange(0, D)
+        for q0 in range(q_from, q_to, QPB):
+            qi = q0 + r // G
+            if MASKED:
+                row_ok = (r < QPB * G) & (qi < q_end)
+            else:
+                row_ok = r < QPB * G
+            qi = tl.where(row_ok, qi, 0)
+            if MASKED:
+                lo = tl.load(LO + b * Tq + qi, mask=row_ok, other=0)
+                hi = tl.load(HI + b * Tq + qi, mask=row_ok, other=0)
+            row = (b * Tq + qi) * H + g * G + hh
+            q, do, lse, delta = _bwd_rows(Q, DO, GATE, LSE, DELTA, row, row_ok, d, D, BR)
+            if MASKED:
+                vis_t = row_ok[None, :] & (kk[:, None] >= lo[None, :]) & (kk[:, None] < hi[None, :])
+            else:
+                vis_t = True
+            dk, dv = _dkdv_update(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
+        return dk, dv
+
+    @triton.jit
     def _interval_bwd_dkdv_kernel(
-        Q, K, V, LO, HI, QA, QB, DO, GATE, LSE, DELTA, DK, DV,
+        Q, K, V, LO, HI, QA, QB, IA, IB, DO, GATE, LSE, DELTA, DK, DV,
         Tq, Nk, n_ktiles, sm_scale2, scale,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         QPB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_SPLIT: tl.constexpr, BR: tl.constexpr,
+        INTERIOR: tl.constexpr,
     ):
         # N_SPLIT > 1: program (tile, split) handles one slice of the tile's query range and writes an
         # fp32 partial to DK/DV[split] (summed afterwards in a fixed order: deterministic).
@@ -141,20 +172,25 @@ if triton is not None:
             q_end = tl.minimum(q_end, q_begin + span)
         dk = tl.zeros([BLOCK_N, D], tl.float32)
         dv = tl.zeros([BLOCK_N, D], tl.float32)
-        r = tl.arange(0, BLOCK_M)
-        hh = r % G
-        for q0 in range(q_begin, q_end, QPB):
-            qi = q0 + r // G
-            row_ok = (r < QPB * G) & (qi < q_end)
-            qi = tl.where(row_ok, qi, 0)
-            lo = tl.load(LO + b * Tq + qi, mask=row_ok, other=0)
-            hi = tl.load(HI + b * Tq + qi, mask=row_ok, other=0)
-            row = (b * Tq + qi) * H + g * G + hh
-            q, do, lse, delta = _bwd_rows(Q, DO, GATE, LSE, DELTA, row, row_ok, d, D, BR)
-            # every tile masked, even those inside all rows' intervals: a branch in the loop body would keep
-            # the compiler from software-pipelining the next query tile's loads (tests/triton_aot.py: TTGIR)
-            vis_t = row_ok[None, :] & (kk[:, None] >= lo[None, :]) & (kk[:, None] < hi[None, :])
-            dk, dv = _dkdv_update(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
+        if INTERIOR:
+            # the query tiles wholly inside [IA, IB) (every row sees every key of this tile) run unmasked, between
+            # the masked ones before and after: three loops without a branch in their bodies, so each is
+            # software-pipelined (a branch between masked and unmasked tiles in one loop stopped that)
+            ia = tl.load(IA + b * n_ktiles + pid_k)
+            ib = tl.minimum(tl.load(IB + b * n_ktiles + pid_k), q_end)
+            n_tiles = tl.cdiv(tl.maximum(q_end - q_begin, 0), QPB)
+            first = tl.minimum(tl.cdiv(tl.maximum(ia - q_begin, 0), QPB), n_tiles)
+            last = tl.maximum(tl.minimum(tl.maximum(ib - q_begin, 0) // QPB, n_tiles), first)
+            dk, dv = _dkdv_query_tiles(Q, DO, GATE, LSE, DELTA, LO, HI, b, g, q_begin, q_begin + first * QPB, q_end,
+                                       Tq, kk, k, v, sm_scale2, dk, dv, H, G, D, QPB, BLOCK_M, BR, True)
+            dk, dv = _dkdv_query_tiles(Q, DO, GATE, LSE, DELTA, LO, HI, b, g, q_begin + first * QPB,
+                                       q_begin + last * QPB, q_end, Tq, kk, k, v, sm_scale2, dk, dv, H, G, D, QPB,
+                                       BLOCK_M, BR, False)
+            q_begin += last * QPB
+        # the masked tiles after the run (INTERIOR), or every tile, even those inside all rows' intervals: one
+        # loop with no branch in it
+        dk, dv = _dkdv_query_tiles(Q, DO, GATE, LSE, DELTA, LO, HI, b, g, q_begin, q_end, q_end, Tq, kk, k, v,
+                                   sm_scale2, dk, dv, H, G, D, QPB, BLOCK_M, BR, True)
         split_off = pid_s.to(tl.int64) * (tl.num_programs(1) // HKV) * Nk * HKV * D
         tl.store(DK + split_off + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=k_ok[:, None])
         tl.store(DV + split_off + kv_off, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
@@ -206,6 +242,26 @@ def _interval_fwd(q, k, v, lo, hi, scale, combine=None):
     return (o, lse, out) if combine is not None else (o, lse)
 
 
+def _wholly_visible_queries(lo, hi, hi_m, c0, block_n):
+    """(ia, ib), (B, n_ktiles) int32: per key tile [c0, c0 + block_n), a run of queries [ia, ib) each of which
+    sees every key of the tile (lo(t) <= c0 and hi(t) >= c0 + block_n), for the dK/dV kernel's unmasked loop.
+    lo and hi are nondecreasing over valid queries (as for the tile's query range), so those queries are the
+    ones from the first whose hi reaches the tile's end (hi_m: running max of hi) to the last whose lo is at or
+    before its start. The run stops before its first query with an empty interval (padding: lo = hi = 0, after
+    a row's last token or inside a row), so every query in it is valid. The last key tile, when partial, gets no
+    run (c0 + block_n is past every hi), so the unmasked loop never meets keys past the end."""
+    num_q = lo.shape[-1]
+    ia = torch.searchsorted(hi_m, (c0 + block_n).contiguous(), right=False)
+    lo_max = lo.long().cummax(-1).values.contiguous()
+    ib = torch.maximum(torch.searchsorted(lo_max, c0, right=True), ia)
+    # next_empty[t]: the first query at or after t whose interval is empty (num_q: none)
+    index = torch.arange(num_q + 1, device=lo.device).expand(lo.shape[0], -1)
+    empty = torch.cat([hi <= lo, torch.ones_like(lo[:, :1], dtype=torch.bool)], -1)
+    next_empty = torch.where(empty, index, num_q).flip(-1).cummin(-1).values.flip(-1)
+    ib = torch.minimum(ib, next_empty.gather(-1, ia))
+    return ia.to(torch.int32).contiguous(), ib.to(torch.int32).contiguous()
+
+
 def _interval_bwd_dkdv(q, k, v, lo, hi, do, gates, branch, lse, delta, scale):
     batch, num_q, num_heads, head_dim, num_keys, num_kv, group = _launch_shapes(q, k)
     block_m, qpb, dkdv_opts = _dkdv_launch(group, head_dim, q.device)
@@ -218,6 +274,8 @@ def _interval_bwd_dkdv(q, k, v, lo, hi, do, gates, branch, lse, delta, scale):
     c1 = (c0 + block_n).clamp(max=num_keys).contiguous()
     qa = torch.searchsorted(hi_m, c0, right=True).to(torch.int32).contiguous()
     qb = torch.searchsorted(lo_m, c1, right=False).to(torch.int32).contiguous()
+    interior = bool(_OVERRIDES.dkdv_unmasked_interior)
+    ia, ib = _wholly_visible_queries(lo, hi, hi_m, c0, block_n) if interior else (qa, qb)
     # Long query ranges per key tile (the compressed branch: a compressed key is seen by the rest of
     # its document) with few key tiles: split the range so the GPU is filled.
     n_split = 1
@@ -232,9 +290,9 @@ def _interval_bwd_dkdv(q, k, v, lo, hi, do, gates, branch, lse, delta, scale):
         dk = torch.empty((n_split,) + tuple(k.shape), device=k.device, dtype=torch.float32)
         dv = torch.empty_like(dk)
     _interval_bwd_dkdv_kernel[(n_ktiles, batch * num_kv, n_split)](
-        q, k, v, lo, hi, qa, qb, do, gates, lse, delta, dk, dv, num_q, num_keys, n_ktiles, scale * _LOG2E, scale,
-        H=num_heads, HKV=num_kv, G=group, D=head_dim, QPB=qpb, BLOCK_M=block_m, BLOCK_N=block_n,
-        N_SPLIT=n_split, BR=branch, **dkdv_opts,
+        q, k, v, lo, hi, qa, qb, ia, ib, do, gates, lse, delta, dk, dv, num_q, num_keys, n_ktiles, scale * _LOG2E,
+        scale, H=num_heads, HKV=num_kv, G=group, D=head_dim, QPB=qpb, BLOCK_M=block_m, BLOCK_N=block_n,
+        N_SPLIT=n_split, BR=branch, INTERIOR=interior, **dkdv_opts,
     )
     if n_split > 1:
         dk, dv = dk.sum(0).to(k.dtype), dv.sum(0).to(v.dtype)

@@ -24,6 +24,9 @@ class LaunchOverrides:
     topn_rows: int | None = None  # rows (queries x padded heads) per top-n program
     topn_warps: int | None = None  # warps of the top-n program
     dkdv_warps: int | None = None  # warps of the compressed/window and selected dK/dV kernels
+    # the compressed/window dK/dV runs the query tiles that see all of a key tile in a loop of their own, unmasked
+    # (True), or masks every tile (False, and None: the default until a GPU sweep times both; bench/KERNELS.md)
+    dkdv_unmasked_interior: bool | None = None
     dq_rows: int | None = None  # rows of the fused dQ query tile (sm_90)
     dq_warps: int | None = None  # warps of the fused dQ kernel (sm_90)
     sel_rows: int | None = None  # the selected-attention query tile (rows = queries x G)

@@ -137,3 +137,19 @@ def test_hot_loops_are_software_pipelined_on_sm90(aot_results):
     unpipelined = [(r["kernel"], r["scenario"], r["unpipelined_dot_loops"]) for r in rows
                    if r["unpipelined_dot_loops"] > allowed(r)]
     assert not unpipelined, unpipelined
+
+
+@pytest.mark.parametrize("arch", **ARCHS)
+def test_unmasked_interior_dkdv_variant_compiles(aot_results, arch):
+    """The compressed/window dK/dV's variant with an unmasked loop over the query tiles that see all of a key
+    tile (launch_overrides(dkdv_unmasked_interior=True): tests/triton_aot.py's *-interior scenarios) compiles on
+    every architecture as its three query loops (masked, unmasked, masked); on sm_90 each is software-pipelined
+    (the hot-loop check above covers its rows too), which is what the variant is for."""
+    rows = [r for r in _rows(aot_results, arch)
+            if r["kernel"] == "_interval_bwd_dkdv_kernel" and r["constexprs"].get("INTERIOR")]
+    assert {r["scenario"] for r in rows} >= {"125M-G6-d64-bf16-long-interior", "G8-d128-bf16-long-interior"}, rows
+    assert all(r["ok"] for r in rows), [(r["scenario"], r.get("error")) for r in rows]
+    assert all(r["dot_loops"] == 3 for r in rows), [(r["scenario"], r["dot_loops"]) for r in rows]
+    if arch == 90:
+        assert all(r["unpipelined_dot_loops"] == 0 for r in rows), [(r["scenario"], r["unpipelined_dot_loops"])
+                                                                    for r in rows]

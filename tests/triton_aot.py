@@ -71,10 +71,15 @@ def capture_launches(run) -> list:
     return sink
 
 
-def _scenario(B, T, H, Hkv, D, dtype, layout="varlen", decode_steps=()):
-    """Forward, backward and select_blocks at one shape (plus cached decode steps at Tk in decode_steps)."""
+def _scenario(B, T, H, Hkv, D, dtype, layout="varlen", decode_steps=(), overrides=None):
+    """Forward, backward and select_blocks at one shape (plus cached decode steps at Tk in decode_steps), under
+    launch_overrides(**overrides) when given (a launch variant not yet the default)."""
 
     def run():
+        with tri.launch_overrides(**(overrides or {})):
+            launch()
+
+    def launch():
         t, cmp_end, doc_pos, p = make_inputs(B, T, H, Hkv, D, DEFAULT, dtype, "cpu", layout)
         if not tri.triton_supports(p, D, "cpu"):  # as the public entry points: no launch on this architecture
             return
@@ -114,6 +119,14 @@ SCENARIOS = {
     # head_dim 256 runs on the kernels too with 160 KiB of shared memory per block (not a tuned shape: it
     # compiles, fits and spills; on sm_86 it runs the reference: no launches)
     "G2-d256-bf16": _scenario(1, 300, 4, 2, 256, torch.bfloat16, decode_steps=(300,)),
+    # the compressed/window dK/dV with its unmasked loop over the query tiles that see all of a key tile
+    # (dkdv_unmasked_interior, not yet the default: bench/KERNELS.md); the other launches repeat the ones above
+    "125M-G6-d64-bf16-long-interior": _scenario(1, 8300, 12, 2, 64, torch.bfloat16, layout="single",
+                                                overrides=dict(dkdv_unmasked_interior=True)),
+    "fla-G16-d64-bf16-interior": _scenario(1, 300, 16, 1, 64, torch.bfloat16, layout="pad",
+                                           overrides=dict(dkdv_unmasked_interior=True)),
+    "G8-d128-bf16-long-interior": _scenario(1, 8300, 16, 2, 128, torch.bfloat16, layout="single",
+                                            overrides=dict(dkdv_unmasked_interior=True)),
 }
 
 
