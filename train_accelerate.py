@@ -330,6 +330,21 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def set_learning_rate(optimizer, lr: float) -> float:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def announce_run(cfg: TrainConfig, say, n_params: int, source, world: int, out_dir: Path) -> int:
+    """Says what is about to train; returns the tokens each optimizer step takes."""
+    tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * world * cfg.seq_len
+    say(f"model: {n_params / 1e6:.2f}M params, attention {cfg.attention_mode}; data: {source.describe()}; "
+        f"{world} process(es) x {cfg.grad_accum} x {cfg.micro_batch_size} rows x {cfg.seq_len} = "
+        f"{tokens_per_step:,} tokens/step; output {out_dir}")  # fmt: skip
+    return tokens_per_step
+
+
 def ddp_kwargs(cfg: TrainConfig, num_processes: int) -> DistributedDataParallelKwargs:
     hook = cfg.ddp_comm_hook
     if hook == "auto":  # bf16 compression needs NCCL: multi-GPU only
@@ -606,10 +621,7 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     if main_proc:
         extra = {"data": source.describe(), "flops_per_token": dict(zip(("dense", "nsa"), flops))}
         metrics.write_run_record(out_dir / "run.json", run_config, accelerator, unwrapped, extra)
-    tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * world * cfg.seq_len
-    say(f"model: {n_params / 1e6:.2f}M params, attention {cfg.attention_mode}; data: {source.describe()}; "
-        f"{world} process(es) x {cfg.grad_accum} x {cfg.micro_batch_size} rows x {cfg.seq_len} = "
-        f"{tokens_per_step:,} tokens/step; output {out_dir}")  # fmt: skip
+    tokens_per_step = announce_run(cfg, say, n_params, source, world, out_dir)
 
     # --- the loop
     stop = SigtermStop()
@@ -620,9 +632,7 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     if run.step == 0 and schedule.due(0):  # the starting point of the validation curve
         log.log_eval(0, evaluate(unwrapped, run, val_rows, cfg.micro_batch_size, accelerator, **schedule.what(0)))
     while run.step < cfg.max_steps:
-        lr = lr_at(run.step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = set_learning_rate(optimizer, lr_at(run.step, cfg))
         micro_batches = [next(loader) for _ in range(cfg.grad_accum)]  # (batch, DataState after it)
         step_loss, grad_norm, updated = train_step(model, optimizer, micro_batches, cfg, accelerator, precision)
         if not updated:
