@@ -35,6 +35,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from nsa_train.checkpoint import RUN_OUTPUTS, latest_checkpoint  # noqa: E402
+from nsa_train.long_context import run_command  # noqa: E402
+
 MODES = ("nsa", "dense")
 # train_accelerate.py flags this script sets per run
 OWN_FLAGS = ("--attention-mode", "--seed", "--output-dir", "--resume")
@@ -76,9 +81,9 @@ def run_state(run_dir: Path) -> str:
     summary = run_dir / "summary.json"
     if summary.is_file() and json.loads(summary.read_text()).get("finished"):
         return "finished"
-    if any((run_dir / "checkpoints").glob("step_*")):
+    if latest_checkpoint(run_dir / "checkpoints") is not None:  # as the trainer's --resume latest finds it
         return "resumable"
-    if any((run_dir / name).exists() for name in ("metrics.jsonl", "final", "summary.json")):
+    if any((run_dir / name).exists() for name in RUN_OUTPUTS):  # what the trainer's check_output_dir refuses
         return "blocked"
     return "new"
 
@@ -352,7 +357,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from nsa_train.long_context import run_command
-
     run_command(main)

@@ -27,6 +27,7 @@ from typing import Any
 from .run_state import RunState
 
 STATE_FILE = "trainer_state.json"
+RUN_OUTPUTS = ("metrics.jsonl", "final", "summary.json")  # what a run writes besides its checkpoints
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 RUNTIME_FIELDS = {"nsa_backend", "use_cache"}  # chosen per run: the weights do not depend on them
 MODEL_FLAGS = ("model", "model_overrides", "tokenizer", "attention_mode")  # the flags that build the model
@@ -89,7 +90,7 @@ def check_output_dir(out_dir: Path, new_run: bool) -> None:
             f"--output-dir {out_dir} already holds checkpoints of a run (latest: {existing.name}). Pass --resume "
             "latest to continue that run, or a new (or empty) --output-dir to start a new one."
         )
-    leftovers = [name for name in ("metrics.jsonl", "final", "summary.json") if (Path(out_dir) / name).exists()]
+    leftovers = [name for name in RUN_OUTPUTS if (Path(out_dir) / name).exists()]
     if leftovers:  # a run without checkpoints: its metrics and final/ would be mixed or replaced
         raise ValueError(
             f"--output-dir {out_dir} already holds the output of a run ({', '.join(leftovers)}) and no checkpoint. "
