@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-BRANCHES = ("cmp", "slc", "win")
+from modeling_nsa.modeling_nsa import BRANCHES  # the gates' order (cmp, slc, win), paper Eq. 5
 
 
 @dataclass
