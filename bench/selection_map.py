@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nsa_train.long_context import run_command  # noqa: E402
-from nsa_train.selection_stats import capture_selections, format_stats, layer_statistics  # noqa: E402
+from nsa_train.selection_stats import capture_selections, forced_blocks, format_stats, layer_statistics  # noqa: E402
 
 FUTURE, ELIGIBLE, WINDOW, SELECTED, FORCED = 0, 1, 2, 3, 4
 COLORS = ["white", "#d9d9d9", "#c7e9c0", "#2b5ca8", "#f28e2b"]
@@ -48,7 +48,7 @@ def selection_map(selection, row: int = 0, group: int = 0) -> torch.Tensor:
     chosen.scatter_(1, torch.where(indices >= 0, indices, num_blocks), True)
     chosen = chosen[:, :num_blocks] & valid
     own = pos.clamp(min=0) // block
-    forced = (j < params.sel_init_blocks) | ((j > own - params.sel_local_blocks) & (j <= own))
+    forced = forced_blocks(j, own, params)
     codes[chosen] = SELECTED
     codes[chosen & forced] = FORCED
     return codes

@@ -134,6 +134,13 @@ def distance_bin(distance: torch.Tensor) -> torch.Tensor:
     return torch.where(distance > 0, torch.floor(torch.log2(safe)).long() + 1, torch.zeros_like(distance))
 
 
+def forced_blocks(block: torch.Tensor, own_block: torch.Tensor, params) -> torch.Tensor:
+    """Whether selection block `block` is one a query in block `own_block` always selects (NSA_SPEC "Selection branch", as
+    `nsa_reference.select_blocks` forces them): the sel_init_blocks first blocks and the sel_local_blocks ending at
+    its own. Broadcasts."""
+    return (block < params.sel_init_blocks) | ((block > own_block - params.sel_local_blocks) & (block <= own_block))
+
+
 def layer_statistics(gates: torch.Tensor, block_indices: torch.Tensor, doc_pos: torch.Tensor, params) -> dict:
     """The statistics of one layer (see the module docstring) from its gates (B, T, H, 3), selected block indices
     (B, Hkv, T, n') and doc_pos (B, T), the queries being all T positions."""
@@ -150,7 +157,7 @@ def layer_statistics(gates: torch.Tensor, block_indices: torch.Tensor, doc_pos: 
     chosen = (idx >= 0) & valid_q[:, None, :, None]
     own = (doc_pos.clamp(min=0) // block)[:, None, :, None]  # (B, 1, T, 1)
     distance = own - idx
-    forced = chosen & ((idx < params.sel_init_blocks) | ((idx > own - params.sel_local_blocks) & (idx <= own)))
+    forced = chosen & forced_blocks(idx, own, params)
     # a block lies wholly before the window when its last key is older than the window's first key t - w + 1
     beyond_window = chosen & ((idx + 1) * block <= doc_pos[:, None, :, None] - params.window_size + 1)
     total = int(chosen.sum())
@@ -242,4 +249,4 @@ def card_section(stats: dict) -> str:
 
 
 __all__ = ["LayerSelection", "append_stats_jsonl", "capture_selections", "card_section", "compute_selection_stats",
-           "flatten_stats", "format_stats", "layer_statistics"]  # fmt: skip
+           "flatten_stats", "forced_blocks", "format_stats", "layer_statistics"]  # fmt: skip
