@@ -36,7 +36,6 @@ import itertools
 import json
 import math
 import random
-import re
 import sys
 import time
 from dataclasses import dataclass
