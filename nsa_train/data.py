@@ -274,6 +274,11 @@ def check_hub_reachable(what: str, hint: str, timeout: float = 3.0):
         raise ConnectionError(f"{what}: cannot reach {constants.ENDPOINT} ({e}). {hint}") from e
 
 
+def streams_from_hub(dataset: str) -> bool:
+    """Whether --dataset names a Hub dataset, streamed from the Hub: fineweb-edu or hf://NAME."""
+    return dataset == "fineweb-edu" or dataset.startswith("hf://")
+
+
 def hub_config(dataset: str, dataset_config: str | None) -> str | None:
     """The Hub config a run reads: --dataset-config if given, else sample-10BT for fineweb-edu and the dataset's
     own default for hf://NAME (None); None for local data and python-docs, which have no config."""

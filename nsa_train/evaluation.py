@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .data import num_label_tokens, to_batch
+from .data import num_label_tokens, streams_from_hub, to_batch
 from .run_state import RunState
 
 STATS_ROWS = 2  # held-out rows the selection statistics are measured on (the reference holds T x T scores per head)
@@ -109,10 +109,7 @@ def long_context_settings(cfg, tokenizer, vocab_size: int | None) -> dict:
     wiki parquet when present, else in Python's documentation (offline)."""
     from . import long_context
 
-    if cfg.dataset == "fineweb-edu" or cfg.dataset.startswith("hf://"):
-        haystack = str(long_context.SHARED_HAYSTACK) if long_context.SHARED_HAYSTACK.is_file() else "python-docs"
-    else:
-        haystack = cfg.dataset
+    haystack = long_context.default_haystack() if streams_from_hub(cfg.dataset) else cfg.dataset
     settings = dict(task=cfg.long_context_task, depths=list(cfg.long_context_depths),
                     lengths=sorted(cfg.long_context_lengths or [cfg.seq_len * f for f in LONG_CONTEXT_LENGTH_FACTORS]),
                     samples=cfg.long_context_samples, batch_size=LONG_CONTEXT_BATCH_SIZE, training_len=cfg.seq_len,

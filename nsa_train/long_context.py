@@ -256,14 +256,19 @@ def filler_haystack(tokenizer) -> Haystack:
     return Haystack(tokenizer, list(itertools.chain(*sentences)), "filler sentences", cycle_sentences=sentences)
 
 
+def default_haystack() -> str:
+    """The needle task's documents when none are named: the shared wiki parquet if present, else Python's docs."""
+    return str(SHARED_HAYSTACK) if SHARED_HAYSTACK.is_file() else "python-docs"
+
+
 def text_haystack(tokenizer, source: str | None, num_tokens: int, text_column: str = "text") -> Haystack:
     """Documents of `source` (a parquet/jsonl/txt path, or "python-docs"), tokenized until `num_tokens` (at
     least) are pooled, separated by blank lines. None: the shared wiki parquet if present, else Python's docs."""
     from . import data
 
     if source is None:
-        source = str(SHARED_HAYSTACK) if SHARED_HAYSTACK.is_file() else "python-docs"
-    if source in ("fineweb-edu",) or source.startswith("hf://"):
+        source = default_haystack()
+    if data.streams_from_hub(source):
         raise ValueError(f"--haystack {source!r}: a streamed Hub dataset is not supported here; pass a local "
                          "parquet/jsonl/txt file or 'python-docs'.")
     documents = data.make_source(source, text_column)

@@ -44,7 +44,7 @@ def run_card_fields(cfg, config, run, *, n_params, world, mixed_precision, devic
 
     versions = metrics.package_versions()
     dataset_id = data.FINEWEB_EDU if cfg.dataset == "fineweb-edu" else cfg.dataset.removeprefix("hf://")
-    on_hub = cfg.dataset == "fineweb-edu" or cfg.dataset.startswith("hf://")
+    on_hub = data.streams_from_hub(cfg.dataset)
     tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * world * cfg.seq_len
     return {
         "model_name": Path(cfg.push_to_hub or Path(out_dir).name).name,
