@@ -197,10 +197,15 @@ class StreamedDataset:
 
     def describe(self) -> str:
         if self.data_files is not None:  # file names only: this text also goes into the model card
-            names = [Path(f).name for f in self.data_files]
-            shown = ", ".join(names[:5]) + (f", ... ({len(names)} files)" if len(names) > 5 else "")
-            return f"local parquet shards {shown} (column {self.text_column!r}, streamed)"
+            return f"local parquet shards {file_names(self.data_files)} (column {self.text_column!r}, streamed)"
         return f"{self.path} ({self.config or 'default'}, split {self.split}, streamed)"
+
+
+def file_names(paths) -> str:
+    """Local files by their names, without their directories (a model card holds no local paths): the first five,
+    then how many there are."""
+    names = [Path(p).name for p in paths]
+    return ", ".join(names[:5]) + (f", ... ({len(names)} files)" if len(names) > 5 else "")
 
 
 LOCAL_HINT = ("Pass --dataset parquet:DIR with local parquet shards (e.g. a downloaded copy of FineWeb-Edu) or "

@@ -98,13 +98,11 @@ def quality_section(run, attention_mode: str) -> str:
 
 def data_description(source) -> str:
     """`source.describe()` without local paths: local files by their file names."""
-    from .data import LocalFiles
+    from .data import LocalFiles, file_names
 
     if not isinstance(source, LocalFiles):
         return source.describe()
-    names = [f.name for f in source.files]
-    shown = ", ".join(names[:5]) + (f", ... ({len(names)} files)" if len(names) > 5 else "")
-    return f"local files {shown} (column {source.text_column!r})"
+    return f"local files {file_names(source.files)} (column {source.text_column!r})"
 
 
 def render(fields: dict, template=TEMPLATE) -> str:
