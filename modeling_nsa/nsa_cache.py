@@ -196,7 +196,7 @@ class NSALayerCache:
             "cmp_k": TokenBuffer(reserve=slots), "cmp_v": TokenBuffer(reserve=slots),
             "cmp_end": TokenBuffer(reserve=slots, fill=-1),
         }  # fmt: skip
-        self.params, self.cmp_stride = NSAParams.from_config(config), config.cmp_stride
+        self.params = NSAParams.from_config(config)
         self.cmp_count: torch.Tensor | None = None  # (B,) compressed tokens emitted per row
 
     def update(self, key_states, value_states, doc_pos, k_win=None, v_win=None, k_raw=None, v_raw=None,
@@ -209,7 +209,7 @@ class NSALayerCache:
             return BranchKeys(k_slc, v_slc)
         num_keys, num_queries = doc_pos.shape[1], k_raw.shape[1]
         k_new, v_new, end_new = self._new_compressed(k_raw, v_raw, doc_pos, compress)
-        self._append_compressed(k_new, v_new, end_new, max_slots=num_keys // self.cmp_stride + 1)
+        self._append_compressed(k_new, v_new, end_new, max_slots=num_keys // self.params.cmp_stride + 1)
         if k_win is not None:  # the window buffers keep the last w keys
             k_win, v_win = self.buffers["k_win"].append(k_win), self.buffers["v_win"].append(v_win)
         else:  # shared K/V: the window reads the last keys of the selection cache
@@ -287,7 +287,7 @@ class NSALayerCache:
                 buffer._writable(taken)
                 slots = buffer.view()  # emptied back to what a never-written slot holds
                 slots.masked_fill_(taken.view(*taken.shape, *[1] * (slots.dim() - 2)), buffer.fill)
-                buffer.truncate(length_after // self.cmp_stride + 1)
+                buffer.truncate(length_after // self.params.cmp_stride + 1)
             self.cmp_count = self.cmp_count - taken.sum(-1)
 
     def __getattr__(self, name):  # k_slc, cmp_end, ...: the buffer's live tokens
@@ -329,7 +329,6 @@ class NSAStaticLayerCache:
     def __init__(self, config: NSAConfig, max_cache_len: int):
         self.capacity, self.num_slots = max_cache_len, max_cache_len // config.cmp_stride + 2
         self.params = NSAParams.from_config(config)
-        self.window_size, self.block_size = config.window_size, config.cmp_block_size
         self.tensors: dict[str, torch.Tensor] = {}  # allocated at the prompt (batch, device, dtype known then)
         self.cmp_count: torch.Tensor | None = None  # (B,) compressed tokens emitted per row
 
@@ -354,8 +353,8 @@ class NSAStaticLayerCache:
             return BranchKeys(self.k_slc, self.v_slc, query_end=query_end)
         self._store_compressed_step(k_raw, v_raw, doc_pos, compress, query_end)
         if k_win is not None:  # the window ring: key p at slot p % w
-            self.k_win.index_copy_(1, query_end % self.window_size, k_win)
-            self.v_win.index_copy_(1, query_end % self.window_size, v_win)
+            self.k_win.index_copy_(1, query_end % self.params.window_size, k_win)
+            self.v_win.index_copy_(1, query_end % self.params.window_size, v_win)
             k_win, v_win = self.k_win, self.v_win
         else:  # shared K/V: the window reads the key buffer itself (a "ring" of N slots: key p at slot p)
             k_win, v_win = self.k_slc, self.v_slc
@@ -363,7 +362,7 @@ class NSAStaticLayerCache:
 
     def _store_compressed_step(self, k_raw, v_raw, doc_pos, compress: Compress, query_end) -> None:
         """The compressed token this step completes (Eq. 7): the l raw keys ending here, from the raw ring."""
-        block = self.block_size
+        block = self.params.cmp_block_size
         self.tail_k.index_copy_(1, query_end % block, k_raw)
         self.tail_v.index_copy_(1, query_end % block, v_raw)
         ring_order = (query_end - block + 1 + torch.arange(block, device=query_end.device)) % block  # (l,)
@@ -398,10 +397,10 @@ class NSAStaticLayerCache:
         if k_raw is None:  # dense attention keeps keys only
             return
         if k_win is not None:  # kv_per_branch (shared K/V: the window reads k_slc)
-            ring("k_win", k_win, self.window_size)
-            ring("v_win", v_win, self.window_size)
-        ring("tail_k", k_raw, self.block_size)
-        ring("tail_v", v_raw, self.block_size)
+            ring("k_win", k_win, self.params.window_size)
+            ring("v_win", v_win, self.params.window_size)
+        ring("tail_k", k_raw, self.params.cmp_block_size)
+        ring("tail_v", v_raw, self.params.cmp_block_size)
         num_new = cmp_end.shape[1]
         for name, tokens, fill in (("cmp_k", k_cmp, 0), ("cmp_v", v_cmp, 0), ("cmp_end", cmp_end, -1)):
             self.tensors[name] = buffer(tokens, self.num_slots, fill)
