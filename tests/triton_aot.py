@@ -30,10 +30,9 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from triton_helpers import DEFAULT, import_nsa, kernel_module, kernel_modules, make_inputs  # noqa: E402
+from triton_helpers import DEFAULT, as_arch, import_nsa, kernel_modules, make_inputs  # noqa: E402
 
 _, _, tri = import_nsa()
-common = kernel_module("common")  # (where _compute_capability is looked up)
 
 
 class _Recorder:
@@ -208,9 +207,7 @@ def collect(arch: int, scenarios=None) -> list:
     """Unique launches the launchers make on an sm_<arch> device over the scenarios: one per (kernel,
     specialization) signature."""
     launches, seen = [], set()
-    real = common._compute_capability
-    common._compute_capability = lambda device: arch
-    try:
+    with as_arch(arch):
         for sname in scenarios or SCENARIOS:
             for name, fn, args, kwargs in capture_launches(SCENARIOS[sname]):
                 key_args = tuple((str(a.dtype), a.dim()) if torch.is_tensor(a) else type(a).__name__ for a in args)
@@ -218,8 +215,6 @@ def collect(arch: int, scenarios=None) -> list:
                 if key not in seen:
                     seen.add(key)
                     launches.append((sname, name, fn, args, kwargs))
-    finally:
-        common._compute_capability = real
     return launches
 
 

@@ -116,23 +116,30 @@ CASE_KEY_FIELDS = {"bj": "topn_blocks_per_chunk", "split": "dkdv_split"}
 
 
 @contextlib.contextmanager
+def as_arch(arch: int | None):
+    """Inside the block the launchers see an sm_<arch> device (the launch configuration that architecture gets);
+    None: the real one."""
+    common = kernel_module("common")  # (where _compute_capability is looked up)
+    real = common._compute_capability
+    if arch:
+        common._compute_capability = lambda device: arch
+    try:
+        yield
+    finally:
+        common._compute_capability = real
+
+
+@contextlib.contextmanager
 def case_launch(case: dict):
     """Inside the block the launchers take the case's forced launch choices (launch_overrides) and the launch
     configuration of the case's architecture ("arch": tiles differ before Hopper); the defaults outside, so
     cases sharing one process do not leak into each other."""
     _, _, tri = import_nsa()
-    common = kernel_module("common")  # (where _compute_capability is looked up)
     fields = {field.name for field in dataclasses.fields(tri.LaunchOverrides)}
     choices = {CASE_KEY_FIELDS.get(key, key): tuple(value) if isinstance(value, list) else value
                for key, value in case.items() if CASE_KEY_FIELDS.get(key, key) in fields and value is not None}
-    arch, real = case.get("arch"), common._compute_capability
-    if arch:
-        common._compute_capability = lambda device: arch
-    try:
-        with tri.launch_overrides(**choices):
-            yield
-    finally:
-        common._compute_capability = real
+    with as_arch(case.get("arch")), tri.launch_overrides(**choices):
+        yield
 
 
 def with_case_launch(runner):
