@@ -141,8 +141,8 @@ def main():
     rows = []
     for precision in args.precision:
         for seq_len in args.seq_lens:
+            batch = max(1, args.tokens_per_step // seq_len)
             for documents in args.documents:
-                batch = max(1, args.tokens_per_step // seq_len)
                 results = {}
                 for name in args.models:
                     torch.manual_seed(0)
