@@ -312,7 +312,8 @@ def _answer_ids(tokenizer, question: str, answer: str, vocab_size: int | None) -
 
 
 def build_case(tokenizer, task: str, length: int, depth: float, haystack: Haystack, rng: random.Random,
-               vocab_size: int | None = None, prefix: list[int] | None = None) -> RetrievalCase:  # fmt: skip
+               vocab_size: int | None = None, prefix: list[int] | None = None, length_flag: str = "--lengths",
+               ) -> RetrievalCase:  # fmt: skip
     header, item, question, answer = _item_texts(task, rng)
     prefix = _special_prefix(tokenizer) if prefix is None else prefix
     header_ids = _encode_exact(tokenizer, header, "instruction", vocab_size)
@@ -321,8 +322,8 @@ def build_case(tokenizer, task: str, length: int, depth: float, haystack: Haysta
     fixed = len(prefix) + len(header_ids) + len(item_ids) + len(question_ids)
     budget = length - fixed
     if budget < 0:
-        raise ValueError(f"--lengths {length}: too short for the {task} task's fixed text ({fixed} tokens with this "
-                         f"tokenizer: instruction, hidden item and question); use lengths >= {fixed}.")  # fmt: skip
+        raise ValueError(f"{length_flag} {length}: too short for the {task} task's fixed text ({fixed} tokens with this "
+                         f"tokenizer: instruction, hidden item and question); use {length_flag} >= {fixed}.")  # fmt: skip
     hay = haystack.take(budget, rng)
     cut = round(depth * budget)
     cut = haystack.snap_to_boundary(hay, cut, radius=min(32, max(2, budget // 50)))
@@ -351,6 +352,40 @@ def build_cases(tokenizer, task: str, lengths, depths, samples: int, seed: int =
         for length in lengths for depth in depths for i in range(samples)
     ]
     return cases, hay.description
+
+
+def training_documents(tokenizer, task: str, row_len: int, count: int, seed: int = 0, haystack: str | None = None,
+                       text_column: str = "text") -> tuple[list[str], str]:  # fmt: skip
+    """`count` training documents for the task, each a case's prompt followed by its answer, sized so that with
+    the end-of-text token the trainer appends it fills one `row_len` row exactly (no document split across
+    rows, none sharing a row). The depth of each is uniform in [0, 1]. Their generators are seeded apart from
+    build_cases' (a different seed string), so the evaluation's prompts are not the training ones.
+
+    Returns the texts and the haystack's description."""
+    check_task(task)
+    if count < 1:
+        raise ValueError(f"--rows {count}: give at least 1 document.")
+    hay = filler_haystack(tokenizer) if task == "passkey" else text_haystack(tokenizer, haystack, 4 * row_len, text_column)
+    prefix = _special_prefix(tokenizer)
+    texts = []
+    for i in range(count):
+        rng = random.Random(f"train-{seed}-{task}-{row_len}-{i}")
+        depth = rng.random()
+        state = rng.getstate()
+        # the answer's length is known only once the case has drawn it, and a BPE tokenizer may read the decoded
+        # text back as a few more or fewer tokens: rebuild from the same generator state with the prompt length
+        # corrected by the difference until the text re-tokenizes to row_len - 1 (+1: the end-of-text token)
+        length = row_len
+        for _ in range(4):
+            rng.setstate(state)
+            case = build_case(tokenizer, task, length, depth, hay, rng, prefix=prefix, length_flag="--seq-len")
+            text = tokenizer.decode(case.prompt_ids[len(prefix) :] + case.answer_ids, clean_up_tokenization_spaces=False)
+            excess = len(tokenizer(text, add_special_tokens=False).input_ids) + 1 - row_len
+            if excess == 0:
+                break
+            length -= excess
+        texts.append(text)
+    return texts, hay.description
 
 
 # ----------------------------------------------------------------------------- scoring

@@ -105,6 +105,56 @@ def test_cases_are_seeded_per_cell(byt5):
     assert [c.answer for c in one] != [c.answer for c in other]
 
 
+@pytest.mark.parametrize("name", tokenizers())
+@pytest.mark.parametrize("task", ["passkey", "needle"])
+def test_training_documents_fill_one_row_each_and_end_with_their_answer(name, task):
+    from nsa_train.data import Packer
+
+    tokenizer = load_tokenizer(name)
+    row_len = 320
+    texts, _ = lc.training_documents(tokenizer, task, row_len, count=6, seed=1, haystack="python-docs")
+    assert len(texts) == 6 and len(set(texts)) == 6
+    for text in texts:
+        assert len(tokenizer(text, add_special_tokens=False).input_ids) == row_len - 1
+        # the answer closes the document and is the one hidden in it
+        question = lc.PASSKEY_QUESTION if task == "passkey" else "? The secret word of the "
+        body, answer = text.rsplit(" ", 1)
+        assert question.strip() in body and answer.isdigit() == (task == "passkey")
+        hidden = lc.PASSKEY_NEEDLE.format(answer=answer) if task == "passkey" else f" is {answer}."
+        assert hidden.strip() in body
+    # the trainer's packer makes one row of each document: every row starts with the instruction
+    header = lc.PASSKEY_HEADER if task == "passkey" else lc.NEEDLE_HEADER
+    rows = Packer(texts, tokenizer, row_len, shuffle_buffer=1, val_every=0)
+    for (ids, pos, labels, _), _ in zip(rows, range(6)):
+        assert pos == list(range(row_len)) and tokenizer.decode(ids).startswith(header.strip()[:30])
+
+
+def test_training_documents_are_not_the_evaluation_prompts(byt5):
+    texts, _ = lc.training_documents(byt5, "passkey", 300, count=40, seed=0)
+    cases, _ = lc.build_cases(byt5, "passkey", [300 - 7], [0.0, 0.5, 1.0], samples=10, seed=0)
+    evaluation = {byt5.decode(c.prompt_ids) for c in cases}
+    assert not evaluation & {t.rsplit(" ", 1)[0] for t in texts}
+    assert len({t.rsplit(" ", 1)[1] for t in texts} & {c.answer for c in cases}) <= 2  # 5-digit keys: chance only
+
+
+def test_build_retrieval_data_script(tmp_path):
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "passkey.parquet"
+    script = [sys.executable, str(REPO / "bench" / "build_retrieval_data.py")]
+    proc = subprocess.run([*script, "--tokenizer", "byt5", "--seq-len", "256", "--rows", "5", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "5 passkey documents of 256 tokens" in proc.stdout and "0 re-tokenize" in proc.stdout
+    assert len(pq.read_table(out).column("text")) == 5
+    proc = subprocess.run([*script, "--tokenizer", "byt5", "--seq-len", "256", "--rows", "0", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "error: --rows 0" in proc.stderr
+    proc = subprocess.run([*script, "--tokenizer", "byt5", "--seq-len", "64", "--rows", "1", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "error: --seq-len" in proc.stderr and "too short for the passkey task" in proc.stderr
+
+
 # ----------------------------------------------------------------------------- scoring on hand-made models
 
 
@@ -226,7 +276,7 @@ def test_bad_inputs_are_named_with_the_fix(byt5, llama_dir):
                            ([], r"at least one depth"), ([0.5, 0.5], r"repeated")):  # fmt: skip
         with pytest.raises(ValueError, match=needle):
             lc.run_long_context_eval(llama, byt5, "passkey", [300], depths, **quiet)
-    with pytest.raises(ValueError, match=r"--lengths 20: too short for the passkey task's fixed text \(\d+ tokens.*use lengths >= \d+"):
+    with pytest.raises(ValueError, match=r"--lengths 20: too short for the passkey task's fixed text \(\d+ tokens.*use --lengths >= \d+"):
         lc.run_long_context_eval(llama, byt5, "passkey", [20], [0.5], **quiet)
     with pytest.raises(ValueError, match=r"--samples 0"):
         lc.run_long_context_eval(llama, byt5, "passkey", [300], [0.5], log=lambda s: None, samples=0)

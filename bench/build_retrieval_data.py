@@ -1,0 +1,74 @@
+"""Build training rows for long-context retrieval: passkey or needle prompts with their answers, one per row.
+
+    python bench/build_retrieval_data.py --task passkey --tokenizer byt5 --seq-len 512 --rows 20000 \\
+        --out runs/data/passkey-byt5-512.parquet
+    python train_accelerate.py --dataset runs/data/passkey-byt5-512.parquet --tokenizer byt5 --seq-len 512 ...
+    python -m nsa_train.long_context runs/X/final --task passkey --lengths 256 512 1024
+
+Each document is what `nsa_train.long_context` asks at evaluation (instruction, haystack, the hidden item at a
+depth drawn uniformly from [0, 1], the question) followed by the answer, sized so that with the end-of-text
+token the trainer appends it fills one `--seq-len` row exactly: the packer never splits one across rows, so
+every row teaches the full retrieval. The generators are seeded apart from the evaluation's, so a model is not
+evaluated on the prompts it trained on. Use it to train or fine-tune (`--init-from`) a model for retrieval
+beyond its window, e.g. rows at 4-8x NSA's `window_size`, then evaluate NSA and its dense twin side by side.
+
+The script checks that the tokenizer gives each text back at the length it was built for (a BPE tokenizer can
+merge differently when re-reading decoded text) and reports how many do not; nothing here is committed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from nsa_train.long_context import TASKS, run_command, training_documents  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    p.add_argument("--task", default="passkey", help=f"one of {', '.join(TASKS)}")
+    p.add_argument("--tokenizer", required=True, help="the tokenizer the model trains with: a path, a Hub id or 'byt5'")
+    p.add_argument("--seq-len", type=int, required=True, help="the trainer's --seq-len: one document per row")
+    p.add_argument("--rows", type=int, default=10000, help="documents to write")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--haystack", default=None, help="needle: a parquet/jsonl/txt file of documents or 'python-docs' "
+                   "(default: the shared wiki parquet beside the checkout when present, else python-docs)")
+    p.add_argument("--text-column", default="text", help="the --haystack file's text column")
+    p.add_argument("--out", required=True, help="the parquet file to write (column 'text')")
+    return p
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    if args.seq_len < 2:
+        raise ValueError(f"--seq-len {args.seq_len}: give the trainer's row length (at least 2).")
+    from nsa_train.data import load_tokenizer
+
+    tokenizer = load_tokenizer(args.tokenizer)
+    texts, haystack = training_documents(tokenizer, args.task, args.seq_len, args.rows, args.seed, args.haystack,
+                                         args.text_column)  # fmt: skip
+    # the trainer re-tokenizes the text: count the documents that would not fill their row exactly
+    lengths = [len(ids) + 1 for ids in tokenizer(texts, add_special_tokens=False).input_ids]
+    off = sum(n != args.seq_len for n in lengths)
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"text": texts}), out)
+    summary = {"out": str(out), "task": args.task, "rows": len(texts), "seq_len": args.seq_len,
+               "haystack": haystack, "rows_not_filling_one_row": off,
+               "token_length_range": [min(lengths), max(lengths)]}  # fmt: skip
+    print(f"wrote {out}: {len(texts):,} {args.task} documents of {args.seq_len} tokens with end-of-text "
+          f"({haystack}); {off} re-tokenize to another length (range {min(lengths)}-{max(lengths)})")
+    return summary
+
+
+if __name__ == "__main__":
+    run_command(main)
