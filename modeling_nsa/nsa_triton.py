@@ -62,7 +62,7 @@ from .nsa_triton_common import (  # noqa: F401  (_HAS_TRITON: callers ask this m
 from .nsa_triton_decode import _decode_step
 from .nsa_triton_dq import _bwd_dq
 from .nsa_triton_interval import _interval_bwd_dkdv, _interval_fwd, _layout
-from .nsa_triton_launch import LaunchOverrides, launch_overrides
+from .nsa_triton_launch import _OVERRIDES, LaunchOverrides, launch_overrides
 from .nsa_triton_selected import _sel_bwd_dkdv, _sel_fwd
 from .nsa_triton_topn import _select_topn
 
@@ -151,12 +151,16 @@ def _nsa_bwd_op(
     dout = dout.to(q.dtype).contiguous()
     # dQ of the three branches, dgates and the per-branch deltas in one kernel; the dK/dV kernels then read the
     # deltas
+    # (sel_dq_in_dkdv: the selected branch's dQ is added to an fp32 dQ by the selected dK/dV kernel instead)
     cmp, win = (k_cmp, v_cmp, c_lo, c_hi, lse_cmp, o_cmp), (k_win, v_win, w_lo, w_hi, lse_win, o_win)
-    dq, dgates, delta = _bwd_dq(q, dout, gates, cmp, (k_slc, v_slc, lse_slc, o_slc), win, idx, doc_pos, p, scale)
+    sel_dq_in_dkdv = bool(_OVERRIDES.sel_dq_in_dkdv)
+    dq, dgates, delta = _bwd_dq(q, dout, gates, cmp, (k_slc, v_slc, lse_slc, o_slc), win, idx, doc_pos, p, scale,
+                                sel_dq=not sel_dq_in_dkdv)  # fmt: skip
     dk_cmp, dv_cmp = _interval_bwd_dkdv(q, k_cmp, v_cmp, c_lo, c_hi, dout, gates, 0, lse_cmp, delta[0], scale)
-    dk_slc, dv_slc = _sel_bwd_dkdv(q, k_slc, v_slc, idx, doc_pos, dout, gates, 1, lse_slc, delta[1], p, scale)
+    dk_slc, dv_slc = _sel_bwd_dkdv(q, k_slc, v_slc, idx, doc_pos, dout, gates, 1, lse_slc, delta[1], p, scale,
+                                   dq_accum=dq if sel_dq_in_dkdv else None)  # fmt: skip
     dk_win, dv_win = _interval_bwd_dkdv(q, k_win, v_win, w_lo, w_hi, dout, gates, 2, lse_win, delta[2], scale)
-    return dq, dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates
+    return dq.to(q.dtype), dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates
 
 
 @_nsa_bwd_op.register_fake

@@ -60,18 +60,24 @@ if _HAS_TRITON:
         return q, do, _load_lse(LSE, row, row_ok), delta
 
     @triton.jit
-    def _dkdv_update(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv):
+    def _dkdv_update_ds(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv):
         """One query tile's share of a key tile's dK (unscaled) and dV: the flash-attention backward with
         the probabilities recomputed from the saved log-sum-exp; vis_t (keys, rows) says which row sees which
         key. Computed key-major (S^T = K Q^T), so P^T and dS^T come out of their dots in the layout the dV and
         dK dots take them in (no transpose through shared memory) and the keys, not the query rows, are the
-        dots' M dimension."""
+        dots' M dimension. Returns (dk, dv, dS^T (keys, rows) in q's dtype: the rows' dQ share is dS K)."""
         s_t = tl.dot(k, tl.trans(q)) * sm_scale2  # (keys, rows)
         p_t = tl.where(vis_t, tl.exp2(s_t - lse[None, :]), 0.0)
         dv += tl.dot(p_t.to(do.dtype), do)
         dp_t = tl.dot(v, tl.trans(do))
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk += tl.dot(ds_t.to(q.dtype), q)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+        dk += tl.dot(ds_t, q)
+        return dk, dv, ds_t
+
+    @triton.jit
+    def _dkdv_update(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv):
+        """_dkdv_update_ds without dS^T."""
+        dk, dv, _ = _dkdv_update_ds(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
         return dk, dv
 
     @triton.jit

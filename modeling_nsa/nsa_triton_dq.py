@@ -117,7 +117,7 @@ if triton is not None:
         Tq, Tk, Nc, Tw, q_off, n_tiles, R, sm_scale2, scale,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr,
-        SUB_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        SUB_M: tl.constexpr, BLOCK_N: tl.constexpr, SEL_DQ: tl.constexpr,
     ):
         """dQ of all three branches for one query tile, accumulated in registers in a fixed branch order
         (compressed, window, selected) and written once in q's dtype; also the gate gradients and the
@@ -146,40 +146,45 @@ if triton is not None:
         hi = tl.load(W_HI + b * Tq + qi, mask=row_ok, other=0)
         dq += _interval_dq(q, do, lse, delta, KW, VW, b * Tw * HKV * D + g * D, lo, hi, row_ok, Tw, sm_scale2,
                            HKV, D, BLOCK_N)
-        # selected branch: the tile's distinct blocks (see _tile_block_union), math per sub-tile
-        q0, do0, lse0, dl0, t0, a0 = _sel_dq_sub_rows(Q, IDX, DOCPOS, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q, pid_bg,
-                                                      Tq, Tk, q_off, R, 0, H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
-        dq0 = tl.zeros([SUB_M, D], tl.float32)
-        if SUBS >= 2:
-            q1, do1, lse1, dl1, t1, a1 = _sel_dq_sub_rows(Q, IDX, DOCPOS, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q,
-                                                          pid_bg, Tq, Tk, q_off, R, SUB_M,
+        # selected branch: the tile's distinct blocks (see _tile_block_union), math per sub-tile; without SEL_DQ
+        # only its delta and gate gradient (the selected dK/dV kernel adds its dQ: sel_dq_in_dkdv)
+        if SEL_DQ:
+            q0, do0, lse0, dl0, t0, a0 = _sel_dq_sub_rows(Q, IDX, DOCPOS, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q,
+                                                          pid_bg, Tq, Tk, q_off, R, 0,
                                                           H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
-            dq1 = tl.zeros([SUB_M, D], tl.float32)
-        if SUBS >= 4:
-            q2, do2, lse2, dl2, t2, a2 = _sel_dq_sub_rows(Q, IDX, DOCPOS, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q,
-                                                          pid_bg, Tq, Tk, q_off, R, 2 * SUB_M,
-                                                          H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
-            dq2 = tl.zeros([SUB_M, D], tl.float32)
-            q3, do3, lse3, dl3, t3, a3 = _sel_dq_sub_rows(Q, IDX, DOCPOS, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q,
-                                                          pid_bg, Tq, Tk, q_off, R, 3 * SUB_M,
-                                                          H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
-            dq3 = tl.zeros([SUB_M, D], tl.float32)
-        tile = pid_bg.to(tl.int64) * n_tiles + pid_q
-        kv_base = b * Tk * HKV * D + g * D
-        for u in range(tl.load(UCNT + tile)):
-            a, kk, k, v = _sel_block(KS, VS, UBLK, tile, u, kv_base, Tk, HKV, D, LB, N_SEL, QPB)
-            dq0 = _sel_dq_sub(a, kk, k, v, q0, do0, lse0, dl0, t0, a0, sm_scale2, dq0, SUBS == 1)
+            dq0 = tl.zeros([SUB_M, D], tl.float32)
             if SUBS >= 2:
-                dq1 = _sel_dq_sub(a, kk, k, v, q1, do1, lse1, dl1, t1, a1, sm_scale2, dq1, False)
+                q1, do1, lse1, dl1, t1, a1 = _sel_dq_sub_rows(Q, IDX, DOCPOS, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q,
+                                                              pid_bg, Tq, Tk, q_off, R, SUB_M,
+                                                              H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+                dq1 = tl.zeros([SUB_M, D], tl.float32)
             if SUBS >= 4:
-                dq2 = _sel_dq_sub(a, kk, k, v, q2, do2, lse2, dl2, t2, a2, sm_scale2, dq2, False)
-                dq3 = _sel_dq_sub(a, kk, k, v, q3, do3, lse3, dl3, t3, a3, sm_scale2, dq3, False)
-        if SUBS == 1:
-            dq += dq0
-        if SUBS == 2:
-            dq += _rows_cat(dq0, dq1)
-        if SUBS == 4:
-            dq += _rows_cat(_rows_cat(dq0, dq1), _rows_cat(dq2, dq3))
+                q2, do2, lse2, dl2, t2, a2 = _sel_dq_sub_rows(Q, IDX, DOCPOS, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q,
+                                                              pid_bg, Tq, Tk, q_off, R, 2 * SUB_M,
+                                                              H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+                dq2 = tl.zeros([SUB_M, D], tl.float32)
+                q3, do3, lse3, dl3, t3, a3 = _sel_dq_sub_rows(Q, IDX, DOCPOS, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q,
+                                                              pid_bg, Tq, Tk, q_off, R, 3 * SUB_M,
+                                                              H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+                dq3 = tl.zeros([SUB_M, D], tl.float32)
+            tile = pid_bg.to(tl.int64) * n_tiles + pid_q
+            kv_base = b * Tk * HKV * D + g * D
+            for u in range(tl.load(UCNT + tile)):
+                a, kk, k, v = _sel_block(KS, VS, UBLK, tile, u, kv_base, Tk, HKV, D, LB, N_SEL, QPB)
+                dq0 = _sel_dq_sub(a, kk, k, v, q0, do0, lse0, dl0, t0, a0, sm_scale2, dq0, SUBS == 1)
+                if SUBS >= 2:
+                    dq1 = _sel_dq_sub(a, kk, k, v, q1, do1, lse1, dl1, t1, a1, sm_scale2, dq1, False)
+                if SUBS >= 4:
+                    dq2 = _sel_dq_sub(a, kk, k, v, q2, do2, lse2, dl2, t2, a2, sm_scale2, dq2, False)
+                    dq3 = _sel_dq_sub(a, kk, k, v, q3, do3, lse3, dl3, t3, a3, sm_scale2, dq3, False)
+            if SUBS == 1:
+                dq += dq0
+            if SUBS == 2:
+                dq += _rows_cat(dq0, dq1)
+            if SUBS == 4:
+                dq += _rows_cat(_rows_cat(dq0, dq1), _rows_cat(dq2, dq3))
+        else:
+            _branch_prep(DOUT, OS, GATE, DG, DELTA, row, row_ok, d, R, D, 1)
         tl.store(DQ + row[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -187,17 +192,21 @@ if triton is not None:
 # Host-side launcher (static shapes, no host synchronization)
 # ----------------------------------------------------------------------------------------------
 
-def _bwd_dq(q, dout, gates, cmp, slc, win, idx, doc_pos, params: NSAParams, scale):
+def _bwd_dq(q, dout, gates, cmp, slc, win, idx, doc_pos, params: NSAParams, scale, sel_dq: bool = True):
     """dQ (B, Tq, H, D), the gate gradients (B, Tq, H, 3) and the per-branch deltas (3, B, Tq, H) in one launch,
     query tiles as the selected attention's. cmp, win: each interval branch's (keys, values, lo, hi, lse,
     output); slc: the selected branch's (keys, values, lse, output), idx its blocks. The block union (sort
-    temporaries) comes before dQ is allocated, which lowers the backward's peak memory."""
+    temporaries) comes before dQ is allocated, which lowers the backward's peak memory. sel_dq=False: the
+    selected branch's dQ is left out (the selected dK/dV kernel adds it) and dQ is returned in fp32 for that."""
     k_cmp, k_slc, k_win = cmp[0], slc[0], win[0]
     batch, num_q, num_heads, head_dim, num_keys, num_kv, group = _launch_shapes(q, k_slc)
     n_sel = idx.shape[-1]
     block_m, qpb, dq_opts = _dq_launch(group, head_dim, n_sel, q.device)
-    blocks, counts = _tile_block_union(idx, doc_pos, qpb, params.sel_block_size)
-    dq = torch.empty_like(q)
+    if sel_dq:
+        blocks, counts = _tile_block_union(idx, doc_pos, qpb, params.sel_block_size)
+    else:  # not read (SEL_DQ=False)
+        blocks, counts = idx, idx.new_zeros(batch, num_kv, 0)
+    dq = torch.empty_like(q) if sel_dq else torch.empty(q.shape, device=q.device, dtype=torch.float32)
     dgates = torch.empty_like(gates)
     delta = torch.empty(3, batch, num_q, num_heads, device=q.device, dtype=torch.float32)
     _bwd_dq_kernel[(_cdiv(num_q, qpb), batch * num_kv)](
@@ -206,6 +215,6 @@ def _bwd_dq(q, dout, gates, cmp, slc, win, idx, doc_pos, params: NSAParams, scal
         scale * _LOG2E, scale,
         H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=params.sel_block_size, N_SEL=n_sel,
         N_PAD=_next_pow2(n_sel), QPB=qpb, BLOCK_M=block_m, SUB_M=_sel_sub_tile(block_m, head_dim, q.device, dq=True),
-        BLOCK_N=64, **dq_opts,
+        BLOCK_N=64, SEL_DQ=sel_dq, **dq_opts,
     )
     return dq, dgates, delta

@@ -27,6 +27,10 @@ class LaunchOverrides:
     # the compressed/window dK/dV runs the query tiles that see all of a key tile in a loop of their own, unmasked
     # (True), or masks every tile (False, and None: the default until a GPU sweep times both; bench/KERNELS.md)
     dkdv_unmasked_interior: bool | None = None
+    # the selected branch's dQ in the selected dK/dV kernel, which meets each (query, block) pair once, added to
+    # an fp32 dQ with atomics (True: not bitwise deterministic), or in the fused dQ kernel over each query tile's
+    # union of blocks (False, and None: the default until a GPU sweep times both; bench/KERNELS.md)
+    sel_dq_in_dkdv: bool | None = None
     dq_rows: int | None = None  # rows of the fused dQ query tile (sm_90)
     dq_warps: int | None = None  # warps of the fused dQ kernel (sm_90)
     sel_rows: int | None = None  # the selected-attention query tile (rows = queries x G)
@@ -78,7 +82,7 @@ def _rows_per_program(group: int, head_dim: int) -> tuple[int, int]:
     return _query_tile(group, 64 if head_dim <= 128 else 32)
 
 
-def _dkdv_launch(group: int, head_dim: int, device) -> tuple[int, int, dict]:
+def _dkdv_launch(group: int, head_dim: int, device, dq_atomic: bool = False) -> tuple[int, int, dict]:
     """(BLOCK_M, queries per program, launch options) for the dK/dV kernels, which hold fp32 dK and dV
     tiles across their query loop. Chosen with tests/triton_aot.py (registers and spills per variant) for
     the key-major update (_dkdv_update): on sm_90 at head_dim 64, 64-row query tiles at 4 warps, spill-free
@@ -86,12 +90,16 @@ def _dkdv_launch(group: int, head_dim: int, device) -> tuple[int, int, dict]:
     tiles at 8 warps:
     2 pipeline stages on sm_90 (spill-free at head_dim 128; head_dim 256 spills about 300-400 bytes with or
     without them), none on sm_80, which keeps the stack frame there at 0-32 bytes at head_dim 64 (64 rows,
-    or pipelining, spill more)."""
+    or pipelining, spill more). dq_atomic (the selected kernel adding its dQ, sel_dq_in_dkdv): on sm_90 at head_dim
+    64 the fp32 dQ tile beside dK and dV spills 120-136 bytes at 4 warps at G = 6 (none at G = 16), none at 8
+    warps, so 8 there (the variant seldq_pairs_4warps times the other side); at head_dim 128 the 32-row tile spills
+    8-40 bytes (sm_90 with its two stages, sm_80/86) and a 16-row one none, pipelined on sm_90."""
     if head_dim <= 64 and _hopper_class(device):
         block_m, qpb = _rows_per_program(group, head_dim)
-        return block_m, qpb, dict(num_warps=_OVERRIDES.dkdv_warps or 4)
+        return block_m, qpb, dict(num_warps=_OVERRIDES.dkdv_warps or (8 if dq_atomic else 4))
     stages = 2 if _hopper_class(device) else 1
-    return *_query_tile(group, 32), dict(num_warps=_OVERRIDES.dkdv_warps or 8, num_stages=stages)
+    rows = 16 if dq_atomic and head_dim > 64 else 32
+    return *_query_tile(group, rows), dict(num_warps=_OVERRIDES.dkdv_warps or 8, num_stages=stages)
 
 
 def _dq_launch(group: int, head_dim: int, n_sel: int, device) -> tuple[int, int, dict]:

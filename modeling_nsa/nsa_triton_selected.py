@@ -19,7 +19,7 @@ except Exception:  # pragma: no cover - exercised only without triton
 
 
 if triton is not None:
-    from .nsa_triton_common import _bwd_rows, _dkdv_update, _softmax_init, _softmax_tile, _tile_rows
+    from .nsa_triton_common import _bwd_rows, _dkdv_update, _dkdv_update_ds, _softmax_init, _softmax_tile, _tile_rows
 
     # ------------------------------------------------------------------------------------------
     # Selected attention
@@ -156,12 +156,14 @@ if triton is not None:
         return kk, (kk < Tk) & (k_pos >= 0) & (kk - k_pos == a_start)
 
     @triton.jit
-    def _sel_block_dkdv(Q, K, V, PAIR_Q, DOCPOS, DO, GATE, LSE, DELTA, a, pid_bg, p_begin, p_end,
-                        Tq, Tk, q_off, sm_scale2,
+    def _sel_block_dkdv(Q, K, V, PAIR_Q, DOCPOS, DO, GATE, LSE, DELTA, DQ, a, pid_bg, p_begin, p_end,
+                        Tq, Tk, q_off, sm_scale2, scale,
                         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
-                        QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr):
+                        QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr, DQ_ATOMIC: tl.constexpr):
         """dK (unscaled), dV of the selection block whose first key is a, over its (query, block) pairs
-        [p_begin, p_end) (rows packed as query x head). Returns (dk, dv, kv_off, k_ok)."""
+        [p_begin, p_end) (rows packed as query x head). DQ_ATOMIC: also each pair's dQ share, scale dS K, added to
+        the fp32 DQ (B*T*H, D) with atomics (a query's n blocks are met in n programs). Returns (dk, dv, kv_off,
+        k_ok)."""
         b = (pid_bg // HKV).to(tl.int64)
         g = pid_bg % HKV
         kk, k_ok = _sel_block_keys(DOCPOS, b, a, Tk, LB)
@@ -180,16 +182,21 @@ if triton is not None:
             row = (b * Tq + qi) * H + g * G + hh
             q, do, lse, delta = _bwd_rows(Q, DO, GATE, LSE, DELTA, row, row_ok, d, D, BR)
             vis_t = row_ok[None, :] & k_ok[:, None] & (kk[:, None] <= (q_off + qi)[None, :])
-            dk, dv = _dkdv_update(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
+            if DQ_ATOMIC:
+                dk, dv, ds_t = _dkdv_update_ds(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
+                dq = tl.dot(tl.trans(ds_t), k) * scale  # (rows, D)
+                tl.atomic_add(DQ + row[:, None] * D + d[None, :], dq, mask=row_ok[:, None], sem="relaxed")
+            else:
+                dk, dv = _dkdv_update(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
         return dk, dv, kv_off, k_ok
 
     @triton.jit
     def _sel_bwd_dkdv_kernel(
-        Q, K, V, PAIR_OFF, PAIR_Q, HPOS, HCUM, DOCPOS, DO, GATE, LSE, DELTA, DK, DV, PDK, PDV,
+        Q, K, V, PAIR_OFF, PAIR_Q, HPOS, HCUM, DOCPOS, DO, GATE, LSE, DELTA, DK, DV, PDK, PDV, DQ,
         Tq, Tk, q_off, sm_scale2, scale, heavy_min, n_flat, n_heavy,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         LB: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr,
-        HEAVY_PASS: tl.constexpr, N_SPLIT: tl.constexpr,
+        HEAVY_PASS: tl.constexpr, N_SPLIT: tl.constexpr, DQ_ATOMIC: tl.constexpr,
     ):
         # Main pass (grid: key range of LB keys x batch*kv head): the blocks starting in the range that
         # have (query, block) pairs, found with one vector load of their pair counts; usually one per
@@ -211,9 +218,9 @@ if triton is not None:
                 span = tl.cdiv(tl.cdiv(p_end - p_begin, N_SPLIT), QPB) * QPB
                 p_begin = p_begin + pid_s * span
                 p_end = tl.minimum(p_end, p_begin + span)
-                dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, DOCPOS, DO, GATE, LSE, DELTA, a, pid_bg,
-                                                       p_begin, p_end, Tq, Tk, q_off, sm_scale2,
-                                                       H, HKV, G, D, LB, QPB, BLOCK_M, BR)
+                dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, DOCPOS, DO, GATE, LSE, DELTA, DQ, a,
+                                                       pid_bg, p_begin, p_end, Tq, Tk, q_off, sm_scale2, scale,
+                                                       H, HKV, G, D, LB, QPB, BLOCK_M, BR, DQ_ATOMIC)
                 p_off = ((h * N_SPLIT + pid_s) * LB + tl.arange(0, LB).to(tl.int64))[:, None] * D + d[None, :]
                 tl.store(PDK + p_off, dk * scale)
                 tl.store(PDV + p_off, dv)
@@ -232,9 +239,9 @@ if triton is not None:
                 a = tl.sum(tl.where(hit, aa, 0), 0)
                 p_begin = tl.sum(tl.where(hit, beg, 0), 0)
                 p_end = p_begin + tl.sum(tl.where(hit, cnt, 0), 0)
-                dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, DOCPOS, DO, GATE, LSE, DELTA, a, pid_bg,
-                                                       p_begin, p_end, Tq, Tk, q_off, sm_scale2,
-                                                       H, HKV, G, D, LB, QPB, BLOCK_M, BR)
+                dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, DOCPOS, DO, GATE, LSE, DELTA, DQ, a,
+                                                       pid_bg, p_begin, p_end, Tq, Tk, q_off, sm_scale2, scale,
+                                                       H, HKV, G, D, LB, QPB, BLOCK_M, BR, DQ_ATOMIC)
                 tl.store(DK + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=k_ok[:, None])
                 tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
 
@@ -311,7 +318,10 @@ def _sel_fwd(q, k, v, idx, doc_pos, params: NSAParams, scale):
     return o, lse
 
 
-def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: NSAParams, scale):
+def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: NSAParams, scale, dq_accum=None):
+    """dK, dV of the selected branch over the (block -> queries) index. dq_accum: an fp32 (B, Tq, H, D) dQ the
+    branch's dQ is added to (atomically; launch_overrides(sel_dq_in_dkdv=True)), None: dQ is left to the fused
+    dQ kernel."""
     batch, num_q, num_heads, head_dim, num_keys, num_kv, group = _launch_shapes(q, k)
     n_sel = idx.shape[-1]
     lb = params.sel_block_size
@@ -335,7 +345,7 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: 
     del sorted_key
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
-    block_m, qpb, dkdv_opts = _dkdv_launch(group, head_dim, q.device)
+    block_m, qpb, dkdv_opts = _dkdv_launch(group, head_dim, q.device, dq_atomic=dq_accum is not None)
     # Heavy blocks (more than heavy_min pairs) are split over n_split programs writing fp32 partials to
     # n_heavy slots (static shapes, no sync): at most total pairs / (heavy_min + 1) blocks can be heavy,
     # capped at `slots` partials (16 MiB each for dK and dV at d64); the main pass keeps the rest.
@@ -351,10 +361,11 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: 
     heavy_cum = torch.where(heavy, heavy_cum, 0).contiguous()
     pdk = torch.empty(n_heavy, n_split, lb, head_dim, device=q.device, dtype=torch.float32)
     pdv = torch.empty_like(pdk)
+    dq_atomic = dq_accum is not None
     args = (q, k, v, pair_off, pair_q, hpos, heavy_cum, doc_pos, do, gates, lse, delta, dk, dv, pdk, pdv,
-            num_q, num_keys, q_off, scale * _LOG2E, scale, heavy_min, n_flat, n_heavy)
+            dq_accum if dq_atomic else pdk, num_q, num_keys, q_off, scale * _LOG2E, scale, heavy_min, n_flat, n_heavy)
     meta = dict(H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=lb, QPB=qpb, BLOCK_M=block_m, BR=branch,
-                N_SPLIT=n_split, **dkdv_opts)
+                N_SPLIT=n_split, DQ_ATOMIC=dq_atomic, **dkdv_opts)
     _sel_bwd_dkdv_kernel[(_cdiv(num_keys, lb), batch * num_kv, 1)](*args, HEAVY_PASS=False, **meta)
     _sel_bwd_dkdv_kernel[(n_heavy, 1, n_split)](*args, HEAVY_PASS=True, **meta)
     _sel_dkdv_reduce_kernel[(n_heavy,)](

@@ -153,3 +153,24 @@ def test_unmasked_interior_dkdv_variant_compiles(aot_results, arch):
     if arch == 90:
         assert all(r["unpipelined_dot_loops"] == 0 for r in rows), [(r["scenario"], r["unpipelined_dot_loops"])
                                                                     for r in rows]
+
+
+@pytest.mark.parametrize("arch", **ARCHS)
+def test_selected_dq_in_dkdv_variant_compiles(aot_results, arch):
+    """The selected branch's dQ added pair by pair by the selected dK/dV kernel (launch_overrides(sel_dq_in_dkdv=
+    True): tests/triton_aot.py's *-seldq scenarios): the dK/dV kernel with its atomic dQ and the fused dQ kernel
+    without its selected loop compile on every architecture, G = 6 and 16 at head_dim 64 and G = 8 at 128; the
+    dK/dV loop is still software-pipelined on sm_90 (the spill check above covers these rows too)."""
+    rows = [r for r in _rows(aot_results, arch) if r["scenario"].endswith("-seldq")]
+    dkdv = [r for r in rows if r["kernel"] == "_sel_bwd_dkdv_kernel"]
+    dq = [r for r in rows if r["kernel"] == "_bwd_dq_kernel"]
+    assert {r["scenario"] for r in dkdv} == {r["scenario"] for r in dq} == {
+        "125M-G6-d64-bf16-long-seldq", "fla-G16-d64-bf16-seldq", "G8-d128-bf16-long-seldq"}, rows
+    assert all(r["constexprs"]["DQ_ATOMIC"] for r in dkdv) and not any(r["constexprs"]["SEL_DQ"] for r in dq)
+    assert all(r["ok"] for r in rows), [(r["scenario"], r["kernel"], r.get("error")) for r in rows]
+    # the fused dQ without the selected loop: the interval branches' six loops only
+    assert all(r["dot_loops"] == 6 for r in dq), [(r["scenario"], r["dot_loops"]) for r in dq]
+    if arch == 90:
+        assert all(r["unpipelined_dot_loops"] == 0 for r in dkdv), [(r["scenario"], r["unpipelined_dot_loops"])
+                                                                    for r in dkdv]
+

@@ -50,6 +50,7 @@ _KNOB_IDS = {
     "decode_merge_splits": lambda c: f"merge{c['decode_merge_splits']}splits",
     "decode_merge_lists": lambda c: f"merge{c['decode_merge_lists']}lists",
     "dkdv_unmasked_interior": lambda c: "interior" if c["dkdv_unmasked_interior"] else "allmasked",
+    "sel_dq_in_dkdv": lambda c: "seldqpairs" if c["sel_dq_in_dkdv"] else "seldqunion",
     "arch": lambda c: f"sm{c['arch']}",
     "cache_views": lambda c: "cacheviews",
     "static": lambda c: "static",
@@ -108,6 +109,17 @@ CPU_CASES = [
     # then with one partial slot, so the other heavy blocks stay in the main pass
     dict(B=2, T=70, H=6, Hkv=2, D=16, layout="varlen", sel_split=[5, 3, 64]),
     dict(B=2, T=70, H=6, Hkv=2, D=16, layout="varlen", sel_split=[5, 3, 1]),
+    # the selected branch's dQ added by the selected dK/dV kernel, pair by pair, into an fp32 dQ with atomics
+    # (launch_overrides(sel_dq_in_dkdv=True)) instead of the fused dQ kernel's walk over each tile's block union:
+    # G = 1, 2, 3, 4, 6, 8, 16 over documents and padding, fp16, sm_80's tiles, and heavy blocks split over 3
+    # programs (their atomics from several programs per block); with the atomic add zeroed, dq's error is ~0.6
+    dict(B=2, T=47, H=2, Hkv=2, D=16, layout="pad", sel_dq_in_dkdv=True),
+    dict(B=1, T=65, H=4, Hkv=2, D=16, layout="varlen", dtype="float16", sel_dq_in_dkdv=True),
+    dict(B=2, T=90, H=6, Hkv=2, D=16, layout="varlen", arch=80, sel_dq_in_dkdv=True),
+    dict(B=1, T=77, H=4, Hkv=1, D=32, layout="pad", sel_dq_in_dkdv=True),
+    dict(B=2, T=81, H=6, Hkv=1, D=16, layout="varlen", dtype="float16", sel_dq_in_dkdv=True),
+    dict(B=1, T=100, H=8, Hkv=1, D=16, layout="pad", sel_dq_in_dkdv=True, sel_split=[5, 3, 64]),
+    dict(B=1, T=70, H=16, Hkv=1, D=16, layout="varlen", sel_dq_in_dkdv=True, sel_split=[5, 3, 64]),
     # the tiles an A100 (sm_80) gets: 32-row dQ and dK/dV query tiles, selected attention in 16-row sub-tiles
     dict(B=2, T=90, H=12, Hkv=2, D=16, layout="varlen", arch=80),
     # found by a randomized search (2026-11-23): a top-n tile across two documents at the end of the batch, whose

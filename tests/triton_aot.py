@@ -126,6 +126,13 @@ SCENARIOS = {
                                            overrides=dict(dkdv_unmasked_interior=True)),
     "G8-d128-bf16-long-interior": _scenario(1, 8300, 16, 2, 128, torch.bfloat16, layout="single",
                                             overrides=dict(dkdv_unmasked_interior=True)),
+    # the selected dQ added pair by pair by the selected dK/dV kernel (sel_dq_in_dkdv, not yet the default)
+    "125M-G6-d64-bf16-long-seldq": _scenario(1, 8300, 12, 2, 64, torch.bfloat16, layout="single",
+                                             overrides=dict(sel_dq_in_dkdv=True)),
+    "fla-G16-d64-bf16-seldq": _scenario(1, 300, 16, 1, 64, torch.bfloat16, layout="pad",
+                                        overrides=dict(sel_dq_in_dkdv=True)),
+    "G8-d128-bf16-long-seldq": _scenario(1, 8300, 16, 2, 128, torch.bfloat16, layout="single",
+                                         overrides=dict(sel_dq_in_dkdv=True)),
 }
 
 
