@@ -305,6 +305,11 @@ GPU_CASES = [
     dict(B=1, T=4097, H=12, Hkv=2, D=64),
     dict(B=1, T=4097, H=16, Hkv=2, D=64, layout="varlen"),
     dict(B=2, T=1000, H=12, Hkv=2, D=64, dtype="float16", layout="varlen"),
+    # the selected dQ added by the selected dK/dV kernel (sel_dq_in_dkdv; its launches: 8 warps at d64, 16-row
+    # tiles at d128)
+    dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_dq_in_dkdv=True),
+    dict(B=2, T=1000, H=16, Hkv=1, D=64, layout="varlen", sel_dq_in_dkdv=True),
+    dict(B=1, T=2048, H=8, Hkv=1, D=128, layout="pad", sel_dq_in_dkdv=True),
 ]
 for _c in GPU_CASES:
     _c.setdefault("dtype", "bfloat16")
