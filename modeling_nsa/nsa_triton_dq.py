@@ -201,7 +201,7 @@ def _bwd_dq(q, dout, gates, cmp, slc, win, idx, doc_pos, params: NSAParams, scal
     k_cmp, k_slc, k_win = cmp[0], slc[0], win[0]
     batch, num_q, num_heads, head_dim, num_keys, num_kv, group = _launch_shapes(q, k_slc)
     n_sel = idx.shape[-1]
-    block_m, qpb, dq_opts = _dq_launch(group, head_dim, n_sel, q.device)
+    block_m, qpb, dq_opts = _dq_launch(group, head_dim, n_sel, q.device, sel_dq)
     if sel_dq:
         blocks, counts = _tile_block_union(idx, doc_pos, qpb, params.sel_block_size)
     else:  # not read (SEL_DQ=False)

@@ -102,7 +102,7 @@ def _dkdv_launch(group: int, head_dim: int, device, dq_atomic: bool = False) -> 
     return *_query_tile(group, rows), dict(num_warps=_OVERRIDES.dkdv_warps or 8, num_stages=stages)
 
 
-def _dq_launch(group: int, head_dim: int, n_sel: int, device) -> tuple[int, int, dict]:
+def _dq_launch(group: int, head_dim: int, n_sel: int, device, sel_dq: bool = True) -> tuple[int, int, dict]:
     """(BLOCK_M, queries per program, launch options) for the fused dQ kernel. On sm_90 at head_dim 64 with
     16 or more selected blocks: 128-row tiles, 8 warps (faster than 64 and 32 rows at 2k, 8k and 64k, random
     and correlated queries: variants dq64rows, sel32rows, bench/KERNELS.md; the selected forward is slower with
@@ -110,10 +110,11 @@ def _dq_launch(group: int, head_dim: int, n_sel: int, device) -> tuple[int, int,
     head_dim 128 it does not fit: the selected attention's tile there. Before Hopper 64 rows spill whatever
     the warps, so the tile is 32 rows there (tests/triton_aot.py). Two pipeline stages on sm_90: with the
     selected loop free of branches (_sel_dq_sub, WHOLE) its block loads are software-pipelined, and the
-    default three stages spill 8 bytes at 128 rows."""
+    default three stages spill 8 bytes at 128 rows. sel_dq=False (sel_dq_in_dkdv: the interval branches only):
+    at head_dim 128 the 64-row tile spills 16 bytes on sm_90, 32 rows none (pipelined): 32 rows there."""
     if _hopper_class(device):
         wide = head_dim <= 64 and _next_pow2(n_sel) >= 16 and not _OVERRIDES.sel_rows
-        rows = _OVERRIDES.dq_rows or (128 if wide else None)
+        rows = _OVERRIDES.dq_rows or (128 if wide else (None if sel_dq or head_dim <= 64 else 32))
         block_m, qpb = _query_tile(group, rows) if rows else _sel_rows_per_program(group, head_dim)
         return block_m, qpb, dict(num_warps=_OVERRIDES.dq_warps or 8, num_stages=2)
     return *_query_tile(group, 32), dict(num_warps=4 if head_dim <= 64 else 8, num_stages=2)

@@ -120,6 +120,8 @@ CPU_CASES = [
     dict(B=2, T=81, H=6, Hkv=1, D=16, layout="varlen", dtype="float16", sel_dq_in_dkdv=True),
     dict(B=1, T=100, H=8, Hkv=1, D=16, layout="pad", sel_dq_in_dkdv=True, sel_split=[5, 3, 64]),
     dict(B=1, T=70, H=16, Hkv=1, D=16, layout="varlen", sel_dq_in_dkdv=True, sel_split=[5, 3, 64]),
+    # H100's launches at head_dim 128 (the dK/dV in 16-row tiles, the interval-only dQ in 32-row tiles)
+    dict(B=1, T=70, H=8, Hkv=1, D=128, layout="varlen", arch=90, sel_dq_in_dkdv=True),
     # the tiles an A100 (sm_80) gets: 32-row dQ and dK/dV query tiles, selected attention in 16-row sub-tiles
     dict(B=2, T=90, H=12, Hkv=2, D=16, layout="varlen", arch=80),
     # found by a randomized search (2026-11-23): a top-n tile across two documents at the end of the batch, whose
