@@ -217,7 +217,9 @@ def compare(runs: list[dict]) -> dict:
         noise = max((final[m]["std"] or 0.0) for m in by_mode)
         verdict = {"tokens": final["tokens"], "nsa_minus_dense": gap, "target": TARGET_NATS,
                    "met": gap <= TARGET_NATS, "seed_std": noise or None,
-                   "beyond_noise": noise > 0 and abs(gap) > 2 * noise}  # fmt: skip
+                   "beyond_noise": noise > 0 and abs(gap) > 2 * noise,
+                   # the runs can tell "met" from "missed" only if the seeds agree to within the target
+                   "resolved": noise > 0 and 2 * noise <= TARGET_NATS}  # fmt: skip
     return {"curve": curve, "final": verdict, "modes": list(by_mode)}
 
 
@@ -250,8 +252,14 @@ def markdown(runs: list[dict], comparison: dict, notes: list[str]) -> str:
         spread = (f"; seed-to-seed std {final['seed_std']:.4f} nats "
                   f"({'the gap is beyond 2 std' if final['beyond_noise'] else 'the gap is within 2 std: noise'})"
                   if final["seed_std"] else "; one seed per mode: no spread measured (give --seeds 0 1)")  # fmt: skip
+        if final["resolved"]:
+            status = "met" if final["met"] else "MISSED"
+        else:  # a spread wider than the target (or none measured) cannot decide the target either way
+            why = (f"2 std of the seeds, {2 * final['seed_std']:.4f} nats, is wider than the target" if final["seed_std"]
+                   else "no seed spread to judge it against")
+            status = f"{'met' if final['met'] else 'missed'} by the means, NOT RESOLVED: {why}"
         lines += ["", f"At {final['tokens']:,} tokens NSA - dense = {final['nsa_minus_dense']:+.4f} nats "
-                      f"(target <= +{TARGET_NATS}: {'met' if final['met'] else 'MISSED'}){spread}."]  # fmt: skip
+                      f"(target <= +{TARGET_NATS}: {status}){spread}."]  # fmt: skip
     if notes:
         lines += ["", "**The runs differ beyond the attention mode** (not a like-for-like comparison):", ""]
         lines += [f"- {n}" for n in notes]

@@ -105,6 +105,15 @@ def test_seed_spread_and_the_verdict():
     assert final["nsa_minus_dense"] == pytest.approx(0.09) and not final["met"]
     assert final["seed_std"] == pytest.approx(statistics.stdev([3.00, 3.06]))
     assert final["beyond_noise"] == (0.09 > 2 * statistics.stdev([3.00, 3.06]))
+    # seeds 0.04 nats apart cannot decide a 0.02-nat target: the table says so instead of "MISSED"
+    assert not final["resolved"]
+    text = ab_compare.markdown([], comparison, [])
+    assert "target <= +0.02: missed by the means, NOT RESOLVED: 2 std of the seeds" in text and "MISSED" not in text
+    for run, shift in zip(runs, (0.0, 0.001, 0.0, 0.002)):  # seeds that agree: the verdict stands
+        run["val"][-1] = (200, 3.10 + shift if run["mode"] == "nsa" else 3.00 + shift)
+    final = ab_compare.compare(runs)["final"]
+    assert final["resolved"] and not final["met"] and "(target <= +0.02: MISSED)" in ab_compare.markdown(
+        [], ab_compare.compare(runs), [])
     # only the token counts every run evaluated at are compared
     runs[0]["val"] = runs[0]["val"][:2]
     assert [row["tokens"] for row in ab_compare.compare(runs)["curve"]] == [0, 100]
