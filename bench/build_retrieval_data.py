@@ -50,11 +50,10 @@ def main(argv=None) -> dict:
     from nsa_train.data import load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer)
-    texts, haystack = training_documents(tokenizer, args.task, args.seq_len, args.rows, args.seed, args.haystack,
-                                         args.text_column)  # fmt: skip
-    # the trainer re-tokenizes the text: count the documents that would not fill their row exactly
-    lengths = [len(ids) + 1 for ids in tokenizer(texts, add_special_tokens=False).input_ids]
-    off = sum(n != args.seq_len for n in lengths)
+    # lengths: the tokens each text fills as the trainer re-tokenizes it, with its end-of-text token
+    texts, lengths, haystack = training_documents(tokenizer, args.task, args.seq_len, args.rows, args.seed,
+                                                  args.haystack, args.text_column)  # fmt: skip
+    off = sum(n != args.seq_len for n in lengths)  # documents that would not fill their row exactly
 
     import pyarrow as pa
     import pyarrow.parquet as pq

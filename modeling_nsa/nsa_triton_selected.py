@@ -345,7 +345,8 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: 
     del sorted_key
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
-    block_m, qpb, dkdv_opts = _dkdv_launch(group, head_dim, q.device, dq_atomic=dq_accum is not None)
+    dq_atomic = dq_accum is not None
+    block_m, qpb, dkdv_opts = _dkdv_launch(group, head_dim, q.device, dq_atomic=dq_atomic)
     # Heavy blocks (more than heavy_min pairs) are split over n_split programs writing fp32 partials to
     # n_heavy slots (static shapes, no sync): at most total pairs / (heavy_min + 1) blocks can be heavy,
     # capped at `slots` partials (16 MiB each for dK and dV at d64); the main pass keeps the rest.
@@ -361,7 +362,6 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: 
     heavy_cum = torch.where(heavy, heavy_cum, 0).contiguous()
     pdk = torch.empty(n_heavy, n_split, lb, head_dim, device=q.device, dtype=torch.float32)
     pdv = torch.empty_like(pdk)
-    dq_atomic = dq_accum is not None
     args = (q, k, v, pair_off, pair_q, hpos, heavy_cum, doc_pos, do, gates, lse, delta, dk, dv, pdk, pdv,
             dq_accum if dq_atomic else pdk, num_q, num_keys, q_off, scale * _LOG2E, scale, heavy_min, n_flat, n_heavy)
     meta = dict(H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=lb, QPB=qpb, BLOCK_M=block_m, BR=branch,

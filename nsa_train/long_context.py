@@ -355,19 +355,20 @@ def build_cases(tokenizer, task: str, lengths, depths, samples: int, seed: int =
 
 
 def training_documents(tokenizer, task: str, row_len: int, count: int, seed: int = 0, haystack: str | None = None,
-                       text_column: str = "text") -> tuple[list[str], str]:  # fmt: skip
+                       text_column: str = "text") -> tuple[list[str], list[int], str]:  # fmt: skip
     """`count` training documents for the task, each a case's prompt followed by its answer, sized so that with
     the end-of-text token the trainer appends it fills one `row_len` row exactly (no document split across
     rows, none sharing a row). The depth of each is uniform in [0, 1]. Their generators are seeded apart from
     build_cases' (a different seed string), so the evaluation's prompts are not the training ones.
 
-    Returns the texts and the haystack's description."""
+    Returns the texts, the tokens each fills as the trainer reads it (its tokens + the end-of-text token:
+    row_len unless a BPE tokenizer's re-reading never settled) and the haystack's description."""
     check_task(task)
     if count < 1:
         raise ValueError(f"--rows {count}: give at least 1 document.")
     hay = filler_haystack(tokenizer) if task == "passkey" else text_haystack(tokenizer, haystack, 4 * row_len, text_column)
     prefix = _special_prefix(tokenizer)
-    texts = []
+    texts, filled = [], []
     for i in range(count):
         rng = random.Random(f"train-{seed}-{task}-{row_len}-{i}")
         depth = rng.random()
@@ -385,7 +386,8 @@ def training_documents(tokenizer, task: str, row_len: int, count: int, seed: int
                 break
             length -= excess
         texts.append(text)
-    return texts, hay.description
+        filled.append(row_len + excess)
+    return texts, filled, hay.description
 
 
 # ----------------------------------------------------------------------------- scoring

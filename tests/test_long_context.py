@@ -112,8 +112,8 @@ def test_training_documents_fill_one_row_each_and_end_with_their_answer(name, ta
 
     tokenizer = load_tokenizer(name)
     row_len = 320
-    texts, _ = lc.training_documents(tokenizer, task, row_len, count=6, seed=1, haystack="python-docs")
-    assert len(texts) == 6 and len(set(texts)) == 6
+    texts, filled, _ = lc.training_documents(tokenizer, task, row_len, count=6, seed=1, haystack="python-docs")
+    assert len(texts) == 6 and len(set(texts)) == 6 and filled == [row_len] * 6
     for text in texts:
         assert len(tokenizer(text, add_special_tokens=False).input_ids) == row_len - 1
         # the answer closes the document and is the one hidden in it
@@ -130,7 +130,7 @@ def test_training_documents_fill_one_row_each_and_end_with_their_answer(name, ta
 
 
 def test_training_documents_are_not_the_evaluation_prompts(byt5):
-    texts, _ = lc.training_documents(byt5, "passkey", 300, count=40, seed=0)
+    texts, _, _ = lc.training_documents(byt5, "passkey", 300, count=40, seed=0)
     cases, _ = lc.build_cases(byt5, "passkey", [300 - 7], [0.0, 0.5, 1.0], samples=10, seed=0)
     evaluation = {byt5.decode(c.prompt_ids) for c in cases}
     assert not evaluation & {t.rsplit(" ", 1)[0] for t in texts}

@@ -118,22 +118,23 @@ SCENARIOS = {
     # head_dim 256 runs on the kernels too with 160 KiB of shared memory per block (not a tuned shape: it
     # compiles, fits and spills; on sm_86 it runs the reference: no launches)
     "G2-d256-bf16": _scenario(1, 300, 4, 2, 256, torch.bfloat16, decode_steps=(300,)),
-    # the compressed/window dK/dV with its unmasked loop over the query tiles that see all of a key tile
-    # (dkdv_unmasked_interior, not yet the default: bench/KERNELS.md); the other launches repeat the ones above
-    "125M-G6-d64-bf16-long-interior": _scenario(1, 8300, 12, 2, 64, torch.bfloat16, layout="single",
-                                                overrides=dict(dkdv_unmasked_interior=True)),
-    "fla-G16-d64-bf16-interior": _scenario(1, 300, 16, 1, 64, torch.bfloat16, layout="pad",
-                                           overrides=dict(dkdv_unmasked_interior=True)),
-    "G8-d128-bf16-long-interior": _scenario(1, 8300, 16, 2, 128, torch.bfloat16, layout="single",
-                                            overrides=dict(dkdv_unmasked_interior=True)),
-    # the selected dQ added pair by pair by the selected dK/dV kernel (sel_dq_in_dkdv, not yet the default)
-    "125M-G6-d64-bf16-long-seldq": _scenario(1, 8300, 12, 2, 64, torch.bfloat16, layout="single",
-                                             overrides=dict(sel_dq_in_dkdv=True)),
-    "fla-G16-d64-bf16-seldq": _scenario(1, 300, 16, 1, 64, torch.bfloat16, layout="pad",
-                                        overrides=dict(sel_dq_in_dkdv=True)),
-    "G8-d128-bf16-long-seldq": _scenario(1, 8300, 16, 2, 128, torch.bfloat16, layout="single",
-                                         overrides=dict(sel_dq_in_dkdv=True)),
 }
+
+# Launch variants not yet the default (bench/KERNELS.md), each compiled at the shapes where its kernels differ
+# most: the 125M layout long, fla's layout and head_dim 128 long (the other launches repeat the ones above).
+_VARIANT_SHAPES = {
+    "125M-G6-d64-bf16-long": dict(B=1, T=8300, H=12, Hkv=2, D=64, dtype=torch.bfloat16, layout="single"),
+    "fla-G16-d64-bf16": dict(B=1, T=300, H=16, Hkv=1, D=64, dtype=torch.bfloat16, layout="pad"),
+    "G8-d128-bf16-long": dict(B=1, T=8300, H=16, Hkv=2, D=128, dtype=torch.bfloat16, layout="single"),
+}
+_VARIANTS = {
+    # the compressed/window dK/dV with its unmasked loop over the query tiles that see all of a key tile
+    "interior": dict(dkdv_unmasked_interior=True),
+    # the selected dQ added pair by pair by the selected dK/dV kernel
+    "seldq": dict(sel_dq_in_dkdv=True),
+}
+SCENARIOS.update({f"{shape}-{variant}": _scenario(**args, overrides=overrides)
+                  for variant, overrides in _VARIANTS.items() for shape, args in _VARIANT_SHAPES.items()})
 
 
 def _specialize(fn, args, kwargs, arch):
