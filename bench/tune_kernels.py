@@ -54,6 +54,10 @@ DEFAULT_VARIANTS = [
     # whole selected tiles everywhere: on sm_90 only the head_dim 128 dQ changes (16-row sub-tiles, not
     # pipelined, spill-free -> one 64-row tile, pipelined, 56-72 B spilled: tests/triton_aot.py)
     "dq128whole:sel_sub_rows=128",
+    # training top-n rows query-major (q * G_PAD + head), as timed on 2026-11-23: the default now puts a query's
+    # heads in the thread's two accumulator rows and a few lanes (nsa_triton_topn._topn_row_query_head), not yet
+    # timed; its chunk loop compiles to about half the SASS instructions (tests/triton_aot.py --sass-loops)
+    "topn_query_major:topn_query_major=1",
     "merge_only:topn_insert_max=0",
     "insert4:topn_insert_max=4",
     # the step's last launches: eager steps take the finish kernel (one program per row and KV group), CUDA-graphed
@@ -88,9 +92,10 @@ DEFAULT_VARIANTS = [
 # time limit still leaves the rows it finished (the decode section runs before all of them).
 CASES = [(12, 2, 64, 65536, 1, "random", None), (12, 2, 64, 2048, 32, "random", None),
          (16, 1, 64, 8192, 8, "random", None),
-         (12, 2, 64, 65536, 1, "correlated", ("default", "dq64rows", "sel32rows", "merge_only", "seldq_pairs")),
+         (12, 2, 64, 65536, 1, "correlated", ("default", "dq64rows", "sel32rows", "merge_only", "seldq_pairs",
+                                              "topn_query_major")),
          (16, 2, 128, 8192, 4, "random", ("default", "dkdv8warps", "dq128whole", "dkdv_interior", "dkdv_masked",
-                                          "seldq_pairs"))]
+                                          "seldq_pairs", "topn_query_major"))]
 KERNELS = ["_select_topn_kernel", "_sel_fwd_kernel", "_bwd_dq_kernel", "_sel_bwd_dkdv_kernel",
            "_interval_fwd_kernel", "_interval_bwd_dkdv_kernel"]
 DECODE = ["_decode_cmp_split_kernel", "_decode_topn_kernel", "_decode_finish_kernel", "_decode_parts_kernel",

@@ -23,6 +23,7 @@ class LaunchOverrides:
     topn_insert_max: int | None = None  # the top-n insertion/merge threshold (0: always merge)
     topn_rows: int | None = None  # rows (queries x padded heads) per top-n program
     topn_warps: int | None = None  # warps of the top-n program
+    topn_query_major: bool | None = None  # top-n rows query-major (q * G_PAD + head), as before _topn_head_lanes
     dkdv_warps: int | None = None  # warps of the compressed/window and selected dK/dV kernels
     # the compressed/window dK/dV runs the query tiles that see all of a key tile in a loop of their own, unmasked
     # (True), or masks every tile (False, and None: the default until a GPU sweep times both; bench/KERNELS.md)
@@ -151,6 +152,19 @@ def _topn_warps(device) -> int:
     still spilled 8-16 bytes with 16 selected blocks; the unsorted lists made it spill-free, tests/triton_aot.py);
     8 before Hopper (not timed there)."""
     return _OVERRIDES.topn_warps or (4 if _hopper_class(device) else 8)
+
+
+def _topn_head_lanes(g_pad: int) -> int:
+    """Lanes holding a query's heads in the training top-n tile (nsa_triton_topn._topn_row_query_head): half the
+    padded heads, the other half in the thread's second row, so the sum over heads is an add in the thread and
+    log2(G_PAD / 2) shuffle rounds. 0 (query-major rows: log2(G_PAD) rounds on twice the values) for one head,
+    for 16 or more (at 16 the two orders are the same rows, and the query-major sum compiles to fewer
+    instructions) and under launch_overrides(topn_query_major=True). The chunk loop's SASS instructions per warp
+    at G = 2-8 on sm_90 and sm_80 fall by 10-25% against query-major rows, and registers by up to 75
+    (tests/triton_aot.py --sass-loops; not yet timed: bench/KERNELS.md)."""
+    if _OVERRIDES.topn_query_major or not 2 <= g_pad <= 8:
+        return 0
+    return g_pad // 2
 
 
 def _topn_insert_max(decode: bool = False) -> int:

@@ -9,7 +9,7 @@ import torch
 
 from .nsa_layout import NSAParams
 from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes, _next_pow2
-from .nsa_triton_launch import _OVERRIDES, _topn_chunk, _topn_insert_max, _topn_warps
+from .nsa_triton_launch import _OVERRIDES, _topn_chunk, _topn_head_lanes, _topn_insert_max, _topn_warps
 
 
 try:  # the module must import where triton is missing (CPU-only installs, macOS)
@@ -129,8 +129,10 @@ if triton is not None:
         p3 = tl.reshape(ps, (QPB, BJ, R))
         to_own = tl.sum(p3 * w0[None, None, :], 2)  # (QPB, BJ)
         to_next = tl.sum(p3 * w1[None, None, :], 2)
-        # block j receives to_next of block j - 1 (the previous chunk's last block for j = j0)
-        from_prev = tl.sum(tl.where(jb[None, :, None] == jb[None, None, :] + 1, to_next[:, None, :], 0.0), 2)
+        # block j receives to_next of block j - 1 (the previous chunk's last block for j = j0, through carry); an
+        # in-register gather, where a (QPB, BJ, BJ) masked sum took about 2x the chunk's instructions (sm_90 SASS)
+        prev = tl.broadcast_to(tl.maximum(jb - 1, 0)[None, :], (QPB, BJ))
+        from_prev = tl.where(jb[None, :] > 0, tl.gather(to_next, prev, 1), 0.0)
         score = to_own + from_prev + tl.where(jb[None, :] == 0, carry[:, None], 0.0)
         carry = tl.sum(tl.where(jb[None, :] == BJ - 1, to_next, 0.0), 1)
         jj = (j0 + jb).to(tl.int32)
@@ -155,16 +157,43 @@ if triton is not None:
         return carry, top_v, top_i
 
     @triton.jit
+    def _topn_row_query_head(r, G_PAD: tl.constexpr, HEAD_LANES: tl.constexpr):
+        """(query, head) of each row r of a top-n tile of QPB queries x G_PAD heads. The order is chosen so the
+        sum over a query's heads (_topn_head_sum) stays inside a warp and mostly inside a thread: in a dot's
+        accumulator (wgmma, mma.sync) a warp holds 16 consecutive rows, a thread rows i and i + 8 (i = lane / 4).
+        With HEAD_LANES = h > 0, row bit 3 (the thread's two rows) and the low log2(h) bits (lanes) hold the head,
+        the other bits the query: the sum is one add in the thread and log2(h) shuffle rounds, where query-major
+        rows (HEAD_LANES = 0, rows q * G_PAD + head) take log2(G_PAD) rounds on twice as many values."""
+        if HEAD_LANES == 0:
+            query = r // G_PAD
+            head = r % G_PAD
+        else:
+            head = ((r // 8) % 2) * HEAD_LANES + r % HEAD_LANES
+            query = (r // 16) * (8 // HEAD_LANES) + (r % 8) // HEAD_LANES  # 8 // HEAD_LANES queries per 8 lanes
+        return query, head
+
+    @triton.jit
+    def _topn_head_sum(p, QPB: tl.constexpr, G_PAD: tl.constexpr, BC: tl.constexpr, HEAD_LANES: tl.constexpr):
+        """p (QPB * G_PAD, BC) summed over each query's heads -> (QPB, BC), rows ordered by _topn_row_query_head."""
+        if HEAD_LANES == 0:
+            ps = tl.sum(tl.reshape(p, (QPB, G_PAD, BC)), 1)
+        else:  # rows as (query hi, head hi, query lo, head lo)
+            p5 = tl.reshape(p, (QPB // (8 // HEAD_LANES), 2, 8 // HEAD_LANES, HEAD_LANES, BC))
+            ps = tl.reshape(tl.sum(tl.sum(p5, 3), 1), (QPB, BC))
+        return ps
+
+    @triton.jit
     def _topn_tile(q, lse, row_ok, kc_base, n_vis_rows, pos, sm_scale2,
                    D: tl.constexpr, HKV: tl.constexpr, L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr,
                    N_SEL: tl.constexpr, N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
-                   BJ: tl.constexpr, QPB: tl.constexpr, G_PAD: tl.constexpr, INSERT_MAX: tl.constexpr):
+                   BJ: tl.constexpr, QPB: tl.constexpr, G_PAD: tl.constexpr, INSERT_MAX: tl.constexpr,
+                   HEAD_LANES: tl.constexpr):
         """Top-n selection blocks of QPB queries of one document at in-document positions pos (QPB,); q/lse/
-        row_ok hold their rows query-major (QPB x G_PAD heads, padded heads masked), with n_vis_rows visible
-        compressed tokens per row from kc_base (the document's first). Streams over the blocks in chunks of
-        BJ: one compressed-key tile per chunk serves every query and head (a tl.dot of all rows), and the
-        probabilities exp2(s - lse) summed over each query's heads go to _topn_chunk_update. Returns
-        (QPB, N_PAD) block indices by priority, -1 where unused."""
+        row_ok hold their QPB x G_PAD rows in _topn_row_query_head's order (padded heads masked), with
+        n_vis_rows visible compressed tokens per row from kc_base (the document's first). Streams over the
+        blocks in chunks of BJ: one compressed-key tile per chunk serves every query and head (a tl.dot of all
+        rows), and the probabilities exp2(s - lse) summed over each query's heads go to _topn_chunk_update.
+        Returns (QPB, N_PAD) block indices by priority, -1 where unused."""
         R: tl.constexpr = LB // DS
         BC: tl.constexpr = BJ * R
         d = tl.arange(0, D)
@@ -181,7 +210,7 @@ if triton is not None:
             s = tl.dot(q, tl.trans(kc)) * sm_scale2  # (QPB*G_PAD, BC)
             vis = row_ok[:, None] & (ii[None, :] < n_vis_rows[:, None])
             p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
-            ps = tl.sum(tl.reshape(p, (QPB, G_PAD, BC)), 1)  # (QPB, BC): summed over the heads
+            ps = _topn_head_sum(p, QPB, G_PAD, BC, HEAD_LANES)  # (QPB, BC): summed over the heads
             carry, top_v, top_i = _topn_chunk_update(ps, carry, top_v, top_i, j0, 0, n_blocks, own,
                                                      L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, QPB, INSERT_MAX)
         top_v, top_i = _topn_sort(top_v, top_i, N_SEL, N_PAD)
@@ -194,7 +223,7 @@ if triton is not None:
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
         L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr,
         N_SEL: tl.constexpr, N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
-        BJ: tl.constexpr, QPB: tl.constexpr, INSERT_MAX: tl.constexpr,
+        BJ: tl.constexpr, QPB: tl.constexpr, INSERT_MAX: tl.constexpr, HEAD_LANES: tl.constexpr,
     ):
         """Top-n for a tile of QPB consecutive queries x G_PAD head rows of one KV group. A tile inside one
         document shares each compressed-key tile; a tile across a document boundary (rare) is done one
@@ -213,8 +242,7 @@ if triton is not None:
         # one document (or none: all padding) <=> the largest valid start is not above the smallest
         one_doc = tl.max(tl.where(pos >= 0, start, -1), 0) <= tl.min(tl.where(pos >= 0, start, 1 << 62), 0)
         r = tl.arange(0, QPB * G_PAD)
-        rq = r // G_PAD  # query of each row
-        hh = r % G_PAD
+        rq, hh = _topn_row_query_head(r, G_PAD, HEAD_LANES)
         ti = pid_q * QPB + rq
         row_ok = (hh < G) & (ti < Tq)
         ti = tl.where(row_ok, ti, 0)
@@ -230,7 +258,7 @@ if triton is not None:
             kc_base = KC + b * Nc * HKV * D + g * D + c_lo_i.to(tl.int64) * (HKV * D)
             rows_i = row_ok & (one_doc | (rq == i))
             res = _topn_tile(q, lse, rows_i, kc_base, n_vis_rows, pos, sm_scale2,
-                             D, HKV, L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, QPB, G_PAD, INSERT_MAX)
+                             D, HKV, L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, QPB, G_PAD, INSERT_MAX, HEAD_LANES)
             top = tl.where(mine[:, None], res, top)
         slot = tl.arange(0, N_PAD)
         out_ptr = IDX + (pid_bg.to(tl.int64) * Tq + tq)[:, None] * N_SEL + slot[None, :]
@@ -256,6 +284,7 @@ def _select_topn(q, k_cmp, lse_cmp, doc_pos, c_lo, c_hi, params: NSAParams, scal
         H=num_heads, HKV=num_kv, G=group, D=head_dim, G_PAD=g_pad,
         L=params.cmp_block_size, DS=params.cmp_stride, LB=params.sel_block_size,
         N_SEL=n_sel, N_PAD=_next_pow2(n_sel), INIT=params.sel_init_blocks, LOCAL=params.sel_local_blocks,
-        BJ=bj, QPB=qpb, INSERT_MAX=_topn_insert_max(), num_warps=_topn_warps(q.device),
+        BJ=bj, QPB=qpb, INSERT_MAX=_topn_insert_max(), HEAD_LANES=_topn_head_lanes(g_pad),
+        num_warps=_topn_warps(q.device),
     )
     return idx

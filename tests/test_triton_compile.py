@@ -37,7 +37,7 @@ def aot_results():
     if not HAS_NVIDIA_BACKEND:
         pytest.skip("triton with its NVIDIA backend is not installed")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(HERE / "triton_aot.py"), "--arch", "90", "80", "86"],
+    proc = subprocess.run([sys.executable, str(HERE / "triton_aot.py"), "--arch", "90", "80", "86", "--sass-loops"],
                           capture_output=True, text=True, env=env, timeout=900, cwd=str(HERE.parent))
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS_JSON=")]
     assert lines, f"AOT compile run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -174,3 +174,45 @@ def test_selected_dq_in_dkdv_variant_compiles(aot_results, arch):
         assert all(r["unpipelined_dot_loops"] == 0 for r in dkdv), [(r["scenario"], r["unpipelined_dot_loops"])
                                                                     for r in dkdv]
 
+
+
+@pytest.mark.parametrize("arch", **ARCHS)
+def test_topn_head_lanes_rows_compile_to_fewer_instructions(aot_results, arch):
+    """The training top-n's rows with a query's heads in the thread's two accumulator rows and a few lanes
+    (nsa_triton_topn._topn_row_query_head, the default at G = 2-8) against query-major rows (launch_overrides(
+    topn_query_major=True): tests/triton_aot.py's *-topnquerymajor scenarios): both compile on every
+    architecture, and at G = 6 (head_dim 64) and G = 8 (head_dim 128) the default's chunk loop (the loop with
+    the dot) takes fewer SASS instructions per iteration, which is the reason for the order (at G = 16 the two
+    orders are the same rows)."""
+    topn = {r["scenario"]: r for r in _rows(aot_results, arch) if r["kernel"] == "_select_topn_kernel"}
+    for shape in ("125M-G6-d64-bf16-long", "G8-d128-bf16-long"):
+        default, query_major = topn[shape], topn[f"{shape}-topnquerymajor"]
+        assert default["ok"] and query_major["ok"], (default.get("error"), query_major.get("error"))
+        assert default["constexprs"]["HEAD_LANES"] > 0 and query_major["constexprs"]["HEAD_LANES"] == 0
+
+        def chunk_loop(r):
+            return next(lp["instructions"] for lp in r["sass_loops"] if lp["dot"])
+
+        assert chunk_loop(default) < chunk_loop(query_major), (shape, default["sass_loops"], query_major["sass_loops"])
+    assert topn["fla-G16-d64-bf16"]["constexprs"]["HEAD_LANES"] == 0  # (so its variant launch is the same one)
+
+
+def test_sass_loop_counts():
+    """tests/triton_aot.py's SASS loop report on a listing with a loop nested in another: per loop its
+    instructions per iteration, those outside nested loops, and whether it issues a tensor-core dot."""
+    sys.path.insert(0, str(HERE))
+    from triton_aot import _sass_loops
+
+    listing = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;
+        /*0020*/                   FADD R2, R2, R3 ;
+        /*0030*/                   ISETP.GE.AND P0, PT, R2, R4, PT ;
+        /*0040*/               @P0 BRA 0x90 ;
+        /*0050*/                   SHFL.BFLY PT, R5, R2, 0x1, 0x1f ;
+        /*0060*/              @!P0 BRA 0x90 ;
+        /*0070*/                   BRA 0x30 ;
+        /*0080*/                   BRA 0x10 ;
+        /*0090*/                   EXIT ;
+    """  # the outer loop 0x10-0x80 (8 instructions, 3 outside the inner one), the inner 0x30-0x70; forward branches
+    assert _sass_loops(listing) == [dict(instructions=8, own=3, dot=True), dict(instructions=5, own=5, dot=False)]

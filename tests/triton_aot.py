@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -132,6 +133,8 @@ _VARIANTS = {
     "interior": dict(dkdv_unmasked_interior=True),
     # the selected dQ added pair by pair by the selected dK/dV kernel
     "seldq": dict(sel_dq_in_dkdv=True),
+    # the training top-n's rows query-major, as before _topn_row_query_head
+    "topnquerymajor": dict(topn_query_major=True),
 }
 SCENARIOS.update({f"{shape}-{variant}": _scenario(**args, overrides=overrides)
                   for variant, overrides in _VARIANTS.items() for shape, args in _VARIANT_SHAPES.items()})
@@ -188,7 +191,41 @@ def _loop_pipelining(ttgir: str) -> tuple[int, int]:
     return len(with_dot), sum(not lp["copy"] for lp in with_dot)
 
 
+def _sass_loops(sass: str) -> list[dict]:
+    """The loops of a kernel's SASS (cuobjdump -sass): each backward branch closes one. Per loop, in program
+    order: its instructions per iteration (`instructions`, nested loops counted once), those outside its nested
+    loops (`own`), and whether it issues a tensor-core dot (HGMMA/HMMA). Instructions per warp per iteration are
+    what an issue-bound loop's time follows: a CPU proxy for a kernel change before a GPU times it."""
+    code = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    at = {addr: i for i, (addr, _) in enumerate(code)}
+    spans = []
+    for i, (addr, text) in enumerate(code):
+        target = re.search(r"\bBRA\b[^;]*?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) <= addr and int(target.group(1), 16) in at:
+            spans.append((at[int(target.group(1), 16)], i))
+    loops = []
+    for start, end in sorted(spans):
+        nested = [(s, e) for s, e in spans if start <= s and e <= end and (s, e) != (start, end)]
+        inner = {i for s, e in nested for i in range(s, e + 1)}
+        body = [text for i, (_, text) in enumerate(code[start:end + 1], start) if i not in inner]
+        loops.append(dict(instructions=end - start + 1, own=len(body), dot=any("MMA" in t for t in body)))
+    return loops
+
+
+def _sass(cubin: bytes) -> str:
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True).stdout
+
+
 _LAUNCHES: list = []  # (arch, scenario, name, fn, args, kwargs); filled before the worker pool forks
+_SASS_LOOPS = False  # --sass-loops: also count each kernel's SASS instructions per loop iteration
 
 
 def _compile_one(i):
@@ -205,6 +242,8 @@ def _compile_one(i):
         res.update(ok=True, shared=kern.metadata.shared, num_warps=options.num_warps,
                    **dict(zip(("dot_loops", "unpipelined_dot_loops"), _loop_pipelining(kern.asm["ttgir"]))),
                    **_resources(kern.asm["cubin"]))
+        if _SASS_LOOPS:
+            res["sass_loops"] = _sass_loops(_sass(kern.asm["cubin"]))
     except Exception as exc:  # reported per launch, so the failing kernel and shape are named
         res.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[-2000:]}")
     res["seconds"] = round(time.time() - t0, 2)
@@ -234,7 +273,12 @@ def main():
     ap.add_argument("--kernels", nargs="*", default=None, help="only these kernel names (default: all)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--sass-loops", action="store_true",
+                    help="also print each kernel's SASS instructions per loop iteration (outer to inner; in brackets "
+                         "those outside nested loops; * issues a tensor-core dot)")
     args = ap.parse_args()
+    global _SASS_LOOPS
+    _SASS_LOOPS = args.sass_loops
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         sys.exit("triton_aot.py compiles real kernels: unset TRITON_INTERPRET")
     for arch in args.arch:
@@ -254,6 +298,12 @@ def main():
                   f"{r['seconds']} |")
         else:
             print(f"| sm_{r['arch']} | {r['kernel']} | {r['scenario']} | FAILED: {r['error'][:300]} |")
+    if args.sass_loops:
+        print("\n| arch | kernel | scenario | SASS instructions per loop iteration |\n|---|---|---|---|")
+        for r in results:
+            if r["ok"] and r["sass_loops"]:
+                loops = ", ".join(f"{lp['instructions']} ({lp['own']}){'*' if lp['dot'] else ''}" for lp in r["sass_loops"])
+                print(f"| sm_{r['arch']} | {r['kernel']} | {r['scenario']} | {loops} |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     print("RESULTS_JSON=" + json.dumps(results))

@@ -186,7 +186,27 @@ def run_case(case: dict) -> dict:
     for n in GRAD_NAMES:
         g = leaves[n].grad
         res["d" + n] = float("nan") if g is None else rel(g, ref_grads[n])
-    # selection: indices equal except at genuine near-ties
+    res.update(selection_errors(idx_tri, captured))
+    return res
+
+
+@with_case_launch
+def run_select_case(case: dict) -> dict:
+    """The training top-n kernel alone (select_blocks_triton) against the reference's block scores: cheaper
+    than a whole run_case, so the selection can be checked over many blocks (longer T) at every G."""
+    _, _, tri = import_nsa()
+    t, cmp_end, doc_pos, p, dtype, device = case_setup(case)
+    idx_tri = tri.select_blocks_triton(t["q"], t["k_cmp"], cmp_end, doc_pos, p).cpu()
+    captured = {}
+    _reference_on(t, cmp_end, doc_pos, p, idx_tri, torch.zeros(t["q"].shape), captured)
+    return selection_errors(idx_tri, captured)
+
+
+def selection_errors(idx_tri: torch.Tensor, captured: dict) -> dict:
+    """The kernel's selected blocks idx_tri against the reference's (captured by _reference_on): equal except at
+    genuine near-ties (idx_tie_gap: the largest score gap, relative to the row's largest score, between the
+    blocks the two chose where they differ) and listed in the reference's priority order (idx_order_gap)."""
+    res = {}
     ref_idx, scores = captured["ref"], captured["scores"]
     res["idx_shape_ok"] = tuple(ref_idx.shape) == tuple(idx_tri.shape)
     diff = (ref_idx != idx_tri).any(-1)
@@ -571,6 +591,7 @@ def main(argv):
     for case in cases:
         try:
             runner = {"decode": run_decode_case, "compile": run_compile_case, "opcheck": run_opcheck_case,
+                      "select": run_select_case,
                       "large_offset": run_large_offset_case,
                       "large_offset_decode": run_large_offset_decode_case}.get(case.get("kind"), run_case)
             res = runner(case)
