@@ -512,6 +512,14 @@ class NSACache(Cache):
                 f"NSACache(static=True) takes one token per step after the prompt, got {new_len}; chunked "
                 "prefill and speculative decoding need the default cache (no cache_implementation='static')."
             )
+        # a step past the buffers would index out of them (a device-side assert on CUDA). generate() sizes them from
+        # max_length, so only hand-driven steps get here; checked eagerly only (a host read of the cursor, which an
+        # eager step's stopping check has synchronized anyway; a compiled step must not read it)
+        if not torch.compiler.is_compiling() and int(self.cursor) >= self.capacity:
+            raise ValueError(
+                f"NSACache(static=True, max_cache_len={self.capacity}) is full: it holds {self.capacity} tokens "
+                "and cannot take another; make max_cache_len at least prompt + new tokens."
+            )
         new_doc_pos = cached_document_positions(position_ids, attention_mask, self.num_valid, batch_size, 1,
                                                 device)  # (B, 1)
         self.static_positions.index_copy_(1, self.cursor, new_doc_pos)

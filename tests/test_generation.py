@@ -560,6 +560,13 @@ def test_static_cache_says_what_it_cannot_do():
         model(prompt[:, :2], past_key_values=cache)
     with pytest.raises(ValueError, match="cannot take tokens back"):
         cache.crop(-1)
+    full = NSACache(model.config, max_cache_len=15, static=True)  # the prompt's 13 tokens + 2 steps
+    model(prompt, attention_mask=mask, past_key_values=full)
+    step_mask = torch.cat([mask, mask.new_ones(2, 2)], 1)
+    for i in range(2):
+        model(prompt[:, -1:], attention_mask=step_mask[:, :14 + i], past_key_values=full)
+    with pytest.raises(ValueError, match="max_cache_len=15. is full"):
+        model(prompt[:, -1:], attention_mask=torch.cat([step_mask, mask.new_ones(2, 1)], 1), past_key_values=full)
     with pytest.raises(ValueError, match="(?i)static"):  # transformers declines it first, else our crop() would
         model.generate(prompt, attention_mask=mask, assistant_model=make_model(seed=1), max_new_tokens=5,
                        do_sample=False, pad_token_id=0, cache_implementation="static")
