@@ -123,7 +123,7 @@ class TrainConfig:
     sample_prompt: str | None = field(default=None, metadata={"help": "Generate from this prompt with the exported model at the end."})
     # quality measurements (nsa_train.selection_stats, nsa_train.long_context)
     stats_every: int = field(default=-1, metadata={"help": "NSA's selection and gate statistics (stats.jsonl, metrics.jsonl, trackers, the card) on held-out rows every N steps; -1: at every evaluation; 0: off. Dense attention has none."})
-    eval_long_context: bool = field(default=False, metadata={"help": "After the export, evaluate long-context retrieval (<output_dir>/long_context/: JSON and heatmap PNG; the card reports it)."})
+    eval_long_context: bool = field(default=False, metadata={"help": "After the export (with --eval-only: after the loss), evaluate long-context retrieval (<output_dir>/long_context/: JSON and heatmap PNG; the card reports it)."})
     long_context_task: Literal["passkey", "needle"] = field(default="passkey", metadata={"help": "passkey: a number in filler text; needle: a sentence in the run's documents."})
     long_context_lengths: list[int] = field(default_factory=list, metadata={"help": f"Prompt lengths in tokens; none given: --seq-len times {' '.join(map(str, LONG_CONTEXT_LENGTH_FACTORS))} (longer than --seq-len is extrapolation)."})
     long_context_depths: list[float] = field(default_factory=lambda: list(DEFAULT_DEPTHS), metadata={"help": "Where the hidden item sits: the fraction of the haystack before it, in [0, 1]."})
@@ -484,14 +484,20 @@ def save(model, run: RunState, checkpoints: checkpoint.RunCheckpoints, exporter:
         exporter.export(model, run, f"step {run.step}", branch=branch)
 
 
-def evaluate_only(cfg: TrainConfig, accelerator, model, val_rows, source, out_dir: Path) -> dict:
+def evaluate_only(cfg: TrainConfig, accelerator, model, val_rows, source, out_dir: Path, tokenizer=None,
+                  long_context: dict | None = None, watchdog=None) -> dict:
     """--eval-only: the --init-from model's loss on this run's held-out rows (the rows training would hold out with
-    the same data flags), written to <output_dir>/eval.json."""
+    the same data flags), written to <output_dir>/eval.json; with --eval-long-context (`long_context`: its
+    settings) also its retrieval, in <output_dir>/long_context/ and as eval.json's `longctx_*` fields."""
     if not val_rows:
         raise ValueError(f"--eval-only: no validation rows (--val-every-doc {cfg.val_every_doc}, --val-tokens "
                          f"{cfg.val_tokens}); both must be > 0.")
     model = accelerator.prepare(model)
     metrics = validation_loss(accelerator.unwrap_model(model), val_rows, cfg.micro_batch_size, accelerator)
+    if long_context:  # on every process (see evaluate_long_context)
+        with beating(watchdog, accelerator.unwrap_model(model), phase="long_context"):
+            metrics |= evaluate_long_context(accelerator.unwrap_model(model), tokenizer, RunState(), long_context,
+                                             out_dir / "long_context", accelerator, str(cfg.init_from))  # fmt: skip
     result = {"init_from": cfg.init_from, "data": model_card.data_description(source), "seq_len": cfg.seq_len,
               "val_rows": len(val_rows), **metrics, "mixed_precision": run_precision(accelerator),
               "num_processes": accelerator.num_processes}  # fmt: skip
@@ -591,7 +597,7 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
         out_dir.mkdir(parents=True, exist_ok=True)
     watchdog.beat(phase="setup")
     if cfg.eval_only:
-        return evaluate_only(cfg, accelerator, model, val_rows, source, out_dir)
+        return evaluate_only(cfg, accelerator, model, val_rows, source, out_dir, tokenizer, long_context, watchdog)
 
     # --- the model, its optimizer, and where the run stands
     if cfg.gradient_checkpointing:

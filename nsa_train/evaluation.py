@@ -127,19 +127,22 @@ def long_context_settings(cfg, tokenizer, vocab_size: int | None) -> dict:
     return settings
 
 
-def evaluate_long_context(model, tokenizer, run: RunState, settings: dict, out_dir: Path, accelerator) -> dict:
+def evaluate_long_context(model, tokenizer, run: RunState, settings: dict, out_dir: Path, accelerator,
+                          model_name: str | None = None) -> dict:
     """Long-context retrieval of the (unwrapped) model (`nsa_train.long_context`; `settings` from
     `long_context_settings`). Every process evaluates the same cases (see the module docstring; under FSDP,
     generate() keeps the processes in step: transformers' synced_gpus), the main one writes
-    `out_dir`/<task>_<scoring>.json and .png and prints the table. The result is kept as `run.long_context` for
-    the model card (the haystack named without local paths); returned as metrics: the mean accuracy over every
-    cell, `longctx_accuracy`, and each length's, `longctx_len<N>_accuracy`."""
+    `out_dir`/<task>_<scoring>.json and .png (titled `model_name`, default the run's final/) and prints the
+    table. The result is kept as `run.long_context` for the model card (the haystack named without local paths);
+    returned as metrics: the mean accuracy over every cell, `longctx_accuracy`, and each length's,
+    `longctx_len<N>_accuracy`."""
     from . import data, long_context
     from .model_card import data_description
 
     main = accelerator.is_main_process
     result = long_context.run_long_context_eval(model, tokenizer, **settings, out_dir=out_dir if main else None,
-                                                model_name=str(out_dir.parent / "final"), log=accelerator.print)  # fmt: skip
+                                                model_name=model_name or str(out_dir.parent / "final"),
+                                                log=accelerator.print)  # fmt: skip
     run.long_context = result
     if result["task"] == "needle":  # the card may be pushed: the haystack's file names, not its paths
         haystack = data.make_source(settings["haystack"], settings["text_column"])

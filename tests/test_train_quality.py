@@ -187,3 +187,16 @@ def test_flex_attention_training_on_cpu_fails_before_the_first_step(tmp_path, mo
     with pytest.raises(ValueError, match="--attn-implementation flex_attention cannot train on cpu .*sdpa"):
         run_main(tiny_args(tmp_path / "flex", attention_mode="dense", attn_implementation="flex_attention"))
     assert not (tmp_path / "flex").exists()
+
+
+def test_eval_only_with_the_retrieval_evaluation(tmp_path):
+    """--eval-only --eval-long-context evaluates an exported model's retrieval too (it was silently skipped):
+    long_context/ beside eval.json, whose longctx_* fields are the JSON's mean accuracies, titled by the model."""
+    first = tmp_path / "first"
+    run_main(tiny_args(first, max_steps=1, stats_every=0))
+    result = run_main(tiny_args(tmp_path / "eval", init_from=first / "final", eval_only=True) + LONG_CONTEXT)
+    written = json.loads((tmp_path / "eval" / "long_context" / "passkey_generate.json").read_text())
+    assert written["lengths"] == [64, 96] and written["model"] == str(first / "final")
+    cells = [a for row in written["accuracy"] for a in row]
+    assert result["longctx_accuracy"] == pytest.approx(sum(cells) / len(cells))
+    assert json.loads((tmp_path / "eval" / "eval.json").read_text()) == result
