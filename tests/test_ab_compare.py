@@ -104,16 +104,25 @@ def test_seed_spread_and_the_verdict():
     final = comparison["final"]
     assert final["nsa_minus_dense"] == pytest.approx(0.09) and not final["met"]
     assert final["seed_std"] == pytest.approx(statistics.stdev([3.00, 3.06]))
-    assert final["beyond_noise"] == (0.09 > 2 * statistics.stdev([3.00, 3.06]))
-    # seeds 0.04 nats apart cannot decide a 0.02-nat target: the table says so instead of "MISSED"
-    assert not final["resolved"]
+    # each seed's twins differ by 0.10 and 0.08: the gap's own noise (paired by seed) is far below the seeds' spread
+    assert final["paired_gaps"] == {"0": pytest.approx(0.10), "1": pytest.approx(0.08)}
+    assert final["noise_kind"] == "paired" and final["noise"] == pytest.approx(statistics.stdev([0.10, 0.08]))
+    assert final["beyond_noise"] and final["resolved"]
     text = ab_compare.markdown([], comparison, [])
-    assert "target <= +0.02: missed by the means, NOT RESOLVED: 2 std of the seeds" in text and "MISSED" not in text
-    for run, shift in zip(runs, (0.0, 0.001, 0.0, 0.002)):  # seeds that agree: the verdict stands
-        run["val"][-1] = (200, 3.10 + shift if run["mode"] == "nsa" else 3.00 + shift)
+    assert "(target <= +0.02: MISSED)" in text and "per seed: seed 0 +0.1000, seed 1 +0.0800" in text
+    # seeds whose gaps disagree (0.04 and 0.14) cannot decide the target: the table says so instead of "MISSED"
+    runs[2]["val"][-1], runs[3]["val"][-1] = (200, 3.06), (200, 3.00)
     final = ab_compare.compare(runs)["final"]
-    assert final["resolved"] and not final["met"] and "(target <= +0.02: MISSED)" in ab_compare.markdown(
-        [], ab_compare.compare(runs), [])
+    assert final["noise"] == pytest.approx(statistics.stdev([0.04, 0.14])) and not final["resolved"]
+    text = ab_compare.markdown([], ab_compare.compare(runs), [])
+    assert "target <= +0.02: missed by the means, NOT RESOLVED: the target lies within 2 std" in text
+    assert "MISSED" not in text
+    # one seed per mode: the spread within a mode judges the gap; with none, nothing is resolved
+    solo = [fake_run("nsa", 0, [5.0, 3.10]), fake_run("nsa", 1, [5.0, 3.12]), fake_run("dense", 2, [5.0, 3.00])]
+    final = ab_compare.compare(solo)["final"]
+    assert final["noise_kind"] == "per-mode" and final["noise"] == pytest.approx(statistics.stdev([3.10, 3.12]))
+    assert final["resolved"] and not final["met"]
+    assert not ab_compare.compare(solo[::2])["final"]["resolved"]
     # only the token counts every run evaluated at are compared
     runs[0]["val"] = runs[0]["val"][:2]
     assert [row["tokens"] for row in ab_compare.compare(runs)["curve"]] == [0, 100]
