@@ -160,7 +160,7 @@ def _topn_head_lanes(g_pad: int) -> int:
     log2(G_PAD / 2) shuffle rounds. 0 (query-major rows: log2(G_PAD) rounds on twice the values) for one head,
     for 16 or more (at 16 the two orders are the same rows, and the query-major sum compiles to fewer
     instructions) and under launch_overrides(topn_query_major=True). The chunk loop's SASS instructions per warp
-    at G = 2-8 on sm_90 and sm_80 fall by 10-25% against query-major rows, and registers by up to 75
+    at G = 2-8 on sm_90 and sm_80 fall by 10-25% against query-major rows, and registers by up to 70
     (tests/triton_aot.py --sass-loops; not yet timed: bench/KERNELS.md)."""
     if _OVERRIDES.topn_query_major or not 2 <= g_pad <= 8:
         return 0

@@ -183,6 +183,35 @@ if triton is not None:
         return ps
 
     @triton.jit
+    def _topn_chunks(q, lse, kc_base, n_vis_rows, n_blocks, own, carry, top_v, top_i, j_from, j_to, sm_scale2,
+                     D: tl.constexpr, HKV: tl.constexpr, L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr,
+                     N_SEL: tl.constexpr, N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
+                     BJ: tl.constexpr, QPB: tl.constexpr, G_PAD: tl.constexpr, INSERT_MAX: tl.constexpr,
+                     HEAD_LANES: tl.constexpr, MASKED: tl.constexpr):
+        """The chunks of blocks j_from, j_from + BJ, ... below j_to, folded into the lists (_topn_tile). Rows not
+        taking part have lse = +inf, so their probabilities are exp2(-inf) = 0 without a mask. MASKED: tokens at
+        or past a row's n_vis_rows are masked (the chunks at the end of the rows' visible tokens); otherwise every
+        row sees every token of each chunk: no mask, no bounds on the loads."""
+        R: tl.constexpr = LB // DS
+        BC: tl.constexpr = BJ * R
+        d = tl.arange(0, D)
+        n_tok = tl.max(n_vis_rows, 0)  # (masked loads past the tokens any row sees)
+        for j0 in range(j_from, j_to, BJ):
+            ii = j0 * R + tl.arange(0, BC)  # in-document compressed tokens starting in the chunk's blocks
+            kc_ptr = kc_base + ii.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
+            if MASKED:
+                kc = tl.load(kc_ptr, mask=(ii < n_tok)[:, None], other=0.0)
+                s = tl.dot(q, tl.trans(kc)) * sm_scale2  # (QPB*G_PAD, BC)
+                p = tl.where(ii[None, :] < n_vis_rows[:, None], tl.exp2(s - lse[:, None]), 0.0)
+            else:
+                kc = tl.load(kc_ptr)
+                p = tl.exp2(tl.dot(q, tl.trans(kc)) * sm_scale2 - lse[:, None])
+            ps = _topn_head_sum(p, QPB, G_PAD, BC, HEAD_LANES)  # (QPB, BC): summed over the heads
+            carry, top_v, top_i = _topn_chunk_update(ps, carry, top_v, top_i, j0, 0, n_blocks, own,
+                                                     L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, QPB, INSERT_MAX)
+        return carry, top_v, top_i
+
+    @triton.jit
     def _topn_tile(q, lse, row_ok, kc_base, n_vis_rows, pos, sm_scale2,
                    D: tl.constexpr, HKV: tl.constexpr, L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr,
                    N_SEL: tl.constexpr, N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
@@ -193,26 +222,30 @@ if triton is not None:
         n_vis_rows visible compressed tokens per row from kc_base (the document's first). Streams over the
         blocks in chunks of BJ: one compressed-key tile per chunk serves every query and head (a tl.dot of all
         rows), and the probabilities exp2(s - lse) summed over each query's heads go to _topn_chunk_update.
-        Returns (QPB, N_PAD) block indices by priority, -1 where unused."""
+        The chunks every row sees whole (all but the last one or two: a tile's queries are consecutive) run
+        without masks, the rest masked (_topn_chunks). Returns (QPB, N_PAD) block indices by priority, -1 where
+        unused."""
         R: tl.constexpr = LB // DS
         BC: tl.constexpr = BJ * R
-        d = tl.arange(0, D)
         n_blocks = tl.where(pos >= 0, pos // LB + 1, 0).to(tl.int32)  # (QPB,) eligible blocks
         own = (pos // LB).to(tl.int32)
         top_v = tl.full([QPB, N_PAD], float("-inf"), tl.float32)
         top_i = tl.full([QPB, N_PAD], -1, tl.int32)
         carry = tl.zeros([QPB], tl.float32)
-        n_tok = tl.max(tl.where(row_ok, n_vis_rows, 0), 0)  # this pass's rows: another document's may see more
-        for j0 in range(0, tl.max(n_blocks, 0), BJ):
-            ii = j0 * R + tl.arange(0, BC)  # in-document compressed tokens starting in the chunk's blocks
-            kc = tl.load(kc_base + ii.to(tl.int64)[:, None] * (HKV * D) + d[None, :], mask=(ii < n_tok)[:, None],
-                         other=0.0)
-            s = tl.dot(q, tl.trans(kc)) * sm_scale2  # (QPB*G_PAD, BC)
-            vis = row_ok[:, None] & (ii[None, :] < n_vis_rows[:, None])
-            p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
-            ps = _topn_head_sum(p, QPB, G_PAD, BC, HEAD_LANES)  # (QPB, BC): summed over the heads
-            carry, top_v, top_i = _topn_chunk_update(ps, carry, top_v, top_i, j0, 0, n_blocks, own,
-                                                     L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, QPB, INSERT_MAX)
+        live = row_ok & (n_vis_rows > 0)  # this pass's rows with keys (another document's rows may see more)
+        lse = tl.where(live, lse, float("inf"))
+        n_vis_rows = tl.where(live, n_vis_rows, 0)
+        j_end = tl.max(n_blocks, 0)
+        # the chunks of tokens every live row sees (none when no row is live): up to the fewest any live row sees
+        n_seen_by_all = tl.min(tl.where(live, n_vis_rows, 1 << 30), 0)
+        n_seen_by_all = tl.where(n_seen_by_all == 1 << 30, 0, n_seen_by_all)
+        j_split = tl.minimum(n_seen_by_all // BC * BJ, tl.cdiv(j_end, BJ) * BJ)
+        carry, top_v, top_i = _topn_chunks(q, lse, kc_base, n_vis_rows, n_blocks, own, carry, top_v, top_i, 0,
+                                           j_split, sm_scale2, D, HKV, L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ,
+                                           QPB, G_PAD, INSERT_MAX, HEAD_LANES, False)
+        carry, top_v, top_i = _topn_chunks(q, lse, kc_base, n_vis_rows, n_blocks, own, carry, top_v, top_i,
+                                           j_split, j_end, sm_scale2, D, HKV, L, DS, LB, N_SEL, N_PAD, INIT, LOCAL,
+                                           BJ, QPB, G_PAD, INSERT_MAX, HEAD_LANES, True)
         top_v, top_i = _topn_sort(top_v, top_i, N_SEL, N_PAD)
         return tl.where(top_v > float("-inf"), top_i, -1)
 

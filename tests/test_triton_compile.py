@@ -7,7 +7,8 @@ compile to cubins with the ptxas shipped in the triton wheel, and that on sm_90 
 device) none spills registers to local memory: a spill costs a large share of a kernel's speed, and
 the launchers pick tiles and warps per architecture so that none does, except the measured exceptions
 in SPILL_ALLOWED_BYTES. (On sm_80 the selected dK/dV kernel keeps a stack frame of up to 32 bytes at
-head_dim 64 and the top-n kernel one of 32-56 bytes; `python tests/triton_aot.py` prints the table.)
+head_dim 64 and the top-n kernel one of 24-56 bytes at G = 6, outside its chunk loops; `python
+tests/triton_aot.py` prints the table, `--sass-loops` each loop's instructions per iteration.)
 Runs in a subprocess so TRITON_INTERPRET from another test cannot leak in.
 """
 
