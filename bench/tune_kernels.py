@@ -38,12 +38,19 @@ DEFAULT_VARIANTS = [
     # (not yet timed), and every tile masked (the default until a sweep decides): both sides forced
     "dkdv_interior:dkdv_unmasked_interior=1",
     "dkdv_masked:dkdv_unmasked_interior=0",
+    # the compressed/window dK/dV splits each key tile's query range over 32 programs (the launcher takes 8 at
+    # 64k, 1,024 programs of very unequal length): its 12.5 ms at 64k is several times what its instruction count
+    # and dots suggest (bench/KERNELS.md), so whether more, shorter programs help says if it is latency-bound
+    "dkdv_split32:dkdv_split=32",
     # the selected branch's dQ in the selected dK/dV kernel (each (query, block) pair once, atomics into an fp32
     # dQ) instead of the fused dQ kernel's walk over each tile's block union (~16x the pairs on random inputs
     # at 64k, G = 6): not yet timed; the default until a sweep decides is the union walk
     "seldq_pairs:sel_dq_in_dkdv=1",
     # the same at 4 warps (the selected dK/dV spills 120-136 bytes there at G = 6 with the dQ tile; 8 warps do not)
     "seldq_pairs_4warps:sel_dq_in_dkdv=1,dkdv_warps=4",
+    # the selected dK/dV with every pair tile masked, as timed on 2026-11-23: the default now runs the tiles whose
+    # queries lie past the block's last key (all but the block's first few) without masks, not yet timed
+    "sel_dkdv_masked:sel_dkdv_all_masked=1",
     # the selected dQ's union of a 128-row tile (21 queries at G = 6) is about twice a 64-row tile's at 64k on
     # random inputs (bench/selection_tiles.py): twice the math per query once the loop is pipelined
     "dq64rows:dq_rows=64",
@@ -93,9 +100,9 @@ DEFAULT_VARIANTS = [
 CASES = [(12, 2, 64, 65536, 1, "random", None), (12, 2, 64, 2048, 32, "random", None),
          (16, 1, 64, 8192, 8, "random", None),
          (12, 2, 64, 65536, 1, "correlated", ("default", "dq64rows", "sel32rows", "merge_only", "seldq_pairs",
-                                              "topn_query_major")),
+                                              "topn_query_major", "sel_dkdv_masked")),
          (16, 2, 128, 8192, 4, "random", ("default", "dkdv8warps", "dq128whole", "dkdv_interior", "dkdv_masked",
-                                          "seldq_pairs", "topn_query_major"))]
+                                          "seldq_pairs", "topn_query_major", "sel_dkdv_masked"))]
 KERNELS = ["_select_topn_kernel", "_sel_fwd_kernel", "_bwd_dq_kernel", "_sel_bwd_dkdv_kernel",
            "_interval_fwd_kernel", "_interval_bwd_dkdv_kernel"]
 DECODE = ["_decode_cmp_split_kernel", "_decode_topn_kernel", "_decode_finish_kernel", "_decode_parts_kernel",

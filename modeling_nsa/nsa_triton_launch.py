@@ -32,6 +32,9 @@ class LaunchOverrides:
     # an fp32 dQ with atomics (True: not bitwise deterministic), or in the fused dQ kernel over each query tile's
     # union of blocks (False, and None: the default until a GPU sweep times both; bench/KERNELS.md)
     sel_dq_in_dkdv: bool | None = None
+    # the selected dK/dV with every pair tile masked, as timed on 2026-11-23 (the default runs the tiles whose
+    # queries lie past the block's last key without masks: _sel_block_dkdv)
+    sel_dkdv_all_masked: bool | None = None
     dq_rows: int | None = None  # rows of the fused dQ query tile (sm_90)
     dq_warps: int | None = None  # warps of the fused dQ kernel (sm_90)
     sel_rows: int | None = None  # the selected-attention query tile (rows = queries x G)

@@ -156,14 +156,47 @@ if triton is not None:
         return kk, (kk < Tk) & (k_pos >= 0) & (kk - k_pos == a_start)
 
     @triton.jit
+    def _sel_pair_tiles(Q, PAIR_Q, DO, GATE, LSE, DELTA, DQ, b, g, p_from, p_to, p_end, Tq, q_off, kk, k_ok, k, v,
+                        sm_scale2, scale, dk, dv, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                        QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+                        MASKED: tl.constexpr):
+        """A block's dK/dV over its pair tiles p_from, p_from + QPB, ... below p_to (rows packed as query x
+        head; rows past QPB * G or at pairs past p_end are not loaded). MASKED: keys outside the block and keys
+        after a row's query are masked. Otherwise each query lies at or past the block's last key, so every row
+        sees every key: no mask (rows not loaded hold q = do = 0, lse = delta = 0, and add nothing)."""
+        r = tl.arange(0, BLOCK_M)
+        hh = r % G
+        d = tl.arange(0, D)
+        for p0 in range(p_from, p_to, QPB):
+            pi = p0 + r // G
+            row_ok = (r < QPB * G) & (pi < p_end)
+            qi = tl.load(PAIR_Q + pi, mask=row_ok, other=0)
+            row = (b * Tq + qi) * H + g * G + hh
+            q, do, lse, delta = _bwd_rows(Q, DO, GATE, LSE, DELTA, row, row_ok, d, D, BR)
+            if MASKED:
+                vis_t = row_ok[None, :] & k_ok[:, None] & (kk[:, None] <= (q_off + qi)[None, :])
+            else:
+                vis_t = True
+            if DQ_ATOMIC:
+                dk, dv, ds_t = _dkdv_update_ds(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
+                dq = tl.dot(tl.trans(ds_t), k) * scale  # (rows, D)
+                tl.atomic_add(DQ + row[:, None] * D + d[None, :], dq, mask=row_ok[:, None], sem="relaxed")
+            else:
+                dk, dv = _dkdv_update(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
+        return dk, dv
+
+    @triton.jit
     def _sel_block_dkdv(Q, K, V, PAIR_Q, DOCPOS, DO, GATE, LSE, DELTA, DQ, a, pid_bg, p_begin, p_end,
                         Tq, Tk, q_off, sm_scale2, scale,
                         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
-                        QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr, DQ_ATOMIC: tl.constexpr):
+                        QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+                        ALL_MASKED: tl.constexpr):
         """dK (unscaled), dV of the selection block whose first key is a, over its (query, block) pairs
         [p_begin, p_end) (rows packed as query x head). DQ_ATOMIC: also each pair's dQ share, scale dS K, added to
-        the fp32 DQ (B*T*H, D) with atomics (a query's n blocks are met in n programs). Returns (dk, dv, kv_off,
-        k_ok)."""
+        the fp32 DQ (B*T*H, D) with atomics (a query's n blocks are met in n programs). A block's pairs come in
+        increasing query order, and only its first ones (at most LB - 1: queries inside the block) see part of
+        its keys: their tiles run masked, the tiles after them without masks (_sel_pair_tiles). Returns (dk, dv,
+        kv_off, k_ok)."""
         b = (pid_bg // HKV).to(tl.int64)
         g = pid_bg % HKV
         kk, k_ok = _sel_block_keys(DOCPOS, b, a, Tk, LB)
@@ -173,21 +206,19 @@ if triton is not None:
         v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
         dk = tl.zeros([LB, D], tl.float32)
         dv = tl.zeros([LB, D], tl.float32)
-        r = tl.arange(0, BLOCK_M)
-        hh = r % G
-        for p0 in range(p_begin, p_end, QPB):
-            pi = p0 + r // G
-            row_ok = (r < QPB * G) & (pi < p_end)
-            qi = tl.load(PAIR_Q + pi, mask=row_ok, other=0)
-            row = (b * Tq + qi) * H + g * G + hh
-            q, do, lse, delta = _bwd_rows(Q, DO, GATE, LSE, DELTA, row, row_ok, d, D, BR)
-            vis_t = row_ok[None, :] & k_ok[:, None] & (kk[:, None] <= (q_off + qi)[None, :])
-            if DQ_ATOMIC:
-                dk, dv, ds_t = _dkdv_update_ds(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
-                dq = tl.dot(tl.trans(ds_t), k) * scale  # (rows, D)
-                tl.atomic_add(DQ + row[:, None] * D + d[None, :], dq, mask=row_ok[:, None], sem="relaxed")
-            else:
-                dk, dv = _dkdv_update(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
+        if ALL_MASKED:  # (launch_overrides(sel_dkdv_all_masked=True): every tile masked, as timed before)
+            p_seen_whole = p_end
+        else:  # the pairs whose query comes before the block's last key: the first ones (a query inside it)
+            first = p_begin + tl.arange(0, LB)
+            first_q = tl.load(PAIR_Q + first, mask=first < p_end, other=0)
+            n_partial = tl.sum(((first < p_end) & (q_off + first_q < a + LB - 1)).to(tl.int32), 0)
+            p_seen_whole = tl.minimum(p_begin + tl.cdiv(n_partial, QPB) * QPB, p_end)  # the tiles from here
+        dk, dv = _sel_pair_tiles(Q, PAIR_Q, DO, GATE, LSE, DELTA, DQ, b, g, p_begin, p_seen_whole, p_end, Tq, q_off,
+                                 kk, k_ok, k, v, sm_scale2, scale, dk, dv, H, G, D, QPB, BLOCK_M, BR, DQ_ATOMIC, True)
+        if not ALL_MASKED:
+            dk, dv = _sel_pair_tiles(Q, PAIR_Q, DO, GATE, LSE, DELTA, DQ, b, g, p_seen_whole, p_end, p_end, Tq,
+                                     q_off, kk, k_ok, k, v, sm_scale2, scale, dk, dv, H, G, D, QPB, BLOCK_M, BR,
+                                     DQ_ATOMIC, False)
         return dk, dv, kv_off, k_ok
 
     @triton.jit
@@ -196,7 +227,7 @@ if triton is not None:
         Tq, Tk, q_off, sm_scale2, scale, heavy_min, n_flat, n_heavy,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         LB: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr,
-        HEAVY_PASS: tl.constexpr, N_SPLIT: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+        HEAVY_PASS: tl.constexpr, N_SPLIT: tl.constexpr, DQ_ATOMIC: tl.constexpr, ALL_MASKED: tl.constexpr,
     ):
         # Main pass (grid: key range of LB keys x batch*kv head): the blocks starting in the range that
         # have (query, block) pairs, found with one vector load of their pair counts; usually one per
@@ -220,7 +251,7 @@ if triton is not None:
                 p_end = tl.minimum(p_end, p_begin + span)
                 dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, DOCPOS, DO, GATE, LSE, DELTA, DQ, a,
                                                        pid_bg, p_begin, p_end, Tq, Tk, q_off, sm_scale2, scale,
-                                                       H, HKV, G, D, LB, QPB, BLOCK_M, BR, DQ_ATOMIC)
+                                                       H, HKV, G, D, LB, QPB, BLOCK_M, BR, DQ_ATOMIC, ALL_MASKED)
                 p_off = ((h * N_SPLIT + pid_s) * LB + tl.arange(0, LB).to(tl.int64))[:, None] * D + d[None, :]
                 tl.store(PDK + p_off, dk * scale)
                 tl.store(PDV + p_off, dv)
@@ -241,7 +272,7 @@ if triton is not None:
                 p_end = p_begin + tl.sum(tl.where(hit, cnt, 0), 0)
                 dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, DOCPOS, DO, GATE, LSE, DELTA, DQ, a,
                                                        pid_bg, p_begin, p_end, Tq, Tk, q_off, sm_scale2, scale,
-                                                       H, HKV, G, D, LB, QPB, BLOCK_M, BR, DQ_ATOMIC)
+                                                       H, HKV, G, D, LB, QPB, BLOCK_M, BR, DQ_ATOMIC, ALL_MASKED)
                 tl.store(DK + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=k_ok[:, None])
                 tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
 
@@ -365,7 +396,7 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: 
     args = (q, k, v, pair_off, pair_q, hpos, heavy_cum, doc_pos, do, gates, lse, delta, dk, dv, pdk, pdv,
             dq_accum if dq_atomic else pdk, num_q, num_keys, q_off, scale * _LOG2E, scale, heavy_min, n_flat, n_heavy)
     meta = dict(H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=lb, QPB=qpb, BLOCK_M=block_m, BR=branch,
-                N_SPLIT=n_split, DQ_ATOMIC=dq_atomic, **dkdv_opts)
+                N_SPLIT=n_split, DQ_ATOMIC=dq_atomic, ALL_MASKED=bool(_OVERRIDES.sel_dkdv_all_masked), **dkdv_opts)
     _sel_bwd_dkdv_kernel[(_cdiv(num_keys, lb), batch * num_kv, 1)](*args, HEAVY_PASS=False, **meta)
     _sel_bwd_dkdv_kernel[(n_heavy, 1, n_split)](*args, HEAVY_PASS=True, **meta)
     _sel_dkdv_reduce_kernel[(n_heavy,)](

@@ -4,11 +4,12 @@ of shared memory per block (sm_86: RTX 30xx, A10; sm_89: RTX 40xx, L4 get the sa
 The interpreter tests check what the kernels compute; this checks that the same launches (the
 launchers' real specializations, constexprs and num_warps at the shapes in tests/triton_aot.py)
 compile to cubins with the ptxas shipped in the triton wheel, and that on sm_90 (the benchmark
-device) none spills registers to local memory: a spill costs a large share of a kernel's speed, and
-the launchers pick tiles and warps per architecture so that none does, except the measured exceptions
-in SPILL_ALLOWED_BYTES. (On sm_80 the selected dK/dV kernel keeps a stack frame of up to 32 bytes at
-head_dim 64 and the top-n kernel one of 24-56 bytes at G = 6, outside its chunk loops; `python
-tests/triton_aot.py` prints the table, `--sass-loops` each loop's instructions per iteration.)
+device) none spills registers in the loops that carry its time: a spill there costs a large share of a
+kernel's speed, and the launchers pick tiles and warps per architecture so that none does (a small stack
+frame touched only outside those loops is allowed; SPILL_ALLOWED_BYTES lists the measured exceptions).
+(On sm_80 the selected dK/dV kernel keeps a stack frame of up to 104 bytes at head_dim 64 and the top-n
+kernel one of 24-56 bytes at G = 6; `python tests/triton_aot.py` prints the table, `--sass-loops` each
+loop's instructions per iteration and spill loads and stores.)
 Runs in a subprocess so TRITON_INTERPRET from another test cannot leak in.
 """
 
@@ -71,6 +72,7 @@ def test_every_kernel_launch_compiles(aot_results, arch):
 # 34.9 us at 64k on the H100 (2026-11-23, triton 3.6) against 41.2 us at 8 warps, the spill-free launch with
 # triton 3.9 (bench/tune_kernels.py, variant decode_8warps).
 SPILL_ALLOWED_BYTES: dict[str, int] = {"_decode_finish_kernel": 104}
+SPILL_OUTSIDE_LOOPS_BYTES = 128  # the stack frame any launch may keep when none of it is touched in a dot loop
 
 
 # head_dim 256 is supported but not tuned: its dK/dV and dQ tiles spill (it is compiled for the other checks).
@@ -93,11 +95,18 @@ def _triton_version() -> tuple[int, ...]:
 
 @pytest.mark.skipif(not HAS_NVIDIA_BACKEND or _triton_version() < SPILL_CHECKED_FROM_TRITON,
                     reason="register spills are checked with triton >= 3.9, the compiler the launches were sized with")
-def test_no_kernel_spills_registers_on_sm90(aot_results):
-    spills = [(r["kernel"], r["scenario"], r.get("reg"), r.get("stack"), r.get("local"))
-              for r in _rows(aot_results, 90)
-              if r["ok"] and r["scenario"] not in UNTUNED_SCENARIOS
-              and r.get("stack", 0) + r.get("local", 0) > SPILL_ALLOWED_BYTES.get(r["kernel"], 0)]
+def test_no_kernel_spills_registers_in_its_hot_loops_on_sm90(aot_results):
+    """A launch may keep a small stack frame (SPILL_OUTSIDE_LOOPS_BYTES) only if no spill load or store runs in a
+    loop that issues a dot (nor in a loop nested in one): stored before the loops and reloaded between them, it
+    costs a few loads per program or per block, where a spill in a dot loop costs every iteration."""
+    spills = []
+    for r in _rows(aot_results, 90):
+        frame = r.get("stack", 0) + r.get("local", 0) if r["ok"] else 0
+        if r["scenario"] in UNTUNED_SCENARIOS or frame <= SPILL_ALLOWED_BYTES.get(r["kernel"], 0):
+            continue
+        in_dot_loops = sum(lp["spills"] for lp in r["sass_loops"] if lp["dot"])
+        if in_dot_loops or frame > SPILL_OUTSIDE_LOOPS_BYTES:
+            spills.append((r["kernel"], r["scenario"], r.get("reg"), frame, in_dot_loops))
     assert not spills, spills
 
 
@@ -200,7 +209,8 @@ def test_topn_head_lanes_rows_compile_to_fewer_instructions(aot_results, arch):
 
 def test_sass_loop_counts():
     """tests/triton_aot.py's SASS loop report on a listing with a loop nested in another: per loop its
-    instructions per iteration, those outside nested loops, and whether it issues a tensor-core dot."""
+    instructions per iteration, those outside nested loops, whether it issues a tensor-core dot and its spill
+    loads and stores."""
     sys.path.insert(0, str(HERE))
     from triton_aot import _sass_loops
 
@@ -216,4 +226,9 @@ def test_sass_loop_counts():
         /*0080*/                   BRA 0x10 ;
         /*0090*/                   EXIT ;
     """  # the outer loop 0x10-0x80 (8 instructions, 3 outside the inner one), the inner 0x30-0x70; forward branches
-    assert _sass_loops(listing) == [dict(instructions=8, own=3, dot=True), dict(instructions=5, own=5, dot=False)]
+    assert _sass_loops(listing) == [dict(instructions=8, own=3, dot=True, spills=0),
+                                    dict(instructions=5, own=5, dot=False, spills=0)]
+    spilled = listing.replace("SHFL.BFLY PT, R5, R2, 0x1, 0x1f", "LDL R5, [R1+0x8]")  # a reload in the inner loop
+    assert [lp["spills"] for lp in _sass_loops(spilled)] == [1, 1]  # (the outer loop's span holds the inner one)
+    spilled = listing.replace("FADD R2, R2, R3", "STL [R1+0x8], R2")  # in the outer loop only
+    assert [lp["spills"] for lp in _sass_loops(spilled)] == [1, 0]

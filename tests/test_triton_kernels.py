@@ -52,6 +52,7 @@ _KNOB_IDS = {
     "dkdv_unmasked_interior": lambda c: "interior" if c["dkdv_unmasked_interior"] else "allmasked",
     "sel_dq_in_dkdv": lambda c: "seldqpairs" if c["sel_dq_in_dkdv"] else "seldqunion",
     "topn_query_major": lambda c: "querymajor" if c["topn_query_major"] else "headlanes",
+    "sel_dkdv_all_masked": lambda c: "seldkdvmasked" if c["sel_dkdv_all_masked"] else "seldkdvsplit",
     "arch": lambda c: f"sm{c['arch']}",
     "cache_views": lambda c: "cacheviews",
     "static": lambda c: "static",
@@ -110,6 +111,9 @@ CPU_CASES = [
     # then with one partial slot, so the other heavy blocks stay in the main pass
     dict(B=2, T=70, H=6, Hkv=2, D=16, layout="varlen", sel_split=[5, 3, 64]),
     dict(B=2, T=70, H=6, Hkv=2, D=16, layout="varlen", sel_split=[5, 3, 1]),
+    # the selected dK/dV with every pair tile masked (launch_overrides(sel_dkdv_all_masked=True)); the default
+    # runs the tiles whose queries lie past the block's last key unmasked, which every other case checks
+    dict(B=2, T=90, H=6, Hkv=2, D=16, layout="varlen", sel_dkdv_all_masked=True),
     # the selected branch's dQ added by the selected dK/dV kernel, pair by pair, into an fp32 dQ with atomics
     # (launch_overrides(sel_dq_in_dkdv=True)) instead of the fused dQ kernel's walk over each tile's block union:
     # G = 1, 2, 3, 4, 6, 8, 16 over documents and padding, fp16, sm_80's tiles, and heavy blocks split over 3

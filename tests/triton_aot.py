@@ -135,6 +135,8 @@ _VARIANTS = {
     "seldq": dict(sel_dq_in_dkdv=True),
     # the training top-n's rows query-major, as before _topn_row_query_head
     "topnquerymajor": dict(topn_query_major=True),
+    # the selected dK/dV with every pair tile masked (the default splits off the tiles that see whole blocks)
+    "seldkdvmasked": dict(sel_dkdv_all_masked=True),
 }
 SCENARIOS.update({f"{shape}-{variant}": _scenario(**args, overrides=overrides)
                   for variant, overrides in _VARIANTS.items() for shape, args in _VARIANT_SHAPES.items()})
@@ -194,8 +196,9 @@ def _loop_pipelining(ttgir: str) -> tuple[int, int]:
 def _sass_loops(sass: str) -> list[dict]:
     """The loops of a kernel's SASS (cuobjdump -sass): each backward branch closes one. Per loop, in program
     order: its instructions per iteration (`instructions`, nested loops counted once), those outside its nested
-    loops (`own`), and whether it issues a tensor-core dot (HGMMA/HMMA). Instructions per warp per iteration are
-    what an issue-bound loop's time follows: a CPU proxy for a kernel change before a GPU times it."""
+    loops (`own`), whether it issues a tensor-core dot (HGMMA/HMMA) outside them (`dot`), and its register spill
+    loads and stores (LDL/STL, nested loops included: `spills`). Instructions per warp per iteration are what an
+    issue-bound loop's time follows: a CPU proxy for a kernel change before a GPU times it."""
     code = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     at = {addr: i for i, (addr, _) in enumerate(code)}
     spans = []
@@ -208,8 +211,15 @@ def _sass_loops(sass: str) -> list[dict]:
         nested = [(s, e) for s, e in spans if start <= s and e <= end and (s, e) != (start, end)]
         inner = {i for s, e in nested for i in range(s, e + 1)}
         body = [text for i, (_, text) in enumerate(code[start:end + 1], start) if i not in inner]
-        loops.append(dict(instructions=end - start + 1, own=len(body), dot=any("MMA" in t for t in body)))
+        loops.append(dict(instructions=end - start + 1, own=len(body), dot=any("MMA" in t for t in body),
+                          spills=sum(bool(re.search(r"\b(LDL|STL)\b", t)) for _, t in code[start:end + 1])))
     return loops
+
+
+def _loop_text(loop: dict) -> str:
+    """One loop of the --sass-loops table: instructions (outside nested loops), * for a dot, [n spill] for spills."""
+    spills = f" [{loop['spills']} spill]" if loop["spills"] else ""
+    return f"{loop['instructions']} ({loop['own']}){'*' if loop['dot'] else ''}{spills}"
 
 
 def _sass(cubin: bytes) -> str:
@@ -274,8 +284,9 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--sass-loops", action="store_true",
-                    help="also print each kernel's SASS instructions per loop iteration (outer to inner; in brackets "
-                         "those outside nested loops; * issues a tensor-core dot)")
+                    help="also print each kernel's SASS instructions per loop iteration (in program order; in "
+                         "parentheses those outside nested loops; * issues a tensor-core dot; [n spill]: spill loads "
+                         "and stores in the loop)")
     args = ap.parse_args()
     global _SASS_LOOPS
     _SASS_LOOPS = args.sass_loops
@@ -302,7 +313,7 @@ def main():
         print("\n| arch | kernel | scenario | SASS instructions per loop iteration |\n|---|---|---|---|")
         for r in results:
             if r["ok"] and r["sass_loops"]:
-                loops = ", ".join(f"{lp['instructions']} ({lp['own']}){'*' if lp['dot'] else ''}" for lp in r["sass_loops"])
+                loops = ", ".join(_loop_text(lp) for lp in r["sass_loops"])
                 print(f"| sm_{r['arch']} | {r['kernel']} | {r['scenario']} | {loops} |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
