@@ -53,6 +53,10 @@ for step in "${steps[@]}"; do
   start=$(date +%s)
   case "$step" in
     tests)      $PY -m pytest -q tests/test_triton_kernels.py tests/test_model_triton.py -k gpu -rA 2>&1 | tail -n 40 ;;
+    # the op's kernels against the reference on the GPU (forward, gradients, selection; about a minute): before
+    # timing kernels changed on machines without a GPU
+    check)      $PY -m pytest -q -x tests/test_triton_kernels.py -k "gpu_kernels_match or gpu_decode" -rA 2>&1 \
+                  | tail -n 30 ;;
     capture)    capture ;;
     # issue 18's op rows: f+b against dense SDPA at each length, both layouts, three input kinds (captured: the
     # 125M layout only); decode at B = 1 and 32, eager and CUDA-graphed

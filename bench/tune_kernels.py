@@ -51,6 +51,9 @@ DEFAULT_VARIANTS = [
     # the selected dK/dV with every pair tile masked, as timed on 2026-11-23: the default now runs the tiles whose
     # queries lie past the block's last key (all but the block's first few) without masks, not yet timed
     "sel_dkdv_masked:sel_dkdv_all_masked=1",
+    # the selected forward and dQ with the causal mask on every block of a tile's union, as timed on 2026-11-23:
+    # the default skips it on the blocks that end before the tile's first query (nearly all), not yet timed
+    "sel_causal_all:sel_causal_every_block=1",
     # the selected dQ's union of a 128-row tile (21 queries at G = 6) is about twice a 64-row tile's at 64k on
     # random inputs (bench/selection_tiles.py): twice the math per query once the loop is pipelined
     "dq64rows:dq_rows=64",
@@ -100,9 +103,10 @@ DEFAULT_VARIANTS = [
 CASES = [(12, 2, 64, 65536, 1, "random", None), (12, 2, 64, 2048, 32, "random", None),
          (16, 1, 64, 8192, 8, "random", None),
          (12, 2, 64, 65536, 1, "correlated", ("default", "dq64rows", "sel32rows", "merge_only", "seldq_pairs",
-                                              "topn_query_major", "sel_dkdv_masked")),
+                                              "topn_query_major", "sel_dkdv_masked", "sel_causal_all")),
          (16, 2, 128, 8192, 4, "random", ("default", "dkdv8warps", "dq128whole", "dkdv_interior", "dkdv_masked",
-                                          "seldq_pairs", "topn_query_major", "sel_dkdv_masked"))]
+                                          "seldq_pairs", "topn_query_major", "sel_dkdv_masked",
+                                          "sel_causal_all"))]
 KERNELS = ["_select_topn_kernel", "_sel_fwd_kernel", "_bwd_dq_kernel", "_sel_bwd_dkdv_kernel",
            "_interval_fwd_kernel", "_interval_bwd_dkdv_kernel"]
 DECODE = ["_decode_cmp_split_kernel", "_decode_topn_kernel", "_decode_finish_kernel", "_decode_parts_kernel",

@@ -89,12 +89,16 @@ if triton is not None:
         return q, do, _load_lse(LSE_S, row, row_ok), delta, t_abs, a_rows
 
     @triton.jit
-    def _sel_dq_sub(a, kk, k, v, q, do, lse, delta, t_abs, a_rows, sm_scale2, dq, WHOLE: tl.constexpr):
+    def _sel_dq_sub(a, kk, k, v, q, do, lse, delta, t_abs, a_rows, sm_scale2, dq, WHOLE: tl.constexpr,
+                    CAUSAL: tl.constexpr = True):
         """Block a's share of one sub-tile's dQ: skipped unless one of its rows' queries chose it (WHOLE: the
-        whole tile, no test, as in _sel_fwd_sub)."""
+        whole tile, no test; CAUSAL=False: a block every row's query is past; as in _sel_fwd_sub)."""
         sel = tl.sum((a_rows == a).to(tl.int32), 1) > 0
         if WHOLE:
-            vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
+            if CAUSAL:
+                vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
+            else:
+                vis = sel[:, None]
             dq = _dq_update(q, do, lse, delta, k, v, vis, sm_scale2, dq, True)
         elif tl.max(sel.to(tl.int32), 0) > 0:
             vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
@@ -112,7 +116,7 @@ if triton is not None:
     def _bwd_dq_kernel(
         Q, DOUT, GATE, DG, DELTA, DQ,
         KC, VC, C_LO, C_HI, LSE_C, OC,
-        KS, VS, IDX, UBLK, UCNT, DOCPOS, LSE_S, OS,
+        KS, VS, IDX, UBLK, UCNT, UPAST, DOCPOS, LSE_S, OS,
         KW, VW, W_LO, W_HI, LSE_W, OW,
         Tq, Tk, Nc, Tw, q_off, n_tiles, R, sm_scale2, scale,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
@@ -169,7 +173,14 @@ if triton is not None:
                 dq3 = tl.zeros([SUB_M, D], tl.float32)
             tile = pid_bg.to(tl.int64) * n_tiles + pid_q
             kv_base = b * Tk * HKV * D + g * D
-            for u in range(tl.load(UCNT + tile)):
+            n_union = tl.load(UCNT + tile)
+            u_from = 0
+            if SUBS == 1:  # the blocks every row's query is past, without the causal mask (_sel_fwd_kernel)
+                u_from = tl.load(UPAST + tile)
+                for u in range(u_from):
+                    a, kk, k, v = _sel_block(KS, VS, UBLK, tile, u, kv_base, Tk, HKV, D, LB, N_SEL, QPB)
+                    dq0 = _sel_dq_sub(a, kk, k, v, q0, do0, lse0, dl0, t0, a0, sm_scale2, dq0, True, False)
+            for u in range(u_from, n_union):
                 a, kk, k, v = _sel_block(KS, VS, UBLK, tile, u, kv_base, Tk, HKV, D, LB, N_SEL, QPB)
                 dq0 = _sel_dq_sub(a, kk, k, v, q0, do0, lse0, dl0, t0, a0, sm_scale2, dq0, SUBS == 1)
                 if SUBS >= 2:
@@ -203,14 +214,14 @@ def _bwd_dq(q, dout, gates, cmp, slc, win, idx, doc_pos, params: NSAParams, scal
     n_sel = idx.shape[-1]
     block_m, qpb, dq_opts = _dq_launch(group, head_dim, n_sel, q.device, sel_dq)
     if sel_dq:
-        blocks, counts = _tile_block_union(idx, doc_pos, qpb, params.sel_block_size)
+        blocks, counts, n_past = _tile_block_union(idx, doc_pos, qpb, params.sel_block_size)
     else:  # not read (SEL_DQ=False)
-        blocks, counts = idx, idx.new_zeros(batch, num_kv, 0)
+        blocks, counts, n_past = idx, idx.new_zeros(batch, num_kv, 0), idx.new_zeros(batch, num_kv, 0)
     dq = torch.empty_like(q) if sel_dq else torch.empty(q.shape, device=q.device, dtype=torch.float32)
     dgates = torch.empty_like(gates)
     delta = torch.empty(3, batch, num_q, num_heads, device=q.device, dtype=torch.float32)
     _bwd_dq_kernel[(_cdiv(num_q, qpb), batch * num_kv)](
-        q, dout, gates, dgates, delta, dq, *cmp, k_slc, slc[1], idx, blocks, counts, doc_pos, *slc[2:], *win,
+        q, dout, gates, dgates, delta, dq, *cmp, k_slc, slc[1], idx, blocks, counts, n_past, doc_pos, *slc[2:], *win,
         num_q, num_keys, k_cmp.shape[1], k_win.shape[1], num_keys - num_q, counts.shape[-1], batch * num_q * num_heads,
         scale * _LOG2E, scale,
         H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=params.sel_block_size, N_SEL=n_sel,

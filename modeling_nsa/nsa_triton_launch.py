@@ -35,6 +35,9 @@ class LaunchOverrides:
     # the selected dK/dV with every pair tile masked, as timed on 2026-11-23 (the default runs the tiles whose
     # queries lie past the block's last key without masks: _sel_block_dkdv)
     sel_dkdv_all_masked: bool | None = None
+    # the selected forward and dQ with the causal mask on every union block, as timed on 2026-11-23 (the default
+    # skips it on the blocks that end before the tile's first query: _tile_block_union's n_past)
+    sel_causal_every_block: bool | None = None
     dq_rows: int | None = None  # rows of the fused dQ query tile (sm_90)
     dq_warps: int | None = None  # warps of the fused dQ kernel (sm_90)
     sel_rows: int | None = None  # the selected-attention query tile (rows = queries x G)

@@ -81,13 +81,18 @@ if triton is not None:
         return a, kk, k, v
 
     @triton.jit
-    def _sel_fwd_sub(a, kk, k, v, q, t_abs, a_rows, sm_scale2, m_i, l_i, acc, WHOLE: tl.constexpr):
+    def _sel_fwd_sub(a, kk, k, v, q, t_abs, a_rows, sm_scale2, m_i, l_i, acc, WHOLE: tl.constexpr,
+                     CAUSAL: tl.constexpr = True):
         """Block a for one sub-tile: skipped unless one of its rows' queries chose it. WHOLE: the sub-tile is
         the whole tile, whose union holds only blocks its queries chose, so no test (and no branch in the
-        loop, which lets the compiler pipeline the block loads)."""
+        loop, which lets the compiler pipeline the block loads). CAUSAL=False (WHOLE only): the block ends at
+        or before every row's query, so only the rows that did not choose it are masked."""
         sel = tl.sum((a_rows == a).to(tl.int32), 1) > 0  # rows whose query selected it
         if WHOLE:
-            vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
+            if CAUSAL:
+                vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
+            else:
+                vis = sel[:, None]
             s = tl.where(vis, tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
             m_i, l_i, acc = _softmax_tile(s, v, m_i, l_i, acc)
         elif tl.max(sel.to(tl.int32), 0) > 0:
@@ -106,7 +111,7 @@ if triton is not None:
 
     @triton.jit
     def _sel_fwd_kernel(
-        Q, K, V, IDX, UBLK, UCNT, DOCPOS, O, LSE,
+        Q, K, V, IDX, UBLK, UCNT, UPAST, DOCPOS, O, LSE,
         Tq, Tk, q_off, n_tiles, sm_scale2,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -131,7 +136,14 @@ if triton is not None:
             q3, row3, ok3, t3, a3 = _sel_sub_rows(Q, IDX, DOCPOS, pid_q, pid_bg, Tq, Tk, q_off, 3 * SUB_M,
                                                   H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
             m3, l3, acc3 = _softmax_init(SUB_M, D)
-        for u in range(tl.load(UCNT + tile)):
+        n_union = tl.load(UCNT + tile)
+        u_from = 0
+        if SUBS == 1:  # the blocks every row's query is past: no causal mask (one loop each: both pipelined)
+            u_from = tl.load(UPAST + tile)
+            for u in range(u_from):
+                a, kk, k, v = _sel_block(K, V, UBLK, tile, u, kv_base, Tk, HKV, D, LB, N_SEL, QPB)
+                m0, l0, acc0 = _sel_fwd_sub(a, kk, k, v, q0, t0, a0, sm_scale2, m0, l0, acc0, True, False)
+        for u in range(u_from, n_union):
             a, kk, k, v = _sel_block(K, V, UBLK, tile, u, kv_base, Tk, HKV, D, LB, N_SEL, QPB)
             m0, l0, acc0 = _sel_fwd_sub(a, kk, k, v, q0, t0, a0, sm_scale2, m0, l0, acc0, SUBS == 1)
             if SUBS >= 2:
@@ -314,7 +326,9 @@ def _tile_block_union(idx, doc_pos, qpb: int, sel_block_size: int):
     """The distinct selected blocks of each query tile (qpb consecutive queries), as absolute first keys,
     ascending, then padding. idx (B, Hkv, Tq, n') in-document block indices (-1 unused); doc_pos (B, Tk)
     with the queries its last Tq positions. Returns (blocks (B, Hkv, n_tiles, qpb*n') int32, counts
-    (B, Hkv, n_tiles) int32). Two segmented sorts, static shapes, no host synchronization."""
+    (B, Hkv, n_tiles) int32, n_past (B, Hkv, n_tiles) int32: how many of the first blocks end at or before
+    every query of the tile, so no row needs the causal mask there). Two segmented sorts, static shapes, no
+    host synchronization."""
     batch, num_kv, num_q, n_sel = idx.shape
     num_keys = doc_pos.shape[1]
     q_off = num_keys - num_q
@@ -327,7 +341,16 @@ def _tile_block_union(idx, doc_pos, qpb: int, sel_block_size: int):
     repeat = torch.zeros_like(a, dtype=torch.bool)
     repeat[..., 1:] = a[..., 1:] == a[..., :-1]
     a = torch.where(repeat, none, a).sort(-1).values  # distinct blocks first
-    return a.contiguous(), (a < none).sum(-1, dtype=torch.int32).contiguous()
+    # the tile's first query (valid ones; padding never attends): a block whose last key is at or before it is
+    # seen whole by every row that chose it; ascending, so those blocks are a prefix of the list
+    t_abs = torch.arange(q_off, num_keys, device=idx.device).expand(batch, -1)
+    t_first = torch.where(doc_pos[:, q_off:] >= 0, t_abs, num_keys)
+    t_first = torch.nn.functional.pad(t_first, (0, n_tiles * qpb - num_q), value=num_keys)
+    t_first = t_first.view(batch, 1, n_tiles, qpb).amin(-1, keepdim=True)  # (B, 1, n_tiles, 1)
+    n_past = (a.long() + (sel_block_size - 1) <= t_first).sum(-1, dtype=torch.int32)
+    if _OVERRIDES.sel_causal_every_block:
+        n_past.zero_()
+    return a.contiguous(), (a < none).sum(-1, dtype=torch.int32).contiguous(), n_past.contiguous()
 
 
 def _sel_fwd(q, k, v, idx, doc_pos, params: NSAParams, scale):
@@ -336,9 +359,9 @@ def _sel_fwd(q, k, v, idx, doc_pos, params: NSAParams, scale):
     lse = torch.empty(batch, num_q, num_heads, device=q.device, dtype=torch.float32)
     n_sel = idx.shape[-1]
     block_m, qpb = _sel_rows_per_program(group, head_dim)
-    blocks, counts = _tile_block_union(idx, doc_pos, qpb, params.sel_block_size)
+    blocks, counts, n_past = _tile_block_union(idx, doc_pos, qpb, params.sel_block_size)
     _sel_fwd_kernel[(_cdiv(num_q, qpb), batch * num_kv)](
-        q, k, v, idx, blocks, counts, doc_pos, o, lse, num_q, num_keys, num_keys - num_q, counts.shape[-1],
+        q, k, v, idx, blocks, counts, n_past, doc_pos, o, lse, num_q, num_keys, num_keys - num_q, counts.shape[-1],
         scale * _LOG2E,
         H=num_heads, HKV=num_kv, G=group, D=head_dim,
         LB=params.sel_block_size, N_SEL=n_sel, N_PAD=_next_pow2(n_sel), QPB=qpb, BLOCK_M=block_m,

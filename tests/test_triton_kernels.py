@@ -53,6 +53,7 @@ _KNOB_IDS = {
     "sel_dq_in_dkdv": lambda c: "seldqpairs" if c["sel_dq_in_dkdv"] else "seldqunion",
     "topn_query_major": lambda c: "querymajor" if c["topn_query_major"] else "headlanes",
     "sel_dkdv_all_masked": lambda c: "seldkdvmasked" if c["sel_dkdv_all_masked"] else "seldkdvsplit",
+    "sel_causal_every_block": lambda c: "selcausalall" if c["sel_causal_every_block"] else "selcausalsplit",
     "arch": lambda c: f"sm{c['arch']}",
     "cache_views": lambda c: "cacheviews",
     "static": lambda c: "static",
@@ -114,6 +115,10 @@ CPU_CASES = [
     # the selected dK/dV with every pair tile masked (launch_overrides(sel_dkdv_all_masked=True)); the default
     # runs the tiles whose queries lie past the block's last key unmasked, which every other case checks
     dict(B=2, T=90, H=6, Hkv=2, D=16, layout="varlen", sel_dkdv_all_masked=True),
+    # the selected forward and dQ with the causal mask on every union block (launch_overrides(
+    # sel_causal_every_block=True)); by default the blocks ending before a tile's first query skip it, which every
+    # whole-tile case checks (claiming one block more fails 9 of 12 cases; sub-tile launches never skip it)
+    dict(B=2, T=90, H=6, Hkv=2, D=16, layout="varlen", sel_causal_every_block=True),
     # the selected branch's dQ added by the selected dK/dV kernel, pair by pair, into an fp32 dQ with atomics
     # (launch_overrides(sel_dq_in_dkdv=True)) instead of the fused dQ kernel's walk over each tile's block union:
     # G = 1, 2, 3, 4, 6, 8, 16 over documents and padding, fp16, sm_80's tiles, and heavy blocks split over 3
