@@ -43,7 +43,8 @@ if triton is not None:
                        G: tl.constexpr, LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr,
                        QPB: tl.constexpr, ROWS: tl.constexpr):
         """Rows r0 .. r0+ROWS-1 of a query tile: (r, qi, row_ok, t_abs, a_rows (ROWS, N_PAD) first keys of the
-        blocks each row's query chose, -1 unused)."""
+        blocks each row's query chose, -1 unused; int32, as the union lists them: half the registers and
+        compares of int64 in the per-block test)."""
         r, qi, row_ok = _tile_rows(pid_q, Tq, r0, G, QPB, ROWS)
         t_abs = q_off + qi
         pos = tl.load(DOCPOS + b * Tk + t_abs, mask=row_ok, other=-1)
@@ -51,7 +52,7 @@ if triton is not None:
         slot = tl.arange(0, N_PAD)
         j_rows = tl.load(IDX + (pid_bg.to(tl.int64) * Tq + qi)[:, None] * N_SEL + slot[None, :],
                          mask=row_ok[:, None] & (slot < N_SEL)[None, :], other=-1)
-        a_rows = tl.where(j_rows >= 0, start[:, None] + j_rows.to(tl.int64) * LB, -1)  # (ROWS, N_PAD)
+        a_rows = tl.where(j_rows >= 0, (start[:, None] + j_rows * LB).to(tl.int32), -1)  # (ROWS, N_PAD)
         return r, qi, row_ok, t_abs, a_rows
 
     @triton.jit
@@ -71,9 +72,10 @@ if triton is not None:
     @triton.jit
     def _sel_block(K, V, UBLK, tile, u, kv_base, Tk,
                    HKV: tl.constexpr, D: tl.constexpr, LB: tl.constexpr, N_SEL: tl.constexpr, QPB: tl.constexpr):
-        """The tile's u-th distinct block: its first key a, key indices kk (LB,) and K, V (LB, D)."""
-        a = tl.load(UBLK + tile * (QPB * N_SEL) + u).to(tl.int64)
-        kk = a + tl.arange(0, LB)
+        """The tile's u-th distinct block: its first key a (int32, as listed), key indices kk (LB,) and K, V
+        (LB, D)."""
+        a = tl.load(UBLK + tile * (QPB * N_SEL) + u)
+        kk = a.to(tl.int64) + tl.arange(0, LB)
         k_ld = kk < Tk
         kv_off = kv_base + kk[:, None] * (HKV * D) + tl.arange(0, D)[None, :]
         k = tl.load(K + kv_off, mask=k_ld[:, None], other=0.0)
