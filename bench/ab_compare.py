@@ -17,7 +17,9 @@ It reads what the trainer writes per run (run.json: config and device; metrics.j
 evaluation; summary.json) and writes `<out>/ab_compare.md` (tables), `ab_compare.png` (validation loss against
 tokens, and NSA - dense) and `ab_compare.json`. Validation losses are compared at the token counts every run
 evaluated at; with two or more seeds of a mode, the seed-to-seed spread (sample standard deviation, min-max)
-is given beside the difference, so a gap can be read against the noise. Needs matplotlib for the PNG
+is given beside the difference, with the gap's 95% interval (paired by seed where both modes ran it), so a gap
+can be read against the noise; the 0.02-nat target is judged met or MISSED only when it lies outside that
+interval (two seeds rarely decide it: give three or more). Needs matplotlib for the PNG
 (`pip install "nsa-transformers[plot]"`).
 """
 
@@ -32,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -193,10 +196,39 @@ def _spread(values: list[float]) -> dict:
     return out
 
 
+# Two-sided 95% quantiles of Student's t by degrees of freedom (1.96 past 30): the seed counts here are small,
+# where the normal quantile would understate the uncertainty many times over (2 seeds: 12.7, not 1.96).
+_T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def _t95(dof: int) -> float:
+    return _T95[dof - 1] if dof <= len(_T95) else 1.96
+
+
+def gap_interval(row: dict) -> tuple[float | None, str]:
+    """Half-width of the 95% interval of NSA - dense at one token count, and how it was formed. Paired by seed
+    where 2 or more seeds ran both modes once each (twins of one seed share the initial weights of every shared
+    parameter and the data order, so the seed's luck cancels in their difference): t * std / sqrt(n) of the
+    per-seed gaps. Otherwise from the spread within each mode (Welch, the smaller sample's degrees of freedom),
+    or one mode's spread for both. None: no spread measured."""
+    gaps = list(row.get("paired_gaps", {}).values())
+    if len(gaps) >= 2:
+        return _t95(len(gaps) - 1) * statistics.stdev(gaps) / math.sqrt(len(gaps)), "paired"
+    spreads = [row[m] for m in MODES if row.get(m) and row[m]["std"] is not None]
+    if not spreads:
+        return None, "none"
+    if len(spreads) == 2:
+        se = math.sqrt(sum(s["std"] ** 2 / s["n"] for s in spreads))
+        return _t95(min(s["n"] for s in spreads) - 1) * se, "per-mode"
+    s = spreads[0]
+    return _t95(s["n"] - 1) * s["std"] * math.sqrt(sum(1 / row[m]["n"] for m in MODES)), "per-mode"
+
+
 def compare(runs: list[dict]) -> dict:
     """Per mode, per evaluated token count (those every run of both modes reached): mean validation loss over
-    seeds, its spread, NSA - dense, and NSA - dense per seed both modes ran. The verdict at the last count judges
-    the gap against the spread of those per-seed gaps (2 seeds or more), else against the spread within a mode."""
+    seeds, its spread, NSA - dense, NSA - dense per seed both modes ran once, and the 95% interval of the gap
+    (gap_interval). The verdict at the last count says met / MISSED only when the target lies outside it."""
     by_mode = {m: [r for r in runs if r["mode"] == m] for m in MODES}
     by_mode = {m: rs for m, rs in by_mode.items() if rs}
     common = None
@@ -212,25 +244,27 @@ def compare(runs: list[dict]) -> dict:
             row["nsa_minus_dense"] = row["nsa"]["mean"] - row["dense"]["mean"]
             # A/B twins of one seed share the initial weights of every shared parameter and the data order, so
             # the seed's luck is common to both: the spread of NSA - dense over seeds is the noise of the gap
+            # (seeds that one mode ran twice are not paired: which of its runs is the twin is not known)
+            once = [{seed for seed, n in Counter(r["seed"] for r in rs).items() if n == 1}
+                    for rs in (by_mode["nsa"], by_mode["dense"])]  # fmt: skip
             loss = {m: {r["seed"]: dict(r["val"])[tokens] for r in rs} for m, rs in by_mode.items()}
             row["paired_gaps"] = {str(seed): loss["nsa"][seed] - loss["dense"][seed]  # (str: JSON's keys)
-                                  for seed in sorted(loss["nsa"].keys() & loss["dense"].keys())}  # fmt: skip
+                                  for seed in sorted(once[0] & once[1])}  # fmt: skip
+            row["interval"], row["interval_kind"] = gap_interval(row)
         curve.append(row)
     final = curve[-1] if curve else None
     verdict = None
     if final and "nsa_minus_dense" in final:
-        gap = final["nsa_minus_dense"]
+        gap, half = final["nsa_minus_dense"], final["interval"]
         seed_std = max((final[m]["std"] or 0.0) for m in by_mode)
         paired = final["paired_gaps"]
-        paired_std = statistics.stdev(paired.values()) if len(paired) >= 2 else None
-        noise = paired_std if paired_std is not None else seed_std
         verdict = {"tokens": final["tokens"], "nsa_minus_dense": gap, "target": TARGET_NATS,
-                   "met": gap <= TARGET_NATS, "seed_std": seed_std or None,
-                   "paired_gaps": paired, "paired_std": paired_std,
-                   "noise": noise or None, "noise_kind": "paired" if paired_std is not None else "per-mode",
-                   "beyond_noise": noise > 0 and abs(gap) > 2 * noise,
-                   # the runs tell "met" from "missed" only if the target lies outside the gap's 2-std band
-                   "resolved": noise > 0 and abs(gap - TARGET_NATS) > 2 * noise}  # fmt: skip
+                   "met": gap <= TARGET_NATS, "seed_std": seed_std or None, "paired_gaps": paired,
+                   "paired_std": statistics.stdev(paired.values()) if len(paired) >= 2 else None,
+                   "interval": half, "interval_kind": final["interval_kind"],
+                   "beyond_noise": half is not None and abs(gap) > half,
+                   # the runs tell "met" from "missed" only if the target lies outside the gap's 95% interval
+                   "resolved": half is not None and abs(gap - TARGET_NATS) > half}  # fmt: skip
     return {"curve": curve, "final": verdict, "modes": list(by_mode)}
 
 
@@ -260,23 +294,23 @@ def markdown(runs: list[dict], comparison: dict, notes: list[str]) -> str:
         lines.append(f"| {row['tokens']:,} | " + " | ".join(cells) + diff + " |")
     final = comparison["final"]
     if final:
-        noise_name = ("std of NSA - dense over the seeds (paired by seed)" if final["noise_kind"] == "paired"
-                      else "seed-to-seed std")
-        spread = (f"; {noise_name} {final['noise']:.4f} nats "
-                  f"({'the gap is beyond 2 std' if final['beyond_noise'] else 'the gap is within 2 std: noise'})"
-                  if final["noise"] else "; one seed per mode: no spread measured (give --seeds 0 1)")  # fmt: skip
+        half = final["interval"]
+        how = {"paired": "paired by seed", "per-mode": "from the spread within each mode"}.get(final["interval_kind"])
+        spread = (f"; 95% interval of the gap +-{half:.4f} nats, {how} "
+                  f"({'the gap is beyond it' if final['beyond_noise'] else 'it includes 0'})"
+                  if half is not None else "; one seed per mode: no spread measured (give --seeds 0 1 2)")  # fmt: skip
         if final["resolved"]:
             status = "met" if final["met"] else "MISSED"
-        else:  # the target inside the gap's 2-std band (or no spread measured) cannot be decided either way
-            why = (f"the target lies within 2 std ({2 * final['noise']:.4f} nats) of the gap" if final["noise"]
+        else:  # the target inside the gap's interval (or no spread measured) cannot be decided either way
+            why = ("the target lies within the gap's 95% interval (more seeds narrow it)" if half is not None
                    else "no seed spread to judge it against")
             status = f"{'met' if final['met'] else 'missed'} by the means, NOT RESOLVED: {why}"
         paired = ", ".join(f"seed {seed} {gap:+.4f}" for seed, gap in final["paired_gaps"].items())
         lines += ["", f"At {final['tokens']:,} tokens NSA - dense = {final['nsa_minus_dense']:+.4f} nats "
                       f"(target <= +{TARGET_NATS}: {status}){spread}"
                       + (f"; per seed: {paired}" if paired else "")
-                      + (f"; seed-to-seed std within a mode {final['seed_std']:.4f}"
-                         if final["noise_kind"] == "paired" and final["seed_std"] else "") + "."]  # fmt: skip
+                      + (f"; seed-to-seed std within a mode {final['seed_std']:.4f}" if final["seed_std"] else "")
+                      + "."]  # fmt: skip
     if notes:
         lines += ["", "**The runs differ beyond the attention mode** (not a like-for-like comparison):", ""]
         lines += [f"- {n}" for n in notes]
@@ -313,10 +347,10 @@ def plot(runs: list[dict], comparison: dict, path: Path) -> Path:
         tokens = [r["tokens"] for r in rows]
         gap = [r["nsa_minus_dense"] for r in rows]
         ax.plot(tokens, gap, marker="o", markersize=3, color="black", label="NSA - dense (mean over seeds)")
-        stds = [max((r[m]["std"] or 0.0) for m in ("nsa", "dense")) for r in rows]
-        if any(stds):
-            ax.fill_between(tokens, [g - 2 * s for g, s in zip(gap, stds)], [g + 2 * s for g, s in zip(gap, stds)],
-                            color="gray", alpha=0.25, label="± 2 seed std")  # fmt: skip
+        halves = [r["interval"] or 0.0 for r in rows]
+        if any(halves):
+            ax.fill_between(tokens, [g - h for g, h in zip(gap, halves)], [g + h for g, h in zip(gap, halves)],
+                            color="gray", alpha=0.25, label=f"95% interval ({rows[-1]['interval_kind']})")  # fmt: skip
         for seed in rows[-1]["paired_gaps"] if len(rows[-1]["paired_gaps"]) >= 2 else ():
             ax.plot(tokens, [r["paired_gaps"][seed] for r in rows], linewidth=0.8, alpha=0.7,
                     label=f"seed {seed}: NSA - dense")  # fmt: skip
@@ -363,7 +397,8 @@ def main(argv=None) -> dict:
                                 usage="%(prog)s --out DIR [--seeds S ...] [--modes nsa dense] -- TRAIN_FLAGS  |  "
                                       "%(prog)s --out DIR --runs RUN_DIR RUN_DIR ...")  # fmt: skip
     p.add_argument("--out", required=True, help="directory of the runs and the comparison")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0],
+                   help="seeds per mode (default 0: one run each, no spread; 0 1 2 lets the verdict decide)")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--runs", nargs="+", default=None, help="compare these finished runs (no training)")
     p.add_argument("--launcher", default=shlex.quote(sys.executable),

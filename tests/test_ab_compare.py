@@ -104,25 +104,38 @@ def test_seed_spread_and_the_verdict():
     final = comparison["final"]
     assert final["nsa_minus_dense"] == pytest.approx(0.09) and not final["met"]
     assert final["seed_std"] == pytest.approx(statistics.stdev([3.00, 3.06]))
-    # each seed's twins differ by 0.10 and 0.08: the gap's own noise (paired by seed) is far below the seeds' spread
+    # each seed's twins differ by 0.10 and 0.08: the gap's interval is paired by seed, t(1) * std / sqrt(2)
     assert final["paired_gaps"] == {"0": pytest.approx(0.10), "1": pytest.approx(0.08)}
-    assert final["noise_kind"] == "paired" and final["noise"] == pytest.approx(statistics.stdev([0.10, 0.08]))
-    assert final["beyond_noise"] and final["resolved"]
+    assert final["interval_kind"] == "paired"
+    assert final["interval"] == pytest.approx(12.706 * statistics.stdev([0.10, 0.08]) / 2 ** 0.5)
+    # two seeds cannot place a 0.07-nat distance to the target (their interval is +-0.13): "NOT RESOLVED"
+    assert not final["resolved"] and not final["beyond_noise"]
     text = ab_compare.markdown([], comparison, [])
-    assert "(target <= +0.02: MISSED)" in text and "per seed: seed 0 +0.1000, seed 1 +0.0800" in text
-    # seeds whose gaps disagree (0.04 and 0.14) cannot decide the target: the table says so instead of "MISSED"
-    runs[2]["val"][-1], runs[3]["val"][-1] = (200, 3.06), (200, 3.00)
+    assert "target <= +0.02: missed by the means, NOT RESOLVED: the target lies within the gap's 95% interval" in text
+    assert "MISSED" not in text and "per seed: seed 0 +0.1000, seed 1 +0.0800" in text
+    # a third seed that agrees: t(2) * 0.01 / sqrt(3) = +-0.025, and the target lies outside it
+    runs += [fake_run("nsa", 2, [5.0, 4.0, 3.12]), fake_run("dense", 2, [5.0, 4.0, 3.03])]
     final = ab_compare.compare(runs)["final"]
-    assert final["noise"] == pytest.approx(statistics.stdev([0.04, 0.14])) and not final["resolved"]
-    text = ab_compare.markdown([], ab_compare.compare(runs), [])
-    assert "target <= +0.02: missed by the means, NOT RESOLVED: the target lies within 2 std" in text
-    assert "MISSED" not in text
-    # one seed per mode: the spread within a mode judges the gap; with none, nothing is resolved
-    solo = [fake_run("nsa", 0, [5.0, 3.10]), fake_run("nsa", 1, [5.0, 3.12]), fake_run("dense", 2, [5.0, 3.00])]
+    assert final["interval"] == pytest.approx(4.303 * statistics.stdev([0.10, 0.08, 0.09]) / 3 ** 0.5)
+    assert final["resolved"] and final["beyond_noise"] and not final["met"]
+    assert "(target <= +0.02: MISSED)" in ab_compare.markdown([], ab_compare.compare(runs), [])
+    # seeds whose gaps disagree cannot decide it
+    runs[-1]["val"][-1] = (200, 3.12)
+    assert not ab_compare.compare(runs)["final"]["resolved"]
+    # no seed in both modes: the spread within each mode (Welch); one seed per mode: nothing measured
+    solo = [fake_run("nsa", 0, [5.0, 3.100]), fake_run("nsa", 1, [5.0, 3.101]), fake_run("dense", 2, [5.0, 3.000]),
+            fake_run("dense", 3, [5.0, 3.002])]
     final = ab_compare.compare(solo)["final"]
-    assert final["noise_kind"] == "per-mode" and final["noise"] == pytest.approx(statistics.stdev([3.10, 3.12]))
-    assert final["resolved"] and not final["met"]
-    assert not ab_compare.compare(solo[::2])["final"]["resolved"]
+    assert final["interval_kind"] == "per-mode" and final["paired_gaps"] == {}
+    assert final["interval"] == pytest.approx(
+        12.706 * (statistics.variance([3.100, 3.101]) / 2 + statistics.variance([3.000, 3.002]) / 2) ** 0.5)
+    assert final["resolved"] and not final["met"]  # 0.0995 is 0.08 past the target; the interval is +-0.02
+    single = ab_compare.compare(solo[::2])["final"]
+    assert single["interval"] is None and not single["resolved"]
+    assert "no seed spread to judge it against" in ab_compare.markdown([], ab_compare.compare(solo[::2]), [])
+    # a seed one mode ran twice is not paired (which run is the twin is unknown)
+    twice = [fake_run("nsa", 0, [5.0, 3.1]), fake_run("nsa", 0, [5.0, 3.2]), fake_run("dense", 0, [5.0, 3.0])]
+    assert ab_compare.compare(twice)["final"]["paired_gaps"] == {}
     # only the token counts every run evaluated at are compared
     runs[0]["val"] = runs[0]["val"][:2]
     assert [row["tokens"] for row in ab_compare.compare(runs)["curve"]] == [0, 100]
