@@ -484,8 +484,8 @@ def save(model, run: RunState, checkpoints: checkpoint.RunCheckpoints, exporter:
         exporter.export(model, run, f"step {run.step}", branch=branch)
 
 
-def evaluate_only(cfg: TrainConfig, accelerator, model, val_rows, source, out_dir: Path, tokenizer=None,
-                  long_context: dict | None = None, watchdog=None) -> dict:
+def evaluate_only(cfg: TrainConfig, accelerator, model, val_rows, source, out_dir: Path, tokenizer,
+                  long_context: dict | None, watchdog) -> dict:
     """--eval-only: the --init-from model's loss on this run's held-out rows (the rows training would hold out with
     the same data flags), written to <output_dir>/eval.json; with --eval-long-context (`long_context`: its
     settings) also its retrieval, in <output_dir>/long_context/ and as eval.json's `longctx_*` fields."""

@@ -514,8 +514,11 @@ class NSACache(Cache):
             )
         # a step past the buffers would index out of them (a device-side assert on CUDA). generate() sizes them from
         # max_length, so only hand-driven steps get here; checked eagerly only (a host read of the cursor, which an
-        # eager step's stopping check has synchronized anyway; a compiled step must not read it)
-        if not torch.compiler.is_compiling() and int(self.cursor) >= self.capacity:
+        # eager step's stopping check has synchronized anyway; a compiled step or one captured into a CUDA graph
+        # must not read it)
+        host_read = not torch.compiler.is_compiling() and not (
+            self.cursor.is_cuda and torch.cuda.is_current_stream_capturing())
+        if host_read and int(self.cursor) >= self.capacity:
             raise ValueError(
                 f"NSACache(static=True, max_cache_len={self.capacity}) is full: it holds {self.capacity} tokens "
                 "and cannot take another; make max_cache_len at least prompt + new tokens."

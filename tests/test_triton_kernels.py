@@ -317,6 +317,8 @@ GPU_CASES = [
     dict(B=2, T=63, H=12, Hkv=2, D=64),
     dict(B=2, T=64, H=4, Hkv=2, D=128),
     dict(B=2, T=65, H=6, Hkv=6, D=64),
+    # G = 3 (padded to 4 heads: the top-n's head-lane rows with a padded head) over packed documents
+    dict(B=2, T=1000, H=6, Hkv=2, D=64, layout="varlen"),
     dict(B=2, T=1000, H=12, Hkv=2, D=64, layout="varlen"),
     dict(B=2, T=1000, H=8, Hkv=2, D=128, layout="pad"),
     dict(B=1, T=2048, H=16, Hkv=1, D=64),
