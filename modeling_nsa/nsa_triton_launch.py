@@ -95,12 +95,14 @@ def _dkdv_launch(group: int, head_dim: int, device, dq_atomic: bool = False) -> 
     the key-major update (_dkdv_update): on sm_90 at head_dim 64, 64-row query tiles at 4 warps, spill-free
     for both kernels and faster than 8 warps for both (variant dkdv8warps; bench/KERNELS.md). Elsewhere 32-row
     tiles at 8 warps:
-    2 pipeline stages on sm_90 (spill-free at head_dim 128; head_dim 256 spills about 300-400 bytes with or
-    without them), none on sm_80, which keeps the stack frame there at 0-32 bytes at head_dim 64 (64 rows,
-    or pipelining, spill more). dq_atomic (the selected kernel adding its dQ, sel_dq_in_dkdv): on sm_90 at head_dim
-    64 the fp32 dQ tile beside dK and dV spills 120-136 bytes at 4 warps at G = 6 (none at G = 16), none at 8
-    warps, so 8 there (the variant seldq_pairs_4warps times the other side); at head_dim 128 the 32-row tile spills
-    8-40 bytes (sm_90 with its two stages, sm_80/86) and a 16-row one none, pipelined on sm_90."""
+    2 pipeline stages on sm_90 (no spill inside the tile loops at head_dim 128: the selected kernel's main pass
+    keeps an 88-104 byte frame reloaded per block; head_dim 256 spills about 300-700 bytes with or without
+    them), none on sm_80, which keeps the stack frame there at 0-48 bytes at head_dim 64, outside the tile loops
+    (64 rows, or pipelining, spill more). dq_atomic (the selected kernel adding its dQ, sel_dq_in_dkdv): on
+    sm_90 at head_dim 64 the fp32 dQ tile beside dK and dV spills 120-136 bytes at 4 warps at G = 6 (none at
+    G = 16), at 8 warps nothing inside the tile loops (a 16-byte frame outside them), so 8 there (the variant
+    seldq_pairs_4warps times the other side); at head_dim 128 the 32-row tile spills 8-40 bytes (sm_90 with its
+    two stages, sm_80/86) and a 16-row one none inside its loops, pipelined on sm_90."""
     if head_dim <= 64 and _hopper_class(device):
         block_m, qpb = _rows_per_program(group, head_dim)
         return block_m, qpb, dict(num_warps=_OVERRIDES.dkdv_warps or (8 if dq_atomic else 4))

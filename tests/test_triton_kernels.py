@@ -139,13 +139,16 @@ CPU_CASES = [
     dict(B=1, T=65, H=6, Hkv=2, D=16, layout="varlen", dtype="float16", seed=628567,
          param_overrides=dict(cmp_block_size=4, cmp_stride=4, sel_block_size=64, sel_num_blocks=5, sel_init_blocks=0,
                               sel_local_blocks=1, window_size=1)),
-    # the training top-n alone over 19 blocks per row (T = 300, l' = 16), where a query's blocks compete and a
-    # wrong sum over its heads picks other blocks (dropping half the heads gives a tie gap of ~0.3): G = 1, 2, 3,
-    # 4, 6, 8, 16, each G's rows laid out by _topn_row_query_head, and the query-major rows for G = 6
-    *[dict(kind="select", B=2, T=300, H=g * hkv, Hkv=hkv, D=16, layout=layout)
-      for g, hkv, layout in [(1, 2, "pad"), (2, 2, "varlen"), (3, 2, "pad"), (4, 1, "varlen"), (6, 2, "varlen"),
-                             (8, 1, "pad"), (16, 1, "varlen")]],
-    dict(kind="select", B=2, T=300, H=12, Hkv=2, D=16, layout="varlen", topn_query_major=True),
+    # the training top-n alone over many blocks per row (l' = 16), where a query's blocks compete and a wrong
+    # sum over its heads picks other blocks (dropping half the heads gives a tie gap of ~0.3): G = 1, 2, 3, 4, 6,
+    # 8, 16, each G's rows laid out by _topn_row_query_head, and the query-major rows for G = 6. A chunk is 64
+    # compressed tokens (16 blocks), so the rows see whole chunks, which run unmasked, only past ~260 tokens of
+    # a document: T = 700 for some, 4-block chunks (16 tokens) for the others
+    *[dict(kind="select", B=2, T=t, H=g * hkv, Hkv=hkv, D=16, layout=layout, bj=bj)
+      for g, hkv, layout, t, bj in [(1, 2, "pad", 300, 4), (2, 2, "varlen", 700, None), (3, 2, "pad", 700, None),
+                                    (4, 1, "varlen", 300, 4), (6, 2, "varlen", 300, 4), (8, 1, "varlen", 600, None),
+                                    (16, 1, "varlen", 300, 4)]],
+    dict(kind="select", B=2, T=700, H=12, Hkv=2, D=16, layout="varlen", topn_query_major=True),
     dict(kind="decode", B=2, T=60, H=4, Hkv=2, D=16, steps=[1, 8, 23, 60], Tw=16, layout="pad"),
     # the cache's tensors as NSACache passes them: views of larger buffers (read in place, batch strides),
     # the spare room NaN; split compressed slots and packed documents

@@ -231,7 +231,10 @@ def _sass(cubin: bytes) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True).stdout
+        proc = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True)
+    if proc.returncode != 0 or "/*0000*/" not in proc.stdout:  # no listing: the loop checks would see nothing
+        raise RuntimeError(f"cuobjdump -sass failed (exit {proc.returncode}): {proc.stderr[-500:]}")
+    return proc.stdout
 
 
 _LAUNCHES: list = []  # (arch, scenario, name, fn, args, kwargs); filled before the worker pool forks
@@ -299,7 +302,8 @@ def main():
 
     with ProcessPoolExecutor(max_workers=args.workers, mp_context=multiprocessing.get_context("fork")) as pool:
         results = list(pool.map(_compile_one, jobs))
-    print("| arch | kernel | scenario | warps | regs | spill (stack/local B) | smem KiB | dot loops (unpipelined) | s |")
+    print("| arch | kernel | scenario | warps | regs | spill (stack/local B) | smem KiB | dot loops (unpipelined) "
+          "| s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if r["ok"]:
