@@ -4,7 +4,9 @@
 # step's wall time. Usage:
 #   bash bench/gpu_session.sh                         # every step: tests capture attention floors tune model
 #                                                     #   model-long generate profile train
-#   bash bench/gpu_session.sh capture attention       # a subset (bench/KERNELS.md, "Next GPU session": the calls)
+#   bash bench/gpu_session.sh check sweep             # a subset (bench/KERNELS.md, "Next GPU session": the calls);
+#                                                     #   check / sweep: the kernel cases of tests / the untimed
+#                                                     #   launch choices of tune, each alone
 #   OUT=/tmp/run FLA_WHEEL=wheels/fla_core-0.6.0-py3-none-any.whl bash bench/gpu_session.sh attention
 # Data: the shared wiki parquet and GPT-2 tokenizer from $DATA (default ../shared/data beside the checkout, else
 # runs/data: on a device machine, which gets only the checkout, copy ../shared/data there and carry runs/data).
@@ -67,6 +69,12 @@ for step in "${steps[@]}"; do
                   --decode-lengths 8192 65536 --json "$OUT/floors.json" ;;
     # launch variants (tiles, warps, top-n insertion) with per-kernel times: where the defaults come from
     tune)       $PY bench/tune_kernels.py --json "$OUT/tune.json" ;;
+    # the launch choices made without a GPU since the last sweep, each against its other side: these decide
+    # defaults, so they run before the figures that depend on them (bench/KERNELS.md, "Next GPU session")
+    sweep)      $PY bench/tune_kernels.py --json "$OUT/sweep.json" --variants default \
+                  dkdv_interior:dkdv_unmasked_interior=1 dkdv_split32:dkdv_split=32 seldq_pairs:sel_dq_in_dkdv=1 \
+                  topn_query_major:topn_query_major=1 sel_dkdv_masked:sel_dkdv_all_masked=1 \
+                  sel_causal_all:sel_causal_every_block=1 ;;
     model)      $PY bench/bench_model.py --seq-lens 2048 8192 32768 --steps 5 --warmup 2 --json "$OUT/model.json" ;;
     # issue 20: the dense baseline with packed documents (8 per row) against one document per row, SDPA's
     # boolean mask and FlexAttention's block mask (target: packed within 10% of unpacked)
