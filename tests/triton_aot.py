@@ -198,7 +198,10 @@ def _sass_loops(sass: str) -> list[dict]:
     order: its instructions per iteration (`instructions`, nested loops counted once), those outside its nested
     loops (`own`), whether it issues a tensor-core dot (HGMMA/HMMA) outside them (`dot`), and its register spill
     loads and stores (LDL/STL, nested loops included: `spills`). Instructions per warp per iteration are what an
-    issue-bound loop's time follows: a CPU proxy for a kernel change before a GPU times it."""
+    issue-bound loop's time follows: a CPU proxy for a kernel change before a GPU times it. A loop is the span
+    from a branch target to the backward branch that reaches it; the compiler may place blocks so that two
+    spans overlap without nesting, or a rarely run block of a loop outside its span, so the counts are of
+    spans: static, comparable between versions of one loop, not exact per iteration."""
     code = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     at = {addr: i for i, (addr, _) in enumerate(code)}
     spans = []
