@@ -124,6 +124,29 @@ def parse_variant(text):
     return name, settings
 
 
+SHORT = {"_select_topn_kernel": "top-n", "_sel_fwd_kernel": "sel fwd", "_bwd_dq_kernel": "dQ",
+         "_sel_bwd_dkdv_kernel": "sel dK/dV", "_interval_fwd_kernel": "intv fwd",
+         "_interval_bwd_dkdv_kernel": "intv dK/dV"}
+
+
+def against_default(rows: list[dict], threshold: float = 0.02) -> list[str]:
+    """Markdown rows: each variant against the first variant timed on the same case (the default), as f+b and
+    each kernel's time in percent (+: the variant is slower), kernels moving by under `threshold` left out.
+    What decides a launch default: a variant that beats the default in f+b where its kernels moved."""
+    lines = ["| case | variant | f+b vs default | kernels vs default |", "|---|---|---|---|"]
+    base = {}
+    for r in rows:
+        if r["case"] not in base:
+            base[r["case"]] = r
+            continue
+        ref = base[r["case"]]
+        moved = [f"{SHORT[k]} {100 * (r[k] / ref[k] - 1):+.1f}%" for k in KERNELS
+                 if ref[k] > 0 and abs(r[k] / ref[k] - 1) >= threshold]
+        lines.append(f"| {r['case']} | {r['variant']} | {100 * (r['fb_ms'] / ref['fb_ms'] - 1):+.1f}% | "
+                     f"{', '.join(moved) or 'none moved'} |")
+    return lines
+
+
 def kernel_ms(fn):
     """CUDA time per kernel name (ms) of one call, after two warm-up calls (compilation outside)."""
     for _ in range(2):
@@ -209,15 +232,13 @@ def main():
             save()
             print(json.dumps(row), flush=True)
 
-    short = {"_select_topn_kernel": "topn", "_sel_fwd_kernel": "sel fwd", "_bwd_dq_kernel": "dQ",
-             "_sel_bwd_dkdv_kernel": "sel dK/dV", "_interval_fwd_kernel": "intv fwd",
-             "_interval_bwd_dkdv_kernel": "intv dK/dV"}
     print(f"\n# NSA launch sweep: {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16 (ms)")
-    print("| case | variant | f+b ms | " + " | ".join(short[k] for k in KERNELS) + " | top-n equal |")
+    print("| case | variant | f+b ms | " + " | ".join(SHORT[k] for k in KERNELS) + " | top-n equal |")
     print("|---" * (4 + len(KERNELS)) + "|")
     for r in rows:
         cells = " | ".join(f"{r[k]:.2f}" for k in KERNELS)
         print(f"| {r['case']} | {r['variant']} | {r['fb_ms']:.2f} | {cells} | {'yes' if r['same_topn'] else 'NO'} |")
+    print("\n" + "\n".join(against_default(rows)))
     print("\n| decode 64k (us) | " + " | ".join(k.strip("_").replace("_kernel", "") for k in DECODE)
           + " | kernels' sum | CUDA-graphed step |")
     print("|---" * (3 + len(DECODE)) + "|")

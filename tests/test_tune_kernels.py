@@ -1,0 +1,38 @@
+"""bench/tune_kernels.py without a GPU: every default variant names real launch knobs (a typo would stop the
+next GPU session's sweep), and the table of each variant against the default, which decides launch defaults."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import tune_kernels as tk  # noqa: E402
+
+
+def test_every_variant_names_launch_knobs():
+    for text in tk.DEFAULT_VARIANTS:
+        name, settings = tk.parse_variant(text)
+        assert name and set(settings) <= set(tk.KNOBS), text
+    with pytest.raises(SystemExit, match="unknown knob 'topn_rowz'"):
+        tk.parse_variant("typo:topn_rowz=1")
+
+
+def row(case, variant, fb_ms, **kernel_ms):
+    """A sweep row: every kernel 1 ms unless given (by kernel name)."""
+    return dict(case=case, variant=variant, fb_ms=fb_ms, **{k: kernel_ms.get(k, 1.0) for k in tk.KERNELS})
+
+
+def test_variants_against_the_default():
+    rows = [row("64k", "default", 50.0, _select_topn_kernel=9.0, _bwd_dq_kernel=16.0),
+            row("64k", "topn_query_major", 52.0, _select_topn_kernel=10.8, _bwd_dq_kernel=16.1),  # dQ: under 2%
+            row("2k", "default", 10.0),
+            row("2k", "topn_query_major", 10.0)]
+    lines = tk.against_default(rows)
+    assert lines[:2] == ["| case | variant | f+b vs default | kernels vs default |", "|---|---|---|---|"]
+    assert lines[2] == "| 64k | topn_query_major | +4.0% | top-n +20.0% |"
+    assert lines[3] == "| 2k | topn_query_major | +0.0% | none moved |"
+    assert len(lines) == 4  # the defaults themselves are the reference, not rows
