@@ -21,6 +21,17 @@ def test_every_variant_names_launch_knobs():
         tk.parse_variant("typo:topn_rowz=1")
 
 
+def test_the_session_sweep_names_launch_knobs():
+    """bench/gpu_session.sh's `sweep` step (the next GPU session's first call) passes its own variant list."""
+    script = (Path(__file__).resolve().parent.parent / "bench" / "gpu_session.sh").read_text()
+    step = script.split("    sweep)", 1)[1].split(";;", 1)[0]
+    variants = step.replace("\\\n", " ").split("--variants", 1)[1].split()
+    assert variants[0] == "default" and len(variants) >= 6, variants
+    for text in variants:
+        name, settings = tk.parse_variant(text)
+        assert set(settings) <= set(tk.KNOBS), text
+
+
 def row(case, variant, fb_ms, **kernel_ms):
     """A sweep row: every kernel 1 ms unless given (by kernel name)."""
     return dict(case=case, variant=variant, fb_ms=fb_ms, **{k: kernel_ms.get(k, 1.0) for k in tk.KERNELS})
