@@ -492,12 +492,12 @@ def evaluate_only(cfg: TrainConfig, accelerator, model, val_rows, source, out_di
     if not val_rows:
         raise ValueError(f"--eval-only: no validation rows (--val-every-doc {cfg.val_every_doc}, --val-tokens "
                          f"{cfg.val_tokens}); both must be > 0.")
-    model = accelerator.prepare(model)
-    metrics = validation_loss(accelerator.unwrap_model(model), val_rows, cfg.micro_batch_size, accelerator)
+    unwrapped = accelerator.unwrap_model(accelerator.prepare(model))
+    metrics = validation_loss(unwrapped, val_rows, cfg.micro_batch_size, accelerator)
     if long_context:  # on every process (see evaluate_long_context)
-        with beating(watchdog, accelerator.unwrap_model(model), phase="long_context"):
-            metrics |= evaluate_long_context(accelerator.unwrap_model(model), tokenizer, RunState(), long_context,
-                                             out_dir / "long_context", accelerator, str(cfg.init_from))  # fmt: skip
+        with beating(watchdog, unwrapped, phase="long_context"):
+            metrics |= evaluate_long_context(unwrapped, tokenizer, RunState(), long_context, out_dir / "long_context",
+                                             accelerator, str(cfg.init_from))  # fmt: skip
     result = {"init_from": cfg.init_from, "data": model_card.data_description(source), "seq_len": cfg.seq_len,
               "val_rows": len(val_rows), **metrics, "mixed_precision": run_precision(accelerator),
               "num_processes": accelerator.num_processes}  # fmt: skip

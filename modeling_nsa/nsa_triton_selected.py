@@ -336,7 +336,8 @@ def _tile_block_union(idx, doc_pos, qpb: int, sel_block_size: int):
     q_off = num_keys - num_q
     n_tiles = _cdiv(num_q, qpb)
     none = torch.iinfo(torch.int32).max  # key indices fit int32 (Tk < 2**31): half the memory of int64
-    start = (torch.arange(q_off, num_keys, device=idx.device) - doc_pos[:, q_off:]).to(torch.int32)  # (B, Tq)
+    t_abs = torch.arange(q_off, num_keys, device=idx.device).expand(batch, -1)  # (B, Tq) the queries' keys
+    start = (t_abs - doc_pos[:, q_off:]).to(torch.int32)  # (B, Tq)
     a = torch.where(idx >= 0, start[:, None, :, None] + idx * sel_block_size, none)  # (B, Hkv, Tq, n') int32
     a = torch.nn.functional.pad(a, (0, 0, 0, n_tiles * qpb - num_q), value=none)
     a = a.view(batch, num_kv, n_tiles, qpb * n_sel).sort(-1).values
@@ -345,7 +346,6 @@ def _tile_block_union(idx, doc_pos, qpb: int, sel_block_size: int):
     a = torch.where(repeat, none, a).sort(-1).values  # distinct blocks first
     # the tile's first query (valid ones; padding never attends): a block whose last key is at or before it is
     # seen whole by every row that chose it; ascending, so those blocks are a prefix of the list
-    t_abs = torch.arange(q_off, num_keys, device=idx.device).expand(batch, -1)
     t_first = torch.where(doc_pos[:, q_off:] >= 0, t_abs, num_keys)
     t_first = torch.nn.functional.pad(t_first, (0, n_tiles * qpb - num_q), value=num_keys)
     t_first = t_first.view(batch, 1, n_tiles, qpb).amin(-1, keepdim=True)  # (B, 1, n_tiles, 1)

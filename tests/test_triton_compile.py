@@ -190,7 +190,6 @@ def test_selected_dq_in_dkdv_variant_compiles(aot_results, arch):
                                                                     for r in dkdv]
 
 
-
 @pytest.mark.parametrize("arch", **ARCHS)
 def test_topn_head_lanes_rows_compile_to_fewer_instructions(aot_results, arch):
     """The training top-n's rows with a query's heads in the thread's two accumulator rows and a few lanes

@@ -155,7 +155,8 @@ def _specialize(fn, args, kwargs, arch):
     return target, options, signature, constexprs, attrs
 
 
-def _resources(cubin: bytes) -> dict:
+def _cuobjdump(cubin: bytes, flag: str) -> subprocess.CompletedProcess:
+    """The triton wheel's cuobjdump run on a cubin (written to a temporary file) with one flag."""
     import tempfile
 
     import triton
@@ -164,7 +165,11 @@ def _resources(cubin: bytes) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True)
+
+
+def _resources(cubin: bytes) -> dict:
+    text = _cuobjdump(cubin, "--dump-resource-usage").stdout
     line = next((ln for ln in text.splitlines() if "REG:" in ln), "")
     fields = dict(tok.split(":", 1) for tok in line.split() if ":" in tok)
     return {k.lower(): int(fields[k]) for k in ("REG", "STACK", "LOCAL") if k in fields}
@@ -226,15 +231,7 @@ def _loop_text(loop: dict) -> str:
 
 
 def _sass(cubin: bytes) -> str:
-    import tempfile
-
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        proc = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True)
+    proc = _cuobjdump(cubin, "-sass")
     if proc.returncode != 0 or "/*0000*/" not in proc.stdout:  # no listing: the loop checks would see nothing
         raise RuntimeError(f"cuobjdump -sass failed (exit {proc.returncode}): {proc.stderr[-500:]}")
     return proc.stdout

@@ -198,7 +198,7 @@ def run_select_case(case: dict) -> dict:
     t, cmp_end, doc_pos, p, dtype, device = case_setup(case)
     idx_tri = tri.select_blocks_triton(t["q"], t["k_cmp"], cmp_end, doc_pos, p).cpu()
     captured = {}
-    _reference_on(t, cmp_end, doc_pos, p, idx_tri, torch.zeros(t["q"].shape), captured)
+    _reference_on(t, cmp_end, doc_pos, p, idx_tri, None, captured)  # (its forward computes the block scores)
     return selection_errors(idx_tri, captured)
 
 
@@ -316,9 +316,10 @@ def _device_inputs(B, T, H, Hkv, D, p, dtype, device, seed=0):
 
 
 def _reference_on(t, cmp_end, doc_pos, p, idx, dout, captured=None):
-    """The fp32 reference's output and input gradients (for output gradient dout) on the kernel's selection
-    idx (near-ties may pick other blocks: see the module docstring). captured, when given, receives the
-    reference's block scores ("scores") and its own selection ("ref"), on CPU."""
+    """The fp32 reference's output and input gradients (for output gradient dout; None: the forward alone, no
+    gradients) on the kernel's selection idx (near-ties may pick other blocks: see the module docstring).
+    captured, when given, receives the reference's block scores ("scores") and its own selection ("ref"), on
+    CPU."""
     _, reference, _ = import_nsa()
     leaves = {n: t[n].detach().float().clone().requires_grad_(True) for n in GRAD_NAMES}
     orig = reference.select_blocks
@@ -337,6 +338,8 @@ def _reference_on(t, cmp_end, doc_pos, p, idx, dout, captured=None):
         )
     finally:
         reference.select_blocks = orig
+    if dout is None:
+        return out.detach(), None
     out.backward(dout.float())
     return out.detach(), {n: leaves[n].grad for n in GRAD_NAMES}
 
