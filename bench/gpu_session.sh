@@ -72,7 +72,7 @@ for step in "${steps[@]}"; do
     # the launch choices made without a GPU since the last sweep, each against its other side: these decide
     # defaults, so they run before the figures that depend on them (bench/KERNELS.md, "Next GPU session")
     sweep)      $PY bench/tune_kernels.py --json "$OUT/sweep.json" --variants default \
-                  dkdv_interior:dkdv_unmasked_interior=1 dkdv_split32:dkdv_split=32 seldq_pairs:sel_dq_in_dkdv=1 \
+                  dkdv_masked:dkdv_unmasked_interior=0 dkdv_split32:dkdv_split=32 seldq_pairs:sel_dq_in_dkdv=1 \
                   topn_query_major:topn_query_major=1 sel_dkdv_masked:sel_dkdv_all_masked=1 \
                   sel_causal_all:sel_causal_every_block=1 ;;
     model)      $PY bench/bench_model.py --seq-lens 2048 8192 32768 --steps 5 --warmup 2 --json "$OUT/model.json" ;;

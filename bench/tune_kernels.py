@@ -35,7 +35,7 @@ DEFAULT_VARIANTS = [
     "default",
     "dkdv8warps:dkdv_warps=8",
     # the compressed/window dK/dV: the query tiles that see all of a key tile in an unmasked loop of their own
-    # (not yet timed), and every tile masked (the default until a sweep decides): both sides forced
+    # (the default since the 2026-11-25 sweep), and every tile masked, as before: both sides forced
     "dkdv_interior:dkdv_unmasked_interior=1",
     "dkdv_masked:dkdv_unmasked_interior=0",
     # the compressed/window dK/dV splits each key tile's query range over 32 programs (the launcher takes 8 at

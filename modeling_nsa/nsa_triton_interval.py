@@ -274,7 +274,7 @@ def _interval_bwd_dkdv(q, k, v, lo, hi, do, gates, branch, lse, delta, scale):
     c1 = (c0 + block_n).clamp(max=num_keys).contiguous()
     qa = torch.searchsorted(hi_m, c0, right=True).to(torch.int32).contiguous()
     qb = torch.searchsorted(lo_m, c1, right=False).to(torch.int32).contiguous()
-    interior = bool(_OVERRIDES.dkdv_unmasked_interior)
+    interior = _OVERRIDES.dkdv_unmasked_interior is not False  # default on: the 2026-11-25 sweep (bench/KERNELS.md)
     ia, ib = _wholly_visible_queries(lo, hi, hi_m, c0, block_n) if interior else (qa, qb)
     # Long query ranges per key tile (the compressed branch: a compressed key is seen by the rest of
     # its document) with few key tiles: split the range so the GPU is filled.

@@ -26,7 +26,8 @@ class LaunchOverrides:
     topn_query_major: bool | None = None  # top-n rows query-major (q * G_PAD + head), as before _topn_head_lanes
     dkdv_warps: int | None = None  # warps of the compressed/window and selected dK/dV kernels
     # the compressed/window dK/dV runs the query tiles that see all of a key tile in a loop of their own, unmasked
-    # (True), or masks every tile (False, and None: the default until a GPU sweep times both; bench/KERNELS.md)
+    # (True, and None: the default since the 2026-11-25 sweep, 63% off that kernel at 64k), or masks every tile
+    # (False, as timed on 2026-11-23; bench/KERNELS.md)
     dkdv_unmasked_interior: bool | None = None
     # the selected branch's dQ in the selected dK/dV kernel, which meets each (query, block) pair once, added to
     # an fp32 dQ with atomics (True: not bitwise deterministic), or in the fused dQ kernel over each query tile's

@@ -155,16 +155,20 @@ def test_hot_loops_are_software_pipelined_on_sm90(aot_results):
 
 
 @pytest.mark.parametrize("arch", **ARCHS)
-def test_unmasked_interior_dkdv_variant_compiles(aot_results, arch):
-    """The compressed/window dK/dV's variant with an unmasked loop over the query tiles that see all of a key
-    tile (launch_overrides(dkdv_unmasked_interior=True): tests/triton_aot.py's *-interior scenarios) compiles on
-    every architecture as its three query loops (masked, unmasked, masked); on sm_90 each is software-pipelined
-    (the hot-loop check above covers its rows too), which is what the variant is for."""
-    rows = [r for r in _rows(aot_results, arch)
-            if r["kernel"] == "_interval_bwd_dkdv_kernel" and r["constexprs"].get("INTERIOR")]
-    assert {r["scenario"] for r in rows} >= {"125M-G6-d64-bf16-long-interior", "G8-d128-bf16-long-interior"}, rows
+def test_dkdv_interior_default_and_all_masked_variant_compile(aot_results, arch):
+    """The compressed/window dK/dV runs the query tiles that see all of a key tile in an unmasked loop of their own
+    by default (INTERIOR: three query loops, masked, unmasked, masked; on sm_90 each software-pipelined, which is
+    what the loop is for); launch_overrides(dkdv_unmasked_interior=False) (tests/triton_aot.py's *-allmasked
+    scenarios) keeps the one masked loop it replaced. Both compile on every architecture."""
+    rows = [r for r in _rows(aot_results, arch) if r["kernel"] == "_interval_bwd_dkdv_kernel"]
+    interior = [r for r in rows if r["constexprs"].get("INTERIOR")]
+    masked = [r for r in rows if not r["constexprs"].get("INTERIOR")]
+    assert {r["scenario"] for r in interior} >= {"125M-G6-d64-bf16-long", "G8-d128-bf16-long"}, interior
+    assert {r["scenario"] for r in masked} >= {"125M-G6-d64-bf16-long-allmasked", "G8-d128-bf16-long-allmasked"}, \
+        masked
     assert all(r["ok"] for r in rows), [(r["scenario"], r.get("error")) for r in rows]
-    assert all(r["dot_loops"] == 3 for r in rows), [(r["scenario"], r["dot_loops"]) for r in rows]
+    assert all(r["dot_loops"] == 3 for r in interior), [(r["scenario"], r["dot_loops"]) for r in interior]
+    assert all(r["dot_loops"] == 1 for r in masked), [(r["scenario"], r["dot_loops"]) for r in masked]
     if arch == 90:
         assert all(r["unpipelined_dot_loops"] == 0 for r in rows), [(r["scenario"], r["unpipelined_dot_loops"])
                                                                     for r in rows]

@@ -91,8 +91,8 @@ CPU_CASES = [
     dict(B=2, T=400, H=6, Hkv=2, D=16, layout="pad", param_overrides=dict(window_size=160)),
     dict(B=1, T=400, H=4, Hkv=1, D=16, layout="varlen", param_overrides=dict(window_size=160)),
     # the compressed/window dK/dV with the query tiles that see all of a key tile in an unmasked loop of their own
-    # (launch_overrides(dkdv_unmasked_interior=True)): compressed tokens every 1-2 keys so that whole 64-key tiles
-    # fit, windows chosen so that one query more past a run (ib + 1) or, at 5 queries per tile, one before it
+    # (the default since the 2026-11-25 sweep; named here so the ids say it): compressed tokens every 1-2 keys so
+    # that whole 64-key tiles fit, windows chosen so that one query more past a run (ib + 1) or, at 5 queries per tile, one before it
     # (ia - 1) moves a tile into the unmasked loop (the checks fail then: tried); G = 6 in sm_80's 32-row tiles
     # (2 rows past QPB x G) with left and right padding; G = 3 in 64-row tiles across documents, fp16; G = 1 with
     # the query ranges split in 2
@@ -102,6 +102,9 @@ CPU_CASES = [
          param_overrides=dict(window_size=125, cmp_block_size=2, cmp_stride=1)),
     dict(B=1, T=203, H=2, Hkv=2, D=16, split=2, dkdv_unmasked_interior=True,
          param_overrides=dict(window_size=191, cmp_block_size=2, cmp_stride=1)),
+    # the same tiles all masked (launch_overrides(dkdv_unmasked_interior=False), as timed on 2026-11-23)
+    dict(B=2, T=201, H=6, Hkv=1, D=16, layout="pad", arch=80, dkdv_unmasked_interior=False,
+         param_overrides=dict(window_size=129, cmp_block_size=4, cmp_stride=2)),
     # selected-attention sub-tiles (forward and dQ; the default before Hopper), each skipping the union blocks
     # none of its queries chose: 2 sub-tiles of a 32-row tile, 4 of the 64-row tile
     dict(B=2, T=90, H=6, Hkv=2, D=16, layout="varlen", sel_rows=32, sel_sub_rows=16),

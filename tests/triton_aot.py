@@ -129,8 +129,9 @@ _VARIANT_SHAPES = {
     "G8-d128-bf16-long": dict(B=1, T=8300, H=16, Hkv=2, D=128, dtype=torch.bfloat16, layout="single"),
 }
 _VARIANTS = {
-    # the compressed/window dK/dV with its unmasked loop over the query tiles that see all of a key tile
-    "interior": dict(dkdv_unmasked_interior=True),
+    # the compressed/window dK/dV with every query tile masked (the default runs the tiles that see all of a key
+    # tile in an unmasked loop of their own)
+    "allmasked": dict(dkdv_unmasked_interior=False),
     # the selected dQ added pair by pair by the selected dK/dV kernel
     "seldq": dict(sel_dq_in_dkdv=True),
     # the training top-n's rows query-major, as before _topn_row_query_head
