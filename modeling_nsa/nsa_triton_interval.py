@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .nsa_layout import NSAParams
-from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes
+from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes, _running_extreme
 from .nsa_triton_launch import _OVERRIDES, _dkdv_launch, _rows_per_program
 
 
@@ -252,12 +252,12 @@ def _wholly_visible_queries(lo, hi, hi_m, c0, block_n):
     run (c0 + block_n is past every hi), so the unmasked loop never meets keys past the end."""
     num_q = lo.shape[-1]
     ia = torch.searchsorted(hi_m, (c0 + block_n).contiguous(), right=False)
-    lo_max = lo.long().cummax(-1).values.contiguous()
+    lo_max = _running_extreme(lo.long(), largest=True).contiguous()
     ib = torch.maximum(torch.searchsorted(lo_max, c0, right=True), ia)
     # next_empty[t]: the first query at or after t whose interval is empty (num_q: none)
     index = torch.arange(num_q + 1, device=lo.device).expand(lo.shape[0], -1)
     empty = torch.cat([hi <= lo, torch.ones_like(lo[:, :1], dtype=torch.bool)], -1)
-    next_empty = torch.where(empty, index, num_q).flip(-1).cummin(-1).values.flip(-1)
+    next_empty = _running_extreme(torch.where(empty, index, num_q).flip(-1), largest=False).flip(-1)
     ib = torch.minimum(ib, next_empty.gather(-1, ia))
     return ia.to(torch.int32).contiguous(), ib.to(torch.int32).contiguous()
 
@@ -268,8 +268,8 @@ def _interval_bwd_dkdv(q, k, v, lo, hi, do, gates, branch, lse, delta, scale):
     block_n = 64
     n_ktiles = _cdiv(max(num_keys, 1), block_n)
     # Queries that can see key tile [c0, c1): hi(t) > c0 and lo(t) < c1 (lo, hi monotone on valid queries).
-    hi_m = hi.long().cummax(-1).values.contiguous()
-    lo_m = torch.where(hi > lo, lo, torch.zeros_like(lo)).long().cummax(-1).values.contiguous()
+    hi_m = _running_extreme(hi.long(), largest=True).contiguous()
+    lo_m = _running_extreme(torch.where(hi > lo, lo, torch.zeros_like(lo)).long(), largest=True).contiguous()
     c0 = (torch.arange(n_ktiles, device=q.device) * block_n).expand(batch, -1).contiguous()
     c1 = (c0 + block_n).clamp(max=num_keys).contiguous()
     qa = torch.searchsorted(hi_m, c0, right=True).to(torch.int32).contiguous()

@@ -555,3 +555,26 @@ def test_init_from_a_saved_model_and_eval_only(tmp_path, capsys):
         run_main(tiny_args(tmp_path / "bad", init_from=tmp_path / "nothing-here", eval_only=True))
     with pytest.raises(ValueError, match="--attention-mode dense: the --init-from model is 'nsa'"):
         run_main(tiny_args(tmp_path / "bad", init_from=first / "final", attention_mode="dense"))
+
+
+def test_dense_sdpa_with_packed_documents_on_a_gpu_names_flex_attention():
+    """The note fires for dense mode on SDPA (default or named) with document masking on a CUDA device, and only
+    there: NSA mode, cross-document rows, flex_attention, and CPU runs stay silent."""
+    import train_accelerate
+    from modeling_nsa.configuration_nsa import NSAConfig
+
+    def said(attention_mode="dense", implementation=None, cross_doc=False, device="cuda"):
+        lines = []
+        config = NSAConfig(attention_mode=attention_mode, **({"attn_implementation": implementation}
+                                                             if implementation else {}))
+        cfg = train_accelerate.TrainConfig(cross_doc_attention=cross_doc)
+        train_accelerate.note_dense_document_mask(cfg, config, torch.device(device), lines.append)
+        return lines
+
+    for implementation in (None, "sdpa"):
+        (line,) = said(implementation=implementation)
+        assert "boolean (T x T) mask" in line and "--attn-implementation flex_attention" in line
+    assert said(attention_mode="nsa") == []
+    assert said(cross_doc=True) == []
+    assert said(implementation="flex_attention") == []
+    assert said(device="cpu") == []

@@ -315,6 +315,25 @@ def test_triton_is_usable_reports_device():
         assert not tri.triton_is_usable("cuda")
 
 
+@pytest.mark.parametrize("largest", [True, False], ids=["max", "min"])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+def test_running_extreme_equals_torch_scan(largest, dtype):
+    """The launchers' chunked running max/min (the dK/dV's query ranges) equals torch.cummax/cummin at lengths
+    below, at and past a chunk, one past a multiple, and over many chunks, with runs that cross chunk ends
+    (small value ranges repeat extremes), for one row and several."""
+    running_extreme = common_module()._running_extreme
+    gen = torch.Generator().manual_seed(7)
+    for batch, length, chunk, high in [(1, 5, 8, 100), (2, 8, 8, 3), (3, 9, 8, 50), (1, 65, 8, 1000),
+                                       (4, 257, 16, 7), (1, 1000, 256, 2**31 - 1), (2, 4097, 256, 30)]:
+        x = torch.randint(-high, high, (batch, length), generator=gen, dtype=dtype)
+        if length > 100:  # a mostly monotone row with dips, as the intervals' ends are
+            x = x.cumsum(-1).to(dtype) // 3 if high < 100 else x
+        expected = (torch.cummax(x, -1) if largest else torch.cummin(x, -1)).values
+        got = running_extreme(x, largest=largest, chunk=chunk)
+        assert got.dtype == dtype and got.shape == x.shape
+        assert torch.equal(got, expected), (batch, length, chunk, (got != expected).nonzero()[:5])
+
+
 # ---------------------------------------------------------------- GPU: bf16 at real shapes
 GPU = pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and triton")
 
