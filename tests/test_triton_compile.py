@@ -58,8 +58,8 @@ def test_every_kernel_launch_compiles(aot_results, arch):
     rows = _rows(aot_results, arch)
     kernels = {r["kernel"] for r in rows}
     # the whole op: forward, top-n, backward (incl. the selected dK/dV split and its reduce) and decode
-    for name in ["_interval_fwd_kernel", "_select_topn_kernel", "_sel_fwd_kernel", "_bwd_dq_kernel",
-                 "_interval_bwd_dkdv_kernel", "_sel_bwd_dkdv_kernel", "_sel_dkdv_reduce_kernel",
+    for name in ["_interval_fwd_kernel", "_select_topn_kernel", "_tile_union_kernel", "_sel_fwd_kernel",
+                 "_bwd_dq_kernel", "_interval_bwd_dkdv_kernel", "_sel_bwd_dkdv_kernel", "_sel_dkdv_reduce_kernel",
                  "_decode_cmp_split_kernel", "_decode_topn_kernel", "_decode_finish_kernel", "_decode_parts_kernel",
                  "_decode_combine_kernel"]:
         assert name in kernels, (name, sorted(kernels))

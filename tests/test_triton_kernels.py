@@ -92,10 +92,10 @@ CPU_CASES = [
     dict(B=1, T=400, H=4, Hkv=1, D=16, layout="varlen", param_overrides=dict(window_size=160)),
     # the compressed/window dK/dV with the query tiles that see all of a key tile in an unmasked loop of their own
     # (the default since the 2026-11-25 sweep; named here so the ids say it): compressed tokens every 1-2 keys so
-    # that whole 64-key tiles fit, windows chosen so that one query more past a run (ib + 1) or, at 5 queries per tile, one before it
-    # (ia - 1) moves a tile into the unmasked loop (the checks fail then: tried); G = 6 in sm_80's 32-row tiles
-    # (2 rows past QPB x G) with left and right padding; G = 3 in 64-row tiles across documents, fp16; G = 1 with
-    # the query ranges split in 2
+    # that whole 64-key tiles fit, windows chosen so that one query more past a run (ib + 1) or, at 5 queries per
+    # tile, one before it (ia - 1) moves a tile into the unmasked loop (the checks fail then: tried); G = 6 in
+    # sm_80's 32-row tiles (2 rows past QPB x G) with left and right padding; G = 3 in 64-row tiles across
+    # documents, fp16; G = 1 with the query ranges split in 2
     dict(B=2, T=201, H=6, Hkv=1, D=16, layout="pad", arch=80, dkdv_unmasked_interior=True,
          param_overrides=dict(window_size=129, cmp_block_size=4, cmp_stride=2)),
     dict(B=1, T=203, H=3, Hkv=1, D=16, layout="varlen", seed=26, dtype="float16", dkdv_unmasked_interior=True,
@@ -152,6 +152,12 @@ CPU_CASES = [
                                     (4, 1, "varlen", 300, 4), (6, 2, "varlen", 300, 4), (8, 1, "varlen", 600, None),
                                     (16, 1, "varlen", 300, 4)]],
     dict(kind="select", B=2, T=700, H=12, Hkv=2, D=16, layout="varlen", topn_query_major=True),
+    # the selected branch's tile unions (_tile_block_union: one kernel, a sort in registers per tile) against
+    # their torch oracle on random choices: tiles of 1-21 queries (the forward's 10 and the dQ's 21 at G = 6;
+    # 21 x 16 entries sort in a 512-wide list), documents, padding on both sides, queries after a prefix (q_off)
+    dict(kind="union", B=2, T=300, H=2, Hkv=2, D=16, layout="varlen", LB=16, n_sel=4, qpbs=[1, 3, 5, 10, 21]),
+    dict(kind="union", B=2, T=301, H=2, Hkv=1, D=16, layout="pad", LB=8, n_sel=16, qpbs=[10, 21], seed=3),
+    dict(kind="union", B=2, T=257, H=2, Hkv=2, D=16, layout="varlen", LB=16, n_sel=5, qpbs=[4, 7], q_off=37, seed=5),
     dict(kind="decode", B=2, T=60, H=4, Hkv=2, D=16, steps=[1, 8, 23, 60], Tw=16, layout="pad"),
     # the cache's tensors as NSACache passes them: views of larger buffers (read in place, batch strides),
     # the spare room NaN; split compressed slots and packed documents
@@ -284,6 +290,10 @@ def _check(res, case, tol):
     assert "error" not in res, res.get("trace", res.get("error"))
     if case.get("kind") in ("decode", "compile"):
         assert res[case["kind"]] <= tol, res
+        return
+    if case.get("kind") == "union":
+        assert res["mismatches"] == 0, res
+        assert res["max_count"] > 4 and res["max_past"] > 0, res  # tiles with repeats removed and causal-free blocks
         return
     if case.get("kind") == "opcheck":
         assert res and all(outcome == "SUCCESS" for outcome in res.values()), res

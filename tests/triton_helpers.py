@@ -202,6 +202,57 @@ def run_select_case(case: dict) -> dict:
     return selection_errors(idx_tri, captured)
 
 
+def tile_block_union_torch(idx, doc_pos, qpb: int, sel_block_size: int):
+    """The oracle of nsa_triton_selected._tile_block_union in torch ops (two segmented sorts; the launcher's
+    own code before the union kernel): each query tile's distinct blocks as absolute first keys ascending, then
+    int32-max padding; their count; how many of them end at or before the tile's first valid query."""
+    batch, num_kv, num_q, n_sel = idx.shape
+    num_keys = doc_pos.shape[1]
+    q_off = num_keys - num_q
+    n_tiles = -(-num_q // qpb)
+    none = torch.iinfo(torch.int32).max
+    t_abs = torch.arange(q_off, num_keys, device=idx.device).expand(batch, -1)
+    start = (t_abs - doc_pos[:, q_off:]).to(torch.int32)
+    a = torch.where(idx >= 0, start[:, None, :, None] + idx * sel_block_size, none)
+    a = torch.nn.functional.pad(a, (0, 0, 0, n_tiles * qpb - num_q), value=none)
+    a = a.view(batch, num_kv, n_tiles, qpb * n_sel).sort(-1).values
+    repeat = torch.zeros_like(a, dtype=torch.bool)
+    repeat[..., 1:] = a[..., 1:] == a[..., :-1]
+    a = torch.where(repeat, none, a).sort(-1).values
+    t_first = torch.where(doc_pos[:, q_off:] >= 0, t_abs, num_keys)
+    t_first = torch.nn.functional.pad(t_first, (0, n_tiles * qpb - num_q), value=num_keys)
+    t_first = t_first.view(batch, 1, n_tiles, qpb).amin(-1, keepdim=True)
+    n_past = (a.long() + (sel_block_size - 1) <= t_first).sum(-1, dtype=torch.int32)
+    return a, (a < none).sum(-1, dtype=torch.int32), n_past
+
+
+def run_union_case(case: dict) -> dict:
+    """The tile-union kernel against tile_block_union_torch on random block choices (repeats across and within
+    queries, unused slots, padding rows) over the case's document layout, for each query-tile size in
+    case["qpbs"], the queries the last T - q_off positions."""
+    _, _, _ = import_nsa()
+    selected = kernel_module("selected")
+    _, _, doc_pos, _, _, device = case_setup(case)
+    gen = torch.Generator().manual_seed(case.get("seed", 0))
+    lb, n_sel, hkv, q_off = case["LB"], case["n_sel"], case["Hkv"], case.get("q_off", 0)
+    pos = doc_pos[:, q_off:].cpu()  # (B, Tq)
+    n_blocks = torch.where(pos >= 0, pos // lb + 1, 0)[:, None, :, None]  # blocks in the document so far
+    shape = (pos.shape[0], hkv, pos.shape[1], n_sel)
+    j = (torch.rand(shape, generator=gen) * n_blocks).long()
+    unused = (torch.rand(shape, generator=gen) < 0.2) | (n_blocks == 0)
+    idx = torch.where(unused, -1, j).to(device=device, dtype=torch.int32).contiguous()
+    res = {"mismatches": 0, "tiles": 0}
+    for qpb in case["qpbs"]:
+        got = selected._tile_block_union(idx, doc_pos, qpb, lb)
+        want = tile_block_union_torch(idx, doc_pos, qpb, lb)
+        for g, w in zip(got, want):
+            res["mismatches"] += int((g.cpu() != w.cpu()).sum())
+        res["tiles"] += want[1].numel()
+        res["max_count"] = max(res.get("max_count", 0), int(want[1].max()))
+        res["max_past"] = max(res.get("max_past", 0), int(want[2].max()))
+    return res
+
+
 def selection_errors(idx_tri: torch.Tensor, captured: dict) -> dict:
     """The kernel's selected blocks idx_tri against the reference's (captured by _reference_on): equal except at
     genuine near-ties (idx_tie_gap: the largest score gap, relative to the row's largest score, between the
@@ -594,7 +645,7 @@ def main(argv):
     for case in cases:
         try:
             runner = {"decode": run_decode_case, "compile": run_compile_case, "opcheck": run_opcheck_case,
-                      "select": run_select_case,
+                      "select": run_select_case, "union": run_union_case,
                       "large_offset": run_large_offset_case,
                       "large_offset_decode": run_large_offset_decode_case}.get(case.get("kind"), run_case)
             res = runner(case)
