@@ -262,6 +262,13 @@ def _wholly_visible_queries(lo, hi, hi_m, c0, block_n):
     return ia.to(torch.int32).contiguous(), ib.to(torch.int32).contiguous()
 
 
+def _dkdv_unmasked_interior() -> bool:
+    """Whether the compressed/window dK/dV runs its unmasked interior loop: on unless launch_overrides says
+    otherwise (the 2026-11-25 sweep, bench/KERNELS.md). Any false value turns it off, the sweeps' 0 included."""
+    forced = _OVERRIDES.dkdv_unmasked_interior
+    return True if forced is None else bool(forced)
+
+
 def _interval_bwd_dkdv(q, k, v, lo, hi, do, gates, branch, lse, delta, scale):
     batch, num_q, num_heads, head_dim, num_keys, num_kv, group = _launch_shapes(q, k)
     block_m, qpb, dkdv_opts = _dkdv_launch(group, head_dim, q.device)
@@ -274,7 +281,7 @@ def _interval_bwd_dkdv(q, k, v, lo, hi, do, gates, branch, lse, delta, scale):
     c1 = (c0 + block_n).clamp(max=num_keys).contiguous()
     qa = torch.searchsorted(hi_m, c0, right=True).to(torch.int32).contiguous()
     qb = torch.searchsorted(lo_m, c1, right=False).to(torch.int32).contiguous()
-    interior = _OVERRIDES.dkdv_unmasked_interior is not False  # default on: the 2026-11-25 sweep (bench/KERNELS.md)
+    interior = _dkdv_unmasked_interior()
     ia, ib = _wholly_visible_queries(lo, hi, hi_m, c0, block_n) if interior else (qa, qb)
     # Long query ranges per key tile (the compressed branch: a compressed key is seen by the rest of
     # its document) with few key tiles: split the range so the GPU is filled.

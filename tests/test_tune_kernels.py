@@ -47,3 +47,19 @@ def test_variants_against_the_default():
     assert lines[2] == "| 64k | topn_query_major | +4.0% | top-n +20.0% |"
     assert lines[3] == "| 2k | topn_query_major | +0.0% | none moved |"
     assert len(lines) == 4  # the defaults themselves are the reference, not rows
+
+
+def test_a_sweep_variant_forcing_a_switch_off_reaches_the_launcher_off():
+    """The sweeps write switches as 0/1 (parse_variant reads ints): 0 must turn a default-on switch off, or the
+    variant silently times the default against itself (dkdv_masked did, for a session, after the default flipped)."""
+    from modeling_nsa import nsa_triton_interval as interval
+    from modeling_nsa.nsa_triton_launch import launch_overrides
+
+    assert interval._dkdv_unmasked_interior()  # the default
+    for text, expected in (("dkdv_masked:dkdv_unmasked_interior=0", False),
+                           ("dkdv_interior:dkdv_unmasked_interior=1", True)):
+        _, settings = tk.parse_variant(text)
+        with launch_overrides(**settings):
+            assert interval._dkdv_unmasked_interior() is expected, text
+    with launch_overrides(dkdv_unmasked_interior=False):
+        assert not interval._dkdv_unmasked_interior()
