@@ -319,6 +319,32 @@ def group_kernel_times(events, reps: int) -> dict[str, list[float]]:
     return out
 
 
+def idle_gaps(events, reps: int, top: int = 3) -> tuple[float, list[dict]]:
+    """GPU idle time per step (ms) between the kernels of `reps` identical steps, from (name, start_us,
+    duration_us) events, and the `top` kernel pairs with the most idle time between them (per step, ms): where
+    a step waits on the host (launch overhead, a synchronization) rather than on its kernels. Time before the
+    first kernel and after the last is not counted; overlapping kernels count once."""
+    spans = sorted((start, start + duration, name) for name, start, duration in events)
+    idle = 0.0
+    by_pair: dict[tuple[str, str], float] = {}
+    if spans:
+        busy_until, last_name = spans[0][1], spans[0][2]
+        for start, end, name in spans[1:]:
+            if start > busy_until:
+                gap = (start - busy_until) / 1e3
+                idle += gap
+                by_pair[(last_name, name)] = by_pair.get((last_name, name), 0.0) + gap
+            if end >= busy_until:
+                busy_until, last_name = end, name
+    largest = sorted(by_pair.items(), key=lambda kv: -kv[1])[:top]
+    return idle / reps, [dict(after=a, before=b, ms=ms / reps) for (a, b), ms in largest]
+
+
+def describe_gaps(gaps: list[dict]) -> str:
+    """idle_gaps' largest pairs in a line: the kernel each gap follows (name cut to 40 characters) and its ms."""
+    return ", ".join(f"{g['after'][:40]} ({g['ms']:.2f} ms)" for g in gaps) or "none"
+
+
 def assign_rows(kernel_times: dict[str, list[float]], table: dict) -> tuple[dict[str, float | None], dict]:
     """Row times (ms) from group_kernel_times' output by `table` (TRAINING_KERNELS, DECODE_KERNELS). A kernel
     the table splits by launch (name, k) must have exactly as many launches per step as the table names;
@@ -509,7 +535,9 @@ def run_gpu(args, params):
                                                 x["k_win"], x["v_win"], x["gates"], doc_pos, params)
                 torch.autograd.grad(o, list(x.values()), do)
 
-            times, other = assign_rows(group_kernel_times(profile_events(step), 5), TRAINING_KERNELS)
+            events = profile_events(step)
+            times, other = assign_rows(group_kernel_times(events, 5), TRAINING_KERNELS)
+            idle_ms, gaps = idle_gaps(events, 5)
             kernels_ms = sum(t for t in times.values() if t) + sum(other.values())
             op_ms = ba.time_ms(step)
             del x, do
@@ -522,11 +550,12 @@ def run_gpu(args, params):
             nsa_floor = sum(r["floor_ms"] for r in rows if not r["kernel"].startswith("dense"))
             case = dict(layout=f"{H}q/{Hkv}kv d{D}", H=H, Hkv=Hkv, D=D, T=T, B=B, inputs=kind, rows=rows,
                         other_ms=other, nsa_fb_ms=op_ms, nsa_kernels_ms=kernels_ms, nsa_floor_ms=nsa_floor,
-                        dense_fb_ms=dense_fb)
+                        dense_fb_ms=dense_fb, idle_ms=idle_ms, largest_gaps=gaps)
             out["training"].append(case)
             print_table(f"{case['layout']} T={T} B={B} {kind}: NSA f+b {op_ms:.2f} ms (kernels' floors sum "
                         f"{nsa_floor:.2f} ms), dense SDPA f+b {dense_fb:.2f} ms; other kernels "
-                        f"{sum(other.values()):.2f} ms ({', '.join(sorted(other)) or 'none'})", rows, timed=True)
+                        f"{sum(other.values()):.2f} ms ({', '.join(sorted(other)) or 'none'}); GPU idle between "
+                        f"kernels {idle_ms:.2f} ms per step, most after {describe_gaps(gaps)}", rows, timed=True)
             save(args, out, params)
     H, Hkv, D = (int(s) for s in args.layouts[0].split(","))
     for B in args.decode_batch:

@@ -157,6 +157,23 @@ def test_profiler_events_map_to_rows():
     assert rows["cmp_fwd"] is None and rows["win_fwd"] is None and other["_interval_fwd_kernel"] == pytest.approx(3.0)
 
 
+def test_idle_gaps_sum_the_time_between_kernels_per_step():
+    """Two steps of three kernels (us): gaps of 5 and 20 us after "a" and "b" in each, an overlapping kernel that
+    hides part of a gap, time before the first kernel not counted; per step in ms, the largest pair first."""
+    events = []
+    for step_start in (100.0, 1000.0):
+        events += [("a", step_start, 10.0), ("b", step_start + 15.0, 10.0), ("c", step_start + 45.0, 10.0)]
+    events.append(("overlap", 1020.0, 20.0))  # runs 1020-1040: hides the second step's b -> c gap but 5 us
+    idle, gaps = kf.idle_gaps(events, reps=2)
+    # step 1: 5 (a->b) + 20 (b->c); step 2: 5 (a->b) + 5 (overlap->c); between the steps: 1000 - 155 = 845
+    assert idle == pytest.approx((5 + 20 + 845 + 5 + 5) / 2 / 1e3)
+    assert gaps[0] == {"after": "c", "before": "a", "ms": pytest.approx(845 / 2 / 1e3)}
+    assert [(g["after"], g["before"]) for g in gaps[1:]] == [("b", "c"), ("a", "b")]
+    assert gaps[1]["ms"] == pytest.approx(20 / 2 / 1e3) and gaps[2]["ms"] == pytest.approx(10 / 2 / 1e3)
+    assert kf.idle_gaps([], reps=1) == (0.0, [])
+    assert kf.describe_gaps(gaps[1:2]) == "b (0.01 ms)"
+
+
 def test_command_line_without_gpu(tmp_path, capsys):
     out = tmp_path / "floors.json"
     kf.main(["--analytic", "--ceilings", "800,3000,4000", "--lengths", "2048", "65536", "--layouts", "12,2,64",
