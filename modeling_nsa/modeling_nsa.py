@@ -198,9 +198,11 @@ class NSAAttention(nn.Module):
             self.compressor = NSACompressor(config)
 
     def _branch_kv(self, kv, branch: str):
-        """kv (B, T, sets, 2, Hkv, D) -> k, v of one branch (the shared set when not kv_per_branch)."""
+        """kv: the K/V projection's sets x (k, v) tensors (B, T, Hkv, D) (one unbind: its backward writes their
+        gradients into one tensor, where a select per tensor writes a zero-filled copy of the whole projection
+        each and sums them) -> k, v of one branch (the shared set when not kv_per_branch)."""
         index = BRANCHES.index(branch) if self.num_kv_sets == 3 else 0
-        return kv[:, :, index, 0], kv[:, :, index, 1]
+        return kv[2 * index], kv[2 * index + 1]
 
     def forward(self, hidden_states, doc_pos, position_embeddings, past_key_values=None, single_document=False,
                 dense_attention=None, **kwargs):
@@ -213,7 +215,8 @@ class NSAAttention(nn.Module):
         cos, sin = position_embeddings
         cos_q, sin_q = cos[:, -num_queries:, None], sin[:, -num_queries:, None]  # (B, Tq, 1, D)
         q = apply_rope(self.q_proj(hidden_states).view(batch, num_queries, self.num_heads, self.head_dim), cos_q, sin_q)
-        kv = self.kv_proj(hidden_states).view(batch, num_queries, self.num_kv_sets, 2, self.num_kv_heads, self.head_dim)
+        kv = self.kv_proj(hidden_states).view(batch, num_queries, self.num_kv_sets * 2, self.num_kv_heads, self.head_dim)
+        kv = kv.unbind(2)  # (k, v) of each set, each (B, Tq, Hkv, D)
         if self.dense:
             k, v = self._branch_kv(kv, "slc")
             k = apply_rope(k, cos_q, sin_q)
