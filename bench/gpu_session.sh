@@ -8,6 +8,8 @@
 #                                                     #   check / sweep: the kernel cases of tests / the untimed
 #                                                     #   launch choices of tune, each alone
 #   OUT=/tmp/run FLA_WHEEL=wheels/fla_core-0.6.0-py3-none-any.whl bash bench/gpu_session.sh attention
+#   bash bench/gpu_session.sh ab-long                 # issue 19's A/B on long documents (not in the default list:
+#                                                     #   it needs bench/build_corpus.py's corpus in $LONG_DOCS)
 # Data: the shared wiki parquet and GPT-2 tokenizer from $DATA (default ../shared/data beside the checkout, else
 # runs/data: on a device machine, which gets only the checkout, copy ../shared/data there and carry runs/data).
 # capture: trains a 125M NSA for $CAPTURE_STEPS steps on it (or takes $CKPT, an NSA checkpoint) and captures its
@@ -19,6 +21,7 @@ PY=${PY:-python}
 DATA=${DATA:-../shared/data}
 [ -d "$DATA" ] || DATA=runs/data
 CAPTURED=${CAPTURED:-runs/captured/captured.pt}
+LONG_DOCS=${LONG_DOCS:-runs/data/linux-docs-en.parquet}  # ab-long's corpus (bench/build_corpus.py)
 CAPTURE_STEPS=${CAPTURE_STEPS:-200}
 LENGTHS=${LENGTHS:-2048 8192 32768 65536}  # issue 18's table
 mkdir -p "$OUT"
@@ -88,7 +91,18 @@ for step in "${steps[@]}"; do
     generate)   $PY bench/bench_generate.py --prompt-lens 4096 65536 --json "$OUT/generate.json" ;;
     profile)    $PY bench/profile_nsa.py ;;
     train)      DATA=$DATA STEPS=${STEPS:-50} MB=${MB:-8} OUT="$OUT/train" bash bench/train_gpu_check.sh ;;
-    *)          echo "unknown step $step (tests capture attention floors tune model dense-docs model-long generate profile train)"
+    # issue 19: the A/B on long documents (pages of ~2,700 tokens: selection reaches past the 512-token window,
+    # which the wiki summaries never do), three seeds, 4.9M tokens per run (about 7 minutes on an H100); the corpus
+    # is built beforehand where the package lists are (bench/build_corpus.py) and carried in runs/data
+    ab-long)    if [ ! -f "$LONG_DOCS" ]; then
+                  echo "no $LONG_DOCS: build it first (python bench/build_corpus.py --out $LONG_DOCS) and carry it"
+                  exit 2
+                fi
+                $PY bench/ab_compare.py --out "$OUT/ab_long" --seeds 0 1 2 -- --dataset "$LONG_DOCS" \
+                  --tokenizer "$DATA/gpt2-tokenizer" --model 125m --seq-len 4096 --micro-batch-size 4 --max-steps 300 \
+                  --lr 6e-4 --warmup-steps 30 --eval-every 100 --val-every-doc 20 --val-tokens 262144 --save-every 0 \
+                  --report-to none --mixed-precision bf16 ;;
+    *)          echo "unknown step $step (tests capture attention floors tune model dense-docs model-long generate profile train ab-long check sweep)"
                 exit 2 ;;
   esac 2>&1 | tee "$OUT/$step.log" || echo "== $step exited non-zero (log: $OUT/$step.log)" | tee -a "$OUT/env.txt"
   echo "== $step took $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"

@@ -209,3 +209,21 @@ def test_build_corpus_from_a_deb(tmp_path):
     assert text.endswith("See the rules and make htmldocs.")
     with pytest.raises(ValueError, match=r"--deb .*: not a Debian package"):
         build_corpus.main(["--deb", str(out), "--out", str(tmp_path / "x.parquet")])
+
+
+def test_the_gpu_sessions_long_document_ab_passes_flags_the_trainer_takes(tmp_path):
+    """bench/gpu_session.sh's ab-long step (one device call of a session) hands ab_compare training flags: a typo or
+    a removed flag must fail here, on CPU, not after the machine has started."""
+    import train_accelerate
+
+    script = (ROOT / "bench" / "gpu_session.sh").read_text()
+    step = script.split("    ab-long)", 1)[1].split(";;", 1)[0]
+    command = step.split("bench/ab_compare.py", 1)[1].replace("\\\n", " ")
+    flags = command.split(" -- ", 1)[1].split()
+    values = {'"$LONG_DOCS"': str(tmp_path / "docs.parquet"), '"$DATA/gpt2-tokenizer"': str(tmp_path / "tok")}
+    flags = [values.get(f, f) for f in flags]
+    assert "--dataset" in flags and "--seq-len" in flags and "--max-steps" in flags, flags
+    ab_compare.check_train_flags(flags)
+    cfg = train_accelerate.parse_args(flags + ["--output-dir", str(tmp_path / "run")])
+    assert (cfg.model, cfg.seq_len, cfg.max_steps, cfg.eval_every) == ("125m", 4096, 300, 100)
+    assert "--seeds 0 1 2" in command  # three seeds: the verdict's interval needs them
