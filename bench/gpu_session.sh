@@ -3,7 +3,7 @@
 # the script has one) under $OUT; steps run in the order given (default: all), and env.txt records each
 # step's wall time. Usage:
 #   bash bench/gpu_session.sh                         # every step: tests capture attention floors tune model
-#                                                     #   model-long generate profile train
+#                                                     #   dense-docs model-long generate profile train
 #   bash bench/gpu_session.sh check sweep             # a subset (bench/KERNELS.md, "Next GPU session": the calls);
 #                                                     #   check / sweep: the kernel cases of tests / the untimed
 #                                                     #   launch choices of tune, each alone

@@ -230,7 +230,6 @@ def run_union_case(case: dict) -> dict:
     """The tile-union kernel against tile_block_union_torch on random block choices (repeats across and within
     queries, unused slots, padding rows) over the case's document layout, for each query-tile size in
     case["qpbs"], the queries the last T - q_off positions."""
-    _, _, _ = import_nsa()
     selected = kernel_module("selected")
     _, _, doc_pos, _, _, device = case_setup(case)
     gen = torch.Generator().manual_seed(case.get("seed", 0))
