@@ -23,6 +23,10 @@ DATA=${DATA:-../shared/data}
 CAPTURED=${CAPTURED:-runs/captured/captured.pt}
 LONG_DOCS=${LONG_DOCS:-runs/data/linux-docs-en.parquet}  # ab-long's corpus (bench/build_corpus.py)
 CAPTURE_STEPS=${CAPTURE_STEPS:-200}
+AB_STEPS=${AB_STEPS:-300}  # ab-long: steps per run (4 x 4,096 tokens each)
+AB_EVAL_EVERY=${AB_EVAL_EVERY:-100}
+AB_SEEDS=${AB_SEEDS:-0 1 2}  # three seeds: the verdict's interval needs them
+LC_SAMPLES=${LC_SAMPLES:-8}  # ab-long-eval: passkey prompts per (length, depth)
 LENGTHS=${LENGTHS:-2048 8192 32768 65536}  # issue 18's table
 mkdir -p "$OUT"
 steps=("$@")
@@ -98,11 +102,22 @@ for step in "${steps[@]}"; do
                   echo "no $LONG_DOCS: build it first (python bench/build_corpus.py --out $LONG_DOCS) and carry it"
                   exit 2
                 fi
-                $PY bench/ab_compare.py --out "$OUT/ab_long" --seeds 0 1 2 -- --dataset "$LONG_DOCS" \
-                  --tokenizer "$DATA/gpt2-tokenizer" --model 125m --seq-len 4096 --micro-batch-size 4 --max-steps 300 \
-                  --lr 6e-4 --warmup-steps 30 --eval-every 100 --val-every-doc 20 --val-tokens 262144 --save-every 0 \
+                $PY bench/ab_compare.py --out "$OUT/ab_long" --seeds $AB_SEEDS -- --dataset "$LONG_DOCS" \
+                  --tokenizer "$DATA/gpt2-tokenizer" --model 125m --seq-len 4096 --micro-batch-size 4 --max-steps "$AB_STEPS" \
+                  --lr 6e-4 --warmup-steps 30 --eval-every "$AB_EVAL_EVERY" --val-every-doc 20 --val-tokens 262144 --save-every 0 \
                   --report-to none --mixed-precision bf16 ;;
-    *)          echo "unknown step $step (tests capture attention floors tune model dense-docs model-long generate profile train ab-long check sweep)"
+    # issue 19: retrieval (passkey, 1k-8k: 8k is twice the training length) of the ab-long pair's seed-0 twins, a
+    # heatmap each, and the NSA twin's selection map on a held-out page (JSON and PNGs beside the runs)
+    ab-long-eval)
+                for mode in nsa dense; do
+                  $PY -m nsa_train.long_context "$OUT/ab_long/$mode-seed0/final" --task passkey \
+                    --lengths 1024 2048 4096 8192 --samples "$LC_SAMPLES" --batch-size 8 --out "$OUT/ab_long/long_context-$mode"
+                done
+                $PY -c "import pyarrow.parquet as pq, sys; t = pq.read_table(sys.argv[1], columns=['text']).column(0)
+open(sys.argv[2], 'w').write(max((str(x) for x in t.to_pylist()[::20]), key=len))" "$LONG_DOCS" "$OUT/ab_long/page.txt"
+                $PY bench/selection_map.py "$OUT/ab_long/nsa-seed0/final" --prompt-file "$OUT/ab_long/page.txt" \
+                  --max-len 4096 --layer 6 --out "$OUT/ab_long/selection_map-layer6.png" ;;
+    *)          echo "unknown step $step (tests capture attention floors tune model dense-docs model-long generate profile train ab-long ab-long-eval check sweep)"
                 exit 2 ;;
   esac 2>&1 | tee "$OUT/$step.log" || echo "== $step exited non-zero (log: $OUT/$step.log)" | tee -a "$OUT/env.txt"
   echo "== $step took $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"

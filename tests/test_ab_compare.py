@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import statistics
 import sys
@@ -220,10 +221,12 @@ def test_the_gpu_sessions_long_document_ab_passes_flags_the_trainer_takes(tmp_pa
     step = script.split("    ab-long)", 1)[1].split(";;", 1)[0]
     command = step.split("bench/ab_compare.py", 1)[1].replace("\\\n", " ")
     flags = command.split(" -- ", 1)[1].split()
-    values = {'"$LONG_DOCS"': str(tmp_path / "docs.parquet"), '"$DATA/gpt2-tokenizer"': str(tmp_path / "tok")}
+    defaults = dict(re.findall(r"^(AB_\w+)=\$\{\1:-([^}]*)\}", script, flags=re.M))  # AB_STEPS=${AB_STEPS:-300}
+    values = {'"$LONG_DOCS"': str(tmp_path / "docs.parquet"), '"$DATA/gpt2-tokenizer"': str(tmp_path / "tok"),
+              '"$AB_STEPS"': defaults["AB_STEPS"], '"$AB_EVAL_EVERY"': defaults["AB_EVAL_EVERY"]}
     flags = [values.get(f, f) for f in flags]
     assert "--dataset" in flags and "--seq-len" in flags and "--max-steps" in flags, flags
     ab_compare.check_train_flags(flags)
     cfg = train_accelerate.parse_args(flags + ["--output-dir", str(tmp_path / "run")])
     assert (cfg.model, cfg.seq_len, cfg.max_steps, cfg.eval_every) == ("125m", 4096, 300, 100)
-    assert "--seeds 0 1 2" in command  # three seeds: the verdict's interval needs them
+    assert "--seeds $AB_SEEDS" in command and defaults["AB_SEEDS"] == "0 1 2"  # the verdict's interval needs three
