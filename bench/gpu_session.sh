@@ -82,6 +82,14 @@ for step in "${steps[@]}"; do
                   dkdv_masked:dkdv_unmasked_interior=0 dkdv_split32:dkdv_split=32 seldq_pairs:sel_dq_in_dkdv=1 \
                   topn_query_major:topn_query_major=1 sel_dkdv_masked:sel_dkdv_all_masked=1 \
                   sel_causal_all:sel_causal_every_block=1 ;;
+    # the selected dQ three ways (union walk: the default; per-pair partials; per-pair atomics) at issue 18's
+    # lengths, both layouts, with dense SDPA and peak memory on the same shapes: decides _sel_dq_mode's default
+    seldq)      $PY bench/tune_kernels.py --json "$OUT/seldq.json" --no-decode --dense --variants default \
+                  seldq_partials:sel_dq_partials=1 seldq_pairs:sel_dq_in_dkdv=1 --cases 12,2,64,65536,1,random \
+                  12,2,64,2048,32,random 12,2,64,8192,8,random 12,2,64,32768,2,random 16,1,64,8192,8,random \
+                  16,1,64,65536,1,random 12,2,64,65536,1,correlated ;;
+    # the GPU cases of the pair-wise selected dQ (partials and atomics) against the reference
+    check-seldq) $PY -m pytest -q -x tests/test_triton_kernels.py -k "gpu_kernels_match and seldq" -rA 2>&1 | tail -n 20 ;;
     model)      $PY bench/bench_model.py --seq-lens 2048 8192 32768 --steps 5 --warmup 2 --json "$OUT/model.json" ;;
     # issue 20: the dense baseline with packed documents (8 per row) against one document per row, SDPA's
     # boolean mask and FlexAttention's block mask (target: packed within 10% of unpacked)
@@ -117,7 +125,7 @@ for step in "${steps[@]}"; do
 open(sys.argv[2], 'w').write(max((str(x) for x in t.to_pylist()[::20]), key=len))" "$LONG_DOCS" "$OUT/ab_long/page.txt"
                 $PY bench/selection_map.py "$OUT/ab_long/nsa-seed0/final" --prompt-file "$OUT/ab_long/page.txt" \
                   --max-len 4096 --layer 6 --out "$OUT/ab_long/selection_map-layer6.png" ;;
-    *)          echo "unknown step $step (tests capture attention floors tune model dense-docs model-long generate profile train ab-long ab-long-eval check sweep)"
+    *)          echo "unknown step $step (tests capture attention floors tune model dense-docs model-long generate profile train ab-long ab-long-eval check check-seldq sweep seldq)"
                 exit 2 ;;
   esac 2>&1 | tee "$OUT/$step.log" || echo "== $step exited non-zero (log: $OUT/$step.log)" | tee -a "$OUT/env.txt"
   echo "== $step took $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"

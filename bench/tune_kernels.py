@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import PARAMS, cuda_graph, nsa_inputs, time_ms, tri  # noqa: E402
+from bench_attention import PARAMS, cuda_graph, nsa_inputs, peak_mib, time_ms, time_sdpa, tri  # noqa: E402
 
 KNOBS = [field.name for field in dataclasses.fields(tri.LaunchOverrides)]
 
@@ -48,6 +48,9 @@ DEFAULT_VARIANTS = [
     "seldq_pairs:sel_dq_in_dkdv=1",
     # the same at 4 warps (the selected dK/dV spills 120-136 bytes there at G = 6 with the dQ tile; 8 warps do not)
     "seldq_pairs_4warps:sel_dq_in_dkdv=1,dkdv_warps=4",
+    # the same pairs without atomics: each pair stores its share in a (query, slot) partial buffer that one kernel
+    # sums (the 2026-11-25 sweep put the atomics at +4.4 ms of the selected dK/dV at 64k)
+    "seldq_partials:sel_dq_partials=1",
     # the selected dK/dV with every pair tile masked, as timed on 2026-11-23: the default now runs the tiles whose
     # queries lie past the block's last key (all but the block's first few) without masks, not yet timed
     "sel_dkdv_masked:sel_dkdv_all_masked=1",
@@ -108,7 +111,7 @@ CASES = [(12, 2, 64, 65536, 1, "random", None), (12, 2, 64, 2048, 32, "random", 
                                           "seldq_pairs", "topn_query_major", "sel_dkdv_masked",
                                           "sel_causal_all"))]
 KERNELS = ["_select_topn_kernel", "_sel_fwd_kernel", "_bwd_dq_kernel", "_sel_bwd_dkdv_kernel",
-           "_interval_fwd_kernel", "_interval_bwd_dkdv_kernel"]
+           "_interval_fwd_kernel", "_interval_bwd_dkdv_kernel", "_sel_dq_reduce_kernel"]
 DECODE = ["_decode_cmp_split_kernel", "_decode_topn_kernel", "_decode_finish_kernel", "_decode_parts_kernel",
           "_decode_combine_kernel"]
 
@@ -124,9 +127,18 @@ def parse_variant(text):
     return name, settings
 
 
+def parse_case(text):
+    """'H,HKV,D,T,B,KIND' -> a CASES entry that runs every variant."""
+    try:
+        H, Hkv, D, T, B, kind = text.split(",")
+        return int(H), int(Hkv), int(D), int(T), int(B), kind, None
+    except ValueError:
+        raise SystemExit(f"--cases {text!r}: expected H,HKV,D,T,B,KIND, e.g. 12,2,64,65536,1,random") from None
+
+
 SHORT = {"_select_topn_kernel": "top-n", "_sel_fwd_kernel": "sel fwd", "_bwd_dq_kernel": "dQ",
          "_sel_bwd_dkdv_kernel": "sel dK/dV", "_interval_fwd_kernel": "intv fwd",
-         "_interval_bwd_dkdv_kernel": "intv dK/dV"}
+         "_interval_bwd_dkdv_kernel": "intv dK/dV", "_sel_dq_reduce_kernel": "dQ sum"}
 
 
 def against_default(rows: list[dict], threshold: float = 0.02) -> list[str]:
@@ -167,6 +179,11 @@ def main():
     ap.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS)
     ap.add_argument("--json", default=None)
     ap.add_argument("--decode-only", action="store_true", help="the decode section alone")
+    ap.add_argument("--no-decode", action="store_true", help="skip the decode section")
+    ap.add_argument("--cases", nargs="*", default=None, metavar="H,HKV,D,T,B,KIND",
+                    help="f+b cases instead of the built-in list (every variant on each), e.g. 12,2,64,65536,1,random")
+    ap.add_argument("--dense", action="store_true",
+                    help="also time dense causal SDPA f+b on each case's shapes (the ratio issue 18's table uses)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tune_kernels.py needs a CUDA GPU (tests/triton_aot.py reports the launches' registers, "
@@ -190,7 +207,7 @@ def main():
 
     query_end = torch.tensor([T - 1], device="cuda")
 
-    for name, settings in variants:
+    for name, settings in [] if args.no_decode else variants:
         with tri.launch_overrides(**settings):
             per_kernel = kernel_ms(decode)
             row = dict(variant=name, **{k: per_kernel.get(k, 0.0) * 1000 for k in DECODE})
@@ -204,8 +221,10 @@ def main():
         decode_rows.append(dict(row, total=sum(row[k] for k in DECODE)))
         save()
         print(json.dumps(decode_rows[-1]), flush=True)
-    for H, Hkv, D, T, B, kind, only in [] if args.decode_only else CASES:
+    cases = CASES if args.cases is None else [parse_case(c) for c in args.cases]
+    for H, Hkv, D, T, B, kind, only in [] if args.decode_only else cases:
         torch.manual_seed(0)
+        dense = time_sdpa(B, T, H, Hkv, D) if args.dense else {}
         x, cmp_end, doc_pos = nsa_inputs(B, T, H, Hkv, D, kind=kind)
         do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
 
@@ -224,20 +243,26 @@ def main():
                 idx = tri.select_blocks_triton(x["q"].detach(), x["k_cmp"].detach(), cmp_end, doc_pos, PARAMS)
                 per_kernel = kernel_ms(step)
                 fb_ms = time_ms(step)
+                peak = peak_mib(step)
             same = True if ref_idx is None else bool(torch.equal(idx, ref_idx))
             ref_idx = idx if ref_idx is None else ref_idx
             row = dict(case=f"{H}q/{Hkv}kv d{D} T={T} B={B} {kind}", variant=name, fb_ms=fb_ms, same_topn=same,
-                       **{k: per_kernel.get(k, 0.0) for k in KERNELS})
+                       peak_mib=peak, **{k: per_kernel.get(k, 0.0) for k in KERNELS},
+                       **{k: dense[k] for k in ("sdpa_fb", "sdpa_mem") if k in dense})
             rows.append(row)
             save()
             print(json.dumps(row), flush=True)
 
     print(f"\n# NSA launch sweep: {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16 (ms)")
-    print("| case | variant | f+b ms | " + " | ".join(SHORT[k] for k in KERNELS) + " | top-n equal |")
-    print("|---" * (4 + len(KERNELS)) + "|")
+    print("| case | variant | f+b ms | / dense | peak MiB (dense) | " + " | ".join(SHORT[k] for k in KERNELS)
+          + " | top-n equal |")
+    print("|---" * (6 + len(KERNELS)) + "|")
     for r in rows:
         cells = " | ".join(f"{r[k]:.2f}" for k in KERNELS)
-        print(f"| {r['case']} | {r['variant']} | {r['fb_ms']:.2f} | {cells} | {'yes' if r['same_topn'] else 'NO'} |")
+        ratio = f"{r['fb_ms'] / r['sdpa_fb']:.2f}x" if "sdpa_fb" in r else ""
+        mem = f"{r['peak_mib']:.0f}" + (f" ({r['sdpa_mem']:.0f})" if "sdpa_mem" in r else "")
+        print(f"| {r['case']} | {r['variant']} | {r['fb_ms']:.2f} | {ratio} | {mem} | {cells} | "
+              f"{'yes' if r['same_topn'] else 'NO'} |")
     print("\n" + "\n".join(against_default(rows)))
     print("\n| decode 64k (us) | " + " | ".join(k.strip("_").replace("_kernel", "") for k in DECODE)
           + " | kernels' sum | CUDA-graphed step |")

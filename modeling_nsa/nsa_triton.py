@@ -60,9 +60,9 @@ from .nsa_triton_common import (  # noqa: F401  (_HAS_TRITON: callers ask this m
     triton_unusable_reason,
 )
 from .nsa_triton_decode import _decode_step
-from .nsa_triton_dq import _bwd_dq
+from .nsa_triton_dq import _bwd_dq, _sel_dq_partials, _sel_dq_reduce
 from .nsa_triton_interval import _interval_bwd_dkdv, _interval_fwd, _layout
-from .nsa_triton_launch import _OVERRIDES, LaunchOverrides, launch_overrides
+from .nsa_triton_launch import LaunchOverrides, _sel_dq_mode, launch_overrides
 from .nsa_triton_selected import _sel_bwd_dkdv, _sel_fwd
 from .nsa_triton_topn import _select_topn
 
@@ -150,15 +150,20 @@ def _nsa_bwd_op(
     c_lo, c_hi, w_lo, w_hi = _layout(cmp_end, doc_pos, q.shape[1], k_win.shape[1], p)
     dout = dout.to(q.dtype).contiguous()
     # dQ of the three branches, dgates and the per-branch deltas in one kernel; the dK/dV kernels then read the
-    # deltas
-    # (sel_dq_in_dkdv: the selected branch's dQ is added to an fp32 dQ by the selected dK/dV kernel instead)
+    # deltas. The selected branch's dQ (_sel_dq_mode): in that kernel over each query tile's block union ("union"),
+    # or formed pair by pair by the selected dK/dV kernel, which stores per-pair partials that _sel_dq_reduce sums
+    # ("partials") or adds them to an fp32 dQ with atomics ("atomic"); then dQ is the fp32 of the interval branches.
     cmp, win = (k_cmp, v_cmp, c_lo, c_hi, lse_cmp, o_cmp), (k_win, v_win, w_lo, w_hi, lse_win, o_win)
-    sel_dq_in_dkdv = bool(_OVERRIDES.sel_dq_in_dkdv)
+    sel_dq_mode = _sel_dq_mode()
     dq, dgates, delta = _bwd_dq(q, dout, gates, cmp, (k_slc, v_slc, lse_slc, o_slc), win, idx, doc_pos, p, scale,
-                                sel_dq=not sel_dq_in_dkdv)  # fmt: skip
+                                sel_dq=sel_dq_mode == "union")  # fmt: skip
     dk_cmp, dv_cmp = _interval_bwd_dkdv(q, k_cmp, v_cmp, c_lo, c_hi, dout, gates, 0, lse_cmp, delta[0], scale)
+    partials = _sel_dq_partials(q, idx) if sel_dq_mode == "partials" else None
     dk_slc, dv_slc = _sel_bwd_dkdv(q, k_slc, v_slc, idx, doc_pos, dout, gates, 1, lse_slc, delta[1], p, scale,
-                                   dq_accum=dq if sel_dq_in_dkdv else None)  # fmt: skip
+                                   dq_accum=dq if sel_dq_mode == "atomic" else None, dq_partials=partials)
+    if partials is not None:
+        dq = _sel_dq_reduce(dq, partials, idx, q.dtype)
+        del partials
     dk_win, dv_win = _interval_bwd_dkdv(q, k_win, v_win, w_lo, w_hi, dout, gates, 2, lse_win, delta[2], scale)
     return dq.to(q.dtype), dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates
 

@@ -8,7 +8,7 @@ import torch
 
 from .nsa_layout import NSAParams
 from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes, _next_pow2
-from .nsa_triton_launch import _dq_launch, _sel_sub_tile
+from .nsa_triton_launch import _dq_launch, _sel_dq_reduce_rows, _sel_sub_tile
 from .nsa_triton_selected import _tile_block_union
 
 
@@ -198,9 +198,37 @@ if triton is not None:
             _branch_prep(DOUT, OS, GATE, DG, DELTA, row, row_ok, d, R, D, 1)
         tl.store(DQ + row[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
+    # ------------------------------------------------------------------------------------------
+    # The selected dQ from per-pair partials (sel_dq_partials)
+    # ------------------------------------------------------------------------------------------
+
+    @triton.jit
+    def _sel_dq_reduce_kernel(DQP, IDX, DQ_IN, DQ_OUT, Tq,
+                              H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                              N_SEL: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr):
+        """DQ_OUT = DQ_IN (fp32: the interval branches' dQ) + the sum over a query's slots, in slot order, of the
+        selected branch's partials DQP (B*Hkv*Tq*n', G, D) that the selected dK/dV kernel stored; the slots whose
+        block is unused (idx -1) were never written and are skipped. Rows: QPB queries x the G heads of one KV
+        group (as the other query tiles)."""
+        pid_q = tl.program_id(0)
+        pid_bg = tl.program_id(1)
+        b = (pid_bg // HKV).to(tl.int64)
+        g = pid_bg % HKV
+        r, qi, row_ok = _tile_rows(pid_q, Tq, 0, G, QPB, BLOCK_M)
+        hh = r % G
+        d = tl.arange(0, D)
+        row = (b * Tq + qi) * H + g * G + hh
+        acc = tl.load(DQ_IN + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)  # (rows, D) fp32
+        flat = (pid_bg.to(tl.int64) * Tq + qi) * N_SEL  # (rows,) the query's first slot
+        for s in range(N_SEL):
+            used = row_ok & (tl.load(IDX + flat + s, mask=row_ok, other=-1) >= 0)
+            part = tl.load(DQP + ((flat + s) * G + hh)[:, None] * D + d[None, :], mask=used[:, None], other=0.0)
+            acc += part.to(tl.float32)
+        tl.store(DQ_OUT + row[:, None] * D + d[None, :], acc.to(DQ_OUT.dtype.element_ty), mask=row_ok[:, None])
+
 
 # ----------------------------------------------------------------------------------------------
-# Host-side launcher (static shapes, no host synchronization)
+# Host-side launchers (static shapes, no host synchronization)
 # ----------------------------------------------------------------------------------------------
 
 def _bwd_dq(q, dout, gates, cmp, slc, win, idx, doc_pos, params: NSAParams, scale, sel_dq: bool = True):
@@ -229,3 +257,26 @@ def _bwd_dq(q, dout, gates, cmp, slc, win, idx, doc_pos, params: NSAParams, scal
         BLOCK_N=64, SEL_DQ=sel_dq, **dq_opts,
     )
     return dq, dgates, delta
+
+
+def _sel_dq_partials(q, idx):
+    """The buffer the selected dK/dV kernel stores each (query, block) pair's dQ share in: (B, Hkv, Tq, n', G, D),
+    q's dtype. Slots of unused blocks stay unwritten (_sel_dq_reduce skips them)."""
+    batch, num_q, num_heads, head_dim = q.shape
+    num_kv, n_sel = idx.shape[1], idx.shape[-1]
+    return torch.empty(batch, num_kv, num_q, n_sel, num_heads // num_kv, head_dim, device=q.device, dtype=q.dtype)
+
+
+def _sel_dq_reduce(dq_intervals, partials, idx, dtype):
+    """dQ (B, Tq, H, D) in `dtype`: the interval branches' fp32 dQ plus each query's selected partials, summed in
+    slot order (deterministic)."""
+    batch, num_q, num_heads, head_dim = dq_intervals.shape
+    num_kv, n_sel = idx.shape[1], idx.shape[-1]
+    group = num_heads // num_kv
+    block_m, qpb = _sel_dq_reduce_rows(group)
+    dq = torch.empty(dq_intervals.shape, device=dq_intervals.device, dtype=dtype)
+    _sel_dq_reduce_kernel[(_cdiv(num_q, qpb), batch * num_kv)](
+        partials, idx, dq_intervals, dq, num_q, H=num_heads, HKV=num_kv, G=group, D=head_dim, N_SEL=n_sel, QPB=qpb,
+        BLOCK_M=block_m, num_warps=4,
+    )
+    return dq

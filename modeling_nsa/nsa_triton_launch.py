@@ -33,6 +33,11 @@ class LaunchOverrides:
     # an fp32 dQ with atomics (True: not bitwise deterministic), or in the fused dQ kernel over each query tile's
     # union of blocks (False, and None: the default until a GPU sweep times both; bench/KERNELS.md)
     sel_dq_in_dkdv: bool | None = None
+    # the same pair-by-pair selected dQ without atomics: each (query, block) pair stores its G heads' share in a
+    # (B, Hkv, Tq, n', G, D) partial buffer in q's dtype (n' x G/H times q's size: 1.5 GiB at 64k tokens x 12 heads
+    # in bf16), summed in slot order by one reduce kernel (deterministic). True wins over sel_dq_in_dkdv; None: the
+    # launcher's choice (_sel_dq_mode)
+    sel_dq_partials: bool | None = None
     # the selected dK/dV with every pair tile masked, as timed on 2026-11-23 (the default runs the tiles whose
     # queries lie past the block's last key without masks: _sel_block_dkdv)
     sel_dkdv_all_masked: bool | None = None
@@ -90,7 +95,7 @@ def _rows_per_program(group: int, head_dim: int) -> tuple[int, int]:
     return _query_tile(group, 64 if head_dim <= 128 else 32)
 
 
-def _dkdv_launch(group: int, head_dim: int, device, dq_atomic: bool = False) -> tuple[int, int, dict]:
+def _dkdv_launch(group: int, head_dim: int, device, pair_dq: bool = False) -> tuple[int, int, dict]:
     """(BLOCK_M, queries per program, launch options) for the dK/dV kernels, which hold fp32 dK and dV
     tiles across their query loop. Chosen with tests/triton_aot.py (registers and spills per variant) for
     the key-major update (_dkdv_update): on sm_90 at head_dim 64, 64-row query tiles at 4 warps, spill-free
@@ -99,16 +104,16 @@ def _dkdv_launch(group: int, head_dim: int, device, dq_atomic: bool = False) -> 
     2 pipeline stages on sm_90 (no spill inside the tile loops at head_dim 128: the selected kernel's main pass
     keeps an 88-104 byte frame reloaded per block; head_dim 256 spills about 300-700 bytes with or without
     them), none on sm_80, which keeps the stack frame there at 0-48 bytes at head_dim 64, outside the tile loops
-    (64 rows, or pipelining, spill more). dq_atomic (the selected kernel adding its dQ, sel_dq_in_dkdv): on
-    sm_90 at head_dim 64 the fp32 dQ tile beside dK and dV spills 120-136 bytes at 4 warps at G = 6 (none at
+    (64 rows, or pipelining, spill more). pair_dq (the selected kernel forming its dQ pair by pair: sel_dq_in_dkdv,
+    sel_dq_partials): on sm_90 at head_dim 64 the fp32 dQ tile beside dK and dV spills 120-136 bytes at 4 warps at G = 6 (none at
     G = 16), at 8 warps nothing inside the tile loops (a 16-byte frame outside them), so 8 there (the variant
     seldq_pairs_4warps times the other side); at head_dim 128 the 32-row tile spills 8-40 bytes (sm_90 with its
     two stages, sm_80/86) and a 16-row one none inside its loops, pipelined on sm_90."""
     if head_dim <= 64 and _hopper_class(device):
         block_m, qpb = _rows_per_program(group, head_dim)
-        return block_m, qpb, dict(num_warps=_OVERRIDES.dkdv_warps or (8 if dq_atomic else 4))
+        return block_m, qpb, dict(num_warps=_OVERRIDES.dkdv_warps or (8 if pair_dq else 4))
     stages = 2 if _hopper_class(device) else 1
-    rows = 16 if dq_atomic and head_dim > 64 else 32
+    rows = 16 if pair_dq and head_dim > 64 else 32
     return *_query_tile(group, rows), dict(num_warps=_OVERRIDES.dkdv_warps or 8, num_stages=stages)
 
 
@@ -128,6 +133,23 @@ def _dq_launch(group: int, head_dim: int, n_sel: int, device, sel_dq: bool = Tru
         block_m, qpb = _query_tile(group, rows) if rows else _sel_rows_per_program(group, head_dim)
         return block_m, qpb, dict(num_warps=_OVERRIDES.dq_warps or 8, num_stages=2)
     return *_query_tile(group, 32), dict(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+
+
+def _sel_dq_mode() -> str:
+    """Where the backward forms the selected branch's dQ: "union" (the fused dQ kernel walks each query tile's
+    union of chosen blocks, doing the math of every block of the union for every row), "partials" (the selected
+    dK/dV kernel, which meets each (query, block) pair once, stores each pair's share; a reduce kernel sums a
+    query's n' shares) or "atomic" (the same pairs added to an fp32 dQ with atomics)."""
+    if _OVERRIDES.sel_dq_partials:
+        return "partials"
+    if _OVERRIDES.sel_dq_in_dkdv:
+        return "atomic"
+    return "union"
+
+
+def _sel_dq_reduce_rows(group: int) -> tuple[int, int]:
+    """(rows, queries per program) of the partials' reduce kernel: 64 rows of (query x head), memory-bound."""
+    return _query_tile(group, 64)
 
 
 def _sel_sub_tile(block_m: int, head_dim: int, device, dq: bool = False) -> int:

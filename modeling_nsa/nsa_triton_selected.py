@@ -170,14 +170,16 @@ if triton is not None:
         return kk, (kk < Tk) & (k_pos >= 0) & (kk - k_pos == a_start)
 
     @triton.jit
-    def _sel_pair_tiles(Q, PAIR_Q, DO, GATE, LSE, DELTA, DQ, b, g, p_from, p_to, p_end, Tq, q_off, kk, k_ok, k, v,
-                        sm_scale2, scale, dk, dv, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                        QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    def _sel_pair_tiles(Q, PAIR_Q, PAIR_F, DO, GATE, LSE, DELTA, DQ, b, g, p_from, p_to, p_end, Tq, q_off, kk, k_ok,
+                        k, v, sm_scale2, scale, dk, dv, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                        QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr, DQ_PAIRS: tl.constexpr,
                         MASKED: tl.constexpr):
         """A block's dK/dV over its pair tiles p_from, p_from + QPB, ... below p_to (rows packed as query x
         head; rows past QPB * G or at pairs past p_end are not loaded). MASKED: keys outside the block and keys
         after a row's query are masked. Otherwise each query lies at or past the block's last key, so every row
-        sees every key: no mask (rows not loaded hold q = do = 0, lse = delta = 0, and add nothing)."""
+        sees every key: no mask (rows not loaded hold q = do = 0, lse = delta = 0, and add nothing).
+        DQ_PAIRS (the pair's dQ share, scale dS K): 1 added to the fp32 DQ (B*T*H, D) with atomics; 2 stored to
+        the partials DQ (B*Hkv*Tq*n', G, D) at the pair's (query, slot) PAIR_F, each written once."""
         r = tl.arange(0, BLOCK_M)
         hh = r % G
         d = tl.arange(0, D)
@@ -191,23 +193,28 @@ if triton is not None:
                 vis_t = row_ok[None, :] & k_ok[:, None] & (kk[:, None] <= (q_off + qi)[None, :])
             else:
                 vis_t = True
-            if DQ_ATOMIC:
+            if DQ_PAIRS == 1:
                 dk, dv, ds_t = _dkdv_update_ds(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
                 dq = tl.dot(tl.trans(ds_t), k) * scale  # (rows, D)
                 tl.atomic_add(DQ + row[:, None] * D + d[None, :], dq, mask=row_ok[:, None], sem="relaxed")
+            elif DQ_PAIRS == 2:
+                dk, dv, ds_t = _dkdv_update_ds(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
+                dq = tl.dot(tl.trans(ds_t), k) * scale  # (rows, D)
+                f = tl.load(PAIR_F + pi, mask=row_ok, other=0).to(tl.int64)  # (rows,) flat (b, kv, query, slot)
+                tl.store(DQ + (f * G + hh)[:, None] * D + d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
             else:
                 dk, dv = _dkdv_update(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
         return dk, dv
 
     @triton.jit
-    def _sel_block_dkdv(Q, K, V, PAIR_Q, DOCPOS, DO, GATE, LSE, DELTA, DQ, a, pid_bg, p_begin, p_end,
+    def _sel_block_dkdv(Q, K, V, PAIR_Q, PAIR_F, DOCPOS, DO, GATE, LSE, DELTA, DQ, a, pid_bg, p_begin, p_end,
                         Tq, Tk, q_off, sm_scale2, scale,
                         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
-                        QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+                        QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr, DQ_PAIRS: tl.constexpr,
                         ALL_MASKED: tl.constexpr):
         """dK (unscaled), dV of the selection block whose first key is a, over its (query, block) pairs
-        [p_begin, p_end) (rows packed as query x head). DQ_ATOMIC: also each pair's dQ share, scale dS K, added to
-        the fp32 DQ (B*T*H, D) with atomics (a query's n blocks are met in n programs). A block's pairs come in
+        [p_begin, p_end) (rows packed as query x head). DQ_PAIRS: also each pair's dQ share (a query's n blocks
+        are met in n programs): 1 added to an fp32 dQ with atomics, 2 stored to its (query, slot) partial. A block's pairs come in
         increasing query order, and only its first ones (at most LB - 1: queries inside the block) see part of
         its keys: their tiles run masked, the tiles after them without masks (_sel_pair_tiles). Returns (dk, dv,
         kv_off, k_ok)."""
@@ -227,21 +234,22 @@ if triton is not None:
             first_q = tl.load(PAIR_Q + first, mask=first < p_end, other=0)
             n_partial = tl.sum(((first < p_end) & (q_off + first_q < a + LB - 1)).to(tl.int32), 0)
             p_seen_whole = tl.minimum(p_begin + tl.cdiv(n_partial, QPB) * QPB, p_end)  # the tiles from here
-        dk, dv = _sel_pair_tiles(Q, PAIR_Q, DO, GATE, LSE, DELTA, DQ, b, g, p_begin, p_seen_whole, p_end, Tq, q_off,
-                                 kk, k_ok, k, v, sm_scale2, scale, dk, dv, H, G, D, QPB, BLOCK_M, BR, DQ_ATOMIC, True)
+        dk, dv = _sel_pair_tiles(Q, PAIR_Q, PAIR_F, DO, GATE, LSE, DELTA, DQ, b, g, p_begin, p_seen_whole, p_end, Tq,
+                                 q_off, kk, k_ok, k, v, sm_scale2, scale, dk, dv, H, G, D, QPB, BLOCK_M, BR, DQ_PAIRS,
+                                 True)
         if not ALL_MASKED:
-            dk, dv = _sel_pair_tiles(Q, PAIR_Q, DO, GATE, LSE, DELTA, DQ, b, g, p_seen_whole, p_end, p_end, Tq,
+            dk, dv = _sel_pair_tiles(Q, PAIR_Q, PAIR_F, DO, GATE, LSE, DELTA, DQ, b, g, p_seen_whole, p_end, p_end, Tq,
                                      q_off, kk, k_ok, k, v, sm_scale2, scale, dk, dv, H, G, D, QPB, BLOCK_M, BR,
-                                     DQ_ATOMIC, False)
+                                     DQ_PAIRS, False)
         return dk, dv, kv_off, k_ok
 
     @triton.jit
     def _sel_bwd_dkdv_kernel(
-        Q, K, V, PAIR_OFF, PAIR_Q, HPOS, HCUM, DOCPOS, DO, GATE, LSE, DELTA, DK, DV, PDK, PDV, DQ,
+        Q, K, V, PAIR_OFF, PAIR_Q, PAIR_F, HPOS, HCUM, DOCPOS, DO, GATE, LSE, DELTA, DK, DV, PDK, PDV, DQ,
         Tq, Tk, q_off, sm_scale2, scale, heavy_min, n_flat, n_heavy,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         LB: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr,
-        HEAVY_PASS: tl.constexpr, N_SPLIT: tl.constexpr, DQ_ATOMIC: tl.constexpr, ALL_MASKED: tl.constexpr,
+        HEAVY_PASS: tl.constexpr, N_SPLIT: tl.constexpr, DQ_PAIRS: tl.constexpr, ALL_MASKED: tl.constexpr,
     ):
         # Main pass (grid: key range of LB keys x batch*kv head): the blocks starting in the range that
         # have (query, block) pairs, found with one vector load of their pair counts; usually one per
@@ -263,9 +271,9 @@ if triton is not None:
                 span = tl.cdiv(tl.cdiv(p_end - p_begin, N_SPLIT), QPB) * QPB
                 p_begin = p_begin + pid_s * span
                 p_end = tl.minimum(p_end, p_begin + span)
-                dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, DOCPOS, DO, GATE, LSE, DELTA, DQ, a,
-                                                       pid_bg, p_begin, p_end, Tq, Tk, q_off, sm_scale2, scale,
-                                                       H, HKV, G, D, LB, QPB, BLOCK_M, BR, DQ_ATOMIC, ALL_MASKED)
+                dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, PAIR_F, DOCPOS, DO, GATE, LSE, DELTA, DQ,
+                                                       a, pid_bg, p_begin, p_end, Tq, Tk, q_off, sm_scale2, scale,
+                                                       H, HKV, G, D, LB, QPB, BLOCK_M, BR, DQ_PAIRS, ALL_MASKED)
                 p_off = ((h * N_SPLIT + pid_s) * LB + tl.arange(0, LB).to(tl.int64))[:, None] * D + d[None, :]
                 tl.store(PDK + p_off, dk * scale)
                 tl.store(PDV + p_off, dv)
@@ -284,9 +292,9 @@ if triton is not None:
                 a = tl.sum(tl.where(hit, aa, 0), 0)
                 p_begin = tl.sum(tl.where(hit, beg, 0), 0)
                 p_end = p_begin + tl.sum(tl.where(hit, cnt, 0), 0)
-                dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, DOCPOS, DO, GATE, LSE, DELTA, DQ, a,
-                                                       pid_bg, p_begin, p_end, Tq, Tk, q_off, sm_scale2, scale,
-                                                       H, HKV, G, D, LB, QPB, BLOCK_M, BR, DQ_ATOMIC, ALL_MASKED)
+                dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, PAIR_F, DOCPOS, DO, GATE, LSE, DELTA, DQ,
+                                                       a, pid_bg, p_begin, p_end, Tq, Tk, q_off, sm_scale2, scale,
+                                                       H, HKV, G, D, LB, QPB, BLOCK_M, BR, DQ_PAIRS, ALL_MASKED)
                 tl.store(DK + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=k_ok[:, None])
                 tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
 
@@ -406,10 +414,13 @@ def _sel_fwd(q, k, v, idx, doc_pos, params: NSAParams, scale):
     return o, lse
 
 
-def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: NSAParams, scale, dq_accum=None):
-    """dK, dV of the selected branch over the (block -> queries) index. dq_accum: an fp32 (B, Tq, H, D) dQ the
-    branch's dQ is added to (atomically; launch_overrides(sel_dq_in_dkdv=True)), None: dQ is left to the fused
-    dQ kernel."""
+def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: NSAParams, scale, dq_accum=None,
+                  dq_partials=None):
+    """dK, dV of the selected branch over the (block -> queries) index. The branch's dQ, which the kernel can form
+    pair by pair: dq_accum, an fp32 (B, Tq, H, D) dQ it is added to atomically (launch_overrides(sel_dq_in_dkdv=
+    True)); dq_partials, a (B, Hkv, Tq, n', G, D) buffer in q's dtype where each (query, block) pair writes its G
+    heads' share at the block's slot in idx (sel_dq_partials; _sel_dq_reduce sums them); neither: dQ is left to
+    the fused dQ kernel."""
     batch, num_q, num_heads, head_dim, num_keys, num_kv, group = _launch_shapes(q, k)
     n_sel = idx.shape[-1]
     lb = params.sel_block_size
@@ -427,14 +438,16 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: 
     sorted_key, order = torch.sort(key, stable=True)
     del key
     pair_q = (order // n_sel % num_q).to(torch.int32).contiguous()
+    # the pair's flat (batch, kv head, query, slot): where its dQ partial goes
+    pair_f = order.to(key_dtype if order.numel() < 2**31 - 1 else torch.int64) if dq_partials is not None else pair_q
     del order
     pair_off = torch.searchsorted(sorted_key, torch.arange(sentinel + 1, device=q.device, dtype=key_dtype))
     pair_off = pair_off.contiguous()
     del sorted_key
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
-    dq_atomic = dq_accum is not None
-    block_m, qpb, dkdv_opts = _dkdv_launch(group, head_dim, q.device, dq_atomic=dq_atomic)
+    dq_pairs = 2 if dq_partials is not None else 1 if dq_accum is not None else 0
+    block_m, qpb, dkdv_opts = _dkdv_launch(group, head_dim, q.device, pair_dq=dq_pairs > 0)
     # Heavy blocks (more than heavy_min pairs) are split over n_split programs writing fp32 partials to
     # n_heavy slots (static shapes, no sync): at most total pairs / (heavy_min + 1) blocks can be heavy,
     # capped at `slots` partials (16 MiB each for dK and dV at d64); the main pass keeps the rest.
@@ -450,10 +463,11 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: 
     heavy_cum = torch.where(heavy, heavy_cum, 0).contiguous()
     pdk = torch.empty(n_heavy, n_split, lb, head_dim, device=q.device, dtype=torch.float32)
     pdv = torch.empty_like(pdk)
-    args = (q, k, v, pair_off, pair_q, hpos, heavy_cum, doc_pos, do, gates, lse, delta, dk, dv, pdk, pdv,
-            dq_accum if dq_atomic else pdk, num_q, num_keys, q_off, scale * _LOG2E, scale, heavy_min, n_flat, n_heavy)
+    dq_out = dq_partials if dq_pairs == 2 else dq_accum if dq_pairs == 1 else pdk
+    args = (q, k, v, pair_off, pair_q, pair_f, hpos, heavy_cum, doc_pos, do, gates, lse, delta, dk, dv, pdk, pdv,
+            dq_out, num_q, num_keys, q_off, scale * _LOG2E, scale, heavy_min, n_flat, n_heavy)
     meta = dict(H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=lb, QPB=qpb, BLOCK_M=block_m, BR=branch,
-                N_SPLIT=n_split, DQ_ATOMIC=dq_atomic, ALL_MASKED=bool(_OVERRIDES.sel_dkdv_all_masked), **dkdv_opts)
+                N_SPLIT=n_split, DQ_PAIRS=dq_pairs, ALL_MASKED=bool(_OVERRIDES.sel_dkdv_all_masked), **dkdv_opts)
     _sel_bwd_dkdv_kernel[(_cdiv(num_keys, lb), batch * num_kv, 1)](*args, HEAVY_PASS=False, **meta)
     _sel_bwd_dkdv_kernel[(n_heavy, 1, n_split)](*args, HEAVY_PASS=True, **meta)
     _sel_dkdv_reduce_kernel[(n_heavy,)](

@@ -185,11 +185,32 @@ def test_selected_dq_in_dkdv_variant_compiles(aot_results, arch):
     dq = [r for r in rows if r["kernel"] == "_bwd_dq_kernel"]
     assert {r["scenario"] for r in dkdv} == {r["scenario"] for r in dq} == {
         "125M-G6-d64-bf16-long-seldq", "fla-G16-d64-bf16-seldq", "G8-d128-bf16-long-seldq"}, rows
-    assert all(r["constexprs"]["DQ_ATOMIC"] for r in dkdv) and not any(r["constexprs"]["SEL_DQ"] for r in dq)
+    assert all(r["constexprs"]["DQ_PAIRS"] == 1 for r in dkdv) and not any(r["constexprs"]["SEL_DQ"] for r in dq)
     assert all(r["ok"] for r in rows), [(r["scenario"], r["kernel"], r.get("error")) for r in rows]
     # the fused dQ without the selected loop: the interval branches' six loops only
     assert all(r["dot_loops"] == 6 for r in dq), [(r["scenario"], r["dot_loops"]) for r in dq]
     if arch == 90:
+        assert all(r["unpipelined_dot_loops"] == 0 for r in dkdv), [(r["scenario"], r["unpipelined_dot_loops"])
+                                                                    for r in dkdv]
+
+
+@pytest.mark.parametrize("arch", **ARCHS)
+def test_selected_dq_partials_variant_compiles(aot_results, arch):
+    """The pair-wise selected dQ without atomics (launch_overrides(sel_dq_partials=True): the *-seldqpartials
+    scenarios): the selected dK/dV kernel storing each pair's share, the fused dQ kernel without its selected loop
+    and the kernel summing the partials compile on every architecture; the dK/dV loops stay software-pipelined on
+    sm_90 (the spill check above covers these rows too)."""
+    rows = [r for r in _rows(aot_results, arch) if r["scenario"].endswith("-seldqpartials")]
+    by_kernel = {k: [r for r in rows if r["kernel"] == k]
+                 for k in ("_sel_bwd_dkdv_kernel", "_bwd_dq_kernel", "_sel_dq_reduce_kernel")}
+    expected = {"125M-G6-d64-bf16-long-seldqpartials", "fla-G16-d64-bf16-seldqpartials",
+                "G8-d128-bf16-long-seldqpartials"}
+    assert all({r["scenario"] for r in kernel_rows} == expected for kernel_rows in by_kernel.values()), rows
+    assert all(r["constexprs"]["DQ_PAIRS"] == 2 for r in by_kernel["_sel_bwd_dkdv_kernel"])
+    assert not any(r["constexprs"]["SEL_DQ"] for r in by_kernel["_bwd_dq_kernel"])
+    assert all(r["ok"] for r in rows), [(r["scenario"], r["kernel"], r.get("error")) for r in rows]
+    if arch == 90:
+        dkdv = by_kernel["_sel_bwd_dkdv_kernel"]
         assert all(r["unpipelined_dot_loops"] == 0 for r in dkdv), [(r["scenario"], r["unpipelined_dot_loops"])
                                                                     for r in dkdv]
 

@@ -51,6 +51,7 @@ _KNOB_IDS = {
     "decode_merge_lists": lambda c: f"merge{c['decode_merge_lists']}lists",
     "dkdv_unmasked_interior": lambda c: "interior" if c["dkdv_unmasked_interior"] else "allmasked",
     "sel_dq_in_dkdv": lambda c: "seldqpairs" if c["sel_dq_in_dkdv"] else "seldqunion",
+    "sel_dq_partials": lambda c: "seldqpartials" if c["sel_dq_partials"] else "seldqnopartials",
     "topn_query_major": lambda c: "querymajor" if c["topn_query_major"] else "headlanes",
     "sel_dkdv_all_masked": lambda c: "seldkdvmasked" if c["sel_dkdv_all_masked"] else "seldkdvsplit",
     "sel_causal_every_block": lambda c: "selcausalall" if c["sel_causal_every_block"] else "selcausalsplit",
@@ -135,6 +136,19 @@ CPU_CASES = [
     dict(B=1, T=70, H=16, Hkv=1, D=16, layout="varlen", sel_dq_in_dkdv=True, sel_split=[5, 3, 64]),
     # H100's launches at head_dim 128 (the dK/dV in 16-row tiles, the interval-only dQ in 32-row tiles)
     dict(B=1, T=70, H=8, Hkv=1, D=128, layout="varlen", arch=90, sel_dq_in_dkdv=True),
+    # the same pairs without atomics (launch_overrides(sel_dq_partials=True)): each pair stores its G heads' share at
+    # its (query, slot) in a partial buffer (poisoned with NaN: slots of unused blocks must be skipped) that one
+    # kernel sums in slot order: G = 1, 2, 3, 4, 6, 8, 16, documents, padding, fp16, sm_80's tiles, heavy blocks
+    # split over 3 programs (each pair still stored once), head_dim 128 on sm_90
+    dict(B=2, T=47, H=2, Hkv=2, D=16, layout="pad", sel_dq_partials=True),
+    dict(B=1, T=65, H=4, Hkv=2, D=16, layout="varlen", dtype="float16", sel_dq_partials=True),
+    dict(B=2, T=90, H=6, Hkv=2, D=16, layout="varlen", arch=80, sel_dq_partials=True),
+    dict(B=1, T=77, H=4, Hkv=1, D=32, layout="pad", sel_dq_partials=True),
+    dict(B=2, T=81, H=6, Hkv=1, D=16, layout="varlen", dtype="float16", sel_dq_partials=True),
+    dict(B=1, T=100, H=8, Hkv=1, D=16, layout="pad", sel_dq_partials=True, sel_split=[5, 3, 64]),
+    dict(B=1, T=70, H=16, Hkv=1, D=16, layout="varlen", sel_dq_partials=True, sel_split=[5, 3, 64]),
+    dict(B=2, T=60, H=6, Hkv=2, D=16, layout="pad", sel_dq_partials=True),  # G = 3
+    dict(B=1, T=70, H=8, Hkv=1, D=128, layout="varlen", arch=90, sel_dq_partials=True),
     # the tiles an A100 (sm_80) gets: 32-row dQ and dK/dV query tiles, selected attention in 16-row sub-tiles
     dict(B=2, T=90, H=12, Hkv=2, D=16, layout="varlen", arch=80),
     # found by a randomized search (2026-11-23): a top-n tile across two documents at the end of the batch, whose
@@ -367,6 +381,11 @@ GPU_CASES = [
     dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_dq_in_dkdv=True),
     dict(B=2, T=1000, H=16, Hkv=1, D=64, layout="varlen", sel_dq_in_dkdv=True),
     dict(B=1, T=2048, H=8, Hkv=1, D=128, layout="pad", sel_dq_in_dkdv=True),
+    # the selected dQ from per-pair partials (sel_dq_partials)
+    dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_dq_partials=True),
+    dict(B=2, T=1000, H=16, Hkv=1, D=64, layout="varlen", sel_dq_partials=True),
+    dict(B=2, T=1000, H=6, Hkv=2, D=64, layout="pad", sel_dq_partials=True),
+    dict(B=1, T=2048, H=8, Hkv=1, D=128, layout="pad", sel_dq_partials=True),
 ]
 for _c in GPU_CASES:
     _c.setdefault("dtype", "bfloat16")

@@ -32,6 +32,27 @@ def test_the_session_sweep_names_launch_knobs():
         assert set(settings) <= set(tk.KNOBS), text
 
 
+def test_the_session_seldq_step_parses():
+    """bench/gpu_session.sh's `seldq` step: its variants name real knobs and reach the three selected-dQ modes, and
+    its cases parse (a typo would cost a device call)."""
+    from modeling_nsa.nsa_triton_launch import _sel_dq_mode, launch_overrides
+
+    script = (Path(__file__).resolve().parent.parent / "bench" / "gpu_session.sh").read_text()
+    step = script.split("    seldq)", 1)[1].split(";;", 1)[0].replace("\\\n", " ")
+    variants = step.split("--variants", 1)[1].split("--cases", 1)[0].split()
+    modes = []
+    for text in variants:
+        _, settings = tk.parse_variant(text)
+        with launch_overrides(**settings):
+            modes.append(_sel_dq_mode())
+    assert modes == ["union", "partials", "atomic"], modes
+    cases = [tk.parse_case(c) for c in step.split("--cases", 1)[1].split()]
+    assert {c[3] for c in cases} == {2048, 8192, 32768, 65536} and all(c[6] is None for c in cases), cases
+    assert all(c[3] * c[4] == 65536 for c in cases)  # B*T fixed, as bench_attention's table
+    with pytest.raises(SystemExit, match="expected H,HKV,D,T,B,KIND"):
+        tk.parse_case("12,2,64,65536")
+
+
 def row(case, variant, fb_ms, **kernel_ms):
     """A sweep row: every kernel 1 ms unless given (by kernel name)."""
     return dict(case=case, variant=variant, fb_ms=fb_ms, **{k: kernel_ms.get(k, 1.0) for k in tk.KERNELS})

@@ -134,6 +134,8 @@ _VARIANTS = {
     "allmasked": dict(dkdv_unmasked_interior=False),
     # the selected dQ added pair by pair by the selected dK/dV kernel
     "seldq": dict(sel_dq_in_dkdv=True),
+    # the same pairs storing per-(query, slot) partials (no atomics) and the kernel that sums them
+    "seldqpartials": dict(sel_dq_partials=True),
     # the training top-n's rows query-major, as before _topn_row_query_head
     "topnquerymajor": dict(topn_query_major=True),
     # the selected dK/dV with every pair tile masked (the default splits off the tiles that see whole blocks)
