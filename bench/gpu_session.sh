@@ -26,7 +26,9 @@ CAPTURE_STEPS=${CAPTURE_STEPS:-200}
 AB_STEPS=${AB_STEPS:-300}  # ab-long: steps per run (4 x 4,096 tokens each)
 AB_EVAL_EVERY=${AB_EVAL_EVERY:-100}
 AB_SEEDS=${AB_SEEDS:-0 1 2}  # three seeds: the verdict's interval needs them
-LC_SAMPLES=${LC_SAMPLES:-8}  # ab-long-eval: passkey prompts per (length, depth)
+LC_SAMPLES=${LC_SAMPLES:-8}  # ab-long-eval and retrieval: passkey prompts per (length, depth)
+RETRIEVAL_ROWS=${RETRIEVAL_ROWS:-runs/data/passkey-gpt2-4096.parquet}  # retrieval's rows (bench/build_retrieval_data.py)
+RT_STEPS=${RT_STEPS:-300}  # retrieval: steps per twin (4 rows of 4,096 tokens each)
 LENGTHS=${LENGTHS:-2048 8192 32768 65536}  # issue 18's table
 mkdir -p "$OUT"
 steps=("$@")
@@ -125,7 +127,21 @@ for step in "${steps[@]}"; do
 open(sys.argv[2], 'w').write(max((str(x) for x in t.to_pylist()[::20]), key=len))" "$LONG_DOCS" "$OUT/ab_long/page.txt"
                 $PY bench/selection_map.py "$OUT/ab_long/nsa-seed0/final" --prompt-file "$OUT/ab_long/page.txt" \
                   --max-len 4096 --layer 6 --out "$OUT/ab_long/selection_map-layer6.png" ;;
-    *)          echo "unknown step $step (tests capture attention floors tune model dense-docs model-long generate profile train ab-long ab-long-eval check check-seldq sweep seldq)"
+    # issue 19: retrieval beyond the window, NSA against dense. Both twins (seed 0) train from scratch on passkey
+    # rows of 4,096 tokens (8x the 512-token window; the key at a uniform depth, the answer at the row's end), then
+    # the passkey evaluation at 1k-8k x 5 depths on each (heatmaps in each run's long_context/). The rows are built
+    # beforehand and carried: python bench/build_retrieval_data.py --task passkey --tokenizer
+    # ../shared/data/gpt2-tokenizer --seq-len 4096 --rows 2400 --out runs/data/passkey-gpt2-4096.parquet
+    retrieval)  if [ ! -f "$RETRIEVAL_ROWS" ]; then
+                  echo "no $RETRIEVAL_ROWS: build it first (bench/build_retrieval_data.py, see this step's comment) and carry it"
+                  exit 2
+                fi
+                $PY bench/ab_compare.py --out "$OUT/retrieval" --seeds 0 -- --dataset "$RETRIEVAL_ROWS" \
+                  --tokenizer "$DATA/gpt2-tokenizer" --model 125m --seq-len 4096 --micro-batch-size 4 \
+                  --max-steps "$RT_STEPS" --lr 6e-4 --warmup-steps 30 --eval-every "$RT_STEPS" --val-every-doc 20 \
+                  --val-tokens 131072 --save-every 0 --report-to none --mixed-precision bf16 --eval-long-context \
+                  --long-context-lengths 1024 2048 4096 8192 --long-context-samples "$LC_SAMPLES" ;;
+    *)          echo "unknown step $step (tests capture attention floors tune model dense-docs model-long generate profile train ab-long ab-long-eval retrieval check check-seldq sweep seldq)"
                 exit 2 ;;
   esac 2>&1 | tee "$OUT/$step.log" || echo "== $step exited non-zero (log: $OUT/$step.log)" | tee -a "$OUT/env.txt"
   echo "== $step took $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"

@@ -212,21 +212,45 @@ def test_build_corpus_from_a_deb(tmp_path):
         build_corpus.main(["--deb", str(out), "--out", str(tmp_path / "x.parquet")])
 
 
+def _session_step_flags(step_name, tmp_path):
+    """The train flags bench/gpu_session.sh's step hands ab_compare, with the script's defaults (NAME=${NAME:-x})
+    and its data paths filled in; also the step's ab_compare command line and the defaults."""
+    script = (ROOT / "bench" / "gpu_session.sh").read_text()
+    step = script.split(f"    {step_name})", 1)[1].split(";;", 1)[0]
+    command = step.split("bench/ab_compare.py", 1)[1].replace("\\\n", " ")
+    defaults = dict(re.findall(r"^(\w+)=\$\{\1:-([^}]*)\}", script, flags=re.M))  # AB_STEPS=${AB_STEPS:-300}
+    values = {f'"${name}"': value for name, value in defaults.items()}
+    values |= {'"$LONG_DOCS"': str(tmp_path / "docs.parquet"), '"$RETRIEVAL_ROWS"': str(tmp_path / "rows.parquet"),
+               '"$DATA/gpt2-tokenizer"': str(tmp_path / "tok")}
+    flags = [values.get(f, f) for f in command.split(" -- ", 1)[1].split()]
+    return flags, command, defaults
+
+
 def test_the_gpu_sessions_long_document_ab_passes_flags_the_trainer_takes(tmp_path):
     """bench/gpu_session.sh's ab-long step (one device call of a session) hands ab_compare training flags: a typo or
     a removed flag must fail here, on CPU, not after the machine has started."""
     import train_accelerate
 
-    script = (ROOT / "bench" / "gpu_session.sh").read_text()
-    step = script.split("    ab-long)", 1)[1].split(";;", 1)[0]
-    command = step.split("bench/ab_compare.py", 1)[1].replace("\\\n", " ")
-    flags = command.split(" -- ", 1)[1].split()
-    defaults = dict(re.findall(r"^(AB_\w+)=\$\{\1:-([^}]*)\}", script, flags=re.M))  # AB_STEPS=${AB_STEPS:-300}
-    values = {'"$LONG_DOCS"': str(tmp_path / "docs.parquet"), '"$DATA/gpt2-tokenizer"': str(tmp_path / "tok"),
-              '"$AB_STEPS"': defaults["AB_STEPS"], '"$AB_EVAL_EVERY"': defaults["AB_EVAL_EVERY"]}
-    flags = [values.get(f, f) for f in flags]
+    flags, command, defaults = _session_step_flags("ab-long", tmp_path)
     assert "--dataset" in flags and "--seq-len" in flags and "--max-steps" in flags, flags
     ab_compare.check_train_flags(flags)
     cfg = train_accelerate.parse_args(flags + ["--output-dir", str(tmp_path / "run")])
     assert (cfg.model, cfg.seq_len, cfg.max_steps, cfg.eval_every) == ("125m", 4096, 300, 100)
     assert "--seeds $AB_SEEDS" in command and defaults["AB_SEEDS"] == "0 1 2"  # the verdict's interval needs three
+
+
+def test_the_gpu_sessions_retrieval_step_passes_flags_the_trainer_takes(tmp_path):
+    """The retrieval step (both twins trained on passkey rows at 8x the window, then the passkey evaluation): its
+    flags parse, the rows are 8x NSA's window, and the evaluation runs on each twin at lengths up to 2x the rows."""
+    import train_accelerate
+
+    from modeling_nsa import NSAConfig
+
+    flags, command, defaults = _session_step_flags("retrieval", tmp_path)
+    ab_compare.check_train_flags(flags)
+    cfg = train_accelerate.parse_args(flags + ["--output-dir", str(tmp_path / "run")])
+    assert (cfg.model, cfg.seq_len, cfg.max_steps) == ("125m", 4096, int(defaults["RT_STEPS"]))
+    assert cfg.eval_long_context and cfg.long_context_task == "passkey"
+    assert cfg.long_context_lengths == [1024, 2048, 4096, 8192] and cfg.eval_every == cfg.max_steps
+    assert cfg.seq_len == 8 * NSAConfig().window_size
+    assert "--seeds 0" in command
