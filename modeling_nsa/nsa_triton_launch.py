@@ -31,12 +31,11 @@ class LaunchOverrides:
     dkdv_unmasked_interior: bool | None = None
     # the selected branch's dQ in the selected dK/dV kernel, which meets each (query, block) pair once, added to
     # an fp32 dQ with atomics (True: not bitwise deterministic), or in the fused dQ kernel over each query tile's
-    # union of blocks (False, and None: the default until a GPU sweep times both; bench/KERNELS.md)
+    # union of blocks (False, and None: the default, _sel_dq_mode)
     sel_dq_in_dkdv: bool | None = None
     # the same pair-by-pair selected dQ without atomics: each (query, block) pair stores its G heads' share in a
-    # (B, Hkv, Tq, n', G, D) partial buffer in q's dtype (n' x G/H times q's size: 1.5 GiB at 64k tokens x 12 heads
-    # in bf16), summed in slot order by one reduce kernel (deterministic). True wins over sel_dq_in_dkdv; None: the
-    # launcher's choice (_sel_dq_mode)
+    # (B, Hkv, Tq, n', G, D) partial buffer in q's dtype (n' x G/H times q's size: 1.6 GiB at 64k tokens x 12 heads
+    # in bf16), summed in slot order by one reduce kernel (deterministic). True wins over sel_dq_in_dkdv
     sel_dq_partials: bool | None = None
     # the selected dK/dV with every pair tile masked, as timed on 2026-11-23 (the default runs the tiles whose
     # queries lie past the block's last key without masks: _sel_block_dkdv)
@@ -139,7 +138,10 @@ def _sel_dq_mode() -> str:
     """Where the backward forms the selected branch's dQ: "union" (the fused dQ kernel walks each query tile's
     union of chosen blocks, doing the math of every block of the union for every row), "partials" (the selected
     dK/dV kernel, which meets each (query, block) pair once, stores each pair's share; a reduce kernel sums a
-    query's n' shares) or "atomic" (the same pairs added to an fp32 dQ with atomics)."""
+    query's n' shares) or "atomic" (the same pairs added to an fp32 dQ with atomics). The union walk is the default:
+    the pair-wise dQ costs the selected dK/dV kernel a fifth dot and 8 warps (its dQ tile spills at 4), which only
+    pays where a tile's queries share few blocks (random queries at 32k and more); it loses at 2k-8k and on
+    correlated queries, which trained models' neighbouring queries resemble (bench/KERNELS.md, 2026-11-26)."""
     if _OVERRIDES.sel_dq_partials:
         return "partials"
     if _OVERRIDES.sel_dq_in_dkdv:
