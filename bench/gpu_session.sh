@@ -10,6 +10,9 @@
 #   OUT=/tmp/run FLA_WHEEL=wheels/fla_core-0.6.0-py3-none-any.whl bash bench/gpu_session.sh attention
 #   bash bench/gpu_session.sh ab-long                 # issue 19's A/B on long documents (not in the default list:
 #                                                     #   it needs bench/build_corpus.py's corpus in $LONG_DOCS)
+#   bash bench/gpu_session.sh ab-long-eval retrieval  # issue 19: passkey heatmaps of ab-long's twins; both twins
+#                                                     #   trained on passkey rows ($RETRIEVAL_ROWS), then evaluated
+#   bash bench/gpu_session.sh check-seldq seldq       # the pair-wise selected dQ's GPU cases and three-way timing
 # Data: the shared wiki parquet and GPT-2 tokenizer from $DATA (default ../shared/data beside the checkout, else
 # runs/data: on a device machine, which gets only the checkout, copy ../shared/data there and carry runs/data).
 # capture: trains a 125M NSA for $CAPTURE_STEPS steps on it (or takes $CKPT, an NSA checkpoint) and captures its
@@ -35,7 +38,7 @@ steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests capture attention floors tune model dense-docs model-long generate profile train)
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || echo "no nvidia-smi";
   $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
-'transformers', transformers.__version__)"; git rev-parse --short HEAD 2>/dev/null || true; } | tee "$OUT/env.txt"
+'transformers', transformers.__version__)"; git rev-parse --short HEAD 2>/dev/null || true; } | tee -a "$OUT/env.txt"  # appended: a call may run it twice
 if [ -n "${FLA_WHEEL:-}" ]; then  # fla-core for the comparison column; report whether it imports
   $PY -m pip install --quiet --no-deps "$FLA_WHEEL" || true
   $PY -c "from fla.ops.nsa import parallel_nsa; print('fla import ok')" 2>&1 | tail -1 | tee -a "$OUT/env.txt"
@@ -91,7 +94,8 @@ for step in "${steps[@]}"; do
                   12,2,64,2048,32,random 12,2,64,8192,8,random 12,2,64,32768,2,random 16,1,64,8192,8,random \
                   16,1,64,65536,1,random 12,2,64,65536,1,correlated ;;
     # the GPU cases of the pair-wise selected dQ (partials and atomics) against the reference
-    check-seldq) $PY -m pytest -q -x tests/test_triton_kernels.py -k "gpu_kernels_match and seldq" -rA 2>&1 | tail -n 20 ;;
+    check-seldq) $PY -m pytest -x tests/test_triton_kernels.py -k "gpu_kernels_match and seldq" -rA --tb=short 2>&1 \
+                  | tail -n 200 ;;
     model)      $PY bench/bench_model.py --seq-lens 2048 8192 32768 --steps 5 --warmup 2 --json "$OUT/model.json" ;;
     # issue 20: the dense baseline with packed documents (8 per row) against one document per row, SDPA's
     # boolean mask and FlexAttention's block mask (target: packed within 10% of unpacked)
@@ -119,7 +123,7 @@ for step in "${steps[@]}"; do
     # issue 19: retrieval (passkey, 1k-8k: 8k is twice the training length) of the ab-long pair's seed-0 twins, a
     # heatmap each, and the NSA twin's selection map on a held-out page (JSON and PNGs beside the runs)
     ab-long-eval)
-                for mode in nsa dense; do
+                for mode in dense nsa; do  # dense first: its table was the one a time limit cut on 2026-11-26
                   $PY -m nsa_train.long_context "$OUT/ab_long/$mode-seed0/final" --task passkey \
                     --lengths 1024 2048 4096 8192 --samples "$LC_SAMPLES" --batch-size 8 --out "$OUT/ab_long/long_context-$mode"
                 done

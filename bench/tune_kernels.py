@@ -44,12 +44,13 @@ DEFAULT_VARIANTS = [
     "dkdv_split32:dkdv_split=32",
     # the selected branch's dQ in the selected dK/dV kernel (each (query, block) pair once, atomics into an fp32
     # dQ) instead of the fused dQ kernel's walk over each tile's block union (~16x the pairs on random inputs
-    # at 64k, G = 6): not yet timed; the default until a sweep decides is the union walk
+    # at 64k, G = 6): -17% f+b at 64k random, +8% to +27% at 2k-8k and +12% correlated (2026-11-26), so the union
+    # walk stays the default
     "seldq_pairs:sel_dq_in_dkdv=1",
     # the same at 4 warps (the selected dK/dV spills 120-136 bytes there at G = 6 with the dQ tile; 8 warps do not)
     "seldq_pairs_4warps:sel_dq_in_dkdv=1,dkdv_warps=4",
     # the same pairs without atomics: each pair stores its share in a (query, slot) partial buffer that one kernel
-    # sums (the 2026-11-25 sweep put the atomics at +4.4 ms of the selected dK/dV at 64k)
+    # sums (2026-11-26: as fast as the atomics; the pair-wise dQ itself, not the atomics, is what costs)
     "seldq_partials:sel_dq_partials=1",
     # the selected dK/dV with every pair tile masked, as timed on 2026-11-23: the default now runs the tiles whose
     # queries lie past the block's last key (all but the block's first few) without masks, not yet timed

@@ -34,7 +34,7 @@ class LaunchOverrides:
     # union of blocks (False, and None: the default, _sel_dq_mode)
     sel_dq_in_dkdv: bool | None = None
     # the same pair-by-pair selected dQ without atomics: each (query, block) pair stores its G heads' share in a
-    # (B, Hkv, Tq, n', G, D) partial buffer in q's dtype (n' x G/H times q's size: 1.6 GiB at 64k tokens x 12 heads
+    # (B, Hkv, Tq, n', G, D) partial buffer in q's dtype (n' times q's size: 1.5 GiB at 64k tokens x 12 heads x 64
     # in bf16), summed in slot order by one reduce kernel (deterministic). True wins over sel_dq_in_dkdv
     sel_dq_partials: bool | None = None
     # the selected dK/dV with every pair tile masked, as timed on 2026-11-23 (the default runs the tiles whose
@@ -104,9 +104,9 @@ def _dkdv_launch(group: int, head_dim: int, device, pair_dq: bool = False) -> tu
     keeps an 88-104 byte frame reloaded per block; head_dim 256 spills about 300-700 bytes with or without
     them), none on sm_80, which keeps the stack frame there at 0-48 bytes at head_dim 64, outside the tile loops
     (64 rows, or pipelining, spill more). pair_dq (the selected kernel forming its dQ pair by pair: sel_dq_in_dkdv,
-    sel_dq_partials): on sm_90 at head_dim 64 the fp32 dQ tile beside dK and dV spills 120-136 bytes at 4 warps at G = 6 (none at
-    G = 16), at 8 warps nothing inside the tile loops (a 16-byte frame outside them), so 8 there (the variant
-    seldq_pairs_4warps times the other side); at head_dim 128 the 32-row tile spills 8-40 bytes (sm_90 with its
+    sel_dq_partials): on sm_90 at head_dim 64 the fp32 dQ tile beside dK and dV spills 120-136 bytes at 4 warps
+    at G = 6 (none at G = 16), at 8 warps nothing inside the tile loops (a 16-byte frame outside them), so 8 there
+    (the variant seldq_pairs_4warps times the other side); at head_dim 128 the 32-row tile spills 8-40 bytes (sm_90 with its
     two stages, sm_80/86) and a 16-row one none inside its loops, pipelined on sm_90."""
     if head_dim <= 64 and _hopper_class(device):
         block_m, qpb = _rows_per_program(group, head_dim)

@@ -214,9 +214,9 @@ if triton is not None:
                         ALL_MASKED: tl.constexpr):
         """dK (unscaled), dV of the selection block whose first key is a, over its (query, block) pairs
         [p_begin, p_end) (rows packed as query x head). DQ_PAIRS: also each pair's dQ share (a query's n blocks
-        are met in n programs): 1 added to an fp32 dQ with atomics, 2 stored to its (query, slot) partial. A block's pairs come in
-        increasing query order, and only its first ones (at most LB - 1: queries inside the block) see part of
-        its keys: their tiles run masked, the tiles after them without masks (_sel_pair_tiles). Returns (dk, dv,
+        are met in n programs): 1 added to an fp32 dQ with atomics, 2 stored to its (query, slot) partial. A
+        block's pairs come in increasing query order, and only its first ones (at most LB - 1: queries inside the
+        block) see part of its keys: their tiles run masked, the tiles after them without masks (_sel_pair_tiles). Returns (dk, dv,
         kv_off, k_ok)."""
         b = (pid_bg // HKV).to(tl.int64)
         g = pid_bg % HKV

@@ -386,6 +386,8 @@ GPU_CASES = [
     dict(B=2, T=1000, H=16, Hkv=1, D=64, layout="varlen", sel_dq_partials=True),
     dict(B=2, T=1000, H=6, Hkv=2, D=64, layout="pad", sel_dq_partials=True),
     dict(B=1, T=2048, H=8, Hkv=1, D=128, layout="pad", sel_dq_partials=True),
+    # ... with the heavily chosen blocks (block 0: every query's initial block) split over 4 programs
+    dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_dq_partials=True, sel_split=[256, 4, 64]),
 ]
 for _c in GPU_CASES:
     _c.setdefault("dtype", "bfloat16")
@@ -475,17 +477,22 @@ def test_gpu_compile_fullgraph():
 
 
 @GPU
-def test_gpu_selected_dkdv_deterministic():
+@pytest.mark.parametrize("sel_dq_partials", [False, True], ids=["union-dq", "partials-dq"])
+def test_gpu_selected_dkdv_deterministic(sel_dq_partials):
+    """Every gradient bitwise equal between two runs: the default, and with the selected dQ from per-pair partials
+    (summed in slot order, no atomics)."""
     from triton_helpers import DEFAULT, import_nsa, make_inputs
 
     _, _, tri = import_nsa()
     t, cmp_end, doc_pos, p = make_inputs(1, 2048, 12, 2, 64, DEFAULT, torch.bfloat16, "cuda", "varlen")
     runs = []
-    for _ in range(2):
-        leaves = {n: x.clone().requires_grad_(True) for n, x in t.items()}
-        out = tri.nsa_attention_triton(leaves["q"], leaves["k_cmp"], leaves["v_cmp"], cmp_end, leaves["k_slc"],
-                                       leaves["v_slc"], leaves["k_win"], leaves["v_win"], leaves["gates"], doc_pos, p)
-        out.float().sum().backward()
-        runs.append([leaves[n].grad for n in leaves])
+    with tri.launch_overrides(sel_dq_partials=sel_dq_partials):
+        for _ in range(2):
+            leaves = {n: x.clone().requires_grad_(True) for n, x in t.items()}
+            out = tri.nsa_attention_triton(leaves["q"], leaves["k_cmp"], leaves["v_cmp"], cmp_end, leaves["k_slc"],
+                                           leaves["v_slc"], leaves["k_win"], leaves["v_win"], leaves["gates"], doc_pos,
+                                           p)
+            out.float().sum().backward()
+            runs.append([leaves[n].grad for n in leaves])
     for a, b in zip(*runs):
         assert torch.equal(a, b)
