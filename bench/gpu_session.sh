@@ -145,7 +145,10 @@ open(sys.argv[2], 'w').write(max((str(x) for x in t.to_pylist()[::20]), key=len)
                   --max-steps "$RT_STEPS" --lr 6e-4 --warmup-steps 30 --eval-every "$RT_STEPS" --val-every-doc 20 \
                   --val-tokens 131072 --save-every 0 --report-to none --mixed-precision bf16 --eval-long-context \
                   --long-context-lengths 1024 2048 4096 8192 --long-context-samples "$LC_SAMPLES" ;;
-    *)          echo "unknown step $step (tests capture attention floors tune model dense-docs model-long generate profile train ab-long ab-long-eval retrieval check check-seldq sweep seldq)"
+    # issue 19: what one selection-statistics measurement costs against one 125M training step at T = 4,096
+    stats-cost) $PY bench/stats_cost.py --device cuda --model 125m --seq-len 4096 --micro-batch-size 4 \
+                  --tokenizer "$DATA/gpt2-tokenizer" --dataset "$DATA/wiki-summaries-en.parquet" ;;
+    *)          echo "unknown step $step (tests capture attention floors tune model dense-docs model-long generate profile train ab-long ab-long-eval retrieval stats-cost check check-seldq sweep seldq)"
                 exit 2 ;;
   esac 2>&1 | tee "$OUT/$step.log" || echo "== $step exited non-zero (log: $OUT/$step.log)" | tee -a "$OUT/env.txt"
   echo "== $step took $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
