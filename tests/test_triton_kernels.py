@@ -70,6 +70,17 @@ def _case_id(c):
 
 
 # ---------------------------------------------------------------- CPU: interpreter, tiny shapes
+# The pair-wise selected dQ's cases (each run in both of its modes below): G = 1, 2, 3, 4, 6, 8, 16 over documents
+# and padding, fp16, sm_80's tiles, and heavy blocks split over 3 programs (several programs per block's pairs)
+_PAIR_DQ_CASES = [
+    dict(B=2, T=47, H=2, Hkv=2, D=16, layout="pad"),
+    dict(B=1, T=65, H=4, Hkv=2, D=16, layout="varlen", dtype="float16"),
+    dict(B=2, T=90, H=6, Hkv=2, D=16, layout="varlen", arch=80),
+    dict(B=1, T=77, H=4, Hkv=1, D=32, layout="pad"),
+    dict(B=2, T=81, H=6, Hkv=1, D=16, layout="varlen", dtype="float16"),
+    dict(B=1, T=100, H=8, Hkv=1, D=16, layout="pad", sel_split=[5, 3, 64]),
+    dict(B=1, T=70, H=16, Hkv=1, D=16, layout="varlen", sel_split=[5, 3, 64]),
+]
 # tiny params: l=8, d=4, l'=16, n=4, init 1, local 2, w=16 (so several blocks are eligible at T < 100)
 CPU_CASES = [
     dict(B=1, T=1, H=2, Hkv=1, D=16),
@@ -123,30 +134,16 @@ CPU_CASES = [
     # sel_causal_every_block=True)); by default the blocks ending before a tile's first query skip it, which every
     # whole-tile case checks (claiming one block more fails 9 of 12 cases; sub-tile launches never skip it)
     dict(B=2, T=90, H=6, Hkv=2, D=16, layout="varlen", sel_causal_every_block=True),
-    # the selected branch's dQ added by the selected dK/dV kernel, pair by pair, into an fp32 dQ with atomics
-    # (launch_overrides(sel_dq_in_dkdv=True)) instead of the fused dQ kernel's walk over each tile's block union:
-    # G = 1, 2, 3, 4, 6, 8, 16 over documents and padding, fp16, sm_80's tiles, and heavy blocks split over 3
-    # programs (their atomics from several programs per block); with the atomic add zeroed, dq's error is ~0.6
-    dict(B=2, T=47, H=2, Hkv=2, D=16, layout="pad", sel_dq_in_dkdv=True),
-    dict(B=1, T=65, H=4, Hkv=2, D=16, layout="varlen", dtype="float16", sel_dq_in_dkdv=True),
-    dict(B=2, T=90, H=6, Hkv=2, D=16, layout="varlen", arch=80, sel_dq_in_dkdv=True),
-    dict(B=1, T=77, H=4, Hkv=1, D=32, layout="pad", sel_dq_in_dkdv=True),
-    dict(B=2, T=81, H=6, Hkv=1, D=16, layout="varlen", dtype="float16", sel_dq_in_dkdv=True),
-    dict(B=1, T=100, H=8, Hkv=1, D=16, layout="pad", sel_dq_in_dkdv=True, sel_split=[5, 3, 64]),
-    dict(B=1, T=70, H=16, Hkv=1, D=16, layout="varlen", sel_dq_in_dkdv=True, sel_split=[5, 3, 64]),
-    # H100's launches at head_dim 128 (the dK/dV in 16-row tiles, the interval-only dQ in 32-row tiles)
+    # the selected branch's dQ formed pair by pair by the selected dK/dV kernel instead of the fused dQ kernel's walk
+    # over each tile's block union, both ways over _PAIR_DQ_CASES: added to an fp32 dQ with atomics
+    # (launch_overrides(sel_dq_in_dkdv=True); with the atomic add zeroed, dq's error is ~0.6), and stored per pair at
+    # its (query, slot) in a partial buffer that one kernel sums in slot order (sel_dq_partials=True; the buffer is
+    # poisoned with NaN, so the slots of unused blocks must be skipped)
+    *[dict(case, sel_dq_in_dkdv=True) for case in _PAIR_DQ_CASES],
+    *[dict(case, sel_dq_partials=True) for case in _PAIR_DQ_CASES],
+    # H100's launches at head_dim 128 (the dK/dV in 16-row tiles, the interval-only dQ in 32-row tiles; the same
+    # launch for both pair-wise modes)
     dict(B=1, T=70, H=8, Hkv=1, D=128, layout="varlen", arch=90, sel_dq_in_dkdv=True),
-    # the same pairs without atomics (launch_overrides(sel_dq_partials=True)): each pair stores its G heads' share at
-    # its (query, slot) in a partial buffer (poisoned with NaN: slots of unused blocks must be skipped) that one
-    # kernel sums in slot order: G = 1, 2, 3, 4, 6, 8, 16, documents, padding, fp16, sm_80's tiles, heavy blocks
-    # split over 3 programs (each pair still stored once); head_dim 128's launch is the atomic case's above
-    dict(B=2, T=47, H=2, Hkv=2, D=16, layout="pad", sel_dq_partials=True),
-    dict(B=1, T=65, H=4, Hkv=2, D=16, layout="varlen", dtype="float16", sel_dq_partials=True),
-    dict(B=2, T=90, H=6, Hkv=2, D=16, layout="varlen", arch=80, sel_dq_partials=True),
-    dict(B=1, T=77, H=4, Hkv=1, D=32, layout="pad", sel_dq_partials=True),
-    dict(B=2, T=81, H=6, Hkv=1, D=16, layout="varlen", dtype="float16", sel_dq_partials=True),
-    dict(B=1, T=100, H=8, Hkv=1, D=16, layout="pad", sel_dq_partials=True, sel_split=[5, 3, 64]),
-    dict(B=1, T=70, H=16, Hkv=1, D=16, layout="varlen", sel_dq_partials=True, sel_split=[5, 3, 64]),
     # the tiles an A100 (sm_80) gets: 32-row dQ and dK/dV query tiles, selected attention in 16-row sub-tiles
     dict(B=2, T=90, H=12, Hkv=2, D=16, layout="varlen", arch=80),
     # found by a randomized search (2026-11-23): a top-n tile across two documents at the end of the batch, whose
