@@ -93,6 +93,13 @@ for step in "${steps[@]}"; do
                   seldq_partials:sel_dq_partials=1 seldq_pairs:sel_dq_in_dkdv=1 --cases 12,2,64,65536,1,random \
                   12,2,64,2048,32,random 12,2,64,8192,8,random 12,2,64,32768,2,random 16,1,64,8192,8,random \
                   16,1,64,65536,1,random 12,2,64,65536,1,correlated ;;
+    # issue 18: the selected kernels' pipeline stages and the selected dK/dV's heavy-block split threshold, each
+    # against the default at 2k, 8k and 64k (125M layout) and 8k (fla's), with dense SDPA on the same shapes
+    stages)     $PY bench/tune_kernels.py --json "$OUT/stages.json" --no-decode --dense --variants default \
+                  dkdv_stages2:dkdv_stages=2 dkdv_stages4:dkdv_stages=4 dq_stages3:dq_stages=3 \
+                  sel_stages2:sel_stages=2 sel_stages4:sel_stages=4 sel_split2k:sel_split=2048/16/64 \
+                  sel_split1k:sel_split=1024/8/256 --cases 12,2,64,8192,8,random 12,2,64,2048,32,random \
+                  12,2,64,65536,1,random 16,1,64,8192,8,random ;;
     # the GPU cases of the pair-wise selected dQ (partials and atomics) against the reference
     check-seldq) $PY -m pytest -x tests/test_triton_kernels.py -k "gpu_kernels_match and seldq" -rA --tb=short 2>&1 \
                   | tail -n 200 ;;
@@ -144,11 +151,18 @@ open(sys.argv[2], 'w').write(max((str(x) for x in t.to_pylist()[::20]), key=len)
                   --tokenizer "$DATA/gpt2-tokenizer" --model 125m --seq-len 4096 --micro-batch-size 4 \
                   --max-steps "$RT_STEPS" --lr 6e-4 --warmup-steps 30 --eval-every "$RT_STEPS" --val-every-doc 20 \
                   --val-tokens 131072 --save-every 0 --report-to none --mixed-precision bf16 --eval-long-context \
-                  --long-context-lengths 1024 2048 4096 8192 --long-context-samples "$LC_SAMPLES" ;;
+                  --long-context-lengths 1024 2048 4096 8192 --long-context-samples "$LC_SAMPLES"
+                # the answer's mean log-probability per cell as well: graded where greedy answers are all wrong
+                # (2026-11-26: 0% for both twins after 300 steps), it says whether a twin reads the key at all
+                for mode in dense nsa; do
+                  $PY -m nsa_train.long_context "$OUT/retrieval/$mode-seed0/final" --task passkey --scoring loglik \
+                    --lengths 1024 2048 4096 8192 --samples "$LC_SAMPLES" --batch-size 8 \
+                    --out "$OUT/retrieval/long_context_loglik-$mode"
+                done ;;
     # issue 19: what one selection-statistics measurement costs against one 125M training step at T = 4,096
     stats-cost) $PY bench/stats_cost.py --device cuda --model 125m --seq-len 4096 --micro-batch-size 4 \
                   --tokenizer "$DATA/gpt2-tokenizer" --dataset "$DATA/wiki-summaries-en.parquet" ;;
-    *)          echo "unknown step $step (tests capture attention floors tune model dense-docs model-long generate profile train ab-long ab-long-eval retrieval stats-cost check check-seldq sweep seldq)"
+    *)          echo "unknown step $step (tests capture attention floors tune model dense-docs model-long generate profile train ab-long ab-long-eval retrieval stats-cost check check-seldq sweep seldq stages)"
                 exit 2 ;;
   esac 2>&1 | tee "$OUT/$step.log" || echo "== $step exited non-zero (log: $OUT/$step.log)" | tee -a "$OUT/env.txt"
   echo "== $step took $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"

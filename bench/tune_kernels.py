@@ -52,6 +52,18 @@ DEFAULT_VARIANTS = [
     # the same pairs without atomics: each pair stores its share in a (query, slot) partial buffer that one kernel
     # sums (2026-11-26: as fast as the atomics; the pair-wise dQ itself, not the atomics, is what costs)
     "seldq_partials:sel_dq_partials=1",
+    # The selected kernels ran at 0.09-0.14 of their floors on 2026-11-26 with every loop software-pipelined and
+    # spill-free: how many stages they pipeline with (never swept; Triton's own 3 for the selected dK/dV and forward,
+    # 2 for the fused dQ), and where the selected dK/dV splits a heavily chosen block. At 8k x 8 the forced block 0
+    # holds 8,192 pairs, one short of the default split threshold (more than 8,192), so one program walks its 820
+    # pair tiles while the other blocks have ~100: a tail about as long as the kernel's whole time at 8k
+    "dkdv_stages2:dkdv_stages=2",
+    "dkdv_stages4:dkdv_stages=4",
+    "dq_stages3:dq_stages=3",
+    "sel_stages2:sel_stages=2",
+    "sel_stages4:sel_stages=4",
+    "sel_split2k:sel_split=2048/16/64",
+    "sel_split1k:sel_split=1024/8/256",
     # the selected dK/dV with every pair tile masked, as timed on 2026-11-23: the default now runs the tiles whose
     # queries lie past the block's last key (all but the block's first few) without masks, not yet timed
     "sel_dkdv_masked:sel_dkdv_all_masked=1",
@@ -124,7 +136,8 @@ def parse_variant(text):
         key, _, value = item.partition("=")
         if key not in KNOBS:
             raise SystemExit(f"unknown knob {key!r} in variant {text!r}; one of {KNOBS}")
-        settings[key] = int(value)
+        # a tuple knob (sel_split) as a/b/c
+        settings[key] = tuple(int(v) for v in value.split("/")) if "/" in value else int(value)
     return name, settings
 
 

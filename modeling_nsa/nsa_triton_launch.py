@@ -25,6 +25,12 @@ class LaunchOverrides:
     topn_warps: int | None = None  # warps of the top-n program
     topn_query_major: bool | None = None  # top-n rows query-major (q * G_PAD + head), as before _topn_head_lanes
     dkdv_warps: int | None = None  # warps of the compressed/window and selected dK/dV kernels
+    # software-pipeline stages of those two kernels (sm_90 at head_dim 64: Triton's own, 3), of the fused dQ (2 on
+    # sm_90) and of the selected forward (sm_90 at head_dim 64: Triton's own, 3): never swept until 2026-11-26,
+    # when the selected kernels ran at 0.09-0.14 of their floors with every loop pipelined (bench/KERNELS.md)
+    dkdv_stages: int | None = None
+    dq_stages: int | None = None
+    sel_stages: int | None = None
     # the compressed/window dK/dV runs the query tiles that see all of a key tile in a loop of their own, unmasked
     # (True, and None: the default since the 2026-11-25 sweep, 63% off that kernel at 64k), or masks every tile
     # (False, as timed on 2026-11-23; bench/KERNELS.md)
@@ -110,8 +116,11 @@ def _dkdv_launch(group: int, head_dim: int, device, pair_dq: bool = False) -> tu
     two stages, sm_80/86) and a 16-row one none inside its loops, pipelined on sm_90."""
     if head_dim <= 64 and _hopper_class(device):
         block_m, qpb = _rows_per_program(group, head_dim)
-        return block_m, qpb, dict(num_warps=_OVERRIDES.dkdv_warps or (8 if pair_dq else 4))
-    stages = 2 if _hopper_class(device) else 1
+        opts = dict(num_warps=_OVERRIDES.dkdv_warps or (8 if pair_dq else 4))
+        if _OVERRIDES.dkdv_stages:
+            opts["num_stages"] = _OVERRIDES.dkdv_stages
+        return block_m, qpb, opts
+    stages = _OVERRIDES.dkdv_stages or (2 if _hopper_class(device) else 1)
     rows = 16 if pair_dq and head_dim > 64 else 32
     return *_query_tile(group, rows), dict(num_warps=_OVERRIDES.dkdv_warps or 8, num_stages=stages)
 
@@ -130,8 +139,17 @@ def _dq_launch(group: int, head_dim: int, n_sel: int, device, sel_dq: bool = Tru
         wide = head_dim <= 64 and _next_pow2(n_sel) >= 16 and not _OVERRIDES.sel_rows
         rows = _OVERRIDES.dq_rows or (128 if wide else (None if sel_dq or head_dim <= 64 else 32))
         block_m, qpb = _query_tile(group, rows) if rows else _sel_rows_per_program(group, head_dim)
-        return block_m, qpb, dict(num_warps=_OVERRIDES.dq_warps or 8, num_stages=2)
-    return *_query_tile(group, 32), dict(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+        return block_m, qpb, dict(num_warps=_OVERRIDES.dq_warps or 8, num_stages=_OVERRIDES.dq_stages or 2)
+    return *_query_tile(group, 32), dict(num_warps=4 if head_dim <= 64 else 8, num_stages=_OVERRIDES.dq_stages or 2)
+
+
+def _sel_fwd_opts(head_dim: int) -> dict:
+    """Warps and stages of the selected forward: 4 warps and Triton's own stages (3) to head_dim 64; above, 8 warps
+    and two pipeline stages (spill-free at 128 on sm_90; tests/triton_aot.py)."""
+    opts = dict(num_warps=4) if head_dim <= 64 else dict(num_warps=8, num_stages=2)
+    if _OVERRIDES.sel_stages:
+        opts["num_stages"] = _OVERRIDES.sel_stages
+    return opts
 
 
 def _sel_dq_mode() -> str:

@@ -8,7 +8,7 @@ import torch
 
 from .nsa_layout import NSAParams
 from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes, _next_pow2
-from .nsa_triton_launch import _OVERRIDES, _dkdv_launch, _sel_rows_per_program, _sel_sub_tile
+from .nsa_triton_launch import _OVERRIDES, _dkdv_launch, _sel_fwd_opts, _sel_rows_per_program, _sel_sub_tile
 
 
 try:  # the module must import where triton is missing (CPU-only installs, macOS)
@@ -407,9 +407,7 @@ def _sel_fwd(q, k, v, idx, doc_pos, params: NSAParams, scale):
         scale * _LOG2E,
         H=num_heads, HKV=num_kv, G=group, D=head_dim,
         LB=params.sel_block_size, N_SEL=n_sel, N_PAD=_next_pow2(n_sel), QPB=qpb, BLOCK_M=block_m,
-        SUB_M=_sel_sub_tile(block_m, head_dim, q.device),
-        # head_dim above 64: 8 warps and two pipeline stages (spill-free at 128 on sm_90; tests/triton_aot.py)
-        **(dict(num_warps=4) if head_dim <= 64 else dict(num_warps=8, num_stages=2)),
+        SUB_M=_sel_sub_tile(block_m, head_dim, q.device), **_sel_fwd_opts(head_dim),
     )
     return o, lse
 

@@ -217,7 +217,8 @@ def _session_step_flags(step_name, tmp_path):
     and its data paths filled in; also the step's ab_compare command line and the defaults."""
     script = (ROOT / "bench" / "gpu_session.sh").read_text()
     step = script.split(f"    {step_name})", 1)[1].split(";;", 1)[0]
-    command = step.split("bench/ab_compare.py", 1)[1].replace("\\\n", " ")
+    command = re.split(r"(?<!\\)\n", step.split("bench/ab_compare.py", 1)[1], maxsplit=1)[0]  # up to its last line
+    command = command.replace("\\\n", " ")
     defaults = dict(re.findall(r"^(\w+)=\$\{\1:-([^}]*)\}", script, flags=re.M))  # AB_STEPS=${AB_STEPS:-300}
     values = {f'"${name}"': value for name, value in defaults.items()}
     values |= {'"$LONG_DOCS"': str(tmp_path / "docs.parquet"), '"$RETRIEVAL_ROWS"': str(tmp_path / "rows.parquet"),
@@ -254,3 +255,6 @@ def test_the_gpu_sessions_retrieval_step_passes_flags_the_trainer_takes(tmp_path
     assert cfg.long_context_lengths == [1024, 2048, 4096, 8192] and cfg.eval_every == cfg.max_steps
     assert cfg.seq_len == 8 * NSAConfig().window_size
     assert "--seeds 0" in command
+    # then each twin's answer log-probability (graded where greedy answers are all wrong)
+    script = (ROOT / "bench" / "gpu_session.sh").read_text().split("    retrieval)", 1)[1].split(";;", 1)[0]
+    assert "for mode in dense nsa" in script and "--scoring loglik" in script

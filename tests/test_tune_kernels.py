@@ -53,6 +53,29 @@ def test_the_session_seldq_step_parses():
         tk.parse_case("12,2,64,65536")
 
 
+def test_the_session_stages_step_parses_and_reaches_the_launchers():
+    """bench/gpu_session.sh's `stages` step: each variant names real knobs, the tuple knob (sel_split, a/b/c)
+    parses to the launcher's tuple, and every variant but the default changes a launch choice."""
+    from modeling_nsa import nsa_triton_launch as launch
+
+    script = (Path(__file__).resolve().parent.parent / "bench" / "gpu_session.sh").read_text()
+    step = script.split("    stages)", 1)[1].split(";;", 1)[0].replace("\\\n", " ")
+    variants = [tk.parse_variant(v) for v in step.split("--variants", 1)[1].split("--cases", 1)[0].split()]
+    assert variants[0] == ("default", {}) and len(variants) == 8, variants
+    assert dict(variants)["sel_split2k"] == {"sel_split": (2048, 16, 64)}
+
+    def launches():
+        return (launch._dkdv_launch(6, 64, "cpu"), launch._dq_launch(6, 64, 16, "cpu"), launch._sel_fwd_opts(64),
+                launch._OVERRIDES.sel_split)
+
+    default = launches()
+    for name, settings in variants[1:]:
+        with launch.launch_overrides(**settings):
+            assert launches() != default, name
+    cases = [tk.parse_case(c) for c in step.split("--cases", 1)[1].split()]
+    assert {c[3] for c in cases} == {2048, 8192, 65536} and all(c[3] * c[4] == 65536 for c in cases), cases
+
+
 def row(case, variant, fb_ms, **kernel_ms):
     """A sweep row: every kernel 1 ms unless given (by kernel name)."""
     return dict(case=case, variant=variant, fb_ms=fb_ms, **{k: kernel_ms.get(k, 1.0) for k in tk.KERNELS})
