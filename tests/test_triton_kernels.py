@@ -383,6 +383,8 @@ GPU_CASES = [
     dict(B=1, T=2048, H=8, Hkv=1, D=128, layout="pad", sel_dq_partials=True),
     # ... with the heavily chosen blocks (block 0: every query's initial block) split over 4 programs
     dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_dq_partials=True, sel_split=[256, 4, 64]),
+    # the default selected dQ with block 0 (4,097 pairs) split over 16 programs: bench/gpu_session.sh's sel_split2k
+    dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_split=[2048, 16, 64]),
 ]
 for _c in GPU_CASES:
     _c.setdefault("dtype", "bfloat16")
