@@ -96,7 +96,7 @@ for step in "${steps[@]}"; do
     # issue 18: the selected kernels' pipeline stages and the selected dK/dV's heavy-block split threshold, each
     # against the default at 2k, 8k and 64k (125M layout) and 8k (fla's), with dense SDPA on the same shapes
     stages)     $PY bench/tune_kernels.py --json "$OUT/stages.json" --no-decode --dense --variants default \
-                  dkdv_stages2:dkdv_stages=2 dkdv_stages4:dkdv_stages=4 dq_stages3:dq_stages=3 \
+                  dkdv_stages2:dkdv_stages=2 dkdv_stages4:dkdv_stages=4 dq_stages2:dq_stages=2 \
                   sel_stages2:sel_stages=2 sel_stages4:sel_stages=4 sel_split2k:sel_split=2048/16/64 \
                   sel_split1k:sel_split=1024/8/256 --cases 12,2,64,8192,8,random 12,2,64,2048,32,random \
                   12,2,64,65536,1,random 16,1,64,8192,8,random ;;

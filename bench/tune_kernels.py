@@ -53,13 +53,13 @@ DEFAULT_VARIANTS = [
     # sums (2026-11-26: as fast as the atomics; the pair-wise dQ itself, not the atomics, is what costs)
     "seldq_partials:sel_dq_partials=1",
     # The selected kernels ran at 0.09-0.14 of their floors on 2026-11-26 with every loop software-pipelined and
-    # spill-free: how many stages they pipeline with (never swept; Triton's own 3 for the selected dK/dV and forward,
-    # 2 for the fused dQ), and where the selected dK/dV splits a heavily chosen block. At 8k x 8 the forced block 0
-    # holds 8,192 pairs, one short of the default split threshold (more than 8,192), so one program walks its 820
-    # pair tiles while the other blocks have ~100: a tail about as long as the kernel's whole time at 8k
+    # spill-free: how many stages they pipeline with (Triton's own 3 for the dK/dV kernels and the selected forward;
+    # the fused dQ's 128-row tile 3 since that day's sweep, -10% to -16% of that kernel against 2), and where the
+    # selected dK/dV splits a heavily chosen block (at 8k x 8 the forced block 0 holds 8,192 pairs, one short of
+    # the default threshold; splitting from 2,048 or 1,024 pairs was slower at every length: bench/KERNELS.md)
     "dkdv_stages2:dkdv_stages=2",
     "dkdv_stages4:dkdv_stages=4",
-    "dq_stages3:dq_stages=3",
+    "dq_stages2:dq_stages=2",
     "sel_stages2:sel_stages=2",
     "sel_stages4:sel_stages=4",
     "sel_split2k:sel_split=2048/16/64",

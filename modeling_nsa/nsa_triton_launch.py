@@ -26,8 +26,9 @@ class LaunchOverrides:
     topn_query_major: bool | None = None  # top-n rows query-major (q * G_PAD + head), as before _topn_head_lanes
     dkdv_warps: int | None = None  # warps of the compressed/window and selected dK/dV kernels
     # software-pipeline stages of those two kernels (sm_90 at head_dim 64: Triton's own, 3), of the fused dQ (2 on
-    # sm_90) and of the selected forward (sm_90 at head_dim 64: Triton's own, 3): never swept until 2026-11-26,
-    # when the selected kernels ran at 0.09-0.14 of their floors with every loop pipelined (bench/KERNELS.md)
+    # sm_90: 3 for its 128-row tile since the 2026-11-26 sweep, else 2) and of the selected forward (sm_90 at
+    # head_dim 64: Triton's own, 3); first swept on 2026-11-26, when the selected kernels ran at 0.09-0.14 of their
+    # floors with every loop pipelined (bench/KERNELS.md)
     dkdv_stages: int | None = None
     dq_stages: int | None = None
     sel_stages: int | None = None
@@ -131,15 +132,18 @@ def _dq_launch(group: int, head_dim: int, n_sel: int, device, sel_dq: bool = Tru
     and correlated queries: variants dq64rows, sel32rows, bench/KERNELS.md; the selected forward is slower with
     128 rows, so it keeps 64); with fewer blocks (T < 1024 at n = 16) the 128-row tile spills, and at
     head_dim 128 it does not fit: the selected attention's tile there. Before Hopper 64 rows spill whatever
-    the warps, so the tile is 32 rows there (tests/triton_aot.py). Two pipeline stages on sm_90: with the
-    selected loop free of branches (_sel_dq_sub, WHOLE) its block loads are software-pipelined, and the
-    default three stages spill 8 bytes at 128 rows. sel_dq=False (sel_dq_in_dkdv: the interval branches only):
-    at head_dim 128 the 64-row tile spills 16 bytes on sm_90, 32 rows none (pipelined): 32 rows there."""
+    the warps, so the tile is 32 rows there (tests/triton_aot.py). Pipeline stages on sm_90 (the selected loop
+    is free of branches, _sel_dq_sub WHOLE, so its block loads are software-pipelined): three for the 128-row
+    tile (the dQ kernel 10-16% faster than with two at 2k, 8k and 64k and on fla's layout, variant dq_stages3,
+    2026-11-26; the same 64-byte frame outside the loops as with two, tests/triton_aot.py), two elsewhere (not
+    timed with three). sel_dq=False (sel_dq_in_dkdv: the interval branches only): at head_dim 128 the 64-row
+    tile spills 16 bytes on sm_90, 32 rows none (pipelined): 32 rows there."""
     if _hopper_class(device):
         wide = head_dim <= 64 and _next_pow2(n_sel) >= 16 and not _OVERRIDES.sel_rows
         rows = _OVERRIDES.dq_rows or (128 if wide else (None if sel_dq or head_dim <= 64 else 32))
         block_m, qpb = _query_tile(group, rows) if rows else _sel_rows_per_program(group, head_dim)
-        return block_m, qpb, dict(num_warps=_OVERRIDES.dq_warps or 8, num_stages=_OVERRIDES.dq_stages or 2)
+        stages = _OVERRIDES.dq_stages or (3 if block_m == 128 and wide else 2)
+        return block_m, qpb, dict(num_warps=_OVERRIDES.dq_warps or 8, num_stages=stages)
     return *_query_tile(group, 32), dict(num_warps=4 if head_dim <= 64 else 8, num_stages=_OVERRIDES.dq_stages or 2)
 
 

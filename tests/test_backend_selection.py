@@ -265,11 +265,15 @@ def test_launch_overrides_reach_the_launchers_for_the_block_only_and_name_the_va
     assert launch._dkdv_launch(6, 64, "cpu")[2]["num_warps"] == 4
     # pipeline stages (bench/gpu_session.sh's `stages` sweep): Triton's own unless forced, per kernel
     assert "num_stages" not in launch._dkdv_launch(6, 64, "cpu")[2] and "num_stages" not in launch._sel_fwd_opts(64)
-    assert launch._dq_launch(6, 64, 16, "cpu")[2]["num_stages"] == 2
-    with tri.launch_overrides(dkdv_stages=4, dq_stages=3, sel_stages=2):
+    # the fused dQ: three stages for the 128-row tile (2026-11-26 sweep), two for the others
+    assert launch._dq_launch(6, 64, 16, "cpu")[2]["num_stages"] == 3 and launch._dq_launch(6, 64, 16, "cpu")[0] == 128
+    assert launch._dq_launch(8, 128, 16, "cpu")[2]["num_stages"] == 2
+    with tri.launch_overrides(dq_rows=64):
+        assert launch._dq_launch(6, 64, 16, "cpu")[2]["num_stages"] == 2
+    with tri.launch_overrides(dkdv_stages=4, dq_stages=2, sel_stages=2):
         assert launch._dkdv_launch(6, 64, "cpu")[2]["num_stages"] == 4
         assert launch._dkdv_launch(8, 128, "cpu")[2]["num_stages"] == 4
-        assert launch._dq_launch(6, 64, 16, "cpu")[2]["num_stages"] == 3
+        assert launch._dq_launch(6, 64, 16, "cpu")[2]["num_stages"] == 2
         assert launch._sel_fwd_opts(64) == dict(num_warps=4, num_stages=2)
         assert launch._sel_fwd_opts(128) == dict(num_warps=8, num_stages=2)
     assert launch._dkdv_launch(8, 128, "cpu")[2]["num_stages"] == 2 and launch._sel_fwd_opts(128)["num_stages"] == 2
