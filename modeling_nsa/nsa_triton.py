@@ -61,7 +61,7 @@ from .nsa_triton_common import (  # noqa: F401  (_HAS_TRITON: callers ask this m
 )
 from .nsa_triton_decode import _decode_step
 from .nsa_triton_dq import _bwd_dq, _sel_dq_partials, _sel_dq_reduce
-from .nsa_triton_interval import _interval_bwd_dkdv, _interval_fwd, _layout
+from .nsa_triton_interval import _DKDV_KEY_TILE, _interval_bwd_dkdv, _interval_fwd, _interval_query_ranges, _layout
 from .nsa_triton_launch import LaunchOverrides, _sel_dq_mode, launch_overrides
 from .nsa_triton_selected import _sel_bwd_dkdv, _sel_fwd
 from .nsa_triton_topn import _select_topn
@@ -157,14 +157,19 @@ def _nsa_bwd_op(
     sel_dq_mode = _sel_dq_mode()
     dq, dgates, delta = _bwd_dq(q, dout, gates, cmp, (k_slc, v_slc, lse_slc, o_slc), win, idx, doc_pos, p, scale,
                                 sel_dq=sel_dq_mode == "union")  # fmt: skip
-    dk_cmp, dv_cmp = _interval_bwd_dkdv(q, k_cmp, v_cmp, c_lo, c_hi, dout, gates, 0, lse_cmp, delta[0], scale)
+    # the dK/dV kernels' query ranges per key tile, both interval branches in one pass of small torch ops
+    cmp_ranges, win_ranges = _interval_query_ranges([(c_lo, c_hi, k_cmp.shape[1]), (w_lo, w_hi, k_win.shape[1])],
+                                                    _DKDV_KEY_TILE)
+    dk_cmp, dv_cmp = _interval_bwd_dkdv(q, k_cmp, v_cmp, c_lo, c_hi, cmp_ranges, dout, gates, 0, lse_cmp, delta[0],
+                                        scale)
     partials = _sel_dq_partials(q, idx) if sel_dq_mode == "partials" else None
     dk_slc, dv_slc = _sel_bwd_dkdv(q, k_slc, v_slc, idx, doc_pos, dout, gates, 1, lse_slc, delta[1], p, scale,
                                    dq_accum=dq if sel_dq_mode == "atomic" else None, dq_partials=partials)
     if partials is not None:
         dq = _sel_dq_reduce(dq, partials, idx, q.dtype)
         del partials
-    dk_win, dv_win = _interval_bwd_dkdv(q, k_win, v_win, w_lo, w_hi, dout, gates, 2, lse_win, delta[2], scale)
+    dk_win, dv_win = _interval_bwd_dkdv(q, k_win, v_win, w_lo, w_hi, win_ranges, dout, gates, 2, lse_win, delta[2],
+                                        scale)
     return dq.to(q.dtype), dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates
 
 

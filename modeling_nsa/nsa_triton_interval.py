@@ -196,33 +196,71 @@ if triton is not None:
         tl.store(DV + split_off + kv_off, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
 
 
+    # ------------------------------------------------------------------------------------------
+    # Per-query intervals: one kernel (it replaced about 25 small torch ops, run in the forward and again in the
+    # backward)
+    # ------------------------------------------------------------------------------------------
+
+    @triton.jit
+    def _count_below(ENDS, n, value, STEPS: tl.constexpr):
+        """Per lane, how many of ENDS[0:n] are below value: ENDS ascending, then -1 (unused slots, read as past
+        every key). A lower-bound binary search, STEPS >= ceil(log2(n + 1)) halvings."""
+        lo = tl.zeros_like(value)
+        hi = tl.zeros_like(value) + n
+        for _ in tl.static_range(STEPS):
+            open_ = lo < hi
+            mid = (lo + hi) // 2
+            end = tl.load(ENDS + mid, mask=open_, other=-1)
+            below = open_ & (end >= 0) & (end < value)
+            lo = tl.where(below, mid + 1, lo)
+            hi = tl.where(open_ & ~below, mid, hi)
+        return lo
+
+    @triton.jit
+    def _layout_kernel(CMP_END, DOCPOS, C_LO, C_HI, W_LO, W_HI, Tq, Tk, Nc, end_stride, pos_stride, w_off, window,
+                       BLOCK: tl.constexpr, STEPS: tl.constexpr):
+        """Query t's compressed slots [c_lo, c_hi) (its document's tokens whose last key is at or before t) and
+        window keys [w_lo, w_hi) (the last `window` keys of its document up to t, in the window tensor's
+        coordinates: its keys are the last Tk - w_off of doc_pos's); 0, 0 for padding. The queries are the last
+        Tq of doc_pos's Tk positions."""
+        b = tl.program_id(1).to(tl.int64)
+        t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = t < Tq
+        t_abs = (Tk - Tq + t).to(tl.int64)
+        pos = tl.load(DOCPOS + b * pos_stride + t_abs, mask=ok, other=-1)
+        valid = pos >= 0
+        start = t_abs - pos  # the document's first key
+        c_lo = _count_below(CMP_END + b * end_stride, Nc, start, STEPS)  # tokens ending before the document
+        c_hi = tl.maximum(_count_below(CMP_END + b * end_stride, Nc, t_abs + 1, STEPS), c_lo)  # ... at or before t
+        w_lo = tl.maximum(tl.maximum(start, t_abs - window + 1) - w_off, 0)
+        w_hi = t_abs + 1 - w_off
+        row = b * Tq + t
+        tl.store(C_LO + row, tl.where(valid, c_lo, 0).to(tl.int32), mask=ok)
+        tl.store(C_HI + row, tl.where(valid, c_hi, 0).to(tl.int32), mask=ok)
+        tl.store(W_LO + row, tl.where(valid, w_lo, 0).to(tl.int32), mask=ok)
+        tl.store(W_HI + row, tl.where(valid, w_hi, 0).to(tl.int32), mask=ok)
+
+
 # ----------------------------------------------------------------------------------------------
 # Host-side launchers (static shapes, no host synchronization)
 # ----------------------------------------------------------------------------------------------
 
 def _layout(cmp_end, doc_pos, num_queries, num_win, params: NSAParams):
-    """Per-query metadata in key coordinates: compressed [lo, hi) and window [lo, hi)."""
+    """Per-query metadata in key coordinates, (B, Tq) int32 each: compressed [c_lo, c_hi) and window [w_lo, w_hi)
+    (_layout_kernel). cmp_end (B, Nc) int64, ascending then -1; doc_pos (B, Tk) int64 with the queries its last
+    Tq positions; the window keys the last num_win."""
     batch, num_keys = doc_pos.shape
-    device = doc_pos.device
-    q_off = num_keys - num_queries
-    t_abs = torch.arange(q_off, num_keys, device=device).expand(batch, -1)
-    pos = doc_pos[:, q_off:]
-    valid = pos >= 0
-    start = t_abs - pos
-    big = torch.iinfo(torch.int64).max
-    ends = torch.where(cmp_end >= 0, cmp_end, torch.full_like(cmp_end, big)).contiguous()
-    c_lo = torch.searchsorted(ends, start.contiguous(), right=False)
-    c_hi = torch.searchsorted(ends, t_abs.contiguous(), right=True)
-    zero = torch.zeros_like(c_lo)
-    c_lo = torch.where(valid, c_lo, zero)
-    c_hi = torch.where(valid, torch.maximum(c_hi, c_lo), zero)
-    w_off = num_keys - num_win
-    w_lo = (torch.maximum(start, t_abs - params.window_size + 1) - w_off).clamp(min=0)
-    w_hi = t_abs + 1 - w_off
-    w_lo = torch.where(valid, w_lo, zero)
-    w_hi = torch.where(valid, w_hi, zero)
-    as32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
-    return as32(c_lo), as32(c_hi), as32(w_lo), as32(w_hi)
+    num_slots = cmp_end.shape[1]
+    # rows read with their own strides (compressed_token_ends returns a slice of a wider buffer); elements in order
+    cmp_end, doc_pos = (x if x.stride(-1) == 1 else x.contiguous() for x in (cmp_end, doc_pos))
+    c_lo, c_hi, w_lo, w_hi = torch.empty(4, batch, num_queries, device=doc_pos.device, dtype=torch.int32)
+    block = 128
+    _layout_kernel[(_cdiv(max(num_queries, 1), block), batch)](
+        cmp_end, doc_pos, c_lo, c_hi, w_lo, w_hi, num_queries, num_keys, num_slots, cmp_end.stride(0),
+        doc_pos.stride(0), num_keys - num_win, params.window_size, BLOCK=block,
+        STEPS=max(1, (num_slots + 1).bit_length()), num_warps=4,
+    )
+    return c_lo, c_hi, w_lo, w_hi
 
 
 def _interval_fwd(q, k, v, lo, hi, scale, combine=None):
@@ -242,24 +280,59 @@ def _interval_fwd(q, k, v, lo, hi, scale, combine=None):
     return (o, lse, out) if combine is not None else (o, lse)
 
 
-def _wholly_visible_queries(lo, hi, hi_m, c0, block_n):
-    """(ia, ib), (B, n_ktiles) int32: per key tile [c0, c0 + block_n), a run of queries [ia, ib) each of which
-    sees every key of the tile (lo(t) <= c0 and hi(t) >= c0 + block_n), for the dK/dV kernel's unmasked loop.
-    lo and hi are nondecreasing over valid queries (as for the tile's query range), so those queries are the
-    ones from the first whose hi reaches the tile's end (hi_m: running max of hi) to the last whose lo is at or
-    before its start. The run stops before its first query with an empty interval (padding: lo = hi = 0, after
-    a row's last token or inside a row), so every query in it is valid. The last key tile, when partial, gets no
-    run (c0 + block_n is past every hi), so the unmasked loop never meets keys past the end."""
-    num_q = lo.shape[-1]
-    ia = torch.searchsorted(hi_m, (c0 + block_n).contiguous(), right=False)
-    lo_max = _running_extreme(lo.long(), largest=True).contiguous()
-    ib = torch.maximum(torch.searchsorted(lo_max, c0, right=True), ia)
-    # next_empty[t]: the first query at or after t whose interval is empty (num_q: none)
-    index = torch.arange(num_q + 1, device=lo.device).expand(lo.shape[0], -1)
-    empty = torch.cat([hi <= lo, torch.ones_like(lo[:, :1], dtype=torch.bool)], -1)
-    next_empty = _running_extreme(torch.where(empty, index, num_q).flip(-1), largest=False).flip(-1)
-    ib = torch.minimum(ib, next_empty.gather(-1, ia))
-    return ia.to(torch.int32).contiguous(), ib.to(torch.int32).contiguous()
+def _interval_query_ranges(intervals, block_n: int):
+    """The dK/dV kernel's query ranges for each branch's key tiles [c0, c0 + block_n), every branch at once.
+    intervals: [(lo, hi (B, Tq) int32, num_keys)], one per branch (the queries' key intervals [lo, hi),
+    nondecreasing over valid queries; padding has lo = hi = 0). Returns per branch (qa, qb, ia, ib), each
+    (B, n_ktiles) int32, n_ktiles = ceil(num_keys / block_n):
+
+    - [qa, qb): the queries that can see the tile, hi(t) > c0 and lo(t) < c1 (c1 = min(c0 + block_n,
+      num_keys)): from the first whose running max of hi passes c0 to the last whose running max of lo (empty
+      intervals counted as 0) is below c1;
+    - [ia, ib): a run of queries each of which sees all of the tile (lo(t) <= c0, hi(t) >= c0 + block_n), for
+      the unmasked loop: from the first whose running max of hi reaches the tile's end to the last whose running
+      max of lo is at or before its start, cut before the first query with an empty interval at or after ia
+      (padding, inside a row or after its last token), so every query in it is valid. A partial last tile gets
+      no run (c0 + block_n is past every hi).
+
+    One running max over all the stacked rows (the next empty query as a running max of its negated reverse) and
+    one searchsorted over all the stacked key tiles (right-sided searches as left-sided ones of v + 1): done
+    branch by branch with torch's cummax/cummin and searchsorted this took about 120 small torch ops per f+b,
+    0.8 ms of torch kernels and GPU time spent waiting for the host (bench/KERNELS.md)."""
+    batch, num_q = intervals[0][0].shape
+    device = intervals[0][0].device
+    neutral = torch.iinfo(torch.int64).min
+    pad = torch.full((batch, 1), neutral, device=device, dtype=torch.int64)
+    index = torch.arange(num_q + 1, device=device).expand(batch, -1)
+    his, los, lo_seens, negated_empty = [], [], [], []
+    for lo, hi, _ in intervals:
+        lo, hi = lo.long(), hi.long()
+        his.append(torch.cat([hi, pad], -1))
+        los.append(torch.cat([lo, pad], -1))
+        lo_seens.append(torch.cat([torch.where(hi > lo, lo, 0), pad], -1))
+        # next_empty[t]: the first query at or after t whose interval is empty (num_q: none, the extra column)
+        empty = torch.cat([hi <= lo, torch.ones_like(hi[:, :1], dtype=torch.bool)], -1)
+        negated_empty.append(-torch.where(empty, index, num_q).flip(-1))
+    k = len(intervals)
+    scanned = _running_extreme(torch.cat(his + lo_seens + los + negated_empty), largest=True)  # (4kB, Tq + 1)
+    scanned = scanned.view(4, k, batch, num_q + 1)
+    hi_m, lo_seen_m, lo_m = scanned[0, ..., :num_q], scanned[1, ..., :num_q], scanned[2, ..., :num_q]  # (k, B, Tq)
+    next_empty = (-scanned[3]).flip(-1)  # (k, B, Tq + 1)
+    n_tiles = [_cdiv(max(num_keys, 1), block_n) for _, _, num_keys in intervals]
+    n_max = max(n_tiles)
+    c0 = torch.arange(n_max, device=device) * block_n  # (n_max,)
+    c1 = torch.stack([(c0 + block_n).clamp(max=num_keys) for _, _, num_keys in intervals])  # (k, n_max)
+    sequences = torch.stack([hi_m, lo_seen_m, hi_m, lo_m])  # (4, k, B, Tq): qa, qb, ia, ib searches
+    values = torch.stack([(c0 + 1).expand(k, -1), c1, (c0 + block_n).expand(k, -1), (c0 + 1).expand(k, -1)])
+    found = torch.searchsorted(sequences.reshape(4 * k * batch, num_q),
+                               values[:, :, None, :].expand(4, k, batch, n_max).reshape(4 * k * batch, n_max))
+    qa, qb, ia, ib = found.view(4, k, batch, n_max)
+    ib = torch.minimum(torch.maximum(ib, ia), next_empty.gather(-1, ia))
+    as32 = lambda x, i: x[i, :, :n_tiles[i]].to(torch.int32).contiguous()  # noqa: E731
+    return [(as32(qa, i), as32(qb, i), as32(ia, i), as32(ib, i)) for i in range(k)]
+
+
+_DKDV_KEY_TILE = 64  # keys per program of the compressed/window dK/dV (BLOCK_N)
 
 
 def _dkdv_unmasked_interior() -> bool:
@@ -269,20 +342,16 @@ def _dkdv_unmasked_interior() -> bool:
     return True if forced is None else bool(forced)
 
 
-def _interval_bwd_dkdv(q, k, v, lo, hi, do, gates, branch, lse, delta, scale):
+def _interval_bwd_dkdv(q, k, v, lo, hi, ranges, do, gates, branch, lse, delta, scale):
+    """dK, dV of an interval branch; ranges: its (qa, qb, ia, ib) from _interval_query_ranges (block_n 64)."""
     batch, num_q, num_heads, head_dim, num_keys, num_kv, group = _launch_shapes(q, k)
     block_m, qpb, dkdv_opts = _dkdv_launch(group, head_dim, q.device)
-    block_n = 64
+    block_n = _DKDV_KEY_TILE
     n_ktiles = _cdiv(max(num_keys, 1), block_n)
-    # Queries that can see key tile [c0, c1): hi(t) > c0 and lo(t) < c1 (lo, hi monotone on valid queries).
-    hi_m = _running_extreme(hi.long(), largest=True).contiguous()
-    lo_m = _running_extreme(torch.where(hi > lo, lo, torch.zeros_like(lo)).long(), largest=True).contiguous()
-    c0 = (torch.arange(n_ktiles, device=q.device) * block_n).expand(batch, -1).contiguous()
-    c1 = (c0 + block_n).clamp(max=num_keys).contiguous()
-    qa = torch.searchsorted(hi_m, c0, right=True).to(torch.int32).contiguous()
-    qb = torch.searchsorted(lo_m, c1, right=False).to(torch.int32).contiguous()
+    qa, qb, ia, ib = ranges
     interior = _dkdv_unmasked_interior()
-    ia, ib = _wholly_visible_queries(lo, hi, hi_m, c0, block_n) if interior else (qa, qb)
+    if not interior:
+        ia, ib = qa, qb
     # Long query ranges per key tile (the compressed branch: a compressed key is seen by the rest of
     # its document) with few key tiles: split the range so the GPU is filled.
     n_split = 1

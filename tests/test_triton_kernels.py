@@ -167,6 +167,14 @@ CPU_CASES = [
     dict(kind="union", B=2, T=300, H=2, Hkv=2, D=16, layout="varlen", LB=16, n_sel=4, qpbs=[1, 3, 5, 10, 21]),
     dict(kind="union", B=2, T=301, H=2, Hkv=1, D=16, layout="pad", LB=8, n_sel=16, qpbs=[10, 21], seed=3),
     dict(kind="union", B=2, T=257, H=2, Hkv=2, D=16, layout="varlen", LB=16, n_sel=5, qpbs=[4, 7], q_off=37, seed=5),
+    # the per-query intervals (_layout_kernel: binary searches over the compressed tokens' ends) against the torch
+    # ops they replaced, on random layouts (documents, padding on both sides and inside a row): every query, the
+    # queries after a prefix (select_blocks_triton's) with a shorter window tensor, and rows too short for a
+    # compressed token
+    dict(kind="layout", B=3, T=301, H=2, Hkv=1, D=16, seeds=[0, 1, 2],
+         params=[(8, 4, 16), (32, 16, 512), (4, 2, 64), (2, 1, 160)]),
+    dict(kind="layout", B=3, T=97, H=2, Hkv=1, D=16, seeds=[3, 4], q_off=29, w_off=13, params=[(8, 4, 16), (4, 4, 5)]),
+    dict(kind="layout", B=3, T=6, H=2, Hkv=1, D=16, seeds=[5], params=[(8, 4, 16)]),
     dict(kind="decode", B=2, T=60, H=4, Hkv=2, D=16, steps=[1, 8, 23, 60], Tw=16, layout="pad"),
     # the cache's tensors as NSACache passes them: views of larger buffers (read in place, batch strides),
     # the spare room NaN; split compressed slots and packed documents
@@ -300,6 +308,9 @@ def _check(res, case, tol):
     if case.get("kind") in ("decode", "compile"):
         assert res[case["kind"]] <= tol, res
         return
+    if case.get("kind") == "layout":
+        assert res["mismatches"] == 0 and res["checked"] > 0, res
+        return
     if case.get("kind") == "union":
         assert res["mismatches"] == 0, res
         assert res["max_count"] > 4 and res["max_past"] > 0, res  # tiles with repeats removed and causal-free blocks
@@ -351,6 +362,69 @@ def test_running_extreme_equals_torch_scan(largest, dtype):
         got = running_extreme(x, largest=largest, chunk=chunk)
         assert got.dtype == dtype and got.shape == x.shape
         assert torch.equal(got, expected), (batch, length, chunk, (got != expected).nonzero()[:5])
+
+
+def _query_ranges_by_definition(lo, hi, num_keys, block_n):
+    """_interval_query_ranges's (qa, qb, ia, ib) for one branch, written out in Python loops from the definitions
+    (running maxima, first and last queries), independent of its stacked scans and searches."""
+    batch, num_q = lo.shape
+    n_tiles = -(-max(num_keys, 1) // block_n)
+    out = [torch.zeros(batch, n_tiles, dtype=torch.int32) for _ in range(4)]
+    for b in range(batch):
+        lo_b, hi_b = lo[b].tolist(), hi[b].tolist()
+        hi_m, seen_m, lo_m, run_hi, run_seen, run_lo = [], [], [], -1, -1, -1
+        for t in range(num_q):
+            run_hi, run_lo = max(run_hi, hi_b[t]), max(run_lo, lo_b[t])
+            run_seen = max(run_seen, lo_b[t] if hi_b[t] > lo_b[t] else 0)
+            hi_m.append(run_hi), seen_m.append(run_seen), lo_m.append(run_lo)
+        for j in range(n_tiles):
+            c0, c1 = j * block_n, min(j * block_n + block_n, num_keys)
+            qa = sum(x <= c0 for x in hi_m)
+            qb = sum(x < c1 for x in seen_m)
+            ia = sum(x < c0 + block_n for x in hi_m)
+            ib = max(sum(x <= c0 for x in lo_m), ia)
+            empty_after = [u for u in range(ia, num_q) if hi_b[u] <= lo_b[u]]
+            ib = min(ib, empty_after[0] if empty_after else num_q)
+            for k, value in enumerate((qa, qb, ia, ib)):
+                out[k][b, j] = value
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_interval_query_ranges_match_their_definition(seed):
+    """The dK/dV kernel's per-key-tile query ranges of both interval branches, computed together (stacked scans and
+    one searchsorted), equal the definitions per branch; and they mean what the kernel assumes: every valid query
+    seeing a key of the tile lies in [qa, qb), every query in [ia, ib) sees all of it. Layouts with padding on
+    both sides and inside rows, packed documents, windows and compressed blocks of several sizes."""
+    from triton_helpers import import_nsa, layout_by_torch, random_doc_positions
+
+    layout, _, _ = import_nsa()
+    interval = __import__("modeling_nsa.nsa_triton_interval", fromlist=["_interval_query_ranges"])
+    batch, num_q = 3, [61, 400, 129, 257, 333, 64][seed]
+    window, (cmp_l, cmp_d) = [16, 64, 160, 512][seed % 4], [(8, 4), (32, 16), (4, 2)][seed % 3]
+    params = layout.NSAParams(cmp_block_size=cmp_l, cmp_stride=cmp_d, sel_block_size=16, sel_num_blocks=4,
+                              sel_init_blocks=1, sel_local_blocks=2, window_size=window)
+    doc_pos = random_doc_positions(batch, num_q, seed)
+    cmp_end = layout.compressed_token_ends(doc_pos, params)
+    c_lo, c_hi, w_lo, w_hi = layout_by_torch(cmp_end, doc_pos, num_q, num_q, params)
+    branches = [(c_lo, c_hi, cmp_end.shape[1]), (w_lo, w_hi, num_q)]
+    got = interval._interval_query_ranges(branches, 64)
+    runs = 0
+    for (lo, hi, num_keys), ranges in zip(branches, got):
+        expected = _query_ranges_by_definition(lo, hi, num_keys, 64)
+        for name, mine, want in zip(("qa", "qb", "ia", "ib"), ranges, expected):
+            assert mine.dtype == torch.int32 and mine.is_contiguous()
+            assert torch.equal(mine, want), (name, num_keys, (mine != want).nonzero()[:5])
+        qa, qb, ia, ib = ranges
+        runs += int((ia < ib).sum())
+        for b in range(batch):
+            for j in range(qa.shape[1]):
+                c0, c1 = 64 * j, min(64 * j + 64, num_keys)
+                sees = [t for t in range(num_q) if lo[b, t] < hi[b, t] and lo[b, t] < c1 and hi[b, t] > c0]
+                assert all(qa[b, j] <= t < qb[b, j] for t in sees), (b, j)
+                assert all(lo[b, t] <= c0 and hi[b, t] >= c0 + 64 for t in range(ia[b, j], ib[b, j])), (b, j)
+    if window >= 160:  # whole 64-key tiles inside the window: some unmasked runs
+        assert runs > 0
 
 
 # ---------------------------------------------------------------- GPU: bf16 at real shapes

@@ -252,6 +252,69 @@ def run_union_case(case: dict) -> dict:
     return res
 
 
+def random_doc_positions(batch: int, num_keys: int, seed: int) -> torch.Tensor:
+    """doc_pos (B, T) int64 of a random layout: packed documents (positions restart at two random cuts per row),
+    left padding on row 0, right padding on row 1, a run of padding inside row 2 (batch >= 3)."""
+    layout, _, _ = import_nsa()
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.ones(batch, num_keys, dtype=torch.long)
+    mask[0, : int(torch.randint(1, max(2, num_keys // 2), (1,), generator=gen))] = 0
+    mask[1, num_keys - int(torch.randint(1, max(2, num_keys // 2), (1,), generator=gen)):] = 0
+    if batch > 2 and num_keys > 30:
+        hole = int(torch.randint(10, num_keys - 20, (1,), generator=gen))
+        mask[2, hole : hole + 7] = 0
+    position_ids = torch.zeros(batch, num_keys, dtype=torch.long)
+    for b in range(batch):
+        pos = torch.arange(num_keys)
+        for cut in sorted(torch.randint(1, max(2, num_keys), (2,), generator=gen).tolist()):
+            pos = torch.where(torch.arange(num_keys) >= cut, torch.arange(num_keys) - cut, pos)
+        position_ids[b] = pos
+    return layout.document_positions(position_ids, mask, batch, num_keys, torch.device("cpu"))
+
+
+def layout_by_torch(cmp_end, doc_pos, num_queries, num_win, params):
+    """The per-query intervals (c_lo, c_hi, w_lo, w_hi) in torch ops, as the launcher computed them before
+    _layout_kernel (about 25 ops): the kernel's oracle."""
+    batch, num_keys = doc_pos.shape
+    q_off = num_keys - num_queries
+    t_abs = torch.arange(q_off, num_keys, device=doc_pos.device).expand(batch, -1)
+    pos = doc_pos[:, q_off:]
+    valid = pos >= 0
+    start = t_abs - pos
+    ends = torch.where(cmp_end >= 0, cmp_end, torch.iinfo(torch.int64).max).contiguous()
+    c_lo = torch.searchsorted(ends, start.contiguous(), right=False)
+    c_hi = torch.searchsorted(ends, t_abs.contiguous(), right=True)
+    c_lo, c_hi = torch.where(valid, c_lo, 0), torch.where(valid, torch.maximum(c_hi, c_lo), 0)
+    w_off = num_keys - num_win
+    w_lo = (torch.maximum(start, t_abs - params.window_size + 1) - w_off).clamp(min=0)
+    w_hi = t_abs + 1 - w_off
+    return tuple(torch.where(valid, x, 0).to(torch.int32) for x in (c_lo, c_hi, w_lo, w_hi))
+
+
+def run_layout_case(case: dict) -> dict:
+    """_layout_kernel against layout_by_torch over random layouts (seeds case["seeds"]), for every (compressed
+    block, stride, window) in case["params"], the queries the last T - q_off positions and the window the last
+    T - w_off keys; mismatching elements counted."""
+    layout, _, _ = import_nsa()
+    interval = kernel_module("interval")
+    res = {"mismatches": 0, "checked": 0, "slots_max": 0}
+    for seed in case["seeds"]:
+        doc_pos = random_doc_positions(case["B"], case["T"], seed)
+        for cmp_l, cmp_d, window in case["params"]:
+            p = layout.NSAParams(cmp_block_size=cmp_l, cmp_stride=cmp_d, sel_block_size=16, sel_num_blocks=4,
+                                 sel_init_blocks=1, sel_local_blocks=2, window_size=window)
+            cmp_end = layout.compressed_token_ends(doc_pos, p)
+            num_q, num_win = case["T"] - case.get("q_off", 0), case["T"] - case.get("w_off", 0)
+            got = interval._layout(cmp_end, doc_pos, num_q, num_win, p)
+            want = layout_by_torch(cmp_end, doc_pos, num_q, num_win, p)
+            for g, w in zip(got, want):
+                assert g.dtype == torch.int32 and g.shape == w.shape, (g.dtype, g.shape, w.shape)
+                res["mismatches"] += int((g != w).sum())
+                res["checked"] += w.numel()
+            res["slots_max"] = max(res["slots_max"], cmp_end.shape[1])
+    return res
+
+
 def selection_errors(idx_tri: torch.Tensor, captured: dict) -> dict:
     """The kernel's selected blocks idx_tri against the reference's (captured by _reference_on): equal except at
     genuine near-ties (idx_tie_gap: the largest score gap, relative to the row's largest score, between the
@@ -644,7 +707,7 @@ def main(argv):
     for case in cases:
         try:
             runner = {"decode": run_decode_case, "compile": run_compile_case, "opcheck": run_opcheck_case,
-                      "select": run_select_case, "union": run_union_case,
+                      "select": run_select_case, "union": run_union_case, "layout": run_layout_case,
                       "large_offset": run_large_offset_case,
                       "large_offset_decode": run_large_offset_decode_case}.get(case.get("kind"), run_case)
             res = runner(case)
