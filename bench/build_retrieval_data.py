@@ -1,4 +1,5 @@
-"""Build training rows for long-context retrieval: passkey or needle prompts with their answers, one per row.
+"""Build training rows for long-context retrieval: passkey or needle prompts with their answers, one or several
+per row.
 
     python bench/build_retrieval_data.py --task passkey --tokenizer byt5 --seq-len 512 --rows 20000 \\
         --out runs/data/passkey-byt5-512.parquet
@@ -11,6 +12,11 @@ token the trainer appends it fills one `--seq-len` row exactly: the packer never
 every row teaches the full retrieval. The generators are seeded apart from the evaluation's, so a model is not
 evaluated on the prompts it trained on. Use it to train or fine-tune (`--init-from`) a model for retrieval
 beyond its window, e.g. rows at 4-8x NSA's `window_size`, then evaluate NSA and its dense twin side by side.
+
+`--doc-len N` (a divisor of `--seq-len`) packs `--seq-len / N` shorter documents into each row instead (the
+trainer's document masking keeps them apart): as many retrievals per row, so more of the loss is the answer.
+One answer of a few tokens per 4,096-token row gave a 125M model too little signal to learn passkey retrieval in
+4.9M tokens (README, "Retrieval twins"); documents of 1,024 tokens (2x NSA's window) give four per row.
 
 The script checks that the tokenizer gives each text back at the length it was built for (a BPE tokenizer can
 merge differently when re-reading decoded text) and reports how many do not; nothing here is committed.
@@ -34,7 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", default="passkey", help=f"one of {', '.join(TASKS)}")
     p.add_argument("--tokenizer", required=True, help="the tokenizer the model trains with: a path, a Hub id or 'byt5'")
     p.add_argument("--seq-len", type=int, required=True, help="the trainer's --seq-len: one document per row")
-    p.add_argument("--rows", type=int, default=10000, help="documents to write")
+    p.add_argument("--rows", type=int, default=10000, help="training rows to fill (--seq-len tokens each)")
+    p.add_argument("--doc-len", type=int, default=None,
+                   help="tokens per document, end-of-text included (default: --seq-len, one per row); a divisor of "
+                        "--seq-len: each row then holds --seq-len / --doc-len documents")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--haystack", default=None, help="needle: a parquet/jsonl/txt file of documents or 'python-docs' "
                    "(default: the shared wiki parquet beside the checkout when present, else python-docs)")
@@ -49,11 +58,19 @@ def main(argv=None) -> dict:
         raise ValueError(f"--seq-len {args.seq_len}: give the trainer's row length (at least 2).")
     from nsa_train.data import load_tokenizer
 
+    doc_len = args.seq_len if args.doc_len is None else args.doc_len
+    if not 2 <= doc_len <= args.seq_len or args.seq_len % doc_len:
+        raise ValueError(f"--doc-len {doc_len}: give a divisor of --seq-len {args.seq_len} (at least 2), so that "
+                         f"whole documents fill each row, e.g. --doc-len {args.seq_len // 4}.")
+    if args.rows < 1:
+        raise ValueError(f"--rows {args.rows}: give at least 1 row.")
+    per_row = args.seq_len // doc_len
     tokenizer = load_tokenizer(args.tokenizer)
     # lengths: the tokens each text fills as the trainer re-tokenizes it, with its end-of-text token
-    texts, lengths, haystack = training_documents(tokenizer, args.task, args.seq_len, args.rows, args.seed,
-                                                  args.haystack, args.text_column)  # fmt: skip
-    off = sum(n != args.seq_len for n in lengths)  # documents that would not fill their row exactly
+    texts, lengths, haystack = training_documents(tokenizer, args.task, doc_len, args.rows * per_row, args.seed,
+                                                  args.haystack, args.text_column,
+                                                  "--seq-len" if args.doc_len is None else "--doc-len")  # fmt: skip
+    off = sum(n != doc_len for n in lengths)  # documents that would not fill their share of a row exactly
 
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -61,11 +78,12 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table({"text": texts}), out)
-    summary = {"out": str(out), "task": args.task, "rows": len(texts), "seq_len": args.seq_len,
-               "haystack": haystack, "rows_not_filling_one_row": off,
-               "token_length_range": [min(lengths), max(lengths)]}  # fmt: skip
-    print(f"wrote {out}: {len(texts):,} {args.task} documents of {args.seq_len} tokens with end-of-text "
-          f"({haystack}); {off} re-tokenize to another length (range {min(lengths)}-{max(lengths)})")
+    summary = {"out": str(out), "task": args.task, "rows": args.rows, "documents": len(texts), "seq_len": args.seq_len,
+               "doc_len": doc_len, "documents_per_row": per_row, "haystack": haystack,
+               "documents_not_filling_their_length": off, "token_length_range": [min(lengths), max(lengths)]}  # fmt: skip
+    print(f"wrote {out}: {len(texts):,} {args.task} documents of {doc_len} tokens with end-of-text, {per_row} per "
+          f"{args.seq_len}-token row ({haystack}); {off} re-tokenize to another length (range "
+          f"{min(lengths)}-{max(lengths)})")
     return summary
 
 

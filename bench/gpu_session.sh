@@ -32,6 +32,8 @@ AB_SEEDS=${AB_SEEDS:-0 1 2}  # three seeds: the verdict's interval needs them
 LC_SAMPLES=${LC_SAMPLES:-8}  # ab-long-eval and retrieval: passkey prompts per (length, depth)
 RETRIEVAL_ROWS=${RETRIEVAL_ROWS:-runs/data/passkey-gpt2-4096.parquet}  # retrieval's rows (bench/build_retrieval_data.py)
 RT_STEPS=${RT_STEPS:-300}  # retrieval: steps per twin (4 rows of 4,096 tokens each)
+RT_LENGTHS=${RT_LENGTHS:-1024 2048 4096 8192}  # retrieval: prompt lengths evaluated (rows of shorter documents,
+                                               # build_retrieval_data.py --doc-len: lengths up to the document's)
 LENGTHS=${LENGTHS:-2048 8192 32768 65536}  # issue 18's table
 mkdir -p "$OUT"
 steps=("$@")
@@ -143,6 +145,8 @@ open(sys.argv[2], 'w').write(max((str(x) for x in t.to_pylist()[::20]), key=len)
     # the passkey evaluation at 1k-8k x 5 depths on each (heatmaps in each run's long_context/). The rows are built
     # beforehand and carried: python bench/build_retrieval_data.py --task passkey --tokenizer
     # ../shared/data/gpt2-tokenizer --seq-len 4096 --rows 2400 --out runs/data/passkey-gpt2-4096.parquet
+    # (2026-11-26: neither twin learned retrieval in 300 steps, one answer per row; four documents of 1,024 tokens
+    # per row, --doc-len 1024 --rows 4800, give four times the answers: RT_STEPS=600 RT_LENGTHS="512 1024")
     retrieval)  if [ ! -f "$RETRIEVAL_ROWS" ]; then
                   echo "no $RETRIEVAL_ROWS: build it first (bench/build_retrieval_data.py, see this step's comment) and carry it"
                   exit 2
@@ -151,12 +155,12 @@ open(sys.argv[2], 'w').write(max((str(x) for x in t.to_pylist()[::20]), key=len)
                   --tokenizer "$DATA/gpt2-tokenizer" --model 125m --seq-len 4096 --micro-batch-size 4 \
                   --max-steps "$RT_STEPS" --lr 6e-4 --warmup-steps 30 --eval-every "$RT_STEPS" --val-every-doc 20 \
                   --val-tokens 131072 --save-every 0 --report-to none --mixed-precision bf16 --eval-long-context \
-                  --long-context-lengths 1024 2048 4096 8192 --long-context-samples "$LC_SAMPLES"
+                  --long-context-lengths $RT_LENGTHS --long-context-samples "$LC_SAMPLES"
                 # the answer's mean log-probability per cell as well: graded where greedy answers are all wrong
                 # (2026-11-26: 0% for both twins after 300 steps), it says whether a twin reads the key at all
                 for mode in dense nsa; do
                   $PY -m nsa_train.long_context "$OUT/retrieval/$mode-seed0/final" --task passkey --scoring loglik \
-                    --lengths 1024 2048 4096 8192 --samples "$LC_SAMPLES" --batch-size 8 \
+                    --lengths $RT_LENGTHS --samples "$LC_SAMPLES" --batch-size 8 \
                     --out "$OUT/retrieval/long_context_loglik-$mode"
                 done ;;
     # issue 19: what one selection-statistics measurement costs against one 125M training step at T = 4,096

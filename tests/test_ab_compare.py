@@ -223,7 +223,9 @@ def _session_step_flags(step_name, tmp_path):
     values = {f'"${name}"': value for name, value in defaults.items()}
     values |= {'"$LONG_DOCS"': str(tmp_path / "docs.parquet"), '"$RETRIEVAL_ROWS"': str(tmp_path / "rows.parquet"),
                '"$DATA/gpt2-tokenizer"': str(tmp_path / "tok")}
-    flags = [values.get(f, f) for f in command.split(" -- ", 1)[1].split()]
+    flags = []
+    for f in command.split(" -- ", 1)[1].split():  # an unquoted $NAME: its default's words (RT_LENGTHS)
+        flags += defaults[f[1:]].split() if f.startswith("$") and f[1:] in defaults else [values.get(f, f)]
     return flags, command, defaults
 
 

@@ -145,8 +145,28 @@ def test_build_retrieval_data_script(tmp_path):
     proc = subprocess.run([*script, "--tokenizer", "byt5", "--seq-len", "256", "--rows", "5", "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    assert "5 passkey documents of 256 tokens" in proc.stdout and "0 re-tokenize" in proc.stdout
+    assert "5 passkey documents of 256 tokens with end-of-text, 1 per 256-token row" in proc.stdout
+    assert "0 re-tokenize" in proc.stdout
     assert len(pq.read_table(out).column("text")) == 5
+    # several shorter documents per row: each re-tokenizes to exactly its share (with the end-of-text token), so
+    # the trainer's packer fills every row with whole documents, the answer ending each
+    proc = subprocess.run([*script, "--tokenizer", "byt5", "--seq-len", "512", "--doc-len", "256", "--rows", "3",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "6 passkey documents of 256 tokens with end-of-text, 2 per 512-token row" in proc.stdout, proc.stdout
+    from nsa_train.data import load_tokenizer
+
+    texts = pq.read_table(out).column("text").to_pylist()
+    tokenizer = load_tokenizer("byt5")
+    assert len(texts) == 6 and all(len(tokenizer(t, add_special_tokens=False).input_ids) == 255 for t in texts)
+    assert all(t.rstrip().split()[-1].rstrip(".").isdigit() for t in texts)  # each ends with its passkey
+    for bad in ("100", "1024", "1"):
+        proc = subprocess.run([*script, "--tokenizer", "byt5", "--seq-len", "512", "--doc-len", bad, "--rows", "1",
+                               "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert proc.returncode == 2 and f"error: --doc-len {bad}: give a divisor of --seq-len 512" in proc.stderr
+    proc = subprocess.run([*script, "--tokenizer", "byt5", "--seq-len", "512", "--doc-len", "128", "--rows", "1",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "error: --doc-len 128: too short for the passkey task" in proc.stderr
     proc = subprocess.run([*script, "--tokenizer", "byt5", "--seq-len", "256", "--rows", "0", "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2 and "error: --rows 0" in proc.stderr
