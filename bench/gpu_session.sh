@@ -97,6 +97,13 @@ for step in "${steps[@]}"; do
                   16,1,64,65536,1,random 12,2,64,65536,1,correlated ;;
     # issue 18: the selected kernels' pipeline stages and the selected dK/dV's heavy-block split threshold, each
     # against the default at 2k, 8k and 64k (125M layout) and 8k (fla's), with dense SDPA on the same shapes
+    # the changes made without a GPU since the last figures, each against its other side: the selected dK/dV's
+    # chunked tile loop (sel_dkdv_pertile: each tile loading its own query indices, as before), at issue 18's
+    # lengths, both layouts and correlated queries, with dense SDPA on the same shapes
+    pending)    $PY bench/tune_kernels.py --json "$OUT/pending.json" --no-decode --dense --variants default \
+                  sel_dkdv_pertile:sel_dkdv_chunk_pairs=0 --cases 12,2,64,8192,8,random 12,2,64,2048,32,random \
+                  12,2,64,65536,1,random 12,2,64,32768,2,random 16,1,64,8192,8,random 16,1,64,65536,1,random \
+                  12,2,64,65536,1,correlated ;;
     stages)     $PY bench/tune_kernels.py --json "$OUT/stages.json" --no-decode --dense --variants default \
                   dkdv_stages2:dkdv_stages=2 dkdv_stages4:dkdv_stages=4 dq_stages2:dq_stages=2 \
                   sel_stages2:sel_stages=2 sel_stages4:sel_stages=4 sel_split2k:sel_split=2048/16/64 \
@@ -166,7 +173,7 @@ open(sys.argv[2], 'w').write(max((str(x) for x in t.to_pylist()[::20]), key=len)
     # issue 19: what one selection-statistics measurement costs against one 125M training step at T = 4,096
     stats-cost) $PY bench/stats_cost.py --device cuda --model 125m --seq-len 4096 --micro-batch-size 4 \
                   --tokenizer "$DATA/gpt2-tokenizer" --dataset "$DATA/wiki-summaries-en.parquet" ;;
-    *)          echo "unknown step $step (tests capture attention floors tune model dense-docs model-long generate profile train ab-long ab-long-eval retrieval stats-cost check check-seldq sweep seldq stages)"
+    *)          echo "unknown step $step (tests capture attention floors tune model dense-docs model-long generate profile train ab-long ab-long-eval retrieval stats-cost check check-seldq sweep seldq stages pending)"
                 exit 2 ;;
   esac 2>&1 | tee "$OUT/$step.log" || echo "== $step exited non-zero (log: $OUT/$step.log)" | tee -a "$OUT/env.txt"
   echo "== $step took $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"

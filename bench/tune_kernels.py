@@ -62,6 +62,10 @@ DEFAULT_VARIANTS = [
     "dq_stages2:dq_stages=2",
     "sel_stages2:sel_stages=2",
     "sel_stages4:sel_stages=4",
+    # the selected dK/dV's tile loop with each tile loading its own query indices, as before 2026-11-26 (the default
+    # on sm_90 at head_dim 64 with an even G loads them in chunks, so the next tile's loads stay in flight during a
+    # tile's dots: TTGIR waits num = 4 where they were num = 0; not yet timed)
+    "sel_dkdv_pertile:sel_dkdv_chunk_pairs=0",
     "sel_split2k:sel_split=2048/16/64",
     "sel_split1k:sel_split=1024/8/256",
     # the selected dK/dV with every pair tile masked, as timed on 2026-11-23: the default now runs the tiles whose

@@ -55,6 +55,9 @@ class LaunchOverrides:
     sel_rows: int | None = None  # the selected-attention query tile (rows = queries x G)
     sel_sub_rows: int | None = None  # rows per sub-tile of that tile (= the tile's rows: no sub-tiles)
     sel_split: tuple[int, int, int] | None = None  # (heavy_min pairs, splits, partial slots) of the selected dK/dV
+    # (query, block) pairs per chunk of the selected dK/dV's tile loop (a chunk's query indices loaded once;
+    # _sel_dkdv_chunk_tiles); 0: no chunks, each tile loads its own indices (everywhere until 2026-11-26)
+    sel_dkdv_chunk_pairs: int | None = None
     decode_split: int | None = None  # compressed slots per decode split program
     decode_topn_blocks: int | None = None  # selection blocks per decode top-n program
     decode_sel_step: int | None = None  # selected blocks per step of a decode selected part
@@ -145,6 +148,23 @@ def _dq_launch(group: int, head_dim: int, n_sel: int, device, sel_dq: bool = Tru
         stages = _OVERRIDES.dq_stages or (3 if block_m == 128 and wide else 2)
         return block_m, qpb, dict(num_warps=_OVERRIDES.dq_warps or 8, num_stages=stages)
     return *_query_tile(group, 32), dict(num_warps=4 if head_dim <= 64 else 8, num_stages=_OVERRIDES.dq_stages or 2)
+
+
+def _sel_dkdv_chunk_tiles(group: int, qpb: int, head_dim: int, device) -> int:
+    """Pair tiles per chunk in the selected dK/dV's tile loop (_sel_pair_tiles), 0 for no chunks. With chunks a
+    chunk's query indices are loaded once and each tile takes its rows from them in registers, so the loop's loads
+    of q, dO, lse and delta depend on no load inside it and Triton's three stages keep the next tile's in flight
+    during a tile's dots (TTGIR: the loop waits at num = 4; with a per-tile index load it waited at num = 0, every
+    copy at the top of each tile). As many tiles as fit 256 pairs (25 at G = 6, 64 at G = 16): a 256-entry list, 2
+    registers a thread. Used where that pipelining happens and the loop stays spill-free (tests/triton_aot.py):
+    sm_90 at head_dim 64 with an even G (2-16); odd G spilled 16-80 instructions inside the tile loop there, and
+    the other launches (2 stages at head_dim 128, 1 before Hopper) keep the per-tile load, which they wait on
+    anyway. Chosen from the TTGIR and SASS; not yet timed (bench/KERNELS.md, "Next GPU session").
+    launch_overrides(sel_dkdv_chunk_pairs=N): chunks of N pairs everywhere; 0: the per-tile load everywhere."""
+    pairs = _OVERRIDES.sel_dkdv_chunk_pairs
+    if pairs is None:
+        pairs = 256 if head_dim <= 64 and _hopper_class(device) and group % 2 == 0 else 0
+    return max(1, pairs // qpb) if pairs > 0 else 0
 
 
 def _sel_fwd_opts(head_dim: int) -> dict:

@@ -8,7 +8,8 @@ import torch
 
 from .nsa_layout import NSAParams
 from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes, _next_pow2
-from .nsa_triton_launch import _OVERRIDES, _dkdv_launch, _sel_fwd_opts, _sel_rows_per_program, _sel_sub_tile
+from .nsa_triton_launch import (_OVERRIDES, _dkdv_launch, _sel_dkdv_chunk_tiles, _sel_fwd_opts, _sel_rows_per_program,
+                                _sel_sub_tile)
 
 
 try:  # the module must import where triton is missing (CPU-only installs, macOS)
@@ -170,40 +171,79 @@ if triton is not None:
         return kk, (kk < Tk) & (k_pos >= 0) & (kk - k_pos == a_start)
 
     @triton.jit
+    def _sel_pair_tile(Q, DO, GATE, LSE, DELTA, DQ, b, g, Tq, q_off, kk, k_ok, k, v, sm_scale2, scale, dk, dv, qi, f,
+                       row_ok, r, hh, d, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BR: tl.constexpr,
+                       DQ_PAIRS: tl.constexpr, MASKED: tl.constexpr):
+        """One pair tile: rows r (query qi x head hh) of block keys kk added to dK, dV (and with DQ_PAIRS the
+        rows' dQ shares: 1 added atomically at their rows, 2 stored at their (query, slot) partials f)."""
+        row = (b * Tq + qi) * H + g * G + hh
+        q, do, lse, delta = _bwd_rows(Q, DO, GATE, LSE, DELTA, row, row_ok, d, D, BR)
+        if MASKED:
+            vis_t = row_ok[None, :] & k_ok[:, None] & (kk[:, None] <= (q_off + qi)[None, :])
+        else:
+            vis_t = True
+        if DQ_PAIRS == 1:
+            dk, dv, ds_t = _dkdv_update_ds(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
+            dq = tl.dot(tl.trans(ds_t), k) * scale  # (rows, D)
+            tl.atomic_add(DQ + row[:, None] * D + d[None, :], dq, mask=row_ok[:, None], sem="relaxed")
+        elif DQ_PAIRS == 2:
+            dk, dv, ds_t = _dkdv_update_ds(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
+            dq = tl.dot(tl.trans(ds_t), k) * scale  # (rows, D)
+            tl.store(DQ + (f * G + hh)[:, None] * D + d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            dk, dv = _dkdv_update(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
+        return dk, dv
+
+    @triton.jit
     def _sel_pair_tiles(Q, PAIR_Q, PAIR_F, DO, GATE, LSE, DELTA, DQ, b, g, p_from, p_to, p_end, Tq, q_off, kk, k_ok,
                         k, v, sm_scale2, scale, dk, dv, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                         QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr, DQ_PAIRS: tl.constexpr,
-                        MASKED: tl.constexpr):
-        """A block's dK/dV over its pair tiles p_from, p_from + QPB, ... below p_to (rows packed as query x
-        head; rows past QPB * G or at pairs past p_end are not loaded). MASKED: keys outside the block and keys
-        after a row's query are masked. Otherwise each query lies at or past the block's last key, so every row
-        sees every key: no mask (rows not loaded hold q = do = 0, lse = delta = 0, and add nothing).
+                        MASKED: tl.constexpr, CH: tl.constexpr):
+        """A block's dK/dV over its pair tiles p_from, p_from + QPB, ... below p_to (rows packed as query x head;
+        rows past QPB * G or at pairs past p_end are not loaded). MASKED: keys outside the block and keys after a
+        row's query are masked. Otherwise each query lies at or past the block's last key, so every row sees every
+        key: no mask (rows not loaded hold q = do = 0, lse = delta = 0, and add nothing).
+        CH > 0: the tiles run in chunks of CH; a chunk's query indices (CH x QPB pairs) are loaded once and each
+        tile takes its rows from them in registers (tl.gather), so the tile loop's loads of q, dO, lse and delta
+        depend on no load inside the loop and Triton software-pipelines them ahead of the dots. CH = 0: each tile
+        loads its own indices; the next tile's loads then wait on that load, which the pipeliner does not hoist:
+        every copy is waited for at the top of each tile (async_wait num = 0 in the TTGIR), and that loop ran at
+        about half the window dK/dV's speed per tile (bench/KERNELS.md; _sel_dkdv_chunk_tiles says where each runs).
         DQ_PAIRS (the pair's dQ share, scale dS K): 1 added to the fp32 DQ (B*T*H, D) with atomics; 2 stored to
         the partials DQ (B*Hkv*Tq*n', G, D) at the pair's (query, slot) PAIR_F, each written once."""
         r = tl.arange(0, BLOCK_M)
         hh = r % G
         d = tl.arange(0, D)
-        for p0 in range(p_from, p_to, QPB):
-            pi = p0 + r // G
-            row_ok = (r < QPB * G) & (pi < p_end)
-            qi = tl.load(PAIR_Q + pi, mask=row_ok, other=0)
-            row = (b * Tq + qi) * H + g * G + hh
-            q, do, lse, delta = _bwd_rows(Q, DO, GATE, LSE, DELTA, row, row_ok, d, D, BR)
-            if MASKED:
-                vis_t = row_ok[None, :] & k_ok[:, None] & (kk[:, None] <= (q_off + qi)[None, :])
-            else:
-                vis_t = True
-            if DQ_PAIRS == 1:
-                dk, dv, ds_t = _dkdv_update_ds(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
-                dq = tl.dot(tl.trans(ds_t), k) * scale  # (rows, D)
-                tl.atomic_add(DQ + row[:, None] * D + d[None, :], dq, mask=row_ok[:, None], sem="relaxed")
-            elif DQ_PAIRS == 2:
-                dk, dv, ds_t = _dkdv_update_ds(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
-                dq = tl.dot(tl.trans(ds_t), k) * scale  # (rows, D)
-                f = tl.load(PAIR_F + pi, mask=row_ok, other=0).to(tl.int64)  # (rows,) flat (b, kv, query, slot)
-                tl.store(DQ + (f * G + hh)[:, None] * D + d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
-            else:
-                dk, dv = _dkdv_update(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
+        if CH == 0:  # each tile loads its own query indices
+            for p0 in range(p_from, p_to, QPB):
+                pi = p0 + r // G
+                row_ok = (r < QPB * G) & (pi < p_end)
+                qi = tl.load(PAIR_Q + pi, mask=row_ok, other=0)
+                f = pi
+                if DQ_PAIRS == 2:
+                    f = tl.load(PAIR_F + pi, mask=row_ok, other=0).to(tl.int64)  # (rows,) flat (b, kv, query, slot)
+                dk, dv = _sel_pair_tile(Q, DO, GATE, LSE, DELTA, DQ, b, g, Tq, q_off, kk, k_ok, k, v, sm_scale2, scale,
+                                        dk, dv, qi, f, row_ok, r, hh, d, H, G, D, BR, DQ_PAIRS, MASKED)
+        else:
+            CHQ: tl.constexpr = triton.next_power_of_2(CH * QPB)  # the chunk's index list (<= 256 by the launcher)
+            c = tl.arange(0, CHQ)
+            for c0 in range(p_from, p_to, CH * QPB):  # a chunk of up to CH tiles
+                c_ok = (c < CH * QPB) & (c0 + c < p_end)
+                chunk_q = tl.load(PAIR_Q + c0 + c, mask=c_ok, other=0)  # (CHQ,) the chunk's queries
+                chunk_f = c0 + c
+                if DQ_PAIRS == 2:
+                    chunk_f = tl.load(PAIR_F + c0 + c, mask=c_ok, other=0).to(tl.int64)  # their (b, kv, query, slot)
+                n_tiles = tl.minimum(CH, tl.cdiv(p_to - c0, QPB))
+                for j in range(n_tiles.to(tl.int32)):
+                    local = j * QPB + r // G  # (BLOCK_M,) int32: each row's pair within the chunk
+                    row_ok = (r < QPB * G) & (local < p_end - c0)
+                    local = tl.where(r < QPB * G, local, 0)
+                    qi = tl.gather(chunk_q, local, 0)
+                    f = local
+                    if DQ_PAIRS == 2:
+                        f = tl.gather(chunk_f, local, 0)
+                    dk, dv = _sel_pair_tile(Q, DO, GATE, LSE, DELTA, DQ, b, g, Tq, q_off, kk, k_ok, k, v, sm_scale2,
+                                            scale, dk, dv, qi, f, row_ok, r, hh, d, H, G, D, BR, DQ_PAIRS, MASKED)
         return dk, dv
 
     @triton.jit
@@ -211,7 +251,7 @@ if triton is not None:
                         Tq, Tk, q_off, sm_scale2, scale,
                         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
                         QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr, DQ_PAIRS: tl.constexpr,
-                        ALL_MASKED: tl.constexpr):
+                        ALL_MASKED: tl.constexpr, CH: tl.constexpr):
         """dK (unscaled), dV of the selection block whose first key is a, over its (query, block) pairs
         [p_begin, p_end) (rows packed as query x head). DQ_PAIRS: also each pair's dQ share (a query's n blocks
         are met in n programs): 1 added to an fp32 dQ with atomics, 2 stored to its (query, slot) partial. A
@@ -236,11 +276,11 @@ if triton is not None:
             p_seen_whole = tl.minimum(p_begin + tl.cdiv(n_partial, QPB) * QPB, p_end)  # the tiles from here
         dk, dv = _sel_pair_tiles(Q, PAIR_Q, PAIR_F, DO, GATE, LSE, DELTA, DQ, b, g, p_begin, p_seen_whole, p_end, Tq,
                                  q_off, kk, k_ok, k, v, sm_scale2, scale, dk, dv, H, G, D, QPB, BLOCK_M, BR, DQ_PAIRS,
-                                 True)
+                                 True, CH)
         if not ALL_MASKED:
             dk, dv = _sel_pair_tiles(Q, PAIR_Q, PAIR_F, DO, GATE, LSE, DELTA, DQ, b, g, p_seen_whole, p_end, p_end, Tq,
                                      q_off, kk, k_ok, k, v, sm_scale2, scale, dk, dv, H, G, D, QPB, BLOCK_M, BR,
-                                     DQ_PAIRS, False)
+                                     DQ_PAIRS, False, CH)
         return dk, dv, kv_off, k_ok
 
     @triton.jit
@@ -250,6 +290,7 @@ if triton is not None:
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         LB: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr,
         HEAVY_PASS: tl.constexpr, N_SPLIT: tl.constexpr, DQ_PAIRS: tl.constexpr, ALL_MASKED: tl.constexpr,
+        CH: tl.constexpr,
     ):
         # Main pass (grid: key range of LB keys x batch*kv head): the blocks starting in the range that
         # have (query, block) pairs, found with one vector load of their pair counts; usually one per
@@ -273,7 +314,8 @@ if triton is not None:
                 p_end = tl.minimum(p_end, p_begin + span)
                 dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, PAIR_F, DOCPOS, DO, GATE, LSE, DELTA, DQ,
                                                        a, pid_bg, p_begin, p_end, Tq, Tk, q_off, sm_scale2, scale,
-                                                       H, HKV, G, D, LB, QPB, BLOCK_M, BR, DQ_PAIRS, ALL_MASKED)
+                                                       H, HKV, G, D, LB, QPB, BLOCK_M, BR, DQ_PAIRS, ALL_MASKED,
+                                                       CH)
                 p_off = ((h * N_SPLIT + pid_s) * LB + tl.arange(0, LB).to(tl.int64))[:, None] * D + d[None, :]
                 tl.store(PDK + p_off, dk * scale)
                 tl.store(PDV + p_off, dv)
@@ -294,7 +336,8 @@ if triton is not None:
                 p_end = p_begin + tl.sum(tl.where(hit, cnt, 0), 0)
                 dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, PAIR_F, DOCPOS, DO, GATE, LSE, DELTA, DQ,
                                                        a, pid_bg, p_begin, p_end, Tq, Tk, q_off, sm_scale2, scale,
-                                                       H, HKV, G, D, LB, QPB, BLOCK_M, BR, DQ_PAIRS, ALL_MASKED)
+                                                       H, HKV, G, D, LB, QPB, BLOCK_M, BR, DQ_PAIRS, ALL_MASKED,
+                                                       CH)
                 tl.store(DK + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=k_ok[:, None])
                 tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
 
@@ -465,7 +508,8 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: 
     args = (q, k, v, pair_off, pair_q, pair_f, hpos, heavy_cum, doc_pos, do, gates, lse, delta, dk, dv, pdk, pdv,
             dq_out, num_q, num_keys, q_off, scale * _LOG2E, scale, heavy_min, n_flat, n_heavy)
     meta = dict(H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=lb, QPB=qpb, BLOCK_M=block_m, BR=branch,
-                N_SPLIT=n_split, DQ_PAIRS=dq_pairs, ALL_MASKED=bool(_OVERRIDES.sel_dkdv_all_masked), **dkdv_opts)
+                N_SPLIT=n_split, DQ_PAIRS=dq_pairs, ALL_MASKED=bool(_OVERRIDES.sel_dkdv_all_masked),
+                CH=_sel_dkdv_chunk_tiles(group, qpb, head_dim, q.device), **dkdv_opts)
     _sel_bwd_dkdv_kernel[(_cdiv(num_keys, lb), batch * num_kv, 1)](*args, HEAVY_PASS=False, **meta)
     _sel_bwd_dkdv_kernel[(n_heavy, 1, n_split)](*args, HEAVY_PASS=True, **meta)
     _sel_dkdv_reduce_kernel[(n_heavy,)](

@@ -252,6 +252,21 @@ def test_select_blocks_triton_names_what_it_cannot_do():
                                  torch.arange(8)[None], params)
 
 
+@pytest.mark.parametrize("capability", [90, 80])
+def test_selected_dkdv_chunks_where_they_pipeline(monkeypatch, capability):
+    """The selected dK/dV's tile loop in chunks of 256 pairs only on sm_90 at head_dim <= 64 with an even G (where
+    tests/triton_aot.py finds it pipelined without spills); each tile's own index load elsewhere; forced either way."""
+    monkeypatch.setattr(common, "_compute_capability", lambda device: capability)
+    hopper = capability == 90
+    for group, qpb, head_dim, expected in [(6, 10, 64, 25), (16, 4, 64, 64), (2, 32, 64, 8), (1, 64, 64, 0),
+                                           (3, 21, 64, 0), (8, 4, 128, 0)]:
+        assert launch._sel_dkdv_chunk_tiles(group, qpb, head_dim, "cpu") == (expected if hopper else 0)
+    with tri.launch_overrides(sel_dkdv_chunk_pairs=12):
+        assert launch._sel_dkdv_chunk_tiles(3, 21, 64, "cpu") == 1 and launch._sel_dkdv_chunk_tiles(16, 4, 64, "cpu") == 3
+    with tri.launch_overrides(sel_dkdv_chunk_pairs=0):
+        assert launch._sel_dkdv_chunk_tiles(6, 10, 64, "cpu") == 0
+
+
 def test_launch_overrides_reach_the_launchers_for_the_block_only_and_name_the_valid_choices():
     # G = 6, head_dim 64: the selected tile is 64 rows by default, 32 rows forced, and the default again after
     default = launch._sel_rows_per_program(6, 64)

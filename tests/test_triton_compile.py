@@ -154,6 +154,30 @@ def test_hot_loops_are_software_pipelined_on_sm90(aot_results):
     assert not unpipelined, unpipelined
 
 
+def test_hot_loops_keep_their_loads_in_flight_on_sm90(aot_results):
+    """Pipelined is not enough: a loop whose every wait is for all outstanding copies (async_wait num = 0) issues
+    the next tile's loads and then waits for them before its dots, so nothing hides their latency. The selected
+    dK/dV's tile loop did this while each tile loaded its own query indices (about half the window dK/dV's speed
+    per tile on an H100); chunks of indices fixed it where _sel_dkdv_chunk_tiles takes them (sm_90, head_dim 64,
+    even G: CH > 0), and the fused dQ's 128-row tile keeps its loads in flight with three stages (2026-11-26: that
+    kernel -10% to -16% against two). The compressed/window dK/dV at head_dim 64 never waited so."""
+    rows = [r for r in _rows(aot_results, 90) if r["ok"]]
+    checked = {
+        "selected dK/dV in chunks": [r for r in rows if r["kernel"] == "_sel_bwd_dkdv_kernel"
+                                     and r["constexprs"]["CH"] > 0],
+        "fused dQ, 128-row tiles": [r for r in rows if r["kernel"] == "_bwd_dq_kernel"
+                                    and r["constexprs"]["BLOCK_M"] == 128],
+        "compressed/window dK/dV, head_dim 64": [r for r in rows if r["kernel"] == "_interval_bwd_dkdv_kernel"
+                                                 and r["constexprs"]["D"] == 64],
+    }
+    assert all(checked.values()), {k: len(v) for k, v in checked.items()}
+    # the launches the 125M and fla layouts take at training lengths are among them
+    assert {r["constexprs"]["G"] for r in checked["selected dK/dV in chunks"]} >= {6, 16}
+    exposed = [(what, r["scenario"], r["exposed_dot_loops"]) for what, rs in checked.items() for r in rs
+               if r["exposed_dot_loops"]]
+    assert not exposed, exposed
+
+
 @pytest.mark.parametrize("arch", **ARCHS)
 def test_dkdv_interior_default_and_all_masked_variant_compile(aot_results, arch):
     """The compressed/window dK/dV runs the query tiles that see all of a key tile in an unmasked loop of their own

@@ -55,6 +55,7 @@ _KNOB_IDS = {
     "topn_query_major": lambda c: "querymajor" if c["topn_query_major"] else "headlanes",
     "sel_dkdv_all_masked": lambda c: "seldkdvmasked" if c["sel_dkdv_all_masked"] else "seldkdvsplit",
     "sel_causal_every_block": lambda c: "selcausalall" if c["sel_causal_every_block"] else "selcausalsplit",
+    "sel_dkdv_chunk_pairs": lambda c: f"chunk{c['sel_dkdv_chunk_pairs']}pairs" if c["sel_dkdv_chunk_pairs"] else "pertile",
     "arch": lambda c: f"sm{c['arch']}",
     "cache_views": lambda c: "cacheviews",
     "static": lambda c: "static",
@@ -127,6 +128,16 @@ CPU_CASES = [
     # then with one partial slot, so the other heavy blocks stay in the main pass
     dict(B=2, T=70, H=6, Hkv=2, D=16, layout="varlen", sel_split=[5, 3, 64]),
     dict(B=2, T=70, H=6, Hkv=2, D=16, layout="varlen", sel_split=[5, 3, 1]),
+    # the selected dK/dV's tile loop in chunks whose query indices are loaded once (the default on sm_90 at head_dim
+    # <= 64 with an even G, which the interpreter's cases take; odd G and other GPUs load each tile's): small chunks
+    # so blocks span several, a chunk's last tile cut by the block's end, with masked and unmasked tiles in one
+    # chunk, heavy-block splits, and the pair-wise dQ's partials (their slots gathered from the chunk too); then
+    # the per-tile load forced at an even G
+    dict(B=2, T=90, H=16, Hkv=1, D=16, layout="varlen", sel_dkdv_chunk_pairs=12),  # 3 tiles of 4 queries a chunk
+    dict(B=1, T=100, H=16, Hkv=1, D=16, sel_dkdv_chunk_pairs=12, sel_split=[5, 3, 64]),
+    dict(B=2, T=90, H=6, Hkv=2, D=16, layout="varlen", sel_dkdv_chunk_pairs=42),  # G = 3: 2 tiles of 21 queries
+    dict(B=2, T=81, H=6, Hkv=1, D=16, layout="varlen", dtype="float16", sel_dkdv_chunk_pairs=20, sel_dq_partials=True),
+    dict(B=2, T=70, H=4, Hkv=2, D=16, layout="varlen", sel_dkdv_chunk_pairs=0),
     # the selected dK/dV with every pair tile masked (launch_overrides(sel_dkdv_all_masked=True)); the default
     # runs the tiles whose queries lie past the block's last key unmasked, which every other case checks
     dict(B=2, T=90, H=6, Hkv=2, D=16, layout="varlen", sel_dkdv_all_masked=True),

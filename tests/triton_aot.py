@@ -178,11 +178,14 @@ def _resources(cubin: bytes) -> dict:
     return {k.lower(): int(fields[k]) for k in ("REG", "STACK", "LOCAL") if k in fields}
 
 
-def _loop_pipelining(ttgir: str) -> tuple[int, int]:
-    """(loops, unpipelined loops) among a kernel's TTGIR loops that run a tl.dot in their own body (not in a
-    nested loop's). A loop is software-pipelined when its body holds asynchronous global-to-shared copies:
-    the next iteration's loads are issued while this one computes (a branch around a loop's block math, or
-    a loop nested directly in its body, can keep Triton from doing so)."""
+def _loop_pipelining(ttgir: str) -> tuple[int, int, int]:
+    """(loops, unpipelined loops, loops with exposed loads) among a kernel's TTGIR loops that run a tl.dot in their
+    own body (not in a nested loop's). A loop is software-pipelined when its body holds asynchronous global-to-
+    shared copies: the next iteration's loads are issued while this one computes (a branch around a loop's block
+    math, or a loop nested directly in its body, can keep Triton from doing so). A pipelined loop's loads are
+    exposed when every wait in its body waits for all outstanding copies (async_wait num = 0): the copies issued
+    for the next iteration are then waited for before its dots, so their latency is not hidden behind any (the
+    selected dK/dV's per-tile index loads did this: bench/KERNELS.md)."""
     loops: list[dict] = []  # every scf.for, in order
     stack: list[tuple[int, dict]] = []  # (indent, loop) of the loops enclosing the current line
     for line in ttgir.splitlines():
@@ -190,15 +193,19 @@ def _loop_pipelining(ttgir: str) -> tuple[int, int]:
         while stack and indent <= stack[-1][0]:
             stack.pop()
         if "scf.for" in line:
-            loops.append(dict(dot=False, copy=False))
+            loops.append(dict(dot=False, copy=False, waits=[]))
             stack.append((indent, loops[-1]))
         elif stack:
             if "warp_group_dot " in line or "tt.dot " in line:
                 stack[-1][1]["dot"] = True
             if "async_copy_global_to_local" in line:
                 stack[-1][1]["copy"] = True
+            wait = re.search(r"ttg\.async_wait .*\{num = (\d+)", line)
+            if wait:
+                stack[-1][1]["waits"].append(int(wait.group(1)))
     with_dot = [lp for lp in loops if lp["dot"]]
-    return len(with_dot), sum(not lp["copy"] for lp in with_dot)
+    exposed = [lp for lp in with_dot if lp["copy"] and lp["waits"] and max(lp["waits"]) == 0]
+    return len(with_dot), sum(not lp["copy"] for lp in with_dot), len(exposed)
 
 
 def _sass_loops(sass: str) -> list[dict]:
@@ -256,7 +263,8 @@ def _compile_one(i):
         target, options, signature, constexprs, attrs = _specialize(fn, args, kwargs, arch)
         kern = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
         res.update(ok=True, shared=kern.metadata.shared, num_warps=options.num_warps,
-                   **dict(zip(("dot_loops", "unpipelined_dot_loops"), _loop_pipelining(kern.asm["ttgir"]))),
+                   **dict(zip(("dot_loops", "unpipelined_dot_loops", "exposed_dot_loops"),
+                              _loop_pipelining(kern.asm["ttgir"]))),
                    **_resources(kern.asm["cubin"]))
         if _SASS_LOOPS:
             res["sass_loops"] = _sass_loops(_sass(kern.asm["cubin"]))
@@ -305,14 +313,14 @@ def main():
 
     with ProcessPoolExecutor(max_workers=args.workers, mp_context=multiprocessing.get_context("fork")) as pool:
         results = list(pool.map(_compile_one, jobs))
-    print("| arch | kernel | scenario | warps | regs | spill (stack/local B) | smem KiB | dot loops (unpipelined) "
-          "| s |")
+    print("| arch | kernel | scenario | warps | regs | spill (stack/local B) | smem KiB | dot loops (unpipelined, "
+          "loads exposed) | s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if r["ok"]:
             print(f"| sm_{r['arch']} | {r['kernel']} | {r['scenario']} | {r['num_warps']} | {r.get('reg', '?')} | "
                   f"{r.get('stack', '?')}/{r.get('local', '?')} | {r['shared'] / 1024:.0f} | "
-                  f"{r['dot_loops']} ({r['unpipelined_dot_loops']}) | "
+                  f"{r['dot_loops']} ({r['unpipelined_dot_loops']}, {r['exposed_dot_loops']}) | "
                   f"{r['seconds']} |")
         else:
             print(f"| sm_{r['arch']} | {r['kernel']} | {r['scenario']} | FAILED: {r['error'][:300]} |")
