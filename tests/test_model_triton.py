@@ -61,20 +61,20 @@ INTERPRETED = textwrap.dedent(
             o.loss.backward()
             grads = torch.cat([p.grad.flatten() for p in model.parameters()])
             model.eval()
-            gen = model.generate(ids[:, :9], max_new_tokens=40, min_new_tokens=40, do_sample=False,
+            gen = model.generate(ids[:, :9], max_new_tokens=28, min_new_tokens=28, do_sample=False,
                                  output_logits=True, return_dict_in_generate=True, pad_token_id=0)
             out[name] = (o.logits.detach(), o.loss.detach(), grads, gen.sequences, torch.stack(gen.logits, 1))
         # speculative (prompt-lookup) decoding on the kernels: draft chunks verified after the cache (the chunk
         # kernels, a window cache longer than w while recording), rejected drafts cropped; plain greedy tokens
         prompt = torch.cat([ids[:1, :12], ids[:1, :8], ids[:1, 12:20]], 1)  # repeats to draft from
-        greedy = dict(max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=0)
+        greedy = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
         lookup = tri.generate(prompt, prompt_lookup_num_tokens=4, **greedy)
         rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
         # the static cache's step on the kernels (STATIC launches: the query's key index read on the device, the
         # window a ring; with kv_per_branch=False the window reads the key buffer) after a left-padded prompt
         mask = torch.ones(2, 9, dtype=torch.long)
         mask[0, :3] = 0
-        static_kw = dict(max_new_tokens=25, min_new_tokens=25, do_sample=False, output_logits=True,
+        static_kw = dict(max_new_tokens=18, min_new_tokens=18, do_sample=False, output_logits=True,
                          return_dict_in_generate=True, pad_token_id=0, attention_mask=mask)
         s_tri = tri.generate(ids[:, :9], cache_implementation="static", **static_kw)
         s_ref = ref.generate(ids[:, :9], **static_kw)

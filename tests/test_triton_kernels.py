@@ -129,15 +129,13 @@ CPU_CASES = [
     dict(B=2, T=70, H=6, Hkv=2, D=16, layout="varlen", sel_split=[5, 3, 64]),
     dict(B=2, T=70, H=6, Hkv=2, D=16, layout="varlen", sel_split=[5, 3, 1]),
     # the selected dK/dV's tile loop in chunks whose query indices are loaded once (the default on sm_90 at head_dim
-    # <= 64 with an even G, which the interpreter's cases take; odd G and other GPUs load each tile's): small chunks
-    # so blocks span several, a chunk's last tile cut by the block's end, with masked and unmasked tiles in one
-    # chunk, heavy-block splits, and the pair-wise dQ's partials (their slots gathered from the chunk too); then
-    # the per-tile load forced at an even G
+    # <= 64 with an even G, which the interpreter's cases take: every even-G case above and below; odd G and other
+    # GPUs load each tile's, which the odd-G cases take): small chunks so blocks span several, a chunk's last tile
+    # cut by the block's end, masked and unmasked tiles in one chunk, heavy-block splits, and the pair-wise dQ's
+    # partials (their slots gathered from the chunk too). Shifting a tile's rows by one in its chunk fails all three
     dict(B=2, T=90, H=16, Hkv=1, D=16, layout="varlen", sel_dkdv_chunk_pairs=12),  # 3 tiles of 4 queries a chunk
     dict(B=1, T=100, H=16, Hkv=1, D=16, sel_dkdv_chunk_pairs=12, sel_split=[5, 3, 64]),
-    dict(B=2, T=90, H=6, Hkv=2, D=16, layout="varlen", sel_dkdv_chunk_pairs=42),  # G = 3: 2 tiles of 21 queries
     dict(B=2, T=81, H=6, Hkv=1, D=16, layout="varlen", dtype="float16", sel_dkdv_chunk_pairs=20, sel_dq_partials=True),
-    dict(B=2, T=70, H=4, Hkv=2, D=16, layout="varlen", sel_dkdv_chunk_pairs=0),
     # the selected dK/dV with every pair tile masked (launch_overrides(sel_dkdv_all_masked=True)); the default
     # runs the tiles whose queries lie past the block's last key unmasked, which every other case checks
     dict(B=2, T=90, H=6, Hkv=2, D=16, layout="varlen", sel_dkdv_all_masked=True),
