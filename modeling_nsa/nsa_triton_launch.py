@@ -25,10 +25,10 @@ class LaunchOverrides:
     topn_warps: int | None = None  # warps of the top-n program
     topn_query_major: bool | None = None  # top-n rows query-major (q * G_PAD + head), as before _topn_head_lanes
     dkdv_warps: int | None = None  # warps of the compressed/window and selected dK/dV kernels
-    # software-pipeline stages of those two kernels (sm_90 at head_dim 64: Triton's own, 3), of the fused dQ (2 on
-    # sm_90: 3 for its 128-row tile since the 2026-11-26 sweep, else 2) and of the selected forward (sm_90 at
-    # head_dim 64: Triton's own, 3); first swept on 2026-11-26, when the selected kernels ran at 0.09-0.14 of their
-    # floors with every loop pipelined (bench/KERNELS.md)
+    # software-pipeline stages of those two kernels (sm_90 at head_dim 64: Triton's own, 3), of the fused dQ (sm_90:
+    # 3 for its 128-row tile since the 2026-11-26 sweep, else 2) and of the selected forward (sm_90 at head_dim 64:
+    # Triton's own, 3); first swept on 2026-11-26, when the selected kernels ran at 0.09-0.14 of their floors
+    # (bench/KERNELS.md)
     dkdv_stages: int | None = None
     dq_stages: int | None = None
     sel_stages: int | None = None
@@ -137,9 +137,9 @@ def _dq_launch(group: int, head_dim: int, n_sel: int, device, sel_dq: bool = Tru
     head_dim 128 it does not fit: the selected attention's tile there. Before Hopper 64 rows spill whatever
     the warps, so the tile is 32 rows there (tests/triton_aot.py). Pipeline stages on sm_90 (the selected loop
     is free of branches, _sel_dq_sub WHOLE, so its block loads are software-pipelined): three for the 128-row
-    tile (the dQ kernel 10-16% faster than with two at 2k, 8k and 64k and on fla's layout, variant dq_stages3,
-    2026-11-26; the same 64-byte frame outside the loops as with two, tests/triton_aot.py), two elsewhere (not
-    timed with three). sel_dq=False (sel_dq_in_dkdv: the interval branches only): at head_dim 128 the 64-row
+    tile (the dQ kernel 10-16% faster than with two at 2k, 8k and 64k and on fla's layout, 2026-11-26 sweep;
+    with two its loops waited for every copy before each tile's dots; the same 64-byte frame outside the loops,
+    tests/triton_aot.py; variant dq_stages2 times the other side), two elsewhere (not timed with three). sel_dq=False (sel_dq_in_dkdv: the interval branches only): at head_dim 128 the 64-row
     tile spills 16 bytes on sm_90, 32 rows none (pipelined): 32 rows there."""
     if _hopper_class(device):
         wide = head_dim <= 64 and _next_pow2(n_sel) >= 16 and not _OVERRIDES.sel_rows
