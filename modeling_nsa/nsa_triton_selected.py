@@ -208,7 +208,7 @@ if triton is not None:
         depend on no load inside the loop and Triton software-pipelines them ahead of the dots. CH = 0: each tile
         loads its own indices; the next tile's loads then wait on that load, which the pipeliner does not hoist:
         every copy is waited for at the top of each tile (async_wait num = 0 in the TTGIR), and that loop ran at
-        about half the window dK/dV's speed per tile (bench/KERNELS.md; _sel_dkdv_chunk_tiles says where each runs).
+        about 0.6x the window dK/dV's speed per tile (bench/KERNELS.md; _sel_dkdv_chunk_tiles says where each runs).
         DQ_PAIRS (the pair's dQ share, scale dS K): 1 added to the fp32 DQ (B*T*H, D) with atomics; 2 stored to
         the partials DQ (B*Hkv*Tq*n', G, D) at the pair's (query, slot) PAIR_F, each written once."""
         r = tl.arange(0, BLOCK_M)
