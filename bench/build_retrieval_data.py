@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     p.add_argument("--task", default="passkey", help=f"one of {', '.join(TASKS)}")
     p.add_argument("--tokenizer", required=True, help="the tokenizer the model trains with: a path, a Hub id or 'byt5'")
-    p.add_argument("--seq-len", type=int, required=True, help="the trainer's --seq-len: one document per row")
+    p.add_argument("--seq-len", type=int, required=True, help="the trainer's --seq-len: the tokens of one row")
     p.add_argument("--rows", type=int, default=10000, help="training rows to fill (--seq-len tokens each)")
     p.add_argument("--doc-len", type=int, default=None,
                    help="tokens per document, end-of-text included (default: --seq-len, one per row); a divisor of "
@@ -78,8 +78,8 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table({"text": texts}), out)
-    summary = {"out": str(out), "task": args.task, "rows": args.rows, "documents": len(texts), "seq_len": args.seq_len,
-               "doc_len": doc_len, "documents_per_row": per_row, "haystack": haystack,
+    summary = {"out": str(out), "task": args.task, "rows": args.rows, "documents": len(texts),
+               "seq_len": args.seq_len, "doc_len": doc_len, "documents_per_row": per_row, "haystack": haystack,
                "documents_not_filling_their_length": off, "token_length_range": [min(lengths), max(lengths)]}  # fmt: skip
     print(f"wrote {out}: {len(texts):,} {args.task} documents of {doc_len} tokens with end-of-text, {per_row} per "
           f"{args.seq_len}-token row ({haystack}); {off} re-tokenize to another length (range "

@@ -95,8 +95,6 @@ for step in "${steps[@]}"; do
                   seldq_partials:sel_dq_partials=1 seldq_pairs:sel_dq_in_dkdv=1 --cases 12,2,64,65536,1,random \
                   12,2,64,2048,32,random 12,2,64,8192,8,random 12,2,64,32768,2,random 16,1,64,8192,8,random \
                   16,1,64,65536,1,random 12,2,64,65536,1,correlated ;;
-    # issue 18: the selected kernels' pipeline stages and the selected dK/dV's heavy-block split threshold, each
-    # against the default at 2k, 8k and 64k (125M layout) and 8k (fla's), with dense SDPA on the same shapes
     # the changes made without a GPU since the last figures, each against its other side: the selected dK/dV's
     # chunked tile loop (sel_dkdv_pertile: each tile loading its own query indices, as before), at issue 18's
     # lengths, both layouts and correlated queries, with dense SDPA on the same shapes
@@ -104,6 +102,8 @@ for step in "${steps[@]}"; do
                   sel_dkdv_pertile:sel_dkdv_chunk_pairs=0 --cases 12,2,64,8192,8,random 12,2,64,2048,32,random \
                   12,2,64,65536,1,random 12,2,64,32768,2,random 16,1,64,8192,8,random 16,1,64,65536,1,random \
                   12,2,64,65536,1,correlated ;;
+    # issue 18: the selected kernels' pipeline stages and the selected dK/dV's heavy-block split threshold, each
+    # against the default at 2k, 8k and 64k (125M layout) and 8k (fla's), with dense SDPA on the same shapes
     stages)     $PY bench/tune_kernels.py --json "$OUT/stages.json" --no-decode --dense --variants default \
                   dkdv_stages2:dkdv_stages=2 dkdv_stages4:dkdv_stages=4 dq_stages2:dq_stages=2 \
                   sel_stages2:sel_stages=2 sel_stages4:sel_stages=4 sel_split2k:sel_split=2048/16/64 \

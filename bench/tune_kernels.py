@@ -56,7 +56,8 @@ DEFAULT_VARIANTS = [
     # spill-free: how many stages they pipeline with (Triton's own 3 for the dK/dV kernels and the selected forward;
     # the fused dQ's 128-row tile 3 since that day's sweep, -10% to -16% of that kernel against 2), and where the
     # selected dK/dV splits a heavily chosen block (at 8k x 8 the forced block 0 holds 8,192 pairs, one short of
-    # the default threshold; splitting from 2,048 or 1,024 pairs was slower at every length: bench/KERNELS.md)
+    # the default threshold; splitting from 2,048 or 1,024 pairs was no faster at 2k-8k and +39% to +42% at 64k:
+    # bench/KERNELS.md)
     "dkdv_stages2:dkdv_stages=2",
     "dkdv_stages4:dkdv_stages=4",
     "dq_stages2:dq_stages=2",

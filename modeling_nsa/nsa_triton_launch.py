@@ -139,8 +139,9 @@ def _dq_launch(group: int, head_dim: int, n_sel: int, device, sel_dq: bool = Tru
     is free of branches, _sel_dq_sub WHOLE, so its block loads are software-pipelined): three for the 128-row
     tile (the dQ kernel 10-16% faster than with two at 2k, 8k and 64k and on fla's layout, 2026-11-26 sweep;
     with two its loops waited for every copy before each tile's dots; the same 64-byte frame outside the loops,
-    tests/triton_aot.py; variant dq_stages2 times the other side), two elsewhere (not timed with three). sel_dq=False (sel_dq_in_dkdv: the interval branches only): at head_dim 128 the 64-row
-    tile spills 16 bytes on sm_90, 32 rows none (pipelined): 32 rows there."""
+    tests/triton_aot.py; variant dq_stages2 times the other side), two elsewhere (not timed with three).
+    sel_dq=False (sel_dq_in_dkdv: the interval branches only): at head_dim 128 the 64-row tile spills 16 bytes on
+    sm_90, 32 rows none (pipelined): 32 rows there."""
     if _hopper_class(device):
         wide = head_dim <= 64 and _next_pow2(n_sel) >= 16 and not _OVERRIDES.sel_rows
         rows = _OVERRIDES.dq_rows or (128 if wide else (None if sel_dq or head_dim <= 64 else 32))

@@ -355,11 +355,13 @@ def build_cases(tokenizer, task: str, lengths, depths, samples: int, seed: int =
 
 
 def training_documents(tokenizer, task: str, row_len: int, count: int, seed: int = 0, haystack: str | None = None,
-                       text_column: str = "text", length_flag: str = "--seq-len") -> tuple[list[str], list[int], str]:  # fmt: skip
+                       text_column: str = "text",
+                       length_flag: str = "--seq-len") -> tuple[list[str], list[int], str]:  # fmt: skip
     """`count` training documents for the task, each a case's prompt followed by its answer, sized so that with
     the end-of-text token the trainer appends it fills `row_len` tokens exactly (a row, or a divisor of the row
-    the trainer fills with several: no document split across rows); length_flag names row_len in errors. The depth of each is uniform in [0, 1]. Their generators are seeded apart from
-    build_cases' (a different seed string), so the evaluation's prompts are not the training ones.
+    the trainer fills with several: no document split across rows); length_flag names row_len in errors. The
+    depth of each is uniform in [0, 1]. Their generators are seeded apart from build_cases' (a different seed
+    string), so the evaluation's prompts are not the training ones.
 
     Returns the texts, the tokens each fills as the trainer reads it (its tokens + the end-of-text token:
     row_len unless a BPE tokenizer's re-reading never settled) and the haystack's description."""

@@ -405,10 +405,10 @@ def test_interval_query_ranges_match_their_definition(seed):
     one searchsorted), equal the definitions per branch; and they mean what the kernel assumes: every valid query
     seeing a key of the tile lies in [qa, qb), every query in [ia, ib) sees all of it. Layouts with padding on
     both sides and inside rows, packed documents, windows and compressed blocks of several sizes."""
-    from triton_helpers import import_nsa, layout_by_torch, random_doc_positions
+    from triton_helpers import import_nsa, kernel_module, layout_by_torch, random_doc_positions
 
     layout, _, _ = import_nsa()
-    interval = __import__("modeling_nsa.nsa_triton_interval", fromlist=["_interval_query_ranges"])
+    interval = kernel_module("interval")
     batch, num_q = 3, [61, 400, 129, 257, 333, 64][seed]
     window, (cmp_l, cmp_d) = [16, 64, 160, 512][seed % 4], [(8, 4), (32, 16), (4, 2)][seed % 3]
     params = layout.NSAParams(cmp_block_size=cmp_l, cmp_stride=cmp_d, sel_block_size=16, sel_num_blocks=4,
