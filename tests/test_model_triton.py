@@ -1,8 +1,9 @@
 """The whole model on the Triton path equals the model on the reference path.
 
 CPU (CI): with TRITON_INTERPRET=1 a model built with nsa_backend="triton" runs the real kernels on CPU
-tensors: forward, backward, cached generation (default and static cache) and prompt-lookup decoding, in a subprocess (Triton reads the variable when
-kernels are defined), with every kernel access bounds-checked and the launchers' empty buffers poisoned
+tensors: forward, backward, cached generation (default and static cache) and prompt-lookup decoding, one subprocess
+per model variant (Triton reads the variable when kernels are defined), started in the background when collection
+ends (tests/background.py), with every kernel access bounds-checked and the launchers' empty buffers poisoned
 (tests/triton_helpers.py). GPU: logits and loss at the 125M NSA sizes in bf16, cached decoding, and
 torch.compile(fullgraph=True) of a decoder layer.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -45,9 +45,9 @@ INTERPRETED = textwrap.dedent(
     sys.path.insert(0, "tests")
     from triton_helpers import check_kernels_as_on_a_gpu
     check_kernels_as_on_a_gpu()  # bounds, races, unwritten memory (NSACache's views included)
-    config = json.loads(sys.argv[1])
+    config, variants = json.loads(sys.argv[1]), json.loads(sys.argv[2])
     results = {}
-    for variant, extra in {"mlp-kvsplit": {}, "mean-kvshared": {"compressor": "mean", "kv_per_branch": False}}.items():
+    for variant, extra in variants.items():
         torch.manual_seed(0)
         ref = NSAForCausalLM(NSAConfig(**config, **extra, nsa_backend="reference")).float()
         tri = NSAForCausalLM(NSAConfig(**config, **extra, nsa_backend="triton")).float()
@@ -100,15 +100,41 @@ def _interpreter_reason():
     return nsa_triton_common._interpreter_reason() if HAS_TRITON else "triton is not installed"
 
 
-@pytest.mark.skipif(bool(_interpreter_reason()), reason=str(_interpreter_reason()))
-def test_triton_model_under_interpreter_matches_reference_forward_backward_generate():
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(
-        [sys.executable, "-c", INTERPRETED, json.dumps(TINY)], capture_output=True, text=True, env=env,
-        timeout=900, cwd=ROOT,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(proc.stdout.split("RESULTS ", 1)[1])
+# the model variants, one interpreter process each (side by side in the background: tests/background.py)
+VARIANTS = {"mlp-kvsplit": {}, "mean-kvshared": {"compressor": "mean", "kv_per_branch": False}}
+
+
+def interpreted_model_commands() -> list:
+    if _interpreter_reason():
+        return []  # the test is skipped, naming why
+    from background import Command
+
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    return [Command([sys.executable, "-c", INTERPRETED, json.dumps(TINY), json.dumps({name: extra})], env=env,
+                    cwd=str(ROOT))
+            for name, extra in VARIANTS.items()]
+
+
+@pytest.fixture(scope="module")
+def interpreted_model_results():
+    if _interpreter_reason():
+        pytest.skip(_interpreter_reason())
+    import background
+
+    results = {}
+    for done in background.results(interpreted_model_commands, timeout=880):  # (pytest-timeout: 900)
+        assert not done.timed_out, "the model under the interpreter took over 880 s"
+        assert done.returncode == 0, done.stderr[-4000:]
+        results.update(json.loads(done.stdout.split("RESULTS ", 1)[1]))
+    return results
+
+
+BACKGROUND_JOBS = {"interpreted_model_results": interpreted_model_commands}  # started when collection ends
+
+
+def test_triton_model_under_interpreter_matches_reference_forward_backward_generate(interpreted_model_results):
+    results = interpreted_model_results
+    assert sorted(results) == sorted(VARIANTS), results
     for variant, r in results.items():
         assert r["logits"] < 1e-5 and r["loss"] < 1e-5, (variant, r)
         assert r["grads"] < 1e-4, (variant, r)

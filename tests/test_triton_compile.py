@@ -10,14 +10,14 @@ frame touched only outside those loops is allowed; SPILL_ALLOWED_BYTES lists the
 (On sm_80 the selected dK/dV kernel keeps a stack frame of up to 104 bytes at head_dim 64 and the top-n
 kernel one of 24-56 bytes at G = 6; `python tests/triton_aot.py` prints the table, `--sass-loops` each
 loop's instructions per iteration and spill loads and stores.)
-Runs in a subprocess so TRITON_INTERPRET from another test cannot leak in.
+Runs in a subprocess so TRITON_INTERPRET from another test cannot leak in, in the background from the end of
+collection (tests/background.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,16 +34,31 @@ except Exception:
     HAS_NVIDIA_BACKEND = False
 
 
+def aot_commands() -> list:
+    """The compile of every launch for three GPUs (triton_aot.py: a process per core), a background job."""
+    if not HAS_NVIDIA_BACKEND:
+        return []  # the fixture skips, naming why
+    from background import Command
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return [Command([sys.executable, str(HERE / "triton_aot.py"), "--arch", "90", "80", "86", "--sass-loops"],
+                    env=env, cwd=str(HERE.parent))]
+
+
 @pytest.fixture(scope="module")
 def aot_results():
     if not HAS_NVIDIA_BACKEND:
         pytest.skip("triton with its NVIDIA backend is not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(HERE / "triton_aot.py"), "--arch", "90", "80", "86", "--sass-loops"],
-                          capture_output=True, text=True, env=env, timeout=900, cwd=str(HERE.parent))
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS_JSON=")]
-    assert lines, f"AOT compile run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    import background
+
+    (done,) = background.results(aot_commands, timeout=880)  # (pytest-timeout: 900)
+    assert not done.timed_out, "the AOT compile took over 880 s"
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULTS_JSON=")]
+    assert lines, f"AOT compile run failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return json.loads(lines[-1][len("RESULTS_JSON="):])
+
+
+BACKGROUND_JOBS = {"aot_results": aot_commands}  # started when collection ends (conftest.py, tests/background.py)
 
 
 def _rows(results, arch):

@@ -1,8 +1,8 @@
 """Triton NSA kernels vs the PyTorch reference.
 
 CPU (CI): the real kernels run under Triton's interpreter (TRITON_INTERPRET=1) at tiny shapes, fp32
-and fp16, in two subprocesses side by side (Triton reads the variable when kernels are defined, so it must be
-set before anything imports triton), with the launchers' torch.empty buffers filled with NaN and 2**30
+and fp16, in two subprocesses side by side, started in the background when collection ends (tests/background.py;
+Triton reads the variable when kernels are defined, so it must be set before anything imports triton), with the launchers' torch.empty buffers filled with NaN and 2**30
 (triton_helpers.PoisonedAllocations: a GPU's fresh memory is arbitrary, a CPU's tends to be zero). GPU: bf16/fp16
 at the issue's shapes (skipped without CUDA).
 Near-tie handling in the selection is explained in tests/triton_helpers.py.
@@ -76,7 +76,7 @@ def _case_id(c):
 _PAIR_DQ_CASES = [
     dict(B=2, T=47, H=2, Hkv=2, D=16, layout="pad"),
     dict(B=1, T=65, H=4, Hkv=2, D=16, layout="varlen", dtype="float16"),
-    dict(B=2, T=90, H=6, Hkv=2, D=16, layout="varlen", arch=80),
+    dict(B=2, T=90, H=3, Hkv=1, D=16, layout="varlen", arch=80),
     dict(B=1, T=77, H=4, Hkv=1, D=32, layout="pad"),
     dict(B=2, T=81, H=6, Hkv=1, D=16, layout="varlen", dtype="float16"),
     dict(B=1, T=100, H=8, Hkv=1, D=16, layout="pad", sel_split=[5, 3, 64]),
@@ -94,14 +94,14 @@ CPU_CASES = [
     dict(B=1, T=100, H=4, Hkv=2, D=16, bj=4, split=3, topn_insert_max=0),
     # chunks of 2 blocks: one entering block inserted into the unsorted list, two sorted and merged, so lists
     # pass between both forms (the default inserts every entering block)
-    dict(B=2, T=100, H=6, Hkv=2, D=16, layout="varlen", bj=2, topn_insert_max=1),
+    dict(B=2, T=100, H=3, Hkv=1, D=16, layout="varlen", bj=2, topn_insert_max=1),
     # selected attention in narrow query tiles (2 queries x G=6 rows; 8 x G=2): tiles cut by document
     # boundaries and padding, T not a multiple of the tile
     dict(B=1, T=77, H=6, Hkv=1, D=16, layout="varlen", sel_rows=16),
     dict(B=2, T=45, H=4, Hkv=2, D=16, layout="pad", dtype="float16", sel_rows=16),
     # interval branches with key tiles inside every row's interval (run unmasked): a 160-key window, and up to
     # 99 compressed tokens, so whole 64-key tiles fall inside; padding and document starts around them
-    dict(B=2, T=400, H=6, Hkv=2, D=16, layout="pad", param_overrides=dict(window_size=160)),
+    dict(B=2, T=400, H=3, Hkv=1, D=16, layout="pad", param_overrides=dict(window_size=160)),
     dict(B=1, T=400, H=4, Hkv=1, D=16, layout="varlen", param_overrides=dict(window_size=160)),
     # the compressed/window dK/dV with the query tiles that see all of a key tile in an unmasked loop of their own
     # (the default since the 2026-11-25 sweep; named here so the ids say it): compressed tokens every 1-2 keys so
@@ -120,14 +120,14 @@ CPU_CASES = [
          param_overrides=dict(window_size=129, cmp_block_size=4, cmp_stride=2)),
     # selected-attention sub-tiles (forward and dQ; the default before Hopper), each skipping the union blocks
     # none of its queries chose: 2 sub-tiles of a 32-row tile, 4 of the 64-row tile
-    dict(B=2, T=90, H=6, Hkv=2, D=16, layout="varlen", sel_rows=32, sel_sub_rows=16),
+    dict(B=2, T=90, H=3, Hkv=1, D=16, layout="varlen", sel_rows=32, sel_sub_rows=16),
     dict(B=1, T=77, H=8, Hkv=2, D=16, layout="pad", sel_sub_rows=16),
     # 16 selected blocks: the fused dQ takes 128-row tiles (21 queries x G=6) on sm_90
-    dict(B=1, T=300, H=6, Hkv=2, D=16, layout="varlen", param_overrides=dict(sel_num_blocks=16)),
+    dict(B=1, T=300, H=6, Hkv=1, D=16, layout="varlen", param_overrides=dict(sel_num_blocks=16)),
     # selected dK/dV: blocks with more than 5 (query, block) pairs split over 3 programs + fixed-order reduce;
     # then with one partial slot, so the other heavy blocks stay in the main pass
-    dict(B=2, T=70, H=6, Hkv=2, D=16, layout="varlen", sel_split=[5, 3, 64]),
-    dict(B=2, T=70, H=6, Hkv=2, D=16, layout="varlen", sel_split=[5, 3, 1]),
+    dict(B=2, T=70, H=3, Hkv=1, D=16, layout="varlen", sel_split=[5, 3, 64]),
+    dict(B=2, T=70, H=3, Hkv=1, D=16, layout="varlen", sel_split=[5, 3, 1]),
     # the selected dK/dV's tile loop in chunks whose query indices are loaded once (the default on sm_90 at head_dim
     # <= 64 with an even G, which the interpreter's cases take: every even-G case above and below; odd G and other
     # GPUs load each tile's, which the odd-G cases take): small chunks so blocks span several, a chunk's last tile
@@ -138,11 +138,11 @@ CPU_CASES = [
     dict(B=2, T=81, H=6, Hkv=1, D=16, layout="varlen", dtype="float16", sel_dkdv_chunk_pairs=20, sel_dq_partials=True),
     # the selected dK/dV with every pair tile masked (launch_overrides(sel_dkdv_all_masked=True)); the default
     # runs the tiles whose queries lie past the block's last key unmasked, which every other case checks
-    dict(B=2, T=90, H=6, Hkv=2, D=16, layout="varlen", sel_dkdv_all_masked=True),
+    dict(B=2, T=90, H=3, Hkv=1, D=16, layout="varlen", sel_dkdv_all_masked=True),
     # the selected forward and dQ with the causal mask on every union block (launch_overrides(
     # sel_causal_every_block=True)); by default the blocks ending before a tile's first query skip it, which every
     # whole-tile case checks (claiming one block more fails 9 of 12 cases; sub-tile launches never skip it)
-    dict(B=2, T=90, H=6, Hkv=2, D=16, layout="varlen", sel_causal_every_block=True),
+    dict(B=2, T=90, H=3, Hkv=1, D=16, layout="varlen", sel_causal_every_block=True),
     # the selected branch's dQ formed pair by pair by the selected dK/dV kernel instead of the fused dQ kernel's walk
     # over each tile's block union, both ways over _PAIR_DQ_CASES: added to an fp32 dQ with atomics
     # (launch_overrides(sel_dq_in_dkdv=True); with the atomic add zeroed, dq's error is ~0.6), and stored per pair at
@@ -154,7 +154,7 @@ CPU_CASES = [
     # launch for both pair-wise modes)
     dict(B=1, T=70, H=8, Hkv=1, D=128, layout="varlen", arch=90, sel_dq_in_dkdv=True),
     # the tiles an A100 (sm_80) gets: 32-row dQ and dK/dV query tiles, selected attention in 16-row sub-tiles
-    dict(B=2, T=90, H=12, Hkv=2, D=16, layout="varlen", arch=80),
+    dict(B=2, T=90, H=6, Hkv=1, D=16, layout="varlen", arch=80),
     # found by a randomized search (2026-11-23): a top-n tile across two documents at the end of the batch, whose
     # later document's pass read compressed keys past the tensor (the earlier document's rows see more of them)
     dict(B=1, T=65, H=6, Hkv=2, D=16, layout="varlen", dtype="float16", seed=628567,
@@ -166,16 +166,16 @@ CPU_CASES = [
     # compressed tokens (16 blocks), so the rows see whole chunks, which run unmasked, only past ~260 tokens of
     # a document: T = 700 for some, 4-block chunks (16 tokens) for the others
     *[dict(kind="select", B=2, T=t, H=g * hkv, Hkv=hkv, D=16, layout=layout, bj=bj)
-      for g, hkv, layout, t, bj in [(1, 2, "pad", 300, 4), (2, 2, "varlen", 700, None), (3, 2, "pad", 700, None),
+      for g, hkv, layout, t, bj in [(1, 2, "pad", 300, 4), (2, 1, "varlen", 700, None), (3, 2, "pad", 700, None),
                                     (4, 1, "varlen", 300, 4), (6, 2, "varlen", 300, 4), (8, 1, "varlen", 600, None),
                                     (16, 1, "varlen", 300, 4)]],
-    dict(kind="select", B=2, T=700, H=12, Hkv=2, D=16, layout="varlen", topn_query_major=True),
+    dict(kind="select", B=2, T=700, H=6, Hkv=1, D=16, layout="varlen", topn_query_major=True),
     # the selected branch's tile unions (_tile_block_union: one kernel, a sort in registers per tile) against
     # their torch oracle on random choices: tiles of 1-21 queries (the forward's 10 and the dQ's 21 at G = 6;
     # 21 x 16 entries sort in a 512-wide list), documents, padding on both sides, queries after a prefix (q_off)
-    dict(kind="union", B=2, T=300, H=2, Hkv=2, D=16, layout="varlen", LB=16, n_sel=4, qpbs=[1, 3, 5, 10, 21]),
-    dict(kind="union", B=2, T=301, H=2, Hkv=1, D=16, layout="pad", LB=8, n_sel=16, qpbs=[10, 21], seed=3),
-    dict(kind="union", B=2, T=257, H=2, Hkv=2, D=16, layout="varlen", LB=16, n_sel=5, qpbs=[4, 7], q_off=37, seed=5),
+    dict(kind="union", B=2, T=130, H=2, Hkv=2, D=16, layout="varlen", LB=16, n_sel=4, qpbs=[1, 3, 5, 10, 21]),
+    dict(kind="union", B=2, T=161, H=2, Hkv=1, D=16, layout="pad", LB=8, n_sel=16, qpbs=[10, 21], seed=3),
+    dict(kind="union", B=2, T=141, H=2, Hkv=2, D=16, layout="varlen", LB=16, n_sel=5, qpbs=[4, 7], q_off=37, seed=5),
     # the per-query intervals (_layout_kernel: binary searches over the compressed tokens' ends) against the torch
     # ops they replaced, on random layouts (documents, padding on both sides and inside a row): every query, the
     # queries after a prefix (select_blocks_triton's) with a shorter window tensor, and rows too short for a
@@ -253,38 +253,65 @@ CPU_CASES = [
 
 
 INTERPRETER_PROCESSES = 2  # CI's machine has 2 cores; the interpreter runs one thread per process
+# Each case's seconds under the interpreter (one process per core, 2 cores), for splitting the cases between the
+# processes by cost; a case not listed counts as the median. Refresh after adding or resizing cases:
+# NSA_INTERPRETER_SECONDS=tests/data/interpreter_case_seconds.json pytest tests/test_triton_kernels.py -k interpreter
+CASE_SECONDS_FILE = HERE / "data" / "interpreter_case_seconds.json"
+
+
+def _interpreter_shares() -> list[list[int]]:
+    """CPU_CASES' indices split into INTERPRETER_PROCESSES lists of about equal recorded cost (longest first, each
+    to the least loaded process), so the processes finish together."""
+    recorded = json.loads(CASE_SECONDS_FILE.read_text()) if CASE_SECONDS_FILE.is_file() else {}
+    known = sorted(recorded.values())
+    default = known[len(known) // 2] if known else 1.0
+    cost = [recorded.get(_case_id(c), default) for c in CPU_CASES]
+    shares, load = [[] for _ in range(INTERPRETER_PROCESSES)], [0.0] * INTERPRETER_PROCESSES
+    for i in sorted(range(len(CPU_CASES)), key=lambda i: -cost[i]):
+        k = load.index(min(load))
+        shares[k].append(i)
+        load[k] += cost[i]
+    return [sorted(share) for share in shares]
+
+
+def interpreter_commands() -> list:
+    """The background job of the CPU cases (tests/background.py): INTERPRETER_PROCESSES processes side by side."""
+    if not HAS_TRITON or common_module()._interpreter_reason():
+        return []  # the fixture skips, naming why
+    from background import Command
+
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    return [Command([sys.executable, str(HERE / "triton_helpers.py"), json.dumps([CPU_CASES[i] for i in share])],
+                    env=env, cwd=str(HERE.parent))
+            for share in _interpreter_shares()]
 
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    """Every CPU case's comparison, run in INTERPRETER_PROCESSES subprocesses side by side (case i in process
-    i % INTERPRETER_PROCESSES, so each gets a mix of short and long cases)."""
+    """Every CPU case's comparison, from the background job interpreter_commands."""
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
     if common_module()._interpreter_reason():  # an environment without a working interpreter, named
         pytest.skip(common_module()._interpreter_reason())
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    shares = [list(range(k, len(CPU_CASES), INTERPRETER_PROCESSES)) for k in range(INTERPRETER_PROCESSES)]
-    procs = [
-        subprocess.Popen([sys.executable, str(HERE / "triton_helpers.py"), json.dumps([CPU_CASES[i] for i in share])],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(HERE.parent))
-        for share in shares
-    ]
-    results = [None] * len(CPU_CASES)
-    try:  # about 2 minutes on 2 idle cores; a loaded machine may take several times that
-        for share, proc in zip(shares, procs):
-            try:
-                stdout, stderr = proc.communicate(timeout=880)  # (pytest-timeout: 900)
-            except subprocess.TimeoutExpired as timeout:  # said once, without the cases' JSON (the exception's argv)
-                pytest.fail(f"the interpreter run of {len(share)} kernel cases took over {timeout.timeout} s")
-            lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULTS_JSON=")]
-            assert lines, f"interpreter run failed:\n{stdout[-3000:]}\n{stderr[-3000:]}"
-            for i, result in zip(share, json.loads(lines[-1][len("RESULTS_JSON="):])):
-                results[i] = result
-    finally:
-        for proc in procs:
-            proc.kill()  # no-op for a finished one; a timed-out or failed sibling must not outlive the test
+    import background
+
+    shares = _interpreter_shares()
+    results, seconds = [None] * len(CPU_CASES), {}
+    # about 8 minutes of CPU per process; a loaded machine may take several times that (pytest-timeout: 900)
+    for share, done in zip(shares, background.results(interpreter_commands, timeout=880)):
+        if done.timed_out:  # said once, without the cases' JSON (the command line)
+            pytest.fail(f"the interpreter run of {len(share)} kernel cases took over 880 s")
+        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULTS_JSON=")]
+        assert lines, f"interpreter run failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        for i, result in zip(share, json.loads(lines[-1][len("RESULTS_JSON="):])):
+            seconds[_case_id(CPU_CASES[i])] = result.pop("seconds")
+            results[i] = result
+    if os.environ.get("NSA_INTERPRETER_SECONDS"):
+        Path(os.environ["NSA_INTERPRETER_SECONDS"]).write_text(json.dumps(dict(sorted(seconds.items())), indent=1))
     return results
+
+
+BACKGROUND_JOBS = {"interpreter_results": interpreter_commands}  # started when collection ends (conftest.py)
 
 
 def common_module():

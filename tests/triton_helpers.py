@@ -21,6 +21,7 @@ import importlib
 import json
 import os
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -705,6 +706,7 @@ def main(argv):
     check_kernels_as_on_a_gpu()
     results = []
     for case in cases:
+        started = time.perf_counter()
         try:
             runner = {"decode": run_decode_case, "compile": run_compile_case, "opcheck": run_opcheck_case,
                       "select": run_select_case, "union": run_union_case, "layout": run_layout_case,
@@ -715,6 +717,7 @@ def main(argv):
             import traceback
 
             res = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
+        res["seconds"] = round(time.perf_counter() - started, 2)  # the fixture's cost-balanced split reads these
         results.append(res)
     print("RESULTS_JSON=" + json.dumps(results))
 

@@ -1,0 +1,100 @@
+"""Heavy CPU jobs of the suite, started in the background as soon as collection ends.
+
+Three fixtures spend minutes of CPU in subprocesses: the Triton interpreter's kernel cases
+(test_triton_kernels.py), the model on the kernels under the interpreter (test_model_triton.py) and the
+AOT compile for three GPUs (test_triton_compile.py). Run when their tests were reached, the rest of the suite
+waited on them, and between them that suite (mostly one busy core at a time: subprocess trainings, small torch
+ops) left CI's second core idle for minutes. A test that reads such a job carries
+`@pytest.mark.background_job("commands_function")`, naming a function of its module that returns the job's
+commands; conftest.py starts them (at a lower CPU priority, so the tests in the foreground keep their speed) when
+any such test is selected, and runs those tests last. Their fixtures then call `results(...)` with the same
+function, which starts the commands if nothing has (a run of just that file, `-p no:...`) and waits.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+BACKGROUND_NICENESS = 10  # the jobs yield the CPU to the foreground tests (Linux/macOS `nice`; none on Windows)
+
+
+@dataclass
+class Command:
+    argv: list[str]
+    env: dict[str, str] | None = None
+    cwd: str | None = None
+
+
+@dataclass
+class Finished:
+    returncode: int | None  # None: still running at the timeout (then killed)
+    stdout: str = ""
+    stderr: str = ""
+    timed_out: bool = False
+
+
+@dataclass
+class _Job:
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    finished: list[Finished] | None = None  # kept: a second reader (a re-run fixture) gets the same outcome
+
+
+_JOBS: dict[str, _Job] = {}
+
+
+def _key(commands_function: Callable[[], list[Command]]) -> str:
+    return f"{commands_function.__module__}.{commands_function.__qualname__}"
+
+
+def _lower_priority():  # runs in the child before exec
+    try:
+        os.nice(BACKGROUND_NICENESS)
+    except OSError:  # not permitted here: run at the normal priority
+        pass
+
+
+def start(commands_function: Callable[[], list[Command]]) -> None:
+    """Start the function's commands unless they are running or done (idempotent)."""
+    key = _key(commands_function)
+    if key in _JOBS:
+        return
+    lower = _lower_priority if hasattr(os, "nice") else None
+    _JOBS[key] = _Job([
+        subprocess.Popen(c.argv, env=c.env, cwd=c.cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lower)
+        for c in commands_function()
+    ])  # fmt: skip
+
+
+def results(commands_function: Callable[[], list[Command]], timeout: float) -> list[Finished]:
+    """Each command's outcome, in order, waiting at most `timeout` seconds in all from now; a command still
+    running then is killed and reported with timed_out=True."""
+    start(commands_function)
+    job = _JOBS[_key(commands_function)]
+    if job.finished is not None:
+        return job.finished
+    deadline = time.monotonic() + timeout
+    out = []
+    for proc in job.procs:
+        try:
+            stdout, stderr = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            out.append(Finished(proc.returncode, stdout, stderr))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+            out.append(Finished(None, stdout, stderr, timed_out=True))
+    job.finished = out
+    return out
+
+
+def stop_all() -> None:
+    """Kill every job still running (the session ended before its tests read it: -x, a deselection, Ctrl-C)."""
+    for job in _JOBS.values():
+        for proc in job.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
