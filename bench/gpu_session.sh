@@ -102,6 +102,12 @@ for step in "${steps[@]}"; do
                   sel_dkdv_pertile:sel_dkdv_chunk_pairs=0 --cases 12,2,64,8192,8,random 12,2,64,2048,32,random \
                   12,2,64,65536,1,random 12,2,64,32768,2,random 16,1,64,8192,8,random 16,1,64,65536,1,random \
                   12,2,64,65536,1,correlated ;;
+    # issue 18: the three pipeline stages head_dim 128 takes on sm_90 since 2026-11-26 (fused dQ, selected forward,
+    # compressed/window dK/dV; chosen from the TTGIR, not yet timed) against the two it had, on a head_dim 128 layout
+    # (16 q / 2 kv: G = 8) at 8k and 64k, and the 125M layout at 512 tokens (the fused dQ's 64-row tile)
+    pending-d128) $PY bench/tune_kernels.py --json "$OUT/pending_d128.json" --no-decode --dense --variants default \
+                  stages2:dq_stages=2,sel_stages=2,dkdv_stages=2 --cases 16,2,128,8192,8,random \
+                  16,2,128,65536,1,random 12,2,64,512,128,random ;;
     # issue 18: the selected kernels' pipeline stages and the selected dK/dV's heavy-block split threshold, each
     # against the default at 2k, 8k and 64k (125M layout) and 8k (fla's), with dense SDPA on the same shapes
     stages)     $PY bench/tune_kernels.py --json "$OUT/stages.json" --no-decode --dense --variants default \
@@ -173,7 +179,7 @@ open(sys.argv[2], 'w').write(max((str(x) for x in t.to_pylist()[::20]), key=len)
     # issue 19: what one selection-statistics measurement costs against one 125M training step at T = 4,096
     stats-cost) $PY bench/stats_cost.py --device cuda --model 125m --seq-len 4096 --micro-batch-size 4 \
                   --tokenizer "$DATA/gpt2-tokenizer" --dataset "$DATA/wiki-summaries-en.parquet" ;;
-    *)          echo "unknown step $step (tests capture attention floors tune model dense-docs model-long generate profile train ab-long ab-long-eval retrieval stats-cost check check-seldq sweep seldq stages pending)"
+    *)          echo "unknown step $step (tests capture attention floors tune model dense-docs model-long generate profile train ab-long ab-long-eval retrieval stats-cost check check-seldq sweep seldq stages pending pending-d128)"
                 exit 2 ;;
   esac 2>&1 | tee "$OUT/$step.log" || echo "== $step exited non-zero (log: $OUT/$step.log)" | tee -a "$OUT/env.txt"
   echo "== $step took $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"

@@ -104,27 +104,33 @@ def _rows_per_program(group: int, head_dim: int) -> tuple[int, int]:
     return _query_tile(group, 64 if head_dim <= 128 else 32)
 
 
-def _dkdv_launch(group: int, head_dim: int, device, pair_dq: bool = False) -> tuple[int, int, dict]:
-    """(BLOCK_M, queries per program, launch options) for the dK/dV kernels, which hold fp32 dK and dV
-    tiles across their query loop. Chosen with tests/triton_aot.py (registers and spills per variant) for
-    the key-major update (_dkdv_update): on sm_90 at head_dim 64, 64-row query tiles at 4 warps, spill-free
-    for both kernels and faster than 8 warps for both (variant dkdv8warps; bench/KERNELS.md). Elsewhere 32-row
-    tiles at 8 warps:
-    2 pipeline stages on sm_90 (no spill inside the tile loops at head_dim 128: the selected kernel's main pass
-    keeps an 88-104 byte frame reloaded per block; head_dim 256 spills about 300-700 bytes with or without
-    them), none on sm_80, which keeps the stack frame there at 0-48 bytes at head_dim 64, outside the tile loops
-    (64 rows, or pipelining, spill more). pair_dq (the selected kernel forming its dQ pair by pair: sel_dq_in_dkdv,
-    sel_dq_partials): on sm_90 at head_dim 64 the fp32 dQ tile beside dK and dV spills 120-136 bytes at 4 warps
-    at G = 6 (none at G = 16), at 8 warps nothing inside the tile loops (a 16-byte frame outside them), so 8 there
-    (the variant seldq_pairs_4warps times the other side); at head_dim 128 the 32-row tile spills 8-40 bytes (sm_90 with its
-    two stages, sm_80/86) and a 16-row one none inside its loops, pipelined on sm_90."""
+def _dkdv_launch(group: int, head_dim: int, device, pair_dq: bool = False,
+                 selected: bool = False) -> tuple[int, int, dict]:
+    """(BLOCK_M, queries per program, launch options) for the dK/dV kernels (selected: the selected dK/dV, else
+    the compressed/window one), which hold fp32 dK and dV tiles across their query loop. Chosen with
+    tests/triton_aot.py (registers and spills per variant) for the key-major update (_dkdv_update): on sm_90 at
+    head_dim 64, 64-row query tiles at 4 warps, spill-free for both kernels and faster than 8 warps for both
+    (variant dkdv8warps; bench/KERNELS.md). Elsewhere 32-row tiles at 8 warps, with pipeline stages on sm_90:
+    three for the compressed/window kernel (with two its loops waited for every copy before each tile's dots,
+    TTGIR async_wait num = 0, as the fused dQ's did before three stages made it 10-16% faster; spill-free,
+    81 KiB of shared memory, one block per SM by registers either way), two for the selected kernel (its
+    per-tile index load waits at num = 0 with any count; no spill inside the tile loops at head_dim 128: the
+    main pass keeps an 88-104 byte frame reloaded per block; head_dim 256 spills about 300-700 bytes with or
+    without them); none on sm_80, which keeps the stack frame there at 0-48 bytes at head_dim 64, outside the
+    tile loops (64 rows, or pipelining, spill more). pair_dq (the selected kernel forming its dQ pair by pair:
+    sel_dq_in_dkdv, sel_dq_partials): on sm_90 at head_dim 64 the fp32 dQ tile beside dK and dV spills 120-136
+    bytes at 4 warps at G = 6 (none at G = 16), at 8 warps nothing inside the tile loops (a 16-byte frame outside
+    them), so 8 there (the variant seldq_pairs_4warps times the other side); at head_dim 128 the 32-row tile
+    spills 8-40 bytes (sm_90 with its two stages, sm_80/86) and a 16-row one none inside its loops, pipelined on
+    sm_90."""
     if head_dim <= 64 and _hopper_class(device):
         block_m, qpb = _rows_per_program(group, head_dim)
         opts = dict(num_warps=_OVERRIDES.dkdv_warps or (8 if pair_dq else 4))
         if _OVERRIDES.dkdv_stages:
             opts["num_stages"] = _OVERRIDES.dkdv_stages
         return block_m, qpb, opts
-    stages = _OVERRIDES.dkdv_stages or (2 if _hopper_class(device) else 1)
+    hopper_stages = 3 if head_dim <= 128 and not selected else 2
+    stages = _OVERRIDES.dkdv_stages or (hopper_stages if _hopper_class(device) else 1)
     rows = 16 if pair_dq and head_dim > 64 else 32
     return *_query_tile(group, rows), dict(num_warps=_OVERRIDES.dkdv_warps or 8, num_stages=stages)
 
@@ -136,17 +142,19 @@ def _dq_launch(group: int, head_dim: int, n_sel: int, device, sel_dq: bool = Tru
     128 rows, so it keeps 64); with fewer blocks (T < 1024 at n = 16) the 128-row tile spills, and at
     head_dim 128 it does not fit: the selected attention's tile there. Before Hopper 64 rows spill whatever
     the warps, so the tile is 32 rows there (tests/triton_aot.py). Pipeline stages on sm_90 (the selected loop
-    is free of branches, _sel_dq_sub WHOLE, so its block loads are software-pipelined): three for the 128-row
-    tile (the dQ kernel 10-16% faster than with two at 2k, 8k and 64k and on fla's layout, 2026-11-26 sweep;
-    with two its loops waited for every copy before each tile's dots; the same 64-byte frame outside the loops,
-    tests/triton_aot.py; variant dq_stages2 times the other side), two elsewhere (not timed with three).
+    is free of branches, _sel_dq_sub WHOLE, so its block loads are software-pipelined): three to head_dim 128
+    (the 128-row tile's dQ kernel 10-16% faster than with two at 2k, 8k and 64k and on fla's layout, 2026-11-26
+    sweep; with two its loops waited for every copy before each tile's dots; the same 64-byte frame outside the
+    loops, tests/triton_aot.py; variant dq_stages2 times the other side; the 64-row and head_dim 128 tiles showed
+    the same wait with two and none with three, spill-free, one block per SM by registers either way: not yet
+    timed), two at head_dim 256 and before Hopper.
     sel_dq=False (sel_dq_in_dkdv: the interval branches only): at head_dim 128 the 64-row tile spills 16 bytes on
     sm_90, 32 rows none (pipelined): 32 rows there."""
     if _hopper_class(device):
         wide = head_dim <= 64 and _next_pow2(n_sel) >= 16 and not _OVERRIDES.sel_rows
         rows = _OVERRIDES.dq_rows or (128 if wide else (None if sel_dq or head_dim <= 64 else 32))
         block_m, qpb = _query_tile(group, rows) if rows else _sel_rows_per_program(group, head_dim)
-        stages = _OVERRIDES.dq_stages or (3 if block_m == 128 and wide else 2)
+        stages = _OVERRIDES.dq_stages or (3 if head_dim <= 128 else 2)
         return block_m, qpb, dict(num_warps=_OVERRIDES.dq_warps or 8, num_stages=stages)
     return *_query_tile(group, 32), dict(num_warps=4 if head_dim <= 64 else 8, num_stages=_OVERRIDES.dq_stages or 2)
 
@@ -168,10 +176,13 @@ def _sel_dkdv_chunk_tiles(group: int, qpb: int, head_dim: int, device) -> int:
     return max(1, pairs // qpb) if pairs > 0 else 0
 
 
-def _sel_fwd_opts(head_dim: int) -> dict:
+def _sel_fwd_opts(head_dim: int, device) -> dict:
     """Warps and stages of the selected forward: 4 warps and Triton's own stages (3) to head_dim 64; above, 8 warps
-    and two pipeline stages (spill-free at 128 on sm_90; tests/triton_aot.py)."""
-    opts = dict(num_warps=4) if head_dim <= 64 else dict(num_warps=8, num_stages=2)
+    and three pipeline stages on sm_90 to head_dim 128 (with two its block loop waited for every copy before each
+    block's dots, TTGIR async_wait num = 0; with three it does not, spill-free, 113 KiB of shared memory, one block
+    per SM by registers either way: not yet timed), two elsewhere (spill-free at 128; tests/triton_aot.py)."""
+    wide_stages = 3 if head_dim <= 128 and _hopper_class(device) else 2
+    opts = dict(num_warps=4) if head_dim <= 64 else dict(num_warps=8, num_stages=wide_stages)
     if _OVERRIDES.sel_stages:
         opts["num_stages"] = _OVERRIDES.sel_stages
     return opts

@@ -450,7 +450,7 @@ def _sel_fwd(q, k, v, idx, doc_pos, params: NSAParams, scale):
         scale * _LOG2E,
         H=num_heads, HKV=num_kv, G=group, D=head_dim,
         LB=params.sel_block_size, N_SEL=n_sel, N_PAD=_next_pow2(n_sel), QPB=qpb, BLOCK_M=block_m,
-        SUB_M=_sel_sub_tile(block_m, head_dim, q.device), **_sel_fwd_opts(head_dim),
+        SUB_M=_sel_sub_tile(block_m, head_dim, q.device), **_sel_fwd_opts(head_dim, q.device),
     )
     return o, lse
 
@@ -488,7 +488,7 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: 
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
     dq_pairs = 2 if dq_partials is not None else 1 if dq_accum is not None else 0
-    block_m, qpb, dkdv_opts = _dkdv_launch(group, head_dim, q.device, pair_dq=dq_pairs > 0)
+    block_m, qpb, dkdv_opts = _dkdv_launch(group, head_dim, q.device, pair_dq=dq_pairs > 0, selected=True)
     # Heavy blocks (more than heavy_min pairs) are split over n_split programs writing fp32 partials to
     # n_heavy slots (static shapes, no sync): at most total pairs / (heavy_min + 1) blocks can be heavy,
     # capped at `slots` partials (16 MiB each for dK and dV at d64); the main pass keeps the rest.

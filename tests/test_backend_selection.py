@@ -253,6 +253,28 @@ def test_select_blocks_triton_names_what_it_cannot_do():
 
 
 @pytest.mark.parametrize("capability", [90, 80])
+def test_pipeline_stages_where_the_loads_stay_in_flight(monkeypatch, capability):
+    """sm_90: three stages for the fused dQ (every tile to head_dim 128), the selected forward at head_dim 128 and
+    the compressed/window dK/dV at head_dim 128, where two left their loops waiting for every copy
+    (tests/test_triton_compile.py checks the TTGIR); the selected dK/dV at head_dim 128 keeps two (its per-tile index
+    load waits anyway); head_dim 256 two. Before Hopper: two for the dQ and selected forward, one for the dK/dV."""
+    monkeypatch.setattr(common, "_compute_capability", lambda device: capability)
+    hopper = capability == 90
+    assert launch._dq_launch(6, 64, 16, "cpu")[2]["num_stages"] == (3 if hopper else 2)
+    assert launch._dq_launch(6, 64, 16, "cpu")[0] == (128 if hopper else 32)
+    assert launch._dq_launch(6, 64, 8, "cpu")[2]["num_stages"] == (3 if hopper else 2)  # the 64-row tile (T < 1024)
+    assert launch._dq_launch(8, 128, 16, "cpu")[2]["num_stages"] == (3 if hopper else 2)
+    assert launch._dq_launch(2, 256, 16, "cpu")[2]["num_stages"] == 2
+    with tri.launch_overrides(dq_rows=64):
+        assert launch._dq_launch(6, 64, 16, "cpu")[2]["num_stages"] == (3 if hopper else 2)
+    assert launch._sel_fwd_opts(128, "cpu") == dict(num_warps=8, num_stages=3 if hopper else 2)
+    assert launch._sel_fwd_opts(256, "cpu")["num_stages"] == 2
+    assert launch._dkdv_launch(8, 128, "cpu")[2]["num_stages"] == (3 if hopper else 1)
+    assert launch._dkdv_launch(8, 128, "cpu", selected=True)[2]["num_stages"] == (2 if hopper else 1)
+    assert launch._dkdv_launch(2, 256, "cpu")[2]["num_stages"] == (2 if hopper else 1)
+
+
+@pytest.mark.parametrize("capability", [90, 80])
 def test_selected_dkdv_chunks_where_they_pipeline(monkeypatch, capability):
     """The selected dK/dV's tile loop in chunks of 256 pairs only on sm_90 at head_dim <= 64 with an even G (where
     tests/triton_aot.py finds it pipelined without spills); each tile's own index load elsewhere; forced either way."""
@@ -279,19 +301,14 @@ def test_launch_overrides_reach_the_launchers_for_the_block_only_and_name_the_va
     assert launch._sel_rows_per_program(6, 64) == default == (64, 10)
     assert launch._dkdv_launch(6, 64, "cpu")[2]["num_warps"] == 4
     # pipeline stages (bench/gpu_session.sh's `stages` sweep): Triton's own unless forced, per kernel
-    assert "num_stages" not in launch._dkdv_launch(6, 64, "cpu")[2] and "num_stages" not in launch._sel_fwd_opts(64)
-    # the fused dQ: three stages for the 128-row tile (2026-11-26 sweep), two for the others
-    assert launch._dq_launch(6, 64, 16, "cpu")[2]["num_stages"] == 3 and launch._dq_launch(6, 64, 16, "cpu")[0] == 128
-    assert launch._dq_launch(8, 128, 16, "cpu")[2]["num_stages"] == 2
-    with tri.launch_overrides(dq_rows=64):
-        assert launch._dq_launch(6, 64, 16, "cpu")[2]["num_stages"] == 2
+    assert "num_stages" not in launch._dkdv_launch(6, 64, "cpu")[2]
+    assert "num_stages" not in launch._sel_fwd_opts(64, "cpu")
     with tri.launch_overrides(dkdv_stages=4, dq_stages=2, sel_stages=2):
         assert launch._dkdv_launch(6, 64, "cpu")[2]["num_stages"] == 4
-        assert launch._dkdv_launch(8, 128, "cpu")[2]["num_stages"] == 4
+        assert launch._dkdv_launch(8, 128, "cpu", selected=True)[2]["num_stages"] == 4
         assert launch._dq_launch(6, 64, 16, "cpu")[2]["num_stages"] == 2
-        assert launch._sel_fwd_opts(64) == dict(num_warps=4, num_stages=2)
-        assert launch._sel_fwd_opts(128) == dict(num_warps=8, num_stages=2)
-    assert launch._dkdv_launch(8, 128, "cpu")[2]["num_stages"] == 2 and launch._sel_fwd_opts(128)["num_stages"] == 2
+        assert launch._sel_fwd_opts(64, "cpu") == dict(num_warps=4, num_stages=2)
+        assert launch._sel_fwd_opts(128, "cpu") == dict(num_warps=8, num_stages=2)
     with pytest.raises(TypeError, match=r"unknown launch choice\(s\) \['sel_tile'\]; valid: .*'sel_rows'"):
         with tri.launch_overrides(sel_tile=32):
             pass

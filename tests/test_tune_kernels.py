@@ -65,7 +65,7 @@ def test_the_session_stages_step_parses_and_reaches_the_launchers():
     assert dict(variants)["sel_split2k"] == {"sel_split": (2048, 16, 64)}
 
     def launches():
-        return (launch._dkdv_launch(6, 64, "cpu"), launch._dq_launch(6, 64, 16, "cpu"), launch._sel_fwd_opts(64),
+        return (launch._dkdv_launch(6, 64, "cpu"), launch._dq_launch(6, 64, 16, "cpu"), launch._sel_fwd_opts(64, "cpu"),
                 launch._OVERRIDES.sel_split)
 
     default = launches()
@@ -123,3 +123,24 @@ def test_a_sweep_variant_forcing_a_switch_off_reaches_the_launcher_off():
             assert interval._dkdv_unmasked_interior() is expected, text
     with launch_overrides(dkdv_unmasked_interior=False):
         assert not interval._dkdv_unmasked_interior()
+
+
+def test_the_session_d128_step_times_the_three_stages_against_two():
+    """bench/gpu_session.sh's `pending-d128` step: its variant gives the fused dQ, the selected forward and both
+    dK/dV kernels two stages, which is what head_dim 128 ran with before three on sm_90 (and the 64-row dQ tile)."""
+    from modeling_nsa import nsa_triton_launch as launch
+
+    script = (Path(__file__).resolve().parent.parent / "bench" / "gpu_session.sh").read_text()
+    step = script.split("    pending-d128)", 1)[1].split(";;", 1)[0].replace("\\\n", " ")
+    variants = [tk.parse_variant(v) for v in step.split("--variants", 1)[1].split("--cases", 1)[0].split()]
+    assert [name for name, _ in variants] == ["default", "stages2"], variants
+    cases = [tk.parse_case(c) for c in step.split("--cases", 1)[1].split()]
+    assert {c[2] for c in cases} == {64, 128} and all(c[3] * c[4] == 65536 for c in cases), cases
+
+    def stages():
+        return (launch._dq_launch(8, 128, 16, "cpu")[2]["num_stages"], launch._dq_launch(6, 64, 8, "cpu")[2]["num_stages"],
+                launch._sel_fwd_opts(128, "cpu")["num_stages"], launch._dkdv_launch(8, 128, "cpu")[2]["num_stages"])
+
+    assert stages() == (3, 3, 3, 3)  # the default (the CPU counts as sm_90)
+    with launch.launch_overrides(**variants[1][1]):
+        assert stages() == (2, 2, 2, 2)
