@@ -18,7 +18,8 @@ import torch
 from .data import num_label_tokens, streams_from_hub, to_batch
 from .run_state import RunState
 
-STATS_ROWS = 2  # held-out rows the selection statistics are measured on (the reference holds T x T scores per head)
+STATS_ROWS = 2  # held-out rows the selection statistics are measured on: whole rows where the layers run the kernels,
+# cut to selection_stats.REFERENCE_MAX_LEN tokens where they run the reference (its scores are T x T per head)
 
 
 @torch.no_grad()

@@ -18,10 +18,12 @@ Per layer, over the valid (non-padding) queries of the batch:
   is what the selected kernel's query tiles share, and the Jaccard index |S_t ∩ S_t+1| / |S_t ∪ S_t+1|.
 
 How the indices are had: the model runs its own forward once (no cache, no gradient) while the layer seam
-`nsa_attention` of the model's code records its inputs; the reference (`nsa_attention_reference` with
-`return_block_indices=True`) then selects on those inputs, on whatever backend the forward ran. The
-reference holds (queries x keys) scores per head, so rows are cut to `max_len` tokens (causal: the kept
-queries' selections do not change).
+`nsa_attention` of the model's code records its inputs; the selection is then recomputed on those inputs. On a
+CUDA device where the Triton kernels handle the parameters that is their top-n (`select_blocks_triton`: the
+selection the kernel path trains with, O(T x n) memory), so whole rows are measured, at any training length.
+Elsewhere it is the reference (`nsa_attention_reference` with `return_block_indices=True`), which holds
+(queries x keys) scores per head, so rows are cut to REFERENCE_MAX_LEN tokens (causal: the kept queries'
+selections do not change). The statistics name which one ran (`selection_by`) and the row length measured.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from pathlib import Path
 import torch
 
 from modeling_nsa.modeling_nsa import BRANCHES  # the gates' order (cmp, slc, win), paper Eq. 5
+
+REFERENCE_MAX_LEN = 2048  # tokens per row where the reference selects: its scores are (T x T) per head
 
 
 @dataclass
@@ -56,9 +60,10 @@ def _attention_modules(model):
 
 
 @contextmanager
-def _recording_seam(model, sink: dict):
+def _recording_seam(model, sink: dict, use_kernels: bool):
     """While active, every NSAAttention's call of its module's `nsa_attention` seam records (gates, block
-    indices, doc_pos) in `sink[layer_idx]`; the call itself runs unchanged."""
+    indices, doc_pos) in `sink[layer_idx]`; the call itself runs unchanged. use_kernels: the selection by the
+    Triton kernels' top-n, else (or where they refuse the parameters) by the reference."""
     modules = _attention_modules(model)
     code = sys.modules[type(modules[0]).__module__]  # this project's modeling_nsa, or a checkpoint's remote copy
     package = code.__package__ or "modeling_nsa"
@@ -66,18 +71,33 @@ def _recording_seam(model, sink: dict):
         reference = importlib.import_module(".nsa_reference", package).nsa_attention_reference
     except ImportError:
         from modeling_nsa.nsa_reference import nsa_attention_reference as reference
+    try:
+        kernels = importlib.import_module(".nsa_triton", package).select_blocks_triton
+    except ImportError:  # a checkpoint's remote copy without the kernel files
+        kernels = None
     seam = code.nsa_attention
     signature = inspect.signature(seam)
     current = {"layer": None}
+
+    def select(a) -> torch.Tensor:
+        if use_kernels and kernels is not None and a["q"].shape[1] == a["doc_pos"].shape[1]:
+            try:
+                indices = kernels(a["q"], a["k_cmp"], a["cmp_end"], a["doc_pos"], a["params"])
+                sink["selection_by"] = "triton"
+                return indices
+            except ValueError:  # parameters the kernels do not handle (they say which): the reference
+                pass
+        _, indices = reference(a["q"], a["k_cmp"], a["v_cmp"], a["cmp_end"], a["k_slc"], a["v_slc"], a["k_win"],
+                               a["v_win"], a["gates"], a["doc_pos"], a["params"], return_block_indices=True)  # fmt: skip
+        sink["selection_by"] = "reference"
+        return indices
 
     def record(*args, **kwargs):
         out = seam(*args, **kwargs)
         a = signature.bind(*args, **kwargs).arguments
         if a.get("query_end") is None:  # a static cache's step is not a forward over the prompt
-            _, indices = reference(a["q"], a["k_cmp"], a["v_cmp"], a["cmp_end"], a["k_slc"], a["v_slc"], a["k_win"],
-                                   a["v_win"], a["gates"], a["doc_pos"], a["params"], return_block_indices=True)  # fmt: skip
-            sink[current["layer"]] = LayerSelection(current["layer"], a["gates"].detach().float().cpu(), indices.cpu(),
-                                                    a["doc_pos"].cpu(), a["params"])  # fmt: skip
+            sink[current["layer"]] = LayerSelection(current["layer"], a["gates"].detach().float().cpu(),
+                                                    select(a).cpu(), a["doc_pos"].cpu(), a["params"])  # fmt: skip
         return out
 
     handles = [m.register_forward_pre_hook(lambda mod, args: current.update(layer=mod.layer_idx)) for m in modules]
@@ -90,31 +110,57 @@ def _recording_seam(model, sink: dict):
             h.remove()
 
 
+def _kernels_select(model) -> bool:
+    """Whether the statistics' selection runs on the Triton kernels (whole rows): where the model's own layers
+    run them (its nsa_backend resolved on its device, by the model's code: a CUDA GPU under 'auto')."""
+    package = sys.modules[type(_attention_modules(model)[0]).__module__].__package__ or "modeling_nsa"
+    try:
+        backend = importlib.import_module(".nsa_backend", package)
+        importlib.import_module(".nsa_triton", package)
+    except ImportError:  # a checkpoint's remote copy without the kernel files
+        return False
+    try:
+        return backend.resolve_nsa_backend(model.config.nsa_backend, next(model.parameters()).device) == "triton"
+    except RuntimeError:  # an explicit 'triton' where the kernels cannot run: the forward raises the same, named
+        return False
+
+
 @torch.no_grad()
-def capture_selections(model, batch: dict, max_rows: int = 2, max_len: int = 2048) -> list[LayerSelection]:
-    """Run the model once on (at most `max_rows` rows of at most `max_len` tokens of) `batch` and return every NSA
-    layer's gates and selected blocks. A dense model has none: []."""
+def capture_selections(model, batch: dict, max_rows: int = 2, max_len: int | None = None) -> list[LayerSelection]:
+    """Run the model once on (at most `max_rows` rows of) `batch` and return every NSA layer's gates and selected
+    blocks. Rows are cut to `max_len` tokens (default: whole rows where the kernels select, REFERENCE_MAX_LEN
+    where the reference does). A dense model has none: []."""
+    return _capture(model, batch, max_rows, max_len)[0]
+
+
+def _capture(model, batch: dict, max_rows: int, max_len: int | None) -> tuple[list[LayerSelection], str | None, int]:
+    """(selections, which selection ran, tokens per row measured)."""
     if not _attention_modules(model) or getattr(model.config, "attention_mode", "nsa") != "nsa":
-        return []
+        return [], None, 0
     if "input_ids" not in batch:
         raise ValueError(f"compute_selection_stats: the batch needs input_ids (got keys {sorted(batch)}).")
+    use_kernels = _kernels_select(model)
+    if max_len is None:
+        max_len = batch["input_ids"].shape[1] if use_kernels else REFERENCE_MAX_LEN
     device = next(model.parameters()).device
     inputs = {k: v[:max_rows, :max_len].to(device) for k, v in batch.items()
               if k in ("input_ids", "position_ids", "attention_mask") and v is not None}  # fmt: skip
-    sink: dict[int, LayerSelection] = {}
+    sink: dict = {}
     was_training = model.training
     model.eval()
-    try:
-        with _recording_seam(model, sink):
-            model(**inputs, use_cache=False)
-    finally:
-        model.train(was_training)
+    with torch.no_grad():
+        try:
+            with _recording_seam(model, sink, use_kernels):
+                model(**inputs, use_cache=False)
+        finally:
+            model.train(was_training)
+    by = sink.pop("selection_by", None)
     missing = [m.layer_idx for m in _attention_modules(model) if m.layer_idx not in sink]
     if missing:
         raise RuntimeError(f"compute_selection_stats: layers {missing} did not call the nsa_attention seam of "
                            f"{type(_attention_modules(model)[0]).__module__}; the seam moved, update "
                            "nsa_train/selection_stats.py.")  # fmt: skip
-    return [sink[i] for i in sorted(sink)]
+    return [sink[i] for i in sorted(sink)], by, inputs["input_ids"].shape[1]
 
 
 def distance_bins(num_blocks: int) -> list[str]:
@@ -190,14 +236,17 @@ def layer_statistics(gates: torch.Tensor, block_indices: torch.Tensor, doc_pos: 
     return out
 
 
-def compute_selection_stats(model, batch: dict, max_rows: int = 2, max_len: int = 2048) -> dict:
+def compute_selection_stats(model, batch: dict, max_rows: int = 2, max_len: int | None = None) -> dict:
     """Per-layer gate and selection statistics of `model` (unwrapped, any device) on a batch of the trainer's
-    rows (`input_ids` and optionally `position_ids` / `attention_mask`). {"layers": []} for a dense model."""
-    selections = capture_selections(model, batch, max_rows, max_len)
+    rows (`input_ids` and optionally `position_ids` / `attention_mask`); rows cut as `capture_selections` cuts
+    them. {"layers": []} for a dense model."""
+    selections, by, length = _capture(model, batch, max_rows, max_len)
     layers = [{"layer": s.layer, **layer_statistics(s.gates, s.block_indices, s.doc_pos, s.params)} for s in selections]
-    rows, length = (tuple(batch["input_ids"][:max_rows, :max_len].shape) if "input_ids" in batch else (0, 0))
-    return {"attention_mode": getattr(model.config, "attention_mode", None), "rows": rows, "seq_len": length,
-            "layers": layers}  # fmt: skip
+    rows, row_len = tuple(batch["input_ids"].shape) if "input_ids" in batch else (0, 0)
+    if not selections:  # a dense model: the rows it was given
+        length = min(row_len, max_len or row_len)
+    return {"attention_mode": getattr(model.config, "attention_mode", None), "rows": min(rows, max_rows),
+            "seq_len": length, "selection_by": by, "layers": layers}  # fmt: skip
 
 
 SCALARS = ("gate_cmp_mean", "gate_cmp_std", "gate_slc_mean", "gate_slc_std", "gate_win_mean", "gate_win_std",
@@ -244,9 +293,11 @@ def format_stats(stats: dict) -> str:
 
 def card_section(stats: dict) -> str:
     """A model card's summary: the per-layer table and what it was measured on."""
-    return (f"### Gates and selection\n\nMeasured on {stats['rows']} row(s) of {stats['seq_len']} tokens "
+    by = {"triton": ", selection by the Triton kernels' top-n", "reference": ", selection by the reference"}.get(
+        stats.get("selection_by"), "")
+    return (f"### Gates and selection\n\nMeasured on {stats['rows']} row(s) of {stats['seq_len']} tokens{by} "
             f"(`nsa_train.selection_stats`).\n\n{format_stats(stats)}\n")  # fmt: skip
 
 
-__all__ = ["LayerSelection", "append_stats_jsonl", "capture_selections", "card_section", "compute_selection_stats",
-           "flatten_stats", "forced_blocks", "format_stats", "layer_statistics"]  # fmt: skip
+__all__ = ["REFERENCE_MAX_LEN", "LayerSelection", "append_stats_jsonl", "capture_selections", "card_section",
+           "compute_selection_stats", "flatten_stats", "forced_blocks", "format_stats", "layer_statistics"]  # fmt: skip

@@ -197,3 +197,60 @@ def test_selection_map_cli(model, tmp_path):
     assert (tmp_path / "map.png").is_file() and result["codes"].shape[0] == 44
     with pytest.raises(ValueError, match=r"--layer 5: the model has layers 0..1"):
         selection_map.main([str(tmp_path / "final"), "--prompt", "abc", "--layer", "5"])
+
+
+def test_the_reference_selects_on_rows_cut_to_its_length(model, batch, monkeypatch):
+    """Where the layers run the reference (here: CPU), the statistics' selection is the reference's, on rows cut
+    to REFERENCE_MAX_LEN tokens (its scores are T x T per head); max_len overrides the cut."""
+    monkeypatch.setattr(ss, "REFERENCE_MAX_LEN", 50)
+    stats = ss.compute_selection_stats(model, batch)
+    assert (stats["selection_by"], stats["rows"], stats["seq_len"]) == ("reference", 2, 50)
+    assert [s.block_indices.shape[2] for s in ss.capture_selections(model, batch)] == [50, 50]
+    assert ss.compute_selection_stats(model, batch, max_len=80)["seq_len"] == 80
+    assert "selection by the reference" in ss.card_section(stats)
+
+
+def test_the_kernels_select_on_whole_rows_where_the_layers_run_them(model, batch, monkeypatch):
+    """Where the layers run the Triton kernels (a CUDA GPU; stood in here), the selection is the kernels' top-n
+    (select_blocks_triton: O(T x n) memory) on whole rows, whatever REFERENCE_MAX_LEN says, and the statistics say
+    so; parameters the kernels refuse (ValueError) fall back to the reference."""
+    from modeling_nsa import nsa_triton
+
+    calls = []
+
+    def kernels(q, k_cmp, cmp_end, doc_pos, params):  # the reference's selection, through the kernels' entry point
+        calls.append(q.shape[1])
+        return model_selection_by_reference(q, k_cmp, cmp_end, doc_pos, params).flip(-1)  # a visible difference
+
+    def model_selection_by_reference(q, k_cmp, cmp_end, doc_pos, params):
+        from modeling_nsa.nsa_reference import nsa_attention_reference
+
+        zeros = torch.zeros(q.shape[0], doc_pos.shape[1], k_cmp.shape[2], q.shape[-1])
+        gates = torch.ones(*q.shape[:3], 3)
+        return nsa_attention_reference(q, k_cmp, k_cmp, cmp_end, zeros, zeros, zeros, zeros, gates, doc_pos, params,
+                                       return_block_indices=True)[1]
+
+    monkeypatch.setattr(ss, "_kernels_select", lambda model: True)
+    monkeypatch.setattr(ss, "REFERENCE_MAX_LEN", 50)
+    monkeypatch.setattr(nsa_triton, "select_blocks_triton", kernels)
+    stats = ss.compute_selection_stats(model, batch)
+    assert (stats["selection_by"], stats["seq_len"]) == ("triton", 80) and calls == [80, 80]
+    by_kernels = ss.capture_selections(model, batch)
+    monkeypatch.setattr(ss, "_kernels_select", lambda model: False)
+    by_reference = ss.capture_selections(model, batch, max_len=80)
+    for k, r in zip(by_kernels, by_reference):
+        assert torch.equal(k.block_indices, r.block_indices.flip(-1))  # the kernels' indices, not the reference's
+
+    def refusing(*args):
+        raise ValueError("sel_block_size=8: the kernels take multiples of 16")
+
+    monkeypatch.setattr(ss, "_kernels_select", lambda model: True)
+    monkeypatch.setattr(nsa_triton, "select_blocks_triton", refusing)
+    fallback = ss.compute_selection_stats(model, batch)
+    assert fallback["selection_by"] == "reference" and fallback["seq_len"] == 80
+    assert "selection by the Triton kernels" in ss.card_section(stats)
+
+
+def test_kernels_select_follows_the_layers_backend(model):
+    """The choice is the model's own: its nsa_backend resolved on its device (CPU: the reference)."""
+    assert ss._kernels_select(model) is False
