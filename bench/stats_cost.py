@@ -64,15 +64,18 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    measured = {}
+
     def measure():
-        compute_selection_stats(model, {k: v[:STATS_ROWS] for k, v in batch.items()}, max_rows=STATS_ROWS)
+        measured.update(compute_selection_stats(model, {k: v[:STATS_ROWS] for k, v in batch.items()},
+                                                max_rows=STATS_ROWS))
 
     step_s, stats_s = median_seconds(step, device, args.repeats), median_seconds(measure, device, args.repeats)
     ratio = stats_s / step_s
     params = sum(p.numel() for p in model.parameters()) / 1e6
     print(f"{params:.2f}M params, {device}: step ({cfg.micro_batch_size} x {cfg.seq_len}) "
-          f"{step_s * 1e3:.1f} ms; statistics ({STATS_ROWS} x {cfg.seq_len}) {stats_s * 1e3:.1f} ms = {ratio:.1%} of "
-          f"a step")  # fmt: skip
+          f"{step_s * 1e3:.1f} ms; statistics ({measured['rows']} x {measured['seq_len']}, selection by "
+          f"{measured['selection_by']}) {stats_s * 1e3:.1f} ms = {ratio:.1%} of a step")  # fmt: skip
     every = [f"at every evaluation (--eval-every {cfg.eval_every}) {ratio / cfg.eval_every:.2%}"] if cfg.eval_every else []
     every += [f"--stats-every {n} {ratio / n:.2%}" for n in (1, 10, 100)]
     print("share of training time: " + "; ".join(every))

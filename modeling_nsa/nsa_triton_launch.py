@@ -25,10 +25,10 @@ class LaunchOverrides:
     topn_warps: int | None = None  # warps of the top-n program
     topn_query_major: bool | None = None  # top-n rows query-major (q * G_PAD + head), as before _topn_head_lanes
     dkdv_warps: int | None = None  # warps of the compressed/window and selected dK/dV kernels
-    # software-pipeline stages of those two kernels (sm_90 at head_dim 64: Triton's own, 3), of the fused dQ (sm_90:
-    # 3 for its 128-row tile since the 2026-11-26 sweep, else 2) and of the selected forward (sm_90 at head_dim 64:
-    # Triton's own, 3); first swept on 2026-11-26, when the selected kernels ran at 0.09-0.14 of their floors
-    # (bench/KERNELS.md)
+    # software-pipeline stages of those two kernels (sm_90 at head_dim 64: Triton's own, 3; at 128: 3 for the
+    # compressed/window one, 2 for the selected one), of the fused dQ (sm_90 to head_dim 128: 3, else 2) and of the
+    # selected forward (sm_90 to head_dim 128: 3); first swept on 2026-11-26, when the selected kernels ran at
+    # 0.09-0.14 of their floors (bench/KERNELS.md)
     dkdv_stages: int | None = None
     dq_stages: int | None = None
     sel_stages: int | None = None
