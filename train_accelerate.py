@@ -509,7 +509,7 @@ def evaluate_only(cfg: TrainConfig, accelerator, model, val_rows, source, out_di
                          f"{cfg.val_tokens}); both must be > 0.")
     unwrapped = accelerator.unwrap_model(accelerator.prepare(model))
     metrics = validation_loss(unwrapped, val_rows, cfg.micro_batch_size, accelerator)
-    if long_context:  # on every process (see evaluate_long_context)
+    if long_context:  # on every process: split under DDP, whole under FSDP (see evaluate_long_context)
         with beating(watchdog, unwrapped, phase="long_context"):
             metrics |= evaluate_long_context(unwrapped, tokenizer, RunState(), long_context, out_dir / "long_context",
                                              accelerator, str(cfg.init_from))  # fmt: skip
@@ -686,7 +686,7 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
         if cfg.sample_prompt:  # on every process: under FSDP each forward gathers the shards from all of them
             sample = generate_sample(unwrapped, tokenizer, cfg.sample_prompt, accelerator)
             say(f"sample: {sample!r}")
-        if long_context:  # on every process too; after the export, which it cannot lose by failing
+        if long_context:  # on every process too (split under DDP); after the export, which it cannot lose by failing
             with beating(watchdog, unwrapped, step=run.step, phase="long_context"):
                 log.log_eval(run.step, evaluate_long_context(unwrapped, tokenizer, run, long_context,
                                                              out_dir / "long_context", accelerator))  # fmt: skip

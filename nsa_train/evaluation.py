@@ -131,8 +131,9 @@ def long_context_settings(cfg, tokenizer, vocab_size: int | None) -> dict:
 def evaluate_long_context(model, tokenizer, run: RunState, settings: dict, out_dir: Path, accelerator,
                           model_name: str | None = None) -> dict:
     """Long-context retrieval of the (unwrapped) model (`nsa_train.long_context`; `settings` from
-    `long_context_settings`). Every process evaluates the same cases (see the module docstring; under FSDP,
-    generate() keeps the processes in step: transformers' synced_gpus), the main one writes
+    `long_context_settings`). Under DDP the processes split the cases (each holds the whole model; the results
+    are gathered); under FSDP every process evaluates every case (each forward gathers the shards from all of
+    them; generate() keeps the processes in step: transformers' synced_gpus). The main process writes
     `out_dir`/<task>_<scoring>.json and .png (titled `model_name`, default the run's final/) and prints the
     table. The result is kept as `run.long_context` for the model card (the haystack named without local paths);
     returned as metrics: the mean accuracy over every cell, `longctx_accuracy`, and each length's,
@@ -140,10 +141,14 @@ def evaluate_long_context(model, tokenizer, run: RunState, settings: dict, out_d
     from . import data, long_context
     from .model_card import data_description
 
+    from accelerate.utils import DistributedType, gather_object
+
     main = accelerator.is_main_process
+    split = accelerator.num_processes > 1 and accelerator.distributed_type != DistributedType.FSDP
+    shard = dict(shard=(accelerator.process_index, accelerator.num_processes), gather=gather_object) if split else {}
     result = long_context.run_long_context_eval(model, tokenizer, **settings, out_dir=out_dir if main else None,
                                                 model_name=model_name or str(out_dir.parent / "final"),
-                                                log=accelerator.print)  # fmt: skip
+                                                log=accelerator.print, **shard)  # fmt: skip
     run.long_context = result
     if result["task"] == "needle":  # the card may be pushed: the haystack's file names, not its paths
         haystack = data.make_source(settings["haystack"], settings["text_column"])

@@ -459,15 +459,24 @@ def run_long_context_eval(model, tokenizer, task: str = "passkey", lengths=(1024
                           samples: int = 10, batch_size: int = 4, scoring: str = "generate", seed: int = 0,
                           haystack: str | None = None, text_column: str = "text", training_len: int | None = None,
                           model_path: str | Path | None = None, out_dir: str | Path | None = None,
-                          model_name: str | None = None, log=print) -> dict:  # fmt: skip
+                          model_name: str | None = None, log=print, shard: tuple[int, int] = (0, 1),
+                          gather=None) -> dict:  # fmt: skip
     """Evaluate `model` on `samples` cases per (length, depth); returns (and with `out_dir` writes as JSON and
     PNG) the accuracy per cell. `training_len` (default: from the config, or `model_path`'s run.json) marks
-    longer lengths as extrapolation. The model is put in eval mode and back in its mode after."""
+    longer lengths as extrapolation. The model is put in eval mode and back in its mode after.
+
+    shard=(rank, world) with `gather` (a list of this process's items -> every process's, concatenated in rank
+    order: accelerate's gather_object) splits the batches between data-parallel processes, batch k to rank
+    k % world, each holding the whole model (DDP); every process returns the whole result. Not under FSDP, where
+    every forward needs all processes: there each evaluates every case."""
     check_task(task)
     check_scoring(scoring)
     depths = check_depths(depths)
     if batch_size < 1:
         raise ValueError(f"--batch-size {batch_size}: give at least 1.")
+    rank, world = shard
+    if not 0 <= rank < world or (world > 1 and gather is None):
+        raise ValueError(f"shard={shard}: give (rank, world) with 0 <= rank < world, and gather when world > 1.")
     config = getattr(model, "config", None)
     limit, limit_source = position_limit(config)
     lengths = check_lengths(lengths, limit, limit_source)
@@ -483,16 +492,21 @@ def run_long_context_eval(model, tokenizer, task: str = "passkey", lengths=(1024
     was_training = model.training
     model.eval()
     started = time.time()
-    scored: list[dict] = []
+    batches = [cases[i : i + batch_size] for i in range(0, len(cases), batch_size)]  # ordered by length: one each
+    mine: list[tuple[int, list[dict]]] = []
     try:
-        for i in range(0, len(cases), batch_size):  # cases are ordered by length: a batch has one length
-            batch = cases[i : i + batch_size]
+        for k in range(rank, len(batches), world):
             if scoring == "generate":
-                scored += score_generate(model, tokenizer, batch, device, pad_id)
+                mine.append((k, score_generate(model, tokenizer, batches[k], device, pad_id)))
             else:
-                scored += score_loglik(model, batch, device, pad_id)
+                mine.append((k, score_loglik(model, batches[k], device, pad_id)))
     finally:
         model.train(was_training)
+    by_batch = dict(gather(mine) if world > 1 else mine)
+    if sorted(by_batch) != list(range(len(batches))):
+        raise RuntimeError(f"long-context evaluation: batches {sorted(set(range(len(batches))) - set(by_batch))} "
+                           f"were scored by no process (shard={shard}); gather must return every process's items.")
+    scored = [s for k in range(len(batches)) for s in by_batch[k]]
     cells = []
     for length in lengths:
         for depth in depths:
@@ -514,7 +528,7 @@ def run_long_context_eval(model, tokenizer, task: str = "passkey", lengths=(1024
         "training_len": training_len, "training_len_source": train_source,
         "extrapolated_lengths": [n for n in lengths if training_len is not None and n > training_len],
         "device": str(device), "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "date": time.strftime("%Y-%m-%d"), "wall_s": round(time.time() - started, 2),
+        "date": time.strftime("%Y-%m-%d"), "wall_s": round(time.time() - started, 2), "processes": world,
         "accuracy": [[cell["accuracy"] for cell in cells if cell["length"] == n] for n in lengths],
         "cells": cells,
     }  # fmt: skip

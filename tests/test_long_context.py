@@ -333,3 +333,45 @@ def test_cli_errors_exit_2_before_loading(tmp_path):
     assert proc.returncode == 2 and "error: --task 'qa': unknown task" in proc.stderr
     with pytest.raises(ValueError, match=r"MODEL '.*missing': cannot load a model config"):
         lc.main([str(tmp_path / "missing"), "--lengths", "100"])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_processes_split_the_batches_and_every_one_gets_the_whole_result(byt5, world):
+    """shard=(rank, world) (the trainer under DDP): process r scores batches r, r + world, ... and, with every
+    process's items gathered, returns what one process scoring every case returns; a gather that loses a process's
+    items fails, naming the batches."""
+    lengths, depths = [300, 420], [0.0, 0.5, 1.0]
+    kw = dict(samples=3, seed=1, haystack="python-docs", training_len=300, log=lambda s: None, batch_size=2)
+    cases, _ = lc.build_cases(byt5, "passkey", lengths, depths, samples=3, seed=1, haystack="python-docs")
+    depth_of = {tuple(c.prompt_ids): c.depth for c in cases}
+    model = ScriptedLM(cases, lambda p: depth_of[p] == 0.0 or (depth_of[p] == 0.5 and len(p) == 420))
+    whole = lc.run_long_context_eval(model, byt5, "passkey", lengths, depths, **kw)
+
+    class Collected(Exception):
+        pass
+
+    local = {}
+
+    def collect(rank):
+        def gather(mine):
+            local[rank] = mine
+            raise Collected
+
+        return gather
+
+    for rank in range(world):  # what each process contributes
+        with pytest.raises(Collected):
+            lc.run_long_context_eval(model, byt5, "passkey", lengths, depths, shard=(rank, world), gather=collect(rank),
+                                     **kw)
+    n_batches = -(-len(cases) // 2)
+    assert [[k for k, _ in local[r]] for r in range(world)] == [list(range(r, n_batches, world)) for r in range(world)]
+    every = [item for r in range(world) for item in local[r]]  # gather_object: concatenated in rank order
+    result = lc.run_long_context_eval(model, byt5, "passkey", lengths, depths, shard=(1, world),
+                                      gather=lambda mine: every, **kw)
+    assert result["accuracy"] == whole["accuracy"] and result["processes"] == world
+    assert [c["cases"] for c in result["cells"]] == [c["cases"] for c in whole["cells"]]
+    with pytest.raises(RuntimeError, match=r"batches \[1.* were scored by no process"):
+        lc.run_long_context_eval(model, byt5, "passkey", lengths, depths, shard=(0, world), gather=lambda mine: mine,
+                                 **kw)
+    with pytest.raises(ValueError, match=r"shard=\(2, 2\): give \(rank, world\)"):
+        lc.run_long_context_eval(model, byt5, "passkey", lengths, depths, shard=(2, 2), gather=lambda mine: mine, **kw)

@@ -33,9 +33,9 @@ def one_process(tmp_path_factory):
     return out
 
 
-def _two_processes(out, hook, report_to="none", **extra):
+def _two_processes(out, hook, report_to="none", flags=(), **extra):
     proc = run_cli(tiny_args(out, micro_batch_size=2, max_steps=STEPS, data_shard="rows", ddp_comm_hook=hook,
-                             eval_every=STEPS, val_tokens=512, report_to=report_to, **extra),  # fmt: skip
+                             eval_every=STEPS, val_tokens=512, report_to=report_to, **extra) + list(flags),  # fmt: skip
                    launcher=accelerate_2proc(), env=CPU_DDP, timeout=400)  # exit status 0 checked
     summary = json.loads((out / "summary.json").read_text())
     record = json.loads((out / "run.json").read_text())
@@ -67,7 +67,13 @@ def test_ddp_matches_one_process(tmp_path, one_process):
 def test_ddp_fp16_comm_hook(tmp_path, one_process):
     import torch
 
-    _two_processes(tmp_path, "fp16")
+    # with the long-context evaluation at the end: under DDP the two processes split its batches (8 prompts in
+    # batches of 4: one each) and the main one writes the whole table
+    quality = ["--eval-long-context", "--long-context-lengths", "64", "--long-context-depths", "0", "1",
+               "--long-context-samples", "4"]  # fmt: skip
+    _two_processes(tmp_path, "fp16", flags=quality)
+    table = json.loads((tmp_path / "long_context" / "passkey_generate.json").read_text())
+    assert table["processes"] == 2 and [c["samples"] for c in table["cells"]] == [4, 4], table
     l1, l2 = train_losses(one_process), train_losses(tmp_path)
     assert l2[1] == pytest.approx(l1[1], rel=1e-6)  # the first loss is computed before any update
     g1, g2 = train_losses(one_process, "grad_norm"), train_losses(tmp_path, "grad_norm")
