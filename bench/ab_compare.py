@@ -92,10 +92,11 @@ def run_state(run_dir: Path) -> str:
 
 
 def train_runs(out: Path, seeds: list[int], modes: list[str], train_flags: list[str], launcher: list[str],
-               env: dict | None = None) -> list[Path]:  # fmt: skip
-    """Train every (seed, mode) not finished yet, one after another; returns the run directories."""
+               env: dict | None = None, jobs: int = 1) -> list[Path]:  # fmt: skip
+    """Train every (seed, mode) not finished yet, `jobs` at a time (1: one after another, the output on this
+    terminal; more: side by side, each run's output in <out>/<mode>-seed<S>.log); returns the run directories."""
     check_train_flags(train_flags)
-    runs = []
+    runs, commands = [], []
     for seed in seeds:
         for mode in modes:
             run_dir = out / f"{mode}-seed{seed}"
@@ -111,13 +112,36 @@ def train_runs(out: Path, seeds: list[int], modes: list[str], train_flags: list[
                    "--seed", str(seed), "--output-dir", str(run_dir)]  # fmt: skip
             if state == "resumable":
                 cmd += ["--resume", "latest"]
+            commands.append((mode, seed, run_dir, cmd, state))
+    running: list[tuple] = []
+
+    def finish(entry):
+        mode, seed, run_dir, cmd, proc, log, started = entry
+        if proc.wait() != 0:
+            where = f"; its log: {log.name}" if log else ""
+            raise RuntimeError(f"the {mode} run of seed {seed} failed (exit {proc.returncode}); its output is in "
+                               f"{run_dir}{where}. Command: {shlex.join(cmd)}")  # fmt: skip
+        if log:
+            log.close()
+        print(f"{run_dir}: done in {time.time() - started:.0f} s", flush=True)
+
+    try:
+        for mode, seed, run_dir, cmd, state in commands:
+            if len(running) >= jobs:
+                finish(running.pop(0))
             print(("resuming: " if state == "resumable" else "training: ") + shlex.join(cmd), flush=True)
-            started = time.time()
-            proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **(env or {})})
-            if proc.returncode != 0:
-                raise RuntimeError(f"the {mode} run of seed {seed} failed (exit {proc.returncode}); its output is in "
-                                   f"{run_dir}. Command: {shlex.join(cmd)}")  # fmt: skip
-            print(f"{run_dir}: done in {time.time() - started:.0f} s", flush=True)
+            log = None
+            if jobs > 1:
+                out.mkdir(parents=True, exist_ok=True)
+                log = open(out / f"{mode}-seed{seed}.log", "a")
+            proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=log,
+                                    stderr=subprocess.STDOUT if log else None)  # fmt: skip
+            running.append((mode, seed, run_dir, cmd, proc, log, time.time()))
+        while running:
+            finish(running.pop(0))
+    finally:
+        for entry in running:  # a failed run stops the comparison: the others with it
+            entry[4].kill()
     return runs
 
 
@@ -401,6 +425,9 @@ def main(argv=None) -> dict:
                    help="seeds per mode (default 0: one run each, no spread; 0 1 2 lets the verdict decide)")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--runs", nargs="+", default=None, help="compare these finished runs (no training)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs trained at once (default 1; on a CPU with several cores, with OMP_NUM_THREADS set so "
+                        "that jobs x threads fits them; each run's output then goes to <out>/<mode>-seed<S>.log)")
     p.add_argument("--launcher", default=shlex.quote(sys.executable),
                    help="how to start train_accelerate.py, e.g. 'accelerate launch --config_file "
                         "accelerate_configs/single_gpu.yaml' (default: this Python)")  # fmt: skip
@@ -415,7 +442,9 @@ def main(argv=None) -> dict:
             p.error("give the training flags after --, e.g. -- --model tiny --max-steps 500 --eval-every 50.")
         if len(set(args.seeds)) != len(args.seeds):
             p.error(f"--seeds {' '.join(map(str, args.seeds))}: a seed is repeated.")
-        run_dirs = train_runs(out, args.seeds, args.modes, train_flags, shlex.split(args.launcher))
+        if args.jobs < 1:
+            p.error(f"--jobs {args.jobs}: give at least 1.")
+        run_dirs = train_runs(out, args.seeds, args.modes, train_flags, shlex.split(args.launcher), jobs=args.jobs)
     return write_comparison(run_dirs, out)
 
 

@@ -93,6 +93,19 @@ def fake_run(mode, seed, losses, tokens_per_step=100):
             "val": [(i * tokens_per_step, loss) for i, loss in enumerate(losses)]}  # fmt: skip
 
 
+def test_jobs_train_side_by_side_with_the_same_results(ab, tmp_path):
+    """--jobs 2: both modes at once, each run's output in <out>/<mode>-seed<S>.log; the runs are the sequential
+    ones (the same seed, flags and data: the same validation losses)."""
+    out, data_file, result = ab
+    side = ab_compare.main(["--out", str(tmp_path), "--seeds", "3", "--jobs", "2", "--", *train_flags(data_file)])
+    assert {p.name for p in tmp_path.glob("*.log")} == {"nsa-seed3.log", "dense-seed3.log"}
+    assert "val loss" in (tmp_path / "nsa-seed3.log").read_text()
+    for row, again in zip(result["comparison"]["curve"], side["comparison"]["curve"]):
+        assert row["nsa"]["mean"] == again["nsa"]["mean"] and row["dense"]["mean"] == again["dense"]["mean"]
+    with pytest.raises(SystemExit):
+        ab_compare.main(["--out", str(tmp_path / "x"), "--jobs", "0", "--", *train_flags(data_file)])
+
+
 def test_seed_spread_and_the_verdict():
     runs = [fake_run("nsa", 0, [5.0, 4.0, 3.10]), fake_run("nsa", 1, [5.1, 4.1, 3.14]),
             fake_run("dense", 0, [5.0, 3.9, 3.00]), fake_run("dense", 1, [5.2, 4.0, 3.06])]  # fmt: skip
