@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -40,6 +41,9 @@ class Finished:
 @dataclass
 class _Job:
     procs: list[subprocess.Popen] = field(default_factory=list)
+    # each command's output goes to unnamed temporary files, not pipes: nothing reads a job until its test is
+    # reached, and a child writing more than a pipe holds (64 KiB: the AOT table) would stop there until then
+    outputs: list[tuple] = field(default_factory=list)
     finished: list[Finished] | None = None  # kept: a second reader (a re-run fixture) gets the same outcome
 
 
@@ -63,11 +67,13 @@ def start(commands_function: Callable[[], list[Command]]) -> None:
     if key in _JOBS:
         return
     lower = _lower_priority if hasattr(os, "nice") else None
-    _JOBS[key] = _Job([
-        subprocess.Popen(c.argv, env=c.env, cwd=c.cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         preexec_fn=lower)
-        for c in commands_function()
-    ])  # fmt: skip
+    job = _Job()
+    for c in commands_function():
+        stdout, stderr = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        job.outputs.append((stdout, stderr))
+        job.procs.append(subprocess.Popen(c.argv, env=c.env, cwd=c.cwd, stdout=stdout, stderr=stderr, text=True,
+                                          preexec_fn=lower))  # fmt: skip
+    _JOBS[key] = job
 
 
 def results(commands_function: Callable[[], list[Command]], timeout: float) -> list[Finished]:
@@ -79,14 +85,20 @@ def results(commands_function: Callable[[], list[Command]], timeout: float) -> l
         return job.finished
     deadline = time.monotonic() + timeout
     out = []
-    for proc in job.procs:
+    for proc, (stdout, stderr) in zip(job.procs, job.outputs):
         try:
-            stdout, stderr = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
-            out.append(Finished(proc.returncode, stdout, stderr))
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            timed_out = False
         except subprocess.TimeoutExpired:
             proc.kill()
-            stdout, stderr = proc.communicate()
-            out.append(Finished(None, stdout, stderr, timed_out=True))
+            proc.wait()
+            timed_out = True
+        texts = []
+        for f in (stdout, stderr):
+            f.seek(0)
+            texts.append(f.read())
+            f.close()
+        out.append(Finished(None if timed_out else proc.returncode, *texts, timed_out=timed_out))
     job.finished = out
     return out
 
@@ -97,4 +109,4 @@ def stop_all() -> None:
         for proc in job.procs:
             if proc.poll() is None:
                 proc.kill()
-                proc.communicate()
+                proc.wait()
