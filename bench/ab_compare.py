@@ -113,36 +113,70 @@ def train_runs(out: Path, seeds: list[int], modes: list[str], train_flags: list[
             if state == "resumable":
                 cmd += ["--resume", "latest"]
             commands.append((mode, seed, run_dir, cmd, state))
-    running: list[tuple] = []
+    running: list[dict] = []
 
-    def finish(entry):
-        mode, seed, run_dir, cmd, proc, log, started = entry
-        if proc.wait() != 0:
-            where = f"; its log: {log.name}" if log else ""
-            raise RuntimeError(f"the {mode} run of seed {seed} failed (exit {proc.returncode}); its output is in "
-                               f"{run_dir}{where}. Command: {shlex.join(cmd)}")  # fmt: skip
-        if log:
-            log.close()
-        print(f"{run_dir}: done in {time.time() - started:.0f} s", flush=True)
-
-    try:
-        for mode, seed, run_dir, cmd, state in commands:
-            if len(running) >= jobs:
-                finish(running.pop(0))
-            print(("resuming: " if state == "resumable" else "training: ") + shlex.join(cmd), flush=True)
-            log = None
-            if jobs > 1:
-                out.mkdir(parents=True, exist_ok=True)
-                log = open(out / f"{mode}-seed{seed}.log", "a")
+    def launch(mode, seed, run_dir, cmd, state):
+        print(("resuming: " if state == "resumable" else "training: ") + shlex.join(cmd), flush=True)
+        log = None
+        if jobs > 1:
+            out.mkdir(parents=True, exist_ok=True)
+            log = open(out / f"{mode}-seed{seed}.log", "a")
+        try:  # a session of its own: stopping the run stops a launcher's workers too (accelerate launch)
             proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=log,
-                                    stderr=subprocess.STDOUT if log else None)  # fmt: skip
-            running.append((mode, seed, run_dir, cmd, proc, log, time.time()))
-        while running:
-            finish(running.pop(0))
-    finally:
-        for entry in running:  # a failed run stops the comparison: the others with it
-            entry[4].kill()
+                                    stderr=subprocess.STDOUT if log else None, start_new_session=True)  # fmt: skip
+        except BaseException:
+            if log:
+                log.close()
+            raise
+        running.append(dict(mode=mode, seed=seed, run_dir=run_dir, cmd=cmd, proc=proc, log=log, started=time.time()))
+
+    def finished(entry) -> bool:
+        code = entry["proc"].poll()
+        if code is None:
+            return False
+        running.remove(entry)
+        if entry["log"]:
+            entry["log"].close()
+        if code != 0:
+            where = f"; its log: {entry['log'].name}" if entry["log"] else ""
+            raise RuntimeError(f"the {entry['mode']} run of seed {entry['seed']} failed (exit {code}); its output "
+                               f"is in {entry['run_dir']}{where}. Command: {shlex.join(entry['cmd'])}")  # fmt: skip
+        print(f"{entry['run_dir']}: done in {time.time() - entry['started']:.0f} s", flush=True)
+        return True
+
+    pending = list(commands)
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                launch(*pending.pop(0))
+            progressed = False
+            for entry in list(running):
+                progressed |= finished(entry)
+            if not progressed:
+                time.sleep(1.0 if jobs > 1 else 0.1)
+    finally:  # a failed run (or Ctrl-C) stops the comparison: the other runs stop as the trainer stops on SIGTERM
+        for entry in running:  # (a checkpoint where it saves them, which the same command resumes)
+            stop_run(entry["proc"])
+            if entry["log"]:
+                entry["log"].close()
     return runs
+
+
+def stop_run(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
+    """SIGTERM to the run's process group (the trainer saves a checkpoint and exits), SIGKILL after grace_s."""
+    import signal
+
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError, AttributeError):  # gone, or no process groups (Windows)
+            if proc.poll() is None:
+                proc.send_signal(sig)
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 # ----------------------------------------------------------------------------- reading runs

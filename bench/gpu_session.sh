@@ -102,12 +102,14 @@ for step in "${steps[@]}"; do
                   sel_dkdv_pertile:sel_dkdv_chunk_pairs=0 --cases 12,2,64,8192,8,random 12,2,64,2048,32,random \
                   12,2,64,65536,1,random 12,2,64,32768,2,random 16,1,64,8192,8,random 16,1,64,65536,1,random \
                   12,2,64,65536,1,correlated ;;
-    # issue 18: the three pipeline stages head_dim 128 takes on sm_90 since 2026-11-26 (fused dQ, selected forward,
-    # compressed/window dK/dV; chosen from the TTGIR, not yet timed) against the two it had, on a head_dim 128 layout
-    # (16 q / 2 kv: G = 8) at 8k and 64k, and the 125M layout at 512 tokens (the fused dQ's 64-row tile)
+    # issue 18: the three pipeline stages sm_90 takes since 2026-11-26 where two left the loads exposed (chosen from
+    # the TTGIR, not yet timed) against the two they had: at head_dim 128 (16 q / 2 kv: G = 8; 8k and 64k) variant
+    # stages2 is the old launch of all four (fused dQ, selected forward, both dK/dV); on the 125M layout at 512
+    # tokens (the fused dQ's 64-row tile) read dq_stages2 only (stages2 there also forces head_dim 64's other
+    # kernels, which kept Triton's own three, to two)
     pending-d128) $PY bench/tune_kernels.py --json "$OUT/pending_d128.json" --no-decode --dense --variants default \
-                  stages2:dq_stages=2,sel_stages=2,dkdv_stages=2 --cases 16,2,128,8192,8,random \
-                  16,2,128,65536,1,random 12,2,64,512,128,random ;;
+                  stages2:dq_stages=2,sel_stages=2,dkdv_stages=2 dq_stages2:dq_stages=2 \
+                  --cases 16,2,128,8192,8,random 16,2,128,65536,1,random 12,2,64,512,128,random ;;
     # issue 18: the selected kernels' pipeline stages and the selected dK/dV's heavy-block split threshold, each
     # against the default at 2k, 8k and 64k (125M layout) and 8k (fla's), with dense SDPA on the same shapes
     stages)     $PY bench/tune_kernels.py --json "$OUT/stages.json" --no-decode --dense --variants default \

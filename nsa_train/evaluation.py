@@ -132,7 +132,7 @@ def evaluate_long_context(model, tokenizer, run: RunState, settings: dict, out_d
                           model_name: str | None = None) -> dict:
     """Long-context retrieval of the (unwrapped) model (`nsa_train.long_context`; `settings` from
     `long_context_settings`). Under DDP the processes split the cases (each holds the whole model; the results
-    are gathered); under FSDP every process evaluates every case (each forward gathers the shards from all of
+    are gathered); under FSDP (and DeepSpeed) every process evaluates every case (each forward gathers the shards from all of
     them; generate() keeps the processes in step: transformers' synced_gpus). The main process writes
     `out_dir`/<task>_<scoring>.json and .png (titled `model_name`, default the run's final/) and prints the
     table. The result is kept as `run.long_context` for the model card (the haystack named without local paths);
@@ -141,10 +141,12 @@ def evaluate_long_context(model, tokenizer, run: RunState, settings: dict, out_d
     from . import data, long_context
     from .model_card import data_description
 
-    from accelerate.utils import DistributedType, gather_object
+    from accelerate.utils import gather_object
 
     main = accelerator.is_main_process
-    split = accelerator.num_processes > 1 and accelerator.distributed_type != DistributedType.FSDP
+    # data-parallel copies of the whole model (DDP: MULTI_GPU, MULTI_CPU, ...) split the cases; FSDP, DeepSpeed
+    # and the rest shard the model, so every forward needs every process
+    split = accelerator.num_processes > 1 and accelerator.distributed_type.name.startswith("MULTI_")
     shard = dict(shard=(accelerator.process_index, accelerator.num_processes), gather=gather_object) if split else {}
     result = long_context.run_long_context_eval(model, tokenizer, **settings, out_dir=out_dir if main else None,
                                                 model_name=model_name or str(out_dir.parent / "final"),

@@ -112,17 +112,21 @@ def _recording_seam(model, sink: dict, use_kernels: bool):
 
 def _kernels_select(model) -> bool:
     """Whether the statistics' selection runs on the Triton kernels (whole rows): where the model's own layers
-    run them (its nsa_backend resolved on its device, by the model's code: a CUDA GPU under 'auto')."""
+    run them (its nsa_backend resolved on its device by the model's code: a CUDA GPU under 'auto') and they handle
+    its NSA parameters (else the layers run the reference too, whose T x T scores need the cut rows)."""
     package = sys.modules[type(_attention_modules(model)[0]).__module__].__package__ or "modeling_nsa"
     try:
         backend = importlib.import_module(".nsa_backend", package)
-        importlib.import_module(".nsa_triton", package)
+        kernels = importlib.import_module(".nsa_triton", package)
+        params = importlib.import_module(".nsa_layout", package).NSAParams.from_config(model.config)
     except ImportError:  # a checkpoint's remote copy without the kernel files
         return False
+    device = next(model.parameters()).device
     try:
-        return backend.resolve_nsa_backend(model.config.nsa_backend, next(model.parameters()).device) == "triton"
+        runs_kernels = backend.resolve_nsa_backend(model.config.nsa_backend, device) == "triton"
     except RuntimeError:  # an explicit 'triton' where the kernels cannot run: the forward raises the same, named
         return False
+    return runs_kernels and not kernels.triton_unsupported_reason(params, model.config.head_dim, device)
 
 
 @torch.no_grad()

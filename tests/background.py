@@ -4,16 +4,18 @@ Three fixtures spend minutes of CPU in subprocesses: the Triton interpreter's ke
 (test_triton_kernels.py), the model on the kernels under the interpreter (test_model_triton.py) and the
 AOT compile for three GPUs (test_triton_compile.py). Run when their tests were reached, the rest of the suite
 waited on them, and between them that suite (mostly one busy core at a time: subprocess trainings, small torch
-ops) left CI's second core idle for minutes. A test that reads such a job carries
-`@pytest.mark.background_job("commands_function")`, naming a function of its module that returns the job's
-commands; conftest.py starts them (at a lower CPU priority, so the tests in the foreground keep their speed) when
-any such test is selected, and runs those tests last. Their fixtures then call `results(...)` with the same
-function, which starts the commands if nothing has (a run of just that file, `-p no:...`) and waits.
+ops) left CI's second core idle for minutes. A module names such fixtures in `BACKGROUND_JOBS` (fixture name ->
+a function returning the job's commands); conftest.py runs the tests using them last and, once collection and
+deselection are done, starts the commands of those that will run (at a lower CPU priority, so the tests in the
+foreground keep their speed). The fixture then calls `results(...)` with the same function, which starts the
+commands if nothing has (conftest.py not loaded) and waits. Each command runs in a session of its own, so
+stopping it stops its children too (triton_aot.py's compile workers).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import tempfile
 import time
@@ -72,7 +74,7 @@ def start(commands_function: Callable[[], list[Command]]) -> None:
         stdout, stderr = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         job.outputs.append((stdout, stderr))
         job.procs.append(subprocess.Popen(c.argv, env=c.env, cwd=c.cwd, stdout=stdout, stderr=stderr, text=True,
-                                          preexec_fn=lower))  # fmt: skip
+                                          preexec_fn=lower, start_new_session=True))  # fmt: skip
     _JOBS[key] = job
 
 
@@ -90,8 +92,7 @@ def results(commands_function: Callable[[], list[Command]], timeout: float) -> l
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             timed_out = False
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            _kill(proc)
             timed_out = True
         texts = []
         for f in (stdout, stderr):
@@ -103,10 +104,19 @@ def results(commands_function: Callable[[], list[Command]], timeout: float) -> l
     return out
 
 
+def _kill(proc: subprocess.Popen) -> None:
+    """Kill the command and every process it started (its session: the group it leads)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError, AttributeError):  # gone already, or no process groups (Windows)
+        proc.kill()
+    proc.wait()
+
+
 def stop_all() -> None:
-    """Kill every job still running (the session ended before its tests read it: -x, a deselection, Ctrl-C)."""
+    """Kill every job still running (the session ended before its tests read it: -x, Ctrl-C). A job's command in
+    a session of its own does not get the terminal's Ctrl-C: this is what stops it."""
     for job in _JOBS.values():
         for proc in job.procs:
             if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+                _kill(proc)

@@ -17,14 +17,17 @@ def _jobs_read(item) -> list:
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Tests reading a background job run last; their jobs start now, unless only collecting."""
+    """Tests reading a background job run last (deselection, which may run after this hook, keeps the order)."""
     readers = [item for item in items if _jobs_read(item)]
-    if not readers:
+    if readers:
+        items[:] = [item for item in items if not _jobs_read(item)] + readers
+
+
+def pytest_collection_finish(session):
+    """The jobs of the tests that will run start now (after -k/-m/--deselect/--lf), unless only collecting."""
+    if session.config.option.collectonly:
         return
-    items[:] = [item for item in items if not _jobs_read(item)] + readers
-    if config.option.collectonly:
-        return
-    for item in readers:
+    for item in session.items:
         for commands_function in _jobs_read(item):
             background.start(commands_function)
 

@@ -254,3 +254,15 @@ def test_the_kernels_select_on_whole_rows_where_the_layers_run_them(model, batch
 def test_kernels_select_follows_the_layers_backend(model):
     """The choice is the model's own: its nsa_backend resolved on its device (CPU: the reference)."""
     assert ss._kernels_select(model) is False
+
+
+def test_kernels_select_only_parameters_they_handle(monkeypatch):
+    """Where the layers would run the kernels but the kernels refuse the parameters (sel_block_size 8 here: they take
+    powers of two from 16), the layers run the reference, so the statistics cut rows for it as well."""
+    from modeling_nsa import nsa_backend
+
+    monkeypatch.setattr(nsa_backend, "resolve_nsa_backend", lambda requested, device: "triton")
+    torch.manual_seed(0)
+    refused = NSAForCausalLM(NSAConfig(**CONFIG))  # sel_block_size=8
+    handled = NSAForCausalLM(NSAConfig(**{**CONFIG, "sel_block_size": 16, "head_dim": 16}))
+    assert ss._kernels_select(refused) is False and ss._kernels_select(handled) is True

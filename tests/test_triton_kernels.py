@@ -2,8 +2,9 @@
 
 CPU (CI): the real kernels run under Triton's interpreter (TRITON_INTERPRET=1) at tiny shapes, fp32
 and fp16, in two subprocesses side by side, started in the background when collection ends (tests/background.py;
-Triton reads the variable when kernels are defined, so it must be set before anything imports triton), with the launchers' torch.empty buffers filled with NaN and 2**30
-(triton_helpers.PoisonedAllocations: a GPU's fresh memory is arbitrary, a CPU's tends to be zero). GPU: bf16/fp16
+Triton reads the variable when kernels are defined, so it must be set before anything imports triton), with the
+launchers' torch.empty buffers filled with NaN and 2**30 (triton_helpers.PoisonedAllocations: a GPU's fresh
+memory is arbitrary, a CPU's tends to be zero). GPU: bf16/fp16
 at the issue's shapes (skipped without CUDA).
 Near-tie handling in the selection is explained in tests/triton_helpers.py.
 """
@@ -128,6 +129,8 @@ CPU_CASES = [
     # then with one partial slot, so the other heavy blocks stay in the main pass
     dict(B=2, T=70, H=3, Hkv=1, D=16, layout="varlen", sel_split=[5, 3, 64]),
     dict(B=2, T=70, H=3, Hkv=1, D=16, layout="varlen", sel_split=[5, 3, 1]),
+    # the same splits over two KV heads (each head's heavy blocks in its own slots)
+    dict(B=1, T=60, H=4, Hkv=2, D=16, layout="varlen", sel_split=[5, 3, 64]),
     # the selected dK/dV's tile loop in chunks whose query indices are loaded once (the default on sm_90 at head_dim
     # <= 64 with an even G, which the interpreter's cases take: every even-G case above and below; odd G and other
     # GPUs load each tile's, which the odd-G cases take): small chunks so blocks span several, a chunk's last tile
@@ -153,8 +156,10 @@ CPU_CASES = [
     # H100's launches at head_dim 128 (the dK/dV in 16-row tiles, the interval-only dQ in 32-row tiles; the same
     # launch for both pair-wise modes)
     dict(B=1, T=70, H=8, Hkv=1, D=128, layout="varlen", arch=90, sel_dq_in_dkdv=True),
-    # the tiles an A100 (sm_80) gets: 32-row dQ and dK/dV query tiles, selected attention in 16-row sub-tiles
+    # the tiles an A100 (sm_80) gets: 32-row dQ and dK/dV query tiles, selected attention in 16-row sub-tiles (and
+    # over two KV heads)
     dict(B=2, T=90, H=6, Hkv=1, D=16, layout="varlen", arch=80),
+    dict(B=1, T=60, H=6, Hkv=2, D=16, layout="varlen", arch=80),
     # found by a randomized search (2026-11-23): a top-n tile across two documents at the end of the batch, whose
     # later document's pass read compressed keys past the tensor (the earlier document's rows see more of them)
     dict(B=1, T=65, H=6, Hkv=2, D=16, layout="varlen", dtype="float16", seed=628567,
@@ -297,7 +302,7 @@ def interpreter_results():
 
     shares = _interpreter_shares()
     results, seconds = [None] * len(CPU_CASES), {}
-    # about 8 minutes of CPU per process; a loaded machine may take several times that (pytest-timeout: 900)
+    # about 5.5 minutes of CPU per process; a loaded machine may take several times that (pytest-timeout: 900)
     for share, done in zip(shares, background.results(interpreter_commands, timeout=880)):
         if done.timed_out:  # said once, without the cases' JSON (the command line)
             pytest.fail(f"the interpreter run of {len(share)} kernel cases took over 880 s")

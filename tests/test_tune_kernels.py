@@ -133,7 +133,7 @@ def test_the_session_d128_step_times_the_three_stages_against_two():
     script = (Path(__file__).resolve().parent.parent / "bench" / "gpu_session.sh").read_text()
     step = script.split("    pending-d128)", 1)[1].split(";;", 1)[0].replace("\\\n", " ")
     variants = [tk.parse_variant(v) for v in step.split("--variants", 1)[1].split("--cases", 1)[0].split()]
-    assert [name for name, _ in variants] == ["default", "stages2"], variants
+    assert [name for name, _ in variants] == ["default", "stages2", "dq_stages2"], variants
     cases = [tk.parse_case(c) for c in step.split("--cases", 1)[1].split()]
     assert {c[2] for c in cases} == {64, 128} and all(c[3] * c[4] == 65536 for c in cases), cases
 
@@ -142,5 +142,8 @@ def test_the_session_d128_step_times_the_three_stages_against_two():
                 launch._sel_fwd_opts(128, "cpu")["num_stages"], launch._dkdv_launch(8, 128, "cpu")[2]["num_stages"])
 
     assert stages() == (3, 3, 3, 3)  # the default (the CPU counts as sm_90)
+    launch_default_dkdv = launch._dkdv_launch(6, 64, "cpu")
     with launch.launch_overrides(**variants[1][1]):
         assert stages() == (2, 2, 2, 2)
+    with launch.launch_overrides(**variants[2][1]):  # the 64-row dQ alone: head_dim 64's other kernels as default
+        assert stages()[:2] == (2, 2) and launch._dkdv_launch(6, 64, "cpu") == launch_default_dkdv
