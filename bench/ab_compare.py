@@ -145,6 +145,12 @@ def train_runs(out: Path, seeds: list[int], modes: list[str], train_flags: list[
         return True
 
     pending = list(commands)
+    import signal
+
+    def stop_on_sigterm(signum, frame):  # the runs sit in sessions of their own: SIGTERM here must reach them
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:
         while pending or running:
             while pending and len(running) < jobs:
@@ -159,6 +165,7 @@ def train_runs(out: Path, seeds: list[int], modes: list[str], train_flags: list[
             stop_run(entry["proc"])
             if entry["log"]:
                 entry["log"].close()
+        signal.signal(signal.SIGTERM, previous)
     return runs
 
 

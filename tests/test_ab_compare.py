@@ -273,3 +273,36 @@ def test_the_gpu_sessions_retrieval_step_passes_flags_the_trainer_takes(tmp_path
     # then each twin's answer log-probability (graded where greedy answers are all wrong)
     script = (ROOT / "bench" / "gpu_session.sh").read_text().split("    retrieval)", 1)[1].split(";;", 1)[0]
     assert "for mode in dense nsa" in script and "--scoring loglik" in script
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc (Linux)")
+def test_a_stopped_comparison_stops_its_runs(tmp_path):
+    """SIGTERM to ab_compare (a scheduler's stop) reaches the runs, which sit in sessions of their own: none is left
+    training after the comparison exits."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    data_file = tmp_path / "docs.jsonl"
+    data_file.write_text("\n".join(json.dumps({"text": "word " * 60}) for _ in range(40)))
+    flags = train_flags(data_file)
+    flags[flags.index("--max-steps") + 1] = "100000"  # still training when stopped
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "ab_compare.py"), "--out", str(tmp_path / "out"),
+                             "--jobs", "2", "--", *flags], cwd=ROOT)  # fmt: skip
+    deadline = time.time() + 120
+    while time.time() < deadline and not all((tmp_path / "out" / f"{m}-seed0" / "metrics.jsonl").exists()
+                                              for m in ("nsa", "dense")):
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) != 0
+    time.sleep(1)
+
+    def command_line(pid):
+        try:
+            return (Path("/proc") / pid / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # exited meanwhile
+            return ""
+
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and str(tmp_path / "out") in command_line(pid)]
+    assert not left, [command_line(pid) for pid in left]
