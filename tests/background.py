@@ -8,7 +8,7 @@ ops) left CI's second core idle for minutes. A module names such fixtures in `BA
 a function returning the job's commands); conftest.py runs the tests using them last and, once collection and
 deselection are done, starts the commands of those that will run (at a lower CPU priority, so the tests in the
 foreground keep their speed). The fixture then calls `results(...)` with the same function, which starts the
-commands if nothing has (conftest.py not loaded) and waits. Each command runs in a session of its own, so
+commands if nothing has (conftest.py not loaded) and waits. Each command leads a process group of its own, so
 stopping it stops its children too (triton_aot.py's compile workers).
 """
 
@@ -56,7 +56,10 @@ def _key(commands_function: Callable[[], list[Command]]) -> str:
     return f"{commands_function.__module__}.{commands_function.__qualname__}"
 
 
-def _lower_priority():  # runs in the child before exec
+def _in_background():  # runs in the child before exec
+    # a process group of its own (killed whole by _kill), in pytest's session: Linux's autogroup scheduler shares
+    # the CPU between sessions before nice applies, so a session of its own would take a full share whatever its nice
+    os.setpgrp()
     try:
         os.nice(BACKGROUND_NICENESS)
     except OSError:  # not permitted here: run at the normal priority
@@ -68,13 +71,13 @@ def start(commands_function: Callable[[], list[Command]]) -> None:
     key = _key(commands_function)
     if key in _JOBS:
         return
-    lower = _lower_priority if hasattr(os, "nice") else None
+    lower = _in_background if hasattr(os, "setpgrp") else None
     job = _Job()
     for c in commands_function():
         stdout, stderr = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         job.outputs.append((stdout, stderr))
         job.procs.append(subprocess.Popen(c.argv, env=c.env, cwd=c.cwd, stdout=stdout, stderr=stderr, text=True,
-                                          preexec_fn=lower, start_new_session=True))  # fmt: skip
+                                          preexec_fn=lower))  # fmt: skip
     _JOBS[key] = job
 
 
@@ -105,7 +108,7 @@ def results(commands_function: Callable[[], list[Command]], timeout: float) -> l
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    """Kill the command and every process it started (its session: the group it leads)."""
+    """Kill the command and every process it started (the process group it leads)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError, AttributeError):  # gone already, or no process groups (Windows)
@@ -115,7 +118,7 @@ def _kill(proc: subprocess.Popen) -> None:
 
 def stop_all() -> None:
     """Kill every job still running (the session ended before its tests read it: -x, Ctrl-C). A job's command in
-    a session of its own does not get the terminal's Ctrl-C: this is what stops it."""
+    a process group of its own does not get the terminal's Ctrl-C: this is what stops it."""
     for job in _JOBS.values():
         for proc in job.procs:
             if proc.poll() is None:
