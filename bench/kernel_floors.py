@@ -298,6 +298,124 @@ def decode_work(config_or_params, batch: int, context: int, num_q_heads: int, nu
     ]
 
 
+# ------------------------------------------------------------------------------------------------ scheduled work
+# The floors above count what any schedule must do. The selected kernels' schedules do more, by their design:
+# - the forward and the fused dQ give a program a tile of QPB consecutive queries x G heads (BLOCK_M rows) and walk
+#   the union of the blocks its queries chose: every row does the math of every union block (whole tiles, sm_90 at
+#   head_dim 64), and each union block's K and V are read once per tile (from L2 where another tile read them);
+# - the selected dK/dV pads each block's (query, block) pairs to whole pair tiles of QPB queries x G heads, each
+#   reading its rows' q and dO.
+# scheduled_work counts that work from the selections of the inputs being timed; its floor reads the block and row
+# loads at L2's read rate (l2_read_rate), the data being shared between tiles. A kernel near that floor is bound by
+# its schedule: tuning cannot take it to the first floor, only a schedule that does less can.
+
+SCHEDULED_KERNELS = ("sel_fwd", "dq", "sel_dkdv")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The selected kernels' tiles as the launchers choose them: (BLOCK_M, queries per tile) of the forward's and
+    the fused dQ's query tiles (whole tiles: every row does every union block's math) and of the selected dK/dV's
+    pair tiles."""
+
+    sel_fwd: tuple[int, int]
+    dq: tuple[int, int]
+    sel_dkdv: tuple[int, int]
+
+
+def launcher_schedule(group: int, head_dim: int, n_sel: int, device) -> Schedule | None:
+    """The launchers' tiles on `device` (modeling_nsa.nsa_triton_launch), or None where a query tile runs as
+    sub-tiles (each doing only its own queries' blocks: not what scheduled_work counts)."""
+    from modeling_nsa import nsa_triton_launch as launch
+
+    fwd = launch._sel_rows_per_program(group, head_dim)
+    dq_m, dq_qpb, _ = launch._dq_launch(group, head_dim, n_sel, device)
+    dkdv_m, dkdv_qpb, _ = launch._dkdv_launch(group, head_dim, device, selected=True)
+    if launch._sel_sub_tile(fwd[0], head_dim, device) != fwd[0] or \
+            launch._sel_sub_tile(dq_m, head_dim, device, dq=True) != dq_m:
+        return None
+    return Schedule(sel_fwd=fwd, dq=(dq_m, dq_qpb), sel_dkdv=(dkdv_m, dkdv_qpb))
+
+
+def _block_starts(idx, doc_pos, sel_block_size: int):
+    """(B, Hkv, Tq, n') absolute first key of each chosen block (the block's document start + j * l'), -1 where
+    unused. idx (B, Hkv, Tq, n') in-document block indices, -1 unused; doc_pos (B, Tk), the queries its last Tq."""
+    import torch
+
+    num_q, num_keys = idx.shape[2], doc_pos.shape[1]
+    t_abs = torch.arange(num_keys - num_q, num_keys, device=idx.device)
+    start = t_abs - doc_pos[:, num_keys - num_q:].long()  # (B, Tq) each query's document start
+    a = start[:, None, :, None] + idx.long() * sel_block_size
+    return torch.where(idx >= 0, a, -1)
+
+
+def union_block_visits(idx, doc_pos, sel_block_size: int, queries_per_tile: int) -> int:
+    """Sum over query tiles (queries_per_tile consecutive queries of one row and KV head) of the distinct blocks
+    their queries chose: the blocks a union walk visits."""
+    import torch
+
+    a = _block_starts(idx, doc_pos, sel_block_size)
+    batch, num_kv, num_q, n_sel = a.shape
+    pad = -num_q % queries_per_tile
+    if pad:
+        a = torch.cat([a, a.new_full((batch, num_kv, pad, n_sel), -1)], dim=2)
+    a = a.view(batch, num_kv, -1, queries_per_tile * n_sel).sort(dim=-1).values
+    first = torch.ones_like(a, dtype=torch.bool)
+    first[..., 1:] = a[..., 1:] != a[..., :-1]
+    return int((first & (a >= 0)).sum())
+
+
+def pair_tiles(idx, doc_pos, sel_block_size: int, queries_per_tile: int) -> int:
+    """Pair tiles of the selected dK/dV: each (row, KV head, block)'s (query, block) pairs in tiles of
+    queries_per_tile."""
+    import torch
+
+    a = _block_starts(idx, doc_pos, sel_block_size)
+    batch, num_kv, _, _ = a.shape
+    num_keys = doc_pos.shape[1]
+    key = torch.arange(batch * num_kv, device=a.device).view(batch, num_kv, 1, 1) * num_keys + a
+    counts = torch.bincount(key[a >= 0].flatten(), minlength=batch * num_kv * num_keys)
+    return int(((counts + queries_per_tile - 1) // queries_per_tile).sum())
+
+
+def scheduled_work(config_or_params, idx, doc_pos, head_dim: int, schedule: Schedule,
+                   ideal: list[KernelWork], repeat: float = 1.0) -> dict[str, KernelWork]:
+    """The selected kernels' work as scheduled (the section's comment), for the selections idx of the timed
+    inputs, beside `ideal` (kernel_work's rows for the same shapes). Bytes: the tiles' block (and row) loads, at
+    the dtypes the launchers read them, plus the ideal count of every other input and output. repeat: the union
+    visits and pair tiles counted on idx stand for that many times theirs (idx a sample of the queries)."""
+    p = nsa_params(config_or_params)
+    lb, D = p.sel_block_size, head_dim
+    block_kv = 2 * lb * D * BF16  # one block's K and V
+    by_name = {w.name: w for w in ideal}
+    out = {}
+    for name, dots in (("sel_fwd", 2), ("dq", 3)):
+        block_m, qpb = getattr(schedule, name)
+        visits = round(union_block_visits(idx, doc_pos, lb, qpb) * repeat)
+        w = by_name[name]
+        sel_ideal = by_name["sel_fwd"].pairs  # the selected (query, head, key) pairs
+        flops = visits * dots * 2 * block_m * lb * D
+        exps = visits * block_m * lb
+        if name == "dq":  # plus the interval branches' share of the fused dQ, counted as in kernel_work
+            flops += w.flops - 6 * D * sel_ideal
+            exps += w.exps - sel_ideal
+        out[name] = KernelWork(name, w.phase, w.pairs, flops, exps, w.bytes_read + visits * block_kv, w.bytes_written)
+    block_m, qpb = schedule.sel_dkdv
+    tiles = round(pair_tiles(idx, doc_pos, lb, qpb) * repeat)
+    w = by_name["sel_dkdv"]
+    rows = tiles * block_m  # q and dO rows (bf16) with their lse and delta (fp32), read per pair tile
+    out["sel_dkdv"] = KernelWork("sel_dkdv", w.phase, w.pairs, tiles * 4 * 2 * block_m * lb * D, tiles * block_m * lb,
+                                 w.bytes_read + rows * (2 * D * BF16 + 2 * FP32), w.bytes_written)
+    return out
+
+
+def scheduled_floors(work: KernelWork, tflops: float, l2_gbps: float, gexps: float | None) -> dict:
+    """A scheduled work's floor (ms) with its loads at L2's read rate, and what binds it."""
+    floors = work.floors(tflops, l2_gbps, gexps)
+    return dict(scheduled_floor_ms=floors["floor_ms"], scheduled_bound=floors["bound"],
+                scheduled_flops=work.flops, scheduled_exps=work.exps, scheduled_bytes=work.bytes)
+
+
 # ------------------------------------------------------------------------------------------------ profiler times
 
 
@@ -372,18 +490,24 @@ def _fmt(value, digits=3):
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def table_rows(works: list[KernelWork], ceilings: tuple | None, times: dict | None = None) -> list[dict]:
+def table_rows(works: list[KernelWork], ceilings: tuple | None, times: dict | None = None,
+               scheduled: dict[str, KernelWork] | None = None, l2_gbps: float | None = None) -> list[dict]:
     """One dict per kernel: the counts, the floors at `ceilings` (TFLOP/s, GB/s, G exp/s or None), the time and
-    the achieved fraction (floor / time)."""
+    the achieved fraction (floor / time); for the kernels in `scheduled` (scheduled_work) also the scheduled
+    floor with loads at `l2_gbps` and the fraction of it achieved."""
     rows = []
     for w in works:
         row = dict(asdict(w), kernel=w.name, description=DESCRIPTIONS.get(w.name, w.name), bytes=w.bytes)
         if ceilings:
             row.update(w.floors(*ceilings))
+            if scheduled and w.name in scheduled and l2_gbps:
+                row.update(scheduled_floors(scheduled[w.name], ceilings[0], l2_gbps, ceilings[2]))
         if times is not None:
             row["time_ms"] = times.get(w.name)
             if ceilings and row["time_ms"]:
                 row["achieved"] = row["floor_ms"] / row["time_ms"]
+                if "scheduled_floor_ms" in row:
+                    row["achieved_scheduled"] = row["scheduled_floor_ms"] / row["time_ms"]
         rows.append(row)
     return rows
 
@@ -398,9 +522,12 @@ def print_table(title: str, rows: list[dict], timed: bool, unit: str = "ms"):
     if has_floors:
         head += [f"FLOP floor {unit}", f"byte floor {unit}"] + ([f"exp floor {unit}"] if has_exp else [])
         head += [f"floor {unit}", "bound", f"no-sharing gather {unit}"]
+    has_scheduled = any("scheduled_floor_ms" in r for r in rows)
+    if has_scheduled:
+        head += [f"scheduled floor {unit}", "scheduled bound"]
     if timed:
         head[1:1] = [f"time {unit}"]
-        head += ["achieved"]
+        head += ["achieved"] + (["of scheduled"] if has_scheduled else [])
     print("| " + " | ".join(head) + " |")
     print("|---" * len(head) + "|")
 
@@ -413,8 +540,12 @@ def print_table(title: str, rows: list[dict], timed: bool, unit: str = "ms"):
         if has_floors:
             cells += [t(r["flop_ms"]), t(r["byte_ms"])] + ([t(r["exp_ms"])] if has_exp else [])
             cells += [t(r["floor_ms"]), r["bound"], t(r.get("gather_ms"))]
+        if has_scheduled:
+            cells += [t(r.get("scheduled_floor_ms")), r.get("scheduled_bound", "-")]
         if timed:
             cells.append(f"{r['achieved']:.2f}" if r.get("achieved") else "-")
+            if has_scheduled:
+                cells.append(f"{r['achieved_scheduled']:.2f}" if r.get("achieved_scheduled") else "-")
         print("| " + " | ".join(cells) + " |")
 
 
@@ -484,6 +615,34 @@ if triton is not None:
             acc += x
         tl.store(out + offs, acc)
 
+    @triton.jit
+    def _l2_read_kernel(src, out, n_slices, n_iter, BLOCK: tl.constexpr):
+        """Program p of P sums slices p, p + P, p + 2P, ... (mod n_slices) of BLOCK elements of src."""
+        pid = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in range(n_iter):
+            start = ((pid + i * tl.num_programs(0)) % n_slices) * BLOCK
+            acc += tl.load(src + start + offs).to(tl.float32)
+        tl.store(out + pid * BLOCK + offs, acc)
+
+
+def l2_read_rate(time_ms, buffer_mib: int = 16, block: int = 4096, iterations: int = 512) -> float:
+    """GB/s of loads served by L2: every program reads 8 KiB slices of one 16 MiB bf16 buffer in turn (H100's L2
+    holds 50 MB, in two partitions), summing them in registers (_l2_read_kernel), so each slice comes from L2
+    after the first pass. The ceiling for loads many programs share, as the selected kernels' blocks are."""
+    import torch
+
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    n_elem = buffer_mib * 2**20 // BF16
+    src = torch.randn(n_elem, device="cuda", dtype=torch.bfloat16)
+    programs = torch.cuda.get_device_properties(0).multi_processor_count * 8
+    out = torch.empty(programs * block, device="cuda", dtype=torch.float32)
+    ms = time_ms(lambda: _l2_read_kernel[(programs,)](src, out, n_elem // block, iterations, BLOCK=block,
+                                                        num_warps=4), 2, 5)
+    return programs * iterations * block * BF16 / (ms * 1e-3) / 1e9
+
 
 def profile_events(fn, reps: int = 5):
     """(name, start_us, duration_us) of every CUDA kernel of `reps` calls of fn, after two warm-up calls."""
@@ -519,8 +678,15 @@ def run_gpu(args, params):
     tflops, gbps, gexps = ceilings
     print(f"# ceilings ({'given' if args.ceilings else 'measured'}): {tflops:.0f} TFLOP/s bf16 matmul, "
           f"{gbps:.0f} GB/s copy, {'-' if gexps is None else f'{gexps:.0f}'} G exp/s", flush=True)
-    out = dict(ceilings=dict(tflops=tflops, gbps=gbps, gexps=gexps, measured=not args.ceilings), training=[],
-               decode=[])
+    try:
+        l2_gbps = args.l2_gbps or l2_read_rate(ba.time_ms)
+    except Exception as exc:  # noqa: BLE001 - report, keep the first floors
+        print(f"# L2 read rate not measured: {type(exc).__name__}: {exc}"[:300])
+        l2_gbps = None
+    print(f"# L2 read rate ({'given' if args.l2_gbps else 'measured'}): {_fmt(l2_gbps, 0)} GB/s (the scheduled "
+          "floors' loads)", flush=True)
+    out = dict(ceilings=dict(tflops=tflops, gbps=gbps, gexps=gexps, l2_gbps=l2_gbps, measured=not args.ceilings),
+               training=[], decode=[])
     for H, Hkv, D, T, B in layout_cases(args.layouts, args.lengths, args.tokens):
         for kind in args.inputs:
             if kind == "captured" and not ba.capture_qkv.fits(ba.CAPTURED["saved"], H, Hkv, D):
@@ -540,13 +706,19 @@ def run_gpu(args, params):
             idle_ms, gaps = idle_gaps(events, 5)
             kernels_ms = sum(t for t in times.values() if t) + sum(other.values())
             op_ms = ba.time_ms(step)
+            works = kernel_work(params, B, T, H, Hkv, D) + dense_work(B, T, H, Hkv, D)
+            schedule = launcher_schedule(H // Hkv, D, params.sel_num_blocks, torch.device("cuda"))
+            scheduled = None
+            if schedule is not None:  # the selections the timed step made (the top-n is deterministic)
+                idx = ba.tri.select_blocks_triton(x["q"], x["k_cmp"], cmp_end, doc_pos, params)
+                scheduled = scheduled_work(params, idx, doc_pos, D, schedule, works)
+                del idx
             del x, do
             torch.cuda.empty_cache()
             dense = ba.time_sdpa(B, T, H, Hkv, D)
             dense_fwd, dense_fb = dense["sdpa_fwd"], dense["sdpa_fb"]
             times.update(dense_fwd=dense_fwd, dense_bwd=dense_fb - dense_fwd)
-            works = kernel_work(params, B, T, H, Hkv, D) + dense_work(B, T, H, Hkv, D)
-            rows = table_rows(works, ceilings, times)
+            rows = table_rows(works, ceilings, times, scheduled, l2_gbps)
             nsa_floor = sum(r["floor_ms"] for r in rows if not r["kernel"].startswith("dense"))
             case = dict(layout=f"{H}q/{Hkv}kv d{D}", H=H, Hkv=Hkv, D=D, T=T, B=B, inputs=kind, rows=rows,
                         other_ms=other, nsa_fb_ms=op_ms, nsa_kernels_ms=kernels_ms, nsa_floor_ms=nsa_floor,
@@ -615,9 +787,15 @@ def run_analytic(args, params):
     ceilings = dict(zip(("tflops", "gbps", "gexps"), args.ceilings), measured=False) if args.ceilings else None
     out = dict(ceilings=ceilings, training=[], decode=[])
     for H, Hkv, D, T, B in layout_cases(args.layouts, args.lengths, args.tokens):
-        rows = table_rows(kernel_work(params, B, T, H, Hkv, D) + dense_work(B, T, H, Hkv, D), args.ceilings)
+        works = kernel_work(params, B, T, H, Hkv, D) + dense_work(B, T, H, Hkv, D)
+        scheduled, title = None, f"{H}q/{Hkv}kv d{D} T={T} B={B} (counts)"
+        if args.scheduled_queries:
+            scheduled, sampled = sampled_scheduled_work(params, B, T, H, Hkv, D, args.scheduled_queries, works)
+            title += (f"; scheduled on sm_90's tiles from the reference's top-n of {sampled} random queries at the "
+                      f"end of one row, scaled to B x T")
+        rows = table_rows(works, args.ceilings, scheduled=scheduled, l2_gbps=args.l2_gbps)
         out["training"].append(dict(layout=f"{H}q/{Hkv}kv d{D}", H=H, Hkv=Hkv, D=D, T=T, B=B, rows=rows))
-        print_table(f"{H}q/{Hkv}kv d{D} T={T} B={B} (counts)", rows, timed=False)
+        print_table(title, rows, timed=False)
     H, Hkv, D = (int(s) for s in args.layouts[0].split(","))
     for B in args.decode_batch:
         for T in args.decode_lengths or args.lengths:
@@ -626,6 +804,22 @@ def run_analytic(args, params):
             print_table(f"decode B={B} context {T} (counts)", rows, timed=False, unit="us")
     save(args, out, params)
     return out
+
+
+def sampled_scheduled_work(params, B, T, H, Hkv, D, num_queries: int, works: list[KernelWork]):
+    """scheduled_work without a GPU: the reference's top-n (bench/selection_tiles.py) for random queries, the last
+    num_queries of one T-token row (those see the most blocks, so the scaled counts lean high), scaled to B rows of
+    T queries. Returns (the scheduled works, the queries sampled)."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import selection_tiles
+
+    sampled = min(T, num_queries)
+    idx = selection_tiles.selections(T, H, Hkv, D, sampled, "random", torch.Generator().manual_seed(0))[None]
+    doc_pos = torch.arange(T).view(1, T)
+    schedule = launcher_schedule(H // Hkv, D, params.sel_num_blocks, "cpu")  # sm_90's (the interpreter's) tiles
+    return scheduled_work(params, idx, doc_pos, D, schedule, works, repeat=B * T / sampled), sampled
 
 
 def parse_ceilings(text: str) -> tuple[float, float, float | None]:
@@ -652,7 +846,12 @@ def main(argv=None):
     ap.add_argument("--captured", default=None, help="bench/capture_qkv.py's file, for --inputs captured")
     ap.add_argument("--ceilings", type=parse_ceilings, default=None,
                     help="TFLOPS,GBPS[,GEXPS] given by hand (bf16 matmul TFLOP/s, copy GB/s, G exp/s)")
+    ap.add_argument("--l2-gbps", type=float, default=None,
+                    help="L2 read GB/s given by hand for the scheduled floors (default: measured, l2_read_rate)")
     ap.add_argument("--analytic", action="store_true", help="counts (and floors at --ceilings) only, even on a GPU")
+    ap.add_argument("--scheduled-queries", type=int, default=0,
+                    help="without a GPU: the selected kernels' scheduled work from the reference's top-n of this "
+                         "many random queries per case (floors with --ceilings and --l2-gbps)")
     args = ap.parse_args(argv)
     params = NSAParams.from_config(NSAConfig())
     import torch

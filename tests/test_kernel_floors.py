@@ -194,3 +194,93 @@ def test_command_line_without_gpu(tmp_path, capsys):
     assert "| fused dQ (3 branches) + dgates |" in text and "decode B=32 context 65536" in text
     with pytest.raises(SystemExit):
         kf.main(["--ceilings", "800"])
+
+
+# ------------------------------------------------------------------------------------------------ scheduled work
+
+
+def test_union_visits_and_pair_tiles_count_blocks_by_document():
+    """Hand-made choices over two 3-token documents (l' = 4): the same in-document block j of two documents is two
+    blocks (different first keys), repeats within a tile count once, unused slots never."""
+    doc_pos = torch.tensor([[0, 1, 2, 0, 1, 2]])  # documents start at keys 0 and 3
+    idx = torch.tensor([[[[0, -1], [0, 1], [1, 0], [0, -1], [0, -1], [1, -1]]]])  # (B=1, Hkv=1, Tq=6, n'=2)
+    # first keys: q0 {0}, q1 {0, 4}, q2 {4, 0}, q3 {3}, q4 {3}, q5 {7}
+    assert kf.union_block_visits(idx, doc_pos, 4, 2) == 2 + 3 + 2  # tiles {q0,q1} {q2,q3} {q4,q5}
+    assert kf.union_block_visits(idx, doc_pos, 4, 3) == 2 + 2  # {q0..q2}: 0, 4; {q3..q5}: 3, 7
+    assert kf.union_block_visits(idx, doc_pos, 4, 4) == 3 + 2  # {q0..q3}: 0, 4, 3; padded {q4, q5}: 3, 7
+    # pairs per block: 0 -> 3 (q0, q1, q2), 4 -> 2, 3 -> 2, 7 -> 1
+    assert kf.pair_tiles(idx, doc_pos, 4, 2) == 2 + 1 + 1 + 1
+    assert kf.pair_tiles(idx, doc_pos, 4, 3) == 4
+    two_heads = torch.cat([idx, idx.flip(2)], dim=1)  # a second KV head: its blocks are its own
+    assert kf.pair_tiles(two_heads, doc_pos, 4, 3) == 8
+
+
+def test_union_visits_equal_the_launchers_tile_unions():
+    """On random choices over packed documents and padding, the union visits are the sum of the counts the
+    launcher's oracle of the tile-union kernel gives (tests/triton_helpers.tile_block_union_torch)."""
+    from triton_helpers import random_doc_positions, tile_block_union_torch
+
+    doc_pos = random_doc_positions(3, 157, seed=4)
+    lb, n_sel = 8, 5
+    gen = torch.Generator().manual_seed(0)
+    n_blocks = torch.where(doc_pos >= 0, doc_pos // lb + 1, 0)[:, None, :, None]
+    shape = (3, 2, 157, n_sel)
+    j = (torch.rand(shape, generator=gen) * n_blocks).long()
+    idx = torch.where((torch.rand(shape, generator=gen) < 0.2) | (n_blocks == 0), -1, j)
+    for qpb in (1, 4, 10, 21):
+        _, counts, _ = tile_block_union_torch(idx, doc_pos, qpb, lb)
+        assert kf.union_block_visits(idx, doc_pos, lb, qpb) == int(counts.sum()), qpb
+
+
+def test_scheduled_work_counts_the_tiles_math_and_loads():
+    """sel_fwd: every union block costs the whole tile's 2 dots and exps and one K/V block load; dq: 3 dots plus the
+    interval branches' ideal share; sel_dkdv: 4 dots per pair tile and its rows' q, dO, lse and delta. Then the
+    floors with loads at the L2 rate, and the table's fraction of the scheduled floor."""
+    p = NSAParams(**TINY)
+    B, T, H, Hkv, D = 1, 6, 2, 1, 8
+    doc_pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    idx = torch.tensor([[[[0, -1], [0, 1], [1, 0], [0, -1], [0, -1], [1, -1]]]])
+    lb = p.sel_block_size
+    ideal = kf.kernel_work(p, B, T, H, Hkv, D)
+    by_name = {w.name: w for w in ideal}
+    schedule = kf.Schedule(sel_fwd=(16, 2), dq=(32, 3), sel_dkdv=(16, 3))
+    work = kf.scheduled_work(p, idx, doc_pos, D, schedule, ideal)
+    # first keys in units of l' = 16 here: q0 {0}, q1 {0, 16}, q2 {16, 0}, q3 {3}, q4 {3}, q5 {19}
+    fwd_visits, dq_visits = 2 + 3 + 2, 2 + 2
+    assert work["sel_fwd"].flops == fwd_visits * 2 * 2 * 16 * lb * D
+    assert work["sel_fwd"].exps == fwd_visits * 16 * lb
+    assert work["sel_fwd"].bytes_read == by_name["sel_fwd"].bytes_read + fwd_visits * 2 * lb * D * 2
+    sel_pairs = by_name["sel_fwd"].pairs
+    assert work["dq"].flops == dq_visits * 3 * 2 * 32 * lb * D + by_name["dq"].flops - 6 * D * sel_pairs
+    assert work["dq"].exps == dq_visits * 32 * lb + by_name["dq"].exps - sel_pairs
+    tiles = 4  # blocks 0 (3 pairs), 16 (2), 3 (2), 19 (1) in tiles of 3 queries
+    assert work["sel_dkdv"].flops == tiles * 4 * 2 * 16 * lb * D
+    assert work["sel_dkdv"].bytes_read == by_name["sel_dkdv"].bytes_read + tiles * 16 * (2 * D * 2 + 2 * 4)
+    assert kf.scheduled_work(p, idx, doc_pos, D, schedule, ideal, repeat=2.0)["sel_fwd"].flops == \
+        2 * work["sel_fwd"].flops
+    rows = kf.table_rows(ideal, (1e-6, 1e-3, 1e-6), dict(sel_fwd=2.0), scheduled=work, l2_gbps=2e-3)
+    row = {r["kernel"]: r for r in rows}["sel_fwd"]
+    floors = work["sel_fwd"].floors(1e-6, 2e-3, 1e-6)
+    assert row["scheduled_floor_ms"] == floors["floor_ms"] and row["scheduled_bound"] == floors["bound"]
+    assert row["achieved_scheduled"] == pytest.approx(floors["floor_ms"] / 2.0)
+    assert "scheduled_floor_ms" not in {r["kernel"]: r for r in rows}["win_fwd"]
+
+
+def test_launcher_schedule_is_sm90s_whole_tiles_and_none_with_sub_tiles():
+    """On sm_90 at head_dim 64 (what a CPU device reports) the forward takes 64-row tiles, the fused dQ 128 rows
+    with 16 selected blocks, the pair tiles 64 rows; with sub-tiles (launch_overrides) there is no schedule the
+    counts describe."""
+    from modeling_nsa.nsa_triton_launch import launch_overrides
+
+    assert kf.launcher_schedule(6, 64, 16, "cpu") == kf.Schedule(sel_fwd=(64, 10), dq=(128, 21), sel_dkdv=(64, 10))
+    with launch_overrides(sel_sub_rows=16):
+        assert kf.launcher_schedule(6, 64, 16, "cpu") is None
+
+
+def test_command_line_scheduled_counts_without_gpu(capsys):
+    kf.main(["--analytic", "--ceilings", "800,3000,4000", "--l2-gbps", "6000", "--lengths", "2048", "--layouts",
+             "6,1,64", "--decode-batch", "--scheduled-queries", "256"])
+    text = capsys.readouterr().out
+    assert "scheduled floor ms" in text and "256 random queries" in text
+    sel_row = next(line for line in text.splitlines() if line.startswith("| selected attention fwd"))
+    assert sel_row.split("|")[-2].strip() in ("memory", "compute", "exp")
