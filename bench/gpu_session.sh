@@ -96,12 +96,14 @@ for step in "${steps[@]}"; do
                   12,2,64,2048,32,random 12,2,64,8192,8,random 12,2,64,32768,2,random 16,1,64,8192,8,random \
                   16,1,64,65536,1,random 12,2,64,65536,1,correlated ;;
     # the changes made without a GPU since the last figures, each against its other side: the selected dK/dV's
-    # chunked tile loop (sel_dkdv_pertile: each tile loading its own query indices, as before), at issue 18's
-    # lengths, both layouts and correlated queries, with dense SDPA on the same shapes
+    # chunked tile loop (sel_dkdv_pertile: each tile loading its own query indices, as before), and the block-outer
+    # selected forward (sel_fwd_pairs, not the default) at issue 18's lengths, both layouts and correlated queries,
+    # with dense SDPA on the same shapes
     pending)    $PY bench/tune_kernels.py --json "$OUT/pending.json" --no-decode --dense --variants default \
-                  sel_dkdv_pertile:sel_dkdv_chunk_pairs=0 --cases 12,2,64,8192,8,random 12,2,64,2048,32,random \
+                  sel_dkdv_pertile:sel_dkdv_chunk_pairs=0 sel_fwd_pairs:sel_fwd_pairs=1 \
+                  --cases 12,2,64,8192,8,random 12,2,64,2048,32,random \
                   12,2,64,65536,1,random 12,2,64,32768,2,random 16,1,64,8192,8,random 16,1,64,65536,1,random \
-                  12,2,64,65536,1,correlated ;;
+                  12,2,64,65536,1,correlated 12,2,64,8192,8,correlated ;;
     # issue 18: the three pipeline stages sm_90 takes since 2026-11-26 where two left the loads exposed (chosen from
     # the TTGIR, not yet timed) against the two they had: at head_dim 128 (16 q / 2 kv: G = 8; 8k and 64k) variant
     # stages2 is the old launch of all four (fused dQ, selected forward, both dK/dV); on the 125M layout at 512

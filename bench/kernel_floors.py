@@ -82,7 +82,7 @@ BF16, FP32, INT32, INT64 = 2, 4, 4, 8  # bytes per element as the launchers stor
 TRAINING_KERNELS = {
     "cmp_fwd": [("_interval_fwd_kernel", 0)],
     "topn": [("_select_topn_kernel", None)],
-    "sel_fwd": [("_sel_fwd_kernel", None)],
+    "sel_fwd": [("_sel_fwd_kernel", None), ("_sel_fwd_pairs_kernel", None), ("_sel_fwd_pairs_combine_kernel", None)],
     "win_fwd": [("_interval_fwd_kernel", 1)],
     "dq": [("_bwd_dq_kernel", None)],
     "cmp_dkdv": [("_interval_bwd_dkdv_kernel", 0)],

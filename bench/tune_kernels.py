@@ -67,6 +67,10 @@ DEFAULT_VARIANTS = [
     # on sm_90 at head_dim 64 with an even G loads them in chunks, so the next tile's loads stay in flight during a
     # tile's dots: TTGIR waits num = 4 where they were num = 0; not yet timed)
     "sel_dkdv_pertile:sel_dkdv_chunk_pairs=0",
+    # the block-outer selected forward (each (query, block) pair once, partial softmaxes merged per query) against
+    # the union walk: its scheduled floor is about half the union walk's at 8k-64k on random queries and no lower
+    # on correlated ones (bench/kernel_floors.py --scheduled-queries; bench/KERNELS.md); not yet timed
+    "sel_fwd_pairs:sel_fwd_pairs=1",
     "sel_split2k:sel_split=2048/16/64",
     "sel_split1k:sel_split=1024/8/256",
     # the selected dK/dV with every pair tile masked, as timed on 2026-11-23: the default now runs the tiles whose
@@ -129,7 +133,8 @@ CASES = [(12, 2, 64, 65536, 1, "random", None), (12, 2, 64, 2048, 32, "random", 
                                           "seldq_pairs", "topn_query_major", "sel_dkdv_masked",
                                           "sel_causal_all"))]
 KERNELS = ["_select_topn_kernel", "_sel_fwd_kernel", "_bwd_dq_kernel", "_sel_bwd_dkdv_kernel",
-           "_interval_fwd_kernel", "_interval_bwd_dkdv_kernel", "_sel_dq_reduce_kernel"]
+           "_interval_fwd_kernel", "_interval_bwd_dkdv_kernel", "_sel_dq_reduce_kernel", "_sel_fwd_pairs_kernel",
+           "_sel_fwd_pairs_combine_kernel"]
 DECODE = ["_decode_cmp_split_kernel", "_decode_topn_kernel", "_decode_finish_kernel", "_decode_parts_kernel",
           "_decode_combine_kernel"]
 
@@ -157,7 +162,8 @@ def parse_case(text):
 
 SHORT = {"_select_topn_kernel": "top-n", "_sel_fwd_kernel": "sel fwd", "_bwd_dq_kernel": "dQ",
          "_sel_bwd_dkdv_kernel": "sel dK/dV", "_interval_fwd_kernel": "intv fwd",
-         "_interval_bwd_dkdv_kernel": "intv dK/dV", "_sel_dq_reduce_kernel": "dQ sum"}
+         "_interval_bwd_dkdv_kernel": "intv dK/dV", "_sel_dq_reduce_kernel": "dQ sum",
+         "_sel_fwd_pairs_kernel": "sel fwd pairs", "_sel_fwd_pairs_combine_kernel": "sel fwd combine"}
 
 
 def against_default(rows: list[dict], threshold: float = 0.02) -> list[str]:

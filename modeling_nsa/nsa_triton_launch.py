@@ -44,6 +44,10 @@ class LaunchOverrides:
     # (B, Hkv, Tq, n', G, D) partial buffer in q's dtype (n' times q's size: 1.5 GiB at 64k tokens x 12 heads x 64
     # in bf16), summed in slot order by one reduce kernel (deterministic). True wins over sel_dq_in_dkdv
     sel_dq_partials: bool | None = None
+    # the selected forward over (query, block) pairs, block-outer (True; _sel_fwd_pairs), instead of each query
+    # tile's union of blocks (False, and None: the default); not yet timed (bench/KERNELS.md)
+    sel_fwd_pairs: bool | None = None
+    sel_fwd_pair_queries: int | None = None  # queries per chunk of that schedule (default: _sel_fwd_pair_queries)
     # the selected dK/dV with every pair tile masked, as timed on 2026-11-23 (the default runs the tiles whose
     # queries lie past the block's last key without masks: _sel_block_dkdv)
     sel_dkdv_all_masked: bool | None = None
@@ -186,6 +190,25 @@ def _sel_fwd_opts(head_dim: int, device) -> dict:
     if _OVERRIDES.sel_stages:
         opts["num_stages"] = _OVERRIDES.sel_stages
     return opts
+
+
+def _sel_fwd_pair_queries(num_q: int, n_sel: int, head_dim: int, element_size: int) -> int:
+    """Queries per chunk of the block-outer selected forward: as many as keep the chunk's partials (per query, head
+    and slot an output row in q's dtype and an fp32 log-sum-exp) within twice q's own size, so the forward's extra
+    memory stays twice its input whatever n' is: 2 Tq D s / (n' (D s + 4)) queries, about Tq / 8 at n' = 16.
+    launch_overrides(sel_fwd_pair_queries=N) forces N."""
+    if _OVERRIDES.sel_fwd_pair_queries:
+        return max(1, min(num_q, _OVERRIDES.sel_fwd_pair_queries))
+    per_query = n_sel * (head_dim * element_size + 4)  # partial bytes per (query, head)
+    return max(1, min(num_q, 2 * num_q * head_dim * element_size // per_query))
+
+
+def _sel_fwd_pairs_launch(group: int, head_dim: int, device) -> tuple[int, int, int, dict]:
+    """(BLOCK_M, queries per pair tile, pairs per program, launch options) of the block-outer selected forward:
+    64-row pair tiles (QPB queries x G heads, as the selected dK/dV's), 8 tiles' pairs per program at 4 warps (to
+    head_dim 64; 8 warps above). Not tuned: no GPU has run it yet (bench/KERNELS.md)."""
+    block_m, qpb = _query_tile(group, 64 if head_dim <= 128 else 32)
+    return block_m, qpb, 8 * qpb, dict(num_warps=4 if head_dim <= 64 else 8)
 
 
 def _sel_dq_mode() -> str:

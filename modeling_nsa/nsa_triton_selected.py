@@ -8,8 +8,8 @@ import torch
 
 from .nsa_layout import NSAParams
 from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes, _next_pow2
-from .nsa_triton_launch import (_OVERRIDES, _dkdv_launch, _sel_dkdv_chunk_tiles, _sel_fwd_opts, _sel_rows_per_program,
-                                _sel_sub_tile)
+from .nsa_triton_launch import (_OVERRIDES, _dkdv_launch, _sel_dkdv_chunk_tiles, _sel_fwd_opts,
+                                _sel_fwd_pair_queries, _sel_fwd_pairs_launch, _sel_rows_per_program, _sel_sub_tile)
 
 
 try:  # the module must import where triton is missing (CPU-only installs, macOS)
@@ -372,6 +372,127 @@ if triton is not None:
 
 
     # ------------------------------------------------------------------------------------------
+    # Selected attention, block-outer forward (launch_overrides(sel_fwd_pairs=True))
+    # ------------------------------------------------------------------------------------------
+
+    # The union walk above does, per 64-row query tile, the math of every block any of its queries chose and loads
+    # each such block once per tile: at 8k tokens with random queries 81 blocks per tile where a query chose 16,
+    # 17 GB of K/V loads per step from L2 (bench/kernel_floors.py, scheduled work). The block-outer schedule
+    # (FSA's, arXiv 2508.18224) meets each (query, block) pair once: a pair tile packs up to QPB queries that chose
+    # one block x their G heads, loads the block once for all of them, and writes each row's partial softmax
+    # (the block's normalized output and base-2 log-sum-exp) to the row's (query, slot); a combine kernel merges
+    # a query's n' partials. Its extra traffic is the partials (written once, read once), so it pays where tiles
+    # share few blocks (random queries) and not where neighbouring queries choose alike (bench/KERNELS.md).
+    # Queries are cut in chunks whose partials fit a fixed budget (_sel_fwd_pair_queries), so the op's peak memory
+    # does not grow with n'.
+
+    @triton.jit
+    def _sel_fwd_pairs_kernel(
+        Q, K, V, SKEY, ORDER, CHUNK_OFF, DOCPOS, OPART, LPART,
+        chunk, c0, chunk_q, n_bg, Tq, Tk, q_off, sm_scale2,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
+        N_SEL: tl.constexpr, QPB: tl.constexpr, QPB_PAD: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr,
+    ):
+        """One program: the chunk's sorted pairs [p, p + PAIRS), in tiles of up to QPB pairs of one block (a tile
+        ends where the block does; the block's K and V are loaded when it changes). SKEY: the pairs' sort keys
+        ((chunk x n_bg + batch x KV head) x Tk + block first key); ORDER: each pair's flat (batch, KV head, query,
+        slot) in idx. Partial row ((bg x chunk_q + query - c0) x n' + slot) x G + head: the output normalized
+        over the block's visible keys, and their base-2 log-sum-exp."""
+        p_hi = tl.load(CHUNK_OFF + chunk + 1)
+        p = tl.load(CHUNK_OFF + chunk) + tl.program_id(0).to(tl.int64) * PAIRS
+        p_end = tl.minimum(p + PAIRS, p_hi)
+        r = tl.arange(0, BLOCK_M)
+        pair = r // G
+        hh = r % G
+        d = tl.arange(0, D)
+        e = tl.arange(0, QPB_PAD)
+        loaded = tl.full([], -1, SKEY.dtype.element_ty)  # the key of the block in k, v (none yet)
+        kk = tl.arange(0, LB)
+        k_ok = kk < 0
+        k = tl.zeros([LB, D], dtype=K.dtype.element_ty)
+        v = tl.zeros([LB, D], dtype=V.dtype.element_ty)
+        b = p * 0  # int64: address arithmetic
+        g = b
+        bg = b
+        # int32 where the launcher keeps it so (pair indices, query and key positions): int64 division costs
+        # about a hundred instructions, and this loop does little else per element than its dots and exponentials
+        while p < p_end:
+            key0 = tl.load(SKEY + p)
+            keys = tl.load(SKEY + p + e, mask=(e < QPB) & (p + e < p_end), other=-1)
+            cnt = tl.sum((keys == key0).to(tl.int32), 0)  # this block's pairs in the tile (sorted: a prefix)
+            if key0 != loaded:
+                seg = key0 // Tk  # chunk x n_bg + batch x KV head
+                bg = (seg - chunk * n_bg).to(tl.int64)
+                b = bg // HKV
+                g = bg % HKV
+                kk, k_ok = _sel_block_keys(DOCPOS, b, (key0 - seg * Tk).to(tl.int32), Tk, LB)
+                kv_off = b * Tk * HKV * D + g * D + kk.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
+                k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
+                v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
+                loaded = key0
+            row_ok = (r < QPB * G) & (pair < cnt)
+            # (BLOCK_M,) each row's pair as its flat index in idx: ((b x Hkv + kv) x Tq + query) x n' + slot
+            f = tl.load(ORDER + p + pair, mask=row_ok, other=0)
+            qi = tl.where(row_ok, f // N_SEL - bg * Tq, 0)  # (no division by the runtime Tq)
+            slot = f % N_SEL
+            row = (b * Tq + qi) * H + g * G + hh
+            q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+            vis = row_ok[:, None] & k_ok[None, :] & (kk[None, :] <= (q_off + qi).to(tl.int32)[:, None])
+            s = tl.where(vis, tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
+            m = tl.max(s, 1)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            prob = tl.exp2(s - m_safe[:, None])
+            l_sum = tl.sum(prob, 1)
+            out = tl.dot(prob.to(v.dtype), v) / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+            prow = ((bg * chunk_q + qi - c0) * N_SEL + slot) * G + hh
+            tl.store(OPART + prow[:, None] * D + d[None, :], out.to(OPART.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(LPART + prow, m_safe + tl.log2(tl.where(l_sum > 0, l_sum, 1.0)), mask=row_ok)
+            p += cnt
+
+    @triton.jit
+    def _sel_fwd_pairs_combine_kernel(
+        IDX, OPART, LPART, O, LSE, c0, chunk_q, Tq,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, N_SEL: tl.constexpr,
+        N_PAD: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr,
+    ):
+        """A query tile's rows (QPB queries of the chunk x G heads): the softmax over all its chosen blocks from
+        their partials, o = sum_s 2^(lse_s - lse) o_s with lse = log2 sum_s 2^lse_s, over the slots idx uses
+        (the others' partials were never written); no slot: o = 0, lse = +inf (as _sel_fwd_store)."""
+        pid_bg = tl.program_id(1).to(tl.int64)
+        b = pid_bg // HKV
+        g = pid_bg % HKV
+        r = tl.arange(0, BLOCK_M)
+        local = tl.program_id(0) * QPB + r // G  # query within the chunk
+        hh = r % G
+        qi = c0 + local
+        row_ok = (r < QPB * G) & (local < chunk_q) & (qi < Tq)
+        slot = tl.arange(0, N_PAD)
+        j = tl.load(IDX + (pid_bg * Tq + qi)[:, None] * N_SEL + slot[None, :],
+                    mask=row_ok[:, None] & (slot < N_SEL)[None, :], other=-1)
+        used = j >= 0  # (BLOCK_M, N_PAD)
+        prow = ((pid_bg * chunk_q + local)[:, None] * N_SEL + slot[None, :]) * G + hh[:, None]
+        lse_s = tl.load(LPART + prow, mask=used, other=float("-inf"))
+        m = tl.max(lse_s, 1)
+        has = m > float("-inf")
+        m_safe = tl.where(has, m, 0.0)
+        w = tl.exp2(lse_s - m_safe[:, None])  # 0 at unused slots
+        total = tl.sum(w, 1)
+        w = w / tl.where(has, total, 1.0)[:, None]
+        d = tl.arange(0, D)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        for s in range(N_SEL):  # (a loop, not unrolled: unrolled, the slots' loads spilled)
+            at_s = slot[None, :] == s
+            w_s = tl.sum(tl.where(at_s, w, 0.0), 1)
+            ok_s = tl.sum((at_s & used).to(tl.int32), 1) > 0
+            row_s = tl.sum(tl.where(at_s, prow, 0), 1)
+            o_s = tl.load(OPART + row_s[:, None] * D + d[None, :], mask=ok_s[:, None], other=0.0)
+            acc += w_s[:, None] * o_s.to(tl.float32)
+        row = (b * Tq + qi) * H + g * G + hh
+        tl.store(O + row[:, None] * D + d[None, :], acc.to(O.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(LSE + row, tl.where(has, m_safe + tl.log2(tl.where(has, total, 1.0)), float("inf")), mask=row_ok)
+
+
+    # ------------------------------------------------------------------------------------------
     # Tile unions: one program per (query tile, batch x KV group) lists the tile's distinct blocks
     # ------------------------------------------------------------------------------------------
 
@@ -439,6 +560,10 @@ def _tile_block_union(idx, doc_pos, qpb: int, sel_block_size: int):
 
 
 def _sel_fwd(q, k, v, idx, doc_pos, params: NSAParams, scale):
+    """The selected branch's output and base-2 log-sum-exp: the union walk over query tiles, or the block-outer
+    schedule where launch_overrides(sel_fwd_pairs=True) asks for it (_sel_fwd_pairs)."""
+    if _OVERRIDES.sel_fwd_pairs:
+        return _sel_fwd_pairs(q, k, v, idx, doc_pos, params, scale)
     batch, num_q, num_heads, head_dim, num_keys, num_kv, group = _launch_shapes(q, k)
     o = torch.empty_like(q)
     lse = torch.empty(batch, num_q, num_heads, device=q.device, dtype=torch.float32)
@@ -452,6 +577,54 @@ def _sel_fwd(q, k, v, idx, doc_pos, params: NSAParams, scale):
         LB=params.sel_block_size, N_SEL=n_sel, N_PAD=_next_pow2(n_sel), QPB=qpb, BLOCK_M=block_m,
         SUB_M=_sel_sub_tile(block_m, head_dim, q.device), **_sel_fwd_opts(head_dim, q.device),
     )
+    return o, lse
+
+
+def _sel_fwd_pairs(q, k, v, idx, doc_pos, params: NSAParams, scale):
+    """The selected forward over (query, block) pairs (launch_overrides(sel_fwd_pairs=True); the kernels' comment
+    says when it pays): per chunk of queries, one pass over the chunk's pairs sorted by block, then the combine.
+    Static shapes, no host synchronization. Returns (o (B, Tq, H, D), lse (B, Tq, H) base 2, +inf where none)."""
+    batch, num_q, num_heads, head_dim, num_keys, num_kv, group = _launch_shapes(q, k)
+    n_sel = idx.shape[-1]
+    lb = params.sel_block_size
+    q_off = num_keys - num_q
+    n_bg = batch * num_kv
+    o = torch.empty_like(q)
+    lse = torch.empty(batch, num_q, num_heads, device=q.device, dtype=torch.float32)
+    chunk_q = _sel_fwd_pair_queries(num_q, n_sel, head_dim, q.element_size())
+    n_chunks = _cdiv(num_q, chunk_q)
+    # (query, block) pairs sorted by (chunk, batch x KV head, block first key); stable, so a block's queries come
+    # in increasing order. int32 keys where they fit; built at the forward's peak, temporaries dropped early.
+    sentinel = n_chunks * n_bg * num_keys
+    key_dtype = torch.int32 if sentinel < 2**31 - 1 else torch.int64
+    start = (torch.arange(q_off, num_keys, device=q.device) - doc_pos[:, q_off:]).to(key_dtype)  # (B, Tq)
+    chunk_of = (torch.arange(num_q, device=q.device) // chunk_q).to(key_dtype).view(1, 1, num_q, 1)
+    bg = torch.arange(n_bg, device=q.device, dtype=key_dtype).view(batch, num_kv, 1, 1)
+    key = (chunk_of * n_bg + bg) * num_keys + start[:, None, :, None] + idx.to(key_dtype) * lb  # (B, Hkv, Tq, n')
+    key = torch.where(idx >= 0, key, sentinel).flatten()
+    sorted_key, order = torch.sort(key, stable=True)
+    del key
+    order = order.to(torch.int32 if order.numel() < 2**31 - 1 else torch.int64)
+    chunk_off = torch.searchsorted(
+        sorted_key, torch.arange(n_chunks + 1, device=q.device, dtype=key_dtype) * (n_bg * num_keys))
+    partial_rows = n_bg * chunk_q * n_sel * group
+    o_part = torch.empty(partial_rows, head_dim, device=q.device, dtype=q.dtype)
+    l_part = torch.empty(partial_rows, device=q.device, dtype=torch.float32)
+    block_m, qpb, pairs, opts = _sel_fwd_pairs_launch(group, head_dim, q.device)
+    n_programs = _cdiv(chunk_q * n_bg * n_sel, pairs)  # a chunk's pairs at most
+    for chunk in range(n_chunks):
+        c0 = chunk * chunk_q
+        _sel_fwd_pairs_kernel[(n_programs,)](
+            q, k, v, sorted_key, order, chunk_off, doc_pos, o_part, l_part,
+            chunk, c0, chunk_q, n_bg, num_q, num_keys, q_off, scale * _LOG2E,
+            H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=lb, N_SEL=n_sel, QPB=qpb, QPB_PAD=_next_pow2(qpb),
+            BLOCK_M=block_m, PAIRS=pairs, **opts,
+        )
+        _sel_fwd_pairs_combine_kernel[(_cdiv(min(chunk_q, num_q - c0), qpb), n_bg)](
+            idx, o_part, l_part, o, lse, c0, chunk_q, num_q,
+            H=num_heads, HKV=num_kv, G=group, D=head_dim, N_SEL=n_sel, N_PAD=_next_pow2(n_sel), QPB=qpb,
+            BLOCK_M=block_m, num_warps=4,
+        )
     return o, lse
 
 

@@ -56,6 +56,8 @@ _KNOB_IDS = {
     "topn_query_major": lambda c: "querymajor" if c["topn_query_major"] else "headlanes",
     "sel_dkdv_all_masked": lambda c: "seldkdvmasked" if c["sel_dkdv_all_masked"] else "seldkdvsplit",
     "sel_causal_every_block": lambda c: "selcausalall" if c["sel_causal_every_block"] else "selcausalsplit",
+    "sel_fwd_pairs": lambda c: "selfwdpairs" if c["sel_fwd_pairs"] else "selfwdunion",
+    "sel_fwd_pair_queries": lambda c: f"chunk{c['sel_fwd_pair_queries']}queries",
     "sel_dkdv_chunk_pairs": lambda c: f"chunk{c['sel_dkdv_chunk_pairs']}pairs" if c["sel_dkdv_chunk_pairs"] else "pertile",
     "arch": lambda c: f"sm{c['arch']}",
     "cache_views": lambda c: "cacheviews",
@@ -153,6 +155,22 @@ CPU_CASES = [
     # poisoned with NaN, so the slots of unused blocks must be skipped)
     *[dict(case, sel_dq_in_dkdv=True) for case in _PAIR_DQ_CASES],
     *[dict(case, sel_dq_partials=True) for case in _PAIR_DQ_CASES],
+    # the block-outer selected forward (launch_overrides(sel_fwd_pairs=True)): each (query, block) pair's partial
+    # softmax, merged per query by a combine kernel; queries in chunks (sel_fwd_pair_queries) so that tiles are cut
+    # by chunk ends too. Alone against the branch's definition (tests/triton_helpers.selected_branch_torch) on random
+    # valid choices at G = 1, 2, 3, 4, 6, 8, 16 over documents, padding and odd lengths, fp16, sm_80's launch; then
+    # the whole op forward and backward (the backward reads its log-sum-exp). Weighting one slot wrongly in the
+    # combine fails all of them (tried)
+    *[dict(kind="selfwd", B=2, T=t, H=g * hkv, Hkv=hkv, D=16, layout=layout, sel_fwd_pairs=True,
+           sel_fwd_pair_queries=chunk, **extra)
+      for g, hkv, t, layout, chunk, extra in [
+          (1, 2, 77, "varlen", 13, {}), (2, 1, 90, "pad", None, dict(dtype="float16")),
+          (3, 1, 81, "varlen", 7, {}), (4, 2, 65, "pad", 40, dict(arch=80)), (6, 1, 100, "varlen", 9, {}),
+          (8, 1, 71, "pad", None, {}), (16, 1, 83, "varlen", 30, dict(dtype="float16"))]],
+    # the union walk against the same definition (the oracle checked against the default forward)
+    dict(kind="selfwd", B=2, T=81, H=6, Hkv=1, D=16, layout="varlen"),
+    dict(B=2, T=81, H=6, Hkv=1, D=16, layout="varlen", sel_fwd_pairs=True, sel_fwd_pair_queries=7),
+    dict(B=2, T=60, H=3, Hkv=1, D=16, layout="pad", dtype="float16", sel_fwd_pairs=True),
     # H100's launches at head_dim 128 (the dK/dV in 16-row tiles, the interval-only dQ in 32-row tiles; the same
     # launch for both pair-wise modes)
     dict(B=1, T=70, H=8, Hkv=1, D=128, layout="varlen", arch=90, sel_dq_in_dkdv=True),
@@ -359,6 +377,10 @@ def _check(res, case, tol):
     if case.get("kind") == "opcheck":
         assert res and all(outcome == "SUCCESS" for outcome in res.values()), res
         return
+    if case.get("kind") == "selfwd":
+        assert not res["nan"] and res["out"] <= tol and res["lse"] <= tol and res["inf_rows_agree"], res
+        assert res["rows_without_blocks"] > 0 or case.get("layout") != "pad", res  # padding rows: +inf, o = 0
+        return
     if case.get("kind") != "select":
         assert not res["nan"]
         assert res["out"] <= tol, res
@@ -500,6 +522,10 @@ GPU_CASES = [
     dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_dq_partials=True, sel_split=[256, 4, 64]),
     # the default selected dQ with block 0 (4,097 pairs) split over 16 programs: bench/gpu_session.sh's sel_split2k
     dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_split=[2048, 16, 64]),
+    # the block-outer selected forward (sel_fwd_pairs) at the real sizes, in its default chunks
+    dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_fwd_pairs=True),
+    dict(B=2, T=1000, H=16, Hkv=1, D=64, layout="varlen", sel_fwd_pairs=True),
+    dict(B=1, T=2048, H=8, Hkv=1, D=128, layout="pad", sel_fwd_pairs=True),
 ]
 for _c in GPU_CASES:
     _c.setdefault("dtype", "bfloat16")

@@ -77,17 +77,21 @@ def test_the_session_stages_step_parses_and_reaches_the_launchers():
 
 
 def test_the_session_pending_step_times_the_chunked_selected_dkdv_against_the_per_tile_load():
-    """bench/gpu_session.sh's `pending` step: its variant turns the selected dK/dV's index chunks off (the default
-    takes them on sm_90 at head_dim 64 with an even G), and its cases are issue 18's B*T = 64k shapes."""
+    """bench/gpu_session.sh's `pending` step: its variants turn the selected dK/dV's index chunks off (the default
+    takes them on sm_90 at head_dim 64 with an even G) and the block-outer selected forward on, and its cases are
+    issue 18's B*T = 64k shapes."""
     from modeling_nsa import nsa_triton_launch as launch
 
     script = (Path(__file__).resolve().parent.parent / "bench" / "gpu_session.sh").read_text()
     step = script.split("    pending)", 1)[1].split(";;", 1)[0].replace("\\\n", " ")
     variants = [tk.parse_variant(v) for v in step.split("--variants", 1)[1].split("--cases", 1)[0].split()]
-    assert [name for name, _ in variants] == ["default", "sel_dkdv_pertile"], variants
+    assert [name for name, _ in variants] == ["default", "sel_dkdv_pertile", "sel_fwd_pairs"], variants
     assert launch._sel_dkdv_chunk_tiles(6, 10, 64, "cpu") == 25  # the default (the CPU counts as sm_90)
     with launch.launch_overrides(**variants[1][1]):
         assert launch._sel_dkdv_chunk_tiles(6, 10, 64, "cpu") == 0
+    assert not launch._OVERRIDES.sel_fwd_pairs
+    with launch.launch_overrides(**variants[2][1]):
+        assert launch._OVERRIDES.sel_fwd_pairs
     cases = [tk.parse_case(c) for c in step.split("--cases", 1)[1].split()]
     assert all(c[3] * c[4] == 65536 for c in cases) and {c[5] for c in cases} == {"random", "correlated"}
 

@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import importlib
 import json
+import math
 import os
 import sys
 import time
@@ -251,6 +252,76 @@ def run_union_case(case: dict) -> dict:
         res["max_count"] = max(res.get("max_count", 0), int(want[1].max()))
         res["max_past"] = max(res.get("max_past", 0), int(want[2].max()))
     return res
+
+
+def random_block_choices(doc_pos, num_kv: int, n_sel: int, sel_block_size: int, gen) -> torch.Tensor:
+    """idx (B, Hkv, Tq, n') int32 as the top-n gives it: per (row, KV head, query) up to n' distinct blocks of the
+    query's document at or before its own (j <= pos // l'), in random order, a random number of them unused (-1,
+    at the end); padding queries none."""
+    batch, num_q = doc_pos.shape
+    idx = torch.full((batch, num_kv, num_q, n_sel), -1, dtype=torch.int32)
+    for b in range(batch):
+        for t in range(num_q):
+            pos = int(doc_pos[b, t])
+            if pos < 0:
+                continue
+            for g in range(num_kv):
+                chosen = torch.randperm(pos // sel_block_size + 1, generator=gen)[:n_sel]
+                keep = int(torch.randint(1, len(chosen) + 1, (1,), generator=gen))
+                idx[b, g, t, :keep] = chosen[:keep].to(torch.int32)
+    return idx
+
+
+def selected_branch_torch(q, k, v, idx, doc_pos, sel_block_size: int, scale: float):
+    """The selected branch by its definition (NSA_SPEC), in fp32 torch ops: query t of KV group g attends the keys
+    s <= t of the blocks idx lists for it (block j of t's document: keys start + j l' ... + l' - 1 of that
+    document). Returns (o (B, Tq, H, D), base-2 log-sum-exp (B, Tq, H), +inf where no key)."""
+    batch, num_q, num_heads, _ = q.shape
+    num_keys, num_kv = k.shape[1], k.shape[2]
+    group = num_heads // num_kv
+    q_off = num_keys - num_q
+    t = torch.arange(q_off, num_keys)
+    start = t - doc_pos[:, q_off:]  # (B, Tq)
+    s_pos = doc_pos  # (B, Tk)
+    keys = torch.arange(num_keys)
+    key_start = keys - s_pos  # each key's document start
+    visible = torch.zeros(batch, num_kv, num_q, num_keys, dtype=torch.bool)
+    for slot in range(idx.shape[-1]):
+        j = idx[..., slot].long()  # (B, Hkv, Tq)
+        a = start[:, None, :] + j * sel_block_size
+        in_block = (keys[None, None, None, :] >= a[..., None]) & (keys < a[..., None] + sel_block_size)
+        same_doc = key_start[:, None, None, :] == start[:, None, :, None]
+        visible |= (j >= 0)[..., None] & in_block & same_doc & (s_pos >= 0)[:, None, None, :]
+    visible &= keys[None, None, None, :] <= t[None, None, :, None]
+    qf = q.float().view(batch, num_q, num_kv, group, -1).permute(0, 2, 3, 1, 4)  # (B, Hkv, G, Tq, D)
+    kf, vf = k.float().permute(0, 2, 1, 3), v.float().permute(0, 2, 1, 3)  # (B, Hkv, Tk, D)
+    logits = torch.einsum("bkgtd,bksd->bkgts", qf, kf) * scale
+    logits = logits.masked_fill(~visible[:, :, None], float("-inf"))
+    lse = torch.logsumexp(logits, -1)  # (B, Hkv, G, Tq)
+    probs = torch.where(visible[:, :, None], torch.exp(logits - lse[..., None].clamp_min(-1e30)), 0.0)
+    o = torch.einsum("bkgts,bksd->bkgtd", probs, vf)
+    lse2 = torch.where(torch.isfinite(lse), lse / math.log(2), float("inf"))
+    o = o.permute(0, 3, 1, 2, 4).reshape(batch, num_q, num_heads, -1)
+    return o, lse2.permute(0, 3, 1, 2).reshape(batch, num_q, num_heads)
+
+
+@with_case_launch
+def run_selfwd_case(case: dict) -> dict:
+    """The selected forward alone (_sel_fwd, under the case's launch choices) against selected_branch_torch on
+    random valid choices (random_block_choices) over the case's layout: relative errors of o and of the
+    log-sum-exp where finite, and whether the +inf rows (no chosen block) agree."""
+    selected = kernel_module("selected")
+    t, _, doc_pos, p, dtype, device = case_setup(case)
+    gen = torch.Generator().manual_seed(case.get("seed", 0) + 17)
+    idx = random_block_choices(doc_pos.cpu(), case["Hkv"], p.sel_num_blocks, p.sel_block_size, gen)
+    scale = 1.0 / math.sqrt(case["D"])
+    o, lse = selected._sel_fwd(t["q"], t["k_slc"], t["v_slc"], idx.to(device), doc_pos, p, scale)
+    ref_o, ref_lse = selected_branch_torch(t["q"].cpu(), t["k_slc"].cpu(), t["v_slc"].cpu(), idx, doc_pos.cpu(),
+                                           p.sel_block_size, scale)
+    lse, finite = lse.cpu(), torch.isfinite(ref_lse)
+    return {"out": rel(o.cpu().float(), ref_o), "lse": rel(lse[finite], ref_lse[finite]),
+            "inf_rows_agree": bool(torch.equal(torch.isinf(lse), ~finite)), "rows_without_blocks": int((~finite).sum()),
+            "nan": bool(torch.isnan(o).any())}
 
 
 def random_doc_positions(batch: int, num_keys: int, seed: int) -> torch.Tensor:
@@ -710,6 +781,7 @@ def main(argv):
         try:
             runner = {"decode": run_decode_case, "compile": run_compile_case, "opcheck": run_opcheck_case,
                       "select": run_select_case, "union": run_union_case, "layout": run_layout_case,
+                      "selfwd": run_selfwd_case,
                       "large_offset": run_large_offset_case,
                       "large_offset_decode": run_large_offset_decode_case}.get(case.get("kind"), run_case)
             res = runner(case)
