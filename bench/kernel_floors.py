@@ -84,7 +84,7 @@ TRAINING_KERNELS = {
     "topn": [("_select_topn_kernel", None)],
     "sel_fwd": [("_sel_fwd_kernel", None), ("_sel_fwd_pairs_kernel", None), ("_sel_fwd_pairs_combine_kernel", None)],
     "win_fwd": [("_interval_fwd_kernel", 1)],
-    "dq": [("_bwd_dq_kernel", None)],
+    "dq": [("_bwd_dq_kernel", None), ("_sel_dq_pairs_kernel", None), ("_sel_dq_reduce_kernel", None)],
     "cmp_dkdv": [("_interval_bwd_dkdv_kernel", 0)],
     "sel_dkdv": [("_sel_bwd_dkdv_kernel", None), ("_sel_dkdv_reduce_kernel", None)],
     "win_dkdv": [("_interval_bwd_dkdv_kernel", 1)],

@@ -71,6 +71,10 @@ DEFAULT_VARIANTS = [
     # the union walk: its scheduled floor is about half the union walk's at 8k-64k on random queries and no lower
     # on correlated ones (bench/kernel_floors.py --scheduled-queries; bench/KERNELS.md); not yet timed
     "sel_fwd_pairs:sel_fwd_pairs=1",
+    # ... and the selected dQ by the same walk in a kernel of its own (3 dots per pair tile, partials per chunk summed
+    # per query), with the forward's pairs too: the whole block-outer selected branch but the dK/dV
+    "sel_dq_pairs:sel_dq_pairs=1",
+    "block_outer:sel_fwd_pairs=1,sel_dq_pairs=1",
     "sel_split2k:sel_split=2048/16/64",
     "sel_split1k:sel_split=1024/8/256",
     # the selected dK/dV with every pair tile masked, as timed on 2026-11-23: the default now runs the tiles whose
@@ -134,7 +138,7 @@ CASES = [(12, 2, 64, 65536, 1, "random", None), (12, 2, 64, 2048, 32, "random", 
                                           "sel_causal_all"))]
 KERNELS = ["_select_topn_kernel", "_sel_fwd_kernel", "_bwd_dq_kernel", "_sel_bwd_dkdv_kernel",
            "_interval_fwd_kernel", "_interval_bwd_dkdv_kernel", "_sel_dq_reduce_kernel", "_sel_fwd_pairs_kernel",
-           "_sel_fwd_pairs_combine_kernel"]
+           "_sel_fwd_pairs_combine_kernel", "_sel_dq_pairs_kernel"]
 DECODE = ["_decode_cmp_split_kernel", "_decode_topn_kernel", "_decode_finish_kernel", "_decode_parts_kernel",
           "_decode_combine_kernel"]
 
@@ -163,7 +167,8 @@ def parse_case(text):
 SHORT = {"_select_topn_kernel": "top-n", "_sel_fwd_kernel": "sel fwd", "_bwd_dq_kernel": "dQ",
          "_sel_bwd_dkdv_kernel": "sel dK/dV", "_interval_fwd_kernel": "intv fwd",
          "_interval_bwd_dkdv_kernel": "intv dK/dV", "_sel_dq_reduce_kernel": "dQ sum",
-         "_sel_fwd_pairs_kernel": "sel fwd pairs", "_sel_fwd_pairs_combine_kernel": "sel fwd combine"}
+         "_sel_fwd_pairs_kernel": "sel fwd pairs", "_sel_fwd_pairs_combine_kernel": "sel fwd combine",
+         "_sel_dq_pairs_kernel": "sel dQ pairs"}
 
 
 def against_default(rows: list[dict], threshold: float = 0.02) -> list[str]:

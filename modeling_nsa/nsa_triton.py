@@ -60,10 +60,10 @@ from .nsa_triton_common import (  # noqa: F401  (_HAS_TRITON: callers ask this m
     triton_unusable_reason,
 )
 from .nsa_triton_decode import _decode_step
-from .nsa_triton_dq import _bwd_dq, _sel_dq_partials, _sel_dq_reduce
+from .nsa_triton_dq import _bwd_dq, _sel_dq_partials, _sel_dq_reduce, _sel_dq_reduce_chunk
 from .nsa_triton_interval import _DKDV_KEY_TILE, _interval_bwd_dkdv, _interval_fwd, _interval_query_ranges, _layout
 from .nsa_triton_launch import LaunchOverrides, _sel_dq_mode, launch_overrides
-from .nsa_triton_selected import _sel_bwd_dkdv, _sel_fwd
+from .nsa_triton_selected import _sel_bwd_dkdv, _sel_dq_pairs, _sel_fwd
 from .nsa_triton_topn import _select_topn
 
 
@@ -151,8 +151,9 @@ def _nsa_bwd_op(
     dout = dout.to(q.dtype).contiguous()
     # dQ of the three branches, dgates and the per-branch deltas in one kernel; the dK/dV kernels then read the
     # deltas. The selected branch's dQ (_sel_dq_mode): in that kernel over each query tile's block union ("union"),
-    # or formed pair by pair by the selected dK/dV kernel, which stores per-pair partials that _sel_dq_reduce sums
-    # ("partials") or adds them to an fp32 dQ with atomics ("atomic"); then dQ is the fp32 of the interval branches.
+    # or formed pair by pair: by a block-outer kernel of its own ("pairs", after the dK/dV kernels), or by the
+    # selected dK/dV kernel, which stores per-pair partials that _sel_dq_reduce sums ("partials") or adds them to
+    # an fp32 dQ with atomics ("atomic"); in those three dQ is first the fp32 of the interval branches.
     cmp, win = (k_cmp, v_cmp, c_lo, c_hi, lse_cmp, o_cmp), (k_win, v_win, w_lo, w_hi, lse_win, o_win)
     sel_dq_mode = _sel_dq_mode()
     dq, dgates, delta = _bwd_dq(q, dout, gates, cmp, (k_slc, v_slc, lse_slc, o_slc), win, idx, doc_pos, p, scale,
@@ -170,6 +171,9 @@ def _nsa_bwd_op(
         del partials
     dk_win, dv_win = _interval_bwd_dkdv(q, k_win, v_win, w_lo, w_hi, win_ranges, dout, gates, 2, lse_win, delta[2],
                                         scale)
+    if sel_dq_mode == "pairs":
+        dq = _sel_dq_pairs(q, k_slc, v_slc, idx, doc_pos, dout, gates, lse_slc, delta[1], dq, p, scale,
+                           _sel_dq_reduce_chunk)
     return dq.to(q.dtype), dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates
 
 

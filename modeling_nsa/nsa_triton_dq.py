@@ -203,26 +203,30 @@ if triton is not None:
     # ------------------------------------------------------------------------------------------
 
     @triton.jit
-    def _sel_dq_reduce_kernel(DQP, IDX, DQ_IN, DQ_OUT, Tq,
+    def _sel_dq_reduce_kernel(DQP, IDX, DQ_IN, DQ_OUT, Tq, c0, chunk_q,
                               H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                               N_SEL: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr):
         """DQ_OUT = DQ_IN (fp32: the interval branches' dQ) + the sum over a query's slots, in slot order, of the
-        selected branch's partials DQP (B*Hkv*Tq*n', G, D) that the selected dK/dV kernel stored; the slots whose
-        block is unused (idx -1) were never written and are skipped. Rows: QPB queries x the G heads of one KV
-        group (as the other query tiles)."""
+        selected branch's partials DQP, for the chunk_q queries from c0: ((B*Hkv x chunk_q + query - c0) x n' +
+        slot, G, D), stored by the selected dK/dV kernel (one chunk of all Tq queries) or by the pair-dQ kernel; the
+        slots whose block is unused (idx -1) were never written and are skipped. Rows: QPB queries x the G heads
+        of one KV group (as the other query tiles)."""
         pid_q = tl.program_id(0)
         pid_bg = tl.program_id(1)
         b = (pid_bg // HKV).to(tl.int64)
         g = pid_bg % HKV
-        r, qi, row_ok = _tile_rows(pid_q, Tq, 0, G, QPB, BLOCK_M)
+        r, local, row_ok = _tile_rows(pid_q, tl.minimum(chunk_q, Tq - c0), 0, G, QPB, BLOCK_M)  # query - c0
+        qi = c0 + local
         hh = r % G
         d = tl.arange(0, D)
         row = (b * Tq + qi) * H + g * G + hh
         acc = tl.load(DQ_IN + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)  # (rows, D) fp32
-        flat = (pid_bg.to(tl.int64) * Tq + qi) * N_SEL  # (rows,) the query's first slot
+        flat = (pid_bg.to(tl.int64) * Tq + qi) * N_SEL  # (rows,) the query's first slot in idx
+        part_flat = (pid_bg.to(tl.int64) * chunk_q + local) * N_SEL  # ... in DQP
         for s in range(N_SEL):
             used = row_ok & (tl.load(IDX + flat + s, mask=row_ok, other=-1) >= 0)
-            part = tl.load(DQP + ((flat + s) * G + hh)[:, None] * D + d[None, :], mask=used[:, None], other=0.0)
+            part = tl.load(DQP + ((part_flat + s) * G + hh)[:, None] * D + d[None, :], mask=used[:, None],
+                           other=0.0)
             acc += part.to(tl.float32)
         tl.store(DQ_OUT + row[:, None] * D + d[None, :], acc.to(DQ_OUT.dtype.element_ty), mask=row_ok[:, None])
 
@@ -270,13 +274,20 @@ def _sel_dq_partials(q, idx):
 def _sel_dq_reduce(dq_intervals, partials, idx, dtype):
     """dQ (B, Tq, H, D) in `dtype`: the interval branches' fp32 dQ plus each query's selected partials, summed in
     slot order (deterministic)."""
+    dq = torch.empty(dq_intervals.shape, device=dq_intervals.device, dtype=dtype)
+    _sel_dq_reduce_chunk(partials, idx, dq_intervals, dq, 0, dq.shape[1])
+    return dq
+
+
+def _sel_dq_reduce_chunk(partials, idx, dq_intervals, dq, c0: int, chunk_q: int):
+    """dq[:, c0 : c0 + chunk_q] = the interval branches' fp32 dQ there plus the chunk's selected partials
+    ((B*Hkv x chunk_q x n' x G, D) rows: the whole of Tq for the selected dK/dV's, a chunk for the pair-dQ
+    kernel's), summed in slot order."""
     batch, num_q, num_heads, head_dim = dq_intervals.shape
     num_kv, n_sel = idx.shape[1], idx.shape[-1]
     group = num_heads // num_kv
     block_m, qpb = _sel_dq_reduce_rows(group)
-    dq = torch.empty(dq_intervals.shape, device=dq_intervals.device, dtype=dtype)
-    _sel_dq_reduce_kernel[(_cdiv(num_q, qpb), batch * num_kv)](
-        partials, idx, dq_intervals, dq, num_q, H=num_heads, HKV=num_kv, G=group, D=head_dim, N_SEL=n_sel, QPB=qpb,
-        BLOCK_M=block_m, num_warps=4,
+    _sel_dq_reduce_kernel[(_cdiv(min(chunk_q, num_q - c0), qpb), batch * num_kv)](
+        partials, idx, dq_intervals, dq, num_q, c0, chunk_q, H=num_heads, HKV=num_kv, G=group, D=head_dim,
+        N_SEL=n_sel, QPB=qpb, BLOCK_M=block_m, num_warps=4,
     )
-    return dq

@@ -48,6 +48,10 @@ class LaunchOverrides:
     # tile's union of blocks (False, and None: the default); not yet timed (bench/KERNELS.md)
     sel_fwd_pairs: bool | None = None
     sel_fwd_pair_queries: int | None = None  # queries per chunk of that schedule (default: _sel_fwd_pair_queries)
+    # the selected branch's dQ by the same block-outer walk in a kernel of its own (True: _sel_dq_pairs, each pair's
+    # share stored at its (query, slot) in chunks as the forward's, summed per query in slot order); wins over
+    # sel_dq_in_dkdv and sel_dq_partials; not yet timed (bench/KERNELS.md)
+    sel_dq_pairs: bool | None = None
     # the selected dK/dV with every pair tile masked, as timed on 2026-11-23 (the default runs the tiles whose
     # queries lie past the block's last key without masks: _sel_block_dkdv)
     sel_dkdv_all_masked: bool | None = None
@@ -213,12 +217,15 @@ def _sel_fwd_pairs_launch(group: int, head_dim: int, device) -> tuple[int, int, 
 
 def _sel_dq_mode() -> str:
     """Where the backward forms the selected branch's dQ: "union" (the fused dQ kernel walks each query tile's
-    union of chosen blocks, doing the math of every block of the union for every row), "partials" (the selected
+    union of chosen blocks, doing the math of every block of the union for every row), "pairs" (a kernel of its
+    own walks the (query, block) pairs block-outer as the sel_fwd_pairs forward does), "partials" (the selected
     dK/dV kernel, which meets each (query, block) pair once, stores each pair's share; a reduce kernel sums a
     query's n' shares) or "atomic" (the same pairs added to an fp32 dQ with atomics). The union walk is the default:
     the pair-wise dQ costs the selected dK/dV kernel a fifth dot and 8 warps (its dQ tile spills at 4), which only
     pays where a tile's queries share few blocks (random queries at 32k and more); it loses at 2k-8k and on
     correlated queries, which trained models' neighbouring queries resemble (bench/KERNELS.md, 2026-11-26)."""
+    if _OVERRIDES.sel_dq_pairs:
+        return "pairs"
     if _OVERRIDES.sel_dq_partials:
         return "partials"
     if _OVERRIDES.sel_dq_in_dkdv:

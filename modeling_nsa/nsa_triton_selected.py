@@ -387,54 +387,70 @@ if triton is not None:
     # does not grow with n'.
 
     @triton.jit
+    def _pair_walk_start(CHUNK_OFF, chunk, PAIRS: tl.constexpr):
+        """A pair program's run of the chunk's sorted pairs: [p, p_end)."""
+        p_hi = tl.load(CHUNK_OFF + chunk + 1)
+        p = tl.load(CHUNK_OFF + chunk) + tl.program_id(0).to(tl.int64) * PAIRS
+        return p, tl.minimum(p + PAIRS, p_hi)
+
+    @triton.jit
+    def _pair_tile(SKEY, ORDER, DOCPOS, K, V, p, p_end, chunk, n_bg, Tq, Tk, loaded, kk, k_ok, k, v, b, g, bg,
+                   HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr, N_SEL: tl.constexpr,
+                   QPB: tl.constexpr, QPB_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+        """The pair tile starting at sorted pair p: up to QPB pairs of one block (it ends where the block does), the
+        block's keys kk, k_ok and K, V (loaded when the block differs from the one `loaded` names, else carried),
+        and per row (query x head) whether it is a pair's, its query and slot. SKEY: the pairs' sort keys ((chunk x
+        n_bg + batch x KV head) x Tk + block first key); ORDER: each pair's flat index in idx. Positions and pair
+        indices stay int32 where the launcher keeps them so: an int64 division costs about a hundred instructions,
+        and a tile does little else per element than its dots and exponentials."""
+        e = tl.arange(0, QPB_PAD)
+        key0 = tl.load(SKEY + p)
+        keys = tl.load(SKEY + p + e, mask=(e < QPB) & (p + e < p_end), other=-1)
+        cnt = tl.sum((keys == key0).to(tl.int32), 0)  # this block's pairs in the tile (sorted: a prefix)
+        if key0 != loaded:
+            seg = key0 // Tk  # chunk x n_bg + batch x KV head
+            bg = (seg - chunk * n_bg).to(tl.int64)
+            b = bg // HKV
+            g = bg % HKV
+            kk, k_ok = _sel_block_keys(DOCPOS, b, (key0 - seg * Tk).to(tl.int32), Tk, LB)
+            kv_off = b * Tk * HKV * D + g * D + kk.to(tl.int64)[:, None] * (HKV * D) + tl.arange(0, D)[None, :]
+            k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
+            v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
+            loaded = key0
+        r = tl.arange(0, BLOCK_M)
+        pair = r // G
+        row_ok = (r < QPB * G) & (pair < cnt)
+        # (BLOCK_M,) each row's pair as its flat index in idx: ((b x Hkv + kv) x Tq + query) x n' + slot
+        f = tl.load(ORDER + p + pair, mask=row_ok, other=0)
+        qi = tl.where(row_ok, f // N_SEL - bg * Tq, 0)  # (no division by the runtime Tq)
+        return cnt, loaded, kk, k_ok, k, v, b, g, bg, row_ok, qi, f % N_SEL
+
+    @triton.jit
+    def _pair_walk_init(K, V, SKEY, p, LB: tl.constexpr, D: tl.constexpr):
+        """The carried state of a pair walk before its first tile: no block loaded."""
+        kk = tl.arange(0, LB)
+        b = p * 0  # int64: address arithmetic
+        return (tl.full([], -1, SKEY.dtype.element_ty), kk, kk < 0, tl.zeros([LB, D], dtype=K.dtype.element_ty),
+                tl.zeros([LB, D], dtype=V.dtype.element_ty), b, b, b)
+
+    @triton.jit
     def _sel_fwd_pairs_kernel(
         Q, K, V, SKEY, ORDER, CHUNK_OFF, DOCPOS, OPART, LPART,
         chunk, c0, chunk_q, n_bg, Tq, Tk, q_off, sm_scale2,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
         N_SEL: tl.constexpr, QPB: tl.constexpr, QPB_PAD: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr,
     ):
-        """One program: the chunk's sorted pairs [p, p + PAIRS), in tiles of up to QPB pairs of one block (a tile
-        ends where the block does; the block's K and V are loaded when it changes). SKEY: the pairs' sort keys
-        ((chunk x n_bg + batch x KV head) x Tk + block first key); ORDER: each pair's flat (batch, KV head, query,
-        slot) in idx. Partial row ((bg x chunk_q + query - c0) x n' + slot) x G + head: the output normalized
-        over the block's visible keys, and their base-2 log-sum-exp."""
-        p_hi = tl.load(CHUNK_OFF + chunk + 1)
-        p = tl.load(CHUNK_OFF + chunk) + tl.program_id(0).to(tl.int64) * PAIRS
-        p_end = tl.minimum(p + PAIRS, p_hi)
-        r = tl.arange(0, BLOCK_M)
-        pair = r // G
-        hh = r % G
+        """One program: the chunk's sorted pairs [p, p + PAIRS) in pair tiles (_pair_tile). Each row's partial
+        softmax at partial row ((bg x chunk_q + query - c0) x n' + slot) x G + head: the output normalized over the
+        block's visible keys, and their base-2 log-sum-exp."""
+        p, p_end = _pair_walk_start(CHUNK_OFF, chunk, PAIRS)
+        loaded, kk, k_ok, k, v, b, g, bg = _pair_walk_init(K, V, SKEY, p, LB, D)
+        hh = tl.arange(0, BLOCK_M) % G
         d = tl.arange(0, D)
-        e = tl.arange(0, QPB_PAD)
-        loaded = tl.full([], -1, SKEY.dtype.element_ty)  # the key of the block in k, v (none yet)
-        kk = tl.arange(0, LB)
-        k_ok = kk < 0
-        k = tl.zeros([LB, D], dtype=K.dtype.element_ty)
-        v = tl.zeros([LB, D], dtype=V.dtype.element_ty)
-        b = p * 0  # int64: address arithmetic
-        g = b
-        bg = b
-        # int32 where the launcher keeps it so (pair indices, query and key positions): int64 division costs
-        # about a hundred instructions, and this loop does little else per element than its dots and exponentials
         while p < p_end:
-            key0 = tl.load(SKEY + p)
-            keys = tl.load(SKEY + p + e, mask=(e < QPB) & (p + e < p_end), other=-1)
-            cnt = tl.sum((keys == key0).to(tl.int32), 0)  # this block's pairs in the tile (sorted: a prefix)
-            if key0 != loaded:
-                seg = key0 // Tk  # chunk x n_bg + batch x KV head
-                bg = (seg - chunk * n_bg).to(tl.int64)
-                b = bg // HKV
-                g = bg % HKV
-                kk, k_ok = _sel_block_keys(DOCPOS, b, (key0 - seg * Tk).to(tl.int32), Tk, LB)
-                kv_off = b * Tk * HKV * D + g * D + kk.to(tl.int64)[:, None] * (HKV * D) + d[None, :]
-                k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
-                v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
-                loaded = key0
-            row_ok = (r < QPB * G) & (pair < cnt)
-            # (BLOCK_M,) each row's pair as its flat index in idx: ((b x Hkv + kv) x Tq + query) x n' + slot
-            f = tl.load(ORDER + p + pair, mask=row_ok, other=0)
-            qi = tl.where(row_ok, f // N_SEL - bg * Tq, 0)  # (no division by the runtime Tq)
-            slot = f % N_SEL
+            cnt, loaded, kk, k_ok, k, v, b, g, bg, row_ok, qi, slot = _pair_tile(
+                SKEY, ORDER, DOCPOS, K, V, p, p_end, chunk, n_bg, Tq, Tk, loaded, kk, k_ok, k, v, b, g, bg,
+                HKV, G, D, LB, N_SEL, QPB, QPB_PAD, BLOCK_M)
             row = (b * Tq + qi) * H + g * G + hh
             q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
             vis = row_ok[:, None] & k_ok[None, :] & (kk[None, :] <= (q_off + qi).to(tl.int32)[:, None])
@@ -447,6 +463,37 @@ if triton is not None:
             prow = ((bg * chunk_q + qi - c0) * N_SEL + slot) * G + hh
             tl.store(OPART + prow[:, None] * D + d[None, :], out.to(OPART.dtype.element_ty), mask=row_ok[:, None])
             tl.store(LPART + prow, m_safe + tl.log2(tl.where(l_sum > 0, l_sum, 1.0)), mask=row_ok)
+            p += cnt
+
+    @triton.jit
+    def _sel_dq_pairs_kernel(
+        Q, K, V, DO, GATE, LSE, DELTA, SKEY, ORDER, CHUNK_OFF, DOCPOS, DQPART,
+        chunk, c0, chunk_q, n_bg, Tq, Tk, q_off, sm_scale2, scale,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
+        N_SEL: tl.constexpr, QPB: tl.constexpr, QPB_PAD: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr,
+    ):
+        """The selected branch's dQ pair by pair (launch_overrides(sel_dq_pairs=True)), walked as the block-outer
+        forward's: per row, the block's share scale dS K with P recomputed from the branch's saved log-sum-exp and
+        dS = P (dO_slc V^T - delta), stored at the same partial rows as the forward's (three dots, no accumulator
+        across tiles: the selected dK/dV keeps its own kernel)."""
+        p, p_end = _pair_walk_start(CHUNK_OFF, chunk, PAIRS)
+        loaded, kk, k_ok, k, v, b, g, bg = _pair_walk_init(K, V, SKEY, p, LB, D)
+        hh = tl.arange(0, BLOCK_M) % G
+        d = tl.arange(0, D)
+        while p < p_end:
+            cnt, loaded, kk, k_ok, k, v, b, g, bg, row_ok, qi, slot = _pair_tile(
+                SKEY, ORDER, DOCPOS, K, V, p, p_end, chunk, n_bg, Tq, Tk, loaded, kk, k_ok, k, v, b, g, bg,
+                HKV, G, D, LB, N_SEL, QPB, QPB_PAD, BLOCK_M)
+            row = (b * Tq + qi) * H + g * G + hh
+            q, do, lse, delta = _bwd_rows(Q, DO, GATE, LSE, DELTA, row, row_ok, d, D, 1)
+            vis = row_ok[:, None] & k_ok[None, :] & (kk[None, :] <= (q_off + qi).to(tl.int32)[:, None])
+            s = tl.dot(q, tl.trans(k)) * sm_scale2
+            prob = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(v))
+            ds = prob * (dp - delta[:, None])
+            dq = tl.dot(ds.to(k.dtype), k) * scale
+            prow = ((bg * chunk_q + qi - c0) * N_SEL + slot) * G + hh
+            tl.store(DQPART + prow[:, None] * D + d[None, :], dq.to(DQPART.dtype.element_ty), mask=row_ok[:, None])
             p += cnt
 
     @triton.jit
@@ -580,52 +627,84 @@ def _sel_fwd(q, k, v, idx, doc_pos, params: NSAParams, scale):
     return o, lse
 
 
+def _sel_pair_index(idx, doc_pos, num_keys: int, sel_block_size: int, chunk_q: int):
+    """The (query, block) pairs of idx (B, Hkv, Tq, n') sorted by (query chunk of chunk_q queries, batch x KV head,
+    block first key); stable, so a block's queries come in increasing order. Returns (sorted keys, each pair's flat
+    index in idx, the chunks' pair offsets (n_chunks + 1,), n_chunks). int32 keys and indices where they fit; built
+    at the forward's or backward's peak, so temporaries are dropped early. Static shapes, no host synchronization."""
+    batch, num_kv, num_q, _ = idx.shape
+    n_bg = batch * num_kv
+    q_off = num_keys - num_q
+    n_chunks = _cdiv(num_q, chunk_q)
+    sentinel = n_chunks * n_bg * num_keys  # above every pair's key: unused slots sort last
+    key_dtype = torch.int32 if sentinel < 2**31 - 1 else torch.int64
+    start = (torch.arange(q_off, num_keys, device=idx.device) - doc_pos[:, q_off:]).to(key_dtype)  # (B, Tq)
+    chunk_of = (torch.arange(num_q, device=idx.device) // chunk_q).to(key_dtype).view(1, 1, num_q, 1)
+    bg = torch.arange(n_bg, device=idx.device, dtype=key_dtype).view(batch, num_kv, 1, 1)
+    key = (chunk_of * n_bg + bg) * num_keys + start[:, None, :, None] + idx.to(key_dtype) * sel_block_size
+    key = torch.where(idx >= 0, key, sentinel).flatten()
+    sorted_key, order = torch.sort(key, stable=True)
+    del key
+    order = order.to(torch.int32 if order.numel() < 2**31 - 1 else torch.int64)
+    chunk_off = torch.searchsorted(
+        sorted_key, torch.arange(n_chunks + 1, device=idx.device, dtype=key_dtype) * (n_bg * num_keys))
+    return sorted_key, order, chunk_off, n_chunks
+
+
 def _sel_fwd_pairs(q, k, v, idx, doc_pos, params: NSAParams, scale):
     """The selected forward over (query, block) pairs (launch_overrides(sel_fwd_pairs=True); the kernels' comment
     says when it pays): per chunk of queries, one pass over the chunk's pairs sorted by block, then the combine.
     Static shapes, no host synchronization. Returns (o (B, Tq, H, D), lse (B, Tq, H) base 2, +inf where none)."""
     batch, num_q, num_heads, head_dim, num_keys, num_kv, group = _launch_shapes(q, k)
     n_sel = idx.shape[-1]
-    lb = params.sel_block_size
-    q_off = num_keys - num_q
     n_bg = batch * num_kv
     o = torch.empty_like(q)
     lse = torch.empty(batch, num_q, num_heads, device=q.device, dtype=torch.float32)
     chunk_q = _sel_fwd_pair_queries(num_q, n_sel, head_dim, q.element_size())
-    n_chunks = _cdiv(num_q, chunk_q)
-    # (query, block) pairs sorted by (chunk, batch x KV head, block first key); stable, so a block's queries come
-    # in increasing order. int32 keys where they fit; built at the forward's peak, temporaries dropped early.
-    sentinel = n_chunks * n_bg * num_keys
-    key_dtype = torch.int32 if sentinel < 2**31 - 1 else torch.int64
-    start = (torch.arange(q_off, num_keys, device=q.device) - doc_pos[:, q_off:]).to(key_dtype)  # (B, Tq)
-    chunk_of = (torch.arange(num_q, device=q.device) // chunk_q).to(key_dtype).view(1, 1, num_q, 1)
-    bg = torch.arange(n_bg, device=q.device, dtype=key_dtype).view(batch, num_kv, 1, 1)
-    key = (chunk_of * n_bg + bg) * num_keys + start[:, None, :, None] + idx.to(key_dtype) * lb  # (B, Hkv, Tq, n')
-    key = torch.where(idx >= 0, key, sentinel).flatten()
-    sorted_key, order = torch.sort(key, stable=True)
-    del key
-    order = order.to(torch.int32 if order.numel() < 2**31 - 1 else torch.int64)
-    chunk_off = torch.searchsorted(
-        sorted_key, torch.arange(n_chunks + 1, device=q.device, dtype=key_dtype) * (n_bg * num_keys))
+    sorted_key, order, chunk_off, n_chunks = _sel_pair_index(idx, doc_pos, num_keys, params.sel_block_size, chunk_q)
     partial_rows = n_bg * chunk_q * n_sel * group
     o_part = torch.empty(partial_rows, head_dim, device=q.device, dtype=q.dtype)
     l_part = torch.empty(partial_rows, device=q.device, dtype=torch.float32)
     block_m, qpb, pairs, opts = _sel_fwd_pairs_launch(group, head_dim, q.device)
     n_programs = _cdiv(chunk_q * n_bg * n_sel, pairs)  # a chunk's pairs at most
+    meta = dict(H=num_heads, HKV=num_kv, G=group, D=head_dim, N_SEL=n_sel, QPB=qpb, BLOCK_M=block_m)
     for chunk in range(n_chunks):
         c0 = chunk * chunk_q
         _sel_fwd_pairs_kernel[(n_programs,)](
             q, k, v, sorted_key, order, chunk_off, doc_pos, o_part, l_part,
-            chunk, c0, chunk_q, n_bg, num_q, num_keys, q_off, scale * _LOG2E,
-            H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=lb, N_SEL=n_sel, QPB=qpb, QPB_PAD=_next_pow2(qpb),
-            BLOCK_M=block_m, PAIRS=pairs, **opts,
+            chunk, c0, chunk_q, n_bg, num_q, num_keys, num_keys - num_q, scale * _LOG2E,
+            LB=params.sel_block_size, QPB_PAD=_next_pow2(qpb), PAIRS=pairs, **meta, **opts,
         )
         _sel_fwd_pairs_combine_kernel[(_cdiv(min(chunk_q, num_q - c0), qpb), n_bg)](
-            idx, o_part, l_part, o, lse, c0, chunk_q, num_q,
-            H=num_heads, HKV=num_kv, G=group, D=head_dim, N_SEL=n_sel, N_PAD=_next_pow2(n_sel), QPB=qpb,
-            BLOCK_M=block_m, num_warps=4,
+            idx, o_part, l_part, o, lse, c0, chunk_q, num_q, N_PAD=_next_pow2(n_sel), num_warps=4, **meta,
         )
     return o, lse
+
+
+def _sel_dq_pairs(q, k, v, idx, doc_pos, do, gates, lse, delta, dq_intervals, params: NSAParams, scale, reduce):
+    """dQ (B, Tq, H, D) in q's dtype: the interval branches' fp32 dQ plus the selected branch's, formed pair by pair
+    (launch_overrides(sel_dq_pairs=True)): per chunk of queries (as the block-outer forward's), _sel_dq_pairs_kernel
+    stores each pair's share at its (query, slot), then `reduce(partials, c0, chunk_q)` (nsa_triton_dq's) adds a
+    query's shares to its interval dQ in slot order (deterministic)."""
+    batch, num_q, num_heads, head_dim, num_keys, num_kv, group = _launch_shapes(q, k)
+    n_sel = idx.shape[-1]
+    n_bg = batch * num_kv
+    chunk_q = _sel_fwd_pair_queries(num_q, n_sel, head_dim, q.element_size())
+    sorted_key, order, chunk_off, n_chunks = _sel_pair_index(idx, doc_pos, num_keys, params.sel_block_size, chunk_q)
+    partials = torch.empty(n_bg * chunk_q * n_sel * group, head_dim, device=q.device, dtype=q.dtype)
+    block_m, qpb, pairs, opts = _sel_fwd_pairs_launch(group, head_dim, q.device)
+    n_programs = _cdiv(chunk_q * n_bg * n_sel, pairs)
+    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    for chunk in range(n_chunks):
+        c0 = chunk * chunk_q
+        _sel_dq_pairs_kernel[(n_programs,)](
+            q, k, v, do, gates, lse, delta, sorted_key, order, chunk_off, doc_pos, partials,
+            chunk, c0, chunk_q, n_bg, num_q, num_keys, num_keys - num_q, scale * _LOG2E, scale,
+            H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=params.sel_block_size, N_SEL=n_sel, QPB=qpb,
+            QPB_PAD=_next_pow2(qpb), BLOCK_M=block_m, PAIRS=pairs, **opts,
+        )
+        reduce(partials, idx, dq_intervals, dq, c0, chunk_q)
+    return dq
 
 
 def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: NSAParams, scale, dq_accum=None,

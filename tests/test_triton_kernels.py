@@ -57,6 +57,7 @@ _KNOB_IDS = {
     "sel_dkdv_all_masked": lambda c: "seldkdvmasked" if c["sel_dkdv_all_masked"] else "seldkdvsplit",
     "sel_causal_every_block": lambda c: "selcausalall" if c["sel_causal_every_block"] else "selcausalsplit",
     "sel_fwd_pairs": lambda c: "selfwdpairs" if c["sel_fwd_pairs"] else "selfwdunion",
+    "sel_dq_pairs": lambda c: "seldqpairkernel" if c["sel_dq_pairs"] else "seldqnopairkernel",
     "sel_fwd_pair_queries": lambda c: f"chunk{c['sel_fwd_pair_queries']}queries",
     "sel_dkdv_chunk_pairs": lambda c: f"chunk{c['sel_dkdv_chunk_pairs']}pairs" if c["sel_dkdv_chunk_pairs"] else "pertile",
     "arch": lambda c: f"sm{c['arch']}",
@@ -155,6 +156,12 @@ CPU_CASES = [
     # poisoned with NaN, so the slots of unused blocks must be skipped)
     *[dict(case, sel_dq_in_dkdv=True) for case in _PAIR_DQ_CASES],
     *[dict(case, sel_dq_partials=True) for case in _PAIR_DQ_CASES],
+    # ... and by a block-outer kernel of its own (sel_dq_pairs=True: the forward's pair walk, 3 dots per pair tile,
+    # partials per chunk of queries summed in slot order), every other case in chunks of 13 queries, two of them
+    # with the block-outer forward too (the whole block-outer path). Halving the kernel's dQ takes dq's error to
+    # ~0.3 (tried)
+    *[dict(case, sel_dq_pairs=True, sel_fwd_pair_queries=13 if i % 2 else None,
+           sel_fwd_pairs=True if i in (1, 4) else None) for i, case in enumerate(_PAIR_DQ_CASES)],
     # the block-outer selected forward (launch_overrides(sel_fwd_pairs=True)): each (query, block) pair's partial
     # softmax, merged per query by a combine kernel; queries in chunks (sel_fwd_pair_queries) so that tiles are cut
     # by chunk ends too. Alone against the branch's definition (tests/triton_helpers.selected_branch_torch) on random
@@ -522,10 +529,11 @@ GPU_CASES = [
     dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_dq_partials=True, sel_split=[256, 4, 64]),
     # the default selected dQ with block 0 (4,097 pairs) split over 16 programs: bench/gpu_session.sh's sel_split2k
     dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_split=[2048, 16, 64]),
-    # the block-outer selected forward (sel_fwd_pairs) at the real sizes, in its default chunks
-    dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_fwd_pairs=True),
-    dict(B=2, T=1000, H=16, Hkv=1, D=64, layout="varlen", sel_fwd_pairs=True),
-    dict(B=1, T=2048, H=8, Hkv=1, D=128, layout="pad", sel_fwd_pairs=True),
+    # the block-outer selected forward (sel_fwd_pairs) and dQ (sel_dq_pairs) at the real sizes, in their default
+    # chunks
+    dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_fwd_pairs=True, sel_dq_pairs=True),
+    dict(B=2, T=1000, H=16, Hkv=1, D=64, layout="varlen", sel_fwd_pairs=True, sel_dq_pairs=True),
+    dict(B=1, T=2048, H=8, Hkv=1, D=128, layout="pad", sel_fwd_pairs=True, sel_dq_pairs=True),
 ]
 for _c in GPU_CASES:
     _c.setdefault("dtype", "bfloat16")

@@ -85,13 +85,19 @@ def test_the_session_pending_step_times_the_chunked_selected_dkdv_against_the_pe
     script = (Path(__file__).resolve().parent.parent / "bench" / "gpu_session.sh").read_text()
     step = script.split("    pending)", 1)[1].split(";;", 1)[0].replace("\\\n", " ")
     variants = [tk.parse_variant(v) for v in step.split("--variants", 1)[1].split("--cases", 1)[0].split()]
-    assert [name for name, _ in variants] == ["default", "sel_dkdv_pertile", "sel_fwd_pairs"], variants
+    assert [name for name, _ in variants] == ["default", "sel_dkdv_pertile", "sel_fwd_pairs", "sel_dq_pairs",
+                                              "block_outer"], variants
     assert launch._sel_dkdv_chunk_tiles(6, 10, 64, "cpu") == 25  # the default (the CPU counts as sm_90)
     with launch.launch_overrides(**variants[1][1]):
         assert launch._sel_dkdv_chunk_tiles(6, 10, 64, "cpu") == 0
     assert not launch._OVERRIDES.sel_fwd_pairs
     with launch.launch_overrides(**variants[2][1]):
         assert launch._OVERRIDES.sel_fwd_pairs
+    assert launch._sel_dq_mode() == "union"
+    with launch.launch_overrides(**variants[3][1]):
+        assert launch._sel_dq_mode() == "pairs" and not launch._OVERRIDES.sel_fwd_pairs
+    with launch.launch_overrides(**variants[4][1]):
+        assert launch._sel_dq_mode() == "pairs" and launch._OVERRIDES.sel_fwd_pairs
     cases = [tk.parse_case(c) for c in step.split("--cases", 1)[1].split()]
     assert all(c[3] * c[4] == 65536 for c in cases) and {c[5] for c in cases} == {"random", "correlated"}
 

@@ -140,8 +140,8 @@ _VARIANTS = {
     "topnquerymajor": dict(topn_query_major=True),
     # the selected dK/dV with every pair tile masked (the default splits off the tiles that see whole blocks)
     "seldkdvmasked": dict(sel_dkdv_all_masked=True),
-    # the block-outer selected forward (pair tiles and the combine of their partials)
-    "selfwdpairs": dict(sel_fwd_pairs=True),
+    # the block-outer selected forward (pair tiles and the combine of their partials) and dQ (its own pair kernel)
+    "selfwdpairs": dict(sel_fwd_pairs=True, sel_dq_pairs=True),
 }
 SCENARIOS.update({f"{shape}-{variant}": _scenario(**args, overrides=overrides)
                   for variant, overrides in _VARIANTS.items() for shape, args in _VARIANT_SHAPES.items()})
