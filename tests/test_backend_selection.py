@@ -289,6 +289,21 @@ def test_selected_dkdv_chunks_where_they_pipeline(monkeypatch, capability):
         assert launch._sel_dkdv_chunk_tiles(6, 10, 64, "cpu") == 0
 
 
+@pytest.mark.parametrize("num_q, n_sel, head_dim, element_size", [(65536, 16, 64, 2), (8192, 16, 128, 2),
+                                                                   (100, 4, 16, 4), (1, 16, 64, 2), (3, 1, 64, 2)])
+def test_block_outer_chunks_keep_their_partials_within_twice_q(num_q, n_sel, head_dim, element_size):
+    """The block-outer schedules' query chunks: a chunk's partials (per query and head n' slots of an output row and
+    an fp32 log-sum-exp) stay within twice q's bytes per head, so the extra memory does not grow with n'; one
+    query more would not fit (where the chunk is not the whole sequence); at least one query; the override wins."""
+    chunk = launch._sel_fwd_pair_queries(num_q, n_sel, head_dim, element_size)
+    per_query = n_sel * (head_dim * element_size + 4)
+    budget = 2 * num_q * head_dim * element_size
+    assert 1 <= chunk <= num_q
+    assert chunk == num_q or (chunk * per_query <= budget < (chunk + 1) * per_query)
+    with tri.launch_overrides(sel_fwd_pair_queries=7):
+        assert launch._sel_fwd_pair_queries(num_q, n_sel, head_dim, element_size) == min(7, num_q)
+
+
 def test_launch_overrides_reach_the_launchers_for_the_block_only_and_name_the_valid_choices():
     # G = 6, head_dim 64: the selected tile is 64 rows by default, 32 rows forced, and the default again after
     default = launch._sel_rows_per_program(6, 64)
