@@ -378,15 +378,19 @@ def pair_tiles(idx, doc_pos, sel_block_size: int, queries_per_tile: int) -> int:
     return int(((counts + queries_per_tile - 1) // queries_per_tile).sum())
 
 
-def scheduled_work(config_or_params, idx, doc_pos, head_dim: int, schedule: Schedule,
+def scheduled_work(config_or_params, idx, doc_pos, shape: tuple[int, int, int, int, int], schedule: Schedule,
                    ideal: list[KernelWork], repeat: float = 1.0) -> dict[str, KernelWork]:
     """The selected kernels' work as scheduled (the section's comment), for the selections idx of the timed
-    inputs, beside `ideal` (kernel_work's rows for the same shapes). Bytes: the tiles' block (and row) loads, at
-    the dtypes the launchers read them, plus the ideal count of every other input and output. repeat: the union
-    visits and pair tiles counted on idx stand for that many times theirs (idx a sample of the queries)."""
+    inputs, beside `ideal` (kernel_work's rows for the same shape, (B, T, H, Hkv, D)). Bytes: the loads the tiles
+    make in place of reading their inputs once (K and V per union block visit; q, dO, lse and delta per pair tile
+    row), at the dtypes the launchers read them, plus the ideal count of every other input and output. repeat: the
+    union visits and pair tiles counted on idx stand for that many times theirs (idx a sample of the queries)."""
     p = nsa_params(config_or_params)
-    lb, D = p.sel_block_size, head_dim
+    B, T, H, Hkv, D = shape
+    lb = p.sel_block_size
     block_kv = 2 * lb * D * BF16  # one block's K and V
+    kv_once = 2 * B * T * Hkv * D * BF16  # k_slc and v_slc read once, as kernel_work counts them
+    rows_once = B * T * H * (2 * D * BF16 + 2 * FP32)  # q, dO (bf16), lse, delta (fp32) read once
     by_name = {w.name: w for w in ideal}
     out = {}
     for name, dots in (("sel_fwd", 2), ("dq", 3)):
@@ -399,13 +403,14 @@ def scheduled_work(config_or_params, idx, doc_pos, head_dim: int, schedule: Sche
         if name == "dq":  # plus the interval branches' share of the fused dQ, counted as in kernel_work
             flops += w.flops - 6 * D * sel_ideal
             exps += w.exps - sel_ideal
-        out[name] = KernelWork(name, w.phase, w.pairs, flops, exps, w.bytes_read + visits * block_kv, w.bytes_written)
+        out[name] = KernelWork(name, w.phase, w.pairs, flops, exps, w.bytes_read - kv_once + visits * block_kv,
+                               w.bytes_written)
     block_m, qpb = schedule.sel_dkdv
     tiles = round(pair_tiles(idx, doc_pos, lb, qpb) * repeat)
     w = by_name["sel_dkdv"]
     rows = tiles * block_m  # q and dO rows (bf16) with their lse and delta (fp32), read per pair tile
     out["sel_dkdv"] = KernelWork("sel_dkdv", w.phase, w.pairs, tiles * 4 * 2 * block_m * lb * D, tiles * block_m * lb,
-                                 w.bytes_read + rows * (2 * D * BF16 + 2 * FP32), w.bytes_written)
+                                 w.bytes_read - rows_once + rows * (2 * D * BF16 + 2 * FP32), w.bytes_written)
     return out
 
 
@@ -711,7 +716,7 @@ def run_gpu(args, params):
             scheduled = None
             if schedule is not None:  # the selections the timed step made (the top-n is deterministic)
                 idx = ba.tri.select_blocks_triton(x["q"], x["k_cmp"], cmp_end, doc_pos, params)
-                scheduled = scheduled_work(params, idx, doc_pos, D, schedule, works)
+                scheduled = scheduled_work(params, idx, doc_pos, (B, T, H, Hkv, D), schedule, works)
                 del idx
             del x, do
             torch.cuda.empty_cache()
@@ -819,7 +824,7 @@ def sampled_scheduled_work(params, B, T, H, Hkv, D, num_queries: int, works: lis
     idx = selection_tiles.selections(T, H, Hkv, D, sampled, "random", torch.Generator().manual_seed(0))[None]
     doc_pos = torch.arange(T).view(1, T)
     schedule = launcher_schedule(H // Hkv, D, params.sel_num_blocks, "cpu")  # sm_90's (the interpreter's) tiles
-    return scheduled_work(params, idx, doc_pos, D, schedule, works, repeat=B * T / sampled), sampled
+    return scheduled_work(params, idx, doc_pos, (B, T, H, Hkv, D), schedule, works, repeat=B * T / sampled), sampled
 
 
 def parse_ceilings(text: str) -> tuple[float, float, float | None]:

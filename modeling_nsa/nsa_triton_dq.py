@@ -202,7 +202,7 @@ if triton is not None:
     # The selected dQ from per-pair partials (sel_dq_partials)
     # ------------------------------------------------------------------------------------------
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["c0"])
     def _sel_dq_reduce_kernel(DQP, IDX, DQ_IN, DQ_OUT, Tq, c0, chunk_q,
                               H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                               N_SEL: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr):

@@ -400,9 +400,11 @@ if triton is not None:
         """The pair tile starting at sorted pair p: up to QPB pairs of one block (it ends where the block does), the
         block's keys kk, k_ok and K, V (loaded when the block differs from the one `loaded` names, else carried),
         and per row (query x head) whether it is a pair's, its query and slot. SKEY: the pairs' sort keys ((chunk x
-        n_bg + batch x KV head) x Tk + block first key); ORDER: each pair's flat index in idx. Positions and pair
-        indices stay int32 where the launcher keeps them so: an int64 division costs about a hundred instructions,
-        and a tile does little else per element than its dots and exponentials."""
+        n_bg + batch x KV head) x Tk + block first key); ORDER: each pair's flat index in idx. Key positions and
+        the pair indices' divisions stay int32 where the launcher keeps them so (an int64 division costs about a
+        hundred instructions, and a tile does little else per element than its dots and exponentials); a row's
+        query comes out int64 (it addresses rows). The launches take chunk and c0 unspecialized: one compile for
+        every chunk."""
         e = tl.arange(0, QPB_PAD)
         key0 = tl.load(SKEY + p)
         keys = tl.load(SKEY + p + e, mask=(e < QPB) & (p + e < p_end), other=-1)
@@ -433,7 +435,7 @@ if triton is not None:
         return (tl.full([], -1, SKEY.dtype.element_ty), kk, kk < 0, tl.zeros([LB, D], dtype=K.dtype.element_ty),
                 tl.zeros([LB, D], dtype=V.dtype.element_ty), b, b, b)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["chunk", "c0"])
     def _sel_fwd_pairs_kernel(
         Q, K, V, SKEY, ORDER, CHUNK_OFF, DOCPOS, OPART, LPART,
         chunk, c0, chunk_q, n_bg, Tq, Tk, q_off, sm_scale2,
@@ -462,10 +464,13 @@ if triton is not None:
             out = tl.dot(prob.to(v.dtype), v) / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
             prow = ((bg * chunk_q + qi - c0) * N_SEL + slot) * G + hh
             tl.store(OPART + prow[:, None] * D + d[None, :], out.to(OPART.dtype.element_ty), mask=row_ok[:, None])
-            tl.store(LPART + prow, m_safe + tl.log2(tl.where(l_sum > 0, l_sum, 1.0)), mask=row_ok)
+            # -inf where no key of the block is visible (the combine then gives it no weight; a block the top-n
+            # lists always has one, its first key being at or before the query)
+            tl.store(LPART + prow, tl.where(l_sum > 0, m_safe + tl.log2(tl.where(l_sum > 0, l_sum, 1.0)),
+                                            float("-inf")), mask=row_ok)
             p += cnt
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["chunk", "c0"])
     def _sel_dq_pairs_kernel(
         Q, K, V, DO, GATE, LSE, DELTA, SKEY, ORDER, CHUNK_OFF, DOCPOS, DQPART,
         chunk, c0, chunk_q, n_bg, Tq, Tk, q_off, sm_scale2, scale,
@@ -496,7 +501,7 @@ if triton is not None:
             tl.store(DQPART + prow[:, None] * D + d[None, :], dq.to(DQPART.dtype.element_ty), mask=row_ok[:, None])
             p += cnt
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["c0"])
     def _sel_fwd_pairs_combine_kernel(
         IDX, OPART, LPART, O, LSE, c0, chunk_q, Tq,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, N_SEL: tl.constexpr,
@@ -684,8 +689,8 @@ def _sel_fwd_pairs(q, k, v, idx, doc_pos, params: NSAParams, scale):
 def _sel_dq_pairs(q, k, v, idx, doc_pos, do, gates, lse, delta, dq_intervals, params: NSAParams, scale, reduce):
     """dQ (B, Tq, H, D) in q's dtype: the interval branches' fp32 dQ plus the selected branch's, formed pair by pair
     (launch_overrides(sel_dq_pairs=True)): per chunk of queries (as the block-outer forward's), _sel_dq_pairs_kernel
-    stores each pair's share at its (query, slot), then `reduce(partials, c0, chunk_q)` (nsa_triton_dq's) adds a
-    query's shares to its interval dQ in slot order (deterministic)."""
+    stores each pair's share at its (query, slot), then `reduce(partials, idx, dq_intervals, dq, c0, chunk_q)`
+    (nsa_triton_dq._sel_dq_reduce_chunk) adds a query's shares to its interval dQ in slot order (deterministic)."""
     batch, num_q, num_heads, head_dim, num_keys, num_kv, group = _launch_shapes(q, k)
     n_sel = idx.shape[-1]
     n_bg = batch * num_kv

@@ -244,19 +244,21 @@ def test_scheduled_work_counts_the_tiles_math_and_loads():
     ideal = kf.kernel_work(p, B, T, H, Hkv, D)
     by_name = {w.name: w for w in ideal}
     schedule = kf.Schedule(sel_fwd=(16, 2), dq=(32, 3), sel_dkdv=(16, 3))
-    work = kf.scheduled_work(p, idx, doc_pos, D, schedule, ideal)
+    work = kf.scheduled_work(p, idx, doc_pos, (B, T, H, Hkv, D), schedule, ideal)
     # first keys in units of l' = 16 here: q0 {0}, q1 {0, 16}, q2 {16, 0}, q3 {3}, q4 {3}, q5 {19}
     fwd_visits, dq_visits = 2 + 3 + 2, 2 + 2
     assert work["sel_fwd"].flops == fwd_visits * 2 * 2 * 16 * lb * D
     assert work["sel_fwd"].exps == fwd_visits * 16 * lb
-    assert work["sel_fwd"].bytes_read == by_name["sel_fwd"].bytes_read + fwd_visits * 2 * lb * D * 2
+    kv_once = 2 * B * T * Hkv * D * 2  # k_slc, v_slc read once in the ideal count, per visit as scheduled
+    assert work["sel_fwd"].bytes_read == by_name["sel_fwd"].bytes_read - kv_once + fwd_visits * 2 * lb * D * 2
     sel_pairs = by_name["sel_fwd"].pairs
     assert work["dq"].flops == dq_visits * 3 * 2 * 32 * lb * D + by_name["dq"].flops - 6 * D * sel_pairs
     assert work["dq"].exps == dq_visits * 32 * lb + by_name["dq"].exps - sel_pairs
     tiles = 4  # blocks 0 (3 pairs), 16 (2), 3 (2), 19 (1) in tiles of 3 queries
     assert work["sel_dkdv"].flops == tiles * 4 * 2 * 16 * lb * D
-    assert work["sel_dkdv"].bytes_read == by_name["sel_dkdv"].bytes_read + tiles * 16 * (2 * D * 2 + 2 * 4)
-    assert kf.scheduled_work(p, idx, doc_pos, D, schedule, ideal, repeat=2.0)["sel_fwd"].flops == \
+    rows_once = B * T * H * (2 * D * 2 + 2 * 4)  # q, dO, lse, delta once (ideal), per pair tile row (scheduled)
+    assert work["sel_dkdv"].bytes_read == by_name["sel_dkdv"].bytes_read - rows_once + tiles * 16 * (2 * D * 2 + 2 * 4)
+    assert kf.scheduled_work(p, idx, doc_pos, (B, T, H, Hkv, D), schedule, ideal, repeat=2.0)["sel_fwd"].flops == \
         2 * work["sel_fwd"].flops
     rows = kf.table_rows(ideal, (1e-6, 1e-3, 1e-6), dict(sel_fwd=2.0), scheduled=work, l2_gbps=2e-3)
     row = {r["kernel"]: r for r in rows}["sel_fwd"]
