@@ -59,14 +59,21 @@ def _attention_modules(model):
     return [m for m in model.modules() if type(m).__name__ == "NSAAttention"]
 
 
+def _model_code(model):
+    """(the module defining the model's NSAAttention, its package): this project's modeling_nsa, or a checkpoint's
+    remote copy, whose sibling modules (reference, kernels) are the ones to use."""
+    code = sys.modules[type(_attention_modules(model)[0]).__module__]
+    return code, code.__package__ or "modeling_nsa"
+
+
 @contextmanager
-def _recording_seam(model, sink: dict, use_kernels: bool):
+def _recording_seam(model, sink: dict, selected_by: set, use_kernels: bool):
     """While active, every NSAAttention's call of its module's `nsa_attention` seam records (gates, block
-    indices, doc_pos) in `sink[layer_idx]`; the call itself runs unchanged. use_kernels: the selection by the
-    Triton kernels' top-n, else (or where they refuse the parameters) by the reference."""
+    indices, doc_pos) in `sink[layer_idx]` and which selection ran ("triton" or "reference") in `selected_by`; the
+    call itself runs unchanged. use_kernels: the selection by the Triton kernels' top-n, else (or where they
+    refuse the parameters) by the reference."""
     modules = _attention_modules(model)
-    code = sys.modules[type(modules[0]).__module__]  # this project's modeling_nsa, or a checkpoint's remote copy
-    package = code.__package__ or "modeling_nsa"
+    code, package = _model_code(model)
     try:
         reference = importlib.import_module(".nsa_reference", package).nsa_attention_reference
     except ImportError:
@@ -83,13 +90,13 @@ def _recording_seam(model, sink: dict, use_kernels: bool):
         if use_kernels and kernels is not None and a["q"].shape[1] == a["doc_pos"].shape[1]:
             try:
                 indices = kernels(a["q"], a["k_cmp"], a["cmp_end"], a["doc_pos"], a["params"])
-                sink["selection_by"] = "triton"
+                selected_by.add("triton")
                 return indices
             except ValueError:  # parameters the kernels do not handle (they say which): the reference
                 pass
         _, indices = reference(a["q"], a["k_cmp"], a["v_cmp"], a["cmp_end"], a["k_slc"], a["v_slc"], a["k_win"],
                                a["v_win"], a["gates"], a["doc_pos"], a["params"], return_block_indices=True)  # fmt: skip
-        sink["selection_by"] = "reference"
+        selected_by.add("reference")
         return indices
 
     def record(*args, **kwargs):
@@ -114,7 +121,7 @@ def _kernels_select(model) -> bool:
     """Whether the statistics' selection runs on the Triton kernels (whole rows): where the model's own layers
     run them (its nsa_backend resolved on its device by the model's code: a CUDA GPU under 'auto') and they handle
     its NSA parameters (else the layers run the reference too, whose T x T scores need the cut rows)."""
-    package = sys.modules[type(_attention_modules(model)[0]).__module__].__package__ or "modeling_nsa"
+    _, package = _model_code(model)
     try:
         backend = importlib.import_module(".nsa_backend", package)
         kernels = importlib.import_module(".nsa_triton", package)
@@ -129,7 +136,6 @@ def _kernels_select(model) -> bool:
     return runs_kernels and not kernels.triton_unsupported_reason(params, model.config.head_dim, device)
 
 
-@torch.no_grad()
 def capture_selections(model, batch: dict, max_rows: int = 2, max_len: int | None = None) -> list[LayerSelection]:
     """Run the model once on (at most `max_rows` rows of) `batch` and return every NSA layer's gates and selected
     blocks. Rows are cut to `max_len` tokens (default: whole rows where the kernels select, REFERENCE_MAX_LEN
@@ -150,15 +156,16 @@ def _capture(model, batch: dict, max_rows: int, max_len: int | None) -> tuple[li
     inputs = {k: v[:max_rows, :max_len].to(device) for k, v in batch.items()
               if k in ("input_ids", "position_ids", "attention_mask") and v is not None}  # fmt: skip
     sink: dict = {}
+    selected_by: set = set()
     was_training = model.training
     model.eval()
     with torch.no_grad():
         try:
-            with _recording_seam(model, sink, use_kernels):
+            with _recording_seam(model, sink, selected_by, use_kernels):
                 model(**inputs, use_cache=False)
         finally:
             model.train(was_training)
-    by = sink.pop("selection_by", None)
+    by = "+".join(sorted(selected_by)) or None  # one name unless layers differed
     missing = [m.layer_idx for m in _attention_modules(model) if m.layer_idx not in sink]
     if missing:
         raise RuntimeError(f"compute_selection_stats: layers {missing} did not call the nsa_attention seam of "
@@ -297,8 +304,9 @@ def format_stats(stats: dict) -> str:
 
 def card_section(stats: dict) -> str:
     """A model card's summary: the per-layer table and what it was measured on."""
-    by = {"triton": ", selection by the Triton kernels' top-n", "reference": ", selection by the reference"}.get(
-        stats.get("selection_by"), "")
+    by = {"triton": ", selection by the Triton kernels' top-n", "reference": ", selection by the reference",
+          "reference+triton": ", selection by the Triton kernels' top-n in some layers and the reference in others",
+          }.get(stats.get("selection_by"), "")
     return (f"### Gates and selection\n\nMeasured on {stats['rows']} row(s) of {stats['seq_len']} tokens{by} "
             f"(`nsa_train.selection_stats`).\n\n{format_stats(stats)}\n")  # fmt: skip
 
