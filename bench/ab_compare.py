@@ -486,6 +486,10 @@ def main(argv=None) -> dict:
         if args.jobs < 1:
             p.error(f"--jobs {args.jobs}: give at least 1.")
         run_dirs = train_runs(out, args.seeds, args.modes, train_flags, shlex.split(args.launcher), jobs=args.jobs)
+        if len(run_dirs) < 2:  # one mode and one seed: a run to compare later with --runs, nothing to compare now
+            print(f"trained one run ({run_dirs[0]}); compare it with others: python bench/ab_compare.py --out DIR "
+                  f"--runs {run_dirs[0]} OTHER_RUN ...")
+            return {"runs": [str(d) for d in run_dirs]}
     return write_comparison(run_dirs, out)
 
 

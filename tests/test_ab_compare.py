@@ -106,6 +106,19 @@ def test_jobs_train_side_by_side_with_the_same_results(ab, tmp_path):
         ab_compare.main(["--out", str(tmp_path / "x"), "--jobs", "0", "--", *train_flags(data_file)])
 
 
+def test_one_run_trains_without_a_comparison_and_compares_later(ab, tmp_path, capsys):
+    """--modes nsa with one seed (a seed added to a finished comparison): the run trains and the command says how to
+    compare it, instead of failing after the training; then --runs compares it with the earlier runs."""
+    out, data_file, _ = ab
+    one = ab_compare.main(["--out", str(tmp_path / "one"), "--seeds", "4", "--modes", "nsa", "--",
+                           *train_flags(data_file)])
+    assert one == {"runs": [str(tmp_path / "one" / "nsa-seed4")]} and "--runs" in capsys.readouterr().out
+    assert not (tmp_path / "one" / "ab_compare.md").exists()
+    again = ab_compare.main(["--out", str(tmp_path / "all"), "--runs", str(out / "nsa-seed3"), str(out / "dense-seed3"),
+                             one["runs"][0]])
+    assert sorted(r["seed"] for r in again["runs"] if r["mode"] == "nsa") == [3, 4]
+
+
 def test_seed_spread_and_the_verdict():
     runs = [fake_run("nsa", 0, [5.0, 4.0, 3.10]), fake_run("nsa", 1, [5.1, 4.1, 3.14]),
             fake_run("dense", 0, [5.0, 3.9, 3.00]), fake_run("dense", 1, [5.2, 4.0, 3.06])]  # fmt: skip
