@@ -231,15 +231,20 @@ def layer_statistics(gates: torch.Tensor, block_indices: torch.Tensor, doc_pos: 
         "forced_share": int(forced.sum()) / max(1, total),
     })  # fmt: skip
 
-    # neighbouring queries t, t + 1 of one document, per KV group: their sets of blocks
-    member = torch.zeros(*idx.shape[:3], num_blocks + 1, dtype=torch.bool)
-    member.scatter_(-1, torch.where(chosen, idx, num_blocks), True)
-    member = member[..., :num_blocks]  # (B, Hkv, T, Nb)
+    # neighbouring queries t, t + 1 of one document, per KV group: the blocks both chose, compared slot against slot
+    # (a query's blocks are distinct), in chunks of queries: memory O(T n'^2 / chunks), not O(T x blocks), which
+    # was about 270 MB of booleans per layer at 64k tokens
     start = torch.arange(doc_pos.shape[1])[None, :] - doc_pos  # a document's first index, per token
     pair = valid_q[:, :-1] & valid_q[:, 1:] & (start[:, :-1] == start[:, 1:])  # (B, T - 1)
-    both = (member[:, :, :-1] & member[:, :, 1:]).sum(-1).double()  # (B, Hkv, T - 1)
-    either = (member[:, :, :-1] | member[:, :, 1:]).sum(-1).double()
-    later = member[:, :, 1:].sum(-1).double()
+    this = torch.where(chosen, idx, -1)[:, :, :-1]  # (B, Hkv, T - 1, n'), unused -1 ...
+    after = torch.where(chosen, idx, -2)[:, :, 1:]  # ... and -2 here, so unused slots never match
+    chunk = max(1, (1 << 22) // max(1, idx.shape[0] * idx.shape[1] * idx.shape[-1] ** 2))
+    both = torch.cat([(this[:, :, i:i + chunk, :, None] == after[:, :, i:i + chunk, None, :]).any(-2).sum(-1)
+                      for i in range(0, this.shape[2], chunk)], dim=2).double() if this.shape[2] else \
+        this.new_zeros(this.shape[:3]).double()  # (B, Hkv, T - 1)
+    count = chosen.sum(-1).double()  # (B, Hkv, T) blocks per query
+    later = count[:, :, 1:]
+    either = count[:, :, :-1] + later - both
     pair = pair[:, None, :].expand_as(both)
     out["neighbour_pairs"] = int(pair.sum())
     out["neighbour_overlap"] = float((both / later.clamp(min=1))[pair].mean()) if pair.any() else math.nan
