@@ -1,6 +1,7 @@
 """Peak memory of the Triton NSA op's forward + backward, by allocation accounting on CPU (no GPU needed).
 
     python bench/memory_cpu.py [--lengths 2048 65536] [--tokens 65536] [--layouts 12,2,64 16,1,64]
+                               [--variants default block_outer:sel_fwd_pairs=1,sel_dq_pairs=1]
 
 Runs the op's host code exactly as bench_attention.py's training step does (B*T tokens, bf16, the 125M
 and fla head layouts; autograd.grad of the output) with every Triton kernel replaced by a no-op that
@@ -116,15 +117,24 @@ def main():
     ap.add_argument("--lengths", type=int, nargs="*", default=[2048, 65536])
     ap.add_argument("--tokens", type=int, default=65536)
     ap.add_argument("--layouts", nargs="*", default=["12,2,64", "16,1,64"], help="q heads,kv heads,head_dim")
+    ap.add_argument("--variants", nargs="*", default=["default"],
+                    help="launch variants as bench/tune_kernels.py names them (name:knob=value,...; 'default': none)")
     args = ap.parse_args()
-    print("| layout | T | B | NSA fwd+bwd peak MiB (CPU allocation accounting) |")
-    print("|---|---|---|---|")
+    sys.path.insert(0, str(ROOT / "bench"))
+    from tune_kernels import parse_variant
+
+    variants = [parse_variant(v) for v in args.variants]
+    print("| layout | T | B | variant | NSA fwd+bwd peak MiB (CPU allocation accounting) |")
+    print("|---|---|---|---|---|")
     for spec in args.layouts:
         heads, kv_heads, head_dim = (int(x) for x in spec.split(","))
         for seq_len in args.lengths:
             batch = max(1, args.tokens // seq_len)
-            mib = step_peak(batch, seq_len, heads, kv_heads, head_dim).peak / 2**20
-            print(f"| {heads} q / {kv_heads} kv, d{head_dim} | {seq_len} | {batch} | {mib:.0f} |", flush=True)
+            for name, settings in variants:
+                with tri.launch_overrides(**settings):
+                    mib = step_peak(batch, seq_len, heads, kv_heads, head_dim).peak / 2**20
+                print(f"| {heads} q / {kv_heads} kv, d{head_dim} | {seq_len} | {batch} | {name} | {mib:.0f} |",
+                      flush=True)
 
 
 if __name__ == "__main__":

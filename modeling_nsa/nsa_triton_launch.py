@@ -196,15 +196,16 @@ def _sel_fwd_opts(head_dim: int, device) -> dict:
     return opts
 
 
-def _sel_fwd_pair_queries(num_q: int, n_sel: int, head_dim: int, element_size: int) -> int:
-    """Queries per chunk of the block-outer selected forward: as many as keep the chunk's partials (per query, head
-    and slot an output row in q's dtype and an fp32 log-sum-exp) within twice q's own size, so the forward's extra
-    memory stays twice its input whatever n' is: 2 Tq D s / (n' (D s + 4)) queries, about Tq / 8 at n' = 16.
-    launch_overrides(sel_fwd_pair_queries=N) forces N."""
+def _sel_fwd_pair_queries(num_q: int, n_sel: int, head_dim: int, element_size: int, q_sizes: float = 2.0) -> int:
+    """Queries per chunk of the block-outer selected schedules: as many as keep the chunk's partials (per query, head
+    and slot an output row in q's dtype and an fp32 log-sum-exp) within q_sizes times q's own size, so the extra
+    memory stays that multiple of the input whatever n' is: q_sizes Tq D s / (n' (D s + 4)) queries, about Tq / 8
+    at n' = 16 for the forward's 2 (its partials live below the backward's peak) and Tq / 16 for the dQ's 1 (they
+    add to it: bench/memory_cpu.py). launch_overrides(sel_fwd_pair_queries=N) forces N for both."""
     if _OVERRIDES.sel_fwd_pair_queries:
         return max(1, min(num_q, _OVERRIDES.sel_fwd_pair_queries))
     per_query = n_sel * (head_dim * element_size + 4)  # partial bytes per (query, head)
-    return max(1, min(num_q, 2 * num_q * head_dim * element_size // per_query))
+    return max(1, min(num_q, int(q_sizes * num_q * head_dim * element_size) // per_query))
 
 
 def _sel_fwd_pairs_launch(group: int, head_dim: int, device) -> tuple[int, int, int, dict]:

@@ -687,19 +687,20 @@ def _sel_fwd_pairs(q, k, v, idx, doc_pos, params: NSAParams, scale):
 
 
 def _sel_dq_pairs(q, k, v, idx, doc_pos, do, gates, lse, delta, dq_intervals, params: NSAParams, scale, reduce):
-    """dQ (B, Tq, H, D) in q's dtype: the interval branches' fp32 dQ plus the selected branch's, formed pair by pair
-    (launch_overrides(sel_dq_pairs=True)): per chunk of queries (as the block-outer forward's), _sel_dq_pairs_kernel
-    stores each pair's share at its (query, slot), then `reduce(partials, idx, dq_intervals, dq, c0, chunk_q)`
-    (nsa_triton_dq._sel_dq_reduce_chunk) adds a query's shares to its interval dQ in slot order (deterministic)."""
+    """dQ (B, Tq, H, D) in fp32, in dq_intervals' storage: the interval branches' dQ plus the selected branch's,
+    formed pair by pair (launch_overrides(sel_dq_pairs=True)): per chunk of queries (as the block-outer forward's),
+    _sel_dq_pairs_kernel stores each pair's share at its (query, slot), then `reduce(partials, idx, dq_intervals,
+    dq, c0, chunk_q)` (nsa_triton_dq._sel_dq_reduce_chunk) adds a query's shares to its interval dQ in slot order
+    (deterministic)."""
     batch, num_q, num_heads, head_dim, num_keys, num_kv, group = _launch_shapes(q, k)
     n_sel = idx.shape[-1]
     n_bg = batch * num_kv
-    chunk_q = _sel_fwd_pair_queries(num_q, n_sel, head_dim, q.element_size())
+    chunk_q = _sel_fwd_pair_queries(num_q, n_sel, head_dim, q.element_size(), q_sizes=1.0)  # (at the bwd's peak)
     sorted_key, order, chunk_off, n_chunks = _sel_pair_index(idx, doc_pos, num_keys, params.sel_block_size, chunk_q)
     partials = torch.empty(n_bg * chunk_q * n_sel * group, head_dim, device=q.device, dtype=q.dtype)
     block_m, qpb, pairs, opts = _sel_fwd_pairs_launch(group, head_dim, q.device)
     n_programs = _cdiv(chunk_q * n_bg * n_sel, pairs)
-    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    dq = dq_intervals  # the sums go in place (a program reads and writes its own rows): no third q-sized buffer
     for chunk in range(n_chunks):
         c0 = chunk * chunk_q
         _sel_dq_pairs_kernel[(n_programs,)](

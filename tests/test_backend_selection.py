@@ -293,13 +293,17 @@ def test_selected_dkdv_chunks_where_they_pipeline(monkeypatch, capability):
                                                                    (100, 4, 16, 4), (1, 16, 64, 2), (3, 1, 64, 2)])
 def test_block_outer_chunks_keep_their_partials_within_twice_q(num_q, n_sel, head_dim, element_size):
     """The block-outer schedules' query chunks: a chunk's partials (per query and head n' slots of an output row and
-    an fp32 log-sum-exp) stay within twice q's bytes per head, so the extra memory does not grow with n'; one
-    query more would not fit (where the chunk is not the whole sequence); at least one query; the override wins."""
-    chunk = launch._sel_fwd_pair_queries(num_q, n_sel, head_dim, element_size)
+    an fp32 log-sum-exp) stay within twice q's bytes per head (the forward's) or once (the dQ's), so the extra
+    memory does not grow with n'; one query more would not fit (where the chunk is not the whole sequence); at
+    least one query; the override wins."""
     per_query = n_sel * (head_dim * element_size + 4)
-    budget = 2 * num_q * head_dim * element_size
-    assert 1 <= chunk <= num_q
-    assert chunk == num_q or (chunk * per_query <= budget < (chunk + 1) * per_query)
+    for q_sizes in (2.0, 1.0):
+        chunk = launch._sel_fwd_pair_queries(num_q, n_sel, head_dim, element_size, q_sizes)
+        budget = q_sizes * num_q * head_dim * element_size
+        assert 1 <= chunk <= num_q
+        assert chunk == num_q or chunk == 1 or (chunk * per_query <= budget < (chunk + 1) * per_query)
+    assert launch._sel_fwd_pair_queries(num_q, n_sel, head_dim, element_size) == \
+        launch._sel_fwd_pair_queries(num_q, n_sel, head_dim, element_size, 2.0)
     with tri.launch_overrides(sel_fwd_pair_queries=7):
         assert launch._sel_fwd_pair_queries(num_q, n_sel, head_dim, element_size) == min(7, num_q)
 

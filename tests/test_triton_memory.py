@@ -42,3 +42,24 @@ def test_peak_holds_only_output_branch_outputs_and_dq():
     # everything else together stays below two query-sized tensors at this shape
     rest = sum(nbytes for _, _, nbytes in mode.at_peak) - 5 * q_bytes
     assert rest < 2 * q_bytes, (rest / q_bytes, sorted(mode.at_peak, key=lambda r: -r[2])[:8])
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_block_outer_schedules_memory():
+    """The block-outer selected forward (sel_fwd_pairs) keeps the op's peak where it is: its partials (at most twice
+    q's size per chunk) live in the forward, below the backward's peak. The block-outer dQ (sel_dq_pairs) adds,
+    at the backward's peak, its fp32 interval dQ in place of the default's dQ (one q-sized more) and one chunk of
+    partials (at most q's size): bench/KERNELS.md states the resulting peak against dense's."""
+    import memory_cpu
+    from memory_cpu import tri
+
+    batch, seq_len, heads, head_dim = 2, 4096, 12, 64
+    q_bytes = batch * seq_len * heads * head_dim * 2
+    default = memory_cpu.step_peak(batch, seq_len, heads, 2, head_dim).peak
+    with tri.launch_overrides(sel_fwd_pairs=True):
+        assert memory_cpu.step_peak(batch, seq_len, heads, 2, head_dim).peak == default
+    with tri.launch_overrides(sel_fwd_pairs=True, sel_dq_pairs=True):
+        mode = memory_cpu.step_peak(batch, seq_len, heads, 2, head_dim)
+    fp32_dq = [row for row in mode.at_peak if row[0] == (batch, seq_len, heads, head_dim) and row[1] == torch.float32]
+    assert len(fp32_dq) == 1, sorted(mode.at_peak, key=lambda r: -r[2])[:8]
+    assert default < mode.peak <= default + 2 * q_bytes + 2**20, (default, mode.peak, q_bytes)
