@@ -397,10 +397,12 @@ def plot(runs: list[dict], comparison: dict, path: Path) -> Path:
     panels = 2 if any("nsa_minus_dense" in r for r in comparison["curve"]) else 1
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4), squeeze=False)
     ax = axes[0][0]
+    seeds = sorted({r["seed"] or 0 for r in runs})
+    styles = ["-", "--", ":", "-."]  # one per seed (a mode's seeds told apart; the twins of a seed share one)
     for r in runs:
         tokens, losses = zip(*r["val"])
         ax.plot(tokens, losses, marker="o", markersize=3, color=colors.get(r["mode"], "gray"),
-                linestyle="-" if (r["seed"] or 0) % 2 == 0 else "--", label=f"{r['mode']} seed {r['seed']}")  # fmt: skip
+                linestyle=styles[seeds.index(r["seed"] or 0) % len(styles)], label=f"{r['mode']} seed {r['seed']}")
     ax.set_xlabel("tokens")
     ax.set_ylabel("validation loss (nats)")
     ax.set_title("validation loss")
