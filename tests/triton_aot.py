@@ -143,8 +143,12 @@ _VARIANTS = {
     # the block-outer selected forward (pair tiles and the combine of their partials) and dQ (its own pair kernel)
     "selfwdpairs": dict(sel_fwd_pairs=True, sel_dq_pairs=True),
 }
+# variants compiled at fewer shapes (CI time): the block-outer kernels' registers differ by G and head_dim, which the
+# 125M layout (G = 6) and head_dim 128 (G = 8) cover
+_VARIANT_SKIP = {("fla-G16-d64-bf16", "selfwdpairs")}
 SCENARIOS.update({f"{shape}-{variant}": _scenario(**args, overrides=overrides)
-                  for variant, overrides in _VARIANTS.items() for shape, args in _VARIANT_SHAPES.items()})
+                  for variant, overrides in _VARIANTS.items() for shape, args in _VARIANT_SHAPES.items()
+                  if (shape, variant) not in _VARIANT_SKIP})
 
 
 def _specialize(fn, args, kwargs, arch):

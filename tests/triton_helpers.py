@@ -324,6 +324,32 @@ def run_selfwd_case(case: dict) -> dict:
             "nan": bool(torch.isnan(o).any())}
 
 
+@with_case_launch
+def run_seldq_case(case: dict) -> dict:
+    """The selected branch's dQ alone by the block-outer pair kernel (_sel_dq_pairs, launch_overrides(sel_dq_pairs=
+    True) implied) against autograd through selected_branch_torch on random valid choices: the branch's output
+    gradient round(g_slc dout) and delta = rowsum(that * o) as the fused dQ kernel forms them, added to a zero
+    interval dQ. Cheaper than a whole-op case, so every G can be checked."""
+    selected, dq_module = kernel_module("selected"), kernel_module("dq")
+    t, _, doc_pos, p, dtype, device = case_setup(case)
+    gen = torch.Generator().manual_seed(case.get("seed", 0) + 29)
+    idx = random_block_choices(doc_pos.cpu(), case["Hkv"], p.sel_num_blocks, p.sel_block_size, gen)
+    scale = 1.0 / math.sqrt(case["D"])
+    q, k, v, gates = t["q"], t["k_slc"], t["v_slc"], t["gates"]
+    dout = torch.randn(q.shape, generator=gen).to(device=device, dtype=dtype)
+    do_slc = (dout.float() * gates[..., 1:2].float()).to(dtype)  # round(g dout), as the kernels load it
+    q_ref = q.detach().float().cpu().requires_grad_(True)
+    o_ref, _ = selected_branch_torch(q_ref, k.float().cpu(), v.float().cpu(), idx, doc_pos.cpu(), p.sel_block_size,
+                                     scale)
+    (dq_ref,) = torch.autograd.grad(o_ref, q_ref, do_slc.float().cpu())
+    o, lse = selected._sel_fwd(q, k, v, idx.to(device), doc_pos, p, scale)
+    delta = (do_slc.float() * o.float()).sum(-1).contiguous()  # (B, Tq, H)
+    dq = selected._sel_dq_pairs(q, k, v, idx.to(device), doc_pos, dout, gates, lse, delta,
+                                torch.zeros(q.shape, device=device, dtype=torch.float32), p, scale,
+                                dq_module._sel_dq_reduce_chunk)
+    return {"dq": rel(dq.cpu().float(), dq_ref), "nan": bool(torch.isnan(dq).any())}
+
+
 def random_doc_positions(batch: int, num_keys: int, seed: int) -> torch.Tensor:
     """doc_pos (B, T) int64 of a random layout: packed documents (positions restart at two random cuts per row),
     left padding on row 0, right padding on row 1, a run of padding inside row 2 (batch >= 3)."""
@@ -781,7 +807,7 @@ def main(argv):
         try:
             runner = {"decode": run_decode_case, "compile": run_compile_case, "opcheck": run_opcheck_case,
                       "select": run_select_case, "union": run_union_case, "layout": run_layout_case,
-                      "selfwd": run_selfwd_case,
+                      "selfwd": run_selfwd_case, "seldq": run_seldq_case,
                       "large_offset": run_large_offset_case,
                       "large_offset_decode": run_large_offset_decode_case}.get(case.get("kind"), run_case)
             res = runner(case)
