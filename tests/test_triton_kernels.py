@@ -183,8 +183,7 @@ CPU_CASES = [
           (8, 1, 71, "pad", None, {}), (16, 1, 83, "varlen", 30, dict(dtype="float16"))]],
     # the union walk against the same definition (the oracle checked against the default forward)
     dict(kind="selfwd", B=2, T=81, H=6, Hkv=1, D=16, layout="varlen"),
-    dict(B=2, T=81, H=6, Hkv=1, D=16, layout="varlen", sel_fwd_pairs=True, sel_fwd_pair_queries=7),
-    dict(B=2, T=60, H=3, Hkv=1, D=16, layout="pad", dtype="float16", sel_fwd_pairs=True),
+    dict(B=2, T=60, H=3, Hkv=1, D=16, layout="pad", dtype="float16", sel_fwd_pairs=True, sel_fwd_pair_queries=7),
     # H100's launches at head_dim 128 (the dK/dV in 16-row tiles, the interval-only dQ in 32-row tiles; the same
     # launch for both pair-wise modes)
     dict(B=1, T=70, H=8, Hkv=1, D=128, layout="varlen", arch=90, sel_dq_in_dkdv=True),
@@ -285,7 +284,8 @@ CPU_CASES = [
     dict(kind="compile", B=2, T=40, H=4, Hkv=2, D=16, layout="varlen"),
     # torch.library.opcheck of both custom ops: schema, autograd registration, fake implementations against
     # the real outputs (aot_eager above does not compare their shapes), AOT dispatch
-    dict(kind="opcheck", B=2, T=40, H=4, Hkv=2, D=16, layout="varlen"),
+    # (T = 24: the checks are of the ops' registration, which no length changes; 26 s under the interpreter, 47 at 40)
+    dict(kind="opcheck", B=2, T=24, H=4, Hkv=2, D=16, layout="varlen"),
 ]
 
 
