@@ -394,13 +394,17 @@ if triton is not None:
         return p, tl.minimum(p + PAIRS, p_hi)
 
     @triton.jit
-    def _pair_tile(SKEY, ORDER, DOCPOS, K, V, p, p_end, chunk, n_bg, Tq, Tk, loaded, kk, k_ok, k, v, b, g, bg,
-                   HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr, N_SEL: tl.constexpr,
-                   QPB: tl.constexpr, QPB_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    def _pair_tile(SKEY, ORDER, DOCPOS, K, V, p, p_end, chunk, n_bg, Tq, Tk, loaded, kk, k_ok,
+                   k, v, b, g, bg, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                   LB: tl.constexpr, N_SEL: tl.constexpr, QPB: tl.constexpr, QPB_PAD: tl.constexpr,
+                   BLOCK_M: tl.constexpr):
         """The pair tile starting at sorted pair p: up to QPB pairs of one block (it ends where the block does), the
         block's keys kk, k_ok and K, V (loaded when the block differs from the one `loaded` names, else carried),
-        and per row (query x head) whether it is a pair's, its query and slot. SKEY: the pairs' sort keys ((chunk x
-        n_bg + batch x KV head) x Tk + block first key); ORDER: each pair's flat index in idx. Key positions and
+        and per row (query x head) whether it is a pair's, its row of q (B*Tq*H rows), its query and slot. Which keys
+        a row sees (_pair_visible) and its partial row (_pair_partial_rows) are left to the kernels, next to their
+        use: computed here, before the loads, they stayed live across the dQ's dots and spilled on sm_86.
+        SKEY: the pairs' sort keys ((chunk x n_bg + batch x KV head) x Tk + block first key); ORDER: each pair's
+        flat index in idx. Key positions and
         the pair indices' divisions stay int32 where the launcher keeps them so (an int64 division costs about a
         hundred instructions, and a tile does little else per element than its dots and exponentials); a row's
         query comes out int64 (it addresses rows). The launches take chunk and c0 unspecialized: one compile for
@@ -420,12 +424,24 @@ if triton is not None:
             v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
             loaded = key0
         r = tl.arange(0, BLOCK_M)
+        hh = r % G
         pair = r // G
         row_ok = (r < QPB * G) & (pair < cnt)
         # (BLOCK_M,) each row's pair as its flat index in idx: ((b x Hkv + kv) x Tq + query) x n' + slot
         f = tl.load(ORDER + p + pair, mask=row_ok, other=0)
         qi = tl.where(row_ok, f // N_SEL - bg * Tq, 0)  # (no division by the runtime Tq)
-        return cnt, loaded, kk, k_ok, k, v, b, g, bg, row_ok, qi, f % N_SEL
+        row = (b * Tq + qi) * H + g * G + hh
+        return cnt, loaded, kk, k_ok, k, v, b, g, bg, row_ok, row, qi, f % N_SEL
+
+    @triton.jit
+    def _pair_visible(row_ok, qi, kk, k_ok, q_off):
+        """(BLOCK_M, LB): the block's keys each row of a pair tile sees (its own, at or before its query)."""
+        return row_ok[:, None] & k_ok[None, :] & (kk[None, :] <= (q_off + qi).to(tl.int32)[:, None])
+
+    @triton.jit
+    def _pair_partial_rows(bg, qi, slot, c0, chunk_q, G: tl.constexpr, N_SEL: tl.constexpr, BLOCK_M: tl.constexpr):
+        """A pair tile's rows' partial rows: ((bg x chunk_q + query - c0) x n' + slot) x G + head."""
+        return ((bg * chunk_q + qi - c0) * N_SEL + slot) * G + tl.arange(0, BLOCK_M) % G
 
     @triton.jit
     def _pair_walk_init(K, V, SKEY, p, LB: tl.constexpr, D: tl.constexpr):
@@ -447,22 +463,20 @@ if triton is not None:
         block's visible keys, and their base-2 log-sum-exp."""
         p, p_end = _pair_walk_start(CHUNK_OFF, chunk, PAIRS)
         loaded, kk, k_ok, k, v, b, g, bg = _pair_walk_init(K, V, SKEY, p, LB, D)
-        hh = tl.arange(0, BLOCK_M) % G
         d = tl.arange(0, D)
         while p < p_end:
-            cnt, loaded, kk, k_ok, k, v, b, g, bg, row_ok, qi, slot = _pair_tile(
-                SKEY, ORDER, DOCPOS, K, V, p, p_end, chunk, n_bg, Tq, Tk, loaded, kk, k_ok, k, v, b, g, bg,
-                HKV, G, D, LB, N_SEL, QPB, QPB_PAD, BLOCK_M)
-            row = (b * Tq + qi) * H + g * G + hh
+            cnt, loaded, kk, k_ok, k, v, b, g, bg, row_ok, row, qi, slot = _pair_tile(
+                SKEY, ORDER, DOCPOS, K, V, p, p_end, chunk, n_bg, Tq, Tk, loaded, kk, k_ok, k, v,
+                b, g, bg, H, HKV, G, D, LB, N_SEL, QPB, QPB_PAD, BLOCK_M)
             q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-            vis = row_ok[:, None] & k_ok[None, :] & (kk[None, :] <= (q_off + qi).to(tl.int32)[:, None])
+            vis = _pair_visible(row_ok, qi, kk, k_ok, q_off)
             s = tl.where(vis, tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
             m = tl.max(s, 1)
             m_safe = tl.where(m == float("-inf"), 0.0, m)
             prob = tl.exp2(s - m_safe[:, None])
             l_sum = tl.sum(prob, 1)
             out = tl.dot(prob.to(v.dtype), v) / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
-            prow = ((bg * chunk_q + qi - c0) * N_SEL + slot) * G + hh
+            prow = _pair_partial_rows(bg, qi, slot, c0, chunk_q, G, N_SEL, BLOCK_M)
             tl.store(OPART + prow[:, None] * D + d[None, :], out.to(OPART.dtype.element_ty), mask=row_ok[:, None])
             # -inf where no key of the block is visible (the combine then gives it no weight; a block the top-n
             # lists always has one, its first key being at or before the query)
@@ -483,21 +497,19 @@ if triton is not None:
         across tiles: the selected dK/dV keeps its own kernel)."""
         p, p_end = _pair_walk_start(CHUNK_OFF, chunk, PAIRS)
         loaded, kk, k_ok, k, v, b, g, bg = _pair_walk_init(K, V, SKEY, p, LB, D)
-        hh = tl.arange(0, BLOCK_M) % G
         d = tl.arange(0, D)
         while p < p_end:
-            cnt, loaded, kk, k_ok, k, v, b, g, bg, row_ok, qi, slot = _pair_tile(
-                SKEY, ORDER, DOCPOS, K, V, p, p_end, chunk, n_bg, Tq, Tk, loaded, kk, k_ok, k, v, b, g, bg,
-                HKV, G, D, LB, N_SEL, QPB, QPB_PAD, BLOCK_M)
-            row = (b * Tq + qi) * H + g * G + hh
+            cnt, loaded, kk, k_ok, k, v, b, g, bg, row_ok, row, qi, slot = _pair_tile(
+                SKEY, ORDER, DOCPOS, K, V, p, p_end, chunk, n_bg, Tq, Tk, loaded, kk, k_ok, k, v,
+                b, g, bg, H, HKV, G, D, LB, N_SEL, QPB, QPB_PAD, BLOCK_M)
             q, do, lse, delta = _bwd_rows(Q, DO, GATE, LSE, DELTA, row, row_ok, d, D, 1)
-            vis = row_ok[:, None] & k_ok[None, :] & (kk[None, :] <= (q_off + qi).to(tl.int32)[:, None])
+            vis = _pair_visible(row_ok, qi, kk, k_ok, q_off)
             s = tl.dot(q, tl.trans(k)) * sm_scale2
             prob = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
             dp = tl.dot(do, tl.trans(v))
             ds = prob * (dp - delta[:, None])
             dq = tl.dot(ds.to(k.dtype), k) * scale
-            prow = ((bg * chunk_q + qi - c0) * N_SEL + slot) * G + hh
+            prow = _pair_partial_rows(bg, qi, slot, c0, chunk_q, G, N_SEL, BLOCK_M)
             tl.store(DQPART + prow[:, None] * D + d[None, :], dq.to(DQPART.dtype.element_ty), mask=row_ok[:, None])
             p += cnt
 
@@ -656,32 +668,42 @@ def _sel_pair_index(idx, doc_pos, num_keys: int, sel_block_size: int, chunk_q: i
     return sorted_key, order, chunk_off, n_chunks
 
 
+def _sel_pair_plan(q, k, idx, doc_pos, params: NSAParams, q_sizes: float):
+    """What both block-outer launchers set up: the query chunks (partials within q_sizes times q's size), the pair
+    index, the pair tiles' launch and the kernels' shared meta-parameters. Returns (chunk_q, sorted keys, pair
+    order, chunk offsets, n_chunks, programs per chunk, partial rows per chunk, meta, qpb)."""
+    batch, num_q, num_heads, head_dim, num_keys, num_kv, group = _launch_shapes(q, k)
+    n_sel = idx.shape[-1]
+    n_bg = batch * num_kv
+    chunk_q = _sel_fwd_pair_queries(num_q, n_sel, head_dim, q.element_size(), q_sizes)
+    sorted_key, order, chunk_off, n_chunks = _sel_pair_index(idx, doc_pos, num_keys, params.sel_block_size, chunk_q)
+    block_m, qpb, pairs, opts = _sel_fwd_pairs_launch(group, head_dim, q.device)
+    n_programs = _cdiv(chunk_q * n_bg * n_sel, pairs)  # a chunk's pairs at most
+    meta = dict(H=num_heads, HKV=num_kv, G=group, D=head_dim, N_SEL=n_sel, QPB=qpb, BLOCK_M=block_m)
+    tile = dict(LB=params.sel_block_size, QPB_PAD=_next_pow2(qpb), PAIRS=pairs, **opts)
+    return chunk_q, sorted_key, order, chunk_off, n_chunks, n_programs, n_bg * chunk_q * n_sel * group, meta, tile
+
+
 def _sel_fwd_pairs(q, k, v, idx, doc_pos, params: NSAParams, scale):
     """The selected forward over (query, block) pairs (launch_overrides(sel_fwd_pairs=True); the kernels' comment
     says when it pays): per chunk of queries, one pass over the chunk's pairs sorted by block, then the combine.
     Static shapes, no host synchronization. Returns (o (B, Tq, H, D), lse (B, Tq, H) base 2, +inf where none)."""
-    batch, num_q, num_heads, head_dim, num_keys, num_kv, group = _launch_shapes(q, k)
-    n_sel = idx.shape[-1]
+    batch, num_q, num_heads, head_dim, num_keys, num_kv, _ = _launch_shapes(q, k)
     n_bg = batch * num_kv
     o = torch.empty_like(q)
     lse = torch.empty(batch, num_q, num_heads, device=q.device, dtype=torch.float32)
-    chunk_q = _sel_fwd_pair_queries(num_q, n_sel, head_dim, q.element_size())
-    sorted_key, order, chunk_off, n_chunks = _sel_pair_index(idx, doc_pos, num_keys, params.sel_block_size, chunk_q)
-    partial_rows = n_bg * chunk_q * n_sel * group
+    chunk_q, sorted_key, order, chunk_off, n_chunks, n_programs, partial_rows, meta, tile = _sel_pair_plan(
+        q, k, idx, doc_pos, params, q_sizes=2.0)  # (the forward's partials live below the backward's peak)
     o_part = torch.empty(partial_rows, head_dim, device=q.device, dtype=q.dtype)
     l_part = torch.empty(partial_rows, device=q.device, dtype=torch.float32)
-    block_m, qpb, pairs, opts = _sel_fwd_pairs_launch(group, head_dim, q.device)
-    n_programs = _cdiv(chunk_q * n_bg * n_sel, pairs)  # a chunk's pairs at most
-    meta = dict(H=num_heads, HKV=num_kv, G=group, D=head_dim, N_SEL=n_sel, QPB=qpb, BLOCK_M=block_m)
     for chunk in range(n_chunks):
         c0 = chunk * chunk_q
         _sel_fwd_pairs_kernel[(n_programs,)](
             q, k, v, sorted_key, order, chunk_off, doc_pos, o_part, l_part,
-            chunk, c0, chunk_q, n_bg, num_q, num_keys, num_keys - num_q, scale * _LOG2E,
-            LB=params.sel_block_size, QPB_PAD=_next_pow2(qpb), PAIRS=pairs, **meta, **opts,
+            chunk, c0, chunk_q, n_bg, num_q, num_keys, num_keys - num_q, scale * _LOG2E, **meta, **tile,
         )
-        _sel_fwd_pairs_combine_kernel[(_cdiv(min(chunk_q, num_q - c0), qpb), n_bg)](
-            idx, o_part, l_part, o, lse, c0, chunk_q, num_q, N_PAD=_next_pow2(n_sel), num_warps=4, **meta,
+        _sel_fwd_pairs_combine_kernel[(_cdiv(min(chunk_q, num_q - c0), meta["QPB"]), n_bg)](
+            idx, o_part, l_part, o, lse, c0, chunk_q, num_q, N_PAD=_next_pow2(meta["N_SEL"]), num_warps=4, **meta,
         )
     return o, lse
 
@@ -690,27 +712,21 @@ def _sel_dq_pairs(q, k, v, idx, doc_pos, do, gates, lse, delta, dq_intervals, pa
     """dQ (B, Tq, H, D) in fp32, in dq_intervals' storage: the interval branches' dQ plus the selected branch's,
     formed pair by pair (launch_overrides(sel_dq_pairs=True)): per chunk of queries (as the block-outer forward's),
     _sel_dq_pairs_kernel stores each pair's share at its (query, slot), then `reduce(partials, idx, dq_intervals,
-    dq, c0, chunk_q)` (nsa_triton_dq._sel_dq_reduce_chunk) adds a query's shares to its interval dQ in slot order
-    (deterministic)."""
-    batch, num_q, num_heads, head_dim, num_keys, num_kv, group = _launch_shapes(q, k)
-    n_sel = idx.shape[-1]
-    n_bg = batch * num_kv
-    chunk_q = _sel_fwd_pair_queries(num_q, n_sel, head_dim, q.element_size(), q_sizes=1.0)  # (at the bwd's peak)
-    sorted_key, order, chunk_off, n_chunks = _sel_pair_index(idx, doc_pos, num_keys, params.sel_block_size, chunk_q)
-    partials = torch.empty(n_bg * chunk_q * n_sel * group, head_dim, device=q.device, dtype=q.dtype)
-    block_m, qpb, pairs, opts = _sel_fwd_pairs_launch(group, head_dim, q.device)
-    n_programs = _cdiv(chunk_q * n_bg * n_sel, pairs)
-    dq = dq_intervals  # the sums go in place (a program reads and writes its own rows): no third q-sized buffer
+    dq_intervals, c0, chunk_q)` (nsa_triton_dq._sel_dq_reduce_chunk) adds a query's shares to its interval dQ in
+    place, in slot order (deterministic; a program reads and writes its own rows: no third q-sized buffer)."""
+    batch, num_q, _, head_dim, num_keys, num_kv, _ = _launch_shapes(q, k)
+    chunk_q, sorted_key, order, chunk_off, n_chunks, n_programs, partial_rows, meta, tile = _sel_pair_plan(
+        q, k, idx, doc_pos, params, q_sizes=1.0)  # (these partials add to the backward's peak)
+    partials = torch.empty(partial_rows, head_dim, device=q.device, dtype=q.dtype)
     for chunk in range(n_chunks):
         c0 = chunk * chunk_q
         _sel_dq_pairs_kernel[(n_programs,)](
             q, k, v, do, gates, lse, delta, sorted_key, order, chunk_off, doc_pos, partials,
-            chunk, c0, chunk_q, n_bg, num_q, num_keys, num_keys - num_q, scale * _LOG2E, scale,
-            H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=params.sel_block_size, N_SEL=n_sel, QPB=qpb,
-            QPB_PAD=_next_pow2(qpb), BLOCK_M=block_m, PAIRS=pairs, **opts,
+            chunk, c0, chunk_q, batch * num_kv, num_q, num_keys, num_keys - num_q, scale * _LOG2E, scale,
+            **meta, **tile,
         )
-        reduce(partials, idx, dq_intervals, dq, c0, chunk_q)
-    return dq
+        reduce(partials, idx, dq_intervals, dq_intervals, c0, chunk_q)
+    return dq_intervals
 
 
 def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: NSAParams, scale, dq_accum=None,
@@ -724,23 +740,16 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: 
     n_sel = idx.shape[-1]
     lb = params.sel_block_size
     q_off = num_keys - num_q
-    # Inverted index: (query, block) pairs sorted by (batch, kv head, block start); stable, so every
-    # block's queries come in increasing order and the accumulation order is fixed.
-    # Built in int32 where the flat (batch, kv head, key) index fits, and temporaries dropped early: this
-    # runs at the backward's memory peak.
+    # Inverted index: (query, block) pairs sorted by (batch, kv head, block start), all queries in one chunk;
+    # stable, so every block's queries come in increasing order and the accumulation order is fixed. Built at the
+    # backward's memory peak (_sel_pair_index keeps int32 where it fits and drops its temporaries early).
     sentinel = batch * num_kv * num_keys
-    key_dtype = torch.int32 if sentinel < 2**31 - 1 else torch.int64
-    start = (torch.arange(q_off, num_keys, device=q.device) - doc_pos[:, q_off:]).to(key_dtype)  # (B, Tq)
-    bg = torch.arange(batch * num_kv, device=q.device, dtype=key_dtype).view(batch, num_kv, 1, 1)
-    key = (bg * num_keys + start[:, None, :, None]) + idx.to(key_dtype) * lb  # (B, Hkv, Tq, n') block starts
-    key = torch.where(idx >= 0, key, sentinel).flatten()
-    sorted_key, order = torch.sort(key, stable=True)
-    del key
+    sorted_key, order, _, _ = _sel_pair_index(idx, doc_pos, num_keys, lb, num_q)
     pair_q = (order // n_sel % num_q).to(torch.int32).contiguous()
     # the pair's flat (batch, kv head, query, slot): where its dQ partial goes
-    pair_f = order.to(key_dtype if order.numel() < 2**31 - 1 else torch.int64) if dq_partials is not None else pair_q
+    pair_f = order if dq_partials is not None else pair_q
     del order
-    pair_off = torch.searchsorted(sorted_key, torch.arange(sentinel + 1, device=q.device, dtype=key_dtype))
+    pair_off = torch.searchsorted(sorted_key, torch.arange(sentinel + 1, device=q.device, dtype=sorted_key.dtype))
     pair_off = pair_off.contiguous()
     del sorted_key
     dk = torch.zeros_like(k)
