@@ -147,7 +147,8 @@ def _nsa_bwd_op(
     params: list[int], scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     p = _params_from(params)
-    c_lo, c_hi, w_lo, w_hi = _layout(cmp_end, doc_pos, q.shape[1], k_win.shape[1], p)
+    intervals = _layout(cmp_end, doc_pos, q.shape[1], k_win.shape[1], p)
+    c_lo, c_hi, w_lo, w_hi = intervals
     dout = dout.to(q.dtype).contiguous()
     # dQ of the three branches, dgates and the per-branch deltas in one kernel; the dK/dV kernels then read the
     # deltas. The selected branch's dQ (_sel_dq_mode): in that kernel over each query tile's block union ("union"),
@@ -158,9 +159,8 @@ def _nsa_bwd_op(
     sel_dq_mode = _sel_dq_mode()
     dq, dgates, delta = _bwd_dq(q, dout, gates, cmp, (k_slc, v_slc, lse_slc, o_slc), win, idx, doc_pos, p, scale,
                                 sel_dq=sel_dq_mode == "union")  # fmt: skip
-    # the dK/dV kernels' query ranges per key tile, both interval branches in one pass of small torch ops
-    cmp_ranges, win_ranges = _interval_query_ranges([(c_lo, c_hi, k_cmp.shape[1]), (w_lo, w_hi, k_win.shape[1])],
-                                                    _DKDV_KEY_TILE)
+    # the dK/dV kernels' query ranges per key tile, both interval branches in two launches
+    cmp_ranges, win_ranges = _interval_query_ranges(intervals, (k_cmp.shape[1], k_win.shape[1]), _DKDV_KEY_TILE)
     dk_cmp, dv_cmp = _interval_bwd_dkdv(q, k_cmp, v_cmp, c_lo, c_hi, cmp_ranges, dout, gates, 0, lse_cmp, delta[0],
                                         scale)
     partials = _sel_dq_partials(q, idx) if sel_dq_mode == "partials" else None

@@ -175,26 +175,6 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-def _running_extreme(x: torch.Tensor, largest: bool, chunk: int = 256) -> torch.Tensor:
-    """torch.cummax(x, -1).values (largest) or cummin's, for a 2-D integer x (B, T), as scans over chunks of
-    `chunk` positions plus one scan over the chunks' ends. torch scans each row in one thread block, so a
-    single 64k-long row (B = 1) is serial: six such scans took 1.0 ms of the 64k backward on an H100
-    (bench/KERNELS.md); (B, T / chunk) rows of `chunk` run side by side."""
-    batch, length = x.shape
-    scan = torch.cummax if largest else torch.cummin
-    if length <= chunk:
-        return scan(x, -1).values
-    n_chunks = _cdiv(length, chunk)
-    # neutral for max / min; concatenated, not F.pad's float value, which cannot hold int64's max
-    fill = torch.iinfo(x.dtype).min if largest else torch.iinfo(x.dtype).max
-    padded = torch.cat([x, x.new_full((batch, n_chunks * chunk - length), fill)], -1)
-    inner = scan(padded.view(batch, n_chunks, chunk), -1).values  # (B, n_chunks, chunk): within each chunk
-    carried = scan(inner[..., -1], -1).values  # (B, n_chunks): the scan up to each chunk's end
-    before = torch.cat([carried.new_full((batch, 1), fill), carried[:, :-1]], -1)  # (B, n_chunks): to its start
-    combine = torch.maximum if largest else torch.minimum
-    return combine(inner, before[..., None]).view(batch, n_chunks * chunk)[:, :length]
-
-
 def _launch_shapes(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int, int, int]:
     """A launcher's sizes from q (B, Tq, H, D) and one branch's keys k (B, Tk, Hkv, D): (batch, queries, heads,
     head_dim, keys, KV heads, group G = heads per KV head)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .nsa_layout import NSAParams
-from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes, _running_extreme
+from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes, _next_pow2
 from .nsa_triton_launch import _OVERRIDES, _dkdv_launch, _rows_per_program
 
 
@@ -240,27 +240,150 @@ if triton is not None:
         tl.store(W_LO + row, tl.where(valid, w_lo, 0).to(tl.int32), mask=ok)
         tl.store(W_HI + row, tl.where(valid, w_hi, 0).to(tl.int32), mask=ok)
 
+    # ------------------------------------------------------------------------------------------
+    # The dK/dV kernel's query ranges per key tile (both interval branches at once)
+    # ------------------------------------------------------------------------------------------
+
+    @triton.jit
+    def _max_combine(a, b):
+        return tl.maximum(a, b)
+
+    @triton.jit
+    def _range_scan_kernel(INTERVALS, SCAN, TOTALS, Tq, n_chunks, CHUNK: tl.constexpr):
+        """One chunk of CHUNK queries of one row and branch (grid: branch, row, chunk). INTERVALS (4, B, Tq) int32
+        holds each branch's [lo, hi) (branch br: rows 2 br and 2 br + 1; padding 0, 0). Writes the chunk's own
+        inclusive scans to SCAN (branches, 4, B, Tq): the running max of hi, of lo over non-empty intervals (0 for
+        empty ones), of lo, and the running count of empty intervals; and their chunk totals to TOTALS
+        (branches, 4, B, n_chunks). _range_search_kernel brings in the earlier chunks through the totals."""
+        br = tl.program_id(0)
+        b = tl.program_id(1)
+        c = tl.program_id(2)
+        batch = tl.num_programs(1)
+        t = c * CHUNK + tl.arange(0, CHUNK)
+        ok = t < Tq
+        plane = (batch * Tq).to(tl.int64)  # elements per (branch, quantity) plane
+        row = b.to(tl.int64) * Tq + t
+        lo = tl.load(INTERVALS + (2 * br) * plane + row, mask=ok, other=0)
+        hi = tl.load(INTERVALS + (2 * br + 1) * plane + row, mask=ok, other=0)
+        empty = ((hi <= lo) & ok).to(tl.int32)
+        hi_max = tl.associative_scan(hi, 0, _max_combine)
+        seen_max = tl.associative_scan(tl.where(hi > lo, lo, 0), 0, _max_combine)
+        lo_max = tl.associative_scan(lo, 0, _max_combine)
+        empties = tl.cumsum(empty, 0)
+        out = SCAN + (4 * br) * plane + row
+        tl.store(out, hi_max, mask=ok)
+        tl.store(out + plane, seen_max, mask=ok)
+        tl.store(out + 2 * plane, lo_max, mask=ok)
+        tl.store(out + 3 * plane, empties, mask=ok)
+        tot_plane = (batch * n_chunks).to(tl.int64)
+        tot = TOTALS + (4 * br) * tot_plane + b * n_chunks + c
+        tl.store(tot, tl.max(hi_max, 0))
+        tl.store(tot + tot_plane, tl.max(seen_max, 0))
+        tl.store(tot + 2 * tot_plane, tl.max(lo_max, 0))
+        tl.store(tot + 3 * tot_plane, tl.sum(empty, 0))
+
+    @triton.jit
+    def _first_reaching(scan_row, chunk_totals, value, Tq, n_chunks, IS_COUNT: tl.constexpr, CHUNK: tl.constexpr,
+                        NCH_PAD: tl.constexpr, STEPS: tl.constexpr):
+        """The first query t (Tq if none) whose running value reaches `value` (TB,): running max (IS_COUNT false)
+        or running count of one quantity, whose chunk-local inclusive scans start at scan_row and whose per-chunk
+        totals are chunk_totals (NCH_PAD,). The first chunk whose inclusive total reaches the value holds t; every
+        earlier chunk stays below it, so inside that chunk the running max reaches it where the local one does,
+        and the running count where the local count reaches value minus the earlier chunks' count; a binary
+        search over the chunk's queries finds it."""
+        ch = tl.arange(0, NCH_PAD)
+        real = ch < n_chunks
+        if IS_COUNT:
+            inclusive = tl.cumsum(chunk_totals, 0)
+        else:
+            inclusive = tl.associative_scan(chunk_totals, 0, _max_combine)
+        inclusive = tl.where(real, inclusive, 2147483647)  # (NCH_PAD,) nondecreasing; past the chunks: reached
+        chunk = tl.sum((inclusive[None, :] < value[:, None]).to(tl.int32), 1)  # (TB,) the chunk holding t
+        threshold = value
+        if IS_COUNT:
+            threshold = value - tl.sum(tl.where(ch[None, :] < chunk[:, None], chunk_totals[None, :], 0), 1)
+        start = chunk * CHUNK
+        stop = tl.minimum(start + CHUNK, Tq)
+        # bisect [start, stop) for the first local value reaching the threshold; unrolled, so the searches of one
+        # tile (independent but for the last) interleave their dependent loads
+        for _ in tl.static_range(STEPS):
+            mid = (start + stop) // 2
+            active = start < stop
+            reached = tl.load(scan_row + mid, mask=active, other=0) >= threshold
+            stop = tl.where(active & reached, mid, stop)
+            start = tl.where(active & ~reached, mid + 1, start)
+        return tl.where(chunk < n_chunks, start, Tq)
+
+    @triton.jit
+    def _range_search_kernel(SCAN, TOTALS, OUT, Tq, n_chunks, keys_cmp, keys_win, tiles_cmp, tiles_win,
+                             BLOCK_N: tl.constexpr, TB: tl.constexpr, CHUNK: tl.constexpr, NCH_PAD: tl.constexpr,
+                             STEPS: tl.constexpr):
+        """(qa, qb, ia, ib) of TB key tiles [c0, c0 + BLOCK_N) of one row and branch (grid: branch, row, tile
+        block), by their definitions in _interval_query_ranges, from _range_scan_kernel's scans. OUT: branch 0's
+        (4, B, tiles_cmp) then branch 1's (4, B, tiles_win), int32."""
+        br = tl.program_id(0)
+        b = tl.program_id(1)
+        batch = tl.num_programs(1)
+        num_keys = tl.where(br == 0, keys_cmp, keys_win)
+        n_tiles = tl.where(br == 0, tiles_cmp, tiles_win)
+        j = tl.program_id(2) * TB + tl.arange(0, TB)
+        c0 = j * BLOCK_N
+        c1 = tl.minimum(c0 + BLOCK_N, num_keys)
+        plane = (batch * Tq).to(tl.int64)
+        rows = SCAN + (4 * br) * plane + b.to(tl.int64) * Tq  # this row's running max of hi (then 3 more planes)
+        tot_plane = (batch * n_chunks).to(tl.int64)
+        ch = tl.arange(0, NCH_PAD)
+        tot = TOTALS + (4 * br) * tot_plane + b * n_chunks + ch
+        real = ch < n_chunks
+        hi_tot = tl.load(tot, mask=real, other=0)
+        seen_tot = tl.load(tot + tot_plane, mask=real, other=0)
+        lo_tot = tl.load(tot + 2 * tot_plane, mask=real, other=0)
+        empty_tot = tl.load(tot + 3 * tot_plane, mask=real, other=0)
+        qa = _first_reaching(rows, hi_tot, c0 + 1, Tq, n_chunks, False, CHUNK, NCH_PAD, STEPS)
+        qb = _first_reaching(rows + plane, seen_tot, c1, Tq, n_chunks, False, CHUNK, NCH_PAD, STEPS)
+        ia = _first_reaching(rows, hi_tot, c0 + BLOCK_N, Tq, n_chunks, False, CHUNK, NCH_PAD, STEPS)
+        ib = _first_reaching(rows + 2 * plane, lo_tot, c0 + 1, Tq, n_chunks, False, CHUNK, NCH_PAD, STEPS)
+        # the run ends before the first empty interval at or after ia: the first query whose running count of
+        # empty intervals passes the count before ia (the count at ia - 1: its chunk's total before it, plus the
+        # chunk's own count)
+        before = ia - 1
+        before_chunk = before // CHUNK
+        empties_before = tl.load(rows + 3 * plane + before, mask=before >= 0, other=0) + tl.sum(
+            tl.where(ch[None, :] < before_chunk[:, None], empty_tot[None, :], 0), 1)
+        empties_before = tl.where(before >= 0, empties_before, 0)
+        next_empty = _first_reaching(rows + 3 * plane, empty_tot, empties_before + 1, Tq, n_chunks, True, CHUNK,
+                                     NCH_PAD, STEPS)
+        ib = tl.minimum(tl.maximum(ib, ia), next_empty)
+        base = OUT + tl.where(br == 0, 0, 4 * batch * tiles_cmp).to(tl.int64) + b * n_tiles + j
+        stride = batch * n_tiles
+        ok = j < n_tiles
+        tl.store(base, qa, mask=ok)
+        tl.store(base + stride, qb, mask=ok)
+        tl.store(base + 2 * stride, ia, mask=ok)
+        tl.store(base + 3 * stride, ib, mask=ok)
+
 
 # ----------------------------------------------------------------------------------------------
 # Host-side launchers (static shapes, no host synchronization)
 # ----------------------------------------------------------------------------------------------
 
 def _layout(cmp_end, doc_pos, num_queries, num_win, params: NSAParams):
-    """Per-query metadata in key coordinates, (B, Tq) int32 each: compressed [c_lo, c_hi) and window [w_lo, w_hi)
-    (_layout_kernel). cmp_end (B, Nc) int64, ascending then -1; doc_pos (B, Tk) int64 with the queries its last
-    Tq positions; the window keys the last num_win."""
+    """Per-query metadata in key coordinates, (4, B, Tq) int32: compressed [c_lo, c_hi) and window [w_lo, w_hi)
+    (_layout_kernel; `c_lo, c_hi, w_lo, w_hi = _layout(...)` unpacks it). cmp_end (B, Nc) int64, ascending then
+    -1; doc_pos (B, Tk) int64 with the queries its last Tq positions; the window keys the last num_win."""
     batch, num_keys = doc_pos.shape
     num_slots = cmp_end.shape[1]
     # rows read with their own strides (compressed_token_ends returns a slice of a wider buffer); elements in order
     cmp_end, doc_pos = (x if x.stride(-1) == 1 else x.contiguous() for x in (cmp_end, doc_pos))
-    c_lo, c_hi, w_lo, w_hi = torch.empty(4, batch, num_queries, device=doc_pos.device, dtype=torch.int32)
+    intervals = torch.empty(4, batch, num_queries, device=doc_pos.device, dtype=torch.int32)
+    c_lo, c_hi, w_lo, w_hi = intervals
     block = 128
     _layout_kernel[(_cdiv(max(num_queries, 1), block), batch)](
         cmp_end, doc_pos, c_lo, c_hi, w_lo, w_hi, num_queries, num_keys, num_slots, cmp_end.stride(0),
         doc_pos.stride(0), num_keys - num_win, params.window_size, BLOCK=block,
         STEPS=max(1, (num_slots + 1).bit_length()), num_warps=4,
     )
-    return c_lo, c_hi, w_lo, w_hi
+    return intervals
 
 
 def _interval_fwd(q, k, v, lo, hi, scale, combine=None):
@@ -280,11 +403,11 @@ def _interval_fwd(q, k, v, lo, hi, scale, combine=None):
     return (o, lse, out) if combine is not None else (o, lse)
 
 
-def _interval_query_ranges(intervals, block_n: int):
-    """The dK/dV kernel's query ranges for each branch's key tiles [c0, c0 + block_n), every branch at once.
-    intervals: [(lo, hi (B, Tq) int32, num_keys)], one per branch (the queries' key intervals [lo, hi),
-    nondecreasing over valid queries; padding has lo = hi = 0). Returns per branch (qa, qb, ia, ib), each
-    (B, n_ktiles) int32, n_ktiles = ceil(num_keys / block_n):
+def _interval_query_ranges(intervals: torch.Tensor, num_keys: tuple[int, int], block_n: int):
+    """The dK/dV kernel's query ranges for each interval branch's key tiles [c0, c0 + block_n), both branches at
+    once. intervals: _layout's (4, B, Tq) int32 (compressed lo, hi, window lo, hi: the queries' key intervals
+    [lo, hi), nondecreasing over valid queries; padding has lo = hi = 0); num_keys: the compressed and window key
+    counts. Returns per branch (qa, qb, ia, ib), each (B, n_ktiles) int32, n_ktiles = ceil(num_keys / block_n):
 
     - [qa, qb): the queries that can see the tile, hi(t) > c0 and lo(t) < c1 (c1 = min(c0 + block_n,
       num_keys)): from the first whose running max of hi passes c0 to the last whose running max of lo (empty
@@ -295,41 +418,30 @@ def _interval_query_ranges(intervals, block_n: int):
       (padding, inside a row or after its last token), so every query in it is valid. A partial last tile gets
       no run (c0 + block_n is past every hi).
 
-    One running max over all the stacked rows (the next empty query as a running max of its negated reverse) and
-    one searchsorted over all the stacked key tiles (right-sided searches as left-sided ones of v + 1): done
-    branch by branch with torch's cummax/cummin and searchsorted this took about 120 small torch ops per f+b,
-    0.8 ms of torch kernels and GPU time spent waiting for the host (bench/KERNELS.md)."""
-    batch, num_q = intervals[0][0].shape
-    device = intervals[0][0].device
-    neutral = torch.iinfo(torch.int64).min
-    pad = torch.full((batch, 1), neutral, device=device, dtype=torch.int64)
-    index = torch.arange(num_q + 1, device=device).expand(batch, -1)
-    his, los, lo_seens, negated_empty = [], [], [], []
-    for lo, hi, _ in intervals:
-        lo, hi = lo.long(), hi.long()
-        his.append(torch.cat([hi, pad], -1))
-        los.append(torch.cat([lo, pad], -1))
-        lo_seens.append(torch.cat([torch.where(hi > lo, lo, 0), pad], -1))
-        # next_empty[t]: the first query at or after t whose interval is empty (num_q: none, the extra column)
-        empty = torch.cat([hi <= lo, torch.ones_like(hi[:, :1], dtype=torch.bool)], -1)
-        negated_empty.append(-torch.where(empty, index, num_q).flip(-1))
-    k = len(intervals)
-    scanned = _running_extreme(torch.cat(his + lo_seens + los + negated_empty), largest=True)  # (4kB, Tq + 1)
-    scanned = scanned.view(4, k, batch, num_q + 1)
-    hi_m, lo_seen_m, lo_m = scanned[0, ..., :num_q], scanned[1, ..., :num_q], scanned[2, ..., :num_q]  # (k, B, Tq)
-    next_empty = (-scanned[3]).flip(-1)  # (k, B, Tq + 1)
-    n_tiles = [_cdiv(max(num_keys, 1), block_n) for _, _, num_keys in intervals]
-    n_max = max(n_tiles)
-    c0 = torch.arange(n_max, device=device) * block_n  # (n_max,)
-    c1 = torch.stack([(c0 + block_n).clamp(max=num_keys) for _, _, num_keys in intervals])  # (k, n_max)
-    sequences = torch.stack([hi_m, lo_seen_m, hi_m, lo_m])  # (4, k, B, Tq): qa, qb, ia, ib searches
-    values = torch.stack([(c0 + 1).expand(k, -1), c1, (c0 + block_n).expand(k, -1), (c0 + 1).expand(k, -1)])
-    found = torch.searchsorted(sequences.reshape(4 * k * batch, num_q),
-                               values[:, :, None, :].expand(4, k, batch, n_max).reshape(4 * k * batch, n_max))
-    qa, qb, ia, ib = found.view(4, k, batch, n_max)
-    ib = torch.minimum(torch.maximum(ib, ia), next_empty.gather(-1, ia))
-    as32 = lambda x, i: x[i, :, :n_tiles[i]].to(torch.int32).contiguous()  # noqa: E731
-    return [(as32(qa, i), as32(qb, i), as32(ia, i), as32(ib, i)) for i in range(k)]
+    Two launches: chunk-local scans (_range_scan_kernel), then per key tile a search of the chunk totals and a
+    binary search inside one chunk (_range_search_kernel). As torch ops (running max/min scans and searchsorted)
+    this took about 100 small launches per backward, 0.8 ms of torch kernels plus the GPU's waits for the host at
+    every length (bench/KERNELS.md, 2026-11-26)."""
+    _, batch, num_q = intervals.shape
+    device = intervals.device
+    intervals = intervals if intervals.is_contiguous() else intervals.contiguous()
+    # at most 64 chunks per row (the search compares each tile's value with every chunk total), at least 1,024
+    # queries each
+    chunk = _OVERRIDES.range_chunk or max(1024, _next_pow2(_cdiv(max(num_q, 1), 64)))
+    n_chunks = _cdiv(max(num_q, 1), chunk)
+    n_tiles = [_cdiv(max(keys, 1), block_n) for keys in num_keys]
+    scan = torch.empty(2, 4, batch, num_q, device=device, dtype=torch.int32)
+    totals = torch.empty(2, 4, batch, n_chunks, device=device, dtype=torch.int32)
+    out = torch.empty(4 * batch * sum(n_tiles), device=device, dtype=torch.int32)
+    _range_scan_kernel[(2, batch, n_chunks)](intervals, scan, totals, num_q, n_chunks, CHUNK=chunk,
+                                             num_warps=4 if chunk <= 2048 else 8)
+    tiles_per_program = 64
+    _range_search_kernel[(2, batch, _cdiv(max(n_tiles), tiles_per_program))](
+        scan, totals, out, num_q, n_chunks, num_keys[0], num_keys[1], n_tiles[0], n_tiles[1], BLOCK_N=block_n,
+        TB=tiles_per_program, CHUNK=chunk, NCH_PAD=_next_pow2(n_chunks), STEPS=chunk.bit_length(), num_warps=4,
+    )
+    cmp, win = out.split([4 * batch * n_tiles[0], 4 * batch * n_tiles[1]])
+    return [tuple(cmp.view(4, batch, n_tiles[0])), tuple(win.view(4, batch, n_tiles[1]))]
 
 
 _DKDV_KEY_TILE = 64  # keys per program of the compressed/window dK/dV (BLOCK_N)

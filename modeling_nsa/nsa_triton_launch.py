@@ -66,6 +66,9 @@ class LaunchOverrides:
     # (query, block) pairs per chunk of the selected dK/dV's tile loop (a chunk's query indices loaded once;
     # _sel_dkdv_chunk_tiles); 0: no chunks, each tile loads its own indices (everywhere until 2026-11-26)
     sel_dkdv_chunk_pairs: int | None = None
+    # queries per chunk of the dK/dV query ranges' scans (a power of two; _interval_query_ranges by default: at least 1,024, at
+    # most 64 chunks per row); small ones give the tests many chunks per row at tiny lengths
+    range_chunk: int | None = None
     decode_split: int | None = None  # compressed slots per decode split program
     decode_topn_blocks: int | None = None  # selection blocks per decode top-n program
     decode_sel_step: int | None = None  # selected blocks per step of a decode selected part

@@ -60,6 +60,7 @@ _KNOB_IDS = {
     "sel_dq_pairs": lambda c: "seldqpairkernel" if c["sel_dq_pairs"] else "seldqnopairkernel",
     "sel_fwd_pair_queries": lambda c: f"chunk{c['sel_fwd_pair_queries']}queries",
     "sel_dkdv_chunk_pairs": lambda c: f"chunk{c['sel_dkdv_chunk_pairs']}pairs" if c["sel_dkdv_chunk_pairs"] else "pertile",
+    "range_chunk": lambda c: f"rangechunk{c['range_chunk']}",
     "arch": lambda c: f"sm{c['arch']}",
     "cache_views": lambda c: "cacheviews",
     "static": lambda c: "static",
@@ -220,6 +221,14 @@ CPU_CASES = [
          params=[(8, 4, 16), (32, 16, 512), (4, 2, 64), (2, 1, 160)]),
     dict(kind="layout", B=3, T=97, H=2, Hkv=1, D=16, seeds=[3, 4], q_off=29, w_off=13, params=[(8, 4, 16), (4, 4, 5)]),
     dict(kind="layout", B=3, T=6, H=2, Hkv=1, D=16, seeds=[5], params=[(8, 4, 16)]),
+    # the dK/dV kernel's query ranges per key tile (_interval_query_ranges: chunk scans, then a search of the chunk
+    # totals and a binary search in one chunk) against their definitions in Python loops, and what they mean to
+    # that kernel, on random layouts: 16-query chunks (runs, padding and empty intervals crossing chunk ends, up to
+    # 19 chunks a row), the default chunk (one per row here), a row shorter than a key tile
+    dict(kind="ranges", B=3, T=301, H=2, Hkv=1, D=16, seeds=[0, 1], range_chunk=16,
+         params=[(8, 4, 16), (32, 16, 160), (4, 2, 64)]),
+    dict(kind="ranges", B=3, T=400, H=2, Hkv=1, D=16, seeds=[2, 3], params=[(4, 2, 160), (8, 4, 512)]),
+    dict(kind="ranges", B=2, T=61, H=2, Hkv=1, D=16, seeds=[4], range_chunk=32, params=[(8, 4, 16)]),
     dict(kind="decode", B=2, T=60, H=4, Hkv=2, D=16, steps=[1, 8, 23, 60], Tw=16, layout="pad"),
     # the cache's tensors as NSACache passes them: views of larger buffers (read in place, batch strides),
     # the spare room NaN; split compressed slots and packed documents
@@ -384,6 +393,10 @@ def _check(res, case, tol):
     if case.get("kind") == "layout":
         assert res["mismatches"] == 0 and res["checked"] > 0, res
         return
+    if case.get("kind") == "ranges":
+        assert res["mismatches"] == 0 and res["violations"] == 0 and res["checked"] > 0, res
+        assert res["runs"] > 0 or case["T"] < 64, res  # whole tiles inside windows: unmasked runs exist
+        return
     if case.get("kind") == "union":
         assert res["mismatches"] == 0, res
         assert res["max_count"] > 4 and res["max_past"] > 0, res  # tiles with repeats removed and causal-free blocks
@@ -423,88 +436,6 @@ def test_triton_is_usable_reports_device():
     assert tri.triton_is_usable("cpu") == interpreter
     if not torch.cuda.is_available():
         assert not tri.triton_is_usable("cuda")
-
-
-@pytest.mark.parametrize("largest", [True, False], ids=["max", "min"])
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
-def test_running_extreme_equals_torch_scan(largest, dtype):
-    """The launchers' chunked running max/min (the dK/dV's query ranges) equals torch.cummax/cummin at lengths
-    below, at and past a chunk, one past a multiple, and over many chunks, with runs that cross chunk ends
-    (small value ranges repeat extremes), for one row and several."""
-    running_extreme = common_module()._running_extreme
-    gen = torch.Generator().manual_seed(7)
-    for batch, length, chunk, high in [(1, 5, 8, 100), (2, 8, 8, 3), (3, 9, 8, 50), (1, 65, 8, 1000),
-                                       (4, 257, 16, 7), (1, 1000, 256, 2**31 - 1), (2, 4097, 256, 30)]:
-        x = torch.randint(-high, high, (batch, length), generator=gen, dtype=dtype)
-        if length > 100:  # a mostly monotone row with dips, as the intervals' ends are
-            x = x.cumsum(-1).to(dtype) // 3 if high < 100 else x
-        expected = (torch.cummax(x, -1) if largest else torch.cummin(x, -1)).values
-        got = running_extreme(x, largest=largest, chunk=chunk)
-        assert got.dtype == dtype and got.shape == x.shape
-        assert torch.equal(got, expected), (batch, length, chunk, (got != expected).nonzero()[:5])
-
-
-def _query_ranges_by_definition(lo, hi, num_keys, block_n):
-    """_interval_query_ranges's (qa, qb, ia, ib) for one branch, written out in Python loops from the definitions
-    (running maxima, first and last queries), independent of its stacked scans and searches."""
-    batch, num_q = lo.shape
-    n_tiles = -(-max(num_keys, 1) // block_n)
-    out = [torch.zeros(batch, n_tiles, dtype=torch.int32) for _ in range(4)]
-    for b in range(batch):
-        lo_b, hi_b = lo[b].tolist(), hi[b].tolist()
-        hi_m, seen_m, lo_m, run_hi, run_seen, run_lo = [], [], [], -1, -1, -1
-        for t in range(num_q):
-            run_hi, run_lo = max(run_hi, hi_b[t]), max(run_lo, lo_b[t])
-            run_seen = max(run_seen, lo_b[t] if hi_b[t] > lo_b[t] else 0)
-            hi_m.append(run_hi), seen_m.append(run_seen), lo_m.append(run_lo)
-        for j in range(n_tiles):
-            c0, c1 = j * block_n, min(j * block_n + block_n, num_keys)
-            qa = sum(x <= c0 for x in hi_m)
-            qb = sum(x < c1 for x in seen_m)
-            ia = sum(x < c0 + block_n for x in hi_m)
-            ib = max(sum(x <= c0 for x in lo_m), ia)
-            empty_after = [u for u in range(ia, num_q) if hi_b[u] <= lo_b[u]]
-            ib = min(ib, empty_after[0] if empty_after else num_q)
-            for k, value in enumerate((qa, qb, ia, ib)):
-                out[k][b, j] = value
-    return out
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_interval_query_ranges_match_their_definition(seed):
-    """The dK/dV kernel's per-key-tile query ranges of both interval branches, computed together (stacked scans and
-    one searchsorted), equal the definitions per branch; and they mean what the kernel assumes: every valid query
-    seeing a key of the tile lies in [qa, qb), every query in [ia, ib) sees all of it. Layouts with padding on
-    both sides and inside rows, packed documents, windows and compressed blocks of several sizes."""
-    from triton_helpers import import_nsa, kernel_module, layout_by_torch, random_doc_positions
-
-    layout, _, _ = import_nsa()
-    interval = kernel_module("interval")
-    batch, num_q = 3, [61, 400, 129, 257, 333, 64][seed]
-    window, (cmp_l, cmp_d) = [16, 64, 160, 512][seed % 4], [(8, 4), (32, 16), (4, 2)][seed % 3]
-    params = layout.NSAParams(cmp_block_size=cmp_l, cmp_stride=cmp_d, sel_block_size=16, sel_num_blocks=4,
-                              sel_init_blocks=1, sel_local_blocks=2, window_size=window)
-    doc_pos = random_doc_positions(batch, num_q, seed)
-    cmp_end = layout.compressed_token_ends(doc_pos, params)
-    c_lo, c_hi, w_lo, w_hi = layout_by_torch(cmp_end, doc_pos, num_q, num_q, params)
-    branches = [(c_lo, c_hi, cmp_end.shape[1]), (w_lo, w_hi, num_q)]
-    got = interval._interval_query_ranges(branches, 64)
-    runs = 0
-    for (lo, hi, num_keys), ranges in zip(branches, got):
-        expected = _query_ranges_by_definition(lo, hi, num_keys, 64)
-        for name, mine, want in zip(("qa", "qb", "ia", "ib"), ranges, expected):
-            assert mine.dtype == torch.int32 and mine.is_contiguous()
-            assert torch.equal(mine, want), (name, num_keys, (mine != want).nonzero()[:5])
-        qa, qb, ia, ib = ranges
-        runs += int((ia < ib).sum())
-        for b in range(batch):
-            for j in range(qa.shape[1]):
-                c0, c1 = 64 * j, min(64 * j + 64, num_keys)
-                sees = [t for t in range(num_q) if lo[b, t] < hi[b, t] and lo[b, t] < c1 and hi[b, t] > c0]
-                assert all(qa[b, j] <= t < qb[b, j] for t in sees), (b, j)
-                assert all(lo[b, t] <= c0 and hi[b, t] >= c0 + 64 for t in range(ia[b, j], ib[b, j])), (b, j)
-    if window >= 160:  # whole 64-key tiles inside the window: some unmasked runs
-        assert runs > 0
 
 
 # ---------------------------------------------------------------- GPU: bf16 at real shapes

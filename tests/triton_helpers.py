@@ -413,6 +413,72 @@ def run_layout_case(case: dict) -> dict:
     return res
 
 
+def query_ranges_by_definition(lo, hi, num_keys, block_n):
+    """_interval_query_ranges's (qa, qb, ia, ib) for one branch, written out in Python loops from the definitions
+    (running maxima, first and last queries), independent of its chunked scans and searches."""
+    batch, num_q = lo.shape
+    n_tiles = -(-max(num_keys, 1) // block_n)
+    out = [torch.zeros(batch, n_tiles, dtype=torch.int32) for _ in range(4)]
+    for b in range(batch):
+        lo_b, hi_b = lo[b].tolist(), hi[b].tolist()
+        hi_m, seen_m, lo_m, run_hi, run_seen, run_lo = [], [], [], -1, -1, -1
+        for t in range(num_q):
+            run_hi, run_lo = max(run_hi, hi_b[t]), max(run_lo, lo_b[t])
+            run_seen = max(run_seen, lo_b[t] if hi_b[t] > lo_b[t] else 0)
+            hi_m.append(run_hi), seen_m.append(run_seen), lo_m.append(run_lo)
+        empty = [u for u in range(num_q) if hi_b[u] <= lo_b[u]]
+        for j in range(n_tiles):
+            c0, c1 = j * block_n, min(j * block_n + block_n, num_keys)
+            qa = sum(x <= c0 for x in hi_m)
+            qb = sum(x < c1 for x in seen_m)
+            ia = sum(x < c0 + block_n for x in hi_m)
+            ib = max(sum(x <= c0 for x in lo_m), ia)
+            ib = min(ib, next((u for u in empty if u >= ia), num_q))
+            for k, value in enumerate((qa, qb, ia, ib)):
+                out[k][b, j] = value
+    return out
+
+
+def run_ranges_case(case: dict) -> dict:
+    """_interval_query_ranges (two launches: chunk scans, then searches) against query_ranges_by_definition for
+    both interval branches, on random layouts (packed documents, padding on both sides and inside a row), for
+    every (compressed block, stride, window) in case["params"]; case["chunk"] forces the launcher's query chunk
+    (small chunks: many chunks per row, runs and empty intervals crossing chunk ends). Also what the ranges
+    mean to the dK/dV kernel: every query seeing a key of a tile lies in [qa, qb), every query in [ia, ib) sees
+    all of it. Counts mismatches, violations and the unmasked runs found."""
+    layout, _, _ = import_nsa()
+    interval = kernel_module("interval")
+    res = {"mismatches": 0, "violations": 0, "checked": 0, "runs": 0}
+    block_n = case.get("block_n", 64)
+    with case_launch(case):
+        for seed in case["seeds"]:
+            doc_pos = random_doc_positions(case["B"], case["T"], seed)
+            for cmp_l, cmp_d, window in case["params"]:
+                p = layout.NSAParams(cmp_block_size=cmp_l, cmp_stride=cmp_d, sel_block_size=16, sel_num_blocks=4,
+                                     sel_init_blocks=1, sel_local_blocks=2, window_size=window)
+                cmp_end = layout.compressed_token_ends(doc_pos, p)
+                num_q = case["T"]
+                intervals = torch.stack(layout_by_torch(cmp_end, doc_pos, num_q, num_q, p))
+                num_keys = (cmp_end.shape[1], num_q)
+                got = interval._interval_query_ranges(intervals, num_keys, block_n)
+                for (lo, hi), keys, ranges in zip((intervals[:2], intervals[2:]), num_keys, got):
+                    want = query_ranges_by_definition(lo, hi, keys, block_n)
+                    for mine, expected in zip(ranges, want):
+                        assert mine.dtype == torch.int32 and mine.is_contiguous() and mine.shape == expected.shape
+                        res["mismatches"] += int((mine != expected).sum())
+                        res["checked"] += expected.numel()
+                    qa, qb, ia, ib = ranges
+                    res["runs"] += int((ia < ib).sum())
+                    for b in range(case["B"]):
+                        for j in range(qa.shape[1]):
+                            c0, c1 = block_n * j, min(block_n * j + block_n, keys)
+                            sees = [t for t in range(num_q) if lo[b, t] < hi[b, t] and lo[b, t] < c1 and hi[b, t] > c0]
+                            res["violations"] += sum(not qa[b, j] <= t < qb[b, j] for t in sees)
+                            res["violations"] += sum(not (lo[b, t] <= c0 and hi[b, t] >= c0 + block_n)
+                                                     for t in range(ia[b, j], ib[b, j]))
+    return res
+
+
 def selection_errors(idx_tri: torch.Tensor, captured: dict) -> dict:
     """The kernel's selected blocks idx_tri against the reference's (captured by _reference_on): equal except at
     genuine near-ties (idx_tie_gap: the largest score gap, relative to the row's largest score, between the
@@ -807,6 +873,7 @@ def main(argv):
         try:
             runner = {"decode": run_decode_case, "compile": run_compile_case, "opcheck": run_opcheck_case,
                       "select": run_select_case, "union": run_union_case, "layout": run_layout_case,
+                      "ranges": run_ranges_case,
                       "selfwd": run_selfwd_case, "seldq": run_seldq_case,
                       "large_offset": run_large_offset_case,
                       "large_offset_decode": run_large_offset_decode_case}.get(case.get("kind"), run_case)
