@@ -157,4 +157,8 @@ def evaluate_long_context(model, tokenizer, run: RunState, settings: dict, out_d
         run.long_context = {**result, "haystack": data_description(haystack)}
     per_length = {f"longctx_len{n}_accuracy": sum(row) / len(row)
                   for n, row in zip(result["lengths"], result["accuracy"])}  # fmt: skip
-    return {"longctx_accuracy": sum(per_length.values()) / len(per_length), **per_length}
+    logged = {"longctx_accuracy": sum(per_length.values()) / len(per_length), **per_length}
+    if result.get("needle_selected"):  # NSA: how often the last prompt token's selection held the answer's block
+        rates = [rate for row in result["needle_selected"] for rate in row]
+        logged["longctx_needle_selected"] = sum(rates) / len(rates)
+    return logged

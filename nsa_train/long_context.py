@@ -452,6 +452,77 @@ def score_loglik(model, cases: list[RetrievalCase], device, pad_id: int) -> list
     return results
 
 
+def takes_needle_selection(model) -> bool:
+    """Whether `model` has NSA layers whose selection the evaluation can read (this project's NSA in nsa mode)."""
+    config = getattr(model, "config", None)
+    return getattr(config, "model_type", None) == "nsa" and getattr(config, "attention_mode", "nsa") == "nsa"
+
+
+def _answer_span_blocks(case: RetrievalCase, block_size: int) -> list[int]:
+    """The selection blocks (in-document indices) holding the answer's tokens where they occur inside the hidden item
+    (a passkey's item names its key twice); the item's blocks where its tokens do not hold the answer's as they
+    follow the question (a tokenizer that merges across the boundary)."""
+    item = case.prompt_ids[case.needle_start : case.needle_start + case.needle_len]
+    answer, n = case.answer_ids, len(case.answer_ids)
+    starts = [i for i in range(len(item) - n + 1) if item[i : i + n] == answer]
+    positions = [case.needle_start + i + j for i in starts for j in range(n)] or range(
+        case.needle_start, case.needle_start + case.needle_len)
+    return sorted({p // block_size for p in positions})
+
+
+def _chance_of_selecting(targets: int, eligible: int, picks: int) -> float:
+    """The chance that `picks` blocks drawn uniformly from `eligible` free blocks include one of `targets` of them."""
+    if targets <= 0:
+        return 0.0
+    if picks >= eligible:
+        return 1.0
+    return 1.0 - math.comb(eligible - targets, picks) / math.comb(eligible, picks)
+
+
+@torch.no_grad()
+def needle_selection(model, cases: list[RetrievalCase], device, pad_id: int) -> list[dict]:
+    """Where NSA looks for the answer, for a batch of cases: whether the top-n selection of the last prompt token (the
+    query that predicts the answer's first token) holds a selection block with the answer's tokens inside the hidden
+    item (_answer_span_blocks), per layer and KV group, as the model's layers select (the kernels' top-n where they
+    run, else the reference's; one forward over the prompts). Beside it the chance that the free picks (n minus the
+    forced blocks, drawn uniformly from the other blocks of the document) would hold one, and whether the answer lies
+    where the query sees it without choosing it: inside its sliding window or in a forced block. A retrieval that
+    fails with the answer selected failed in the use of the selected block; one that fails with it unselected (at
+    or below chance), in the compressed scores that choose the blocks."""
+    from .selection_stats import capture_selections, forced_blocks
+
+    ids, mask = _left_padded([c.prompt_ids for c in cases], pad_id, device)
+    layers = capture_selections(model, {"input_ids": ids, "attention_mask": mask}, max_rows=len(cases),
+                                max_len=ids.shape[1])  # whole prompts: the last token is the one asked about
+    params = layers[0].params
+    results = []
+    for row, case in enumerate(cases):
+        query = len(case.prompt_ids) - 1  # the last prompt token's position in its document (left padding: 0 first)
+        own = query // params.sel_block_size
+        blocks = torch.arange(own + 1)
+        forced = forced_blocks(blocks, torch.tensor(own), params)  # (own + 1,)
+        targets = torch.tensor(_answer_span_blocks(case, params.sel_block_size))
+        target_forced = bool(forced[targets].any())
+        free_targets = 0 if target_forced else len(targets)
+        eligible = int((~forced).sum())
+        chance = 1.0 if target_forced else _chance_of_selecting(
+            free_targets, eligible, max(0, min(params.sel_num_blocks, own + 1) - int(forced.sum())))
+        selected = []
+        for layer in layers:
+            chosen = layer.block_indices[row, :, -1]  # (Hkv, n') in-document blocks, -1 unused
+            selected.append([bool(torch.isin(kv, targets).any()) for kv in chosen])
+        answer_last = max(targets.tolist()) * params.sel_block_size + params.sel_block_size - 1
+        results.append({"needle_selected": selected, "needle_chance": chance,
+                        "needle_in_window": answer_last > query - params.window_size, "needle_forced": target_forced})
+    return results
+
+
+def _selection_rate(scored: list[dict]) -> float:
+    """The share of (case, layer, KV group) whose last-token selection holds the item."""
+    flags = [hit for s in scored for layer in s["needle_selected"] for hit in layer]
+    return sum(flags) / len(flags)
+
+
 # ----------------------------------------------------------------------------- the evaluation
 
 
@@ -460,7 +531,7 @@ def run_long_context_eval(model, tokenizer, task: str = "passkey", lengths=(1024
                           haystack: str | None = None, text_column: str = "text", training_len: int | None = None,
                           model_path: str | Path | None = None, out_dir: str | Path | None = None,
                           model_name: str | None = None, log=print, shard: tuple[int, int] = (0, 1),
-                          gather=None) -> dict:  # fmt: skip
+                          gather=None, selection: bool | None = None) -> dict:  # fmt: skip
     """Evaluate `model` on `samples` cases per (length, depth); returns (and with `out_dir` writes as JSON and
     PNG) the accuracy per cell. `training_len` (default: from the config, or `model_path`'s run.json) marks
     longer lengths as extrapolation. The model is put in eval mode and back in its mode after.
@@ -468,8 +539,17 @@ def run_long_context_eval(model, tokenizer, task: str = "passkey", lengths=(1024
     shard=(rank, world) with `gather` (a list of this process's items -> every process's, concatenated in rank
     order: accelerate's gather_object) splits the batches between data-parallel processes, batch k to rank
     k % world, each holding the whole model (DDP); every process returns the whole result. Not under FSDP, where
-    every forward needs all processes: there each evaluates every case."""
+    every forward needs all processes: there each evaluates every case.
+
+    selection (default None: on for this project's NSA models in nsa mode, off for others): also record where the
+    last prompt token's top-n selection looks (needle_selection), per case and as a rate per cell and layer."""
     check_task(task)
+    if selection is None:
+        selection = takes_needle_selection(model)
+    elif selection and not takes_needle_selection(model):
+        raise ValueError(f"--needle-selection: {type(model).__name__} (attention_mode "
+                         f"{getattr(getattr(model, 'config', None), 'attention_mode', None)!r}) has no NSA selection to "
+                         "read; it needs an NSA model in attention_mode 'nsa' (drop the flag for other models).")  # fmt: skip
     check_scoring(scoring)
     depths = check_depths(depths)
     if batch_size < 1:
@@ -497,9 +577,12 @@ def run_long_context_eval(model, tokenizer, task: str = "passkey", lengths=(1024
     try:
         for k in range(rank, len(batches), world):
             if scoring == "generate":
-                mine.append((k, score_generate(model, tokenizer, batches[k], device, pad_id)))
+                scores = score_generate(model, tokenizer, batches[k], device, pad_id)
             else:
-                mine.append((k, score_loglik(model, batches[k], device, pad_id)))
+                scores = score_loglik(model, batches[k], device, pad_id)
+            if selection:
+                scores = [{**s, **where} for s, where in zip(scores, needle_selection(model, batches[k], device, pad_id))]
+            mine.append((k, scores))
     finally:
         model.train(was_training)
     by_batch = dict(gather(mine) if world > 1 else mine)
@@ -517,6 +600,15 @@ def run_long_context_eval(model, tokenizer, task: str = "passkey", lengths=(1024
                     "extrapolation": training_len is not None and length > training_len}  # fmt: skip
             if scoring == "loglik":
                 cell["answer_logprob_mean"] = sum(s["answer_logprob"] for _, s in mine) / len(mine)
+            if selection:
+                chosen = [s for _, s in mine]
+                cell["needle_selected_rate"] = _selection_rate(chosen)
+                cell["needle_selected_rate_by_layer"] = [
+                    sum(hit for s in chosen for hit in s["needle_selected"][i]) / sum(len(s["needle_selected"][i]) for s in chosen)
+                    for i in range(len(chosen[0]["needle_selected"]))]  # fmt: skip
+                cell["needle_chance_rate"] = sum(s["needle_chance"] for s in chosen) / len(chosen)
+                cell["needle_in_window_share"] = sum(s["needle_in_window"] for s in chosen) / len(chosen)
+                cell["needle_forced_share"] = sum(s["needle_forced"] for s in chosen) / len(chosen)
             cell["cases"] = [{"answer": c.answer, "needle_start": c.needle_start, **s} for c, s in mine]
             cells.append(cell)
     result = {
@@ -530,6 +622,8 @@ def run_long_context_eval(model, tokenizer, task: str = "passkey", lengths=(1024
         "device": str(device), "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "date": time.strftime("%Y-%m-%d"), "wall_s": round(time.time() - started, 2), "processes": world,
         "accuracy": [[cell["accuracy"] for cell in cells if cell["length"] == n] for n in lengths],
+        "needle_selected": ([[cell["needle_selected_rate"] for cell in cells if cell["length"] == n] for n in lengths]
+                            if selection else None),
         "cells": cells,
     }  # fmt: skip
     log(format_table(result))
@@ -549,6 +643,19 @@ def format_table(result: dict) -> str:
         mark = "*" if length in result["extrapolated_lengths"] else ""
         cells = " | ".join(f"{100 * a:.0f}" for a in row)
         lines.append(f"| {length:,}{mark} | {cells} | {100 * sum(row) / len(row):.0f} |")
+    if result.get("needle_selected"):
+        lines += ["", "the answer's block in the last prompt token's selection, % of (case, layer, KV group); chance: "
+                  "uniform free picks:", "",
+                  "| length | " + " | ".join(f"depth {d:g}" for d in depths) + " | mean | chance | answer in window "
+                  "or forced |", "|---|" + "---|" * (len(depths) + 3)]  # fmt: skip
+        for length, row in zip(result["lengths"], result["needle_selected"]):
+            mark = "*" if length in result["extrapolated_lengths"] else ""
+            seen = [c for c in result["cells"] if c["length"] == length]
+            chance = sum(c["needle_chance_rate"] for c in seen) / len(seen)
+            free = sum(max(c["needle_in_window_share"], c["needle_forced_share"]) for c in seen) / len(seen)
+            cells = " | ".join(f"{100 * a:.0f}" for a in row)
+            lines.append(f"| {length:,}{mark} | {cells} | {100 * sum(row) / len(row):.0f} | {100 * chance:.0f} | "
+                         f"{100 * free:.0f}% |")
     if result["extrapolated_lengths"]:
         lines.append(f"\n* beyond the training length {result['training_len']:,} ({result['training_len_source']}): "
                      "extrapolation")  # fmt: skip
@@ -666,6 +773,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: bfloat16 on a GPU, float32 on CPU")
     p.add_argument("--nsa-backend", default="auto", choices=["auto", "reference", "triton"])
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--needle-selection", action=argparse.BooleanOptionalAction, default=None,
+                   help="record whether the last prompt token's top-n selection holds the item's block (default: on "
+                   "for this project's NSA models in nsa mode, off for others)")
     return p
 
 
@@ -685,6 +795,7 @@ def main(argv=None) -> dict:
         model, tokenizer, args.task, args.lengths, args.depths, samples=args.samples, batch_size=args.batch_size,
         scoring=args.scoring, seed=args.seed, haystack=args.haystack, text_column=args.text_column,
         training_len=args.training_len, model_path=args.model, out_dir=out, model_name=args.model,
+        selection=args.needle_selection,
     )  # fmt: skip
 
 
@@ -702,5 +813,6 @@ if __name__ == "__main__":
     run_command(main)
 
 
-__all__ = ["RetrievalCase", "build_case", "build_cases", "card_section", "format_table", "plot_heatmap",
-           "run_command", "run_long_context_eval", "score_generate", "score_loglik"]  # fmt: skip
+__all__ = ["RetrievalCase", "build_case", "build_cases", "card_section", "format_table", "needle_selection",
+           "plot_heatmap", "run_command", "run_long_context_eval", "score_generate", "score_loglik",
+           "takes_needle_selection"]  # fmt: skip

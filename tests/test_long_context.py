@@ -375,3 +375,118 @@ def test_processes_split_the_batches_and_every_one_gets_the_whole_result(byt5, w
                                  **kw)
     with pytest.raises(ValueError, match=r"shard=\(2, 2\): give \(rank, world\)"):
         lc.run_long_context_eval(model, byt5, "passkey", lengths, depths, shard=(2, 2), gather=lambda mine: mine, **kw)
+
+
+# ----------------------------------------------------------------------------- where NSA's selection looks
+
+
+def test_answer_blocks_are_where_the_key_is_written(byt5):
+    """The blocks _answer_span_blocks names hold the passkey's digits (both mentions in the item), found here from
+    the decoded prompt's text, byte by byte (ByT5: one token per byte after the special prefix)."""
+    cases, _ = lc.build_cases(byt5, "passkey", [300], [0.0, 0.5, 1.0], samples=2, seed=3)
+    for case in cases:
+        prefix = len(lc._special_prefix(byt5))
+        text = bytes(i - 3 for i in case.prompt_ids[prefix:]).decode()  # ByT5: id = byte + 3
+        item_text = text[case.needle_start - prefix : case.needle_start - prefix + case.needle_len]
+        digits = [prefix + case.needle_start - prefix + i + j for i in range(len(item_text))
+                  if item_text.startswith(case.answer, i) for j in range(len(case.answer))]  # fmt: skip
+        assert len(digits) == 2 * len(case.answer)  # the item names the key twice
+        for block_size in (16, 64):
+            assert lc._answer_span_blocks(case, block_size) == sorted({p // block_size for p in digits})
+
+
+def test_chance_of_selecting_counts_every_draw():
+    import itertools
+
+    for eligible, picks, targets in [(13, 3, 2), (13, 3, 5), (7, 7, 1), (9, 2, 0), (6, 4, 6), (10, 1, 3)]:
+        draws = list(itertools.combinations(range(eligible), min(picks, eligible)))
+        hits = sum(any(b < targets for b in draw) for draw in draws)
+        assert lc._chance_of_selecting(targets, eligible, picks) == pytest.approx(hits / len(draws))
+
+
+def test_needle_selection_reads_the_last_tokens_selection(byt5, monkeypatch):
+    """needle_selection on hand-made selections: per layer and KV group, a hit where the last prompt token's list
+    holds an answer block (in-document indices: the left padding of the shorter prompt does not shift them), none
+    where it holds only other blocks; the chance from the document's free blocks; the forced and window flags."""
+    from modeling_nsa.nsa_layout import NSAParams
+    from nsa_train import selection_stats
+
+    params = NSAParams(cmp_block_size=16, cmp_stride=8, sel_block_size=16, sel_num_blocks=5, sel_init_blocks=1,
+                       sel_local_blocks=2, window_size=32)  # fmt: skip
+    cases, _ = lc.build_cases(byt5, "passkey", [300, 420], [0.5], samples=1, seed=2)
+    short, long_ = cases
+    answer_short, answer_long = (lc._answer_span_blocks(c, 16) for c in cases)
+    width = 420
+    indices = torch.full((2, 2, 2, width, 5), -1)  # (layers, B, Hkv, T, n')
+    indices[0, 0, 0, -1, :2] = torch.tensor([0, answer_short[0]])  # layer 0, short prompt, group 0: a hit
+    indices[0, 0, 1, -1, :2] = torch.tensor([0, 1])  # group 1: no answer block
+    indices[1, 1, 1, -1, 0] = answer_long[-1]  # layer 1, long prompt, group 1: a hit
+    indices[0, 0, 0, -2, :] = torch.tensor(answer_long[:1] * 5)  # another query's list is not read
+    fake = [selection_stats.LayerSelection(layer, torch.zeros(2, width, 4, 3), indices[layer], torch.zeros(2, width),
+                                           params) for layer in range(2)]  # fmt: skip
+    seen = {}
+
+    def capture(model, batch, max_rows, max_len):
+        seen.update(batch=batch, max_rows=max_rows, max_len=max_len)
+        return fake
+
+    monkeypatch.setattr(selection_stats, "capture_selections", capture)
+    got = lc.needle_selection(object(), cases, "cpu", pad_id=0)
+    assert seen["max_rows"] == 2 and seen["max_len"] == width
+    assert int(seen["batch"]["attention_mask"][0].sum()) == 300  # left padding: the short prompt ends the row
+    assert got[0]["needle_selected"] == [[True, False], [False, False]]
+    assert got[1]["needle_selected"] == [[False, False], [False, True]]
+    for case, res in zip(cases, got):
+        own = (len(case.prompt_ids) - 1) // 16
+        free = own + 1 - 3  # block 0 and the two local blocks are forced
+        targets = len(lc._answer_span_blocks(case, 16))
+        assert res["needle_chance"] == pytest.approx(lc._chance_of_selecting(targets, free, 5 - 3))
+        assert not res["needle_forced"] and not res["needle_in_window"]  # depth 0.5: far behind the last token
+
+
+def test_needle_selection_in_the_evaluation_of_an_nsa_run(byt5, tmp_path):
+    """The CLI on a tiny NSA model with free picks (6 selected blocks, 3 forced) records, per case, the selection of
+    every layer and KV group and the rates per cell; the flags equal those of the same prompt alone (no padding)
+    read from capture_selections directly."""
+    from modeling_nsa import NSAConfig, NSAForCausalLM
+    from nsa_train.selection_stats import capture_selections
+
+    config = NSAConfig(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, cmp_block_size=16, cmp_stride=8,
+                       sel_block_size=16, sel_num_blocks=6, window_size=32, cmp_mlp_hidden_size=16,
+                       max_position_embeddings=1024, eos_token_id=byt5.eos_token_id, pad_token_id=byt5.pad_token_id)  # fmt: skip
+    torch.manual_seed(1)
+    NSAForCausalLM(config).save_pretrained(tmp_path / "model")
+    byt5.save_pretrained(tmp_path / "model")
+    out = tmp_path / "out"
+    result = lc.main([str(tmp_path / "model"), "--task", "passkey", "--lengths", "240", "320", "--depths", "0", "1",
+                      "--samples", "2", "--batch-size", "3", "--out", str(out)])  # fmt: skip
+    assert result["needle_selected"] is not None and len(result["needle_selected"]) == 2
+    model = NSAForCausalLM.from_pretrained(tmp_path / "model")
+    for cell in result["cells"]:
+        assert 0.0 <= cell["needle_selected_rate"] <= 1.0 and 0.0 < cell["needle_chance_rate"] <= 1.0
+        assert len(cell["needle_selected_rate_by_layer"]) == 1
+        for case in cell["cases"]:
+            assert len(case["needle_selected"]) == 1 and len(case["needle_selected"][0]) == 1  # 1 layer x 1 group
+    cases, _ = lc.build_cases(byt5, "passkey", [240, 320], [0.0, 1.0], samples=2)
+    flat = [c for cell in result["cells"] for c in cell["cases"]]
+    by_start = {(c["needle_start"], c["answer"]): c for c in flat}
+    assert {hit for c in flat for hit in c["needle_selected"][0]} == {True, False}  # both outcomes are compared
+    for case in cases:
+        layers = capture_selections(model, {"input_ids": torch.tensor([case.prompt_ids])}, max_len=len(case.prompt_ids))
+        chosen = layers[0].block_indices[0, 0, -1]
+        alone = bool(torch.isin(chosen, torch.tensor(lc._answer_span_blocks(case, 16))).any())
+        assert by_start[(case.needle_start, case.answer)]["needle_selected"] == [[alone]]
+    assert "answer's block in the last prompt token's selection" in lc.format_table(result)
+
+
+def test_needle_selection_needs_an_nsa_model(llama_dir, byt5):
+    from transformers import AutoModelForCausalLM
+
+    llama = AutoModelForCausalLM.from_pretrained(llama_dir)
+    quiet = dict(log=lambda s: None, samples=1)
+    result = lc.run_long_context_eval(llama, byt5, "passkey", [300], [0.5], **quiet)
+    assert result["needle_selected"] is None and "needle_selected" not in result["cells"][0]["cases"][0]
+    with pytest.raises(ValueError, match=r"--needle-selection: LlamaForCausalLM .* needs an NSA model in "
+                                         r"attention_mode 'nsa'"):  # fmt: skip
+        lc.run_long_context_eval(llama, byt5, "passkey", [300], [0.5], selection=True, **quiet)

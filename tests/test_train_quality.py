@@ -72,9 +72,12 @@ def test_long_context_evaluation_at_the_end(run_with_quality):
     cells = [a for row in result["accuracy"] for a in row]
     assert logged[0]["longctx_accuracy"] == pytest.approx(sum(cells) / len(cells))
     assert logged[0]["longctx_len96_accuracy"] == pytest.approx(sum(result["accuracy"][1]) / 2)
+    rates = [rate for row in result["needle_selected"] for rate in row]  # NSA: where the last token's selection looks
+    assert logged[0]["longctx_needle_selected"] == pytest.approx(sum(rates) / len(rates))
     card = (out / "final" / "README.md").read_text()
     quality = card.split("## Quality")[1].split("## Model")[0]
     assert "### Long-context retrieval: passkey" in quality and "| 96* |" in quality
+    assert "the answer's block in the last prompt token's selection" in quality
     assert "### Gates and selection" in quality and "| 1 | " in quality
     assert str(out.parent) not in card  # no local paths: the card may be pushed
     # final/ is pushed at the export, then its card again once the evaluation is in it
