@@ -326,15 +326,23 @@ class NSAPreTrainedModel(PreTrainedModel):
         return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """Record both Auto classes in `auto_map`, whichever class is saved, so the checkpoint loads
-        with AutoModel and AutoModelForCausalLM (trust_remote_code=True)."""
+        """Record both Auto classes in the saved config's `auto_map`, whichever class is saved, so the checkpoint
+        loads with AutoModel and AutoModelForCausalLM (trust_remote_code=True). The live config keeps its own
+        auto_map (none for a model built here): saving does not change the model."""
+        had, before = hasattr(self.config, "auto_map"), getattr(self.config, "auto_map", None)
         self.config.auto_map = {
-            **(getattr(self.config, "auto_map", None) or {}),
+            **(before or {}),
             "AutoConfig": "configuration_nsa.NSAConfig",
             "AutoModel": "modeling_nsa.NSAModel",
             "AutoModelForCausalLM": "modeling_nsa.NSAForCausalLM",
         }
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        try:
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            if had:
+                self.config.auto_map = before
+            else:
+                del self.config.auto_map
 
     @torch.no_grad()
     def _init_weights(self, module):

@@ -68,6 +68,7 @@ def test_checkpoint_loads_with_trust_remote_code_in_a_fresh_process(tmp_path):
     model = NSAForCausalLM(NSAConfig(**TINY)).eval()
     ckpt = tmp_path / "ckpt"
     model.save_pretrained(ckpt)
+    assert getattr(model.config, "auto_map", None) is None  # saving wrote the map to the file, not to the model
 
     config = json.loads((ckpt / "config.json").read_text())
     assert config["auto_map"] == {
