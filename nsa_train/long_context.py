@@ -470,6 +470,32 @@ def _answer_span_blocks(case: RetrievalCase, block_size: int) -> list[int]:
     return sorted({p // block_size for p in positions})
 
 
+REGIONS = ("answer", "item", "question", "instruction", "haystack")  # a block's region, first that applies
+
+
+def _block_regions(case: RetrievalCase, num_blocks: int, block_size: int) -> list[str]:
+    """Each of a prompt's first num_blocks selection blocks by what it holds, the first of REGIONS that applies: the
+    answer's tokens inside the item (_answer_span_blocks), the rest of the item, the question at the end, the
+    instruction before the haystack (with the special prefix), else the haystack."""
+    answer = set(_answer_span_blocks(case, block_size))
+    question_start = case.haystack_start + case.haystack_len + case.needle_len
+    item_end = case.needle_start + case.needle_len
+    regions = []
+    for block in range(num_blocks):
+        first, last = block * block_size, block * block_size + block_size - 1
+        if block in answer:
+            regions.append("answer")
+        elif first < item_end and last >= case.needle_start:
+            regions.append("item")
+        elif last >= question_start:
+            regions.append("question")
+        elif first < case.haystack_start:
+            regions.append("instruction")
+        else:
+            regions.append("haystack")
+    return regions
+
+
 def _chance_of_selecting(targets: int, eligible: int, picks: int) -> float:
     """The chance that `picks` blocks drawn uniformly from `eligible` free blocks include one of `targets` of them."""
     if targets <= 0:
@@ -507,14 +533,27 @@ def needle_selection(model, cases: list[RetrievalCase], device, pad_id: int) -> 
         eligible = int((~forced).sum())
         chance = 1.0 if target_forced else _chance_of_selecting(
             free_targets, eligible, max(0, min(params.sel_num_blocks, own + 1) - int(forced.sum())))
-        selected = []
+        region = _block_regions(case, own + 1, params.sel_block_size)
+        selected, picks = [], []
         for layer in layers:
             chosen = layer.block_indices[row, :, -1]  # (Hkv, n') in-document blocks, -1 unused
             selected.append([bool(torch.isin(kv, targets).any()) for kv in chosen])
+            free = [b for b in chosen.flatten().tolist() if b >= 0 and not forced[b]]
+            picks.append({name: sum(region[b] == name for b in free) for name in REGIONS})
         answer_last = max(targets.tolist()) * params.sel_block_size + params.sel_block_size - 1
         results.append({"needle_selected": selected, "needle_chance": chance,
-                        "needle_in_window": answer_last > query - params.window_size, "needle_forced": target_forced})
+                        "needle_in_window": answer_last > query - params.window_size, "needle_forced": target_forced,
+                        "free_picks_by_region": picks,
+                        "free_blocks_by_region": {name: sum(region[b] == name for b in range(own + 1) if not forced[b])
+                                                  for name in REGIONS}})  # fmt: skip
     return results
+
+
+def _shares(counts: list[dict]) -> dict:
+    """Counts per region summed over cases, as shares of their total (0 where there are none)."""
+    total = {name: sum(c[name] for c in counts) for name in REGIONS}
+    whole = sum(total.values())
+    return {name: (total[name] / whole if whole else 0.0) for name in REGIONS}
 
 
 def _selection_rate(scored: list[dict]) -> float:
@@ -607,6 +646,9 @@ def run_long_context_eval(model, tokenizer, task: str = "passkey", lengths=(1024
                     sum(hit for s in chosen for hit in s["needle_selected"][i]) / sum(len(s["needle_selected"][i]) for s in chosen)
                     for i in range(len(chosen[0]["needle_selected"]))]  # fmt: skip
                 cell["needle_chance_rate"] = sum(s["needle_chance"] for s in chosen) / len(chosen)
+                cell["free_pick_shares_by_layer"] = [_shares([s["free_picks_by_region"][i] for s in chosen])
+                                                     for i in range(len(chosen[0]["free_picks_by_region"]))]
+                cell["free_block_shares"] = _shares([s["free_blocks_by_region"] for s in chosen])
                 cell["needle_in_window_share"] = sum(s["needle_in_window"] for s in chosen) / len(chosen)
                 cell["needle_forced_share"] = sum(s["needle_forced"] for s in chosen) / len(chosen)
             cell["cases"] = [{"answer": c.answer, "needle_start": c.needle_start, **s} for c, s in mine]
@@ -656,10 +698,23 @@ def format_table(result: dict) -> str:
             cells = " | ".join(f"{100 * a:.0f}" for a in row)
             lines.append(f"| {length:,}{mark} | {cells} | {100 * sum(row) / len(row):.0f} | {100 * chance:.0f} | "
                          f"{100 * free:.0f}% |")
+        cells = result["cells"]
+        lines += ["", "where the last prompt token's free picks (not the forced blocks) go, % of picks over every cell; "
+                  "uniform: the share of the free blocks:", "",
+                  "| layer | " + " | ".join(REGIONS) + " |", "|---|" + "---|" * len(REGIONS)]  # fmt: skip
+        for i in range(len(cells[0]["free_pick_shares_by_layer"])):
+            shares = _mean_shares([c["free_pick_shares_by_layer"][i] for c in cells])
+            lines.append(f"| {i} | " + " | ".join(f"{100 * shares[n]:.0f}" for n in REGIONS) + " |")
+        uniform = _mean_shares([c["free_block_shares"] for c in cells])
+        lines.append("| uniform | " + " | ".join(f"{100 * uniform[n]:.0f}" for n in REGIONS) + " |")
     if result["extrapolated_lengths"]:
         lines.append(f"\n* beyond the training length {result['training_len']:,} ({result['training_len_source']}): "
                      "extrapolation")  # fmt: skip
     return "\n".join(lines)
+
+
+def _mean_shares(shares: list[dict]) -> dict:
+    return {name: sum(s[name] for s in shares) / len(shares) for name in REGIONS}
 
 
 def write_outputs(result: dict, out_dir: str | Path) -> list[Path]:

@@ -395,6 +395,24 @@ def test_answer_blocks_are_where_the_key_is_written(byt5):
             assert lc._answer_span_blocks(case, block_size) == sorted({p // block_size for p in digits})
 
 
+def test_block_regions_follow_the_prompt_s_parts(byt5):
+    """_block_regions labels each block by the first part it holds, in the order answer, rest of the item, question,
+    instruction, haystack: checked against the parts' token positions, found in the decoded prompt."""
+    cases, _ = lc.build_cases(byt5, "passkey", [300], [0.0, 0.5, 1.0], samples=1, seed=4)
+    for case in cases:
+        text = bytes(i - 3 for i in case.prompt_ids).decode(errors="replace")  # ByT5: one token per byte, id = byte + 3
+        question = text.rindex(lc.PASSKEY_QUESTION.strip())
+        digits = {case.needle_start + i + j for i in range(case.needle_len)
+                  if text.startswith(case.answer, case.needle_start + i) for j in range(len(case.answer))}  # fmt: skip
+        parts = [("answer", digits), ("item", set(range(case.needle_start, case.needle_start + case.needle_len))),
+                 ("question", set(range(question - 2, len(case.prompt_ids)))),  # (its two leading newlines)
+                 ("instruction", set(range(case.haystack_start))), ("haystack", set(range(len(case.prompt_ids))))]
+        n_blocks = -(-len(case.prompt_ids) // 16)
+        want = [next(name for name, tokens in parts if tokens & set(range(16 * b, 16 * b + 16))) for b in range(n_blocks)]
+        assert lc._block_regions(case, n_blocks, 16) == want
+        assert set(want) == set(lc.REGIONS)
+
+
 def test_chance_of_selecting_counts_every_draw():
     import itertools
 
@@ -436,6 +454,14 @@ def test_needle_selection_reads_the_last_tokens_selection(byt5, monkeypatch):
     assert int(seen["batch"]["attention_mask"][0].sum()) == 300  # left padding: the short prompt ends the row
     assert got[0]["needle_selected"] == [[True, False], [False, False]]
     assert got[1]["needle_selected"] == [[False, False], [False, True]]
+    # free picks by region: block 0 is forced (not a pick); blocks 1 and the answer's are
+    region = lc._block_regions(short, (len(short.prompt_ids) - 1) // 16 + 1, 16)
+    assert got[0]["free_picks_by_region"][0] == {name: [region[1], "answer"].count(name) for name in lc.REGIONS}
+    assert got[0]["free_picks_by_region"][1] == {name: 0 for name in lc.REGIONS}
+    assert got[1]["free_picks_by_region"][1] == {**{name: 0 for name in lc.REGIONS}, "answer": 1}
+    own = (len(short.prompt_ids) - 1) // 16
+    free_regions = [region[b] for b in range(1, own - 1)]  # without block 0 and the two local blocks
+    assert got[0]["free_blocks_by_region"] == {name: free_regions.count(name) for name in lc.REGIONS}
     for case, res in zip(cases, got):
         own = (len(case.prompt_ids) - 1) // 16
         free = own + 1 - 3  # block 0 and the two local blocks are forced
