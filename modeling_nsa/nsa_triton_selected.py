@@ -561,6 +561,43 @@ if triton is not None:
     # ------------------------------------------------------------------------------------------
 
     @triton.jit
+    def _sel_pair_key_kernel(IDX, DOCPOS, KEY, Tq, Tk, q_off, chunk_q, n_bg, sentinel, total,
+                             HKV: tl.constexpr, N_SEL: tl.constexpr, LB: tl.constexpr, BLOCK: tl.constexpr):
+        """The sort key of each (query, block) pair of idx (B, Hkv, Tq, n'), flat: (query chunk, batch x KV head,
+        the block's absolute first key) as ((chunk * n_bg + bg) * Tk + doc_start + j * l'); `sentinel` (above every
+        key) for unused slots. The key's dtype is KEY's (int32 where every key fits)."""
+        f = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = f < total
+        j = tl.load(IDX + f, mask=ok, other=-1).to(tl.int64)
+        t = (f // N_SEL) % Tq
+        bg = f // (N_SEL * Tq)  # b * HKV + kv
+        b = bg // HKV
+        start = q_off + t - tl.load(DOCPOS + b * Tk + q_off + t, mask=ok, other=0)  # the document's first key
+        key = ((t // chunk_q) * n_bg + bg) * Tk + start + j * LB
+        tl.store(KEY + f, tl.where(j >= 0, key, sentinel).to(KEY.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _sel_pair_offsets_kernel(SKEY, ORDER, PAIR_Q, PAIR_OFF, n_pairs, n_offsets, Tq, steps,
+                                 N_SEL: tl.constexpr, BLOCK: tl.constexpr):
+        """After the sort: each sorted pair's query (PAIR_Q, int32, from its flat index in idx) and, for each key
+        value v in [0, n_offsets), the first sorted pair whose key is v or above (PAIR_OFF, int64: a binary search
+        of the sorted keys), so a block's pairs are PAIR_OFF[v] .. PAIR_OFF[v + 1]."""
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        in_pairs = i < n_pairs
+        flat = tl.load(ORDER + i, mask=in_pairs, other=0)
+        tl.store(PAIR_Q + i, ((flat // N_SEL) % Tq).to(tl.int32), mask=in_pairs)
+        in_offsets = i < n_offsets
+        lo = tl.zeros([BLOCK], dtype=tl.int64)
+        hi = tl.zeros([BLOCK], dtype=tl.int64) + n_pairs
+        for _ in range(steps):  # the first position whose key >= i (steps: a runtime bound, one compile per shape)
+            mid = (lo + hi) // 2
+            active = lo < hi
+            below = tl.load(SKEY + mid, mask=active & in_offsets, other=0) < i
+            lo = tl.where(active & below, mid + 1, lo)
+            hi = tl.where(active & ~below, mid, hi)
+        tl.store(PAIR_OFF + i, lo, mask=in_offsets)
+
+    @triton.jit
     def _tile_union_kernel(IDX, DOCPOS, BLOCKS, COUNTS, NPAST, Tq, Tk, q_off, n_tiles,
                            HKV: tl.constexpr, LB: tl.constexpr, N_SEL: tl.constexpr, QPB: tl.constexpr,
                            LIST: tl.constexpr, NONE: tl.constexpr):
@@ -655,11 +692,12 @@ def _sel_pair_index(idx, doc_pos, num_keys: int, sel_block_size: int, chunk_q: i
     n_chunks = _cdiv(num_q, chunk_q)
     sentinel = n_chunks * n_bg * num_keys  # above every pair's key: unused slots sort last
     key_dtype = torch.int32 if sentinel < 2**31 - 1 else torch.int64
-    start = (torch.arange(q_off, num_keys, device=idx.device) - doc_pos[:, q_off:]).to(key_dtype)  # (B, Tq)
-    chunk_of = (torch.arange(num_q, device=idx.device) // chunk_q).to(key_dtype).view(1, 1, num_q, 1)
-    bg = torch.arange(n_bg, device=idx.device, dtype=key_dtype).view(batch, num_kv, 1, 1)
-    key = (chunk_of * n_bg + bg) * num_keys + start[:, None, :, None] + idx.to(key_dtype) * sel_block_size
-    key = torch.where(idx >= 0, key, sentinel).flatten()
+    key = torch.empty(idx.numel(), device=idx.device, dtype=key_dtype)
+    block = 1024
+    _sel_pair_key_kernel[(_cdiv(max(idx.numel(), 1), block),)](
+        idx, doc_pos, key, num_q, num_keys, q_off, chunk_q, n_bg, sentinel, idx.numel(), HKV=num_kv,
+        N_SEL=idx.shape[-1], LB=sel_block_size, BLOCK=block, num_warps=4,
+    )
     sorted_key, order = torch.sort(key, stable=True)
     del key
     order = order.to(torch.int32 if order.numel() < 2**31 - 1 else torch.int64)
@@ -745,13 +783,18 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: 
     # backward's memory peak (_sel_pair_index keeps int32 where it fits and drops its temporaries early).
     sentinel = batch * num_kv * num_keys
     sorted_key, order, _, _ = _sel_pair_index(idx, doc_pos, num_keys, lb, num_q)
-    pair_q = (order // n_sel % num_q).to(torch.int32).contiguous()
+    # each pair's query, and each (batch x kv head, block first key) value's first pair: one launch
+    n_pairs = order.numel()
+    pair_q = torch.empty(n_pairs, device=q.device, dtype=torch.int32)
+    pair_off = torch.empty(sentinel + 1, device=q.device, dtype=torch.int64)
+    block = 1024
+    _sel_pair_offsets_kernel[(_cdiv(max(n_pairs, sentinel + 1), block),)](
+        sorted_key, order, pair_q, pair_off, n_pairs, sentinel + 1, num_q, max(1, n_pairs.bit_length()),
+        N_SEL=n_sel, BLOCK=block, num_warps=4,
+    )
     # the pair's flat (batch, kv head, query, slot): where its dQ partial goes
     pair_f = order if dq_partials is not None else pair_q
-    del order
-    pair_off = torch.searchsorted(sorted_key, torch.arange(sentinel + 1, device=q.device, dtype=sorted_key.dtype))
-    pair_off = pair_off.contiguous()
-    del sorted_key
+    del order, sorted_key
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
     dq_pairs = 2 if dq_partials is not None else 1 if dq_accum is not None else 0
