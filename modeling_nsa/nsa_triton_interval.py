@@ -261,7 +261,7 @@ if triton is not None:
         batch = tl.num_programs(1)
         t = c * CHUNK + tl.arange(0, CHUNK)
         ok = t < Tq
-        plane = (batch * Tq).to(tl.int64)  # elements per (branch, quantity) plane
+        plane = batch.to(tl.int64) * Tq  # elements per (branch, quantity) plane
         row = b.to(tl.int64) * Tq + t
         lo = tl.load(INTERVALS + (2 * br) * plane + row, mask=ok, other=0)
         hi = tl.load(INTERVALS + (2 * br + 1) * plane + row, mask=ok, other=0)
@@ -275,7 +275,7 @@ if triton is not None:
         tl.store(out + plane, seen_max, mask=ok)
         tl.store(out + 2 * plane, lo_max, mask=ok)
         tl.store(out + 3 * plane, empties, mask=ok)
-        tot_plane = (batch * n_chunks).to(tl.int64)
+        tot_plane = batch.to(tl.int64) * n_chunks
         tot = TOTALS + (4 * br) * tot_plane + b * n_chunks + c
         tl.store(tot, tl.max(hi_max, 0))
         tl.store(tot + tot_plane, tl.max(seen_max, 0))
@@ -329,9 +329,9 @@ if triton is not None:
         j = tl.program_id(2) * TB + tl.arange(0, TB)
         c0 = j * BLOCK_N
         c1 = tl.minimum(c0 + BLOCK_N, num_keys)
-        plane = (batch * Tq).to(tl.int64)
+        plane = batch.to(tl.int64) * Tq
         rows = SCAN + (4 * br) * plane + b.to(tl.int64) * Tq  # this row's running max of hi (then 3 more planes)
-        tot_plane = (batch * n_chunks).to(tl.int64)
+        tot_plane = batch.to(tl.int64) * n_chunks
         ch = tl.arange(0, NCH_PAD)
         tot = TOTALS + (4 * br) * tot_plane + b * n_chunks + ch
         real = ch < n_chunks
@@ -425,20 +425,22 @@ def _interval_query_ranges(intervals: torch.Tensor, num_keys: tuple[int, int], b
     _, batch, num_q = intervals.shape
     device = intervals.device
     intervals = intervals if intervals.is_contiguous() else intervals.contiguous()
-    # at most 64 chunks per row (the search compares each tile's value with every chunk total), at least 1,024
-    # queries each
-    chunk = _OVERRIDES.range_chunk or max(1024, _next_pow2(_cdiv(max(num_q, 1), 64)))
+    # chunks of 1,024 to 4,096 queries (one program scans a chunk in registers), at most 64 per row up to 256k
+    # queries; the search compares each of its tiles' values with every chunk total, so it takes fewer tiles per
+    # program where a row has more chunks
+    chunk = _OVERRIDES.range_chunk or min(4096, max(1024, _next_pow2(_cdiv(max(num_q, 1), 64))))
     n_chunks = _cdiv(max(num_q, 1), chunk)
+    n_chunks_pad = _next_pow2(n_chunks)
     n_tiles = [_cdiv(max(keys, 1), block_n) for keys in num_keys]
     scan = torch.empty(2, 4, batch, num_q, device=device, dtype=torch.int32)
     totals = torch.empty(2, 4, batch, n_chunks, device=device, dtype=torch.int32)
     out = torch.empty(4 * batch * sum(n_tiles), device=device, dtype=torch.int32)
     _range_scan_kernel[(2, batch, n_chunks)](intervals, scan, totals, num_q, n_chunks, CHUNK=chunk,
                                              num_warps=4 if chunk <= 2048 else 8)
-    tiles_per_program = 64
+    tiles_per_program = max(8, min(64, 4096 // n_chunks_pad))  # (tiles x chunk totals) compares per search
     _range_search_kernel[(2, batch, _cdiv(max(n_tiles), tiles_per_program))](
         scan, totals, out, num_q, n_chunks, num_keys[0], num_keys[1], n_tiles[0], n_tiles[1], BLOCK_N=block_n,
-        TB=tiles_per_program, CHUNK=chunk, NCH_PAD=_next_pow2(n_chunks), STEPS=chunk.bit_length(), num_warps=4,
+        TB=tiles_per_program, CHUNK=chunk, NCH_PAD=n_chunks_pad, STEPS=chunk.bit_length(), num_warps=4,
     )
     cmp, win = out.split([4 * batch * n_tiles[0], 4 * batch * n_tiles[1]])
     return [tuple(cmp.view(4, batch, n_tiles[0])), tuple(win.view(4, batch, n_tiles[1]))]

@@ -570,7 +570,7 @@ if triton is not None:
         ok = f < total
         j = tl.load(IDX + f, mask=ok, other=-1).to(tl.int64)
         t = (f // N_SEL) % Tq
-        bg = f // (N_SEL * Tq)  # b * HKV + kv
+        bg = f // N_SEL // Tq  # b * HKV + kv
         b = bg // HKV
         start = q_off + t - tl.load(DOCPOS + b * Tk + q_off + t, mask=ok, other=0)  # the document's first key
         key = ((t // chunk_q) * n_bg + bg) * Tk + start + j * LB
@@ -589,7 +589,7 @@ if triton is not None:
         in_offsets = i < n_offsets
         lo = tl.zeros([BLOCK], dtype=tl.int64)
         hi = tl.zeros([BLOCK], dtype=tl.int64) + n_pairs
-        for _ in range(steps):  # the first position whose key >= i (steps: a runtime bound, one compile per shape)
+        for _ in range(steps):  # the first position whose key >= i (steps: a runtime bound, so no recompiles)
             mid = (lo + hi) // 2
             active = lo < hi
             below = tl.load(SKEY + mid, mask=active & in_offsets, other=0) < i
@@ -684,7 +684,8 @@ def _sel_fwd(q, k, v, idx, doc_pos, params: NSAParams, scale):
 def _sel_pair_index(idx, doc_pos, num_keys: int, sel_block_size: int, chunk_q: int):
     """The (query, block) pairs of idx (B, Hkv, Tq, n') sorted by (query chunk of chunk_q queries, batch x KV head,
     block first key); stable, so a block's queries come in increasing order. Returns (sorted keys, each pair's flat
-    index in idx, the chunks' pair offsets (n_chunks + 1,), n_chunks). int32 keys and indices where they fit; built
+    index in idx, the chunks' pair offsets (n_chunks + 1,), n_chunks, the sentinel key of unused slots: above every
+    pair's, n_chunks x B x Hkv x Tk). int32 keys and indices where they fit; built
     at the forward's or backward's peak, so temporaries are dropped early. Static shapes, no host synchronization."""
     batch, num_kv, num_q, _ = idx.shape
     n_bg = batch * num_kv
@@ -703,7 +704,7 @@ def _sel_pair_index(idx, doc_pos, num_keys: int, sel_block_size: int, chunk_q: i
     order = order.to(torch.int32 if order.numel() < 2**31 - 1 else torch.int64)
     chunk_off = torch.searchsorted(
         sorted_key, torch.arange(n_chunks + 1, device=idx.device, dtype=key_dtype) * (n_bg * num_keys))
-    return sorted_key, order, chunk_off, n_chunks
+    return sorted_key, order, chunk_off, n_chunks, sentinel
 
 
 def _sel_pair_plan(q, k, idx, doc_pos, params: NSAParams, q_sizes: float):
@@ -714,7 +715,8 @@ def _sel_pair_plan(q, k, idx, doc_pos, params: NSAParams, q_sizes: float):
     n_sel = idx.shape[-1]
     n_bg = batch * num_kv
     chunk_q = _sel_fwd_pair_queries(num_q, n_sel, head_dim, q.element_size(), q_sizes)
-    sorted_key, order, chunk_off, n_chunks = _sel_pair_index(idx, doc_pos, num_keys, params.sel_block_size, chunk_q)
+    sorted_key, order, chunk_off, n_chunks, _ = _sel_pair_index(idx, doc_pos, num_keys, params.sel_block_size,
+                                                                chunk_q)
     block_m, qpb, pairs, opts = _sel_fwd_pairs_launch(group, head_dim, q.device)
     n_programs = _cdiv(chunk_q * n_bg * n_sel, pairs)  # a chunk's pairs at most
     meta = dict(H=num_heads, HKV=num_kv, G=group, D=head_dim, N_SEL=n_sel, QPB=qpb, BLOCK_M=block_m)
@@ -781,8 +783,7 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: 
     # Inverted index: (query, block) pairs sorted by (batch, kv head, block start), all queries in one chunk;
     # stable, so every block's queries come in increasing order and the accumulation order is fixed. Built at the
     # backward's memory peak (_sel_pair_index keeps int32 where it fits and drops its temporaries early).
-    sentinel = batch * num_kv * num_keys
-    sorted_key, order, _, _ = _sel_pair_index(idx, doc_pos, num_keys, lb, num_q)
+    sorted_key, order, _, _, sentinel = _sel_pair_index(idx, doc_pos, num_keys, lb, num_q)  # one chunk: B x Hkv x Tk
     # each pair's query, and each (batch x kv head, block first key) value's first pair: one launch
     n_pairs = order.numel()
     pair_q = torch.empty(n_pairs, device=q.device, dtype=torch.int32)

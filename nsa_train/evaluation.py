@@ -137,7 +137,8 @@ def evaluate_long_context(model, tokenizer, run: RunState, settings: dict, out_d
     `out_dir`/<task>_<scoring>.json and .png (titled `model_name`, default the run's final/) and prints the
     table. The result is kept as `run.long_context` for the model card (the haystack named without local paths);
     returned as metrics: the mean accuracy over every cell, `longctx_accuracy`, and each length's,
-    `longctx_len<N>_accuracy`."""
+    `longctx_len<N>_accuracy`; for an NSA model also `longctx_needle_selected`, the mean over the cells of how
+    often the last prompt token's selection held the answer's block (`long_context.needle_selection`)."""
     from . import data, long_context
     from .model_card import data_description
 

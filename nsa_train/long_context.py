@@ -458,16 +458,21 @@ def takes_needle_selection(model) -> bool:
     return getattr(config, "model_type", None) == "nsa" and getattr(config, "attention_mode", "nsa") == "nsa"
 
 
-def _answer_span_blocks(case: RetrievalCase, block_size: int) -> list[int]:
-    """The selection blocks (in-document indices) holding the answer's tokens where they occur inside the hidden item
-    (a passkey's item names its key twice); the item's blocks where its tokens do not hold the answer's as they
-    follow the question (a tokenizer that merges across the boundary)."""
+def _answer_positions(case: RetrievalCase) -> tuple[list[int], bool]:
+    """The prompt positions of the answer's tokens where they occur inside the hidden item (a passkey's item names
+    its key twice), and True; or, where the item's tokens do not hold the answer's as they follow the question (a
+    tokenizer that merges across the boundary), every position of the item, and False."""
     item = case.prompt_ids[case.needle_start : case.needle_start + case.needle_len]
     answer, n = case.answer_ids, len(case.answer_ids)
     starts = [i for i in range(len(item) - n + 1) if item[i : i + n] == answer]
-    positions = [case.needle_start + i + j for i in starts for j in range(n)] or range(
-        case.needle_start, case.needle_start + case.needle_len)
-    return sorted({p // block_size for p in positions})
+    if not starts:
+        return list(range(case.needle_start, case.needle_start + case.needle_len)), False
+    return sorted({case.needle_start + i + j for i in starts for j in range(n)}), True
+
+
+def _answer_span_blocks(case: RetrievalCase, block_size: int) -> list[int]:
+    """The selection blocks (in-document indices) holding _answer_positions."""
+    return sorted({p // block_size for p in _answer_positions(case)[0]})
 
 
 REGIONS = ("answer", "item", "question", "instruction", "haystack")  # a block's region, first that applies
@@ -512,14 +517,19 @@ def needle_selection(model, cases: list[RetrievalCase], device, pad_id: int) -> 
     item (_answer_span_blocks), per layer and KV group, as the model's layers select (the kernels' top-n where they
     run, else the reference's; one forward over the prompts). Beside it the chance that the free picks (n minus the
     forced blocks, drawn uniformly from the other blocks of the document) would hold one, and whether the answer lies
-    where the query sees it without choosing it: inside its sliding window or in a forced block. A retrieval that
-    fails with the answer selected failed in the use of the selected block; one that fails with it unselected (at
-    or below chance), in the compressed scores that choose the blocks."""
+    where the query sees it without choosing it: inside its sliding window or in a forced block; and where the free
+    picks go by region (_block_regions). A retrieval that fails while the answer's block is selected well above
+    chance points past the selection (to the selected branch, its gate or later layers); one that fails with it
+    selected at or below chance points at the compressed scores that choose the blocks."""
     from .selection_stats import capture_selections, forced_blocks
 
     ids, mask = _left_padded([c.prompt_ids for c in cases], pad_id, device)
     layers = capture_selections(model, {"input_ids": ids, "attention_mask": mask}, max_rows=len(cases),
                                 max_len=ids.shape[1])  # whole prompts: the last token is the one asked about
+    if not layers:
+        raise ValueError(f"needle selection: {type(model).__name__} ran no NSA layer (attention_mode "
+                         f"{getattr(model.config, 'attention_mode', None)!r}); it needs an NSA model in attention_mode "
+                         "'nsa'.")  # fmt: skip
     params = layers[0].params
     results = []
     for row, case in enumerate(cases):
@@ -540,9 +550,11 @@ def needle_selection(model, cases: list[RetrievalCase], device, pad_id: int) -> 
             selected.append([bool(torch.isin(kv, targets).any()) for kv in chosen])
             free = [b for b in chosen.flatten().tolist() if b >= 0 and not forced[b]]
             picks.append({name: sum(region[b] == name for b in free) for name in REGIONS})
-        answer_last = max(targets.tolist()) * params.sel_block_size + params.sel_block_size - 1
-        results.append({"needle_selected": selected, "needle_chance": chance,
-                        "needle_in_window": answer_last > query - params.window_size, "needle_forced": target_forced,
+        positions, found = _answer_positions(case)
+        in_window = max(positions) > query - params.window_size  # an answer token among the window's keys
+        results.append({"needle_selected": selected, "needle_chance": chance, "needle_in_window": in_window,
+                        "needle_forced": target_forced, "needle_visible_anyway": in_window or target_forced,
+                        "answer_tokens_found": found,
                         "free_picks_by_region": picks,
                         "free_blocks_by_region": {name: sum(region[b] == name for b in range(own + 1) if not forced[b])
                                                   for name in REGIONS}})  # fmt: skip
@@ -557,7 +569,7 @@ def _shares(counts: list[dict]) -> dict:
 
 
 def _selection_rate(scored: list[dict]) -> float:
-    """The share of (case, layer, KV group) whose last-token selection holds the item."""
+    """The share of (case, layer, KV group) whose last-token selection holds one of the answer's blocks."""
     flags = [hit for s in scored for layer in s["needle_selected"] for hit in layer]
     return sum(flags) / len(flags)
 
@@ -651,6 +663,7 @@ def run_long_context_eval(model, tokenizer, task: str = "passkey", lengths=(1024
                 cell["free_block_shares"] = _shares([s["free_blocks_by_region"] for s in chosen])
                 cell["needle_in_window_share"] = sum(s["needle_in_window"] for s in chosen) / len(chosen)
                 cell["needle_forced_share"] = sum(s["needle_forced"] for s in chosen) / len(chosen)
+                cell["needle_visible_anyway_share"] = sum(s["needle_visible_anyway"] for s in chosen) / len(chosen)
             cell["cases"] = [{"answer": c.answer, "needle_start": c.needle_start, **s} for c, s in mine]
             cells.append(cell)
     result = {
@@ -676,7 +689,9 @@ def run_long_context_eval(model, tokenizer, task: str = "passkey", lengths=(1024
 
 
 def format_table(result: dict) -> str:
-    """Markdown table: one row per length, one column per depth, accuracy in percent; '*' marks extrapolation."""
+    """Markdown tables: one row per length, one column per depth, accuracy in percent ('*' marks extrapolation); with
+    the needle selection, the rate at which the answer's block was selected per cell beside its chance, and where
+    the free picks went per layer."""
     depths = result["depths"]
     head = f"{result['task']} ({result['scoring']}), {result['samples']} case(s) per cell, accuracy %"
     lines = [head, "", "| length | " + " | ".join(f"depth {d:g}" for d in depths) + " | mean |",
@@ -694,13 +709,13 @@ def format_table(result: dict) -> str:
             mark = "*" if length in result["extrapolated_lengths"] else ""
             seen = [c for c in result["cells"] if c["length"] == length]
             chance = sum(c["needle_chance_rate"] for c in seen) / len(seen)
-            free = sum(max(c["needle_in_window_share"], c["needle_forced_share"]) for c in seen) / len(seen)
+            free = sum(c["needle_visible_anyway_share"] for c in seen) / len(seen)
             cells = " | ".join(f"{100 * a:.0f}" for a in row)
             lines.append(f"| {length:,}{mark} | {cells} | {100 * sum(row) / len(row):.0f} | {100 * chance:.0f} | "
                          f"{100 * free:.0f}% |")
         cells = result["cells"]
-        lines += ["", "where the last prompt token's free picks (not the forced blocks) go, % of picks over every cell; "
-                  "uniform: the share of the free blocks:", "",
+        lines += ["", "where the last prompt token's free picks (not the forced blocks) go, % of picks (mean of the cells' "
+                  "shares); uniform: the regions' shares of the free blocks:", "",
                   "| layer | " + " | ".join(REGIONS) + " |", "|---|" + "---|" * len(REGIONS)]  # fmt: skip
         for i in range(len(cells[0]["free_pick_shares_by_layer"])):
             shares = _mean_shares([c["free_pick_shares_by_layer"][i] for c in cells])

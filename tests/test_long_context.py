@@ -470,6 +470,37 @@ def test_needle_selection_reads_the_last_tokens_selection(byt5, monkeypatch):
         assert not res["needle_forced"] and not res["needle_in_window"]  # depth 0.5: far behind the last token
 
 
+@pytest.mark.parametrize("window", [16, 48, 64, 200])
+def test_needle_visibility_counts_the_answer_s_tokens(byt5, monkeypatch, window):
+    """needle_in_window: an answer token (its digits, found here in the decoded prompt) lies among the last prompt
+    token's `window` keys, not merely a block of the answer; needle_visible_anyway: in the window or in a forced
+    block; answer_tokens_found: the answer's tokens were found inside the item."""
+    from modeling_nsa.nsa_layout import NSAParams
+    from nsa_train import selection_stats
+
+    params = NSAParams(cmp_block_size=16, cmp_stride=8, sel_block_size=64, sel_num_blocks=4, sel_init_blocks=1,
+                       sel_local_blocks=2, window_size=window)  # fmt: skip
+    cases, _ = lc.build_cases(byt5, "passkey", [300], [0.5, 1.0], samples=2, seed=5)
+    width = max(len(c.prompt_ids) for c in cases)
+    fake = [selection_stats.LayerSelection(0, torch.zeros(len(cases), width, 4, 3),
+                                           torch.full((len(cases), 1, width, 4), -1), torch.zeros(len(cases), width),
+                                           params)]  # fmt: skip
+    monkeypatch.setattr(selection_stats, "capture_selections", lambda *a, **k: fake)
+    got = lc.needle_selection(object(), cases, "cpu", pad_id=0)
+    for case, res in zip(cases, got):
+        text = bytes(i - 3 for i in case.prompt_ids).decode(errors="replace")  # ByT5: id = byte + 3
+        digits = [case.needle_start + i for i in range(case.needle_len) if text[case.needle_start + i].isdigit()]
+        query = len(case.prompt_ids) - 1
+        assert res["needle_in_window"] == (max(digits) > query - window), (window, case.depth)
+        own = query // 64
+        forced = any(b == 0 or own - 2 < b <= own for b in {p // 64 for p in digits})
+        assert res["needle_forced"] == forced
+        assert res["needle_visible_anyway"] == (res["needle_in_window"] or forced)
+        assert res["answer_tokens_found"]
+    if window == 64:  # the second mention of the key ends ~56 tokens before the last one at depth 1
+        assert any(r["needle_in_window"] for r in got) and not all(r["needle_in_window"] for r in got)
+
+
 def test_needle_selection_in_the_evaluation_of_an_nsa_run(byt5, tmp_path):
     """The CLI on a tiny NSA model with free picks (6 selected blocks, 3 forced) records, per case, the selection of
     every layer and KV group and the rates per cell; the flags equal those of the same prompt alone (no padding)

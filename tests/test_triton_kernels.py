@@ -61,6 +61,7 @@ _KNOB_IDS = {
     "sel_fwd_pair_queries": lambda c: f"chunk{c['sel_fwd_pair_queries']}queries",
     "sel_dkdv_chunk_pairs": lambda c: f"chunk{c['sel_dkdv_chunk_pairs']}pairs" if c["sel_dkdv_chunk_pairs"] else "pertile",
     "range_chunk": lambda c: f"rangechunk{c['range_chunk']}",
+    "block_n": lambda c: f"keytile{c['block_n']}",
     "arch": lambda c: f"sm{c['arch']}",
     "cache_views": lambda c: "cacheviews",
     "static": lambda c: "static",
@@ -229,6 +230,9 @@ CPU_CASES = [
          params=[(8, 4, 16), (32, 16, 160), (4, 2, 64)]),
     dict(kind="ranges", B=3, T=400, H=2, Hkv=1, D=16, seeds=[2, 3], params=[(4, 2, 160), (8, 4, 512)]),
     dict(kind="ranges", B=2, T=61, H=2, Hkv=1, D=16, seeds=[4], range_chunk=32, params=[(8, 4, 16)]),
+    # 4-key tiles: 76 tiles a row, so two search programs per row and branch (64 tiles each)
+    dict(kind="ranges", B=3, T=301, H=2, Hkv=1, D=16, seeds=[5], range_chunk=16, block_n=4,
+         params=[(8, 4, 16), (4, 2, 64)]),
     dict(kind="decode", B=2, T=60, H=4, Hkv=2, D=16, steps=[1, 8, 23, 60], Tw=16, layout="pad"),
     # the cache's tensors as NSACache passes them: views of larger buffers (read in place, batch strides),
     # the spare room NaN; split compressed slots and packed documents

@@ -442,7 +442,7 @@ def query_ranges_by_definition(lo, hi, num_keys, block_n):
 def run_ranges_case(case: dict) -> dict:
     """_interval_query_ranges (two launches: chunk scans, then searches) against query_ranges_by_definition for
     both interval branches, on random layouts (packed documents, padding on both sides and inside a row), for
-    every (compressed block, stride, window) in case["params"]; case["chunk"] forces the launcher's query chunk
+    every (compressed block, stride, window) in case["params"]; case["range_chunk"] forces the launcher's query chunk
     (small chunks: many chunks per row, runs and empty intervals crossing chunk ends). Also what the ranges
     mean to the dK/dV kernel: every query seeing a key of a tile lies in [qa, qb), every query in [ia, ib) sees
     all of it. Counts mismatches, violations and the unmasked runs found."""
