@@ -525,7 +525,7 @@ def needle_selection(model, cases: list[RetrievalCase], device, pad_id: int) -> 
 
     ids, mask = _left_padded([c.prompt_ids for c in cases], pad_id, device)
     layers = capture_selections(model, {"input_ids": ids, "attention_mask": mask}, max_rows=len(cases),
-                                max_len=ids.shape[1])  # whole prompts: the last token is the one asked about
+                                max_len=ids.shape[1], last=1)  # whole prompts; the last token is the one asked about
     if not layers:
         raise ValueError(f"needle selection: {type(model).__name__} ran no NSA layer (attention_mode "
                          f"{getattr(model.config, 'attention_mode', None)!r}); it needs an NSA model in attention_mode "

@@ -67,11 +67,11 @@ def _model_code(model):
 
 
 @contextmanager
-def _recording_seam(model, sink: dict, selected_by: set, use_kernels: bool):
+def _recording_seam(model, sink: dict, selected_by: set, use_kernels: bool, last: int | None = None):
     """While active, every NSAAttention's call of its module's `nsa_attention` seam records (gates, block
     indices, doc_pos) in `sink[layer_idx]` and which selection ran ("triton" or "reference") in `selected_by`; the
     call itself runs unchanged. use_kernels: the selection by the Triton kernels' top-n, else (or where they
-    refuse the parameters) by the reference."""
+    refuse the parameters) by the reference. last: keep only the last `last` queries' records (all: None)."""
     modules = _attention_modules(model)
     code, package = _model_code(model)
     try:
@@ -103,8 +103,10 @@ def _recording_seam(model, sink: dict, selected_by: set, use_kernels: bool):
         out = seam(*args, **kwargs)
         a = signature.bind(*args, **kwargs).arguments
         if a.get("query_end") is None:  # a static cache's step is not a forward over the prompt
-            sink[current["layer"]] = LayerSelection(current["layer"], a["gates"].detach().float().cpu(),
-                                                    select(a).cpu(), a["doc_pos"].cpu(), a["params"])  # fmt: skip
+            cut = slice(-last, None) if last else slice(None)
+            sink[current["layer"]] = LayerSelection(current["layer"], a["gates"].detach()[:, cut].float().cpu(),
+                                                    select(a)[:, :, cut].cpu(), a["doc_pos"][:, cut].cpu(),
+                                                    a["params"])  # fmt: skip
         return out
 
     handles = [m.register_forward_pre_hook(lambda mod, args: current.update(layer=mod.layer_idx)) for m in modules]
@@ -136,14 +138,17 @@ def _kernels_select(model) -> bool:
     return runs_kernels and not kernels.triton_unsupported_reason(params, model.config.head_dim, device)
 
 
-def capture_selections(model, batch: dict, max_rows: int = 2, max_len: int | None = None) -> list[LayerSelection]:
+def capture_selections(model, batch: dict, max_rows: int = 2, max_len: int | None = None,
+                       last: int | None = None) -> list[LayerSelection]:
     """Run the model once on (at most `max_rows` rows of) `batch` and return every NSA layer's gates and selected
     blocks. Rows are cut to `max_len` tokens (default: whole rows where the kernels select, REFERENCE_MAX_LEN
-    where the reference does). A dense model has none: []."""
-    return _capture(model, batch, max_rows, max_len)[0]
+    where the reference does); `last`: only the last `last` queries' records are kept (their selections still come
+    from the whole rows; the CPU copies of a long batch's records are large). A dense model has none: []."""
+    return _capture(model, batch, max_rows, max_len, last)[0]
 
 
-def _capture(model, batch: dict, max_rows: int, max_len: int | None) -> tuple[list[LayerSelection], str | None, int]:
+def _capture(model, batch: dict, max_rows: int, max_len: int | None,
+             last: int | None = None) -> tuple[list[LayerSelection], str | None, int]:
     """(selections, which selection ran, tokens per row measured)."""
     if not _attention_modules(model) or getattr(model.config, "attention_mode", "nsa") != "nsa":
         return [], None, 0
@@ -161,7 +166,7 @@ def _capture(model, batch: dict, max_rows: int, max_len: int | None) -> tuple[li
     model.eval()
     with torch.no_grad():
         try:
-            with _recording_seam(model, sink, selected_by, use_kernels):
+            with _recording_seam(model, sink, selected_by, use_kernels, last):
                 model(**inputs, use_cache=False)
         finally:
             model.train(was_training)

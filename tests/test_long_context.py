@@ -444,13 +444,13 @@ def test_needle_selection_reads_the_last_tokens_selection(byt5, monkeypatch):
                                            params) for layer in range(2)]  # fmt: skip
     seen = {}
 
-    def capture(model, batch, max_rows, max_len):
-        seen.update(batch=batch, max_rows=max_rows, max_len=max_len)
+    def capture(model, batch, max_rows, max_len, last):
+        seen.update(batch=batch, max_rows=max_rows, max_len=max_len, last=last)
         return fake
 
     monkeypatch.setattr(selection_stats, "capture_selections", capture)
     got = lc.needle_selection(object(), cases, "cpu", pad_id=0)
-    assert seen["max_rows"] == 2 and seen["max_len"] == width
+    assert seen["max_rows"] == 2 and seen["max_len"] == width and seen["last"] == 1
     assert int(seen["batch"]["attention_mask"][0].sum()) == 300  # left padding: the short prompt ends the row
     assert got[0]["needle_selected"] == [[True, False], [False, False]]
     assert got[1]["needle_selected"] == [[False, False], [False, True]]

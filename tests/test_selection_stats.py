@@ -266,3 +266,14 @@ def test_kernels_select_only_parameters_they_handle(monkeypatch):
     refused = NSAForCausalLM(NSAConfig(**CONFIG))  # sel_block_size=8
     handled = NSAForCausalLM(NSAConfig(**{**CONFIG, "sel_block_size": 16, "head_dim": 16}))
     assert ss._kernels_select(refused) is False and ss._kernels_select(handled) is True
+
+
+def test_capture_keeps_the_last_queries_of_whole_rows(model, batch):
+    """capture_selections(last=k): the last k queries' gates, selections and positions of the whole-row capture
+    (selected on the whole rows, then cut), for every layer."""
+    whole = ss.capture_selections(model, batch)
+    tail = ss.capture_selections(model, batch, last=3)
+    for full, cut in zip(whole, tail):
+        assert cut.block_indices.shape[2] == 3 and cut.gates.shape[1] == 3
+        assert torch.equal(cut.block_indices, full.block_indices[:, :, -3:])
+        assert torch.equal(cut.gates, full.gates[:, -3:]) and torch.equal(cut.doc_pos, full.doc_pos[:, -3:])
