@@ -414,11 +414,14 @@ def run_layout_case(case: dict) -> dict:
 
 
 def query_ranges_by_definition(lo, hi, num_keys, block_n):
-    """_interval_query_ranges's (qa, qb, ia, ib) for one branch, written out in Python loops from the definitions
-    (running maxima, first and last queries), independent of its chunked scans and searches."""
+    """_interval_query_ranges's (qa, qb, ia, ib) for one branch from their definitions: the running maxima in a
+    Python loop over the queries, then per key tile the counts of queries below each bound and the first empty
+    interval at or after ia (whole-row comparisons, none of the launcher's chunks or binary searches)."""
     batch, num_q = lo.shape
     n_tiles = -(-max(num_keys, 1) // block_n)
     out = [torch.zeros(batch, n_tiles, dtype=torch.int32) for _ in range(4)]
+    c0 = torch.arange(n_tiles) * block_n  # (tiles,)
+    c1 = (c0 + block_n).clamp(max=num_keys)
     for b in range(batch):
         lo_b, hi_b = lo[b].tolist(), hi[b].tolist()
         hi_m, seen_m, lo_m, run_hi, run_seen, run_lo = [], [], [], -1, -1, -1
@@ -426,16 +429,15 @@ def query_ranges_by_definition(lo, hi, num_keys, block_n):
             run_hi, run_lo = max(run_hi, hi_b[t]), max(run_lo, lo_b[t])
             run_seen = max(run_seen, lo_b[t] if hi_b[t] > lo_b[t] else 0)
             hi_m.append(run_hi), seen_m.append(run_seen), lo_m.append(run_lo)
-        empty = [u for u in range(num_q) if hi_b[u] <= lo_b[u]]
-        for j in range(n_tiles):
-            c0, c1 = j * block_n, min(j * block_n + block_n, num_keys)
-            qa = sum(x <= c0 for x in hi_m)
-            qb = sum(x < c1 for x in seen_m)
-            ia = sum(x < c0 + block_n for x in hi_m)
-            ib = max(sum(x <= c0 for x in lo_m), ia)
-            ib = min(ib, next((u for u in empty if u >= ia), num_q))
-            for k, value in enumerate((qa, qb, ia, ib)):
-                out[k][b, j] = value
+        hi_m, seen_m, lo_m = (torch.tensor(x)[None, :] for x in (hi_m, seen_m, lo_m))  # (1, Tq)
+        qa = (hi_m <= c0[:, None]).sum(1)  # queries before the first whose running max of hi passes c0
+        qb = (seen_m < c1[:, None]).sum(1)
+        ia = (hi_m < (c0 + block_n)[:, None]).sum(1)
+        ib = torch.maximum((lo_m <= c0[:, None]).sum(1), ia)
+        empty = torch.tensor([u for u in range(num_q) if hi_b[u] <= lo_b[u]] + [num_q])  # (E + 1,) ascending
+        next_empty = empty[torch.searchsorted(empty, ia)]  # the first empty interval at or after ia
+        for k, value in enumerate((qa, qb, ia, torch.minimum(ib, next_empty))):
+            out[k][b] = value.to(torch.int32)
     return out
 
 
@@ -467,15 +469,16 @@ def run_ranges_case(case: dict) -> dict:
                         assert mine.dtype == torch.int32 and mine.is_contiguous() and mine.shape == expected.shape
                         res["mismatches"] += int((mine != expected).sum())
                         res["checked"] += expected.numel()
-                    qa, qb, ia, ib = ranges
+                    qa, qb, ia, ib = (x.long()[:, :, None] for x in ranges)  # (B, tiles, 1)
                     res["runs"] += int((ia < ib).sum())
-                    for b in range(case["B"]):
-                        for j in range(qa.shape[1]):
-                            c0, c1 = block_n * j, min(block_n * j + block_n, keys)
-                            sees = [t for t in range(num_q) if lo[b, t] < hi[b, t] and lo[b, t] < c1 and hi[b, t] > c0]
-                            res["violations"] += sum(not qa[b, j] <= t < qb[b, j] for t in sees)
-                            res["violations"] += sum(not (lo[b, t] <= c0 and hi[b, t] >= c0 + block_n)
-                                                     for t in range(ia[b, j], ib[b, j]))
+                    c0 = (torch.arange(qa.shape[1]) * block_n)[None, :, None]
+                    c1 = (c0 + block_n).clamp(max=keys)
+                    t = torch.arange(num_q)[None, None, :]
+                    lo_, hi_ = lo[:, None, :], hi[:, None, :]  # (B, 1, Tq)
+                    sees = (lo_ < hi_) & (lo_ < c1) & (hi_ > c0)  # (B, tiles, Tq): the query sees a key of the tile
+                    res["violations"] += int((sees & ((t < qa) | (t >= qb))).sum())
+                    in_run = (t >= ia) & (t < ib)  # every query of the unmasked run sees all of the tile
+                    res["violations"] += int((in_run & ~((lo_ <= c0) & (hi_ >= c0 + block_n))).sum())
     return res
 
 
