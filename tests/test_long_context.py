@@ -26,18 +26,24 @@ def byt5():
 @pytest.fixture(scope="module")
 def nsa_run(tmp_path_factory, byt5):
     """A tiny NSA model saved as a run's final/, with the run.json the trainer writes beside it (seq_len 256)."""
-    from modeling_nsa import NSAConfig, NSAForCausalLM
-
     run = tmp_path_factory.mktemp("nsa-run")
-    config = NSAConfig(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, cmp_block_size=16, cmp_stride=8,
-                       sel_block_size=16, sel_num_blocks=3, window_size=32, cmp_mlp_hidden_size=16,
-                       max_position_embeddings=1024, eos_token_id=byt5.eos_token_id, pad_token_id=byt5.pad_token_id)  # fmt: skip
-    torch.manual_seed(0)
-    NSAForCausalLM(config).save_pretrained(run / "final")
-    byt5.save_pretrained(run / "final")
+    save_tiny_nsa(run / "final", byt5, sel_num_blocks=3, seed=0)
     (run / "run.json").write_text(json.dumps({"config": {"seq_len": 256}}))
     return run
+
+
+def save_tiny_nsa(path, byt5, sel_num_blocks: int, seed: int) -> None:
+    """A randomly initialized 1-layer NSA model (blocks of 16, a 32-token window, ByT5's vocabulary) and the
+    tokenizer, saved to `path`."""
+    from modeling_nsa import NSAConfig, NSAForCausalLM
+
+    config = NSAConfig(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, cmp_block_size=16, cmp_stride=8,
+                       sel_block_size=16, sel_num_blocks=sel_num_blocks, window_size=32, cmp_mlp_hidden_size=16,
+                       max_position_embeddings=1024, eos_token_id=byt5.eos_token_id, pad_token_id=byt5.pad_token_id)  # fmt: skip
+    torch.manual_seed(seed)
+    NSAForCausalLM(config).save_pretrained(path)
+    byt5.save_pretrained(path)
 
 
 @pytest.fixture(scope="module")
@@ -505,16 +511,10 @@ def test_needle_selection_in_the_evaluation_of_an_nsa_run(byt5, tmp_path):
     """The CLI on a tiny NSA model with free picks (6 selected blocks, 3 forced) records, per case, the selection of
     every layer and KV group and the rates per cell; the flags equal those of the same prompt alone (no padding)
     read from capture_selections directly."""
-    from modeling_nsa import NSAConfig, NSAForCausalLM
+    from modeling_nsa import NSAForCausalLM
     from nsa_train.selection_stats import capture_selections
 
-    config = NSAConfig(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, cmp_block_size=16, cmp_stride=8,
-                       sel_block_size=16, sel_num_blocks=6, window_size=32, cmp_mlp_hidden_size=16,
-                       max_position_embeddings=1024, eos_token_id=byt5.eos_token_id, pad_token_id=byt5.pad_token_id)  # fmt: skip
-    torch.manual_seed(1)
-    NSAForCausalLM(config).save_pretrained(tmp_path / "model")
-    byt5.save_pretrained(tmp_path / "model")
+    save_tiny_nsa(tmp_path / "model", byt5, sel_num_blocks=6, seed=1)
     out = tmp_path / "out"
     result = lc.main([str(tmp_path / "model"), "--task", "passkey", "--lengths", "240", "320", "--depths", "0", "1",
                       "--samples", "2", "--batch-size", "3", "--out", str(out)])  # fmt: skip

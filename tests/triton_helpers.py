@@ -389,27 +389,33 @@ def layout_by_torch(cmp_end, doc_pos, num_queries, num_win, params):
     return tuple(torch.where(valid, x, 0).to(torch.int32) for x in (c_lo, c_hi, w_lo, w_hi))
 
 
-def run_layout_case(case: dict) -> dict:
-    """_layout_kernel against layout_by_torch over random layouts (seeds case["seeds"]), for every (compressed
-    block, stride, window) in case["params"], the queries the last T - q_off positions and the window the last
-    T - w_off keys; mismatching elements counted."""
+def random_layouts(case: dict):
+    """(doc_pos, params, cmp_end) of a layout or ranges case: random layouts (random_doc_positions, seeds
+    case["seeds"]) for every (compressed block, stride, window) in case["params"]."""
     layout, _, _ = import_nsa()
-    interval = kernel_module("interval")
-    res = {"mismatches": 0, "checked": 0, "slots_max": 0}
     for seed in case["seeds"]:
         doc_pos = random_doc_positions(case["B"], case["T"], seed)
         for cmp_l, cmp_d, window in case["params"]:
             p = layout.NSAParams(cmp_block_size=cmp_l, cmp_stride=cmp_d, sel_block_size=16, sel_num_blocks=4,
                                  sel_init_blocks=1, sel_local_blocks=2, window_size=window)
-            cmp_end = layout.compressed_token_ends(doc_pos, p)
-            num_q, num_win = case["T"] - case.get("q_off", 0), case["T"] - case.get("w_off", 0)
-            got = interval._layout(cmp_end, doc_pos, num_q, num_win, p)
-            want = layout_by_torch(cmp_end, doc_pos, num_q, num_win, p)
-            for g, w in zip(got, want):
-                assert g.dtype == torch.int32 and g.shape == w.shape, (g.dtype, g.shape, w.shape)
-                res["mismatches"] += int((g != w).sum())
-                res["checked"] += w.numel()
-            res["slots_max"] = max(res["slots_max"], cmp_end.shape[1])
+            yield doc_pos, p, layout.compressed_token_ends(doc_pos, p)
+
+
+def run_layout_case(case: dict) -> dict:
+    """_layout_kernel against layout_by_torch over random layouts (seeds case["seeds"]), for every (compressed
+    block, stride, window) in case["params"], the queries the last T - q_off positions and the window the last
+    T - w_off keys; mismatching elements counted."""
+    interval = kernel_module("interval")
+    res = {"mismatches": 0, "checked": 0, "slots_max": 0}
+    for doc_pos, p, cmp_end in random_layouts(case):
+        num_q, num_win = case["T"] - case.get("q_off", 0), case["T"] - case.get("w_off", 0)
+        got = interval._layout(cmp_end, doc_pos, num_q, num_win, p)
+        want = layout_by_torch(cmp_end, doc_pos, num_q, num_win, p)
+        for g, w in zip(got, want):
+            assert g.dtype == torch.int32 and g.shape == w.shape, (g.dtype, g.shape, w.shape)
+            res["mismatches"] += int((g != w).sum())
+            res["checked"] += w.numel()
+        res["slots_max"] = max(res["slots_max"], cmp_end.shape[1])
     return res
 
 
@@ -448,37 +454,31 @@ def run_ranges_case(case: dict) -> dict:
     (small chunks: many chunks per row, runs and empty intervals crossing chunk ends). Also what the ranges
     mean to the dK/dV kernel: every query seeing a key of a tile lies in [qa, qb), every query in [ia, ib) sees
     all of it. Counts mismatches, violations and the unmasked runs found."""
-    layout, _, _ = import_nsa()
     interval = kernel_module("interval")
     res = {"mismatches": 0, "violations": 0, "checked": 0, "runs": 0}
     block_n = case.get("block_n", 64)
     with case_launch(case):
-        for seed in case["seeds"]:
-            doc_pos = random_doc_positions(case["B"], case["T"], seed)
-            for cmp_l, cmp_d, window in case["params"]:
-                p = layout.NSAParams(cmp_block_size=cmp_l, cmp_stride=cmp_d, sel_block_size=16, sel_num_blocks=4,
-                                     sel_init_blocks=1, sel_local_blocks=2, window_size=window)
-                cmp_end = layout.compressed_token_ends(doc_pos, p)
-                num_q = case["T"]
-                intervals = torch.stack(layout_by_torch(cmp_end, doc_pos, num_q, num_q, p))
-                num_keys = (cmp_end.shape[1], num_q)
-                got = interval._interval_query_ranges(intervals, num_keys, block_n)
-                for (lo, hi), keys, ranges in zip((intervals[:2], intervals[2:]), num_keys, got):
-                    want = query_ranges_by_definition(lo, hi, keys, block_n)
-                    for mine, expected in zip(ranges, want):
-                        assert mine.dtype == torch.int32 and mine.is_contiguous() and mine.shape == expected.shape
-                        res["mismatches"] += int((mine != expected).sum())
-                        res["checked"] += expected.numel()
-                    qa, qb, ia, ib = (x.long()[:, :, None] for x in ranges)  # (B, tiles, 1)
-                    res["runs"] += int((ia < ib).sum())
-                    c0 = (torch.arange(qa.shape[1]) * block_n)[None, :, None]
-                    c1 = (c0 + block_n).clamp(max=keys)
-                    t = torch.arange(num_q)[None, None, :]
-                    lo_, hi_ = lo[:, None, :], hi[:, None, :]  # (B, 1, Tq)
-                    sees = (lo_ < hi_) & (lo_ < c1) & (hi_ > c0)  # (B, tiles, Tq): the query sees a key of the tile
-                    res["violations"] += int((sees & ((t < qa) | (t >= qb))).sum())
-                    in_run = (t >= ia) & (t < ib)  # every query of the unmasked run sees all of the tile
-                    res["violations"] += int((in_run & ~((lo_ <= c0) & (hi_ >= c0 + block_n))).sum())
+        for doc_pos, p, cmp_end in random_layouts(case):
+            num_q = case["T"]
+            intervals = torch.stack(layout_by_torch(cmp_end, doc_pos, num_q, num_q, p))
+            num_keys = (cmp_end.shape[1], num_q)
+            got = interval._interval_query_ranges(intervals, num_keys, block_n)
+            for (lo, hi), keys, ranges in zip((intervals[:2], intervals[2:]), num_keys, got):
+                want = query_ranges_by_definition(lo, hi, keys, block_n)
+                for mine, expected in zip(ranges, want):
+                    assert mine.dtype == torch.int32 and mine.is_contiguous() and mine.shape == expected.shape
+                    res["mismatches"] += int((mine != expected).sum())
+                    res["checked"] += expected.numel()
+                qa, qb, ia, ib = (x.long()[:, :, None] for x in ranges)  # (B, tiles, 1)
+                res["runs"] += int((ia < ib).sum())
+                c0 = (torch.arange(qa.shape[1]) * block_n)[None, :, None]
+                c1 = (c0 + block_n).clamp(max=keys)
+                t = torch.arange(num_q)[None, None, :]
+                lo_, hi_ = lo[:, None, :], hi[:, None, :]  # (B, 1, Tq)
+                sees = (lo_ < hi_) & (lo_ < c1) & (hi_ > c0)  # (B, tiles, Tq): the query sees a key of the tile
+                res["violations"] += int((sees & ((t < qa) | (t >= qb))).sum())
+                in_run = (t >= ia) & (t < ib)  # every query of the unmasked run sees all of the tile
+                res["violations"] += int((in_run & ~((lo_ <= c0) & (hi_ >= c0 + block_n))).sum())
     return res
 
 
