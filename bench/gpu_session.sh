@@ -96,12 +96,10 @@ for step in "${steps[@]}"; do
                   12,2,64,2048,32,random 12,2,64,8192,8,random 12,2,64,32768,2,random 16,1,64,8192,8,random \
                   16,1,64,65536,1,random 12,2,64,65536,1,correlated ;;
     # the changes made without a GPU since the last figures, each against its other side: the selected dK/dV's
-    # chunked tile loop (sel_dkdv_pertile: each tile loading its own query indices, as before), and the block-outer
-    # selected forward and dQ (sel_fwd_pairs, sel_dq_pairs, both: block_outer; not the default) at issue 18's
-    # lengths, both layouts and correlated queries, with dense SDPA on the same shapes
+    # programs heaviest first in one launch against the order timed until 2026-11-27 (sel_dkdv_old_order) at issue
+    # 18's lengths, both layouts and correlated queries, with dense SDPA on the same shapes
     pending)    $PY bench/tune_kernels.py --json "$OUT/pending.json" --no-decode --dense --variants default \
-                  sel_dkdv_pertile:sel_dkdv_chunk_pairs=0 sel_fwd_pairs:sel_fwd_pairs=1 sel_dq_pairs:sel_dq_pairs=1 \
-                  block_outer:sel_fwd_pairs=1,sel_dq_pairs=1 \
+                  sel_dkdv_old_order:sel_dkdv_ranges_first=1,sel_split=8192/16/64 \
                   --cases 12,2,64,8192,8,random 12,2,64,2048,32,random \
                   12,2,64,65536,1,random 12,2,64,32768,2,random 16,1,64,8192,8,random 16,1,64,65536,1,random \
                   12,2,64,65536,1,correlated 12,2,64,8192,8,correlated ;;

@@ -75,6 +75,10 @@ DEFAULT_VARIANTS = [
     # per query), with the forward's pairs too: the whole block-outer selected branch but the dK/dV
     "sel_dq_pairs:sel_dq_pairs=1",
     "block_outer:sel_fwd_pairs=1,sel_dq_pairs=1",
+    # the selected dK/dV's programs in the order timed until 2026-11-27 (key ranges first, key range fastest, heavy
+    # pieces last, heavy above 8,192 pairs) against the default's (heavy pieces first, then every row's first key
+    # ranges: its heaviest programs start first; bench/KERNELS.md, "2026-11-27 H100")
+    "sel_dkdv_old_order:sel_dkdv_ranges_first=1,sel_split=8192/16/64",
     "sel_split2k:sel_split=2048/16/64",
     "sel_split1k:sel_split=1024/8/256",
     # the selected dK/dV with every pair tile masked, as timed on 2026-11-23: the default now runs the tiles whose

@@ -63,6 +63,10 @@ class LaunchOverrides:
     sel_rows: int | None = None  # the selected-attention query tile (rows = queries x G)
     sel_sub_rows: int | None = None  # rows per sub-tile of that tile (= the tile's rows: no sub-tiles)
     sel_split: tuple[int, int, int] | None = None  # (heavy_min pairs, splits, partial slots) of the selected dK/dV
+    # the selected dK/dV's programs in the order timed until 2026-11-27 (the main pass with the key range fastest,
+    # then the heavy blocks' splits): the default runs the heavy splits first, then the main pass with every row's
+    # first key ranges first (_sel_bwd_dkdv_kernel)
+    sel_dkdv_ranges_first: bool | None = None
     # (query, block) pairs per chunk of the selected dK/dV's tile loop (a chunk's query indices loaded once;
     # _sel_dkdv_chunk_tiles); 0: no chunks, each tile loads its own indices (everywhere until 2026-11-26)
     sel_dkdv_chunk_pairs: int | None = None

@@ -290,15 +290,20 @@ if triton is not None:
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         LB: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr,
         HEAVY_PASS: tl.constexpr, N_SPLIT: tl.constexpr, DQ_PAIRS: tl.constexpr, ALL_MASKED: tl.constexpr,
-        CH: tl.constexpr,
+        CH: tl.constexpr, RANGES_FAST: tl.constexpr,
     ):
-        # Main pass (grid: key range of LB keys x batch*kv head): the blocks starting in the range that
-        # have (query, block) pairs, found with one vector load of their pair counts; usually one per
-        # range (more where short documents start blocks close together). Load skew (block 0 is chosen by
-        # every query of its document): a block with more than heavy_min pairs and a partial slot (HCUM, its
-        # 1-based heavy rank, <= n_heavy) is left to the heavy pass (grid: heavy slot h x 1 x N_SPLIT;
-        # HPOS[h] names the block), each split writing an fp32 partial that _sel_dkdv_reduce_kernel sums
-        # in split order (deterministic, no atomics).
+        # A program's work is its block's pair count, which ranges from a few to every query of the row (block 0
+        # is forced for all of them, and top-n favours early blocks), so the order programs start in decides
+        # how long the GPU waits for the last (bench/KERNELS.md, "2026-11-27 H100": the heaviest started last
+        # and the kernel took 1.2-2.9x its balanced time).
+        # Heavy pass, launched first (grid: heavy slot h x 1 x N_SPLIT; HPOS[h] names the block): a block with
+        # more than heavy_min pairs and a partial slot (HCUM, its 1-based heavy rank, <= n_heavy) is split, each
+        # split writing an fp32 partial that _sel_dkdv_reduce_kernel sums in split order (deterministic, no
+        # atomics). Main pass (grid: batch*kv head x key range of LB keys, the row fastest, so every row's first
+        # ranges, which hold most pairs, start before any row's last; RANGES_FAST: the key range fastest, the
+        # order timed until 2026-11-27): the blocks starting in the range that have pairs, found with one vector
+        # load of their pair counts; usually one per range (more where short documents start blocks close
+        # together); heavy blocks past the n_heavy slots stay here (slower, still exact).
         d = tl.arange(0, D)
         if HEAVY_PASS:
             h = tl.program_id(0).to(tl.int64)
@@ -320,13 +325,17 @@ if triton is not None:
                 tl.store(PDK + p_off, dk * scale)
                 tl.store(PDV + p_off, dv)
         else:
-            pid_bg = tl.program_id(1)
-            aa = tl.program_id(0) * LB + tl.arange(0, LB)  # candidate block starts in this key range
+            if RANGES_FAST:
+                pid_bg = tl.program_id(1)
+                key_range = tl.program_id(0)
+            else:
+                pid_bg = tl.program_id(0)
+                key_range = tl.program_id(1)
+            aa = key_range * LB + tl.arange(0, LB)  # candidate block starts in this key range
             a_ok = aa < Tk
             off = pid_bg.to(tl.int64) * Tk + aa
             beg = tl.load(PAIR_OFF + off, mask=a_ok, other=0)
             cnt = tl.load(PAIR_OFF + off + 1, mask=a_ok, other=0) - beg
-            # heavy blocks past the n_heavy partial slots stay here (slower, still exact)
             mine = (cnt > 0) & ((cnt <= heavy_min) | (tl.load(HCUM + off, mask=a_ok, other=0) > n_heavy))
             rank = tl.cumsum(mine.to(tl.int32), 0) - 1
             for i in range(tl.sum(mine.to(tl.int32), 0)):
@@ -769,6 +778,14 @@ def _sel_dq_pairs(q, k, v, idx, doc_pos, do, gates, lse, delta, dq_intervals, pa
     return dq_intervals
 
 
+def _sel_heavy_split(num_q: int, qpb: int) -> tuple[int, int, int]:
+    """(heavy_min pairs, splits, partial slots) of the selected dK/dV: blocks above 4,096 pairs split into about
+    128 pair tiles each (a block holds at most num_q pairs), 16 to 256 splits, 1,024 partials in all (at least 4
+    slots)."""
+    n_split = min(256, max(16, _next_pow2(_cdiv(num_q, qpb * 128))))
+    return 4096, n_split, max(4, 1024 // n_split)
+
+
 def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: NSAParams, scale, dq_accum=None,
                   dq_partials=None):
     """dK, dV of the selected branch over the (block -> queries) index. The branch's dQ, which the kernel can form
@@ -801,9 +818,12 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: 
     dq_pairs = 2 if dq_partials is not None else 1 if dq_accum is not None else 0
     block_m, qpb, dkdv_opts = _dkdv_launch(group, head_dim, q.device, pair_dq=dq_pairs > 0, selected=True)
     # Heavy blocks (more than heavy_min pairs) are split over n_split programs writing fp32 partials to
-    # n_heavy slots (static shapes, no sync): at most total pairs / (heavy_min + 1) blocks can be heavy,
-    # capped at `slots` partials (16 MiB each for dK and dV at d64); the main pass keeps the rest.
-    heavy_min, n_split, slots = _OVERRIDES.sel_split or (8192, 16, 64)
+    # n_heavy slots (static shapes, no sync): at most total pairs / (heavy_min + 1) blocks can be heavy, capped at
+    # `slots`; the main pass keeps the rest. Defaults: 4,096 pairs (block 0 of an 8k row, 8,192 pairs, is split;
+    # the top-n's early blocks at 32k-64k too), splits of about 128 pair tiles (a program as long as a tenth of
+    # the launch's average slot; the heavy pass runs first and alone) and 1,024 partials in all (16 MiB each for
+    # dK and dV at head_dim 64, as before). bench/KERNELS.md, "2026-11-27 H100", has the schedule model.
+    heavy_min, n_split, slots = _OVERRIDES.sel_split or _sel_heavy_split(num_q, qpb)
     n_flat = batch * num_kv * num_keys
     cnt = pair_off[1:] - pair_off[:-1]
     heavy = cnt > heavy_min
@@ -821,8 +841,16 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: 
     meta = dict(H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=lb, QPB=qpb, BLOCK_M=block_m, BR=branch,
                 N_SPLIT=n_split, DQ_PAIRS=dq_pairs, ALL_MASKED=bool(_OVERRIDES.sel_dkdv_all_masked),
                 CH=_sel_dkdv_chunk_tiles(group, qpb, head_dim, q.device), **dkdv_opts)
-    _sel_bwd_dkdv_kernel[(_cdiv(num_keys, lb), batch * num_kv, 1)](*args, HEAVY_PASS=False, **meta)
-    _sel_bwd_dkdv_kernel[(n_heavy, 1, n_split)](*args, HEAVY_PASS=True, **meta)
+    # the order timed until 2026-11-27 (main pass with the key range fastest, then the heavy pass); also past
+    # 65,535 key ranges (4M keys a row), the most a grid's second axis takes
+    if _OVERRIDES.sel_dkdv_ranges_first or _cdiv(num_keys, lb) > 65535:
+        _sel_bwd_dkdv_kernel[(_cdiv(num_keys, lb), batch * num_kv, 1)](*args, HEAVY_PASS=False, RANGES_FAST=True,
+                                                                        **meta)
+        _sel_bwd_dkdv_kernel[(n_heavy, 1, n_split)](*args, HEAVY_PASS=True, RANGES_FAST=True, **meta)
+    else:
+        _sel_bwd_dkdv_kernel[(n_heavy, 1, n_split)](*args, HEAVY_PASS=True, RANGES_FAST=False, **meta)
+        _sel_bwd_dkdv_kernel[(batch * num_kv, _cdiv(num_keys, lb), 1)](*args, HEAVY_PASS=False, RANGES_FAST=False,
+                                                                        **meta)
     _sel_dkdv_reduce_kernel[(n_heavy,)](
         pdk, pdv, hpos, doc_pos, dk, dv, num_keys, n_flat, HKV=num_kv, D=head_dim, LB=lb, N_SPLIT=n_split,
         num_warps=4,

@@ -55,6 +55,7 @@ _KNOB_IDS = {
     "sel_dq_partials": lambda c: "seldqpartials" if c["sel_dq_partials"] else "seldqnopartials",
     "topn_query_major": lambda c: "querymajor" if c["topn_query_major"] else "headlanes",
     "sel_dkdv_all_masked": lambda c: "seldkdvmasked" if c["sel_dkdv_all_masked"] else "seldkdvsplit",
+    "sel_dkdv_ranges_first": lambda c: "rangesfirst" if c["sel_dkdv_ranges_first"] else "heavyfirst",
     "sel_causal_every_block": lambda c: "selcausalall" if c["sel_causal_every_block"] else "selcausalsplit",
     "sel_fwd_pairs": lambda c: "selfwdpairs" if c["sel_fwd_pairs"] else "selfwdunion",
     "sel_dq_pairs": lambda c: "seldqpairkernel" if c["sel_dq_pairs"] else "seldqnopairkernel",
@@ -136,6 +137,9 @@ CPU_CASES = [
     dict(B=2, T=70, H=3, Hkv=1, D=16, layout="varlen", sel_split=[5, 3, 1]),
     # the same splits over two KV heads (each head's heavy blocks in its own slots)
     dict(B=1, T=60, H=4, Hkv=2, D=16, layout="varlen", sel_split=[5, 3, 64]),
+    # ... with the programs in the order timed until 2026-11-27 (launch_overrides(sel_dkdv_ranges_first=True): key
+    # range fastest, the main pass before the heavy pass), one partial slot so heavy blocks stay with their key range
+    dict(B=1, T=60, H=4, Hkv=2, D=16, layout="varlen", sel_split=[5, 3, 1], sel_dkdv_ranges_first=True),
     # the selected dK/dV's tile loop in chunks whose query indices are loaded once (the default on sm_90 at head_dim
     # <= 64 with an even G, which the interpreter's cases take: every even-G case above and below; odd G and other
     # GPUs load each tile's, which the odd-G cases take): small chunks so blocks span several, a chunk's last tile
