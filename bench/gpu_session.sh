@@ -96,8 +96,8 @@ for step in "${steps[@]}"; do
                   12,2,64,2048,32,random 12,2,64,8192,8,random 12,2,64,32768,2,random 16,1,64,8192,8,random \
                   16,1,64,65536,1,random 12,2,64,65536,1,correlated ;;
     # the changes made without a GPU since the last figures, each against its other side: the selected dK/dV's
-    # programs heaviest first in one launch against the order timed until 2026-11-27 (sel_dkdv_old_order) at issue
-    # 18's lengths, both layouts and correlated queries, with dense SDPA on the same shapes
+    # heaviest programs first (heavy splits, then each row's first key ranges) against the order timed until
+    # 2026-11-27 (sel_dkdv_old_order) at issue 18's lengths, both layouts and correlated queries, with dense SDPA
     pending)    $PY bench/tune_kernels.py --json "$OUT/pending.json" --no-decode --dense --variants default \
                   sel_dkdv_old_order:sel_dkdv_ranges_first=1,sel_split=8192/16/64 \
                   --cases 12,2,64,8192,8,random 12,2,64,2048,32,random \

@@ -63,3 +63,20 @@ def test_block_outer_schedules_memory():
     fp32_dq = [row for row in mode.at_peak if row[0] == (batch, seq_len, heads, head_dim) and row[1] == torch.float32]
     assert len(fp32_dq) == 1, sorted(mode.at_peak, key=lambda r: -r[2])[:8]
     assert default < mode.peak <= default + 2 * q_bytes + 2**20, (default, mode.peak, q_bytes)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("qpb", [10, 4], ids=["125M-G6", "fla-G16"])
+def test_selected_dkdv_heavy_split_defaults_balance_within_fixed_partials(qpb):
+    """The selected dK/dV's heavy-block split (_sel_heavy_split): block 0 of an 8k row (8,192 pairs, every query
+    chose it) is split, each split holds about 128 pair tiles or fewer up to 64k queries (the heavy pass runs
+    first and alone: its longest split is its time), and the fp32 partials stay at 1,024 tiles (16 MiB each
+    for dK and dV at head_dim 64) at every length."""
+    from modeling_nsa.nsa_triton_selected import _sel_heavy_split
+
+    for num_q in (2048, 8192, 32768, 65536, 262144):
+        heavy_min, n_split, slots = _sel_heavy_split(num_q, qpb)
+        assert heavy_min < 8192 <= num_q or num_q < 8192
+        assert n_split * slots <= 1024 and slots >= 4
+        if num_q <= 65536:
+            assert -(-num_q // n_split) <= 128 * qpb, (num_q, n_split)  # a block holds at most num_q pairs
