@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
@@ -76,31 +77,44 @@ def test_the_session_stages_step_parses_and_reaches_the_launchers():
     assert {c[3] for c in cases} == {2048, 8192, 65536} and all(c[3] * c[4] == 65536 for c in cases), cases
 
 
-def test_the_session_pending_step_times_the_chunked_selected_dkdv_against_the_per_tile_load():
-    """bench/gpu_session.sh's `pending` step: its variants turn the selected dK/dV's index chunks off (the default
-    takes them on sm_90 at head_dim 64 with an even G) and the block-outer selected forward on, and its cases are
-    issue 18's B*T = 64k shapes."""
-    from modeling_nsa import nsa_triton_launch as launch
+def test_the_session_pending_step_times_the_selected_dkdv_order_against_the_old_one():
+    """bench/gpu_session.sh's `pending` step: its variant sel_dkdv_old_order restores the selected dK/dV's program
+    order timed until 2026-11-27 (the main pass, key range on the grid's fast axis, before the heavy pass; heavy
+    above 8,192 pairs), where the default launches the heavy pass first and puts batch x kv head on the main
+    pass's fast axis; its cases are issue 18's B*T = 64k shapes."""
+    pytest.importorskip("triton")
+    import triton_aot
 
     script = (Path(__file__).resolve().parent.parent / "bench" / "gpu_session.sh").read_text()
     step = script.split("    pending)", 1)[1].split(";;", 1)[0].replace("\\\n", " ")
     variants = [tk.parse_variant(v) for v in step.split("--variants", 1)[1].split("--cases", 1)[0].split()]
-    assert [name for name, _ in variants] == ["default", "sel_dkdv_pertile", "sel_fwd_pairs", "sel_dq_pairs",
-                                              "block_outer"], variants
-    assert launch._sel_dkdv_chunk_tiles(6, 10, 64, "cpu") == 25  # the default (the CPU counts as sm_90)
-    with launch.launch_overrides(**variants[1][1]):
-        assert launch._sel_dkdv_chunk_tiles(6, 10, 64, "cpu") == 0
-    assert not launch._OVERRIDES.sel_fwd_pairs
-    with launch.launch_overrides(**variants[2][1]):
-        assert launch._OVERRIDES.sel_fwd_pairs
-    assert launch._sel_dq_mode() == "union"
-    with launch.launch_overrides(**variants[3][1]):
-        assert launch._sel_dq_mode() == "pairs" and not launch._OVERRIDES.sel_fwd_pairs
-    with launch.launch_overrides(**variants[4][1]):
-        assert launch._sel_dq_mode() == "pairs" and launch._OVERRIDES.sel_fwd_pairs
-    cases = [tk.parse_case(c) for c in step.split("--cases", 1)[1].split()]
-    assert all(c[3] * c[4] == 65536 for c in cases) and {c[5] for c in cases} == {"random", "correlated"}
+    assert [name for name, _ in variants] == ["default", "sel_dkdv_old_order"], variants
+    batch, num_kv, seq_len = 2, 2, 300
 
+    def dkdv_launches(settings):
+        calls = []
+
+        class Stand:
+            def __init__(self, name, fn):
+                self.name = name
+
+            def __getitem__(self, grid):
+                return lambda *args, **kwargs: calls.append((self.name, grid, kwargs))
+
+        run = triton_aot._scenario(batch, seq_len, 12, num_kv, 64, torch.bfloat16, overrides=settings)
+        triton_aot.with_kernels_replaced(run, Stand)
+        return [(grid, kw["HEAVY_PASS"], kw["RANGES_FAST"]) for name, grid, kw in calls
+                if name == "_sel_bwd_dkdv_kernel"]
+
+    key_ranges = -(-seq_len // 64)
+    new, old = dkdv_launches(variants[0][1]), dkdv_launches(variants[1][1])
+    assert [heavy for _, heavy, _ in new] == [True, False] and not any(fast for _, _, fast in new), new
+    assert new[1][0][:2] == (batch * num_kv, key_ranges), new  # rows on the fast axis
+    assert [heavy for _, heavy, _ in old] == [False, True] and all(fast for _, _, fast in old), old
+    assert old[0][0][:2] == (key_ranges, batch * num_kv), old
+    assert dict(variants)["sel_dkdv_old_order"]["sel_split"] == (8192, 16, 64)
+    cases = [tk.parse_case(c) for c in step.split("--cases", 1)[1].split()]
+    assert {c[3] for c in cases} == {2048, 8192, 32768, 65536} and all(c[3] * c[4] == 65536 for c in cases), cases
 
 def row(case, variant, fb_ms, **kernel_ms):
     """A sweep row: every kernel 1 ms unless given (by kernel name)."""
