@@ -79,6 +79,9 @@ DEFAULT_VARIANTS = [
     # pieces last, heavy above 8,192 pairs) against the default's (heavy pieces first, then every row's first key
     # ranges: its heaviest programs start first; bench/KERNELS.md, "2026-11-27 H100")
     "sel_dkdv_old_order:sel_dkdv_ranges_first=1,sel_split=8192/16/64",
+    # the compressed/window dK/dV's split programs with the key tile fastest, as timed until 2026-11-27, against the
+    # default's every row's first key tiles (the compressed branch's heaviest) first
+    "dkdv_tiles_fast:dkdv_key_tiles_fast=1",
     "sel_split2k:sel_split=2048/16/64",
     "sel_split1k:sel_split=1024/8/256",
     # the selected dK/dV with every pair tile masked, as timed on 2026-11-23: the default now runs the tiles whose

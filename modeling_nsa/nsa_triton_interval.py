@@ -149,13 +149,23 @@ if triton is not None:
         Tq, Nk, n_ktiles, sm_scale2, scale,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         QPB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_SPLIT: tl.constexpr, BR: tl.constexpr,
-        INTERIOR: tl.constexpr,
+        INTERIOR: tl.constexpr, TILES_FAST: tl.constexpr,
     ):
         # N_SPLIT > 1: program (tile, split) handles one slice of the tile's query range and writes an
         # fp32 partial to DK/DV[split] (summed afterwards in a fixed order: deterministic).
-        pid_k = tl.program_id(0)
-        pid_bg = tl.program_id(1)
-        pid_s = tl.program_id(2)
+        # Grid: TILES_FAST (key tile x batch*kv head x split), the order where adjacent programs share their
+        # queries (the window branch: every tile costs the same); else (batch*kv head x split x key tile), the
+        # first key tiles, which the most queries see (the compressed branch), of every row and split first.
+        if TILES_FAST:
+            pid_k = tl.program_id(0)
+            pid_bg = tl.program_id(1)
+            pid_s = tl.program_id(2)
+            n_bg = tl.num_programs(1)
+        else:
+            pid_bg = tl.program_id(0)
+            pid_s = tl.program_id(1)
+            pid_k = tl.program_id(2)
+            n_bg = tl.num_programs(0)
         b = (pid_bg // HKV).to(tl.int64)
         g = pid_bg % HKV
         kk = pid_k * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -191,7 +201,7 @@ if triton is not None:
         # loop with no branch in it
         dk, dv = _dkdv_query_tiles(Q, DO, GATE, LSE, DELTA, LO, HI, b, g, q_begin, q_end, q_end, Tq, kk, k, v,
                                    sm_scale2, dk, dv, H, G, D, QPB, BLOCK_M, BR, True)
-        split_off = pid_s.to(tl.int64) * (tl.num_programs(1) // HKV) * Nk * HKV * D
+        split_off = pid_s.to(tl.int64) * (n_bg // HKV) * Nk * HKV * D
         tl.store(DK + split_off + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=k_ok[:, None])
         tl.store(DV + split_off + kv_off, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
 
@@ -479,10 +489,17 @@ def _interval_bwd_dkdv(q, k, v, lo, hi, ranges, do, gates, branch, lse, delta, s
     else:
         dk = torch.empty((n_split,) + tuple(k.shape), device=k.device, dtype=torch.float32)
         dv = torch.empty_like(dk)
-    _interval_bwd_dkdv_kernel[(n_ktiles, batch * num_kv, n_split)](
+    # Split query ranges (the compressed branch: key tile t is seen by the queries after it, so the first tiles
+    # cost the most) start heaviest first, every row's and split's first tiles before any last one: in the order
+    # (key tile fastest) the last row's first tiles started last, 1.1-1.3x the balanced time in a list-scheduling
+    # model (bench/KERNELS.md, "2026-11-27 H100"). Unsplit (the window branch: every tile costs the same), key tile
+    # fastest, so neighbouring programs share their queries in L2; also past 65,535 key tiles (a grid's last axis).
+    tiles_fast = n_split == 1 or n_ktiles > 65535 or bool(_OVERRIDES.dkdv_key_tiles_fast)
+    grid = (n_ktiles, batch * num_kv, n_split) if tiles_fast else (batch * num_kv, n_split, n_ktiles)
+    _interval_bwd_dkdv_kernel[grid](
         q, k, v, lo, hi, qa, qb, ia, ib, do, gates, lse, delta, dk, dv, num_q, num_keys, n_ktiles, scale * _LOG2E,
         scale, H=num_heads, HKV=num_kv, G=group, D=head_dim, QPB=qpb, BLOCK_M=block_m, BLOCK_N=block_n,
-        N_SPLIT=n_split, BR=branch, INTERIOR=interior, **dkdv_opts,
+        N_SPLIT=n_split, BR=branch, INTERIOR=interior, TILES_FAST=tiles_fast, **dkdv_opts,
     )
     if n_split > 1:
         dk, dv = dk.sum(0).to(k.dtype), dv.sum(0).to(v.dtype)

@@ -19,6 +19,9 @@ class LaunchOverrides:
     how the work is scheduled (tiles, splits, warps), never the result. Set them with `launch_overrides`."""
 
     dkdv_split: int | None = None  # splits of the query range of the compressed/window dK/dV kernel
+    # the compressed/window dK/dV's grid with the key tile fastest where its query ranges are split, as timed until
+    # 2026-11-27 (the default starts every row's first key tiles, the heaviest, first: _interval_bwd_dkdv)
+    dkdv_key_tiles_fast: bool | None = None
     topn_blocks_per_chunk: int | None = None  # selection blocks per top-n chunk (small: the multi-chunk merge)
     topn_insert_max: int | None = None  # the top-n insertion/merge threshold (0: always merge)
     topn_rows: int | None = None  # rows (queries x padded heads) per top-n program

@@ -56,6 +56,7 @@ _KNOB_IDS = {
     "topn_query_major": lambda c: "querymajor" if c["topn_query_major"] else "headlanes",
     "sel_dkdv_all_masked": lambda c: "seldkdvmasked" if c["sel_dkdv_all_masked"] else "seldkdvsplit",
     "sel_dkdv_ranges_first": lambda c: "rangesfirst" if c["sel_dkdv_ranges_first"] else "heavyfirst",
+    "dkdv_key_tiles_fast": lambda c: "tilesfast" if c["dkdv_key_tiles_fast"] else "tilesslow",
     "sel_causal_every_block": lambda c: "selcausalall" if c["sel_causal_every_block"] else "selcausalsplit",
     "sel_fwd_pairs": lambda c: "selfwdpairs" if c["sel_fwd_pairs"] else "selfwdunion",
     "sel_dq_pairs": lambda c: "seldqpairkernel" if c["sel_dq_pairs"] else "seldqnopairkernel",
@@ -121,6 +122,10 @@ CPU_CASES = [
     dict(B=1, T=203, H=3, Hkv=1, D=16, layout="varlen", seed=26, dtype="float16", dkdv_unmasked_interior=True,
          param_overrides=dict(window_size=125, cmp_block_size=2, cmp_stride=1)),
     dict(B=1, T=203, H=2, Hkv=2, D=16, split=2, dkdv_unmasked_interior=True,
+         param_overrides=dict(window_size=191, cmp_block_size=2, cmp_stride=1)),
+    # ... with the split programs in the grid order timed until 2026-11-27 (key tile fastest; the default puts the
+    # key tile on the last axis where the ranges are split: launch_overrides(dkdv_key_tiles_fast=True))
+    dict(B=2, T=203, H=2, Hkv=2, D=16, split=2, dkdv_key_tiles_fast=True, layout="varlen",
          param_overrides=dict(window_size=191, cmp_block_size=2, cmp_stride=1)),
     # the same tiles all masked (launch_overrides(dkdv_unmasked_interior=False), as timed on 2026-11-23)
     dict(B=2, T=201, H=6, Hkv=1, D=16, layout="pad", arch=80, dkdv_unmasked_interior=False,

@@ -77,21 +77,22 @@ def test_the_session_stages_step_parses_and_reaches_the_launchers():
     assert {c[3] for c in cases} == {2048, 8192, 65536} and all(c[3] * c[4] == 65536 for c in cases), cases
 
 
-def test_the_session_pending_step_times_the_selected_dkdv_order_against_the_old_one():
+def test_the_session_pending_step_times_the_heaviest_first_orders_against_the_old_ones():
     """bench/gpu_session.sh's `pending` step: its variant sel_dkdv_old_order restores the selected dK/dV's program
     order timed until 2026-11-27 (the main pass, key range on the grid's fast axis, before the heavy pass; heavy
     above 8,192 pairs), where the default launches the heavy pass first and puts batch x kv head on the main
-    pass's fast axis; its cases are issue 18's B*T = 64k shapes."""
+    pass's fast axis; dkdv_tiles_fast restores the compressed/window dK/dV's key-tile-fastest grid where the
+    default puts split programs' key tile on the last axis; its cases are issue 18's B*T = 64k shapes."""
     pytest.importorskip("triton")
     import triton_aot
 
     script = (Path(__file__).resolve().parent.parent / "bench" / "gpu_session.sh").read_text()
     step = script.split("    pending)", 1)[1].split(";;", 1)[0].replace("\\\n", " ")
     variants = [tk.parse_variant(v) for v in step.split("--variants", 1)[1].split("--cases", 1)[0].split()]
-    assert [name for name, _ in variants] == ["default", "sel_dkdv_old_order"], variants
+    assert [name for name, _ in variants] == ["default", "sel_dkdv_old_order", "dkdv_tiles_fast"], variants
     batch, num_kv, seq_len = 2, 2, 300
 
-    def dkdv_launches(settings):
+    def calls_of(settings):
         calls = []
 
         class Stand:
@@ -103,7 +104,10 @@ def test_the_session_pending_step_times_the_selected_dkdv_order_against_the_old_
 
         run = triton_aot._scenario(batch, seq_len, 12, num_kv, 64, torch.bfloat16, overrides=settings)
         triton_aot.with_kernels_replaced(run, Stand)
-        return [(grid, kw["HEAVY_PASS"], kw["RANGES_FAST"]) for name, grid, kw in calls
+        return calls
+
+    def dkdv_launches(settings):
+        return [(grid, kw["HEAVY_PASS"], kw["RANGES_FAST"]) for name, grid, kw in calls_of(settings)
                 if name == "_sel_bwd_dkdv_kernel"]
 
     key_ranges = -(-seq_len // 64)
@@ -113,6 +117,13 @@ def test_the_session_pending_step_times_the_selected_dkdv_order_against_the_old_
     assert [heavy for _, heavy, _ in old] == [False, True] and all(fast for _, _, fast in old), old
     assert old[0][0][:2] == (key_ranges, batch * num_kv), old
     assert dict(variants)["sel_dkdv_old_order"]["sel_split"] == (8192, 16, 64)
+    intervals = [(grid, kw["TILES_FAST"], kw["N_SPLIT"]) for name, grid, kw in calls_of(variants[0][1])
+                 if name == "_interval_bwd_dkdv_kernel"]
+    old_intervals = [(grid, kw["TILES_FAST"], kw["N_SPLIT"]) for name, grid, kw in calls_of(variants[2][1])
+                     if name == "_interval_bwd_dkdv_kernel"]
+    # the compressed branch's query ranges are split at 300 queries: key tile on the last axis by default
+    assert any(split > 1 and not fast and grid[0] == batch * num_kv for grid, fast, split in intervals), intervals
+    assert all(fast and grid[1] == batch * num_kv for grid, fast, _ in old_intervals), old_intervals
     cases = [tk.parse_case(c) for c in step.split("--cases", 1)[1].split()]
     assert {c[3] for c in cases} == {2048, 8192, 32768, 65536} and all(c[3] * c[4] == 65536 for c in cases), cases
 
