@@ -156,29 +156,36 @@ def test_build_retrieval_data_script(tmp_path):
     assert len(pq.read_table(out).column("text")) == 5
     # several shorter documents per row: each re-tokenizes to exactly its share (with the end-of-text token), so
     # the trainer's packer fills every row with whole documents, the answer ending each
-    proc = subprocess.run([*script, "--tokenizer", "byt5", "--seq-len", "512", "--doc-len", "256", "--rows", "3",
-                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert "6 passkey documents of 256 tokens with end-of-text, 2 per 512-token row" in proc.stdout, proc.stdout
+    # several shorter documents per row: each re-tokenizes to exactly its share (with the end-of-text token), so
+    # the trainer's packer fills every row with whole documents, the answer ending each (in this process: the
+    # script's main, as above; each run of the script costs seconds of imports)
+    sys.path.insert(0, str(REPO / "bench"))
+    import build_retrieval_data
+
+    summary = build_retrieval_data.main(["--tokenizer", "byt5", "--seq-len", "512", "--doc-len", "256", "--rows", "3",
+                                         "--out", str(out)])
+    assert (summary["documents"], summary["documents_per_row"], summary["doc_len"]) == (6, 2, 256), summary
     from nsa_train.data import load_tokenizer
 
     texts = pq.read_table(out).column("text").to_pylist()
     tokenizer = load_tokenizer("byt5")
     assert len(texts) == 6 and all(len(tokenizer(t, add_special_tokens=False).input_ids) == 255 for t in texts)
     assert all(t.rstrip().split()[-1].rstrip(".").isdigit() for t in texts)  # each ends with its passkey
-    for bad in ("100", "1024", "1"):
-        proc = subprocess.run([*script, "--tokenizer", "byt5", "--seq-len", "512", "--doc-len", bad, "--rows", "1",
-                               "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
-        assert proc.returncode == 2 and f"error: --doc-len {bad}: give a divisor of --seq-len 512" in proc.stderr
-    proc = subprocess.run([*script, "--tokenizer", "byt5", "--seq-len", "512", "--doc-len", "128", "--rows", "1",
+    # a bad value: the script exits 2 with the message (run_command), which names the value and the fix
+    proc = subprocess.run([*script, "--tokenizer", "byt5", "--seq-len", "512", "--doc-len", "100", "--rows", "1",
                            "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert proc.returncode == 2 and "error: --doc-len 128: too short for the passkey task" in proc.stderr
-    proc = subprocess.run([*script, "--tokenizer", "byt5", "--seq-len", "256", "--rows", "0", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert proc.returncode == 2 and "error: --rows 0" in proc.stderr
-    proc = subprocess.run([*script, "--tokenizer", "byt5", "--seq-len", "64", "--rows", "1", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert proc.returncode == 2 and "error: --seq-len" in proc.stderr and "too short for the passkey task" in proc.stderr
+    assert proc.returncode == 2 and "error: --doc-len 100: give a divisor of --seq-len 512" in proc.stderr
+    for bad in ("1024", "1"):
+        with pytest.raises(ValueError, match=f"--doc-len {bad}: give a divisor of --seq-len 512"):
+            build_retrieval_data.main(["--tokenizer", "byt5", "--seq-len", "512", "--doc-len", bad, "--rows", "1",
+                                       "--out", str(out)])
+    with pytest.raises(ValueError, match="--doc-len 128: too short for the passkey task"):
+        build_retrieval_data.main(["--tokenizer", "byt5", "--seq-len", "512", "--doc-len", "128", "--rows", "1",
+                                   "--out", str(out)])
+    with pytest.raises(ValueError, match="--rows 0"):
+        build_retrieval_data.main(["--tokenizer", "byt5", "--seq-len", "256", "--rows", "0", "--out", str(out)])
+    with pytest.raises(ValueError, match="--seq-len.*too short for the passkey task"):
+        build_retrieval_data.main(["--tokenizer", "byt5", "--seq-len", "64", "--rows", "1", "--out", str(out)])
 
 
 # ----------------------------------------------------------------------------- scoring on hand-made models
