@@ -1,0 +1,125 @@
+"""How long a launch of programs with unequal work takes, against a balanced one: a list-scheduling model of the
+two backward kernels whose programs' work is skewed (bench/KERNELS.md, "2026-11-27 H100").
+
+- The selected dK/dV: a program's work is its block's (query, block) pairs, in pair tiles of QPB queries. Block 0
+  is forced for every query of its row, the last LOCAL blocks for the queries in them, and the top-n's free picks
+  (modelled as uniform among a query's other visible blocks: random queries) favour early blocks.
+- The compressed dK/dV: key tile t (64 compressed keys) is seen by the queries after it, in n_split query splits.
+
+Programs start in grid order (the fastest axis first) on SLOTS identical slots (132 SMs x programs per SM), each
+taking the next program when it frees: the makespan over the balanced time (total work / slots) says what the
+order costs. The same per-tile time then explains the measured kernel times (KERNELS.md's table).
+
+    python bench/schedule_model.py [--lengths 2048 8192 32768 65536] [--slots 264]
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import math
+
+import numpy as np
+
+BLOCK = 64  # selection block and compressed-key tile (NSA_SPEC defaults: l' = 64)
+N_SEL, INIT, LOCAL = 16, 1, 2  # selected blocks per query, forced initial and local blocks
+CMP_STRIDE = 16  # d: one compressed key per 16 keys
+TOKENS = 65536  # B x T, as bench_attention's table
+
+
+def makespan(costs, slots: int) -> float:
+    """Time until the last program ends when programs start in list order on `slots` slots."""
+    free = [0.0] * slots
+    end = 0.0
+    for cost in costs:
+        start = heapq.heappop(free)
+        end = max(end, start + cost)
+        heapq.heappush(free, start + cost)
+    return end
+
+
+def selected_pair_counts(seq_len: int, rng) -> np.ndarray:
+    """Pairs per selection block of one row: forced blocks plus N_SEL - forced uniform picks per query."""
+    n_blocks = -(-seq_len // BLOCK)
+    counts = np.zeros(n_blocks, np.int64)
+    for q in range(seq_len):
+        own = q // BLOCK
+        forced = {0} | set(range(max(0, own - LOCAL + 1), own + 1))
+        free = np.setdiff1d(np.arange(own + 1), list(forced))
+        picks = rng.choice(free, size=min(N_SEL - len(forced), free.size), replace=False) if free.size else []
+        counts[list(forced)] += 1
+        counts[picks] += 1
+    return counts
+
+
+def selected_dkdv(seq_len: int, num_kv: int, qpb: int, slots: int, rng, old: bool) -> float:
+    """Makespan / balanced time of the selected dK/dV: old = the order timed until 2026-11-27 (main pass with the
+    key range fastest, then blocks above 8,192 pairs in 16 splits), else the default (blocks above 4,096 pairs in
+    splits of ~128 tiles first, then the main pass with the row fastest)."""
+    rows = (TOKENS // seq_len) * num_kv
+    per_row = selected_pair_counts(seq_len, rng)  # every row alike (random picks: the same statistics)
+    if old:
+        heavy_min, n_split, n_slots = 8192, 16, 64
+    else:
+        heavy_min = 4096
+        n_split = min(256, max(16, 1 << math.ceil(math.log2(max(1, -(-seq_len // (qpb * 128)))))))
+        n_slots = max(4, 1024 // n_split)
+    main, heavy, used = [], [], 0
+    for row in range(rows):
+        for block, pairs in enumerate(per_row):
+            if pairs == 0:
+                continue
+            if pairs > heavy_min and used < n_slots:
+                used += 1
+                span = math.ceil(math.ceil(pairs / n_split) / qpb) * qpb
+                heavy += [math.ceil(max(0, min(span, pairs - s * span)) / qpb) for s in range(n_split)]
+            else:
+                main.append((row, block, math.ceil(pairs / qpb)))
+    order = (lambda m: (m[0], m[1])) if old else (lambda m: (m[1], m[0]))  # fastest axis last in the key
+    main_costs = [m[2] for m in sorted(main, key=order)]
+    total = sum(main_costs) + sum(heavy)
+    passes = [main_costs, heavy] if old else [heavy, main_costs]
+    return sum(makespan(p, slots) for p in passes if p) / (total / slots)
+
+
+def compressed_dkdv(seq_len: int, num_kv: int, qpb: int, slots: int, old: bool) -> float:
+    """Makespan / balanced time of the compressed dK/dV: old = key tile fastest, else the key tile slowest."""
+    rows = (TOKENS // seq_len) * num_kv
+    n_tiles = max(1, seq_len // CMP_STRIDE // BLOCK)
+    n_split = 1
+    if n_tiles * rows < 1024 and seq_len > 4 * BLOCK:
+        n_split = max(1, min(64, 1024 // (n_tiles * rows), seq_len // (8 * qpb)))
+    cost = [(n_tiles - t) / n_tiles * seq_len / n_split + BLOCK for t in range(n_tiles)]  # queries seeing tile t
+    if old:
+        costs = [cost[t] for _ in range(n_split) for _ in range(rows) for t in range(n_tiles)]
+    else:
+        costs = [cost[t] for t in range(n_tiles) for _ in range(n_split) for _ in range(rows)]
+    return makespan(costs, slots) / (sum(costs) / slots)
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="*", default=[2048, 8192, 32768, 65536])
+    ap.add_argument("--slots", type=int, default=264, help="programs running at once (132 SMs x 2 on an H100)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    rows = []
+    print(f"# makespan / balanced time, {args.slots} slots, B x T = {TOKENS:,}, random top-n picks")
+    print("| layout | T | selected dK/dV, old order | default | compressed dK/dV, old order | default |")
+    print("|---|---|---|---|---|---|")
+    for layout, num_kv, qpb in (("12q/2kv", 2, 10), ("16q/1kv", 1, 4)):
+        for seq_len in args.lengths:
+            row = dict(layout=layout, T=seq_len)
+            for old in (True, False):
+                key = "old" if old else "default"
+                row[f"selected_{key}"] = selected_dkdv(seq_len, num_kv, qpb, args.slots,
+                                                       np.random.default_rng(args.seed), old)
+                row[f"compressed_{key}"] = compressed_dkdv(seq_len, num_kv, qpb, args.slots, old)
+            rows.append(row)
+            print(f"| {layout} | {seq_len:,} | {row['selected_old']:.2f}x | {row['selected_default']:.2f}x | "
+                  f"{row['compressed_old']:.2f}x | {row['compressed_default']:.2f}x |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
