@@ -18,8 +18,13 @@ from __future__ import annotations
 import argparse
 import heapq
 import math
+import sys
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from modeling_nsa.nsa_triton_selected import _sel_heavy_split  # noqa: E402  (plain Python: no triton needed)
 
 BLOCK = 64  # selection block and compressed-key tile (NSA_SPEC defaults: l' = 64)
 N_SEL, INIT, LOCAL = 16, 1, 2  # selected blocks per query, forced initial and local blocks
@@ -44,7 +49,7 @@ def selected_pair_counts(seq_len: int, rng) -> np.ndarray:
     counts = np.zeros(n_blocks, np.int64)
     for q in range(seq_len):
         own = q // BLOCK
-        forced = {0} | set(range(max(0, own - LOCAL + 1), own + 1))
+        forced = set(range(min(INIT, own + 1))) | set(range(max(0, own - LOCAL + 1), own + 1))
         free = np.setdiff1d(np.arange(own + 1), list(forced))
         picks = rng.choice(free, size=min(N_SEL - len(forced), free.size), replace=False) if free.size else []
         counts[list(forced)] += 1
@@ -58,12 +63,7 @@ def selected_dkdv(seq_len: int, num_kv: int, qpb: int, slots: int, rng, old: boo
     splits of ~128 tiles first, then the main pass with the row fastest)."""
     rows = (TOKENS // seq_len) * num_kv
     per_row = selected_pair_counts(seq_len, rng)  # every row alike (random picks: the same statistics)
-    if old:
-        heavy_min, n_split, n_slots = 8192, 16, 64
-    else:
-        heavy_min = 4096
-        n_split = min(256, max(16, 1 << math.ceil(math.log2(max(1, -(-seq_len // (qpb * 128)))))))
-        n_slots = max(4, 1024 // n_split)
+    heavy_min, n_split, n_slots = (8192, 16, 64) if old else _sel_heavy_split(seq_len, qpb)
     main, heavy, used = [], [], 0
     for row in range(rows):
         for block, pairs in enumerate(per_row):

@@ -843,14 +843,12 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: 
                 CH=_sel_dkdv_chunk_tiles(group, qpb, head_dim, q.device), **dkdv_opts)
     # the order timed until 2026-11-27 (main pass with the key range fastest, then the heavy pass); also past
     # 65,535 key ranges (4M keys a row), the most a grid's second axis takes
-    if _OVERRIDES.sel_dkdv_ranges_first or _cdiv(num_keys, lb) > 65535:
-        _sel_bwd_dkdv_kernel[(_cdiv(num_keys, lb), batch * num_kv, 1)](*args, HEAVY_PASS=False, RANGES_FAST=True,
-                                                                        **meta)
-        _sel_bwd_dkdv_kernel[(n_heavy, 1, n_split)](*args, HEAVY_PASS=True, RANGES_FAST=True, **meta)
-    else:
-        _sel_bwd_dkdv_kernel[(n_heavy, 1, n_split)](*args, HEAVY_PASS=True, RANGES_FAST=False, **meta)
-        _sel_bwd_dkdv_kernel[(batch * num_kv, _cdiv(num_keys, lb), 1)](*args, HEAVY_PASS=False, RANGES_FAST=False,
-                                                                        **meta)
+    n_ranges = _cdiv(num_keys, lb)
+    ranges_fast = bool(_OVERRIDES.sel_dkdv_ranges_first) or n_ranges > 65535
+    heavy_launch = ((n_heavy, 1, n_split), True)
+    main_launch = ((n_ranges, batch * num_kv, 1) if ranges_fast else (batch * num_kv, n_ranges, 1), False)
+    for grid, heavy_pass in (main_launch, heavy_launch) if ranges_fast else (heavy_launch, main_launch):
+        _sel_bwd_dkdv_kernel[grid](*args, HEAVY_PASS=heavy_pass, RANGES_FAST=ranges_fast, **meta)
     _sel_dkdv_reduce_kernel[(n_heavy,)](
         pdk, pdv, hpos, doc_pos, dk, dv, num_keys, n_flat, HKV=num_kv, D=head_dim, LB=lb, N_SPLIT=n_split,
         num_warps=4,

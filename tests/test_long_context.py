@@ -155,8 +155,6 @@ def test_build_retrieval_data_script(tmp_path):
     assert "0 re-tokenize" in proc.stdout
     assert len(pq.read_table(out).column("text")) == 5
     # several shorter documents per row: each re-tokenizes to exactly its share (with the end-of-text token), so
-    # the trainer's packer fills every row with whole documents, the answer ending each
-    # several shorter documents per row: each re-tokenizes to exactly its share (with the end-of-text token), so
     # the trainer's packer fills every row with whole documents, the answer ending each (in this process: the
     # script's main, as above; each run of the script costs seconds of imports)
     sys.path.insert(0, str(REPO / "bench"))

@@ -106,21 +106,17 @@ def test_the_session_pending_step_times_the_heaviest_first_orders_against_the_ol
         triton_aot.with_kernels_replaced(run, Stand)
         return calls
 
-    def dkdv_launches(settings):
-        return [(grid, kw["HEAVY_PASS"], kw["RANGES_FAST"]) for name, grid, kw in calls_of(settings)
-                if name == "_sel_bwd_dkdv_kernel"]
-
+    default_calls, old_calls, tiles_fast_calls = (calls_of(settings) for _, settings in variants)
+    new, old = ([(grid, kw["HEAVY_PASS"], kw["RANGES_FAST"]) for name, grid, kw in calls
+                 if name == "_sel_bwd_dkdv_kernel"] for calls in (default_calls, old_calls))
     key_ranges = -(-seq_len // 64)
-    new, old = dkdv_launches(variants[0][1]), dkdv_launches(variants[1][1])
     assert [heavy for _, heavy, _ in new] == [True, False] and not any(fast for _, _, fast in new), new
     assert new[1][0][:2] == (batch * num_kv, key_ranges), new  # rows on the fast axis
     assert [heavy for _, heavy, _ in old] == [False, True] and all(fast for _, _, fast in old), old
     assert old[0][0][:2] == (key_ranges, batch * num_kv), old
     assert dict(variants)["sel_dkdv_old_order"]["sel_split"] == (8192, 16, 64)
-    intervals = [(grid, kw["TILES_FAST"], kw["N_SPLIT"]) for name, grid, kw in calls_of(variants[0][1])
-                 if name == "_interval_bwd_dkdv_kernel"]
-    old_intervals = [(grid, kw["TILES_FAST"], kw["N_SPLIT"]) for name, grid, kw in calls_of(variants[2][1])
-                     if name == "_interval_bwd_dkdv_kernel"]
+    intervals, old_intervals = ([(grid, kw["TILES_FAST"], kw["N_SPLIT"]) for name, grid, kw in calls
+                                 if name == "_interval_bwd_dkdv_kernel"] for calls in (default_calls, tiles_fast_calls))
     # the compressed branch's query ranges are split at 300 queries: key tile on the last axis by default
     assert any(split > 1 and not fast and grid[0] == batch * num_kv for grid, fast, split in intervals), intervals
     assert all(fast and grid[1] == batch * num_kv for grid, fast, _ in old_intervals), old_intervals
