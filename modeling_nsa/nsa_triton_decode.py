@@ -21,7 +21,8 @@ except Exception:  # pragma: no cover - exercised only without triton
 
 if triton is not None:
     from .nsa_triton_common import _branch_output, _gated_sum, _softmax_init, _softmax_tile
-    from .nsa_triton_topn import _topn_chunk_update, _topn_merge
+    from .nsa_triton_topn import (_topn_blocks, _topn_chunk_update, _topn_empty, _topn_key, _topn_key_value,
+                                     _topn_merge, _KEY_NEG_INF)
 
     # ------------------------------------------------------------------------------------------
     # Decoding: compressed keys split over programs, block ranges' top-n, then the branches and the gates (one
@@ -136,8 +137,7 @@ if triton is not None:
         pos1 = tl.zeros([1], tl.int64) + pos
         n_blocks = tl.where(pos1 >= 0, pos1 // LB + 1, 0).to(tl.int32)
         own = (pos1 // LB).to(tl.int32)
-        top_v = tl.full([1, N_PAD], float("-inf"), tl.float32)
-        top_i = tl.full([1, N_PAD], -1, tl.int32)
+        top = _topn_empty(1, N_PAD)
         carry = tl.zeros([1], tl.float32)
         j_lo = pj * TB
         n_range = tl.minimum(n_blocks, j_lo + TB)  # blocks past the range belong to the next program
@@ -153,13 +153,13 @@ if triton is not None:
             m_tok = tl.load(PM + pbase, mask=ok, other=0.0)
             prob = tl.where(ok, p * tl.exp2(m_tok - lse[:, None]), 0.0)
             ps = tl.reshape(tl.sum(prob, 0), (1, BC))
-            carry, top_v, top_i = _topn_chunk_update(ps, carry, top_v, top_i, j0, j_lo, n_range, own,
-                                                     L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, 1, INSERT_MAX)
+            carry, top = _topn_chunk_update(ps, carry, top, j0, j_lo, n_range, own,
+                                            L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, 1, INSERT_MAX)
         slot_n = tl.arange(0, N_PAD)
-        keep = (slot_n[None, :] < N_SEL) & (top_v > float("-inf"))
+        keep = (slot_n[None, :] < N_SEL) & (top > _KEY_NEG_INF)
         out = (pid_bg.to(tl.int64) * n_prog + pj) * N_PAD + slot_n
-        tl.store(TOPV + out, tl.reshape(tl.where(keep, top_v, float("-inf")), (N_PAD,)))
-        tl.store(TOPI + out, tl.reshape(tl.where(keep, top_i, -1), (N_PAD,)))
+        tl.store(TOPV + out, tl.reshape(tl.where(keep, _topn_key_value(top), float("-inf")), (N_PAD,)))
+        tl.store(TOPI + out, tl.reshape(tl.where(keep, _topn_blocks(top), -1), (N_PAD,)))
 
     @triton.jit
     def _group_rows(pid_bg, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
@@ -199,16 +199,15 @@ if triton is not None:
         block once). Returns the softmax state (max, sum, unnormalized output) per head."""
         E: tl.constexpr = LISTS * N_PAD
         e = tl.arange(0, E)
-        top_v = tl.full([1, N_PAD], float("-inf"), tl.float32)
-        top_i = tl.full([1, N_PAD], -1, tl.int32)
+        top = _topn_empty(1, N_PAD)
         for l0 in range(0, n_prog, LISTS):
             ok = l0 + e // N_PAD < n_prog
             off = (pid_bg.to(tl.int64) * n_prog + l0) * N_PAD + e
             v = tl.load(TOPV + off, mask=ok, other=float("-inf"))
             i = tl.load(TOPI + off, mask=ok, other=-1)
             i = tl.where(i >= 0, i, (1 << 29) + e)  # distinct stand-ins for unused entries (priority -inf)
-            top_v, top_i = _topn_merge(top_v, top_i, tl.reshape(v, (1, E)), i, N_SEL, N_PAD)
-        top_i = tl.reshape(tl.where(top_v > float("-inf"), top_i, -1), (N_PAD,))
+            top = _topn_merge(top, _topn_key(tl.reshape(v, (1, E)), tl.reshape(i, (1, E))), N_SEL, N_PAD)
+        top_i = tl.reshape(_topn_blocks(top), (N_PAD,))
         slot_n = tl.arange(0, N_PAD)
         kb = tl.arange(0, SEL_STEP * LB)
         m_i, l_i, acc = _softmax_init(G_PAD, D)

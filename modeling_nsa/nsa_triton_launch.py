@@ -300,9 +300,9 @@ def _topn_insert_max(decode: bool = False) -> int:
     rather than merged whole (_topn_merge); tests and bench/tune_kernels.py force it
     (launch_overrides(topn_insert_max=...)).
     Training's top-n inserts every entering block (no merge compiled in the chunk loop): an insertion replaces
-    the worst entry of an unsorted list, 283 SASS instructions on sm_90 against 741 for the sorted-list
-    insertion it replaced, and a chunk of 16 entering blocks costs about what a merge does (tests/triton_aot.py
-    SASS); inserting every block beat inserting up to 4 and merging every chunk (variants insert4, merge_only).
+    the worst entry of an unsorted list of int64 keys (two independent reductions), and the first chunk of a list
+    is placed whole (nsa_triton_topn._topn_chunk_update); inserting every block beat inserting up to 4 and merging
+    every chunk (variants insert4, merge_only; timed before the keys, bench/KERNELS.md).
     The decode top-n merges every chunk: a decode program scores 64 blocks for one query, so most of its chunks
     bring several entering blocks (merging beat inserting there, variant decode_insert_all). Timings:
     bench/KERNELS.md."""

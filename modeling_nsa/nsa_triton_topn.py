@@ -26,101 +26,124 @@ if triton is not None:
     # Top-n block selection
     # ------------------------------------------------------------------------------------------
 
+    # A list entry (priority v, block i) is one int64 key, so that "a beats b" (v_a > v_b, or v_a == v_b and
+    # i_a < i_b: Eq. 11's top-n with ties to the lower block) is key_a > key_b. High 32 bits: v's float bits mapped
+    # to an order-preserving int32; low 32 bits: 0x7FFFFFFF - i. Each list operation is then one reduction of
+    # keys (an insertion was three dependent reductions of (v, i) pairs, a sort two compares per pair), and keys
+    # are distinct wherever their blocks are: every rank below is exact.
+    _KEY_MIN = tl.constexpr(-(2 ** 63))  # below every key: a removed chunk entry, a slot no rank reached
+    _KEY_MAX = tl.constexpr(2 ** 63 - 1)
+    # the largest key of priority -inf (block 0): keys above it are real entries; free slots and ineligible
+    # blocks (-inf) lie at or below it
+    _KEY_NEG_INF = tl.constexpr(-2139095041 * 2 ** 32 + 0x7FFFFFFF)
+
     @triton.jit
-    def _topn_merge(top_v, top_i, prio, ci, N_SEL: tl.constexpr, N_PAD: tl.constexpr):
-        """Merge a chunk (priorities prio (Q, BJ) of blocks ci (BJ,), all above the lists' indices) into
-        each query's running top list (top_v, top_i) (Q, N_PAD), sorted by: a beats b iff v_a > v_b or
-        (v_a == v_b and i_a < i_b). All in parallel: a list entry's new rank is its slot plus the chunk
-        entries beating it; a chunk entry's rank counts the beaters in both; ranks >= N_SEL fall off."""
+    def _topn_key(v, i):
+        """The int64 key of priority v (fp32, not NaN) of block i (int32, 0 <= i < 2**31 - 1)."""
+        bits = (v + 0.0).to(tl.int32, bitcast=True)  # + 0.0: -0.0 -> +0.0, which compare equal as floats
+        order = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: magnitude bits flipped
+        return (order.to(tl.int64) << 32) | (0x7FFFFFFF - i).to(tl.int64)
+
+    @triton.jit
+    def _topn_key_block(key):
+        """The block of a key (its low 32 bits hold 0x7FFFFFFF - block)."""
+        return 0x7FFFFFFF - key.to(tl.int32)
+
+    @triton.jit
+    def _topn_key_value(key):
+        """The priority of a key (fp32)."""
+        order = (key >> 32).to(tl.int32)
+        return (order ^ ((order >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _topn_empty(Q: tl.constexpr, N_PAD: tl.constexpr):
+        """Q empty lists (Q, N_PAD): free slot s holds priority -inf and stand-in block 2**30 + s, so free slots lose
+        to every entry, are distinct, and lose to each other by slot."""
         slot = tl.arange(0, N_PAD)
-        lv = top_v
-        li = tl.where(top_i < 0, 1 << 30, top_i)
-        cv = prio[:, None, :]  # chunk entries along the last axis
-        c_beats_l = (cv > lv[:, :, None]) | ((cv == lv[:, :, None]) & (ci[None, None, :] < li[:, :, None]))
+        return _topn_key(tl.full([Q, N_PAD], float("-inf"), tl.float32), (1 << 30) + slot[None, :])
+
+    @triton.jit
+    def _topn_blocks(top):
+        """A list's blocks (int32), -1 for free slots and -inf entries."""
+        return tl.where(top > _KEY_NEG_INF, _topn_key_block(top), -1)
+
+    @triton.jit
+    def _topn_beats(a_hi, a_lo, b_hi, b_lo):
+        """key_a > key_b from the keys' int32 halves (high: the priority's order, low: 0x7FFFFFFF - block): in the
+        merge's (E, E) compares a pair of int32 registers per entry spills less than an int64 (the decode step's
+        list merge, E = 128)."""
+        return (a_hi > b_hi) | ((a_hi == b_hi) & (a_lo > b_lo))
+
+    @triton.jit
+    def _topn_merge(top, chunk, N_SEL: tl.constexpr, N_PAD: tl.constexpr):
+        """Merge a chunk of keys (Q, BJ) into each query's sorted list of keys top (Q, N_PAD). All in parallel: a
+        list entry's new rank is its slot plus the chunk entries beating it; a chunk entry's rank counts the
+        beaters in both; ranks >= N_SEL fall off. Chunk keys must be distinct from each other and the list's."""
+        slot = tl.arange(0, N_PAD)
+        l_hi, l_lo = (top >> 32).to(tl.int32), top.to(tl.int32)
+        c_hi, c_lo = (chunk >> 32).to(tl.int32), chunk.to(tl.int32)
+        c_beats_l = _topn_beats(c_hi[:, None, :], c_lo[:, None, :], l_hi[:, :, None], l_lo[:, :, None])
         rank_l = slot[None, :] + tl.sum(c_beats_l.to(tl.int32), 2)  # (Q, N_PAD)
-        l_beats_c = (lv[:, None, :] > prio[:, :, None]) | (
-            (lv[:, None, :] == prio[:, :, None]) & (li[:, None, :] < ci[None, :, None]))
-        l_beats_c = l_beats_c & (slot[None, None, :] < N_SEL)
-        c_beats_c = (cv > prio[:, :, None]) | ((cv == prio[:, :, None]) & (ci[None, None, :] < ci[None, :, None]))
+        l_beats_c = _topn_beats(l_hi[:, None, :], l_lo[:, None, :], c_hi[:, :, None], c_lo[:, :, None])
+        l_beats_c = l_beats_c & (slot[None, None, :] < N_SEL)  # (Q, BJ, N_PAD)
+        # (Q, BJ, BJ): the entry on the last axis beats the one on the middle axis
+        c_beats_c = _topn_beats(c_hi[:, None, :], c_lo[:, None, :], c_hi[:, :, None], c_lo[:, :, None])
         rank_c = tl.sum(l_beats_c.to(tl.int32), 2) + tl.sum(c_beats_c.to(tl.int32), 2)  # (Q, BJ)
         rank_l = tl.where(slot[None, :] < N_SEL, rank_l, 1 << 20)
         hit_l = rank_l[:, None, :] == slot[None, :, None]  # (Q, new slot, old slot)
         hit_c = rank_c[:, None, :] == slot[None, :, None]  # (Q, new slot, chunk entry)
-        new_v = tl.maximum(tl.max(tl.where(hit_l, lv[:, None, :], float("-inf")), 2),
-                           tl.max(tl.where(hit_c, cv, float("-inf")), 2))
-        new_i = tl.maximum(tl.max(tl.where(hit_l, top_i[:, None, :], -1), 2),
-                           tl.max(tl.where(hit_c, ci[None, None, :], -1), 2))
-        return new_v, new_i
+        return tl.maximum(tl.max(tl.where(hit_l, top[:, None, :], _KEY_MIN), 2),
+                          tl.max(tl.where(hit_c, chunk[:, None, :], _KEY_MIN), 2))
 
     @triton.jit
-    def _topn_order_index(top_i, N_PAD: tl.constexpr):
-        """The block index that breaks priority ties in a list (Q, N_PAD): the entry's own, and for a free slot
-        (-1) a distinct stand-in above every block index, so free slots lose ties and stay distinct."""
-        return tl.where(top_i < 0, (1 << 30) + tl.arange(0, N_PAD)[None, :], top_i)
+    def _topn_worst(top, N_SEL: tl.constexpr, N_PAD: tl.constexpr):
+        """Each query's worst kept entry (Q,) of its (unsorted) list of keys (Q, N_PAD): a free slot while any."""
+        kept = tl.arange(0, N_PAD)[None, :] < N_SEL
+        return tl.min(tl.where(kept, top, _KEY_MAX), 1)
 
     @triton.jit
-    def _topn_worst(top_v, top_i, N_SEL: tl.constexpr, N_PAD: tl.constexpr):
-        """Each query's worst kept entry of its (unsorted) list (Q, N_PAD): its priority (-inf while a slot is
-        free) and its slot. Priority order: a beats b iff v_a > v_b or (v_a == v_b and i_a < i_b); free slots
-        (-inf, -1) lose to every entry, and to each other by slot."""
-        slot = tl.arange(0, N_PAD)
-        kept = slot[None, :] < N_SEL
-        li = _topn_order_index(top_i, N_PAD)
-        v = tl.where(kept, top_v, float("inf"))
-        worst_v = tl.min(v, 1)
-        worst_li = tl.max(tl.where(kept & (v == worst_v[:, None]), li, -1), 1)
-        worst_slot = tl.max(tl.where(kept & (li == worst_li[:, None]), slot[None, :], -1), 1)
-        return worst_v, worst_slot
+    def _topn_insert(top, chunk, N_SEL: tl.constexpr, N_PAD: tl.constexpr):
+        """Insert each query's best chunk key (chunk (Q, BJ)) into its unsorted list top (Q, N_PAD) in place of the
+        worst kept entry, if it beats that entry and its priority is not -inf, and take it out of the chunk. Two
+        independent reductions: the cheap path when few entries of a chunk enter a list (the common case past
+        the first blocks); the lists are sorted once at the end (_topn_sort)."""
+        kept = tl.arange(0, N_PAD)[None, :] < N_SEL
+        best = tl.max(chunk, 1)  # (Q,)
+        worst = _topn_worst(top, N_SEL, N_PAD)
+        ins = best > tl.maximum(worst, _KEY_NEG_INF)
+        top = tl.where(ins[:, None] & kept & (top == worst[:, None]), best[:, None], top)
+        chunk = tl.where(ins[:, None] & (chunk == best[:, None]), _KEY_MIN, chunk)
+        return top, chunk
 
     @triton.jit
-    def _topn_insert(top_v, top_i, prio, ci, N_SEL: tl.constexpr, N_PAD: tl.constexpr):
-        """Insert each query's best chunk entry (prio (Q, BJ) of blocks ci, above the lists' indices) into its
-        unsorted list (top_v, top_i) (Q, N_PAD) in place of the worst kept entry, if it beats it, and take it
-        out of prio. A few (Q, N_PAD) and (Q, BJ) reductions: the cheap path when few entries of a chunk enter
-        a list (the common case past the first blocks); the lists are sorted once at the end (_topn_sort)."""
-        slot = tl.arange(0, N_PAD)
-        best_v = tl.max(prio, 1)  # (Q,)
-        best_i = tl.min(tl.where(prio == best_v[:, None], ci[None, :], 1 << 30), 1)  # lowest index first
-        worst_v, worst_slot = _topn_worst(top_v, top_i, N_SEL, N_PAD)
-        ins = best_v > worst_v  # the chunk's indices are above the list's, so a tie with the worst loses
-        at = ins[:, None] & (slot[None, :] == worst_slot[:, None])
-        top_v = tl.where(at, best_v[:, None], top_v)
-        top_i = tl.where(at, best_i[:, None], top_i)
-        prio = tl.where(ins[:, None] & (ci[None, :] == best_i[:, None]), float("-inf"), prio)
-        return top_v, top_i, prio
-
-    @triton.jit
-    def _topn_sort(top_v, top_i, N_SEL: tl.constexpr, N_PAD: tl.constexpr):
-        """The lists (Q, N_PAD) in priority order (see _topn_worst) in slots 0 .. N_SEL-1, free slots last:
-        each kept entry's rank is the number of kept entries beating it."""
+    def _topn_sort(top, N_SEL: tl.constexpr, N_PAD: tl.constexpr):
+        """The lists of keys (Q, N_PAD) in priority order in slots 0 .. N_SEL-1 (slots past N_SEL: _KEY_MIN): each
+        kept entry's rank is the number of kept entries beating it."""
         slot = tl.arange(0, N_PAD)
         kept = slot < N_SEL
-        li = _topn_order_index(top_i, N_PAD)
-        beats = (top_v[:, :, None] > top_v[:, None, :]) | (
-            (top_v[:, :, None] == top_v[:, None, :]) & (li[:, :, None] < li[:, None, :]))  # (Q, a, b): a beats b
+        beats = top[:, :, None] > top[:, None, :]  # (Q, a, b): a beats b
         rank = tl.sum((beats & kept[None, :, None]).to(tl.int32), 1)  # (Q, N_PAD)
         rank = tl.where(kept[None, :], rank, 1 << 20)
         hit = rank[:, None, :] == slot[None, :, None]  # (Q, new slot, old slot)
-        new_v = tl.max(tl.where(hit, top_v[:, None, :], float("-inf")), 2)
-        new_i = tl.max(tl.where(hit, top_i[:, None, :], -1), 2)
-        return new_v, new_i
+        return tl.max(tl.where(hit, top[:, None, :], _KEY_MIN), 2)
 
     @triton.jit
-    def _topn_chunk_update(ps, carry, top_v, top_i, j0, j_min, n_blocks, own,
+    def _topn_chunk_update(ps, carry, top, j0, j_min, n_blocks, own,
                            L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr, N_SEL: tl.constexpr,
                            N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, BJ: tl.constexpr,
                            QPB: tl.constexpr, INSERT_MAX: tl.constexpr):
-        """Fold one chunk into QPB queries' running top-n lists (Eqs. 9-11). ps (QPB, BJ*R): compression
-        probabilities of the in-document compressed tokens starting in blocks j0 .. j0+BJ-1, summed over
-        each query's heads. A token starting at offset r*d in its block gives w0[r] = min(l' - r*d, l) / d
-        to it and w1[r] = max(0, r*d + l - l') / d to the next (l <= l'); carry (QPB,) brings the previous
-        chunk's last block's share. Only blocks j_min .. n_blocks-1 enter the lists (a decode program owns a
-        block range, which it passes as j_min and n_blocks, and reads one block before it for the carry).
-        Forced initial/local blocks get +inf. The lists are kept unsorted between chunks (the caller sorts
-        them once, _topn_sort). A chunk whose entries enter no list is skipped; one where at most INSERT_MAX of
-        a query's entries beat its worst kept entry inserts them one at a time (_topn_insert), else the lists
-        are sorted and the chunk merged whole (_topn_merge); both keep the same entries.
-        Returns (carry, top_v, top_i)."""
+        """Fold one chunk into QPB queries' running top-n lists of keys top (QPB, N_PAD) (Eqs. 9-11). ps
+        (QPB, BJ*R): compression probabilities of the in-document compressed tokens starting in blocks
+        j0 .. j0+BJ-1, summed over each query's heads. A token starting at offset r*d in its block gives
+        w0[r] = min(l' - r*d, l) / d to it and w1[r] = max(0, r*d + l - l') / d to the next (l <= l'); carry
+        (QPB,) brings the previous chunk's last block's share. Only blocks j_min .. n_blocks-1 enter the lists (a
+        decode program owns a block range, which it passes as j_min and n_blocks, and reads one block before it
+        for the carry). Forced initial/local blocks get +inf. The lists are kept unsorted between chunks (the
+        caller sorts them once, _topn_sort). The first chunk (j0 = 0, the lists empty) becomes the lists as it is
+        where it fills them exactly (BJ = N_SEL = N_PAD: every query's blocks in one step, where inserting them
+        took up to BJ steps). A later chunk whose entries enter no list is skipped; one where at most INSERT_MAX
+        of a query's entries beat its worst kept entry inserts them one at a time (_topn_insert), else the lists
+        are sorted and the chunk merged whole (_topn_merge); all keep the same entries. Returns (carry, top)."""
         R: tl.constexpr = LB // DS
         jb = tl.arange(0, BJ)
         rr = tl.arange(0, R) * DS
@@ -141,20 +164,25 @@ if triton is not None:
         forced = elig & ((jj[None, :] < INIT) | local)
         prio = tl.where(elig, score, float("-inf"))
         prio = tl.where(forced, float("inf"), prio)
-        worst = _topn_worst(top_v, top_i, N_SEL, N_PAD)[0]
-        # chunk indices are above the lists' (blocks come in order), so a tie with the worst entry loses
-        n_enter = tl.max(tl.sum((prio > worst[:, None]).to(tl.int32), 1), 0)  # most entries entering a list
-        if INSERT_MAX >= BJ:  # at most BJ entries enter: every chunk inserts (no merge code compiled)
-            if n_enter > 0:  # (the loop inside a branch: then Triton still software-pipelines the chunk loop)
+        # entries above the worst kept one and above -inf enter; the chunk's blocks come after the lists' (a tie with
+        # the worst loses), so the count compares priorities and the chunk's keys are formed only when one enters
+        worst_v = _topn_key_value(tl.maximum(_topn_worst(top, N_SEL, N_PAD), _KEY_NEG_INF))  # (QPB,)
+        n_enter = tl.max(tl.sum((prio > worst_v[:, None]).to(tl.int32), 1), 0)  # most entries entering a list
+        if n_enter > 0:  # (the loops inside a branch: then Triton still software-pipelines the chunk loop)
+            chunk = _topn_key(prio, tl.broadcast_to(jj[None, :], (QPB, BJ)))  # ineligible blocks: -inf keys
+            if BJ == N_PAD and N_SEL == N_PAD:  # the first chunk fills the empty lists (its -inf entries stay free)
+                first = j0 == 0
+                top = tl.where(first & (chunk > _KEY_NEG_INF), chunk, top)
+                n_enter = tl.where(first, 0, n_enter)
+            if INSERT_MAX >= BJ:  # at most BJ entries enter: every chunk inserts (no merge code compiled)
                 for _ in range(n_enter):
-                    top_v, top_i, prio = _topn_insert(top_v, top_i, prio, jj, N_SEL, N_PAD)
-        elif n_enter > INSERT_MAX:
-            top_v, top_i = _topn_sort(top_v, top_i, N_SEL, N_PAD)  # the merge takes sorted lists
-            top_v, top_i = _topn_merge(top_v, top_i, prio, jj, N_SEL, N_PAD)
-        else:
-            for _ in range(n_enter):
-                top_v, top_i, prio = _topn_insert(top_v, top_i, prio, jj, N_SEL, N_PAD)
-        return carry, top_v, top_i
+                    top, chunk = _topn_insert(top, chunk, N_SEL, N_PAD)
+            elif n_enter > INSERT_MAX:
+                top = _topn_merge(_topn_sort(top, N_SEL, N_PAD), chunk, N_SEL, N_PAD)  # the merge takes sorted lists
+            else:
+                for _ in range(n_enter):
+                    top, chunk = _topn_insert(top, chunk, N_SEL, N_PAD)
+        return carry, top
 
     @triton.jit
     def _topn_row_query_head(r, G_PAD: tl.constexpr, HEAD_LANES: tl.constexpr):
@@ -183,7 +211,7 @@ if triton is not None:
         return ps
 
     @triton.jit
-    def _topn_chunks(q, lse, kc_base, n_vis_rows, n_blocks, own, carry, top_v, top_i, j_from, j_to, sm_scale2,
+    def _topn_chunks(q, lse, kc_base, n_vis_rows, n_blocks, own, carry, top, j_from, j_to, sm_scale2,
                      D: tl.constexpr, HKV: tl.constexpr, L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr,
                      N_SEL: tl.constexpr, N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
                      BJ: tl.constexpr, QPB: tl.constexpr, G_PAD: tl.constexpr, INSERT_MAX: tl.constexpr,
@@ -207,9 +235,9 @@ if triton is not None:
                 kc = tl.load(kc_ptr)
                 p = tl.exp2(tl.dot(q, tl.trans(kc)) * sm_scale2 - lse[:, None])
             ps = _topn_head_sum(p, QPB, G_PAD, BC, HEAD_LANES)  # (QPB, BC): summed over the heads
-            carry, top_v, top_i = _topn_chunk_update(ps, carry, top_v, top_i, j0, 0, n_blocks, own,
-                                                     L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, QPB, INSERT_MAX)
-        return carry, top_v, top_i
+            carry, top = _topn_chunk_update(ps, carry, top, j0, 0, n_blocks, own,
+                                            L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, QPB, INSERT_MAX)
+        return carry, top
 
     @triton.jit
     def _topn_tile(q, lse, row_ok, kc_base, n_vis_rows, pos, sm_scale2,
@@ -229,8 +257,7 @@ if triton is not None:
         BC: tl.constexpr = BJ * R
         n_blocks = tl.where(pos >= 0, pos // LB + 1, 0).to(tl.int32)  # (QPB,) eligible blocks
         own = (pos // LB).to(tl.int32)
-        top_v = tl.full([QPB, N_PAD], float("-inf"), tl.float32)
-        top_i = tl.full([QPB, N_PAD], -1, tl.int32)
+        top = _topn_empty(QPB, N_PAD)
         carry = tl.zeros([QPB], tl.float32)
         live = row_ok & (n_vis_rows > 0)  # this pass's rows with keys (another document's rows may see more)
         lse = tl.where(live, lse, float("inf"))
@@ -240,14 +267,13 @@ if triton is not None:
         n_seen_by_all = tl.min(tl.where(live, n_vis_rows, 1 << 30), 0)
         n_seen_by_all = tl.where(n_seen_by_all == 1 << 30, 0, n_seen_by_all)
         j_split = tl.minimum(n_seen_by_all // BC * BJ, tl.cdiv(j_end, BJ) * BJ)
-        carry, top_v, top_i = _topn_chunks(q, lse, kc_base, n_vis_rows, n_blocks, own, carry, top_v, top_i, 0,
-                                           j_split, sm_scale2, D, HKV, L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ,
-                                           QPB, G_PAD, INSERT_MAX, HEAD_LANES, False)
-        carry, top_v, top_i = _topn_chunks(q, lse, kc_base, n_vis_rows, n_blocks, own, carry, top_v, top_i,
-                                           j_split, j_end, sm_scale2, D, HKV, L, DS, LB, N_SEL, N_PAD, INIT, LOCAL,
-                                           BJ, QPB, G_PAD, INSERT_MAX, HEAD_LANES, True)
-        top_v, top_i = _topn_sort(top_v, top_i, N_SEL, N_PAD)
-        return tl.where(top_v > float("-inf"), top_i, -1)
+        carry, top = _topn_chunks(q, lse, kc_base, n_vis_rows, n_blocks, own, carry, top, 0, j_split, sm_scale2,
+                                  D, HKV, L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, QPB, G_PAD, INSERT_MAX,
+                                  HEAD_LANES, False)
+        carry, top = _topn_chunks(q, lse, kc_base, n_vis_rows, n_blocks, own, carry, top, j_split, j_end,
+                                  sm_scale2, D, HKV, L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, QPB, G_PAD,
+                                  INSERT_MAX, HEAD_LANES, True)
+        return _topn_blocks(_topn_sort(top, N_SEL, N_PAD))
 
     @triton.jit
     def _select_topn_kernel(

@@ -35,3 +35,19 @@ def test_the_default_orders_are_near_balanced_where_the_old_ones_were_not():
     assert old > 1.5 and new < 1.1, (old, new)
     assert sm.compressed_dkdv(8192, 2, 10, 264, old=True) > 1.2
     assert sm.compressed_dkdv(8192, 2, 10, 264, old=False) < 1.05
+
+
+def test_topn_model_counts_the_kernels_insertion_steps():
+    """bench/topn_model.py: a query whose 16 blocks fill one chunk takes 16 insertion steps into its empty list, none
+    with the first chunk placed whole (the kernel's _topn_chunk_update since 2026-11-27); over a long row the
+    placement saves exactly the first chunk's steps, and later chunks' steps fall as the list's worst entry rises."""
+    import topn_model as tm
+
+    one_chunk = np.array([16 * tm.BLOCK - 1])
+    assert tm.tile_steps(one_chunk, np.random.default_rng(0), first_placed=False) == (1, 16)
+    assert tm.tile_steps(one_chunk, np.random.default_rng(0), first_placed=True) == (1, 0)
+    row = np.arange(8) + 64 * tm.BLOCK  # 8 queries past 64 blocks: 5 chunks
+    chunks, steps = tm.tile_steps(row, np.random.default_rng(1), first_placed=False)
+    _, placed = tm.tile_steps(row, np.random.default_rng(1), first_placed=True)
+    assert chunks == 5 and steps - placed == 16
+    assert placed < 16 * (chunks - 1)  # fewer than a full list per later chunk

@@ -103,6 +103,9 @@ CPU_CASES = [
     # chunks of 2 blocks: one entering block inserted into the unsorted list, two sorted and merged, so lists
     # pass between both forms (the default inserts every entering block)
     dict(B=2, T=100, H=3, Hkv=1, D=16, layout="varlen", bj=2, topn_insert_max=1),
+    # chunks of 4 blocks = n: each list's first chunk placed whole (_topn_chunk_update, BJ = N_SEL = N_PAD), the
+    # later ones inserted; documents start lists mid-row, and their first chunk is the masked pass's
+    dict(B=2, T=90, H=6, Hkv=1, D=16, layout="varlen", bj=4),
     # selected attention in narrow query tiles (2 queries x G=6 rows; 8 x G=2): tiles cut by document
     # boundaries and padding, T not a multiple of the tile
     dict(B=1, T=77, H=6, Hkv=1, D=16, layout="varlen", sel_rows=16),

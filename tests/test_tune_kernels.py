@@ -77,7 +77,7 @@ def test_the_session_stages_step_parses_and_reaches_the_launchers():
     assert {c[3] for c in cases} == {2048, 8192, 65536} and all(c[3] * c[4] == 65536 for c in cases), cases
 
 
-def test_the_session_pending_step_times_the_heaviest_first_orders_against_the_old_ones():
+def test_the_session_pending_step_times_the_heaviest_first_orders_against_the_old_ones_and_topn_tiles():
     """bench/gpu_session.sh's `pending` step: its variant sel_dkdv_old_order restores the selected dK/dV's program
     order timed until 2026-11-27 (the main pass, key range on the grid's fast axis, before the heavy pass; heavy
     above 8,192 pairs), where the default launches the heavy pass first and puts batch x kv head on the main
@@ -89,7 +89,8 @@ def test_the_session_pending_step_times_the_heaviest_first_orders_against_the_ol
     script = (Path(__file__).resolve().parent.parent / "bench" / "gpu_session.sh").read_text()
     step = script.split("    pending)", 1)[1].split(";;", 1)[0].replace("\\\n", " ")
     variants = [tk.parse_variant(v) for v in step.split("--variants", 1)[1].split("--cases", 1)[0].split()]
-    assert [name for name, _ in variants] == ["default", "sel_dkdv_old_order", "dkdv_tiles_fast"], variants
+    assert [name for name, _ in variants] == ["default", "sel_dkdv_old_order", "dkdv_tiles_fast", "topn_32rows",
+                                              "topn_128rows"], variants
     batch, num_kv, seq_len = 2, 2, 300
 
     def calls_of(settings):
@@ -106,7 +107,8 @@ def test_the_session_pending_step_times_the_heaviest_first_orders_against_the_ol
         triton_aot.with_kernels_replaced(run, Stand)
         return calls
 
-    default_calls, old_calls, tiles_fast_calls = (calls_of(settings) for _, settings in variants)
+    default_calls, old_calls, tiles_fast_calls, topn32_calls, topn128_calls = (calls_of(settings)
+                                                                               for _, settings in variants)
     new, old = ([(grid, kw["HEAVY_PASS"], kw["RANGES_FAST"]) for name, grid, kw in calls
                  if name == "_sel_bwd_dkdv_kernel"] for calls in (default_calls, old_calls))
     key_ranges = -(-seq_len // 64)
@@ -120,6 +122,10 @@ def test_the_session_pending_step_times_the_heaviest_first_orders_against_the_ol
     # the compressed branch's query ranges are split at 300 queries: key tile on the last axis by default
     assert any(split > 1 and not fast and grid[0] == batch * num_kv for grid, fast, split in intervals), intervals
     assert all(fast and grid[1] == batch * num_kv for grid, fast, _ in old_intervals), old_intervals
+    # the top-n's tile (never swept): 4 and 16 queries of 8 padded head rows against the default's 8, at 4, 4 and 8 warps
+    topn = [{(kw["QPB"], kw["num_warps"]) for name, _, kw in calls if name == "_select_topn_kernel"}
+            for calls in (default_calls, topn32_calls, topn128_calls)]  # the op's and select_blocks' launches
+    assert topn == [{(8, 4)}, {(4, 4)}, {(16, 8)}], topn
     cases = [tk.parse_case(c) for c in step.split("--cases", 1)[1].split()]
     assert {c[3] for c in cases} == {2048, 8192, 32768, 65536} and all(c[3] * c[4] == 65536 for c in cases), cases
 
