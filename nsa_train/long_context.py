@@ -3,9 +3,12 @@
     python -m nsa_train.long_context runs/nsa/final --task passkey --lengths 1024 4096 16384 \\
         --depths 0 0.25 0.5 0.75 1.0 --samples 20 --batch-size 4 --out runs/nsa/long_context
 
-Each case is one prompt of exactly `length` tokens: a short instruction, a haystack, a hidden item placed so
-that a fraction `depth` of the haystack comes before it (0: at the start, 1: just before the question), and a
-question whose answer is the hidden item:
+Each case is exactly `length` tokens, its prompt and its answer: a short instruction, a haystack, a hidden item
+placed so that a fraction `depth` of the haystack comes before it (0: at the start, 1: just before the
+question), a question whose answer is the hidden item, and the answer's tokens, so that its last answer token
+sits at position length - 1. A case at the training length is then what a training row holds (the answer inside
+the positions the model trained; a prompt of `length` tokens would put the answer just past them: until
+2026-11-27 it did, README "Retrieval twins that retrieve"):
 
 - passkey: a random 5-digit number hidden in repeated filler sentences (Mohtashami & Jaggi, 2023);
 - needle: a sentence giving a secret word, hidden in real text: documents of a local parquet/jsonl/txt file
@@ -80,7 +83,8 @@ SENTENCE_ENDS = (".", "!", "?", "\n")
 
 @dataclass
 class RetrievalCase:
-    """One prompt: `prompt_ids` of exactly `length` tokens with the hidden item at token `needle_start`."""
+    """One case: `prompt_ids` and `answer_ids`, together exactly `length` tokens, with the hidden item at token
+    `needle_start`."""
 
     length: int
     depth: float  # asked
@@ -125,12 +129,12 @@ def check_depths(depths) -> list[float]:
 def check_lengths(lengths, position_limit: int | None, limit_source: str = "") -> list[int]:
     lengths = [int(n) for n in lengths]
     if not lengths:
-        raise ValueError("--lengths: give at least one prompt length in tokens, e.g. --lengths 1024 4096.")
+        raise ValueError("--lengths: give at least one case length in tokens, e.g. --lengths 1024 4096.")
     if len(set(lengths)) != len(lengths):
         raise ValueError(f"--lengths {' '.join(map(str, lengths))}: a length is repeated; give each once.")
     for n in lengths:
         if n < 1:
-            raise ValueError(f"--lengths {n}: a prompt length is a positive number of tokens.")
+            raise ValueError(f"--lengths {n}: a case length (prompt and answer) is a positive number of tokens.")
         if position_limit is not None and n > position_limit:
             raise ValueError(
                 f"--lengths {n}: above what the model's positions allow ({position_limit} positions, {limit_source}); "
@@ -313,17 +317,22 @@ def _answer_ids(tokenizer, question: str, answer: str, vocab_size: int | None) -
 
 def build_case(tokenizer, task: str, length: int, depth: float, haystack: Haystack, rng: random.Random,
                vocab_size: int | None = None, prefix: list[int] | None = None, length_flag: str = "--lengths",
-               ) -> RetrievalCase:  # fmt: skip
+               flag_offset: int = 0) -> RetrievalCase:  # fmt: skip
+    """One case of `length` tokens (prompt and answer). A too short length is named in the error as
+    `length_flag` length + flag_offset (what the user gave: training_documents' rows hold the case without the
+    tokenizer's special prefix, plus the end-of-text token)."""
     header, item, question, answer = _item_texts(task, rng)
     prefix = _special_prefix(tokenizer) if prefix is None else prefix
     header_ids = _encode_exact(tokenizer, header, "instruction", vocab_size)
     item_ids = _encode_exact(tokenizer, item, "hidden item", vocab_size)
     question_ids = _encode_exact(tokenizer, question, "question", vocab_size)
-    fixed = len(prefix) + len(header_ids) + len(item_ids) + len(question_ids)
-    budget = length - fixed
+    answer_ids = _answer_ids(tokenizer, question, answer, vocab_size)
+    fixed = len(prefix) + len(header_ids) + len(item_ids) + len(question_ids) + len(answer_ids)
+    budget = length - fixed  # the haystack's tokens: the case (prompt and answer) is `length` tokens
     if budget < 0:
-        raise ValueError(f"{length_flag} {length}: too short for the {task} task's fixed text ({fixed} tokens with this "
-                         f"tokenizer: instruction, hidden item and question); use {length_flag} >= {fixed}.")  # fmt: skip
+        raise ValueError(f"{length_flag} {length + flag_offset}: too short for the {task} task's fixed text "
+                         f"({fixed + flag_offset} tokens with this tokenizer: instruction, hidden item, question and "
+                         f"answer); use {length_flag} >= {fixed + flag_offset}.")  # fmt: skip
     hay = haystack.take(budget, rng)
     cut = round(depth * budget)
     cut = haystack.snap_to_boundary(hay, cut, radius=min(32, max(2, budget // 50)))
@@ -331,7 +340,7 @@ def build_case(tokenizer, task: str, length: int, depth: float, haystack: Haysta
     prompt = prefix + header_ids + hay[:cut] + item_ids + hay[cut:] + question_ids
     return RetrievalCase(
         length=length, depth=depth, actual_depth=cut / budget if budget else depth, answer=answer,
-        prompt_ids=prompt, answer_ids=_answer_ids(tokenizer, question, answer, vocab_size),
+        prompt_ids=prompt, answer_ids=answer_ids,
         needle_start=haystack_start + cut, needle_len=len(item_ids), haystack_start=haystack_start, haystack_len=budget,
     )  # fmt: skip
 
@@ -375,13 +384,15 @@ def training_documents(tokenizer, task: str, row_len: int, count: int, seed: int
         rng = random.Random(f"train-{seed}-{task}-{row_len}-{i}")
         depth = rng.random()
         state = rng.getstate()
-        # the answer's length is known only once the case has drawn it, and a BPE tokenizer may read the decoded
-        # text back as a few more or fewer tokens: rebuild from the same generator state with the prompt length
-        # corrected by the difference until the text re-tokenizes to row_len - 1 (+1: the end-of-text token)
-        length = row_len
+        # the case is prompt and answer; the row holds them without the tokenizer's special prefix, and the
+        # trainer appends the end-of-text token. A BPE tokenizer may read the decoded text back as a few more or
+        # fewer tokens: rebuild from the same generator state with the case length corrected by the difference
+        # until the text re-tokenizes to row_len - 1
+        length = row_len - 1 + len(prefix)
         for _ in range(4):
             rng.setstate(state)
-            case = build_case(tokenizer, task, length, depth, hay, rng, prefix=prefix, length_flag=length_flag)
+            case = build_case(tokenizer, task, length, depth, hay, rng, prefix=prefix, length_flag=length_flag,
+                              flag_offset=1 - len(prefix))
             text = tokenizer.decode(case.prompt_ids[len(prefix) :] + case.answer_ids, clean_up_tokenization_spaces=False)
             excess = len(tokenizer(text, add_special_tokens=False).input_ids) + 1 - row_len
             if excess == 0:
@@ -823,7 +834,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=_DefaultsHelpFormatter)  # fmt: skip
     p.add_argument("model", metavar="MODEL", help="a run's final/ directory, a saved model directory or a Hub id")
     p.add_argument("--task", default="passkey", help=f"one of {', '.join(TASKS)}")
-    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096], help="prompt lengths in tokens")
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096], help="case lengths in tokens (prompt and answer)")
     p.add_argument("--depths", type=float, nargs="+", default=list(DEFAULT_DEPTHS),
                    help="fractions of the haystack before the hidden item, in [0, 1]")
     p.add_argument("--samples", type=int, default=10, help="cases per (length, depth)")

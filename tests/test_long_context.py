@@ -81,13 +81,13 @@ def find(sequence, part):
 
 @pytest.mark.parametrize("name", tokenizers())
 @pytest.mark.parametrize("task", ["passkey", "needle"])
-def test_prompt_has_exact_length_and_the_item_at_the_asked_depth(name, task):
+def test_case_has_exact_length_and_the_item_at_the_asked_depth(name, task):
     tokenizer = load_tokenizer(name)
     depths = [0.0, 0.3, 0.5, 0.75, 1.0]
     cases, _ = lc.build_cases(tokenizer, task, [400, 900], depths, samples=2, seed=3, haystack="python-docs")
     assert len(cases) == 2 * len(depths) * 2
     for case in cases:
-        assert len(case.prompt_ids) == case.length
+        assert len(case.prompt_ids) + len(case.answer_ids) == case.length  # the answer ends at position length - 1
         item = case.prompt_ids[case.needle_start : case.needle_start + case.needle_len]
         item_text = tokenizer.decode(item)
         assert case.answer in item_text and ("pass key" if task == "passkey" else "secret word") in item_text
@@ -230,8 +230,9 @@ def test_scoring_on_scripted_answers(byt5, task, scoring):
     kw = dict(samples=3, seed=1, haystack="python-docs")
     cases, _ = lc.build_cases(byt5, task, lengths, depths, **kw)
     depth_of = {tuple(c.prompt_ids): c.depth for c in cases}
-    # right at depth 0 always, at depth 0.5 for the 420-token prompts only, never at depth 1
-    model = ScriptedLM(cases, lambda p: depth_of[p] == 0.0 or (depth_of[p] == 0.5 and len(p) == 420))
+    length_of = {tuple(c.prompt_ids): c.length for c in cases}
+    # right at depth 0 always, at depth 0.5 for the 420-token cases only, never at depth 1
+    model = ScriptedLM(cases, lambda p: depth_of[p] == 0.0 or (depth_of[p] == 0.5 and length_of[p] == 420))
     result = lc.run_long_context_eval(model, byt5, task, lengths, depths, batch_size=4, scoring=scoring,
                                       training_len=300, log=lambda s: None, **kw)  # fmt: skip
     assert result["accuracy"] == [[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
@@ -355,7 +356,8 @@ def test_processes_split_the_batches_and_every_one_gets_the_whole_result(byt5, w
     kw = dict(samples=3, seed=1, haystack="python-docs", training_len=300, log=lambda s: None, batch_size=2)
     cases, _ = lc.build_cases(byt5, "passkey", lengths, depths, samples=3, seed=1, haystack="python-docs")
     depth_of = {tuple(c.prompt_ids): c.depth for c in cases}
-    model = ScriptedLM(cases, lambda p: depth_of[p] == 0.0 or (depth_of[p] == 0.5 and len(p) == 420))
+    length_of = {tuple(c.prompt_ids): c.length for c in cases}
+    model = ScriptedLM(cases, lambda p: depth_of[p] == 0.0 or (depth_of[p] == 0.5 and length_of[p] == 420))
     whole = lc.run_long_context_eval(model, byt5, "passkey", lengths, depths, **kw)
 
     class Collected(Exception):
@@ -445,7 +447,7 @@ def test_needle_selection_reads_the_last_tokens_selection(byt5, monkeypatch):
     cases, _ = lc.build_cases(byt5, "passkey", [300, 420], [0.5], samples=1, seed=2)
     short, long_ = cases
     answer_short, answer_long = (lc._answer_span_blocks(c, 16) for c in cases)
-    width = 420
+    width = len(long_.prompt_ids)
     indices = torch.full((2, 2, 2, width, 5), -1)  # (layers, B, Hkv, T, n')
     indices[0, 0, 0, -1, :2] = torch.tensor([0, answer_short[0]])  # layer 0, short prompt, group 0: a hit
     indices[0, 0, 1, -1, :2] = torch.tensor([0, 1])  # group 1: no answer block
@@ -462,7 +464,8 @@ def test_needle_selection_reads_the_last_tokens_selection(byt5, monkeypatch):
     monkeypatch.setattr(selection_stats, "capture_selections", capture)
     got = lc.needle_selection(object(), cases, "cpu", pad_id=0)
     assert seen["max_rows"] == 2 and seen["max_len"] == width and seen["last"] == 1
-    assert int(seen["batch"]["attention_mask"][0].sum()) == 300  # left padding: the short prompt ends the row
+    # left padding: the short prompt ends the row
+    assert int(seen["batch"]["attention_mask"][0].sum()) == len(short.prompt_ids)
     assert got[0]["needle_selected"] == [[True, False], [False, False]]
     assert got[1]["needle_selected"] == [[False, False], [False, True]]
     # free picks by region: block 0 is forced (not a pick); blocks 1 and the answer's are

@@ -121,7 +121,7 @@ def test_bad_quality_flags(tmp_path, capsys):
         (["--long-context-task", "foo"], "invalid choice: 'foo'"),
         (["--stats-every", "-2"], "--stats-every -2: -1 (at every evaluation), 0 (off)"),
         (["--long-context-depths", "0", "1.5"], "--long-context-depths 1.5: a depth is the fraction"),
-        (["--long-context-lengths", "64", "0"], "--long-context-lengths 0: a prompt length is a positive"),
+        (["--long-context-lengths", "64", "0"], "--long-context-lengths 0: a case length (prompt and answer) is a positive"),
         (["--long-context-samples", "0"], "--long-context-samples 0: must be a positive integer"),
     ]:  # fmt: skip
         with pytest.raises(SystemExit):
