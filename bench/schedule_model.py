@@ -25,6 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from modeling_nsa.nsa_triton_selected import _sel_heavy_split  # noqa: E402  (plain Python: no triton needed)
+from modeling_nsa.nsa_triton_interval import _dkdv_query_splits  # noqa: E402
 
 BLOCK = 64  # selection block and compressed-key tile (NSA_SPEC defaults: l' = 64)
 N_SEL, INIT, LOCAL = 16, 1, 2  # selected blocks per query, forced initial and local blocks
@@ -86,9 +87,7 @@ def compressed_dkdv(seq_len: int, num_kv: int, qpb: int, slots: int, old: bool) 
     """Makespan / balanced time of the compressed dK/dV: old = key tile fastest, else the key tile slowest."""
     rows = (TOKENS // seq_len) * num_kv
     n_tiles = max(1, seq_len // CMP_STRIDE // BLOCK)
-    n_split = 1
-    if n_tiles * rows < 1024 and seq_len > 4 * BLOCK:
-        n_split = max(1, min(64, 1024 // (n_tiles * rows), seq_len // (8 * qpb)))
+    n_split = _dkdv_query_splits(n_tiles * rows, seq_len, qpb)
     cost = [(n_tiles - t) / n_tiles * seq_len / n_split + BLOCK for t in range(n_tiles)]  # queries seeing tile t
     if old:
         costs = [cost[t] for _ in range(n_split) for _ in range(rows) for t in range(n_tiles)]

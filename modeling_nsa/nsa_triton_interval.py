@@ -466,6 +466,16 @@ def _dkdv_unmasked_interior() -> bool:
     return True if forced is None else bool(forced)
 
 
+def _dkdv_query_splits(programs: int, num_q: int, qpb: int) -> int:
+    """Splits of each key tile's query range in the compressed/window dK/dV: long query ranges per key tile (the
+    compressed branch: a compressed key is seen by the rest of its document) with few key tiles (`programs` =
+    key tiles x batch x kv heads) are split so the GPU holds about 1,024 programs, at most 64 splits and at least
+    8 query tiles of qpb queries each. Plain Python: bench/schedule_model.py models the launch with it."""
+    if programs < 1024 and num_q > 4 * _DKDV_KEY_TILE:
+        return max(1, min(64, 1024 // max(1, programs), num_q // (8 * qpb)))
+    return 1
+
+
 def _interval_bwd_dkdv(q, k, v, lo, hi, ranges, do, gates, branch, lse, delta, scale):
     """dK, dV of an interval branch; ranges: its (qa, qb, ia, ib) from _interval_query_ranges (block_n 64)."""
     batch, num_q, num_heads, head_dim, num_keys, num_kv, group = _launch_shapes(q, k)
@@ -476,13 +486,7 @@ def _interval_bwd_dkdv(q, k, v, lo, hi, ranges, do, gates, branch, lse, delta, s
     interior = _dkdv_unmasked_interior()
     if not interior:
         ia, ib = qa, qb
-    # Long query ranges per key tile (the compressed branch: a compressed key is seen by the rest of
-    # its document) with few key tiles: split the range so the GPU is filled.
-    n_split = 1
-    programs = n_ktiles * batch * num_kv
-    if programs < 1024 and num_q > 4 * block_n:
-        n_split = max(1, min(64, 1024 // max(1, programs), num_q // (8 * qpb)))
-    n_split = _OVERRIDES.dkdv_split or n_split
+    n_split = _OVERRIDES.dkdv_split or _dkdv_query_splits(n_ktiles * batch * num_kv, num_q, qpb)
     if n_split == 1:
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
