@@ -6,9 +6,10 @@
 Each case is exactly `length` tokens, its prompt and its answer: a short instruction, a haystack, a hidden item
 placed so that a fraction `depth` of the haystack comes before it (0: at the start, 1: just before the
 question), a question whose answer is the hidden item, and the answer's tokens, so that its last answer token
-sits at position length - 1. A case at the training length is then what a training row holds (the answer inside
-the positions the model trained; a prompt of `length` tokens would put the answer just past them: until
-2026-11-27 it did, README "Retrieval twins that retrieve"):
+sits at position length - 1: at the training length the answer lies inside the positions the model trained (a
+prompt of `length` tokens, as until 2026-11-27, put it just past them), and a case one token shorter is laid out
+exactly as a row of bench/build_retrieval_data.py before its end-of-text token (README, "Retrieval twins that
+retrieve": models trained on such rows can depend on that exact layout):
 
 - passkey: a random 5-digit number hidden in repeated filler sentences (Mohtashami & Jaggi, 2023);
 - needle: a sentence giving a secret word, hidden in real text: documents of a local parquet/jsonl/txt file
