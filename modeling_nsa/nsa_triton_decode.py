@@ -205,7 +205,8 @@ if triton is not None:
             off = (pid_bg.to(tl.int64) * n_prog + l0) * N_PAD + e
             v = tl.load(TOPV + off, mask=ok, other=float("-inf"))
             i = tl.load(TOPI + off, mask=ok, other=-1)
-            i = tl.where(i >= 0, i, (1 << 29) + e)  # distinct stand-ins for unused entries (priority -inf)
+            # stand-ins for unused entries (priority -inf), distinct across steps too: the merge's ranks need distinct keys
+            i = tl.where(i >= 0, i, (1 << 29) + l0 * N_PAD + e)
             top = _topn_merge(top, _topn_key(tl.reshape(v, (1, E)), tl.reshape(i, (1, E))), N_SEL, N_PAD)
         top_i = tl.reshape(_topn_blocks(top), (N_PAD,))
         slot_n = tl.arange(0, N_PAD)

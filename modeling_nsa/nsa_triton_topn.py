@@ -162,7 +162,7 @@ if triton is not None:
         elig = (jj[None, :] < n_blocks[:, None]) & (jj[None, :] >= j_min)
         local = (jj[None, :] > (own - LOCAL)[:, None]) & (jj[None, :] <= own[:, None])
         forced = elig & ((jj[None, :] < INIT) | local)
-        prio = tl.where(elig, score, float("-inf"))
+        prio = tl.where(elig & (score == score), score, float("-inf"))  # a NaN score never enters (as before keys)
         prio = tl.where(forced, float("inf"), prio)
         # entries above the worst kept one and above -inf enter; the chunk's blocks come after the lists' (a tie with
         # the worst loses), so the count compares priorities and the chunk's keys are formed only when one enters
