@@ -15,10 +15,12 @@ beyond its window, e.g. rows at 4-8x NSA's `window_size`, then evaluate NSA and 
 
 `--doc-len N` (a divisor of `--seq-len`) packs `--seq-len / N` shorter documents into each row instead (the
 trainer's document masking keeps them apart): as many retrievals per row, so more of the loss is the answer.
-`--min-doc-len M` varies where each answer ends: a retrieval document fills a length drawn from [M, N] and a
-filler document (haystack text alone) the rest of its N-token share. Without it every answer ends at the same
-position of its document, which a small model can learn instead of the lookup (README, "Retrieval twins that
-retrieve"); with it an evaluation at any length from M to N is laid out as training was.
+`--min-doc-len M` varies where each answer ends: each case (prompt and answer) takes a length drawn from [M, N]
+and haystack text after its answer (a blank line, then filler) completes the document. Without it every answer
+ends its document, at the same position, which a small model can learn instead of the lookup (README, "Retrieval
+twins that retrieve"); with it an evaluation at any length from M to N is laid out as training was. (The text
+after the answer stays in the same document: the trainer shuffles documents, so a separate filler document would
+not stay beside its case.)
 One answer of a few tokens per 4,096-token row gave a 125M model too little signal to learn passkey retrieval in
 4.9M tokens (README, "Retrieval twins"); documents of 1,024 tokens (2x NSA's window) give four per row.
 
@@ -49,10 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per document, end-of-text included (default: --seq-len, one per row); a divisor of "
                         "--seq-len: each row then holds --seq-len / --doc-len documents")
     p.add_argument("--min-doc-len", type=int, default=None,
-                   help="vary where each answer ends: each retrieval document fills a length drawn uniformly from "
-                        "[--min-doc-len, --doc-len] (end-of-text included) and a filler document of haystack text "
-                        "the rest of its --doc-len share (default: every document exactly --doc-len, every answer "
-                        "at the same position)")
+                   help="vary where each answer ends: each case (prompt and answer) takes a length drawn uniformly "
+                        "from [--min-doc-len, --doc-len] and haystack text after the answer completes its document "
+                        "(default: every answer ends its document, at the same position)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--haystack", default=None, help="needle: a parquet/jsonl/txt file of documents or 'python-docs' "
                    "(default: the shared wiki parquet beside the checkout when present, else python-docs)")
@@ -80,7 +81,7 @@ def main(argv=None) -> dict:
                                                   args.haystack, args.text_column,
                                                   "--seq-len" if args.doc_len is None else "--doc-len",
                                                   args.min_doc_len)  # fmt: skip
-    off = sum(n != doc_len for n in lengths)  # shares that would not fill their part of a row exactly
+    off = sum(n != doc_len for n in lengths)  # documents that would not fill their share of a row exactly
 
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -90,13 +91,11 @@ def main(argv=None) -> dict:
     pq.write_table(pa.table({"text": texts}), out)
     summary = {"out": str(out), "task": args.task, "rows": args.rows, "documents": len(texts),
                "seq_len": args.seq_len, "doc_len": doc_len, "documents_per_row": per_row, "haystack": haystack,
-               "min_doc_len": args.min_doc_len, "filler_documents": len(texts) - args.rows * per_row,
+               "min_doc_len": args.min_doc_len,
                "documents_not_filling_their_length": off, "token_length_range": [min(lengths), max(lengths)]}  # fmt: skip
-    if args.min_doc_len is None:
-        what = f"{len(texts):,} {args.task} documents of {doc_len} tokens with end-of-text"
-    else:
-        what = (f"{args.rows * per_row:,} {args.task} documents of {args.min_doc_len}-{doc_len} tokens with "
-                f"end-of-text, each share completed to {doc_len} by a filler document ({summary['filler_documents']:,})")
+    what = f"{len(texts):,} {args.task} documents of {doc_len} tokens with end-of-text"
+    if args.min_doc_len is not None:
+        what += f" (cases of {args.min_doc_len}-{doc_len} tokens, haystack text after the answer)"
     print(f"wrote {out}: {what}, {per_row} per {args.seq_len}-token row ({haystack}); {off} re-tokenize to another "
           f"length (range {min(lengths)}-{max(lengths)})")
     return summary

@@ -367,20 +367,20 @@ def build_cases(tokenizer, task: str, lengths, depths, samples: int, seed: int =
 def training_documents(tokenizer, task: str, row_len: int, count: int, seed: int = 0, haystack: str | None = None,
                        text_column: str = "text", length_flag: str = "--seq-len",
                        min_len: int | None = None) -> tuple[list[str], list[int], str]:  # fmt: skip
-    """`count` training shares of `row_len` tokens each (a row, or a divisor of the row the trainer fills with
-    several: no document split across rows): each a case's prompt followed by its answer, sized so that with the
-    end-of-text token the trainer appends it fills its share exactly; length_flag names row_len in errors. The
-    depth of each is uniform in [0, 1]. Their generators are seeded apart from build_cases' (a different seed
-    string), so the evaluation's prompts are not the training ones.
+    """`count` training documents for the task, each a case's prompt followed by its answer, sized so that with
+    the end-of-text token the trainer appends it fills `row_len` tokens exactly (a row, or a divisor of the row
+    the trainer fills with several: no document split across rows, whatever order the trainer's shuffle puts
+    them in); length_flag names row_len in errors. The depth of each is uniform in [0, 1]. Their generators are
+    seeded apart from build_cases' (a different seed string), so the evaluation's prompts are not the training
+    ones.
 
-    min_len: each case then fills a length drawn uniformly from [min_len, row_len] (end-of-text included), and a
-    filler document (haystack text alone, no hidden item or question) fills the rest of its share after it. Every
-    case ending at the same position teaches a model that position as much as the lookup (README, "Retrieval
-    twins that retrieve": a dense twin answered every case laid out as its rows and none one position later).
+    min_len: each case then takes a length drawn uniformly from [min_len, row_len], and haystack text after its
+    answer (a blank line, then filler) completes the document, so the answers end at varied positions. Every case
+    ending at the same position teaches a model that position as much as the lookup (README, "Retrieval twins
+    that retrieve": a dense twin answered every case laid out as its rows and none one position later).
 
-    Returns the texts (count of them, more with min_len), the tokens each share fills as the trainer reads it (its
-    documents' tokens + their end-of-text tokens: row_len unless a BPE tokenizer's re-reading never settled) and
-    the haystack's description."""
+    Returns the texts, the tokens each fills as the trainer reads it (its tokens + the end-of-text token:
+    row_len unless a BPE tokenizer's re-reading never settled) and the haystack's description."""
     check_task(task)
     if count < 1:
         raise ValueError(f"--rows {count}: give at least 1 document.")
@@ -389,7 +389,7 @@ def training_documents(tokenizer, task: str, row_len: int, count: int, seed: int
     if min_len is not None:
         if not 2 <= min_len <= row_len:
             raise ValueError(f"--min-doc-len {min_len}: give a length from 2 to {length_flag} {row_len}, or leave it out "
-                             f"for documents of exactly {row_len} tokens.")  # fmt: skip
+                             f"for answers that all end the document.")  # fmt: skip
         length_flag = "--min-doc-len"  # the shortest case must hold the task's fixed text: checked here, named so
         build_case(tokenizer, task, min_len - 1 + len(prefix), 0.0, hay, random.Random(0), prefix=prefix,
                    length_flag=length_flag, flag_offset=1 - len(prefix))
@@ -397,49 +397,46 @@ def training_documents(tokenizer, task: str, row_len: int, count: int, seed: int
     for i in range(count):
         rng = random.Random(f"train-{seed}-{task}-{row_len}-{i}")
         depth = rng.random()
-        doc_len = row_len
-        if min_len is not None:
-            doc_len = rng.randint(min_len, row_len)
-            if row_len - doc_len == 1:  # a filler needs a token besides its end-of-text
-                doc_len = row_len
+        case_len = row_len if min_len is None else rng.randint(min_len, row_len)
         state = rng.getstate()
         # the case is prompt and answer; the document holds them without the tokenizer's special prefix, and the
         # trainer appends the end-of-text token. A BPE tokenizer may read the decoded text back as a few more or
         # fewer tokens: rebuild from the same generator state with the case length corrected by the difference
-        # until the text re-tokenizes to doc_len - 1
-        length = doc_len - 1 + len(prefix)
+        # until the text re-tokenizes to case_len - 1
+        length = case_len - 1 + len(prefix)
         for _ in range(4):
             rng.setstate(state)
             case = build_case(tokenizer, task, length, depth, hay, rng, prefix=prefix, length_flag=length_flag,
                               flag_offset=1 - len(prefix))
             text = tokenizer.decode(case.prompt_ids[len(prefix) :] + case.answer_ids, clean_up_tokenization_spaces=False)
-            excess = len(tokenizer(text, add_special_tokens=False).input_ids) + 1 - doc_len
+            excess = len(tokenizer(text, add_special_tokens=False).input_ids) + 1 - case_len
             if excess == 0:
                 break
             length -= excess
+        if case_len < row_len:
+            text, excess = _after_answer(tokenizer, hay, text, row_len, rng)
         texts.append(text)
-        share = doc_len + excess
-        if doc_len < row_len:
-            filler, tokens = _filler_document(tokenizer, hay, row_len - doc_len, rng)
-            texts.append(filler)
-            share += tokens
-        filled.append(share)
+        filled.append(row_len + excess)
     return texts, filled, hay.description
 
 
-def _filler_document(tokenizer, hay: Haystack, doc_len: int, rng: random.Random) -> tuple[str, int]:
-    """Haystack text that, with the end-of-text token, re-tokenizes to doc_len tokens (a BPE tokenizer's re-reading
-    corrected as training_documents does): (text, the tokens it fills)."""
+def _after_answer(tokenizer, hay: Haystack, text: str, row_len: int, rng: random.Random) -> tuple[str, int]:
+    """text, a blank line and haystack text, re-tokenizing (with the end-of-text token) to row_len tokens where a
+    BPE tokenizer's re-reading settles: (the document, its tokens - row_len). A text already at row_len - 1 tokens
+    or more is returned as it is."""
+    n_text = len(tokenizer(text, add_special_tokens=False).input_ids)
+    take = row_len - 1 - n_text - len(tokenizer("\n\n", add_special_tokens=False).input_ids)
+    if take < 1:
+        return text, n_text + 1 - row_len
     state = rng.getstate()
-    take = doc_len - 1
     for _ in range(4):
         rng.setstate(state)
-        text = tokenizer.decode(hay.take(max(1, take), rng), clean_up_tokenization_spaces=False)
-        filled = len(tokenizer(text, add_special_tokens=False).input_ids) + 1
-        if filled == doc_len:
+        doc = text + "\n\n" + tokenizer.decode(hay.take(max(1, take), rng), clean_up_tokenization_spaces=False).lstrip()
+        excess = len(tokenizer(doc, add_special_tokens=False).input_ids) + 1 - row_len
+        if excess == 0:
             break
-        take -= filled - doc_len
-    return text, filled
+        take -= excess
+    return doc, excess
 
 
 # ----------------------------------------------------------------------------- scoring

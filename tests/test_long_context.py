@@ -169,19 +169,22 @@ def test_build_retrieval_data_script(tmp_path):
     tokenizer = load_tokenizer("byt5")
     assert len(texts) == 6 and all(len(tokenizer(t, add_special_tokens=False).input_ids) == 255 for t in texts)
     assert all(t.rstrip().split()[-1].rstrip(".").isdigit() for t in texts)  # each ends with its passkey
-    # --min-doc-len: retrieval documents of varied lengths, each followed by a filler completing its 256-token share,
-    # so the answers end at varied positions; fillers hold no pass key
+    # --min-doc-len: cases of varied lengths, haystack text after each answer completing its 256-token document (one
+    # document per share: the trainer shuffles documents), so the answers end at varied positions
     summary = build_retrieval_data.main(["--tokenizer", "byt5", "--seq-len", "512", "--doc-len", "256", "--min-doc-len",
                                          "230", "--rows", "4", "--out", str(out)])  # fmt: skip
-    assert summary["documents_not_filling_their_length"] == 0 and summary["filler_documents"] >= 4, summary
+    assert summary["documents_not_filling_their_length"] == 0 and summary["documents"] == 8, summary
     texts = pq.read_table(out).column("text").to_pylist()
-    assert len(texts) == 8 + summary["filler_documents"]
-    n_tokens = [len(tokenizer(t, add_special_tokens=False).input_ids) + 1 for t in texts]  # + end-of-text
-    retrieval = [i for i, t in enumerate(texts) if "pass key" in t]
-    assert len(retrieval) == 8 and all(texts[i].rstrip().split()[-1].rstrip(".").isdigit() for i in retrieval)
-    shares = [sum(n_tokens[i:j]) for i, j in zip(retrieval, retrieval[1:] + [len(texts)])]
-    assert shares == [256] * 8, shares  # each retrieval document and its filler fill one share exactly
-    assert len({n_tokens[i] for i in retrieval}) > 2 and min(n_tokens[i] for i in retrieval) >= 230
+    assert all(len(tokenizer(t, add_special_tokens=False).input_ids) == 255 for t in texts)
+    question = lc.PASSKEY_QUESTION
+    answer_ends = []
+    for t in texts:
+        assert t.count(question) == 1
+        answer = t.split(question, 1)[1].split()[0]
+        assert answer.isdigit() and answer in t.split(question, 1)[0]  # the answer is the hidden key
+        answer_ends.append(len(tokenizer(t.split(question, 1)[0] + question + " " + answer).input_ids))
+    assert len(set(answer_ends)) > 2 and min(answer_ends) >= 229 and max(answer_ends) <= 255, answer_ends
+    assert any(len(t) > e + 2 for t, e in zip(texts, answer_ends))  # text after the answer
     with pytest.raises(ValueError, match="--min-doc-len 100: too short for the passkey task"):
         build_retrieval_data.main(["--tokenizer", "byt5", "--seq-len", "256", "--min-doc-len", "100", "--rows", "1",
                                    "--out", str(out)])
