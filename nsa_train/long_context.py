@@ -393,11 +393,14 @@ def training_documents(tokenizer, task: str, row_len: int, count: int, seed: int
         length_flag = "--min-doc-len"  # the shortest case must hold the task's fixed text: checked here, named so
         build_case(tokenizer, task, min_len - 1 + len(prefix), 0.0, hay, random.Random(0), prefix=prefix,
                    length_flag=length_flag, flag_offset=1 - len(prefix))
+    blank_line = tokenizer("\n\n", add_special_tokens=False).input_ids  # between an answer and the text after it
     texts, filled = [], []
     for i in range(count):
         rng = random.Random(f"train-{seed}-{task}-{row_len}-{i}")
         depth = rng.random()
         case_len = row_len if min_len is None else rng.randint(min_len, row_len)
+        if row_len - case_len < len(blank_line) + 1:  # no room for a blank line and filler: the case fills the row
+            case_len = row_len
         state = rng.getstate()
         # the case is prompt and answer; the document holds them without the tokenizer's special prefix, and the
         # trainer appends the end-of-text token. A BPE tokenizer may read the decoded text back as a few more or
@@ -422,12 +425,9 @@ def training_documents(tokenizer, task: str, row_len: int, count: int, seed: int
 
 def _after_answer(tokenizer, hay: Haystack, text: str, row_len: int, rng: random.Random) -> tuple[str, int]:
     """text, a blank line and haystack text, re-tokenizing (with the end-of-text token) to row_len tokens where a
-    BPE tokenizer's re-reading settles: (the document, its tokens - row_len). A text already at row_len - 1 tokens
-    or more is returned as it is."""
+    BPE tokenizer's re-reading settles: (the document, its tokens - row_len)."""
     n_text = len(tokenizer(text, add_special_tokens=False).input_ids)
     take = row_len - 1 - n_text - len(tokenizer("\n\n", add_special_tokens=False).input_ids)
-    if take < 1:
-        return text, n_text + 1 - row_len
     state = rng.getstate()
     for _ in range(4):
         rng.setstate(state)

@@ -185,6 +185,9 @@ def test_build_retrieval_data_script(tmp_path):
         answer_ends.append(len(tokenizer(t.split(question, 1)[0] + question + " " + answer).input_ids))
     assert len(set(answer_ends)) > 2 and min(answer_ends) >= 229 and max(answer_ends) <= 255, answer_ends
     assert any(len(t) > e + 2 for t, e in zip(texts, answer_ends))  # text after the answer
+    # every drawn length fills its row, those too near the row's end for a blank line and filler too
+    _, filled, _ = lc.training_documents(tokenizer, "passkey", 256, 300, min_len=224)
+    assert filled == [256] * 300
     with pytest.raises(ValueError, match="--min-doc-len 100: too short for the passkey task"):
         build_retrieval_data.main(["--tokenizer", "byt5", "--seq-len", "256", "--min-doc-len", "100", "--rows", "1",
                                    "--out", str(out)])
