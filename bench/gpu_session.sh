@@ -32,8 +32,8 @@ AB_SEEDS=${AB_SEEDS:-0 1 2}  # three seeds: the verdict's interval needs them
 LC_SAMPLES=${LC_SAMPLES:-8}  # ab-long-eval and retrieval: passkey prompts per (length, depth)
 RETRIEVAL_ROWS=${RETRIEVAL_ROWS:-runs/data/passkey-gpt2-4096.parquet}  # retrieval's rows (bench/build_retrieval_data.py)
 RT_STEPS=${RT_STEPS:-300}  # retrieval: steps per twin (4 rows of 4,096 tokens each)
-RT_LENGTHS=${RT_LENGTHS:-1024 2048 4096 8192}  # retrieval: prompt lengths evaluated (rows of shorter documents,
-                                               # build_retrieval_data.py --doc-len: lengths up to the document's)
+RT_LENGTHS=${RT_LENGTHS:-1024 2048 4096 8192}  # retrieval: case lengths evaluated, prompt and answer (rows of shorter
+                                               # documents, build_retrieval_data.py --doc-len: lengths up to the document's)
 LENGTHS=${LENGTHS:-2048 8192 32768 65536}  # issue 18's table
 mkdir -p "$OUT"
 steps=("$@")
@@ -166,7 +166,8 @@ open(sys.argv[2], 'w').write(max((str(x) for x in t.to_pylist()[::20]), key=len)
     # beforehand and carried: python bench/build_retrieval_data.py --task passkey --tokenizer
     # ../shared/data/gpt2-tokenizer --seq-len 4096 --rows 2400 --out runs/data/passkey-gpt2-4096.parquet
     # (2026-11-26: neither twin learned retrieval in 300 steps, one answer per row; four documents of 1,024 tokens
-    # per row, --doc-len 1024 --rows 4800, give four times the answers: RT_STEPS=600 RT_LENGTHS="512 1024")
+    # per row, --doc-len 1024 --rows 4800, give four times the answers, and --min-doc-len 768 varies where they end:
+    # RT_STEPS=600 RT_LENGTHS="768 1023 1024")
     retrieval)  if [ ! -f "$RETRIEVAL_ROWS" ]; then
                   echo "no $RETRIEVAL_ROWS: build it first (bench/build_retrieval_data.py, see this step's comment) and carry it"
                   exit 2
