@@ -364,6 +364,9 @@ def build_cases(tokenizer, task: str, lengths, depths, samples: int, seed: int =
     return cases, hay.description
 
 
+_AFTER_ANSWER = "\n\n"  # training_documents' min_len: between a case's answer and the haystack text after it
+
+
 def training_documents(tokenizer, task: str, row_len: int, count: int, seed: int = 0, haystack: str | None = None,
                        text_column: str = "text", length_flag: str = "--seq-len",
                        min_len: int | None = None) -> tuple[list[str], list[int], str]:  # fmt: skip
@@ -393,7 +396,7 @@ def training_documents(tokenizer, task: str, row_len: int, count: int, seed: int
         length_flag = "--min-doc-len"  # the shortest case must hold the task's fixed text: checked here, named so
         build_case(tokenizer, task, min_len - 1 + len(prefix), 0.0, hay, random.Random(0), prefix=prefix,
                    length_flag=length_flag, flag_offset=1 - len(prefix))
-    blank_line = tokenizer("\n\n", add_special_tokens=False).input_ids  # between an answer and the text after it
+    blank_line = tokenizer(_AFTER_ANSWER, add_special_tokens=False).input_ids  # between an answer and the text after it
     texts, filled = [], []
     for i in range(count):
         rng = random.Random(f"train-{seed}-{task}-{row_len}-{i}")
@@ -402,41 +405,43 @@ def training_documents(tokenizer, task: str, row_len: int, count: int, seed: int
         if row_len - case_len < len(blank_line) + 1:  # no room for a blank line and filler: the case fills the row
             case_len = row_len
         state = rng.getstate()
-        # the case is prompt and answer; the document holds them without the tokenizer's special prefix, and the
-        # trainer appends the end-of-text token. A BPE tokenizer may read the decoded text back as a few more or
-        # fewer tokens: rebuild from the same generator state with the case length corrected by the difference
-        # until the text re-tokenizes to case_len - 1
-        length = case_len - 1 + len(prefix)
-        for _ in range(4):
+
+        def case_text(length):
+            # the case is prompt and answer of `length` tokens; the document holds them without the tokenizer's
+            # special prefix (the trainer appends the end-of-text token)
             rng.setstate(state)
             case = build_case(tokenizer, task, length, depth, hay, rng, prefix=prefix, length_flag=length_flag,
                               flag_offset=1 - len(prefix))
-            text = tokenizer.decode(case.prompt_ids[len(prefix) :] + case.answer_ids, clean_up_tokenization_spaces=False)
-            excess = len(tokenizer(text, add_special_tokens=False).input_ids) + 1 - case_len
-            if excess == 0:
-                break
-            length -= excess
+            return tokenizer.decode(case.prompt_ids[len(prefix) :] + case.answer_ids, clean_up_tokenization_spaces=False)
+
+        text, excess = _fitted(tokenizer, case_text, case_len - 1 + len(prefix), case_len)
         if case_len < row_len:
-            text, excess = _after_answer(tokenizer, hay, text, row_len, rng)
+            case_doc, after = text, rng.getstate()
+
+            def with_filler(take):
+                rng.setstate(after)
+                filler = tokenizer.decode(hay.take(max(1, take), rng), clean_up_tokenization_spaces=False)
+                return case_doc + _AFTER_ANSWER + filler.lstrip()
+
+            n_text = case_len - 1 + excess
+            text, excess = _fitted(tokenizer, with_filler, row_len - 1 - n_text - len(blank_line), row_len)
         texts.append(text)
         filled.append(row_len + excess)
     return texts, filled, hay.description
 
 
-def _after_answer(tokenizer, hay: Haystack, text: str, row_len: int, rng: random.Random) -> tuple[str, int]:
-    """text, a blank line and haystack text, re-tokenizing (with the end-of-text token) to row_len tokens where a
-    BPE tokenizer's re-reading settles: (the document, its tokens - row_len)."""
-    n_text = len(tokenizer(text, add_special_tokens=False).input_ids)
-    take = row_len - 1 - n_text - len(tokenizer("\n\n", add_special_tokens=False).input_ids)
-    state = rng.getstate()
+def _fitted(tokenizer, build, start: int, target: int) -> tuple[str, int]:
+    """build(n), with n corrected by the difference until the text re-tokenizes, with the end-of-text token the
+    trainer appends, to `target` tokens: a BPE tokenizer may read decoded text back as a few more or fewer tokens
+    (at most 4 tries; start: n's first guess). Returns (the text, its tokens - target)."""
+    n = start
     for _ in range(4):
-        rng.setstate(state)
-        doc = text + "\n\n" + tokenizer.decode(hay.take(max(1, take), rng), clean_up_tokenization_spaces=False).lstrip()
-        excess = len(tokenizer(doc, add_special_tokens=False).input_ids) + 1 - row_len
+        text = build(n)
+        excess = len(tokenizer(text, add_special_tokens=False).input_ids) + 1 - target
         if excess == 0:
             break
-        take -= excess
-    return doc, excess
+        n -= excess
+    return text, excess
 
 
 # ----------------------------------------------------------------------------- scoring
