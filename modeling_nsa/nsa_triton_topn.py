@@ -38,10 +38,15 @@ if triton is not None:
     _KEY_NEG_INF = tl.constexpr(-2139095041 * 2 ** 32 + 0x7FFFFFFF)
 
     @triton.jit
+    def _topn_flip_negatives(bits):
+        """A float's int32 bits with a negative one's magnitude bits flipped: float order becomes int32 order. Its
+        own inverse (the sign bit is kept), so it maps keys' high halves back to float bits too."""
+        return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+    @triton.jit
     def _topn_key(v, i):
         """The int64 key of priority v (fp32, not NaN) of block i (int32, 0 <= i < 2**31 - 1)."""
-        bits = (v + 0.0).to(tl.int32, bitcast=True)  # + 0.0: -0.0 -> +0.0, which compare equal as floats
-        order = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: magnitude bits flipped
+        order = _topn_flip_negatives((v + 0.0).to(tl.int32, bitcast=True))  # + 0.0: -0.0 -> +0.0 (equal floats)
         return (order.to(tl.int64) << 32) | (0x7FFFFFFF - i).to(tl.int64)
 
     @triton.jit
@@ -52,8 +57,7 @@ if triton is not None:
     @triton.jit
     def _topn_key_value(key):
         """The priority of a key (fp32)."""
-        order = (key >> 32).to(tl.int32)
-        return (order ^ ((order >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        return _topn_flip_negatives((key >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _topn_empty(Q: tl.constexpr, N_PAD: tl.constexpr):
