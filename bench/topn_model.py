@@ -21,8 +21,9 @@ import argparse
 
 import numpy as np
 
-N_SEL, INIT, LOCAL, BLOCK, BJ = 16, 1, 2, 64, 16  # NSA_SPEC defaults; BJ: nsa_triton_launch._topn_chunk
-TOKENS = 65536
+from schedule_model import BLOCK, INIT, LOCAL, N_SEL, TOKENS  # the NSA_SPEC defaults and bench_attention's B x T
+
+BJ = 16  # selection blocks per top-n chunk at those defaults (nsa_triton_launch._topn_chunk)
 LENGTHS = (2048, 8192, 32768, 65536)
 # layout: (kv heads, queries per top-n program (64 rows / padded G), measured top-n ms at LENGTHS: bench/KERNELS.md,
 # "2026-11-27 H100", kernels of c94a9b8, random queries)
