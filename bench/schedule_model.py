@@ -5,6 +5,9 @@ two backward kernels whose programs' work is skewed (bench/KERNELS.md, "2026-11-
   is forced for every query of its row, the last LOCAL blocks for the queries in them, and the top-n's free picks
   (modelled as uniform among a query's other visible blocks: random queries) favour early blocks.
 - The compressed dK/dV: key tile t (64 compressed keys) is seen by the queries after it, in n_split query splits.
+- The query-tile kernels (top-n, selected forward, fused dQ, compressed/window forward): a tile's work grows with
+  its position in the row (more compressed keys to score and attend, more blocks to choose among, a larger union of
+  chosen blocks), so launching each row's tiles from its start ends the launch on the longest tiles.
 
 Programs start in grid order (the fastest axis first) on SLOTS identical slots (132 SMs x programs per SM), each
 taking the next program when it frees: the makespan over the balanced time (total work / slots) says what the
@@ -96,6 +99,42 @@ def compressed_dkdv(seq_len: int, num_kv: int, qpb: int, slots: int, old: bool) 
     return makespan(costs, slots) / (sum(costs) / slots)
 
 
+WINDOW = 512  # w
+
+
+def tile_union(position: int, queries: float) -> float:
+    """Expected union of the blocks chosen by `queries` random queries at one position: the INIT + LOCAL forced
+    blocks, and each query's free picks uniform among the other visible blocks."""
+    visible = position // BLOCK + 1
+    forced = min(visible, INIT + LOCAL)
+    free = visible - forced
+    picks = min(N_SEL - forced, free)
+    if free <= 0 or picks <= 0:
+        return float(forced)
+    return forced + free * (1.0 - (1.0 - picks / free) ** queries)
+
+
+QUERY_TILE_KERNELS = {  # kernel: (rows per tile at the 125M layout on sm_90, a tile's cost in 64-key steps at t)
+    "top-n": (64, lambda t, q: 1 + t / CMP_STRIDE / (N_SEL * BLOCK)),  # chunks of 16 blocks' compressed keys
+    "selected forward": (64, lambda t, q: 1 + tile_union(t, q)),
+    "fused dQ": (128, lambda t, q: 1 + tile_union(t, q) + t / CMP_STRIDE / BLOCK + WINDOW / BLOCK),
+    "compressed/window forward": (64, lambda t, q: 1 + t / CMP_STRIDE / BLOCK + WINDOW / BLOCK),
+}
+
+
+def query_tiles(seq_len: int, group: int, num_kv: int, kernel: str, slots: int, light_first: bool) -> float:
+    """Makespan / balanced time of a query-tile launch (grid: query tile fastest, then batch x KV head): tile i on
+    program i (light_first, as timed until 2026-11-27) or each row's last tile first (the default,
+    _query_tile_id)."""
+    rows_per_tile, cost = QUERY_TILE_KERNELS[kernel]
+    # the top-n's rows are queries x G padded to a power of two; the others' pack queries x G
+    queries = rows_per_tile // (1 << (group - 1).bit_length() if kernel == "top-n" else group)
+    n_tiles = -(-seq_len // queries)
+    row = [cost(min(seq_len - 1, i * queries + queries // 2), queries) for i in range(n_tiles)]
+    costs = (row if light_first else row[::-1]) * ((TOKENS // seq_len) * num_kv)
+    return makespan(costs, slots) / (sum(costs) / slots)
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="*", default=[2048, 8192, 32768, 65536])
@@ -117,6 +156,17 @@ def main(argv=None) -> list[dict]:
             rows.append(row)
             print(f"| {layout} | {seq_len:,} | {row['selected_old']:.2f}x | {row['selected_default']:.2f}x | "
                   f"{row['compressed_old']:.2f}x | {row['compressed_default']:.2f}x |")
+    print(f"\n# query-tile launches (125M layout: G = 6, 2 KV heads): makespan / balanced, tile i on program i "
+          f"(timed until 2026-11-27) / each row's last tile first (default)")
+    print("| kernel | " + " | ".join(f"{t:,}" for t in args.lengths) + " |")
+    print("|---|" + "---|" * len(args.lengths))
+    for kernel in QUERY_TILE_KERNELS:
+        cells = []
+        for seq_len in args.lengths:
+            old, new = (query_tiles(seq_len, 6, 2, kernel, args.slots, light) for light in (True, False))
+            rows.append(dict(kernel=kernel, T=seq_len, light_first=old, default=new))
+            cells.append(f"{old:.3f} / {new:.3f}")
+        print(f"| {kernel} | " + " | ".join(cells) + " |")
     return rows
 
 

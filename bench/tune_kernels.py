@@ -82,6 +82,10 @@ DEFAULT_VARIANTS = [
     # the compressed/window dK/dV's split programs with the key tile fastest, as timed until 2026-11-27, against the
     # default's every row's first key tiles (the compressed branch's heaviest) first
     "dkdv_tiles_fast:dkdv_key_tiles_fast=1",
+    # the query-tile launches (top-n, selected forward, fused dQ, compressed/window forward) with tile i on program i,
+    # as timed until 2026-11-27, against the default's each row's last (heaviest) tile first (bench/schedule_model.py:
+    # 1-4% of those kernels' time)
+    "tiles_light_first:query_tiles_light_first=1",
     "sel_split2k:sel_split=2048/16/64",
     "sel_split1k:sel_split=1024/8/256",
     # the selected dK/dV with every pair tile masked, as timed on 2026-11-23: the default now runs the tiles whose

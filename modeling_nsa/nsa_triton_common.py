@@ -81,6 +81,16 @@ if _HAS_TRITON:
         return dk, dv
 
     @triton.jit
+    def _query_tile_id(LIGHT_FIRST: tl.constexpr):
+        """This program's query tile (grid axis 0). A row's last tiles see the most keys and choose among the most
+        blocks, so they take the lowest program ids, which start first, and the launch ends on a row's first,
+        shortest tiles instead of its longest (bench/schedule_model.py, query_tiles). LIGHT_FIRST: tile i on
+        program i, the order timed until 2026-11-27."""
+        if LIGHT_FIRST:
+            return tl.program_id(0)
+        return tl.num_programs(0) - 1 - tl.program_id(0)
+
+    @triton.jit
     def _tile_rows(pid_q, Tq, r0, G: tl.constexpr, QPB: tl.constexpr, ROWS: tl.constexpr):
         """Rows r0 .. r0+ROWS-1 of query tile pid_q, packed query-major (QPB queries x G heads): (r, query qi,
         row_ok); rows past the tile or past Tq get qi = 0 and row_ok = False."""

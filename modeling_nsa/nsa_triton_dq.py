@@ -8,7 +8,7 @@ import torch
 
 from .nsa_layout import NSAParams
 from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes, _next_pow2
-from .nsa_triton_launch import _dq_launch, _sel_dq_reduce_rows, _sel_sub_tile
+from .nsa_triton_launch import _dq_launch, _query_tiles_light_first, _sel_dq_reduce_rows, _sel_sub_tile
 from .nsa_triton_selected import _tile_block_union
 
 
@@ -20,7 +20,7 @@ except Exception:  # pragma: no cover - exercised only without triton
 
 
 if triton is not None:
-    from .nsa_triton_common import _load_lse, _tile_rows
+    from .nsa_triton_common import _load_lse, _query_tile_id, _tile_rows
     from .nsa_triton_interval import _interval_kv, _interval_tiles
     from .nsa_triton_selected import _sel_block, _sel_sub_rows
 
@@ -121,14 +121,14 @@ if triton is not None:
         Tq, Tk, Nc, Tw, q_off, n_tiles, R, sm_scale2, scale,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr,
-        SUB_M: tl.constexpr, BLOCK_N: tl.constexpr, SEL_DQ: tl.constexpr,
+        SUB_M: tl.constexpr, BLOCK_N: tl.constexpr, SEL_DQ: tl.constexpr, LIGHT_FIRST: tl.constexpr,
     ):
         """dQ of all three branches for one query tile, accumulated in registers in a fixed branch order
         (compressed, window, selected) and written once in q's dtype; also the gate gradients and the
         per-branch deltas. The branch output gradient g_i * dout is formed here (never materialized). The
         selected branch runs in sub-tiles as in _sel_fwd_kernel, joined back into the tile's rows."""
         SUBS: tl.constexpr = BLOCK_M // SUB_M
-        pid_q = tl.program_id(0)
+        pid_q = _query_tile_id(LIGHT_FIRST)
         pid_bg = tl.program_id(1)
         b = (pid_bg // HKV).to(tl.int64)
         g = pid_bg % HKV
@@ -258,7 +258,7 @@ def _bwd_dq(q, dout, gates, cmp, slc, win, idx, doc_pos, params: NSAParams, scal
         scale * _LOG2E, scale,
         H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=params.sel_block_size, N_SEL=n_sel,
         N_PAD=_next_pow2(n_sel), QPB=qpb, BLOCK_M=block_m, SUB_M=_sel_sub_tile(block_m, head_dim, q.device, dq=True),
-        BLOCK_N=64, SEL_DQ=sel_dq, **dq_opts,
+        BLOCK_N=64, SEL_DQ=sel_dq, LIGHT_FIRST=_query_tiles_light_first(), **dq_opts,
     )
     return dq, dgates, delta
 

@@ -9,7 +9,7 @@ import torch
 
 from .nsa_layout import NSAParams
 from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes, _next_pow2
-from .nsa_triton_launch import _OVERRIDES, _dkdv_launch, _rows_per_program
+from .nsa_triton_launch import _OVERRIDES, _dkdv_launch, _query_tiles_light_first, _rows_per_program
 
 
 try:  # the module must import where triton is missing (CPU-only installs, macOS)
@@ -20,7 +20,8 @@ except Exception:  # pragma: no cover - exercised only without triton
 
 
 if triton is not None:
-    from .nsa_triton_common import _bwd_rows, _dkdv_update, _gated_sum, _softmax_init, _softmax_tile, _tile_rows
+    from .nsa_triton_common import (_bwd_rows, _dkdv_update, _gated_sum, _query_tile_id, _softmax_init,
+                                     _softmax_tile, _tile_rows)
 
     # ------------------------------------------------------------------------------------------
     # Interval attention (compressed + window branches)
@@ -78,8 +79,9 @@ if triton is not None:
         Tq, Nk, sm_scale2,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         QPB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COMBINE: tl.constexpr,
+        LIGHT_FIRST: tl.constexpr,
     ):
-        pid_q = tl.program_id(0)
+        pid_q = _query_tile_id(LIGHT_FIRST)
         pid_bg = tl.program_id(1)
         b = (pid_bg // HKV).to(tl.int64)
         g = pid_bg % HKV
@@ -408,7 +410,7 @@ def _interval_fwd(q, k, v, lo, hi, scale, combine=None):
     _interval_fwd_kernel[grid](
         q, k, v, lo, hi, o, lse, o_c, o_s, gates, out, num_q, num_keys, scale * _LOG2E,
         H=num_heads, HKV=num_kv, G=group, D=head_dim, QPB=qpb, BLOCK_M=block_m, BLOCK_N=64,
-        COMBINE=combine is not None, num_warps=4 if head_dim <= 64 else 8,
+        COMBINE=combine is not None, LIGHT_FIRST=_query_tiles_light_first(), num_warps=4 if head_dim <= 64 else 8,
     )
     return (o, lse, out) if combine is not None else (o, lse)
 

@@ -61,6 +61,9 @@ class LaunchOverrides:
     # the selected forward and dQ with the causal mask on every union block, as timed on 2026-11-23 (the default
     # skips it on the blocks that end before the tile's first query: _tile_block_union's n_past)
     sel_causal_every_block: bool | None = None
+    # the query-tile launches (top-n, selected forward, fused dQ, compressed/window forward) with tile i on program
+    # i, as timed until 2026-11-27 (the default puts a row's last, heaviest tiles first: _query_tile_id)
+    query_tiles_light_first: bool | None = None
     dq_rows: int | None = None  # rows of the fused dQ query tile (sm_90)
     dq_warps: int | None = None  # warps of the fused dQ kernel (sm_90)
     sel_rows: int | None = None  # the selected-attention query tile (rows = queries x G)
@@ -115,6 +118,12 @@ def _query_tile(group: int, rows: int) -> tuple[int, int]:
     smallest tl.dot) and at least one query's G heads."""
     block_m = max(16, _next_pow2(group), rows)
     return block_m, max(1, block_m // group)
+
+
+def _query_tiles_light_first() -> bool:
+    """The query-tile launches' program order: False (the default) puts each row's last tiles, which see the most
+    keys, on the first programs (_query_tile_id)."""
+    return bool(_OVERRIDES.query_tiles_light_first)
 
 
 def _rows_per_program(group: int, head_dim: int) -> tuple[int, int]:

@@ -8,8 +8,9 @@ import torch
 
 from .nsa_layout import NSAParams
 from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes, _next_pow2
-from .nsa_triton_launch import (_OVERRIDES, _dkdv_launch, _sel_dkdv_chunk_tiles, _sel_fwd_opts,
-                                _sel_fwd_pair_queries, _sel_fwd_pairs_launch, _sel_rows_per_program, _sel_sub_tile)
+from .nsa_triton_launch import (_OVERRIDES, _dkdv_launch, _query_tiles_light_first, _sel_dkdv_chunk_tiles,
+                                _sel_fwd_opts, _sel_fwd_pair_queries, _sel_fwd_pairs_launch, _sel_rows_per_program,
+                                _sel_sub_tile)
 
 
 try:  # the module must import where triton is missing (CPU-only installs, macOS)
@@ -20,7 +21,8 @@ except Exception:  # pragma: no cover - exercised only without triton
 
 
 if triton is not None:
-    from .nsa_triton_common import _bwd_rows, _dkdv_update, _dkdv_update_ds, _softmax_init, _softmax_tile, _tile_rows
+    from .nsa_triton_common import (_bwd_rows, _dkdv_update, _dkdv_update_ds, _query_tile_id, _softmax_init,
+                                     _softmax_tile, _tile_rows)
 
     # ------------------------------------------------------------------------------------------
     # Selected attention
@@ -118,10 +120,10 @@ if triton is not None:
         Tq, Tk, q_off, n_tiles, sm_scale2,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr,
-        SUB_M: tl.constexpr,
+        SUB_M: tl.constexpr, LIGHT_FIRST: tl.constexpr,
     ):
         SUBS: tl.constexpr = BLOCK_M // SUB_M
-        pid_q = tl.program_id(0)
+        pid_q = _query_tile_id(LIGHT_FIRST)
         pid_bg = tl.program_id(1)
         tile = pid_bg.to(tl.int64) * n_tiles + pid_q
         kv_base = (pid_bg // HKV).to(tl.int64) * Tk * HKV * D + (pid_bg % HKV) * D
@@ -685,7 +687,8 @@ def _sel_fwd(q, k, v, idx, doc_pos, params: NSAParams, scale):
         scale * _LOG2E,
         H=num_heads, HKV=num_kv, G=group, D=head_dim,
         LB=params.sel_block_size, N_SEL=n_sel, N_PAD=_next_pow2(n_sel), QPB=qpb, BLOCK_M=block_m,
-        SUB_M=_sel_sub_tile(block_m, head_dim, q.device), **_sel_fwd_opts(head_dim, q.device),
+        SUB_M=_sel_sub_tile(block_m, head_dim, q.device), LIGHT_FIRST=_query_tiles_light_first(),
+        **_sel_fwd_opts(head_dim, q.device),
     )
     return o, lse
 

@@ -9,7 +9,8 @@ import torch
 
 from .nsa_layout import NSAParams
 from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes, _next_pow2
-from .nsa_triton_launch import _OVERRIDES, _topn_chunk, _topn_head_lanes, _topn_insert_max, _topn_warps
+from .nsa_triton_launch import (_OVERRIDES, _query_tiles_light_first, _topn_chunk, _topn_head_lanes, _topn_insert_max,
+                                _topn_warps)
 
 
 try:  # the module must import where triton is missing (CPU-only installs, macOS)
@@ -20,7 +21,7 @@ except Exception:  # pragma: no cover - exercised only without triton
 
 
 if triton is not None:
-    from .nsa_triton_common import _load_lse
+    from .nsa_triton_common import _load_lse, _query_tile_id
 
     # ------------------------------------------------------------------------------------------
     # Top-n block selection
@@ -287,11 +288,12 @@ if triton is not None:
         L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr,
         N_SEL: tl.constexpr, N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
         BJ: tl.constexpr, QPB: tl.constexpr, INSERT_MAX: tl.constexpr, HEAD_LANES: tl.constexpr,
+        LIGHT_FIRST: tl.constexpr,
     ):
         """Top-n for a tile of QPB consecutive queries x G_PAD head rows of one KV group. A tile inside one
         document shares each compressed-key tile; a tile across a document boundary (rare) is done one
         query at a time (each pass masks the other queries' rows)."""
-        pid_q = tl.program_id(0)
+        pid_q = _query_tile_id(LIGHT_FIRST)
         pid_bg = tl.program_id(1)
         b = (pid_bg // HKV).to(tl.int64)
         g = pid_bg % HKV
@@ -348,6 +350,7 @@ def _select_topn(q, k_cmp, lse_cmp, doc_pos, c_lo, c_hi, params: NSAParams, scal
         L=params.cmp_block_size, DS=params.cmp_stride, LB=params.sel_block_size,
         N_SEL=n_sel, N_PAD=_next_pow2(n_sel), INIT=params.sel_init_blocks, LOCAL=params.sel_local_blocks,
         BJ=bj, QPB=qpb, INSERT_MAX=_topn_insert_max(), HEAD_LANES=_topn_head_lanes(g_pad),
+        LIGHT_FIRST=_query_tiles_light_first(),
         num_warps=_topn_warps(q.device),
     )
     return idx

@@ -37,6 +37,20 @@ def test_the_default_orders_are_near_balanced_where_the_old_ones_were_not():
     assert sm.compressed_dkdv(8192, 2, 10, 264, old=False) < 1.05
 
 
+def test_query_tiles_launched_heaviest_first_end_nearer_the_balanced_time():
+    """A query tile's work grows along the row, so tile i on program i (as timed until 2026-11-27) ends each launch
+    on the longest tiles; the default's reversed order (_query_tile_id) is nearer the balanced time for each kernel
+    at 8k and 64k, and the model's tile cost grows with the union of random picks."""
+    assert sm.tile_union(100, 10) == 2  # two blocks visible: both chosen
+    assert sm.tile_union(8191, 10) > sm.tile_union(4095, 10) > sm.N_SEL
+    for kernel in sm.QUERY_TILE_KERNELS:
+        for seq_len in (8192, 65536):
+            old = sm.query_tiles(seq_len, 6, 2, kernel, 264, light_first=True)
+            new = sm.query_tiles(seq_len, 6, 2, kernel, 264, light_first=False)
+            assert new < old, (kernel, seq_len, old, new)
+    assert sm.query_tiles(8192, 6, 2, "fused dQ", 264, light_first=True) > 1.03
+
+
 def test_topn_model_counts_the_kernels_insertion_steps():
     """bench/topn_model.py: a query whose 16 blocks fill one chunk takes 16 insertion steps into its empty list, none
     with the first chunk placed whole (the kernel's _topn_chunk_update since 2026-11-27); over a long row the

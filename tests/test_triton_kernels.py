@@ -57,6 +57,7 @@ _KNOB_IDS = {
     "sel_dkdv_all_masked": lambda c: "seldkdvmasked" if c["sel_dkdv_all_masked"] else "seldkdvsplit",
     "sel_dkdv_ranges_first": lambda c: "rangesfirst" if c["sel_dkdv_ranges_first"] else "heavyfirst",
     "dkdv_key_tiles_fast": lambda c: "tilesfast" if c["dkdv_key_tiles_fast"] else "tilesslow",
+    "query_tiles_light_first": lambda c: "lightfirst" if c["query_tiles_light_first"] else "heavyfirsttiles",
     "sel_causal_every_block": lambda c: "selcausalall" if c["sel_causal_every_block"] else "selcausalsplit",
     "sel_fwd_pairs": lambda c: "selfwdpairs" if c["sel_fwd_pairs"] else "selfwdunion",
     "sel_dq_pairs": lambda c: "seldqpairkernel" if c["sel_dq_pairs"] else "seldqnopairkernel",
@@ -114,6 +115,10 @@ CPU_CASES = [
     # 99 compressed tokens, so whole 64-key tiles fall inside; padding and document starts around them
     dict(B=2, T=400, H=3, Hkv=1, D=16, layout="pad", param_overrides=dict(window_size=160)),
     dict(B=1, T=400, H=4, Hkv=1, D=16, layout="varlen", param_overrides=dict(window_size=160)),
+    # the query-tile launches (top-n, selected forward, fused dQ, compressed/window forward) in the order timed
+    # until 2026-11-27, tile i on program i (launch_overrides(query_tiles_light_first=True)); every other case runs
+    # a row's last tiles on the first programs (_query_tile_id)
+    dict(B=2, T=90, H=6, Hkv=1, D=16, layout="varlen", query_tiles_light_first=True),
     # the compressed/window dK/dV with the query tiles that see all of a key tile in an unmasked loop of their own
     # (the default since the 2026-11-25 sweep; named here so the ids say it): compressed tokens every 1-2 keys so
     # that whole 64-key tiles fit, windows chosen so that one query more past a run (ib + 1) or, at 5 queries per

@@ -82,15 +82,16 @@ def test_the_session_pending_step_times_the_heaviest_first_orders_against_the_ol
     order timed until 2026-11-27 (the main pass, key range on the grid's fast axis, before the heavy pass; heavy
     above 8,192 pairs), where the default launches the heavy pass first and puts batch x kv head on the main
     pass's fast axis; dkdv_tiles_fast restores the compressed/window dK/dV's key-tile-fastest grid where the
-    default puts split programs' key tile on the last axis; its cases are issue 18's B*T = 64k shapes."""
+    default puts split programs' key tile on the last axis; tiles_light_first launches the four query-tile kernels
+    with tile i on program i; its cases are issue 18's B*T = 64k shapes."""
     pytest.importorskip("triton")
     import triton_aot
 
     script = (Path(__file__).resolve().parent.parent / "bench" / "gpu_session.sh").read_text()
     step = script.split("    pending)", 1)[1].split(";;", 1)[0].replace("\\\n", " ")
     variants = [tk.parse_variant(v) for v in step.split("--variants", 1)[1].split("--cases", 1)[0].split()]
-    assert [name for name, _ in variants] == ["default", "sel_dkdv_old_order", "dkdv_tiles_fast", "topn_32rows",
-                                              "topn_128rows"], variants
+    assert [name for name, _ in variants] == ["default", "sel_dkdv_old_order", "dkdv_tiles_fast", "tiles_light_first",
+                                              "topn_32rows", "topn_128rows"], variants
     batch, num_kv, seq_len = 2, 2, 300
 
     def calls_of(settings):
@@ -107,8 +108,8 @@ def test_the_session_pending_step_times_the_heaviest_first_orders_against_the_ol
         triton_aot.with_kernels_replaced(run, Stand)
         return calls
 
-    default_calls, old_calls, tiles_fast_calls, topn32_calls, topn128_calls = (calls_of(settings)
-                                                                               for _, settings in variants)
+    default_calls, old_calls, tiles_fast_calls, light_calls, topn32_calls, topn128_calls = (
+        calls_of(settings) for _, settings in variants)
     new, old = ([(grid, kw["HEAVY_PASS"], kw["RANGES_FAST"]) for name, grid, kw in calls
                  if name == "_sel_bwd_dkdv_kernel"] for calls in (default_calls, old_calls))
     key_ranges = -(-seq_len // 64)
@@ -126,6 +127,11 @@ def test_the_session_pending_step_times_the_heaviest_first_orders_against_the_ol
     topn = [{(kw["QPB"], kw["num_warps"]) for name, _, kw in calls if name == "_select_topn_kernel"}
             for calls in (default_calls, topn32_calls, topn128_calls)]  # the op's and select_blocks' launches
     assert topn == [{(8, 4)}, {(4, 4)}, {(16, 8)}], topn
+    # the query-tile kernels: each row's last tile first by default, tile i on program i in tiles_light_first
+    query_tile_kernels = {"_select_topn_kernel", "_sel_fwd_kernel", "_bwd_dq_kernel", "_interval_fwd_kernel"}
+    for calls, light in ((default_calls, False), (light_calls, True)):
+        orders = {name: kw["LIGHT_FIRST"] for name, _, kw in calls if name in query_tile_kernels}
+        assert orders == dict.fromkeys(query_tile_kernels, light), orders
     cases = [tk.parse_case(c) for c in step.split("--cases", 1)[1].split()]
     assert {c[3] for c in cases} == {2048, 8192, 32768, 65536} and all(c[3] * c[4] == 65536 for c in cases), cases
 
