@@ -227,12 +227,17 @@ def _sel_fwd_pair_queries(num_q: int, n_sel: int, head_dim: int, element_size: i
     return max(1, min(num_q, int(q_sizes * num_q * head_dim * element_size) // per_query))
 
 
-def _sel_fwd_pairs_launch(group: int, head_dim: int, device) -> tuple[int, int, int, dict]:
-    """(BLOCK_M, queries per pair tile, pairs per program, launch options) of the block-outer selected forward:
-    64-row pair tiles (QPB queries x G heads, as the selected dK/dV's), 8 tiles' pairs per program at 4 warps (to
-    head_dim 64; 8 warps above). Not tuned: no GPU has run it yet (bench/KERNELS.md)."""
+def _sel_fwd_pairs_launch(group: int, head_dim: int, device, dq: bool = False) -> tuple[int, int, int, dict]:
+    """(BLOCK_M, queries per pair tile, pairs per program, launch options) of the block-outer selected forward and
+    (dq) dQ: 64-row pair tiles (QPB queries x G heads, as the selected dK/dV's), a power of two of at least 8 tiles'
+    pairs per program (its run is held in registers: _pair_run), 4 warps to head_dim 64 (8 above). Above head_dim
+    64 before Hopper the dQ's tile loop runs unpipelined: two or three stages spill it (240-1,088 B,
+    tests/triton_aot.py). The pairs per program are not tuned (bench/KERNELS.md)."""
     block_m, qpb = _query_tile(group, 64 if head_dim <= 128 else 32)
-    return block_m, qpb, 8 * qpb, dict(num_warps=4 if head_dim <= 64 else 8)
+    opts = dict(num_warps=4 if head_dim <= 64 else 8)
+    if dq and head_dim > 64 and not _hopper_class(device):
+        opts["num_stages"] = 1
+    return block_m, qpb, _next_pow2(8 * qpb), opts
 
 
 def _sel_dq_mode() -> str:

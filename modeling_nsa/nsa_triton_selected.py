@@ -399,50 +399,66 @@ if triton is not None:
 
     @triton.jit
     def _pair_walk_start(CHUNK_OFF, chunk, PAIRS: tl.constexpr):
-        """A pair program's run of the chunk's sorted pairs: [p, p_end)."""
+        """A pair program's run of the chunk's sorted pairs: [p, p_end), at most PAIRS."""
         p_hi = tl.load(CHUNK_OFF + chunk + 1)
         p = tl.load(CHUNK_OFF + chunk) + tl.program_id(0).to(tl.int64) * PAIRS
         return p, tl.minimum(p + PAIRS, p_hi)
 
     @triton.jit
-    def _pair_tile(SKEY, ORDER, DOCPOS, K, V, p, p_end, chunk, n_bg, Tq, Tk, loaded, kk, k_ok,
-                   k, v, b, g, bg, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                   LB: tl.constexpr, N_SEL: tl.constexpr, QPB: tl.constexpr, QPB_PAD: tl.constexpr,
-                   BLOCK_M: tl.constexpr):
-        """The pair tile starting at sorted pair p: up to QPB pairs of one block (it ends where the block does), the
-        block's keys kk, k_ok and K, V (loaded when the block differs from the one `loaded` names, else carried),
-        and per row (query x head) whether it is a pair's, its row of q (B*Tq*H rows), its query and slot. Which keys
-        a row sees (_pair_visible) and its partial row (_pair_partial_rows) are left to the kernels, next to their
-        use: computed here, before the loads, they stayed live across the dQ's dots and spilled on sm_86.
-        SKEY: the pairs' sort keys ((chunk x n_bg + batch x KV head) x Tk + block first key); ORDER: each pair's
-        flat index in idx. Key positions and
-        the pair indices' divisions stay int32 where the launcher keeps them so (an int64 division costs about a
-        hundred instructions, and a tile does little else per element than its dots and exponentials); a row's
-        query comes out int64 (it addresses rows). The launches take chunk and c0 unspecialized: one compile for
-        every chunk."""
-        e = tl.arange(0, QPB_PAD)
-        key0 = tl.load(SKEY + p)
-        keys = tl.load(SKEY + p + e, mask=(e < QPB) & (p + e < p_end), other=-1)
-        cnt = tl.sum((keys == key0).to(tl.int32), 0)  # this block's pairs in the tile (sorted: a prefix)
-        if key0 != loaded:
-            seg = key0 // Tk  # chunk x n_bg + batch x KV head
-            bg = (seg - chunk * n_bg).to(tl.int64)
-            b = bg // HKV
-            g = bg % HKV
-            kk, k_ok = _sel_block_keys(DOCPOS, b, (key0 - seg * Tk).to(tl.int32), Tk, LB)
-            kv_off = b * Tk * HKV * D + g * D + kk.to(tl.int64)[:, None] * (HKV * D) + tl.arange(0, D)[None, :]
-            k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
-            v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
-            loaded = key0
+    def _pair_max(a, b):
+        return tl.maximum(a, b)
+
+    @triton.jit
+    def _pair_run(SKEY, ORDER, p, p_end, QPB: tl.constexpr, PAIRS: tl.constexpr):
+        """A pair program's run [p, p_end) of sorted pairs, loaded once into registers, cut into pair tiles: up to QPB
+        consecutive pairs of one block, a tile at every QPB-th pair of each block's run within the program (a run is
+        cut by the program's start and end too). Returns (the pairs' sort keys (PAIRS,), their flat indices in idx,
+        the tiles' first entries (tile t's at [t], t < the count; sorted), the tile count). Every load of the tile
+        loop then takes its address from registers, so Triton software-pipelines the loop; a walk that loaded each
+        tile's pairs in the loop (a while loop, as timed on 2026-11-27) waited for every load at every tile."""
+        e = tl.arange(0, PAIRS)
+        ok = p + e < p_end
+        key = tl.load(SKEY + p + e, mask=ok, other=-1)  # (-1: no pair; every pair's key is >= 0)
+        order = tl.load(ORDER + p + e, mask=ok, other=0)
+        prev = tl.gather(key, tl.maximum(e - 1, 0), 0)
+        run_start = tl.associative_scan(tl.where((e == 0) | (key != prev), e, 0), 0, _pair_max)  # its block's first
+        tile_start = ok & ((e - run_start) % QPB == 0)
+        firsts = tl.sort(tl.where(tile_start, e, PAIRS + e), 0)  # the tiles' first entries, ascending, first
+        return key, order, firsts, tl.sum(tile_start.to(tl.int32), 0)
+
+    @triton.jit
+    def _pair_tile(key, order, firsts, t, DOCPOS, K, V, chunk, n_bg, Tq, Tk,
+                   H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
+                   N_SEL: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr):
+        """Pair tile t of a program's run (_pair_run): its block's keys kk, k_ok and K, V (loaded for every tile: the
+        loads' addresses come from registers, and a tile's block is an L2 read), and per row (query x head) whether
+        it is a pair's, its row of q (B*Tq*H rows), its query and slot. Which keys a row sees (_pair_visible) and
+        its partial row (_pair_partial_rows) are left to the kernels, next to their use: computed here, before the
+        loads, they stayed live across the dQ's dots and spilled on sm_86. The key's fields: (chunk x n_bg + batch
+        x KV head) x Tk + block first key."""
         r = tl.arange(0, BLOCK_M)
-        hh = r % G
-        pair = r // G
-        row_ok = (r < QPB * G) & (pair < cnt)
+        first = tl.gather(firsts, tl.zeros([BLOCK_M], tl.int32) + t, 0)  # (BLOCK_M,) the tile's first entry
+        entry = first + r // G
+        in_tile = (r < QPB * G) & (entry < PAIRS)
+        entry = tl.where(in_tile, entry, first)
+        key_t = tl.max(tl.gather(key, first, 0), 0)  # the tile's block
+        row_ok = in_tile & (tl.gather(key, entry, 0) == key_t)  # (the run's next block, or no pair: not this tile)
+        seg = key_t // Tk  # chunk x n_bg + batch x KV head
+        bg = (seg - chunk * n_bg).to(tl.int64)
+        b = bg // HKV
+        g = bg % HKV
+        kk, k_ok = _sel_block_keys(DOCPOS, b, (key_t - seg * Tk).to(tl.int32), Tk, LB)
+        kv_off = b * Tk * HKV * D + g * D + kk.to(tl.int64)[:, None] * (HKV * D) + tl.arange(0, D)[None, :]
+        # masked by position only, so the load waits on no load of this tile; keys of other documents zeroed after
+        k = tl.load(K + kv_off, mask=(kk < Tk)[:, None], other=0.0)
+        v = tl.load(V + kv_off, mask=(kk < Tk)[:, None], other=0.0)
+        k = tl.where(k_ok[:, None], k, tl.zeros_like(k))  # (in K's dtype: a float 0.0 would promote the tile)
+        v = tl.where(k_ok[:, None], v, tl.zeros_like(v))
         # (BLOCK_M,) each row's pair as its flat index in idx: ((b x Hkv + kv) x Tq + query) x n' + slot
-        f = tl.load(ORDER + p + pair, mask=row_ok, other=0)
+        f = tl.gather(order, entry, 0)
         qi = tl.where(row_ok, f // N_SEL - bg * Tq, 0)  # (no division by the runtime Tq)
-        row = (b * Tq + qi) * H + g * G + hh
-        return cnt, loaded, kk, k_ok, k, v, b, g, bg, row_ok, row, qi, f % N_SEL
+        row = (b * Tq + qi) * H + g * G + r % G
+        return kk, k_ok, k, v, bg, row_ok, row, qi, f % N_SEL
 
     @triton.jit
     def _pair_visible(row_ok, qi, kk, k_ok, q_off):
@@ -454,31 +470,23 @@ if triton is not None:
         """A pair tile's rows' partial rows: ((bg x chunk_q + query - c0) x n' + slot) x G + head."""
         return ((bg * chunk_q + qi - c0) * N_SEL + slot) * G + tl.arange(0, BLOCK_M) % G
 
-    @triton.jit
-    def _pair_walk_init(K, V, SKEY, p, LB: tl.constexpr, D: tl.constexpr):
-        """The carried state of a pair walk before its first tile: no block loaded."""
-        kk = tl.arange(0, LB)
-        b = p * 0  # int64: address arithmetic
-        return (tl.full([], -1, SKEY.dtype.element_ty), kk, kk < 0, tl.zeros([LB, D], dtype=K.dtype.element_ty),
-                tl.zeros([LB, D], dtype=V.dtype.element_ty), b, b, b)
-
     @triton.jit(do_not_specialize=["chunk", "c0"])
     def _sel_fwd_pairs_kernel(
         Q, K, V, SKEY, ORDER, CHUNK_OFF, DOCPOS, OPART, LPART,
         chunk, c0, chunk_q, n_bg, Tq, Tk, q_off, sm_scale2,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
-        N_SEL: tl.constexpr, QPB: tl.constexpr, QPB_PAD: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr,
+        N_SEL: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr,
     ):
-        """One program: the chunk's sorted pairs [p, p + PAIRS) in pair tiles (_pair_tile). Each row's partial
+        """One program: the chunk's sorted pairs [p, p + PAIRS) in pair tiles (_pair_run). Each row's partial
         softmax at partial row ((bg x chunk_q + query - c0) x n' + slot) x G + head: the output normalized over the
         block's visible keys, and their base-2 log-sum-exp."""
         p, p_end = _pair_walk_start(CHUNK_OFF, chunk, PAIRS)
-        loaded, kk, k_ok, k, v, b, g, bg = _pair_walk_init(K, V, SKEY, p, LB, D)
+        key, order, firsts, n_tiles = _pair_run(SKEY, ORDER, p, p_end, QPB, PAIRS)
         d = tl.arange(0, D)
-        while p < p_end:
-            cnt, loaded, kk, k_ok, k, v, b, g, bg, row_ok, row, qi, slot = _pair_tile(
-                SKEY, ORDER, DOCPOS, K, V, p, p_end, chunk, n_bg, Tq, Tk, loaded, kk, k_ok, k, v,
-                b, g, bg, H, HKV, G, D, LB, N_SEL, QPB, QPB_PAD, BLOCK_M)
+        for t in range(n_tiles):
+            kk, k_ok, k, v, bg, row_ok, row, qi, slot = _pair_tile(
+                key, order, firsts, t, DOCPOS, K, V, chunk, n_bg, Tq, Tk, H, HKV, G, D, LB, N_SEL, QPB, BLOCK_M,
+                PAIRS)
             q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
             vis = _pair_visible(row_ok, qi, kk, k_ok, q_off)
             s = tl.where(vis, tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
@@ -493,26 +501,25 @@ if triton is not None:
             # lists always has one, its first key being at or before the query)
             tl.store(LPART + prow, tl.where(l_sum > 0, m_safe + tl.log2(tl.where(l_sum > 0, l_sum, 1.0)),
                                             float("-inf")), mask=row_ok)
-            p += cnt
 
     @triton.jit(do_not_specialize=["chunk", "c0"])
     def _sel_dq_pairs_kernel(
         Q, K, V, DO, GATE, LSE, DELTA, SKEY, ORDER, CHUNK_OFF, DOCPOS, DQPART,
         chunk, c0, chunk_q, n_bg, Tq, Tk, q_off, sm_scale2, scale,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
-        N_SEL: tl.constexpr, QPB: tl.constexpr, QPB_PAD: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr,
+        N_SEL: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr,
     ):
         """The selected branch's dQ pair by pair (launch_overrides(sel_dq_pairs=True)), walked as the block-outer
         forward's: per row, the block's share scale dS K with P recomputed from the branch's saved log-sum-exp and
         dS = P (dO_slc V^T - delta), stored at the same partial rows as the forward's (three dots, no accumulator
         across tiles: the selected dK/dV keeps its own kernel)."""
         p, p_end = _pair_walk_start(CHUNK_OFF, chunk, PAIRS)
-        loaded, kk, k_ok, k, v, b, g, bg = _pair_walk_init(K, V, SKEY, p, LB, D)
+        key, order, firsts, n_tiles = _pair_run(SKEY, ORDER, p, p_end, QPB, PAIRS)
         d = tl.arange(0, D)
-        while p < p_end:
-            cnt, loaded, kk, k_ok, k, v, b, g, bg, row_ok, row, qi, slot = _pair_tile(
-                SKEY, ORDER, DOCPOS, K, V, p, p_end, chunk, n_bg, Tq, Tk, loaded, kk, k_ok, k, v,
-                b, g, bg, H, HKV, G, D, LB, N_SEL, QPB, QPB_PAD, BLOCK_M)
+        for t in range(n_tiles):
+            kk, k_ok, k, v, bg, row_ok, row, qi, slot = _pair_tile(
+                key, order, firsts, t, DOCPOS, K, V, chunk, n_bg, Tq, Tk, H, HKV, G, D, LB, N_SEL, QPB, BLOCK_M,
+                PAIRS)
             q, do, lse, delta = _bwd_rows(Q, DO, GATE, LSE, DELTA, row, row_ok, d, D, 1)
             vis = _pair_visible(row_ok, qi, kk, k_ok, q_off)
             s = tl.dot(q, tl.trans(k)) * sm_scale2
@@ -522,7 +529,6 @@ if triton is not None:
             dq = tl.dot(ds.to(k.dtype), k) * scale
             prow = _pair_partial_rows(bg, qi, slot, c0, chunk_q, G, N_SEL, BLOCK_M)
             tl.store(DQPART + prow[:, None] * D + d[None, :], dq.to(DQPART.dtype.element_ty), mask=row_ok[:, None])
-            p += cnt
 
     @triton.jit(do_not_specialize=["c0"])
     def _sel_fwd_pairs_combine_kernel(
@@ -719,7 +725,7 @@ def _sel_pair_index(idx, doc_pos, num_keys: int, sel_block_size: int, chunk_q: i
     return sorted_key, order, chunk_off, n_chunks, sentinel
 
 
-def _sel_pair_plan(q, k, idx, doc_pos, params: NSAParams, q_sizes: float):
+def _sel_pair_plan(q, k, idx, doc_pos, params: NSAParams, q_sizes: float, dq: bool = False):
     """What both block-outer launchers set up: the query chunks (partials within q_sizes times q's size), the pair
     index, the pair tiles' launch and the kernels' shared meta-parameters. Returns (chunk_q, sorted keys, pair
     order, chunk offsets, n_chunks, programs per chunk, partial rows per chunk, meta, qpb)."""
@@ -729,10 +735,10 @@ def _sel_pair_plan(q, k, idx, doc_pos, params: NSAParams, q_sizes: float):
     chunk_q = _sel_fwd_pair_queries(num_q, n_sel, head_dim, q.element_size(), q_sizes)
     sorted_key, order, chunk_off, n_chunks, _ = _sel_pair_index(idx, doc_pos, num_keys, params.sel_block_size,
                                                                 chunk_q)
-    block_m, qpb, pairs, opts = _sel_fwd_pairs_launch(group, head_dim, q.device)
+    block_m, qpb, pairs, opts = _sel_fwd_pairs_launch(group, head_dim, q.device, dq)
     n_programs = _cdiv(chunk_q * n_bg * n_sel, pairs)  # a chunk's pairs at most
     meta = dict(H=num_heads, HKV=num_kv, G=group, D=head_dim, N_SEL=n_sel, QPB=qpb, BLOCK_M=block_m)
-    tile = dict(LB=params.sel_block_size, QPB_PAD=_next_pow2(qpb), PAIRS=pairs, **opts)
+    tile = dict(LB=params.sel_block_size, PAIRS=pairs, **opts)
     return chunk_q, sorted_key, order, chunk_off, n_chunks, n_programs, n_bg * chunk_q * n_sel * group, meta, tile
 
 
@@ -768,7 +774,7 @@ def _sel_dq_pairs(q, k, v, idx, doc_pos, do, gates, lse, delta, dq_intervals, pa
     place, in slot order (deterministic; a program reads and writes its own rows: no third q-sized buffer)."""
     batch, num_q, _, head_dim, num_keys, num_kv, _ = _launch_shapes(q, k)
     chunk_q, sorted_key, order, chunk_off, n_chunks, n_programs, partial_rows, meta, tile = _sel_pair_plan(
-        q, k, idx, doc_pos, params, q_sizes=1.0)  # (these partials add to the backward's peak)
+        q, k, idx, doc_pos, params, q_sizes=1.0, dq=True)  # (these partials add to the backward's peak)
     partials = torch.empty(partial_rows, head_dim, device=q.device, dtype=q.dtype)
     for chunk in range(n_chunks):
         c0 = chunk * chunk_q
