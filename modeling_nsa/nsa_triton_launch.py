@@ -230,13 +230,16 @@ def _sel_fwd_pair_queries(num_q: int, n_sel: int, head_dim: int, element_size: i
 def _sel_fwd_pairs_launch(group: int, head_dim: int, device, dq: bool = False) -> tuple[int, int, int, dict]:
     """(BLOCK_M, queries per pair tile, pairs per program, launch options) of the block-outer selected forward and
     (dq) dQ: 64-row pair tiles (QPB queries x G heads, as the selected dK/dV's), a power of two of at least 8 tiles'
-    pairs per program (its run is held in registers: _pair_run), 4 warps to head_dim 64 (8 above). Above head_dim
-    64 before Hopper the dQ's tile loop runs unpipelined: two or three stages spill it (240-1,088 B,
-    tests/triton_aot.py). The pairs per program are not tuned (bench/KERNELS.md)."""
-    block_m, qpb = _query_tile(group, 64 if head_dim <= 128 else 32)
+    pairs per program (its run is held in registers: _pair_run), 4 warps to head_dim 64 (8 above). Before Hopper the
+    dQ's tile loop spills at 4 warps and 3 stages (16-144 B, tests/triton_aot.py): there it takes 8 warps and 2
+    stages to head_dim 64, 32-row tiles unpipelined above. The pairs per program are not tuned (bench/KERNELS.md)."""
+    slim = dq and not _hopper_class(device)
+    block_m, qpb = _query_tile(group, 64 if head_dim <= (64 if slim else 128) else 32)
     opts = dict(num_warps=4 if head_dim <= 64 else 8)
-    if dq and head_dim > 64 and not _hopper_class(device):
-        opts["num_stages"] = 1
+    if slim:
+        opts = dict(num_warps=8, num_stages=2 if head_dim <= 64 else 1)
+    elif head_dim > 64 and _shared_memory_limit(device) < _LARGE_SHARED_MEMORY:
+        opts["num_stages"] = 2  # three stages of a head_dim 128 tile take 112 KiB, over 99 KiB (sm_86, sm_89)
     return block_m, qpb, _next_pow2(8 * qpb), opts
 
 

@@ -409,53 +409,68 @@ if triton is not None:
         return tl.maximum(a, b)
 
     @triton.jit
+    def _pair_min(a, b):
+        return tl.minimum(a, b)
+
+    # A pair tile's (first entry, pair count, sort key) packed in one int64 (entry << 53 | (count - 1) << 47 | key), so
+    # one reduction hands the tile loop all three: entries < 1,024 (PAIRS <= 512 by the launcher), counts <= 64
+    # (QPB), keys < 2^47 (chunks x batch x KV heads x Tk: _sel_pair_index)
+    _PAIR_KEY_BITS = tl.constexpr(47)
+    _PAIR_KEY_MASK = tl.constexpr(2**47 - 1)
+
+    @triton.jit
     def _pair_run(SKEY, ORDER, p, p_end, QPB: tl.constexpr, PAIRS: tl.constexpr):
         """A pair program's run [p, p_end) of sorted pairs, loaded once into registers, cut into pair tiles: up to QPB
         consecutive pairs of one block, a tile at every QPB-th pair of each block's run within the program (a run is
-        cut by the program's start and end too). Returns (the pairs' sort keys (PAIRS,), their flat indices in idx,
-        the tiles' first entries (tile t's at [t], t < the count; sorted), the tile count). Every load of the tile
-        loop then takes its address from registers, so Triton software-pipelines the loop; a walk that loaded each
-        tile's pairs in the loop (a while loop, as timed on 2026-11-27) waited for every load at every tile."""
+        cut by the program's start and end too). Returns (the pairs' flat indices in idx (PAIRS,), the tiles packed
+        (first entry, count, key; _PAIR_KEY_BITS) at [t] for t < the count, ascending, the tile count). Every load
+        of the tile loop then takes its address from registers, so Triton software-pipelines the loop; a walk that
+        loaded each tile's pairs in the loop (a while loop, as timed on 2026-11-27) waited for every load at every
+        tile."""
         e = tl.arange(0, PAIRS)
         ok = p + e < p_end
-        key = tl.load(SKEY + p + e, mask=ok, other=-1)  # (-1: no pair; every pair's key is >= 0)
+        key = tl.load(SKEY + p + e, mask=ok, other=-1).to(tl.int64)  # (-1: no pair; every pair's key is >= 0)
         order = tl.load(ORDER + p + e, mask=ok, other=0)
-        prev = tl.gather(key, tl.maximum(e - 1, 0), 0)
-        run_start = tl.associative_scan(tl.where((e == 0) | (key != prev), e, 0), 0, _pair_max)  # its block's first
+        starts = (e == 0) | (key != tl.gather(key, tl.maximum(e - 1, 0), 0))  # a block's first pair in the run
+        run_start = tl.associative_scan(tl.where(starts, e, 0), 0, _pair_max)
+        next_start = tl.gather(starts, tl.minimum(e + 1, PAIRS - 1), 0) & (e + 1 < PAIRS)
+        run_end = tl.associative_scan(tl.where(next_start, e + 1, PAIRS), 0, _pair_min, reverse=True)
+        n_valid = tl.minimum(p_end - p, PAIRS).to(tl.int32)
+        count = tl.minimum(tl.minimum(run_end, n_valid) - e, QPB)  # pairs in the tile starting at e
         tile_start = ok & ((e - run_start) % QPB == 0)
-        firsts = tl.sort(tl.where(tile_start, e, PAIRS + e), 0)  # the tiles' first entries, ascending, first
-        return key, order, firsts, tl.sum(tile_start.to(tl.int32), 0)
+        packed = (e.to(tl.int64) << 53) | ((count - 1).to(tl.int64) << _PAIR_KEY_BITS) | key
+        tiles = tl.sort(tl.where(tile_start, packed, tl.full([PAIRS], 2**62, tl.int64) + e), 0)
+        return order, tiles, tl.sum(tile_start.to(tl.int32), 0)
 
     @triton.jit
-    def _pair_tile(key, order, firsts, t, DOCPOS, K, V, chunk, n_bg, Tq, Tk,
+    def _pair_tile(order, tiles, t, SKEY, K, V, chunk, n_bg, Tq, Tk,
                    H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
                    N_SEL: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr):
-        """Pair tile t of a program's run (_pair_run): its block's keys kk, k_ok and K, V (loaded for every tile: the
-        loads' addresses come from registers, and a tile's block is an L2 read), and per row (query x head) whether
-        it is a pair's, its row of q (B*Tq*H rows), its query and slot. Which keys a row sees (_pair_visible) and
-        its partial row (_pair_partial_rows) are left to the kernels, next to their use: computed here, before the
-        loads, they stayed live across the dQ's dots and spilled on sm_86. The key's fields: (chunk x n_bg + batch
-        x KV head) x Tk + block first key."""
+        """Pair tile t of a program's run (_pair_run): its block's keys kk, k_ok (inside the sequence) and K, V (loaded
+        for every tile: the loads' addresses come from registers, and a tile's block is an L2 read), and per row
+        (query x head) whether it is a pair's, its row of q (B*Tq*H rows), its query and slot. Which keys a row
+        sees (_pair_visible) and its partial row (_pair_partial_rows) are left to the kernels, next to their use:
+        computed here, before the loads, they stayed live across the dQ's dots and spilled on sm_86. The key's
+        fields: (chunk x n_bg + batch x KV head) x Tk + block first key."""
+        packed = tl.sum(tl.where(tl.arange(0, PAIRS) == t, tiles, 0), 0)  # (one reduction: the tile's three fields)
+        first = (packed >> 53).to(tl.int32)
+        count = ((packed >> _PAIR_KEY_BITS) & 63).to(tl.int32) + 1
+        key_t = (packed & _PAIR_KEY_MASK).to(SKEY.dtype.element_ty)  # (int32 where keys fit: cheaper divisions)
         r = tl.arange(0, BLOCK_M)
-        first = tl.gather(firsts, tl.zeros([BLOCK_M], tl.int32) + t, 0)  # (BLOCK_M,) the tile's first entry
-        entry = first + r // G
-        in_tile = (r < QPB * G) & (entry < PAIRS)
-        entry = tl.where(in_tile, entry, first)
-        key_t = tl.max(tl.gather(key, first, 0), 0)  # the tile's block
-        row_ok = in_tile & (tl.gather(key, entry, 0) == key_t)  # (the run's next block, or no pair: not this tile)
+        row_ok = (r < QPB * G) & (r // G < count)
         seg = key_t // Tk  # chunk x n_bg + batch x KV head
         bg = (seg - chunk * n_bg).to(tl.int64)
         b = bg // HKV
         g = bg % HKV
-        kk, k_ok = _sel_block_keys(DOCPOS, b, (key_t - seg * Tk).to(tl.int32), Tk, LB)
+        # The block's keys: every query that chose it lies in its document, at or after its first key, so the keys
+        # a row sees at or before its query are the document's (no document test, as the union walk's _sel_block)
+        kk = (key_t - seg * Tk).to(tl.int32) + tl.arange(0, LB)
+        k_ok = kk < Tk
         kv_off = b * Tk * HKV * D + g * D + kk.to(tl.int64)[:, None] * (HKV * D) + tl.arange(0, D)[None, :]
-        # masked by position only, so the load waits on no load of this tile; keys of other documents zeroed after
-        k = tl.load(K + kv_off, mask=(kk < Tk)[:, None], other=0.0)
-        v = tl.load(V + kv_off, mask=(kk < Tk)[:, None], other=0.0)
-        k = tl.where(k_ok[:, None], k, tl.zeros_like(k))  # (in K's dtype: a float 0.0 would promote the tile)
-        v = tl.where(k_ok[:, None], v, tl.zeros_like(v))
+        k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
+        v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
         # (BLOCK_M,) each row's pair as its flat index in idx: ((b x Hkv + kv) x Tq + query) x n' + slot
-        f = tl.gather(order, entry, 0)
+        f = tl.gather(order, tl.where(row_ok, first + r // G, first), 0)
         qi = tl.where(row_ok, f // N_SEL - bg * Tq, 0)  # (no division by the runtime Tq)
         row = (b * Tq + qi) * H + g * G + r % G
         return kk, k_ok, k, v, bg, row_ok, row, qi, f % N_SEL
@@ -472,7 +487,7 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["chunk", "c0"])
     def _sel_fwd_pairs_kernel(
-        Q, K, V, SKEY, ORDER, CHUNK_OFF, DOCPOS, OPART, LPART,
+        Q, K, V, SKEY, ORDER, CHUNK_OFF, OPART, LPART,
         chunk, c0, chunk_q, n_bg, Tq, Tk, q_off, sm_scale2,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
         N_SEL: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr,
@@ -481,11 +496,11 @@ if triton is not None:
         softmax at partial row ((bg x chunk_q + query - c0) x n' + slot) x G + head: the output normalized over the
         block's visible keys, and their base-2 log-sum-exp."""
         p, p_end = _pair_walk_start(CHUNK_OFF, chunk, PAIRS)
-        key, order, firsts, n_tiles = _pair_run(SKEY, ORDER, p, p_end, QPB, PAIRS)
+        order, tiles, n_tiles = _pair_run(SKEY, ORDER, p, p_end, QPB, PAIRS)
         d = tl.arange(0, D)
         for t in range(n_tiles):
             kk, k_ok, k, v, bg, row_ok, row, qi, slot = _pair_tile(
-                key, order, firsts, t, DOCPOS, K, V, chunk, n_bg, Tq, Tk, H, HKV, G, D, LB, N_SEL, QPB, BLOCK_M,
+                order, tiles, t, SKEY, K, V, chunk, n_bg, Tq, Tk, H, HKV, G, D, LB, N_SEL, QPB, BLOCK_M,
                 PAIRS)
             q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
             vis = _pair_visible(row_ok, qi, kk, k_ok, q_off)
@@ -504,7 +519,7 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["chunk", "c0"])
     def _sel_dq_pairs_kernel(
-        Q, K, V, DO, GATE, LSE, DELTA, SKEY, ORDER, CHUNK_OFF, DOCPOS, DQPART,
+        Q, K, V, DO, GATE, LSE, DELTA, SKEY, ORDER, CHUNK_OFF, DQPART,
         chunk, c0, chunk_q, n_bg, Tq, Tk, q_off, sm_scale2, scale,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
         N_SEL: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr,
@@ -514,11 +529,11 @@ if triton is not None:
         dS = P (dO_slc V^T - delta), stored at the same partial rows as the forward's (three dots, no accumulator
         across tiles: the selected dK/dV keeps its own kernel)."""
         p, p_end = _pair_walk_start(CHUNK_OFF, chunk, PAIRS)
-        key, order, firsts, n_tiles = _pair_run(SKEY, ORDER, p, p_end, QPB, PAIRS)
+        order, tiles, n_tiles = _pair_run(SKEY, ORDER, p, p_end, QPB, PAIRS)
         d = tl.arange(0, D)
         for t in range(n_tiles):
             kk, k_ok, k, v, bg, row_ok, row, qi, slot = _pair_tile(
-                key, order, firsts, t, DOCPOS, K, V, chunk, n_bg, Tq, Tk, H, HKV, G, D, LB, N_SEL, QPB, BLOCK_M,
+                order, tiles, t, SKEY, K, V, chunk, n_bg, Tq, Tk, H, HKV, G, D, LB, N_SEL, QPB, BLOCK_M,
                 PAIRS)
             q, do, lse, delta = _bwd_rows(Q, DO, GATE, LSE, DELTA, row, row_ok, d, D, 1)
             vis = _pair_visible(row_ok, qi, kk, k_ok, q_off)
@@ -757,7 +772,7 @@ def _sel_fwd_pairs(q, k, v, idx, doc_pos, params: NSAParams, scale):
     for chunk in range(n_chunks):
         c0 = chunk * chunk_q
         _sel_fwd_pairs_kernel[(n_programs,)](
-            q, k, v, sorted_key, order, chunk_off, doc_pos, o_part, l_part,
+            q, k, v, sorted_key, order, chunk_off, o_part, l_part,
             chunk, c0, chunk_q, n_bg, num_q, num_keys, num_keys - num_q, scale * _LOG2E, **meta, **tile,
         )
         _sel_fwd_pairs_combine_kernel[(_cdiv(min(chunk_q, num_q - c0), meta["QPB"]), n_bg)](
@@ -779,7 +794,7 @@ def _sel_dq_pairs(q, k, v, idx, doc_pos, do, gates, lse, delta, dq_intervals, pa
     for chunk in range(n_chunks):
         c0 = chunk * chunk_q
         _sel_dq_pairs_kernel[(n_programs,)](
-            q, k, v, do, gates, lse, delta, sorted_key, order, chunk_off, doc_pos, partials,
+            q, k, v, do, gates, lse, delta, sorted_key, order, chunk_off, partials,
             chunk, c0, chunk_q, batch * num_kv, num_q, num_keys, num_keys - num_q, scale * _LOG2E, scale,
             **meta, **tile,
         )
