@@ -91,7 +91,8 @@ def test_the_session_pending_step_times_the_heaviest_first_orders_against_the_ol
     step = script.split("    pending)", 1)[1].split(";;", 1)[0].replace("\\\n", " ")
     variants = [tk.parse_variant(v) for v in step.split("--variants", 1)[1].split("--cases", 1)[0].split()]
     assert [name for name, _ in variants] == ["default", "sel_dkdv_old_order", "dkdv_tiles_fast", "tiles_light_first",
-                                              "topn_32rows", "topn_128rows"], variants
+                                              "topn_32rows", "topn_128rows", "sel_fwd_pairs", "sel_dq_pairs",
+                                              "block_outer"], variants
     batch, num_kv, seq_len = 2, 2, 300
 
     def calls_of(settings):
@@ -108,7 +109,7 @@ def test_the_session_pending_step_times_the_heaviest_first_orders_against_the_ol
         triton_aot.with_kernels_replaced(run, Stand)
         return calls
 
-    default_calls, old_calls, tiles_fast_calls, light_calls, topn32_calls, topn128_calls = (
+    default_calls, old_calls, tiles_fast_calls, light_calls, topn32_calls, topn128_calls, *pair_calls = (
         calls_of(settings) for _, settings in variants)
     new, old = ([(grid, kw["HEAVY_PASS"], kw["RANGES_FAST"]) for name, grid, kw in calls
                  if name == "_sel_bwd_dkdv_kernel"] for calls in (default_calls, old_calls))
@@ -132,6 +133,11 @@ def test_the_session_pending_step_times_the_heaviest_first_orders_against_the_ol
     for calls, light in ((default_calls, False), (light_calls, True)):
         orders = {name: kw["LIGHT_FIRST"] for name, _, kw in calls if name in query_tile_kernels}
         assert orders == dict.fromkeys(query_tile_kernels, light), orders
+    # the block-outer selected forward, dQ and both: their pair kernels launched, the union walk's not
+    launched = [{name for name, _, _ in calls} for calls in pair_calls]
+    assert "_sel_fwd_pairs_kernel" in launched[0] and "_sel_fwd_kernel" not in launched[0], launched[0]
+    assert "_sel_dq_pairs_kernel" in launched[1] and "_sel_fwd_kernel" in launched[1], launched[1]
+    assert {"_sel_fwd_pairs_kernel", "_sel_dq_pairs_kernel"} <= launched[2], launched[2]
     cases = [tk.parse_case(c) for c in step.split("--cases", 1)[1].split()]
     assert {c[3] for c in cases} == {2048, 8192, 32768, 65536} and all(c[3] * c[4] == 65536 for c in cases), cases
 
