@@ -187,8 +187,8 @@ if triton is not None:
         """One step of a decode branch: the keys at kv_off (those with vis) into the softmax state of q's heads."""
         k = tl.load(K + kv_off, mask=vis[:, None], other=0.0)
         v = tl.load(V + kv_off, mask=vis[:, None], other=0.0)
-        x = tl.where(vis[None, :], tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
-        return _softmax_tile(x, v, m_i, l_i, acc)
+        x = tl.where(vis[None, :], tl.dot(q, tl.trans(k)), float("-inf"))
+        return _softmax_tile(x, sm_scale2, v, m_i, l_i, acc)
 
     @triton.jit
     def _decode_selected(q, TOPV, TOPI, KS, VS, pid_bg, b, g, t, start, n_prog, slot_lo, slot_hi, sm_scale2, ks_bs,

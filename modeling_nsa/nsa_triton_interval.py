@@ -67,10 +67,10 @@ if triton is not None:
         """Online softmax over the key tiles from k_from to k_to (masked or not, see _interval_tiles)."""
         for k0 in range(k_from, k_to, BLOCK_N):
             k, v, vis = _interval_kv(K, V, kv_base, k0, k_end, lo, hi, HKV, D, BLOCK_N, MASKED)
-            s = tl.dot(q, tl.trans(k)) * sm_scale2
+            s = tl.dot(q, tl.trans(k))
             if MASKED:
                 s = tl.where(vis, s, float("-inf"))
-            m_i, l_i, acc = _softmax_tile(s, v, m_i, l_i, acc)
+            m_i, l_i, acc = _softmax_tile(s, sm_scale2, v, m_i, l_i, acc)
         return m_i, l_i, acc
 
     @triton.jit

@@ -98,12 +98,12 @@ if triton is not None:
                 vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
             else:
                 vis = sel[:, None]
-            s = tl.where(vis, tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
-            m_i, l_i, acc = _softmax_tile(s, v, m_i, l_i, acc)
+            s = tl.where(vis, tl.dot(q, tl.trans(k)), float("-inf"))
+            m_i, l_i, acc = _softmax_tile(s, sm_scale2, v, m_i, l_i, acc)
         elif tl.max(sel.to(tl.int32), 0) > 0:
             vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
-            s = tl.where(vis, tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
-            m_i, l_i, acc = _softmax_tile(s, v, m_i, l_i, acc)
+            s = tl.where(vis, tl.dot(q, tl.trans(k)), float("-inf"))
+            m_i, l_i, acc = _softmax_tile(s, sm_scale2, v, m_i, l_i, acc)
         return m_i, l_i, acc
 
     @triton.jit
@@ -504,10 +504,10 @@ if triton is not None:
                 PAIRS)
             q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
             vis = _pair_visible(row_ok, qi, kk, k_ok, q_off)
-            s = tl.where(vis, tl.dot(q, tl.trans(k)) * sm_scale2, float("-inf"))
-            m = tl.max(s, 1)
+            s = tl.where(vis, tl.dot(q, tl.trans(k)), float("-inf"))
+            m = tl.max(s, 1) * sm_scale2  # (the scale inside the exponent: as _softmax_tile)
             m_safe = tl.where(m == float("-inf"), 0.0, m)
-            prob = tl.exp2(s - m_safe[:, None])
+            prob = tl.exp2(s * sm_scale2 - m_safe[:, None])
             l_sum = tl.sum(prob, 1)
             out = tl.dot(prob.to(v.dtype), v) / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
             prow = _pair_partial_rows(bg, qi, slot, c0, chunk_q, G, N_SEL, BLOCK_M)
