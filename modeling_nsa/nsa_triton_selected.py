@@ -455,7 +455,7 @@ if triton is not None:
         packed = tl.sum(tl.where(tl.arange(0, PAIRS) == t, tiles, 0), 0)  # (one reduction: the tile's three fields)
         first = (packed >> 53).to(tl.int32)
         count = ((packed >> _PAIR_KEY_BITS) & 63).to(tl.int32) + 1
-        key_t = (packed & _PAIR_KEY_MASK).to(SKEY.dtype.element_ty)  # (int32 where keys fit: cheaper divisions)
+        key_t = packed & _PAIR_KEY_MASK
         r = tl.arange(0, BLOCK_M)
         row_ok = (r < QPB * G) & (r // G < count)
         seg = key_t // Tk  # chunk x n_bg + batch x KV head
