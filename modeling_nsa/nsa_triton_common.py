@@ -100,6 +100,16 @@ if _HAS_TRITON:
         return r, tl.where(row_ok, qi, 0), row_ok
 
     @triton.jit
+    def _max_combine(a, b):
+        """tl.associative_scan's combine for running maxima."""
+        return tl.maximum(a, b)
+
+    @triton.jit
+    def _min_combine(a, b):
+        """tl.associative_scan's combine for running minima."""
+        return tl.minimum(a, b)
+
+    @triton.jit
     def _softmax_init(ROWS: tl.constexpr, D: tl.constexpr):
         """Online-softmax state of ROWS rows: running max, running sum, unnormalized output."""
         return tl.full([ROWS], float("-inf"), tl.float32), tl.zeros([ROWS], tl.float32), tl.zeros([ROWS, D], tl.float32)

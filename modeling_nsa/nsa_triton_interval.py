@@ -20,8 +20,8 @@ except Exception:  # pragma: no cover - exercised only without triton
 
 
 if triton is not None:
-    from .nsa_triton_common import (_bwd_rows, _dkdv_update, _gated_sum, _query_tile_id, _softmax_init,
-                                     _softmax_tile, _tile_rows)
+    from .nsa_triton_common import (_bwd_rows, _dkdv_update, _gated_sum, _max_combine, _query_tile_id,
+                                     _softmax_init, _softmax_tile, _tile_rows)
 
     # ------------------------------------------------------------------------------------------
     # Interval attention (compressed + window branches)
@@ -255,10 +255,6 @@ if triton is not None:
     # ------------------------------------------------------------------------------------------
     # The dK/dV kernel's query ranges per key tile (both interval branches at once)
     # ------------------------------------------------------------------------------------------
-
-    @triton.jit
-    def _max_combine(a, b):
-        return tl.maximum(a, b)
 
     @triton.jit
     def _range_scan_kernel(INTERVALS, SCAN, TOTALS, Tq, n_chunks, CHUNK: tl.constexpr):

@@ -235,11 +235,12 @@ def _sel_fwd_pairs_launch(group: int, head_dim: int, device, dq: bool = False) -
     stages to head_dim 64, 32-row tiles unpipelined above. The pairs per program are not tuned (bench/KERNELS.md)."""
     slim = dq and not _hopper_class(device)
     block_m, qpb = _query_tile(group, 64 if head_dim <= (64 if slim else 128) else 32)
-    opts = dict(num_warps=4 if head_dim <= 64 else 8)
     if slim:
         opts = dict(num_warps=8, num_stages=2 if head_dim <= 64 else 1)
     elif head_dim > 64 and _shared_memory_limit(device) < _LARGE_SHARED_MEMORY:
-        opts["num_stages"] = 2  # three stages of a head_dim 128 tile take 112 KiB, over 99 KiB (sm_86, sm_89)
+        opts = dict(num_warps=8, num_stages=2)  # three stages of a head_dim 128 tile take 112 KiB, over 99 KiB (sm_86)
+    else:
+        opts = dict(num_warps=4 if head_dim <= 64 else 8)
     return block_m, qpb, _next_pow2(8 * qpb), opts
 
 

@@ -21,8 +21,8 @@ except Exception:  # pragma: no cover - exercised only without triton
 
 
 if triton is not None:
-    from .nsa_triton_common import (_bwd_rows, _dkdv_update, _dkdv_update_ds, _query_tile_id, _softmax_init,
-                                     _softmax_tile, _tile_rows)
+    from .nsa_triton_common import (_bwd_rows, _dkdv_update, _dkdv_update_ds, _max_combine, _min_combine,
+                                     _query_tile_id, _softmax_init, _softmax_tile, _tile_rows)
 
     # ------------------------------------------------------------------------------------------
     # Selected attention
@@ -404,19 +404,13 @@ if triton is not None:
         p = tl.load(CHUNK_OFF + chunk) + tl.program_id(0).to(tl.int64) * PAIRS
         return p, tl.minimum(p + PAIRS, p_hi)
 
-    @triton.jit
-    def _pair_max(a, b):
-        return tl.maximum(a, b)
-
-    @triton.jit
-    def _pair_min(a, b):
-        return tl.minimum(a, b)
-
     # A pair tile's (first entry, pair count, sort key) packed in one int64 (entry << 53 | (count - 1) << 47 | key), so
     # one reduction hands the tile loop all three: entries < 1,024 (PAIRS <= 512 by the launcher), counts <= 64
     # (QPB), keys < 2^47 (chunks x batch x KV heads x Tk: _sel_pair_index)
     _PAIR_KEY_BITS = tl.constexpr(47)
     _PAIR_KEY_MASK = tl.constexpr(2**47 - 1)
+    _PAIR_COUNT_MASK = tl.constexpr(63)  # count - 1 in the 6 bits above the key
+    _PAIR_FIRST_SHIFT = tl.constexpr(53)  # 47 + 6: the first entry above the count
 
     @triton.jit
     def _pair_run(SKEY, ORDER, p, p_end, QPB: tl.constexpr, PAIRS: tl.constexpr):
@@ -432,18 +426,18 @@ if triton is not None:
         key = tl.load(SKEY + p + e, mask=ok, other=-1).to(tl.int64)  # (-1: no pair; every pair's key is >= 0)
         order = tl.load(ORDER + p + e, mask=ok, other=0)
         starts = (e == 0) | (key != tl.gather(key, tl.maximum(e - 1, 0), 0))  # a block's first pair in the run
-        run_start = tl.associative_scan(tl.where(starts, e, 0), 0, _pair_max)
+        run_start = tl.associative_scan(tl.where(starts, e, 0), 0, _max_combine)
         next_start = tl.gather(starts, tl.minimum(e + 1, PAIRS - 1), 0) & (e + 1 < PAIRS)
-        run_end = tl.associative_scan(tl.where(next_start, e + 1, PAIRS), 0, _pair_min, reverse=True)
+        run_end = tl.associative_scan(tl.where(next_start, e + 1, PAIRS), 0, _min_combine, reverse=True)
         n_valid = tl.minimum(p_end - p, PAIRS).to(tl.int32)
         count = tl.minimum(tl.minimum(run_end, n_valid) - e, QPB)  # pairs in the tile starting at e
         tile_start = ok & ((e - run_start) % QPB == 0)
-        packed = (e.to(tl.int64) << 53) | ((count - 1).to(tl.int64) << _PAIR_KEY_BITS) | key
+        packed = (e.to(tl.int64) << _PAIR_FIRST_SHIFT) | ((count - 1).to(tl.int64) << _PAIR_KEY_BITS) | key
         tiles = tl.sort(tl.where(tile_start, packed, tl.full([PAIRS], 2**62, tl.int64) + e), 0)
         return order, tiles, tl.sum(tile_start.to(tl.int32), 0)
 
     @triton.jit
-    def _pair_tile(order, tiles, t, SKEY, K, V, chunk, n_bg, Tq, Tk,
+    def _pair_tile(order, tiles, t, K, V, chunk, n_bg, Tq, Tk,
                    H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
                    N_SEL: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr):
         """Pair tile t of a program's run (_pair_run): its block's keys kk, k_ok (inside the sequence) and K, V (loaded
@@ -453,8 +447,8 @@ if triton is not None:
         computed here, before the loads, they stayed live across the dQ's dots and spilled on sm_86. The key's
         fields: (chunk x n_bg + batch x KV head) x Tk + block first key."""
         packed = tl.sum(tl.where(tl.arange(0, PAIRS) == t, tiles, 0), 0)  # (one reduction: the tile's three fields)
-        first = (packed >> 53).to(tl.int32)
-        count = ((packed >> _PAIR_KEY_BITS) & 63).to(tl.int32) + 1
+        first = (packed >> _PAIR_FIRST_SHIFT).to(tl.int32)
+        count = ((packed >> _PAIR_KEY_BITS) & _PAIR_COUNT_MASK).to(tl.int32) + 1
         key_t = packed & _PAIR_KEY_MASK
         r = tl.arange(0, BLOCK_M)
         row_ok = (r < QPB * G) & (r // G < count)
@@ -500,7 +494,7 @@ if triton is not None:
         d = tl.arange(0, D)
         for t in range(n_tiles):
             kk, k_ok, k, v, bg, row_ok, row, qi, slot = _pair_tile(
-                order, tiles, t, SKEY, K, V, chunk, n_bg, Tq, Tk, H, HKV, G, D, LB, N_SEL, QPB, BLOCK_M,
+                order, tiles, t, K, V, chunk, n_bg, Tq, Tk, H, HKV, G, D, LB, N_SEL, QPB, BLOCK_M,
                 PAIRS)
             q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
             vis = _pair_visible(row_ok, qi, kk, k_ok, q_off)
@@ -533,7 +527,7 @@ if triton is not None:
         d = tl.arange(0, D)
         for t in range(n_tiles):
             kk, k_ok, k, v, bg, row_ok, row, qi, slot = _pair_tile(
-                order, tiles, t, SKEY, K, V, chunk, n_bg, Tq, Tk, H, HKV, G, D, LB, N_SEL, QPB, BLOCK_M,
+                order, tiles, t, K, V, chunk, n_bg, Tq, Tk, H, HKV, G, D, LB, N_SEL, QPB, BLOCK_M,
                 PAIRS)
             q, do, lse, delta = _bwd_rows(Q, DO, GATE, LSE, DELTA, row, row_ok, d, D, 1)
             vis = _pair_visible(row_ok, qi, kk, k_ok, q_off)
