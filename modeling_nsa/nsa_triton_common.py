@@ -119,8 +119,9 @@ if _HAS_TRITON:
         """Online-softmax update with one key tile: s (M, N) the raw q.k dots, -inf where not visible; scale2 > 0 the
         softmax scale times log2(e), so the state (m_i, and the log-sum-exp made from it) is in base-2 logits.
         The scale is applied inside the exponent (one fused multiply-add per element, s * scale2 - m) and to the
-        row maxima, not to the tile before them: the selected and interval loops are issue-bound, and a multiply
-        per element was 32 of a step's ~600 instructions (bench/KERNELS.md)."""
+        row maxima, not to the tile before them: the selected and interval loops' time follows their instruction
+        count (latency-bound chains), and a multiply per element was 32 of a step's ~600 instructions
+        (bench/KERNELS.md)."""
         m_new = tl.maximum(m_i, tl.max(s, 1) * scale2)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)

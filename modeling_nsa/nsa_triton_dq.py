@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .nsa_layout import NSAParams
-from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes, _next_pow2
+from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes
 from .nsa_triton_launch import _dq_launch, _query_tiles_light_first, _sel_dq_reduce_rows, _sel_sub_tile
 from .nsa_triton_selected import _tile_block_union
 
@@ -22,7 +22,7 @@ except Exception:  # pragma: no cover - exercised only without triton
 if triton is not None:
     from .nsa_triton_common import _load_lse, _query_tile_id, _tile_rows
     from .nsa_triton_interval import _interval_kv, _interval_tiles
-    from .nsa_triton_selected import _sel_block, _sel_sub_rows
+    from .nsa_triton_selected import _sel_block, _sel_chosen, _sel_sub_rows, _sel_visible
 
     # ------------------------------------------------------------------------------------------
     # Backward dQ: one kernel for the three branches
@@ -78,30 +78,28 @@ if triton is not None:
         return do, delta
 
     @triton.jit
-    def _sel_dq_sub_rows(Q, IDX, DOCPOS, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q, pid_bg, Tq, Tk, q_off, R, r0,
-                         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
-                         N_SEL: tl.constexpr, N_PAD: tl.constexpr, QPB: tl.constexpr, SUB_M: tl.constexpr):
+    def _sel_dq_sub_rows(Q, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q, pid_bg, Tq, q_off, R, r0,
+                         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, QPB: tl.constexpr,
+                         SUB_M: tl.constexpr):
         """A sub-tile's rows for the selected branch's dQ: q, round(g dout), log-sum-exp, delta (delta and the
-        gate gradient also stored), query positions and chosen blocks."""
-        q, row, row_ok, t_abs, a_rows = _sel_sub_rows(Q, IDX, DOCPOS, pid_q, pid_bg, Tq, Tk, q_off, r0,
-                                                      H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+        gate gradient also stored), query positions and each row's query within the tile (_sel_sub_rows)."""
+        q, row, row_ok, t_abs, q_in_tile = _sel_sub_rows(Q, pid_q, pid_bg, Tq, q_off, r0, H, HKV, G, D, QPB, SUB_M)
         do, delta = _branch_prep(DOUT, OS, GATE, DG, DELTA, row, row_ok, tl.arange(0, D), R, D, 1)
-        return q, do, _load_lse(LSE_S, row, row_ok), delta, t_abs, a_rows
+        return q, do, _load_lse(LSE_S, row, row_ok), delta, t_abs, q_in_tile
 
     @triton.jit
-    def _sel_dq_sub(a, kk, k, v, q, do, lse, delta, t_abs, a_rows, sm_scale2, dq, WHOLE: tl.constexpr,
+    def _sel_dq_sub(a, k, v, q, do, lse, delta, t_abs, chosen, sm_scale2, dq, WHOLE: tl.constexpr,
                     CAUSAL: tl.constexpr = True):
-        """Block a's share of one sub-tile's dQ: skipped unless one of its rows' queries chose it (WHOLE: the
-        whole tile, no test; CAUSAL=False: a block every row's query is past; as in _sel_fwd_sub)."""
-        sel = tl.sum((a_rows == a).to(tl.int32), 1) > 0
+        """A union block's share of one sub-tile's dQ: skipped unless one of its rows' queries chose it (WHOLE:
+        the whole tile, no test; CAUSAL=False: a block every row's query is past; as in _sel_fwd_sub)."""
         if WHOLE:
             if CAUSAL:
-                vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
+                vis = _sel_visible(a, t_abs, chosen, k.shape[0])
             else:
-                vis = sel[:, None]
+                vis = chosen[:, None]
             dq = _dq_update(q, do, lse, delta, k, v, vis, sm_scale2, dq, True)
-        elif tl.max(sel.to(tl.int32), 0) > 0:
-            vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
+        elif tl.max(chosen.to(tl.int32), 0) > 0:
+            vis = _sel_visible(a, t_abs, chosen, k.shape[0])
             dq = _dq_update(q, do, lse, delta, k, v, vis, sm_scale2, dq, True)
         return dq
 
@@ -116,11 +114,11 @@ if triton is not None:
     def _bwd_dq_kernel(
         Q, DOUT, GATE, DG, DELTA, DQ,
         KC, VC, C_LO, C_HI, LSE_C, OC,
-        KS, VS, IDX, UBLK, UCNT, UPAST, DOCPOS, LSE_S, OS,
+        KS, VS, UENT, UHI, UCNT, UPAST, LSE_S, OS,
         KW, VW, W_LO, W_HI, LSE_W, OW,
         Tq, Tk, Nc, Tw, q_off, n_tiles, R, sm_scale2, scale,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-        LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr,
+        LB: tl.constexpr, N_SEL: tl.constexpr, QPB: tl.constexpr, WORDS: tl.constexpr, BLOCK_M: tl.constexpr,
         SUB_M: tl.constexpr, BLOCK_N: tl.constexpr, SEL_DQ: tl.constexpr, LIGHT_FIRST: tl.constexpr,
     ):
         """dQ of all three branches for one query tile, accumulated in registers in a fixed branch order
@@ -153,41 +151,43 @@ if triton is not None:
         # selected branch: the tile's distinct blocks (see _tile_block_union), math per sub-tile; without SEL_DQ
         # only its delta and gate gradient (the selected dK/dV kernel adds its dQ: sel_dq_in_dkdv)
         if SEL_DQ:
-            q0, do0, lse0, dl0, t0, a0 = _sel_dq_sub_rows(Q, IDX, DOCPOS, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q,
-                                                          pid_bg, Tq, Tk, q_off, R, 0,
-                                                          H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+            q0, do0, lse0, dl0, t0, c0 = _sel_dq_sub_rows(Q, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q, pid_bg, Tq,
+                                                          q_off, R, 0, H, HKV, G, D, QPB, SUB_M)
             dq0 = tl.zeros([SUB_M, D], tl.float32)
             if SUBS >= 2:
-                q1, do1, lse1, dl1, t1, a1 = _sel_dq_sub_rows(Q, IDX, DOCPOS, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q,
-                                                              pid_bg, Tq, Tk, q_off, R, SUB_M,
-                                                              H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+                q1, do1, lse1, dl1, t1, c1 = _sel_dq_sub_rows(Q, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q, pid_bg, Tq,
+                                                              q_off, R, SUB_M, H, HKV, G, D, QPB, SUB_M)
                 dq1 = tl.zeros([SUB_M, D], tl.float32)
             if SUBS >= 4:
-                q2, do2, lse2, dl2, t2, a2 = _sel_dq_sub_rows(Q, IDX, DOCPOS, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q,
-                                                              pid_bg, Tq, Tk, q_off, R, 2 * SUB_M,
-                                                              H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+                q2, do2, lse2, dl2, t2, c2 = _sel_dq_sub_rows(Q, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q, pid_bg, Tq,
+                                                              q_off, R, 2 * SUB_M, H, HKV, G, D, QPB, SUB_M)
                 dq2 = tl.zeros([SUB_M, D], tl.float32)
-                q3, do3, lse3, dl3, t3, a3 = _sel_dq_sub_rows(Q, IDX, DOCPOS, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q,
-                                                              pid_bg, Tq, Tk, q_off, R, 3 * SUB_M,
-                                                              H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+                q3, do3, lse3, dl3, t3, c3 = _sel_dq_sub_rows(Q, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q, pid_bg, Tq,
+                                                              q_off, R, 3 * SUB_M, H, HKV, G, D, QPB, SUB_M)
                 dq3 = tl.zeros([SUB_M, D], tl.float32)
             tile = pid_bg.to(tl.int64) * n_tiles + pid_q
+            entries = tile * (QPB * N_SEL)  # the tile's first union entry
             kv_base = b * Tk * HKV * D + g * D
             n_union = tl.load(UCNT + tile)
             u_from = 0
             if SUBS == 1:  # the blocks every row's query is past, without the causal mask (_sel_fwd_kernel)
                 u_from = tl.load(UPAST + tile)
                 for u in range(u_from):
-                    a, kk, k, v = _sel_block(KS, VS, UBLK, tile, u, kv_base, Tk, HKV, D, LB, N_SEL, QPB)
-                    dq0 = _sel_dq_sub(a, kk, k, v, q0, do0, lse0, dl0, t0, a0, sm_scale2, dq0, True, False)
+                    a, k, v, word = _sel_block(KS, VS, UENT, entries + u, kv_base, Tk, HKV, D, LB)
+                    chosen = _sel_chosen(UHI, entries + u, word, c0, WORDS)
+                    dq0 = _sel_dq_sub(a, k, v, q0, do0, lse0, dl0, t0, chosen, sm_scale2, dq0, True, False)
             for u in range(u_from, n_union):
-                a, kk, k, v = _sel_block(KS, VS, UBLK, tile, u, kv_base, Tk, HKV, D, LB, N_SEL, QPB)
-                dq0 = _sel_dq_sub(a, kk, k, v, q0, do0, lse0, dl0, t0, a0, sm_scale2, dq0, SUBS == 1)
+                a, k, v, word = _sel_block(KS, VS, UENT, entries + u, kv_base, Tk, HKV, D, LB)
+                chosen = _sel_chosen(UHI, entries + u, word, c0, WORDS)
+                dq0 = _sel_dq_sub(a, k, v, q0, do0, lse0, dl0, t0, chosen, sm_scale2, dq0, SUBS == 1)
                 if SUBS >= 2:
-                    dq1 = _sel_dq_sub(a, kk, k, v, q1, do1, lse1, dl1, t1, a1, sm_scale2, dq1, False)
+                    chosen = _sel_chosen(UHI, entries + u, word, c1, WORDS)
+                    dq1 = _sel_dq_sub(a, k, v, q1, do1, lse1, dl1, t1, chosen, sm_scale2, dq1, False)
                 if SUBS >= 4:
-                    dq2 = _sel_dq_sub(a, kk, k, v, q2, do2, lse2, dl2, t2, a2, sm_scale2, dq2, False)
-                    dq3 = _sel_dq_sub(a, kk, k, v, q3, do3, lse3, dl3, t3, a3, sm_scale2, dq3, False)
+                    chosen = _sel_chosen(UHI, entries + u, word, c2, WORDS)
+                    dq2 = _sel_dq_sub(a, k, v, q2, do2, lse2, dl2, t2, chosen, sm_scale2, dq2, False)
+                    chosen = _sel_chosen(UHI, entries + u, word, c3, WORDS)
+                    dq3 = _sel_dq_sub(a, k, v, q3, do3, lse3, dl3, t3, chosen, sm_scale2, dq3, False)
             if SUBS == 1:
                 dq += dq0
             if SUBS == 2:
@@ -246,18 +246,20 @@ def _bwd_dq(q, dout, gates, cmp, slc, win, idx, doc_pos, params: NSAParams, scal
     n_sel = idx.shape[-1]
     block_m, qpb, dq_opts = _dq_launch(group, head_dim, n_sel, q.device, sel_dq)
     if sel_dq:
-        blocks, counts, n_past = _tile_block_union(idx, doc_pos, qpb, params.sel_block_size)
+        entries, high_bits, counts, n_past = _tile_block_union(idx, doc_pos, qpb, params.sel_block_size)
     else:  # not read (SEL_DQ=False)
-        blocks, counts, n_past = idx, idx.new_zeros(batch, num_kv, 0), idx.new_zeros(batch, num_kv, 0)
+        entries = high_bits = idx
+        counts = n_past = idx.new_zeros(batch, num_kv, 0)
     dq = torch.empty_like(q) if sel_dq else torch.empty(q.shape, device=q.device, dtype=torch.float32)
     dgates = torch.empty_like(gates)
     delta = torch.empty(3, batch, num_q, num_heads, device=q.device, dtype=torch.float32)
     _bwd_dq_kernel[(_cdiv(num_q, qpb), batch * num_kv)](
-        q, dout, gates, dgates, delta, dq, *cmp, k_slc, slc[1], idx, blocks, counts, n_past, doc_pos, *slc[2:], *win,
+        q, dout, gates, dgates, delta, dq, *cmp, k_slc, slc[1], entries, high_bits, counts, n_past, *slc[2:], *win,
         num_q, num_keys, k_cmp.shape[1], k_win.shape[1], num_keys - num_q, counts.shape[-1], batch * num_q * num_heads,
         scale * _LOG2E, scale,
         H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=params.sel_block_size, N_SEL=n_sel,
-        N_PAD=_next_pow2(n_sel), QPB=qpb, BLOCK_M=block_m, SUB_M=_sel_sub_tile(block_m, head_dim, q.device, dq=True),
+        QPB=qpb, WORDS=high_bits.shape[-1] + 1 if sel_dq else 1, BLOCK_M=block_m,
+        SUB_M=_sel_sub_tile(block_m, head_dim, q.device, dq=True),
         BLOCK_N=64, SEL_DQ=sel_dq, LIGHT_FIRST=_query_tiles_light_first(), **dq_opts,
     )
     return dq, dgates, delta

@@ -35,6 +35,10 @@ class LaunchOverrides:
     dkdv_stages: int | None = None
     dq_stages: int | None = None
     sel_stages: int | None = None
+    # a register cap for the selected forward (Triton's maxnreg): 128 lets a fourth 4-warp program share an SM at
+    # head_dim 64 (134 registers fit three), spill-free on sm_90 at the 125M layout (a 16-byte frame outside the
+    # loop); its loop is latency-bound at three (bench/KERNELS.md, "2026-11-27, fourth session"); not yet timed
+    sel_fwd_max_registers: int | None = None
     # the compressed/window dK/dV runs the query tiles that see all of a key tile in a loop of their own, unmasked
     # (True, and None: the default since the 2026-11-25 sweep, 63% off that kernel at 64k), or masks every tile
     # (False, as timed on 2026-11-23; bench/KERNELS.md)
@@ -212,6 +216,8 @@ def _sel_fwd_opts(head_dim: int, device) -> dict:
     opts = dict(num_warps=4) if head_dim <= 64 else dict(num_warps=8, num_stages=wide_stages)
     if _OVERRIDES.sel_stages:
         opts["num_stages"] = _OVERRIDES.sel_stages
+    if _OVERRIDES.sel_fwd_max_registers:
+        opts["maxnreg"] = _OVERRIDES.sel_fwd_max_registers
     return opts
 
 

@@ -32,8 +32,12 @@ if triton is not None:
     # and walks the union of the tile's selected blocks (consecutive queries share the forced blocks and
     # much of the top-n). A block is named by its absolute first key a = doc_start + j * l' (a block
     # start lies inside its document, so equal a means same document). The launcher lists each tile's
-    # distinct blocks (_tile_block_union: sorted, deduplicated, static shapes); each row attends block a
-    # iff its own query selected it (keys s <= t).
+    # distinct blocks (_tile_block_union: sorted, deduplicated, static shapes) and, beside each, which of the
+    # tile's queries chose it (a bit per query); each row attends block a iff its query's bit is set (keys
+    # s <= t). A row reads its bit with a shift: the walk's step does no per-row search of the row's n' choices,
+    # and the choices stay out of registers. Each union entry is one int64, a << 32 | the first 32 queries' bits,
+    # so a step loads one scalar (two scalar loads a step kept the compiler from overlapping the loads of the
+    # block-past loop with its math: tests/triton_aot.py).
     # Sub-tiles: the tile's rows are split in SUBS sub-tiles of SUB_M rows (1, 2 or 4, each with its own
     # softmax state); a union block is loaded once for the tile, and a sub-tile does its math only if one
     # of its rows' queries chose the block. The tile shares the block loads of many queries while the
@@ -42,66 +46,66 @@ if triton is not None:
     # forward at head_dim 128.
 
     @triton.jit
-    def _sel_tile_rows(IDX, DOCPOS, pid_q, pid_bg, b, Tq, Tk, q_off, r0,
-                       G: tl.constexpr, LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr,
-                       QPB: tl.constexpr, ROWS: tl.constexpr):
-        """Rows r0 .. r0+ROWS-1 of a query tile: (r, qi, row_ok, t_abs, a_rows (ROWS, N_PAD) first keys of the
-        blocks each row's query chose, -1 unused; int32, as the union lists them: half the registers and
-        compares of int64 in the per-block test)."""
-        r, qi, row_ok = _tile_rows(pid_q, Tq, r0, G, QPB, ROWS)
-        t_abs = q_off + qi
-        pos = tl.load(DOCPOS + b * Tk + t_abs, mask=row_ok, other=-1)
-        start = t_abs - pos
-        slot = tl.arange(0, N_PAD)
-        j_rows = tl.load(IDX + (pid_bg.to(tl.int64) * Tq + qi)[:, None] * N_SEL + slot[None, :],
-                         mask=row_ok[:, None] & (slot < N_SEL)[None, :], other=-1)
-        a_rows = tl.where(j_rows >= 0, (start[:, None] + j_rows * LB).to(tl.int32), -1)  # (ROWS, N_PAD)
-        return r, qi, row_ok, t_abs, a_rows
-
-    @triton.jit
-    def _sel_sub_rows(Q, IDX, DOCPOS, pid_q, pid_bg, Tq, Tk, q_off, r0,
-                      H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
-                      N_SEL: tl.constexpr, N_PAD: tl.constexpr, QPB: tl.constexpr, SUB_M: tl.constexpr):
-        """A sub-tile's q, row indices (into (B*T*H) rows), row mask, query positions and chosen blocks."""
+    def _sel_sub_rows(Q, pid_q, pid_bg, Tq, q_off, r0,
+                      H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, QPB: tl.constexpr,
+                      SUB_M: tl.constexpr):
+        """A sub-tile's q (SUB_M, D), row indices (into (B*T*H) rows), row mask, query positions (int32) and each
+        row's query within the tile (its bit in the union's masks; padding queries chose no block, so no bit)."""
         b = (pid_bg // HKV).to(tl.int64)
         g = pid_bg % HKV
-        r, qi, row_ok, t_abs, a_rows = _sel_tile_rows(IDX, DOCPOS, pid_q, pid_bg, b, Tq, Tk, q_off, r0,
-                                                      G, LB, N_SEL, N_PAD, QPB, SUB_M)
+        r, qi, row_ok = _tile_rows(pid_q, Tq, r0, G, QPB, SUB_M)
+        t_abs = q_off + qi
         row = (b * Tq + qi) * H + g * G + r % G
         d = tl.arange(0, D)
         q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-        return q, row, row_ok, t_abs, a_rows
+        return q, row, row_ok, t_abs, r // G
 
     @triton.jit
-    def _sel_block(K, V, UBLK, tile, u, kv_base, Tk,
-                   HKV: tl.constexpr, D: tl.constexpr, LB: tl.constexpr, N_SEL: tl.constexpr, QPB: tl.constexpr):
-        """The tile's u-th distinct block: its first key a (int32, as listed), key indices kk (LB,) and K, V
-        (LB, D)."""
-        a = tl.load(UBLK + tile * (QPB * N_SEL) + u)
-        kk = a.to(tl.int64) + tl.arange(0, LB)
+    def _sel_block(K, V, UENT, entry, kv_base, Tk, HKV: tl.constexpr, D: tl.constexpr, LB: tl.constexpr):
+        """The union entry's block: its first key a (int32), K, V (LB, D), and the bits of the tile's first 32
+        queries (int32; the others' come from _sel_chosen)."""
+        packed = tl.load(UENT + entry)  # first key << 32 | query bits 0-31
+        a = (packed >> 32).to(tl.int32)
+        kk = a + tl.arange(0, LB)
         k_ld = kk < Tk
-        kv_off = kv_base + kk[:, None] * (HKV * D) + tl.arange(0, D)[None, :]
+        kv_off = kv_base + kk.to(tl.int64)[:, None] * (HKV * D) + tl.arange(0, D)[None, :]
         k = tl.load(K + kv_off, mask=k_ld[:, None], other=0.0)
         v = tl.load(V + kv_off, mask=k_ld[:, None], other=0.0)
-        return a, kk, k, v
+        return a, k, v, packed.to(tl.int32)
 
     @triton.jit
-    def _sel_fwd_sub(a, kk, k, v, q, t_abs, a_rows, sm_scale2, m_i, l_i, acc, WHOLE: tl.constexpr,
+    def _sel_chosen(UHI, entry, word0, q_in_tile, WORDS: tl.constexpr):
+        """(rows,) whether each row's query (q_in_tile, its index in the tile) chose the union entry's block: bit
+        q % 32 of word q // 32, word 0 from the entry, words 1 .. WORDS-1 from UHI (tiles of over 32 queries)."""
+        word = word0
+        for w in tl.static_range(1, WORDS):
+            word = tl.where(q_in_tile // 32 == w, tl.load(UHI + entry * (WORDS - 1) + (w - 1)), word)
+        return ((word >> (q_in_tile % 32)) & 1) != 0
+
+    @triton.jit
+    def _sel_visible(a, t_abs, chosen, LB: tl.constexpr):
+        """(rows, LB) which of block a's keys each row sees: those at or before its query if it chose the block,
+        none otherwise. One compare per score, of the key's offset in the block (loop-invariant) with a per-row
+        bound: key a + c is visible iff c <= t - a (int32: an int64 compare costs two instructions, and a
+        compare with the key indices a + c would recompute them every block)."""
+        return tl.arange(0, LB)[None, :] <= tl.where(chosen, t_abs - a, -1)[:, None]
+
+    @triton.jit
+    def _sel_fwd_sub(a, k, v, q, t_abs, chosen, sm_scale2, m_i, l_i, acc, WHOLE: tl.constexpr,
                      CAUSAL: tl.constexpr = True):
-        """Block a for one sub-tile: skipped unless one of its rows' queries chose it. WHOLE: the sub-tile is
+        """The block for one sub-tile: skipped unless one of its rows' queries chose it. WHOLE: the sub-tile is
         the whole tile, whose union holds only blocks its queries chose, so no test (and no branch in the
         loop, which lets the compiler pipeline the block loads). CAUSAL=False (WHOLE only): the block ends at
         or before every row's query, so only the rows that did not choose it are masked."""
-        sel = tl.sum((a_rows == a).to(tl.int32), 1) > 0  # rows whose query selected it
         if WHOLE:
             if CAUSAL:
-                vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
+                vis = _sel_visible(a, t_abs, chosen, k.shape[0])
             else:
-                vis = sel[:, None]
+                vis = chosen[:, None]
             s = tl.where(vis, tl.dot(q, tl.trans(k)), float("-inf"))
             m_i, l_i, acc = _softmax_tile(s, sm_scale2, v, m_i, l_i, acc)
-        elif tl.max(sel.to(tl.int32), 0) > 0:
-            vis = sel[:, None] & (kk[None, :] <= t_abs[:, None])
+        elif tl.max(chosen.to(tl.int32), 0) > 0:
+            vis = _sel_visible(a, t_abs, chosen, k.shape[0])
             s = tl.where(vis, tl.dot(q, tl.trans(k)), float("-inf"))
             m_i, l_i, acc = _softmax_tile(s, sm_scale2, v, m_i, l_i, acc)
         return m_i, l_i, acc
@@ -116,46 +120,51 @@ if triton is not None:
 
     @triton.jit
     def _sel_fwd_kernel(
-        Q, K, V, IDX, UBLK, UCNT, UPAST, DOCPOS, O, LSE,
+        Q, K, V, UENT, UHI, UCNT, UPAST, O, LSE,
         Tq, Tk, q_off, n_tiles, sm_scale2,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-        LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr,
+        LB: tl.constexpr, N_SEL: tl.constexpr, QPB: tl.constexpr, WORDS: tl.constexpr, BLOCK_M: tl.constexpr,
         SUB_M: tl.constexpr, LIGHT_FIRST: tl.constexpr,
     ):
         SUBS: tl.constexpr = BLOCK_M // SUB_M
         pid_q = _query_tile_id(LIGHT_FIRST)
         pid_bg = tl.program_id(1)
         tile = pid_bg.to(tl.int64) * n_tiles + pid_q
+        entries = tile * (QPB * N_SEL)  # the tile's first union entry
         kv_base = (pid_bg // HKV).to(tl.int64) * Tk * HKV * D + (pid_bg % HKV) * D
-        q0, row0, ok0, t0, a0 = _sel_sub_rows(Q, IDX, DOCPOS, pid_q, pid_bg, Tq, Tk, q_off, 0,
-                                              H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+        q0, row0, ok0, t0, c0 = _sel_sub_rows(Q, pid_q, pid_bg, Tq, q_off, 0, H, HKV, G, D, QPB, SUB_M)
         m0, l0, acc0 = _softmax_init(SUB_M, D)
         if SUBS >= 2:
-            q1, row1, ok1, t1, a1 = _sel_sub_rows(Q, IDX, DOCPOS, pid_q, pid_bg, Tq, Tk, q_off, SUB_M,
-                                                  H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+            q1, row1, ok1, t1, c1 = _sel_sub_rows(Q, pid_q, pid_bg, Tq, q_off, SUB_M,
+                                                  H, HKV, G, D, QPB, SUB_M)
             m1, l1, acc1 = _softmax_init(SUB_M, D)
         if SUBS >= 4:
-            q2, row2, ok2, t2, a2 = _sel_sub_rows(Q, IDX, DOCPOS, pid_q, pid_bg, Tq, Tk, q_off, 2 * SUB_M,
-                                                  H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+            q2, row2, ok2, t2, c2 = _sel_sub_rows(Q, pid_q, pid_bg, Tq, q_off, 2 * SUB_M,
+                                                  H, HKV, G, D, QPB, SUB_M)
             m2, l2, acc2 = _softmax_init(SUB_M, D)
-            q3, row3, ok3, t3, a3 = _sel_sub_rows(Q, IDX, DOCPOS, pid_q, pid_bg, Tq, Tk, q_off, 3 * SUB_M,
-                                                  H, HKV, G, D, LB, N_SEL, N_PAD, QPB, SUB_M)
+            q3, row3, ok3, t3, c3 = _sel_sub_rows(Q, pid_q, pid_bg, Tq, q_off, 3 * SUB_M,
+                                                  H, HKV, G, D, QPB, SUB_M)
             m3, l3, acc3 = _softmax_init(SUB_M, D)
         n_union = tl.load(UCNT + tile)
         u_from = 0
         if SUBS == 1:  # the blocks every row's query is past: no causal mask (one loop each: both pipelined)
             u_from = tl.load(UPAST + tile)
             for u in range(u_from):
-                a, kk, k, v = _sel_block(K, V, UBLK, tile, u, kv_base, Tk, HKV, D, LB, N_SEL, QPB)
-                m0, l0, acc0 = _sel_fwd_sub(a, kk, k, v, q0, t0, a0, sm_scale2, m0, l0, acc0, True, False)
+                a, k, v, word = _sel_block(K, V, UENT, entries + u, kv_base, Tk, HKV, D, LB)
+                chosen = _sel_chosen(UHI, entries + u, word, c0, WORDS)
+                m0, l0, acc0 = _sel_fwd_sub(a, k, v, q0, t0, chosen, sm_scale2, m0, l0, acc0, True, False)
         for u in range(u_from, n_union):
-            a, kk, k, v = _sel_block(K, V, UBLK, tile, u, kv_base, Tk, HKV, D, LB, N_SEL, QPB)
-            m0, l0, acc0 = _sel_fwd_sub(a, kk, k, v, q0, t0, a0, sm_scale2, m0, l0, acc0, SUBS == 1)
+            a, k, v, word = _sel_block(K, V, UENT, entries + u, kv_base, Tk, HKV, D, LB)
+            chosen = _sel_chosen(UHI, entries + u, word, c0, WORDS)
+            m0, l0, acc0 = _sel_fwd_sub(a, k, v, q0, t0, chosen, sm_scale2, m0, l0, acc0, SUBS == 1)
             if SUBS >= 2:
-                m1, l1, acc1 = _sel_fwd_sub(a, kk, k, v, q1, t1, a1, sm_scale2, m1, l1, acc1, False)
+                chosen = _sel_chosen(UHI, entries + u, word, c1, WORDS)
+                m1, l1, acc1 = _sel_fwd_sub(a, k, v, q1, t1, chosen, sm_scale2, m1, l1, acc1, False)
             if SUBS >= 4:
-                m2, l2, acc2 = _sel_fwd_sub(a, kk, k, v, q2, t2, a2, sm_scale2, m2, l2, acc2, False)
-                m3, l3, acc3 = _sel_fwd_sub(a, kk, k, v, q3, t3, a3, sm_scale2, m3, l3, acc3, False)
+                chosen = _sel_chosen(UHI, entries + u, word, c2, WORDS)
+                m2, l2, acc2 = _sel_fwd_sub(a, k, v, q2, t2, chosen, sm_scale2, m2, l2, acc2, False)
+                chosen = _sel_chosen(UHI, entries + u, word, c3, WORDS)
+                m3, l3, acc3 = _sel_fwd_sub(a, k, v, q3, t3, chosen, sm_scale2, m3, l3, acc3, False)
         _sel_fwd_store(O, LSE, row0, ok0, m0, l0, acc0, D)
         if SUBS >= 2:
             _sel_fwd_store(O, LSE, row1, ok1, m1, l1, acc1, D)
@@ -624,13 +633,22 @@ if triton is not None:
         tl.store(PAIR_OFF + i, lo, mask=in_offsets)
 
     @triton.jit
-    def _tile_union_kernel(IDX, DOCPOS, BLOCKS, COUNTS, NPAST, Tq, Tk, q_off, n_tiles,
+    def _or_within_block(a1, bits1, a2, bits2):
+        """tl.associative_scan's combine for a running OR of query bits restarted at each new block (the list is
+        sorted by block, so a block's entries are contiguous and the scan is associative)."""
+        return a2, tl.where(a1 == a2, bits1 | bits2, bits2)
+
+    @triton.jit
+    def _tile_union_kernel(IDX, DOCPOS, ENTRIES, HIGH_BITS, COUNTS, NPAST, Tq, Tk, q_off, n_tiles,
                            HKV: tl.constexpr, LB: tl.constexpr, N_SEL: tl.constexpr, QPB: tl.constexpr,
-                           LIST: tl.constexpr, NONE: tl.constexpr):
+                           LIST: tl.constexpr, QBITS: tl.constexpr, WORDS: tl.constexpr, WIDE: tl.constexpr):
         """The QPB x N_SEL block choices of a query tile as absolute first keys, sorted in registers, each
-        distinct block kept once: the distinct ones ascending, then NONE, written as a permutation of the
-        QPB x N_SEL output slots (each slot once). Also the count of distinct blocks and how many of the first
-        end at or before the tile's first valid query (no row needs the causal mask on those)."""
+        distinct block kept once with which of the tile's queries chose it (bit q % 32 of int32 word q // 32):
+        ENTRIES (int64) holds first key << 32 | word 0 for the distinct blocks ascending, then int32-max << 32,
+        each of the QPB x N_SEL slots written once; HIGH_BITS words 1 .. WORDS-1 of the distinct blocks. Also
+        the count of distinct blocks and how many of the first end at or before the tile's first valid query
+        (no row needs the causal mask on those).
+        The sort key packs (first key, query in tile) as first_key << QBITS | query (int64 if WIDE)."""
         pid_t = tl.program_id(0)
         pid_bg = tl.program_id(1).to(tl.int64)
         b = pid_bg // HKV
@@ -640,21 +658,41 @@ if triton is not None:
         j = tl.load(IDX + (pid_bg * Tq + qi) * N_SEL + e % N_SEL, mask=ok, other=-1)
         t_abs = q_off + qi
         pos = tl.load(DOCPOS + b * Tk + t_abs, mask=ok, other=-1)  # -1: padding, which never attends
-        a = tl.where(ok & (j >= 0), (t_abs - pos + j * LB).to(tl.int32), NONE)  # (LIST,) block first keys
-        a = tl.sort(a, 0)
+        chose = ok & (j >= 0)
+        if WIDE:
+            none = tl.full([LIST], 2**63 - 1, tl.int64)
+            key = (t_abs - pos + j * LB).to(tl.int64)
+        else:
+            none = tl.full([LIST], 2**31 - 1, tl.int32)
+            key = (t_abs - pos + j * LB).to(tl.int32)
+        key = tl.sort(tl.where(chose, (key << QBITS) | (e // N_SEL), none), 0)
+        real = key != none
+        a = tl.where(real, key >> QBITS, 2**31 - 1).to(tl.int32)  # (LIST,) block first keys, int32-max unused
+        q_in_tile = (key & ((1 << QBITS) - 1)).to(tl.int32)
         prev = tl.gather(a, tl.maximum(e - 1, 0), 0)
-        first = (e == 0) | (a != prev)  # the first entry of each distinct value, NONE's included
+        first = (e == 0) | (a != prev)  # the first entry of each distinct value, the unused ones' included
+        last = (e == LIST - 1) | (a != tl.gather(a, tl.minimum(e + 1, LIST - 1), 0))
         rank = tl.cumsum(first.to(tl.int32), 0) - 1
         n_first = tl.sum(first.to(tl.int32), 0)
         rest = tl.cumsum((~first).to(tl.int32), 0) - 1
         slot = tl.where(first, rank, n_first + rest)  # a permutation of 0 .. LIST-1
-        real = first & (a != NONE)
         out = (pid_bg * n_tiles + pid_t) * (QPB * N_SEL)
-        tl.store(BLOCKS + out + slot, tl.where(real, a, NONE), mask=slot < QPB * N_SEL)
+        # each block's query bits: the OR over its entries, complete at its last entry, written from there
+        for w in tl.static_range(WORDS):
+            bits = tl.where(real & (q_in_tile // 32 == w), tl.full([LIST], 1, tl.int32) << (q_in_tile % 32), 0)
+            _, bits = tl.associative_scan((a, bits), 0, _or_within_block)
+            if w == 0:
+                packed = (a.to(tl.int64) << 32) | (bits.to(tl.int64) & 0xFFFFFFFF)
+                tl.store(ENTRIES + out + rank, packed, mask=last & real)
+            else:
+                tl.store(HIGH_BITS + (out + rank) * (WORDS - 1) + (w - 1), bits, mask=last & real)
+        unlisted = ~(first & real)  # the slots past the distinct blocks: n_first + rest, and the unused run's rank
+        none_entry = tl.full([LIST], (2**31 - 1) << 32, tl.int64)
+        tl.store(ENTRIES + out + slot, none_entry, mask=unlisted & (slot < QPB * N_SEL))
         # the tile's first valid query (Tk if none): blocks whose last key is at or before it are seen whole
         t_first = tl.min(tl.where(ok & (pos >= 0), t_abs, Tk), 0)
-        whole = real & (a.to(tl.int64) + (LB - 1) <= t_first)
-        tl.store(COUNTS + pid_bg * n_tiles + pid_t, tl.sum(real.to(tl.int32), 0))
+        whole = first & real & (a.to(tl.int64) + (LB - 1) <= t_first)
+        tl.store(COUNTS + pid_bg * n_tiles + pid_t, tl.sum((first & real).to(tl.int32), 0))
         tl.store(NPAST + pid_bg * n_tiles + pid_t, tl.sum(whole.to(tl.int32), 0))
 
 
@@ -662,28 +700,37 @@ if triton is not None:
 # Host-side launchers (static shapes, no host synchronization)
 # ----------------------------------------------------------------------------------------------
 
-def _tile_block_union(idx, doc_pos, qpb: int, sel_block_size: int):
-    """The distinct selected blocks of each query tile (qpb consecutive queries), as absolute first keys,
-    ascending, then padding. idx (B, Hkv, Tq, n') in-document block indices (-1 unused); doc_pos (B, Tk)
-    with the queries its last Tq positions. Returns (blocks (B, Hkv, n_tiles, qpb*n') int32, counts
-    (B, Hkv, n_tiles) int32, n_past (B, Hkv, n_tiles) int32: how many of the first blocks end at or before
-    every query of the tile, so no row needs the causal mask there). One kernel launch (a sort in registers per
-    tile; two segmented torch sorts took 0.75 ms of the op at 2k x 32 on the H100), static shapes, no host
-    synchronization."""
+def _tile_block_union(idx, doc_pos, qpb: int, sel_block_size: int, wide_keys: bool = False):
+    """The distinct selected blocks of each query tile (qpb consecutive queries) as absolute first keys,
+    ascending, then padding, each with which of the tile's queries chose it. idx (B, Hkv, Tq, n') in-document
+    block indices (-1 unused); doc_pos (B, Tk) with the queries its last Tq positions. Returns
+    - entries (B, Hkv, n_tiles, qpb*n') int64: first key << 32 | the bits of the tile's queries 0-31 (bit q set
+      where query q chose the block); int32-max << 32 past the distinct blocks;
+    - high_bits (B, Hkv, n_tiles, qpb*n', ceil(qpb / 32) - 1) int32: word w - 1 holds queries 32w .. 32w+31
+      (written at the distinct blocks only);
+    - counts (B, Hkv, n_tiles) int32: distinct blocks;
+    - n_past (B, Hkv, n_tiles) int32: how many of the first blocks end at or before every query of the tile, so
+      no row needs the causal mask there.
+    One kernel launch (a sort in registers per tile; two segmented torch sorts took 0.75 ms of the op at 2k x 32
+    on the H100), static shapes, no host synchronization. wide_keys: sort int64 keys even where int32 ones fit
+    (the tests' way to run the int64 packing at short lengths)."""
     batch, num_kv, num_q, n_sel = idx.shape
     num_keys = doc_pos.shape[1]
     n_tiles = _cdiv(num_q, qpb)
-    blocks = torch.empty(batch, num_kv, n_tiles, qpb * n_sel, device=idx.device, dtype=torch.int32)
+    q_bits = max(1, (qpb - 1).bit_length())
+    words = _cdiv(qpb, 32)
+    entries = torch.empty(batch, num_kv, n_tiles, qpb * n_sel, device=idx.device, dtype=torch.int64)
+    high_bits = torch.empty(batch, num_kv, n_tiles, qpb * n_sel, words - 1, device=idx.device, dtype=torch.int32)
     counts = torch.empty(batch, num_kv, n_tiles, device=idx.device, dtype=torch.int32)
     n_past = torch.empty_like(counts)
     _tile_union_kernel[(n_tiles, batch * num_kv)](
-        idx, doc_pos, blocks, counts, n_past, num_q, num_keys, num_keys - num_q, n_tiles,
-        HKV=num_kv, LB=sel_block_size, N_SEL=n_sel, QPB=qpb, LIST=_next_pow2(qpb * n_sel),
-        NONE=torch.iinfo(torch.int32).max,  # key indices fit int32 (Tk < 2**31)
+        idx, doc_pos, entries, high_bits, counts, n_past, num_q, num_keys, num_keys - num_q, n_tiles,
+        HKV=num_kv, LB=sel_block_size, N_SEL=n_sel, QPB=qpb, LIST=_next_pow2(qpb * n_sel), QBITS=q_bits,
+        WORDS=words, WIDE=wide_keys or num_keys >= 2 ** (31 - q_bits) - 1,  # (key, query) in int32 where it fits
     )
     if _OVERRIDES.sel_causal_every_block:
         n_past.zero_()
-    return blocks, counts, n_past
+    return entries, high_bits, counts, n_past
 
 
 def _sel_fwd(q, k, v, idx, doc_pos, params: NSAParams, scale):
@@ -696,12 +743,12 @@ def _sel_fwd(q, k, v, idx, doc_pos, params: NSAParams, scale):
     lse = torch.empty(batch, num_q, num_heads, device=q.device, dtype=torch.float32)
     n_sel = idx.shape[-1]
     block_m, qpb = _sel_rows_per_program(group, head_dim)
-    blocks, counts, n_past = _tile_block_union(idx, doc_pos, qpb, params.sel_block_size)
+    entries, high_bits, counts, n_past = _tile_block_union(idx, doc_pos, qpb, params.sel_block_size)
     _sel_fwd_kernel[(_cdiv(num_q, qpb), batch * num_kv)](
-        q, k, v, idx, blocks, counts, n_past, doc_pos, o, lse, num_q, num_keys, num_keys - num_q, counts.shape[-1],
+        q, k, v, entries, high_bits, counts, n_past, o, lse, num_q, num_keys, num_keys - num_q, counts.shape[-1],
         scale * _LOG2E,
         H=num_heads, HKV=num_kv, G=group, D=head_dim,
-        LB=params.sel_block_size, N_SEL=n_sel, N_PAD=_next_pow2(n_sel), QPB=qpb, BLOCK_M=block_m,
+        LB=params.sel_block_size, N_SEL=n_sel, QPB=qpb, WORDS=high_bits.shape[-1] + 1, BLOCK_M=block_m,
         SUB_M=_sel_sub_tile(block_m, head_dim, q.device), LIGHT_FIRST=_query_tiles_light_first(),
         **_sel_fwd_opts(head_dim, q.device),
     )

@@ -287,6 +287,27 @@ def test_block_outer_selected_variant_compiles_without_spills(aot_results, arch)
 
 
 @pytest.mark.parametrize("arch", **ARCHS)
+def test_selected_forward_register_cap_variant_fits_four_programs(aot_results, arch):
+    """launch_overrides(sel_fwd_max_registers=128) (the *-selfwd4persm scenario, 125M layout at head_dim 64) reaches
+    the kernel as Triton's maxnreg: the selected forward compiles to at most 128 registers on every architecture
+    (four 4-warp programs per SM where the default's 134 fit three), and on sm_90 its loops keep no spill and stay
+    pipelined with their loads in flight (what the variant trades against: bench/KERNELS.md, "2026-11-27, fourth
+    session")."""
+    capped = [r for r in _rows(aot_results, arch)
+              if r["scenario"] == "125M-G6-d64-bf16-long-selfwd4persm" and r["kernel"] == "_sel_fwd_kernel"]
+    default = [r for r in _rows(aot_results, arch)
+               if r["scenario"] == "125M-G6-d64-bf16-long" and r["kernel"] == "_sel_fwd_kernel"]
+    assert len(capped) == 1 and len(default) == 1 and capped[0]["ok"], (capped, default)
+    assert capped[0]["constexprs"].get("maxnreg") == 128 and "maxnreg" not in default[0]["constexprs"]
+    assert capped[0]["reg"] <= 128, capped[0]
+    if arch == 90:
+        assert default[0]["reg"] > 128, default[0]  # else the cap changes nothing and the variant is moot
+        r = capped[0]
+        assert all(lp["spills"] == 0 for lp in r["sass_loops"]), r["sass_loops"]
+        assert r["unpipelined_dot_loops"] == 0 and r["exposed_dot_loops"] == 0, r
+
+
+@pytest.mark.parametrize("arch", **ARCHS)
 def test_topn_head_lanes_rows_compile_to_fewer_instructions(aot_results, arch):
     """The training top-n's rows with a query's heads in the thread's two accumulator rows and a few lanes
     (nsa_triton_topn._topn_row_query_head, the default at G = 2-8) against query-major rows (launch_overrides(

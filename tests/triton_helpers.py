@@ -207,7 +207,8 @@ def run_select_case(case: dict) -> dict:
 def tile_block_union_torch(idx, doc_pos, qpb: int, sel_block_size: int):
     """The oracle of nsa_triton_selected._tile_block_union in torch ops (two segmented sorts; the launcher's
     own code before the union kernel): each query tile's distinct blocks as absolute first keys ascending, then
-    int32-max padding; their count; how many of them end at or before the tile's first valid query."""
+    int32-max padding; which of the tile's queries chose each (bit q % 32 of int32 word q // 32, zero past the
+    distinct blocks); their count; how many of them end at or before the tile's first valid query."""
     batch, num_kv, num_q, n_sel = idx.shape
     num_keys = doc_pos.shape[1]
     q_off = num_keys - num_q
@@ -217,21 +218,31 @@ def tile_block_union_torch(idx, doc_pos, qpb: int, sel_block_size: int):
     start = (t_abs - doc_pos[:, q_off:]).to(torch.int32)
     a = torch.where(idx >= 0, start[:, None, :, None] + idx * sel_block_size, none)
     a = torch.nn.functional.pad(a, (0, 0, 0, n_tiles * qpb - num_q), value=none)
+    chosen_by_query = a.view(batch, num_kv, n_tiles, qpb, n_sel)
     a = a.view(batch, num_kv, n_tiles, qpb * n_sel).sort(-1).values
     repeat = torch.zeros_like(a, dtype=torch.bool)
     repeat[..., 1:] = a[..., 1:] == a[..., :-1]
     a = torch.where(repeat, none, a).sort(-1).values
+    # (B, Hkv, tiles, qpb, entries): query q of the tile chose the tile's distinct block at that entry
+    chose = (chosen_by_query[..., :, :, None] == a[..., None, None, :]).any(-2) & (a < none)[..., None, :]
+    words = -(-qpb // 32)
+    bit = torch.ones(qpb, dtype=torch.int64) << (torch.arange(qpb) % 32)
+    word_of = torch.arange(qpb) // 32
+    masks = torch.stack([(chose.long() * torch.where(word_of == w, bit, 0)[:, None]).sum(-2)
+                         for w in range(words)], -1)  # (B, Hkv, tiles, entries, words) as unsigned 32-bit
+    masks = torch.where(masks >= 2**31, masks - 2**32, masks).to(torch.int32)
     t_first = torch.where(doc_pos[:, q_off:] >= 0, t_abs, num_keys)
     t_first = torch.nn.functional.pad(t_first, (0, n_tiles * qpb - num_q), value=num_keys)
     t_first = t_first.view(batch, 1, n_tiles, qpb).amin(-1, keepdim=True)
     n_past = (a.long() + (sel_block_size - 1) <= t_first).sum(-1, dtype=torch.int32)
-    return a, (a < none).sum(-1, dtype=torch.int32), n_past
+    return a, masks, (a < none).sum(-1, dtype=torch.int32), n_past
 
 
 def run_union_case(case: dict) -> dict:
     """The tile-union kernel against tile_block_union_torch on random block choices (repeats across and within
     queries, unused slots, padding rows) over the case's document layout, for each query-tile size in
-    case["qpbs"], the queries the last T - q_off positions."""
+    case["qpbs"] (int64 sort keys forced with case["wide_keys"]), the queries the last T - q_off positions. The
+    masks are compared at the distinct blocks only (the kernels read no further)."""
     selected = kernel_module("selected")
     _, _, doc_pos, _, _, device = case_setup(case)
     gen = torch.Generator().manual_seed(case.get("seed", 0))
@@ -242,15 +253,24 @@ def run_union_case(case: dict) -> dict:
     j = (torch.rand(shape, generator=gen) * n_blocks).long()
     unused = (torch.rand(shape, generator=gen) < 0.2) | (n_blocks == 0)
     idx = torch.where(unused, -1, j).to(device=device, dtype=torch.int32).contiguous()
-    res = {"mismatches": 0, "tiles": 0}
+    res = {"mismatches": 0, "tiles": 0, "mask_bits": 0}
     for qpb in case["qpbs"]:
-        got = selected._tile_block_union(idx, doc_pos, qpb, lb)
+        entries, high_bits, counts, n_past = selected._tile_block_union(idx, doc_pos, qpb, lb,
+                                                                        wide_keys=case.get("wide_keys", False))
+        entries = entries.cpu()
+        blocks = (entries >> 32).to(torch.int32)
+        word0 = entries & 0xFFFFFFFF
+        word0 = torch.where(word0 >= 2**31, word0 - 2**32, word0).to(torch.int32)
+        masks = torch.cat([word0[..., None], high_bits.cpu()], -1)
         want = tile_block_union_torch(idx, doc_pos, qpb, lb)
-        for g, w in zip(got, want):
+        listed = torch.arange(blocks.shape[-1]) < want[2].cpu()[..., None]  # (B, Hkv, tiles, entries)
+        masks = torch.where(listed[..., None], masks.cpu(), 0)
+        for g, w in zip((blocks, masks, counts, n_past), want):
             res["mismatches"] += int((g.cpu() != w.cpu()).sum())
-        res["tiles"] += want[1].numel()
-        res["max_count"] = max(res.get("max_count", 0), int(want[1].max()))
-        res["max_past"] = max(res.get("max_past", 0), int(want[2].max()))
+        res["tiles"] += want[2].numel()
+        res["mask_bits"] += int(sum(bin(int(x) & 0xFFFFFFFF).count("1") for x in want[1].flatten()))
+        res["max_count"] = max(res.get("max_count", 0), int(want[2].max()))
+        res["max_past"] = max(res.get("max_past", 0), int(want[3].max()))
     return res
 
 
