@@ -103,13 +103,14 @@ for step in "${steps[@]}"; do
     # (tiles_light_first); the top-n's tile, never swept (default 64 rows at 4 warps; its lists are int64
     # keys since 2026-11-27, 148 registers where they took 182): 32 rows, and 128 rows at 8 warps; and the block-outer
     # selected forward and dQ, whose tile loops are software-pipelined since 2026-11-27 (third session; they ran a
-    # while loop that waited for every load when timed); the selected forward capped at 128 registers (four programs
-    # per SM where three fit: fourth session)
+    # while loop that waited for every load when timed); the selected forward and the top-n capped at 128 registers
+    # (four programs per SM where three fit: fourth session)
     pending)    $PY bench/tune_kernels.py --json "$OUT/pending.json" --no-decode --dense --variants default \
                   sel_dkdv_old_order:sel_dkdv_ranges_first=1,sel_split=8192/16/64 dkdv_tiles_fast:dkdv_key_tiles_fast=1 \
                   tiles_light_first:query_tiles_light_first=1 topn_32rows:topn_rows=32 \
                   topn_128rows:topn_rows=128,topn_warps=8 sel_fwd_pairs:sel_fwd_pairs=1 sel_dq_pairs:sel_dq_pairs=1 \
                   block_outer:sel_fwd_pairs=1,sel_dq_pairs=1 sel_fwd_4_per_sm:sel_fwd_max_registers=128 \
+                  topn_4_per_sm:topn_max_registers=128 \
                   --cases 12,2,64,8192,8,random 12,2,64,2048,32,random \
                   12,2,64,65536,1,random 12,2,64,32768,2,random 16,1,64,8192,8,random 16,1,64,65536,1,random \
                   12,2,64,65536,1,correlated 12,2,64,8192,8,correlated ;;

@@ -26,6 +26,10 @@ class LaunchOverrides:
     topn_insert_max: int | None = None  # the top-n insertion/merge threshold (0: always merge)
     topn_rows: int | None = None  # rows (queries x padded heads) per top-n program
     topn_warps: int | None = None  # warps of the top-n program
+    # a register cap for the training top-n (Triton's maxnreg): 128 lets a fourth 4-warp program share an SM on the
+    # 125M layout (148 registers fit three; 1-4 spill instructions in its list loops, none in its dot loops); its
+    # chunk loop runs at about half the issue rate, latency-bound (bench/KERNELS.md); not yet timed
+    topn_max_registers: int | None = None
     topn_query_major: bool | None = None  # top-n rows query-major (q * G_PAD + head), as before _topn_head_lanes
     dkdv_warps: int | None = None  # warps of the compressed/window and selected dK/dV kernels
     # software-pipeline stages of those two kernels (sm_90 at head_dim 64: Triton's own, 3; at 128: 3 for the
@@ -299,11 +303,15 @@ def _sel_rows_per_program(group: int, head_dim: int) -> tuple[int, int]:
     return _query_tile(group, 64 if head_dim <= 128 else 32)
 
 
-def _topn_warps(device) -> int:
-    """Warps of the training top-n program: 4 on sm_90 (faster than 8 at 2k and 64k, bench/KERNELS.md, when it
-    still spilled 8-16 bytes with 16 selected blocks; the unsorted lists made it spill-free, tests/triton_aot.py);
-    8 before Hopper (not timed there)."""
-    return _OVERRIDES.topn_warps or (4 if _hopper_class(device) else 8)
+def _topn_opts(device) -> dict:
+    """Launch options of the training top-n program: 4 warps on sm_90 (faster than 8 at 2k and 64k, bench/KERNELS.md,
+    when it still spilled 8-16 bytes with 16 selected blocks; the unsorted lists made it spill-free,
+    tests/triton_aot.py); 8 before Hopper (not timed there); a register cap only where
+    launch_overrides(topn_max_registers=...) asks for one."""
+    opts = dict(num_warps=_OVERRIDES.topn_warps or (4 if _hopper_class(device) else 8))
+    if _OVERRIDES.topn_max_registers:
+        opts["maxnreg"] = _OVERRIDES.topn_max_registers
+    return opts
 
 
 def _topn_head_lanes(g_pad: int) -> int:

@@ -61,6 +61,7 @@ _KNOB_IDS = {
     "sel_causal_every_block": lambda c: "selcausalall" if c["sel_causal_every_block"] else "selcausalsplit",
     "sel_fwd_pairs": lambda c: "selfwdpairs" if c["sel_fwd_pairs"] else "selfwdunion",
     "sel_fwd_max_registers": lambda c: f"selfwd{c['sel_fwd_max_registers']}regs",
+    "topn_max_registers": lambda c: f"topn{c['topn_max_registers']}regs",
     "sel_dq_pairs": lambda c: "seldqpairkernel" if c["sel_dq_pairs"] else "seldqnopairkernel",
     "sel_fwd_pair_queries": lambda c: f"chunk{c['sel_fwd_pair_queries']}queries",
     "sel_dkdv_chunk_pairs": lambda c: f"chunk{c['sel_dkdv_chunk_pairs']}pairs" if c["sel_dkdv_chunk_pairs"] else "pertile",
@@ -120,9 +121,9 @@ CPU_CASES = [
     # until 2026-11-27, tile i on program i (launch_overrides(query_tiles_light_first=True)); every other case runs
     # a row's last tiles on the first programs (_query_tile_id)
     dict(B=2, T=90, H=6, Hkv=1, D=16, layout="varlen", query_tiles_light_first=True),
-    # the selected forward under a register cap (launch_overrides(sel_fwd_max_registers=128), Triton's maxnreg: a
-    # launch option the interpreter must accept as the GPU does)
-    dict(B=1, T=70, H=6, Hkv=1, D=16, layout="pad", sel_fwd_max_registers=128),
+    # the selected forward and the top-n under a register cap (launch_overrides(sel_fwd_max_registers=128,
+    # topn_max_registers=128), Triton's maxnreg: a launch option the interpreter must accept as the GPU does)
+    dict(B=1, T=70, H=6, Hkv=1, D=16, layout="pad", sel_fwd_max_registers=128, topn_max_registers=128),
     # the compressed/window dK/dV with the query tiles that see all of a key tile in an unmasked loop of their own
     # (the default since the 2026-11-25 sweep; named here so the ids say it): compressed tokens every 1-2 keys so
     # that whole 64-key tiles fit, windows chosen so that one query more past a run (ib + 1) or, at 5 queries per

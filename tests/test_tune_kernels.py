@@ -83,7 +83,8 @@ def test_the_session_pending_step_times_the_heaviest_first_orders_against_the_ol
     above 8,192 pairs), where the default launches the heavy pass first and puts batch x kv head on the main
     pass's fast axis; dkdv_tiles_fast restores the compressed/window dK/dV's key-tile-fastest grid where the
     default puts split programs' key tile on the last axis; tiles_light_first launches the four query-tile kernels
-    with tile i on program i; its cases are issue 18's B*T = 64k shapes."""
+    with tile i on program i; sel_fwd_4_per_sm and topn_4_per_sm cap the selected forward's and the top-n's
+    registers at 128; its cases are issue 18's B*T = 64k shapes."""
     pytest.importorskip("triton")
     import triton_aot
 
@@ -92,7 +93,7 @@ def test_the_session_pending_step_times_the_heaviest_first_orders_against_the_ol
     variants = [tk.parse_variant(v) for v in step.split("--variants", 1)[1].split("--cases", 1)[0].split()]
     assert [name for name, _ in variants] == ["default", "sel_dkdv_old_order", "dkdv_tiles_fast", "tiles_light_first",
                                               "topn_32rows", "topn_128rows", "sel_fwd_pairs", "sel_dq_pairs",
-                                              "block_outer"], variants
+                                              "block_outer", "sel_fwd_4_per_sm", "topn_4_per_sm"], variants
     batch, num_kv, seq_len = 2, 2, 300
 
     def calls_of(settings):
@@ -109,8 +110,8 @@ def test_the_session_pending_step_times_the_heaviest_first_orders_against_the_ol
         triton_aot.with_kernels_replaced(run, Stand)
         return calls
 
-    default_calls, old_calls, tiles_fast_calls, light_calls, topn32_calls, topn128_calls, *pair_calls = (
-        calls_of(settings) for _, settings in variants)
+    (default_calls, old_calls, tiles_fast_calls, light_calls, topn32_calls, topn128_calls, *pair_calls,
+     sel_fwd_capped_calls, topn_capped_calls) = (calls_of(settings) for _, settings in variants)
     new, old = ([(grid, kw["HEAVY_PASS"], kw["RANGES_FAST"]) for name, grid, kw in calls
                  if name == "_sel_bwd_dkdv_kernel"] for calls in (default_calls, old_calls))
     key_ranges = -(-seq_len // 64)
@@ -138,6 +139,11 @@ def test_the_session_pending_step_times_the_heaviest_first_orders_against_the_ol
     assert "_sel_fwd_pairs_kernel" in launched[0] and "_sel_fwd_kernel" not in launched[0], launched[0]
     assert "_sel_dq_pairs_kernel" in launched[1] and "_sel_fwd_kernel" in launched[1], launched[1]
     assert {"_sel_fwd_pairs_kernel", "_sel_dq_pairs_kernel"} <= launched[2], launched[2]
+    # the register caps: Triton's maxnreg reaches the selected forward, or the top-n, and no other launch
+    for calls, capped in ((default_calls, None), (sel_fwd_capped_calls, "_sel_fwd_kernel"),
+                          (topn_capped_calls, "_select_topn_kernel")):
+        caps = {name: kw.get("maxnreg") for name, _, kw in calls}
+        assert caps == {name: 128 if name == capped else None for name in caps}, caps
     cases = [tk.parse_case(c) for c in step.split("--cases", 1)[1].split()]
     assert {c[3] for c in cases} == {2048, 8192, 32768, 65536} and all(c[3] * c[4] == 65536 for c in cases), cases
 
