@@ -228,7 +228,7 @@ def test_union_visits_equal_the_launchers_tile_unions():
     j = (torch.rand(shape, generator=gen) * n_blocks).long()
     idx = torch.where((torch.rand(shape, generator=gen) < 0.2) | (n_blocks == 0), -1, j)
     for qpb in (1, 4, 10, 21):
-        _, counts, _ = tile_block_union_torch(idx, doc_pos, qpb, lb)
+        _, _, counts, _ = tile_block_union_torch(idx, doc_pos, qpb, lb)
         assert kf.union_block_visits(idx, doc_pos, lb, qpb) == int(counts.sum()), qpb
 
 
