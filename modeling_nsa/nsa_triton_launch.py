@@ -69,6 +69,9 @@ class LaunchOverrides:
     # the selected forward and dQ with the causal mask on every union block, as timed on 2026-11-23 (the default
     # skips it on the blocks that end before the tile's first query: _tile_block_union's n_past)
     sel_causal_every_block: bool | None = None
+    # the tile unions' sort keys as int64 at any length (they are int32 below 2**(31 - log2 queries per tile) keys,
+    # 2**27 at the 125M layout's forward): how the tests reach the int64 path (_tile_block_union)
+    sel_union_wide_keys: bool | None = None
     # the query-tile launches (top-n, selected forward, fused dQ, compressed/window forward) with tile i on program
     # i, as timed until 2026-11-27 (the default puts a row's last, heaviest tiles first: _query_tile_id)
     query_tiles_light_first: bool | None = None

@@ -36,8 +36,10 @@ if triton is not None:
     # tile's queries chose it (a bit per query); each row attends block a iff its query's bit is set (keys
     # s <= t). A row reads its bit with a shift: the walk's step does no per-row search of the row's n' choices,
     # and the choices stay out of registers. Each union entry is one int64, a << 32 | the first 32 queries' bits,
-    # so a step loads one scalar (two scalar loads a step kept the compiler from overlapping the loads of the
-    # block-past loop with its math: tests/triton_aot.py).
+    # so where a tile holds at most 32 queries (G >= 2 in the forward, G >= 4 in the 128-row dQ) a step loads one
+    # scalar: two scalar loads a step kept the compiler from overlapping the loads of the block-past loop with its
+    # math at the 125M layout (tests/triton_aot.py). Larger tiles read their other words from a second tensor (not
+    # measured). Key indices are int32 (Tk < 2**31 - l').
     # Sub-tiles: the tile's rows are split in SUBS sub-tiles of SUB_M rows (1, 2 or 4, each with its own
     # softmax state); a union block is loaded once for the tile, and a sub-tile does its math only if one
     # of its rows' queries chose the block. The tile shares the block loads of many queries while the
@@ -76,7 +78,9 @@ if triton is not None:
     @triton.jit
     def _sel_chosen(UHI, entry, word0, q_in_tile, WORDS: tl.constexpr):
         """(rows,) whether each row's query (q_in_tile, its index in the tile) chose the union entry's block: bit
-        q % 32 of word q // 32, word 0 from the entry, words 1 .. WORDS-1 from UHI (tiles of over 32 queries)."""
+        q % 32 of word q // 32, word 0 from the entry, words 1 .. WORDS-1 from UHI (tiles of over 32 queries).
+        Rows past the tile's QPB x G hold no query (row_ok False: not loaded, not stored); whatever bit they read
+        costs only their discarded math."""
         word = word0
         for w in tl.static_range(1, WORDS):
             word = tl.where(q_in_tile // 32 == w, tl.load(UHI + entry * (WORDS - 1) + (w - 1)), word)
@@ -700,7 +704,18 @@ if triton is not None:
 # Host-side launchers (static shapes, no host synchronization)
 # ----------------------------------------------------------------------------------------------
 
-def _tile_block_union(idx, doc_pos, qpb: int, sel_block_size: int, wide_keys: bool = False):
+def _union_sort_keys_wide(num_keys: int, qpb: int) -> bool:
+    """Whether _tile_union_kernel must sort int64 keys: first_key << QBITS | query (QBITS bits for qpb queries)
+    stays below int32's maximum, the unused entries' key, iff num_keys < 2**(31 - QBITS)."""
+    return bool(_OVERRIDES.sel_union_wide_keys) or num_keys >= 2 ** (31 - _union_query_bits(qpb))
+
+
+def _union_query_bits(qpb: int) -> int:
+    """Bits of a query's index within a tile of qpb queries (at least 1)."""
+    return max(1, (qpb - 1).bit_length())
+
+
+def _tile_block_union(idx, doc_pos, qpb: int, sel_block_size: int):
     """The distinct selected blocks of each query tile (qpb consecutive queries) as absolute first keys,
     ascending, then padding, each with which of the tile's queries chose it. idx (B, Hkv, Tq, n') in-document
     block indices (-1 unused); doc_pos (B, Tk) with the queries its last Tq positions. Returns
@@ -712,12 +727,13 @@ def _tile_block_union(idx, doc_pos, qpb: int, sel_block_size: int, wide_keys: bo
     - n_past (B, Hkv, n_tiles) int32: how many of the first blocks end at or before every query of the tile, so
       no row needs the causal mask there.
     One kernel launch (a sort in registers per tile; two segmented torch sorts took 0.75 ms of the op at 2k x 32
-    on the H100), static shapes, no host synchronization. wide_keys: sort int64 keys even where int32 ones fit
-    (the tests' way to run the int64 packing at short lengths)."""
+    on the H100), static shapes, no host synchronization. Memory: 8 + 4 (ceil(qpb / 32) - 1) bytes per slot where
+    the int32 list took 4 (24 at the 128-query dQ tiles of G = 1); built before the kernels' outputs, below the
+    backward's peak at the 125M and fla layouts (bench/memory_cpu.py)."""
     batch, num_kv, num_q, n_sel = idx.shape
     num_keys = doc_pos.shape[1]
     n_tiles = _cdiv(num_q, qpb)
-    q_bits = max(1, (qpb - 1).bit_length())
+    q_bits = _union_query_bits(qpb)
     words = _cdiv(qpb, 32)
     entries = torch.empty(batch, num_kv, n_tiles, qpb * n_sel, device=idx.device, dtype=torch.int64)
     high_bits = torch.empty(batch, num_kv, n_tiles, qpb * n_sel, words - 1, device=idx.device, dtype=torch.int32)
@@ -726,7 +742,7 @@ def _tile_block_union(idx, doc_pos, qpb: int, sel_block_size: int, wide_keys: bo
     _tile_union_kernel[(n_tiles, batch * num_kv)](
         idx, doc_pos, entries, high_bits, counts, n_past, num_q, num_keys, num_keys - num_q, n_tiles,
         HKV=num_kv, LB=sel_block_size, N_SEL=n_sel, QPB=qpb, LIST=_next_pow2(qpb * n_sel), QBITS=q_bits,
-        WORDS=words, WIDE=wide_keys or num_keys >= 2 ** (31 - q_bits) - 1,  # (key, query) in int32 where it fits
+        WORDS=words, WIDE=_union_sort_keys_wide(num_keys, qpb),
     )
     if _OVERRIDES.sel_causal_every_block:
         n_past.zero_()

@@ -331,3 +331,22 @@ def test_launch_overrides_reach_the_launchers_for_the_block_only_and_name_the_va
     with pytest.raises(TypeError, match=r"unknown launch choice\(s\) \['sel_tile'\]; valid: .*'sel_rows'"):
         with tri.launch_overrides(sel_tile=32):
             pass
+
+
+@pytest.mark.parametrize("qpb", [1, 10, 21, 32, 64, 128])
+def test_union_sort_keys_turn_int64_exactly_where_int32_ones_would_collide(qpb):
+    """_tile_union_kernel sorts first_key << QBITS | query as int32 with int32's maximum as the unused entries' key:
+    at the last length the launcher keeps int32 for, the largest real key stays below it; one key more and it
+    would reach it, so the launcher sorts int64 there (and everywhere under sel_union_wide_keys)."""
+    selected = kernel_module("selected")
+    q_bits = selected._union_query_bits(qpb)
+    assert 2**q_bits >= qpb and (q_bits == 1 or 2 ** (q_bits - 1) < qpb)
+    last_narrow = 2 ** (31 - q_bits) - 1
+    assert not selected._union_sort_keys_wide(last_narrow, qpb) and selected._union_sort_keys_wide(last_narrow + 1, qpb)
+
+    def largest_key(num_keys):  # the last key's block start, the tile's last query
+        return ((num_keys - 1) << q_bits) | (qpb - 1)
+
+    assert largest_key(last_narrow) < 2**31 - 1 <= largest_key(last_narrow + 1) | (2**q_bits - 1)
+    with launch.launch_overrides(sel_union_wide_keys=True):
+        assert selected._union_sort_keys_wide(100, qpb)

@@ -62,6 +62,7 @@ _KNOB_IDS = {
     "sel_fwd_pairs": lambda c: "selfwdpairs" if c["sel_fwd_pairs"] else "selfwdunion",
     "sel_fwd_max_registers": lambda c: f"selfwd{c['sel_fwd_max_registers']}regs",
     "topn_max_registers": lambda c: f"topn{c['topn_max_registers']}regs",
+    "sel_union_wide_keys": lambda c: "unionwide" if c["sel_union_wide_keys"] else "unionnarrow",
     "sel_dq_pairs": lambda c: "seldqpairkernel" if c["sel_dq_pairs"] else "seldqnopairkernel",
     "sel_fwd_pair_queries": lambda c: f"chunk{c['sel_fwd_pair_queries']}queries",
     "sel_dkdv_chunk_pairs": lambda c: f"chunk{c['sel_dkdv_chunk_pairs']}pairs" if c["sel_dkdv_chunk_pairs"] else "pertile",
@@ -149,6 +150,9 @@ CPU_CASES = [
     dict(B=1, T=77, H=8, Hkv=2, D=16, layout="pad", sel_sub_rows=16),
     # 16 selected blocks: the fused dQ takes 128-row tiles (21 queries x G=6) on sm_90
     dict(B=1, T=300, H=6, Hkv=1, D=16, layout="varlen", param_overrides=dict(sel_num_blocks=16)),
+    # G = 1 with 16 selected blocks: the fused dQ's 128-query tiles on sm_90, whose choice bits fill four words
+    # (the union walk reads words 1-3 from a second tensor)
+    dict(B=1, T=200, H=2, Hkv=2, D=16, layout="varlen", param_overrides=dict(sel_num_blocks=16)),
     # selected dK/dV: blocks with more than 5 (query, block) pairs split over 3 programs + fixed-order reduce;
     # then with one partial slot, so the other heavy blocks stay in the main pass
     dict(B=2, T=70, H=3, Hkv=1, D=16, layout="varlen", sel_split=[5, 3, 64]),
@@ -237,11 +241,12 @@ CPU_CASES = [
     dict(kind="union", B=2, T=161, H=2, Hkv=1, D=16, layout="pad", LB=8, n_sel=16, qpbs=[10, 21], seed=3),
     dict(kind="union", B=2, T=141, H=2, Hkv=2, D=16, layout="varlen", LB=16, n_sel=5, qpbs=[4, 7], q_off=37, seed=5),
     # query masks of two and four int32 words (the forward's 64-query tiles at G = 1, the dQ's 128), the 32nd
-    # query's bit (int32's sign), and the int64 sort keys that lengths past 2**24 use, forced at a short one
+    # query's bit (int32's sign), and the int64 sort keys that lengths from 2**(31 - log2 queries per tile) use
+    # (2**24 keys at 128-query tiles), forced at a short one (launch_overrides(sel_union_wide_keys=True))
     dict(kind="union", B=1, T=300, H=2, Hkv=1, D=16, layout="varlen", LB=16, n_sel=4, qpbs=[32, 33, 64, 128],
          seed=7),
     dict(kind="union", B=2, T=141, H=2, Hkv=2, D=16, layout="pad", LB=8, n_sel=6, qpbs=[3, 40], seed=9,
-         wide_keys=True),
+         sel_union_wide_keys=True),
     # the per-query intervals (_layout_kernel: binary searches over the compressed tokens' ends) against the torch
     # ops they replaced, on random layouts (documents, padding on both sides and inside a row): every query, the
     # queries after a prefix (select_blocks_triton's) with a shorter window tensor, and rows too short for a

@@ -238,11 +238,12 @@ def tile_block_union_torch(idx, doc_pos, qpb: int, sel_block_size: int):
     return a, masks, (a < none).sum(-1, dtype=torch.int32), n_past
 
 
+@with_case_launch
 def run_union_case(case: dict) -> dict:
     """The tile-union kernel against tile_block_union_torch on random block choices (repeats across and within
     queries, unused slots, padding rows) over the case's document layout, for each query-tile size in
-    case["qpbs"] (int64 sort keys forced with case["wide_keys"]), the queries the last T - q_off positions. The
-    masks are compared at the distinct blocks only (the kernels read no further)."""
+    case["qpbs"] (int64 sort keys where the case forces them: sel_union_wide_keys), the queries the last T - q_off
+    positions. The masks are compared at the distinct blocks only (the kernels read no further)."""
     selected = kernel_module("selected")
     _, _, doc_pos, _, _, device = case_setup(case)
     gen = torch.Generator().manual_seed(case.get("seed", 0))
@@ -255,8 +256,7 @@ def run_union_case(case: dict) -> dict:
     idx = torch.where(unused, -1, j).to(device=device, dtype=torch.int32).contiguous()
     res = {"mismatches": 0, "tiles": 0, "mask_bits": 0}
     for qpb in case["qpbs"]:
-        entries, high_bits, counts, n_past = selected._tile_block_union(idx, doc_pos, qpb, lb,
-                                                                        wide_keys=case.get("wide_keys", False))
+        entries, high_bits, counts, n_past = selected._tile_block_union(idx, doc_pos, qpb, lb)
         entries = entries.cpu()
         blocks = (entries >> 32).to(torch.int32)
         word0 = entries & 0xFFFFFFFF
