@@ -690,13 +690,14 @@ if triton is not None:
                 tl.store(ENTRIES + out + rank, packed, mask=last & real)
             else:
                 tl.store(HIGH_BITS + (out + rank) * (WORDS - 1) + (w - 1), bits, mask=last & real)
-        unlisted = ~(first & real)  # the slots past the distinct blocks: n_first + rest, and the unused run's rank
+        listed = first & real  # one entry per distinct block, at slots 0 .. count - 1
+        # the slots past the distinct blocks (n_first + rest, and the unused run's rank) hold the unused entry
         none_entry = tl.full([LIST], (2**31 - 1) << 32, tl.int64)
-        tl.store(ENTRIES + out + slot, none_entry, mask=unlisted & (slot < QPB * N_SEL))
+        tl.store(ENTRIES + out + slot, none_entry, mask=~listed & (slot < QPB * N_SEL))
         # the tile's first valid query (Tk if none): blocks whose last key is at or before it are seen whole
         t_first = tl.min(tl.where(ok & (pos >= 0), t_abs, Tk), 0)
-        whole = first & real & (a.to(tl.int64) + (LB - 1) <= t_first)
-        tl.store(COUNTS + pid_bg * n_tiles + pid_t, tl.sum((first & real).to(tl.int32), 0))
+        whole = listed & (a.to(tl.int64) + (LB - 1) <= t_first)
+        tl.store(COUNTS + pid_bg * n_tiles + pid_t, tl.sum(listed.to(tl.int32), 0))
         tl.store(NPAST + pid_bg * n_tiles + pid_t, tl.sum(whole.to(tl.int32), 0))
 
 
@@ -704,15 +705,15 @@ if triton is not None:
 # Host-side launchers (static shapes, no host synchronization)
 # ----------------------------------------------------------------------------------------------
 
-def _union_sort_keys_wide(num_keys: int, qpb: int) -> bool:
-    """Whether _tile_union_kernel must sort int64 keys: first_key << QBITS | query (QBITS bits for qpb queries)
-    stays below int32's maximum, the unused entries' key, iff num_keys < 2**(31 - QBITS)."""
-    return bool(_OVERRIDES.sel_union_wide_keys) or num_keys >= 2 ** (31 - _union_query_bits(qpb))
-
-
 def _union_query_bits(qpb: int) -> int:
-    """Bits of a query's index within a tile of qpb queries (at least 1)."""
+    """Bits of a query's index within a tile of qpb queries (at least 1): _tile_union_kernel's QBITS."""
     return max(1, (qpb - 1).bit_length())
+
+
+def _union_sort_keys_wide(num_keys: int, q_bits: int) -> bool:
+    """Whether _tile_union_kernel must sort int64 keys: first_key << q_bits | query stays below int32's maximum,
+    the unused entries' key, iff num_keys < 2**(31 - q_bits)."""
+    return bool(_OVERRIDES.sel_union_wide_keys) or num_keys >= 2 ** (31 - q_bits)
 
 
 def _tile_block_union(idx, doc_pos, qpb: int, sel_block_size: int):
@@ -742,7 +743,7 @@ def _tile_block_union(idx, doc_pos, qpb: int, sel_block_size: int):
     _tile_union_kernel[(n_tiles, batch * num_kv)](
         idx, doc_pos, entries, high_bits, counts, n_past, num_q, num_keys, num_keys - num_q, n_tiles,
         HKV=num_kv, LB=sel_block_size, N_SEL=n_sel, QPB=qpb, LIST=_next_pow2(qpb * n_sel), QBITS=q_bits,
-        WORDS=words, WIDE=_union_sort_keys_wide(num_keys, qpb),
+        WORDS=words, WIDE=_union_sort_keys_wide(num_keys, q_bits),
     )
     if _OVERRIDES.sel_causal_every_block:
         n_past.zero_()

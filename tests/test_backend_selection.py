@@ -342,11 +342,12 @@ def test_union_sort_keys_turn_int64_exactly_where_int32_ones_would_collide(qpb):
     q_bits = selected._union_query_bits(qpb)
     assert 2**q_bits >= qpb and (q_bits == 1 or 2 ** (q_bits - 1) < qpb)
     last_narrow = 2 ** (31 - q_bits) - 1
-    assert not selected._union_sort_keys_wide(last_narrow, qpb) and selected._union_sort_keys_wide(last_narrow + 1, qpb)
+    assert not selected._union_sort_keys_wide(last_narrow, q_bits)
+    assert selected._union_sort_keys_wide(last_narrow + 1, q_bits)
 
     def largest_key(num_keys):  # the last key's block start, the tile's last query
         return ((num_keys - 1) << q_bits) | (qpb - 1)
 
     assert largest_key(last_narrow) < 2**31 - 1 <= largest_key(last_narrow + 1) | (2**q_bits - 1)
     with launch.launch_overrides(sel_union_wide_keys=True):
-        assert selected._union_sort_keys_wide(100, qpb)
+        assert selected._union_sort_keys_wide(100, q_bits)
