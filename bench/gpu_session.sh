@@ -59,6 +59,10 @@ capture() {  # a briefly trained 125M NSA (unless $CKPT), then its q/K/V/gates a
   $PY bench/capture_qkv.py "$ckpt" --out "$CAPTURED" --seq-len 65536 --data "$DATA/wiki-summaries-en.parquet"
 }
 
+xdist_workers() {  # up to 8 pytest workers (one GPU; the cases' time is host-side compiles), none without xdist
+  if $PY -c "import xdist" 2>/dev/null; then echo "-n $(( $(nproc) < 8 ? $(nproc) : 8 ))"; fi
+}
+
 captured_kind() {  # the captured input kind, where the capture step has left its file
   if [ -f "$CAPTURED" ]; then echo "captured --captured $CAPTURED"
   else echo "# no $CAPTURED (the capture step writes it): no captured inputs" >&2; fi
@@ -68,11 +72,13 @@ for step in "${steps[@]}"; do
   echo "== $step" | tee -a "$OUT/env.txt"
   start=$(date +%s)
   case "$step" in
-    tests)      $PY -m pytest -q tests/test_triton_kernels.py tests/test_model_triton.py -k gpu -rA 2>&1 | tail -n 40 ;;
+    tests)      $PY -m pytest -q $(xdist_workers) tests/test_triton_kernels.py tests/test_model_triton.py -k gpu -rA 2>&1 \
+                  | tail -n 40 ;;
     # the op's kernels against the reference on the GPU (forward, gradients, selection; about a minute): before
     # timing kernels changed on machines without a GPU
-    check)      $PY -m pytest -q -x tests/test_triton_kernels.py -k "gpu_kernels_match or gpu_decode" -rA 2>&1 \
-                  | tail -n 30 ;;
+    # (pytest-xdist's workers where it is installed: each case is mostly Triton compiles, 390 s one at a time)
+    check)      $PY -m pytest -q -x $(xdist_workers) tests/test_triton_kernels.py -k "gpu_kernels_match or gpu_decode" \
+                  -rA 2>&1 | tail -n 40 ;;
     capture)    capture ;;
     # issue 18's op rows: f+b against dense SDPA at each length, both layouts, three input kinds (captured: the
     # 125M layout only); decode at B = 1 and 32, eager and CUDA-graphed

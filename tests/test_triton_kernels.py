@@ -512,6 +512,11 @@ GPU_CASES = [
     dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_fwd_pairs=True, sel_dq_pairs=True),
     dict(B=2, T=1000, H=16, Hkv=1, D=64, layout="varlen", sel_fwd_pairs=True, sel_dq_pairs=True),
     dict(B=1, T=2048, H=8, Hkv=1, D=128, layout="pad", sel_fwd_pairs=True, sel_dq_pairs=True),
+    # the union walk's per-query choice bits at real sizes: G = 1 (128-query tiles: four mask words) and G = 2 (two),
+    # the int64 sort keys, and the selected forward and top-n under their 128-register caps (four programs per SM)
+    dict(B=1, T=2048, H=4, Hkv=4, D=64, layout="varlen"),
+    dict(B=2, T=1000, H=4, Hkv=2, D=64, layout="pad", sel_union_wide_keys=True),
+    dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_fwd_max_registers=128, topn_max_registers=128),
 ]
 for _c in GPU_CASES:
     _c.setdefault("dtype", "bfloat16")
