@@ -59,8 +59,9 @@ capture() {  # a briefly trained 125M NSA (unless $CKPT), then its q/K/V/gates a
   $PY bench/capture_qkv.py "$ckpt" --out "$CAPTURED" --seq-len 65536 --data "$DATA/wiki-summaries-en.parquet"
 }
 
-xdist_workers() {  # up to 8 pytest workers (one GPU; the cases' time is host-side compiles), none without xdist
-  if $PY -c "import xdist" 2>/dev/null; then echo "-n $(( $(nproc) < 8 ? $(nproc) : 8 ))"; fi
+xdist_workers() {  # $WORKERS (default up to 8) pytest workers on one GPU (the cases' time is host-side compiles);
+  local n=${WORKERS:-$(( $(nproc) < 8 ? $(nproc) : 8 ))}  # none without xdist
+  if $PY -c "import xdist" 2>/dev/null; then echo "-n $n"; fi
 }
 
 captured_kind() {  # the captured input kind, where the capture step has left its file
@@ -76,9 +77,10 @@ for step in "${steps[@]}"; do
                   | tail -n 40 ;;
     # the op's kernels against the reference on the GPU (forward, gradients, selection; about a minute): before
     # timing kernels changed on machines without a GPU
-    # (pytest-xdist's workers where it is installed: each case is mostly Triton compiles, 390 s one at a time)
-    check)      $PY -m pytest -q -x $(xdist_workers) tests/test_triton_kernels.py -k "gpu_kernels_match or gpu_decode" \
-                  -rA 2>&1 | tail -n 40 ;;
+    # (pytest-xdist's workers where it is installed: each case is mostly Triton compiles, 390 s one at a time; 120 s
+    # on 8 workers; every failure's traceback kept in the log)
+    check)      $PY -m pytest -q $(xdist_workers) tests/test_triton_kernels.py -k "gpu_kernels_match or gpu_decode" \
+                  -rfE --tb=short 2>&1 ;;
     capture)    capture ;;
     # issue 18's op rows: f+b against dense SDPA at each length, both layouts, three input kinds (captured: the
     # 125M layout only); decode at B = 1 and 32, eager and CUDA-graphed
@@ -101,22 +103,16 @@ for step in "${steps[@]}"; do
                   seldq_partials:sel_dq_partials=1 seldq_pairs:sel_dq_in_dkdv=1 --cases 12,2,64,65536,1,random \
                   12,2,64,2048,32,random 12,2,64,8192,8,random 12,2,64,32768,2,random 16,1,64,8192,8,random \
                   16,1,64,65536,1,random 12,2,64,65536,1,correlated ;;
-    # the changes made without a GPU since the last figures, each against its other side: the selected dK/dV's
-    # heaviest programs first (heavy splits, then each row's first key ranges) against the order timed until
-    # 2026-11-27 (sel_dkdv_old_order), and the compressed dK/dV's split programs with every row's first key tiles
-    # first against the key tile fastest (dkdv_tiles_fast), at issue 18's lengths, both layouts and correlated
-    # queries, with dense SDPA; the query-tile launches' tile i on program i against the default's last tile first
-    # (tiles_light_first); the top-n's tile, never swept (default 64 rows at 4 warps; its lists are int64
-    # keys since 2026-11-27, 148 registers where they took 182): 32 rows, and 128 rows at 8 warps; and the block-outer
-    # selected forward and dQ, whose tile loops are software-pipelined since 2026-11-27 (third session; they ran a
-    # while loop that waited for every load when timed); the selected forward and the top-n capped at 128 registers
-    # (four programs per SM where three fit: fourth session)
+    # the changes made since the last figures, each against its other side: the register caps of the selected
+    # forward and the top-n (default on sm_90 at head_dim 64 since 2026-11-27's second H100 session) against none;
+    # the selected dK/dV's heavy splits (the heaviest blocks take the slots since that session, where 64k's
+    # second kv head's block 0 went unsplit) at 32 splits x 32 slots and at the old 8,192-pair threshold against
+    # the default's 4,096 pairs in ~128-tile pieces; and the block-outer schedules, at issue 18's lengths, both
+    # layouts and correlated queries, with dense SDPA
     pending)    $PY bench/tune_kernels.py --json "$OUT/pending.json" --no-decode --dense --variants default \
-                  sel_dkdv_old_order:sel_dkdv_ranges_first=1,sel_split=8192/16/64 dkdv_tiles_fast:dkdv_key_tiles_fast=1 \
-                  tiles_light_first:query_tiles_light_first=1 topn_32rows:topn_rows=32 \
-                  topn_128rows:topn_rows=128,topn_warps=8 sel_fwd_pairs:sel_fwd_pairs=1 sel_dq_pairs:sel_dq_pairs=1 \
-                  block_outer:sel_fwd_pairs=1,sel_dq_pairs=1 sel_fwd_4_per_sm:sel_fwd_max_registers=128 \
-                  topn_4_per_sm:topn_max_registers=128 \
+                  sel_fwd_3_per_sm:sel_fwd_max_registers=0 topn_3_per_sm:topn_max_registers=0 \
+                  sel_split_32x32:sel_split=4096/32/32 sel_split_8k:sel_split=8192/16/64 \
+                  block_outer:sel_fwd_pairs=1,sel_dq_pairs=1 \
                   --cases 12,2,64,8192,8,random 12,2,64,2048,32,random \
                   12,2,64,65536,1,random 12,2,64,32768,2,random 16,1,64,8192,8,random 16,1,64,65536,1,random \
                   12,2,64,65536,1,correlated 12,2,64,8192,8,correlated ;;

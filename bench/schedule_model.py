@@ -64,21 +64,22 @@ def selected_pair_counts(seq_len: int, rng) -> np.ndarray:
 def selected_dkdv(seq_len: int, num_kv: int, qpb: int, slots: int, rng, old: bool) -> float:
     """Makespan / balanced time of the selected dK/dV: old = the order timed until 2026-11-27 (main pass with the
     key range fastest, then blocks above 8,192 pairs in 16 splits), else the default (blocks above 4,096 pairs in
-    splits of ~128 tiles first, then the main pass with the row fastest)."""
+    splits of ~128 tiles first, the heaviest taking the slots, then the main pass with the row fastest)."""
     rows = (TOKENS // seq_len) * num_kv
     per_row = selected_pair_counts(seq_len, rng)  # every row alike (random picks: the same statistics)
     heavy_min, n_split, n_slots = (8192, 16, 64) if old else _sel_heavy_split(seq_len, qpb)
-    main, heavy, used = [], [], 0
-    for row in range(rows):
-        for block, pairs in enumerate(per_row):
-            if pairs == 0:
-                continue
-            if pairs > heavy_min and used < n_slots:
-                used += 1
-                span = math.ceil(math.ceil(pairs / n_split) / qpb) * qpb
-                heavy += [math.ceil(max(0, min(span, pairs - s * span)) / qpb) for s in range(n_split)]
-            else:
-                main.append((row, block, math.ceil(pairs / qpb)))
+    blocks = [(row, block, pairs) for row in range(rows) for block, pairs in enumerate(per_row) if pairs > 0]
+    # the slots go to heavy blocks in flat order (old) or heaviest first (default: _sel_heavy_slots)
+    candidates = [b for b in blocks if b[2] > heavy_min]
+    slotted = set(candidates[:n_slots] if old else
+                  sorted(candidates, key=lambda b: (-b[2], b[0], b[1]))[:n_slots])
+    main, heavy = [], []
+    for row, block, pairs in blocks:
+        if (row, block, pairs) in slotted:
+            span = math.ceil(math.ceil(pairs / n_split) / qpb) * qpb
+            heavy += [math.ceil(max(0, min(span, pairs - s * span)) / qpb) for s in range(n_split)]
+        else:
+            main.append((row, block, math.ceil(pairs / qpb)))
     order = (lambda m: (m[0], m[1])) if old else (lambda m: (m[1], m[0]))  # fastest axis last in the key
     main_costs = [m[2] for m in sorted(main, key=order)]
     total = sum(main_costs) + sum(heavy)

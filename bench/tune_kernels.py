@@ -71,13 +71,10 @@ DEFAULT_VARIANTS = [
     # the union walk: its scheduled floor is about half the union walk's at 8k-64k on random queries and no lower
     # on correlated ones (bench/kernel_floors.py --scheduled-queries; bench/KERNELS.md); not yet timed
     "sel_fwd_pairs:sel_fwd_pairs=1",
-    # the selected forward capped at 128 registers, so four programs share an SM where 134 registers fit three: its
-    # union walk runs at half the issue rate and 56% of the L2 read rate, latency-bound (bench/KERNELS.md,
-    # "2026-11-27, fourth session"); spill-free on sm_90 (tests/triton_aot.py); not yet timed
-    "sel_fwd_4_per_sm:sel_fwd_max_registers=128",
-    # the training top-n capped at 128 registers: four programs per SM where 148 registers fit three (its chunk loop
-    # latency-bound at about half the issue rate; 1-4 spill instructions in its list loops, none in its dot loops)
-    "topn_4_per_sm:topn_max_registers=128",
+    # the selected forward and the training top-n without the 128-register cap they take on sm_90 at head_dim 64
+    # (three programs per SM where the cap fits four; the cap timed 5-7% and 13-15% faster on 2026-11-27)
+    "sel_fwd_3_per_sm:sel_fwd_max_registers=0",
+    "topn_3_per_sm:topn_max_registers=0",
     # ... and the selected dQ by the same walk in a kernel of its own (3 dots per pair tile, partials per chunk summed
     # per query), with the forward's pairs too: the whole block-outer selected branch but the dK/dV
     "sel_dq_pairs:sel_dq_pairs=1",

@@ -250,6 +250,11 @@ def _compute_capability(device) -> int:
     return 10 * major + minor
 
 
+def _is_sm90(device) -> bool:
+    """An H100/H200 (sm_90): for the launch choices timed there alone (the register caps)."""
+    return _compute_capability(device) == 90
+
+
 def _hopper_class(device) -> bool:
     """Hopper (sm_90, wgmma) and datacenter Blackwell (sm_100/103, tcgen05) multiply 64- or 128-row tiles from
     shared memory and hold 227 KiB of it per block: they take the wide-tile launch choices below. Ampere and

@@ -9,7 +9,7 @@ import contextlib
 import dataclasses
 
 from .nsa_layout import NSAParams
-from .nsa_triton_common import _LARGE_SHARED_MEMORY, _hopper_class, _next_pow2, _shared_memory_limit
+from .nsa_triton_common import _LARGE_SHARED_MEMORY, _hopper_class, _is_sm90, _next_pow2, _shared_memory_limit
 
 
 @dataclasses.dataclass
@@ -26,9 +26,10 @@ class LaunchOverrides:
     topn_insert_max: int | None = None  # the top-n insertion/merge threshold (0: always merge)
     topn_rows: int | None = None  # rows (queries x padded heads) per top-n program
     topn_warps: int | None = None  # warps of the top-n program
-    # a register cap for the training top-n (Triton's maxnreg): 128 lets a fourth 4-warp program share an SM on the
-    # 125M layout (148 registers fit three; 1-4 spill instructions in its list loops, none in its dot loops); its
-    # chunk loop runs at about half the issue rate, latency-bound (bench/KERNELS.md); not yet timed
+    # the training top-n's register cap (Triton's maxnreg; 0: none). Default 128 on sm_90 at head_dim 64 and below:
+    # a fourth 4-warp program per SM where its 148 registers fit three (1-4 spill instructions in its list loops, none
+    # in its dot loops); timed 2026-11-27 on an H100, 13-15% off the kernel at 2k-64k on both layouts
+    # (bench/KERNELS.md, "2026-11-27, second H100 session")
     topn_max_registers: int | None = None
     topn_query_major: bool | None = None  # top-n rows query-major (q * G_PAD + head), as before _topn_head_lanes
     dkdv_warps: int | None = None  # warps of the compressed/window and selected dK/dV kernels
@@ -39,9 +40,11 @@ class LaunchOverrides:
     dkdv_stages: int | None = None
     dq_stages: int | None = None
     sel_stages: int | None = None
-    # a register cap for the selected forward (Triton's maxnreg): 128 lets a fourth 4-warp program share an SM at
-    # head_dim 64 (134 registers fit three), spill-free on sm_90 at the 125M layout (a 16-byte frame outside the
-    # loop); its loop is latency-bound at three (bench/KERNELS.md, "2026-11-27, fourth session"); not yet timed
+    # the selected forward's register cap (Triton's maxnreg; 0: none). Default 128 on sm_90 at head_dim 64 and
+    # below: a fourth 4-warp program per SM where its 134 registers fit three, spill-free (a 16-byte frame outside
+    # the loop); its loop is latency-bound, so the fourth program hides latency: timed 2026-11-27 on an H100, 5-7%
+    # off the kernel on the 125M layout at 2k-64k, even on fla's (bench/KERNELS.md, "2026-11-27, second H100
+    # session")
     sel_fwd_max_registers: int | None = None
     # the compressed/window dK/dV runs the query tiles that see all of a key tile in a loop of their own, unmasked
     # (True, and None: the default since the 2026-11-25 sweep, 63% off that kernel at 64k), or masks every tile
@@ -223,9 +226,19 @@ def _sel_fwd_opts(head_dim: int, device) -> dict:
     opts = dict(num_warps=4) if head_dim <= 64 else dict(num_warps=8, num_stages=wide_stages)
     if _OVERRIDES.sel_stages:
         opts["num_stages"] = _OVERRIDES.sel_stages
-    if _OVERRIDES.sel_fwd_max_registers:
-        opts["maxnreg"] = _OVERRIDES.sel_fwd_max_registers
+    cap = _register_cap(_OVERRIDES.sel_fwd_max_registers, head_dim, device)
+    if cap:
+        opts["maxnreg"] = cap
     return opts
+
+
+def _register_cap(override: int | None, head_dim: int, device) -> int:
+    """Triton's maxnreg for the selected forward and the training top-n: the override where one is forced (0: none),
+    else 128 on sm_90 at head_dim 64 and below (four 4-warp programs per SM where their 134 / 148 registers fit
+    three; timed there only, so other architectures keep the compiler's own allocation)."""
+    if override is not None:
+        return override
+    return 128 if head_dim <= 64 and _is_sm90(device) else 0
 
 
 def _sel_fwd_pair_queries(num_q: int, n_sel: int, head_dim: int, element_size: int, q_sizes: float = 2.0) -> int:
@@ -306,14 +319,15 @@ def _sel_rows_per_program(group: int, head_dim: int) -> tuple[int, int]:
     return _query_tile(group, 64 if head_dim <= 128 else 32)
 
 
-def _topn_opts(device) -> dict:
+def _topn_opts(head_dim: int, device) -> dict:
     """Launch options of the training top-n program: 4 warps on sm_90 (faster than 8 at 2k and 64k, bench/KERNELS.md,
     when it still spilled 8-16 bytes with 16 selected blocks; the unsorted lists made it spill-free,
-    tests/triton_aot.py); 8 before Hopper (not timed there); a register cap only where
-    launch_overrides(topn_max_registers=...) asks for one."""
+    tests/triton_aot.py); 8 before Hopper (not timed there); 128 registers on sm_90 to head_dim 64
+    (_register_cap)."""
     opts = dict(num_warps=_OVERRIDES.topn_warps or (4 if _hopper_class(device) else 8))
-    if _OVERRIDES.topn_max_registers:
-        opts["maxnreg"] = _OVERRIDES.topn_max_registers
+    cap = _register_cap(_OVERRIDES.topn_max_registers, head_dim, device)
+    if cap:
+        opts["maxnreg"] = cap
     return opts
 
 

@@ -300,7 +300,7 @@ if triton is not None:
 
     @triton.jit
     def _sel_bwd_dkdv_kernel(
-        Q, K, V, PAIR_OFF, PAIR_Q, PAIR_F, HPOS, HCUM, DOCPOS, DO, GATE, LSE, DELTA, DK, DV, PDK, PDV, DQ,
+        Q, K, V, PAIR_OFF, PAIR_Q, PAIR_F, HPOS, SLOT_RANK, DOCPOS, DO, GATE, LSE, DELTA, DK, DV, PDK, PDV, DQ,
         Tq, Tk, q_off, sm_scale2, scale, heavy_min, n_flat, n_heavy,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         LB: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr,
@@ -311,8 +311,8 @@ if triton is not None:
         # is forced for all of them, and top-n favours early blocks), so the order programs start in decides
         # how long the GPU waits for the last (bench/KERNELS.md, "2026-11-27 H100": the heaviest started last
         # and the kernel took 1.2-2.9x its balanced time).
-        # Heavy pass, launched first (grid: heavy slot h x 1 x N_SPLIT; HPOS[h] names the block): a block with
-        # more than heavy_min pairs and a partial slot (HCUM, its 1-based heavy rank, <= n_heavy) is split, each
+        # Heavy pass, launched first (grid: heavy slot h x 1 x N_SPLIT; HPOS[h] names the block, heaviest first): a
+        # block with more than heavy_min pairs and a partial slot (SLOT_RANK <= n_heavy: _sel_heavy_slots) is split, each
         # split writing an fp32 partial that _sel_dkdv_reduce_kernel sums in split order (deterministic, no
         # atomics). Main pass (grid: batch*kv head x key range of LB keys, the row fastest, so every row's first
         # ranges, which hold most pairs, start before any row's last; RANGES_FAST: the key range fastest, the
@@ -351,7 +351,7 @@ if triton is not None:
             off = pid_bg.to(tl.int64) * Tk + aa
             beg = tl.load(PAIR_OFF + off, mask=a_ok, other=0)
             cnt = tl.load(PAIR_OFF + off + 1, mask=a_ok, other=0) - beg
-            mine = (cnt > 0) & ((cnt <= heavy_min) | (tl.load(HCUM + off, mask=a_ok, other=0) > n_heavy))
+            mine = (cnt > 0) & ((cnt <= heavy_min) | (tl.load(SLOT_RANK + off, mask=a_ok, other=0) > n_heavy))
             rank = tl.cumsum(mine.to(tl.int32), 0) - 1
             for i in range(tl.sum(mine.to(tl.int32), 0)):
                 hit = mine & (rank == i)
@@ -868,6 +868,27 @@ def _sel_heavy_split(num_q: int, qpb: int) -> tuple[int, int, int]:
     return 4096, n_split, max(4, 1024 // n_split)
 
 
+def _sel_heavy_slots(cnt: torch.Tensor, heavy: torch.Tensor, n_heavy: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which heavy blocks the selected dK/dV splits: the n_heavy heaviest (more than heavy_min pairs), heaviest
+    first, so the heavy pass starts its longest programs first and a block left to the main pass (one program for
+    all its pairs) is never heavier than a split one. Taking them in flat order instead left the second kv head's
+    block 0 (every query's pair: 65,536 at 64k) unsplit once the first head's early blocks filled the slots: the
+    kernel took 16 ms where 3.7 ms would do (H100, bench/KERNELS.md, "2026-11-27, second H100 session").
+    Returns hpos (n_heavy,): the flat index of the h-th split block (n_flat where fewer are heavy), and slot_rank
+    (n_flat,): 1 for a split block, n_heavy + 1 for a heavy block left to the main pass, 0 elsewhere (the kernel's
+    SLOT_RANK: a block is the main pass's when it has pairs and is light or ranks past n_heavy). No host sync; ties go
+    to the lower flat index (the key below is unique), so the split, and with it the summation order, is the same
+    on every run. cnt * n_flat fits int64 for any input that fits memory (both factors below 2**31 there)."""
+    n_flat = cnt.numel()
+    flat = torch.arange(n_flat, device=cnt.device, dtype=torch.int64)
+    top = torch.topk(cnt.long() * n_flat + (n_flat - 1 - flat), n_heavy, sorted=True).indices
+    split = heavy[top]
+    hpos = torch.where(split, top, n_flat).contiguous()
+    slot_rank = torch.where(heavy, n_heavy + 1, 0)
+    slot_rank[top] = torch.where(split, 1, slot_rank[top])
+    return hpos, slot_rank.contiguous()
+
+
 def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: NSAParams, scale, dq_accum=None,
                   dq_partials=None):
     """dK, dV of the selected branch over the (block -> queries) index. The branch's dQ, which the kernel can form
@@ -907,18 +928,14 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: 
     # dK and dV at head_dim 64, as before). bench/KERNELS.md, "2026-11-27 H100", has the schedule model.
     heavy_min, n_split, slots = _OVERRIDES.sel_split or _sel_heavy_split(num_q, qpb)
     n_flat = batch * num_kv * num_keys
-    cnt = pair_off[1:] - pair_off[:-1]
+    cnt = pair_off[1:] - pair_off[:-1]  # (n_flat,) pairs of each (batch x kv head, block first key)
     heavy = cnt > heavy_min
     n_heavy = max(1, min(n_flat, slots, (batch * num_kv * num_q * n_sel) // (heavy_min + 1)))
-    heavy_cum = torch.cumsum(heavy.long(), 0)  # heavy blocks up to and including each (b, kv, block start)
-    # flat index of the h-th heavy block (n_flat where there are fewer)
-    hpos = torch.searchsorted(heavy_cum, torch.arange(1, n_heavy + 1, device=q.device, dtype=torch.int64))
-    hpos = hpos.contiguous()
-    heavy_cum = torch.where(heavy, heavy_cum, 0).contiguous()
+    hpos, slot_rank = _sel_heavy_slots(cnt, heavy, n_heavy)
     pdk = torch.empty(n_heavy, n_split, lb, head_dim, device=q.device, dtype=torch.float32)
     pdv = torch.empty_like(pdk)
     dq_out = dq_partials if dq_pairs == 2 else dq_accum if dq_pairs == 1 else pdk
-    args = (q, k, v, pair_off, pair_q, pair_f, hpos, heavy_cum, doc_pos, do, gates, lse, delta, dk, dv, pdk, pdv,
+    args = (q, k, v, pair_off, pair_q, pair_f, hpos, slot_rank, doc_pos, do, gates, lse, delta, dk, dv, pdk, pdv,
             dq_out, num_q, num_keys, q_off, scale * _LOG2E, scale, heavy_min, n_flat, n_heavy)
     meta = dict(H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=lb, QPB=qpb, BLOCK_M=block_m, BR=branch,
                 N_SPLIT=n_split, DQ_PAIRS=dq_pairs, ALL_MASKED=bool(_OVERRIDES.sel_dkdv_all_masked),

@@ -351,6 +351,6 @@ def _select_topn(q, k_cmp, lse_cmp, doc_pos, c_lo, c_hi, params: NSAParams, scal
         N_SEL=n_sel, N_PAD=_next_pow2(n_sel), INIT=params.sel_init_blocks, LOCAL=params.sel_local_blocks,
         BJ=bj, QPB=qpb, INSERT_MAX=_topn_insert_max(), HEAD_LANES=_topn_head_lanes(g_pad),
         LIGHT_FIRST=_query_tiles_light_first(),
-        **_topn_opts(q.device),
+        **_topn_opts(head_dim, q.device),
     )
     return idx

@@ -269,6 +269,9 @@ def test_pipeline_stages_where_the_loads_stay_in_flight(monkeypatch, capability)
         assert launch._dq_launch(6, 64, 16, "cpu")[2]["num_stages"] == (3 if hopper else 2)
     assert launch._sel_fwd_opts(128, "cpu") == dict(num_warps=8, num_stages=3 if hopper else 2)
     assert launch._sel_fwd_opts(256, "cpu")["num_stages"] == 2
+    # the register caps were timed on sm_90 only: other architectures keep the compiler's allocation
+    assert launch._sel_fwd_opts(64, "cpu").get("maxnreg") == launch._topn_opts(64, "cpu").get("maxnreg") == \
+        (128 if hopper else None)
     assert launch._dkdv_launch(8, 128, "cpu")[2]["num_stages"] == (3 if hopper else 1)
     assert launch._dkdv_launch(8, 128, "cpu", selected=True)[2]["num_stages"] == (2 if hopper else 1)
     assert launch._dkdv_launch(2, 256, "cpu")[2]["num_stages"] == (2 if hopper else 1)
@@ -326,8 +329,14 @@ def test_launch_overrides_reach_the_launchers_for_the_block_only_and_name_the_va
         assert launch._dkdv_launch(6, 64, "cpu")[2]["num_stages"] == 4
         assert launch._dkdv_launch(8, 128, "cpu", selected=True)[2]["num_stages"] == 4
         assert launch._dq_launch(6, 64, 16, "cpu")[2]["num_stages"] == 2
-        assert launch._sel_fwd_opts(64, "cpu") == dict(num_warps=4, num_stages=2)
+        assert launch._sel_fwd_opts(64, "cpu") == dict(num_warps=4, num_stages=2, maxnreg=128)
         assert launch._sel_fwd_opts(128, "cpu") == dict(num_warps=8, num_stages=2)
+    # the register caps (sm_90, which the interpreter's launches count as, at head_dim 64): 128 by default, none
+    # above head_dim 64, none when forced to 0, the forced value otherwise
+    assert launch._sel_fwd_opts(64, "cpu")["maxnreg"] == launch._topn_opts(64, "cpu")["maxnreg"] == 128
+    assert "maxnreg" not in launch._sel_fwd_opts(128, "cpu") and "maxnreg" not in launch._topn_opts(128, "cpu")
+    with tri.launch_overrides(sel_fwd_max_registers=0, topn_max_registers=96):
+        assert "maxnreg" not in launch._sel_fwd_opts(64, "cpu") and launch._topn_opts(64, "cpu")["maxnreg"] == 96
     with pytest.raises(TypeError, match=r"unknown launch choice\(s\) \['sel_tile'\]; valid: .*'sel_rows'"):
         with tri.launch_overrides(sel_tile=32):
             pass
@@ -351,3 +360,25 @@ def test_union_sort_keys_turn_int64_exactly_where_int32_ones_would_collide(qpb):
     assert largest_key(last_narrow) < 2**31 - 1 <= largest_key(last_narrow + 1) | (2**q_bits - 1)
     with launch.launch_overrides(sel_union_wide_keys=True):
         assert selected._union_sort_keys_wide(100, q_bits)
+
+
+def test_heavy_split_slots_go_to_the_heaviest_blocks_heaviest_first():
+    """The selected dK/dV splits its n_heavy heaviest blocks (_sel_heavy_slots), not the first heavy ones in flat
+    (batch x kv head, block) order: at 64k tokens the first kv head's early blocks filled the slots in flat order and
+    the second head's block 0 (65,536 pairs) ran unsplit in one program (16 ms where 3.7 ms would do). Flat layout
+    here: two rows of 6 blocks; heavy_min 10; 3 slots. The heaviest (row 1's block 0) comes first, ties go to the
+    lower flat index, a heavy block past the slots is left to the main pass (rank n_heavy + 1), light ones 0."""
+    selected = kernel_module("selected")
+    cnt = torch.tensor([20, 12, 11, 0, 3, 12,
+                        90, 15, 1, 12, 0, 0])
+    heavy = cnt > 10
+    hpos, slot_rank = selected._sel_heavy_slots(cnt, heavy, 3)
+    assert hpos.tolist() == [6, 0, 7]
+    assert slot_rank.tolist() == [1, 4, 4, 0, 0, 4,
+                                  1, 1, 0, 4, 0, 0]
+    # fewer heavy blocks than slots: the spare slots name no block (n_flat)
+    hpos, slot_rank = selected._sel_heavy_slots(cnt, cnt > 15, 3)
+    assert hpos.tolist() == [6, 0, 12] and slot_rank.tolist() == [1] + [0] * 5 + [1] + [0] * 5
+    # ties: the lower flat index takes the last slot (blocks 1, 5 and 9 hold 12 pairs each)
+    hpos, _ = selected._sel_heavy_slots(cnt, heavy, 5)
+    assert hpos.tolist() == [6, 0, 7, 1, 5]

@@ -77,23 +77,23 @@ def test_the_session_stages_step_parses_and_reaches_the_launchers():
     assert {c[3] for c in cases} == {2048, 8192, 65536} and all(c[3] * c[4] == 65536 for c in cases), cases
 
 
-def test_the_session_pending_step_times_the_heaviest_first_orders_against_the_old_ones_and_topn_tiles():
-    """bench/gpu_session.sh's `pending` step: its variant sel_dkdv_old_order restores the selected dK/dV's program
-    order timed until 2026-11-27 (the main pass, key range on the grid's fast axis, before the heavy pass; heavy
-    above 8,192 pairs), where the default launches the heavy pass first and puts batch x kv head on the main
-    pass's fast axis; dkdv_tiles_fast restores the compressed/window dK/dV's key-tile-fastest grid where the
-    default puts split programs' key tile on the last axis; tiles_light_first launches the four query-tile kernels
-    with tile i on program i; sel_fwd_4_per_sm and topn_4_per_sm cap the selected forward's and the top-n's
-    registers at 128; its cases are issue 18's B*T = 64k shapes."""
+def test_the_session_pending_step_times_the_caps_and_heavy_splits_against_their_other_sides():
+    """bench/gpu_session.sh's `pending` step and the launch orders it times against: the default launches the
+    selected dK/dV's heavy pass first with batch x kv head on the main pass's fast axis (launch_overrides(
+    sel_dkdv_ranges_first=True) restores the order timed until 2026-11-27), the compressed/window dK/dV's split
+    programs with the key tile on the last axis (dkdv_key_tiles_fast: the old grid), the four query-tile kernels
+    with each row's last tile first (query_tiles_light_first: tile i on program i), the top-n in tiles of 8 queries
+    at 4 warps; the selected forward and the top-n with maxnreg = 128 (sm_90, head_dim 64) and no other launch
+    capped. The step's variants: the two caps off, the heavy splits at 32 x 32 and above 8,192 pairs, and the
+    block-outer schedules; its cases are issue 18's B*T = 64k shapes."""
     pytest.importorskip("triton")
     import triton_aot
 
     script = (Path(__file__).resolve().parent.parent / "bench" / "gpu_session.sh").read_text()
     step = script.split("    pending)", 1)[1].split(";;", 1)[0].replace("\\\n", " ")
     variants = [tk.parse_variant(v) for v in step.split("--variants", 1)[1].split("--cases", 1)[0].split()]
-    assert [name for name, _ in variants] == ["default", "sel_dkdv_old_order", "dkdv_tiles_fast", "tiles_light_first",
-                                              "topn_32rows", "topn_128rows", "sel_fwd_pairs", "sel_dq_pairs",
-                                              "block_outer", "sel_fwd_4_per_sm", "topn_4_per_sm"], variants
+    assert [name for name, _ in variants] == ["default", "sel_fwd_3_per_sm", "topn_3_per_sm", "sel_split_32x32",
+                                              "sel_split_8k", "block_outer"], variants
     batch, num_kv, seq_len = 2, 2, 300
 
     def calls_of(settings):
@@ -110,8 +110,11 @@ def test_the_session_pending_step_times_the_heaviest_first_orders_against_the_ol
         triton_aot.with_kernels_replaced(run, Stand)
         return calls
 
-    (default_calls, old_calls, tiles_fast_calls, light_calls, topn32_calls, topn128_calls, *pair_calls,
-     sel_fwd_capped_calls, topn_capped_calls) = (calls_of(settings) for _, settings in variants)
+    default_calls, sel_fwd_uncapped, topn_uncapped, split32, split8k, block_outer = (
+        calls_of(settings) for _, settings in variants)
+    old_calls = calls_of(dict(sel_dkdv_ranges_first=True, sel_split=(8192, 16, 64)))
+    tiles_fast_calls = calls_of(dict(dkdv_key_tiles_fast=True))
+    light_calls = calls_of(dict(query_tiles_light_first=True))
     new, old = ([(grid, kw["HEAVY_PASS"], kw["RANGES_FAST"]) for name, grid, kw in calls
                  if name == "_sel_bwd_dkdv_kernel"] for calls in (default_calls, old_calls))
     key_ranges = -(-seq_len // 64)
@@ -119,33 +122,36 @@ def test_the_session_pending_step_times_the_heaviest_first_orders_against_the_ol
     assert new[1][0][:2] == (batch * num_kv, key_ranges), new  # rows on the fast axis
     assert [heavy for _, heavy, _ in old] == [False, True] and all(fast for _, _, fast in old), old
     assert old[0][0][:2] == (key_ranges, batch * num_kv), old
-    assert dict(variants)["sel_dkdv_old_order"]["sel_split"] == (8192, 16, 64)
+    # the heavy splits the variants force reach the kernel (N_SPLIT) and its heavy pass's grid (slots x splits)
+    for calls, (slots, splits) in ((split32, (32, 32)), (split8k, (64, 16))):
+        heavy = [(grid, kw["N_SPLIT"]) for name, grid, kw in calls if name == "_sel_bwd_dkdv_kernel" and kw["HEAVY_PASS"]]
+        assert heavy and all(n == splits and grid[2] == splits and grid[0] <= slots for grid, n in heavy), heavy
     intervals, old_intervals = ([(grid, kw["TILES_FAST"], kw["N_SPLIT"]) for name, grid, kw in calls
                                  if name == "_interval_bwd_dkdv_kernel"] for calls in (default_calls, tiles_fast_calls))
     # the compressed branch's query ranges are split at 300 queries: key tile on the last axis by default
     assert any(split > 1 and not fast and grid[0] == batch * num_kv for grid, fast, split in intervals), intervals
     assert all(fast and grid[1] == batch * num_kv for grid, fast, _ in old_intervals), old_intervals
-    # the top-n's tile (never swept): 4 and 16 queries of 8 padded head rows against the default's 8, at 4, 4 and 8 warps
-    topn = [{(kw["QPB"], kw["num_warps"]) for name, _, kw in calls if name == "_select_topn_kernel"}
-            for calls in (default_calls, topn32_calls, topn128_calls)]  # the op's and select_blocks' launches
-    assert topn == [{(8, 4)}, {(4, 4)}, {(16, 8)}], topn
+    # the top-n's tile: 8 queries of 8 padded head rows at 4 warps
+    topn = {(kw["QPB"], kw["num_warps"]) for name, _, kw in default_calls if name == "_select_topn_kernel"}
+    assert topn == {(8, 4)}, topn
     # the query-tile kernels: each row's last tile first by default, tile i on program i in tiles_light_first
     query_tile_kernels = {"_select_topn_kernel", "_sel_fwd_kernel", "_bwd_dq_kernel", "_interval_fwd_kernel"}
     for calls, light in ((default_calls, False), (light_calls, True)):
         orders = {name: kw["LIGHT_FIRST"] for name, _, kw in calls if name in query_tile_kernels}
         assert orders == dict.fromkeys(query_tile_kernels, light), orders
-    # the block-outer selected forward, dQ and both: their pair kernels launched, the union walk's not
-    launched = [{name for name, _, _ in calls} for calls in pair_calls]
-    assert "_sel_fwd_pairs_kernel" in launched[0] and "_sel_fwd_kernel" not in launched[0], launched[0]
-    assert "_sel_dq_pairs_kernel" in launched[1] and "_sel_fwd_kernel" in launched[1], launched[1]
-    assert {"_sel_fwd_pairs_kernel", "_sel_dq_pairs_kernel"} <= launched[2], launched[2]
-    # the register caps: Triton's maxnreg reaches the selected forward, or the top-n, and no other launch
-    for calls, capped in ((default_calls, None), (sel_fwd_capped_calls, "_sel_fwd_kernel"),
-                          (topn_capped_calls, "_select_topn_kernel")):
+    # the block-outer selected forward and dQ: their pair kernels launched, the union walk's not
+    launched = {name for name, _, _ in block_outer}
+    assert {"_sel_fwd_pairs_kernel", "_sel_dq_pairs_kernel"} <= launched and "_sel_fwd_kernel" not in launched
+    # the register caps: maxnreg = 128 reaches the selected forward and the top-n by default (the scenario compiles
+    # for sm_90) and no other launch; each variant drops its own
+    for calls, uncapped in ((default_calls, None), (sel_fwd_uncapped, "_sel_fwd_kernel"),
+                            (topn_uncapped, "_select_topn_kernel")):
         caps = {name: kw.get("maxnreg") for name, _, kw in calls}
-        assert caps == {name: 128 if name == capped else None for name in caps}, caps
+        capped = {"_sel_fwd_kernel", "_select_topn_kernel"} - {uncapped}
+        assert caps == {name: 128 if name in capped else None for name in caps}, caps
     cases = [tk.parse_case(c) for c in step.split("--cases", 1)[1].split()]
     assert {c[3] for c in cases} == {2048, 8192, 32768, 65536} and all(c[3] * c[4] == 65536 for c in cases), cases
+
 
 def row(case, variant, fb_ms, **kernel_ms):
     """A sweep row: every kernel 1 ms unless given (by kernel name)."""
