@@ -103,19 +103,17 @@ for step in "${steps[@]}"; do
                   seldq_partials:sel_dq_partials=1 seldq_pairs:sel_dq_in_dkdv=1 --cases 12,2,64,65536,1,random \
                   12,2,64,2048,32,random 12,2,64,8192,8,random 12,2,64,32768,2,random 16,1,64,8192,8,random \
                   16,1,64,65536,1,random 12,2,64,65536,1,correlated ;;
-    # the changes made since the last figures, each against its other side: the register caps of the selected
-    # forward and the top-n (default on sm_90 at head_dim 64 since 2026-11-27's second H100 session) against none;
-    # the selected dK/dV's heavy splits (the heaviest blocks take the slots since that session, where 64k's
-    # second kv head's block 0 went unsplit) at 32 splits x 32 slots and at the old 8,192-pair threshold against
-    # the default's 4,096 pairs in ~128-tile pieces; and the block-outer schedules, at issue 18's lengths, both
-    # layouts and correlated queries, with dense SDPA
+    # the changes made since the last figures, each against its other side: the selected dK/dV's heavy blocks cut
+    # into pieces of one size (default: the 256 heaviest above 1,024 pairs) against above 2,048 pairs and above
+    # 4,096 with 512 slots (bench/schedule_model.py's best on random queries), and its pair positions as int32
+    # against int64 (as timed until 2026-11-27), at issue 18's lengths, both layouts and correlated queries, with
+    # dense SDPA
     pending)    $PY bench/tune_kernels.py --json "$OUT/pending.json" --no-decode --dense --variants default \
-                  sel_fwd_3_per_sm:sel_fwd_max_registers=0 topn_3_per_sm:topn_max_registers=0 \
-                  sel_split_32x32:sel_split=4096/32/32 sel_split_8k:sel_split=8192/16/64 \
-                  block_outer:sel_fwd_pairs=1,sel_dq_pairs=1 \
+                  heavy2k:sel_pieces=2048/320/1024/256 heavy4k:sel_pieces=4096/320/1024/512 \
+                  pairs_int64:sel_pairs_int64=1 \
                   --cases 12,2,64,8192,8,random 12,2,64,2048,32,random \
                   12,2,64,65536,1,random 12,2,64,32768,2,random 16,1,64,8192,8,random 16,1,64,65536,1,random \
-                  12,2,64,65536,1,correlated 12,2,64,8192,8,correlated ;;
+                  12,2,64,65536,1,correlated 12,2,64,8192,8,correlated 16,1,64,65536,1,correlated ;;
     # issue 18: the three pipeline stages sm_90 takes since 2026-11-26 where two left the loads exposed (chosen from
     # the TTGIR, not yet timed) against the two they had: at head_dim 128 (16 q / 2 kv: G = 8; 8k and 64k) variant
     # stages2 is the old launch of all four (fused dQ, selected forward, both dK/dV); on the 125M layout at 512
@@ -124,12 +122,12 @@ for step in "${steps[@]}"; do
     pending-d128) $PY bench/tune_kernels.py --json "$OUT/pending_d128.json" --no-decode --dense --variants default \
                   stages2:dq_stages=2,sel_stages=2,dkdv_stages=2 dq_stages2:dq_stages=2 \
                   --cases 16,2,128,8192,8,random 16,2,128,65536,1,random 12,2,64,512,128,random ;;
-    # issue 18: the selected kernels' pipeline stages and the selected dK/dV's heavy-block split threshold, each
+    # issue 18: the selected kernels' pipeline stages and the selected dK/dV's heavy-block threshold, each
     # against the default at 2k, 8k and 64k (125M layout) and 8k (fla's), with dense SDPA on the same shapes
     stages)     $PY bench/tune_kernels.py --json "$OUT/stages.json" --no-decode --dense --variants default \
                   dkdv_stages2:dkdv_stages=2 dkdv_stages4:dkdv_stages=4 dq_stages2:dq_stages=2 \
-                  sel_stages2:sel_stages=2 sel_stages4:sel_stages=4 sel_split2k:sel_split=2048/16/64 \
-                  sel_split1k:sel_split=1024/8/256 --cases 12,2,64,8192,8,random 12,2,64,2048,32,random \
+                  sel_stages2:sel_stages=2 sel_stages4:sel_stages=4 heavy2k:sel_pieces=2048/320/1024/256 \
+                  heavy4k:sel_pieces=4096/320/1024/512 --cases 12,2,64,8192,8,random 12,2,64,2048,32,random \
                   12,2,64,65536,1,random 16,1,64,8192,8,random ;;
     # the GPU cases of the pair-wise selected dQ (partials and atomics) against the reference
     check-seldq) $PY -m pytest -x tests/test_triton_kernels.py -k "gpu_kernels_match and seldq" -rA --tb=short 2>&1 \

@@ -13,7 +13,7 @@ Programs start in grid order (the fastest axis first) on SLOTS identical slots (
 taking the next program when it frees: the makespan over the balanced time (total work / slots) says what the
 order costs. The same per-tile time then explains the measured kernel times (KERNELS.md's table).
 
-    python bench/schedule_model.py [--lengths 2048 8192 32768 65536] [--slots 264]
+    python bench/schedule_model.py [--lengths 2048 8192 32768 65536] [--slots 264] [--picks uniform concentrated]
 """
 
 from __future__ import annotations
@@ -47,44 +47,74 @@ def makespan(costs, slots: int) -> float:
     return end
 
 
-def selected_pair_counts(seq_len: int, rng) -> np.ndarray:
-    """Pairs per selection block of one row: forced blocks plus N_SEL - forced uniform picks per query."""
+def selected_pair_counts(seq_len: int, rng, picks: str = "uniform") -> np.ndarray:
+    """Pairs per selection block of one row: forced blocks plus N_SEL - forced picks per query among its other
+    visible blocks, uniform (random queries) or concentrated (correlated queries: every query favours the same
+    blocks, a block's weight 1 / rank**1.2 over a random ranking of the row's blocks)."""
     n_blocks = -(-seq_len // BLOCK)
     counts = np.zeros(n_blocks, np.int64)
+    weight = None
+    if picks == "concentrated":
+        weight = np.empty(n_blocks)
+        weight[rng.permutation(n_blocks)] = 1.0 / np.arange(1, n_blocks + 1) ** 1.2
     for q in range(seq_len):
         own = q // BLOCK
         forced = set(range(min(INIT, own + 1))) | set(range(max(0, own - LOCAL + 1), own + 1))
         free = np.setdiff1d(np.arange(own + 1), list(forced))
-        picks = rng.choice(free, size=min(N_SEL - len(forced), free.size), replace=False) if free.size else []
+        n_free = min(N_SEL - len(forced), free.size)
+        if free.size and weight is not None:
+            chosen = rng.choice(free, size=n_free, replace=False, p=weight[free] / weight[free].sum())
+        else:
+            chosen = rng.choice(free, size=n_free, replace=False) if free.size else []
         counts[list(forced)] += 1
-        counts[picks] += 1
+        counts[chosen] += 1
     return counts
 
 
-def selected_dkdv(seq_len: int, num_kv: int, qpb: int, slots: int, rng, old: bool) -> float:
-    """Makespan / balanced time of the selected dK/dV: old = the order timed until 2026-11-27 (main pass with the
-    key range fastest, then blocks above 8,192 pairs in 16 splits), else the default (blocks above 4,096 pairs in
-    splits of ~128 tiles first, the heaviest taking the slots, then the main pass with the row fastest)."""
+SCHEMES = ("old", "fixed", "pieces")
+
+
+def selected_dkdv(seq_len: int, num_kv: int, qpb: int, slots: int, rng, scheme: str = "pieces",
+                  picks: str = "uniform", program_overhead: float = 1.0) -> float:
+    """Makespan / balanced time of the selected dK/dV, each program costing its pair tiles plus program_overhead
+    tiles (its block's loads, its partial's store). Schemes: old = the order timed until 2026-11-27 (main pass with
+    the key range fastest, then blocks above 8,192 pairs in 16 splits, 64 slots in flat order); fixed = the
+    27e2931 default (blocks above 4,096 pairs first, ~128-tile splits, 16-256 a block, 1,024 partials, the
+    heaviest blocks taking the slots, then the main pass with the row fastest); pieces = the default since
+    (_sel_heavy_pieces: every slotted block cut into pieces of one size, at least 32 tiles, as small as fits the
+    1,024 partials)."""
     rows = (TOKENS // seq_len) * num_kv
-    per_row = selected_pair_counts(seq_len, rng)  # every row alike (random picks: the same statistics)
-    heavy_min, n_split, n_slots = (8192, 16, 64) if old else _sel_heavy_split(seq_len, qpb)
-    blocks = [(row, block, pairs) for row in range(rows) for block, pairs in enumerate(per_row) if pairs > 0]
-    # the slots go to heavy blocks in flat order (old) or heaviest first (default: _sel_heavy_slots)
+    per_row = [selected_pair_counts(seq_len, rng, picks) for _ in range(rows)] if picks != "uniform" else \
+        [selected_pair_counts(seq_len, rng)] * rows  # uniform picks: every row alike (the same statistics)
+    blocks = [(row, block, int(pairs)) for row in range(rows) for block, pairs in enumerate(per_row[row]) if pairs]
+    if scheme == "old":
+        heavy_min, n_split, n_slots = 8192, 16, 64
+    elif scheme == "fixed":
+        n_split = min(256, max(16, 1 << max(0, math.ceil(math.log2(max(1, seq_len / (qpb * 128)))))))
+        heavy_min, n_slots = 4096, max(4, 1024 // n_split)
+    else:
+        heavy_min, min_piece, max_pieces, max_slots = _sel_heavy_split(qpb)
+        n_slots = max(1, min(len(blocks), max_slots, sum(b[2] for b in blocks) // (heavy_min + 1)))
     candidates = [b for b in blocks if b[2] > heavy_min]
-    slotted = set(candidates[:n_slots] if old else
-                  sorted(candidates, key=lambda b: (-b[2], b[0], b[1]))[:n_slots])
-    main, heavy = [], []
-    for row, block, pairs in blocks:
-        if (row, block, pairs) in slotted:
-            span = math.ceil(math.ceil(pairs / n_split) / qpb) * qpb
-            heavy += [math.ceil(max(0, min(span, pairs - s * span)) / qpb) for s in range(n_split)]
-        else:
-            main.append((row, block, math.ceil(pairs / qpb)))
-    order = (lambda m: (m[0], m[1])) if old else (lambda m: (m[1], m[0]))  # fastest axis last in the key
+    slotted = candidates[:n_slots] if scheme == "old" else sorted(candidates, key=lambda b: -b[2])[:n_slots]
+    if scheme == "pieces":
+        span = max(min_piece, math.ceil(sum(b[2] for b in slotted) / (max_pieces - n_slots)))
+        span = math.ceil(span / qpb) * qpb
+        heavy = [math.ceil(min(span, pairs - s) / qpb) + program_overhead
+                 for _, _, pairs in slotted for s in range(0, pairs, span)]
+    else:
+        heavy = []
+        for _, _, pairs in slotted:
+            piece = math.ceil(math.ceil(pairs / n_split) / qpb) * qpb
+            heavy += [math.ceil(max(0, min(piece, pairs - s * piece)) / qpb) + program_overhead for s in range(n_split)]
+    slotted = set(slotted)
+    main = [(row, block, math.ceil(pairs / qpb) + program_overhead) for row, block, pairs in blocks
+            if (row, block, pairs) not in slotted]
+    order = (lambda m: (m[0], m[1])) if scheme == "old" else (lambda m: (m[1], m[0]))  # fastest axis last in the key
     main_costs = [m[2] for m in sorted(main, key=order)]
-    total = sum(main_costs) + sum(heavy)
-    passes = [main_costs, heavy] if old else [heavy, main_costs]
-    return sum(makespan(p, slots) for p in passes if p) / (total / slots)
+    work = sum(math.ceil(pairs / qpb) for _, _, pairs in blocks)  # the pair tiles alone: the balanced time's work
+    passes = [main_costs, heavy] if scheme == "old" else [heavy, main_costs]
+    return sum(makespan(p, slots) for p in passes if p) / (work / slots)
 
 
 def compressed_dkdv(seq_len: int, num_kv: int, qpb: int, slots: int, old: bool) -> float:
@@ -141,22 +171,28 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--lengths", type=int, nargs="*", default=[2048, 8192, 32768, 65536])
     ap.add_argument("--slots", type=int, default=264, help="programs running at once (132 SMs x 2 on an H100)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--picks", nargs="*", default=["uniform", "concentrated"], choices=["uniform", "concentrated"],
+                    help="the top-n's free picks: uniform (random queries) or concentrated (correlated ones)")
     args = ap.parse_args(argv)
     rows = []
-    print(f"# makespan / balanced time, {args.slots} slots, B x T = {TOKENS:,}, random top-n picks")
-    print("| layout | T | selected dK/dV, old order | default | compressed dK/dV, old order | default |")
-    print("|---|---|---|---|---|---|")
+    print(f"# selected dK/dV: makespan / balanced time (pair tiles alone; each program 1 tile more), {args.slots} "
+          f"slots, B x T = {TOKENS:,}; schemes: {', '.join(SCHEMES)} (selected_dkdv)")
+    print("| layout | T | picks | " + " | ".join(SCHEMES) + " | compressed dK/dV, old order | default |")
+    print("|---|---|---|" + "---|" * (len(SCHEMES) + 2))
     for layout, num_kv, qpb in (("12q/2kv", 2, 10), ("16q/1kv", 1, 4)):
         for seq_len in args.lengths:
-            row = dict(layout=layout, T=seq_len)
-            for old in (True, False):
-                key = "old" if old else "default"
-                row[f"selected_{key}"] = selected_dkdv(seq_len, num_kv, qpb, args.slots,
-                                                       np.random.default_rng(args.seed), old)
-                row[f"compressed_{key}"] = compressed_dkdv(seq_len, num_kv, qpb, args.slots, old)
-            rows.append(row)
-            print(f"| {layout} | {seq_len:,} | {row['selected_old']:.2f}x | {row['selected_default']:.2f}x | "
-                  f"{row['compressed_old']:.2f}x | {row['compressed_default']:.2f}x |")
+            for picks in args.picks:
+                row = dict(layout=layout, T=seq_len, picks=picks)
+                for scheme in SCHEMES:
+                    row[f"selected_{scheme}"] = selected_dkdv(seq_len, num_kv, qpb, args.slots,
+                                                              np.random.default_rng(args.seed), scheme, picks)
+                for old in (True, False):
+                    row["compressed_" + ("old" if old else "default")] = compressed_dkdv(seq_len, num_kv, qpb,
+                                                                                        args.slots, old)
+                rows.append(row)
+                print(f"| {layout} | {seq_len:,} | {picks} | "
+                      + " | ".join(f"{row[f'selected_{s}']:.2f}x" for s in SCHEMES)
+                      + f" | {row['compressed_old']:.2f}x | {row['compressed_default']:.2f}x |")
     print(f"\n# query-tile launches (125M layout: G = 6, 2 KV heads): makespan / balanced, tile i on program i "
           f"(timed until 2026-11-27) / each row's last tile first (default)")
     print("| kernel | " + " | ".join(f"{t:,}" for t in args.lengths) + " |")

@@ -54,10 +54,7 @@ DEFAULT_VARIANTS = [
     "seldq_partials:sel_dq_partials=1",
     # The selected kernels ran at 0.09-0.14 of their floors on 2026-11-26 with every loop software-pipelined and
     # spill-free: how many stages they pipeline with (Triton's own 3 for the dK/dV kernels and the selected forward;
-    # the fused dQ's 128-row tile 3 since that day's sweep, -10% to -16% of that kernel against 2), and where the
-    # selected dK/dV splits a heavily chosen block (at 8k x 8 the forced block 0 holds 8,192 pairs, one short of
-    # the default threshold; splitting from 2,048 or 1,024 pairs was no faster at 2k-8k and +39% to +42% at 64k:
-    # bench/KERNELS.md)
+    # the fused dQ's 128-row tile 3 since that day's sweep, -10% to -16% of that kernel against 2)
     "dkdv_stages2:dkdv_stages=2",
     "dkdv_stages4:dkdv_stages=4",
     "dq_stages2:dq_stages=2",
@@ -82,7 +79,7 @@ DEFAULT_VARIANTS = [
     # the selected dK/dV's programs in the order timed until 2026-11-27 (key ranges first, key range fastest, heavy
     # pieces last, heavy above 8,192 pairs) against the default's (heavy pieces first, then every row's first key
     # ranges: its heaviest programs start first; bench/KERNELS.md, "2026-11-27 H100")
-    "sel_dkdv_old_order:sel_dkdv_ranges_first=1,sel_split=8192/16/64",
+    "sel_dkdv_old_order:sel_dkdv_ranges_first=1,sel_pieces=8192/1280/1024/64",
     # the compressed/window dK/dV's split programs with the key tile fastest, as timed until 2026-11-27, against the
     # default's every row's first key tiles (the compressed branch's heaviest) first
     "dkdv_tiles_fast:dkdv_key_tiles_fast=1",
@@ -90,8 +87,11 @@ DEFAULT_VARIANTS = [
     # as timed until 2026-11-27, against the default's each row's last (heaviest) tile first (bench/schedule_model.py:
     # 1-4% of those kernels' time)
     "tiles_light_first:query_tiles_light_first=1",
-    "sel_split2k:sel_split=2048/16/64",
-    "sel_split1k:sel_split=1024/8/256",
+    # the selected dK/dV's heavy blocks (default: the 256 heaviest above 1,024 pairs, in pieces of one size, at least
+    # 32 tiles, within 1,024 partials; chosen with bench/schedule_model.py): above 2,048 pairs, and above 4,096 with
+    # 512 slots (the model's best on random queries, its worst on correlated ones)
+    "heavy2k:sel_pieces=2048/320/1024/256",
+    "heavy4k:sel_pieces=4096/320/1024/512",
     # the selected dK/dV with every pair tile masked, as timed on 2026-11-23: the default now runs the tiles whose
     # queries lie past the block's last key (all but the block's first few) without masks, not yet timed
     "sel_dkdv_masked:sel_dkdv_all_masked=1",
@@ -165,7 +165,7 @@ def parse_variant(text):
         key, _, value = item.partition("=")
         if key not in KNOBS:
             raise SystemExit(f"unknown knob {key!r} in variant {text!r}; one of {KNOBS}")
-        # a tuple knob (sel_split) as a/b/c
+        # a tuple knob (sel_pieces) as a/b/c
         settings[key] = tuple(int(v) for v in value.split("/")) if "/" in value else int(value)
     return name, settings
 

@@ -82,7 +82,13 @@ class LaunchOverrides:
     dq_warps: int | None = None  # warps of the fused dQ kernel (sm_90)
     sel_rows: int | None = None  # the selected-attention query tile (rows = queries x G)
     sel_sub_rows: int | None = None  # rows per sub-tile of that tile (= the tile's rows: no sub-tiles)
-    sel_split: tuple[int, int, int] | None = None  # (heavy_min pairs, splits, partial slots) of the selected dK/dV
+    # the selected dK/dV's heavy blocks: (heavy_min pairs, smallest piece in pairs, partial pieces, slots); the
+    # `slots` heaviest blocks above heavy_min pairs are cut into pieces of one size for the launch, at least the
+    # smallest, as small as lets them all fit the partial pieces (nsa_triton_selected._sel_heavy_pieces)
+    sel_pieces: tuple[int, int, int, int] | None = None
+    # the selected dK/dV's pair positions as int64 below 2**31 pairs too, as until 2026-11-27 (the default's int32
+    # ones cut its masked pair tile 742 -> 634 SASS instructions on sm_90 at the 125M layout)
+    sel_pairs_int64: bool | None = None
     # the selected dK/dV's programs in the order timed until 2026-11-27 (the main pass with the key range fastest,
     # then the heavy blocks' splits): the default runs the heavy splits first, then the main pass with every row's
     # first key ranges first (_sel_bwd_dkdv_kernel)

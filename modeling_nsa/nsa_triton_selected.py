@@ -300,43 +300,42 @@ if triton is not None:
 
     @triton.jit
     def _sel_bwd_dkdv_kernel(
-        Q, K, V, PAIR_OFF, PAIR_Q, PAIR_F, HPOS, SLOT_RANK, DOCPOS, DO, GATE, LSE, DELTA, DK, DV, PDK, PDV, DQ,
+        Q, K, V, PAIR_OFF, PAIR_Q, PAIR_F, SLOT_RANK, PIECES, DOCPOS, DO, GATE, LSE, DELTA, DK, DV, PDK, PDV, DQ,
         Tq, Tk, q_off, sm_scale2, scale, heavy_min, n_flat, n_heavy,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         LB: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr,
-        HEAVY_PASS: tl.constexpr, N_SPLIT: tl.constexpr, DQ_PAIRS: tl.constexpr, ALL_MASKED: tl.constexpr,
+        HEAVY_PASS: tl.constexpr, DQ_PAIRS: tl.constexpr, ALL_MASKED: tl.constexpr,
         CH: tl.constexpr, RANGES_FAST: tl.constexpr,
     ):
         # A program's work is its block's pair count, which ranges from a few to every query of the row (block 0
         # is forced for all of them, and top-n favours early blocks), so the order programs start in decides
         # how long the GPU waits for the last (bench/KERNELS.md, "2026-11-27 H100": the heaviest started last
         # and the kernel took 1.2-2.9x its balanced time).
-        # Heavy pass, launched first (grid: heavy slot h x 1 x N_SPLIT; HPOS[h] names the block, heaviest first): a
-        # block with more than heavy_min pairs and a partial slot (SLOT_RANK <= n_heavy: _sel_heavy_slots) is split, each
-        # split writing an fp32 partial that _sel_dkdv_reduce_kernel sums in split order (deterministic, no
-        # atomics). Main pass (grid: batch*kv head x key range of LB keys, the row fastest, so every row's first
-        # ranges, which hold most pairs, start before any row's last; RANGES_FAST: the key range fastest, the
-        # order timed until 2026-11-27): the blocks starting in the range that have pairs, found with one vector
-        # load of their pair counts; usually one per range (more where short documents start blocks close
-        # together); heavy blocks past the n_heavy slots stay here (slower, still exact).
+        # Heavy pass, launched first (grid: one program per partial piece; PIECES[piece] = (block, first pair, end
+        # pair), heaviest block first): a block with more than heavy_min pairs and a slot (SLOT_RANK <= n_heavy:
+        # _sel_heavy_slots) is cut into pieces of one size (_sel_heavy_pieces), each writing an fp32 partial that
+        # _sel_dkdv_reduce_kernel sums in piece order (deterministic, no atomics). Main pass (grid: batch*kv head x
+        # key range of LB keys, the row fastest, so every row's first ranges, which hold most pairs, start before
+        # any row's last; RANGES_FAST: the key range fastest, the order timed until 2026-11-27): the blocks starting
+        # in the range that have pairs, found with one vector load of their pair counts; usually one per range
+        # (more where short documents start blocks close together); heavy blocks past the n_heavy slots stay here
+        # (slower, still exact).
         d = tl.arange(0, D)
         if HEAVY_PASS:
-            h = tl.program_id(0).to(tl.int64)
-            pid_s = tl.program_id(2)
-            f = tl.load(HPOS + h)
+            piece = tl.program_id(0).to(tl.int64)
+            f = tl.load(PIECES + piece * 3)  # flat (batch * kv head, block start); n_flat past the last piece
             if f < n_flat:
                 a = f % Tk
                 pid_bg = f // Tk
-                p_begin = tl.load(PAIR_OFF + f)
-                p_end = tl.load(PAIR_OFF + f + 1)
-                span = tl.cdiv(tl.cdiv(p_end - p_begin, N_SPLIT), QPB) * QPB
-                p_begin = p_begin + pid_s * span
-                p_end = tl.minimum(p_end, p_begin + span)
+                p_begin = tl.load(PIECES + piece * 3 + 1)
+                p_end = tl.load(PIECES + piece * 3 + 2)
                 dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, PAIR_F, DOCPOS, DO, GATE, LSE, DELTA, DQ,
                                                        a, pid_bg, p_begin, p_end, Tq, Tk, q_off, sm_scale2, scale,
                                                        H, HKV, G, D, LB, QPB, BLOCK_M, BR, DQ_PAIRS, ALL_MASKED,
                                                        CH)
-                p_off = ((h * N_SPLIT + pid_s) * LB + tl.arange(0, LB).to(tl.int64))[:, None] * D + d[None, :]
+                # (the program id read again, not kept live through the tile loop: at 255 registers on the 125M
+                # layout one more live value spills inside it)
+                p_off = (tl.program_id(0).to(tl.int64) * LB + tl.arange(0, LB).to(tl.int64))[:, None] * D + d[None, :]
                 tl.store(PDK + p_off, dk * scale)
                 tl.store(PDV + p_off, dv)
         else:
@@ -367,12 +366,14 @@ if triton is not None:
 
     @triton.jit
     def _sel_dkdv_reduce_kernel(
-        PDK, PDV, HPOS, DOCPOS, DK, DV, Tk, n_flat,
-        HKV: tl.constexpr, D: tl.constexpr, LB: tl.constexpr, N_SPLIT: tl.constexpr,
+        PDK, PDV, HPOS, PIECE_START, DOCPOS, DK, DV, Tk, n_flat,
+        HKV: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
     ):
         h = tl.program_id(0).to(tl.int64)
         f = tl.load(HPOS + h)  # flat (batch * kv head, block start) of the h-th heavy block
         if f < n_flat:
+            first_piece = tl.load(PIECE_START + h)
+            end_piece = tl.load(PIECE_START + h + 1)
             pid_bg = f // Tk
             a = f % Tk
             b = pid_bg // HKV
@@ -380,11 +381,11 @@ if triton is not None:
             kk, k_ok = _sel_block_keys(DOCPOS, b, a, Tk, LB)
             d = tl.arange(0, D)
             kv_off = b * Tk * HKV * D + g * D + kk[:, None] * (HKV * D) + d[None, :]
-            # one fp32 tile live at a time (dK, then dV), summed in split order: deterministic
+            # one fp32 tile live at a time (dK, then dV), summed in piece order: deterministic
             for which in tl.static_range(2):
                 acc = tl.zeros([LB, D], tl.float32)
-                for sp in range(N_SPLIT):
-                    p_off = ((h * N_SPLIT + sp) * LB + tl.arange(0, LB).to(tl.int64))[:, None] * D + d[None, :]
+                for piece in range(first_piece, end_piece):  # (int64 bounds: an int64 index)
+                    p_off = (piece * LB + tl.arange(0, LB).to(tl.int64))[:, None] * D + d[None, :]
                     if which == 0:
                         acc += tl.load(PDK + p_off)
                     else:
@@ -619,8 +620,8 @@ if triton is not None:
     def _sel_pair_offsets_kernel(SKEY, ORDER, PAIR_Q, PAIR_OFF, n_pairs, n_offsets, Tq, steps,
                                  N_SEL: tl.constexpr, BLOCK: tl.constexpr):
         """After the sort: each sorted pair's query (PAIR_Q, int32, from its flat index in idx) and, for each key
-        value v in [0, n_offsets), the first sorted pair whose key is v or above (PAIR_OFF, int64: a binary search
-        of the sorted keys), so a block's pairs are PAIR_OFF[v] .. PAIR_OFF[v + 1]."""
+        value v in [0, n_offsets), the first sorted pair whose key is v or above (PAIR_OFF, int32 below 2**31 pairs,
+        else int64: a binary search of the sorted keys), so a block's pairs are PAIR_OFF[v] .. PAIR_OFF[v + 1]."""
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         in_pairs = i < n_pairs
         flat = tl.load(ORDER + i, mask=in_pairs, other=0)
@@ -634,7 +635,7 @@ if triton is not None:
             below = tl.load(SKEY + mid, mask=active & in_offsets, other=0) < i
             lo = tl.where(active & below, mid + 1, lo)
             hi = tl.where(active & ~below, mid, hi)
-        tl.store(PAIR_OFF + i, lo, mask=in_offsets)
+        tl.store(PAIR_OFF + i, lo.to(PAIR_OFF.dtype.element_ty), mask=in_offsets)
 
     @triton.jit
     def _or_within_block(a1, bits1, a2, bits2):
@@ -860,12 +861,15 @@ def _sel_dq_pairs(q, k, v, idx, doc_pos, do, gates, lse, delta, dq_intervals, pa
     return dq_intervals
 
 
-def _sel_heavy_split(num_q: int, qpb: int) -> tuple[int, int, int]:
-    """(heavy_min pairs, splits, partial slots) of the selected dK/dV: blocks above 4,096 pairs split into about
-    128 pair tiles each (a block holds at most num_q pairs), 16 to 256 splits, 1,024 partials in all (at least 4
-    slots)."""
-    n_split = min(256, max(16, _next_pow2(_cdiv(num_q, qpb * 128))))
-    return 4096, n_split, max(4, 1024 // n_split)
+def _sel_heavy_split(qpb: int) -> tuple[int, int, int, int]:
+    """(heavy_min pairs, smallest piece in pairs, partial pieces, slots) of the selected dK/dV: the 256 heaviest
+    blocks above 1,024 pairs (block 0 of a row holds a pair per query: every query's forced block) are cut into
+    pieces of at least 32 pair tiles, into 1,024 fp32 partials in all (16 MiB each for dK and dV at head_dim 64,
+    whatever the length). Chosen with bench/schedule_model.py (makespan over balanced time, random / correlated
+    picks): 1.02-1.04 / 1.35-1.47x for blocks above 4,096 pairs and 512 slots, 1.06-1.08 / 1.17-1.26x here; the
+    H100 timed the first kind only (bench/KERNELS.md, "2026-11-27, second H100 session"). launch_overrides(
+    sel_pieces=...) forces other values."""
+    return 1024, 32 * qpb, 1024, 256
 
 
 def _sel_heavy_slots(cnt: torch.Tensor, heavy: torch.Tensor, n_heavy: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -889,6 +893,39 @@ def _sel_heavy_slots(cnt: torch.Tensor, heavy: torch.Tensor, n_heavy: int) -> tu
     return hpos, slot_rank.contiguous()
 
 
+def _sel_heavy_pieces(cnt: torch.Tensor, pair_off: torch.Tensor, hpos: torch.Tensor, qpb: int, min_piece: int,
+                      max_pieces: int, wide: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """How the split blocks (hpos, heaviest first; n_flat for an empty slot) are cut: every one into pieces of one
+    size, a multiple of qpb (whole pair tiles) and at least min_piece, as small as keeps their pieces within
+    max_pieces partials. With n slots and P pairs in the split blocks a piece of s >= P / (max_pieces - n) pairs
+    needs sum(ceil(cnt / s)) <= P / s + n <= max_pieces pieces, so every split block fits (the launcher keeps n
+    below max_pieces). Small pieces balance the heavy pass, which runs alone; a fixed count per block (16-64,
+    until 2026-11-27) left correlated queries' many heavy blocks unsplit at 64k (bench/KERNELS.md, "2026-11-27,
+    second H100 session"). On the device, no host sync. Returns pieces (max_pieces, 3), int32 (int64 where wide:
+    2**31 pairs or flat blocks and more): each piece's block (flat index; n_flat past the last piece), first pair
+    and end pair, in slot order; and piece_start (n + 1,): slot h's first piece (its last + 1 at h + 1), for the
+    reduce."""
+    n_flat, n_slots = cnt.numel(), hpos.numel()
+    slot_cnt = torch.where(hpos < n_flat, cnt[hpos.clamp(max=n_flat - 1)], 0).long()  # (n,) pairs per split block
+    span = torch.clamp(_cdiv_tensor(slot_cnt.sum(), max_pieces - n_slots), min=min_piece)
+    span = _cdiv_tensor(span, qpb) * qpb  # (,) pairs per piece
+    ends = torch.cumsum(_cdiv_tensor(slot_cnt, span), 0)  # (n,) each slot's pieces end here
+    piece_start = torch.cat([ends.new_zeros(1), ends])
+    piece = torch.arange(max_pieces, device=cnt.device, dtype=torch.int64)
+    slot = torch.searchsorted(ends, piece, right=True).clamp(max=n_slots - 1)  # (max_pieces,) the piece's slot
+    block = torch.where(piece < ends[-1], hpos[slot], n_flat)
+    first = pair_off[block.clamp(max=n_flat - 1)] + (piece - piece_start[slot]) * span
+    end = torch.minimum(pair_off[block.clamp(max=n_flat - 1) + 1], first + span)
+    # int32 where every value fits (fewer live registers in the heavy pass's tile loop: its int64 pair range spilled
+    # one register there on sm_90 at the 125M layout), int64 from 2**31 pairs or flat blocks on
+    pieces = torch.stack([block, first, end], 1).to(torch.int64 if wide else torch.int32)
+    return pieces.contiguous(), piece_start.contiguous()
+
+
+def _cdiv_tensor(a: torch.Tensor, b) -> torch.Tensor:
+    return torch.div(a + b - 1, b, rounding_mode="floor")
+
+
 def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: NSAParams, scale, dq_accum=None,
                   dq_partials=None):
     """dK, dV of the selected branch over the (block -> queries) index. The branch's dQ, which the kernel can form
@@ -907,7 +944,10 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: 
     # each pair's query, and each (batch x kv head, block first key) value's first pair: one launch
     n_pairs = order.numel()
     pair_q = torch.empty(n_pairs, device=q.device, dtype=torch.int32)
-    pair_off = torch.empty(sentinel + 1, device=q.device, dtype=torch.int64)
+    # int32 pair positions below 2**31 pairs (the selected dK/dV's pair ranges then take half the registers: at 255
+    # on sm_90's 125M layout its int64 ones spilled), int64 above
+    wide_pairs = n_pairs >= 2**31 or bool(_OVERRIDES.sel_pairs_int64)
+    pair_off = torch.empty(sentinel + 1, device=q.device, dtype=torch.int64 if wide_pairs else torch.int32)
     block = 1024
     _sel_pair_offsets_kernel[(_cdiv(max(n_pairs, sentinel + 1), block),)](
         sorted_key, order, pair_q, pair_off, n_pairs, sentinel + 1, num_q, max(1, n_pairs.bit_length()),
@@ -920,36 +960,38 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: 
     dv = torch.zeros_like(v)
     dq_pairs = 2 if dq_partials is not None else 1 if dq_accum is not None else 0
     block_m, qpb, dkdv_opts = _dkdv_launch(group, head_dim, q.device, pair_dq=dq_pairs > 0, selected=True)
-    # Heavy blocks (more than heavy_min pairs) are split over n_split programs writing fp32 partials to
-    # n_heavy slots (static shapes, no sync): at most total pairs / (heavy_min + 1) blocks can be heavy, capped at
-    # `slots`; the main pass keeps the rest. Defaults: 4,096 pairs (block 0 of an 8k row, 8,192 pairs, is split;
-    # the top-n's early blocks at 32k-64k too), splits of about 128 pair tiles (a program as long as a tenth of
-    # the launch's average slot; the heavy pass runs first and alone) and 1,024 partials in all (16 MiB each for
-    # dK and dV at head_dim 64, as before). bench/KERNELS.md, "2026-11-27 H100", has the schedule model.
-    heavy_min, n_split, slots = _OVERRIDES.sel_split or _sel_heavy_split(num_q, qpb)
+    # Heavy blocks (more than heavy_min pairs) are cut into pieces written as fp32 partials (static shapes, no
+    # sync): at most total pairs / (heavy_min + 1) blocks can be heavy, and the heaviest max_slots of them get a
+    # slot (fewer than the pieces: _sel_heavy_pieces' bound); the main pass keeps the rest. Defaults:
+    # _sel_heavy_split.
+    heavy_min, min_piece, max_pieces, max_slots = _OVERRIDES.sel_pieces or _sel_heavy_split(qpb)
+    if not 1 <= max_slots < max_pieces:
+        raise ValueError(f"launch_overrides(sel_pieces=...): {max_slots} slots for {max_pieces} partial pieces; "
+                         "the slots must be at least 1 and fewer than the pieces (each slot's block needs a piece)")
     n_flat = batch * num_kv * num_keys
     cnt = pair_off[1:] - pair_off[:-1]  # (n_flat,) pairs of each (batch x kv head, block first key)
     heavy = cnt > heavy_min
-    n_heavy = max(1, min(n_flat, slots, (batch * num_kv * num_q * n_sel) // (heavy_min + 1)))
+    n_heavy = max(1, min(n_flat, max_slots, (batch * num_kv * num_q * n_sel) // (heavy_min + 1)))
     hpos, slot_rank = _sel_heavy_slots(cnt, heavy, n_heavy)
-    pdk = torch.empty(n_heavy, n_split, lb, head_dim, device=q.device, dtype=torch.float32)
+    pieces, piece_start = _sel_heavy_pieces(cnt, pair_off, hpos, qpb, min_piece, max_pieces,
+                                            wide=wide_pairs or n_flat >= 2**31)
+    pdk = torch.empty(max_pieces, lb, head_dim, device=q.device, dtype=torch.float32)
     pdv = torch.empty_like(pdk)
     dq_out = dq_partials if dq_pairs == 2 else dq_accum if dq_pairs == 1 else pdk
-    args = (q, k, v, pair_off, pair_q, pair_f, hpos, slot_rank, doc_pos, do, gates, lse, delta, dk, dv, pdk, pdv,
+    args = (q, k, v, pair_off, pair_q, pair_f, slot_rank, pieces, doc_pos, do, gates, lse, delta, dk, dv, pdk, pdv,
             dq_out, num_q, num_keys, q_off, scale * _LOG2E, scale, heavy_min, n_flat, n_heavy)
     meta = dict(H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=lb, QPB=qpb, BLOCK_M=block_m, BR=branch,
-                N_SPLIT=n_split, DQ_PAIRS=dq_pairs, ALL_MASKED=bool(_OVERRIDES.sel_dkdv_all_masked),
+                DQ_PAIRS=dq_pairs, ALL_MASKED=bool(_OVERRIDES.sel_dkdv_all_masked),
                 CH=_sel_dkdv_chunk_tiles(group, qpb, head_dim, q.device), **dkdv_opts)
     # the order timed until 2026-11-27 (main pass with the key range fastest, then the heavy pass); also past
     # 65,535 key ranges (4M keys a row), the most a grid's second axis takes
     n_ranges = _cdiv(num_keys, lb)
     ranges_fast = bool(_OVERRIDES.sel_dkdv_ranges_first) or n_ranges > 65535
-    heavy_launch = ((n_heavy, 1, n_split), True)
+    heavy_launch = ((max_pieces, 1, 1), True)
     main_launch = ((n_ranges, batch * num_kv, 1) if ranges_fast else (batch * num_kv, n_ranges, 1), False)
     for grid, heavy_pass in (main_launch, heavy_launch) if ranges_fast else (heavy_launch, main_launch):
         _sel_bwd_dkdv_kernel[grid](*args, HEAVY_PASS=heavy_pass, RANGES_FAST=ranges_fast, **meta)
     _sel_dkdv_reduce_kernel[(n_heavy,)](
-        pdk, pdv, hpos, doc_pos, dk, dv, num_keys, n_flat, HKV=num_kv, D=head_dim, LB=lb, N_SPLIT=n_split,
-        num_warps=4,
+        pdk, pdv, hpos, piece_start, doc_pos, dk, dv, num_keys, n_flat, HKV=num_kv, D=head_dim, LB=lb, num_warps=4,
     )
     return dk, dv

@@ -30,8 +30,8 @@ def test_the_default_orders_are_near_balanced_where_the_old_ones_were_not():
     """At 8k (125M layout) the old selected dK/dV order left block 0 of the last rows to the end (about 1.9x the
     balanced time), the default is within 10%; the compressed dK/dV likewise (old about 1.3x)."""
     rng = lambda: np.random.default_rng(0)  # noqa: E731
-    old = sm.selected_dkdv(8192, 2, 10, 264, rng(), old=True)
-    new = sm.selected_dkdv(8192, 2, 10, 264, rng(), old=False)
+    old = sm.selected_dkdv(8192, 2, 10, 264, rng(), "old")
+    new = sm.selected_dkdv(8192, 2, 10, 264, rng(), "pieces")
     assert old > 1.5 and new < 1.1, (old, new)
     assert sm.compressed_dkdv(8192, 2, 10, 264, old=True) > 1.2
     assert sm.compressed_dkdv(8192, 2, 10, 264, old=False) < 1.05
@@ -65,3 +65,16 @@ def test_topn_model_counts_the_kernels_insertion_steps():
     _, placed = tm.tile_steps(row, np.random.default_rng(1), first_placed=True)
     assert chunks == 5 and steps - placed == 16
     assert placed < 16 * (chunks - 1)  # fewer than a full list per later chunk
+
+
+def test_concentrated_picks_pieces_balance_where_fixed_splits_did_not():
+    """Correlated queries concentrate their picks on a few blocks per row, so at 64k more blocks pass 4,096 pairs
+    than a fixed 64 splits x 16 slots held (27e2931's scheme, timed at 8.3 ms where ~2.5 is balanced: the model
+    says about 3x); pieces of one size for every heavy block (_sel_heavy_pieces) bring it under 2x. Concentrated
+    picks also make the heaviest blocks after block 0 heavier than uniform ones do."""
+    rng = lambda: np.random.default_rng(0)  # noqa: E731
+    uniform, concentrated = (sm.selected_pair_counts(8192, rng(), picks) for picks in ("uniform", "concentrated"))
+    assert uniform.sum() == concentrated.sum() and concentrated[1:].max() > 1.5 * uniform[1:].max()
+    fixed = sm.selected_dkdv(65536, 2, 10, 264, rng(), "fixed", "concentrated")
+    pieces = sm.selected_dkdv(65536, 2, 10, 264, rng(), "pieces", "concentrated")
+    assert fixed > 2.5 and pieces < 2.0, (fixed, pieces)

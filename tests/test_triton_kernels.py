@@ -40,7 +40,7 @@ _KNOB_IDS = {
     "split": lambda c: f"split{c['split']}",
     "sel_rows": lambda c: f"selrows{c['sel_rows']}",
     "sel_sub_rows": lambda c: f"subrows{c['sel_sub_rows']}",
-    "sel_split": lambda c: f"selsplit{c['sel_split'][2]}slots",
+    "sel_pieces": lambda c: f"heavy{c['sel_pieces'][0]}pieces{c['sel_pieces'][2]}slots{c['sel_pieces'][3]}",
     "decode_split": lambda c: f"split{c['decode_split']}",
     "decode_topn_blocks": lambda c: f"topn{c['decode_topn_blocks']}blocks",
     "decode_sel_step": lambda c: f"selstep{c['decode_sel_step']}",
@@ -55,6 +55,7 @@ _KNOB_IDS = {
     "sel_dq_partials": lambda c: "seldqpartials" if c["sel_dq_partials"] else "seldqnopartials",
     "topn_query_major": lambda c: "querymajor" if c["topn_query_major"] else "headlanes",
     "sel_dkdv_all_masked": lambda c: "seldkdvmasked" if c["sel_dkdv_all_masked"] else "seldkdvsplit",
+    "sel_pairs_int64": lambda c: "pairsint64" if c["sel_pairs_int64"] else "pairsint32",
     "sel_dkdv_ranges_first": lambda c: "rangesfirst" if c["sel_dkdv_ranges_first"] else "heavyfirst",
     "dkdv_key_tiles_fast": lambda c: "tilesfast" if c["dkdv_key_tiles_fast"] else "tilesslow",
     "query_tiles_light_first": lambda c: "lightfirst" if c["query_tiles_light_first"] else "heavyfirsttiles",
@@ -91,8 +92,8 @@ _PAIR_DQ_CASES = [
     dict(B=2, T=90, H=3, Hkv=1, D=16, layout="varlen", arch=80),
     dict(B=1, T=77, H=4, Hkv=1, D=32, layout="pad"),
     dict(B=2, T=81, H=6, Hkv=1, D=16, layout="varlen", dtype="float16"),
-    dict(B=1, T=100, H=8, Hkv=1, D=16, layout="pad", sel_split=[5, 3, 64]),
-    dict(B=1, T=70, H=16, Hkv=1, D=16, layout="varlen", sel_split=[5, 3, 64]),
+    dict(B=1, T=100, H=8, Hkv=1, D=16, layout="pad", sel_pieces=[5, 3, 64, 32]),
+    dict(B=1, T=70, H=16, Hkv=1, D=16, layout="varlen", sel_pieces=[5, 3, 64, 32]),
 ]
 # tiny params: l=8, d=4, l'=16, n=4, init 1, local 2, w=16 (so several blocks are eligible at T < 100)
 CPU_CASES = [
@@ -153,22 +154,26 @@ CPU_CASES = [
     # G = 1 with 16 selected blocks: the fused dQ's 128-query tiles on sm_90, whose choice bits fill four words
     # (the union walk reads words 1-3 from a second tensor)
     dict(B=1, T=130, H=2, Hkv=2, D=16, layout="varlen", param_overrides=dict(sel_num_blocks=16)),
-    # selected dK/dV: blocks with more than 5 (query, block) pairs split over 3 programs + fixed-order reduce;
-    # then with one partial slot, so the other heavy blocks stay in the main pass
-    dict(B=2, T=70, H=3, Hkv=1, D=16, layout="varlen", sel_split=[5, 3, 64]),
-    dict(B=2, T=70, H=3, Hkv=1, D=16, layout="varlen", sel_split=[5, 3, 1]),
+    # selected dK/dV: blocks with more than 5 (query, block) pairs cut into pieces of at least 3 pairs (one piece
+    # size for the launch, as small as fits 64 partials; a block's last piece partly filled) + fixed-order reduce;
+    # then with one slot of two partials: the heaviest block in one or two pieces, the other heavy blocks in the
+    # main pass
+    dict(B=2, T=70, H=3, Hkv=1, D=16, layout="varlen", sel_pieces=[5, 3, 64, 32]),
+    dict(B=2, T=70, H=3, Hkv=1, D=16, layout="varlen", sel_pieces=[5, 3, 2, 1]),
     # the same splits over two KV heads (each head's heavy blocks in its own slots)
-    dict(B=1, T=60, H=4, Hkv=2, D=16, layout="varlen", sel_split=[5, 3, 64]),
+    dict(B=1, T=60, H=4, Hkv=2, D=16, layout="varlen", sel_pieces=[5, 3, 64, 32]),
+    # ... with int64 pair positions (the launcher's choice from 2**31 pairs on; int32 below)
+    dict(B=1, T=60, H=4, Hkv=2, D=16, layout="varlen", sel_pieces=[5, 3, 64, 32], sel_pairs_int64=True),
     # ... with the programs in the order timed until 2026-11-27 (launch_overrides(sel_dkdv_ranges_first=True): key
-    # range fastest, the main pass before the heavy pass), one partial slot so heavy blocks stay with their key range
-    dict(B=1, T=60, H=4, Hkv=2, D=16, layout="varlen", sel_split=[5, 3, 1], sel_dkdv_ranges_first=True),
+    # range fastest, the main pass before the heavy pass), one slot so heavy blocks stay with their key range
+    dict(B=1, T=60, H=4, Hkv=2, D=16, layout="varlen", sel_pieces=[5, 3, 2, 1], sel_dkdv_ranges_first=True),
     # the selected dK/dV's tile loop in chunks whose query indices are loaded once (the default on sm_90 at head_dim
     # <= 64 with an even G, which the interpreter's cases take: every even-G case above and below; odd G and other
     # GPUs load each tile's, which the odd-G cases take): small chunks so blocks span several, a chunk's last tile
     # cut by the block's end, masked and unmasked tiles in one chunk, heavy-block splits, and the pair-wise dQ's
     # partials (their slots gathered from the chunk too). Shifting a tile's rows by one in its chunk fails all three
     dict(B=2, T=90, H=16, Hkv=1, D=16, layout="varlen", sel_dkdv_chunk_pairs=12),  # 3 tiles of 4 queries a chunk
-    dict(B=1, T=100, H=16, Hkv=1, D=16, sel_dkdv_chunk_pairs=12, sel_split=[5, 3, 64]),
+    dict(B=1, T=100, H=16, Hkv=1, D=16, sel_dkdv_chunk_pairs=12, sel_pieces=[5, 3, 64, 32]),
     dict(B=2, T=81, H=6, Hkv=1, D=16, layout="varlen", dtype="float16", sel_dkdv_chunk_pairs=20, sel_dq_partials=True),
     # the selected dK/dV with every pair tile masked (launch_overrides(sel_dkdv_all_masked=True)); the default
     # runs the tiles whose queries lie past the block's last key unmasked, which every other case checks
@@ -503,10 +508,11 @@ GPU_CASES = [
     dict(B=2, T=1000, H=16, Hkv=1, D=64, layout="varlen", sel_dq_partials=True),
     dict(B=2, T=1000, H=6, Hkv=2, D=64, layout="pad", sel_dq_partials=True),
     dict(B=1, T=2048, H=8, Hkv=1, D=128, layout="pad", sel_dq_partials=True),
-    # ... with the heavily chosen blocks (block 0: every query's initial block) split over 4 programs
-    dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_dq_partials=True, sel_split=[256, 4, 64]),
-    # the default selected dQ with block 0 (4,097 pairs) split over 16 programs: bench/gpu_session.sh's sel_split2k
-    dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_split=[2048, 16, 64]),
+    # ... with every block above 256 pairs cut into pieces (block 0: every query's initial block, 4,097 pairs), 64
+    # partials: pieces far above the 20-pair smallest
+    dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_dq_partials=True, sel_pieces=[256, 16, 64, 32]),
+    # the default selected dQ with block 0 (4,097 pairs) cut into pieces of 160 pairs (16 tiles) and more
+    dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_pieces=[2048, 160, 64, 32]),
     # the block-outer selected forward (sel_fwd_pairs) and dQ (sel_dq_pairs) at the real sizes, in their default
     # chunks
     dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_fwd_pairs=True, sel_dq_pairs=True),

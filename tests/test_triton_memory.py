@@ -67,16 +67,52 @@ def test_block_outer_schedules_memory():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("qpb", [10, 4], ids=["125M-G6", "fla-G16"])
-def test_selected_dkdv_heavy_split_defaults_balance_within_fixed_partials(qpb):
-    """The selected dK/dV's heavy-block split (_sel_heavy_split): block 0 of an 8k row (8,192 pairs, every query
-    chose it) is split, each split holds about 128 pair tiles or fewer up to 64k queries (the heavy pass runs
-    first and alone: its longest split is its time), and the fp32 partials stay at 1,024 tiles (16 MiB each
-    for dK and dV at head_dim 64) at every length."""
-    from modeling_nsa.nsa_triton_selected import _sel_heavy_split
+@pytest.mark.parametrize("picks", ["uniform", "concentrated"])
+def test_selected_dkdv_heavy_pieces_fit_fixed_partials_and_cover_every_split_block(qpb, picks):
+    """The selected dK/dV's heavy blocks (_sel_heavy_split's defaults: the 256 heaviest above 1,024 pairs, pieces
+    of at least 32 tiles, 1,024 fp32 partials: 16 MiB each for dK and dV at head_dim 64 whatever the length): every
+    block given a slot (_sel_heavy_slots) fits the partials (_sel_heavy_pieces' bound),
+    its pieces are whole tiles but its last and cover its pairs exactly, and pieces stay at the smallest size
+    unless the split blocks' pairs need larger ones. Pair counts per block as a row's at 8k-256k (every query's
+    block 0, uniform or concentrated picks: correlated queries' many heavy blocks, which a fixed count of slots
+    left unsplit at 64k on 2026-11-27)."""
+    from modeling_nsa.nsa_triton_selected import _sel_heavy_pieces, _sel_heavy_slots, _sel_heavy_split
 
-    for num_q in (2048, 8192, 32768, 65536, 262144):
-        heavy_min, n_split, slots = _sel_heavy_split(num_q, qpb)
-        assert heavy_min < 8192 <= num_q or num_q < 8192
-        assert n_split * slots <= 1024 and slots >= 4
-        if num_q <= 65536:
-            assert -(-num_q // n_split) <= 128 * qpb, (num_q, n_split)  # a block holds at most num_q pairs
+    gen = torch.Generator().manual_seed(0)
+    heavy_min, min_piece, max_pieces, max_slots = _sel_heavy_split(qpb)
+    assert (heavy_min, max_pieces, max_slots) == (1024, 1024, 256) and min_piece == 32 * qpb
+    for rows, num_q in ((8, 8192), (2, 32768), (1, 65536), (1, 262144)):
+        n_blocks = num_q // 64
+        weights = torch.ones(n_blocks) if picks == "uniform" else 1.0 / torch.arange(1, n_blocks + 1) ** 1.2
+        cnt = torch.zeros(rows, n_blocks, dtype=torch.int64)
+        for r in range(rows):
+            chosen = torch.multinomial(weights, num_q * 13, replacement=True, generator=gen)
+            cnt[r] = torch.bincount(chosen, minlength=n_blocks).clamp(max=num_q)
+        cnt[:, 0] = num_q  # every query's forced block 0
+        cnt = cnt.flatten()
+        heavy = cnt > heavy_min
+        n_slots = max(1, min(cnt.numel(), max_slots, int(cnt.sum()) // (heavy_min + 1)))
+        hpos, _ = _sel_heavy_slots(cnt, heavy, n_slots)
+        pair_off = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(cnt, 0)])
+        pieces, piece_start = _sel_heavy_pieces(cnt, pair_off, hpos, qpb, min_piece, max_pieces, wide=False)
+        assert pieces.dtype == torch.int32 and pieces.shape == (max_pieces, 3)
+        block, first, end = pieces.long().unbind(1)
+        used = hpos < cnt.numel()
+        n_pieces = int(piece_start[-1])
+        assert n_pieces <= max_pieces, (num_q, picks, n_pieces)
+        assert int(used.sum()) == min(n_slots, int(heavy.sum()))  # every slot holds a heavy block while any is left
+        span = int((end - first)[:n_pieces].max())  # the launch's piece size: every piece but a block's last
+        assert span % qpb == 0 and span >= min_piece
+        for h in range(n_slots):
+            mine = slice(int(piece_start[h]), int(piece_start[h + 1]))
+            if not used[h]:
+                assert mine.start == mine.stop
+                continue
+            f = int(hpos[h])
+            assert (block[mine] == f).all() and int(first[mine][0]) == int(pair_off[f])
+            assert (first[mine][1:] == end[mine][:-1]).all() and int(end[mine][-1]) == int(pair_off[f + 1])
+            assert ((end[mine] - first[mine])[:-1] == span).all()  # whole tiles but the last
+        assert (block[n_pieces:] == cnt.numel()).all()  # past the last piece: no block
+        # pieces grow past the smallest only where the split blocks' pairs need it
+        split_pairs = int(cnt[hpos[used]].sum())
+        assert span == min_piece or split_pairs > (max_pieces - n_slots) * (span - qpb), (span, split_pairs)

@@ -55,7 +55,7 @@ def test_the_session_seldq_step_parses():
 
 
 def test_the_session_stages_step_parses_and_reaches_the_launchers():
-    """bench/gpu_session.sh's `stages` step: each variant names real knobs, the tuple knob (sel_split, a/b/c)
+    """bench/gpu_session.sh's `stages` step: each variant names real knobs, the tuple knob (sel_pieces, a/b/c)
     parses to the launcher's tuple, and every variant but the default changes a launch choice."""
     from modeling_nsa import nsa_triton_launch as launch
 
@@ -63,11 +63,11 @@ def test_the_session_stages_step_parses_and_reaches_the_launchers():
     step = script.split("    stages)", 1)[1].split(";;", 1)[0].replace("\\\n", " ")
     variants = [tk.parse_variant(v) for v in step.split("--variants", 1)[1].split("--cases", 1)[0].split()]
     assert variants[0] == ("default", {}) and len(variants) == 8, variants
-    assert dict(variants)["sel_split2k"] == {"sel_split": (2048, 16, 64)}
+    assert dict(variants)["heavy2k"] == {"sel_pieces": (2048, 320, 1024, 256)}
 
     def launches():
         return (launch._dkdv_launch(6, 64, "cpu"), launch._dq_launch(6, 64, 16, "cpu"), launch._sel_fwd_opts(64, "cpu"),
-                launch._OVERRIDES.sel_split)
+                launch._OVERRIDES.sel_pieces)
 
     default = launches()
     for name, settings in variants[1:]:
@@ -77,23 +77,23 @@ def test_the_session_stages_step_parses_and_reaches_the_launchers():
     assert {c[3] for c in cases} == {2048, 8192, 65536} and all(c[3] * c[4] == 65536 for c in cases), cases
 
 
-def test_the_session_pending_step_times_the_caps_and_heavy_splits_against_their_other_sides():
+def test_the_session_pending_step_times_the_heavy_pieces_and_int32_pairs_against_their_other_sides():
     """bench/gpu_session.sh's `pending` step and the launch orders it times against: the default launches the
-    selected dK/dV's heavy pass first with batch x kv head on the main pass's fast axis (launch_overrides(
-    sel_dkdv_ranges_first=True) restores the order timed until 2026-11-27), the compressed/window dK/dV's split
-    programs with the key tile on the last axis (dkdv_key_tiles_fast: the old grid), the four query-tile kernels
-    with each row's last tile first (query_tiles_light_first: tile i on program i), the top-n in tiles of 8 queries
-    at 4 warps; the selected forward and the top-n with maxnreg = 128 (sm_90, head_dim 64) and no other launch
-    capped. The step's variants: the two caps off, the heavy splits at 32 x 32 and above 8,192 pairs, and the
-    block-outer schedules; its cases are issue 18's B*T = 64k shapes."""
+    selected dK/dV's heavy pass first (one program per partial piece) with batch x kv head on the main pass's fast
+    axis (launch_overrides(sel_dkdv_ranges_first=True) restores the order timed until 2026-11-27), the
+    compressed/window dK/dV's split programs with the key tile on the last axis (dkdv_key_tiles_fast: the old
+    grid), the four query-tile kernels with each row's last tile first (query_tiles_light_first: tile i on program
+    i), the top-n in tiles of 8 queries at 4 warps; the selected forward and the top-n with maxnreg = 128 (sm_90,
+    head_dim 64) and no other launch capped. The step's variants: other heavy thresholds and slots (reaching the
+    heavy pass's grid), int64 pair positions (reaching the kernel's pointers); its cases are issue 18's B*T = 64k
+    shapes."""
     pytest.importorskip("triton")
     import triton_aot
 
     script = (Path(__file__).resolve().parent.parent / "bench" / "gpu_session.sh").read_text()
     step = script.split("    pending)", 1)[1].split(";;", 1)[0].replace("\\\n", " ")
     variants = [tk.parse_variant(v) for v in step.split("--variants", 1)[1].split("--cases", 1)[0].split()]
-    assert [name for name, _ in variants] == ["default", "sel_fwd_3_per_sm", "topn_3_per_sm", "sel_split_32x32",
-                                              "sel_split_8k", "block_outer"], variants
+    assert [name for name, _ in variants] == ["default", "heavy2k", "heavy4k", "pairs_int64"], variants
     batch, num_kv, seq_len = 2, 2, 300
 
     def calls_of(settings):
@@ -104,28 +104,33 @@ def test_the_session_pending_step_times_the_caps_and_heavy_splits_against_their_
                 self.name = name
 
             def __getitem__(self, grid):
-                return lambda *args, **kwargs: calls.append((self.name, grid, kwargs))
+                return lambda *args, **kwargs: calls.append((self.name, grid, dict(kwargs, _args=args)))
 
         run = triton_aot._scenario(batch, seq_len, 12, num_kv, 64, torch.bfloat16, overrides=settings)
         triton_aot.with_kernels_replaced(run, Stand)
         return calls
 
-    default_calls, sel_fwd_uncapped, topn_uncapped, split32, split8k, block_outer = (
-        calls_of(settings) for _, settings in variants)
-    old_calls = calls_of(dict(sel_dkdv_ranges_first=True, sel_split=(8192, 16, 64)))
+    default_calls, heavy2k, heavy4k, pairs_int64 = (calls_of(settings) for _, settings in variants)
+    old_calls = calls_of(dict(sel_dkdv_ranges_first=True))
     tiles_fast_calls = calls_of(dict(dkdv_key_tiles_fast=True))
     light_calls = calls_of(dict(query_tiles_light_first=True))
     new, old = ([(grid, kw["HEAVY_PASS"], kw["RANGES_FAST"]) for name, grid, kw in calls
                  if name == "_sel_bwd_dkdv_kernel"] for calls in (default_calls, old_calls))
     key_ranges = -(-seq_len // 64)
     assert [heavy for _, heavy, _ in new] == [True, False] and not any(fast for _, _, fast in new), new
-    assert new[1][0][:2] == (batch * num_kv, key_ranges), new  # rows on the fast axis
+    assert new[0][0] == (1024, 1, 1) and new[1][0][:2] == (batch * num_kv, key_ranges), new  # rows on the fast axis
     assert [heavy for _, heavy, _ in old] == [False, True] and all(fast for _, _, fast in old), old
     assert old[0][0][:2] == (key_ranges, batch * num_kv), old
-    # the heavy splits the variants force reach the kernel (N_SPLIT) and its heavy pass's grid (slots x splits)
-    for calls, (slots, splits) in ((split32, (32, 32)), (split8k, (64, 16))):
-        heavy = [(grid, kw["N_SPLIT"]) for name, grid, kw in calls if name == "_sel_bwd_dkdv_kernel" and kw["HEAVY_PASS"]]
-        assert heavy and all(n == splits and grid[2] == splits and grid[0] <= slots for grid, n in heavy), heavy
+
+    def dkdv_args(calls):  # the heavy pass's pair offsets and pieces (the kernel's 4th and 8th arguments)
+        kw = next(kw for name, _, kw in calls if name == "_sel_bwd_dkdv_kernel" and kw["HEAVY_PASS"])
+        return kw["_args"][3], kw["_args"][7], kw["_args"][-3]  # PAIR_OFF, PIECES, heavy_min
+
+    for calls, heavy_min in ((default_calls, 1024), (heavy2k, 2048), (heavy4k, 4096)):
+        pair_off, pieces, seen_min = dkdv_args(calls)
+        assert seen_min == heavy_min and pair_off.dtype == pieces.dtype == torch.int32, (seen_min, pair_off.dtype)
+    pair_off, pieces, _ = dkdv_args(pairs_int64)
+    assert pair_off.dtype == pieces.dtype == torch.int64
     intervals, old_intervals = ([(grid, kw["TILES_FAST"], kw["N_SPLIT"]) for name, grid, kw in calls
                                  if name == "_interval_bwd_dkdv_kernel"] for calls in (default_calls, tiles_fast_calls))
     # the compressed branch's query ranges are split at 300 queries: key tile on the last axis by default
@@ -139,16 +144,10 @@ def test_the_session_pending_step_times_the_caps_and_heavy_splits_against_their_
     for calls, light in ((default_calls, False), (light_calls, True)):
         orders = {name: kw["LIGHT_FIRST"] for name, _, kw in calls if name in query_tile_kernels}
         assert orders == dict.fromkeys(query_tile_kernels, light), orders
-    # the block-outer selected forward and dQ: their pair kernels launched, the union walk's not
-    launched = {name for name, _, _ in block_outer}
-    assert {"_sel_fwd_pairs_kernel", "_sel_dq_pairs_kernel"} <= launched and "_sel_fwd_kernel" not in launched
     # the register caps: maxnreg = 128 reaches the selected forward and the top-n by default (the scenario compiles
-    # for sm_90) and no other launch; each variant drops its own
-    for calls, uncapped in ((default_calls, None), (sel_fwd_uncapped, "_sel_fwd_kernel"),
-                            (topn_uncapped, "_select_topn_kernel")):
-        caps = {name: kw.get("maxnreg") for name, _, kw in calls}
-        capped = {"_sel_fwd_kernel", "_select_topn_kernel"} - {uncapped}
-        assert caps == {name: 128 if name in capped else None for name in caps}, caps
+    # for sm_90) and no other launch
+    caps = {name: kw.get("maxnreg") for name, _, kw in default_calls}
+    assert caps == {name: 128 if name in ("_sel_fwd_kernel", "_select_topn_kernel") else None for name in caps}, caps
     cases = [tk.parse_case(c) for c in step.split("--cases", 1)[1].split()]
     assert {c[3] for c in cases} == {2048, 8192, 32768, 65536} and all(c[3] * c[4] == 65536 for c in cases), cases
 
