@@ -153,7 +153,12 @@ if triton is not None:
         if SEL_DQ:
             q0, do0, lse0, dl0, t0, c0 = _sel_dq_sub_rows(Q, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q, pid_bg, Tq,
                                                           q_off, R, 0, H, HKV, G, D, QPB, SUB_M)
-            dq0 = tl.zeros([SUB_M, D], tl.float32)
+            if SUBS == 1:
+                # one sub-tile is the tile's rows: the selected blocks add to the interval branches' dQ in place, so
+                # no second fp32 (BLOCK_M, D) accumulator stays live through the union walk
+                dq0 = dq
+            else:
+                dq0 = tl.zeros([SUB_M, D], tl.float32)
             if SUBS >= 2:
                 q1, do1, lse1, dl1, t1, c1 = _sel_dq_sub_rows(Q, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q, pid_bg, Tq,
                                                               q_off, R, SUB_M, H, HKV, G, D, QPB, SUB_M)
@@ -189,7 +194,7 @@ if triton is not None:
                     chosen = _sel_chosen(UHI, entries + u, word, c3, WORDS)
                     dq3 = _sel_dq_sub(a, k, v, q3, do3, lse3, dl3, t3, chosen, sm_scale2, dq3, False)
             if SUBS == 1:
-                dq += dq0
+                dq = dq0
             if SUBS == 2:
                 dq += _rows_cat(dq0, dq1)
             if SUBS == 4:
