@@ -91,6 +91,17 @@ if _HAS_TRITON:
         return tl.num_programs(0) - 1 - tl.program_id(0)
 
     @triton.jit
+    def _kv_offsets(kk, HKV: tl.constexpr, D: tl.constexpr, KV32: tl.constexpr):
+        """(keys, D) element offsets of keys kk (int32) within a row's (T, HKV, D) K or V, whose base (batch and kv
+        head) the caller adds once as a scalar: int32 where KV32 (_kv_offsets_fit_int32), which takes a few SASS
+        instructions off each address of the union walk and the interval tiles against int64, else int64."""
+        if KV32:
+            rows = kk
+        else:
+            rows = kk.to(tl.int64)
+        return rows[:, None] * (HKV * D) + tl.arange(0, D)[None, :]
+
+    @triton.jit
     def _tile_rows(pid_q, Tq, r0, G: tl.constexpr, QPB: tl.constexpr, ROWS: tl.constexpr):
         """Rows r0 .. r0+ROWS-1 of query tile pid_q, packed query-major (QPB queries x G heads): (r, query qi,
         row_ok); rows past the tile or past Tq get qi = 0 and row_ok = False."""

@@ -8,7 +8,8 @@ import torch
 
 from .nsa_layout import NSAParams
 from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes
-from .nsa_triton_launch import _dq_launch, _query_tiles_light_first, _sel_dq_reduce_rows, _sel_sub_tile
+from .nsa_triton_launch import (_dq_launch, _kv_offsets_fit_int32, _query_tiles_light_first, _sel_dq_reduce_rows,
+                                _sel_sub_tile)
 from .nsa_triton_selected import _tile_block_union
 
 
@@ -42,26 +43,27 @@ if triton is not None:
 
     @triton.jit
     def _interval_dq_range(q, do, lse, delta, K, V, kv_base, lo, hi, k_from, k_to, k_end, sm_scale2, dq,
-                           HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+                           HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                           KV32: tl.constexpr):
         for k0 in range(k_from, k_to, BLOCK_N):
-            k, v, vis = _interval_kv(K, V, kv_base, k0, k_end, lo, hi, HKV, D, BLOCK_N, MASKED)
+            k, v, vis = _interval_kv(K, V, kv_base, k0, k_end, lo, hi, HKV, D, BLOCK_N, MASKED, KV32)
             dq = _dq_update(q, do, lse, delta, k, v, vis, sm_scale2, dq, MASKED)
         return dq
 
     @triton.jit
     def _interval_dq(q, do, lse, delta, K, V, kv_base, lo, hi, row_ok, Nk, sm_scale2,
-                     HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+                     HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, KV32: tl.constexpr):
         """dQ (unscaled) of one interval branch for the tile's rows: keys [lo, hi) of K/V per row; the middle
         tiles unmasked (see _interval_tiles; rows outside the tile hold q = do = delta = 0 and add nothing)."""
         hi = tl.where(row_ok, hi, lo)
         k_begin, k_end, full_lo, full_hi = _interval_tiles(lo, hi, row_ok, Nk, BLOCK_N)
         dq = tl.zeros(q.shape, tl.float32)
         dq = _interval_dq_range(q, do, lse, delta, K, V, kv_base, lo, hi, k_begin, full_lo, k_end, sm_scale2, dq,
-                                HKV, D, BLOCK_N, True)
+                                HKV, D, BLOCK_N, True, KV32)
         dq = _interval_dq_range(q, do, lse, delta, K, V, kv_base, lo, hi, full_lo, full_hi, k_end, sm_scale2, dq,
-                                HKV, D, BLOCK_N, False)
+                                HKV, D, BLOCK_N, False, KV32)
         return _interval_dq_range(q, do, lse, delta, K, V, kv_base, lo, hi, full_hi, k_end, k_end, sm_scale2, dq,
-                                  HKV, D, BLOCK_N, True)
+                                  HKV, D, BLOCK_N, True, KV32)
 
     @triton.jit
     def _branch_prep(DOUT, O, GATE, DG, DELTA, row, row_ok, d, R, D: tl.constexpr, BR: tl.constexpr):
@@ -120,6 +122,7 @@ if triton is not None:
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         LB: tl.constexpr, N_SEL: tl.constexpr, QPB: tl.constexpr, WORDS: tl.constexpr, BLOCK_M: tl.constexpr,
         SUB_M: tl.constexpr, BLOCK_N: tl.constexpr, SEL_DQ: tl.constexpr, LIGHT_FIRST: tl.constexpr,
+        KV32: tl.constexpr,
     ):
         """dQ of all three branches for one query tile, accumulated in registers in a fixed branch order
         (compressed, window, selected) and written once in q's dtype; also the gate gradients and the
@@ -140,14 +143,14 @@ if triton is not None:
         lo = tl.load(C_LO + b * Tq + qi, mask=row_ok, other=0)
         hi = tl.load(C_HI + b * Tq + qi, mask=row_ok, other=0)
         dq = _interval_dq(q, do, lse, delta, KC, VC, b * Nc * HKV * D + g * D, lo, hi, row_ok, Nc, sm_scale2,
-                          HKV, D, BLOCK_N)
+                          HKV, D, BLOCK_N, KV32)
         # window branch
         do, delta = _branch_prep(DOUT, OW, GATE, DG, DELTA, row, row_ok, d, R, D, 2)
         lse = _load_lse(LSE_W, row, row_ok)
         lo = tl.load(W_LO + b * Tq + qi, mask=row_ok, other=0)
         hi = tl.load(W_HI + b * Tq + qi, mask=row_ok, other=0)
         dq += _interval_dq(q, do, lse, delta, KW, VW, b * Tw * HKV * D + g * D, lo, hi, row_ok, Tw, sm_scale2,
-                           HKV, D, BLOCK_N)
+                           HKV, D, BLOCK_N, KV32)
         # selected branch: the tile's distinct blocks (see _tile_block_union), math per sub-tile; without SEL_DQ
         # only its delta and gate gradient (the selected dK/dV kernel adds its dQ: sel_dq_in_dkdv)
         if SEL_DQ:
@@ -178,11 +181,11 @@ if triton is not None:
             if SUBS == 1:  # the blocks every row's query is past, without the causal mask (_sel_fwd_kernel)
                 u_from = tl.load(UPAST + tile)
                 for u in range(u_from):
-                    a, k, v, word = _sel_block(KS, VS, UENT, entries + u, kv_base, Tk, HKV, D, LB)
+                    a, k, v, word = _sel_block(KS, VS, UENT, entries + u, kv_base, Tk, HKV, D, LB, KV32)
                     chosen = _sel_chosen(UHI, entries + u, word, c0, WORDS)
                     dq0 = _sel_dq_sub(a, k, v, q0, do0, lse0, dl0, t0, chosen, sm_scale2, dq0, True, False)
             for u in range(u_from, n_union):
-                a, k, v, word = _sel_block(KS, VS, UENT, entries + u, kv_base, Tk, HKV, D, LB)
+                a, k, v, word = _sel_block(KS, VS, UENT, entries + u, kv_base, Tk, HKV, D, LB, KV32)
                 chosen = _sel_chosen(UHI, entries + u, word, c0, WORDS)
                 dq0 = _sel_dq_sub(a, k, v, q0, do0, lse0, dl0, t0, chosen, sm_scale2, dq0, SUBS == 1)
                 if SUBS >= 2:
@@ -265,7 +268,8 @@ def _bwd_dq(q, dout, gates, cmp, slc, win, idx, doc_pos, params: NSAParams, scal
         H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=params.sel_block_size, N_SEL=n_sel,
         QPB=qpb, WORDS=high_bits.shape[-1] + 1 if sel_dq else 1, BLOCK_M=block_m,
         SUB_M=_sel_sub_tile(block_m, head_dim, q.device, dq=True),
-        BLOCK_N=64, SEL_DQ=sel_dq, LIGHT_FIRST=_query_tiles_light_first(), **dq_opts,
+        BLOCK_N=64, SEL_DQ=sel_dq, LIGHT_FIRST=_query_tiles_light_first(),
+        KV32=_kv_offsets_fit_int32(max(num_keys, k_cmp.shape[1], k_win.shape[1]), num_kv, head_dim), **dq_opts,
     )
     return dq, dgates, delta
 

@@ -9,7 +9,8 @@ import torch
 
 from .nsa_layout import NSAParams
 from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes, _next_pow2
-from .nsa_triton_launch import _OVERRIDES, _dkdv_launch, _query_tiles_light_first, _rows_per_program
+from .nsa_triton_launch import (_OVERRIDES, _dkdv_launch, _kv_offsets_fit_int32, _query_tiles_light_first,
+                                _rows_per_program)
 
 
 try:  # the module must import where triton is missing (CPU-only installs, macOS)
@@ -20,8 +21,8 @@ except Exception:  # pragma: no cover - exercised only without triton
 
 
 if triton is not None:
-    from .nsa_triton_common import (_bwd_rows, _dkdv_update, _gated_sum, _max_combine, _query_tile_id,
-                                     _softmax_init, _softmax_tile, _tile_rows)
+    from .nsa_triton_common import (_bwd_rows, _dkdv_update, _gated_sum, _kv_offsets, _max_combine,
+                                     _query_tile_id, _softmax_init, _softmax_tile, _tile_rows)
 
     # ------------------------------------------------------------------------------------------
     # Interval attention (compressed + window branches)
@@ -52,11 +53,14 @@ if triton is not None:
 
     @triton.jit
     def _interval_kv(K, V, kv_base, k0, k_end, lo, hi,
-                     HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+                     HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                     KV32: tl.constexpr):
         """Key tile [k0, k0 + BLOCK_N): K, V (BLOCK_N, D) and which rows see which keys (MASKED; otherwise every
         key is in range and seen by every row, and vis is a constant)."""
         kk = k0 + tl.arange(0, BLOCK_N)
-        kv_off = kv_base + kk.to(tl.int64)[:, None] * (HKV * D) + tl.arange(0, D)[None, :]
+        kv_off = _kv_offsets(kk, HKV, D, KV32)
+        K = K + kv_base  # (the row's K and V: int64 once, the keys' offsets within the row int32 where they fit)
+        V = V + kv_base
         if MASKED:
             k_ok = kk < k_end
             k = tl.load(K + kv_off, mask=k_ok[:, None], other=0.0)
@@ -71,10 +75,11 @@ if triton is not None:
 
     @triton.jit
     def _interval_fwd_range(q, K, V, kv_base, lo, hi, k_from, k_to, k_end, sm_scale2, m_i, l_i, acc,
-                            HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+                            HKV: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                            KV32: tl.constexpr):
         """Online softmax over the key tiles from k_from to k_to (masked or not, see _interval_tiles)."""
         for k0 in range(k_from, k_to, BLOCK_N):
-            k, v, vis = _interval_kv(K, V, kv_base, k0, k_end, lo, hi, HKV, D, BLOCK_N, MASKED)
+            k, v, vis = _interval_kv(K, V, kv_base, k0, k_end, lo, hi, HKV, D, BLOCK_N, MASKED, KV32)
             s = tl.dot(q, tl.trans(k))
             if MASKED:
                 s = tl.where(vis, s, float("-inf"))
@@ -87,7 +92,7 @@ if triton is not None:
         Tq, Nk, sm_scale2,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         QPB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COMBINE: tl.constexpr,
-        LIGHT_FIRST: tl.constexpr,
+        LIGHT_FIRST: tl.constexpr, KV32: tl.constexpr,
     ):
         pid_q = _query_tile_id(LIGHT_FIRST)
         pid_bg = tl.program_id(1)
@@ -106,11 +111,11 @@ if triton is not None:
         m_i, l_i, acc = _softmax_init(BLOCK_M, D)
         # boundary tiles masked, the middle ones not (rows outside the tile hold q = 0 and are not stored)
         m_i, l_i, acc = _interval_fwd_range(q, K, V, kv_base, lo, hi, k_begin, full_lo, k_end, sm_scale2, m_i, l_i,
-                                            acc, HKV, D, BLOCK_N, True)
+                                            acc, HKV, D, BLOCK_N, True, KV32)
         m_i, l_i, acc = _interval_fwd_range(q, K, V, kv_base, lo, hi, full_lo, full_hi, k_end, sm_scale2, m_i, l_i,
-                                            acc, HKV, D, BLOCK_N, False)
+                                            acc, HKV, D, BLOCK_N, False, KV32)
         m_i, l_i, acc = _interval_fwd_range(q, K, V, kv_base, lo, hi, full_hi, k_end, k_end, sm_scale2, m_i, l_i,
-                                            acc, HKV, D, BLOCK_N, True)
+                                            acc, HKV, D, BLOCK_N, True, KV32)
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         out_ptr = row[:, None] * D + d[None, :]
@@ -414,7 +419,8 @@ def _interval_fwd(q, k, v, lo, hi, scale, combine=None):
     _interval_fwd_kernel[grid](
         q, k, v, lo, hi, o, lse, o_c, o_s, gates, out, num_q, num_keys, scale * _LOG2E,
         H=num_heads, HKV=num_kv, G=group, D=head_dim, QPB=qpb, BLOCK_M=block_m, BLOCK_N=64,
-        COMBINE=combine is not None, LIGHT_FIRST=_query_tiles_light_first(), num_warps=4 if head_dim <= 64 else 8,
+        COMBINE=combine is not None, LIGHT_FIRST=_query_tiles_light_first(),
+        KV32=_kv_offsets_fit_int32(num_keys, num_kv, head_dim), num_warps=4 if head_dim <= 64 else 8,
     )
     return (o, lse, out) if combine is not None else (o, lse)
 

@@ -89,6 +89,10 @@ class LaunchOverrides:
     # the selected dK/dV's pair positions as int64 below 2**31 pairs too, as until 2026-11-27 (the default's int32
     # ones cut its masked pair tile 742 -> 634 SASS instructions on sm_90 at the 125M layout)
     sel_pairs_int64: bool | None = None
+    # K/V element offsets within a row as int64 in the union walk and the interval tiles, as until 2026-11-27 (the
+    # default's int32 ones, where a row's K/V holds under 2**31 elements, take 15-25 SASS instructions off each
+    # step: nsa_triton_common._kv_offsets)
+    kv_offsets_int64: bool | None = None
     # the selected dK/dV's programs in the order timed until 2026-11-27 (the main pass with the key range fastest,
     # then the heavy blocks' splits): the default runs the heavy splits first, then the main pass with every row's
     # first key ranges first (_sel_bwd_dkdv_kernel)
@@ -131,6 +135,13 @@ def launch_overrides(**choices):
     finally:
         for name, value in saved.items():
             setattr(_OVERRIDES, name, value)
+
+
+def _kv_offsets_fit_int32(num_keys: int, num_kv: int, head_dim: int) -> bool:
+    """The kernels' KV32 (nsa_triton_common._kv_offsets): every element offset within one row of a (B, T, HKV, D)
+    K/V (num_keys x num_kv x head_dim) fits int32 (16.7M keys at 2 kv heads x 64, 2M at 8 x 128), unless
+    launch_overrides(kv_offsets_int64=True) forces int64."""
+    return num_keys * num_kv * head_dim < 2**31 and not _OVERRIDES.kv_offsets_int64
 
 
 def _query_tile(group: int, rows: int) -> tuple[int, int]:
@@ -329,9 +340,11 @@ def _topn_opts(head_dim: int, device) -> dict:
     """Launch options of the training top-n program: 4 warps on sm_90 (faster than 8 at 2k and 64k, bench/KERNELS.md,
     when it still spilled 8-16 bytes with 16 selected blocks; the unsorted lists made it spill-free,
     tests/triton_aot.py); 8 before Hopper (not timed there); 128 registers on sm_90 to head_dim 64
-    (_register_cap)."""
+    (_register_cap) with the default head-lane rows."""
     opts = dict(num_warps=_OVERRIDES.topn_warps or (4 if _hopper_class(device) else 8))
-    cap = _register_cap(_OVERRIDES.topn_max_registers, head_dim, device)
+    # (query-major rows, launch_overrides(topn_query_major=True), keep twice the values per thread: a 264-byte frame
+    # under the cap, which was sized for the head-lane rows)
+    cap = 0 if _OVERRIDES.topn_query_major else _register_cap(_OVERRIDES.topn_max_registers, head_dim, device)
     if cap:
         opts["maxnreg"] = cap
     return opts

@@ -8,9 +8,9 @@ import torch
 
 from .nsa_layout import NSAParams
 from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes, _next_pow2
-from .nsa_triton_launch import (_OVERRIDES, _dkdv_launch, _query_tiles_light_first, _sel_dkdv_chunk_tiles,
-                                _sel_fwd_opts, _sel_fwd_pair_queries, _sel_fwd_pairs_launch, _sel_rows_per_program,
-                                _sel_sub_tile)
+from .nsa_triton_launch import (_OVERRIDES, _dkdv_launch, _kv_offsets_fit_int32, _query_tiles_light_first,
+                                _sel_dkdv_chunk_tiles, _sel_fwd_opts, _sel_fwd_pair_queries, _sel_fwd_pairs_launch,
+                                _sel_rows_per_program, _sel_sub_tile)
 
 
 try:  # the module must import where triton is missing (CPU-only installs, macOS)
@@ -21,8 +21,8 @@ except Exception:  # pragma: no cover - exercised only without triton
 
 
 if triton is not None:
-    from .nsa_triton_common import (_bwd_rows, _dkdv_update, _dkdv_update_ds, _max_combine, _min_combine,
-                                     _query_tile_id, _softmax_init, _softmax_tile, _tile_rows)
+    from .nsa_triton_common import (_bwd_rows, _dkdv_update, _dkdv_update_ds, _kv_offsets, _max_combine,
+                                     _min_combine, _query_tile_id, _softmax_init, _softmax_tile, _tile_rows)
 
     # ------------------------------------------------------------------------------------------
     # Selected attention
@@ -63,16 +63,18 @@ if triton is not None:
         return q, row, row_ok, t_abs, r // G
 
     @triton.jit
-    def _sel_block(K, V, UENT, entry, kv_base, Tk, HKV: tl.constexpr, D: tl.constexpr, LB: tl.constexpr):
+    def _sel_block(K, V, UENT, entry, kv_base, Tk, HKV: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
+                   KV32: tl.constexpr):
         """The union entry's block: its first key a (int32), K, V (LB, D), and the bits of the tile's first 32
-        queries (int32; the others' come from _sel_chosen)."""
+        queries (int32; the others' come from _sel_chosen). KV32: the keys' offsets within the row's K/V fit int32
+        (_kv_offsets_fit_int32)."""
         packed = tl.load(UENT + entry)  # first key << 32 | query bits 0-31
         a = (packed >> 32).to(tl.int32)
         kk = a + tl.arange(0, LB)
         k_ld = kk < Tk
-        kv_off = kv_base + kk.to(tl.int64)[:, None] * (HKV * D) + tl.arange(0, D)[None, :]
-        k = tl.load(K + kv_off, mask=k_ld[:, None], other=0.0)
-        v = tl.load(V + kv_off, mask=k_ld[:, None], other=0.0)
+        kv_off = _kv_offsets(kk, HKV, D, KV32)
+        k = tl.load(K + kv_base + kv_off, mask=k_ld[:, None], other=0.0)
+        v = tl.load(V + kv_base + kv_off, mask=k_ld[:, None], other=0.0)
         return a, k, v, packed.to(tl.int32)
 
     @triton.jit
@@ -128,7 +130,7 @@ if triton is not None:
         Tq, Tk, q_off, n_tiles, sm_scale2,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         LB: tl.constexpr, N_SEL: tl.constexpr, QPB: tl.constexpr, WORDS: tl.constexpr, BLOCK_M: tl.constexpr,
-        SUB_M: tl.constexpr, LIGHT_FIRST: tl.constexpr,
+        SUB_M: tl.constexpr, LIGHT_FIRST: tl.constexpr, KV32: tl.constexpr,
     ):
         SUBS: tl.constexpr = BLOCK_M // SUB_M
         pid_q = _query_tile_id(LIGHT_FIRST)
@@ -154,11 +156,11 @@ if triton is not None:
         if SUBS == 1:  # the blocks every row's query is past: no causal mask (one loop each: both pipelined)
             u_from = tl.load(UPAST + tile)
             for u in range(u_from):
-                a, k, v, word = _sel_block(K, V, UENT, entries + u, kv_base, Tk, HKV, D, LB)
+                a, k, v, word = _sel_block(K, V, UENT, entries + u, kv_base, Tk, HKV, D, LB, KV32)
                 chosen = _sel_chosen(UHI, entries + u, word, c0, WORDS)
                 m0, l0, acc0 = _sel_fwd_sub(a, k, v, q0, t0, chosen, sm_scale2, m0, l0, acc0, True, False)
         for u in range(u_from, n_union):
-            a, k, v, word = _sel_block(K, V, UENT, entries + u, kv_base, Tk, HKV, D, LB)
+            a, k, v, word = _sel_block(K, V, UENT, entries + u, kv_base, Tk, HKV, D, LB, KV32)
             chosen = _sel_chosen(UHI, entries + u, word, c0, WORDS)
             m0, l0, acc0 = _sel_fwd_sub(a, k, v, q0, t0, chosen, sm_scale2, m0, l0, acc0, SUBS == 1)
             if SUBS >= 2:
@@ -768,7 +770,7 @@ def _sel_fwd(q, k, v, idx, doc_pos, params: NSAParams, scale):
         H=num_heads, HKV=num_kv, G=group, D=head_dim,
         LB=params.sel_block_size, N_SEL=n_sel, QPB=qpb, WORDS=high_bits.shape[-1] + 1, BLOCK_M=block_m,
         SUB_M=_sel_sub_tile(block_m, head_dim, q.device), LIGHT_FIRST=_query_tiles_light_first(),
-        **_sel_fwd_opts(head_dim, q.device),
+        KV32=_kv_offsets_fit_int32(num_keys, num_kv, head_dim), **_sel_fwd_opts(head_dim, q.device),
     )
     return o, lse
 

@@ -92,10 +92,11 @@ SPILL_OUTSIDE_LOOPS_BYTES = 128  # the stack frame any launch may keep when none
 
 
 # head_dim 256 is supported but not tuned: its dK/dV and dQ tiles spill (it is compiled for the other checks). The
-# selected dK/dV's int64 pair positions (inputs of 2**31 pairs and more; launch_overrides(sel_pairs_int64=True))
-# spill one register in its heavy pass's masked tile loop at the 125M layout, as the default did until int32
-# positions freed registers on 2026-11-27: a path for sizes no H100 trains at, compiled for the other checks.
-UNTUNED_SCENARIOS = {"G2-d256-bf16", "125M-G6-d64-bf16-long-pairsint64"}
+# int64 offsets of huge inputs (2**31 (query, block) pairs, or 2**31 elements in a row's K/V; the *-int64offsets
+# scenario) spill one register in the selected dK/dV's heavy-pass masked tile loop at the 125M layout, as the
+# default did until int32 offsets freed registers on 2026-11-27: a path for sizes no H100 trains at, compiled for
+# the other checks.
+UNTUNED_SCENARIOS = {"G2-d256-bf16", "125M-G6-d64-bf16-long-int64offsets"}
 
 
 # Registers are the compiler's: the spill-free launches were sized with triton 3.9's. Triton 3.6 (checked

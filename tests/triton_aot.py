@@ -148,15 +148,16 @@ _VARIANTS = {
     "topnuncapped": dict(topn_max_registers=0),
     # the tile unions' int64 sort keys, which only inputs of 2**27 keys and more reach at the 125M layout
     "unionwide": dict(sel_union_wide_keys=True),
-    # the selected dK/dV's int64 pair positions, which only inputs of 2**31 (query, block) pairs and more reach
-    "pairsint64": dict(sel_pairs_int64=True),
+    # the int64 offsets only huge inputs take: the selected dK/dV's pair positions (from 2**31 (query, block) pairs)
+    # and the K/V element offsets within a row (from 2**31 elements)
+    "int64offsets": dict(sel_pairs_int64=True, kv_offsets_int64=True),
 }
 # variants compiled at fewer shapes (CI time): the block-outer kernels' registers differ by G and head_dim, which the
 # 125M layout (G = 6) and head_dim 128 (G = 8) cover
 _VARIANT_SKIP = {("fla-G16-d64-bf16", "selfwdpairs"), *((shape, uncapped) for uncapped in ("selfwduncapped", "topnuncapped")
                                                          for shape in ("fla-G16-d64-bf16", "G8-d128-bf16-long")),
                  ("fla-G16-d64-bf16", "unionwide"), ("G8-d128-bf16-long", "unionwide"),
-                 ("fla-G16-d64-bf16", "pairsint64"), ("G8-d128-bf16-long", "pairsint64")}
+                 ("fla-G16-d64-bf16", "int64offsets"), ("G8-d128-bf16-long", "int64offsets")}
 SCENARIOS.update({f"{shape}-{variant}": _scenario(**args, overrides=overrides)
                   for variant, overrides in _VARIANTS.items() for shape, args in _VARIANT_SHAPES.items()
                   if (shape, variant) not in _VARIANT_SKIP})
