@@ -10,7 +10,7 @@ import torch
 from .nsa_layout import NSAParams
 from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes, _next_pow2
 from .nsa_triton_launch import (_OVERRIDES, _dkdv_launch, _kv_offsets_fit_int32, _query_tiles_light_first,
-                                _rows_per_program)
+                                _rows_fit_int32, _rows_per_program)
 
 
 try:  # the module must import where triton is missing (CPU-only installs, macOS)
@@ -21,7 +21,7 @@ except Exception:  # pragma: no cover - exercised only without triton
 
 
 if triton is not None:
-    from .nsa_triton_common import (_bwd_rows, _dkdv_update, _gated_sum, _kv_offsets, _max_combine,
+    from .nsa_triton_common import (_bwd_rows, _dkdv_update, _gated_sum, _head_rows, _kv_offsets, _max_combine,
                                      _query_tile_id, _softmax_init, _softmax_tile, _tile_rows)
 
     # ------------------------------------------------------------------------------------------
@@ -131,7 +131,7 @@ if triton is not None:
     @triton.jit
     def _dkdv_query_tiles(Q, DO, GATE, LSE, DELTA, LO, HI, b, g, q_from, q_to, q_end, Tq, kk, k, v, sm_scale2, dk, dv,
                           H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, QPB: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BR: tl.constexpr, MASKED: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BR: tl.constexpr, MASKED: tl.constexpr, ROW32: tl.constexpr):
         """A key tile's dK/dV over the query tiles q_from, q_from + QPB, ... below q_to. MASKED: rows at or past
         q_end and keys outside a row's [lo, hi) are masked. Otherwise each tile lies inside the queries that see
         every key of the key tile (_wholly_visible_queries): no interval loads, no mask; the rows past QPB * G
@@ -149,8 +149,9 @@ if triton is not None:
             if MASKED:
                 lo = tl.load(LO + b * Tq + qi, mask=row_ok, other=0)
                 hi = tl.load(HI + b * Tq + qi, mask=row_ok, other=0)
-            row = (b * Tq + qi) * H + g * G + hh
-            q, do, lse, delta = _bwd_rows(Q, DO, GATE, LSE, DELTA, row, row_ok, d, D, BR)
+            base, row = _head_rows(b, g, qi, hh, Tq, H, G, ROW32)
+            q, do, lse, delta = _bwd_rows(Q + base * D, DO + base * D, GATE + base * 3, LSE + base, DELTA + base, row,
+                                          row_ok, d, D, BR)
             if MASKED:
                 vis_t = row_ok[None, :] & (kk[:, None] >= lo[None, :]) & (kk[:, None] < hi[None, :])
             else:
@@ -164,7 +165,7 @@ if triton is not None:
         Tq, Nk, n_ktiles, sm_scale2, scale,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         QPB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_SPLIT: tl.constexpr, BR: tl.constexpr,
-        INTERIOR: tl.constexpr, TILES_FAST: tl.constexpr,
+        INTERIOR: tl.constexpr, TILES_FAST: tl.constexpr, ROW32: tl.constexpr,
     ):
         # N_SPLIT > 1: program (tile, split) handles one slice of the tile's query range and writes an
         # fp32 partial to DK/DV[split] (summed afterwards in a fixed order: deterministic).
@@ -207,15 +208,15 @@ if triton is not None:
             first = tl.minimum(tl.cdiv(tl.maximum(ia - q_begin, 0), QPB), n_tiles)
             last = tl.maximum(tl.minimum(tl.maximum(ib - q_begin, 0) // QPB, n_tiles), first)
             dk, dv = _dkdv_query_tiles(Q, DO, GATE, LSE, DELTA, LO, HI, b, g, q_begin, q_begin + first * QPB, q_end,
-                                       Tq, kk, k, v, sm_scale2, dk, dv, H, G, D, QPB, BLOCK_M, BR, True)
+                                       Tq, kk, k, v, sm_scale2, dk, dv, H, G, D, QPB, BLOCK_M, BR, True, ROW32)
             dk, dv = _dkdv_query_tiles(Q, DO, GATE, LSE, DELTA, LO, HI, b, g, q_begin + first * QPB,
                                        q_begin + last * QPB, q_end, Tq, kk, k, v, sm_scale2, dk, dv, H, G, D, QPB,
-                                       BLOCK_M, BR, False)
+                                       BLOCK_M, BR, False, ROW32)
             q_begin += last * QPB
         # the masked tiles after the run (INTERIOR), or every tile, even those inside all rows' intervals: one
         # loop with no branch in it
         dk, dv = _dkdv_query_tiles(Q, DO, GATE, LSE, DELTA, LO, HI, b, g, q_begin, q_end, q_end, Tq, kk, k, v,
-                                   sm_scale2, dk, dv, H, G, D, QPB, BLOCK_M, BR, True)
+                                   sm_scale2, dk, dv, H, G, D, QPB, BLOCK_M, BR, True, ROW32)
         split_off = pid_s.to(tl.int64) * (n_bg // HKV) * Nk * HKV * D
         tl.store(DK + split_off + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=k_ok[:, None])
         tl.store(DV + split_off + kv_off, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
@@ -515,7 +516,8 @@ def _interval_bwd_dkdv(q, k, v, lo, hi, ranges, do, gates, branch, lse, delta, s
     _interval_bwd_dkdv_kernel[grid](
         q, k, v, lo, hi, qa, qb, ia, ib, do, gates, lse, delta, dk, dv, num_q, num_keys, n_ktiles, scale * _LOG2E,
         scale, H=num_heads, HKV=num_kv, G=group, D=head_dim, QPB=qpb, BLOCK_M=block_m, BLOCK_N=block_n,
-        N_SPLIT=n_split, BR=branch, INTERIOR=interior, TILES_FAST=tiles_fast, **dkdv_opts,
+        N_SPLIT=n_split, BR=branch, INTERIOR=interior, TILES_FAST=tiles_fast,
+        ROW32=_rows_fit_int32(num_q, num_heads, head_dim), **dkdv_opts,
     )
     if n_split > 1:
         dk, dv = dk.sum(0).to(k.dtype), dv.sum(0).to(v.dtype)

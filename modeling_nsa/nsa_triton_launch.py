@@ -89,10 +89,10 @@ class LaunchOverrides:
     # the selected dK/dV's pair positions as int64 below 2**31 pairs too, as until 2026-11-27 (the default's int32
     # ones cut its masked pair tile 742 -> 634 SASS instructions on sm_90 at the 125M layout)
     sel_pairs_int64: bool | None = None
-    # K/V element offsets within a row as int64 in the union walk and the interval tiles, as until 2026-11-27 (the
-    # default's int32 ones, where a row's K/V holds under 2**31 elements, take 15-25 SASS instructions off each
-    # step: nsa_triton_common._kv_offsets)
-    kv_offsets_int64: bool | None = None
+    # element offsets within a batch row as int64, as until 2026-11-27: K/V in the union walk and the interval tiles
+    # (nsa_triton_common._kv_offsets), q/dO rows in the dK/dV kernels (_head_rows); the default's int32 ones, where
+    # a row holds under 2**31 elements, take 4-14% off those loops' SASS on sm_90
+    offsets_int64: bool | None = None
     # the selected dK/dV's programs in the order timed until 2026-11-27 (the main pass with the key range fastest,
     # then the heavy blocks' splits): the default runs the heavy splits first, then the main pass with every row's
     # first key ranges first (_sel_bwd_dkdv_kernel)
@@ -140,8 +140,15 @@ def launch_overrides(**choices):
 def _kv_offsets_fit_int32(num_keys: int, num_kv: int, head_dim: int) -> bool:
     """The kernels' KV32 (nsa_triton_common._kv_offsets): every element offset within one row of a (B, T, HKV, D)
     K/V (num_keys x num_kv x head_dim) fits int32 (16.7M keys at 2 kv heads x 64, 2M at 8 x 128), unless
-    launch_overrides(kv_offsets_int64=True) forces int64."""
-    return num_keys * num_kv * head_dim < 2**31 and not _OVERRIDES.kv_offsets_int64
+    launch_overrides(offsets_int64=True) forces int64."""
+    return num_keys * num_kv * head_dim < 2**31 and not _OVERRIDES.offsets_int64
+
+
+def _rows_fit_int32(num_q: int, num_heads: int, head_dim: int) -> bool:
+    """The dK/dV kernels' ROW32 (nsa_triton_common._head_rows): every element offset within one batch row of a
+    (B, T, H, D) q or dO fits int32 (2.8M queries at 12 heads x 64), unless launch_overrides(offsets_int64=True)
+    forces int64."""
+    return num_q * num_heads * head_dim < 2**31 and not _OVERRIDES.offsets_int64
 
 
 def _query_tile(group: int, rows: int) -> tuple[int, int]:

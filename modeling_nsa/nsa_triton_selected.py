@@ -9,8 +9,8 @@ import torch
 from .nsa_layout import NSAParams
 from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes, _next_pow2
 from .nsa_triton_launch import (_OVERRIDES, _dkdv_launch, _kv_offsets_fit_int32, _query_tiles_light_first,
-                                _sel_dkdv_chunk_tiles, _sel_fwd_opts, _sel_fwd_pair_queries, _sel_fwd_pairs_launch,
-                                _sel_rows_per_program, _sel_sub_tile)
+                                _rows_fit_int32, _sel_dkdv_chunk_tiles, _sel_fwd_opts, _sel_fwd_pair_queries,
+                                _sel_fwd_pairs_launch, _sel_rows_per_program, _sel_sub_tile)
 
 
 try:  # the module must import where triton is missing (CPU-only installs, macOS)
@@ -21,7 +21,7 @@ except Exception:  # pragma: no cover - exercised only without triton
 
 
 if triton is not None:
-    from .nsa_triton_common import (_bwd_rows, _dkdv_update, _dkdv_update_ds, _kv_offsets, _max_combine,
+    from .nsa_triton_common import (_bwd_rows, _dkdv_update, _dkdv_update_ds, _head_rows, _kv_offsets, _max_combine,
                                      _min_combine, _query_tile_id, _softmax_init, _softmax_tile, _tile_rows)
 
     # ------------------------------------------------------------------------------------------
@@ -190,11 +190,12 @@ if triton is not None:
     @triton.jit
     def _sel_pair_tile(Q, DO, GATE, LSE, DELTA, DQ, b, g, Tq, q_off, kk, k_ok, k, v, sm_scale2, scale, dk, dv, qi, f,
                        row_ok, r, hh, d, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BR: tl.constexpr,
-                       DQ_PAIRS: tl.constexpr, MASKED: tl.constexpr):
+                       DQ_PAIRS: tl.constexpr, MASKED: tl.constexpr, ROW32: tl.constexpr):
         """One pair tile: rows r (query qi x head hh) of block keys kk added to dK, dV (and with DQ_PAIRS the
         rows' dQ shares: 1 added atomically at their rows, 2 stored at their (query, slot) partials f)."""
-        row = (b * Tq + qi) * H + g * G + hh
-        q, do, lse, delta = _bwd_rows(Q, DO, GATE, LSE, DELTA, row, row_ok, d, D, BR)
+        base, row = _head_rows(b, g, qi, hh, Tq, H, G, ROW32)
+        q, do, lse, delta = _bwd_rows(Q + base * D, DO + base * D, GATE + base * 3, LSE + base, DELTA + base, row,
+                                      row_ok, d, D, BR)
         if MASKED:
             vis_t = row_ok[None, :] & k_ok[:, None] & (kk[:, None] <= (q_off + qi)[None, :])
         else:
@@ -202,7 +203,7 @@ if triton is not None:
         if DQ_PAIRS == 1:
             dk, dv, ds_t = _dkdv_update_ds(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
             dq = tl.dot(tl.trans(ds_t), k) * scale  # (rows, D)
-            tl.atomic_add(DQ + row[:, None] * D + d[None, :], dq, mask=row_ok[:, None], sem="relaxed")
+            tl.atomic_add(DQ + base * D + row[:, None] * D + d[None, :], dq, mask=row_ok[:, None], sem="relaxed")
         elif DQ_PAIRS == 2:
             dk, dv, ds_t = _dkdv_update_ds(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
             dq = tl.dot(tl.trans(ds_t), k) * scale  # (rows, D)
@@ -215,7 +216,7 @@ if triton is not None:
     def _sel_pair_tiles(Q, PAIR_Q, PAIR_F, DO, GATE, LSE, DELTA, DQ, b, g, p_from, p_to, p_end, Tq, q_off, kk, k_ok,
                         k, v, sm_scale2, scale, dk, dv, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                         QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr, DQ_PAIRS: tl.constexpr,
-                        MASKED: tl.constexpr, CH: tl.constexpr):
+                        MASKED: tl.constexpr, CH: tl.constexpr, ROW32: tl.constexpr):
         """A block's dK/dV over its pair tiles p_from, p_from + QPB, ... below p_to (rows packed as query x head;
         rows past QPB * G or at pairs past p_end are not loaded). MASKED: keys outside the block and keys after a
         row's query are masked. Otherwise each query lies at or past the block's last key, so every row sees every
@@ -240,7 +241,7 @@ if triton is not None:
                 if DQ_PAIRS == 2:
                     f = tl.load(PAIR_F + pi, mask=row_ok, other=0).to(tl.int64)  # (rows,) flat (b, kv, query, slot)
                 dk, dv = _sel_pair_tile(Q, DO, GATE, LSE, DELTA, DQ, b, g, Tq, q_off, kk, k_ok, k, v, sm_scale2, scale,
-                                        dk, dv, qi, f, row_ok, r, hh, d, H, G, D, BR, DQ_PAIRS, MASKED)
+                                        dk, dv, qi, f, row_ok, r, hh, d, H, G, D, BR, DQ_PAIRS, MASKED, ROW32)
         else:
             CHQ: tl.constexpr = triton.next_power_of_2(CH * QPB)  # the chunk's index list (<= 256 by the launcher)
             c = tl.arange(0, CHQ)
@@ -260,7 +261,8 @@ if triton is not None:
                     if DQ_PAIRS == 2:
                         f = tl.gather(chunk_f, local, 0)
                     dk, dv = _sel_pair_tile(Q, DO, GATE, LSE, DELTA, DQ, b, g, Tq, q_off, kk, k_ok, k, v, sm_scale2,
-                                            scale, dk, dv, qi, f, row_ok, r, hh, d, H, G, D, BR, DQ_PAIRS, MASKED)
+                                            scale, dk, dv, qi, f, row_ok, r, hh, d, H, G, D, BR, DQ_PAIRS, MASKED,
+                                            ROW32)
         return dk, dv
 
     @triton.jit
@@ -268,7 +270,7 @@ if triton is not None:
                         Tq, Tk, q_off, sm_scale2, scale,
                         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
                         QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr, DQ_PAIRS: tl.constexpr,
-                        ALL_MASKED: tl.constexpr, CH: tl.constexpr):
+                        ALL_MASKED: tl.constexpr, CH: tl.constexpr, ROW32: tl.constexpr):
         """dK (unscaled), dV of the selection block whose first key is a, over its (query, block) pairs
         [p_begin, p_end) (rows packed as query x head). DQ_PAIRS: also each pair's dQ share (a query's n blocks
         are met in n programs): 1 added to an fp32 dQ with atomics, 2 stored to its (query, slot) partial. A
@@ -293,11 +295,11 @@ if triton is not None:
             p_seen_whole = tl.minimum(p_begin + tl.cdiv(n_partial, QPB) * QPB, p_end)  # the tiles from here
         dk, dv = _sel_pair_tiles(Q, PAIR_Q, PAIR_F, DO, GATE, LSE, DELTA, DQ, b, g, p_begin, p_seen_whole, p_end, Tq,
                                  q_off, kk, k_ok, k, v, sm_scale2, scale, dk, dv, H, G, D, QPB, BLOCK_M, BR, DQ_PAIRS,
-                                 True, CH)
+                                 True, CH, ROW32)
         if not ALL_MASKED:
             dk, dv = _sel_pair_tiles(Q, PAIR_Q, PAIR_F, DO, GATE, LSE, DELTA, DQ, b, g, p_seen_whole, p_end, p_end, Tq,
                                      q_off, kk, k_ok, k, v, sm_scale2, scale, dk, dv, H, G, D, QPB, BLOCK_M, BR,
-                                     DQ_PAIRS, False, CH)
+                                     DQ_PAIRS, False, CH, ROW32)
         return dk, dv, kv_off, k_ok
 
     @triton.jit
@@ -307,7 +309,7 @@ if triton is not None:
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         LB: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr,
         HEAVY_PASS: tl.constexpr, DQ_PAIRS: tl.constexpr, ALL_MASKED: tl.constexpr,
-        CH: tl.constexpr, RANGES_FAST: tl.constexpr,
+        CH: tl.constexpr, RANGES_FAST: tl.constexpr, ROW32: tl.constexpr,
     ):
         # A program's work is its block's pair count, which ranges from a few to every query of the row (block 0
         # is forced for all of them, and top-n favours early blocks), so the order programs start in decides
@@ -334,7 +336,7 @@ if triton is not None:
                 dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, PAIR_F, DOCPOS, DO, GATE, LSE, DELTA, DQ,
                                                        a, pid_bg, p_begin, p_end, Tq, Tk, q_off, sm_scale2, scale,
                                                        H, HKV, G, D, LB, QPB, BLOCK_M, BR, DQ_PAIRS, ALL_MASKED,
-                                                       CH)
+                                                       CH, ROW32)
                 # (the program id read again, not kept live through the tile loop: at 255 registers on the 125M
                 # layout one more live value spills inside it)
                 p_off = (tl.program_id(0).to(tl.int64) * LB + tl.arange(0, LB).to(tl.int64))[:, None] * D + d[None, :]
@@ -362,7 +364,7 @@ if triton is not None:
                 dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, PAIR_F, DOCPOS, DO, GATE, LSE, DELTA, DQ,
                                                        a, pid_bg, p_begin, p_end, Tq, Tk, q_off, sm_scale2, scale,
                                                        H, HKV, G, D, LB, QPB, BLOCK_M, BR, DQ_PAIRS, ALL_MASKED,
-                                                       CH)
+                                                       CH, ROW32)
                 tl.store(DK + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=k_ok[:, None])
                 tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
 
@@ -984,7 +986,8 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: 
             dq_out, num_q, num_keys, q_off, scale * _LOG2E, scale, heavy_min, n_flat, n_heavy)
     meta = dict(H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=lb, QPB=qpb, BLOCK_M=block_m, BR=branch,
                 DQ_PAIRS=dq_pairs, ALL_MASKED=bool(_OVERRIDES.sel_dkdv_all_masked),
-                CH=_sel_dkdv_chunk_tiles(group, qpb, head_dim, q.device), **dkdv_opts)
+                CH=_sel_dkdv_chunk_tiles(group, qpb, head_dim, q.device),
+                ROW32=_rows_fit_int32(num_q, num_heads, head_dim), **dkdv_opts)
     # the order timed until 2026-11-27 (main pass with the key range fastest, then the heavy pass); also past
     # 65,535 key ranges (4M keys a row), the most a grid's second axis takes
     n_ranges = _cdiv(num_keys, lb)

@@ -387,9 +387,9 @@ def test_heavy_split_slots_go_to_the_heaviest_blocks_heaviest_first():
 def test_kv_offsets_are_int32_exactly_while_a_rows_kv_fits():
     """The union walk and the interval tiles take K/V element offsets within a row as int32 (KV32) while the row's
     num_keys x num_kv x head_dim elements stay below 2**31, int64 from there on and under
-    launch_overrides(kv_offsets_int64=True)."""
+    launch_overrides(offsets_int64=True)."""
     last = 2**31 // (2 * 64) - 1  # keys at 2 kv heads x head_dim 64
     assert launch._kv_offsets_fit_int32(last, 2, 64) and not launch._kv_offsets_fit_int32(last + 1, 2, 64)
     assert (last + 1) * 2 * 64 == 2**31
-    with launch.launch_overrides(kv_offsets_int64=True):
+    with launch.launch_overrides(offsets_int64=True):
         assert not launch._kv_offsets_fit_int32(100, 2, 64)

@@ -55,7 +55,7 @@ _KNOB_IDS = {
     "sel_dq_partials": lambda c: "seldqpartials" if c["sel_dq_partials"] else "seldqnopartials",
     "topn_query_major": lambda c: "querymajor" if c["topn_query_major"] else "headlanes",
     "sel_dkdv_all_masked": lambda c: "seldkdvmasked" if c["sel_dkdv_all_masked"] else "seldkdvsplit",
-    "kv_offsets_int64": lambda c: "kv64" if c["kv_offsets_int64"] else "kv32",
+    "offsets_int64": lambda c: "kv64" if c["offsets_int64"] else "kv32",
     "sel_pairs_int64": lambda c: "pairsint64" if c["sel_pairs_int64"] else "pairsint32",
     "sel_dkdv_ranges_first": lambda c: "rangesfirst" if c["sel_dkdv_ranges_first"] else "heavyfirst",
     "dkdv_key_tiles_fast": lambda c: "tilesfast" if c["dkdv_key_tiles_fast"] else "tilesslow",
@@ -166,7 +166,7 @@ CPU_CASES = [
     # ... with int64 pair positions (the launcher's choice from 2**31 pairs on; int32 below), and int64 K/V offsets
     # in the union walk and the interval tiles (from 2**31 elements in a row's K/V on)
     dict(B=1, T=60, H=4, Hkv=2, D=16, layout="varlen", sel_pieces=[5, 3, 64, 32], sel_pairs_int64=True,
-         kv_offsets_int64=True),
+         offsets_int64=True),
     # ... with the programs in the order timed until 2026-11-27 (launch_overrides(sel_dkdv_ranges_first=True): key
     # range fastest, the main pass before the heavy pass), one slot so heavy blocks stay with their key range
     dict(B=1, T=60, H=4, Hkv=2, D=16, layout="varlen", sel_pieces=[5, 3, 2, 1], sel_dkdv_ranges_first=True),

@@ -150,7 +150,7 @@ _VARIANTS = {
     "unionwide": dict(sel_union_wide_keys=True),
     # the int64 offsets only huge inputs take: the selected dK/dV's pair positions (from 2**31 (query, block) pairs)
     # and the K/V element offsets within a row (from 2**31 elements)
-    "int64offsets": dict(sel_pairs_int64=True, kv_offsets_int64=True),
+    "int64offsets": dict(sel_pairs_int64=True, offsets_int64=True),
 }
 # variants compiled at fewer shapes (CI time): the block-outer kernels' registers differ by G and head_dim, which the
 # 125M layout (G = 6) and head_dim 128 (G = 8) cover
