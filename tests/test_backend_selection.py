@@ -384,12 +384,15 @@ def test_heavy_split_slots_go_to_the_heaviest_blocks_heaviest_first():
     assert hpos.tolist() == [6, 0, 7, 1, 5]
 
 
-def test_kv_offsets_are_int32_exactly_while_a_rows_kv_fits():
+def test_offsets_within_a_row_are_int32_exactly_while_the_row_fits():
     """The union walk and the interval tiles take K/V element offsets within a row as int32 (KV32) while the row's
-    num_keys x num_kv x head_dim elements stay below 2**31, int64 from there on and under
-    launch_overrides(offsets_int64=True)."""
+    num_keys x num_kv x head_dim elements stay below 2**31, and the dK/dV kernels their q/dO rows (ROW32) while
+    num_q x num_heads x head_dim do; int64 from there on and under launch_overrides(offsets_int64=True)."""
     last = 2**31 // (2 * 64) - 1  # keys at 2 kv heads x head_dim 64
     assert launch._kv_offsets_fit_int32(last, 2, 64) and not launch._kv_offsets_fit_int32(last + 1, 2, 64)
     assert (last + 1) * 2 * 64 == 2**31
     with launch.launch_overrides(offsets_int64=True):
-        assert not launch._kv_offsets_fit_int32(100, 2, 64)
+        assert not launch._kv_offsets_fit_int32(100, 2, 64) and not launch._rows_fit_int32(100, 12, 64)
+    # the dK/dV kernels' q/dO rows within a batch row (ROW32)
+    last_q = -(-(2**31) // (12 * 64)) - 1  # (2**31 is not a multiple of 768)
+    assert launch._rows_fit_int32(last_q, 12, 64) and not launch._rows_fit_int32(last_q + 1, 12, 64)
