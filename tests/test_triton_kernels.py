@@ -526,6 +526,8 @@ GPU_CASES = [
     dict(B=1, T=2048, H=4, Hkv=4, D=64, layout="varlen"),
     dict(B=2, T=1000, H=4, Hkv=2, D=64, layout="pad", sel_union_wide_keys=True),
     dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_fwd_max_registers=128, topn_max_registers=128),
+    # the int64 offsets of huge inputs (pair positions, K/V and q rows within a row), forced at a real size
+    dict(B=2, T=1000, H=12, Hkv=2, D=64, layout="varlen", sel_pairs_int64=True, offsets_int64=True),
 ]
 for _c in GPU_CASES:
     _c.setdefault("dtype", "bfloat16")
