@@ -304,11 +304,11 @@ def test_register_caps_fit_four_programs_on_sm90(aot_results, arch, kernel, vari
               if r["scenario"] == "125M-G6-d64-bf16-long" and r["kernel"] == kernel]
     uncapped = [r for r in _rows(aot_results, arch)
                 if r["scenario"] == f"125M-G6-d64-bf16-long-{variant}" and r["kernel"] == kernel]
-    assert len(capped) == 1 and len(uncapped) == 1 and capped[0]["ok"] and uncapped[0]["ok"], (capped, uncapped)
-    assert "maxnreg" not in uncapped[0]["constexprs"]
-    if arch != 90:
+    assert len(capped) == 1 and capped[0]["ok"], capped
+    if arch != 90:  # (where the uncapped variant launches as the default does, tests/triton_aot.py compiles it once)
         assert "maxnreg" not in capped[0]["constexprs"], capped[0]["constexprs"]
         return
+    assert len(uncapped) == 1 and uncapped[0]["ok"] and "maxnreg" not in uncapped[0]["constexprs"], uncapped
     r = capped[0]
     assert r["constexprs"].get("maxnreg") == 128 and r["reg"] <= 128, r
     assert uncapped[0]["reg"] > 128, uncapped[0]  # else the cap changes nothing
