@@ -642,6 +642,63 @@ if triton is not None:
         tl.store(PAIR_OFF + i, lo.to(PAIR_OFF.dtype.element_ty), mask=in_offsets)
 
     @triton.jit
+    def _sel_heavy_keys_kernel(PAIR_OFF, KEY, SLOT_RANK, n_flat, heavy_min, rank_past, BLOCK: tl.constexpr):
+        """Each (batch x kv head, block first key)'s pair count as a unique top-k key (count x n_flat + reversed
+        index: the heaviest first, ties to the lower index) and its SLOT_RANK before the slots are given: rank_past
+        (n_heavy + 1) where heavy, else 0 (_sel_heavy_slots is the oracle)."""
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < n_flat
+        cnt = (tl.load(PAIR_OFF + i + 1, mask=ok, other=0) - tl.load(PAIR_OFF + i, mask=ok, other=0)).to(tl.int64)
+        tl.store(KEY + i, cnt * n_flat + (n_flat - 1 - i), mask=ok)
+        tl.store(SLOT_RANK + i, tl.where(cnt > heavy_min, rank_past, 0).to(SLOT_RANK.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _sel_heavy_pieces_kernel(TOP, PAIR_OFF, SLOT_RANK, HPOS, PIECES, PIECE_START, n_flat, n_heavy, heavy_min,
+                                 min_piece, max_pieces, QPB: tl.constexpr, SLOTS: tl.constexpr,
+                                 PBLOCK: tl.constexpr, STEPS: tl.constexpr):
+        """One program: the slots (TOP, the n_heavy heaviest blocks, heaviest first; those above heavy_min are
+        split: HPOS, and SLOT_RANK 1 at each) and their pieces (PIECES rows (block, first pair, end pair), all of one
+        size, PIECE_START each slot's first), as _sel_heavy_slots and _sel_heavy_pieces compute them with torch: one
+        launch where those took about 30 (the backward's host launches bound it at 2k)."""
+        h = tl.arange(0, SLOTS)
+        h_ok = h < n_heavy
+        f = tl.load(TOP + h, mask=h_ok, other=0)
+        cnt = (tl.load(PAIR_OFF + f + 1, mask=h_ok, other=0) - tl.load(PAIR_OFF + f, mask=h_ok, other=0)).to(tl.int64)
+        split = h_ok & (cnt > heavy_min)
+        hpos = tl.where(split, f, n_flat)
+        tl.store(HPOS + h, hpos, mask=h_ok)
+        tl.store(SLOT_RANK + f, tl.full([SLOTS], 1, SLOT_RANK.dtype.element_ty), mask=split)
+        slot_cnt = tl.where(split, cnt, 0)
+        span = tl.maximum(tl.cdiv(tl.sum(slot_cnt, 0), max_pieces - n_heavy), min_piece)
+        span = tl.cdiv(span, QPB) * QPB  # pairs per piece: whole pair tiles
+        ends = tl.cumsum(tl.cdiv(slot_cnt, span), 0)  # (SLOTS,) each slot's pieces end here (0 pieces unsplit)
+        starts = ends - tl.cdiv(slot_cnt, span)
+        tl.store(PIECE_START + 1 + h, ends, mask=h_ok)
+        tl.store(PIECE_START + h, starts, mask=h == 0)
+        n_pieces = tl.max(tl.where(h_ok, ends, 0), 0)
+        # each piece's slot: the number of slots whose pieces end at or before it (a binary search over ends)
+        p = tl.arange(0, PBLOCK).to(tl.int64)
+        lo = tl.zeros([PBLOCK], tl.int32)
+        hi = tl.zeros([PBLOCK], tl.int32) + n_heavy
+        for _ in tl.static_range(STEPS):
+            mid = (lo + hi) // 2
+            active = lo < hi
+            below = tl.gather(ends, tl.minimum(mid, SLOTS - 1), 0) <= p
+            lo = tl.where(active & below, mid + 1, lo)
+            hi = tl.where(active & ~below, mid, hi)
+        slot = tl.minimum(lo, SLOTS - 1)
+        live = p < n_pieces
+        block = tl.where(live, tl.gather(hpos, slot, 0), n_flat)
+        safe = tl.where(live, block, 0)
+        first = tl.load(PAIR_OFF + safe, mask=live, other=0).to(tl.int64) + (p - tl.gather(starts, slot, 0)) * span
+        end = tl.minimum(tl.load(PAIR_OFF + safe + 1, mask=live, other=0).to(tl.int64), first + span)
+        row = PIECES + p * 3
+        in_table = p < max_pieces
+        tl.store(row, block.to(PIECES.dtype.element_ty), mask=in_table)
+        tl.store(row + 1, tl.where(live, first, 0).to(PIECES.dtype.element_ty), mask=in_table)
+        tl.store(row + 2, tl.where(live, end, 0).to(PIECES.dtype.element_ty), mask=in_table)
+
+    @triton.jit
     def _or_within_block(a1, bits1, a2, bits2):
         """tl.associative_scan's combine for a running OR of query bits restarted at each new block (the list is
         sorted by block, so a block's entries are contiguous and the scan is associative)."""
@@ -906,9 +963,9 @@ def _sel_heavy_pieces(cnt: torch.Tensor, pair_off: torch.Tensor, hpos: torch.Ten
     below max_pieces). Small pieces balance the heavy pass, which runs alone; a fixed count per block (16-64,
     until 2026-11-27) left correlated queries' many heavy blocks unsplit at 64k (bench/KERNELS.md, "2026-11-27,
     second H100 session"). On the device, no host sync. Returns pieces (max_pieces, 3), int32 (int64 where wide:
-    2**31 pairs or flat blocks and more): each piece's block (flat index; n_flat past the last piece), first pair
-    and end pair, in slot order; and piece_start (n + 1,): slot h's first piece (its last + 1 at h + 1), for the
-    reduce."""
+    2**31 pairs or flat blocks and more): each piece's block (flat index; n_flat, first = end = 0 past the last
+    piece), first pair and end pair, in slot order; and piece_start (n + 1,): slot h's first piece (its last + 1 at
+    h + 1), for the reduce. The oracle of _sel_heavy_plan's kernels (tests/triton_helpers.run_heavy_plan_case)."""
     n_flat, n_slots = cnt.numel(), hpos.numel()
     slot_cnt = torch.where(hpos < n_flat, cnt[hpos.clamp(max=n_flat - 1)], 0).long()  # (n,) pairs per split block
     span = torch.clamp(_cdiv_tensor(slot_cnt.sum(), max_pieces - n_slots), min=min_piece)
@@ -917,13 +974,36 @@ def _sel_heavy_pieces(cnt: torch.Tensor, pair_off: torch.Tensor, hpos: torch.Ten
     piece_start = torch.cat([ends.new_zeros(1), ends])
     piece = torch.arange(max_pieces, device=cnt.device, dtype=torch.int64)
     slot = torch.searchsorted(ends, piece, right=True).clamp(max=n_slots - 1)  # (max_pieces,) the piece's slot
-    block = torch.where(piece < ends[-1], hpos[slot], n_flat)
-    first = pair_off[block.clamp(max=n_flat - 1)] + (piece - piece_start[slot]) * span
-    end = torch.minimum(pair_off[block.clamp(max=n_flat - 1) + 1], first + span)
+    live = piece < ends[-1]
+    block = torch.where(live, hpos[slot], n_flat)
+    first = torch.where(live, pair_off[block.clamp(max=n_flat - 1)] + (piece - piece_start[slot]) * span, 0)
+    end = torch.where(live, torch.minimum(pair_off[block.clamp(max=n_flat - 1) + 1], first + span), 0)
     # int32 where every value fits (fewer live registers in the heavy pass's tile loop: its int64 pair range spilled
     # one register there on sm_90 at the 125M layout), int64 from 2**31 pairs or flat blocks on
     pieces = torch.stack([block, first, end], 1).to(torch.int64 if wide else torch.int32)
     return pieces.contiguous(), piece_start.contiguous()
+
+
+def _sel_heavy_plan(pair_off: torch.Tensor, n_flat: int, n_heavy: int, heavy_min: int, qpb: int, min_piece: int,
+                    max_pieces: int, wide: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The selected dK/dV's slots and pieces in three launches (keys, topk, pieces): hpos (n_heavy,), slot_rank
+    (n_flat,) int32, pieces (max_pieces, 3) and piece_start (n_heavy + 1,), as _sel_heavy_slots and
+    _sel_heavy_pieces (the oracles, pure torch) give them."""
+    device = pair_off.device
+    key = torch.empty(n_flat, device=device, dtype=torch.int64)
+    slot_rank = torch.empty(n_flat, device=device, dtype=torch.int32)
+    block = 1024
+    _sel_heavy_keys_kernel[(_cdiv(n_flat, block),)](pair_off, key, slot_rank, n_flat, heavy_min, n_heavy + 1,
+                                                    BLOCK=block, num_warps=4)
+    top = torch.topk(key, n_heavy, sorted=True).indices
+    hpos = torch.empty(n_heavy, device=device, dtype=torch.int64)
+    pieces = torch.empty(max_pieces, 3, device=device, dtype=torch.int64 if wide else torch.int32)
+    piece_start = torch.empty(n_heavy + 1, device=device, dtype=torch.int64)
+    slots = _next_pow2(n_heavy)
+    _sel_heavy_pieces_kernel[(1,)](top, pair_off, slot_rank, hpos, pieces, piece_start, n_flat, n_heavy, heavy_min,
+                                   min_piece, max_pieces, QPB=qpb, SLOTS=slots, PBLOCK=_next_pow2(max_pieces),
+                                   STEPS=max(1, slots.bit_length()), num_warps=4)
+    return hpos, slot_rank, pieces, piece_start
 
 
 def _cdiv_tensor(a: torch.Tensor, b) -> torch.Tensor:
@@ -973,12 +1053,9 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: 
         raise ValueError(f"launch_overrides(sel_pieces=...): {max_slots} slots for {max_pieces} partial pieces; "
                          "the slots must be at least 1 and fewer than the pieces (each slot's block needs a piece)")
     n_flat = batch * num_kv * num_keys
-    cnt = pair_off[1:] - pair_off[:-1]  # (n_flat,) pairs of each (batch x kv head, block first key)
-    heavy = cnt > heavy_min
     n_heavy = max(1, min(n_flat, max_slots, (batch * num_kv * num_q * n_sel) // (heavy_min + 1)))
-    hpos, slot_rank = _sel_heavy_slots(cnt, heavy, n_heavy)
-    pieces, piece_start = _sel_heavy_pieces(cnt, pair_off, hpos, qpb, min_piece, max_pieces,
-                                            wide=wide_pairs or n_flat >= 2**31)
+    hpos, slot_rank, pieces, piece_start = _sel_heavy_plan(pair_off, n_flat, n_heavy, heavy_min, qpb, min_piece,
+                                                           max_pieces, wide=wide_pairs or n_flat >= 2**31)
     pdk = torch.empty(max_pieces, lb, head_dim, device=q.device, dtype=torch.float32)
     pdv = torch.empty_like(pdk)
     dq_out = dq_partials if dq_pairs == 2 else dq_accum if dq_pairs == 1 else pdk

@@ -77,7 +77,8 @@ def test_every_kernel_launch_compiles(aot_results, arch):
                  "_bwd_dq_kernel", "_interval_bwd_dkdv_kernel", "_sel_bwd_dkdv_kernel", "_sel_dkdv_reduce_kernel",
                  "_decode_cmp_split_kernel", "_decode_topn_kernel", "_decode_finish_kernel", "_decode_parts_kernel",
                  "_decode_combine_kernel", "_layout_kernel", "_range_scan_kernel", "_range_search_kernel",
-                 "_sel_pair_key_kernel", "_sel_pair_offsets_kernel"]:
+                 "_sel_pair_key_kernel", "_sel_pair_offsets_kernel", "_sel_heavy_keys_kernel",
+                 "_sel_heavy_pieces_kernel"]:
         assert name in kernels, (name, sorted(kernels))
     failed = [(r["kernel"], r["scenario"], r["error"]) for r in rows if not r["ok"]]
     assert not failed, failed

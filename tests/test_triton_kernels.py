@@ -55,6 +55,7 @@ _KNOB_IDS = {
     "sel_dq_partials": lambda c: "seldqpartials" if c["sel_dq_partials"] else "seldqnopartials",
     "topn_query_major": lambda c: "querymajor" if c["topn_query_major"] else "headlanes",
     "sel_dkdv_all_masked": lambda c: "seldkdvmasked" if c["sel_dkdv_all_masked"] else "seldkdvsplit",
+    "picks": lambda c: f"{c['picks']}picks",
     "offsets_int64": lambda c: "kv64" if c["offsets_int64"] else "kv32",
     "sel_pairs_int64": lambda c: "pairsint64" if c["sel_pairs_int64"] else "pairsint32",
     "sel_dkdv_ranges_first": lambda c: "rangesfirst" if c["sel_dkdv_ranges_first"] else "heavyfirst",
@@ -245,6 +246,12 @@ CPU_CASES = [
     # the selected branch's tile unions (_tile_block_union: one kernel, a sort in registers per tile) against
     # their torch oracle on random choices: tiles of 1-21 queries (the forward's 10 and the dQ's 21 at G = 6;
     # 21 x 16 entries sort in a 512-wide list), documents, padding on both sides, queries after a prefix (q_off)
+    # the selected dK/dV's slots and pieces (two launches and a topk) against their torch oracles: more heavy blocks
+    # than slots (concentrated picks), fewer (uniform), pieces at the smallest size and larger, ties in the counts
+    dict(kind="heavyplan", T=2048, H=1, Hkv=1, D=16, rows=3, keys=512, queries=2048, picks="concentrated",
+         heavy_min=64, qpb=10, min_piece=40, max_pieces=256, slots=64),
+    dict(kind="heavyplan", T=2048, H=1, Hkv=1, D=16, rows=2, keys=512, queries=2048, picks="uniform", seed=1,
+         heavy_min=100, qpb=4, min_piece=128, max_pieces=1024, slots=256),
     dict(kind="union", B=2, T=130, H=2, Hkv=2, D=16, layout="varlen", LB=16, n_sel=4, qpbs=[1, 3, 5, 10, 21]),
     dict(kind="union", B=2, T=161, H=2, Hkv=1, D=16, layout="pad", LB=8, n_sel=16, qpbs=[10, 21], seed=3),
     dict(kind="union", B=2, T=141, H=2, Hkv=2, D=16, layout="varlen", LB=16, n_sel=5, qpbs=[4, 7], q_off=37, seed=5),
@@ -441,6 +448,10 @@ def _check(res, case, tol):
     if case.get("kind") == "ranges":
         assert res["mismatches"] == 0 and res["violations"] == 0 and res["checked"] > 0, res
         assert res["runs"] > 0 or case["T"] < 64, res  # whole tiles inside windows: unmasked runs exist
+        return
+    if case.get("kind") == "heavyplan":
+        assert res["hpos"] == res["slot_rank"] == res["pieces"] == res["piece_start"] == 0, res
+        assert res["split"] > 1 and res["n_pieces"] > res["split"], res  # several blocks, several pieces each
         return
     if case.get("kind") == "union":
         assert res["mismatches"] == 0 and res["mask_bits"] > 0, res

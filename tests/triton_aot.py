@@ -296,7 +296,7 @@ def _compile_one(i):
 # index): their code depends on a few sizes only, so they compile at the 125M layout's two shapes (one query chunk
 # and one pair-index pass; several of each) and not again at every layout (CI time)
 METADATA_KERNELS = {"_layout_kernel", "_range_scan_kernel", "_range_search_kernel", "_sel_pair_key_kernel",
-                    "_sel_pair_offsets_kernel"}
+                    "_sel_pair_offsets_kernel", "_sel_heavy_keys_kernel", "_sel_heavy_pieces_kernel"}
 METADATA_SCENARIOS = ("125M-G6-d64-bf16", "125M-G6-d64-bf16-long")
 
 

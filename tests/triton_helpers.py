@@ -238,6 +238,33 @@ def tile_block_union_torch(idx, doc_pos, qpb: int, sel_block_size: int):
     return a, masks, (a < none).sum(-1, dtype=torch.int32), n_past
 
 
+def run_heavy_plan_case(case: dict) -> dict:
+    """The selected dK/dV's slots and pieces (_sel_heavy_plan: two Triton launches and a topk) against the torch
+    oracles (_sel_heavy_slots, _sel_heavy_pieces) on pair counts per (row, block first key) drawn uniform or
+    concentrated (1 / rank**1.2), block 0 of each row holding a pair per query; ties included (counts repeat).
+    Returns the count of mismatching entries per output and how many blocks were split."""
+    selected = kernel_module("selected")
+    gen = torch.Generator().manual_seed(case.get("seed", 0))
+    rows, keys, queries = case["rows"], case["keys"], case["queries"]
+    weights = torch.ones(keys) if case["picks"] == "uniform" else 1.0 / torch.arange(1, keys + 1) ** 1.2
+    cnt = torch.stack([torch.bincount(torch.multinomial(weights, queries * 13, replacement=True, generator=gen),
+                                      minlength=keys) for _ in range(rows)])
+    cnt[:, 0] = queries
+    cnt = cnt.flatten()
+    pair_off = torch.cat([cnt.new_zeros(1), torch.cumsum(cnt, 0)]).to(torch.int32)
+    heavy_min, qpb, min_piece, max_pieces, n_heavy = (case[k] for k in ("heavy_min", "qpb", "min_piece",
+                                                                         "max_pieces", "slots"))
+    hpos, slot_rank, pieces, piece_start = selected._sel_heavy_plan(pair_off, cnt.numel(), n_heavy, heavy_min, qpb,
+                                                                    min_piece, max_pieces, wide=False)
+    want_hpos, want_rank = selected._sel_heavy_slots(cnt, cnt > heavy_min, n_heavy)
+    want_pieces, want_start = selected._sel_heavy_pieces(cnt, pair_off.long(), want_hpos, qpb, min_piece, max_pieces,
+                                                         wide=False)
+    return dict(hpos=int((hpos.cpu() != want_hpos).sum()), slot_rank=int((slot_rank.cpu().long() != want_rank).sum()),
+                pieces=int((pieces.cpu().long() != want_pieces.long()).sum()),
+                piece_start=int((piece_start.cpu() != want_start).sum()),
+                split=int((want_hpos < cnt.numel()).sum()), n_pieces=int(want_start[-1]))
+
+
 @with_case_launch
 def run_union_case(case: dict) -> dict:
     """The tile-union kernel against tile_block_union_torch on random block choices (repeats across and within
@@ -896,6 +923,7 @@ def main(argv):
         try:
             runner = {"decode": run_decode_case, "compile": run_compile_case, "opcheck": run_opcheck_case,
                       "select": run_select_case, "union": run_union_case, "layout": run_layout_case,
+                      "heavyplan": run_heavy_plan_case,
                       "ranges": run_ranges_case,
                       "selfwd": run_selfwd_case, "seldq": run_seldq_case,
                       "large_offset": run_large_offset_case,
