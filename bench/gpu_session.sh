@@ -107,11 +107,11 @@ for step in "${steps[@]}"; do
     # the changes made since the last figures, each against its other side: the selected dK/dV's heavy blocks cut
     # into pieces of one size (default: the 256 heaviest above 1,024 pairs) against above 2,048 pairs and above
     # 4,096 with 512 slots (bench/schedule_model.py's best on random queries), and its pair positions as int32
-    # against int64 (as timed until 2026-11-27), at issue 18's lengths, both layouts and correlated queries, with
-    # dense SDPA
+    # against int64 (as timed until 2026-11-27); and the selected dQ in a launch of its own (sel_dq_split) against
+    # the one fused dQ, at issue 18's lengths, both layouts and correlated queries, with dense SDPA
     pending)    $PY bench/tune_kernels.py --json "$OUT/pending.json" --no-decode --dense --variants default \
                   heavy2k:sel_pieces=2048/320/1024/256 heavy4k:sel_pieces=4096/320/1024/512 \
-                  pairs_int64:sel_pairs_int64=1 \
+                  pairs_int64:sel_pairs_int64=1 seldq_split:sel_dq_split=1 \
                   --cases 12,2,64,8192,8,random 12,2,64,2048,32,random \
                   12,2,64,65536,1,random 12,2,64,32768,2,random 16,1,64,8192,8,random 16,1,64,65536,1,random \
                   12,2,64,65536,1,correlated 12,2,64,8192,8,correlated 16,1,64,65536,1,correlated ;;

@@ -8,8 +8,8 @@ import torch
 
 from .nsa_layout import NSAParams
 from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes
-from .nsa_triton_launch import (_dq_launch, _kv_offsets_fit_int32, _query_tiles_light_first, _sel_dq_reduce_rows,
-                                _sel_sub_tile)
+from .nsa_triton_launch import (_OVERRIDES, _dq_launch, _kv_offsets_fit_int32, _query_tiles_light_first,
+                                _sel_dq_reduce_rows, _sel_fwd_opts, _sel_rows_per_program, _sel_sub_tile)
 from .nsa_triton_selected import _tile_block_union
 
 
@@ -106,6 +106,64 @@ if triton is not None:
         return dq
 
     @triton.jit
+    def _sel_dq_walk(Q, DOUT, OS, GATE, DG, DELTA, LSE_S, KS, VS, UENT, UHI, UCNT, UPAST, pid_q, pid_bg, b, g, Tq, Tk,
+                     q_off, n_tiles, R, sm_scale2, dq,
+                     H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
+                     N_SEL: tl.constexpr, QPB: tl.constexpr, WORDS: tl.constexpr, SUB_M: tl.constexpr,
+                     SUBS: tl.constexpr, KV32: tl.constexpr):
+        """The selected branch's dQ (unscaled) of one query tile added to dq (BLOCK_M, D): the tile's distinct blocks
+        (see _tile_block_union), math per sub-tile; also the branch's delta and gate gradient."""
+        q0, do0, lse0, dl0, t0, c0 = _sel_dq_sub_rows(Q, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q, pid_bg, Tq,
+                                                      q_off, R, 0, H, HKV, G, D, QPB, SUB_M)
+        if SUBS == 1:
+            # one sub-tile is the tile's rows: the selected blocks add to the interval branches' dQ in place, so
+            # no second fp32 (BLOCK_M, D) accumulator stays live through the union walk
+            dq0 = dq
+        else:
+            dq0 = tl.zeros([SUB_M, D], tl.float32)
+        if SUBS >= 2:
+            q1, do1, lse1, dl1, t1, c1 = _sel_dq_sub_rows(Q, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q, pid_bg, Tq,
+                                                          q_off, R, SUB_M, H, HKV, G, D, QPB, SUB_M)
+            dq1 = tl.zeros([SUB_M, D], tl.float32)
+        if SUBS >= 4:
+            q2, do2, lse2, dl2, t2, c2 = _sel_dq_sub_rows(Q, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q, pid_bg, Tq,
+                                                          q_off, R, 2 * SUB_M, H, HKV, G, D, QPB, SUB_M)
+            dq2 = tl.zeros([SUB_M, D], tl.float32)
+            q3, do3, lse3, dl3, t3, c3 = _sel_dq_sub_rows(Q, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q, pid_bg, Tq,
+                                                          q_off, R, 3 * SUB_M, H, HKV, G, D, QPB, SUB_M)
+            dq3 = tl.zeros([SUB_M, D], tl.float32)
+        tile = pid_bg.to(tl.int64) * n_tiles + pid_q
+        entries = tile * (QPB * N_SEL)  # the tile's first union entry
+        kv_base = b * Tk * HKV * D + g * D
+        n_union = tl.load(UCNT + tile)
+        u_from = 0
+        if SUBS == 1:  # the blocks every row's query is past, without the causal mask (_sel_fwd_kernel)
+            u_from = tl.load(UPAST + tile)
+            for u in range(u_from):
+                a, k, v, word = _sel_block(KS, VS, UENT, entries + u, kv_base, Tk, HKV, D, LB, KV32)
+                chosen = _sel_chosen(UHI, entries + u, word, c0, WORDS)
+                dq0 = _sel_dq_sub(a, k, v, q0, do0, lse0, dl0, t0, chosen, sm_scale2, dq0, True, False)
+        for u in range(u_from, n_union):
+            a, k, v, word = _sel_block(KS, VS, UENT, entries + u, kv_base, Tk, HKV, D, LB, KV32)
+            chosen = _sel_chosen(UHI, entries + u, word, c0, WORDS)
+            dq0 = _sel_dq_sub(a, k, v, q0, do0, lse0, dl0, t0, chosen, sm_scale2, dq0, SUBS == 1)
+            if SUBS >= 2:
+                chosen = _sel_chosen(UHI, entries + u, word, c1, WORDS)
+                dq1 = _sel_dq_sub(a, k, v, q1, do1, lse1, dl1, t1, chosen, sm_scale2, dq1, False)
+            if SUBS >= 4:
+                chosen = _sel_chosen(UHI, entries + u, word, c2, WORDS)
+                dq2 = _sel_dq_sub(a, k, v, q2, do2, lse2, dl2, t2, chosen, sm_scale2, dq2, False)
+                chosen = _sel_chosen(UHI, entries + u, word, c3, WORDS)
+                dq3 = _sel_dq_sub(a, k, v, q3, do3, lse3, dl3, t3, chosen, sm_scale2, dq3, False)
+        if SUBS == 1:
+            dq = dq0
+        if SUBS == 2:
+            dq += _rows_cat(dq0, dq1)
+        if SUBS == 4:
+            dq += _rows_cat(_rows_cat(dq0, dq1), _rows_cat(dq2, dq3))
+        return dq
+
+    @triton.jit
     def _rows_cat(x, y):
         """(M, D), (M, D) -> (2M, D): the rows of x, then those of y."""
         M: tl.constexpr = x.shape[0]
@@ -122,7 +180,7 @@ if triton is not None:
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         LB: tl.constexpr, N_SEL: tl.constexpr, QPB: tl.constexpr, WORDS: tl.constexpr, BLOCK_M: tl.constexpr,
         SUB_M: tl.constexpr, BLOCK_N: tl.constexpr, SEL_DQ: tl.constexpr, LIGHT_FIRST: tl.constexpr,
-        KV32: tl.constexpr,
+        KV32: tl.constexpr, ADD_DQ: tl.constexpr,
     ):
         """dQ of all three branches for one query tile, accumulated in registers in a fixed branch order
         (compressed, window, selected) and written once in q's dtype; also the gate gradients and the
@@ -151,59 +209,41 @@ if triton is not None:
         hi = tl.load(W_HI + b * Tq + qi, mask=row_ok, other=0)
         dq += _interval_dq(q, do, lse, delta, KW, VW, b * Tw * HKV * D + g * D, lo, hi, row_ok, Tw, sm_scale2,
                            HKV, D, BLOCK_N, KV32)
-        # selected branch: the tile's distinct blocks (see _tile_block_union), math per sub-tile; without SEL_DQ
-        # only its delta and gate gradient (the selected dK/dV kernel adds its dQ: sel_dq_in_dkdv)
+        # selected branch (_sel_dq_walk); without SEL_DQ only its delta and gate gradient: the selected dK/dV
+        # kernel adds its dQ (sel_dq_in_dkdv), or, under ADD_DQ, _sel_dq_kernel has stored it in DQ already
         if SEL_DQ:
-            q0, do0, lse0, dl0, t0, c0 = _sel_dq_sub_rows(Q, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q, pid_bg, Tq,
-                                                          q_off, R, 0, H, HKV, G, D, QPB, SUB_M)
-            if SUBS == 1:
-                # one sub-tile is the tile's rows: the selected blocks add to the interval branches' dQ in place, so
-                # no second fp32 (BLOCK_M, D) accumulator stays live through the union walk
-                dq0 = dq
-            else:
-                dq0 = tl.zeros([SUB_M, D], tl.float32)
-            if SUBS >= 2:
-                q1, do1, lse1, dl1, t1, c1 = _sel_dq_sub_rows(Q, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q, pid_bg, Tq,
-                                                              q_off, R, SUB_M, H, HKV, G, D, QPB, SUB_M)
-                dq1 = tl.zeros([SUB_M, D], tl.float32)
-            if SUBS >= 4:
-                q2, do2, lse2, dl2, t2, c2 = _sel_dq_sub_rows(Q, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q, pid_bg, Tq,
-                                                              q_off, R, 2 * SUB_M, H, HKV, G, D, QPB, SUB_M)
-                dq2 = tl.zeros([SUB_M, D], tl.float32)
-                q3, do3, lse3, dl3, t3, c3 = _sel_dq_sub_rows(Q, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q, pid_bg, Tq,
-                                                              q_off, R, 3 * SUB_M, H, HKV, G, D, QPB, SUB_M)
-                dq3 = tl.zeros([SUB_M, D], tl.float32)
-            tile = pid_bg.to(tl.int64) * n_tiles + pid_q
-            entries = tile * (QPB * N_SEL)  # the tile's first union entry
-            kv_base = b * Tk * HKV * D + g * D
-            n_union = tl.load(UCNT + tile)
-            u_from = 0
-            if SUBS == 1:  # the blocks every row's query is past, without the causal mask (_sel_fwd_kernel)
-                u_from = tl.load(UPAST + tile)
-                for u in range(u_from):
-                    a, k, v, word = _sel_block(KS, VS, UENT, entries + u, kv_base, Tk, HKV, D, LB, KV32)
-                    chosen = _sel_chosen(UHI, entries + u, word, c0, WORDS)
-                    dq0 = _sel_dq_sub(a, k, v, q0, do0, lse0, dl0, t0, chosen, sm_scale2, dq0, True, False)
-            for u in range(u_from, n_union):
-                a, k, v, word = _sel_block(KS, VS, UENT, entries + u, kv_base, Tk, HKV, D, LB, KV32)
-                chosen = _sel_chosen(UHI, entries + u, word, c0, WORDS)
-                dq0 = _sel_dq_sub(a, k, v, q0, do0, lse0, dl0, t0, chosen, sm_scale2, dq0, SUBS == 1)
-                if SUBS >= 2:
-                    chosen = _sel_chosen(UHI, entries + u, word, c1, WORDS)
-                    dq1 = _sel_dq_sub(a, k, v, q1, do1, lse1, dl1, t1, chosen, sm_scale2, dq1, False)
-                if SUBS >= 4:
-                    chosen = _sel_chosen(UHI, entries + u, word, c2, WORDS)
-                    dq2 = _sel_dq_sub(a, k, v, q2, do2, lse2, dl2, t2, chosen, sm_scale2, dq2, False)
-                    chosen = _sel_chosen(UHI, entries + u, word, c3, WORDS)
-                    dq3 = _sel_dq_sub(a, k, v, q3, do3, lse3, dl3, t3, chosen, sm_scale2, dq3, False)
-            if SUBS == 1:
-                dq = dq0
-            if SUBS == 2:
-                dq += _rows_cat(dq0, dq1)
-            if SUBS == 4:
-                dq += _rows_cat(_rows_cat(dq0, dq1), _rows_cat(dq2, dq3))
-        else:
+            dq = _sel_dq_walk(Q, DOUT, OS, GATE, DG, DELTA, LSE_S, KS, VS, UENT, UHI, UCNT, UPAST, pid_q, pid_bg, b, g,
+                              Tq, Tk, q_off, n_tiles, R, sm_scale2, dq, H, HKV, G, D, LB, N_SEL, QPB, WORDS, SUB_M,
+                              SUBS, KV32)
+        elif not ADD_DQ:
             _branch_prep(DOUT, OS, GATE, DG, DELTA, row, row_ok, d, R, D, 1)
+        dq = dq * scale
+        if ADD_DQ:  # the selected share _sel_dq_kernel stored, in q's dtype
+            dq += tl.load(DQ + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        tl.store(DQ + row[:, None] * D + d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+    @triton.jit
+    def _sel_dq_kernel(
+        Q, DOUT, GATE, DG, DELTA, DQ, KS, VS, UENT, UHI, UCNT, UPAST, LSE_S, OS,
+        Tq, Tk, q_off, n_tiles, R, sm_scale2, scale,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
+        N_SEL: tl.constexpr, QPB: tl.constexpr, WORDS: tl.constexpr, BLOCK_M: tl.constexpr, SUB_M: tl.constexpr,
+        LIGHT_FIRST: tl.constexpr, KV32: tl.constexpr,
+    ):
+        """The selected branch's dQ alone (launch_overrides(sel_dq_split=True)), in the selected forward's query
+        tiles: stored in q's dtype, to which the fused kernel (SEL_DQ=False, ADD_DQ) then adds the interval branches'
+        share. Also the selected branch's delta and gate gradient."""
+        SUBS: tl.constexpr = BLOCK_M // SUB_M
+        pid_q = _query_tile_id(LIGHT_FIRST)
+        pid_bg = tl.program_id(1)
+        b = (pid_bg // HKV).to(tl.int64)
+        g = pid_bg % HKV
+        r, qi, row_ok = _tile_rows(pid_q, Tq, 0, G, QPB, BLOCK_M)
+        d = tl.arange(0, D)
+        row = (b * Tq + qi) * H + g * G + r % G
+        dq = _sel_dq_walk(Q, DOUT, OS, GATE, DG, DELTA, LSE_S, KS, VS, UENT, UHI, UCNT, UPAST, pid_q, pid_bg, b, g,
+                          Tq, Tk, q_off, n_tiles, R, sm_scale2, tl.zeros([BLOCK_M, D], tl.float32), H, HKV, G, D, LB,
+                          N_SEL, QPB, WORDS, SUB_M, SUBS, KV32)
         tl.store(DQ + row[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
     # ------------------------------------------------------------------------------------------
@@ -252,15 +292,23 @@ def _bwd_dq(q, dout, gates, cmp, slc, win, idx, doc_pos, params: NSAParams, scal
     k_cmp, k_slc, k_win = cmp[0], slc[0], win[0]
     batch, num_q, num_heads, head_dim, num_keys, num_kv, group = _launch_shapes(q, k_slc)
     n_sel = idx.shape[-1]
+    kv32 = _kv_offsets_fit_int32(max(num_keys, k_cmp.shape[1], k_win.shape[1]), num_kv, head_dim)
+    split = sel_dq and bool(_OVERRIDES.sel_dq_split)
+    if split:  # the selected share first, in its own tiles, then the interval branches' added to it
+        dq = _sel_dq_split(q, dout, gates, slc, idx, doc_pos, params, scale, kv32)
+        sel_dq = False
     block_m, qpb, dq_opts = _dq_launch(group, head_dim, n_sel, q.device, sel_dq)
     if sel_dq:
         entries, high_bits, counts, n_past = _tile_block_union(idx, doc_pos, qpb, params.sel_block_size)
     else:  # not read (SEL_DQ=False)
         entries = high_bits = idx
         counts = n_past = idx.new_zeros(batch, num_kv, 0)
-    dq = torch.empty_like(q) if sel_dq else torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    dgates = torch.empty_like(gates)
-    delta = torch.empty(3, batch, num_q, num_heads, device=q.device, dtype=torch.float32)
+    if not split:
+        dq = torch.empty_like(q) if sel_dq else torch.empty(q.shape, device=q.device, dtype=torch.float32)
+        dgates = torch.empty_like(gates)
+        delta = torch.empty(3, batch, num_q, num_heads, device=q.device, dtype=torch.float32)
+    else:
+        dq, dgates, delta = dq
     _bwd_dq_kernel[(_cdiv(num_q, qpb), batch * num_kv)](
         q, dout, gates, dgates, delta, dq, *cmp, k_slc, slc[1], entries, high_bits, counts, n_past, *slc[2:], *win,
         num_q, num_keys, k_cmp.shape[1], k_win.shape[1], num_keys - num_q, counts.shape[-1], batch * num_q * num_heads,
@@ -268,8 +316,34 @@ def _bwd_dq(q, dout, gates, cmp, slc, win, idx, doc_pos, params: NSAParams, scal
         H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=params.sel_block_size, N_SEL=n_sel,
         QPB=qpb, WORDS=high_bits.shape[-1] + 1 if sel_dq else 1, BLOCK_M=block_m,
         SUB_M=_sel_sub_tile(block_m, head_dim, q.device, dq=True),
-        BLOCK_N=64, SEL_DQ=sel_dq, LIGHT_FIRST=_query_tiles_light_first(),
-        KV32=_kv_offsets_fit_int32(max(num_keys, k_cmp.shape[1], k_win.shape[1]), num_kv, head_dim), **dq_opts,
+        BLOCK_N=64, SEL_DQ=sel_dq, LIGHT_FIRST=_query_tiles_light_first(), KV32=kv32, ADD_DQ=split, **dq_opts,
+    )
+    return dq, dgates, delta
+
+
+def _sel_dq_split(q, dout, gates, slc, idx, doc_pos, params: NSAParams, scale, kv32: bool):
+    """launch_overrides(sel_dq_split=True): the selected branch's dQ in a launch of its own, in the selected forward's
+    query tiles and launch options (_sel_dq_kernel), before the fused kernel adds the interval branches' share. The
+    fused dQ's 128-row tile fits one program per SM; the forward's 64-row tile three or four (bench/KERNELS.md,
+    "Next GPU session"). Returns (dQ in q's dtype holding the selected share, the gate gradients and the deltas,
+    the selected branch's filled in)."""
+    k_slc = slc[0]
+    batch, num_q, num_heads, head_dim, num_keys, num_kv, group = _launch_shapes(q, k_slc)
+    n_sel = idx.shape[-1]
+    block_m, qpb = _sel_rows_per_program(group, head_dim)
+    entries, high_bits, counts, n_past = _tile_block_union(idx, doc_pos, qpb, params.sel_block_size)
+    dq = torch.empty_like(q)
+    dgates = torch.empty_like(gates)
+    delta = torch.empty(3, batch, num_q, num_heads, device=q.device, dtype=torch.float32)
+    # the forward's warps and stages, not its register cap: under 128 registers this kernel's dot loops spill (14-18
+    # instructions per block on sm_90, tests/triton_aot.py)
+    opts = {name: value for name, value in _sel_fwd_opts(head_dim, q.device).items() if name != "maxnreg"}
+    _sel_dq_kernel[(_cdiv(num_q, qpb), batch * num_kv)](
+        q, dout, gates, dgates, delta, dq, k_slc, slc[1], entries, high_bits, counts, n_past, *slc[2:],
+        num_q, num_keys, num_keys - num_q, counts.shape[-1], batch * num_q * num_heads, scale * _LOG2E, scale,
+        H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=params.sel_block_size, N_SEL=n_sel, QPB=qpb,
+        WORDS=high_bits.shape[-1] + 1, BLOCK_M=block_m, SUB_M=_sel_sub_tile(block_m, head_dim, q.device),
+        LIGHT_FIRST=_query_tiles_light_first(), KV32=kv32, **opts,
     )
     return dq, dgates, delta
 

@@ -55,6 +55,7 @@ _KNOB_IDS = {
     "sel_dq_partials": lambda c: "seldqpartials" if c["sel_dq_partials"] else "seldqnopartials",
     "topn_query_major": lambda c: "querymajor" if c["topn_query_major"] else "headlanes",
     "sel_dkdv_all_masked": lambda c: "seldkdvmasked" if c["sel_dkdv_all_masked"] else "seldkdvsplit",
+    "sel_dq_split": lambda c: "seldqsplit" if c["sel_dq_split"] else "seldqfused",
     "picks": lambda c: f"{c['picks']}picks",
     "offsets_int64": lambda c: "kv64" if c["offsets_int64"] else "kv32",
     "sel_pairs_int64": lambda c: "pairsint64" if c["sel_pairs_int64"] else "pairsint32",
@@ -164,6 +165,12 @@ CPU_CASES = [
     dict(B=2, T=70, H=3, Hkv=1, D=16, layout="varlen", sel_pieces=[5, 3, 2, 1]),
     # the same splits over two KV heads (each head's heavy blocks in its own slots)
     dict(B=1, T=60, H=4, Hkv=2, D=16, layout="varlen", sel_pieces=[5, 3, 64, 32]),
+    # the selected dQ in a launch of its own (launch_overrides(sel_dq_split=True)): G = 1, 3 and 16 over documents
+    # and padding, fp16, and sm_80's sub-tiles
+    dict(B=2, T=90, H=3, Hkv=1, D=16, layout="varlen", sel_dq_split=True),
+    dict(B=1, T=130, H=2, Hkv=2, D=16, layout="pad", sel_dq_split=True, param_overrides=dict(sel_num_blocks=16)),
+    dict(B=2, T=81, H=16, Hkv=1, D=16, layout="varlen", dtype="float16", sel_dq_split=True),
+    dict(B=2, T=90, H=6, Hkv=1, D=16, layout="varlen", sel_dq_split=True, arch=80),
     # ... with int64 pair positions (the launcher's choice from 2**31 pairs on; int32 below), and int64 K/V offsets
     # in the union walk and the interval tiles (from 2**31 elements in a row's K/V on)
     dict(B=1, T=60, H=4, Hkv=2, D=16, layout="varlen", sel_pieces=[5, 3, 64, 32], sel_pairs_int64=True,

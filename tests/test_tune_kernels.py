@@ -77,7 +77,7 @@ def test_the_session_stages_step_parses_and_reaches_the_launchers():
     assert {c[3] for c in cases} == {2048, 8192, 65536} and all(c[3] * c[4] == 65536 for c in cases), cases
 
 
-def test_the_session_pending_step_times_the_heavy_pieces_and_int32_pairs_against_their_other_sides():
+def test_the_session_pending_step_times_the_heavy_pieces_int32_pairs_and_split_dq_against_their_other_sides():
     """bench/gpu_session.sh's `pending` step and the launch orders it times against: the default launches the
     selected dK/dV's heavy pass first (one program per partial piece) with batch x kv head on the main pass's fast
     axis (launch_overrides(sel_dkdv_ranges_first=True) restores the order timed until 2026-11-27), the
@@ -85,15 +85,15 @@ def test_the_session_pending_step_times_the_heavy_pieces_and_int32_pairs_against
     grid), the four query-tile kernels with each row's last tile first (query_tiles_light_first: tile i on program
     i), the top-n in tiles of 8 queries at 4 warps; the selected forward and the top-n with maxnreg = 128 (sm_90,
     head_dim 64) and no other launch capped. The step's variants: other heavy thresholds and slots (reaching the
-    heavy pass's grid), int64 pair positions (reaching the kernel's pointers); its cases are issue 18's B*T = 64k
-    shapes."""
+    heavy pass's grid), int64 pair positions (reaching the kernel's pointers), the selected dQ split from the fused
+    one; its cases are issue 18's B*T = 64k shapes."""
     pytest.importorskip("triton")
     import triton_aot
 
     script = (Path(__file__).resolve().parent.parent / "bench" / "gpu_session.sh").read_text()
     step = script.split("    pending)", 1)[1].split(";;", 1)[0].replace("\\\n", " ")
     variants = [tk.parse_variant(v) for v in step.split("--variants", 1)[1].split("--cases", 1)[0].split()]
-    assert [name for name, _ in variants] == ["default", "heavy2k", "heavy4k", "pairs_int64"], variants
+    assert [name for name, _ in variants] == ["default", "heavy2k", "heavy4k", "pairs_int64", "seldq_split"], variants
     batch, num_kv, seq_len = 2, 2, 300
 
     def calls_of(settings):
@@ -110,7 +110,7 @@ def test_the_session_pending_step_times_the_heavy_pieces_and_int32_pairs_against
         triton_aot.with_kernels_replaced(run, Stand)
         return calls
 
-    default_calls, heavy2k, heavy4k, pairs_int64 = (calls_of(settings) for _, settings in variants)
+    default_calls, heavy2k, heavy4k, pairs_int64, seldq_split = (calls_of(settings) for _, settings in variants)
     old_calls = calls_of(dict(sel_dkdv_ranges_first=True))
     tiles_fast_calls = calls_of(dict(dkdv_key_tiles_fast=True))
     light_calls = calls_of(dict(query_tiles_light_first=True))
@@ -131,6 +131,13 @@ def test_the_session_pending_step_times_the_heavy_pieces_and_int32_pairs_against
         assert seen_min == heavy_min and pair_off.dtype == pieces.dtype == torch.int32, (seen_min, pair_off.dtype)
     pair_off, pieces, _ = dkdv_args(pairs_int64)
     assert pair_off.dtype == pieces.dtype == torch.int64
+    # the split selected dQ: its own launch in the selected forward's 64-row tiles, then the fused dQ without the
+    # selected branch adding to it; the default launches the fused dQ alone, its selected walk inside
+    split_dq = [(name, kw.get("BLOCK_M"), kw.get("SEL_DQ"), kw.get("ADD_DQ")) for name, _, kw in seldq_split
+                if name in ("_sel_dq_kernel", "_bwd_dq_kernel")]
+    assert split_dq == [("_sel_dq_kernel", 64, None, None), ("_bwd_dq_kernel", split_dq[1][1], False, True)], split_dq
+    assert [(name, kw["SEL_DQ"], kw["ADD_DQ"]) for name, _, kw in default_calls
+            if name in ("_sel_dq_kernel", "_bwd_dq_kernel")] == [("_bwd_dq_kernel", True, False)]
     intervals, old_intervals = ([(grid, kw["TILES_FAST"], kw["N_SPLIT"]) for name, grid, kw in calls
                                  if name == "_interval_bwd_dkdv_kernel"] for calls in (default_calls, tiles_fast_calls))
     # the compressed branch's query ranges are split at 300 queries: key tile on the last axis by default

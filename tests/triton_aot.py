@@ -151,6 +151,8 @@ _VARIANTS = {
     # the int64 offsets only huge inputs take: the selected dK/dV's pair positions (from 2**31 (query, block) pairs)
     # and the K/V element offsets within a row (from 2**31 elements)
     "int64offsets": dict(sel_pairs_int64=True, offsets_int64=True),
+    # the selected dQ in a launch of its own in the selected forward's tiles, then the fused dQ's interval share
+    "seldqsplit": dict(sel_dq_split=True),
 }
 # variants compiled at fewer shapes (CI time): the block-outer kernels' registers differ by G and head_dim, which the
 # 125M layout (G = 6) and head_dim 128 (G = 8) cover
