@@ -165,10 +165,9 @@ CPU_CASES = [
     dict(B=2, T=70, H=3, Hkv=1, D=16, layout="varlen", sel_pieces=[5, 3, 2, 1]),
     # the same splits over two KV heads (each head's heavy blocks in its own slots)
     dict(B=1, T=60, H=4, Hkv=2, D=16, layout="varlen", sel_pieces=[5, 3, 64, 32]),
-    # the selected dQ in a launch of its own (launch_overrides(sel_dq_split=True)): G = 1, 3 and 16 over documents
-    # and padding, fp16, and sm_80's sub-tiles
-    dict(B=2, T=90, H=3, Hkv=1, D=16, layout="varlen", sel_dq_split=True),
-    dict(B=1, T=130, H=2, Hkv=2, D=16, layout="pad", sel_dq_split=True, param_overrides=dict(sel_num_blocks=16)),
+    # the selected dQ in a launch of its own (launch_overrides(sel_dq_split=True)): G = 1 over padding, G = 16 in
+    # fp16 over documents, and sm_80's sub-tiles
+    dict(B=1, T=70, H=2, Hkv=2, D=16, layout="pad", sel_dq_split=True),
     dict(B=2, T=81, H=16, Hkv=1, D=16, layout="varlen", dtype="float16", sel_dq_split=True),
     dict(B=2, T=90, H=6, Hkv=1, D=16, layout="varlen", sel_dq_split=True, arch=80),
     # ... with int64 pair positions (the launcher's choice from 2**31 pairs on; int32 below), and int64 K/V offsets

@@ -159,7 +159,8 @@ _VARIANTS = {
 _VARIANT_SKIP = {("fla-G16-d64-bf16", "selfwdpairs"), *((shape, uncapped) for uncapped in ("selfwduncapped", "topnuncapped")
                                                          for shape in ("fla-G16-d64-bf16", "G8-d128-bf16-long")),
                  ("fla-G16-d64-bf16", "unionwide"), ("G8-d128-bf16-long", "unionwide"),
-                 ("fla-G16-d64-bf16", "int64offsets"), ("G8-d128-bf16-long", "int64offsets")}
+                 ("fla-G16-d64-bf16", "int64offsets"), ("G8-d128-bf16-long", "int64offsets"),
+                 ("fla-G16-d64-bf16", "seldqsplit")}
 SCENARIOS.update({f"{shape}-{variant}": _scenario(**args, overrides=overrides)
                   for variant, overrides in _VARIANTS.items() for shape, args in _VARIANT_SHAPES.items()
                   if (shape, variant) not in _VARIANT_SKIP})
