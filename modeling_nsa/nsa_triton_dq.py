@@ -164,6 +164,18 @@ if triton is not None:
         return dq
 
     @triton.jit
+    def _dq_tile(Tq, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr,
+                 LIGHT_FIRST: tl.constexpr):
+        """This program's query tile for the dQ launches: (tile, batch x kv group, batch, kv group, each row's query,
+        each row's flat (B*T*H) row, row mask)."""
+        pid_q = _query_tile_id(LIGHT_FIRST)
+        pid_bg = tl.program_id(1)
+        b = (pid_bg // HKV).to(tl.int64)
+        g = pid_bg % HKV
+        r, qi, row_ok = _tile_rows(pid_q, Tq, 0, G, QPB, BLOCK_M)
+        return pid_q, pid_bg, b, g, qi, (b * Tq + qi) * H + g * G + r % G, row_ok
+
+    @triton.jit
     def _rows_cat(x, y):
         """(M, D), (M, D) -> (2M, D): the rows of x, then those of y."""
         M: tl.constexpr = x.shape[0]
@@ -187,13 +199,8 @@ if triton is not None:
         per-branch deltas. The branch output gradient g_i * dout is formed here (never materialized). The
         selected branch runs in sub-tiles as in _sel_fwd_kernel, joined back into the tile's rows."""
         SUBS: tl.constexpr = BLOCK_M // SUB_M
-        pid_q = _query_tile_id(LIGHT_FIRST)
-        pid_bg = tl.program_id(1)
-        b = (pid_bg // HKV).to(tl.int64)
-        g = pid_bg % HKV
-        r, qi, row_ok = _tile_rows(pid_q, Tq, 0, G, QPB, BLOCK_M)
+        pid_q, pid_bg, b, g, qi, row, row_ok = _dq_tile(Tq, H, HKV, G, QPB, BLOCK_M, LIGHT_FIRST)
         d = tl.arange(0, D)
-        row = (b * Tq + qi) * H + g * G + r % G
         q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
         # compressed branch
         do, delta = _branch_prep(DOUT, OC, GATE, DG, DELTA, row, row_ok, d, R, D, 0)
@@ -234,13 +241,8 @@ if triton is not None:
         tiles: stored in q's dtype, to which the fused kernel (SEL_DQ=False, ADD_DQ) then adds the interval branches'
         share. Also the selected branch's delta and gate gradient."""
         SUBS: tl.constexpr = BLOCK_M // SUB_M
-        pid_q = _query_tile_id(LIGHT_FIRST)
-        pid_bg = tl.program_id(1)
-        b = (pid_bg // HKV).to(tl.int64)
-        g = pid_bg % HKV
-        r, qi, row_ok = _tile_rows(pid_q, Tq, 0, G, QPB, BLOCK_M)
+        pid_q, pid_bg, b, g, qi, row, row_ok = _dq_tile(Tq, H, HKV, G, QPB, BLOCK_M, LIGHT_FIRST)
         d = tl.arange(0, D)
-        row = (b * Tq + qi) * H + g * G + r % G
         dq = _sel_dq_walk(Q, DOUT, OS, GATE, DG, DELTA, LSE_S, KS, VS, UENT, UHI, UCNT, UPAST, pid_q, pid_bg, b, g,
                           Tq, Tk, q_off, n_tiles, R, sm_scale2, tl.zeros([BLOCK_M, D], tl.float32), H, HKV, G, D, LB,
                           N_SEL, QPB, WORDS, SUB_M, SUBS, KV32)
