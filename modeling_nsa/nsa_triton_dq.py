@@ -326,7 +326,7 @@ def _bwd_dq(q, dout, gates, cmp, slc, win, idx, doc_pos, params: NSAParams, scal
 def _sel_dq_split(q, dout, gates, slc, idx, doc_pos, params: NSAParams, scale, kv32: bool):
     """launch_overrides(sel_dq_split=True): the selected branch's dQ in a launch of its own, in the selected forward's
     query tiles and launch options (_sel_dq_kernel), before the fused kernel adds the interval branches' share. The
-    fused dQ's 128-row tile fits one program per SM; the forward's 64-row tile three or four (bench/KERNELS.md,
+    fused dQ's 128-row tile fits one program per SM; this 64-row one two (bench/KERNELS.md,
     "Next GPU session"). Returns (dQ in q's dtype holding the selected share, the gate gradients and the deltas,
     the selected branch's filled in)."""
     k_slc = slc[0]

@@ -89,8 +89,8 @@ class LaunchOverrides:
     # the selected dK/dV's pair positions as int64 below 2**31 pairs too, as until 2026-11-27 (the default's int32
     # ones cut its masked pair tile 742 -> 634 SASS instructions on sm_90 at the 125M layout)
     sel_pairs_int64: bool | None = None
-    # the selected branch's dQ in a launch of its own with the selected forward's query tiles (three to four programs
-    # per SM), before the fused dQ adds the interval branches' share (one rounding more of the selected share to q's
+    # the selected branch's dQ in a launch of its own with the selected forward's query tiles (184 registers at 4
+    # warps: two programs per SM on sm_90), before the fused dQ adds the interval branches' share (one rounding more of the selected share to q's
     # dtype; no extra memory); the default keeps the one fused dQ launch. Not yet timed
     sel_dq_split: bool | None = None
     # element offsets within a batch row as int64, as until 2026-11-27: K/V in the union walk and the interval tiles
