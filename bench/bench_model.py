@@ -10,6 +10,12 @@ and writes JSON with --json.
     python bench/bench_model.py --seq-lens 2048 --tokens-per-step 32768 --precision autocast --json results.json
     python bench/bench_model.py --seq-lens 32768 65536 --gradient-checkpointing   # long contexts, every model alike
     python bench/bench_model.py --models nsa-dense nsa-dense-flex --documents 1 8   # the dense baseline, packed
+    python bench/bench_model.py --seq-lens 2048 8192 --precision bf16 --profile   # where each model's step goes
+
+--profile adds, per model and length, one profiled run of 3 steps after the timing: the GPU time per step by kind of
+kernel (the NSA op's Triton kernels, dense attention, matmuls, the rest) and the GPU's idle time between kernels,
+with the kernels the longest gaps follow. bench/model_traffic_cpu.py counts (on CPU) what NSA adds outside its op;
+this says where the rest of the step goes.
 
 --documents N packs N equal documents per row (position_ids restart at 0): the same tokens, attention confined to
 each document. "nsa-dense" runs dense mode through SDPA (a boolean document mask when N > 1), "nsa-dense-flex"
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -88,9 +95,35 @@ def llama_ratio_cells(row: dict, models, key: str, width: int) -> str:
 
 PRECISIONS = ("bf16", "autocast")
 
+# kernel kinds of a profiled step, by name (first match wins): the NSA op's own Triton kernels are named
+# _<what>_kernel in modeling_nsa/nsa_triton_*.py; cuBLAS on Hopper names its GEMMs nvjet_* (CUDA 12.8+), sm90_xmma*
+# or *gemm*; SDPA's flash / cuDNN / memory-efficient kernels carry those words
+KERNEL_KINDS = (
+    ("NSA op (Triton)", re.compile(r"^_\w+_kernel$")),
+    ("dense attention", re.compile(r"flash|fmha|cudnn|attention|mem_eff", re.IGNORECASE)),
+    ("matmuls", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|wgmma", re.IGNORECASE)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "other (elementwise, copies, ...)")
+
+
+def step_breakdown(events, reps: int) -> dict:
+    """From (name, start_us, duration_us) of every kernel of `reps` identical training steps: GPU ms per step by
+    kernel kind, the kernels' sum, the GPU's idle ms per step between kernels, and the three kernels the longest
+    gaps follow (kernel_floors.idle_gaps)."""
+    from kernel_floors import idle_gaps
+
+    kinds: dict[str, float] = {}
+    for name, _, duration in events:
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + duration / 1e3 / reps
+    idle_ms, gaps = idle_gaps(events, reps)
+    return {"kinds_ms": kinds, "kernels_ms": sum(kinds.values()), "idle_ms": idle_ms, "largest_gaps": gaps}
+
 
 def time_training(model, batch: int, seq_len: int, steps: int, warmup: int, precision: str,
-                  checkpointing: bool = False, documents: int = 1):
+                  checkpointing: bool = False, documents: int = 1, profile: bool = False):
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: use one of {PRECISIONS}")
     model = (model.to("cuda", torch.bfloat16) if precision == "bf16" else model.to("cuda")).train()
@@ -102,23 +135,51 @@ def time_training(model, batch: int, seq_len: int, steps: int, warmup: int, prec
     torch.cuda.reset_peak_memory_stats()
     times = []
     position_ids = document_position_ids(batch, seq_len, documents, "cuda")
-    for step in range(warmup + steps):
+
+    def step():
         ids = torch.randint(0, SIZE_125M["vocab_size"], (batch, seq_len), device="cuda")  # fresh every step
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
         with torch.autocast("cuda", dtype=torch.bfloat16) if precision == "autocast" else contextlib.nullcontext():
             loss = model(input_ids=ids, labels=ids, position_ids=position_ids, use_cache=False).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    for index in range(warmup + steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss = step()
         end.record()
         torch.cuda.synchronize()
         if not torch.isfinite(loss):
             raise RuntimeError(f"non-finite loss {loss.item()}")
-        if step >= warmup:
+        if index >= warmup:
             times.append(start.elapsed_time(end))
     ms = statistics.median(times)
-    return {"ms_per_step": ms, "tokens_per_s": batch * seq_len / ms * 1e3, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    result = {"ms_per_step": ms, "tokens_per_s": batch * seq_len / ms * 1e3,
+              "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    if profile:  # after the timing (warm), so the profiler's own overhead stays out of the figures above
+        from kernel_floors import profile_events
+
+        result["profile"] = step_breakdown(profile_events(step, reps=3), reps=3)
+    return result
+
+
+def print_profiles(rows, models):
+    """One line per model and row: step ms, GPU ms by kernel kind, idle ms, the largest gaps."""
+    from kernel_floors import describe_gaps
+
+    print("\nProfiled steps (GPU ms per step by kernel kind; idle: GPU idle between kernels)")
+    for row in rows:
+        for name in models:
+            result = row[name]
+            if not result or "profile" not in result:
+                continue
+            profile = result["profile"]
+            kinds = ", ".join(f"{kind} {ms:.1f}" for kind, ms in sorted(profile["kinds_ms"].items(), key=lambda kv: -kv[1]))
+            print(f"{row['precision']} T={row['seq_len']} B={row['batch']} docs={row['documents']} {name}: step "
+                  f"{result['ms_per_step']:.1f} ms; kernels {profile['kernels_ms']:.1f} ms ({kinds}); idle "
+                  f"{profile['idle_ms']:.1f} ms, most after {describe_gaps(profile['largest_gaps'])}")
 
 
 def main():
@@ -133,6 +194,8 @@ def main():
                         help="recompute each decoder layer in the backward (every model), for 32k-64k tokens per row")
     parser.add_argument("--documents", type=int, nargs="+", default=[1],
                         help="documents packed per row (position_ids restart at 0); a row of the table each")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile 3 steps of each model: GPU ms per step by kernel kind, and the idle time")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -148,7 +211,7 @@ def main():
                     torch.manual_seed(0)
                     try:
                         results[name] = time_training(build(name, seq_len), batch, seq_len, args.steps, args.warmup,
-                                                      precision, args.gradient_checkpointing, documents)
+                                                      precision, args.gradient_checkpointing, documents, args.profile)
                     except torch.OutOfMemoryError:
                         results[name] = None
                     torch.cuda.empty_cache()
@@ -169,6 +232,8 @@ def main():
             for m in args.models
         )
         print(line + llama_ratio_cells(row, args.models, "tokens_per_s", 14))
+    if args.profile:
+        print_profiles(rows, args.models)
     if args.json:
         args.json.write_text(json.dumps({"device": device, "rows": rows}, indent=2))
 

@@ -133,7 +133,7 @@ for step in "${steps[@]}"; do
     # the GPU cases of the pair-wise selected dQ (partials and atomics) against the reference
     check-seldq) $PY -m pytest -x tests/test_triton_kernels.py -k "gpu_kernels_match and seldq" -rA --tb=short 2>&1 \
                   | tail -n 200 ;;
-    model)      $PY bench/bench_model.py --seq-lens 2048 8192 32768 --steps 5 --warmup 2 --json "$OUT/model.json" ;;
+    model)      $PY bench/bench_model.py --seq-lens 2048 8192 32768 --steps 5 --warmup 2 --profile --json "$OUT/model.json" ;;
     # issue 20: the dense baseline with packed documents (8 per row) against one document per row, SDPA's
     # boolean mask and FlexAttention's block mask (target: packed within 10% of unpacked)
     dense-docs) $PY bench/bench_model.py --models nsa-dense nsa-dense-flex --seq-lens 2048 8192 --documents 1 8 \

@@ -1,0 +1,104 @@
+"""bench/model_traffic_cpu.py: the step counter's bytes and matmul FLOPs against independent counts (footprints by
+hand, every nn.Linear's FLOPs from forward hooks), the attention stand-ins holding in both modes, and the CPU
+command line. No GPU."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "bench"))
+
+import model_traffic_cpu as mt  # noqa: E402
+
+TINY_SIZE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, window_size=64, sel_block_size=32,
+                 sel_num_blocks=4, cmp_block_size=16, cmp_stride=8, cmp_mlp_hidden_size=32)  # fmt: skip
+
+
+def test_footprint_counts_broadcast_dimensions_once():
+    x = torch.empty(4, 8, dtype=torch.bfloat16)
+    assert mt.footprint_bytes(x) == 4 * 8 * 2
+    assert mt.footprint_bytes(torch.empty(4, 1).expand(4, 1000)) == 4 * 4  # the expanded dim is one element
+    assert mt.footprint_bytes(x.t()) == 64  # a transpose moves the same bytes
+    assert mt.footprint_bytes(3.0) == 0
+
+
+def _linear_flops_by_hooks(model_name: str, batch: int, seq_len: int) -> int:
+    """6 x rows x in x out per nn.Linear call (forward 2, input and weight gradients 2 each), rows from the
+    inputs each Linear really received (token rows, or the compressor's block rows)."""
+    from bench_model import build
+
+    import modeling_nsa.modeling_nsa as modeling
+
+    total = 0
+
+    def hook(module, inputs, output):
+        nonlocal total
+        rows = inputs[0].numel() // module.in_features
+        total += 6 * rows * module.in_features * module.out_features
+
+    saved = (modeling.nsa_attention, torch.nn.functional.scaled_dot_product_attention, modeling.NSAModel._check_inputs)
+    modeling.nsa_attention = mt._nsa_stand_in
+    torch.nn.functional.scaled_dot_product_attention = mt._sdpa_stand_in
+    modeling.NSAModel._check_inputs = lambda self, ids, embeds, mask, positions, past: tuple(ids.shape)
+    try:
+        with torch.device("meta"):
+            model = build(model_name, seq_len, TINY_SIZE).to(torch.bfloat16)
+            ids = torch.zeros(batch, seq_len, dtype=torch.long)
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_hook(hook)
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    finally:
+        (modeling.nsa_attention, torch.nn.functional.scaled_dot_product_attention,
+         modeling.NSAModel._check_inputs) = saved  # fmt: skip
+    return total
+
+
+def test_matmul_flops_match_every_linear_forward_and_backward():
+    for model_name in ("nsa", "nsa-dense"):
+        counter = mt.count_step(model_name, 2, 256, TINY_SIZE)
+        assert counter.total("flops") == _linear_flops_by_hooks(model_name, 2, 256), model_name
+
+
+def test_attention_stand_ins_hold_and_nsa_parts_are_counted():
+    nsa = mt.count_step("nsa", 2, 256, TINY_SIZE)
+    dense = mt.count_step("nsa-dense", 2, 256, TINY_SIZE)
+    for counter in (nsa, dense):  # neither attention ran: no score matrices, no softmax over them
+        assert not {"bmm", "_softmax", "_safe_softmax", "_scaled_dot_product_flash_attention_for_cpu"} & set(counter.calls)
+    # NSA's own parts: the gates (sigmoid), the compressor's MLP (gelu) and its block gather
+    for kind in ("sigmoid", "gelu", "gather", "sigmoid_backward", "gelu_backward"):
+        assert nsa.calls[kind] > 0 and dense.calls[kind] == 0, kind
+    assert nsa.total("bytes") > dense.total("bytes") > 0
+    assert mt.floor_ms(nsa, 773.0, 2978.0) > mt.floor_ms(dense, 773.0, 2978.0)
+
+
+def test_command_line_prints_the_table():
+    result = subprocess.run([sys.executable, str(HERE.parent / "bench" / "model_traffic_cpu.py"), "--seq-lens", "2048",
+                             "--tokens-per-step", "4096", "--top", "3"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "| all |" in result.stdout and "NSA's parts outside the op add" in result.stdout
+
+
+def test_profiled_step_breakdown_sorts_kernels_by_kind_and_finds_idle_time():
+    """bench_model.py --profile's breakdown on made-up kernel events of 2 steps: (name, start_us, duration_us)."""
+    from bench_model import kernel_kind, step_breakdown
+
+    assert kernel_kind("_sel_fwd_kernel") == "NSA op (Triton)"
+    assert kernel_kind("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN") == "matmuls"
+    assert kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32") == "matmuls"
+    assert kernel_kind("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64>>") == "dense attention"
+    assert kernel_kind("void at::native::vectorized_elementwise_kernel<4, ...>") == "other (elementwise, copies, ...)"
+    step = [("nvjet_gemm", 0, 100), ("_sel_fwd_kernel", 100, 50), ("elementwise", 400, 10)]  # 250 us idle
+    events = step + [(name, start + 500, duration) for name, start, duration in step]  # 90 us between steps
+    out = step_breakdown(events, reps=2)
+    assert out["kinds_ms"] == {"matmuls": 0.1, "NSA op (Triton)": 0.05, "other (elementwise, copies, ...)": 0.01}
+    assert abs(out["kernels_ms"] - 0.16) < 1e-12
+    # 250 us after _sel_fwd_kernel in each step, 90 us between the steps (after "elementwise"), over 2 steps
+    assert abs(out["idle_ms"] - (0.25 * 2 + 0.09) / 2) < 1e-12
+    assert out["largest_gaps"][0]["after"] == "_sel_fwd_kernel"
