@@ -111,7 +111,7 @@ for step in "${steps[@]}"; do
     # the one fused dQ, at issue 18's lengths, both layouts and correlated queries, with dense SDPA
     pending)    $PY bench/tune_kernels.py --json "$OUT/pending.json" --no-decode --dense --variants default \
                   heavy2k:sel_pieces=2048/320/1024/256 heavy4k:sel_pieces=4096/320/1024/512 \
-                  pairs_int64:sel_pairs_int64=1 seldq_split:sel_dq_split=1 \
+                  pairs_int64:sel_pairs_int64=1 seldq_split:sel_dq_split=1 seldq_pairs:sel_dq_in_dkdv=1 \
                   --cases 12,2,64,8192,8,random 12,2,64,2048,32,random \
                   12,2,64,65536,1,random 12,2,64,32768,2,random 16,1,64,8192,8,random 16,1,64,65536,1,random \
                   12,2,64,65536,1,correlated 12,2,64,8192,8,correlated 16,1,64,65536,1,correlated ;;
