@@ -24,7 +24,9 @@ Layout of the work (no (T x Nc) or (T x T) tensor is ever built):
   per selection block loops over the queries that chose it: one writer, heavy blocks split into
   fp32 partials summed in a fixed order.
 - Backward dQ: one kernel per query tile for all three branches (dQ in registers, written once),
-  which also writes the gate gradients and the per-branch deltas the dK/dV kernels read.
+  which also writes the gate gradients and, per branch, what the dK/dV kernels read instead of the gate:
+  delta = dout . o and the log-sum-exp with the gate folded in (lse - log2 g), so g scales the
+  recomputed probabilities, not dout, and the dK/dV dots take dout straight from their pipelined loads.
 - Decoding (one query per row), none of the launches with a serial loop over the whole context: the
   compressed keys split over programs (softmax partials and probabilities); the selection blocks split
   over programs, each scoring its range from those probabilities (no key re-read) and keeping its own
@@ -150,29 +152,27 @@ def _nsa_bwd_op(
     intervals = _layout(cmp_end, doc_pos, q.shape[1], k_win.shape[1], p)
     c_lo, c_hi, w_lo, w_hi = intervals
     dout = dout.to(q.dtype).contiguous()
-    # dQ of the three branches, dgates and the per-branch deltas in one kernel; the dK/dV kernels then read the
-    # deltas. The selected branch's dQ (_sel_dq_mode): in that kernel over each query tile's block union ("union"),
+    # dQ of the three branches, dgates and the per-branch deltas and gated log-sum-exps in one kernel; the dK/dV
+    # kernels then read those two. The selected branch's dQ (_sel_dq_mode): in that kernel over each query tile's block union ("union"),
     # or formed pair by pair: by a block-outer kernel of its own ("pairs", after the dK/dV kernels), or by the
     # selected dK/dV kernel, which stores per-pair partials that _sel_dq_reduce sums ("partials") or adds them to
     # an fp32 dQ with atomics ("atomic"); in those three dQ is first the fp32 of the interval branches.
     cmp, win = (k_cmp, v_cmp, c_lo, c_hi, lse_cmp, o_cmp), (k_win, v_win, w_lo, w_hi, lse_win, o_win)
     sel_dq_mode = _sel_dq_mode()
-    dq, dgates, delta = _bwd_dq(q, dout, gates, cmp, (k_slc, v_slc, lse_slc, o_slc), win, idx, doc_pos, p, scale,
+    dq, dgates, delta, lse_g = _bwd_dq(q, dout, gates, cmp, (k_slc, v_slc, lse_slc, o_slc), win, idx, doc_pos, p, scale,
                                 sel_dq=sel_dq_mode == "union")  # fmt: skip
     # the dK/dV kernels' query ranges per key tile, both interval branches in two launches
     cmp_ranges, win_ranges = _interval_query_ranges(intervals, (k_cmp.shape[1], k_win.shape[1]), _DKDV_KEY_TILE)
-    dk_cmp, dv_cmp = _interval_bwd_dkdv(q, k_cmp, v_cmp, c_lo, c_hi, cmp_ranges, dout, gates, 0, lse_cmp, delta[0],
-                                        scale)
+    dk_cmp, dv_cmp = _interval_bwd_dkdv(q, k_cmp, v_cmp, c_lo, c_hi, cmp_ranges, dout, lse_g[0], delta[0], scale)
     partials = _sel_dq_partials(q, idx) if sel_dq_mode == "partials" else None
-    dk_slc, dv_slc = _sel_bwd_dkdv(q, k_slc, v_slc, idx, doc_pos, dout, gates, 1, lse_slc, delta[1], p, scale,
+    dk_slc, dv_slc = _sel_bwd_dkdv(q, k_slc, v_slc, idx, doc_pos, dout, lse_g[1], delta[1], p, scale,
                                    dq_accum=dq if sel_dq_mode == "atomic" else None, dq_partials=partials)
     if partials is not None:
         dq = _sel_dq_reduce(dq, partials, idx, q.dtype)
         del partials
-    dk_win, dv_win = _interval_bwd_dkdv(q, k_win, v_win, w_lo, w_hi, win_ranges, dout, gates, 2, lse_win, delta[2],
-                                        scale)
+    dk_win, dv_win = _interval_bwd_dkdv(q, k_win, v_win, w_lo, w_hi, win_ranges, dout, lse_g[2], delta[2], scale)
     if sel_dq_mode == "pairs":
-        dq = _sel_dq_pairs(q, k_slc, v_slc, idx, doc_pos, dout, gates, lse_slc, delta[1], dq, p, scale,
+        dq = _sel_dq_pairs(q, k_slc, v_slc, idx, doc_pos, dout, lse_g[1], delta[1], dq, p, scale,
                            _sel_dq_reduce_chunk)
     return dq.to(q.dtype), dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates
 

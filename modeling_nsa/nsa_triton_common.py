@@ -23,14 +23,6 @@ _HAS_TRITON = triton is not None
 if _HAS_TRITON:
 
     @triton.jit
-    def _load_do(DO, GATE, row, row_ok, d, D: tl.constexpr, BR: tl.constexpr):
-        """The branch's output gradient g_br * dout for the given rows, rounded to the input dtype (never
-        materialized in memory)."""
-        do = tl.load(DO + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-        gt = tl.load(GATE + row * 3 + BR, mask=row_ok, other=0.0).to(tl.float32)
-        return (do.to(tl.float32) * gt[:, None]).to(DO.dtype.element_ty)
-
-    @triton.jit
     def _gated_sum(GATE, row, row_ok, o_cmp, o_slc, o_win):
         """g_cmp o_cmp + g_slc o_slc + g_win o_win in fp32 (Eq. 5), from the branch outputs as stored."""
         g0 = tl.load(GATE + row * 3, mask=row_ok, other=0.0).to(tl.float32)
@@ -51,13 +43,18 @@ if _HAS_TRITON:
         return tl.where(lse == float("inf"), 0.0, lse)
 
     @triton.jit
-    def _bwd_rows(Q, DO, GATE, LSE, DELTA, row, row_ok, d, D: tl.constexpr, BR: tl.constexpr):
-        """A query tile's rows for a dK/dV update: q, the branch's output gradient round(g dout), the
-        log-sum-exp (0 where no key was visible) and delta."""
+    def _bwd_rows(Q, DOUT, LSE_G, DELTA, row, row_ok, d, D: tl.constexpr):
+        """A query tile's rows for a branch's dK/dV update with its gate g folded into the log-sum-exp: q, dout as
+        given, lse_g = lse - log2 g and delta = rowsum(dout * o) (both written by the dQ kernels' _branch_prep).
+        With them _dkdv_update's p = exp2(s - lse_g) is g times the branch's probabilities, and its dV, dP and dS
+        are those of the branch's output gradient g dout: g scales P's rows instead of dout's. So the dots take
+        dout from the loop's pipelined shared-memory buffer, where a gated copy of it, re-stored to shared memory
+        every tile, made Triton wait on the dV dot at once (and the gate's 2-byte loads were not pipelined)."""
         q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-        do = _load_do(DO, GATE, row, row_ok, d, D, BR)
+        dout = tl.load(DOUT + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        lse_g = tl.load(LSE_G + row, mask=row_ok, other=0.0)
         delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
-        return q, do, _load_lse(LSE, row, row_ok), delta
+        return q, dout, lse_g, delta
 
     @triton.jit
     def _dkdv_update_ds(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv):

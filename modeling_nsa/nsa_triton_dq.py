@@ -66,28 +66,33 @@ if triton is not None:
                                   HKV, D, BLOCK_N, True, KV32)
 
     @triton.jit
-    def _branch_prep(DOUT, O, GATE, DG, DELTA, row, row_ok, d, R, D: tl.constexpr, BR: tl.constexpr):
-        """dgate = dout . o and delta = rowsum(round(g dout) * o) of one branch for the tile's rows;
-        stores both (delta also feeds the dK/dV kernels) and returns (round(g dout), delta)."""
+    def _branch_prep(DOUT, O, GATE, DG, DELTA, LSE, LSE_G, row, row_ok, d, R, D: tl.constexpr, BR: tl.constexpr):
+        """One branch's per-row values for the tile's rows. Stores the gate gradient dgate = dout . o and, for the
+        dK/dV kernels (_bwd_rows), the gate folded into the log-sum-exp: lse_g = lse - log2 g (+inf where g = 0)
+        and delta = dout . o in fp32. Returns, for this kernel's dQ, round(g dout), its delta rowsum(round(g dout)
+        * o) and the log-sum-exp (0 where no key was visible)."""
         off = row[:, None] * D + d[None, :]
         dout = tl.load(DOUT + off, mask=row_ok[:, None], other=0.0)
         o = tl.load(O + off, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        gt = tl.load(GATE + row * 3 + BR, mask=row_ok, other=0.0).to(tl.float32)
-        tl.store(DG + row * 3 + BR, tl.sum(dout.to(tl.float32) * o, 1).to(DG.dtype.element_ty), mask=row_ok)
+        gt = tl.load(GATE + row * 3 + BR, mask=row_ok, other=1.0).to(tl.float32)  # (1: no log2(0) off the rows)
+        lse = _load_lse(LSE, row, row_ok)
+        dgate = tl.sum(dout.to(tl.float32) * o, 1)
+        tl.store(DG + row * 3 + BR, dgate.to(DG.dtype.element_ty), mask=row_ok)
+        tl.store(DELTA + BR * R + row, dgate, mask=row_ok)
+        tl.store(LSE_G + BR * R + row, lse - tl.log2(gt), mask=row_ok)
         do = (dout.to(tl.float32) * gt[:, None]).to(DOUT.dtype.element_ty)
-        delta = tl.sum(do.to(tl.float32) * o, 1)
-        tl.store(DELTA + BR * R + row, delta, mask=row_ok)
-        return do, delta
+        return do, tl.sum(do.to(tl.float32) * o, 1), lse
 
     @triton.jit
-    def _sel_dq_sub_rows(Q, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q, pid_bg, Tq, q_off, R, r0,
+    def _sel_dq_sub_rows(Q, DOUT, OS, GATE, DG, DELTA, LSE_G, LSE_S, pid_q, pid_bg, Tq, q_off, R, r0,
                          H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, QPB: tl.constexpr,
                          SUB_M: tl.constexpr):
-        """A sub-tile's rows for the selected branch's dQ: q, round(g dout), log-sum-exp, delta (delta and the
-        gate gradient also stored), query positions and each row's query within the tile (_sel_sub_rows)."""
+        """A sub-tile's rows for the selected branch's dQ: q, round(g dout), log-sum-exp, delta (the dK/dV kernels'
+        values and the gate gradient also stored: _branch_prep), query positions and each row's query within the
+        tile (_sel_sub_rows)."""
         q, row, row_ok, t_abs, q_in_tile = _sel_sub_rows(Q, pid_q, pid_bg, Tq, q_off, r0, H, HKV, G, D, QPB, SUB_M)
-        do, delta = _branch_prep(DOUT, OS, GATE, DG, DELTA, row, row_ok, tl.arange(0, D), R, D, 1)
-        return q, do, _load_lse(LSE_S, row, row_ok), delta, t_abs, q_in_tile
+        do, delta, lse = _branch_prep(DOUT, OS, GATE, DG, DELTA, LSE_S, LSE_G, row, row_ok, tl.arange(0, D), R, D, 1)
+        return q, do, lse, delta, t_abs, q_in_tile
 
     @triton.jit
     def _sel_dq_sub(a, k, v, q, do, lse, delta, t_abs, chosen, sm_scale2, dq, WHOLE: tl.constexpr,
@@ -106,14 +111,14 @@ if triton is not None:
         return dq
 
     @triton.jit
-    def _sel_dq_walk(Q, DOUT, OS, GATE, DG, DELTA, LSE_S, KS, VS, UENT, UHI, UCNT, UPAST, pid_q, pid_bg, b, g, Tq, Tk,
+    def _sel_dq_walk(Q, DOUT, OS, GATE, DG, DELTA, LSE_G, LSE_S, KS, VS, UENT, UHI, UCNT, UPAST, pid_q, pid_bg, b, g, Tq, Tk,
                      q_off, n_tiles, R, sm_scale2, dq,
                      H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
                      N_SEL: tl.constexpr, QPB: tl.constexpr, WORDS: tl.constexpr, SUB_M: tl.constexpr,
                      SUBS: tl.constexpr, KV32: tl.constexpr):
         """The selected branch's dQ (unscaled) of one query tile added to dq (BLOCK_M, D): the tile's distinct blocks
         (see _tile_block_union), math per sub-tile; also the branch's delta and gate gradient."""
-        q0, do0, lse0, dl0, t0, c0 = _sel_dq_sub_rows(Q, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q, pid_bg, Tq,
+        q0, do0, lse0, dl0, t0, c0 = _sel_dq_sub_rows(Q, DOUT, OS, GATE, DG, DELTA, LSE_G, LSE_S, pid_q, pid_bg, Tq,
                                                       q_off, R, 0, H, HKV, G, D, QPB, SUB_M)
         if SUBS == 1:
             # one sub-tile is the tile's rows: the selected blocks add to the interval branches' dQ in place, so
@@ -122,14 +127,14 @@ if triton is not None:
         else:
             dq0 = tl.zeros([SUB_M, D], tl.float32)
         if SUBS >= 2:
-            q1, do1, lse1, dl1, t1, c1 = _sel_dq_sub_rows(Q, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q, pid_bg, Tq,
+            q1, do1, lse1, dl1, t1, c1 = _sel_dq_sub_rows(Q, DOUT, OS, GATE, DG, DELTA, LSE_G, LSE_S, pid_q, pid_bg, Tq,
                                                           q_off, R, SUB_M, H, HKV, G, D, QPB, SUB_M)
             dq1 = tl.zeros([SUB_M, D], tl.float32)
         if SUBS >= 4:
-            q2, do2, lse2, dl2, t2, c2 = _sel_dq_sub_rows(Q, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q, pid_bg, Tq,
+            q2, do2, lse2, dl2, t2, c2 = _sel_dq_sub_rows(Q, DOUT, OS, GATE, DG, DELTA, LSE_G, LSE_S, pid_q, pid_bg, Tq,
                                                           q_off, R, 2 * SUB_M, H, HKV, G, D, QPB, SUB_M)
             dq2 = tl.zeros([SUB_M, D], tl.float32)
-            q3, do3, lse3, dl3, t3, c3 = _sel_dq_sub_rows(Q, DOUT, OS, GATE, DG, DELTA, LSE_S, pid_q, pid_bg, Tq,
+            q3, do3, lse3, dl3, t3, c3 = _sel_dq_sub_rows(Q, DOUT, OS, GATE, DG, DELTA, LSE_G, LSE_S, pid_q, pid_bg, Tq,
                                                           q_off, R, 3 * SUB_M, H, HKV, G, D, QPB, SUB_M)
             dq3 = tl.zeros([SUB_M, D], tl.float32)
         tile = pid_bg.to(tl.int64) * n_tiles + pid_q
@@ -184,7 +189,7 @@ if triton is not None:
 
     @triton.jit
     def _bwd_dq_kernel(
-        Q, DOUT, GATE, DG, DELTA, DQ,
+        Q, DOUT, GATE, DG, DELTA, LSE_G, DQ,
         KC, VC, C_LO, C_HI, LSE_C, OC,
         KS, VS, UENT, UHI, UCNT, UPAST, LSE_S, OS,
         KW, VW, W_LO, W_HI, LSE_W, OW,
@@ -203,15 +208,13 @@ if triton is not None:
         d = tl.arange(0, D)
         q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
         # compressed branch
-        do, delta = _branch_prep(DOUT, OC, GATE, DG, DELTA, row, row_ok, d, R, D, 0)
-        lse = _load_lse(LSE_C, row, row_ok)
+        do, delta, lse = _branch_prep(DOUT, OC, GATE, DG, DELTA, LSE_C, LSE_G, row, row_ok, d, R, D, 0)
         lo = tl.load(C_LO + b * Tq + qi, mask=row_ok, other=0)
         hi = tl.load(C_HI + b * Tq + qi, mask=row_ok, other=0)
         dq = _interval_dq(q, do, lse, delta, KC, VC, b * Nc * HKV * D + g * D, lo, hi, row_ok, Nc, sm_scale2,
                           HKV, D, BLOCK_N, KV32)
         # window branch
-        do, delta = _branch_prep(DOUT, OW, GATE, DG, DELTA, row, row_ok, d, R, D, 2)
-        lse = _load_lse(LSE_W, row, row_ok)
+        do, delta, lse = _branch_prep(DOUT, OW, GATE, DG, DELTA, LSE_W, LSE_G, row, row_ok, d, R, D, 2)
         lo = tl.load(W_LO + b * Tq + qi, mask=row_ok, other=0)
         hi = tl.load(W_HI + b * Tq + qi, mask=row_ok, other=0)
         dq += _interval_dq(q, do, lse, delta, KW, VW, b * Tw * HKV * D + g * D, lo, hi, row_ok, Tw, sm_scale2,
@@ -219,11 +222,11 @@ if triton is not None:
         # selected branch (_sel_dq_walk); without SEL_DQ only its delta and gate gradient: the selected dK/dV
         # kernel adds its dQ (sel_dq_in_dkdv), or, under ADD_DQ, _sel_dq_kernel has stored it in DQ already
         if SEL_DQ:
-            dq = _sel_dq_walk(Q, DOUT, OS, GATE, DG, DELTA, LSE_S, KS, VS, UENT, UHI, UCNT, UPAST, pid_q, pid_bg, b, g,
+            dq = _sel_dq_walk(Q, DOUT, OS, GATE, DG, DELTA, LSE_G, LSE_S, KS, VS, UENT, UHI, UCNT, UPAST, pid_q, pid_bg, b, g,
                               Tq, Tk, q_off, n_tiles, R, sm_scale2, dq, H, HKV, G, D, LB, N_SEL, QPB, WORDS, SUB_M,
                               SUBS, KV32)
         elif not ADD_DQ:
-            _branch_prep(DOUT, OS, GATE, DG, DELTA, row, row_ok, d, R, D, 1)
+            _branch_prep(DOUT, OS, GATE, DG, DELTA, LSE_S, LSE_G, row, row_ok, d, R, D, 1)
         dq = dq * scale
         if ADD_DQ:  # the selected share _sel_dq_kernel stored, in q's dtype
             dq += tl.load(DQ + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
@@ -231,7 +234,7 @@ if triton is not None:
 
     @triton.jit
     def _sel_dq_kernel(
-        Q, DOUT, GATE, DG, DELTA, DQ, KS, VS, UENT, UHI, UCNT, UPAST, LSE_S, OS,
+        Q, DOUT, GATE, DG, DELTA, LSE_G, DQ, KS, VS, UENT, UHI, UCNT, UPAST, LSE_S, OS,
         Tq, Tk, q_off, n_tiles, R, sm_scale2, scale,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
         N_SEL: tl.constexpr, QPB: tl.constexpr, WORDS: tl.constexpr, BLOCK_M: tl.constexpr, SUB_M: tl.constexpr,
@@ -243,7 +246,7 @@ if triton is not None:
         SUBS: tl.constexpr = BLOCK_M // SUB_M
         pid_q, pid_bg, b, g, qi, row, row_ok = _dq_tile(Tq, H, HKV, G, QPB, BLOCK_M, LIGHT_FIRST)
         d = tl.arange(0, D)
-        dq = _sel_dq_walk(Q, DOUT, OS, GATE, DG, DELTA, LSE_S, KS, VS, UENT, UHI, UCNT, UPAST, pid_q, pid_bg, b, g,
+        dq = _sel_dq_walk(Q, DOUT, OS, GATE, DG, DELTA, LSE_G, LSE_S, KS, VS, UENT, UHI, UCNT, UPAST, pid_q, pid_bg, b, g,
                           Tq, Tk, q_off, n_tiles, R, sm_scale2, tl.zeros([BLOCK_M, D], tl.float32), H, HKV, G, D, LB,
                           N_SEL, QPB, WORDS, SUB_M, SUBS, KV32)
         tl.store(DQ + row[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
@@ -286,7 +289,8 @@ if triton is not None:
 # ----------------------------------------------------------------------------------------------
 
 def _bwd_dq(q, dout, gates, cmp, slc, win, idx, doc_pos, params: NSAParams, scale, sel_dq: bool = True):
-    """dQ (B, Tq, H, D), the gate gradients (B, Tq, H, 3) and the per-branch deltas (3, B, Tq, H) in one launch,
+    """dQ (B, Tq, H, D), the gate gradients (B, Tq, H, 3) and, per branch, the deltas and gated log-sum-exps the dK/dV
+    kernels read (each (3, B, Tq, H) fp32: _branch_prep) in one launch,
     query tiles as the selected attention's. cmp, win: each interval branch's (keys, values, lo, hi, lse,
     output); slc: the selected branch's (keys, values, lse, output), idx its blocks. The block union (sort
     temporaries) comes before dQ is allocated, which lowers the backward's peak memory. sel_dq=False: the
@@ -308,11 +312,11 @@ def _bwd_dq(q, dout, gates, cmp, slc, win, idx, doc_pos, params: NSAParams, scal
     if not split:
         dq = torch.empty_like(q) if sel_dq else torch.empty(q.shape, device=q.device, dtype=torch.float32)
         dgates = torch.empty_like(gates)
-        delta = torch.empty(3, batch, num_q, num_heads, device=q.device, dtype=torch.float32)
+        delta, lse_g = _branch_rows(q)
     else:
-        dq, dgates, delta = dq
+        dq, dgates, delta, lse_g = dq
     _bwd_dq_kernel[(_cdiv(num_q, qpb), batch * num_kv)](
-        q, dout, gates, dgates, delta, dq, *cmp, k_slc, slc[1], entries, high_bits, counts, n_past, *slc[2:], *win,
+        q, dout, gates, dgates, delta, lse_g, dq, *cmp, k_slc, slc[1], entries, high_bits, counts, n_past, *slc[2:], *win,
         num_q, num_keys, k_cmp.shape[1], k_win.shape[1], num_keys - num_q, counts.shape[-1], batch * num_q * num_heads,
         scale * _LOG2E, scale,
         H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=params.sel_block_size, N_SEL=n_sel,
@@ -320,15 +324,21 @@ def _bwd_dq(q, dout, gates, cmp, slc, win, idx, doc_pos, params: NSAParams, scal
         SUB_M=_sel_sub_tile(block_m, head_dim, q.device, dq=True),
         BLOCK_N=64, SEL_DQ=sel_dq, LIGHT_FIRST=_query_tiles_light_first(), KV32=kv32, ADD_DQ=split, **dq_opts,
     )
-    return dq, dgates, delta
+    return dq, dgates, delta, lse_g
+
+
+def _branch_rows(q):
+    """The per-branch (3, B, Tq, H) fp32 deltas and gated log-sum-exps _branch_prep writes for the dK/dV kernels."""
+    batch, num_q, num_heads, _ = q.shape
+    return tuple(torch.empty(3, batch, num_q, num_heads, device=q.device, dtype=torch.float32) for _ in range(2))
 
 
 def _sel_dq_split(q, dout, gates, slc, idx, doc_pos, params: NSAParams, scale, kv32: bool):
     """launch_overrides(sel_dq_split=True): the selected branch's dQ in a launch of its own, in the selected forward's
     query tiles and launch options (_sel_dq_kernel), before the fused kernel adds the interval branches' share. The
     fused dQ's 128-row tile fits one program per SM; this 64-row one two (bench/KERNELS.md,
-    "Next GPU session"). Returns (dQ in q's dtype holding the selected share, the gate gradients and the deltas,
-    the selected branch's filled in)."""
+    "Next GPU session"). Returns (dQ in q's dtype holding the selected share, the gate gradients, the deltas and the
+    gated log-sum-exps, the selected branch's filled in)."""
     k_slc = slc[0]
     batch, num_q, num_heads, head_dim, num_keys, num_kv, group = _launch_shapes(q, k_slc)
     n_sel = idx.shape[-1]
@@ -336,18 +346,18 @@ def _sel_dq_split(q, dout, gates, slc, idx, doc_pos, params: NSAParams, scale, k
     entries, high_bits, counts, n_past = _tile_block_union(idx, doc_pos, qpb, params.sel_block_size)
     dq = torch.empty_like(q)
     dgates = torch.empty_like(gates)
-    delta = torch.empty(3, batch, num_q, num_heads, device=q.device, dtype=torch.float32)
+    delta, lse_g = _branch_rows(q)
     # the forward's warps and stages, not its register cap: under 128 registers this kernel's dot loops spill (14-18
     # instructions per block on sm_90, tests/triton_aot.py)
     opts = {name: value for name, value in _sel_fwd_opts(head_dim, q.device).items() if name != "maxnreg"}
     _sel_dq_kernel[(_cdiv(num_q, qpb), batch * num_kv)](
-        q, dout, gates, dgates, delta, dq, k_slc, slc[1], entries, high_bits, counts, n_past, *slc[2:],
+        q, dout, gates, dgates, delta, lse_g, dq, k_slc, slc[1], entries, high_bits, counts, n_past, *slc[2:],
         num_q, num_keys, num_keys - num_q, counts.shape[-1], batch * num_q * num_heads, scale * _LOG2E, scale,
         H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=params.sel_block_size, N_SEL=n_sel, QPB=qpb,
         WORDS=high_bits.shape[-1] + 1, BLOCK_M=block_m, SUB_M=_sel_sub_tile(block_m, head_dim, q.device),
         LIGHT_FIRST=_query_tiles_light_first(), KV32=kv32, **opts,
     )
-    return dq, dgates, delta
+    return dq, dgates, delta, lse_g
 
 
 def _sel_dq_partials(q, idx):

@@ -129,9 +129,9 @@ if triton is not None:
             tl.store(OUT + out_ptr, res.to(OUT.dtype.element_ty), mask=row_ok[:, None])
 
     @triton.jit
-    def _dkdv_query_tiles(Q, DO, GATE, LSE, DELTA, LO, HI, b, g, q_from, q_to, q_end, Tq, kk, k, v, sm_scale2, dk, dv,
+    def _dkdv_query_tiles(Q, DO, LSE_G, DELTA, LO, HI, b, g, q_from, q_to, q_end, Tq, kk, k, v, sm_scale2, dk, dv,
                           H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, QPB: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BR: tl.constexpr, MASKED: tl.constexpr, ROW32: tl.constexpr):
+                          BLOCK_M: tl.constexpr, MASKED: tl.constexpr, ROW32: tl.constexpr):
         """A key tile's dK/dV over the query tiles q_from, q_from + QPB, ... below q_to. MASKED: rows at or past
         q_end and keys outside a row's [lo, hi) are masked. Otherwise each tile lies inside the queries that see
         every key of the key tile (_wholly_visible_queries): no interval loads, no mask; the rows past QPB * G
@@ -150,8 +150,7 @@ if triton is not None:
                 lo = tl.load(LO + b * Tq + qi, mask=row_ok, other=0)
                 hi = tl.load(HI + b * Tq + qi, mask=row_ok, other=0)
             base, row = _head_rows(b, g, qi, hh, Tq, H, G, ROW32)
-            q, do, lse, delta = _bwd_rows(Q + base * D, DO + base * D, GATE + base * 3, LSE + base, DELTA + base, row,
-                                          row_ok, d, D, BR)
+            q, do, lse, delta = _bwd_rows(Q + base * D, DO + base * D, LSE_G + base, DELTA + base, row, row_ok, d, D)
             if MASKED:
                 vis_t = row_ok[None, :] & (kk[:, None] >= lo[None, :]) & (kk[:, None] < hi[None, :])
             else:
@@ -161,10 +160,10 @@ if triton is not None:
 
     @triton.jit
     def _interval_bwd_dkdv_kernel(
-        Q, K, V, LO, HI, QA, QB, IA, IB, DO, GATE, LSE, DELTA, DK, DV,
+        Q, K, V, LO, HI, QA, QB, IA, IB, DO, LSE_G, DELTA, DK, DV,
         Tq, Nk, n_ktiles, sm_scale2, scale,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-        QPB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_SPLIT: tl.constexpr, BR: tl.constexpr,
+        QPB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_SPLIT: tl.constexpr,
         INTERIOR: tl.constexpr, TILES_FAST: tl.constexpr, ROW32: tl.constexpr,
     ):
         # N_SPLIT > 1: program (tile, split) handles one slice of the tile's query range and writes an
@@ -207,16 +206,16 @@ if triton is not None:
             n_tiles = tl.cdiv(tl.maximum(q_end - q_begin, 0), QPB)
             first = tl.minimum(tl.cdiv(tl.maximum(ia - q_begin, 0), QPB), n_tiles)
             last = tl.maximum(tl.minimum(tl.maximum(ib - q_begin, 0) // QPB, n_tiles), first)
-            dk, dv = _dkdv_query_tiles(Q, DO, GATE, LSE, DELTA, LO, HI, b, g, q_begin, q_begin + first * QPB, q_end,
-                                       Tq, kk, k, v, sm_scale2, dk, dv, H, G, D, QPB, BLOCK_M, BR, True, ROW32)
-            dk, dv = _dkdv_query_tiles(Q, DO, GATE, LSE, DELTA, LO, HI, b, g, q_begin + first * QPB,
+            dk, dv = _dkdv_query_tiles(Q, DO, LSE_G, DELTA, LO, HI, b, g, q_begin, q_begin + first * QPB, q_end,
+                                       Tq, kk, k, v, sm_scale2, dk, dv, H, G, D, QPB, BLOCK_M, True, ROW32)
+            dk, dv = _dkdv_query_tiles(Q, DO, LSE_G, DELTA, LO, HI, b, g, q_begin + first * QPB,
                                        q_begin + last * QPB, q_end, Tq, kk, k, v, sm_scale2, dk, dv, H, G, D, QPB,
-                                       BLOCK_M, BR, False, ROW32)
+                                       BLOCK_M, False, ROW32)
             q_begin += last * QPB
         # the masked tiles after the run (INTERIOR), or every tile, even those inside all rows' intervals: one
         # loop with no branch in it
-        dk, dv = _dkdv_query_tiles(Q, DO, GATE, LSE, DELTA, LO, HI, b, g, q_begin, q_end, q_end, Tq, kk, k, v,
-                                   sm_scale2, dk, dv, H, G, D, QPB, BLOCK_M, BR, True, ROW32)
+        dk, dv = _dkdv_query_tiles(Q, DO, LSE_G, DELTA, LO, HI, b, g, q_begin, q_end, q_end, Tq, kk, k, v,
+                                   sm_scale2, dk, dv, H, G, D, QPB, BLOCK_M, True, ROW32)
         split_off = pid_s.to(tl.int64) * (n_bg // HKV) * Nk * HKV * D
         tl.store(DK + split_off + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=k_ok[:, None])
         tl.store(DV + split_off + kv_off, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
@@ -489,8 +488,9 @@ def _dkdv_query_splits(programs: int, num_q: int, qpb: int) -> int:
     return 1
 
 
-def _interval_bwd_dkdv(q, k, v, lo, hi, ranges, do, gates, branch, lse, delta, scale):
-    """dK, dV of an interval branch; ranges: its (qa, qb, ia, ib) from _interval_query_ranges (block_n 64)."""
+def _interval_bwd_dkdv(q, k, v, lo, hi, ranges, do, lse_g, delta, scale):
+    """dK, dV of an interval branch; ranges: its (qa, qb, ia, ib) from _interval_query_ranges (block_n 64); lse_g,
+    delta: the branch's gated log-sum-exp and delta (B, Tq, H) from the dQ kernel (_bwd_rows)."""
     batch, num_q, num_heads, head_dim, num_keys, num_kv, group = _launch_shapes(q, k)
     block_m, qpb, dkdv_opts = _dkdv_launch(group, head_dim, q.device)
     block_n = _DKDV_KEY_TILE
@@ -514,9 +514,9 @@ def _interval_bwd_dkdv(q, k, v, lo, hi, ranges, do, gates, branch, lse, delta, s
     tiles_fast = n_split == 1 or n_ktiles > 65535 or bool(_OVERRIDES.dkdv_key_tiles_fast)
     grid = (n_ktiles, batch * num_kv, n_split) if tiles_fast else (batch * num_kv, n_split, n_ktiles)
     _interval_bwd_dkdv_kernel[grid](
-        q, k, v, lo, hi, qa, qb, ia, ib, do, gates, lse, delta, dk, dv, num_q, num_keys, n_ktiles, scale * _LOG2E,
+        q, k, v, lo, hi, qa, qb, ia, ib, do, lse_g, delta, dk, dv, num_q, num_keys, n_ktiles, scale * _LOG2E,
         scale, H=num_heads, HKV=num_kv, G=group, D=head_dim, QPB=qpb, BLOCK_M=block_m, BLOCK_N=block_n,
-        N_SPLIT=n_split, BR=branch, INTERIOR=interior, TILES_FAST=tiles_fast,
+        N_SPLIT=n_split, INTERIOR=interior, TILES_FAST=tiles_fast,
         ROW32=_rows_fit_int32(num_q, num_heads, head_dim), **dkdv_opts,
     )
     if n_split > 1:

@@ -188,14 +188,13 @@ if triton is not None:
         return kk, (kk < Tk) & (k_pos >= 0) & (kk - k_pos == a_start)
 
     @triton.jit
-    def _sel_pair_tile(Q, DO, GATE, LSE, DELTA, DQ, b, g, Tq, q_off, kk, k_ok, k, v, sm_scale2, scale, dk, dv, qi, f,
-                       row_ok, r, hh, d, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BR: tl.constexpr,
+    def _sel_pair_tile(Q, DO, LSE_G, DELTA, DQ, b, g, Tq, q_off, kk, k_ok, k, v, sm_scale2, scale, dk, dv, qi, f,
+                       row_ok, r, hh, d, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                        DQ_PAIRS: tl.constexpr, MASKED: tl.constexpr, ROW32: tl.constexpr):
         """One pair tile: rows r (query qi x head hh) of block keys kk added to dK, dV (and with DQ_PAIRS the
         rows' dQ shares: 1 added atomically at their rows, 2 stored at their (query, slot) partials f)."""
         base, row = _head_rows(b, g, qi, hh, Tq, H, G, ROW32)
-        q, do, lse, delta = _bwd_rows(Q + base * D, DO + base * D, GATE + base * 3, LSE + base, DELTA + base, row,
-                                      row_ok, d, D, BR)
+        q, do, lse, delta = _bwd_rows(Q + base * D, DO + base * D, LSE_G + base, DELTA + base, row, row_ok, d, D)
         if MASKED:
             vis_t = row_ok[None, :] & k_ok[:, None] & (kk[:, None] <= (q_off + qi)[None, :])
         else:
@@ -213,9 +212,9 @@ if triton is not None:
         return dk, dv
 
     @triton.jit
-    def _sel_pair_tiles(Q, PAIR_Q, PAIR_F, DO, GATE, LSE, DELTA, DQ, b, g, p_from, p_to, p_end, Tq, q_off, kk, k_ok,
+    def _sel_pair_tiles(Q, PAIR_Q, PAIR_F, DO, LSE_G, DELTA, DQ, b, g, p_from, p_to, p_end, Tq, q_off, kk, k_ok,
                         k, v, sm_scale2, scale, dk, dv, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                        QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr, DQ_PAIRS: tl.constexpr,
+                        QPB: tl.constexpr, BLOCK_M: tl.constexpr, DQ_PAIRS: tl.constexpr,
                         MASKED: tl.constexpr, CH: tl.constexpr, ROW32: tl.constexpr):
         """A block's dK/dV over its pair tiles p_from, p_from + QPB, ... below p_to (rows packed as query x head;
         rows past QPB * G or at pairs past p_end are not loaded). MASKED: keys outside the block and keys after a
@@ -240,8 +239,8 @@ if triton is not None:
                 f = pi
                 if DQ_PAIRS == 2:
                     f = tl.load(PAIR_F + pi, mask=row_ok, other=0).to(tl.int64)  # (rows,) flat (b, kv, query, slot)
-                dk, dv = _sel_pair_tile(Q, DO, GATE, LSE, DELTA, DQ, b, g, Tq, q_off, kk, k_ok, k, v, sm_scale2, scale,
-                                        dk, dv, qi, f, row_ok, r, hh, d, H, G, D, BR, DQ_PAIRS, MASKED, ROW32)
+                dk, dv = _sel_pair_tile(Q, DO, LSE_G, DELTA, DQ, b, g, Tq, q_off, kk, k_ok, k, v, sm_scale2, scale,
+                                        dk, dv, qi, f, row_ok, r, hh, d, H, G, D, DQ_PAIRS, MASKED, ROW32)
         else:
             CHQ: tl.constexpr = triton.next_power_of_2(CH * QPB)  # the chunk's index list (<= 256 by the launcher)
             c = tl.arange(0, CHQ)
@@ -260,16 +259,16 @@ if triton is not None:
                     f = local
                     if DQ_PAIRS == 2:
                         f = tl.gather(chunk_f, local, 0)
-                    dk, dv = _sel_pair_tile(Q, DO, GATE, LSE, DELTA, DQ, b, g, Tq, q_off, kk, k_ok, k, v, sm_scale2,
-                                            scale, dk, dv, qi, f, row_ok, r, hh, d, H, G, D, BR, DQ_PAIRS, MASKED,
+                    dk, dv = _sel_pair_tile(Q, DO, LSE_G, DELTA, DQ, b, g, Tq, q_off, kk, k_ok, k, v, sm_scale2,
+                                            scale, dk, dv, qi, f, row_ok, r, hh, d, H, G, D, DQ_PAIRS, MASKED,
                                             ROW32)
         return dk, dv
 
     @triton.jit
-    def _sel_block_dkdv(Q, K, V, PAIR_Q, PAIR_F, DOCPOS, DO, GATE, LSE, DELTA, DQ, a, pid_bg, p_begin, p_end,
+    def _sel_block_dkdv(Q, K, V, PAIR_Q, PAIR_F, DOCPOS, DO, LSE_G, DELTA, DQ, a, pid_bg, p_begin, p_end,
                         Tq, Tk, q_off, sm_scale2, scale,
                         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
-                        QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr, DQ_PAIRS: tl.constexpr,
+                        QPB: tl.constexpr, BLOCK_M: tl.constexpr, DQ_PAIRS: tl.constexpr,
                         ALL_MASKED: tl.constexpr, CH: tl.constexpr, ROW32: tl.constexpr):
         """dK (unscaled), dV of the selection block whose first key is a, over its (query, block) pairs
         [p_begin, p_end) (rows packed as query x head). DQ_PAIRS: also each pair's dQ share (a query's n blocks
@@ -293,21 +292,21 @@ if triton is not None:
             first_q = tl.load(PAIR_Q + first, mask=first < p_end, other=0)
             n_partial = tl.sum(((first < p_end) & (q_off + first_q < a + LB - 1)).to(tl.int32), 0)
             p_seen_whole = tl.minimum(p_begin + tl.cdiv(n_partial, QPB) * QPB, p_end)  # the tiles from here
-        dk, dv = _sel_pair_tiles(Q, PAIR_Q, PAIR_F, DO, GATE, LSE, DELTA, DQ, b, g, p_begin, p_seen_whole, p_end, Tq,
-                                 q_off, kk, k_ok, k, v, sm_scale2, scale, dk, dv, H, G, D, QPB, BLOCK_M, BR, DQ_PAIRS,
+        dk, dv = _sel_pair_tiles(Q, PAIR_Q, PAIR_F, DO, LSE_G, DELTA, DQ, b, g, p_begin, p_seen_whole, p_end, Tq,
+                                 q_off, kk, k_ok, k, v, sm_scale2, scale, dk, dv, H, G, D, QPB, BLOCK_M, DQ_PAIRS,
                                  True, CH, ROW32)
         if not ALL_MASKED:
-            dk, dv = _sel_pair_tiles(Q, PAIR_Q, PAIR_F, DO, GATE, LSE, DELTA, DQ, b, g, p_seen_whole, p_end, p_end, Tq,
-                                     q_off, kk, k_ok, k, v, sm_scale2, scale, dk, dv, H, G, D, QPB, BLOCK_M, BR,
+            dk, dv = _sel_pair_tiles(Q, PAIR_Q, PAIR_F, DO, LSE_G, DELTA, DQ, b, g, p_seen_whole, p_end, p_end, Tq,
+                                     q_off, kk, k_ok, k, v, sm_scale2, scale, dk, dv, H, G, D, QPB, BLOCK_M,
                                      DQ_PAIRS, False, CH, ROW32)
         return dk, dv, kv_off, k_ok
 
     @triton.jit
     def _sel_bwd_dkdv_kernel(
-        Q, K, V, PAIR_OFF, PAIR_Q, PAIR_F, SLOT_RANK, PIECES, DOCPOS, DO, GATE, LSE, DELTA, DK, DV, PDK, PDV, DQ,
+        Q, K, V, PAIR_OFF, PAIR_Q, PAIR_F, SLOT_RANK, PIECES, DOCPOS, DO, LSE_G, DELTA, DK, DV, PDK, PDV, DQ,
         Tq, Tk, q_off, sm_scale2, scale, heavy_min, n_flat, n_heavy,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-        LB: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr, BR: tl.constexpr,
+        LB: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr,
         HEAVY_PASS: tl.constexpr, DQ_PAIRS: tl.constexpr, ALL_MASKED: tl.constexpr,
         CH: tl.constexpr, RANGES_FAST: tl.constexpr, ROW32: tl.constexpr,
     ):
@@ -333,9 +332,9 @@ if triton is not None:
                 pid_bg = f // Tk
                 p_begin = tl.load(PIECES + piece * 3 + 1)
                 p_end = tl.load(PIECES + piece * 3 + 2)
-                dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, PAIR_F, DOCPOS, DO, GATE, LSE, DELTA, DQ,
+                dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, PAIR_F, DOCPOS, DO, LSE_G, DELTA, DQ,
                                                        a, pid_bg, p_begin, p_end, Tq, Tk, q_off, sm_scale2, scale,
-                                                       H, HKV, G, D, LB, QPB, BLOCK_M, BR, DQ_PAIRS, ALL_MASKED,
+                                                       H, HKV, G, D, LB, QPB, BLOCK_M, DQ_PAIRS, ALL_MASKED,
                                                        CH, ROW32)
                 # (the program id read again, not kept live through the tile loop: at 255 registers on the 125M
                 # layout one more live value spills inside it)
@@ -361,9 +360,9 @@ if triton is not None:
                 a = tl.sum(tl.where(hit, aa, 0), 0)
                 p_begin = tl.sum(tl.where(hit, beg, 0), 0)
                 p_end = p_begin + tl.sum(tl.where(hit, cnt, 0), 0)
-                dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, PAIR_F, DOCPOS, DO, GATE, LSE, DELTA, DQ,
+                dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, PAIR_F, DOCPOS, DO, LSE_G, DELTA, DQ,
                                                        a, pid_bg, p_begin, p_end, Tq, Tk, q_off, sm_scale2, scale,
-                                                       H, HKV, G, D, LB, QPB, BLOCK_M, BR, DQ_PAIRS, ALL_MASKED,
+                                                       H, HKV, G, D, LB, QPB, BLOCK_M, DQ_PAIRS, ALL_MASKED,
                                                        CH, ROW32)
                 tl.store(DK + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=k_ok[:, None])
                 tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
@@ -531,15 +530,15 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["chunk", "c0"])
     def _sel_dq_pairs_kernel(
-        Q, K, V, DO, GATE, LSE, DELTA, SKEY, ORDER, CHUNK_OFF, DQPART,
+        Q, K, V, DO, LSE_G, DELTA, SKEY, ORDER, CHUNK_OFF, DQPART,
         chunk, c0, chunk_q, n_bg, Tq, Tk, q_off, sm_scale2, scale,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
         N_SEL: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr,
     ):
         """The selected branch's dQ pair by pair (launch_overrides(sel_dq_pairs=True)), walked as the block-outer
-        forward's: per row, the block's share scale dS K with P recomputed from the branch's saved log-sum-exp and
-        dS = P (dO_slc V^T - delta), stored at the same partial rows as the forward's (three dots, no accumulator
-        across tiles: the selected dK/dV keeps its own kernel)."""
+        forward's: per row, the block's share scale dS K with g P recomputed from the branch's gated log-sum-exp and
+        dS = g P (dout V^T - delta) (_bwd_rows), stored at the same partial rows as the forward's (three dots, no
+        accumulator across tiles: the selected dK/dV keeps its own kernel)."""
         p, p_end = _pair_walk_start(CHUNK_OFF, chunk, PAIRS)
         order, tiles, n_tiles = _pair_run(SKEY, ORDER, p, p_end, QPB, PAIRS)
         d = tl.arange(0, D)
@@ -547,7 +546,7 @@ if triton is not None:
             kk, k_ok, k, v, bg, row_ok, row, qi, slot = _pair_tile(
                 order, tiles, t, K, V, chunk, n_bg, Tq, Tk, H, HKV, G, D, LB, N_SEL, QPB, BLOCK_M,
                 PAIRS)
-            q, do, lse, delta = _bwd_rows(Q, DO, GATE, LSE, DELTA, row, row_ok, d, D, 1)
+            q, do, lse, delta = _bwd_rows(Q, DO, LSE_G, DELTA, row, row_ok, d, D)
             vis = _pair_visible(row_ok, qi, kk, k_ok, q_off)
             s = tl.dot(q, tl.trans(k)) * sm_scale2
             prob = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
@@ -901,7 +900,7 @@ def _sel_fwd_pairs(q, k, v, idx, doc_pos, params: NSAParams, scale):
     return o, lse
 
 
-def _sel_dq_pairs(q, k, v, idx, doc_pos, do, gates, lse, delta, dq_intervals, params: NSAParams, scale, reduce):
+def _sel_dq_pairs(q, k, v, idx, doc_pos, do, lse_g, delta, dq_intervals, params: NSAParams, scale, reduce):
     """dQ (B, Tq, H, D) in fp32, in dq_intervals' storage: the interval branches' dQ plus the selected branch's,
     formed pair by pair (launch_overrides(sel_dq_pairs=True)): per chunk of queries (as the block-outer forward's),
     _sel_dq_pairs_kernel stores each pair's share at its (query, slot), then `reduce(partials, idx, dq_intervals,
@@ -914,7 +913,7 @@ def _sel_dq_pairs(q, k, v, idx, doc_pos, do, gates, lse, delta, dq_intervals, pa
     for chunk in range(n_chunks):
         c0 = chunk * chunk_q
         _sel_dq_pairs_kernel[(n_programs,)](
-            q, k, v, do, gates, lse, delta, sorted_key, order, chunk_off, partials,
+            q, k, v, do, lse_g, delta, sorted_key, order, chunk_off, partials,
             chunk, c0, chunk_q, batch * num_kv, num_q, num_keys, num_keys - num_q, scale * _LOG2E, scale,
             **meta, **tile,
         )
@@ -1010,9 +1009,10 @@ def _cdiv_tensor(a: torch.Tensor, b) -> torch.Tensor:
     return torch.div(a + b - 1, b, rounding_mode="floor")
 
 
-def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: NSAParams, scale, dq_accum=None,
+def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, lse_g, delta, params: NSAParams, scale, dq_accum=None,
                   dq_partials=None):
-    """dK, dV of the selected branch over the (block -> queries) index. The branch's dQ, which the kernel can form
+    """dK, dV of the selected branch over the (block -> queries) index; lse_g, delta: the branch's gated
+    log-sum-exp and delta (B, Tq, H) from the dQ kernel (_bwd_rows). The branch's dQ, which the kernel can form
     pair by pair: dq_accum, an fp32 (B, Tq, H, D) dQ it is added to atomically (launch_overrides(sel_dq_in_dkdv=
     True)); dq_partials, a (B, Hkv, Tq, n', G, D) buffer in q's dtype where each (query, block) pair writes its G
     heads' share at the block's slot in idx (sel_dq_partials; _sel_dq_reduce sums them); neither: dQ is left to
@@ -1059,9 +1059,9 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, gates, branch, lse, delta, params: 
     pdk = torch.empty(max_pieces, lb, head_dim, device=q.device, dtype=torch.float32)
     pdv = torch.empty_like(pdk)
     dq_out = dq_partials if dq_pairs == 2 else dq_accum if dq_pairs == 1 else pdk
-    args = (q, k, v, pair_off, pair_q, pair_f, slot_rank, pieces, doc_pos, do, gates, lse, delta, dk, dv, pdk, pdv,
+    args = (q, k, v, pair_off, pair_q, pair_f, slot_rank, pieces, doc_pos, do, lse_g, delta, dk, dv, pdk, pdv,
             dq_out, num_q, num_keys, q_off, scale * _LOG2E, scale, heavy_min, n_flat, n_heavy)
-    meta = dict(H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=lb, QPB=qpb, BLOCK_M=block_m, BR=branch,
+    meta = dict(H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=lb, QPB=qpb, BLOCK_M=block_m,
                 DQ_PAIRS=dq_pairs, ALL_MASKED=bool(_OVERRIDES.sel_dkdv_all_masked),
                 CH=_sel_dkdv_chunk_tiles(group, qpb, head_dim, q.device),
                 ROW32=_rows_fit_int32(num_q, num_heads, head_dim), **dkdv_opts)

@@ -86,14 +86,16 @@ def test_the_session_pending_step_times_the_heavy_pieces_int32_pairs_and_split_d
     i), the top-n in tiles of 8 queries at 4 warps; the selected forward and the top-n with maxnreg = 128 (sm_90,
     head_dim 64) and no other launch capped. The step's variants: other heavy thresholds and slots (reaching the
     heavy pass's grid), int64 pair positions (reaching the kernel's pointers), the selected dQ split from the fused
-    one; its cases are issue 18's B*T = 64k shapes."""
+    one, and the selected dQ added pair by pair by the selected dK/dV kernel; its cases are issue 18's B*T = 64k
+    shapes."""
     pytest.importorskip("triton")
     import triton_aot
 
     script = (Path(__file__).resolve().parent.parent / "bench" / "gpu_session.sh").read_text()
     step = script.split("    pending)", 1)[1].split(";;", 1)[0].replace("\\\n", " ")
     variants = [tk.parse_variant(v) for v in step.split("--variants", 1)[1].split("--cases", 1)[0].split()]
-    assert [name for name, _ in variants] == ["default", "heavy2k", "heavy4k", "pairs_int64", "seldq_split"], variants
+    assert [name for name, _ in variants] == ["default", "heavy2k", "heavy4k", "pairs_int64", "seldq_split",
+                                              "seldq_pairs"], variants
     batch, num_kv, seq_len = 2, 2, 300
 
     def calls_of(settings):
@@ -110,7 +112,8 @@ def test_the_session_pending_step_times_the_heavy_pieces_int32_pairs_and_split_d
         triton_aot.with_kernels_replaced(run, Stand)
         return calls
 
-    default_calls, heavy2k, heavy4k, pairs_int64, seldq_split = (calls_of(settings) for _, settings in variants)
+    default_calls, heavy2k, heavy4k, pairs_int64, seldq_split, seldq_pairs = (calls_of(settings)
+                                                                              for _, settings in variants)
     old_calls = calls_of(dict(sel_dkdv_ranges_first=True))
     tiles_fast_calls = calls_of(dict(dkdv_key_tiles_fast=True))
     light_calls = calls_of(dict(query_tiles_light_first=True))
@@ -138,6 +141,10 @@ def test_the_session_pending_step_times_the_heavy_pieces_int32_pairs_and_split_d
     assert split_dq == [("_sel_dq_kernel", 64, None, None), ("_bwd_dq_kernel", split_dq[1][1], False, True)], split_dq
     assert [(name, kw["SEL_DQ"], kw["ADD_DQ"]) for name, _, kw in default_calls
             if name in ("_sel_dq_kernel", "_bwd_dq_kernel")] == [("_bwd_dq_kernel", True, False)]
+    # the pair-wise selected dQ: the selected dK/dV adds it atomically (DQ_PAIRS 1), the fused dQ leaves it out
+    assert {kw["DQ_PAIRS"] for name, _, kw in seldq_pairs if name == "_sel_bwd_dkdv_kernel"} == {1}
+    assert {kw["DQ_PAIRS"] for name, _, kw in default_calls if name == "_sel_bwd_dkdv_kernel"} == {0}
+    assert [kw["SEL_DQ"] for name, _, kw in seldq_pairs if name == "_bwd_dq_kernel"] == [False]
     intervals, old_intervals = ([(grid, kw["TILES_FAST"], kw["N_SPLIT"]) for name, grid, kw in calls
                                  if name == "_interval_bwd_dkdv_kernel"] for calls in (default_calls, tiles_fast_calls))
     # the compressed branch's query ranges are split at 300 queries: key tile on the last axis by default

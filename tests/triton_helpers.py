@@ -374,9 +374,10 @@ def run_selfwd_case(case: dict) -> dict:
 @with_case_launch
 def run_seldq_case(case: dict) -> dict:
     """The selected branch's dQ alone by the block-outer pair kernel (_sel_dq_pairs, launch_overrides(sel_dq_pairs=
-    True) implied) against autograd through selected_branch_torch on random valid choices: the branch's output
-    gradient round(g_slc dout) and delta = rowsum(that * o) as the fused dQ kernel forms them, added to a zero
-    interval dQ. Cheaper than a whole-op case, so every G can be checked."""
+    True) implied) against autograd through selected_branch_torch on random valid choices (the branch's output
+    gradient round(g_slc dout)), with the gate folded into the log-sum-exp and delta = rowsum(dout * o) as the
+    fused dQ kernel stores them (_branch_prep), added to a zero interval dQ. Cheaper than a whole-op case, so every
+    G can be checked."""
     selected, dq_module = kernel_module("selected"), kernel_module("dq")
     t, _, doc_pos, p, dtype, device = case_setup(case)
     gen = torch.Generator().manual_seed(case.get("seed", 0) + 29)
@@ -390,8 +391,9 @@ def run_seldq_case(case: dict) -> dict:
                                      scale)
     (dq_ref,) = torch.autograd.grad(o_ref, q_ref, do_slc.float().cpu())
     o, lse = selected._sel_fwd(q, k, v, idx.to(device), doc_pos, p, scale)
-    delta = (do_slc.float() * o.float()).sum(-1).contiguous()  # (B, Tq, H)
-    dq = selected._sel_dq_pairs(q, k, v, idx.to(device), doc_pos, dout, gates, lse, delta,
+    delta = (dout.float() * o.float()).sum(-1).contiguous()  # (B, Tq, H)
+    lse_g = (torch.where(torch.isinf(lse), 0.0, lse) - torch.log2(gates[..., 1].float())).contiguous()
+    dq = selected._sel_dq_pairs(q, k, v, idx.to(device), doc_pos, dout, lse_g, delta,
                                 torch.zeros(q.shape, device=device, dtype=torch.float32), p, scale,
                                 dq_module._sel_dq_reduce_chunk)
     return {"dq": rel(dq.cpu().float(), dq_ref), "nan": bool(torch.isnan(dq).any())}
