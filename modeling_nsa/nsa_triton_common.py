@@ -47,9 +47,9 @@ if _HAS_TRITON:
         """A query tile's rows for a branch's dK/dV update with its gate g folded into the log-sum-exp: q, dout as
         given, lse_g = lse - log2 g and delta = rowsum(dout * o) (both written by the dQ kernels' _branch_prep).
         With them _dkdv_update's p = exp2(s - lse_g) is g times the branch's probabilities, and its dV, dP and dS
-        are those of the branch's output gradient g dout: g scales P's rows instead of dout's. So the dots take
-        dout from the loop's pipelined shared-memory buffer, where a gated copy of it, re-stored to shared memory
-        every tile, made Triton wait on the dV dot at once (and the gate's 2-byte loads were not pipelined)."""
+        are those of the branch's output gradient g dout: g scales each row's probabilities, not its dout. So the
+        dots take dout from the loop's pipelined shared-memory buffer, and Triton keeps the dV dot in flight, which
+        it cannot do for an operand re-stored to shared memory every tile (bench/KERNELS.md, "gate folded")."""
         q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
         dout = tl.load(DOUT + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
         lse_g = tl.load(LSE_G + row, mask=row_ok, other=0.0)
