@@ -176,7 +176,8 @@ def print_profiles(rows, models):
             if not result or "profile" not in result:
                 continue
             profile = result["profile"]
-            kinds = ", ".join(f"{kind} {ms:.1f}" for kind, ms in sorted(profile["kinds_ms"].items(), key=lambda kv: -kv[1]))
+            by_time = sorted(profile["kinds_ms"].items(), key=lambda kv: -kv[1])
+            kinds = ", ".join(f"{kind} {ms:.1f}" for kind, ms in by_time)
             print(f"{row['precision']} T={row['seq_len']} B={row['batch']} docs={row['documents']} {name}: step "
                   f"{result['ms_per_step']:.1f} ms; kernels {profile['kernels_ms']:.1f} ms ({kinds}); idle "
                   f"{profile['idle_ms']:.1f} ms, most after {describe_gaps(profile['largest_gaps'])}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import sys
 from pathlib import Path
 
@@ -124,8 +125,10 @@ def _sdpa_stand_in(query, key, value, *args, **kwargs):
     return AttentionStandIn.apply(query, key, value)
 
 
-def count_step(model_name: str, batch: int, seq_len: int, size: dict = SIZE_125M) -> StepCounter:
-    """One training step (forward, loss, backward) of bench_model.py's `model_name` on the meta device, counted."""
+@contextlib.contextmanager
+def meta_model(model_name: str, batch: int, seq_len: int, size: dict = SIZE_125M):
+    """bench_model.py's `model_name` (bf16) and input ids (batch, seq_len) on the meta device, with both attentions
+    replaced by AttentionStandIn while the block runs."""
     saved = (modeling.nsa_attention, torch.nn.functional.scaled_dot_product_attention,
              modeling.NSAModel._check_inputs)  # fmt: skip
     modeling.nsa_attention = _nsa_stand_in
@@ -136,13 +139,19 @@ def count_step(model_name: str, batch: int, seq_len: int, size: dict = SIZE_125M
         with torch.device("meta"):
             model = build(model_name, seq_len, size).to(torch.bfloat16)
             ids = torch.zeros(batch, seq_len, dtype=torch.long)
+        yield model, ids
+    finally:
+        (modeling.nsa_attention, torch.nn.functional.scaled_dot_product_attention,
+         modeling.NSAModel._check_inputs) = saved  # fmt: skip
+
+
+def count_step(model_name: str, batch: int, seq_len: int, size: dict = SIZE_125M) -> StepCounter:
+    """One training step (forward, loss, backward) of bench_model.py's `model_name` on the meta device, counted."""
+    with meta_model(model_name, batch, seq_len, size) as (model, ids):
         counter = StepCounter()
         with counter:
             model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         return counter
-    finally:
-        (modeling.nsa_attention, torch.nn.functional.scaled_dot_product_attention,
-         modeling.NSAModel._check_inputs) = saved  # fmt: skip
 
 
 def floor_ms(counter: StepCounter, tflops: float, gbps: float) -> float:

@@ -153,14 +153,15 @@ def _nsa_bwd_op(
     c_lo, c_hi, w_lo, w_hi = intervals
     dout = dout.to(q.dtype).contiguous()
     # dQ of the three branches, dgates and the per-branch deltas and gated log-sum-exps in one kernel; the dK/dV
-    # kernels then read those two. The selected branch's dQ (_sel_dq_mode): in that kernel over each query tile's block union ("union"),
-    # or formed pair by pair: by a block-outer kernel of its own ("pairs", after the dK/dV kernels), or by the
-    # selected dK/dV kernel, which stores per-pair partials that _sel_dq_reduce sums ("partials") or adds them to
-    # an fp32 dQ with atomics ("atomic"); in those three dQ is first the fp32 of the interval branches.
+    # kernels then read those two. The selected branch's dQ (_sel_dq_mode): in that kernel over each query tile's
+    # block union ("union"), or formed pair by pair: by a block-outer kernel of its own ("pairs", after the dK/dV
+    # kernels), or by the selected dK/dV kernel, which stores per-pair partials that _sel_dq_reduce sums
+    # ("partials") or adds them to an fp32 dQ with atomics ("atomic"); in those three dQ is first the fp32 of the
+    # interval branches.
     cmp, win = (k_cmp, v_cmp, c_lo, c_hi, lse_cmp, o_cmp), (k_win, v_win, w_lo, w_hi, lse_win, o_win)
     sel_dq_mode = _sel_dq_mode()
-    dq, dgates, delta, lse_g = _bwd_dq(q, dout, gates, cmp, (k_slc, v_slc, lse_slc, o_slc), win, idx, doc_pos, p, scale,
-                                sel_dq=sel_dq_mode == "union")  # fmt: skip
+    dq, dgates, delta, lse_g = _bwd_dq(q, dout, gates, cmp, (k_slc, v_slc, lse_slc, o_slc), win, idx, doc_pos, p,
+                                       scale, sel_dq=sel_dq_mode == "union")  # fmt: skip
     # the dK/dV kernels' query ranges per key tile, both interval branches in two launches
     cmp_ranges, win_ranges = _interval_query_ranges(intervals, (k_cmp.shape[1], k_win.shape[1]), _DKDV_KEY_TILE)
     dk_cmp, dv_cmp = _interval_bwd_dkdv(q, k_cmp, v_cmp, c_lo, c_hi, cmp_ranges, dout, lse_g[0], delta[0], scale)

@@ -111,8 +111,8 @@ if triton is not None:
         return dq
 
     @triton.jit
-    def _sel_dq_walk(Q, DOUT, OS, GATE, DG, DELTA, LSE_G, LSE_S, KS, VS, UENT, UHI, UCNT, UPAST, pid_q, pid_bg, b, g, Tq, Tk,
-                     q_off, n_tiles, R, sm_scale2, dq,
+    def _sel_dq_walk(Q, DOUT, OS, GATE, DG, DELTA, LSE_G, LSE_S, KS, VS, UENT, UHI, UCNT, UPAST, pid_q, pid_bg, b, g,
+                     Tq, Tk, q_off, n_tiles, R, sm_scale2, dq,
                      H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
                      N_SEL: tl.constexpr, QPB: tl.constexpr, WORDS: tl.constexpr, SUB_M: tl.constexpr,
                      SUBS: tl.constexpr, KV32: tl.constexpr):
@@ -222,9 +222,9 @@ if triton is not None:
         # selected branch (_sel_dq_walk); without SEL_DQ only its delta and gate gradient: the selected dK/dV
         # kernel adds its dQ (sel_dq_in_dkdv), or, under ADD_DQ, _sel_dq_kernel has stored it in DQ already
         if SEL_DQ:
-            dq = _sel_dq_walk(Q, DOUT, OS, GATE, DG, DELTA, LSE_G, LSE_S, KS, VS, UENT, UHI, UCNT, UPAST, pid_q, pid_bg, b, g,
-                              Tq, Tk, q_off, n_tiles, R, sm_scale2, dq, H, HKV, G, D, LB, N_SEL, QPB, WORDS, SUB_M,
-                              SUBS, KV32)
+            dq = _sel_dq_walk(Q, DOUT, OS, GATE, DG, DELTA, LSE_G, LSE_S, KS, VS, UENT, UHI, UCNT, UPAST, pid_q, pid_bg,
+                              b, g, Tq, Tk, q_off, n_tiles, R, sm_scale2, dq, H, HKV, G, D, LB, N_SEL, QPB, WORDS,
+                              SUB_M, SUBS, KV32)
         elif not ADD_DQ:
             _branch_prep(DOUT, OS, GATE, DG, DELTA, LSE_S, LSE_G, row, row_ok, d, R, D, 1)
         dq = dq * scale
@@ -246,9 +246,9 @@ if triton is not None:
         SUBS: tl.constexpr = BLOCK_M // SUB_M
         pid_q, pid_bg, b, g, qi, row, row_ok = _dq_tile(Tq, H, HKV, G, QPB, BLOCK_M, LIGHT_FIRST)
         d = tl.arange(0, D)
-        dq = _sel_dq_walk(Q, DOUT, OS, GATE, DG, DELTA, LSE_G, LSE_S, KS, VS, UENT, UHI, UCNT, UPAST, pid_q, pid_bg, b, g,
-                          Tq, Tk, q_off, n_tiles, R, sm_scale2, tl.zeros([BLOCK_M, D], tl.float32), H, HKV, G, D, LB,
-                          N_SEL, QPB, WORDS, SUB_M, SUBS, KV32)
+        dq = _sel_dq_walk(Q, DOUT, OS, GATE, DG, DELTA, LSE_G, LSE_S, KS, VS, UENT, UHI, UCNT, UPAST, pid_q, pid_bg,
+                          b, g, Tq, Tk, q_off, n_tiles, R, sm_scale2, tl.zeros([BLOCK_M, D], tl.float32), H, HKV,
+                          G, D, LB, N_SEL, QPB, WORDS, SUB_M, SUBS, KV32)
         tl.store(DQ + row[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
     # ------------------------------------------------------------------------------------------
@@ -316,7 +316,8 @@ def _bwd_dq(q, dout, gates, cmp, slc, win, idx, doc_pos, params: NSAParams, scal
     else:
         dq, dgates, delta, lse_g = dq
     _bwd_dq_kernel[(_cdiv(num_q, qpb), batch * num_kv)](
-        q, dout, gates, dgates, delta, lse_g, dq, *cmp, k_slc, slc[1], entries, high_bits, counts, n_past, *slc[2:], *win,
+        q, dout, gates, dgates, delta, lse_g, dq, *cmp, k_slc, slc[1], entries, high_bits, counts, n_past, *slc[2:],
+        *win,
         num_q, num_keys, k_cmp.shape[1], k_win.shape[1], num_keys - num_q, counts.shape[-1], batch * num_q * num_heads,
         scale * _LOG2E, scale,
         H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=params.sel_block_size, N_SEL=n_sel,

@@ -31,10 +31,6 @@ def test_footprint_counts_broadcast_dimensions_once():
 def _linear_flops_by_hooks(model_name: str, batch: int, seq_len: int) -> int:
     """6 x rows x in x out per nn.Linear call (forward 2, input and weight gradients 2 each), rows from the
     inputs each Linear really received (token rows, or the compressor's block rows)."""
-    from bench_model import build
-
-    import modeling_nsa.modeling_nsa as modeling
-
     total = 0
 
     def hook(module, inputs, output):
@@ -42,21 +38,11 @@ def _linear_flops_by_hooks(model_name: str, batch: int, seq_len: int) -> int:
         rows = inputs[0].numel() // module.in_features
         total += 6 * rows * module.in_features * module.out_features
 
-    saved = (modeling.nsa_attention, torch.nn.functional.scaled_dot_product_attention, modeling.NSAModel._check_inputs)
-    modeling.nsa_attention = mt._nsa_stand_in
-    torch.nn.functional.scaled_dot_product_attention = mt._sdpa_stand_in
-    modeling.NSAModel._check_inputs = lambda self, ids, embeds, mask, positions, past: tuple(ids.shape)
-    try:
-        with torch.device("meta"):
-            model = build(model_name, seq_len, TINY_SIZE).to(torch.bfloat16)
-            ids = torch.zeros(batch, seq_len, dtype=torch.long)
+    with mt.meta_model(model_name, batch, seq_len, TINY_SIZE) as (model, ids):
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):
                 module.register_forward_hook(hook)
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    finally:
-        (modeling.nsa_attention, torch.nn.functional.scaled_dot_product_attention,
-         modeling.NSAModel._check_inputs) = saved  # fmt: skip
     return total
 
 
@@ -70,7 +56,8 @@ def test_attention_stand_ins_hold_and_nsa_parts_are_counted():
     nsa = mt.count_step("nsa", 2, 256, TINY_SIZE)
     dense = mt.count_step("nsa-dense", 2, 256, TINY_SIZE)
     for counter in (nsa, dense):  # neither attention ran: no score matrices, no softmax over them
-        assert not {"bmm", "_softmax", "_safe_softmax", "_scaled_dot_product_flash_attention_for_cpu"} & set(counter.calls)
+        attention_ops = {"bmm", "_softmax", "_safe_softmax", "_scaled_dot_product_flash_attention_for_cpu"}
+        assert not attention_ops & set(counter.calls)
     # NSA's own parts: the gates (sigmoid), the compressor's MLP (gelu) and its block gather
     for kind in ("sigmoid", "gelu", "gather", "sigmoid_backward", "gelu_backward"):
         assert nsa.calls[kind] > 0 and dense.calls[kind] == 0, kind
@@ -79,8 +66,9 @@ def test_attention_stand_ins_hold_and_nsa_parts_are_counted():
 
 
 def test_command_line_prints_the_table():
-    result = subprocess.run([sys.executable, str(HERE.parent / "bench" / "model_traffic_cpu.py"), "--seq-lens", "2048",
-                             "--tokens-per-step", "4096", "--top", "3"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    script = str(HERE.parent / "bench" / "model_traffic_cpu.py")
+    result = subprocess.run([sys.executable, script, "--seq-lens", "2048", "--tokens-per-step", "4096", "--top", "3"],
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "| all |" in result.stdout and "NSA's parts outside the op add" in result.stdout
 
