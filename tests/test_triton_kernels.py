@@ -401,7 +401,7 @@ def interpreter_results():
 
     shares = _interpreter_shares()
     results, seconds = [None] * len(CPU_CASES), {}
-    # about 5.5 minutes of CPU per process; a loaded machine may take several times that (pytest-timeout: 900)
+    # about 3.5 minutes of CPU per process; a loaded machine may take several times that (pytest-timeout: 900)
     for share, done in zip(shares, background.results(interpreter_commands, timeout=880)):
         if done.timed_out:  # said once, without the cases' JSON (the command line)
             pytest.fail(f"the interpreter run of {len(share)} kernel cases took over 880 s")
@@ -441,6 +441,24 @@ def test_a_broken_interpreter_is_named(monkeypatch):
     monkeypatch.setattr(tri.triton, "__version__", "3.7.0")
     monkeypatch.setattr(numpy, "__version__", "2.4.1")
     assert tri.triton_unusable_reason("cpu") is None
+
+
+def test_vectorized_interpreter_reductions_equal_the_interpreters_own():
+    """The kernel cases run tl.sort's xor reductions and the kernels' associative scans as whole-array steps
+    (triton_helpers.vectorize_interpreter_reductions: minutes less of CI); each gives the arrays the interpreter's
+    per-element path gives (tests/interpreter_reductions.py, in a process of its own: TRITON_INTERPRET=1)."""
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    if common_module()._interpreter_reason():
+        pytest.skip(common_module()._interpreter_reason())
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(HERE / "interpreter_reductions.py")], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=str(HERE.parent))
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REDUCTIONS_JSON=")]
+    assert lines, f"the reductions run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    checks = json.loads(lines[-1][len("REDUCTIONS_JSON="):])
+    assert checks.pop("installed"), "vectorize_interpreter_reductions found no interpreter methods to replace"
+    assert len(checks) == 7 and all(checks.values()), checks
 
 
 def _check(res, case, tol):
