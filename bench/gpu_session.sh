@@ -13,6 +13,7 @@
 #   bash bench/gpu_session.sh ab-long-eval retrieval  # issue 19: passkey heatmaps of ab-long's twins; both twins
 #                                                     #   trained on passkey rows ($RETRIEVAL_ROWS), then evaluated
 #   bash bench/gpu_session.sh check-seldq seldq       # the pair-wise selected dQ's GPU cases and three-way timing
+#   bash bench/gpu_session.sh ws                      # warp-specialized tile loops against the kernels' own
 # Data: the shared wiki parquet and GPT-2 tokenizer from $DATA (default ../shared/data beside the checkout, else
 # runs/data: on a device machine, which gets only the checkout, copy ../shared/data there and carry runs/data).
 # capture: trains a 125M NSA for $CAPTURE_STEPS steps on it (or takes $CKPT, an NSA checkpoint) and captures its
@@ -130,6 +131,9 @@ for step in "${steps[@]}"; do
                   sel_stages2:sel_stages=2 sel_stages4:sel_stages=4 heavy2k:sel_pieces=2048/320/1024/256 \
                   heavy4k:sel_pieces=4096/320/1024/512 --cases 12,2,64,8192,8,random 12,2,64,2048,32,random \
                   12,2,64,65536,1,random 16,1,64,8192,8,random ;;
+    # issue 18: Hopper warp specialization (a TMA producer and two consumer warpgroups, built by Triton) on the
+    # dK/dV and dQ tile loops alone, against the loops as the kernels write them (bench/ws_tiles.py; ~1 minute)
+    ws)         $PY bench/ws_tiles.py --stages 0 2 3 --json "$OUT/ws.json" ;;
     # the GPU cases of the pair-wise selected dQ (partials and atomics) against the reference
     check-seldq) $PY -m pytest -x tests/test_triton_kernels.py -k "gpu_kernels_match and seldq" -rA --tb=short 2>&1 \
                   | tail -n 200 ;;
@@ -195,7 +199,7 @@ open(sys.argv[2], 'w').write(max((str(x) for x in t.to_pylist()[::20]), key=len)
     # issue 19: what one selection-statistics measurement costs against one 125M training step at T = 4,096
     stats-cost) $PY bench/stats_cost.py --device cuda --model 125m --seq-len 4096 --micro-batch-size 4 \
                   --tokenizer "$DATA/gpt2-tokenizer" --dataset "$DATA/wiki-summaries-en.parquet" ;;
-    *)          echo "unknown step $step (tests capture attention floors tune model dense-docs model-long generate profile train ab-long ab-long-eval retrieval stats-cost check check-seldq sweep seldq stages pending pending-d128)"
+    *)          echo "unknown step $step (tests capture attention floors tune model dense-docs model-long generate profile train ab-long ab-long-eval retrieval stats-cost check check-seldq sweep seldq stages pending pending-d128 ws)"
                 exit 2 ;;
   esac 2>&1 | tee "$OUT/$step.log" || echo "== $step exited non-zero (log: $OUT/$step.log)" | tee -a "$OUT/env.txt"
   echo "== $step took $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
