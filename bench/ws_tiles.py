@@ -57,7 +57,14 @@ try:
 except Exception:  # pragma: no cover - the script needs triton
     triton = tl = None
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+if triton is not None:  # the kernels' own tile updates and row loads, so the pointer variants are the kernels' loops
+    from modeling_nsa.nsa_triton_common import _dkdv_update
+    from modeling_nsa.nsa_triton_dq import _dq_update
+    from modeling_nsa.nsa_triton_interval import _dkdv_query_tiles
+
 LOG2E = 1.4426950408889634
+TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")  # tests/triton_aot.py's compile
 VARIANTS = {  # name: (loop, rows of the program's fixed tile, tensor descriptors, warp_specialize, num_warps)
     "dkdv_ptr64": ("dkdv", 64, False, False, 4),
     "dkdv_tma64": ("dkdv", 64, True, False, 4),
@@ -73,18 +80,6 @@ VARIANTS = {  # name: (loop, rows of the program's fixed tile, tensor descriptor
 if triton is not None:
 
     @triton.jit
-    def _tile_update(k, v, q, do, lse, delta, scale2, dk, dv):
-        """One (BN keys) x (BM rows) tile of the key-major dK/dV update: k, v (BN, D); q, do (BM, D); lse, delta
-        (BM,)."""
-        st = tl.dot(k, tl.trans(q)) * scale2  # (BN, BM)
-        p = tl.exp2(st - lse[None, :])
-        dv += tl.dot(p.to(do.dtype), do)
-        dpt = tl.dot(v, tl.trans(do))  # (BN, BM)
-        ds = p * (dpt - delta[None, :])
-        dk += tl.dot(ds.to(q.dtype), q)
-        return dk, dv
-
-    @triton.jit
     def _dkdv_tiles_ptr_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, R, N, WALK, scale2, scale,
                                D: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr):
         # Q, DO (R, D), K, V (N, D) bf16; LSE, DELTA (R,) fp32; DK, DV (N, D) fp32
@@ -96,14 +91,10 @@ if triton is not None:
         dk = tl.zeros([BN, D], tl.float32)
         dv = tl.zeros([BN, D], tl.float32)
         start = tl.minimum(pid * BN, R - WALK)
-        r = tl.arange(0, BM)
-        for r0 in range(start, start + WALK, BM):
-            rows = r0 + r  # int32 offsets, as the project's kernels form them within a row
-            q = tl.load(Q + rows[:, None] * D + d[None, :])  # (BM, D)
-            do = tl.load(DO + rows[:, None] * D + d[None, :])
-            lse = tl.load(LSE + rows)
-            delta = tl.load(DELTA + rows)
-            dk, dv = _tile_update(k, v, q, do, lse, delta, scale2, dk, dv)
+        # the compressed/window dK/dV kernel's own unmasked query-tile loop, one head per query (G = 1, BM rows =
+        # BM queries; LO and HI are not read unmasked; int32 row offsets)
+        dk, dv = _dkdv_query_tiles(Q, DO, LSE, DELTA, LSE, LSE, 0, 0, start, start + WALK, start + WALK, R, kk, k, v,
+                                   scale2, dk, dv, 1, 1, D, BM, BM, False, True)
         tl.store(DK + kk[:, None] * D + d[None, :], dk * scale)
         tl.store(DV + kk[:, None] * D + d[None, :], dv)
 
@@ -125,24 +116,19 @@ if triton is not None:
         dv = tl.zeros([BN, D], tl.float32)
         start = tl.minimum(pid * BN, R - WALK)
         r = tl.arange(0, BM)
-        for r0 in tl.range(start, start + WALK, BM, warp_specialize=WS):
-            q = qd.load([r0, 0])  # (BM, D)
-            do = dod.load([r0, 0])
-            lse = tl.load(LSE + r0 + r)
-            delta = tl.load(DELTA + r0 + r)
-            dk, dv = _tile_update(k, v, q, do, lse, delta, scale2, dk, dv)
+        # a loop that may run no tile serializes the dots (_dkdv_query_tiles says why), so it runs under an if
+        # where it has tiles; not when warp-specialized, which the pass does not do to a loop inside an if
+        if WS or WALK > 0:
+            for r0 in tl.range(start, start + WALK, BM, warp_specialize=WS):
+                q = qd.load([r0, 0])  # (BM, D)
+                do = dod.load([r0, 0])
+                lse = tl.load(LSE + r0 + r)
+                delta = tl.load(DELTA + r0 + r)
+                dk, dv = _dkdv_update(q, do, lse, delta, k, v, True, scale2, dk, dv)
         kk = pid * BN + tl.arange(0, BN)
         d = tl.arange(0, D)
         tl.store(DK + kk[:, None] * D + d[None, :], dk * scale)
         tl.store(DV + kk[:, None] * D + d[None, :], dv)
-
-    @triton.jit
-    def _dq_tile_update(q, do, lse, delta, k, v, scale2, dq):
-        """One (BM rows) x (BN keys) tile of the fused dQ's update: q, do (BM, D); lse, delta (BM,); k, v (BN, D)."""
-        s = tl.dot(q, tl.trans(k)) * scale2  # (BM, BN)
-        p = tl.exp2(s - lse[:, None])
-        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-        return dq + tl.dot(ds.to(k.dtype), k)
 
     @triton.jit
     def _dq_tiles_ptr_kernel(Q, K, V, DO, LSE, DELTA, DQ, R, N, WALK, scale2, scale,
@@ -161,7 +147,7 @@ if triton is not None:
             kk = k0 + kn
             k = tl.load(K + kk[:, None] * D + d[None, :])  # (BN, D)
             v = tl.load(V + kk[:, None] * D + d[None, :])
-            dq = _dq_tile_update(q, do, lse, delta, k, v, scale2, dq)
+            dq = _dq_update(q, do, lse, delta, k, v, True, scale2, dq, False)
         tl.store(DQ + rows[:, None] * D + d[None, :], dq * scale)
 
     @triton.jit
@@ -188,7 +174,7 @@ if triton is not None:
         for k0 in tl.range(start, start + WALK, BN, warp_specialize=WS):
             k = kd.load([k0, 0])  # (BN, D)
             v = vd.load([k0, 0])
-            dq = _dq_tile_update(q, do, lse, delta, k, v, scale2, dq)
+            dq = _dq_update(q, do, lse, delta, k, v, True, scale2, dq, False)
         d = tl.arange(0, D)
         tl.store(DQ + rows[:, None] * D + d[None, :], dq * scale)
 
@@ -277,35 +263,47 @@ def check(variant: str, device, R=512, N=512, D=64, walk=256, dtype=torch.bfloat
     return max(((g - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want))
 
 
-def compile_structure(variant: str, arch: int = 90, D: int = 64) -> dict:
-    """Compile one variant for sm_<arch> without a GPU: registers, shared memory, warps, and whether Triton built
-    the warp-specialized form (its partitions and their register budgets)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-    from triton_aot import _resources  # the wheel's cuobjdump on the cubin
+def compile_variant(variant: str, arch: int = 90, D: int = 64):
+    """One variant compiled for sm_<arch> without a GPU, specialized as its timed launch is (the JIT's argument
+    specialization of the default walk's arguments: 16-byte aligned pointers and sizes, which the pointer loads
+    need to become pipelined asynchronous copies)."""
+    sys.path.insert(0, TESTS)
+    from triton_aot import _specialize
 
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     loop, tile, descriptors, ws, warps = VARIANTS[variant]
-    signature = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "DO": "*bf16", "LSE": "*fp32", "DELTA": "*fp32"}
-    signature.update({"DK": "*fp32", "DV": "*fp32"} if loop == "dkdv" else {"DQ": "*fp32"})
-    signature.update({"R": "i32", "N": "i32", "WALK": "i32", "scale2": "fp32", "scale": "fp32",
-                      "D": "constexpr", "BN": "constexpr", "BM": "constexpr"})
-    constexprs = dict(D=D, BN=tile, BM=64) if loop == "dkdv" else dict(D=D, BN=64, BM=tile)
+    q, k, v, do, lse, delta = make_inputs(256, 256, D, "cpu")  # (only the pointers' alignment is read)
+    outs = (torch.empty(256, D), torch.empty(256, D)) if loop == "dkdv" else (torch.empty(256, D),)
+    walk = 3072 if loop == "dkdv" else 2048
+    args = (q, k, v, do, lse, delta, *outs, 8192, 65536, walk, 0.18, 0.125)
+    kwargs = dict(D=D, BN=tile, BM=64) if loop == "dkdv" else dict(D=D, BN=64, BM=tile)
     if descriptors:
-        signature["WS"] = "constexpr"
-        constexprs["WS"] = ws
+        kwargs["WS"] = ws
     fn = {("dkdv", False): _dkdv_tiles_ptr_kernel, ("dkdv", True): _dkdv_tiles_tma_kernel,
           ("dq", False): _dq_tiles_ptr_kernel, ("dq", True): _dq_tiles_tma_kernel}[loop, descriptors]
-    kern = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                          target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    target, options, signature, constexprs, attrs = _specialize(fn, args, dict(kwargs, num_warps=warps), arch)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def compile_structure(variant: str, arch: int = 90, D: int = 64) -> dict:
+    """Registers, shared memory and warps of one variant compiled for sm_<arch> (compile_variant), whether Triton
+    built the warp-specialized form (its partitions and their register budgets), its TMA copies, and its HGMMA
+    instructions and their groups (as many groups as HGMMAs: ptxas serialized them, and the timing would not be
+    of the loop the kernels run)."""
+    sys.path.insert(0, TESTS)
+    from triton_aot import _resources, _sass, _wgmma_groups  # the wheel's cuobjdump on the cubin
+
+    kern = compile_variant(variant, arch, D)
     ttgir = kern.asm["ttgir"]
+    hgmma, groups = _wgmma_groups(_sass(kern.asm["cubin"])) if arch >= 90 else (0, 0)
     budgets = re.search(r"requestedRegisters = array<i32: ([0-9, ]+)>", ttgir)
     return dict(variant=variant, arch=arch, warps=kern.metadata.num_warps, shared=kern.metadata.shared,
                 warp_specialized="ttg.warp_specialize" in ttgir,
                 partitions=len(re.findall(r"^\s*partition\d+\(", ttgir, re.M)),
                 partition_registers=[int(x) for x in budgets.group(1).split(",")] if budgets else [],
-                tma_copies=ttgir.count("async_tma_copy_global_to_local"), **_resources(kern.asm["cubin"]))
+                tma_copies=ttgir.count("async_tma_copy_global_to_local"), hgmma=hgmma, hgmma_groups=groups,
+                triton=triton.__version__, **_resources(kern.asm["cubin"]))
 
 
 def time_ms(fn, warmup=3, reps=20):

@@ -139,23 +139,29 @@ if triton is not None:
         r = tl.arange(0, BLOCK_M)
         hh = r % G
         d = tl.arange(0, D)
-        for q0 in range(q_from, q_to, QPB):
-            qi = q0 + r // G
-            if MASKED:
-                row_ok = (r < QPB * G) & (qi < q_end)
-            else:
-                row_ok = r < QPB * G
-            qi = tl.where(row_ok, qi, 0)
-            if MASKED:
-                lo = tl.load(LO + b * Tq + qi, mask=row_ok, other=0)
-                hi = tl.load(HI + b * Tq + qi, mask=row_ok, other=0)
-            base, row = _head_rows(b, g, qi, hh, Tq, H, G, ROW32)
-            q, do, lse, delta = _bwd_rows(Q + base * D, DO + base * D, LSE_G + base, DELTA + base, row, row_ok, d, D)
-            if MASKED:
-                vis_t = row_ok[None, :] & (kk[:, None] >= lo[None, :]) & (kk[:, None] < hi[None, :])
-            else:
-                vis_t = True
-            dk, dv = _dkdv_update(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
+        # The loop only where it runs: a loop with no tiles left dk and dv, still in flight from the loop before it,
+        # to meet zeros set on the skip path, and ptxas 12.8 (triton 3.6, the H100's) then waits on every tensor-
+        # core instruction of the kernel (C7515, "non wgmma instructions defining accumulator registers"): 48 waits
+        # where 12 do at the 125M layout (bench/KERNELS.md, "2026-11-28, second CPU session")
+        if q_to > q_from:
+            for q0 in range(q_from, q_to, QPB):
+                qi = q0 + r // G
+                if MASKED:
+                    row_ok = (r < QPB * G) & (qi < q_end)
+                else:
+                    row_ok = r < QPB * G
+                qi = tl.where(row_ok, qi, 0)
+                if MASKED:
+                    lo = tl.load(LO + b * Tq + qi, mask=row_ok, other=0)
+                    hi = tl.load(HI + b * Tq + qi, mask=row_ok, other=0)
+                base, row = _head_rows(b, g, qi, hh, Tq, H, G, ROW32)
+                q, do, lse, delta = _bwd_rows(Q + base * D, DO + base * D, LSE_G + base, DELTA + base, row, row_ok,
+                                              d, D)
+                if MASKED:
+                    vis_t = row_ok[None, :] & (kk[:, None] >= lo[None, :]) & (kk[:, None] < hi[None, :])
+                else:
+                    vis_t = True
+                dk, dv = _dkdv_update(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
         return dk, dv
 
     @triton.jit

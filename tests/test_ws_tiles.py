@@ -63,10 +63,13 @@ def test_the_reference_walk_is_what_the_kernels_are_checked_against():
 
 @pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="triton's NVIDIA backend is needed to compile for sm_90")
 def test_ws_variants_compile_to_a_producer_and_two_consumer_warpgroups_on_sm90():
-    out = _run("import runpy, sys; sys.argv = ['ws_tiles.py', '--compile-only', '--variants', 'dkdv_ws128', "
-               "'dq_ws128', 'dkdv_tma64', 'dkdv_ptr64']; runpy.run_path('bench/ws_tiles.py', run_name='__main__')",
-               interpret=False)
+    out = _run("import runpy, sys; sys.argv = ['ws_tiles.py', '--compile-only']; "
+               "runpy.run_path('bench/ws_tiles.py', run_name='__main__')", interpret=False)
     got = {r["variant"]: r for r in map(json.loads, (ln for ln in out.splitlines() if ln.startswith("{")))}
+    # a fair race: no variant's tensor-core instructions serialized by ptxas (one group per HGMMA), which a loop
+    # that may run no tile caused in the pointer and descriptor loops until they ran under an if
+    serialized = {v: (r["hgmma"], r["hgmma_groups"]) for v, r in got.items() if r["hgmma_groups"] >= r["hgmma"]}
+    assert len(got) == 8 and not serialized, serialized
     for name in ("dkdv_ws128", "dq_ws128"):
         r = got[name]
         # 4 warps asked for, 12 run: the default warpgroup issues the copies, two consumers split the tile

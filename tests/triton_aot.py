@@ -255,6 +255,16 @@ def _sass_loops(sass: str) -> list[dict]:
     return loops
 
 
+def _wgmma_groups(sass: str) -> tuple[int, int]:
+    """(HGMMA instructions, groups) in a kernel's SASS: a tl.dot of depth K is K/16 HGMMAs issued back to back, the
+    last marked gsb0 (its group's end, which a WARPGROUP.DEPBAR then waits for). When ptxas cannot keep a chain's
+    registers apart it puts every HGMMA in a group of its own and waits for each (no warning printed): each k-step
+    then waits for the one before, not only each dot for the one it needs. Groups == HGMMAs (above one per dot) is
+    that case."""
+    hgmma = [ln for ln in sass.splitlines() if re.search(r"\bHGMMA\.", ln)]
+    return len(hgmma), sum("gsb0" in ln for ln in hgmma)
+
+
 def _loop_text(loop: dict) -> str:
     """One loop of the --sass-loops table: instructions (outside nested loops), * for a dot, [n spill] for spills."""
     spills = f" [{loop['spills']} spill]" if loop["spills"] else ""
@@ -277,7 +287,7 @@ def _compile_one(i):
     import triton
     from triton.compiler import ASTSource
 
-    res = dict(scenario=scenario, kernel=name, arch=arch,
+    res = dict(scenario=scenario, kernel=name, arch=arch, triton=triton.__version__,
                constexprs={k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")})
     t0 = time.time()
     try:
@@ -288,7 +298,9 @@ def _compile_one(i):
                               _loop_pipelining(kern.asm["ttgir"]))),
                    **_resources(kern.asm["cubin"]))
         if _SASS_LOOPS:
-            res["sass_loops"] = _sass_loops(_sass(kern.asm["cubin"]))
+            sass = _sass(kern.asm["cubin"])
+            res["sass_loops"] = _sass_loops(sass)
+            res["hgmma"], res["hgmma_groups"] = _wgmma_groups(sass)
     except Exception as exc:  # reported per launch, so the failing kernel and shape are named
         res.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[-2000:]}")
     res["seconds"] = round(time.time() - t0, 2)
