@@ -157,8 +157,8 @@ if triton is not None:
                 base, row = _head_rows(b, g, qi, hh, Tq, H, G, ROW32)
                 q, do, lse, delta = _bwd_rows(Q + base * D, DO + base * D, LSE_G + base, DELTA + base, row, row_ok,
                                               d, D)
-                if MASKED:
-                    vis_t = row_ok[None, :] & (kk[:, None] >= lo[None, :]) & (kk[:, None] < hi[None, :])
+                if MASKED:  # (rows off the tile loaded lo = hi = 0: an empty interval, so no row_ok term)
+                    vis_t = _in_interval(kk[:, None], lo[None, :], hi[None, :])
                 else:
                     vis_t = True
                 dk, dv = _dkdv_update(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)

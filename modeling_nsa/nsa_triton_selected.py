@@ -195,8 +195,8 @@ if triton is not None:
         rows' dQ shares: 1 added atomically at their rows, 2 stored at their (query, slot) partials f)."""
         base, row = _head_rows(b, g, qi, hh, Tq, H, G, ROW32)
         q, do, lse, delta = _bwd_rows(Q + base * D, DO + base * D, LSE_G + base, DELTA + base, row, row_ok, d, D)
-        if MASKED:
-            vis_t = row_ok[None, :] & k_ok[:, None] & (kk[:, None] <= (q_off + qi)[None, :])
+        if MASKED:  # one compare per pair: keys off the block moved past every query, rows off the tile before key 0
+            vis_t = tl.where(k_ok, kk, 2147483647)[:, None] <= tl.where(row_ok, q_off + qi, -1)[None, :]
         else:
             vis_t = True
         if DQ_PAIRS == 1:
