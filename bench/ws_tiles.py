@@ -35,7 +35,8 @@ Variants (`dkdv_*`, `dq_*`; rows of the table):
     python bench/ws_tiles.py [--json ws.json] [--length 65536] [--dkdv-walk 3072] [--dq-walk 2048] [--stages 0 2 3]
     python bench/ws_tiles.py --compile-only [--arch 90]     # no GPU: compile each variant, print its structure
 
-Each variant is first checked against the same walk in torch (fp32); then timed (median of 20 after 3 warm-ups)
+Each variant is first checked against the same walk in torch (fp32); then timed (10 launches per timing, median of
+20 timings after 3 warm-ups)
 and reported as TFLOP/s (2 x 64 x 64 x D FLOPs per product, 4 products per dK/dV tile and 3 per dQ tile) and as
 a fraction of a bf16 8192^3 torch.matmul timed in the same run.
 """
@@ -46,7 +47,6 @@ import argparse
 import json
 import os
 import re
-import statistics
 import sys
 
 import torch
@@ -64,6 +64,7 @@ if triton is not None:  # the kernels' own tile updates and row loads, so the po
     from modeling_nsa.nsa_triton_interval import _dkdv_query_tiles
 
 LOG2E = 1.4426950408889634
+REPEAT = 10  # launches per timed call
 TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")  # tests/triton_aot.py's compile
 VARIANTS = {  # name: (loop, rows of the program's fixed tile, tensor descriptors, warp_specialize, num_warps)
     "dkdv_ptr64": ("dkdv", 64, False, False, 4),
@@ -255,10 +256,11 @@ def reference(variant: str, q, k, v, do, lse, delta, walk: int):
     return (dq,)
 
 
-def check(variant: str, device, R=512, N=512, D=64, walk=256, dtype=torch.bfloat16) -> float:
+def check(variant: str, device, R=512, N=512, D=64, walk=256, dtype=torch.bfloat16,
+          num_stages: int | None = None) -> float:
     """Largest error of a variant's outputs against the torch walk, relative to the reference's largest value."""
     inputs = make_inputs(R, N, D, device, dtype=dtype)
-    got = launch(variant, *inputs, walk)
+    got = launch(variant, *inputs, walk, num_stages)
     want = reference(variant, *inputs, walk)
     return max(((g - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want))
 
@@ -306,26 +308,11 @@ def compile_structure(variant: str, arch: int = 90, D: int = 64) -> dict:
                 triton=triton.__version__, **_resources(kern.asm["cubin"]))
 
 
-def time_ms(fn, warmup=3, reps=20):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
-
-
-def matmul_tflops() -> float:
+def matmul_tflops(time_ms) -> float:
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    return 2 * n ** 3 / (time_ms(lambda: a @ b) * 1e-3) / 1e12
+    return 2 * n ** 3 / (time_ms(lambda: a @ b, 3, 20) * 1e-3) / 1e12
 
 
 def walk_problem(loop: str, walk: int, length: int) -> tuple[int, int, int]:
@@ -361,7 +348,9 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("no GPU: run with --compile-only, or on a machine with an NVIDIA GPU (sm_90 for the warp-specialized "
                  "variants)")
-    peak = matmul_tflops()
+    from bench_attention import time_ms  # the benchmarks' timer: median of CUDA-event timings
+
+    peak = matmul_tflops(time_ms)
     D = args.head_dim
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; bf16 matmul "
           f"{peak:.0f} TFLOP/s; head_dim {D}; {args.length} fixed rows, dK/dV walks {args.dkdv_walk} query rows, "
@@ -377,8 +366,11 @@ def main():
         for stages in args.stages:
             row = dict(variant=name, stages=stages or "default", walk=walk)
             try:
-                row["error"] = check(name, "cuda", D=D)
-                ms = time_ms(lambda: launch(name, *inputs, walk, stages or None))
+                row["error"] = check(name, "cuda", D=D, num_stages=stages or None)
+                # REPEAT launches per timing, so the host's launch time (~30 us, with the GPU idle after the start
+                # event) is a small share of the 0.2-0.5 ms a launch takes
+                ms = time_ms(lambda: [launch(name, *inputs, walk, stages or None) for _ in range(REPEAT)], 3, 20)
+                ms /= REPEAT
                 row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
                 row["of_matmul"] = row["tflops"] / peak
                 print(f"| {name} | {row['stages']} | {row['error']:.1e} | {ms:.3f} | {row['tflops']:.0f} | "
