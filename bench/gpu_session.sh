@@ -133,7 +133,7 @@ for step in "${steps[@]}"; do
                   12,2,64,65536,1,random 16,1,64,8192,8,random ;;
     # issue 18: Hopper warp specialization (a TMA producer and two consumer warpgroups, built by Triton) on the
     # dK/dV and dQ tile loops alone, against the loops as the kernels write them (bench/ws_tiles.py; ~1 minute)
-    ws)         $PY bench/ws_tiles.py --stages 0 2 3 --json "$OUT/ws.json" ;;
+    ws)         $PY bench/ws_tiles.py --stages 0 2 4 --json "$OUT/ws.json" ;;  # 0: triton's default, 3
     # the GPU cases of the pair-wise selected dQ (partials and atomics) against the reference
     check-seldq) $PY -m pytest -x tests/test_triton_kernels.py -k "gpu_kernels_match and seldq" -rA --tb=short 2>&1 \
                   | tail -n 200 ;;

@@ -32,7 +32,7 @@ Variants (`dkdv_*`, `dq_*`; rows of the table):
 - `dkdv_ptr128`, `dq_ptr64`: the other tile with pointer loads (128 keys at 8 warps, two warpgroups without a
   producer; 64 query rows at 4 warps): whether a gain is the specialization or only the tile.
 
-    python bench/ws_tiles.py [--json ws.json] [--length 65536] [--dkdv-walk 3072] [--dq-walk 2048] [--stages 0 2 3]
+    python bench/ws_tiles.py [--json ws.json] [--length 65536] [--dkdv-walk 3072] [--dq-walk 2048] [--stages 0 2 4]
     python bench/ws_tiles.py --compile-only [--arch 90]     # no GPU: compile each variant, print its structure
 
 Each variant is first checked against the same walk in torch (fp32); then timed (10 launches per timing, median of
@@ -65,6 +65,7 @@ if triton is not None:  # the kernels' own tile updates and row loads, so the po
 
 LOG2E = 1.4426950408889634
 REPEAT = 10  # launches per timed call
+LAUNCHED: dict = {}  # variant -> the compiled kernel its last launch ran (what the GPU run records per row)
 TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")  # tests/triton_aot.py's compile
 VARIANTS = {  # name: (loop, rows of the program's fixed tile, tensor descriptors, warp_specialize, num_warps)
     "dkdv_ptr64": ("dkdv", 64, False, False, 4),
@@ -117,8 +118,8 @@ if triton is not None:
         dv = tl.zeros([BN, D], tl.float32)
         start = tl.minimum(pid * BN, R - WALK)
         r = tl.arange(0, BM)
-        # a loop that may run no tile serializes the dots (_dkdv_query_tiles says why), so it runs under an if
-        # where it has tiles; not when warp-specialized, which the pass does not do to a loop inside an if
+        # a dK/dV loop that may run no tile lets ptxas serialize the dots (_dkdv_query_tiles says why), so it runs
+        # under an if where it has tiles; not when warp-specialized, which the pass does not do to a loop in an if
         if WS or WALK > 0:
             for r0 in tl.range(start, start + WALK, BM, warp_specialize=WS):
                 q = qd.load([r0, 0])  # (BM, D)
@@ -218,11 +219,13 @@ def launch(variant: str, q, k, v, do, lse, delta, walk: int, num_stages: int | N
         dk = torch.empty(N, D, device=q.device, dtype=torch.float32)
         dv = torch.empty_like(dk)
         kernel = _dkdv_tiles_tma_kernel if descriptors else _dkdv_tiles_ptr_kernel
-        kernel[grid](q, k, v, do, lse, delta, dk, dv, R, N, walk, scale * LOG2E, scale, D=D, BN=tile, BM=64, **opts)
+        LAUNCHED[variant] = kernel[grid](q, k, v, do, lse, delta, dk, dv, R, N, walk, scale * LOG2E, scale, D=D,
+                                         BN=tile, BM=64, **opts)
         return dk, dv
     dq = torch.empty(R, D, device=q.device, dtype=torch.float32)
     kernel = _dq_tiles_tma_kernel if descriptors else _dq_tiles_ptr_kernel
-    kernel[grid](q, k, v, do, lse, delta, dq, R, N, walk, scale * LOG2E, scale, D=D, BM=tile, BN=64, **opts)
+    LAUNCHED[variant] = kernel[grid](q, k, v, do, lse, delta, dq, R, N, walk, scale * LOG2E, scale, D=D, BM=tile,
+                                     BN=64, **opts)
     return (dq,)
 
 
@@ -315,13 +318,15 @@ def matmul_tflops(time_ms) -> float:
     return 2 * n ** 3 / (time_ms(lambda: a @ b, 3, 20) * 1e-3) / 1e12
 
 
-def walk_problem(loop: str, walk: int, length: int) -> tuple[int, int, int]:
+def walk_problem(loop: str, walk: int, length: int, D: int) -> tuple[int, int, int]:
     """(query rows R, keys N, FLOPs) of one variant's timed walk: `length` fixed rows (keys for dK/dV, query rows
-    for dQ), each walking `walk` of the other side; 4 products per 64 x 64 tile for dK/dV, 3 for dQ."""
-    other = max(2 * walk, 8192)
+    for dQ), each walking `walk` of the other side from its own row (the other side has length + walk rows, so no
+    two programs start at the same row: a sliding walk, as the window's, not one the L2 holds for every program);
+    4 products of 2 x 64 x 64 x D FLOPs per 64 x 64 tile for dK/dV, 3 for dQ."""
+    other = length + walk
     R, N = (other, length) if loop == "dkdv" else (length, other)
     tiles = (length // 64) * (walk // 64)
-    return R, N, tiles * (4 if loop == "dkdv" else 3) * 2 * 64 * 64
+    return R, N, tiles * (4 if loop == "dkdv" else 3) * 2 * 64 * 64 * D
 
 
 def main():
@@ -355,13 +360,13 @@ def main():
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; bf16 matmul "
           f"{peak:.0f} TFLOP/s; head_dim {D}; {args.length} fixed rows, dK/dV walks {args.dkdv_walk} query rows, "
           f"dQ walks {args.dq_walk} keys")
-    print("| variant | stages | error vs torch | ms | TFLOP/s | of matmul |")
-    print("|---|---|---|---|---|---|")
+    print("| variant | stages | warps (specialized) | error vs torch | ms | TFLOP/s | of matmul |")
+    print("|---|---|---|---|---|---|---|")
     rows = []
     for name in args.variants:
         loop = VARIANTS[name][0]
         walk = args.dkdv_walk if loop == "dkdv" else args.dq_walk
-        R, N, flops = walk_problem(loop, walk, args.length)
+        R, N, flops = walk_problem(loop, walk, args.length, D)
         inputs = make_inputs(R, N, D, "cuda")
         for stages in args.stages:
             row = dict(variant=name, stages=stages or "default", walk=walk)
@@ -371,13 +376,18 @@ def main():
                 # event) is a small share of the 0.2-0.5 ms a launch takes
                 ms = time_ms(lambda: [launch(name, *inputs, walk, stages or None) for _ in range(REPEAT)], 3, 20)
                 ms /= REPEAT
+                compiled = LAUNCHED.get(name)
+                if compiled is not None and hasattr(compiled, "asm"):  # what this triton made of the launch
+                    row.update(warps=compiled.metadata.num_warps,
+                               warp_specialized="ttg.warp_specialize" in compiled.asm.get("ttgir", ""))
                 row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
                 row["of_matmul"] = row["tflops"] / peak
-                print(f"| {name} | {row['stages']} | {row['error']:.1e} | {ms:.3f} | {row['tflops']:.0f} | "
-                      f"{row['of_matmul']:.2f} |", flush=True)
+                warps = f"{row.get('warps', '?')}{' (yes)' if row.get('warp_specialized') else ''}"
+                print(f"| {name} | {row['stages']} | {warps} | {row['error']:.1e} | {ms:.3f} | {row['tflops']:.0f} "
+                      f"| {row['of_matmul']:.2f} |", flush=True)
             except Exception as exc:  # report and go on: one variant failing must not hide the rest
                 row["failed"] = f"{type(exc).__name__}: {exc}"[:300]
-                print(f"| {name} | {row['stages']} | FAILED: {row['failed'][:120]} | | | |", flush=True)
+                print(f"| {name} | {row['stages']} | | FAILED: {row['failed'][:120]} | | | |", flush=True)
             rows.append(row)
         del inputs
         torch.cuda.empty_cache()

@@ -46,7 +46,8 @@ if triton is not None:
 
     @triton.jit
     def _in_interval(key, lo, hi):
-        """lo <= key < hi (broadcast int32 tensors) as one unsigned compare, key - lo < hi - lo (clamped at 0):
+        """lo <= key < hi (broadcast int32 tensors, key - lo and hi - lo within int32: keys and bounds are in
+        [0, Nk], a window's hi may be a little below 0) as one unsigned compare, key - lo < hi - lo (clamped at 0):
         the two signed compares compiled to two selects per score, about 40 of a masked step's ~500 SASS
         instructions (tests/triton_aot.py --sass-loops)."""
         return (key - lo).to(tl.uint32) < tl.maximum(hi - lo, 0).to(tl.uint32)
@@ -139,10 +140,11 @@ if triton is not None:
         r = tl.arange(0, BLOCK_M)
         hh = r % G
         d = tl.arange(0, D)
-        # The loop only where it runs: a loop with no tiles left dk and dv, still in flight from the loop before it,
-        # to meet zeros set on the skip path, and ptxas 12.8 (triton 3.6, the H100's) then waits on every tensor-
-        # core instruction of the kernel (C7515, "non wgmma instructions defining accumulator registers"): 48 waits
-        # where 12 do at the 125M layout (bench/KERNELS.md, "2026-11-28, second CPU session")
+        # The loop only where it runs: without the if, the path that runs no tile joins the loop's exit where the
+        # loop's last dK dot is still in flight (its wait comes after the join), with dk and dv set by moves on
+        # that path, and ptxas 12.8 (triton 3.6, the H100's) then waits on every tensor-core instruction of the
+        # kernel (C7515, "non wgmma instructions defining accumulator registers"): 48 waits where 12 do at the
+        # 125M layout (bench/KERNELS.md, "2026-11-28, second CPU session")
         if q_to > q_from:
             for q0 in range(q_from, q_to, QPB):
                 qi = q0 + r // G

@@ -78,9 +78,11 @@ def h100_aot_results():
 
     (done,) = background.results(h100_aot_commands, timeout=880)
     assert not done.timed_out, "the H100 triton's AOT compile took over 880 s"
-    if done.returncode == 3:  # no package index with that triton here (CI's has it)
-        pytest.skip(f"triton=={H100_TRITON} could not be installed (python tests/h100_compiler.py): "
-                    f"{done.stderr[-500:]}")
+    if done.returncode == 3:  # no package index with that triton here (CI's has it, and requires the check)
+        why = f"triton=={H100_TRITON} could not be installed (python tests/h100_compiler.py): {done.stderr[-500:]}"
+        if os.environ.get("NSA_REQUIRE_H100_TRITON") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULTS_JSON=")]
     assert lines, f"the H100 triton's AOT compile failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     results = json.loads(lines[-1][len("RESULTS_JSON="):])
@@ -446,6 +448,8 @@ def test_every_default_launch_compiles_with_the_h100s_triton(h100_aot_results):
     kernels = {r["kernel"] for r in rows}
     assert {"_interval_bwd_dkdv_kernel", "_sel_bwd_dkdv_kernel", "_bwd_dq_kernel", "_sel_fwd_kernel",
             "_interval_fwd_kernel", "_select_topn_kernel"} <= kernels, sorted(kernels)
+    # the counts were taken (--sass-loops), so the serialization check below looks at something
+    assert all(r.get("hgmma") for r in rows if r["kernel"] == "_interval_bwd_dkdv_kernel"), "no HGMMA counts"
     assert not _serialized_wgmma(h100_aot_results)
     unpipelined = _unpipelined(h100_aot_results)
     assert not unpipelined, unpipelined

@@ -78,3 +78,19 @@ def test_ws_variants_compile_to_a_producer_and_two_consumer_warpgroups_on_sm90()
         assert r["tma_copies"] > 0 and r["local"] == 0, r
     assert not got["dkdv_tma64"]["warp_specialized"] and got["dkdv_tma64"]["tma_copies"] > 0
     assert got["dkdv_ptr64"]["tma_copies"] == 0 and got["dkdv_ptr64"]["warps"] == 4
+
+
+def test_the_timed_walks_count_every_product_and_start_apart():
+    """The FLOPs the GPU run divides by: 4 (dK/dV) or 3 (dQ) products of 2 x 64 x 64 x D per 64 x 64 tile; and the
+    other side long enough that every program's walk starts at a row of its own (no program reads another's
+    rows from L2)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import ws_tiles as w
+
+    R, N, flops = w.walk_problem("dkdv", 3072, 65536, 64)
+    assert (R, N) == (65536 + 3072, 65536) and flops == 1024 * 48 * 4 * 2 * 64 * 64 * 64
+    # the kernels' start rule, min(p * fixed tile, other side - walk): distinct for every program
+    assert len({min(p * 128, R - 3072) for p in range(N // 128)}) == N // 128
+    R, N, flops = w.walk_problem("dq", 2048, 65536, 128)
+    assert (R, N) == (65536, 65536 + 2048) and flops == 1024 * 32 * 3 * 2 * 64 * 64 * 128
+    assert len({min(p * 128, N - 2048) for p in range(R // 128)}) == R // 128
