@@ -25,7 +25,8 @@ The loops, unmasked (the interior tiles' case), with the gate folded into the lo
   dQ += dS K; stores dQ scale.
 
 Variants (`dkdv_*`, `dq_*`; rows of the table):
-- `dkdv_ptr64`, `dq_ptr128`: pointer loads with int32 offsets, the tiles and warps of the project's kernels
+- `dkdv_ptr64`, `dq_ptr128`: the kernels' own loops (`_dkdv_query_tiles`, `_interval_dq_range`: pointer loads
+  with int32 offsets), at the tiles and warps of the project's kernels
   (64 keys at 4 warps; 128 query rows at 8 warps);
 - `dkdv_tma64`, `dq_tma128`: the same tiles and warps with tensor-descriptor loads (TMA), no specialization;
 - `dkdv_ws128`, `dq_ws128`: tensor descriptors, a 128-row fixed tile at 4 warps, warp_specialize (12 warps run);
@@ -60,7 +61,7 @@ except Exception:  # pragma: no cover - the script needs triton
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 if triton is not None:  # the kernels' own tile updates and row loads, so the pointer variants are the kernels' loops
     from modeling_nsa.nsa_triton_common import _dkdv_update
-    from modeling_nsa.nsa_triton_dq import _dq_update
+    from modeling_nsa.nsa_triton_dq import _dq_update, _interval_dq_range
     from modeling_nsa.nsa_triton_interval import _dkdv_query_tiles
 
 LOG2E = 1.4426950408889634
@@ -144,12 +145,9 @@ if triton is not None:
         delta = tl.load(DELTA + rows)
         dq = tl.zeros([BM, D], tl.float32)
         start = tl.minimum(pid * BM, N - WALK)
-        kn = tl.arange(0, BN)
-        for k0 in range(start, start + WALK, BN):
-            kk = k0 + kn
-            k = tl.load(K + kk[:, None] * D + d[None, :])  # (BN, D)
-            v = tl.load(V + kk[:, None] * D + d[None, :])
-            dq = _dq_update(q, do, lse, delta, k, v, True, scale2, dq, False)
+        # the fused dQ's own unmasked interval loop (one KV head: K/V rows of D; lo and hi are not read unmasked)
+        dq = _interval_dq_range(q, do, lse, delta, K, V, 0, 0, 0, start, start + WALK, start + WALK, scale2, dq,
+                                1, D, BN, False, True)
         tl.store(DQ + rows[:, None] * D + d[None, :], dq * scale)
 
     @triton.jit

@@ -32,12 +32,18 @@ H100_SCENARIOS = ["125M-G6-d64-bf16", "125M-G6-d64-bf16-long", "fla-G16-d64-bf16
                   "G8-d128-bf16-long", "G4-d32-fp16"]
 
 
+def env_with_first(target: Path) -> dict:
+    """This process's environment with target first on the Python path, without TRITON_INTERPRET (the compile
+    needs the JIT's kernels, not interpreted ones)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(target), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
 def imported_version(target: Path) -> str | None:
     """The version of the triton that imports from target first on the path (None: none imports)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(target)
-    proc = subprocess.run([sys.executable, "-c", "import triton; print(triton.__version__)"], env=env,
-                          capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", "import triton; print(triton.__version__)"],
+                          env=env_with_first(target), capture_output=True, text=True)
     return proc.stdout.strip() if proc.returncode == 0 and (target / "triton").is_dir() else None
 
 
@@ -64,11 +70,10 @@ def main():
     target = Path(args.dir)
     if not ensure_triton(target, args.version):
         sys.exit(3)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(target), *filter(None, [env.get("PYTHONPATH")])])
     # the defaults first: a later --scenarios or --arch replaces theirs, other options add to them
     aot_args = ["--arch", "90", "--sass-loops", "--scenarios", *H100_SCENARIOS, *aot_args]
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "triton_aot.py"), *aot_args], env=env, cwd=ROOT)
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "triton_aot.py"), *aot_args],
+                          env=env_with_first(target), cwd=ROOT)
     sys.exit(proc.returncode)
 
 

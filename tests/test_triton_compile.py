@@ -53,8 +53,13 @@ def aot_results():
 
     (done,) = background.results(aot_commands, timeout=880)  # (pytest-timeout: 900)
     assert not done.timed_out, "the AOT compile took over 880 s"
+    return _compile_results(done, "AOT compile run")
+
+
+def _compile_results(done, what: str) -> list:
+    """The per-launch rows a tests/triton_aot.py run printed (its RESULTS_JSON line)."""
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULTS_JSON=")]
-    assert lines, f"AOT compile run failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert lines, f"{what} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return json.loads(lines[-1][len("RESULTS_JSON="):])
 
 
@@ -83,9 +88,7 @@ def h100_aot_results():
         if os.environ.get("NSA_REQUIRE_H100_TRITON") == "1":
             pytest.fail(why)
         pytest.skip(why)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULTS_JSON=")]
-    assert lines, f"the H100 triton's AOT compile failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    results = json.loads(lines[-1][len("RESULTS_JSON="):])
+    results = _compile_results(done, "the H100 triton's AOT compile")
     assert {r["triton"] for r in results} == {H100_TRITON}, "the compile did not use the H100 sessions' triton"
     return results
 

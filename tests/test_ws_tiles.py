@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "bench" / "ws_tiles.py"
 
 try:
     from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
