@@ -124,8 +124,9 @@ DEFAULT_VARIANTS = [
     # smaller parts: one selected block and 128 window keys each (16 + 4 + 1 programs per row and KV group)
     "decode_small_parts:decode_parts=1,decode_sel_step=1,decode_win_tile=128",
     "decode_8warps:decode_warps=8",
-    # each entering block inserted into the decode top-n lists (the training top-n's default)
-    "decode_insert_all:topn_insert_max=65536",
+    # the decode top-n at 8 warps (one tl.topk per 64-block range: 40% fewer SASS instructions on sm_90, 58
+    # barriers against 80; tests/triton_aot.py)
+    "decode_topn_8warps:decode_topn_warps=8",
     # the finish kernel as timed on 2026-11-22 (one selected block, 64 window keys, 8 splits and 4 lists per step;
     # top-n: 8 splits per merge step)
     "decode_short_steps:decode_parts=0,decode_sel_step=1,decode_win_tile=64,decode_warps=4,"
@@ -134,8 +135,9 @@ DEFAULT_VARIANTS = [
     # compressed merge takes 16 at a time; 64 was the default before): more, smaller splits
     "decode_split64:decode_split=64",
     "decode_split128:decode_split=128",
-    # the step as timed on 2026-11-23 before these defaults: 8 warps, 64-slot splits, every entering block inserted
-    "decode_before:decode_warps=8,decode_split=64,topn_insert_max=65536",
+    # the step's launch choices before 2026-11-23: 8 warps, 64-slot splits (the top-n then inserted every entering
+    # block into a list; since 2026-11-28 it has no list to insert into: one tl.topk per block range)
+    "decode_before:decode_warps=8,decode_split=64",
 ]
 # Variants named decode_* change only the decode kernels: they are timed in the decode section alone.
 # (H, Hkv, head_dim, T, B, query kind, variants: None = all); the correlated 64k case: how the selected tiles'

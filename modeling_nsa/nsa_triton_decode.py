@@ -9,7 +9,7 @@ import torch
 
 from .nsa_layout import NSAParams
 from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes, _next_pow2
-from .nsa_triton_launch import _decode_launch, _topn_chunk, _topn_insert_max
+from .nsa_triton_launch import _decode_launch
 
 
 try:  # the module must import where triton is missing (CPU-only installs, macOS)
@@ -21,8 +21,7 @@ except Exception:  # pragma: no cover - exercised only without triton
 
 if triton is not None:
     from .nsa_triton_common import _branch_output, _gated_sum, _softmax_init, _softmax_tile
-    from .nsa_triton_topn import (_topn_blocks, _topn_chunk_update, _topn_empty, _topn_key, _topn_key_value,
-                                     _topn_merge, _KEY_NEG_INF)
+    from .nsa_triton_topn import _topn_blocks, _topn_key, _KEY_MIN, _KEY_NEG_INF
 
     # ------------------------------------------------------------------------------------------
     # Decoding: compressed keys split over programs, block ranges' top-n, then the branches and the gates (one
@@ -108,19 +107,42 @@ if triton is not None:
         return m_i, l_i, acc, c_lo, n_vis
 
     @triton.jit
+    def _best_keys(keys, K: tl.constexpr):
+        """The K largest of a 1-D tensor of keys, largest first: tl.topk (a bitonic top-k), or for K = 1 a max
+        (triton 3.6, the H100's, does not compile tl.topk with k = 1: a one-block context's n = 1)."""
+        if K == 1:
+            best = tl.full([1], 0, keys.dtype) + tl.max(keys, 0)
+        else:
+            best = tl.topk(keys, K)
+        return best
+
+    @triton.jit
+    def _decode_token_probs(PP, PM, lse, pid_bg, S, c_lo, ii, tok_ok, hh, row_ok, G_PAD: tl.constexpr,
+                            CS: tl.constexpr):
+        """Compression probabilities exp2(x - lse) of the in-document compressed tokens ii (those with tok_ok)
+        summed over the G heads, from the splits' stored exp2(x - m_split) (no key read again): (len(ii),)."""
+        slot = (c_lo + ii).to(tl.int64)
+        pbase = (pid_bg.to(tl.int64) * S + slot // CS)[None, :] * G_PAD + hh[:, None]  # (G_PAD, tokens)
+        ok = row_ok[:, None] & tok_ok[None, :]
+        p = tl.load(PP + pbase * CS + (slot % CS)[None, :], mask=ok, other=0.0)
+        m_tok = tl.load(PM + pbase, mask=ok, other=0.0)
+        return tl.sum(tl.where(ok, p * tl.exp2(m_tok - lse[:, None]), 0.0), 0)
+
+    @triton.jit
     def _decode_topn_kernel(
-        PM, PL, PACC, PP, PCNT, DOCPOS, TEND, TOPV, TOPI,
+        PM, PL, PACC, PP, PCNT, DOCPOS, TEND, TOPK,
         Tk, S, n_prog, dp_bs,
         HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
         L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr,
         N_SEL: tl.constexpr, N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
-        BJ: tl.constexpr, CS: tl.constexpr, SB: tl.constexpr, TB: tl.constexpr, INSERT_MAX: tl.constexpr,
+        CS: tl.constexpr, SB: tl.constexpr, TB: tl.constexpr, TB_PAD: tl.constexpr, RC: tl.constexpr,
         STATIC: tl.constexpr,
     ):
-        """Decode, program (row x KV group, j) of the selection blocks [j*TB, (j+1)*TB): their scores from
-        the splits' stored probabilities (exp2(x - lse) = p_split * exp2(m_split - lse), no key read again),
-        summed over the G heads, and the range's own top-n list (priority, block) for the selected parts to
-        merge. Block ranges run in parallel: at long context no single program walks every block."""
+        """Decode, program (row x KV group, j) of the selection blocks [j*TB, (j+1)*TB): their scores (Eqs. 9-10)
+        from the splits' stored probabilities, summed over the G heads, and the range's top-n as N_PAD keys,
+        best first (_topn_key; KEY_MIN past the eligible blocks), for the selected parts to merge. All of the
+        range's blocks at once and one bitonic top-k (tl.topk), where a loop of chunks merged into a list took a
+        chain of dependent reductions per chunk. Block ranges run in parallel: no program walks every block."""
         pid_bg = tl.program_id(0)
         pj = tl.program_id(1)
         b = (pid_bg // HKV).to(tl.int64)
@@ -132,34 +154,40 @@ if triton is not None:
                                                    SB, False, True)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), 0.0)
         pos = tl.load(DOCPOS + b * dp_bs + t)
-        R: tl.constexpr = LB // DS
-        BC: tl.constexpr = BJ * R
-        pos1 = tl.zeros([1], tl.int64) + pos
-        n_blocks = tl.where(pos1 >= 0, pos1 // LB + 1, 0).to(tl.int32)
-        own = (pos1 // LB).to(tl.int32)
-        top = _topn_empty(1, N_PAD)
-        carry = tl.zeros([1], tl.float32)
+        n_blocks = tl.where(pos >= 0, pos // LB + 1, 0).to(tl.int32)
+        own = (pos // LB).to(tl.int32)
+        R: tl.constexpr = LB // DS  # compressed tokens starting in a block
+        # A token starting at offset r*d of its block gives w0[r] = min(l' - r*d, l) / d to it and
+        # w1[r] = max(0, r*d + l - l') / d to the next (Eq. 9, l <= l'); the range's tokens RC offsets at a time, so
+        # a step holds at most TB_PAD x RC probabilities per head (RC = R at the defaults: one step)
         j_lo = pj * TB
-        n_range = tl.minimum(n_blocks, j_lo + TB)  # blocks past the range belong to the next program
-        j_hi = tl.max(n_range, 0)
-        # start one block early: its tokens' share in block j_lo arrives as the carry (not merged itself)
-        for j0 in range(tl.maximum(j_lo - 1, 0), j_hi, BJ):
-            ii = j0 * R + tl.arange(0, BC)
-            tok_ok = ii < n_vis
-            slot = (c_lo + ii).to(tl.int64)
-            pbase = (pid_bg.to(tl.int64) * S + slot // CS)[None, :] * G_PAD + hh[:, None]  # (G_PAD, BC)
-            ok = row_ok[:, None] & tok_ok[None, :]
-            p = tl.load(PP + pbase * CS + (slot % CS)[None, :], mask=ok, other=0.0)
-            m_tok = tl.load(PM + pbase, mask=ok, other=0.0)
-            prob = tl.where(ok, p * tl.exp2(m_tok - lse[:, None]), 0.0)
-            ps = tl.reshape(tl.sum(prob, 0), (1, BC))
-            carry, top = _topn_chunk_update(ps, carry, top, j0, j_lo, n_range, own,
-                                            L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, 1, INSERT_MAX)
+        jb = tl.arange(0, TB_PAD)
+        to_own = tl.zeros([TB_PAD], tl.float32)
+        to_next = tl.zeros([TB_PAD], tl.float32)
+        for r0 in tl.static_range(0, R, RC):
+            rr = r0 + tl.arange(0, RC)
+            ii = tl.reshape((j_lo + jb)[:, None] * R + rr[None, :], (TB_PAD * RC,))  # the range's tokens
+            ps = _decode_token_probs(PP, PM, lse, pid_bg, S, c_lo, ii, ii < n_vis, hh, row_ok, G_PAD, CS)
+            ps = tl.reshape(ps, (TB_PAD, RC))
+            to_own += tl.sum(ps * (tl.minimum(LB - rr * DS, L) // DS).to(tl.float32)[None, :], 1)
+            to_next += tl.sum(ps * (tl.maximum(rr * DS + L - LB, 0) // DS).to(tl.float32)[None, :], 1)
+        rr = tl.arange(0, R)
+        ii_prev = (j_lo - 1) * R + rr  # the block before the range: its share in block j_lo
+        ps_prev = _decode_token_probs(PP, PM, lse, pid_bg, S, c_lo, ii_prev, (ii_prev >= 0) & (ii_prev < n_vis), hh,
+                                      row_ok, G_PAD, CS)
+        carry = tl.sum(ps_prev * (tl.maximum(rr * DS + L - LB, 0) // DS).to(tl.float32), 0)
+        from_prev = tl.where(jb > 0, tl.gather(to_next, tl.maximum(jb - 1, 0), 0), carry)
+        score = to_own + from_prev
+        jj = (j_lo + jb).to(tl.int32)
+        elig = (jb < TB) & (jj < n_blocks)
+        forced = elig & ((jj < INIT) | ((jj > own - LOCAL) & (jj <= own)))  # Eq. 11's initial and local blocks
+        prio = tl.where(elig & (score == score), score, float("-inf"))  # a NaN score never enters
+        prio = tl.where(forced, float("inf"), prio)
+        keys = tl.where(elig, _topn_key(prio, jj), _KEY_MIN)
+        top = _best_keys(keys, N_PAD)  # (N_PAD,) best first
         slot_n = tl.arange(0, N_PAD)
-        keep = (slot_n[None, :] < N_SEL) & (top > _KEY_NEG_INF)
         out = (pid_bg.to(tl.int64) * n_prog + pj) * N_PAD + slot_n
-        tl.store(TOPV + out, tl.reshape(tl.where(keep, _topn_key_value(top), float("-inf")), (N_PAD,)))
-        tl.store(TOPI + out, tl.reshape(tl.where(keep, _topn_blocks(top), -1), (N_PAD,)))
+        tl.store(TOPK + out, tl.where((slot_n < N_SEL) & (top > _KEY_NEG_INF), top, _KEY_MIN))
 
     @triton.jit
     def _group_rows(pid_bg, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
@@ -191,24 +219,24 @@ if triton is not None:
         return _softmax_tile(x, sm_scale2, v, m_i, l_i, acc)
 
     @triton.jit
-    def _decode_selected(q, TOPV, TOPI, KS, VS, pid_bg, b, g, t, start, n_prog, slot_lo, slot_hi, sm_scale2, ks_bs,
+    def _decode_selected(q, TOPK, KS, VS, pid_bg, b, g, t, start, n_prog, slot_lo, slot_hi, sm_scale2, ks_bs,
                          vs_bs, d, HKV: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
                          N_PAD: tl.constexpr, N_SEL: tl.constexpr, LISTS: tl.constexpr, SEL_STEP: tl.constexpr):
         """Selected attention over list slots [slot_lo, slot_hi) of the query's top-n, SEL_STEP blocks (SEL_STEP * l'
-        keys up to t) per step, after merging the block ranges' lists LISTS at a time (ranges are disjoint: every
-        block once). Returns the softmax state (max, sum, unnormalized output) per head."""
+        keys up to t) per step, after merging the block ranges' lists of keys (_decode_topn_kernel) LISTS at a time
+        (ranges are disjoint: every block once). Returns the softmax state (max, sum, unnormalized output) per
+        head."""
         E: tl.constexpr = LISTS * N_PAD
         e = tl.arange(0, E)
-        top = _topn_empty(1, N_PAD)
+        top = tl.full([N_PAD], _KEY_MIN, tl.int64)
         for l0 in range(0, n_prog, LISTS):
-            ok = l0 + e // N_PAD < n_prog
-            off = (pid_bg.to(tl.int64) * n_prog + l0) * N_PAD + e
-            v = tl.load(TOPV + off, mask=ok, other=float("-inf"))
-            i = tl.load(TOPI + off, mask=ok, other=-1)
-            # stand-ins for unused entries (priority -inf), distinct across steps too: the merge's ranks need distinct keys
-            i = tl.where(i >= 0, i, (1 << 29) + l0 * N_PAD + e)
-            top = _topn_merge(top, _topn_key(tl.reshape(v, (1, E)), tl.reshape(i, (1, E))), N_SEL, N_PAD)
-        top_i = tl.reshape(_topn_blocks(top), (N_PAD,))
+            keys = tl.load(TOPK + (pid_bg.to(tl.int64) * n_prog + l0) * N_PAD + e, mask=l0 + e // N_PAD < n_prog,
+                           other=_KEY_MIN)
+            # the step's best N_PAD keys, then the best N_PAD of those and the running list's (tl.topk: a bitonic
+            # top-k, where a merge by ranks took (E, N_PAD) compares and a scatter: 6x the SASS per step on sm_90)
+            both = tl.reshape(tl.join(top, _best_keys(keys, N_PAD)), (2 * N_PAD,))
+            top = _best_keys(both, N_PAD)
+        top_i = _topn_blocks(top)
         slot_n = tl.arange(0, N_PAD)
         kb = tl.arange(0, SEL_STEP * LB)
         m_i, l_i, acc = _softmax_init(G_PAD, D)
@@ -249,7 +277,7 @@ if triton is not None:
 
     @triton.jit
     def _decode_finish_kernel(
-        Q, PM, PL, PACC, PCNT, TOPV, TOPI, KS, VS, KW, VW, GATE, DOCPOS, TEND, OUT,
+        Q, PM, PL, PACC, PCNT, TOPK, KS, VS, KW, VW, GATE, DOCPOS, TEND, OUT,
         Tk, Tw, S, n_prog, sm_scale2, ks_bs, vs_bs, kw_bs, vw_bs, dp_bs,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
         LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, WIN: tl.constexpr,
@@ -270,7 +298,7 @@ if triton is not None:
         _, l_i, acc, _, _ = _merge_partials(PM, PL, PACC, PCNT, pid_bg.to(tl.int64) * S, S, hh, d, G_PAD, D, SB, True,
                                             False)  # (the slot counts are the top-n kernel's)
         o_cmp = _branch_output(acc, l_i, dtype)
-        _, l_i, acc = _decode_selected(q, TOPV, TOPI, KS, VS, pid_bg, b, g, t, start, n_prog, 0, N_SEL, sm_scale2,
+        _, l_i, acc = _decode_selected(q, TOPK, KS, VS, pid_bg, b, g, t, start, n_prog, 0, N_SEL, sm_scale2,
                                        ks_bs, vs_bs, d, HKV, G_PAD, D, LB, N_PAD, N_SEL, LISTS, SEL_STEP)
         o_slc = _branch_output(acc, l_i, dtype)
         _, l_i, acc = _decode_window(q, KW, VW, b, g, t, start, valid, Tk, Tw, 0, Tw, sm_scale2, kw_bs, vw_bs, d,
@@ -281,7 +309,7 @@ if triton is not None:
 
     @triton.jit
     def _decode_parts_kernel(
-        Q, PM, PL, PACC, PCNT, TOPV, TOPI, KS, VS, KW, VW, DOCPOS, TEND, OM, OL, OACC,
+        Q, PM, PL, PACC, PCNT, TOPK, KS, VS, KW, VW, DOCPOS, TEND, OM, OL, OACC,
         Tk, Tw, S, n_prog, n_parts, sm_scale2, ks_bs, vs_bs, kw_bs, vw_bs, dp_bs,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
         LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, WIN: tl.constexpr,
@@ -300,7 +328,7 @@ if triton is not None:
                                                                      G_PAD, STATIC)
         if part < SEL_PARTS:
             slot_hi = tl.minimum(part * SEL_PART + SEL_PART, N_SEL)
-            m_i, l_i, acc = _decode_selected(q, TOPV, TOPI, KS, VS, pid_bg, b, g, t, start, n_prog, part * SEL_PART,
+            m_i, l_i, acc = _decode_selected(q, TOPK, KS, VS, pid_bg, b, g, t, start, n_prog, part * SEL_PART,
                                              slot_hi, sm_scale2, ks_bs, vs_bs, d, HKV, G_PAD, D, LB, N_PAD, N_SEL,
                                              LISTS, SEL_STEP)
         elif part < n_parts - 1:
@@ -361,7 +389,7 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     n_sel = min(params.sel_num_blocks, num_blocks)
     n_pad = _next_pow2(n_sel)
     static = query_end is not None
-    launch = _decode_launch(head_dim, n_sel, params.sel_block_size, static, q.device)
+    launch = _decode_launch(head_dim, n_sel, params, static, q.device)
     split = launch.split
     n_split = max(1, _cdiv(num_slots, split))
     n_prog = _cdiv(num_blocks, launch.topn_blocks)
@@ -371,8 +399,7 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     part_acc = torch.empty(rows, head_dim, device=q.device, dtype=torch.float32)
     part_p = torch.empty(rows, split, device=q.device, dtype=torch.float32)
     counts = torch.empty(batch * num_kv * n_split, 2, device=q.device, dtype=torch.int32)
-    top_v = torch.empty(batch * num_kv * n_prog, n_pad, device=q.device, dtype=torch.float32)
-    top_i = torch.empty(batch * num_kv * n_prog, n_pad, device=q.device, dtype=torch.int32)
+    top_keys = torch.empty(batch * num_kv * n_prog, n_pad, device=q.device, dtype=torch.int64)  # _topn_key's
     common = dict(HKV=num_kv, G=group, D=head_dim, G_PAD=g_pad)
     topn = dict(LB=params.sel_block_size, N_SEL=n_sel, N_PAD=n_pad)
     sel_parts, win_parts = _cdiv(n_sel, launch.sel_part), _cdiv(num_win, launch.win_part)
@@ -384,12 +411,13 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
         doc_pos.stride(0), H=num_heads, CS=split, STATIC=static, num_warps=4, **common,
     )
     _decode_topn_kernel[(batch * num_kv, n_prog)](
-        part_m, part_l, part_acc, part_p, counts, doc_pos, query_end, top_v, top_i, num_keys, n_split, n_prog,
+        part_m, part_l, part_acc, part_p, counts, doc_pos, query_end, top_keys, num_keys, n_split, n_prog,
         doc_pos.stride(0),
         L=params.cmp_block_size, DS=params.cmp_stride, INIT=params.sel_init_blocks, LOCAL=params.sel_local_blocks,
-        BJ=_topn_chunk(params), CS=split, SB=launch.topn_merge_splits, TB=launch.topn_blocks,
-        INSERT_MAX=_topn_insert_max(decode=True),
-        STATIC=static, num_warps=4, **common, **topn,
+        CS=split, SB=launch.topn_merge_splits, TB=launch.topn_blocks,
+        # its TB blocks padded to a power of two, at least n (tl.topk takes k <= the length)
+        TB_PAD=max(_next_pow2(launch.topn_blocks), n_pad), RC=launch.topn_offsets,
+        STATIC=static, num_warps=launch.topn_warps, **common, **topn,
     )
     out = torch.empty_like(q)
     common_last = dict(H=num_heads, WIN=params.window_size, SB=launch.part_splits, LISTS=launch.lists,
@@ -398,7 +426,7 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     strides = (k_slc.stride(0), v_slc.stride(0), k_win.stride(0), v_win.stride(0), doc_pos.stride(0))
     if not launch.parts:
         _decode_finish_kernel[(batch * num_kv,)](
-            q, part_m, part_l, part_acc, counts, top_v, top_i, k_slc, v_slc, k_win, v_win, gates, doc_pos, query_end,
+            q, part_m, part_l, part_acc, counts, top_keys, k_slc, v_slc, k_win, v_win, gates, doc_pos, query_end,
             out, num_keys, num_win, n_split, n_prog, scale * _LOG2E, *strides, **common_last,
         )
         return out
@@ -408,7 +436,7 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     # one stage: a part is one step by default (nothing to overlap), and the two branches' pipeline buffers would
     # not share shared memory (258 KiB on sm_90)
     _decode_parts_kernel[(batch * num_kv, n_parts)](
-        q, part_m, part_l, part_acc, counts, top_v, top_i, k_slc, v_slc, k_win, v_win, doc_pos, query_end,
+        q, part_m, part_l, part_acc, counts, top_keys, k_slc, v_slc, k_win, v_win, doc_pos, query_end,
         out_m, out_l, out_acc, num_keys, num_win, n_split, n_prog, n_parts, scale * _LOG2E, *strides,
         SEL_PART=launch.sel_part, SEL_PARTS=sel_parts, WIN_PART=launch.win_part, num_stages=1, **common_last,
     )

@@ -109,6 +109,9 @@ class LaunchOverrides:
     range_chunk: int | None = None
     decode_split: int | None = None  # compressed slots per decode split program
     decode_topn_blocks: int | None = None  # selection blocks per decode top-n program
+    decode_topn_warps: int | None = None  # warps of the decode top-n kernel
+    # compressed-token offsets per block per step of the decode top-n's scores (a power of two <= l'/d)
+    decode_topn_offsets: int | None = None
     decode_sel_step: int | None = None  # selected blocks per step of a decode selected part
     decode_win_tile: int | None = None  # window keys per step of a decode window part
     decode_parts: int | None = None  # 1/0: the decode step's parts + combine kernels / the finish kernel
@@ -374,20 +377,18 @@ def _topn_head_lanes(g_pad: int) -> int:
     return g_pad // 2
 
 
-def _topn_insert_max(decode: bool = False) -> int:
-    """Entries of a chunk entering a query's list up to which they are inserted one at a time (_topn_insert)
-    rather than merged whole (_topn_merge); tests and bench/tune_kernels.py force it
+def _topn_insert_max() -> int:
+    """Entries of a chunk entering a query's list up to which the training top-n inserts them one at a time
+    (_topn_insert) rather than merging the chunk whole (_topn_merge); tests and bench/tune_kernels.py force it
     (launch_overrides(topn_insert_max=...)).
-    Training's top-n inserts every entering block (no merge compiled in the chunk loop): an insertion replaces
+    By default every entering block is inserted (no merge compiled in the chunk loop): an insertion replaces
     the worst entry of an unsorted list of int64 keys (two independent reductions), and the first chunk of a list
     is placed whole (nsa_triton_topn._topn_chunk_update); inserting every block beat inserting up to 4 and merging
-    every chunk (variants insert4, merge_only; timed before the keys, bench/KERNELS.md).
-    The decode top-n merges every chunk: a decode program scores 64 blocks for one query, so most of its chunks
-    bring several entering blocks (merging beat inserting there, variant decode_insert_all). Timings:
-    bench/KERNELS.md."""
+    every chunk (variants insert4, merge_only; timed before the keys, bench/KERNELS.md). The decode top-n has no
+    chunk loop (nsa_triton_decode._decode_topn_kernel: one tl.topk per block range)."""
     if _OVERRIDES.topn_insert_max is not None:
         return _OVERRIDES.topn_insert_max
-    return 0 if decode else 1 << 16
+    return 1 << 16
 
 
 def _topn_chunk(params: NSAParams) -> int:
@@ -404,6 +405,8 @@ class DecodeLaunch:
 
     split: int  # compressed slots per split program (CS)
     topn_blocks: int  # selection blocks per top-n program (TB)
+    topn_offsets: int  # a block's compressed-token offsets per step of the top-n's scores (RC)
+    topn_warps: int  # warps of the top-n kernel
     topn_merge_splits: int  # splits per vector load in the top-n kernel's merge (m, l only)
     sel_step: int  # selected blocks per step of the selected branch (SEL_STEP)
     win_tile: int  # window keys per step of the window branch (BLOCK_N)
@@ -415,10 +418,19 @@ class DecodeLaunch:
     parts: bool  # the last launches: parts + combine kernels (else the finish kernel)
 
 
-def _decode_launch(head_dim: int, n_sel: int, sel_block_size: int, static: bool, device) -> DecodeLaunch:
-    """The decoding step's launch choices for this head_dim, n' selected blocks and block size l' on device;
+def _decode_launch(head_dim: int, n_sel: int, params: NSAParams, static: bool, device) -> DecodeLaunch:
+    """The decoding step's launch choices for this head_dim, n' selected blocks and NSA parameters on device;
     static: a static cache's (CUDA-graphed) step."""
     o = _OVERRIDES
+    sel_block_size = params.sel_block_size
+    # The top-n: 64 selection blocks per program (16 programs per row and KV group at 64k: a range's list is one of
+    # the lists the selected parts merge), all scored at once and cut to n by one tl.topk; a step of its scores
+    # takes at most 256 tokens (4,096 probabilities at 16 padded heads: TB_PAD x RC, RC offsets of R = l'/d per
+    # block; one step at the defaults, R = 4). 4 warps (8: 40% fewer SASS instructions and 28% fewer barriers on
+    # sm_90, tests/triton_aot.py; untimed: variant decode_topn_8warps)
+    topn_blocks = o.decode_topn_blocks or 64
+    tb_pad = max(_next_pow2(topn_blocks), _next_pow2(n_sel))
+    ratio = sel_block_size // params.cmp_stride
     # compressed slots per split program (a power of two >= 16): 256 at head_dim <= 64 (fewer splits for the
     # finish kernel to merge: faster than 128 and 64 at 64k, variants decode_split128/64, bench/KERNELS.md), 128
     # above (256 spills 96-104 B at head_dim 128: tests/triton_aot.py)
@@ -438,7 +450,9 @@ def _decode_launch(head_dim: int, n_sel: int, sel_block_size: int, static: bool,
     win_tile = o.decode_win_tile or keys_per_step
     return DecodeLaunch(
         split=split,
-        topn_blocks=o.decode_topn_blocks or 64,
+        topn_blocks=topn_blocks,
+        topn_offsets=o.decode_topn_offsets or max(1, min(ratio, 256 // tb_pad)),
+        topn_warps=o.decode_topn_warps or 4,
         topn_merge_splits=o.decode_merge_splits or 32,
         sel_step=sel_step,
         win_tile=win_tile,

@@ -1,6 +1,6 @@
 """Top-n block selection (Eqs. 9-11): the scores of the selection blocks from the compression branch's
-probabilities and a running top-n list per query, in one kernel per tile of queries; the list operations are
-shared with the decode step's top-n.
+probabilities and a running top-n list per query, in one kernel per tile of queries; the decode step's top-n
+(nsa_triton_decode) takes the same int64 keys.
 """
 
 from __future__ import annotations
@@ -75,8 +75,7 @@ if triton is not None:
     @triton.jit
     def _topn_beats(a_hi, a_lo, b_hi, b_lo):
         """key_a > key_b from the keys' int32 halves (high: the priority's order, low: 0x7FFFFFFF - block): in the
-        merge's (E, E) compares a pair of int32 registers per entry spills less than an int64 (the decode step's
-        list merge, E = 128)."""
+        merge's (Q, BJ, N_PAD) compares a pair of int32 registers per entry spills less than an int64."""
         return (a_hi > b_hi) | ((a_hi == b_hi) & (a_lo > b_lo))
 
     @triton.jit
@@ -133,7 +132,7 @@ if triton is not None:
         return tl.max(tl.where(hit, top[:, None, :], _KEY_MIN), 2)
 
     @triton.jit
-    def _topn_chunk_update(ps, carry, top, j0, j_min, n_blocks, own,
+    def _topn_chunk_update(ps, carry, top, j0, n_blocks, own,
                            L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr, N_SEL: tl.constexpr,
                            N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, BJ: tl.constexpr,
                            QPB: tl.constexpr, INSERT_MAX: tl.constexpr):
@@ -141,9 +140,8 @@ if triton is not None:
         (QPB, BJ*R): compression probabilities of the in-document compressed tokens starting in blocks
         j0 .. j0+BJ-1, summed over each query's heads. A token starting at offset r*d in its block gives
         w0[r] = min(l' - r*d, l) / d to it and w1[r] = max(0, r*d + l - l') / d to the next (l <= l'); carry
-        (QPB,) brings the previous chunk's last block's share. Only blocks j_min .. n_blocks-1 enter the lists (a
-        decode program owns a block range, which it passes as j_min and n_blocks, and reads one block before it
-        for the carry). Forced initial/local blocks get +inf. The lists are kept unsorted between chunks (the
+        (QPB,) brings the previous chunk's last block's share. Only blocks below n_blocks enter the lists. Forced
+        initial/local blocks get +inf. The lists are kept unsorted between chunks (the
         caller sorts them once, _topn_sort). The first chunk (j0 = 0, the lists empty) becomes the lists as it is
         where it fills them exactly (BJ = N_SEL = N_PAD: every query's blocks in one step, where inserting them
         took up to BJ steps). A later chunk whose entries enter no list is skipped; one where at most INSERT_MAX
@@ -164,7 +162,7 @@ if triton is not None:
         score = to_own + from_prev + tl.where(jb[None, :] == 0, carry[:, None], 0.0)
         carry = tl.sum(tl.where(jb[None, :] == BJ - 1, to_next, 0.0), 1)
         jj = (j0 + jb).to(tl.int32)
-        elig = (jj[None, :] < n_blocks[:, None]) & (jj[None, :] >= j_min)
+        elig = jj[None, :] < n_blocks[:, None]
         local = (jj[None, :] > (own - LOCAL)[:, None]) & (jj[None, :] <= own[:, None])
         forced = elig & ((jj[None, :] < INIT) | local)
         prio = tl.where(elig & (score == score), score, float("-inf"))  # a NaN score never enters (as before keys)
@@ -240,7 +238,7 @@ if triton is not None:
                 kc = tl.load(kc_ptr)
                 p = tl.exp2(tl.dot(q, tl.trans(kc)) * sm_scale2 - lse[:, None])
             ps = _topn_head_sum(p, QPB, G_PAD, BC, HEAD_LANES)  # (QPB, BC): summed over the heads
-            carry, top = _topn_chunk_update(ps, carry, top, j0, 0, n_blocks, own,
+            carry, top = _topn_chunk_update(ps, carry, top, j0, n_blocks, own,
                                             L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, QPB, INSERT_MAX)
         return carry, top
 

@@ -43,6 +43,7 @@ _KNOB_IDS = {
     "sel_pieces": lambda c: f"heavy{c['sel_pieces'][0]}pieces{c['sel_pieces'][2]}slots{c['sel_pieces'][3]}",
     "decode_split": lambda c: f"split{c['decode_split']}",
     "decode_topn_blocks": lambda c: f"topn{c['decode_topn_blocks']}blocks",
+    "decode_topn_offsets": lambda c: f"topn{c['decode_topn_offsets']}offsets",
     "decode_sel_step": lambda c: f"selstep{c['decode_sel_step']}",
     "decode_win_tile": lambda c: f"wintile{c['decode_win_tile']}",
     "decode_parts": lambda c: "parts" if c["decode_parts"] else "finish",
@@ -304,19 +305,18 @@ CPU_CASES = [
     # starting inside a later split, top-n chunks spanning two splits
     dict(kind="decode", B=2, T=300, H=6, Hkv=2, D=16, steps=[20, 150, 257, 300], Tw=16, layout="varlen",
          decode_split=16),
-    # the same with each entering block inserted into the decode top-n lists (the training top-n's default;
-    # decoding merges whole chunks by default)
-    dict(kind="decode", B=2, T=300, H=6, Hkv=2, D=16, steps=[20, 150, 257, 300], Tw=16, layout="varlen",
-         decode_split=16, topn_insert_max=65536),
-    # top-n over block ranges (3 blocks per program, chunks of 2: up to 9 programs, ranges cut inside a
-    # chunk) merged in the finish kernel; n = 6 with one local block leaves 4 blocks to the scores, so the
-    # carry into each range's first block (from the block before it) decides picks
+    # top-n over block ranges (3 blocks per program: up to 9 programs, each range's 3 blocks padded to 8 for the
+    # tl.topk of n = 6), merged in the finish kernel; n = 6 with one local block leaves 4 blocks to the scores, so
+    # the carry into each range's first block (from the block before it) decides picks
     # (the merges in steps of 2 splits and 2 lists: up to 7 splits and 9 lists, so several steps, one partial)
     dict(kind="decode", B=2, T=400, H=6, Hkv=2, D=16, steps=[1, 16, 33, 48, 49, 111, 250, 400], Tw=16,
-         decode_split=16, decode_topn_blocks=3, bj=2, decode_merge_splits=2, decode_merge_lists=2,
+         decode_split=16, decode_topn_blocks=3, decode_merge_splits=2, decode_merge_lists=2,
          param_overrides=dict(sel_num_blocks=6, sel_local_blocks=1)),
-    dict(kind="decode", B=2, T=110, H=6, Hkv=2, D=16, steps=[1, 16, 33, 47, 48, 64, 95, 110], Tw=16,
-         layout="varlen", decode_split=16, decode_topn_blocks=3, bj=2),
+    # the scores one token offset per step (4 steps for l'/d = 4; the default takes a range's tokens in one step
+    # up to 256 of them), over 3-block ranges in packed rows, 4 blocks of up to 18 picked by score
+    dict(kind="decode", B=2, T=300, H=6, Hkv=2, D=16, steps=[1, 16, 33, 47, 48, 95, 210, 300], Tw=16,
+         layout="varlen", decode_split=16, decode_topn_blocks=3, decode_topn_offsets=1,
+         param_overrides=dict(sel_num_blocks=6, sel_local_blocks=1)),
     # the real parameters (l'=64, n=16, w=512) past 64 blocks: two top-n ranges, the second holding one block
     # at 4160; then five ranges of 16 blocks
     dict(kind="decode", B=1, T=4400, H=6, Hkv=2, D=16, steps=[4160, 4400], Tw=512, params="default"),
