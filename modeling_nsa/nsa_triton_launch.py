@@ -451,7 +451,7 @@ def _decode_launch(head_dim: int, n_sel: int, params: NSAParams, static: bool, d
     return DecodeLaunch(
         split=split,
         topn_blocks=topn_blocks,
-        topn_offsets=o.decode_topn_offsets or max(1, min(ratio, 256 // tb_pad)),
+        topn_offsets=min(ratio, o.decode_topn_offsets or max(1, 256 // tb_pad)),  # <= R: more would read the next block
         topn_warps=o.decode_topn_warps or 4,
         topn_merge_splits=o.decode_merge_splits or 32,
         sel_step=sel_step,
