@@ -127,6 +127,8 @@ DEFAULT_VARIANTS = [
     # the decode top-n at 8 warps (one tl.topk per 64-block range: 40% fewer SASS instructions on sm_90, 58
     # barriers against 80; tests/triton_aot.py)
     "decode_topn_8warps:decode_topn_warps=8",
+    # the parts' last program to finish (an atomic count per row and KV group) combines them: no combine launch
+    "decode_fused_combine:decode_fused_combine=1",
     # the finish kernel as timed on 2026-11-22 (one selected block, 64 window keys, 8 splits and 4 lists per step;
     # top-n: 8 splits per merge step)
     "decode_short_steps:decode_parts=0,decode_sel_step=1,decode_win_tile=64,decode_warps=4,"

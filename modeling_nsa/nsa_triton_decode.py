@@ -309,18 +309,21 @@ if triton is not None:
 
     @triton.jit
     def _decode_parts_kernel(
-        Q, PM, PL, PACC, PCNT, TOPK, KS, VS, KW, VW, DOCPOS, TEND, OM, OL, OACC,
+        Q, PM, PL, PACC, PCNT, TOPK, KS, VS, KW, VW, DOCPOS, TEND, OM, OL, OACC, ARRIVED, GATE, OUT,
         Tk, Tw, S, n_prog, n_parts, sm_scale2, ks_bs, vs_bs, kw_bs, vw_bs, dp_bs,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
         LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, WIN: tl.constexpr,
         SB: tl.constexpr, LISTS: tl.constexpr, SEL_STEP: tl.constexpr, SEL_PART: tl.constexpr,
         SEL_PARTS: tl.constexpr, BLOCK_N: tl.constexpr, WIN_PART: tl.constexpr, STATIC: tl.constexpr,
+        COMBINE: tl.constexpr, PB: tl.constexpr,
     ):
         """Decode, program (row x KV group, part): _decode_finish_kernel's work in parts that run side by side, for
         a CUDA-graphed step, where a launch costs microseconds and the finish kernel's chain of steps is what
         costs. Parts 0 .. SEL_PARTS - 1: SEL_PART of the n selected blocks (list slots); the next parts up to
         n_parts - 2: WIN_PART window keys each; the last part: the compressed branch's splits merged. Each writes
-        its softmax partial (max, sum, unnormalized output per head) for _decode_combine_kernel."""
+        its softmax partial (max, sum, unnormalized output per head) for _decode_combine_kernel, or (COMBINE) counts
+        itself in ARRIVED[row x KV group] (zeros before the launch) and the last of a row's parts to arrive combines
+        them (_combine_parts): one launch fewer in the step's chain, and no program waits for another."""
         pid_bg = tl.program_id(0)
         part = tl.program_id(1)
         # (rows unused: a name reused by the branches below must keep one type, so not `_`)
@@ -341,17 +344,20 @@ if triton is not None:
         tl.store(OM + base, m_i)
         tl.store(OL + base, l_i)
         tl.store(OACC + base[:, None] * D + d[None, :], acc)
+        if COMBINE:
+            # every thread's stores before the count (the barrier), the count a release and an acquire at the GPU's
+            # scope: the part that sees n_parts - 1 earlier arrivals reads every part's partial
+            tl.debug_barrier()
+            if tl.atomic_add(ARRIVED + pid_bg, 1, sem="acq_rel", scope="gpu") == n_parts - 1:
+                _combine_parts(OM, OL, OACC, GATE, OUT, pid_bg, n_parts, H, HKV, G, D, G_PAD, SEL_PARTS, PB)
 
     @triton.jit
-    def _decode_combine_kernel(
-        OM, OL, OACC, GATE, OUT, n_parts,
-        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
-        SEL_PARTS: tl.constexpr, PB: tl.constexpr,
-    ):
-        """Decode, one program per (row, KV group): each branch's output from its parts' partials (selected:
-        the first SEL_PARTS, window: the next, compressed: the last), PB parts per vector load, rounded to the
-        output dtype as the training path stores them, and the gated sum (Eq. 5)."""
-        pid_bg = tl.program_id(0)
+    def _combine_parts(OM, OL, OACC, GATE, OUT, pid_bg, n_parts, H: tl.constexpr, HKV: tl.constexpr,
+                       G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, SEL_PARTS: tl.constexpr,
+                       PB: tl.constexpr):
+        """(Row, KV group) pid_bg's output: each branch's output from its parts' partials (selected: the first
+        SEL_PARTS, window: the next, compressed: the last), PB parts per vector load, rounded to the output dtype
+        as the training path stores them, and the gated sum (Eq. 5)."""
         _, _, hh, row, row_ok, d = _group_rows(pid_bg, H, HKV, G, D, G_PAD)
         dtype: tl.constexpr = OUT.dtype.element_ty
         first = pid_bg.to(tl.int64) * n_parts
@@ -365,6 +371,15 @@ if triton is not None:
         o_cmp = _branch_output(acc, l_i, dtype)
         out = _gated_sum(GATE, row, row_ok, o_cmp, o_slc, o_win)
         tl.store(OUT + row[:, None] * D + d[None, :], out.to(dtype), mask=row_ok[:, None])
+
+    @triton.jit
+    def _decode_combine_kernel(
+        OM, OL, OACC, GATE, OUT, n_parts,
+        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+        SEL_PARTS: tl.constexpr, PB: tl.constexpr,
+    ):
+        """Decode, one program per (row, KV group): the parts' partials combined and gated (_combine_parts)."""
+        _combine_parts(OM, OL, OACC, GATE, OUT, tl.program_id(0), n_parts, H, HKV, G, D, G_PAD, SEL_PARTS, PB)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -433,15 +448,22 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     out_m = torch.empty(batch * num_kv * n_parts * g_pad, device=q.device, dtype=torch.float32)
     out_l = torch.empty_like(out_m)
     out_acc = torch.empty(out_m.shape[0], head_dim, device=q.device, dtype=torch.float32)
+    combine = launch.fused_combine
+    # (row x KV group) parts arrived, for the part that arrives last to combine them (fused_combine; unread otherwise:
+    # no memset launch on the default step)
+    arrived = torch.zeros(batch * num_kv, device=q.device, dtype=torch.int32) if combine else counts
+    pb = max(1, 256 // head_dim)  # parts per load in the combine: spill-free to head_dim 256
     # one stage: a part is one step by default (nothing to overlap), and the two branches' pipeline buffers would
     # not share shared memory (258 KiB on sm_90)
     _decode_parts_kernel[(batch * num_kv, n_parts)](
         q, part_m, part_l, part_acc, counts, top_keys, k_slc, v_slc, k_win, v_win, doc_pos, query_end,
-        out_m, out_l, out_acc, num_keys, num_win, n_split, n_prog, n_parts, scale * _LOG2E, *strides,
-        SEL_PART=launch.sel_part, SEL_PARTS=sel_parts, WIN_PART=launch.win_part, num_stages=1, **common_last,
+        out_m, out_l, out_acc, arrived, gates, out, num_keys, num_win, n_split, n_prog, n_parts, scale * _LOG2E,
+        *strides, SEL_PART=launch.sel_part, SEL_PARTS=sel_parts, WIN_PART=launch.win_part, COMBINE=combine, PB=pb,
+        num_stages=1, **common_last,
     )
-    _decode_combine_kernel[(batch * num_kv,)](
-        out_m, out_l, out_acc, gates, out, n_parts, H=num_heads, SEL_PARTS=sel_parts,
-        PB=max(1, 256 // head_dim), num_warps=4, **common,  # PB parts per load: spill-free to head_dim 256
-    )
+    if not combine:
+        _decode_combine_kernel[(batch * num_kv,)](
+            out_m, out_l, out_acc, gates, out, n_parts, H=num_heads, SEL_PARTS=sel_parts, PB=pb, num_warps=4,
+            **common,
+        )
     return out

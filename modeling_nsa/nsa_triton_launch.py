@@ -115,6 +115,7 @@ class LaunchOverrides:
     decode_sel_step: int | None = None  # selected blocks per step of a decode selected part
     decode_win_tile: int | None = None  # window keys per step of a decode window part
     decode_parts: int | None = None  # 1/0: the decode step's parts + combine kernels / the finish kernel
+    decode_fused_combine: int | None = None  # 1: the decode parts' last program to finish combines them
     decode_sel_part: int | None = None  # selected blocks per decode part program
     decode_win_part: int | None = None  # window keys per decode part program
     decode_warps: int | None = None  # warps of the decode finish and parts kernels
@@ -416,6 +417,7 @@ class DecodeLaunch:
     lists: int  # block ranges' top-n lists per step of the list merge
     num_warps: int  # of the finish and parts kernels
     parts: bool  # the last launches: parts + combine kernels (else the finish kernel)
+    fused_combine: bool  # with parts: the last part of a row and KV group to finish combines (no combine kernel)
 
 
 def _decode_launch(head_dim: int, n_sel: int, params: NSAParams, static: bool, device) -> DecodeLaunch:
@@ -463,4 +465,7 @@ def _decode_launch(head_dim: int, n_sel: int, params: NSAParams, static: bool, d
         lists=o.decode_merge_lists or max(1, 128 // _next_pow2(n_sel)),
         num_warps=o.decode_warps or (4 if head_dim <= 64 else 8),
         parts=bool(static if o.decode_parts is None else o.decode_parts),
+        # off until timed: one launch fewer on a graphed step's chain against an atomic count per part (variant
+        # decode_fused_combine, bench/KERNELS.md)
+        fused_combine=bool(o.decode_fused_combine),
     )

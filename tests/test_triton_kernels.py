@@ -47,6 +47,7 @@ _KNOB_IDS = {
     "decode_sel_step": lambda c: f"selstep{c['decode_sel_step']}",
     "decode_win_tile": lambda c: f"wintile{c['decode_win_tile']}",
     "decode_parts": lambda c: "parts" if c["decode_parts"] else "finish",
+    "decode_fused_combine": lambda c: "fusedcombine" if c["decode_fused_combine"] else "combinekernel",
     "decode_sel_part": lambda c: f"selpart{c['decode_sel_part']}",
     "decode_win_part": lambda c: f"winpart{c['decode_win_part']}",
     "decode_merge_splits": lambda c: f"merge{c['decode_merge_splits']}splits",
@@ -340,6 +341,10 @@ CPU_CASES = [
     dict(kind="decode", B=2, T=120, H=6, Hkv=2, D=16, steps=[1, 30, 41, 77, 119], layout="pad", static=True,
          decode_sel_step=2, decode_sel_part=4, decode_win_tile=16, decode_win_part=32,
          param_overrides=dict(sel_num_blocks=6, window_size=40)),
+    # the parts combined by the last of each row and KV group's parts to finish (an atomic count), no combine launch
+    dict(kind="decode", B=2, T=120, H=6, Hkv=2, D=16, steps=[1, 30, 41, 77, 119], layout="pad", static=True,
+         decode_sel_step=2, decode_sel_part=4, decode_win_tile=16, decode_win_part=32, decode_fused_combine=1,
+         param_overrides=dict(sel_num_blocks=6, window_size=40)),
     dict(kind="decode", B=2, T=90, H=6, Hkv=2, D=16, steps=[1, 16, 17, 50, 89], Tw=16, layout="varlen", static=True,
          decode_parts=False),
     # NSACache(static=True)'s layout: full-length key buffers (unwritten keys NaN), the window a ring (first
@@ -460,6 +465,25 @@ def test_vectorized_interpreter_reductions_equal_the_interpreters_own():
     assert checks.pop("installed"), "vectorize_interpreter_reductions found no interpreter methods to replace"
     assert len(checks) == 7 and all(checks.values()), checks
 
+
+
+def test_interpreter_access_checks_catch_races_and_allow_reads_ordered_by_atomics():
+    """The kernel cases' access checks (triton_helpers.check_memory_accesses) on toy kernels: a write past a
+    tensor's end and a read of another program's write are errors; a read after an acquiring count of programs that
+    counted themselves (releasing) after their writes is not (the decode parts' last-arriving combine), and a
+    relaxed count orders nothing (tests/interpreter_access_checks.py, in a process of its own: TRITON_INTERPRET=1)."""
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    if common_module()._interpreter_reason():
+        pytest.skip(common_module()._interpreter_reason())
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(HERE / "interpreter_access_checks.py")], capture_output=True,
+                          text=True, env=env, timeout=300, cwd=str(HERE.parent))
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ACCESS_JSON=")]
+    assert lines, f"the access-check run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert json.loads(lines[-1][len("ACCESS_JSON="):]) == {
+        "ordered_by_acq_rel_count": "ok", "relaxed_count": "MemoryAccessError", "no_count": "MemoryAccessError",
+        "past_the_end": "MemoryAccessError"}
 
 def _check(res, case, tol):
     assert "error" not in res, res.get("trace", res.get("error"))

@@ -119,6 +119,10 @@ SCENARIOS = {
     # head_dim 256 runs on the kernels too with 160 KiB of shared memory per block (not a tuned shape: it
     # compiles, fits and spills; on sm_86 it runs the reference: no launches)
     "G2-d256-bf16": _scenario(1, 300, 4, 2, 256, torch.bfloat16, decode_steps=(300,)),
+    # the decode parts combined by their last program (opt-in, decode_fused_combine): the parts kernel with its atomic
+    # count and the combine inside (the scenario's other launches repeat the first one's and are compiled once)
+    "125M-G6-d64-bf16-fusedcombine": _scenario(2, 300, 12, 2, 64, torch.bfloat16, decode_steps=(300,),
+                                               overrides=dict(decode_fused_combine=True)),
 }
 
 # Launch variants not yet the default (bench/KERNELS.md), each compiled at the shapes where its kernels differ

@@ -823,6 +823,10 @@ def check_memory_accesses():
       returns a neighbour's bytes or corrupts them and may pass on CPU; on a GPU it faults or corrupts silently;
     - no program reads or writes an element another program of the launch wrote: the interpreter runs programs
       one after another, so such a dependency works on CPU; on a GPU they run concurrently and it is a race.
+      Except a read ordered by atomics, as on a GPU: a program's atomic with release semantics (at GPU scope)
+      publishes the writes it made before it, and a later atomic on the same address with acquire semantics makes
+      them readable by its program (a decode part that counts itself after storing its partial and, arriving
+      last, reads the others', nsa_triton_decode._decode_parts_kernel). Writes after the release stay private.
     Raises MemoryAccessError naming the kernel, the program and the access."""
     import numpy as np
     from triton.runtime import interpreter
@@ -850,7 +854,8 @@ def check_memory_accesses():
         launch.clear()
         launch.update(kernel=self.fn.__name__, lo=np.array([r[0] for r in merged], dtype=np.uint64),
                       hi=np.array([r[1] for r in merged], dtype=np.uint64), program=None,
-                      written_before=np.empty(0, np.uint64), written_now=[])
+                      written_before=np.empty(0, np.uint64), written_now=[], released={},
+                      acquired=np.empty(0, np.uint64))
         return args_hst, kwargs_hst
 
     set_grid_idx = interpreter.InterpreterBuilder.set_grid_idx
@@ -861,6 +866,7 @@ def check_memory_accesses():
                 launch["written_before"] = np.union1d(launch["written_before"], np.concatenate(launch["written_now"]))
                 launch["written_now"] = []
             launch["program"] = (x, y, z)
+            launch["acquired"] = np.empty(0, np.uint64)
         return set_grid_idx(self, x, y, z)
 
     def fail(kind, what, count, first):
@@ -884,6 +890,8 @@ def check_memory_accesses():
         if before.size:
             j = np.minimum(np.searchsorted(before, address), before.size - 1)
             shared = before[j] == address
+            if kind == "load" and launch["acquired"].size:  # published to this program through an atomic
+                shared &= ~np.isin(address, launch["acquired"])
             if shared.any():
                 fail(kind, "that another program of the launch wrote (a race on a GPU)", int(shared.sum()),
                      f"byte {int(address[shared][0] - launch['lo'][i[shared][0]])} of its tensor")
@@ -900,6 +908,20 @@ def check_memory_accesses():
         check("store", ptrs, mask)
         return store(self, ptrs, value, mask, *rest)
 
+    atomic_rmw = interpreter.InterpreterBuilder.create_atomic_rmw
+
+    def atomic_rmw_ordering(self, rmw_op, ptr, val, mask, sem, scope):
+        if launch and "CTA" not in str(scope).upper():  # (a block-scope atomic orders nothing across programs)
+            addresses = ptr.data[np.broadcast_to(mask.data, ptr.data.shape)].astype(np.uint64).ravel()
+            mine = np.unique(np.concatenate(launch["written_now"])) if launch["written_now"] else np.empty(0, np.uint64)
+            for address in np.unique(addresses).tolist():
+                if "ACQUIRE" in str(sem).upper():  # what earlier programs released at this address
+                    launch["acquired"] = np.union1d(launch["acquired"], launch["released"].get(address, mine[:0]))
+                if "RELEASE" in str(sem).upper():
+                    launch["released"][address] = np.union1d(launch["released"].get(address, mine[:0]), mine)
+        return atomic_rmw(self, rmw_op, ptr, val, mask, sem, scope)
+
+    interpreter.InterpreterBuilder.create_atomic_rmw = atomic_rmw_ordering
     interpreter.GridExecutor._init_args_hst = init_args_recording_ranges
     interpreter.InterpreterBuilder.set_grid_idx = set_grid_idx_closing_the_program
     interpreter.InterpreterBuilder.create_masked_load = checked_load
