@@ -21,7 +21,8 @@ except Exception:  # pragma: no cover - exercised only without triton
 
 if triton is not None:
     from .nsa_triton_common import _branch_output, _gated_sum, _softmax_init, _softmax_tile
-    from .nsa_triton_topn import _topn_blocks, _topn_key, _KEY_MIN, _KEY_NEG_INF
+    from .nsa_triton_topn import (_topn_block_shares, _topn_blocks, _topn_key, _topn_priority, _KEY_MIN,
+                                     _KEY_NEG_INF)
 
     # ------------------------------------------------------------------------------------------
     # Decoding: compressed keys split over programs, block ranges' top-n, then the branches and the gates (one
@@ -157,9 +158,8 @@ if triton is not None:
         n_blocks = tl.where(pos >= 0, pos // LB + 1, 0).to(tl.int32)
         own = (pos // LB).to(tl.int32)
         R: tl.constexpr = LB // DS  # compressed tokens starting in a block
-        # A token starting at offset r*d of its block gives w0[r] = min(l' - r*d, l) / d to it and
-        # w1[r] = max(0, r*d + l - l') / d to the next (Eq. 9, l <= l'); the range's tokens RC offsets at a time, so
-        # a step holds at most TB_PAD x RC probabilities per head (RC = R at the defaults: one step)
+        # each token's score to its block and the next (Eq. 9, _topn_block_shares); the range's tokens RC offsets at
+        # a time, so a step holds at most TB_PAD x RC probabilities per head (RC = R at the defaults: one step)
         j_lo = pj * TB
         jb = tl.arange(0, TB_PAD)
         to_own = tl.zeros([TB_PAD], tl.float32)
@@ -169,21 +169,20 @@ if triton is not None:
             ii = tl.reshape((j_lo + jb)[:, None] * R + rr[None, :], (TB_PAD * RC,))  # the range's tokens
             ps = _decode_token_probs(PP, PM, lse, pid_bg, S, c_lo, ii, ii < n_vis, hh, row_ok, G_PAD, CS)
             ps = tl.reshape(ps, (TB_PAD, RC))
-            to_own += tl.sum(ps * (tl.minimum(LB - rr * DS, L) // DS).to(tl.float32)[None, :], 1)
-            to_next += tl.sum(ps * (tl.maximum(rr * DS + L - LB, 0) // DS).to(tl.float32)[None, :], 1)
+            w0, w1 = _topn_block_shares(rr, L, DS, LB)
+            to_own += tl.sum(ps * w0[None, :], 1)
+            to_next += tl.sum(ps * w1[None, :], 1)
         rr = tl.arange(0, R)
         ii_prev = (j_lo - 1) * R + rr  # the block before the range: its share in block j_lo
         ps_prev = _decode_token_probs(PP, PM, lse, pid_bg, S, c_lo, ii_prev, (ii_prev >= 0) & (ii_prev < n_vis), hh,
                                       row_ok, G_PAD, CS)
-        carry = tl.sum(ps_prev * (tl.maximum(rr * DS + L - LB, 0) // DS).to(tl.float32), 0)
+        _, w1_prev = _topn_block_shares(rr, L, DS, LB)
+        carry = tl.sum(ps_prev * w1_prev, 0)
         from_prev = tl.where(jb > 0, tl.gather(to_next, tl.maximum(jb - 1, 0), 0), carry)
         score = to_own + from_prev
         jj = (j_lo + jb).to(tl.int32)
         elig = (jb < TB) & (jj < n_blocks)
-        forced = elig & ((jj < INIT) | ((jj > own - LOCAL) & (jj <= own)))  # Eq. 11's initial and local blocks
-        prio = tl.where(elig & (score == score), score, float("-inf"))  # a NaN score never enters
-        prio = tl.where(forced, float("inf"), prio)
-        keys = tl.where(elig, _topn_key(prio, jj), _KEY_MIN)
+        keys = tl.where(elig, _topn_key(_topn_priority(score, jj, own, elig, INIT, LOCAL), jj), _KEY_MIN)
         top = _best_keys(keys, N_PAD)  # (N_PAD,) best first
         slot_n = tl.arange(0, N_PAD)
         out = (pid_bg.to(tl.int64) * n_prog + pj) * N_PAD + slot_n

@@ -132,6 +132,23 @@ if triton is not None:
         return tl.max(tl.where(hit, top[:, None, :], _KEY_MIN), 2)
 
     @triton.jit
+    def _topn_block_shares(r, L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr):
+        """Eq. 9's overlap weights of a compressed token starting at offset r*d of its selection block (r: int
+        tensor): w0 = min(l' - r*d, l) / d to its own block and w1 = max(0, r*d + l - l') / d to the next (l <= l'),
+        as fp32. Shared by the training and decode top-n."""
+        w0 = (tl.minimum(LB - r * DS, L) // DS).to(tl.float32)
+        w1 = (tl.maximum(r * DS + L - LB, 0) // DS).to(tl.float32)
+        return w0, w1
+
+    @triton.jit
+    def _topn_priority(score, jj, own, elig, INIT: tl.constexpr, LOCAL: tl.constexpr):
+        """Eq. 11's priorities of blocks jj (own: the query's own block, broadcast against jj): the score where
+        eligible and not NaN (a NaN score never enters), +inf for the forced initial and local blocks, else -inf."""
+        forced = elig & ((jj < INIT) | ((jj > own - LOCAL) & (jj <= own)))
+        prio = tl.where(elig & (score == score), score, float("-inf"))
+        return tl.where(forced, float("inf"), prio)
+
+    @triton.jit
     def _topn_chunk_update(ps, carry, top, j0, n_blocks, own,
                            L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr, N_SEL: tl.constexpr,
                            N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr, BJ: tl.constexpr,
@@ -149,9 +166,7 @@ if triton is not None:
         are sorted and the chunk merged whole (_topn_merge); all keep the same entries. Returns (carry, top)."""
         R: tl.constexpr = LB // DS
         jb = tl.arange(0, BJ)
-        rr = tl.arange(0, R) * DS
-        w0 = (tl.minimum(LB - rr, L) // DS).to(tl.float32)  # (R,)
-        w1 = (tl.maximum(rr + L - LB, 0) // DS).to(tl.float32)
+        w0, w1 = _topn_block_shares(tl.arange(0, R), L, DS, LB)  # (R,)
         p3 = tl.reshape(ps, (QPB, BJ, R))
         to_own = tl.sum(p3 * w0[None, None, :], 2)  # (QPB, BJ)
         to_next = tl.sum(p3 * w1[None, None, :], 2)
@@ -162,11 +177,7 @@ if triton is not None:
         score = to_own + from_prev + tl.where(jb[None, :] == 0, carry[:, None], 0.0)
         carry = tl.sum(tl.where(jb[None, :] == BJ - 1, to_next, 0.0), 1)
         jj = (j0 + jb).to(tl.int32)
-        elig = jj[None, :] < n_blocks[:, None]
-        local = (jj[None, :] > (own - LOCAL)[:, None]) & (jj[None, :] <= own[:, None])
-        forced = elig & ((jj[None, :] < INIT) | local)
-        prio = tl.where(elig & (score == score), score, float("-inf"))  # a NaN score never enters (as before keys)
-        prio = tl.where(forced, float("inf"), prio)
+        prio = _topn_priority(score, jj[None, :], own[:, None], jj[None, :] < n_blocks[:, None], INIT, LOCAL)
         # entries above the worst kept one and above -inf enter; the chunk's blocks come after the lists' (a tie with
         # the worst loses), so the count compares priorities and the chunk's keys are formed only when one enters
         worst_v = _topn_key_value(tl.maximum(_topn_worst(top, N_SEL, N_PAD), _KEY_NEG_INF))  # (QPB,)

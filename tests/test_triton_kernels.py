@@ -448,20 +448,26 @@ def test_a_broken_interpreter_is_named(monkeypatch):
     assert tri.triton_unusable_reason("cpu") is None
 
 
-def test_vectorized_interpreter_reductions_equal_the_interpreters_own():
-    """The kernel cases run tl.sort's xor reductions and the kernels' associative scans as whole-array steps
-    (triton_helpers.vectorize_interpreter_reductions: minutes less of CI); each gives the arrays the interpreter's
-    per-element path gives (tests/interpreter_reductions.py, in a process of its own: TRITON_INTERPRET=1)."""
+
+def _interpreter_script_json(script: str, prefix: str):
+    """Run tests/<script> in a process of its own under TRITON_INTERPRET=1 (skipping where the interpreter cannot
+    run) and return the JSON of its last stdout line starting with prefix."""
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
     if common_module()._interpreter_reason():
         pytest.skip(common_module()._interpreter_reason())
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, str(HERE / "interpreter_reductions.py")], capture_output=True, text=True,
-                          env=env, timeout=300, cwd=str(HERE.parent))
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REDUCTIONS_JSON=")]
-    assert lines, f"the reductions run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    checks = json.loads(lines[-1][len("REDUCTIONS_JSON="):])
+    proc = subprocess.run([sys.executable, str(HERE / script)], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=str(HERE.parent))
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(prefix)]
+    assert lines, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1][len(prefix):])
+
+def test_vectorized_interpreter_reductions_equal_the_interpreters_own():
+    """The kernel cases run tl.sort's xor reductions and the kernels' associative scans as whole-array steps
+    (triton_helpers.vectorize_interpreter_reductions: minutes less of CI); each gives the arrays the interpreter's
+    per-element path gives (tests/interpreter_reductions.py, in a process of its own: TRITON_INTERPRET=1)."""
+    checks = _interpreter_script_json("interpreter_reductions.py", "REDUCTIONS_JSON=")
     assert checks.pop("installed"), "vectorize_interpreter_reductions found no interpreter methods to replace"
     assert len(checks) == 7 and all(checks.values()), checks
 
@@ -472,16 +478,7 @@ def test_interpreter_access_checks_catch_races_and_allow_reads_ordered_by_atomic
     tensor's end and a read of another program's write are errors; a read after an acquiring count of programs that
     counted themselves (releasing) after their writes is not (the decode parts' last-arriving combine), and a
     relaxed count orders nothing (tests/interpreter_access_checks.py, in a process of its own: TRITON_INTERPRET=1)."""
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    if common_module()._interpreter_reason():
-        pytest.skip(common_module()._interpreter_reason())
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, str(HERE / "interpreter_access_checks.py")], capture_output=True,
-                          text=True, env=env, timeout=300, cwd=str(HERE.parent))
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ACCESS_JSON=")]
-    assert lines, f"the access-check run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    assert json.loads(lines[-1][len("ACCESS_JSON="):]) == {
+    assert _interpreter_script_json("interpreter_access_checks.py", "ACCESS_JSON=") == {
         "ordered_by_acq_rel_count": "ok", "relaxed_count": "MemoryAccessError", "no_count": "MemoryAccessError",
         "past_the_end": "MemoryAccessError"}
 
