@@ -300,8 +300,9 @@ if triton is not None:
         LIGHT_FIRST: tl.constexpr,
     ):
         """Top-n for a tile of QPB consecutive queries x G_PAD head rows of one KV group. A tile inside one
-        document shares each compressed-key tile; a tile across a document boundary (rare) is done one
-        query at a time (each pass masks the other queries' rows)."""
+        document shares each compressed-key tile; a tile across document boundaries takes one pass per distinct
+        first compressed slot (c_lo) of its queries' documents, each masking the other documents' rows (two passes
+        at one boundary: a pass per query took QPB, 8 at the 125M layout, which short documents pay often)."""
         pid_q = _query_tile_id(LIGHT_FIRST)
         pid_bg = tl.program_id(1)
         b = (pid_bg // HKV).to(tl.int64)
@@ -312,9 +313,13 @@ if triton is not None:
         tq = tl.where(tq_ok, tq, 0)
         pos = tl.load(DOCPOS + b * Tk + q_off + tq, mask=tq_ok, other=-1)
         c_lo = tl.load(CLO + b * Tq + tq, mask=tq_ok, other=0)
-        start = q_off + tq - pos  # document start of each valid query
-        # one document (or none: all padding) <=> the largest valid start is not above the smallest
-        one_doc = tl.max(tl.where(pos >= 0, start, -1), 0) <= tl.min(tl.where(pos >= 0, start, 1 << 62), 0)
+        valid = pos >= 0  # (QPB,) not padding
+        # the passes: the distinct c_lo of the valid queries (documents without compressed tokens share the next
+        # one's c_lo and may share its pass: every pass reads keys from c_lo, the rest is per row); a query's value
+        # counts once, at its first valid query, by a (QPB, QPB) compare (QPB <= 16)
+        same_before = (c_lo[:, None] == c_lo[None, :]) & valid[None, :] & (qq[None, :] < qq[:, None])
+        first_of_value = valid & (tl.sum(same_before.to(tl.int32), 1) == 0)
+        n_passes = tl.sum(first_of_value.to(tl.int32), 0)  # 0 when every query is padding: their lists stay -1
         r = tl.arange(0, QPB * G_PAD)
         rq, hh = _topn_row_query_head(r, G_PAD, HEAD_LANES)
         ti = pid_q * QPB + rq
@@ -324,13 +329,15 @@ if triton is not None:
         row = (b * Tq + ti) * H + g * G + hh
         q = tl.load(Q + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
         lse = _load_lse(LSE, row, row_ok)
-        n_vis_rows = tl.load(CHI + b * Tq + ti, mask=row_ok, other=0) - tl.load(CLO + b * Tq + ti, mask=row_ok, other=0)
+        c_lo_rows = tl.load(CLO + b * Tq + ti, mask=row_ok, other=0)
+        n_vis_rows = tl.load(CHI + b * Tq + ti, mask=row_ok, other=0) - c_lo_rows
         top = tl.full([QPB, N_PAD], -1, tl.int32)
-        for i in range(tl.where(one_doc, 1, QPB)):
-            mine = one_doc | (qq == i)  # (QPB,) the queries this pass decides
-            c_lo_i = tl.where(one_doc, tl.max(c_lo, 0), tl.sum(tl.where(qq == i, c_lo, 0), 0))
+        c_lo_i = tl.full([], -1, tl.int32)
+        for _ in range(n_passes):  # the distinct c_lo in increasing order
+            c_lo_i = tl.min(tl.where(valid & (c_lo > c_lo_i), c_lo, 2 ** 31 - 1), 0)
+            mine = valid & (c_lo == c_lo_i)  # (QPB,) the queries this pass decides
             kc_base = KC + b * Nc * HKV * D + g * D + c_lo_i.to(tl.int64) * (HKV * D)
-            rows_i = row_ok & (one_doc | (rq == i))
+            rows_i = row_ok & (c_lo_rows == c_lo_i)  # (padding rows have no visible tokens: never live)
             res = _topn_tile(q, lse, rows_i, kc_base, n_vis_rows, pos, sm_scale2,
                              D, HKV, L, DS, LB, N_SEL, N_PAD, INIT, LOCAL, BJ, QPB, G_PAD, INSERT_MAX, HEAD_LANES)
             top = tl.where(mine[:, None], res, top)
