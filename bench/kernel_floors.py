@@ -463,9 +463,32 @@ def idle_gaps(events, reps: int, top: int = 3) -> tuple[float, list[dict]]:
     return idle / reps, [dict(after=a, before=b, ms=ms / reps) for (a, b), ms in largest]
 
 
+def short_kernel_name(name: str) -> str:
+    """A profiler's kernel name without its C++ return type, namespaces, template arguments and parameters
+    ("void at::native::(anonymous namespace)::radixSortKVInPlace<...>(...)" -> "radixSortKVInPlace"): the full
+    demangled names run to thousands of characters in a log line."""
+    name = name.strip()
+    if name.startswith("void "):
+        name = name[len("void "):]
+    name = name.replace("(anonymous namespace)", "anonymous")  # (its parenthesis is not the parameters')
+    cut = min((i for i in (name.find("<"), name.find("(")) if i > 0), default=len(name))
+    return name[:cut].rsplit("::", 1)[-1] or name
+
+
+def describe_other(other: dict[str, float], top: int = 6) -> str:
+    """The unclaimed kernels in a line: short names (times of one short name summed), the `top` longest with their
+    ms, then how many more."""
+    by_short: dict[str, float] = {}
+    for name, ms in other.items():
+        by_short[short_kernel_name(name)] = by_short.get(short_kernel_name(name), 0.0) + ms
+    ranked = sorted(by_short.items(), key=lambda kv: -kv[1])
+    text = ", ".join(f"{name} {ms:.2f}" for name, ms in ranked[:top]) or "none"
+    return text + (f", {len(ranked) - top} more" if len(ranked) > top else "")
+
+
 def describe_gaps(gaps: list[dict]) -> str:
-    """idle_gaps' largest pairs in a line: the kernel each gap follows (name cut to 40 characters) and its ms."""
-    return ", ".join(f"{g['after'][:40]} ({g['ms']:.2f} ms)" for g in gaps) or "none"
+    """idle_gaps' largest pairs in a line: the kernel each gap follows (short name) and its ms."""
+    return ", ".join(f"{short_kernel_name(g['after'])} ({g['ms']:.2f} ms)" for g in gaps) or "none"
 
 
 def assign_rows(kernel_times: dict[str, list[float]], table: dict) -> tuple[dict[str, float | None], dict]:
@@ -731,7 +754,7 @@ def run_gpu(args, params):
             out["training"].append(case)
             print_table(f"{case['layout']} T={T} B={B} {kind}: NSA f+b {op_ms:.2f} ms (kernels' floors sum "
                         f"{nsa_floor:.2f} ms), dense SDPA f+b {dense_fb:.2f} ms; other kernels "
-                        f"{sum(other.values()):.2f} ms ({', '.join(sorted(other)) or 'none'}); GPU idle between "
+                        f"{sum(other.values()):.2f} ms ({describe_other(other)}); GPU idle between "
                         f"kernels {idle_ms:.2f} ms per step, most after {describe_gaps(gaps)}", rows, timed=True)
             save(args, out, params)
     H, Hkv, D = (int(s) for s in args.layouts[0].split(","))

@@ -112,6 +112,9 @@ DEFAULT_VARIANTS = [
     # heads in the thread's two accumulator rows and a few lanes (nsa_triton_topn._topn_row_query_head), not yet
     # timed; its chunk loop compiles to about half the SASS instructions (tests/triton_aot.py --sass-loops)
     "topn_query_major:topn_query_major=1",
+    # the training top-n inserts up to 2 entering blocks a chunk and merges above (a bitonic top-k, since 2026-11-28;
+    # bench/topn_model.py): every entering block inserted (the default until then), every chunk merged, 4 inserted
+    "insert_all:topn_insert_max=65536",
     "merge_only:topn_insert_max=0",
     "insert4:topn_insert_max=4",
     # the step's last launches: eager steps take the finish kernel (one program per row and KV group), CUDA-graphed
@@ -150,7 +153,7 @@ DEFAULT_VARIANTS = [
 # time limit still leaves the rows it finished (the decode section runs before all of them).
 CASES = [(12, 2, 64, 65536, 1, "random", None), (12, 2, 64, 2048, 32, "random", None),
          (16, 1, 64, 8192, 8, "random", None),
-         (12, 2, 64, 65536, 1, "correlated", ("default", "dq64rows", "sel32rows", "merge_only", "seldq_pairs",
+         (12, 2, 64, 65536, 1, "correlated", ("default", "dq64rows", "sel32rows", "insert_all", "merge_only", "seldq_pairs",
                                               "topn_query_major", "sel_dkdv_masked", "sel_causal_all")),
          (16, 2, 128, 8192, 4, "random", ("default", "dkdv8warps", "dq128whole", "dkdv_interior", "dkdv_masked",
                                           "seldq_pairs", "topn_query_major", "sel_dkdv_masked",

@@ -378,18 +378,22 @@ def _topn_head_lanes(g_pad: int) -> int:
     return g_pad // 2
 
 
+TOPN_INSERT_MAX = 2  # entering blocks a training top-n chunk inserts one at a time; above, it merges the chunk
+
+
 def _topn_insert_max() -> int:
     """Entries of a chunk entering a query's list up to which the training top-n inserts them one at a time
-    (_topn_insert) rather than merging the chunk whole (_topn_merge); tests and bench/tune_kernels.py force it
-    (launch_overrides(topn_insert_max=...)).
-    By default every entering block is inserted (no merge compiled in the chunk loop): an insertion replaces
-    the worst entry of an unsorted list of int64 keys (two independent reductions), and the first chunk of a list
-    is placed whole (nsa_triton_topn._topn_chunk_update); inserting every block beat inserting up to 4 and merging
-    every chunk (variants insert4, merge_only; timed before the keys, bench/KERNELS.md). The decode top-n has no
-    chunk loop (nsa_triton_decode._decode_topn_kernel: one tl.topk per block range)."""
+    (_topn_insert: two independent reductions of int64 keys, 67 SASS instructions a step on sm_90, ~230 cycles
+    latency-bound) rather than merging the chunk whole (_topn_merge: one bitonic top-k of the list beside the chunk,
+    ~200 instructions, most of them ~15 dependent shuffle stages: about 2-3 steps' time). TOPN_INSERT_MAX = 2:
+    bench/topn_model.py counts, on random queries, steps and merges per launch and puts the insertion work at
+    0.32 / 0.32 / 0.55 / 0.66 of inserting every block at 2k / 8k / 32k / 64k with a merge worth 3 steps (untimed;
+    bench/KERNELS.md). Tests and bench/tune_kernels.py force it (launch_overrides(topn_insert_max=...): 0 merges
+    every chunk with an entering block, 65536 inserts them all). The decode top-n has no chunk loop
+    (nsa_triton_decode._decode_topn_kernel: one tl.topk per block range)."""
     if _OVERRIDES.topn_insert_max is not None:
         return _OVERRIDES.topn_insert_max
-    return 1 << 16
+    return TOPN_INSERT_MAX
 
 
 def _topn_chunk(params: NSAParams) -> int:

@@ -73,31 +73,31 @@ if triton is not None:
         return tl.where(top > _KEY_NEG_INF, _topn_key_block(top), -1)
 
     @triton.jit
-    def _topn_beats(a_hi, a_lo, b_hi, b_lo):
-        """key_a > key_b from the keys' int32 halves (high: the priority's order, low: 0x7FFFFFFF - block): in the
-        merge's (Q, BJ, N_PAD) compares a pair of int32 registers per entry spills less than an int64."""
-        return (a_hi > b_hi) | ((a_hi == b_hi) & (a_lo > b_lo))
+    def _topn_best(keys, K: tl.constexpr):
+        """Each row's K largest keys (Q, K) of keys (Q, M), largest first: tl.topk (Triton's bitonic top-k along the
+        last axis), or for K = 1 a max (triton 3.6, the H100's, does not compile tl.topk with k = 1)."""
+        if K == 1:
+            best = tl.full([keys.shape[0], 1], 0, keys.dtype) + tl.max(keys, 1)[:, None]
+        else:
+            best = tl.topk(keys, K)
+        return best
 
     @triton.jit
-    def _topn_merge(top, chunk, N_SEL: tl.constexpr, N_PAD: tl.constexpr):
-        """Merge a chunk of keys (Q, BJ) into each query's sorted list of keys top (Q, N_PAD). All in parallel: a
-        list entry's new rank is its slot plus the chunk entries beating it; a chunk entry's rank counts the
-        beaters in both; ranks >= N_SEL fall off. Chunk keys must be distinct from each other and the list's."""
+    def _topn_merge(top, chunk, N_SEL: tl.constexpr, N_PAD: tl.constexpr, BJ: tl.constexpr):
+        """Each query's best N_SEL of its list top (Q, N_PAD; any order) and a chunk of keys (Q, BJ), sorted, in slots
+        0 .. N_SEL-1: one bitonic top-k of the list's kept entries beside the chunk's best N_PAD (the chunk padded
+        with _KEY_MIN when shorter). Chunk keys must be distinct from the list's."""
         slot = tl.arange(0, N_PAD)
-        l_hi, l_lo = (top >> 32).to(tl.int32), top.to(tl.int32)
-        c_hi, c_lo = (chunk >> 32).to(tl.int32), chunk.to(tl.int32)
-        c_beats_l = _topn_beats(c_hi[:, None, :], c_lo[:, None, :], l_hi[:, :, None], l_lo[:, :, None])
-        rank_l = slot[None, :] + tl.sum(c_beats_l.to(tl.int32), 2)  # (Q, N_PAD)
-        l_beats_c = _topn_beats(l_hi[:, None, :], l_lo[:, None, :], c_hi[:, :, None], c_lo[:, :, None])
-        l_beats_c = l_beats_c & (slot[None, None, :] < N_SEL)  # (Q, BJ, N_PAD)
-        # (Q, BJ, BJ): the entry on the last axis beats the one on the middle axis
-        c_beats_c = _topn_beats(c_hi[:, None, :], c_lo[:, None, :], c_hi[:, :, None], c_lo[:, :, None])
-        rank_c = tl.sum(l_beats_c.to(tl.int32), 2) + tl.sum(c_beats_c.to(tl.int32), 2)  # (Q, BJ)
-        rank_l = tl.where(slot[None, :] < N_SEL, rank_l, 1 << 20)
-        hit_l = rank_l[:, None, :] == slot[None, :, None]  # (Q, new slot, old slot)
-        hit_c = rank_c[:, None, :] == slot[None, :, None]  # (Q, new slot, chunk entry)
-        return tl.maximum(tl.max(tl.where(hit_l, top[:, None, :], _KEY_MIN), 2),
-                          tl.max(tl.where(hit_c, chunk[:, None, :], _KEY_MIN), 2))
+        kept = tl.where(slot[None, :] < N_SEL, top, _KEY_MIN)
+        if BJ > N_PAD:
+            best_chunk = _topn_best(chunk, N_PAD)
+        elif BJ < N_PAD:
+            columns = tl.broadcast_to((slot % BJ)[None, :], (chunk.shape[0], N_PAD))
+            best_chunk = tl.where(slot[None, :] < BJ, tl.gather(chunk, columns, 1), _KEY_MIN)
+        else:
+            best_chunk = chunk
+        both = tl.reshape(tl.join(kept, best_chunk), (chunk.shape[0], 2 * N_PAD))
+        return _topn_best(both, N_PAD)  # (slots past N_SEL: the next entries, which no later step reads)
 
     @triton.jit
     def _topn_worst(top, N_SEL: tl.constexpr, N_PAD: tl.constexpr):
@@ -121,15 +121,10 @@ if triton is not None:
 
     @triton.jit
     def _topn_sort(top, N_SEL: tl.constexpr, N_PAD: tl.constexpr):
-        """The lists of keys (Q, N_PAD) in priority order in slots 0 .. N_SEL-1 (slots past N_SEL: _KEY_MIN): each
-        kept entry's rank is the number of kept entries beating it."""
-        slot = tl.arange(0, N_PAD)
-        kept = slot < N_SEL
-        beats = top[:, :, None] > top[:, None, :]  # (Q, a, b): a beats b
-        rank = tl.sum((beats & kept[None, :, None]).to(tl.int32), 1)  # (Q, N_PAD)
-        rank = tl.where(kept[None, :], rank, 1 << 20)
-        hit = rank[:, None, :] == slot[None, :, None]  # (Q, new slot, old slot)
-        return tl.max(tl.where(hit, top[:, None, :], _KEY_MIN), 2)
+        """The lists of keys (Q, N_PAD) in priority order in slots 0 .. N_SEL-1 (slots past N_SEL: _KEY_MIN): a bitonic
+        sort of the kept entries (keys are distinct, so the order is exact)."""
+        kept = tl.where(tl.arange(0, N_PAD)[None, :] < N_SEL, top, _KEY_MIN)
+        return _topn_best(kept, N_PAD)
 
     @triton.jit
     def _topn_block_shares(r, L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr):
@@ -162,8 +157,8 @@ if triton is not None:
         caller sorts them once, _topn_sort). The first chunk (j0 = 0, the lists empty) becomes the lists as it is
         where it fills them exactly (BJ = N_SEL = N_PAD: every query's blocks in one step, where inserting them
         took up to BJ steps). A later chunk whose entries enter no list is skipped; one where at most INSERT_MAX
-        of a query's entries beat its worst kept entry inserts them one at a time (_topn_insert), else the lists
-        are sorted and the chunk merged whole (_topn_merge); all keep the same entries. Returns (carry, top)."""
+        of a query's entries beat its worst kept entry inserts them one at a time (_topn_insert), else the chunk is
+        merged whole (_topn_merge: one bitonic top-k); all keep the same entries. Returns (carry, top)."""
         R: tl.constexpr = LB // DS
         jb = tl.arange(0, BJ)
         w0, w1 = _topn_block_shares(tl.arange(0, R), L, DS, LB)  # (R,)
@@ -192,7 +187,7 @@ if triton is not None:
                 for _ in range(n_enter):
                     top, chunk = _topn_insert(top, chunk, N_SEL, N_PAD)
             elif n_enter > INSERT_MAX:
-                top = _topn_merge(_topn_sort(top, N_SEL, N_PAD), chunk, N_SEL, N_PAD)  # the merge takes sorted lists
+                top = _topn_merge(top, chunk, N_SEL, N_PAD, BJ)
             else:
                 for _ in range(n_enter):
                     top, chunk = _topn_insert(top, chunk, N_SEL, N_PAD)

@@ -174,6 +174,24 @@ def test_idle_gaps_sum_the_time_between_kernels_per_step():
     assert kf.describe_gaps(gaps[1:2]) == "b (0.01 ms)"
 
 
+def test_other_kernels_are_named_short_and_summed():
+    """The log line's unclaimed torch kernels: demangled names cut to the function's own name (no return type,
+    namespaces, template arguments or parameters), launches of one short name summed, the longest first, the rest
+    counted."""
+    long_name = ("void at::native::(anonymous namespace)::radixSortKVInPlace<-2, -1, 128, 4, long, int, "
+                 "unsigned int>(at::cuda::detail::TensorInfo<long, unsigned int>, unsigned int)")
+    assert kf.short_kernel_name(long_name) == "radixSortKVInPlace"
+    assert kf.short_kernel_name("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<int>>("
+                                "int, at::native::FillFunctor<int>)") == "vectorized_elementwise_kernel"
+    assert kf.short_kernel_name("_tile_union_kernel") == "_tile_union_kernel"
+    other = {long_name: 0.10, "void at::native::elementwise_kernel<128, 2>(int)": 0.02,
+             "void at::native::elementwise_kernel<128, 4>(int)": 0.05, "_tile_union_kernel": 0.08}
+    assert kf.describe_other(other) == "radixSortKVInPlace 0.10, _tile_union_kernel 0.08, elementwise_kernel 0.07"
+    assert kf.describe_other(other, top=1) == "radixSortKVInPlace 0.10, 2 more"
+    assert kf.describe_other({}) == "none"
+    assert kf.describe_gaps([{"after": long_name, "before": "b", "ms": 0.01}]) == "radixSortKVInPlace (0.01 ms)"
+
+
 def test_command_line_without_gpu(tmp_path, capsys):
     out = tmp_path / "floors.json"
     kf.main(["--analytic", "--ceilings", "800,3000,4000", "--lengths", "2048", "65536", "--layouts", "12,2,64",

@@ -67,6 +67,25 @@ def test_topn_model_counts_the_kernels_insertion_steps():
     assert placed < 16 * (chunks - 1)  # fewer than a full list per later chunk
 
 
+def test_topn_model_merges_the_chunks_where_more_than_insert_max_blocks_enter():
+    """bench/topn_model.py with the kernel's TOPN_INSERT_MAX rule: a chunk whose most-entering query takes more than
+    insert_max blocks is one merge and no steps; the others keep their steps. Insert-max 0 merges every chunk with an
+    entering block, no limit merges none, and the steps kept plus the merged chunks' steps add up to inserting all."""
+    import topn_model as tm
+
+    row = np.arange(8) + 64 * tm.BLOCK  # 5 chunks, the first placed whole
+    _, insert_all, merges_none = tm.tile_work(row, np.random.default_rng(1), True)
+    assert merges_none == 0 and insert_all > 0
+    _, steps0, merges0 = tm.tile_work(row, np.random.default_rng(1), True, insert_max=0)
+    assert steps0 == 0 and merges0 == 4  # every later chunk has a block entering some list (random priorities)
+    for k in (1, 2, 3):
+        _, steps, merges = tm.tile_work(row, np.random.default_rng(1), True, insert_max=k)
+        assert 0 < merges < 4 and steps <= k * (4 - merges) and steps < insert_all, (k, steps, merges)
+    from modeling_nsa.nsa_triton_launch import TOPN_INSERT_MAX, _topn_insert_max
+
+    assert _topn_insert_max() == TOPN_INSERT_MAX == 2  # the rule the model and bench/KERNELS.md's table count
+
+
 def test_concentrated_picks_pieces_balance_where_fixed_splits_did_not():
     """Correlated queries concentrate their picks on a few blocks per row, so at 64k more blocks pass 4,096 pairs
     than a fixed 64 splits x 16 slots held (27e2931's scheme, timed at 8.3 ms where ~2.5 is balanced: the model

@@ -8,7 +8,7 @@ device) none spills registers in the loops that carry its time: a spill there co
 kernel's speed, and the launchers pick tiles and warps per architecture so that none does (a small stack
 frame touched only outside those loops is allowed; SPILL_ALLOWED_BYTES lists the measured exceptions).
 (On sm_80 the selected dK/dV kernel keeps a stack frame of up to 104 bytes at head_dim 64 and the top-n
-kernel one of 24-56 bytes at G = 6; `python tests/triton_aot.py` prints the table, `--sass-loops` each
+kernel one of 48-96 bytes at G = 6-8, 8 warps; `python tests/triton_aot.py` prints the table, `--sass-loops` each
 loop's instructions per iteration and spill loads and stores.)
 Runs in a subprocess so TRITON_INTERPRET from another test cannot leak in, in the background from the end of
 collection (tests/background.py).

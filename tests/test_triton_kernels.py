@@ -110,8 +110,9 @@ CPU_CASES = [
     # 7 blocks in chunks of 4, each merged whole into the top-n lists (streaming top-n merge); dK/dV query
     # ranges split in 3 partials
     dict(B=1, T=100, H=4, Hkv=2, D=16, bj=4, split=3, topn_insert_max=0),
-    # chunks of 2 blocks: one entering block inserted into the unsorted list, two sorted and merged, so lists
-    # pass between both forms (the default inserts every entering block)
+    # chunks of 2 blocks (shorter than the list of 4: the merge pads them): one entering block inserted into the
+    # unsorted list, two merged by a top-k into a sorted one, so lists pass between both forms (the default
+    # inserts up to 2 entering blocks and merges above)
     dict(B=2, T=100, H=3, Hkv=1, D=16, layout="varlen", bj=2, topn_insert_max=1),
     # chunks of 4 blocks = n: each list's first chunk placed whole (_topn_chunk_update, BJ = N_SEL = N_PAD), the
     # later ones inserted; documents start lists mid-row, and their first chunk is the masked pass's

@@ -86,8 +86,8 @@ def test_the_session_pending_step_times_the_heavy_pieces_int32_pairs_and_split_d
     i), the top-n in tiles of 8 queries at 4 warps; the selected forward and the top-n with maxnreg = 128 (sm_90,
     head_dim 64) and no other launch capped. The step's variants: other heavy thresholds and slots (reaching the
     heavy pass's grid), int64 pair positions (reaching the kernel's pointers), the selected dQ split from the fused
-    one, and the selected dQ added pair by pair by the selected dK/dV kernel; its cases are issue 18's B*T = 64k
-    shapes."""
+    one, the selected dQ added pair by pair by the selected dK/dV kernel, and the top-n inserting every entering
+    block (reaching its INSERT_MAX); its cases are issue 18's B*T = 64k shapes."""
     pytest.importorskip("triton")
     import triton_aot
 
@@ -95,7 +95,7 @@ def test_the_session_pending_step_times_the_heavy_pieces_int32_pairs_and_split_d
     step = script.split("    pending)", 1)[1].split(";;", 1)[0].replace("\\\n", " ")
     variants = [tk.parse_variant(v) for v in step.split("--variants", 1)[1].split("--cases", 1)[0].split()]
     assert [name for name, _ in variants] == ["default", "heavy2k", "heavy4k", "pairs_int64", "seldq_split",
-                                              "seldq_pairs"], variants
+                                              "seldq_pairs", "topn_insert_all"], variants
     batch, num_kv, seq_len = 2, 2, 300
 
     def calls_of(settings):
@@ -112,8 +112,8 @@ def test_the_session_pending_step_times_the_heavy_pieces_int32_pairs_and_split_d
         triton_aot.with_kernels_replaced(run, Stand)
         return calls
 
-    default_calls, heavy2k, heavy4k, pairs_int64, seldq_split, seldq_pairs = (calls_of(settings)
-                                                                              for _, settings in variants)
+    default_calls, heavy2k, heavy4k, pairs_int64, seldq_split, seldq_pairs, insert_all = (
+        calls_of(settings) for _, settings in variants)
     old_calls = calls_of(dict(sel_dkdv_ranges_first=True))
     tiles_fast_calls = calls_of(dict(dkdv_key_tiles_fast=True))
     light_calls = calls_of(dict(query_tiles_light_first=True))
@@ -150,9 +150,12 @@ def test_the_session_pending_step_times_the_heavy_pieces_int32_pairs_and_split_d
     # the compressed branch's query ranges are split at 300 queries: key tile on the last axis by default
     assert any(split > 1 and not fast and grid[0] == batch * num_kv for grid, fast, split in intervals), intervals
     assert all(fast and grid[1] == batch * num_kv for grid, fast, _ in old_intervals), old_intervals
-    # the top-n's tile: 8 queries of 8 padded head rows at 4 warps
-    topn = {(kw["QPB"], kw["num_warps"]) for name, _, kw in default_calls if name == "_select_topn_kernel"}
-    assert topn == {(8, 4)}, topn
+    # the top-n's tile: 8 queries of 8 padded head rows at 4 warps, inserting up to 2 entering blocks a chunk and
+    # merging above; the variant inserting every one
+    topn = {(kw["QPB"], kw["num_warps"], kw["INSERT_MAX"]) for name, _, kw in default_calls
+            if name == "_select_topn_kernel"}
+    assert topn == {(8, 4, 2)}, topn
+    assert {kw["INSERT_MAX"] for name, _, kw in insert_all if name == "_select_topn_kernel"} == {65536}
     # the query-tile kernels: each row's last tile first by default, tile i on program i in tiles_light_first
     query_tile_kernels = {"_select_topn_kernel", "_sel_fwd_kernel", "_bwd_dq_kernel", "_interval_fwd_kernel"}
     for calls, light in ((default_calls, False), (light_calls, True)):
