@@ -472,7 +472,7 @@ def short_kernel_name(name: str) -> str:
         name = name[len("void "):]
     name = name.replace("(anonymous namespace)", "anonymous")  # (its parenthesis is not the parameters')
     cut = min((i for i in (name.find("<"), name.find("(")) if i > 0), default=len(name))
-    return name[:cut].rsplit("::", 1)[-1] or name
+    return name[:cut].rsplit("::", 1)[-1].strip() or name
 
 
 def describe_other(other: dict[str, float], top: int = 6) -> str:

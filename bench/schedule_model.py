@@ -56,22 +56,29 @@ def selected_pair_counts(seq_len: int, rng, picks: str = "uniform") -> np.ndarra
     log_weight = np.zeros(n_blocks)  # uniform: equal weights
     if picks == "concentrated":
         log_weight[rng.permutation(n_blocks)] = -1.2 * np.log(np.arange(1, n_blocks + 1))
-    # the queries of one block share their visible and forced blocks: each block's queries draw their picks at once,
-    # without replacement by the Gumbel-top-k trick (the n largest log-weight + Gumbel noise: the same law as drawing
-    # one block at a time with probability weight / remaining weight), where a draw per query took a minute at 64k
+    # the queries of one block share their visible and forced blocks: each block's queries draw their picks at once
+    # (draw_without_replacement), where a draw per query took a minute at 64k
     for own in range(n_blocks):
         n_queries = min(BLOCK, seq_len - own * BLOCK)
-        forced = np.array(sorted(set(range(min(INIT, own + 1))) | set(range(max(0, own - LOCAL + 1), own + 1))))
+        forced = np.array(sorted(set(range(min(INIT, own + 1))) | set(range(max(0, own - LOCAL + 1), own + 1))),
+                          dtype=np.int64)
         free = np.setdiff1d(np.arange(own + 1), forced)
         n_free = min(N_SEL - forced.size, free.size)
         counts[forced] += n_queries
         if n_free == free.size:  # every free block chosen
             counts[free] += n_queries
         elif n_free > 0:
-            keys = log_weight[free] + rng.gumbel(size=(n_queries, free.size))  # (queries, free blocks)
-            chosen = np.argpartition(-keys, n_free - 1, axis=1)[:, :n_free]
+            chosen = draw_without_replacement(rng, log_weight[free], n_queries, n_free)
             counts += np.bincount(free[chosen.ravel()], minlength=n_blocks)
     return counts
+
+
+def draw_without_replacement(rng, log_weight: np.ndarray, draws: int, n: int) -> np.ndarray:
+    """`draws` independent draws of n distinct indices of log_weight, each as n successive picks with probability
+    weight / weight not yet picked (numpy's choice(replace=False, p=...)), by the Gumbel-top-k trick: the n
+    largest log-weight + Gumbel noise. (draws, n) indices, in no order."""
+    keys = log_weight + rng.gumbel(size=(draws, log_weight.size))  # (draws, len(log_weight))
+    return np.argpartition(-keys, n - 1, axis=1)[:, :n]
 
 
 SCHEMES = ("old", "fixed", "pieces")

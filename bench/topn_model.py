@@ -86,7 +86,8 @@ def main():
     ap.add_argument("--insert-max", type=int, nargs="*", default=[1, 2, 3, 4],
                     help="entering blocks up to which a chunk inserts them, above which it merges (the merge table)")
     ap.add_argument("--merge-steps", type=float, nargs="*", default=[2.0, 3.0],
-                    help="a merge's cost in insertion steps (sm_90 SASS: ~125-190 instructions against 67 a step)")
+                    help="a merge's cost in insertion steps (sm_90 SASS: ~200 instructions, 88 of them shuffles, "
+                         "against 67 a step)")
     args = ap.parse_args()
     for name, (num_kv, qpb, measured) in LAYOUTS.items():
         before = np.array([launch_counts(T, num_kv, qpb, args.samples, np.random.default_rng(0), False)[:3]

@@ -254,9 +254,9 @@ if triton is not None:
                    N_SEL: tl.constexpr, N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
                    BJ: tl.constexpr, QPB: tl.constexpr, G_PAD: tl.constexpr, INSERT_MAX: tl.constexpr,
                    HEAD_LANES: tl.constexpr):
-        """Top-n selection blocks of QPB queries of one document at in-document positions pos (QPB,); q/lse/
-        row_ok hold their QPB x G_PAD rows in _topn_row_query_head's order (padded heads masked), with
-        n_vis_rows visible compressed tokens per row from kc_base (the document's first). Streams over the
+        """Top-n selection blocks of QPB queries at in-document positions pos (QPB,), for the rows of one pass (row_ok:
+        the queries whose documents' compressed tokens start at kc_base); q/lse/row_ok hold the QPB x G_PAD rows
+        in _topn_row_query_head's order (padded heads masked), with n_vis_rows visible compressed tokens per row. Streams over the
         blocks in chunks of BJ: one compressed-key tile per chunk serves every query and head (a tl.dot of all
         rows), and the probabilities exp2(s - lse) summed over each query's heads go to _topn_chunk_update.
         The chunks every row sees whole (all but the last one or two: a tile's queries are consecutive) run

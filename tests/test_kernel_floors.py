@@ -184,6 +184,7 @@ def test_other_kernels_are_named_short_and_summed():
     assert kf.short_kernel_name("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<int>>("
                                 "int, at::native::FillFunctor<int>)") == "vectorized_elementwise_kernel"
     assert kf.short_kernel_name("_tile_union_kernel") == "_tile_union_kernel"
+    assert kf.short_kernel_name("Memset (Device)") == "Memset"
     other = {long_name: 0.10, "void at::native::elementwise_kernel<128, 2>(int)": 0.02,
              "void at::native::elementwise_kernel<128, 4>(int)": 0.05, "_tile_union_kernel": 0.08}
     assert kf.describe_other(other) == "radixSortKVInPlace 0.10, _tile_union_kernel 0.08, elementwise_kernel 0.07"

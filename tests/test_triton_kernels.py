@@ -107,8 +107,8 @@ CPU_CASES = [
     dict(B=2, T=47, H=6, Hkv=2, D=16, layout="varlen"),  # G=3: not a power of two
     dict(B=2, T=64, H=4, Hkv=1, D=32, layout="pad", dtype="float16"),
     dict(B=1, T=81, H=6, Hkv=1, D=16, layout="varlen", dtype="float16"),  # G=6
-    # 7 blocks in chunks of 4, each merged whole into the top-n lists (streaming top-n merge); dK/dV query
-    # ranges split in 3 partials
+    # 7 blocks in chunks of 4 = n: the first placed whole, the second merged whole into the top-n lists (a
+    # top-k of list and chunk); dK/dV query ranges split in 3 partials
     dict(B=1, T=100, H=4, Hkv=2, D=16, bj=4, split=3, topn_insert_max=0),
     # chunks of 2 blocks (shorter than the list of 4: the merge pads them): one entering block inserted into the
     # unsorted list, two merged by a top-k into a sorted one, so lists pass between both forms (the default
@@ -252,6 +252,10 @@ CPU_CASES = [
                                     (4, 1, "varlen", 300, 4), (6, 2, "varlen", 300, 4), (8, 1, "varlen", 600, None),
                                     (16, 1, "varlen", 300, 4)]],
     dict(kind="select", B=2, T=700, H=6, Hkv=1, D=16, layout="varlen", topn_query_major=True),
+    # lists of n = 5 in 8 slots, chunks of 16 blocks (38 blocks a row: three chunks): a chunk's best 8 merged with
+    # the list's kept 5 (no first chunk placed: n < 8), slots past n then holding entries no later insertion or
+    # merge may take for kept ones
+    dict(kind="select", B=2, T=600, H=6, Hkv=2, D=16, layout="pad", param_overrides=dict(sel_num_blocks=5)),
     # the selected branch's tile unions (_tile_block_union: one kernel, a sort in registers per tile) against
     # their torch oracle on random choices: tiles of 1-21 queries (the forward's 10 and the dQ's 21 at G = 6;
     # 21 x 16 entries sort in a 512-wide list), documents, padding on both sides, queries after a prefix (q_off)
