@@ -480,7 +480,8 @@ def describe_other(other: dict[str, float], top: int = 6) -> str:
     ms, then how many more."""
     by_short: dict[str, float] = {}
     for name, ms in other.items():
-        by_short[short_kernel_name(name)] = by_short.get(short_kernel_name(name), 0.0) + ms
+        short = short_kernel_name(name)
+        by_short[short] = by_short.get(short, 0.0) + ms
     ranked = sorted(by_short.items(), key=lambda kv: -kv[1])
     text = ", ".join(f"{name} {ms:.2f}" for name, ms in ranked[:top]) or "none"
     return text + (f", {len(ranked) - top} more" if len(ranked) > top else "")

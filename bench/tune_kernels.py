@@ -153,8 +153,9 @@ DEFAULT_VARIANTS = [
 # time limit still leaves the rows it finished (the decode section runs before all of them).
 CASES = [(12, 2, 64, 65536, 1, "random", None), (12, 2, 64, 2048, 32, "random", None),
          (16, 1, 64, 8192, 8, "random", None),
-         (12, 2, 64, 65536, 1, "correlated", ("default", "dq64rows", "sel32rows", "insert_all", "merge_only", "seldq_pairs",
-                                              "topn_query_major", "sel_dkdv_masked", "sel_causal_all")),
+         (12, 2, 64, 65536, 1, "correlated", ("default", "dq64rows", "sel32rows", "insert_all", "merge_only",
+                                              "seldq_pairs", "topn_query_major", "sel_dkdv_masked",
+                                              "sel_causal_all")),
          (16, 2, 128, 8192, 4, "random", ("default", "dkdv8warps", "dq128whole", "dkdv_interior", "dkdv_masked",
                                           "seldq_pairs", "topn_query_major", "sel_dkdv_masked",
                                           "sel_causal_all"))]

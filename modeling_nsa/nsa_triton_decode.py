@@ -21,8 +21,8 @@ except Exception:  # pragma: no cover - exercised only without triton
 
 if triton is not None:
     from .nsa_triton_common import _branch_output, _gated_sum, _softmax_init, _softmax_tile
-    from .nsa_triton_topn import (_topn_block_shares, _topn_blocks, _topn_key, _topn_priority, _KEY_MIN,
-                                     _KEY_NEG_INF)
+    from .nsa_triton_topn import (_topn_best, _topn_block_shares, _topn_blocks, _topn_key, _topn_priority,
+                                     _KEY_MIN, _KEY_NEG_INF)
 
     # ------------------------------------------------------------------------------------------
     # Decoding: compressed keys split over programs, block ranges' top-n, then the branches and the gates (one
@@ -108,16 +108,6 @@ if triton is not None:
         return m_i, l_i, acc, c_lo, n_vis
 
     @triton.jit
-    def _best_keys(keys, K: tl.constexpr):
-        """The K largest of a 1-D tensor of keys, largest first: tl.topk (a bitonic top-k), or for K = 1 a max
-        (triton 3.6, the H100's, does not compile tl.topk with k = 1: a one-block context's n = 1)."""
-        if K == 1:
-            best = tl.full([1], 0, keys.dtype) + tl.max(keys, 0)
-        else:
-            best = tl.topk(keys, K)
-        return best
-
-    @triton.jit
     def _decode_token_probs(PP, PM, lse, pid_bg, S, c_lo, ii, tok_ok, hh, row_ok, G_PAD: tl.constexpr,
                             CS: tl.constexpr):
         """Compression probabilities exp2(x - lse) of the in-document compressed tokens ii (those with tok_ok)
@@ -183,7 +173,7 @@ if triton is not None:
         jj = (j_lo + jb).to(tl.int32)
         elig = (jb < TB) & (jj < n_blocks)
         keys = tl.where(elig, _topn_key(_topn_priority(score, jj, own, elig, INIT, LOCAL), jj), _KEY_MIN)
-        top = _best_keys(keys, N_PAD)  # (N_PAD,) best first
+        top = _topn_best(keys, N_PAD)  # (N_PAD,) best first
         slot_n = tl.arange(0, N_PAD)
         out = (pid_bg.to(tl.int64) * n_prog + pj) * N_PAD + slot_n
         tl.store(TOPK + out, tl.where((slot_n < N_SEL) & (top > _KEY_NEG_INF), top, _KEY_MIN))
@@ -233,8 +223,8 @@ if triton is not None:
                            other=_KEY_MIN)
             # the step's best N_PAD keys, then the best N_PAD of those and the running list's (tl.topk: a bitonic
             # top-k, where a merge by ranks took (E, N_PAD) compares and a scatter: 6x the SASS per step on sm_90)
-            both = tl.reshape(tl.join(top, _best_keys(keys, N_PAD)), (2 * N_PAD,))
-            top = _best_keys(both, N_PAD)
+            both = tl.reshape(tl.join(top, _topn_best(keys, N_PAD)), (2 * N_PAD,))
+            top = _topn_best(both, N_PAD)
         top_i = _topn_blocks(top)
         slot_n = tl.arange(0, N_PAD)
         kb = tl.arange(0, SEL_STEP * LB)

@@ -389,8 +389,9 @@ def _topn_insert_max() -> int:
     bench/topn_model.py counts, on random queries, steps and merges per launch and puts the insertion work at
     0.33 / 0.32 / 0.55 / 0.66 of inserting every block at 2k / 8k / 32k / 64k with a merge worth 3 steps (untimed;
     bench/KERNELS.md). Tests and bench/tune_kernels.py force it (launch_overrides(topn_insert_max=...): 0 merges
-    every chunk with an entering block but a list's first chunk where it is placed whole, 65536 inserts them all). The decode top-n has no chunk loop
-    (nsa_triton_decode._decode_topn_kernel: one tl.topk per block range)."""
+    every chunk with an entering block but a list's first chunk where it is placed whole, 65536 inserts them
+    all). The decode top-n has no chunk loop (nsa_triton_decode._decode_topn_kernel: one tl.topk per block
+    range)."""
     if _OVERRIDES.topn_insert_max is not None:
         return _OVERRIDES.topn_insert_max
     return TOPN_INSERT_MAX

@@ -74,10 +74,11 @@ if triton is not None:
 
     @triton.jit
     def _topn_best(keys, K: tl.constexpr):
-        """Each row's K largest keys (Q, K) of keys (Q, M), largest first: tl.topk (Triton's bitonic top-k along the
-        last axis), or for K = 1 a max (triton 3.6, the H100's, does not compile tl.topk with k = 1)."""
+        """The K largest keys along the last axis (..., M) -> (..., K), largest first: tl.topk (Triton's bitonic
+        top-k), or for K = 1 a max (triton 3.6, the H100's, does not compile tl.topk with k = 1). Shared by the
+        training top-n (lists (Q, N_PAD)) and the decode top-n (one list)."""
         if K == 1:
-            best = tl.full([keys.shape[0], 1], 0, keys.dtype) + tl.max(keys, 1)[:, None]
+            best = tl.max(keys, len(keys.shape) - 1, keep_dims=True)
         else:
             best = tl.topk(keys, K)
         return best
@@ -254,10 +255,10 @@ if triton is not None:
                    N_SEL: tl.constexpr, N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
                    BJ: tl.constexpr, QPB: tl.constexpr, G_PAD: tl.constexpr, INSERT_MAX: tl.constexpr,
                    HEAD_LANES: tl.constexpr):
-        """Top-n selection blocks of QPB queries at in-document positions pos (QPB,), for the rows of one pass (row_ok:
-        the queries whose documents' compressed tokens start at kc_base); q/lse/row_ok hold the QPB x G_PAD rows
-        in _topn_row_query_head's order (padded heads masked), with n_vis_rows visible compressed tokens per row. Streams over the
-        blocks in chunks of BJ: one compressed-key tile per chunk serves every query and head (a tl.dot of all
+        """Top-n selection blocks of QPB queries at in-document positions pos (QPB,), for the rows of one pass
+        (row_ok: the queries whose documents' compressed tokens start at kc_base); q/lse/row_ok hold the QPB x G_PAD
+        rows in _topn_row_query_head's order (padded heads masked), with n_vis_rows visible compressed tokens per
+        row. Streams over the blocks in chunks of BJ: one compressed-key tile per chunk serves every query and head (a tl.dot of all
         rows), and the probabilities exp2(s - lse) summed over each query's heads go to _topn_chunk_update.
         The chunks every row sees whole (all but the last one or two: a tile's queries are consecutive) run
         without masks, the rest masked (_topn_chunks). Returns (QPB, N_PAD) block indices by priority, -1 where
