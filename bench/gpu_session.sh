@@ -4,9 +4,9 @@
 # step's wall time. Usage:
 #   bash bench/gpu_session.sh                         # every step: tests capture attention floors tune model
 #                                                     #   dense-docs model-long generate profile train
-#   bash bench/gpu_session.sh check sweep             # a subset (bench/KERNELS.md, "Next GPU session": the calls);
-#                                                     #   check / sweep: the kernel cases of tests / the untimed
-#                                                     #   launch choices of tune, each alone
+#   bash bench/gpu_session.sh check pending           # a subset (bench/KERNELS.md, "Next GPU session": the calls);
+#                                                     #   check / pending: the kernel cases of tests / the untimed
+#                                                     #   launch choices, each against the default
 #   OUT=/tmp/run FLA_WHEEL=wheels/fla_core-0.6.0-py3-none-any.whl bash bench/gpu_session.sh attention
 #   bash bench/gpu_session.sh ab-long                 # issue 19's A/B on long documents (not in the default list:
 #                                                     #   it needs bench/build_corpus.py's corpus in $LONG_DOCS)
@@ -102,12 +102,6 @@ for step in "${steps[@]}"; do
                   --decode-lengths 8192 65536 --json "$OUT/floors.json" ;;
     # launch variants (tiles, warps, top-n insertion) with per-kernel times: where the defaults come from
     tune)       $PY bench/tune_kernels.py --json "$OUT/tune.json" ;;
-    # the launch choices made without a GPU since the last sweep, each against its other side: these decide
-    # defaults, so they run before the figures that depend on them (bench/KERNELS.md, "Next GPU session")
-    sweep)      $PY bench/tune_kernels.py --json "$OUT/sweep.json" --variants default \
-                  dkdv_masked:dkdv_unmasked_interior=0 dkdv_split32:dkdv_split=32 seldq_pairs:sel_dq_in_dkdv=1 \
-                  topn_query_major:topn_query_major=1 sel_dkdv_masked:sel_dkdv_all_masked=1 \
-                  sel_causal_all:sel_causal_every_block=1 ;;
     # the selected dQ three ways (union walk: the default; per-pair partials; per-pair atomics) at issue 18's
     # lengths, both layouts, with dense SDPA and peak memory on the same shapes: decides _sel_dq_mode's default
     seldq)      $PY bench/tune_kernels.py --json "$OUT/seldq.json" --no-decode --dense --variants default \
@@ -210,7 +204,7 @@ open(sys.argv[2], 'w').write(max((str(x) for x in t.to_pylist()[::20]), key=len)
     # issue 19: what one selection-statistics measurement costs against one 125M training step at T = 4,096
     stats-cost) $PY bench/stats_cost.py --device cuda --model 125m --seq-len 4096 --micro-batch-size 4 \
                   --tokenizer "$DATA/gpt2-tokenizer" --dataset "$DATA/wiki-summaries-en.parquet" ;;
-    *)          echo "unknown step $step (tests capture attention floors tune model dense-docs model-long generate profile train ab-long ab-long-eval retrieval stats-cost check check-seldq sweep seldq stages pending pending-d128 ws)"
+    *)          echo "unknown step $step (tests capture attention floors tune model dense-docs model-long generate profile train ab-long ab-long-eval retrieval stats-cost check check-seldq seldq stages pending pending-d128 ws)"
                 exit 2 ;;
   esac 2>&1 | tee "$OUT/$step.log" || echo "== $step exited non-zero (log: $OUT/$step.log)" | tee -a "$OUT/env.txt"
   echo "== $step took $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"

@@ -5,7 +5,7 @@ launcher's knobs, with the time of every kernel, so a default is chosen from one
 
 A variant is NAME or NAME:KNOB=VALUE,KNOB=VALUE (fields of the kernels' LaunchOverrides, e.g. sel_sub_rows,
 topn_insert_max, topn_rows, topn_warps, topn_blocks_per_chunk, sel_rows; integers, 1/0 for a yes/no knob such as
-dkdv_unmasked_interior), run under launch_overrides(KNOB=VALUE, ...); knobs not named keep the launcher's
+decode_parts), run under launch_overrides(KNOB=VALUE, ...); knobs not named keep the launcher's
 defaults. Each variant's top-n block indices must equal the first variant's on the same inputs (the knobs change
 the schedule, never the selection); a mismatch is reported in the table.
 Timings: median of 7 CUDA-event timed steps after warm-up; per-kernel CUDA time from torch.profiler.
@@ -34,10 +34,6 @@ KNOBS = [field.name for field in dataclasses.fields(tri.LaunchOverrides)]
 DEFAULT_VARIANTS = [
     "default",
     "dkdv8warps:dkdv_warps=8",
-    # the compressed/window dK/dV: the query tiles that see all of a key tile in an unmasked loop of their own
-    # (the default since the 2026-11-25 sweep), and every tile masked, as before: both sides forced
-    "dkdv_interior:dkdv_unmasked_interior=1",
-    "dkdv_masked:dkdv_unmasked_interior=0",
     # the compressed/window dK/dV splits each key tile's query range over 32 programs (the launcher takes 8 at
     # 64k, 1,024 programs of very unequal length): its 12.5 ms at 64k is several times what its instruction count
     # and dots suggest (bench/KERNELS.md), so whether more, shorter programs help says if it is latency-bound
@@ -92,12 +88,6 @@ DEFAULT_VARIANTS = [
     # 512 slots (the model's best on random queries, its worst on correlated ones)
     "heavy2k:sel_pieces=2048/320/1024/256",
     "heavy4k:sel_pieces=4096/320/1024/512",
-    # the selected dK/dV with every pair tile masked, as timed on 2026-11-23: the default now runs the tiles whose
-    # queries lie past the block's last key (all but the block's first few) without masks, not yet timed
-    "sel_dkdv_masked:sel_dkdv_all_masked=1",
-    # the selected forward and dQ with the causal mask on every block of a tile's union, as timed on 2026-11-23:
-    # the default skips it on the blocks that end before the tile's first query (nearly all), not yet timed
-    "sel_causal_all:sel_causal_every_block=1",
     # the selected dQ's union of a 128-row tile (21 queries at G = 6) is about twice a 64-row tile's at 64k on
     # random inputs (bench/selection_tiles.py): twice the math per query once the loop is pipelined
     "dq64rows:dq_rows=64",
@@ -108,10 +98,6 @@ DEFAULT_VARIANTS = [
     # whole selected tiles everywhere: on sm_90 only the head_dim 128 dQ changes (16-row sub-tiles, not
     # pipelined, spill-free -> one 64-row tile, pipelined, 56-72 B spilled: tests/triton_aot.py)
     "dq128whole:sel_sub_rows=128",
-    # training top-n rows query-major (q * G_PAD + head), as timed on 2026-11-23: the default now puts a query's
-    # heads in the thread's two accumulator rows and a few lanes (nsa_triton_topn._topn_row_query_head), not yet
-    # timed; its chunk loop compiles to about half the SASS instructions (tests/triton_aot.py --sass-loops)
-    "topn_query_major:topn_query_major=1",
     # the training top-n inserts up to 2 entering blocks a chunk and merges above (a bitonic top-k, since 2026-11-28;
     # bench/topn_model.py): every entering block inserted (the default until then), every chunk merged, 4 inserted
     "insert_all:topn_insert_max=65536",
@@ -154,11 +140,8 @@ DEFAULT_VARIANTS = [
 CASES = [(12, 2, 64, 65536, 1, "random", None), (12, 2, 64, 2048, 32, "random", None),
          (16, 1, 64, 8192, 8, "random", None),
          (12, 2, 64, 65536, 1, "correlated", ("default", "dq64rows", "sel32rows", "insert_all", "merge_only",
-                                              "seldq_pairs", "topn_query_major", "sel_dkdv_masked",
-                                              "sel_causal_all")),
-         (16, 2, 128, 8192, 4, "random", ("default", "dkdv8warps", "dq128whole", "dkdv_interior", "dkdv_masked",
-                                          "seldq_pairs", "topn_query_major", "sel_dkdv_masked",
-                                          "sel_causal_all"))]
+                                              "seldq_pairs")),
+         (16, 2, 128, 8192, 4, "random", ("default", "dkdv8warps", "dq128whole", "seldq_pairs"))]
 KERNELS = ["_select_topn_kernel", "_sel_fwd_kernel", "_bwd_dq_kernel", "_sel_bwd_dkdv_kernel",
            "_interval_fwd_kernel", "_interval_bwd_dkdv_kernel", "_sel_dq_reduce_kernel", "_sel_fwd_pairs_kernel",
            "_sel_fwd_pairs_combine_kernel", "_sel_dq_pairs_kernel"]

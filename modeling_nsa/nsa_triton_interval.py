@@ -172,7 +172,7 @@ if triton is not None:
         Tq, Nk, n_ktiles, sm_scale2, scale,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         QPB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_SPLIT: tl.constexpr,
-        INTERIOR: tl.constexpr, TILES_FAST: tl.constexpr, ROW32: tl.constexpr,
+        TILES_FAST: tl.constexpr, ROW32: tl.constexpr,
     ):
         # N_SPLIT > 1: program (tile, split) handles one slice of the tile's query range and writes an
         # fp32 partial to DK/DV[split] (summed afterwards in a fixed order: deterministic).
@@ -205,25 +205,23 @@ if triton is not None:
             q_end = tl.minimum(q_end, q_begin + span)
         dk = tl.zeros([BLOCK_N, D], tl.float32)
         dv = tl.zeros([BLOCK_N, D], tl.float32)
-        if INTERIOR:
-            # the query tiles wholly inside [IA, IB) (every row sees every key of this tile) run unmasked, between
-            # the masked ones before and after: three loops without a branch in their bodies, so each is
-            # software-pipelined (a branch between masked and unmasked tiles in one loop stopped that)
-            ia = tl.load(IA + b * n_ktiles + pid_k)
-            ib = tl.minimum(tl.load(IB + b * n_ktiles + pid_k), q_end)
-            n_tiles = tl.cdiv(tl.maximum(q_end - q_begin, 0), QPB)
-            first = tl.minimum(tl.cdiv(tl.maximum(ia - q_begin, 0), QPB), n_tiles)
-            last = tl.maximum(tl.minimum(tl.maximum(ib - q_begin, 0) // QPB, n_tiles), first)
-            dk, dv = _dkdv_query_tiles(Q, DO, LSE_G, DELTA, LO, HI, b, g, q_begin, q_begin + first * QPB, q_end,
-                                       Tq, kk, k, v, sm_scale2, dk, dv, H, G, D, QPB, BLOCK_M, True, ROW32)
-            dk, dv = _dkdv_query_tiles(Q, DO, LSE_G, DELTA, LO, HI, b, g, q_begin + first * QPB,
-                                       q_begin + last * QPB, q_end, Tq, kk, k, v, sm_scale2, dk, dv, H, G, D, QPB,
-                                       BLOCK_M, False, ROW32)
-            q_begin += last * QPB
-        # the masked tiles after the run (INTERIOR), or every tile, even those inside all rows' intervals: one
-        # loop with no branch in it
-        dk, dv = _dkdv_query_tiles(Q, DO, LSE_G, DELTA, LO, HI, b, g, q_begin, q_end, q_end, Tq, kk, k, v,
-                                   sm_scale2, dk, dv, H, G, D, QPB, BLOCK_M, True, ROW32)
+        # The query tiles wholly inside [IA, IB) (every row sees every key of this tile) run unmasked, between the
+        # masked ones before and after: three loops without a branch in their bodies, so each is software-pipelined
+        # (a branch between masked and unmasked tiles in one loop stopped that). Masking every tile instead took
+        # the kernel 2.7x as long at 64k (the 2026-11-25 H100 sweep, bench/KERNELS.md).
+        ia = tl.load(IA + b * n_ktiles + pid_k)
+        ib = tl.minimum(tl.load(IB + b * n_ktiles + pid_k), q_end)
+        n_tiles = tl.cdiv(tl.maximum(q_end - q_begin, 0), QPB)
+        first = tl.minimum(tl.cdiv(tl.maximum(ia - q_begin, 0), QPB), n_tiles)
+        last = tl.maximum(tl.minimum(tl.maximum(ib - q_begin, 0) // QPB, n_tiles), first)
+        dk, dv = _dkdv_query_tiles(Q, DO, LSE_G, DELTA, LO, HI, b, g, q_begin, q_begin + first * QPB, q_end,
+                                   Tq, kk, k, v, sm_scale2, dk, dv, H, G, D, QPB, BLOCK_M, True, ROW32)
+        dk, dv = _dkdv_query_tiles(Q, DO, LSE_G, DELTA, LO, HI, b, g, q_begin + first * QPB,
+                                   q_begin + last * QPB, q_end, Tq, kk, k, v, sm_scale2, dk, dv, H, G, D, QPB,
+                                   BLOCK_M, False, ROW32)
+        # the masked tiles after the run
+        dk, dv = _dkdv_query_tiles(Q, DO, LSE_G, DELTA, LO, HI, b, g, q_begin + last * QPB, q_end, q_end, Tq, kk, k,
+                                   v, sm_scale2, dk, dv, H, G, D, QPB, BLOCK_M, True, ROW32)
         split_off = pid_s.to(tl.int64) * (n_bg // HKV) * Nk * HKV * D
         tl.store(DK + split_off + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=k_ok[:, None])
         tl.store(DV + split_off + kv_off, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
@@ -479,13 +477,6 @@ def _interval_query_ranges(intervals: torch.Tensor, num_keys: tuple[int, int], b
 _DKDV_KEY_TILE = 64  # keys per program of the compressed/window dK/dV (BLOCK_N)
 
 
-def _dkdv_unmasked_interior() -> bool:
-    """Whether the compressed/window dK/dV runs its unmasked interior loop: on unless launch_overrides says
-    otherwise (the 2026-11-25 sweep, bench/KERNELS.md). Any false value turns it off, the sweeps' 0 included."""
-    forced = _OVERRIDES.dkdv_unmasked_interior
-    return True if forced is None else bool(forced)
-
-
 def _dkdv_query_splits(programs: int, num_q: int, qpb: int) -> int:
     """Splits of each key tile's query range in the compressed/window dK/dV: long query ranges per key tile (the
     compressed branch: a compressed key is seen by the rest of its document) with few key tiles (`programs` =
@@ -504,9 +495,6 @@ def _interval_bwd_dkdv(q, k, v, lo, hi, ranges, do, lse_g, delta, scale):
     block_n = _DKDV_KEY_TILE
     n_ktiles = _cdiv(max(num_keys, 1), block_n)
     qa, qb, ia, ib = ranges
-    interior = _dkdv_unmasked_interior()
-    if not interior:
-        ia, ib = qa, qb
     n_split = _OVERRIDES.dkdv_split or _dkdv_query_splits(n_ktiles * batch * num_kv, num_q, qpb)
     if n_split == 1:
         dk = torch.empty_like(k)
@@ -524,7 +512,7 @@ def _interval_bwd_dkdv(q, k, v, lo, hi, ranges, do, lse_g, delta, scale):
     _interval_bwd_dkdv_kernel[grid](
         q, k, v, lo, hi, qa, qb, ia, ib, do, lse_g, delta, dk, dv, num_q, num_keys, n_ktiles, scale * _LOG2E,
         scale, H=num_heads, HKV=num_kv, G=group, D=head_dim, QPB=qpb, BLOCK_M=block_m, BLOCK_N=block_n,
-        N_SPLIT=n_split, INTERIOR=interior, TILES_FAST=tiles_fast,
+        N_SPLIT=n_split, TILES_FAST=tiles_fast,
         ROW32=_rows_fit_int32(num_q, num_heads, head_dim), **dkdv_opts,
     )
     if n_split > 1:

@@ -31,7 +31,6 @@ class LaunchOverrides:
     # in its dot loops); timed 2026-11-27 on an H100, 13-15% off the kernel at 2k-64k on both layouts
     # (bench/KERNELS.md, "2026-11-27, second H100 session")
     topn_max_registers: int | None = None
-    topn_query_major: bool | None = None  # top-n rows query-major (q * G_PAD + head), as before _topn_head_lanes
     dkdv_warps: int | None = None  # warps of the compressed/window and selected dK/dV kernels
     # software-pipeline stages of those two kernels (sm_90 at head_dim 64: Triton's own, 3; at 128: 3 for the
     # compressed/window one, 2 for the selected one), of the fused dQ (sm_90 to head_dim 128: 3, else 2) and of the
@@ -46,10 +45,6 @@ class LaunchOverrides:
     # off the kernel on the 125M layout at 2k-64k, even on fla's (bench/KERNELS.md, "2026-11-27, second H100
     # session")
     sel_fwd_max_registers: int | None = None
-    # the compressed/window dK/dV runs the query tiles that see all of a key tile in a loop of their own, unmasked
-    # (True, and None: the default since the 2026-11-25 sweep, 63% off that kernel at 64k), or masks every tile
-    # (False, as timed on 2026-11-23; bench/KERNELS.md)
-    dkdv_unmasked_interior: bool | None = None
     # the selected branch's dQ in the selected dK/dV kernel, which meets each (query, block) pair once, added to
     # an fp32 dQ with atomics (True: not bitwise deterministic), or in the fused dQ kernel over each query tile's
     # union of blocks (False, and None: the default, _sel_dq_mode)
@@ -66,12 +61,6 @@ class LaunchOverrides:
     # share stored at its (query, slot) in chunks as the forward's, summed per query in slot order); wins over
     # sel_dq_in_dkdv and sel_dq_partials; not yet timed (bench/KERNELS.md)
     sel_dq_pairs: bool | None = None
-    # the selected dK/dV with every pair tile masked, as timed on 2026-11-23 (the default runs the tiles whose
-    # queries lie past the block's last key without masks: _sel_block_dkdv)
-    sel_dkdv_all_masked: bool | None = None
-    # the selected forward and dQ with the causal mask on every union block, as timed on 2026-11-23 (the default
-    # skips it on the blocks that end before the tile's first query: _tile_block_union's n_past)
-    sel_causal_every_block: bool | None = None
     # the tile unions' sort keys as int64 at any length (they are int32 below 2**(31 - log2 queries per tile) keys,
     # 2**27 at the 125M layout's forward): how the tests reach the int64 path (_tile_block_union)
     sel_union_wide_keys: bool | None = None
@@ -357,9 +346,7 @@ def _topn_opts(head_dim: int, device) -> dict:
     tests/triton_aot.py); 8 before Hopper (not timed there); 128 registers on sm_90 to head_dim 64
     (_register_cap) with the default head-lane rows."""
     opts = dict(num_warps=_OVERRIDES.topn_warps or (4 if _hopper_class(device) else 8))
-    # (query-major rows, launch_overrides(topn_query_major=True), keep twice the values per thread: a 264-byte frame
-    # under the cap, which was sized for the head-lane rows)
-    cap = 0 if _OVERRIDES.topn_query_major else _register_cap(_OVERRIDES.topn_max_registers, head_dim, device)
+    cap = _register_cap(_OVERRIDES.topn_max_registers, head_dim, device)
     if cap:
         opts["maxnreg"] = cap
     return opts
@@ -370,10 +357,12 @@ def _topn_head_lanes(g_pad: int) -> int:
     padded heads, the other half in the thread's second row, so the sum over heads is an add in the thread and
     log2(G_PAD / 2) shuffle rounds. 0 (query-major rows: log2(G_PAD) rounds on twice the values) for one head,
     for 16 or more (at 16 the two orders are the same rows, and the query-major sum compiles to fewer
-    instructions) and under launch_overrides(topn_query_major=True). The chunk loop's SASS instructions per warp
-    at G = 2-8 on sm_90 and sm_80 fall by 10-25% against query-major rows, and registers by up to 70
-    (tests/triton_aot.py --sass-loops; not yet timed: bench/KERNELS.md)."""
-    if _OVERRIDES.topn_query_major or not 2 <= g_pad <= 8:
+    instructions). At G = 2-8 the chunk loop's SASS instructions per warp on sm_90 and sm_80 fell by 10-25% against
+    query-major rows, registers by up to 70; query-major rows took the kernel 10-23% longer on the H100 (the
+    2026-11-25 sweep, bench/KERNELS.md).
+    Query-major rows at G = 2-8 also need twice the values per thread: a 264-byte stack frame under the 128-register
+    cap (_topn_opts), which was sized for head-lane rows."""
+    if not 2 <= g_pad <= 8:
         return 0
     return g_pad // 2
 

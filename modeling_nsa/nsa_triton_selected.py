@@ -269,7 +269,7 @@ if triton is not None:
                         Tq, Tk, q_off, sm_scale2, scale,
                         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
                         QPB: tl.constexpr, BLOCK_M: tl.constexpr, DQ_PAIRS: tl.constexpr,
-                        ALL_MASKED: tl.constexpr, CH: tl.constexpr, ROW32: tl.constexpr):
+                        CH: tl.constexpr, ROW32: tl.constexpr):
         """dK (unscaled), dV of the selection block whose first key is a, over its (query, block) pairs
         [p_begin, p_end) (rows packed as query x head). DQ_PAIRS: also each pair's dQ share (a query's n blocks
         are met in n programs): 1 added to an fp32 dQ with atomics, 2 stored to its (query, slot) partial. A
@@ -285,20 +285,18 @@ if triton is not None:
         v = tl.load(V + kv_off, mask=k_ok[:, None], other=0.0)
         dk = tl.zeros([LB, D], tl.float32)
         dv = tl.zeros([LB, D], tl.float32)
-        if ALL_MASKED:  # (launch_overrides(sel_dkdv_all_masked=True): every tile masked, as timed before)
-            p_seen_whole = p_end
-        else:  # the pairs whose query comes before the block's last key: the first ones (a query inside it)
-            first = p_begin + tl.arange(0, LB)
-            first_q = tl.load(PAIR_Q + first, mask=first < p_end, other=0)
-            n_partial = tl.sum(((first < p_end) & (q_off + first_q < a + LB - 1)).to(tl.int32), 0)
-            p_seen_whole = tl.minimum(p_begin + tl.cdiv(n_partial, QPB) * QPB, p_end)  # the tiles from here
+        # the pairs whose query comes before the block's last key: the first ones (a query inside it); masking
+        # every tile instead took the kernel 11-13% longer at 64k (the 2026-11-25 H100 sweep, bench/KERNELS.md)
+        first = p_begin + tl.arange(0, LB)
+        first_q = tl.load(PAIR_Q + first, mask=first < p_end, other=0)
+        n_partial = tl.sum(((first < p_end) & (q_off + first_q < a + LB - 1)).to(tl.int32), 0)
+        p_seen_whole = tl.minimum(p_begin + tl.cdiv(n_partial, QPB) * QPB, p_end)  # the tiles from here
         dk, dv = _sel_pair_tiles(Q, PAIR_Q, PAIR_F, DO, LSE_G, DELTA, DQ, b, g, p_begin, p_seen_whole, p_end, Tq,
                                  q_off, kk, k_ok, k, v, sm_scale2, scale, dk, dv, H, G, D, QPB, BLOCK_M, DQ_PAIRS,
                                  True, CH, ROW32)
-        if not ALL_MASKED:
-            dk, dv = _sel_pair_tiles(Q, PAIR_Q, PAIR_F, DO, LSE_G, DELTA, DQ, b, g, p_seen_whole, p_end, p_end, Tq,
-                                     q_off, kk, k_ok, k, v, sm_scale2, scale, dk, dv, H, G, D, QPB, BLOCK_M,
-                                     DQ_PAIRS, False, CH, ROW32)
+        dk, dv = _sel_pair_tiles(Q, PAIR_Q, PAIR_F, DO, LSE_G, DELTA, DQ, b, g, p_seen_whole, p_end, p_end, Tq,
+                                 q_off, kk, k_ok, k, v, sm_scale2, scale, dk, dv, H, G, D, QPB, BLOCK_M,
+                                 DQ_PAIRS, False, CH, ROW32)
         return dk, dv, kv_off, k_ok
 
     @triton.jit
@@ -307,7 +305,7 @@ if triton is not None:
         Tq, Tk, q_off, sm_scale2, scale, heavy_min, n_flat, n_heavy,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         LB: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr,
-        HEAVY_PASS: tl.constexpr, DQ_PAIRS: tl.constexpr, ALL_MASKED: tl.constexpr,
+        HEAVY_PASS: tl.constexpr, DQ_PAIRS: tl.constexpr,
         CH: tl.constexpr, RANGES_FAST: tl.constexpr, ROW32: tl.constexpr,
     ):
         # A program's work is its block's pair count, which ranges from a few to every query of the row (block 0
@@ -334,7 +332,7 @@ if triton is not None:
                 p_end = tl.load(PIECES + piece * 3 + 2)
                 dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, PAIR_F, DOCPOS, DO, LSE_G, DELTA, DQ,
                                                        a, pid_bg, p_begin, p_end, Tq, Tk, q_off, sm_scale2, scale,
-                                                       H, HKV, G, D, LB, QPB, BLOCK_M, DQ_PAIRS, ALL_MASKED,
+                                                       H, HKV, G, D, LB, QPB, BLOCK_M, DQ_PAIRS,
                                                        CH, ROW32)
                 # (the program id read again, not kept live through the tile loop: at 255 registers on the 125M
                 # layout one more live value spills inside it)
@@ -362,7 +360,7 @@ if triton is not None:
                 p_end = p_begin + tl.sum(tl.where(hit, cnt, 0), 0)
                 dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, PAIR_F, DOCPOS, DO, LSE_G, DELTA, DQ,
                                                        a, pid_bg, p_begin, p_end, Tq, Tk, q_off, sm_scale2, scale,
-                                                       H, HKV, G, D, LB, QPB, BLOCK_M, DQ_PAIRS, ALL_MASKED,
+                                                       H, HKV, G, D, LB, QPB, BLOCK_M, DQ_PAIRS,
                                                        CH, ROW32)
                 tl.store(DK + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=k_ok[:, None])
                 tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
@@ -787,7 +785,8 @@ def _tile_block_union(idx, doc_pos, qpb: int, sel_block_size: int):
       (written at the distinct blocks only);
     - counts (B, Hkv, n_tiles) int32: distinct blocks;
     - n_past (B, Hkv, n_tiles) int32: how many of the first blocks end at or before every query of the tile, so
-      no row needs the causal mask there.
+      no row needs the causal mask there (the mask on every block took the selected forward 29% and the fused dQ
+      14% longer at 64k: the 2026-11-25 H100 sweep, bench/KERNELS.md).
     One kernel launch (a sort in registers per tile; two segmented torch sorts took 0.75 ms of the op at 2k x 32
     on the H100), static shapes, no host synchronization. Memory: 8 + 4 (ceil(qpb / 32) - 1) bytes per slot where
     the int32 list took 4 (24 at the 128-query dQ tiles of G = 1); built before the kernels' outputs, below the
@@ -806,8 +805,6 @@ def _tile_block_union(idx, doc_pos, qpb: int, sel_block_size: int):
         HKV=num_kv, LB=sel_block_size, N_SEL=n_sel, QPB=qpb, LIST=_next_pow2(qpb * n_sel), QBITS=q_bits,
         WORDS=words, WIDE=_union_sort_keys_wide(num_keys, q_bits),
     )
-    if _OVERRIDES.sel_causal_every_block:
-        n_past.zero_()
     return entries, high_bits, counts, n_past
 
 
@@ -1062,7 +1059,7 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, lse_g, delta, params: NSAParams, sc
     args = (q, k, v, pair_off, pair_q, pair_f, slot_rank, pieces, doc_pos, do, lse_g, delta, dk, dv, pdk, pdv,
             dq_out, num_q, num_keys, q_off, scale * _LOG2E, scale, heavy_min, n_flat, n_heavy)
     meta = dict(H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=lb, QPB=qpb, BLOCK_M=block_m,
-                DQ_PAIRS=dq_pairs, ALL_MASKED=bool(_OVERRIDES.sel_dkdv_all_masked),
+                DQ_PAIRS=dq_pairs,
                 CH=_sel_dkdv_chunk_tiles(group, qpb, head_dim, q.device),
                 ROW32=_rows_fit_int32(num_q, num_heads, head_dim), **dkdv_opts)
     # the order timed until 2026-11-27 (main pass with the key range fastest, then the heavy pass); also past

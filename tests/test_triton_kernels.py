@@ -52,11 +52,8 @@ _KNOB_IDS = {
     "decode_win_part": lambda c: f"winpart{c['decode_win_part']}",
     "decode_merge_splits": lambda c: f"merge{c['decode_merge_splits']}splits",
     "decode_merge_lists": lambda c: f"merge{c['decode_merge_lists']}lists",
-    "dkdv_unmasked_interior": lambda c: "interior" if c["dkdv_unmasked_interior"] else "allmasked",
     "sel_dq_in_dkdv": lambda c: "seldqpairs" if c["sel_dq_in_dkdv"] else "seldqunion",
     "sel_dq_partials": lambda c: "seldqpartials" if c["sel_dq_partials"] else "seldqnopartials",
-    "topn_query_major": lambda c: "querymajor" if c["topn_query_major"] else "headlanes",
-    "sel_dkdv_all_masked": lambda c: "seldkdvmasked" if c["sel_dkdv_all_masked"] else "seldkdvsplit",
     "sel_dq_split": lambda c: "seldqsplit" if c["sel_dq_split"] else "seldqfused",
     "picks": lambda c: f"{c['picks']}picks",
     "offsets_int64": lambda c: "kv64" if c["offsets_int64"] else "kv32",
@@ -64,7 +61,6 @@ _KNOB_IDS = {
     "sel_dkdv_ranges_first": lambda c: "rangesfirst" if c["sel_dkdv_ranges_first"] else "heavyfirst",
     "dkdv_key_tiles_fast": lambda c: "tilesfast" if c["dkdv_key_tiles_fast"] else "tilesslow",
     "query_tiles_light_first": lambda c: "lightfirst" if c["query_tiles_light_first"] else "heavyfirsttiles",
-    "sel_causal_every_block": lambda c: "selcausalall" if c["sel_causal_every_block"] else "selcausalsplit",
     "sel_fwd_pairs": lambda c: "selfwdpairs" if c["sel_fwd_pairs"] else "selfwdunion",
     "sel_fwd_max_registers": lambda c: f"selfwd{c['sel_fwd_max_registers']}regs",
     "topn_max_registers": lambda c: f"topn{c['topn_max_registers']}regs",
@@ -133,24 +129,21 @@ CPU_CASES = [
     # topn_max_registers=128), Triton's maxnreg: a launch option the interpreter must accept as the GPU does)
     dict(B=1, T=70, H=6, Hkv=1, D=16, layout="pad", sel_fwd_max_registers=128, topn_max_registers=128),
     # the compressed/window dK/dV with the query tiles that see all of a key tile in an unmasked loop of their own
-    # (the default since the 2026-11-25 sweep; named here so the ids say it): compressed tokens every 1-2 keys so
-    # that whole 64-key tiles fit, windows chosen so that one query more past a run (ib + 1) or, at 5 queries per
+    # between masked ones (the kernel's only schedule since the 2026-11-25 sweep; the window and compressed sizes
+    # in the ids): compressed tokens every 1-2 keys so that whole 64-key tiles fit, windows chosen so that one query more past a run (ib + 1) or, at 5 queries per
     # tile, one before it (ia - 1) moves a tile into the unmasked loop (the checks fail then: tried); G = 6 in
     # sm_80's 32-row tiles (2 rows past QPB x G) with left and right padding; G = 3 in 64-row tiles across
     # documents, fp16; G = 1 with the query ranges split in 2
-    dict(B=2, T=201, H=6, Hkv=1, D=16, layout="pad", arch=80, dkdv_unmasked_interior=True,
+    dict(B=2, T=201, H=6, Hkv=1, D=16, layout="pad", arch=80,
          param_overrides=dict(window_size=129, cmp_block_size=4, cmp_stride=2)),
-    dict(B=1, T=203, H=3, Hkv=1, D=16, layout="varlen", seed=26, dtype="float16", dkdv_unmasked_interior=True,
+    dict(B=1, T=203, H=3, Hkv=1, D=16, layout="varlen", seed=26, dtype="float16",
          param_overrides=dict(window_size=125, cmp_block_size=2, cmp_stride=1)),
-    dict(B=1, T=203, H=2, Hkv=2, D=16, split=2, dkdv_unmasked_interior=True,
+    dict(B=1, T=203, H=2, Hkv=2, D=16, split=2,
          param_overrides=dict(window_size=191, cmp_block_size=2, cmp_stride=1)),
     # ... with the split programs in the grid order timed until 2026-11-27 (key tile fastest; the default puts the
     # key tile on the last axis where the ranges are split: launch_overrides(dkdv_key_tiles_fast=True))
     dict(B=2, T=203, H=2, Hkv=2, D=16, split=2, dkdv_key_tiles_fast=True, layout="varlen",
          param_overrides=dict(window_size=191, cmp_block_size=2, cmp_stride=1)),
-    # the same tiles all masked (launch_overrides(dkdv_unmasked_interior=False), as timed on 2026-11-23)
-    dict(B=2, T=201, H=6, Hkv=1, D=16, layout="pad", arch=80, dkdv_unmasked_interior=False,
-         param_overrides=dict(window_size=129, cmp_block_size=4, cmp_stride=2)),
     # selected-attention sub-tiles (forward and dQ; the default before Hopper), each skipping the union blocks
     # none of its queries chose: 2 sub-tiles of a 32-row tile, 4 of the 64-row tile
     dict(B=2, T=90, H=3, Hkv=1, D=16, layout="varlen", sel_rows=32, sel_sub_rows=16),
@@ -188,13 +181,6 @@ CPU_CASES = [
     dict(B=2, T=90, H=16, Hkv=1, D=16, layout="varlen", sel_dkdv_chunk_pairs=12),  # 3 tiles of 4 queries a chunk
     dict(B=1, T=100, H=16, Hkv=1, D=16, sel_dkdv_chunk_pairs=12, sel_pieces=[5, 3, 64, 32]),
     dict(B=2, T=81, H=6, Hkv=1, D=16, layout="varlen", dtype="float16", sel_dkdv_chunk_pairs=20, sel_dq_partials=True),
-    # the selected dK/dV with every pair tile masked (launch_overrides(sel_dkdv_all_masked=True)); the default
-    # runs the tiles whose queries lie past the block's last key unmasked, which every other case checks
-    dict(B=2, T=90, H=3, Hkv=1, D=16, layout="varlen", sel_dkdv_all_masked=True),
-    # the selected forward and dQ with the causal mask on every union block (launch_overrides(
-    # sel_causal_every_block=True)); by default the blocks ending before a tile's first query skip it, which every
-    # whole-tile case checks (claiming one block more fails 9 of 12 cases; sub-tile launches never skip it)
-    dict(B=2, T=90, H=3, Hkv=1, D=16, layout="varlen", sel_causal_every_block=True),
     # the selected branch's dQ formed pair by pair by the selected dK/dV kernel instead of the fused dQ kernel's walk
     # over each tile's block union, both ways over _PAIR_DQ_CASES: added to an fp32 dQ with atomics
     # (launch_overrides(sel_dq_in_dkdv=True); with the atomic add zeroed, dq's error is ~0.6), and stored per pair at
@@ -244,14 +230,13 @@ CPU_CASES = [
                               sel_local_blocks=1, window_size=1)),
     # the training top-n alone over many blocks per row (l' = 16), where a query's blocks compete and a wrong
     # sum over its heads picks other blocks (dropping half the heads gives a tie gap of ~0.3): G = 1, 2, 3, 4, 6,
-    # 8, 16, each G's rows laid out by _topn_row_query_head, and the query-major rows for G = 6. A chunk is 64
-    # compressed tokens (16 blocks), so the rows see whole chunks, which run unmasked, only past ~260 tokens of
-    # a document: T = 700 for some, 4-block chunks (16 tokens) for the others
+    # 8, 16, each G's rows laid out by _topn_row_query_head (head lanes at G = 2-8, query-major at 1 and 16). A
+    # chunk is 64 compressed tokens (16 blocks), so the rows see whole chunks, which run unmasked, only past ~260
+    # tokens of a document: T = 700 for some, 4-block chunks (16 tokens) for the others
     *[dict(kind="select", B=2, T=t, H=g * hkv, Hkv=hkv, D=16, layout=layout, bj=bj)
       for g, hkv, layout, t, bj in [(1, 2, "pad", 300, 4), (2, 1, "varlen", 700, None), (3, 2, "pad", 700, None),
                                     (4, 1, "varlen", 300, 4), (6, 2, "varlen", 300, 4), (8, 1, "varlen", 600, None),
                                     (16, 1, "varlen", 300, 4)]],
-    dict(kind="select", B=2, T=700, H=6, Hkv=1, D=16, layout="varlen", topn_query_major=True),
     # lists of n = 5 in 8 slots, chunks of 16 blocks (38 blocks a row: three chunks): a chunk's best 8 merged with
     # the list's kept 5 (no first chunk placed: n < 8), slots past n then holding entries no later insertion or
     # merge may take for kept ones

@@ -22,15 +22,18 @@ def test_every_variant_names_launch_knobs():
         tk.parse_variant("typo:topn_rowz=1")
 
 
-def test_the_session_sweep_names_launch_knobs():
-    """bench/gpu_session.sh's `sweep` step (the next GPU session's first call) passes its own variant list."""
-    script = (Path(__file__).resolve().parent.parent / "bench" / "gpu_session.sh").read_text()
-    step = script.split("    sweep)", 1)[1].split(";;", 1)[0]
-    variants = step.replace("\\\n", " ").split("--variants", 1)[1].split()
-    assert variants[0] == "default" and len(variants) >= 6, variants
-    for text in variants:
-        name, settings = tk.parse_variant(text)
-        assert set(settings) <= set(tk.KNOBS), text
+def test_every_session_step_names_launch_knobs():
+    """Every bench/gpu_session.sh step that runs tune_kernels.py passes variants naming real knobs (a variant of a
+    knob since removed would cost a device call: the step fails when it parses the list)."""
+    script = (Path(__file__).resolve().parent.parent / "bench" / "gpu_session.sh").read_text().replace("\\\n", " ")
+    lists = [line.split("--variants", 1)[1].split(" --", 1)[0].split(";;", 1)[0].split("&&", 1)[0].split()
+             for line in script.splitlines() if "tune_kernels.py" in line and "--variants" in line]
+    assert len(lists) >= 4, lists  # decode, seldq, pending, pending-d128, stages
+    for variants in lists:
+        assert variants[0] == "default", variants
+        for text in variants:
+            name, settings = tk.parse_variant(text)
+            assert set(settings) <= set(tk.KNOBS), text
 
 
 def test_the_session_seldq_step_parses():
@@ -176,30 +179,34 @@ def row(case, variant, fb_ms, **kernel_ms):
 
 def test_variants_against_the_default():
     rows = [row("64k", "default", 50.0, _select_topn_kernel=9.0, _bwd_dq_kernel=16.0),
-            row("64k", "topn_query_major", 52.0, _select_topn_kernel=10.8, _bwd_dq_kernel=16.1),  # dQ: under 2%
+            row("64k", "topn_3_per_sm", 52.0, _select_topn_kernel=10.8, _bwd_dq_kernel=16.1),  # dQ: under 2%
             row("2k", "default", 10.0),
-            row("2k", "topn_query_major", 10.0)]
+            row("2k", "topn_3_per_sm", 10.0)]
     lines = tk.against_default(rows)
     assert lines[:2] == ["| case | variant | f+b vs default | kernels vs default |", "|---|---|---|---|"]
-    assert lines[2] == "| 64k | topn_query_major | +4.0% | top-n +20.0% |"
-    assert lines[3] == "| 2k | topn_query_major | +0.0% | none moved |"
+    assert lines[2] == "| 64k | topn_3_per_sm | +4.0% | top-n +20.0% |"
+    assert lines[3] == "| 2k | topn_3_per_sm | +0.0% | none moved |"
     assert len(lines) == 4  # the defaults themselves are the reference, not rows
 
 
 def test_a_sweep_variant_forcing_a_switch_off_reaches_the_launcher_off():
     """The sweeps write switches as 0/1 (parse_variant reads ints): 0 must turn a default-on switch off, or the
-    variant silently times the default against itself (dkdv_masked did, for a session, after the default flipped)."""
-    from modeling_nsa import nsa_triton_interval as interval
-    from modeling_nsa.nsa_triton_launch import launch_overrides
+    variant silently times the default against itself (a sweep's dkdv_masked did, for a session, after the default
+    flipped). The decode step's parts are on by default for a static cache's step."""
+    from modeling_nsa.nsa_layout import NSAParams
+    from modeling_nsa.nsa_triton_launch import _decode_launch, launch_overrides
 
-    assert interval._dkdv_unmasked_interior()  # the default
-    for text, expected in (("dkdv_masked:dkdv_unmasked_interior=0", False),
-                           ("dkdv_interior:dkdv_unmasked_interior=1", True)):
+    params = NSAParams(cmp_block_size=32, cmp_stride=16, sel_block_size=64, sel_num_blocks=16, sel_init_blocks=1,
+                       sel_local_blocks=2, window_size=512)
+
+    def parts():
+        return _decode_launch(64, 16, params, True, torch.device("cpu")).parts
+
+    assert parts()  # the default
+    for text, expected in (("decode_finish:decode_parts=0", False), ("decode_parts:decode_parts=1", True)):
         _, settings = tk.parse_variant(text)
         with launch_overrides(**settings):
-            assert interval._dkdv_unmasked_interior() is expected, text
-    with launch_overrides(dkdv_unmasked_interior=False):
-        assert not interval._dkdv_unmasked_interior()
+            assert parts() is expected, text
 
 
 def test_the_session_d128_step_times_the_three_stages_against_two():

@@ -133,17 +133,10 @@ _VARIANT_SHAPES = {
     "G8-d128-bf16-long": dict(B=1, T=8300, H=16, Hkv=2, D=128, dtype=torch.bfloat16, layout="single"),
 }
 _VARIANTS = {
-    # the compressed/window dK/dV with every query tile masked (the default runs the tiles that see all of a key
-    # tile in an unmasked loop of their own)
-    "allmasked": dict(dkdv_unmasked_interior=False),
     # the selected dQ added pair by pair by the selected dK/dV kernel
     "seldq": dict(sel_dq_in_dkdv=True),
     # the same pairs storing per-(query, slot) partials (no atomics) and the kernel that sums them
     "seldqpartials": dict(sel_dq_partials=True),
-    # the training top-n's rows query-major, as before _topn_row_query_head
-    "topnquerymajor": dict(topn_query_major=True),
-    # the selected dK/dV with every pair tile masked (the default splits off the tiles that see whole blocks)
-    "seldkdvmasked": dict(sel_dkdv_all_masked=True),
     # the block-outer selected forward (pair tiles and the combine of their partials) and dQ (its own pair kernel)
     "selfwdpairs": dict(sel_fwd_pairs=True, sel_dq_pairs=True),
     # the selected forward and the training top-n without the 128-register cap they take on sm_90 at head_dim 64
@@ -168,6 +161,13 @@ _VARIANT_SKIP = {("fla-G16-d64-bf16", "selfwdpairs"), *((shape, uncapped) for un
 SCENARIOS.update({f"{shape}-{variant}": _scenario(**args, overrides=overrides)
                   for variant, overrides in _VARIANTS.items() for shape, args in _VARIANT_SHAPES.items()
                   if (shape, variant) not in _VARIANT_SKIP})
+# The opt-in variants (launch_overrides knobs the benchmarks time) compile for sm_90 alone, the GPU they are timed
+# on: compiling them for sm_80 and sm_86 too cost about a fifth of the AOT job (CI time). The paths that inputs take
+# by themselves (the int64 sort keys and offsets of huge inputs) compile for every architecture.
+AUTOMATIC_VARIANTS = ("unionwide", "int64offsets")
+OPT_IN_VARIANT_SCENARIOS = {f"{shape}-{variant}" for variant in _VARIANTS if variant not in AUTOMATIC_VARIANTS
+                            for shape in _VARIANT_SHAPES if (shape, variant) not in _VARIANT_SKIP}
+OPT_IN_VARIANT_ARCHS = (90,)
 
 
 def _specialize(fn, args, kwargs, arch):
@@ -221,7 +221,7 @@ def _loop_pipelining(ttgir: str) -> tuple[int, int, int]:
             loops.append(dict(dot=False, copy=False, waits=[]))
             stack.append((indent, loops[-1]))
         elif stack:
-            if "warp_group_dot " in line or "tt.dot " in line:
+            if _has_dot(line):
                 stack[-1][1]["dot"] = True
             if "async_copy_global_to_local" in line:
                 stack[-1][1]["copy"] = True
@@ -231,6 +231,11 @@ def _loop_pipelining(ttgir: str) -> tuple[int, int, int]:
     with_dot = [lp for lp in loops if lp["dot"]]
     exposed = [lp for lp in with_dot if lp["copy"] and lp["waits"] and max(lp["waits"]) == 0]
     return len(with_dot), sum(not lp["copy"] for lp in with_dot), len(exposed)
+
+
+def _has_dot(ttgir: str) -> bool:
+    """Whether a kernel's TTGIR runs a tl.dot anywhere (in a loop or not)."""
+    return "warp_group_dot " in ttgir or "tt.dot " in ttgir
 
 
 def _sass_loops(sass: str) -> list[dict]:
@@ -283,7 +288,8 @@ def _sass(cubin: bytes) -> str:
 
 
 _LAUNCHES: list = []  # (arch, scenario, name, fn, args, kwargs); filled before the worker pool forks
-_SASS_LOOPS = False  # --sass-loops: also count each kernel's SASS instructions per loop iteration
+_SASS_LOOPS: set | None = set()  # --sass-loops: the archs whose SASS loops are counted (None: every one)
+_SASS_CHECKED_ONLY = False  # --sass-checked-only: ... and of those, the launches the compile tests check
 
 
 def _compile_one(i):
@@ -301,7 +307,10 @@ def _compile_one(i):
                    **dict(zip(("dot_loops", "unpipelined_dot_loops", "exposed_dot_loops"),
                               _loop_pipelining(kern.asm["ttgir"]))),
                    **_resources(kern.asm["cubin"]))
-        if _SASS_LOOPS:
+        # --sass-checked-only: a disassembly costs ~0.6 CPU-s whatever the kernel's size, so only where
+        # tests/test_triton_compile.py reads it (a dot's loops and HGMMA groups, or a stack frame's spills)
+        checked = _has_dot(kern.asm["ttgir"]) or res.get("stack", 0) + res.get("local", 0) > 0
+        if (_SASS_LOOPS is None or arch in _SASS_LOOPS) and (checked or not _SASS_CHECKED_ONLY):
             sass = _sass(kern.asm["cubin"])
             res["sass_loops"] = _sass_loops(sass)
             res["hgmma"], res["hgmma_groups"] = _wgmma_groups(sass)
@@ -321,10 +330,13 @@ METADATA_SCENARIOS = ("125M-G6-d64-bf16", "125M-G6-d64-bf16-long")
 
 def collect(arch: int, scenarios=None) -> list:
     """Unique launches the launchers make on an sm_<arch> device over the scenarios: one per (kernel,
-    specialization) signature; METADATA_KERNELS at METADATA_SCENARIOS only."""
+    specialization) signature; METADATA_KERNELS at METADATA_SCENARIOS only, the opt-in variants on
+    OPT_IN_VARIANT_ARCHS only."""
     launches, seen = [], set()
     with as_arch(arch):
         for sname in scenarios or SCENARIOS:
+            if sname in OPT_IN_VARIANT_SCENARIOS and arch not in OPT_IN_VARIANT_ARCHS:
+                continue
             for name, fn, args, kwargs in capture_launches(SCENARIOS[sname]):
                 if name in METADATA_KERNELS and sname not in METADATA_SCENARIOS:
                     continue
@@ -344,13 +356,17 @@ def main():
     ap.add_argument("--kernels", nargs="*", default=None, help="only these kernel names (default: all)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--sass-loops", action="store_true",
+    ap.add_argument("--sass-loops", nargs="*", type=int, default=None, metavar="ARCH",
                     help="also print each kernel's SASS instructions per loop iteration (in program order; in "
                          "parentheses those outside nested loops; * issues a tensor-core dot; [n spill]: spill loads "
-                         "and stores in the loop)")
+                         "and stores in the loop), for the archs named (none named: every --arch)")
+    ap.add_argument("--sass-checked-only", action="store_true",
+                    help="--sass-loops only for the launches with a dot or a stack frame (what the CI checks read)")
     args = ap.parse_args()
     global _SASS_LOOPS
-    _SASS_LOOPS = args.sass_loops
+    _SASS_LOOPS = set() if args.sass_loops is None else set(args.sass_loops) or None
+    global _SASS_CHECKED_ONLY
+    _SASS_CHECKED_ONLY = args.sass_checked_only
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         sys.exit("triton_aot.py compiles real kernels: unset TRITON_INTERPRET")
     for arch in args.arch:
@@ -371,10 +387,10 @@ def main():
                   f"{r['seconds']} |")
         else:
             print(f"| sm_{r['arch']} | {r['kernel']} | {r['scenario']} | FAILED: {r['error'][:300]} |")
-    if args.sass_loops:
+    if args.sass_loops is not None:
         print("\n| arch | kernel | scenario | SASS instructions per loop iteration |\n|---|---|---|---|")
         for r in results:
-            if r["ok"] and r["sass_loops"]:
+            if r["ok"] and r.get("sass_loops"):
                 loops = ", ".join(_loop_text(lp) for lp in r["sass_loops"])
                 print(f"| sm_{r['arch']} | {r['kernel']} | {r['scenario']} | {loops} |")
     if args.json:
