@@ -264,7 +264,8 @@ def test_dkdv_runs_the_interior_query_tiles_unmasked(aot_results, arch):
     """The compressed/window dK/dV runs the query tiles that see all of a key tile in an unmasked loop of their own,
     between the masked ones before and after it: three query loops on every architecture, each software-pipelined on
     sm_90, which is what the separate loops are for (one loop with a branch between masked and unmasked tiles is
-    not pipelined)."""
+    not pipelined), and on sm_90 the middle one runs fewer SASS instructions per tile than either masked one (a
+    masked middle loop took the kernel 2.7x as long at 64k on the H100: bench/KERNELS.md)."""
     rows = [r for r in _rows(aot_results, arch) if r["kernel"] == "_interval_bwd_dkdv_kernel"]
     assert {r["scenario"] for r in rows} >= {"125M-G6-d64-bf16-long", "G8-d128-bf16-long"}, rows
     assert all(r["ok"] for r in rows), [(r["scenario"], r.get("error")) for r in rows]
@@ -272,14 +273,17 @@ def test_dkdv_runs_the_interior_query_tiles_unmasked(aot_results, arch):
     if arch == 90:
         assert all(r["unpipelined_dot_loops"] == 0 for r in rows), [(r["scenario"], r["unpipelined_dot_loops"])
                                                                     for r in rows]
+        for r in rows:
+            per_tile = [lp["instructions"] for lp in r["sass_loops"] if lp["dot"]]  # masked, unmasked, masked
+            assert len(per_tile) == 3 and per_tile[1] < min(per_tile[0], per_tile[2]), (r["scenario"], per_tile)
 
 
 @pytest.mark.parametrize("arch", **OPT_IN_ARCHS)
 def test_selected_dq_in_dkdv_variant_compiles(aot_results, arch):
     """The selected branch's dQ added pair by pair by the selected dK/dV kernel (launch_overrides(sel_dq_in_dkdv=
     True): tests/triton_aot.py's *-seldq scenarios): the dK/dV kernel with its atomic dQ and the fused dQ kernel
-    without its selected loop compile on every architecture, G = 6 and 16 at head_dim 64 and G = 8 at 128; the
-    dK/dV loop is still software-pipelined on sm_90 (the spill check above covers these rows too)."""
+    without its selected loop compile for sm_90 (OPT_IN_ARCHS: where the variant is timed), G = 6 and 16 at head_dim
+    64 and G = 8 at 128; the dK/dV loop is still software-pipelined (the spill check above covers these rows too)."""
     rows = [r for r in _rows(aot_results, arch) if r["scenario"].endswith("-seldq")]
     dkdv = [r for r in rows if r["kernel"] == "_sel_bwd_dkdv_kernel"]
     dq = [r for r in rows if r["kernel"] == "_bwd_dq_kernel"]
@@ -297,9 +301,8 @@ def test_selected_dq_in_dkdv_variant_compiles(aot_results, arch):
 @pytest.mark.parametrize("arch", **OPT_IN_ARCHS)
 def test_selected_dq_partials_variant_compiles(aot_results, arch):
     """The pair-wise selected dQ without atomics (launch_overrides(sel_dq_partials=True): the *-seldqpartials
-    scenarios): the selected dK/dV kernel storing each pair's share and the kernel summing the partials compile on
-    every architecture; the dK/dV loops stay software-pipelined on
-    sm_90 (the spill check above covers these rows too)."""
+    scenarios): the selected dK/dV kernel storing each pair's share and the kernel summing the partials compile for
+    sm_90 (OPT_IN_ARCHS); the dK/dV loops stay software-pipelined (the spill check above covers these rows too)."""
     rows = [r for r in _rows(aot_results, arch) if r["scenario"].endswith("-seldqpartials")]
     # (the fused dQ without its selected loop is the same launch as the *-seldq scenarios', compiled there once)
     by_kernel = {k: [r for r in rows if r["kernel"] == k] for k in ("_sel_bwd_dkdv_kernel", "_sel_dq_reduce_kernel")}
@@ -317,13 +320,14 @@ def test_selected_dq_partials_variant_compiles(aot_results, arch):
 @pytest.mark.parametrize("arch", **OPT_IN_ARCHS)
 def test_block_outer_selected_variant_compiles_without_spills(aot_results, arch):
     """The block-outer selected forward and dQ (launch_overrides(sel_fwd_pairs=True, sel_dq_pairs=True): the
-    *-selfwdpairs scenarios): the pair kernels, the forward's combine and the dQ's chunked reduce compile on every
-    architecture at G = 6 and 8 (head_dim 128), with no stack frame (the combine's slot loop unrolled spilled 96-176
-    bytes; a pair tile's key visibility computed before its loads spilled the dQ kernel on sm_86 at head_dim 128;
-    the dQ's tile loop pipelined before Hopper at head_dim 128 spilled 240-1,088 B). On sm_90 the pair kernels' tile
-    loops are software-pipelined with their loads in flight: each program's pairs are loaded into registers before
-    the loop (_pair_run), where the while loop timed on 2026-11-27 loaded each tile's pairs inside it and waited
-    for every load (not pipelined: 2.8-3.2 ms per pass at 8k and 64k, bench/KERNELS.md)."""
+    *-selfwdpairs scenarios): the pair kernels, the forward's combine and the dQ's chunked reduce compile for sm_90
+    (OPT_IN_ARCHS) at G = 6 and 8 (head_dim 128), with no stack frame (the combine's slot loop unrolled spilled
+    96-176 bytes). Until 2026-11-28 they were compiled for sm_80 and sm_86 too, where a pair tile's key visibility
+    computed before its loads spilled the dQ kernel (sm_86, head_dim 128) and the dQ's tile loop pipelined before
+    Hopper spilled 240-1,088 B at head_dim 128; the launchers keep those fixes, unchecked there since. The pair
+    kernels' tile loops are software-pipelined with their loads in flight: each program's pairs are loaded into
+    registers before the loop (_pair_run), where the while loop timed on 2026-11-27 loaded each tile's pairs inside
+    it and waited for every load (not pipelined: 2.8-3.2 ms per pass at 8k and 64k, bench/KERNELS.md)."""
     kernels = ("_sel_fwd_pairs_kernel", "_sel_fwd_pairs_combine_kernel", "_sel_dq_pairs_kernel",
                "_sel_dq_reduce_kernel")
     rows = [r for r in _rows(aot_results, arch) if r["scenario"].endswith("-selfwdpairs") and r["kernel"] in kernels]
@@ -356,7 +360,7 @@ def test_register_caps_fit_four_programs_on_sm90(aot_results, arch, kernel, vari
     uncapped = [r for r in _rows(aot_results, arch)
                 if r["scenario"] == f"125M-G6-d64-bf16-long-{variant}" and r["kernel"] == kernel]
     assert len(capped) == 1 and capped[0]["ok"], capped
-    if arch != 90:  # (where the uncapped variant launches as the default does, tests/triton_aot.py compiles it once)
+    if arch != 90:  # (the uncapped variant, opt-in, compiles for sm_90 alone)
         assert "maxnreg" not in capped[0]["constexprs"], capped[0]["constexprs"]
         return
     assert len(uncapped) == 1 and uncapped[0]["ok"] and "maxnreg" not in uncapped[0]["constexprs"], uncapped

@@ -130,8 +130,9 @@ CPU_CASES = [
     dict(B=1, T=70, H=6, Hkv=1, D=16, layout="pad", sel_fwd_max_registers=128, topn_max_registers=128),
     # the compressed/window dK/dV with the query tiles that see all of a key tile in an unmasked loop of their own
     # between masked ones (the kernel's only schedule since the 2026-11-25 sweep; the window and compressed sizes
-    # in the ids): compressed tokens every 1-2 keys so that whole 64-key tiles fit, windows chosen so that one query more past a run (ib + 1) or, at 5 queries per
-    # tile, one before it (ia - 1) moves a tile into the unmasked loop (the checks fail then: tried); G = 6 in
+    # in the ids): compressed tokens every 1-2 keys so that whole 64-key tiles fit, windows chosen so that one
+    # query more past a run (ib + 1) or, at 5 queries per tile, one before it (ia - 1) moves a tile into the
+    # unmasked loop (the checks fail then: tried); G = 6 in
     # sm_80's 32-row tiles (2 rows past QPB x G) with left and right padding; G = 3 in 64-row tiles across
     # documents, fp16; G = 1 with the query ranges split in 2
     dict(B=2, T=201, H=6, Hkv=1, D=16, layout="pad", arch=80,
