@@ -28,7 +28,7 @@ def test_every_session_step_names_launch_knobs():
     script = (Path(__file__).resolve().parent.parent / "bench" / "gpu_session.sh").read_text().replace("\\\n", " ")
     lists = [line.split("--variants", 1)[1].split(" --", 1)[0].split(";;", 1)[0].split("&&", 1)[0].split()
              for line in script.splitlines() if "tune_kernels.py" in line and "--variants" in line]
-    assert len(lists) >= 4, lists  # decode, seldq, pending, pending-d128, stages
+    assert len(lists) >= 5, lists  # decode, seldq, pending, pending-d128, stages
     for variants in lists:
         assert variants[0] == "default", variants
         for text in variants:
