@@ -13,6 +13,12 @@ shuffle is seeded by `--seed`) and the same schedule. A run already
 finished in its directory is not trained again; one stopped with checkpoints continues (`--resume latest`), so a
 long comparison can be split across sessions by running the same command again.
 
+`--init-from-runs DIR` starts each twin from its own twin of an earlier comparison (DIR/<mode>-seed<S>/final, the
+trainer's `--init-from`): pretrain both modes on text, then fine-tune both on retrieval rows, each pair still
+sharing its seed. Runs that evaluated long-context retrieval (`--eval-long-context`) get a table of their
+accuracy per length (mean over depths) beside the losses, and NSA runs the rate at which the last prompt token's
+selection held the answer's block.
+
 It reads what the trainer writes per run (run.json: config and device; metrics.jsonl: training logs and every
 evaluation; summary.json) and writes `<out>/ab_compare.md` (tables), `ab_compare.png` (validation loss against
 tokens, and NSA - dense) and `ab_compare.json`. Validation losses are compared at the token counts every run
@@ -58,12 +64,15 @@ TARGET_NATS = 0.02  # issue 19: NSA validation loss <= dense + 0.02 nats at equa
 # ----------------------------------------------------------------------------- training
 
 
-def check_train_flags(train_flags: list[str]) -> None:
+def check_train_flags(train_flags: list[str], init_from_runs: Path | None = None) -> None:
     for flag in train_flags:
         name = flag.split("=")[0]
         if name.replace("_", "-") in OWN_FLAGS:
             raise ValueError(f"train flag {name}: ab_compare.py sets {', '.join(OWN_FLAGS)} for each run itself "
                              "(--seeds for the seeds, --out for the directories); drop it from the flags after --.")
+        if init_from_runs is not None and name.replace("_", "-") in ("--init-from", "--model-overrides"):
+            raise ValueError(f"train flag {name}: --init-from-runs {init_from_runs} starts each twin from its own "
+                             "twin's final/ (its architecture too); drop it from the flags after --.")
     if _flag_value(train_flags, "--eval-every") == "0":
         raise ValueError("--eval-every 0: the comparison needs validation losses; give --eval-every N > 0.")
 
@@ -91,11 +100,34 @@ def run_state(run_dir: Path) -> str:
     return "new"
 
 
+def twin_source(init_from_runs: Path, mode: str, seed: int) -> Path:
+    """The saved model a fine-tuning twin starts from: the earlier comparison's run of its mode and seed."""
+    source = Path(init_from_runs) / f"{mode}-seed{seed}" / "final"
+    if not (source / "config.json").is_file():
+        raise ValueError(f"--init-from-runs {init_from_runs}: no finished {mode} run of seed {seed} there ({source} "
+                         "holds no saved model); train it first with the same --seeds and --modes, e.g. "
+                         f"ab_compare.py --out {init_from_runs} --seeds {seed} --modes {mode} -- <its flags>.")
+    return source
+
+
+def _started_from_twin(run: dict) -> str | None:
+    """The comparison a run started from when its --init-from was its own twin's final/ there (--init-from-runs),
+    else None."""
+    source = run["config"].get("init_from")
+    path = Path(source) if source else None
+    if path is not None and path.name == "final" and path.parent.name == f"{run['mode']}-seed{run['seed']}":
+        return str(path.parent.parent)
+    return None
+
+
 def train_runs(out: Path, seeds: list[int], modes: list[str], train_flags: list[str], launcher: list[str],
-               env: dict | None = None, jobs: int = 1) -> list[Path]:  # fmt: skip
+               env: dict | None = None, jobs: int = 1, init_from_runs: Path | None = None) -> list[Path]:  # fmt: skip
     """Train every (seed, mode) not finished yet, `jobs` at a time (1: one after another, the output on this
-    terminal; more: side by side, each run's output in <out>/<mode>-seed<S>.log); returns the run directories."""
-    check_train_flags(train_flags)
+    terminal; more: side by side, each run's output in <out>/<mode>-seed<S>.log); returns the run directories.
+    init_from_runs: each run starts from that comparison's run of the same mode and seed (its final/)."""
+    check_train_flags(train_flags, init_from_runs)
+    sources = {(mode, seed): twin_source(init_from_runs, mode, seed) for seed in seeds for mode in modes
+               if init_from_runs is not None}  # fmt: skip
     runs, commands = [], []
     for seed in seeds:
         for mode in modes:
@@ -110,6 +142,8 @@ def train_runs(out: Path, seeds: list[int], modes: list[str], train_flags: list[
                                  "continue; remove it (or pass another --out) and run again.")  # fmt: skip
             cmd = [*launcher, str(REPO / "train_accelerate.py"), *train_flags, "--attention-mode", mode,
                    "--seed", str(seed), "--output-dir", str(run_dir)]  # fmt: skip
+            if (mode, seed) in sources:
+                cmd += ["--init-from", str(sources[(mode, seed)])]
             if state == "resumable":
                 cmd += ["--resume", "latest"]
             commands.append((mode, seed, run_dir, cmd, state))
@@ -228,7 +262,27 @@ def read_run(run_dir: Path) -> dict:
         "tok_s": statistics.median(speeds) if speeds else None,
         "peak_mem_gb": max((r["peak_mem_gb"] for r in train_rows if r.get("peak_mem_gb")), default=None),
         "finished": summary.get("finished"), "steps": summary.get("step", max(train, default=None)),
+        "long_context": read_long_context(run_dir),
     }  # fmt: skip
+
+
+def read_long_context(run_dir: Path) -> list[dict]:
+    """The run's retrieval evaluations (<run>/long_context/<task>_<scoring>.json, written by --eval-long-context or
+    nsa_train.long_context): per case length, the accuracy and the answer's-block selection rate (NSA), each the
+    mean over depths."""
+    found = []
+    for path in sorted((run_dir / "long_context").glob("*.json")):
+        result = json.loads(path.read_text())
+        if not isinstance(result, dict) or "accuracy" not in result or "lengths" not in result:
+            continue  # another tool's file
+        selected = result.get("needle_selected")
+        found.append({
+            "task": result.get("task"), "scoring": result.get("scoring"), "lengths": result["lengths"],
+            "extrapolated": result.get("extrapolated_lengths") or [],
+            "accuracy": [statistics.fmean(row) for row in result["accuracy"]],
+            "selected": [statistics.fmean(row) for row in selected] if selected else None,
+        })  # fmt: skip
+    return found
 
 
 def config_differences(runs: list[dict]) -> list[str]:
@@ -240,6 +294,8 @@ def config_differences(runs: list[dict]) -> list[str]:
         for key in sorted(set(base["config"]) | set(other["config"])):
             if key in PER_RUN_CONFIG:
                 continue
+            if key == "init_from" and _started_from_twin(base) and _started_from_twin(base) == _started_from_twin(other):
+                continue  # each started from its own twin of one earlier comparison (--init-from-runs)
             if base["config"].get(key) != other["config"].get(key):
                 notes.append(f"{base['name']} / {other['name']}: train config {key} = {base['config'].get(key)!r} / "
                              f"{other['config'].get(key)!r}")  # fmt: skip
@@ -346,6 +402,7 @@ def markdown(runs: list[dict], comparison: dict, notes: list[str]) -> str:
         lines.append(f"| {r['name']} | {r['mode']} | {r['seed']} | {r['num_parameters'] / 1e6:.2f}M | {r['device']} | "
                      f"{r['steps']} | {tokens:,} | {loss:.4f} | {math.exp(min(loss, 50)):.2f} | {_fmt(r['tok_s'], '{:,.0f}')} | "
                      f"{_fmt(r['peak_mem_gb'], '{:.2f}')} |")  # fmt: skip
+    lines += long_context_table(runs)
     modes = comparison["modes"]
     lines += ["", "Validation loss at equal tokens (mean over seeds; ± sample std over seeds where >= 2):", "",
               "| tokens | " + " | ".join(modes) + (" | NSA - dense |" if len(modes) == 2 else ""),
@@ -376,6 +433,9 @@ def markdown(runs: list[dict], comparison: dict, notes: list[str]) -> str:
                       + (f"; per seed: {paired}" if paired else "")
                       + (f"; seed-to-seed std within a mode {final['seed_std']:.4f}" if final["seed_std"] else "")
                       + "."]  # fmt: skip
+    started = {_started_from_twin(r) for r in runs if r.get("config")}
+    if len(started) == 1 and None not in started:
+        lines += ["", f"Each run started from its own twin's final/ in {started.pop()} (--init-from-runs)."]
     if notes:
         lines += ["", "**The runs differ beyond the attention mode** (not a like-for-like comparison):", ""]
         lines += [f"- {n}" for n in notes]
@@ -385,6 +445,35 @@ def markdown(runs: list[dict], comparison: dict, notes: list[str]) -> str:
     lines += ["", f"Peak memory: allocated GPU memory on CUDA, the process's resident set size on CPU. "
                   f"Written {time.strftime('%Y-%m-%d')}."]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def long_context_table(runs: list[dict]) -> list[str]:
+    """Markdown lines: per (task, scoring) the runs' retrieval accuracy at each case length (mean over depths) and,
+    for NSA runs, how often the last prompt token's selection held the answer's block; empty when no run has one."""
+    evaluations = {}
+    for r in runs:
+        for ev in r.get("long_context") or ():
+            evaluations.setdefault((ev["task"], ev["scoring"]), []).append((r, ev))
+    lines = []
+    for (task, scoring), found in evaluations.items():
+        lengths = sorted({n for _, ev in found for n in ev["lengths"]})
+        extrapolated = {n for _, ev in found for n in ev["extrapolated"]}
+        heads = [f"{n:,}" + (" (extrapolated)" if n in extrapolated else "") for n in lengths]
+        with_selection = any(ev["selected"] for _, ev in found)
+        lines += ["", f"Long-context retrieval, {task} scored by {scoring}: accuracy per case length (prompt and "
+                      "answer, tokens), mean over depths" + ("; NSA: the share of the last prompt token's selections "
+                      "(per layer and KV group) that held the answer's block, per length" if with_selection else "")
+                  + ":", "",
+                  "| run | " + " | ".join(heads) + (" | answer's block selected |" if with_selection else " |"),
+                  "|---|" + "---|" * (len(lengths) + with_selection)]  # fmt: skip
+        for r, ev in found:
+            by_length = dict(zip(ev["lengths"], ev["accuracy"]))
+            cells = [f"{by_length[n]:.0%}" if n in by_length else "" for n in lengths]
+            if with_selection:
+                chosen = dict(zip(ev["lengths"], ev["selected"] or ()))
+                cells.append(" / ".join(f"{chosen[n]:.0%}" if n in chosen else "-" for n in lengths) if chosen else "")
+            lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def plot(runs: list[dict], comparison: dict, path: Path) -> Path:
@@ -471,14 +560,19 @@ def main(argv=None) -> dict:
     p.add_argument("--jobs", type=int, default=1,
                    help="runs trained at once (default 1; on a CPU with several cores, with OMP_NUM_THREADS set so "
                         "that jobs x threads fits them; each run's output then goes to <out>/<mode>-seed<S>.log)")
+    p.add_argument("--init-from-runs", type=Path, default=None, metavar="DIR",
+                   help="start each run from DIR/<mode>-seed<S>/final, its twin in an earlier comparison's --out "
+                        "(e.g. fine-tune pretrained twins); the flags after -- then take no --init-from or "
+                        "--model-overrides")  # fmt: skip
     p.add_argument("--launcher", default=shlex.quote(sys.executable),
                    help="how to start train_accelerate.py, e.g. 'accelerate launch --config_file "
                         "accelerate_configs/single_gpu.yaml' (default: this Python)")  # fmt: skip
     args = p.parse_args(own)
     out = Path(args.out)
     if args.runs:
-        if train_flags:
-            p.error("--runs compares finished runs: train flags after -- are not used; drop them.")
+        if train_flags or args.init_from_runs:
+            p.error("--runs compares finished runs: train flags after -- and --init-from-runs are not used; drop "
+                    "them.")
         run_dirs = [Path(d) for d in args.runs]
     else:
         if not train_flags:
@@ -487,7 +581,8 @@ def main(argv=None) -> dict:
             p.error(f"--seeds {' '.join(map(str, args.seeds))}: a seed is repeated.")
         if args.jobs < 1:
             p.error(f"--jobs {args.jobs}: give at least 1.")
-        run_dirs = train_runs(out, args.seeds, args.modes, train_flags, shlex.split(args.launcher), jobs=args.jobs)
+        run_dirs = train_runs(out, args.seeds, args.modes, train_flags, shlex.split(args.launcher), jobs=args.jobs,
+                              init_from_runs=args.init_from_runs)
         if len(run_dirs) < 2:  # one mode and one seed: a run to compare later with --runs, nothing to compare now
             print(f"trained one run ({run_dirs[0]}); compare it with others: python bench/ab_compare.py --out DIR "
                   f"--runs {run_dirs[0]} OTHER_RUN ...")

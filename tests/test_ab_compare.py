@@ -88,6 +88,62 @@ def test_finished_runs_are_compared_again_without_training(ab, tmp_path, capsys)
     assert "**The runs differ beyond the attention mode**" in (tmp_path / "cmp" / "ab_compare.md").read_text()
 
 
+def test_init_from_runs_starts_each_twin_from_its_own_twin(ab, tmp_path):
+    """--init-from-runs: each fine-tuning run loads its own mode's and seed's final/ from the earlier comparison
+    (its first evaluation, before any step, is that run's last one on the same rows), and the comparison treats
+    the differing --init-from paths as the twins' own, not as a difference."""
+    out, data_file, result = ab
+    tuned = ab_compare.main(["--out", str(tmp_path), "--seeds", "3", "--init-from-runs", str(out), "--",
+                             *train_flags(data_file)])
+    for mode in ("nsa", "dense"):
+        record = json.loads((tmp_path / f"{mode}-seed3" / "run.json").read_text())
+        assert record["config"]["init_from"] == str(out / f"{mode}-seed3" / "final")
+        assert record["model_config"]["attention_mode"] == mode
+    first, last = tuned["comparison"]["curve"][0], result["comparison"]["curve"][-1]
+    assert last["nsa"]["mean"] != last["dense"]["mean"]  # (the twins' losses tell them apart)
+    assert first["nsa"]["mean"] == pytest.approx(last["nsa"]["mean"], abs=1e-5)
+    assert first["dense"]["mean"] == pytest.approx(last["dense"]["mean"], abs=1e-5)
+    assert tuned["config_differences"] == []
+    assert f"Each run started from its own twin's final/ in {out} (--init-from-runs)" in (
+        tmp_path / "ab_compare.md").read_text()
+    with pytest.raises(ValueError, match=r"train flag --init-from: --init-from-runs .* starts each twin from its own"):
+        ab_compare.main(["--out", str(tmp_path / "x"), "--init-from-runs", str(out), "--", *train_flags(data_file),
+                         "--init-from", str(out / "nsa-seed3" / "final")])
+    with pytest.raises(ValueError, match=r"no finished nsa run of seed 7 there .*nsa-seed7/final holds no saved "
+                                         r"model\); train it first"):
+        ab_compare.main(["--out", str(tmp_path / "y"), "--seeds", "7", "--init-from-runs", str(out), "--",
+                         *train_flags(data_file)])
+    with pytest.raises(SystemExit):  # --runs trains nothing: a start to train from is a mistake
+        ab_compare.main(["--out", str(tmp_path / "z"), "--init-from-runs", str(out), "--runs",
+                         str(out / "nsa-seed3"), str(out / "dense-seed3")])
+
+
+def test_long_context_evaluations_are_tabled_per_run(ab, tmp_path):
+    """A run's long_context/<task>_<scoring>.json (as --eval-long-context writes it) becomes a row: accuracy per
+    length as the mean over depths, extrapolated lengths marked, NSA's answer's-block selection per length."""
+    out, _, _ = ab
+    runs = {}
+    for mode in ("nsa", "dense"):
+        shutil.copytree(out / f"{mode}-seed3", tmp_path / f"{mode}-seed3")
+        runs[mode] = tmp_path / f"{mode}-seed3"
+        (runs[mode] / "long_context").mkdir(exist_ok=True)
+        for stale in (runs[mode] / "long_context").glob("*.json"):
+            stale.unlink()
+    evaluation = {"task": "passkey", "scoring": "generate", "lengths": [64, 128], "extrapolated_lengths": [128],
+                  "depths": [0.0, 0.5, 1.0]}  # fmt: skip
+    (runs["nsa"] / "long_context" / "passkey_generate.json").write_text(json.dumps(
+        {**evaluation, "accuracy": [[1.0, 0.5, 0.0], [0.25, 0.25, 0.1]],
+         "needle_selected": [[1.0, 1.0, 0.7], [0.0, 0.3, 0.0]]}))
+    (runs["dense"] / "long_context" / "passkey_generate.json").write_text(json.dumps(
+        {**evaluation, "accuracy": [[1.0, 1.0, 0.4], [0.0, 0.0, 0.0]], "needle_selected": None}))
+    (runs["dense"] / "long_context" / "notes.json").write_text(json.dumps(["not an evaluation"]))
+    ab_compare.main(["--out", str(tmp_path / "cmp"), "--runs", str(runs["nsa"]), str(runs["dense"])])
+    table = (tmp_path / "cmp" / "ab_compare.md").read_text()
+    assert "| run | 64 | 128 (extrapolated) | answer's block selected |" in table
+    assert "| nsa-seed3 | 50% | 20% | 90% / 10% |" in table
+    assert "| dense-seed3 | 80% | 0% |  |" in table
+
+
 def fake_run(mode, seed, losses, tokens_per_step=100):
     return {"name": f"{mode}-seed{seed}", "mode": mode, "seed": seed,
             "val": [(i * tokens_per_step, loss) for i, loss in enumerate(losses)]}  # fmt: skip
