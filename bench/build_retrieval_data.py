@@ -17,12 +17,12 @@ beyond its window, e.g. rows at 4-8x NSA's `window_size`, then evaluate NSA and 
 trainer's document masking keeps them apart): as many retrievals per row, so more of the loss is the answer.
 `--min-doc-len M` varies where each answer ends: each case (prompt and answer) takes a length drawn from [M, N]
 and haystack text after its answer (a blank line, then filler) completes the document. Without it every answer
-ends its document, at the same position, which a small model can learn instead of the lookup (README, "Retrieval
+ends its document, at the same position, which a small model can learn instead of the lookup (bench/QUALITY.md, "Retrieval
 twins that retrieve"); with it an evaluation at any length from M to N is laid out as training was. (The text
 after the answer stays in the same document: the trainer shuffles documents, so a separate filler document would
 not stay beside its case.)
 One answer of a few tokens per 4,096-token row gave a 125M model too little signal to learn passkey retrieval in
-4.9M tokens (README, "Retrieval twins"); documents of 1,024 tokens (2x NSA's window) give four per row.
+4.9M tokens (bench/QUALITY.md, "Retrieval twins"); documents of 1,024 tokens (2x NSA's window) give four per row.
 
 The script checks that the tokenizer gives each text back at the length it was built for (a BPE tokenizer can
 merge differently when re-reading decoded text) and reports how many do not; nothing here is committed.

@@ -8,7 +8,7 @@ placed so that a fraction `depth` of the haystack comes before it (0: at the sta
 question), a question whose answer is the hidden item, and the answer's tokens, so that its last answer token
 sits at position length - 1: at the training length the answer lies inside the positions the model trained (a
 prompt of `length` tokens, as until 2026-11-27, put it just past them), and a case one token shorter is laid out
-exactly as a row of bench/build_retrieval_data.py before its end-of-text token (README, "Retrieval twins that
+exactly as a row of bench/build_retrieval_data.py before its end-of-text token (bench/QUALITY.md, "Retrieval twins that
 retrieve": models trained on such rows can depend on that exact layout):
 
 - passkey: a random 5-digit number hidden in repeated filler sentences (Mohtashami & Jaggi, 2023);
@@ -379,7 +379,7 @@ def training_documents(tokenizer, task: str, row_len: int, count: int, seed: int
 
     min_len: each case then takes a length drawn uniformly from [min_len, row_len], and haystack text after its
     answer (a blank line, then filler) completes the document, so the answers end at varied positions. Every case
-    ending at the same position teaches a model that position as much as the lookup (README, "Retrieval twins
+    ending at the same position teaches a model that position as much as the lookup (bench/QUALITY.md, "Retrieval twins
     that retrieve": a dense twin answered every case laid out as its rows and none one position later).
 
     Returns the texts, the tokens each fills as the trainer reads it (its tokens + the end-of-text token:
