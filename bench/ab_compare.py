@@ -100,14 +100,18 @@ def run_state(run_dir: Path) -> str:
     return "new"
 
 
-def twin_source(init_from_runs: Path, mode: str, seed: int) -> Path:
-    """The saved model a fine-tuning twin starts from: the earlier comparison's run of its mode and seed."""
-    source = Path(init_from_runs) / f"{mode}-seed{seed}" / "final"
-    if not (source / "config.json").is_file():
-        raise ValueError(f"--init-from-runs {init_from_runs}: no finished {mode} run of seed {seed} there ({source} "
-                         "holds no saved model); train it first with the same --seeds and --modes, e.g. "
-                         f"ab_compare.py --out {init_from_runs} --seeds {seed} --modes {mode} -- <its flags>.")
-    return source
+def twin_sources(init_from_runs: Path, pairs: list[tuple[str, int]]) -> dict[tuple[str, int], Path]:
+    """The saved model each (mode, seed) fine-tuning twin starts from: the earlier comparison's run of its mode
+    and seed (its final/). Every missing one is named at once."""
+    sources = {(mode, seed): Path(init_from_runs) / f"{mode}-seed{seed}" / "final" for mode, seed in pairs}
+    missing = [(mode, seed) for (mode, seed), source in sources.items() if not (source / "config.json").is_file()]
+    if missing:
+        names = ", ".join(f"{mode} seed {seed} ({sources[(mode, seed)]})" for mode, seed in missing)
+        seeds = " ".join(sorted({str(seed) for _, seed in missing}, key=int))
+        modes = " ".join(dict.fromkeys(mode for mode, _ in missing))
+        raise ValueError(f"--init-from-runs {init_from_runs}: no saved model of {names}; train them there first, "
+                         f"e.g. ab_compare.py --out {init_from_runs} --seeds {seeds} --modes {modes} -- <its flags>.")
+    return sources
 
 
 def _started_from_twin(run: dict) -> str | None:
@@ -120,22 +124,49 @@ def _started_from_twin(run: dict) -> str | None:
     return None
 
 
+def check_kept_run_start(run_dir: Path, expected: str | None) -> None:
+    """A finished or resumable run in --out is reused only if it started where this command starts it (expected:
+    its --init-from, a path or Hub id; None: random weights): otherwise a comparison of fine-tuned twins could
+    silently read runs trained from scratch, or the reverse."""
+    record_file = run_dir / "run.json"
+    if not record_file.is_file():
+        return
+    started = json.loads(record_file.read_text()).get("config", {}).get("init_from")
+
+    def where(source):  # the trainer runs in the repository root: a relative path is read from there
+        return None if source is None else (REPO / source).resolve() if (REPO / source).exists() else str(source)
+
+    if where(started) != where(expected):
+        raise ValueError(f"{run_dir} holds a run that started from {started or 'random weights'}, not from "
+                         f"{expected or 'random weights'} as this command's runs do; pass another --out.")
+
+
 def train_runs(out: Path, seeds: list[int], modes: list[str], train_flags: list[str], launcher: list[str],
                env: dict | None = None, jobs: int = 1, init_from_runs: Path | None = None) -> list[Path]:  # fmt: skip
     """Train every (seed, mode) not finished yet, `jobs` at a time (1: one after another, the output on this
     terminal; more: side by side, each run's output in <out>/<mode>-seed<S>.log); returns the run directories.
     init_from_runs: each run starts from that comparison's run of the same mode and seed (its final/)."""
     check_train_flags(train_flags, init_from_runs)
-    sources = {(mode, seed): twin_source(init_from_runs, mode, seed) for seed in seeds for mode in modes
-               if init_from_runs is not None}  # fmt: skip
-    runs, commands = [], []
+    runs, commands, to_train = [], [], []
     for seed in seeds:
         for mode in modes:
             run_dir = out / f"{mode}-seed{seed}"
             runs.append(run_dir)
             state = run_state(run_dir)
+            if state != "new":  # a run kept from before must have started where this comparison's runs start
+                expected = (init_from_runs / f"{mode}-seed{seed}" / "final" if init_from_runs is not None
+                            else _flag_value(train_flags, "--init-from"))  # fmt: skip
+                check_kept_run_start(run_dir, None if expected is None else str(expected))
             if state == "finished":
                 print(f"{run_dir}: finished already, not trained again")
+                continue
+            to_train.append((mode, seed))
+    sources = twin_sources(init_from_runs, to_train) if init_from_runs is not None else {}
+    for seed in seeds:
+        for mode in modes:
+            run_dir = out / f"{mode}-seed{seed}"
+            state = run_state(run_dir)
+            if state == "finished":
                 continue
             if state == "blocked":
                 raise ValueError(f"{run_dir} holds the output of an unfinished run without checkpoints, which cannot "
@@ -272,16 +303,20 @@ def read_long_context(run_dir: Path) -> list[dict]:
     mean over depths."""
     found = []
     for path in sorted((run_dir / "long_context").glob("*.json")):
-        result = json.loads(path.read_text())
-        if not isinstance(result, dict) or "accuracy" not in result or "lengths" not in result:
-            continue  # another tool's file
-        selected = result.get("needle_selected")
-        found.append({
-            "task": result.get("task"), "scoring": result.get("scoring"), "lengths": result["lengths"],
-            "extrapolated": result.get("extrapolated_lengths") or [],
-            "accuracy": [statistics.fmean(row) for row in result["accuracy"]],
-            "selected": [statistics.fmean(row) for row in selected] if selected else None,
-        })  # fmt: skip
+        try:
+            result = json.loads(path.read_text())
+            if not isinstance(result, dict) or "accuracy" not in result or "lengths" not in result:
+                continue  # another tool's file
+            selected = result.get("needle_selected")
+            found.append({
+                "task": result.get("task"), "scoring": result.get("scoring"), "lengths": result["lengths"],
+                "extrapolated": result.get("extrapolated_lengths") or [],
+                "accuracy": [statistics.fmean(row) for row in result["accuracy"]],
+                "selected": [statistics.fmean(row) for row in selected] if selected else None,
+            })  # fmt: skip
+        except (json.JSONDecodeError, TypeError, statistics.StatisticsError) as e:
+            raise ValueError(f"{path}: not a long-context evaluation as nsa_train.long_context writes it ({e}); "
+                             "run the evaluation again or remove the file.") from None
     return found
 
 
@@ -457,18 +492,19 @@ def long_context_table(runs: list[dict]) -> list[str]:
     lines = []
     for (task, scoring), found in evaluations.items():
         lengths = sorted({n for _, ev in found for n in ev["lengths"]})
-        extrapolated = {n for _, ev in found for n in ev["extrapolated"]}
-        heads = [f"{n:,}" + (" (extrapolated)" if n in extrapolated else "") for n in lengths]
+        heads = [f"{n:,}" for n in lengths]
         with_selection = any(ev["selected"] for _, ev in found)
         lines += ["", f"Long-context retrieval, {task} scored by {scoring}: accuracy per case length (prompt and "
-                      "answer, tokens), mean over depths" + ("; NSA: the share of the last prompt token's selections "
+                      "answer, tokens), mean over depths (* past the run's training length)"
+                  + ("; NSA: the share of the last prompt token's selections "
                       "(per layer and KV group) that held the answer's block, per length" if with_selection else "")
                   + ":", "",
                   "| run | " + " | ".join(heads) + (" | answer's block selected |" if with_selection else " |"),
                   "|---|" + "---|" * (len(lengths) + with_selection)]  # fmt: skip
         for r, ev in found:
             by_length = dict(zip(ev["lengths"], ev["accuracy"]))
-            cells = [f"{by_length[n]:.0%}" if n in by_length else "" for n in lengths]
+            cells = [f"{by_length[n]:.0%}" + ("*" if n in ev["extrapolated"] else "") if n in by_length else ""
+                     for n in lengths]  # fmt: skip
             if with_selection:
                 chosen = dict(zip(ev["lengths"], ev["selected"] or ()))
                 cells.append(" / ".join(f"{chosen[n]:.0%}" if n in chosen else "-" for n in lengths) if chosen else "")
@@ -568,11 +604,16 @@ def main(argv=None) -> dict:
                    help="how to start train_accelerate.py, e.g. 'accelerate launch --config_file "
                         "accelerate_configs/single_gpu.yaml' (default: this Python)")  # fmt: skip
     args = p.parse_args(own)
-    out = Path(args.out)
+    # absolute: the runs start in the repository root, wherever this command runs
+    out = Path(args.out).resolve()
+    if args.init_from_runs is not None:
+        args.init_from_runs = args.init_from_runs.resolve()
     if args.runs:
-        if train_flags or args.init_from_runs:
-            p.error("--runs compares finished runs: train flags after -- and --init-from-runs are not used; drop "
-                    "them.")
+        unused = ([f"--init-from-runs {args.init_from_runs}"] if args.init_from_runs else []) + (
+            [f"the flags after -- ({shlex.join(train_flags)})"] if train_flags else [])
+        if unused:
+            p.error(f"--runs compares finished runs, training none: {' and '.join(unused)} would not be used; drop "
+                    f"{'them' if len(unused) > 1 else 'it'}.")
         run_dirs = [Path(d) for d in args.runs]
     else:
         if not train_flags:

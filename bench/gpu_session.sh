@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check and figure the README reports, in one place. Each step writes its log (and JSON where
+# Every GPU check and figure the README (and bench/QUALITY.md, bench/KERNELS.md) reports, in one place. Each step writes its log (and JSON where
 # the script has one) under $OUT; steps run in the order given (default: all), and env.txt records each
 # step's wall time. Usage:
 #   bash bench/gpu_session.sh                         # every step: tests capture attention floors tune model

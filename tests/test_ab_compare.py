@@ -43,7 +43,7 @@ def test_trains_both_modes_and_writes_table_plot_and_json(ab):
     assert (out / "ab_compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (out / "ab_compare.md").read_text()
     assert "| nsa-seed3 | nsa | 3 |" in table and "| dense-seed3 | dense | 3 |" in table
-    assert "differ only in the attention mode" in table
+    assert "differ only in the attention mode" in table and "Each run started from" not in table
     # the curve is the evaluations at steps 0, 1, 2 (128 tokens per step), NSA - dense from the runs' own logs
     curve = result["comparison"]["curve"]
     assert [row["tokens"] for row in curve] == [0, 128, 256]
@@ -88,15 +88,16 @@ def test_finished_runs_are_compared_again_without_training(ab, tmp_path, capsys)
     assert "**The runs differ beyond the attention mode**" in (tmp_path / "cmp" / "ab_compare.md").read_text()
 
 
-def test_init_from_runs_starts_each_twin_from_its_own_twin(ab, tmp_path):
+def test_init_from_runs_starts_each_twin_from_its_own_twin(ab, tmp_path, capsys):
     """--init-from-runs: each fine-tuning run loads its own mode's and seed's final/ from the earlier comparison
     (its first evaluation, before any step, is that run's last one on the same rows), and the comparison treats
     the differing --init-from paths as the twins' own, not as a difference."""
     out, data_file, result = ab
-    tuned = ab_compare.main(["--out", str(tmp_path), "--seeds", "3", "--init-from-runs", str(out), "--",
+    tuned_out = tmp_path / "tuned"
+    tuned = ab_compare.main(["--out", str(tuned_out), "--seeds", "3", "--init-from-runs", str(out), "--",
                              *train_flags(data_file)])
     for mode in ("nsa", "dense"):
-        record = json.loads((tmp_path / f"{mode}-seed3" / "run.json").read_text())
+        record = json.loads((tuned_out / f"{mode}-seed3" / "run.json").read_text())
         assert record["config"]["init_from"] == str(out / f"{mode}-seed3" / "final")
         assert record["model_config"]["attention_mode"] == mode
     first, last = tuned["comparison"]["curve"][0], result["comparison"]["curve"][-1]
@@ -105,43 +106,78 @@ def test_init_from_runs_starts_each_twin_from_its_own_twin(ab, tmp_path):
     assert first["dense"]["mean"] == pytest.approx(last["dense"]["mean"], abs=1e-5)
     assert tuned["config_differences"] == []
     assert f"Each run started from its own twin's final/ in {out} (--init-from-runs)" in (
-        tmp_path / "ab_compare.md").read_text()
-    with pytest.raises(ValueError, match=r"train flag --init-from: --init-from-runs .* starts each twin from its own"):
-        ab_compare.main(["--out", str(tmp_path / "x"), "--init-from-runs", str(out), "--", *train_flags(data_file),
-                         "--init-from", str(out / "nsa-seed3" / "final")])
-    with pytest.raises(ValueError, match=r"no finished nsa run of seed 7 there .*nsa-seed7/final holds no saved "
-                                         r"model\); train it first"):
+        tuned_out / "ab_compare.md").read_text()
+    # the same command again reuses the finished runs; runs kept from another start are refused, both ways
+    capsys.readouterr()
+    ab_compare.main(["--out", str(tuned_out), "--seeds", "3", "--init-from-runs", str(out), "--",
+                     *train_flags(data_file)])
+    assert "finished already, not trained again" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"nsa-seed3 holds a run that started from .*nsa-seed3/final, not from random "
+                                         r"weights as this command's runs do; pass another --out"):
+        ab_compare.main(["--out", str(tuned_out), "--seeds", "3", "--", *train_flags(data_file)])
+    with pytest.raises(ValueError, match=r"nsa-seed3 holds a run that started from random weights, not from "
+                                         r".*tuned/nsa-seed3/final"):
+        ab_compare.main(["--out", str(out), "--seeds", "3", "--init-from-runs", str(tuned_out), "--",
+                         *train_flags(data_file)])
+    # a twin started from another seed's run is a difference, not a twin
+    stray = tmp_path / "dense-seed3"
+    shutil.copytree(tuned_out / "dense-seed3", stray)
+    record = json.loads((stray / "run.json").read_text())
+    record["config"]["init_from"] = str(out / "dense-seed4" / "final")
+    (stray / "run.json").write_text(json.dumps(record))
+    mixed = ab_compare.main(["--out", str(tmp_path / "mixed"), "--runs", str(tuned_out / "nsa-seed3"), str(stray)])
+    assert [n for n in mixed["config_differences"] if "train config init_from" in n]
+    assert "Each run started from" not in (tmp_path / "mixed" / "ab_compare.md").read_text()
+    for flag in ("--init-from", "--model-overrides"):
+        with pytest.raises(ValueError, match=rf"train flag {flag}: --init-from-runs .* starts each twin from its own"):
+            ab_compare.main(["--out", str(tmp_path / "x"), "--init-from-runs", str(out), "--",
+                             *train_flags(data_file), flag, "{}"])
+    with pytest.raises(ValueError, match=r"no saved model of nsa seed 7 \(.*nsa-seed7/final\), dense seed 7 "
+                                         r"\(.*dense-seed7/final\); train them there first, e.g. ab_compare.py "
+                                         r"--out .* --seeds 7 --modes nsa dense"):
         ab_compare.main(["--out", str(tmp_path / "y"), "--seeds", "7", "--init-from-runs", str(out), "--",
                          *train_flags(data_file)])
     with pytest.raises(SystemExit):  # --runs trains nothing: a start to train from is a mistake
         ab_compare.main(["--out", str(tmp_path / "z"), "--init-from-runs", str(out), "--runs",
                          str(out / "nsa-seed3"), str(out / "dense-seed3")])
+    assert "--init-from-runs" in capsys.readouterr().err
 
 
 def test_long_context_evaluations_are_tabled_per_run(ab, tmp_path):
-    """A run's long_context/<task>_<scoring>.json (as --eval-long-context writes it) becomes a row: accuracy per
-    length as the mean over depths, extrapolated lengths marked, NSA's answer's-block selection per length."""
+    """A run's long_context/<task>_<scoring>.json, as nsa_train.long_context writes it, becomes a row: accuracy per
+    length as the mean over depths, a length past that run's training length starred, NSA's answer's-block
+    selection per length; runs evaluated at different lengths share the columns."""
+    from nsa_train import long_context
+
     out, _, _ = ab
     runs = {}
     for mode in ("nsa", "dense"):
-        shutil.copytree(out / f"{mode}-seed3", tmp_path / f"{mode}-seed3")
         runs[mode] = tmp_path / f"{mode}-seed3"
-        (runs[mode] / "long_context").mkdir(exist_ok=True)
-        for stale in (runs[mode] / "long_context").glob("*.json"):
-            stale.unlink()
-    evaluation = {"task": "passkey", "scoring": "generate", "lengths": [64, 128], "extrapolated_lengths": [128],
-                  "depths": [0.0, 0.5, 1.0]}  # fmt: skip
-    (runs["nsa"] / "long_context" / "passkey_generate.json").write_text(json.dumps(
-        {**evaluation, "accuracy": [[1.0, 0.5, 0.0], [0.25, 0.25, 0.1]],
-         "needle_selected": [[1.0, 1.0, 0.7], [0.0, 0.3, 0.0]]}))
+        shutil.copytree(out / f"{mode}-seed3", runs[mode])
+        shutil.rmtree(runs[mode] / "long_context", ignore_errors=True)
+    # the NSA twin evaluated for real (as if trained at 224 tokens: 256 is past it), then its accuracies replaced by
+    # known values in the file the evaluation wrote
+    long_context.main([str(runs["nsa"] / "final"), "--task", "passkey", "--lengths", "224", "256", "--depths", "0",
+                       "0.5", "1", "--samples", "1", "--training-len", "224", "--device", "cpu"])
+    written = runs["nsa"] / "long_context" / "passkey_generate.json"
+    result = json.loads(written.read_text())
+    assert result["extrapolated_lengths"] == [256] and len(result["needle_selected"]) == 2
+    result.update(accuracy=[[1.0, 0.5, 0.0], [0.25, 0.25, 0.1]], needle_selected=[[1.0, 1.0, 0.7], [0.0, 0.3, 0.0]])
+    written.write_text(json.dumps(result))
+    (runs["dense"] / "long_context").mkdir()
     (runs["dense"] / "long_context" / "passkey_generate.json").write_text(json.dumps(
-        {**evaluation, "accuracy": [[1.0, 1.0, 0.4], [0.0, 0.0, 0.0]], "needle_selected": None}))
+        {"task": "passkey", "scoring": "generate", "lengths": [200, 224], "extrapolated_lengths": [],
+         "accuracy": [[0.0, 0.0, 0.0], [1.0, 1.0, 0.4]], "needle_selected": None}))
     (runs["dense"] / "long_context" / "notes.json").write_text(json.dumps(["not an evaluation"]))
     ab_compare.main(["--out", str(tmp_path / "cmp"), "--runs", str(runs["nsa"]), str(runs["dense"])])
     table = (tmp_path / "cmp" / "ab_compare.md").read_text()
-    assert "| run | 64 | 128 (extrapolated) | answer's block selected |" in table
-    assert "| nsa-seed3 | 50% | 20% | 90% / 10% |" in table
-    assert "| dense-seed3 | 80% | 0% |  |" in table
+    assert "| run | 200 | 224 | 256 | answer's block selected |" in table
+    assert "| nsa-seed3 |  | 50% | 20%* | - / 90% / 10% |" in table
+    assert "| dense-seed3 | 0% | 80% |  |  |" in table
+    (runs["dense"] / "long_context" / "passkey_loglik.json").write_text('{"accuracy": ')
+    with pytest.raises(ValueError, match=r"passkey_loglik.json: not a long-context evaluation as "
+                                         r"nsa_train.long_context writes it"):
+        ab_compare.main(["--out", str(tmp_path / "cmp2"), "--runs", str(runs["nsa"]), str(runs["dense"])])
 
 
 def fake_run(mode, seed, losses, tokens_per_step=100):
