@@ -86,6 +86,14 @@ def test_finished_runs_are_compared_again_without_training(ab, tmp_path, capsys)
     compared = ab_compare.main(["--out", str(tmp_path / "cmp"), "--runs", str(out / "nsa-seed3"), str(other)])
     assert [n for n in compared["config_differences"] if "train config lr = 0.0006 / 1.0" in n]
     assert "**The runs differ beyond the attention mode**" in (tmp_path / "cmp" / "ab_compare.md").read_text()
+    # the dense twin's attention kernel (e.g. FlexAttention with packed documents, trained apart) is its own choice
+    flex = tmp_path / "dense-flex"
+    shutil.copytree(out / "dense-seed3", flex)
+    record = json.loads((flex / "run.json").read_text())
+    record["config"]["attn_implementation"] = "flex_attention"
+    (flex / "run.json").write_text(json.dumps(record))
+    assert ab_compare.main(["--out", str(tmp_path / "cmp-flex"), "--runs", str(out / "nsa-seed3"),
+                            str(flex)])["config_differences"] == []
 
 
 def test_init_from_runs_starts_each_twin_from_its_own_twin(ab, tmp_path, capsys):
