@@ -101,10 +101,16 @@ def run_state(run_dir: Path) -> str:
     return "new"
 
 
+def twin_path(init_from_runs: Path, mode: str, seed: int) -> Path:
+    """Where a fine-tuning twin starts (--init-from-runs): the earlier comparison's run of its mode and seed, its
+    final/ (the layout _started_from_twin reads back)."""
+    return Path(init_from_runs) / f"{mode}-seed{seed}" / "final"
+
+
 def twin_sources(init_from_runs: Path, pairs: list[tuple[str, int]]) -> dict[tuple[str, int], Path]:
-    """The saved model each (mode, seed) fine-tuning twin starts from: the earlier comparison's run of its mode
-    and seed (its final/). Every missing one is named at once."""
-    sources = {(mode, seed): Path(init_from_runs) / f"{mode}-seed{seed}" / "final" for mode, seed in pairs}
+    """The saved model each (mode, seed) fine-tuning twin starts from (twin_path), checked to be there: every
+    missing one is named at once."""
+    sources = {(mode, seed): twin_path(init_from_runs, mode, seed) for mode, seed in pairs}
     missing = [(mode, seed) for (mode, seed), source in sources.items() if not (source / "config.json").is_file()]
     if missing:
         names = ", ".join(f"{mode} seed {seed} ({sources[(mode, seed)]})" for mode, seed in missing)
@@ -148,37 +154,35 @@ def train_runs(out: Path, seeds: list[int], modes: list[str], train_flags: list[
     terminal; more: side by side, each run's output in <out>/<mode>-seed<S>.log); returns the run directories.
     init_from_runs: each run starts from that comparison's run of the same mode and seed (its final/)."""
     check_train_flags(train_flags, init_from_runs)
-    runs, commands, to_train = [], [], []
+    planned = []  # (mode, seed, run_dir, state) of every run, in the order they train
     for seed in seeds:
         for mode in modes:
             run_dir = out / f"{mode}-seed{seed}"
-            runs.append(run_dir)
             state = run_state(run_dir)
             if state != "new":  # a run kept from before must have started where this comparison's runs start
-                expected = (init_from_runs / f"{mode}-seed{seed}" / "final" if init_from_runs is not None
+                expected = (twin_path(init_from_runs, mode, seed) if init_from_runs is not None
                             else _flag_value(train_flags, "--init-from"))  # fmt: skip
                 check_kept_run_start(run_dir, None if expected is None else str(expected))
             if state == "finished":
                 print(f"{run_dir}: finished already, not trained again")
-                continue
-            to_train.append((mode, seed))
+            planned.append((mode, seed, run_dir, state))
+    to_train = [(mode, seed) for mode, seed, _, state in planned if state != "finished"]
     sources = twin_sources(init_from_runs, to_train) if init_from_runs is not None else {}
-    for seed in seeds:
-        for mode in modes:
-            run_dir = out / f"{mode}-seed{seed}"
-            state = run_state(run_dir)
-            if state == "finished":
-                continue
-            if state == "blocked":
-                raise ValueError(f"{run_dir} holds the output of an unfinished run without checkpoints, which cannot "
-                                 "continue; remove it (or pass another --out) and run again.")  # fmt: skip
-            cmd = [*launcher, str(REPO / "train_accelerate.py"), *train_flags, "--attention-mode", mode,
-                   "--seed", str(seed), "--output-dir", str(run_dir)]  # fmt: skip
-            if (mode, seed) in sources:
-                cmd += ["--init-from", str(sources[(mode, seed)])]
-            if state == "resumable":
-                cmd += ["--resume", "latest"]
-            commands.append((mode, seed, run_dir, cmd, state))
+    commands = []
+    for mode, seed, run_dir, state in planned:
+        if state == "finished":
+            continue
+        if state == "blocked":
+            raise ValueError(f"{run_dir} holds the output of an unfinished run without checkpoints, which cannot "
+                             "continue; remove it (or pass another --out) and run again.")  # fmt: skip
+        cmd = [*launcher, str(REPO / "train_accelerate.py"), *train_flags, "--attention-mode", mode,
+               "--seed", str(seed), "--output-dir", str(run_dir)]  # fmt: skip
+        if (mode, seed) in sources:
+            cmd += ["--init-from", str(sources[(mode, seed)])]
+        if state == "resumable":
+            cmd += ["--resume", "latest"]
+        commands.append((mode, seed, run_dir, cmd, state))
+    runs = [run_dir for _, _, run_dir, _ in planned]
     running: list[dict] = []
 
     def launch(mode, seed, run_dir, cmd, state):
