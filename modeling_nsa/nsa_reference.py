@@ -13,6 +13,7 @@ Queries are the last Tq of the Tk key positions, so the same function serves tra
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -86,7 +87,20 @@ def select_blocks(block_scores, q_doc_pos, params: NSAParams):
     return torch.where(chosen_eligible, top, torch.full_like(top, -1))
 
 
-def nsa_attention_reference(
+class ReferenceBranches(NamedTuple):
+    """The three branches of one layer before the gates (`reference_branches`), in grouped-query layout."""
+
+    o_cmp: torch.Tensor  # (B, Hkv, G, Tq, D) compression branch output
+    p_cmp: torch.Tensor  # (B, Hkv, G, Tq, Nc) its attention probabilities over the compressed tokens
+    o_slc: torch.Tensor  # (B, Hkv, G, Tq, D) selection branch output
+    p_slc: torch.Tensor  # (B, Hkv, G, Tq, Tk) its probabilities over the key positions (0 outside chosen blocks)
+    o_win: torch.Tensor  # (B, Hkv, G, Tq, D) sliding-window branch output
+    p_win: torch.Tensor  # (B, Hkv, G, Tq, Tw) its probabilities over the window's slots
+    win_index: torch.Tensor  # (B, Tw) the key position in each window slot (negative: a ring slot not written yet)
+    block_indices: torch.Tensor  # (B, Hkv, Tq, n') selected in-document blocks, -1 unused
+
+
+def reference_branches(
     q: torch.Tensor,
     k_cmp: torch.Tensor,
     v_cmp: torch.Tensor,
@@ -95,26 +109,14 @@ def nsa_attention_reference(
     v_slc: torch.Tensor,
     k_win: torch.Tensor,
     v_win: torch.Tensor,
-    gates: torch.Tensor,
     doc_pos: torch.Tensor,
     params: NSAParams,
     scale: float | None = None,
-    return_block_indices: bool = False,
     query_end: torch.Tensor | None = None,
-):
-    """NSA output for queries at the last Tq of Tk key positions (NSA_SPEC, one layer, step 3).
-
-    q (B, Tq, H, D); k_cmp/v_cmp (B, Nc, Hkv, D) compressed (k already rotated) with
-    cmp_end (B, Nc) = key index of each one's last raw key (-1 empty); k_slc/v_slc (B, Tk, Hkv, D);
-    k_win/v_win (B, Tw, Hkv, D) = the last Tw key positions; gates (B, Tq, H, 3) in (cmp, slc, win)
-    order, already sigmoid-ed; doc_pos (B, Tk) from `nsa_layout`. Returns (B, Tq, H, D) in q's dtype
-    (and the selected block indices (B, Hkv, Tq, n') if asked).
-
-    query_end (a static cache's fixed-size buffers, NSACache(static=True)): a 1-element int64 tensor, the
-    key index of the last query; the queries are the Tq key positions ending there, and keys past it are
-    not written yet (doc_pos -1 there). k_win/v_win are then a ring of Tw >= w slots, key p at slot p % Tw.
-    A tensor, not an int: compiled decoding steps must not depend on a host value that changes per token.
-    """
+) -> ReferenceBranches:
+    """Each branch's output and attention probabilities for queries at the last Tq of Tk key positions, before the
+    gates combine them (NSA_SPEC, one layer, step 3); `nsa_attention_reference` documents the arguments. What a
+    diagnosis of a trained model reads: where each branch looks, not only what the gated sum gives."""
     batch, num_queries, num_heads, head_dim = q.shape
     num_keys, num_kv_heads = k_slc.shape[1], k_slc.shape[2]
     num_win = k_win.shape[1]
@@ -162,7 +164,7 @@ def nsa_attention_reference(
     chosen.scatter_(-1, torch.where(block_indices >= 0, block_indices, num_sel_blocks), True)
     key_block = (doc_pos.clamp(min=0) // params.sel_block_size)[:, None, None, :].expand(-1, num_kv_heads, num_queries, -1)
     slc_mask = chosen.gather(-1, key_block) & same_doc_causal[:, None]  # (B, Hkv, Tq, Tk)
-    o_slc, _ = _masked_softmax_attention(q_grouped, heads_first(k_slc), heads_first(v_slc), slc_mask, scale)
+    o_slc, p_slc = _masked_softmax_attention(q_grouped, heads_first(k_slc), heads_first(v_slc), slc_mask, scale)
 
     # Sliding window: the last w keys of the query's document, itself included.
     win_doc_pos = doc_pos.gather(1, win_index.clamp(min=0))
@@ -172,15 +174,50 @@ def nsa_attention_reference(
         & (q_index[:, :, None] >= win_index[:, None, :])
         & (q_index[:, :, None] - win_index[:, None, :] < params.window_size)
     )
-    o_win, _ = _masked_softmax_attention(q_grouped, heads_first(k_win), heads_first(v_win), win_mask[:, None], scale)
+    o_win, p_win = _masked_softmax_attention(q_grouped, heads_first(k_win), heads_first(v_win), win_mask[:, None], scale)
+    return ReferenceBranches(o_cmp, p_cmp, o_slc, p_slc, o_win, p_win, win_index, block_indices)
+
+
+def nsa_attention_reference(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    cmp_end: torch.Tensor,
+    k_slc: torch.Tensor,
+    v_slc: torch.Tensor,
+    k_win: torch.Tensor,
+    v_win: torch.Tensor,
+    gates: torch.Tensor,
+    doc_pos: torch.Tensor,
+    params: NSAParams,
+    scale: float | None = None,
+    return_block_indices: bool = False,
+    query_end: torch.Tensor | None = None,
+):
+    """NSA output for queries at the last Tq of Tk key positions (NSA_SPEC, one layer, step 3).
+
+    q (B, Tq, H, D); k_cmp/v_cmp (B, Nc, Hkv, D) compressed (k already rotated) with
+    cmp_end (B, Nc) = key index of each one's last raw key (-1 empty); k_slc/v_slc (B, Tk, Hkv, D);
+    k_win/v_win (B, Tw, Hkv, D) = the last Tw key positions; gates (B, Tq, H, 3) in (cmp, slc, win)
+    order, already sigmoid-ed; doc_pos (B, Tk) from `nsa_layout`. Returns (B, Tq, H, D) in q's dtype
+    (and the selected block indices (B, Hkv, Tq, n') if asked).
+
+    query_end (a static cache's fixed-size buffers, NSACache(static=True)): a 1-element int64 tensor, the
+    key index of the last query; the queries are the Tq key positions ending there, and keys past it are
+    not written yet (doc_pos -1 there). k_win/v_win are then a ring of Tw >= w slots, key p at slot p % Tw.
+    A tensor, not an int: compiled decoding steps must not depend on a host value that changes per token.
+    """
+    batch, num_queries, num_heads, head_dim = q.shape
+    branches = reference_branches(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, doc_pos, params, scale, query_end)
 
     def heads_last(o):  # (B, Hkv, G, Tq, D) -> (B, Tq, H, D)
         return o.permute(0, 3, 1, 2, 4).reshape(batch, num_queries, num_heads, head_dim)
 
-    g = gates.to(compute_dtype)
-    out = g[..., 0:1] * heads_last(o_cmp) + g[..., 1:2] * heads_last(o_slc) + g[..., 2:3] * heads_last(o_win)
+    g = gates.to(branches.o_cmp.dtype)
+    out = (g[..., 0:1] * heads_last(branches.o_cmp) + g[..., 1:2] * heads_last(branches.o_slc)
+           + g[..., 2:3] * heads_last(branches.o_win))  # fmt: skip
     out = out.to(q.dtype)
-    return (out, block_indices) if return_block_indices else out
+    return (out, branches.block_indices) if return_block_indices else out
 
 
-__all__ = ["nsa_attention_reference", "select_blocks", "selection_block_scores"]
+__all__ = ["ReferenceBranches", "nsa_attention_reference", "reference_branches", "select_blocks", "selection_block_scores"]

@@ -1,0 +1,251 @@
+"""bench/retrieval_anatomy.py: each branch's probability on the token to copy, checked against a query-by-query
+recomputation from the layer's own inputs; dense mode's softmax; the copy positions; errors; the CLI."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import ByT5Tokenizer
+
+from modeling_nsa import NSAConfig, NSAForCausalLM
+from modeling_nsa.nsa_reference import nsa_attention_reference, reference_branches
+from nsa_train import long_context as lc
+
+REPO = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("retrieval_anatomy", REPO / "bench" / "retrieval_anatomy.py")
+anatomy_tool = importlib.util.module_from_spec(spec)
+sys.modules["retrieval_anatomy"] = anatomy_tool
+spec.loader.exec_module(anatomy_tool)
+
+LENGTH = 240  # tokens per case (prompt and answer; the passkey text needs 223 with ByT5): 15 selection blocks of 16
+
+
+@pytest.fixture(scope="module")
+def byt5():
+    return ByT5Tokenizer()
+
+
+def tiny_model(byt5, mode: str, seed: int = 0) -> NSAForCausalLM:
+    """A randomly initialized 2-layer model in `mode` (2 KV groups of 2 heads; 8 of 15 blocks selected, so a case's
+    answer block is selected for some queries and not for others)."""
+    config = NSAConfig(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, cmp_block_size=16, cmp_stride=8,
+                       sel_block_size=16, sel_num_blocks=8, window_size=32, cmp_mlp_hidden_size=16,
+                       max_position_embeddings=512, attention_mode=mode, eos_token_id=byt5.eos_token_id,
+                       pad_token_id=byt5.pad_token_id)  # fmt: skip
+    torch.manual_seed(seed)
+    return NSAForCausalLM(config).eval()
+
+
+def cases(byt5, samples: int = 2):
+    built, _ = lc.build_cases(byt5, "passkey", [LENGTH], [0.0, 0.5, 1.0], samples, seed=3)
+    return built
+
+
+def test_reference_branches_are_what_the_reference_gates():
+    """The gated sum of reference_branches' outputs is nsa_attention_reference's output, and each branch's
+    probabilities sum to 1 over what it sees (the selected branch's only inside the chosen blocks)."""
+    from modeling_nsa.nsa_layout import NSAParams
+
+    torch.manual_seed(0)
+    params = NSAParams(cmp_block_size=16, cmp_stride=8, sel_block_size=16, sel_num_blocks=4, sel_init_blocks=1,
+                       sel_local_blocks=2, window_size=32)  # fmt: skip
+    batch, num_keys, heads, kv_heads, dim = 2, 97, 4, 2, 8
+    q = torch.randn(batch, num_keys, heads, dim, dtype=torch.float64)
+    k_slc, v_slc, k_win, v_win = (torch.randn(batch, num_keys, kv_heads, dim, dtype=torch.float64) for _ in range(4))
+    num_cmp = (num_keys - 16) // 8 + 1
+    k_cmp, v_cmp = (torch.randn(batch, num_cmp, kv_heads, dim, dtype=torch.float64) for _ in range(2))
+    cmp_end = (torch.arange(num_cmp) * 8 + 15).expand(batch, -1)
+    doc_pos = torch.arange(num_keys).expand(batch, -1)
+    gates = torch.rand(batch, num_keys, heads, 3, dtype=torch.float64)
+    out, blocks = nsa_attention_reference(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos,
+                                          params, return_block_indices=True)  # fmt: skip
+    b = reference_branches(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, doc_pos, params)
+
+    def heads_last(o):
+        return o.permute(0, 3, 1, 2, 4).reshape(batch, num_keys, heads, dim)
+
+    gated = gates[..., 0:1] * heads_last(b.o_cmp) + gates[..., 1:2] * heads_last(b.o_slc) + gates[..., 2:3] * heads_last(b.o_win)
+    torch.testing.assert_close(gated, out, rtol=0, atol=0)
+    assert torch.equal(b.block_indices, blocks)
+    torch.testing.assert_close(b.p_slc.sum(-1), torch.ones_like(b.p_slc[..., 0]))
+    torch.testing.assert_close(b.p_win.sum(-1), torch.ones_like(b.p_win[..., 0]))
+    seen = b.p_cmp.sum(-1)[..., 15:]  # queries from the first compressed token's last key on see one
+    torch.testing.assert_close(seen, torch.ones_like(seen))
+    key_block = torch.arange(num_keys) // 16
+    in_chosen = (key_block[None, None, None, :] == blocks[..., None]).any(-2)  # (B, Hkv, Tq, Tk)
+    assert (b.p_slc * ~in_chosen[:, :, None]).abs().max() == 0
+
+
+def test_copy_sources_are_each_mention_of_the_answer_token(byt5):
+    for case in cases(byt5):
+        sources = anatomy_tool.copy_sources(case)
+        assert len(sources) == len(case.answer_ids)
+        for i, positions in enumerate(sources):
+            assert len(positions) == 2  # the passkey item names its key twice
+            for p in positions:
+                assert case.needle_start <= p < case.needle_start + case.needle_len
+                assert case.prompt_ids[p] == case.answer_ids[i]
+                assert p - i >= case.needle_start and case.prompt_ids[p - i : p - i + len(case.answer_ids)] == case.answer_ids
+
+
+def test_copy_sources_fall_back_to_the_item_when_the_answer_was_merged(byt5):
+    case = cases(byt5)[0]
+    merged = lc.RetrievalCase(**{**case.__dict__, "answer_ids": [999, 998]})  # not among the item's tokens
+    item = list(range(case.needle_start, case.needle_start + case.needle_len))
+    assert anatomy_tool.copy_sources(merged) == [item, item]
+
+
+def _selected_blocks(record: dict) -> torch.Tensor:
+    """(B, Hkv, T, n') the reference's top-n on the layer's inputs."""
+    return nsa_attention_reference(*(record[n] for n in ("q", "k_cmp", "v_cmp", "cmp_end", "k_slc", "v_slc", "k_win",
+                                                          "v_win", "gates", "doc_pos", "params")),
+                                   return_block_indices=True)[1]  # fmt: skip
+
+
+def _oracle(record: dict, blocks: torch.Tensor, row: int, head: int, query: int, targets: set[int]) -> dict:
+    """The three branches' probability on `targets` for one query, recomputed query by query from the layer's
+    inputs: softmax over the keys each branch sees (NSA_SPEC), the selected blocks from the reference's top-n."""
+    params = record["params"]
+    q = record["q"][row, query, head].double()
+    group = record["q"].shape[2] // record["k_slc"].shape[2]
+    kv = head // group
+    scale = 1 / math.sqrt(q.shape[0])
+    chosen = {int(j) for j in blocks[row, kv, query] if j >= 0}
+
+    def mass(keys, key_tensor, hits):
+        scores = torch.stack([q @ key_tensor[k].double() * scale for k in keys])
+        p = torch.softmax(scores, 0)
+        return float(sum(p[i] for i, k in enumerate(keys) if hits(k)))
+
+    ends = record["cmp_end"][row]
+    visible = [c for c in range(ends.shape[0]) if 0 <= int(ends[c]) <= query]
+    l = params.cmp_block_size
+    p_cmp = mass(visible, record["k_cmp"][row, :, kv],
+                 lambda c: any(int(ends[c]) - l < t <= int(ends[c]) for t in targets))  # fmt: skip
+    slc_keys = [k for k in range(query + 1) if k // params.sel_block_size in chosen]
+    p_slc = mass(slc_keys, record["k_slc"][row, :, kv], lambda k: k in targets)
+    win_keys = [k for k in range(query + 1) if query - k < params.window_size]
+    p_win = mass(win_keys, record["k_win"][row, :, kv], lambda k: k in targets)
+    g = record["gates"][row, query, head].double()
+    return {"p_cmp": p_cmp, "p_slc": p_slc, "p_win": p_win, "gated": float(g[0] * p_cmp + g[1] * p_slc + g[2] * p_win),
+            "selected": float(any(t // params.sel_block_size in chosen for t in targets)),
+            "gate_slc": float(g[1])}  # fmt: skip
+
+
+def test_nsa_measures_match_a_query_by_query_recomputation(byt5):
+    model = tiny_model(byt5, "nsa")
+    chunk = cases(byt5)
+    n = len(chunk[0].answer_ids)
+    ids = torch.tensor([c.prompt_ids + c.answer_ids[:-1] for c in chunk])
+    target_sets = anatomy_tool._target_sets(chunk, ids.shape[1])
+    sink: dict = {}
+    with anatomy_tool._recording(model, "nsa", sink), torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    assert sorted(sink) == [0, 1]
+    selected_seen = set()
+    for layer, record in sink.items():
+        measures = anatomy_tool.nsa_layer_anatomy(record, target_sets, n)
+        blocks = _selected_blocks(record)
+        for row in range(len(chunk)):
+            for head in range(4):
+                for i in range(n):
+                    query = ids.shape[1] - n + i
+                    for name, targets in target_sets.items():
+                        expected = _oracle(record, blocks, row, head, query, set(torch.nonzero(targets[row, i]).flatten().tolist()))
+                        for measure in ("p_cmp", "p_slc", "p_win", "gated", "selected"):
+                            got = float(measures[f"{measure}_{name}"][row, head, i])
+                            assert got == pytest.approx(expected[measure], abs=1e-5), (layer, row, head, i, name, measure)
+                        selected_seen.add(expected["selected"])
+                    assert float(measures["gate_slc"][row, head, i]) == pytest.approx(expected["gate_slc"], abs=1e-6)
+    assert selected_seen == {0.0, 1.0}  # both a selected and an unselected answer block were checked
+
+
+def test_dense_measures_are_the_model_s_own_softmax(byt5):
+    """Recording switches the model to eager attention for the call and back; the logits do not change, and the
+    probability on the targets is the recorded softmax summed at the copy positions."""
+    model = tiny_model(byt5, "dense")
+    chunk = cases(byt5)
+    n = len(chunk[0].answer_ids)
+    ids = torch.tensor([c.prompt_ids + c.answer_ids[:-1] for c in chunk])
+    with torch.no_grad():
+        plain = model(input_ids=ids, use_cache=False).logits
+    implementation = model.config._attn_implementation
+    sink: dict = {}
+    with anatomy_tool._recording(model, "dense", sink), torch.no_grad():
+        recorded = model(input_ids=ids, use_cache=False).logits
+    assert model.config._attn_implementation == implementation
+    torch.testing.assert_close(recorded, plain, rtol=1e-5, atol=1e-5)
+    weights = sink[1]  # (B, H, T, T)
+    assert weights.shape == (len(chunk), 4, ids.shape[1], ids.shape[1])
+    torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1]))
+    assert weights.triu(1).abs().max() == 0  # causal
+    target_sets = anatomy_tool._target_sets(chunk, ids.shape[1])
+    measures = anatomy_tool.dense_layer_anatomy(weights, target_sets, n)
+    for row, case in enumerate(chunk):
+        for i, positions in enumerate(anatomy_tool.copy_sources(case)):
+            query = ids.shape[1] - n + i
+            expected = weights[row, 2, query, positions].sum()
+            assert float(measures["p_token"][row, 2, i]) == pytest.approx(float(expected), abs=1e-6)
+            item = weights[row, 2, query, case.needle_start : case.needle_start + case.needle_len].sum()
+            assert float(measures["p_item"][row, 2, i]) == pytest.approx(float(item), abs=1e-6)
+
+
+def test_exact_answers_count_the_argmax_at_every_answer_query(byt5, monkeypatch):
+    """A model whose argmax is the answer at every answer query scores 100%, one wrong token makes a case wrong."""
+    model = tiny_model(byt5, "dense")
+    chunk = cases(byt5)
+    forward = model.forward
+
+    def scripted(input_ids, **kwargs):
+        out = forward(input_ids=input_ids, **kwargs)
+        logits = out.logits.clone()
+        for row in range(input_ids.shape[0]):
+            case = next(c for c in chunk if c.prompt_ids == input_ids[row, : len(c.prompt_ids)].tolist())
+            n = len(case.answer_ids)
+            for i, token in enumerate(case.answer_ids):
+                logits[row, -n + i, token] += 1e3
+            if case is chunk[0]:
+                logits[row, -1, case.answer_ids[-1]] -= 2e3  # its last digit wrong
+        out.logits = logits
+        return out
+
+    monkeypatch.setattr(model, "forward", scripted)
+    result = anatomy_tool.anatomy(model, chunk, batch_size=4)
+    assert result["exact_answers"] == pytest.approx((len(chunk) - 1) / len(chunk))
+    assert [layer["layer"] for layer in result["layers"]] == [0, 1]
+
+
+def test_bad_inputs_are_named(byt5, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))  # fmt: skip
+    with pytest.raises(ValueError, match="long_context"):
+        anatomy_tool.anatomy(llama, cases(byt5))
+    mixed = cases(byt5) + lc.build_cases(byt5, "passkey", [LENGTH + 16], [0.5], 1, seed=3)[0]
+    with pytest.raises(ValueError, match="one --lengths"):
+        anatomy_tool.anatomy(tiny_model(byt5, "nsa"), mixed)
+    with pytest.raises(ValueError, match="task"):
+        anatomy_tool.main([str(tmp_path), "--task", "haystack"])
+
+
+def test_cli_writes_a_table_with_both_modes(byt5, tmp_path):
+    paths = []
+    for mode in ("nsa", "dense"):
+        path = tmp_path / f"{mode}-seed0" / "final"
+        tiny_model(byt5, mode).save_pretrained(path)
+        byt5.save_pretrained(path)
+        paths.append(str(path))
+    results = anatomy_tool.main(paths + ["--lengths", str(LENGTH), "--samples", "1", "--depths", "0.5",
+                                         "--out", str(tmp_path / "out")])  # fmt: skip
+    assert [r["mode"] for r in results] == ["nsa", "dense"]
+    table = (tmp_path / "out" / "anatomy.md").read_text()
+    assert "| nsa-seed0/final (nsa) | 240 |" in table and "| dense-seed0/final (dense) | 240 |" in table
+    assert len([line for line in table.splitlines() if line.startswith("| ") and "seed0" in line]) == 4  # 2 x 2 layers
+    assert (tmp_path / "out" / "anatomy.json").is_file()
