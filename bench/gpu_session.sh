@@ -36,6 +36,7 @@ RETRIEVAL_ROWS=${RETRIEVAL_ROWS:-runs/data/passkey-gpt2-4096.parquet}  # retriev
 RT_STEPS=${RT_STEPS:-300}  # retrieval: steps per twin (4 rows of 4,096 tokens each)
 RT_LENGTHS=${RT_LENGTHS:-1024 2048 4096 8192}  # retrieval: case lengths evaluated, prompt and answer (rows of shorter
                                                # documents, build_retrieval_data.py --doc-len: lengths up to the document's)
+RT_ANATOMY_LENGTHS=${RT_ANATOMY_LENGTHS:-1024}  # retrieval: lengths bench/retrieval_anatomy.py reads (one forward each)
 LENGTHS=${LENGTHS:-2048 8192 32768 65536}  # issue 18's table
 mkdir -p "$OUT"
 steps=("$@")
@@ -200,7 +201,11 @@ open(sys.argv[2], 'w').write(max((str(x) for x in t.to_pylist()[::20]), key=len)
                   $PY -m nsa_train.long_context "$OUT/retrieval/$mode-seed0/final" --task passkey --scoring loglik \
                     --lengths $RT_LENGTHS --samples "$LC_SAMPLES" --batch-size 8 \
                     --out "$OUT/retrieval/long_context_loglik-$mode"
-                done ;;
+                done
+                # why a twin does or does not answer: each branch's probability on the token to copy, per layer
+                # and head (bench/retrieval_anatomy.py; the training length, answer queries' rows only)
+                $PY bench/retrieval_anatomy.py "$OUT/retrieval/nsa-seed0/final" "$OUT/retrieval/dense-seed0/final" \
+                  --lengths $RT_ANATOMY_LENGTHS --samples "$LC_SAMPLES" --batch-size 4 --out "$OUT/retrieval/anatomy" ;;
     # issue 19: what one selection-statistics measurement costs against one 125M training step at T = 4,096
     stats-cost) $PY bench/stats_cost.py --device cuda --model 125m --seq-len 4096 --micro-batch-size 4 \
                   --tokenizer "$DATA/gpt2-tokenizer" --dataset "$DATA/wiki-summaries-en.parquet" ;;

@@ -66,9 +66,10 @@ def check_model(model) -> str:
 
 
 @contextmanager
-def _recording(model, mode: str, sink: dict):
+def _recording(model, mode: str, sink: dict, last: int | None = None):
     """While active, each layer's attention inputs land in sink[layer]: for NSA the nsa_attention seam's arguments,
-    for dense the eager attention's probabilities (B, H, Tq, Tk), the model switched to eager attention."""
+    for dense the eager attention's probabilities (B, H, Tq, Tk) (only the last `last` queries' rows: at 4k tokens
+    a layer's whole (T x T) per head is gigabytes), the model switched to eager attention."""
     code, _ = _model_code(model)
     modules = _attention_modules(model)
     current = {"layer": None}
@@ -87,7 +88,8 @@ def _recording(model, mode: str, sink: dict):
 
         def record(*args, **kwargs):
             out, weights = eager(*args, **kwargs)
-            sink[current["layer"]] = weights.detach().float()  # (B, H, Tq, Tk)
+            rows = weights if last is None else weights[:, :, -last:]
+            sink[current["layer"]] = rows.detach().float()  # (B, H, Tq or last, Tk)
             return out, weights
 
         code.eager_attention_forward, restore = record, ("eager_attention_forward", eager)
@@ -197,7 +199,7 @@ def anatomy(model, cases: list[RetrievalCase], batch_size: int = 20) -> dict:
         ids = torch.tensor([c.prompt_ids + c.answer_ids[:-1] for c in chunk], device=device)  # (B, T)
         target_sets = _target_sets(chunk, ids.shape[1])
         sink: dict = {}
-        with _recording(model, mode, sink):
+        with _recording(model, mode, sink, last=n):
             logits = model(input_ids=ids, use_cache=False).logits[:, -n:]  # (B, n, V)
         answers = torch.tensor([c.answer_ids for c in chunk], device=device)
         correct += (logits.argmax(-1) == answers).all(-1).tolist()
@@ -245,7 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=20, help="cases per (length, depth)")
     p.add_argument("--seed", type=int, default=0, help="the cases' seed (the long-context evaluation's default)")
     p.add_argument("--haystack", default=None, help="needle task: the text source (as nsa_train.long_context)")
-    p.add_argument("--batch-size", type=int, default=20)
+    p.add_argument("--batch-size", type=int, default=20, help="cases per forward")
+    p.add_argument("--device", default=None, help="default: cuda where there is one, else cpu")
+    p.add_argument("--dtype", default="auto", help="the weights' dtype: auto is bfloat16 on cuda, float32 on cpu")
     p.add_argument("--out", type=Path, default=None, help="write anatomy.md and anatomy.json here")
     return p
 
@@ -256,7 +260,7 @@ def main(argv=None) -> list[dict]:
     check_depths(args.depths)
     results = []
     for spec in args.models:
-        model, tokenizer = load_model_and_tokenizer(spec, device="cpu", dtype="float32")
+        model, tokenizer = load_model_and_tokenizer(spec, device=args.device, dtype=args.dtype)
         check_model(model)
         for length in args.lengths:
             cases, _ = build_cases(tokenizer, args.task, [length], args.depths, args.samples, seed=args.seed,

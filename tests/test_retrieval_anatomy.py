@@ -181,10 +181,14 @@ def test_dense_measures_are_the_model_s_own_softmax(byt5):
         recorded = model(input_ids=ids, use_cache=False).logits
     assert model.config._attn_implementation == implementation
     torch.testing.assert_close(recorded, plain, rtol=1e-5, atol=1e-5)
-    weights = sink[1]  # (B, H, T, T)
+    weights = sink[1]  # (B, H, T, T): every query's row (no `last`)
     assert weights.shape == (len(chunk), 4, ids.shape[1], ids.shape[1])
     torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1]))
     assert weights.triu(1).abs().max() == 0  # causal
+    kept: dict = {}
+    with anatomy_tool._recording(model, "dense", kept, last=n), torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    assert torch.equal(kept[1], weights[:, :, -n:])  # the anatomy keeps the answer queries' rows
     target_sets = anatomy_tool._target_sets(chunk, ids.shape[1])
     measures = anatomy_tool.dense_layer_anatomy(weights, target_sets, n)
     for row, case in enumerate(chunk):
