@@ -169,6 +169,8 @@ def parse_args(argv=None) -> TrainConfig:
     if cfg.init_from and cfg.model_overrides:
         parser.error(f"--model-overrides {cfg.model_overrides!r}: not used with --init-from {cfg.init_from!r}, whose "
                      "architecture is the saved model's; drop one of them.")
+    if cfg.init_from:
+        cfg.model = None  # the saved architecture is used: run.json names no --model (a preset's) it did not use
     for name, least in (("micro_batch_size", 1), ("grad_accum", 1), ("max_steps", 0), ("log_every", 0),
                         ("eval_every", 0), ("save_every", 0), ("long_context_samples", 1)):  # fmt: skip
         if getattr(cfg, name) < least:

@@ -541,6 +541,9 @@ def test_init_from_a_saved_model_and_eval_only(tmp_path, capsys):
     assert not (tmp_path / "eval" / "metrics.jsonl").exists() and not (tmp_path / "eval" / "final").exists()
     run_main(tiny_args(tmp_path / "more", init_from=first / "final", max_steps=1, eval_every=1))
     assert val_losses(tmp_path / "more")[0] == pytest.approx(ended_with, rel=1e-6)
+    # the run records where its architecture came from, not a --model it did not use
+    recorded = json.loads((tmp_path / "more" / "run.json").read_text())["config"]
+    assert recorded["model"] is None and recorded["init_from"] == str(first / "final")
     assert "initialized from `final`" in (tmp_path / "more" / "final" / "README.md").read_text()
     assert "initialized at random" in (first / "final" / "README.md").read_text()
     # what cannot work fails before anything runs, naming the flag
