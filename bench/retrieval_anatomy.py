@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from modeling_nsa.nsa_reference import reference_branches  # noqa: E402
 from nsa_train.long_context import (  # noqa: E402
-    DEFAULT_DEPTHS, RetrievalCase, build_cases, check_depths, check_task, load_model_and_tokenizer, run_command,
+    DEFAULT_DEPTHS, RetrievalCase, answer_mentions, build_cases, check_depths, check_task, load_model_and_tokenizer, run_command,
 )  # fmt: skip
 from nsa_train.selection_stats import _attention_modules, _model_code  # noqa: E402
 
@@ -46,13 +46,11 @@ def copy_sources(case: RetrievalCase) -> list[list[int]]:
     """For answer token i, the prompt positions holding it inside the hidden item (every mention of the whole
     answer there); where the item's tokens do not hold the answer's (a tokenizer that merged them with their
     neighbours), every position of the item."""
-    item = case.prompt_ids[case.needle_start : case.needle_start + case.needle_len]
-    answer, n = case.answer_ids, len(case.answer_ids)
-    starts = [i for i in range(len(item) - n + 1) if item[i : i + n] == answer]
+    starts = answer_mentions(case)
     if not starts:
         whole_item = list(range(case.needle_start, case.needle_start + case.needle_len))
-        return [whole_item for _ in range(n)]
-    return [[case.needle_start + s + i for s in starts] for i in range(n)]
+        return [whole_item for _ in case.answer_ids]
+    return [[start + i for start in starts] for i in range(len(case.answer_ids))]
 
 
 def check_model(model) -> str:

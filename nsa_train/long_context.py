@@ -510,16 +510,22 @@ def takes_needle_selection(model) -> bool:
     return getattr(config, "model_type", None) == "nsa" and getattr(config, "attention_mode", "nsa") == "nsa"
 
 
-def _answer_positions(case: RetrievalCase) -> tuple[list[int], bool]:
-    """The prompt positions of the answer's tokens where they occur inside the hidden item (a passkey's item names
-    its key twice), and True; or, where the item's tokens do not hold the answer's as they follow the question (a
-    tokenizer that merges across the boundary), every position of the item, and False."""
+def answer_mentions(case: RetrievalCase) -> list[int]:
+    """The prompt positions where the answer's tokens, as they follow the question, start inside the hidden item (a
+    passkey's item names its key twice); none where a tokenizer merges them with their neighbours there."""
     item = case.prompt_ids[case.needle_start : case.needle_start + case.needle_len]
     answer, n = case.answer_ids, len(case.answer_ids)
-    starts = [i for i in range(len(item) - n + 1) if item[i : i + n] == answer]
+    return [case.needle_start + i for i in range(len(item) - n + 1) if item[i : i + n] == answer]
+
+
+def _answer_positions(case: RetrievalCase) -> tuple[list[int], bool]:
+    """The prompt positions of the answer's tokens where they occur inside the hidden item (answer_mentions), and
+    True; or, where the item's tokens do not hold the answer's as they follow the question (a tokenizer that merges
+    across the boundary), every position of the item, and False."""
+    starts, n = answer_mentions(case), len(case.answer_ids)
     if not starts:
         return list(range(case.needle_start, case.needle_start + case.needle_len)), False
-    return sorted({case.needle_start + i + j for i in starts for j in range(n)}), True
+    return sorted({start + j for start in starts for j in range(n)}), True
 
 
 def _answer_span_blocks(case: RetrievalCase, block_size: int) -> list[int]:
@@ -935,6 +941,6 @@ if __name__ == "__main__":
     run_command(main)
 
 
-__all__ = ["RetrievalCase", "build_case", "build_cases", "card_section", "format_table", "needle_selection",
+__all__ = ["RetrievalCase", "answer_mentions", "build_case", "build_cases", "card_section", "format_table", "needle_selection",
            "plot_heatmap", "run_command", "run_long_context_eval", "score_generate", "score_loglik",
            "takes_needle_selection"]  # fmt: skip
