@@ -181,18 +181,17 @@ def _best_head(mode: str, heads: dict) -> int:
 @torch.no_grad()
 def anatomy(model, cases: list[RetrievalCase], batch_size: int = 20) -> dict:
     """Every layer's measures per head, averaged over the cases and their answer tokens, and the teacher-forced
-    exact answers. The cases must share a length and an answer length (one length of one task does)."""
+    exact answers. Cases run in batches of one (prompt, answer) length (a needle's answer words differ in tokens)."""
     mode = check_model(model)
-    lengths = {(len(c.prompt_ids), len(c.answer_ids)) for c in cases}
-    if len(lengths) != 1:
-        raise ValueError(f"anatomy: the cases have (prompt, answer) lengths {sorted(lengths)}; give one --lengths "
-                         "value per call, or cases of one length.")  # fmt: skip
     device = next(model.parameters()).device
     model.eval()
+    by_shape: dict = {}
+    for case in cases:
+        by_shape.setdefault((len(case.prompt_ids), len(case.answer_ids)), []).append(case)
+    batches = [group[i : i + batch_size] for group in by_shape.values() for i in range(0, len(group), batch_size)]
     sums: dict = {}
     count, correct = 0, []
-    for first in range(0, len(cases), batch_size):
-        chunk = cases[first : first + batch_size]
+    for chunk in batches:
         n = len(chunk[0].answer_ids)
         ids = torch.tensor([c.prompt_ids + c.answer_ids[:-1] for c in chunk], device=device)  # (B, T)
         target_sets = _target_sets(chunk, ids.shape[1])
