@@ -8,25 +8,30 @@ says what happens between the two. Each case (the long-context evaluation's own,
 teacher-forced: the prompt and the answer but its last token. At each query that predicts an answer token (the
 prompt's last token for the first, then each answer token for the next), for every layer and query head, it
 measures the attention probability on the token to be copied: the position in the hidden item holding that answer
-token (each mention of the key, summed; where the tokenizer merged the answer with its neighbours, the whole item).
+token (each mention of the key, summed; where the tokenizer merged the answer with its neighbours, the whole item),
+and on the whole hidden item. The means are over the cases and their answer tokens, less those that are
+whitespace alone (a passkey answer's leading space, which the question's last words predict).
 
-- NSA mode, per branch (the reference's branches on the layer's own inputs, `nsa_reference.reference_branches`):
-  the selected branch's probability on the token (0 when its block is not selected); the compressed branch's on
-  the compressed tokens whose l keys hold it; the window's (0 beyond w keys back); the three gates (paper Eq. 5);
-  the share of queries whose KV group selected the token's block; and the gated sum
-  g_cmp p_cmp + g_slc p_slc + g_win p_win, the weight the layer's output gives the token's values.
+- NSA mode, per branch (the reference's branches on the layer's own inputs, `nsa_reference.reference_branches`,
+  attending the blocks the model's own layers selected: the Triton kernels' top-n where they run): the selected
+  branch's probability on the token (0 when its block is not selected); the compressed branch's on the compressed
+  tokens whose l keys hold it; the window's (0 beyond w keys back); the three gates (paper Eq. 5); the share of
+  queries whose KV group selected the token's block; and the gated sum g_cmp p_cmp + g_slc p_slc + g_win p_win,
+  the weight the layer's output gives the token's values (the gates are independent sigmoids: it can pass 1).
 - Dense mode (this project's model with `--attention-mode dense`): the softmax probability on the token.
 - Both: whether the model's argmax at every answer query is the answer's token (teacher-forced exact answer).
 
-Per layer the head with the largest mean probability on the token (for NSA by the gated sum) is the one shown:
-retrieval in a small model is one head's work. A failure with the block selected and little selected-branch
-probability on the token points at the selected branch's keys; one with the probability there but a small slc gate
-at the gate; one with both there at the layers after.
+Per layer the table shows the head whose selected branch (NSA: the window cannot see the item and a compressed
+token mixes l keys) or softmax (dense) puts the most probability on the hidden item: retrieval in a small model is
+one head's work; the JSON holds every head. A failure with the block selected and little selected-branch
+probability on the token points at the selected branch's queries and keys; one with the probability there but a
+small slc gate at the gate; one with both there at the layers after.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from contextlib import contextmanager
@@ -40,7 +45,7 @@ from modeling_nsa.nsa_reference import reference_branches  # noqa: E402
 from nsa_train.long_context import (  # noqa: E402
     DEFAULT_DEPTHS, RetrievalCase, answer_mentions, build_cases, check_depths, check_task, load_model_and_tokenizer, run_command,
 )  # fmt: skip
-from nsa_train.selection_stats import _attention_modules, _model_code  # noqa: E402
+from nsa_train.selection_stats import _attention_modules, _kernels_select, _model_code  # noqa: E402
 
 def copy_sources(case: RetrievalCase) -> list[list[int]]:
     """For answer token i, the prompt positions holding it inside the hidden item (every mention of the whole
@@ -65,39 +70,48 @@ def check_model(model) -> str:
 
 @contextmanager
 def _recording(model, mode: str, sink: dict, last: int | None = None):
-    """While active, each layer's attention inputs land in sink[layer]: for NSA the nsa_attention seam's arguments,
-    for dense the eager attention's probabilities (B, H, Tq, Tk) (only the last `last` queries' rows: at 4k tokens
-    a layer's whole (T x T) per head is gigabytes), the model switched to eager attention."""
-    code, _ = _model_code(model)
-    modules = _attention_modules(model)
+    """While active, each layer's attention inputs land in sink[layer]. NSA: the nsa_attention seam's arguments,
+    and where the model's layers run the Triton kernels their top-n for the last `last` queries ("block_indices";
+    the model attends those blocks, and the reference's fp32 top-n on bf16 inputs may break a near tie otherwise).
+    Dense: the eager attention's probabilities (B, H, Tq, Tk), only the last `last` queries' rows (at 4k tokens a
+    layer's whole (T x T) per head is gigabytes), the model switched to eager attention for the while."""
+    code, package = _model_code(model)
     current = {"layer": None}
-    handles = [m.register_forward_pre_hook(lambda mod, args: current.update(layer=mod.layer_idx)) for m in modules]
-    if mode == "nsa":
-        seam = code.nsa_attention
-
-        def record(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, **kwargs):
-            sink[current["layer"]] = dict(q=q, k_cmp=k_cmp, v_cmp=v_cmp, cmp_end=cmp_end, k_slc=k_slc, v_slc=v_slc,
-                                          k_win=k_win, v_win=v_win, gates=gates, doc_pos=doc_pos, params=params)
-            return seam(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, **kwargs)
-
-        code.nsa_attention, restore = record, ("nsa_attention", seam)
-    else:
-        eager = code.eager_attention_forward
-
-        def record(*args, **kwargs):
-            out, weights = eager(*args, **kwargs)
-            rows = weights if last is None else weights[:, :, -last:]
-            sink[current["layer"]] = rows.detach().float()  # (B, H, Tq or last, Tk)
-            return out, weights
-
-        code.eager_attention_forward, restore = record, ("eager_attention_forward", eager)
-        implementation, model.config._attn_implementation = model.config._attn_implementation, "eager"
+    handles, restore, implementation = [], None, model.config._attn_implementation
     try:
+        for m in _attention_modules(model):
+            handles.append(m.register_forward_pre_hook(lambda mod, args: current.update(layer=mod.layer_idx)))
+        if mode == "nsa":
+            seam = code.nsa_attention
+            kernels = importlib.import_module(".nsa_triton", package).select_blocks_triton if _kernels_select(model) else None
+
+            def record(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, **kwargs):
+                entry = dict(q=q, k_cmp=k_cmp, v_cmp=v_cmp, cmp_end=cmp_end, k_slc=k_slc, v_slc=v_slc, k_win=k_win,
+                             v_win=v_win, gates=gates, doc_pos=doc_pos, params=params)  # fmt: skip
+                if kernels is not None:
+                    kept = slice(-last, None) if last else slice(None)
+                    entry["block_indices"] = kernels(q, k_cmp, cmp_end, doc_pos, params)[:, :, kept]  # (B, Hkv, n, n')
+                sink[current["layer"]] = entry
+                return seam(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, **kwargs)
+
+            restore = ("nsa_attention", seam)
+        else:
+            eager = code.eager_attention_forward
+
+            def record(*args, **kwargs):
+                out, weights = eager(*args, **kwargs)
+                rows = weights if last is None else weights[:, :, -last:]
+                sink[current["layer"]] = rows.detach().float()  # (B, H, Tq or last, Tk)
+                return out, weights
+
+            restore = ("eager_attention_forward", eager)
+            model.config._attn_implementation = "eager"
+        setattr(code, restore[0], record)
         yield
     finally:
-        setattr(code, *restore)
-        if mode != "nsa":
-            model.config._attn_implementation = implementation
+        if restore is not None:
+            setattr(code, *restore)
+        model.config._attn_implementation = implementation
         for h in handles:
             h.remove()
 
@@ -120,7 +134,8 @@ def nsa_layer_anatomy(record: dict, target_sets: dict, num_answer: int) -> dict:
     batch, _, num_heads, _ = q.shape
     branches = reference_branches(q, record["k_cmp"].float(), record["v_cmp"].float(), record["cmp_end"],
                                   record["k_slc"].float(), record["v_slc"].float(), record["k_win"].float(),
-                                  record["v_win"].float(), record["doc_pos"], params)  # fmt: skip
+                                  record["v_win"].float(), record["doc_pos"], params,
+                                  block_indices=record.get("block_indices"))  # fmt: skip
 
     def per_head(p):  # (B, Hkv, G, n, K) -> (B, H, n, K): head h = kv * G + g, as q's (H,) splits into (Hkv, G)
         return p.reshape(batch, num_heads, num_answer, p.shape[-1]).cpu()
@@ -178,10 +193,23 @@ def _best_head(mode: str, heads: dict) -> int:
     return max(range(len(heads[key])), key=lambda h: heads[key][h])
 
 
+def answer_token_weights(chunk: list[RetrievalCase], tokenizer=None) -> torch.Tensor:
+    """(B, n): 1 for the answer tokens the measures average over, 0 for whitespace alone (a passkey answer's
+    leading space: the text before it predicts it, and its copy positions are the spaces before the key). Without
+    a tokenizer every token counts."""
+    weights = torch.ones(len(chunk), len(chunk[0].answer_ids))
+    if tokenizer is not None:
+        for row, case in enumerate(chunk):
+            for i, token in enumerate(case.answer_ids):
+                weights[row, i] = float(tokenizer.decode([token]).strip() != "")
+    return weights
+
+
 @torch.no_grad()
-def anatomy(model, cases: list[RetrievalCase], batch_size: int = 20) -> dict:
-    """Every layer's measures per head, averaged over the cases and their answer tokens, and the teacher-forced
-    exact answers. Cases run in batches of one (prompt, answer) length (a needle's answer words differ in tokens)."""
+def anatomy(model, cases: list[RetrievalCase], batch_size: int = 20, tokenizer=None) -> dict:
+    """Every layer's measures per head, averaged over the cases and their answer tokens (with `tokenizer`: those
+    that are not whitespace alone, answer_token_weights), and the teacher-forced exact answers (every token).
+    Cases run in batches of one (prompt, answer) length (a needle's answer words differ in tokens)."""
     mode = check_model(model)
     device = next(model.parameters()).device
     model.eval()
@@ -200,18 +228,21 @@ def anatomy(model, cases: list[RetrievalCase], batch_size: int = 20) -> dict:
             logits = model(input_ids=ids, use_cache=False).logits[:, -n:]  # (B, n, V)
         answers = torch.tensor([c.answer_ids for c in chunk], device=device)
         correct += (logits.argmax(-1) == answers).all(-1).tolist()
+        weights = answer_token_weights(chunk, tokenizer).double()[:, None]  # (B, 1, n)
         for layer in sorted(sink):
             measures = (nsa_layer_anatomy(sink[layer], target_sets, n) if mode == "nsa"
                         else dense_layer_anatomy(sink[layer], target_sets, n))  # fmt: skip
             for name, value in measures.items():  # (B, H, n): summed over cases and answer tokens, per head
                 total = sums.setdefault(layer, {}).setdefault(name, torch.zeros(value.shape[1], dtype=torch.float64))
-                total += value.double().sum((0, 2))
-        count += len(chunk) * n
+                total += (value.double() * weights).sum((0, 2))
+        count += float(weights.sum())
     layers = []
     for layer in sorted(sums):
         heads = {name: (total / count).tolist() for name, total in sums[layer].items()}
         layers.append({"layer": layer, "best_head": _best_head(mode, heads), "heads": heads})
-    return {"mode": mode, "cases": len(cases), "exact_answers": sum(correct) / len(correct), "layers": layers}
+    selection_by = "triton" if mode == "nsa" and _kernels_select(model) else ("reference" if mode == "nsa" else None)
+    return {"mode": mode, "cases": len(cases), "answer_tokens_measured": count, "selection_by": selection_by,
+            "exact_answers": sum(correct) / len(correct), "layers": layers}
 
 
 def format_table(results: list[dict]) -> str:
@@ -262,7 +293,7 @@ def main(argv=None) -> list[dict]:
         for length in args.lengths:
             cases, _ = build_cases(tokenizer, args.task, [length], args.depths, args.samples, seed=args.seed,
                                    haystack=args.haystack, vocab_size=model.config.vocab_size)  # fmt: skip
-            result = anatomy(model, cases, args.batch_size)
+            result = anatomy(model, cases, args.batch_size, tokenizer)
             result.update(name="/".join(Path(spec).parts[-2:]), model=spec, length=length, task=args.task)
             results.append(result)
     table = format_table(results)

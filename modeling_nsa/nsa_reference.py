@@ -113,10 +113,14 @@ def reference_branches(
     params: NSAParams,
     scale: float | None = None,
     query_end: torch.Tensor | None = None,
+    block_indices: torch.Tensor | None = None,
 ) -> ReferenceBranches:
     """Each branch's output and attention probabilities for queries at the last Tq of Tk key positions, before the
     gates combine them (NSA_SPEC, one layer, step 3); `nsa_attention_reference` documents the arguments. What a
-    diagnosis of a trained model reads: where each branch looks, not only what the gated sum gives."""
+    diagnosis of a trained model reads: where each branch looks, not only what the gated sum gives.
+
+    block_indices (B, Hkv, Tq, n'): the selected blocks to attend instead of this function's top-n (the kernels'
+    selection, which near a tie in low precision may pick another block); default: the reference's own."""
     batch, num_queries, num_heads, head_dim = q.shape
     num_keys, num_kv_heads = k_slc.shape[1], k_slc.shape[2]
     num_win = k_win.shape[1]
@@ -156,10 +160,11 @@ def reference_branches(
 
     # Selection branch (Eqs. 8-12): top-n blocks per KV group from the compression probabilities.
     num_sel_blocks = (num_keys + params.sel_block_size - 1) // params.sel_block_size
-    block_scores = selection_block_scores(
-        p_cmp.reshape(batch, num_heads, num_queries, -1), cmp_end, doc_pos, num_sel_blocks, params, num_kv_heads
-    )
-    block_indices = select_blocks(block_scores.detach(), q_doc_pos, params)  # (B, Hkv, Tq, n')
+    if block_indices is None:
+        block_scores = selection_block_scores(
+            p_cmp.reshape(batch, num_heads, num_queries, -1), cmp_end, doc_pos, num_sel_blocks, params, num_kv_heads
+        )
+        block_indices = select_blocks(block_scores.detach(), q_doc_pos, params)  # (B, Hkv, Tq, n')
     chosen = torch.zeros(batch, num_kv_heads, num_queries, num_sel_blocks + 1, dtype=torch.bool, device=device)
     chosen.scatter_(-1, torch.where(block_indices >= 0, block_indices, num_sel_blocks), True)
     key_block = (doc_pos.clamp(min=0) // params.sel_block_size)[:, None, None, :].expand(-1, num_kv_heads, num_queries, -1)

@@ -173,7 +173,8 @@ def load_checkpoint(accelerator, path: Path, model_config: dict | None = None,
     if model_config is not None and saved is not None and saved != model_config:
         diff = ", ".join(f"{k} {saved.get(k)!r} vs {model_config.get(k)!r}"
                          for k in sorted(saved.keys() | model_config.keys()) if saved.get(k) != model_config.get(k))  # fmt: skip
-        flags = " ".join(f"--{k.replace('_', '-')} {shlex.quote(str(run[k]))}" for k in MODEL_FLAGS if run.get(k))
+        flags = " ".join(f"--{k.replace('_', '-')} {shlex.quote(str(run[k]))}"
+                         for k in (*MODEL_FLAGS, "init_from") if run.get(k))  # an --init-from run's model is its source's
         raise ValueError(
             f"--resume {path}: the checkpoint holds another model than this run builds (checkpoint vs this run: "
             f"{diff}). Resume with the model flags of the run that wrote it ({flags}), or start a new run in a new "

@@ -30,12 +30,13 @@ def byt5():
     return ByT5Tokenizer()
 
 
-def tiny_model(byt5, mode: str, seed: int = 0) -> NSAForCausalLM:
+def tiny_model(byt5, mode: str, seed: int = 0, window_size: int = 32) -> NSAForCausalLM:
     """A randomly initialized 2-layer model in `mode` (2 KV groups of 2 heads; 8 of 15 blocks selected, so a case's
-    answer block is selected for some queries and not for others)."""
+    answer block is selected for some queries and not for others; a window of 32 keys sees no hidden item, one of
+    128 sees some)."""
     config = NSAConfig(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, cmp_block_size=16, cmp_stride=8,
-                       sel_block_size=16, sel_num_blocks=8, window_size=32, cmp_mlp_hidden_size=16,
+                       sel_block_size=16, sel_num_blocks=8, window_size=window_size, cmp_mlp_hidden_size=16,
                        max_position_embeddings=512, attention_mode=mode, eos_token_id=byt5.eos_token_id,
                        pad_token_id=byt5.pad_token_id)  # fmt: skip
     torch.manual_seed(seed)
@@ -138,8 +139,9 @@ def _oracle(record: dict, blocks: torch.Tensor, row: int, head: int, query: int,
             "gate_slc": float(g[1])}  # fmt: skip
 
 
-def test_nsa_measures_match_a_query_by_query_recomputation(byt5):
-    model = tiny_model(byt5, "nsa")
+@pytest.mark.parametrize("window_size", [32, 128], ids=["item-beyond-window", "item-in-window"])
+def test_nsa_measures_match_a_query_by_query_recomputation(byt5, window_size):
+    model = tiny_model(byt5, "nsa", window_size=window_size)
     chunk = cases(byt5)
     n = len(chunk[0].answer_ids)
     ids = torch.tensor([c.prompt_ids + c.answer_ids[:-1] for c in chunk])
@@ -148,7 +150,7 @@ def test_nsa_measures_match_a_query_by_query_recomputation(byt5):
     with anatomy_tool._recording(model, "nsa", sink), torch.no_grad():
         model(input_ids=ids, use_cache=False)
     assert sorted(sink) == [0, 1]
-    selected_seen = set()
+    selected_seen, window_seen = set(), set()
     for layer, record in sink.items():
         measures = anatomy_tool.nsa_layer_anatomy(record, target_sets, n)
         blocks = _selected_blocks(record)
@@ -162,8 +164,81 @@ def test_nsa_measures_match_a_query_by_query_recomputation(byt5):
                             got = float(measures[f"{measure}_{name}"][row, head, i])
                             assert got == pytest.approx(expected[measure], abs=1e-5), (layer, row, head, i, name, measure)
                         selected_seen.add(expected["selected"])
+                        window_seen.add(expected["p_win"] > 0)
                     assert float(measures["gate_slc"][row, head, i]) == pytest.approx(expected["gate_slc"], abs=1e-6)
     assert selected_seen == {0.0, 1.0}  # both a selected and an unselected answer block were checked
+    assert (True in window_seen) == (window_size == 128)  # the window's slots are checked where it sees the item
+
+
+def test_kernels_selection_is_the_one_measured(byt5, monkeypatch):
+    """Where the layers run the Triton kernels, the selected branch is measured on the kernels' top-n (recorded
+    beside the layer's inputs), not the reference's: here a stand-in that selects only the forced blocks."""
+    import modeling_nsa.nsa_triton as nsa_triton
+    from modeling_nsa.nsa_reference import select_blocks
+
+    def forced_only(q, k_cmp, cmp_end, doc_pos, params):  # scores 0 everywhere: the forced blocks, then the lowest
+        num_blocks = (doc_pos.shape[1] + params.sel_block_size - 1) // params.sel_block_size
+        scores = torch.zeros(q.shape[0], k_cmp.shape[2], q.shape[1], num_blocks)
+        return select_blocks(scores, doc_pos, params)
+
+    monkeypatch.setattr(anatomy_tool, "_kernels_select", lambda model: True)
+    monkeypatch.setattr(nsa_triton, "select_blocks_triton", forced_only)
+    model = tiny_model(byt5, "nsa")
+    chunk = cases(byt5)
+    n = len(chunk[0].answer_ids)
+    ids = torch.tensor([c.prompt_ids + c.answer_ids[:-1] for c in chunk])
+    sink: dict = {}
+    with anatomy_tool._recording(model, "nsa", sink, last=n), torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    record = sink[1]
+    assert torch.equal(record["block_indices"], forced_only(record["q"], record["k_cmp"], None, record["doc_pos"],
+                                                            record["params"])[:, :, -n:])  # fmt: skip
+    measures = anatomy_tool.nsa_layer_anatomy(record, anatomy_tool._target_sets(chunk, ids.shape[1]), n)
+    for row, case in enumerate(chunk):  # the lowest blocks, the first and the query's own two: the item only at depth 0
+        for i in range(n):
+            query = ids.shape[1] - n + i
+            blocks = {int(b) for b in record["block_indices"][row, 0, i] if b >= 0}
+            holds = any(p // 16 in blocks for p in anatomy_tool.copy_sources(case)[i])
+            assert float(measures["selected_token"][row, 0, i]) == float(holds)
+            keys = [k for k in range(query + 1) if k // 16 in blocks]
+            scores = torch.stack([record["q"][row, query, 0] @ record["k_slc"][row, k, 0] for k in keys]) / math.sqrt(8)
+            p = torch.softmax(scores.double(), 0)
+            expected = sum(float(p[j]) for j, k in enumerate(keys) if k in anatomy_tool.copy_sources(case)[i])
+            assert float(measures["p_slc_token"][row, 0, i]) == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["nsa", "dense"])
+def test_recording_restores_the_model_when_the_forward_raises(byt5, mode):
+    model = tiny_model(byt5, mode)
+    code, _ = anatomy_tool._model_code(model)
+    seam, eager, implementation = code.nsa_attention, code.eager_attention_forward, model.config._attn_implementation
+    with pytest.raises(RuntimeError, match="stop"):
+        with anatomy_tool._recording(model, mode, {}, last=2):
+            raise RuntimeError("stop")
+    assert code.nsa_attention is seam and code.eager_attention_forward is eager
+    assert model.config._attn_implementation == implementation
+    assert all(not m._forward_pre_hooks for m in anatomy_tool._attention_modules(model))
+
+
+def test_the_answer_s_leading_space_is_not_averaged(byt5):
+    """With the tokenizer, the means are over the answer's digits: a passkey answer's first token (its space) has
+    weight 0; the result equals the per-token measures averaged over the digits."""
+    chunk = cases(byt5)
+    weights = anatomy_tool.answer_token_weights(chunk, byt5)
+    assert weights[:, 0].eq(0).all() and weights[:, 1:].eq(1).all()
+    assert anatomy_tool.answer_token_weights(chunk).eq(1).all()
+    model = tiny_model(byt5, "nsa")
+    n = len(chunk[0].answer_ids)
+    ids = torch.tensor([c.prompt_ids + c.answer_ids[:-1] for c in chunk])
+    sink: dict = {}
+    with anatomy_tool._recording(model, "nsa", sink, last=n), torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    per_token = anatomy_tool.nsa_layer_anatomy(sink[1], anatomy_tool._target_sets(chunk, ids.shape[1]), n)
+    result = anatomy_tool.anatomy(model, chunk, batch_size=len(chunk), tokenizer=byt5)
+    assert result["answer_tokens_measured"] == len(chunk) * (n - 1)
+    for name in ("p_slc_token", "p_cmp_item", "gate_slc"):
+        expected = per_token[name][:, :, 1:].double().mean((0, 2))
+        assert result["layers"][1]["heads"][name] == pytest.approx(expected.tolist(), abs=1e-9), name
 
 
 def test_dense_measures_are_the_model_s_own_softmax(byt5):

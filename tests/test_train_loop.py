@@ -298,6 +298,11 @@ def test_output_dir_of_another_run_and_resume_with_another_model(tmp_path):
                                          r"Resume with.*--model tiny"):  # fmt: skip
         run_main(tiny_args(out, max_steps=2, model="smoke", resume="latest"))
     assert set(train_losses(out)) == {1}  # the first run's metrics only
+    # a run started with --init-from: the hint names where its model came from (it records no --model)
+    tuned = tmp_path / "tuned"
+    run_main(tiny_args(tuned, init_from=out / "final", max_steps=1, save_every=1))
+    with pytest.raises(ValueError, match=r"another model.*Resume with.*--init-from \S*run/final"):
+        run_main(tiny_args(tuned, max_steps=2, model="smoke", resume="latest"))
 
 
 def test_output_dir_of_a_run_without_checkpoints(tmp_path):
