@@ -45,6 +45,7 @@ from modeling_nsa.nsa_reference import reference_branches  # noqa: E402
 from nsa_train.long_context import (  # noqa: E402
     DEFAULT_DEPTHS, RetrievalCase, answer_mentions, build_cases, check_depths, check_task, load_model_and_tokenizer, run_command,
 )  # fmt: skip
+from modeling_nsa.modeling_nsa import BRANCHES  # noqa: E402  (the gates' order: cmp, slc, win)
 from nsa_train.selection_stats import _attention_modules, _kernels_select, _model_code  # noqa: E402
 
 def copy_sources(case: RetrievalCase) -> list[list[int]]:
@@ -69,10 +70,11 @@ def check_model(model) -> str:
 
 
 @contextmanager
-def _recording(model, mode: str, sink: dict, last: int | None = None):
+def _recording(model, mode: str, sink: dict, last: int | None = None, ablate: str | None = None):
     """While active, each layer's attention inputs land in sink[layer]. NSA: the nsa_attention seam's arguments,
     and where the model's layers run the Triton kernels their top-n for the last `last` queries ("block_indices";
-    the model attends those blocks, and the reference's fp32 top-n on bf16 inputs may break a near tie otherwise).
+    the model attends those blocks, and the reference's fp32 top-n on bf16 inputs may break a near tie otherwise);
+    `ablate` (one of BRANCHES): that branch's gate is 0 in every layer, so its output never reaches the model.
     Dense: the eager attention's probabilities (B, H, Tq, Tk), only the last `last` queries' rows (at 4k tokens a
     layer's whole (T x T) per head is gigabytes), the model switched to eager attention for the while."""
     code, package = _model_code(model)
@@ -86,6 +88,9 @@ def _recording(model, mode: str, sink: dict, last: int | None = None):
             kernels = importlib.import_module(".nsa_triton", package).select_blocks_triton if _kernels_select(model) else None
 
             def record(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, **kwargs):
+                if ablate is not None:
+                    gates = gates.clone()
+                    gates[..., BRANCHES.index(ablate)] = 0  # (B, T, H, 3): the branch's output scaled to 0
                 entry = dict(q=q, k_cmp=k_cmp, v_cmp=v_cmp, cmp_end=cmp_end, k_slc=k_slc, v_slc=v_slc, k_win=k_win,
                              v_win=v_win, gates=gates, doc_pos=doc_pos, params=params)  # fmt: skip
                 if kernels is not None:
@@ -206,11 +211,15 @@ def answer_token_weights(chunk: list[RetrievalCase], tokenizer=None) -> torch.Te
 
 
 @torch.no_grad()
-def anatomy(model, cases: list[RetrievalCase], batch_size: int = 20, tokenizer=None) -> dict:
+def anatomy(model, cases: list[RetrievalCase], batch_size: int = 20, tokenizer=None, ablate: str | None = None) -> dict:
     """Every layer's measures per head, averaged over the cases and their answer tokens (with `tokenizer`: those
     that are not whitespace alone, answer_token_weights), and the teacher-forced exact answers (every token).
-    Cases run in batches of one (prompt, answer) length (a needle's answer words differ in tokens)."""
+    Cases run in batches of one (prompt, answer) length (a needle's answer words differ in tokens). ablate: an NSA
+    branch whose gate is set to 0 in every layer (does the model still answer without it?)."""
     mode = check_model(model)
+    if ablate is not None and (mode != "nsa" or ablate not in BRANCHES):
+        raise ValueError(f"--ablate {ablate!r}: one of {list(BRANCHES)}, for an NSA model in attention_mode 'nsa' "
+                         f"(this one is {mode!r}).")  # fmt: skip
     device = next(model.parameters()).device
     model.eval()
     by_shape: dict = {}
@@ -224,7 +233,7 @@ def anatomy(model, cases: list[RetrievalCase], batch_size: int = 20, tokenizer=N
         ids = torch.tensor([c.prompt_ids + c.answer_ids[:-1] for c in chunk], device=device)  # (B, T)
         target_sets = _target_sets(chunk, ids.shape[1])
         sink: dict = {}
-        with _recording(model, mode, sink, last=n):
+        with _recording(model, mode, sink, last=n, ablate=ablate):
             logits = model(input_ids=ids, use_cache=False).logits[:, -n:]  # (B, n, V)
         answers = torch.tensor([c.answer_ids for c in chunk], device=device)
         correct += (logits.argmax(-1) == answers).all(-1).tolist()
@@ -241,7 +250,7 @@ def anatomy(model, cases: list[RetrievalCase], batch_size: int = 20, tokenizer=N
         heads = {name: (total / count).tolist() for name, total in sums[layer].items()}
         layers.append({"layer": layer, "best_head": _best_head(mode, heads), "heads": heads})
     selection_by = "triton" if mode == "nsa" and _kernels_select(model) else ("reference" if mode == "nsa" else None)
-    return {"mode": mode, "cases": len(cases), "answer_tokens_measured": count, "selection_by": selection_by,
+    return {"mode": mode, "ablated": ablate, "cases": len(cases), "answer_tokens_measured": count, "selection_by": selection_by,
             "exact_answers": sum(correct) / len(correct), "layers": layers}
 
 
@@ -261,7 +270,8 @@ def format_table(results: list[dict]) -> str:
                          f"{heads['gated_token'][h]:.3f}", f"{heads['p_slc_item'][h]:.3f}"]  # fmt: skip
             else:
                 cells = ["", "", "", f"{heads['p_token'][h]:.3f}", f"{heads['p_item'][h]:.3f}"]
-            lines.append(f"| {result['name']} ({result['mode']}) | {result['length']} | {result['exact_answers']:.0%} | "
+            mode = result["mode"] + (f", {result['ablated']} gate 0" if result.get("ablated") else "")
+            lines.append(f"| {result['name']} ({mode}) | {result['length']} | {result['exact_answers']:.0%} | "
                          f"{entry['layer']} | {h} | " + " | ".join(cells) + " |")  # fmt: skip
     return "\n".join(lines)
 
@@ -278,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=20, help="cases per forward")
     p.add_argument("--device", default=None, help="default: cuda where there is one, else cpu")
     p.add_argument("--dtype", default="auto", help="the weights' dtype: auto is bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--ablate", default=None, choices=BRANCHES,
+                   help="cmp, slc or win: that NSA branch's gate set to 0 in every layer (do the answers survive?)")
     p.add_argument("--out", type=Path, default=None, help="write anatomy.md and anatomy.json here")
     return p
 
@@ -293,7 +305,7 @@ def main(argv=None) -> list[dict]:
         for length in args.lengths:
             cases, _ = build_cases(tokenizer, args.task, [length], args.depths, args.samples, seed=args.seed,
                                    haystack=args.haystack, vocab_size=model.config.vocab_size)  # fmt: skip
-            result = anatomy(model, cases, args.batch_size, tokenizer)
+            result = anatomy(model, cases, args.batch_size, tokenizer, args.ablate)
             result.update(name="/".join(Path(spec).parts[-2:]), model=spec, length=length, task=args.task)
             results.append(result)
     table = format_table(results)

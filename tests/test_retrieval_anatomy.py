@@ -317,6 +317,28 @@ def test_cases_of_several_lengths_average_over_every_answer_token(byt5):
             assert values == pytest.approx(expected, abs=1e-9), name
 
 
+def test_ablating_a_branch_zeroes_its_gate_in_every_layer(byt5):
+    """--ablate cmp: every layer's seam gets the cmp gate at 0 and the other gates as computed (layer 0's inputs
+    are the embeddings, so its other gates equal the unablated ones); the answers' logits change."""
+    model = tiny_model(byt5, "nsa")
+    chunk = cases(byt5)
+    n = len(chunk[0].answer_ids)
+    ids = torch.tensor([c.prompt_ids + c.answer_ids[:-1] for c in chunk])
+    plain, ablated = {}, {}
+    with anatomy_tool._recording(model, "nsa", plain, last=n), torch.no_grad():
+        plain_logits = model(input_ids=ids, use_cache=False).logits
+    with anatomy_tool._recording(model, "nsa", ablated, last=n, ablate="cmp"), torch.no_grad():
+        ablated_logits = model(input_ids=ids, use_cache=False).logits
+    for layer in (0, 1):
+        assert ablated[layer]["gates"][..., 0].eq(0).all() and plain[layer]["gates"][..., 0].gt(0).all()
+    torch.testing.assert_close(ablated[0]["gates"][..., 1:], plain[0]["gates"][..., 1:], rtol=0, atol=0)
+    assert not torch.allclose(ablated_logits[:, -n:], plain_logits[:, -n:])
+    result = anatomy_tool.anatomy(model, chunk, tokenizer=byt5, ablate="slc")
+    assert result["ablated"] == "slc" and all(max(layer["heads"]["gate_slc"]) == 0 for layer in result["layers"])
+    with pytest.raises(ValueError, match="--ablate 'slc'.*attention_mode 'nsa'"):
+        anatomy_tool.anatomy(tiny_model(byt5, "dense"), chunk, ablate="slc")
+
+
 def test_bad_inputs_are_named(byt5, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
