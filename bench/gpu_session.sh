@@ -206,10 +206,13 @@ open(sys.argv[2], 'w').write(max((str(x) for x in t.to_pylist()[::20]), key=len)
                 # and head (bench/retrieval_anatomy.py; the training length, answer queries' rows only)
                 $PY bench/retrieval_anatomy.py "$OUT/retrieval/nsa-seed0/final" "$OUT/retrieval/dense-seed0/final" \
                   --lengths $RT_ANATOMY_LENGTHS --samples "$LC_SAMPLES" --batch-size 4 --out "$OUT/retrieval/anatomy"
-                # and which route NSA's answers take: the tiny twins that learned late read the key through the
-                # compressed branch (bench/QUALITY.md); without it (cmp gate 0) such answers fail
-                $PY bench/retrieval_anatomy.py "$OUT/retrieval/nsa-seed0/final" --ablate cmp \
-                  --lengths $RT_ANATOMY_LENGTHS --samples "$LC_SAMPLES" --batch-size 4 --out "$OUT/retrieval/anatomy-ablate-cmp" ;;
+                # and which route NSA's answers take (bench/QUALITY.md: the tiny twins that learned late need the
+                # compressed branch, the first learner only the selected branch's view of the key)
+                for ablate in cmp slc-item; do
+                  $PY bench/retrieval_anatomy.py "$OUT/retrieval/nsa-seed0/final" --ablate $ablate \
+                    --lengths $RT_ANATOMY_LENGTHS --samples "$LC_SAMPLES" --batch-size 4 \
+                    --out "$OUT/retrieval/anatomy-ablate-$ablate"
+                done ;;
     # issue 19: what one selection-statistics measurement costs against one 125M training step at T = 4,096
     stats-cost) $PY bench/stats_cost.py --device cuda --model 125m --seq-len 4096 --micro-batch-size 4 \
                   --tokenizer "$DATA/gpt2-tokenizer" --dataset "$DATA/wiki-summaries-en.parquet" ;;

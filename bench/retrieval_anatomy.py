@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from modeling_nsa.nsa_reference import reference_branches  # noqa: E402
+from modeling_nsa.nsa_reference import nsa_attention_reference, reference_branches  # noqa: E402
 from nsa_train.long_context import (  # noqa: E402
     DEFAULT_DEPTHS, RetrievalCase, answer_mentions, build_cases, check_depths, check_task, load_model_and_tokenizer, run_command,
 )  # fmt: skip
@@ -69,12 +69,34 @@ def check_model(model) -> str:
     return config.attention_mode
 
 
+ABLATIONS = (*BRANCHES, "slc-item")  # a branch's gate at 0; the selected branch without the item's blocks
+
+
+def _selection_without(blocks: torch.Tensor, hidden: torch.Tensor, last: int, block_size: int) -> torch.Tensor:
+    """blocks (B, Hkv, T, n') selected blocks (in-document = key index // l': one document per row) with every block
+    holding a `hidden` key (B, Tk) bool dropped (-1) from the last `last` queries' selections."""
+    batch, num_keys = hidden.shape
+    num_blocks = (num_keys + block_size - 1) // block_size
+    padded = torch.zeros(batch, num_blocks * block_size, dtype=torch.bool, device=hidden.device)
+    padded[:, :num_keys] = hidden
+    held = torch.zeros(batch, num_blocks + 1, dtype=torch.bool, device=hidden.device)  # the last: unused slots
+    held[:, :num_blocks] = padded.view(batch, num_blocks, block_size).any(-1)  # (B, Nb + 1)
+    index = torch.where(blocks >= 0, blocks, num_blocks)
+    drop = held[:, None, None, :].expand(-1, blocks.shape[1], blocks.shape[2], -1).gather(-1, index)
+    drop[:, :, : blocks.shape[2] - last] = False  # earlier queries keep their selection
+    return torch.where(drop, torch.full_like(blocks, -1), blocks)
+
+
 @contextmanager
-def _recording(model, mode: str, sink: dict, last: int | None = None, ablate: str | None = None):
+def _recording(model, mode: str, sink: dict, last: int | None = None, ablate: str | None = None,
+               hidden: torch.Tensor | None = None):  # fmt: skip
     """While active, each layer's attention inputs land in sink[layer]. NSA: the nsa_attention seam's arguments,
     and where the model's layers run the Triton kernels their top-n for the last `last` queries ("block_indices";
-    the model attends those blocks, and the reference's fp32 top-n on bf16 inputs may break a near tie otherwise);
-    `ablate` (one of BRANCHES): that branch's gate is 0 in every layer, so its output never reaches the model.
+    the model attends those blocks, and the reference's fp32 top-n on bf16 inputs may break a near tie otherwise).
+    `ablate` (ABLATIONS): a branch's gate is 0 in every layer, so its output never reaches the model; or
+    "slc-item": in every layer the last `last` queries' selected branch attends its selection less the blocks
+    holding a `hidden` key (B, Tk) bool (the hidden item), computed by the reference with those blocks; the
+    other branches, and the other queries, unchanged. Does the answer need the selected branch to read the item?
     Dense: the eager attention's probabilities (B, H, Tq, Tk), only the last `last` queries' rows (at 4k tokens a
     layer's whole (T x T) per head is gigabytes), the model switched to eager attention for the while."""
     code, package = _model_code(model)
@@ -88,15 +110,25 @@ def _recording(model, mode: str, sink: dict, last: int | None = None, ablate: st
             kernels = importlib.import_module(".nsa_triton", package).select_blocks_triton if _kernels_select(model) else None
 
             def record(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, **kwargs):
-                if ablate is not None:
+                if ablate in BRANCHES:
                     gates = gates.clone()
                     gates[..., BRANCHES.index(ablate)] = 0  # (B, T, H, 3): the branch's output scaled to 0
                 entry = dict(q=q, k_cmp=k_cmp, v_cmp=v_cmp, cmp_end=cmp_end, k_slc=k_slc, v_slc=v_slc, k_win=k_win,
                              v_win=v_win, gates=gates, doc_pos=doc_pos, params=params)  # fmt: skip
-                if kernels is not None:
-                    kept = slice(-last, None) if last else slice(None)
-                    entry["block_indices"] = kernels(q, k_cmp, cmp_end, doc_pos, params)[:, :, kept]  # (B, Hkv, n, n')
+                kept = slice(-last, None) if last else slice(None)
+                blocks = kernels(q, k_cmp, cmp_end, doc_pos, params) if kernels is not None else None  # (B, Hkv, T, n')
+                if ablate == "slc-item":
+                    if blocks is None:
+                        blocks = nsa_attention_reference(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates,
+                                                         doc_pos, params, return_block_indices=True)[1]  # fmt: skip
+                    blocks = _selection_without(blocks, hidden.to(blocks.device), last, params.sel_block_size)
+                if blocks is not None:
+                    entry["block_indices"] = blocks[:, :, kept]  # (B, Hkv, n, n')
                 sink[current["layer"]] = entry
+                if ablate == "slc-item":
+                    branches = reference_branches(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, doc_pos, params,
+                                                  block_indices=blocks)  # fmt: skip
+                    return _gated_sum(branches, gates).to(q.dtype)
                 return seam(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, **kwargs)
 
             restore = ("nsa_attention", seam)
@@ -119,6 +151,17 @@ def _recording(model, mode: str, sink: dict, last: int | None = None, ablate: st
         model.config._attn_implementation = implementation
         for h in handles:
             h.remove()
+
+
+def _gated_sum(branches, gates: torch.Tensor) -> torch.Tensor:
+    """The layer's NSA output (B, T, H, D) from reference_branches' outputs and the gates (B, T, H, 3) (Eq. 5)."""
+    batch, num_kv, group, num_queries, head_dim = branches.o_cmp.shape
+
+    def heads_last(o):  # (B, Hkv, G, Tq, D) -> (B, Tq, H, D)
+        return o.permute(0, 3, 1, 2, 4).reshape(batch, num_queries, num_kv * group, head_dim)
+
+    g = gates.to(branches.o_cmp.dtype)
+    return sum(g[..., b : b + 1] * heads_last(o) for b, o in enumerate((branches.o_cmp, branches.o_slc, branches.o_win)))
 
 
 def _masses_on(probs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -217,8 +260,8 @@ def anatomy(model, cases: list[RetrievalCase], batch_size: int = 20, tokenizer=N
     Cases run in batches of one (prompt, answer) length (a needle's answer words differ in tokens). ablate: an NSA
     branch whose gate is set to 0 in every layer (does the model still answer without it?)."""
     mode = check_model(model)
-    if ablate is not None and (mode != "nsa" or ablate not in BRANCHES):
-        raise ValueError(f"--ablate {ablate!r}: one of {list(BRANCHES)}, for an NSA model in attention_mode 'nsa' "
+    if ablate is not None and (mode != "nsa" or ablate not in ABLATIONS):
+        raise ValueError(f"--ablate {ablate!r}: one of {list(ABLATIONS)}, for an NSA model in attention_mode 'nsa' "
                          f"(this one is {mode!r}).")  # fmt: skip
     device = next(model.parameters()).device
     model.eval()
@@ -233,7 +276,8 @@ def anatomy(model, cases: list[RetrievalCase], batch_size: int = 20, tokenizer=N
         ids = torch.tensor([c.prompt_ids + c.answer_ids[:-1] for c in chunk], device=device)  # (B, T)
         target_sets = _target_sets(chunk, ids.shape[1])
         sink: dict = {}
-        with _recording(model, mode, sink, last=n, ablate=ablate):
+        hidden = target_sets["item"][:, 0]  # (B, Tk) the hidden item's keys
+        with _recording(model, mode, sink, last=n, ablate=ablate, hidden=hidden):
             logits = model(input_ids=ids, use_cache=False).logits[:, -n:]  # (B, n, V)
         answers = torch.tensor([c.answer_ids for c in chunk], device=device)
         correct += (logits.argmax(-1) == answers).all(-1).tolist()
@@ -270,7 +314,9 @@ def format_table(results: list[dict]) -> str:
                          f"{heads['gated_token'][h]:.3f}", f"{heads['p_slc_item'][h]:.3f}"]  # fmt: skip
             else:
                 cells = ["", "", "", f"{heads['p_token'][h]:.3f}", f"{heads['p_item'][h]:.3f}"]
-            mode = result["mode"] + (f", {result['ablated']} gate 0" if result.get("ablated") else "")
+            ablated = result.get("ablated")
+            mode = result["mode"] + ("" if not ablated else ", slc without the item" if ablated == "slc-item"
+                                     else f", {ablated} gate 0")  # fmt: skip
             lines.append(f"| {result['name']} ({mode}) | {result['length']} | {result['exact_answers']:.0%} | "
                          f"{entry['layer']} | {h} | " + " | ".join(cells) + " |")  # fmt: skip
     return "\n".join(lines)
@@ -288,8 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=20, help="cases per forward")
     p.add_argument("--device", default=None, help="default: cuda where there is one, else cpu")
     p.add_argument("--dtype", default="auto", help="the weights' dtype: auto is bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--ablate", default=None, choices=BRANCHES,
-                   help="cmp, slc or win: that NSA branch's gate set to 0 in every layer (do the answers survive?)")
+    p.add_argument("--ablate", default=None, choices=ABLATIONS,
+                   help="cmp, slc or win: that NSA branch's gate set to 0 in every layer; slc-item: the answer queries' "
+                        "selected branch without the blocks holding the hidden item (do the answers survive?)")
     p.add_argument("--out", type=Path, default=None, help="write anatomy.md and anatomy.json here")
     return p
 

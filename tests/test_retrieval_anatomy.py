@@ -339,6 +339,43 @@ def test_ablating_a_branch_zeroes_its_gate_in_every_layer(byt5):
         anatomy_tool.anatomy(tiny_model(byt5, "dense"), chunk, ablate="slc")
 
 
+def test_selection_without_drops_the_hidden_blocks_from_the_last_queries_only():
+    blocks = torch.tensor([[[[0, 3, 5, -1], [0, 2, 3, 4], [1, 3, 5, 6]]]])  # (B=1, Hkv=1, T=3, n'=4), blocks of 4
+    hidden = torch.zeros(1, 28, dtype=torch.bool)
+    hidden[0, 13:15] = True  # keys 13-14: block 3
+    out = anatomy_tool._selection_without(blocks, hidden, last=2, block_size=4)
+    assert out.tolist() == [[[[0, 3, 5, -1], [0, 2, -1, 4], [1, -1, 5, 6]]]]
+
+
+def test_hiding_the_item_from_the_selected_branch(byt5):
+    """--ablate slc-item: the answer queries' selected branch attends no block of the hidden item, in every layer;
+    earlier queries are unchanged (so are their logits), and with nothing hidden the reference's gated sum that
+    replaces the layer's output gives the model's own logits."""
+    model = tiny_model(byt5, "nsa")
+    chunk = cases(byt5)
+    n = len(chunk[0].answer_ids)
+    ids = torch.tensor([c.prompt_ids + c.answer_ids[:-1] for c in chunk])
+    item = anatomy_tool._target_sets(chunk, ids.shape[1])["item"][:, 0]
+    with torch.no_grad():
+        plain = model(input_ids=ids, use_cache=False).logits
+    sink: dict = {}
+    with anatomy_tool._recording(model, "nsa", sink, last=n, ablate="slc-item", hidden=torch.zeros_like(item)), \
+            torch.no_grad():  # fmt: skip
+        nothing_hidden = model(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(nothing_hidden, plain, rtol=1e-5, atol=1e-5)
+    sink = {}
+    with anatomy_tool._recording(model, "nsa", sink, last=n, ablate="slc-item", hidden=item), torch.no_grad():
+        hidden = model(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(hidden[:, :-n], plain[:, :-n], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(hidden[:, -n:], plain[:, -n:])
+    target_sets = anatomy_tool._target_sets(chunk, ids.shape[1])
+    for layer in (0, 1):
+        measures = anatomy_tool.nsa_layer_anatomy(sink[layer], target_sets, n)
+        assert measures["selected_item"].eq(0).all() and measures["p_slc_item"].eq(0).all()
+    result = anatomy_tool.anatomy(model, chunk, tokenizer=byt5, ablate="slc-item")
+    assert all(max(layer["heads"]["selected_item"]) == 0 for layer in result["layers"])
+
+
 def test_bad_inputs_are_named(byt5, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
