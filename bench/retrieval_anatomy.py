@@ -89,7 +89,7 @@ def _selection_without(blocks: torch.Tensor, hidden: torch.Tensor, last: int, bl
 
 @contextmanager
 def _recording(model, mode: str, sink: dict, last: int | None = None, ablate: str | None = None,
-               hidden: torch.Tensor | None = None):  # fmt: skip
+               hidden: torch.Tensor | None = None, ablate_layers=None):  # fmt: skip
     """While active, each layer's attention inputs land in sink[layer]. NSA: the nsa_attention seam's arguments,
     and where the model's layers run the Triton kernels their top-n for the last `last` queries ("block_indices";
     the model attends those blocks, and the reference's fp32 top-n on bf16 inputs may break a near tie otherwise).
@@ -97,6 +97,7 @@ def _recording(model, mode: str, sink: dict, last: int | None = None, ablate: st
     "slc-item": in every layer the last `last` queries' selected branch attends its selection less the blocks
     holding a `hidden` key (B, Tk) bool (the hidden item), computed by the reference with those blocks; the
     other branches, and the other queries, unchanged. Does the answer need the selected branch to read the item?
+    ablate_layers: the layer indices ablated (default: every layer).
     Dense: the eager attention's probabilities (B, H, Tq, Tk), only the last `last` queries' rows (at 4k tokens a
     layer's whole (T x T) per head is gigabytes), the model switched to eager attention for the while."""
     code, package = _model_code(model)
@@ -110,14 +111,15 @@ def _recording(model, mode: str, sink: dict, last: int | None = None, ablate: st
             kernels = importlib.import_module(".nsa_triton", package).select_blocks_triton if _kernels_select(model) else None
 
             def record(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, **kwargs):
-                if ablate in BRANCHES:
+                ablated = ablate if ablate_layers is None or current["layer"] in ablate_layers else None
+                if ablated in BRANCHES:
                     gates = gates.clone()
-                    gates[..., BRANCHES.index(ablate)] = 0  # (B, T, H, 3): the branch's output scaled to 0
+                    gates[..., BRANCHES.index(ablated)] = 0  # (B, T, H, 3): the branch's output scaled to 0
                 entry = dict(q=q, k_cmp=k_cmp, v_cmp=v_cmp, cmp_end=cmp_end, k_slc=k_slc, v_slc=v_slc, k_win=k_win,
                              v_win=v_win, gates=gates, doc_pos=doc_pos, params=params)  # fmt: skip
                 kept = slice(-last, None) if last else slice(None)
                 blocks = kernels(q, k_cmp, cmp_end, doc_pos, params) if kernels is not None else None  # (B, Hkv, T, n')
-                if ablate == "slc-item":
+                if ablated == "slc-item":
                     if blocks is None:
                         blocks = nsa_attention_reference(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates,
                                                          doc_pos, params, return_block_indices=True)[1]  # fmt: skip
@@ -125,7 +127,7 @@ def _recording(model, mode: str, sink: dict, last: int | None = None, ablate: st
                 if blocks is not None:
                     entry["block_indices"] = blocks[:, :, kept]  # (B, Hkv, n, n')
                 sink[current["layer"]] = entry
-                if ablate == "slc-item":
+                if ablated == "slc-item":
                     branches = reference_branches(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, doc_pos, params,
                                                   block_indices=blocks)  # fmt: skip
                     return _gated_sum(branches, gates).to(q.dtype)
@@ -254,7 +256,8 @@ def answer_token_weights(chunk: list[RetrievalCase], tokenizer=None) -> torch.Te
 
 
 @torch.no_grad()
-def anatomy(model, cases: list[RetrievalCase], batch_size: int = 20, tokenizer=None, ablate: str | None = None) -> dict:
+def anatomy(model, cases: list[RetrievalCase], batch_size: int = 20, tokenizer=None, ablate: str | None = None,
+            ablate_layers=None) -> dict:  # fmt: skip
     """Every layer's measures per head, averaged over the cases and their answer tokens (with `tokenizer`: those
     that are not whitespace alone, answer_token_weights), and the teacher-forced exact answers (every token).
     Cases run in batches of one (prompt, answer) length (a needle's answer words differ in tokens). ablate: an NSA
@@ -263,6 +266,9 @@ def anatomy(model, cases: list[RetrievalCase], batch_size: int = 20, tokenizer=N
     if ablate is not None and (mode != "nsa" or ablate not in ABLATIONS):
         raise ValueError(f"--ablate {ablate!r}: one of {list(ABLATIONS)}, for an NSA model in attention_mode 'nsa' "
                          f"(this one is {mode!r}).")  # fmt: skip
+    layers = [m.layer_idx for m in _attention_modules(model)]
+    if ablate_layers is not None and (ablate is None or not set(ablate_layers) <= set(layers)):
+        raise ValueError(f"--ablate-layers {list(ablate_layers)}: give --ablate too, and layers among {layers}.")
     device = next(model.parameters()).device
     model.eval()
     by_shape: dict = {}
@@ -277,7 +283,7 @@ def anatomy(model, cases: list[RetrievalCase], batch_size: int = 20, tokenizer=N
         target_sets = _target_sets(chunk, ids.shape[1])
         sink: dict = {}
         hidden = target_sets["item"][:, 0]  # (B, Tk) the hidden item's keys
-        with _recording(model, mode, sink, last=n, ablate=ablate, hidden=hidden):
+        with _recording(model, mode, sink, last=n, ablate=ablate, hidden=hidden, ablate_layers=ablate_layers):
             logits = model(input_ids=ids, use_cache=False).logits[:, -n:]  # (B, n, V)
         answers = torch.tensor([c.answer_ids for c in chunk], device=device)
         correct += (logits.argmax(-1) == answers).all(-1).tolist()
@@ -294,7 +300,7 @@ def anatomy(model, cases: list[RetrievalCase], batch_size: int = 20, tokenizer=N
         heads = {name: (total / count).tolist() for name, total in sums[layer].items()}
         layers.append({"layer": layer, "best_head": _best_head(mode, heads), "heads": heads})
     selection_by = "triton" if mode == "nsa" and _kernels_select(model) else ("reference" if mode == "nsa" else None)
-    return {"mode": mode, "ablated": ablate, "cases": len(cases), "answer_tokens_measured": count, "selection_by": selection_by,
+    return {"mode": mode, "ablated": ablate, "ablated_layers": ablate_layers, "cases": len(cases), "answer_tokens_measured": count, "selection_by": selection_by,
             "exact_answers": sum(correct) / len(correct), "layers": layers}
 
 
@@ -315,8 +321,9 @@ def format_table(results: list[dict]) -> str:
             else:
                 cells = ["", "", "", f"{heads['p_token'][h]:.3f}", f"{heads['p_item'][h]:.3f}"]
             ablated = result.get("ablated")
-            mode = result["mode"] + ("" if not ablated else ", slc without the item" if ablated == "slc-item"
-                                     else f", {ablated} gate 0")  # fmt: skip
+            where = "" if result.get("ablated_layers") is None else f" in layers {result['ablated_layers']}"
+            mode = result["mode"] + ("" if not ablated else ", slc without the item" + where if ablated == "slc-item"
+                                     else f", {ablated} gate 0" + where)  # fmt: skip
             lines.append(f"| {result['name']} ({mode}) | {result['length']} | {result['exact_answers']:.0%} | "
                          f"{entry['layer']} | {h} | " + " | ".join(cells) + " |")  # fmt: skip
     return "\n".join(lines)
@@ -337,6 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ablate", default=None, choices=ABLATIONS,
                    help="cmp, slc or win: that NSA branch's gate set to 0 in every layer; slc-item: the answer queries' "
                         "selected branch without the blocks holding the hidden item (do the answers survive?)")
+    p.add_argument("--ablate-layers", type=int, nargs="+", default=None, metavar="L",
+                   help="the layers --ablate acts in (default: every layer)")
     p.add_argument("--out", type=Path, default=None, help="write anatomy.md and anatomy.json here")
     return p
 
@@ -352,7 +361,7 @@ def main(argv=None) -> list[dict]:
         for length in args.lengths:
             cases, _ = build_cases(tokenizer, args.task, [length], args.depths, args.samples, seed=args.seed,
                                    haystack=args.haystack, vocab_size=model.config.vocab_size)  # fmt: skip
-            result = anatomy(model, cases, args.batch_size, tokenizer, args.ablate)
+            result = anatomy(model, cases, args.batch_size, tokenizer, args.ablate, args.ablate_layers)
             result.update(name="/".join(Path(spec).parts[-2:]), model=spec, length=length, task=args.task)
             results.append(result)
     table = format_table(results)

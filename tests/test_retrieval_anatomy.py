@@ -335,6 +335,13 @@ def test_ablating_a_branch_zeroes_its_gate_in_every_layer(byt5):
     assert not torch.allclose(ablated_logits[:, -n:], plain_logits[:, -n:])
     result = anatomy_tool.anatomy(model, chunk, tokenizer=byt5, ablate="slc")
     assert result["ablated"] == "slc" and all(max(layer["heads"]["gate_slc"]) == 0 for layer in result["layers"])
+    # one layer only: layer 0 as computed, layer 1's slc gate 0
+    one = anatomy_tool.anatomy(model, chunk, tokenizer=byt5, ablate="slc", ablate_layers=[1])
+    plain_result = anatomy_tool.anatomy(model, chunk, tokenizer=byt5)
+    assert one["layers"][0]["heads"] == plain_result["layers"][0]["heads"]
+    assert max(one["layers"][1]["heads"]["gate_slc"]) == 0
+    with pytest.raises(ValueError, match="--ablate-layers \\[2\\]: give --ablate too, and layers among \\[0, 1\\]"):
+        anatomy_tool.anatomy(model, chunk, ablate="slc", ablate_layers=[2])
     with pytest.raises(ValueError, match="--ablate 'slc'.*attention_mode 'nsa'"):
         anatomy_tool.anatomy(tiny_model(byt5, "dense"), chunk, ablate="slc")
 
