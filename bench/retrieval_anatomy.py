@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from modeling_nsa.nsa_reference import nsa_attention_reference, reference_branches  # noqa: E402
+from modeling_nsa.nsa_reference import reference_branches  # noqa: E402
 from nsa_train.long_context import (  # noqa: E402
     DEFAULT_DEPTHS, RetrievalCase, answer_mentions, build_cases, check_depths, check_task, load_model_and_tokenizer, run_command,
 )  # fmt: skip
@@ -120,9 +120,9 @@ def _recording(model, mode: str, sink: dict, last: int | None = None, ablate: st
                 kept = slice(-last, None) if last else slice(None)
                 blocks = kernels(q, k_cmp, cmp_end, doc_pos, params) if kernels is not None else None  # (B, Hkv, T, n')
                 if ablated == "slc-item":
-                    if blocks is None:
-                        blocks = nsa_attention_reference(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates,
-                                                         doc_pos, params, return_block_indices=True)[1]  # fmt: skip
+                    if blocks is None:  # the reference's own top-n
+                        blocks = reference_branches(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, doc_pos,
+                                                    params).block_indices  # fmt: skip
                     blocks = _selection_without(blocks, hidden.to(blocks.device), last, params.sel_block_size)
                 if blocks is not None:
                     entry["block_indices"] = blocks[:, :, kept]  # (B, Hkv, n, n')
@@ -130,7 +130,7 @@ def _recording(model, mode: str, sink: dict, last: int | None = None, ablate: st
                 if ablated == "slc-item":
                     branches = reference_branches(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, doc_pos, params,
                                                   block_indices=blocks)  # fmt: skip
-                    return _gated_sum(branches, gates).to(q.dtype)
+                    return branches.gated(gates).to(q.dtype)
                 return seam(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, **kwargs)
 
             restore = ("nsa_attention", seam)
@@ -153,17 +153,6 @@ def _recording(model, mode: str, sink: dict, last: int | None = None, ablate: st
         model.config._attn_implementation = implementation
         for h in handles:
             h.remove()
-
-
-def _gated_sum(branches, gates: torch.Tensor) -> torch.Tensor:
-    """The layer's NSA output (B, T, H, D) from reference_branches' outputs and the gates (B, T, H, 3) (Eq. 5)."""
-    batch, num_kv, group, num_queries, head_dim = branches.o_cmp.shape
-
-    def heads_last(o):  # (B, Hkv, G, Tq, D) -> (B, Tq, H, D)
-        return o.permute(0, 3, 1, 2, 4).reshape(batch, num_queries, num_kv * group, head_dim)
-
-    g = gates.to(branches.o_cmp.dtype)
-    return sum(g[..., b : b + 1] * heads_last(o) for b, o in enumerate((branches.o_cmp, branches.o_slc, branches.o_win)))
 
 
 def _masses_on(probs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -300,8 +289,9 @@ def anatomy(model, cases: list[RetrievalCase], batch_size: int = 20, tokenizer=N
         heads = {name: (total / count).tolist() for name, total in sums[layer].items()}
         layers.append({"layer": layer, "best_head": _best_head(mode, heads), "heads": heads})
     selection_by = "triton" if mode == "nsa" and _kernels_select(model) else ("reference" if mode == "nsa" else None)
-    return {"mode": mode, "ablated": ablate, "ablated_layers": ablate_layers, "cases": len(cases), "answer_tokens_measured": count, "selection_by": selection_by,
-            "exact_answers": sum(correct) / len(correct), "layers": layers}
+    return {"mode": mode, "ablated": ablate, "ablated_layers": ablate_layers, "cases": len(cases),
+            "answer_tokens_measured": count, "selection_by": selection_by, "exact_answers": sum(correct) / len(correct),
+            "layers": layers}  # fmt: skip
 
 
 def format_table(results: list[dict]) -> str:
@@ -357,7 +347,6 @@ def main(argv=None) -> list[dict]:
     results = []
     for spec in args.models:
         model, tokenizer = load_model_and_tokenizer(spec, device=args.device, dtype=args.dtype)
-        check_model(model)
         for length in args.lengths:
             cases, _ = build_cases(tokenizer, args.task, [length], args.depths, args.samples, seed=args.seed,
                                    haystack=args.haystack, vocab_size=model.config.vocab_size)  # fmt: skip

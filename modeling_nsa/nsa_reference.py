@@ -99,6 +99,18 @@ class ReferenceBranches(NamedTuple):
     win_index: torch.Tensor  # (B, Tw) the key position in each window slot (negative: a ring slot not written yet)
     block_indices: torch.Tensor  # (B, Hkv, Tq, n') selected in-document blocks, -1 unused
 
+    def gated(self, gates: torch.Tensor) -> torch.Tensor:
+        """The layer's output (B, Tq, H, D) in the branches' dtype: each branch's output scaled by its gate
+        (gates (B, Tq, H, 3) in (cmp, slc, win) order, Eq. 5) and summed."""
+        batch, num_kv_heads, group, num_queries, head_dim = self.o_cmp.shape
+
+        def heads_last(o):  # (B, Hkv, G, Tq, D) -> (B, Tq, H, D)
+            return o.permute(0, 3, 1, 2, 4).reshape(batch, num_queries, num_kv_heads * group, head_dim)
+
+        g = gates.to(self.o_cmp.dtype)
+        return (g[..., 0:1] * heads_last(self.o_cmp) + g[..., 1:2] * heads_last(self.o_slc)
+                + g[..., 2:3] * heads_last(self.o_win))  # fmt: skip
+
 
 def reference_branches(
     q: torch.Tensor,
@@ -212,16 +224,8 @@ def nsa_attention_reference(
     not written yet (doc_pos -1 there). k_win/v_win are then a ring of Tw >= w slots, key p at slot p % Tw.
     A tensor, not an int: compiled decoding steps must not depend on a host value that changes per token.
     """
-    batch, num_queries, num_heads, head_dim = q.shape
     branches = reference_branches(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, doc_pos, params, scale, query_end)
-
-    def heads_last(o):  # (B, Hkv, G, Tq, D) -> (B, Tq, H, D)
-        return o.permute(0, 3, 1, 2, 4).reshape(batch, num_queries, num_heads, head_dim)
-
-    g = gates.to(branches.o_cmp.dtype)
-    out = (g[..., 0:1] * heads_last(branches.o_cmp) + g[..., 1:2] * heads_last(branches.o_slc)
-           + g[..., 2:3] * heads_last(branches.o_win))  # fmt: skip
-    out = out.to(q.dtype)
+    out = branches.gated(gates).to(q.dtype)
     return (out, branches.block_indices) if return_block_indices else out
 
 
