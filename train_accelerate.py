@@ -92,7 +92,7 @@ class TrainConfig:
     nsa_backend: Literal["auto", "reference", "triton"] = field(default="auto", metadata={"help": "A runtime choice: a --model config.json's value is not used."})
     attn_implementation: Literal["sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"] | None = field(default=None, metadata={"help": "Dense mode's attention function, through transformers' attention interface: sdpa (the default), eager, flex_attention (documents as a block mask), flash_attention_2/3 (documents as varlen; needs flash-attn). NSA mode runs its own kernels and takes none."})
     gradient_checkpointing: bool = False
-    compile: bool = False
+    compile: bool = field(default=False, metadata={"help": "torch.compile the training forward and backward (evaluation, generation, checkpoints and the export use the model uncompiled, so a run resumes with or without it)."})
     # optimization
     micro_batch_size: int = 16
     grad_accum: int = 1
@@ -455,9 +455,10 @@ def enable_gradient_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def train_step(model, optimizer, micro_batches, cfg: TrainConfig, accelerator, precision: str):
-    """One optimizer step over the step's micro-batches. Returns (loss summed over them, gradient norm, whether the
-    weights were updated: not when the gradient is non-finite, except under fp16, whose scaler skips on its own)."""
+def train_step(model, forward, optimizer, micro_batches, cfg: TrainConfig, accelerator, precision: str):
+    """One optimizer step over the step's micro-batches, each through `forward` (the prepared model, or with
+    --compile its compiled wrapper). Returns (loss summed over them, gradient norm, whether the weights were updated:
+    not when the gradient is non-finite, except under fp16, whose scaler skips on its own)."""
     world = accelerator.num_processes
     n_items = sum(data.num_label_tokens(b["labels"]) for b, _ in micro_batches).to(accelerator.device)
     n_items = accelerator.reduce(n_items, reduction="sum")  # label tokens in the whole step, all processes
@@ -465,7 +466,7 @@ def train_step(model, optimizer, micro_batches, cfg: TrainConfig, accelerator, p
     for batch, _ in micro_batches:
         batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
         with accelerator.accumulate(model):
-            loss = model(**batch, num_items_in_batch=n_items).loss  # local token sum / global token count
+            loss = forward(**batch, num_items_in_batch=n_items).loss  # local token sum / global token count
             # accelerate divides by grad_accum and DDP averages over processes: undo both
             accelerator.backward(loss * cfg.grad_accum * world)
             step_loss += loss.detach()
@@ -623,10 +624,12 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     flops = metrics.flops_per_token(model, cfg.seq_len)  # (dense-equivalent, NSA-executed)
     optimizer = make_optimizer(model, cfg, accelerator.device)
-    if cfg.compile:
-        model = torch.compile(model)
     model, optimizer = accelerator.prepare(model, optimizer)
-    unwrapped = accelerator.unwrap_model(model)  # without DDP and torch.compile: evaluation, export, digests
+    unwrapped = accelerator.unwrap_model(model)  # without DDP: evaluation, export, digests
+    # --compile: the training steps call a compiled wrapper of the prepared model; checkpoints, evaluation,
+    # generation and the export use the model itself, so no parameter is renamed ("_orig_mod.") and evaluation's
+    # other shapes never recompile
+    forward = torch.compile(model) if cfg.compile else model
     run_config = asdict(cfg) | {"output_dir": str(out_dir), "world_size": world}
     checkpoints = checkpoint.RunCheckpoints(accelerator, out_dir / "checkpoints", run_config,
                                             checkpoint.model_fields(unwrapped.config), cfg.keep_last)  # fmt: skip
@@ -658,7 +661,7 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     while run.step < cfg.max_steps:
         lr = set_learning_rate(optimizer, lr_at(run.step, cfg))
         micro_batches = [next(loader) for _ in range(cfg.grad_accum)]  # (batch, DataState after it)
-        step_loss, grad_norm, updated = train_step(model, optimizer, micro_batches, cfg, accelerator, precision)
+        step_loss, grad_norm, updated = train_step(model, forward, optimizer, micro_batches, cfg, accelerator, precision)
         if not updated:
             skip_nonfinite_step(cfg, run, checkpoints, step_loss, grad_norm, lr)
         run.advance(tokens_per_step, data=micro_batches[-1][1])

@@ -11,11 +11,16 @@ and writes JSON with --json.
     python bench/bench_model.py --seq-lens 32768 65536 --gradient-checkpointing   # long contexts, every model alike
     python bench/bench_model.py --models nsa-dense nsa-dense-flex --documents 1 8   # the dense baseline, packed
     python bench/bench_model.py --seq-lens 2048 8192 --precision bf16 --profile   # where each model's step goes
+    python bench/bench_model.py --seq-lens 2048 8192 --precision bf16 --compile   # every model torch.compiled
 
 --profile adds, per model and length, one profiled run of 3 steps after the timing: the GPU time per step by kind of
 kernel (the NSA op's Triton kernels, dense attention, matmuls, the rest) and the GPU's idle time between kernels,
 with the kernels the longest gaps follow. bench/model_traffic_cpu.py counts (on CPU) what NSA adds outside its op;
 this says where the rest of the step goes.
+
+--compile runs every model's training step through torch.compile (inductor, the trainer's --compile), so both sides of
+each ratio fuse their elementwise work alike; the warm-up steps absorb the compile. NSA adds ~1,150 small ops per
+step outside its kernels (bench/model_traffic_cpu.py), which the compiler can fuse and an eager step launches one by one.
 
 --documents N packs N equal documents per row (position_ids restart at 0): the same tokens, attention confined to
 each document. "nsa-dense" runs dense mode through SDPA (a boolean document mask when N > 1), "nsa-dense-flex"
@@ -123,7 +128,7 @@ def step_breakdown(events, reps: int) -> dict:
 
 
 def time_training(model, batch: int, seq_len: int, steps: int, warmup: int, precision: str,
-                  checkpointing: bool = False, documents: int = 1, profile: bool = False):
+                  checkpointing: bool = False, documents: int = 1, profile: bool = False, compiled: bool = False):
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: use one of {PRECISIONS}")
     model = (model.to("cuda", torch.bfloat16) if precision == "bf16" else model.to("cuda")).train()
@@ -131,6 +136,7 @@ def time_training(model, batch: int, seq_len: int, steps: int, warmup: int, prec
         from train_accelerate import enable_gradient_checkpointing
 
         enable_gradient_checkpointing(model)
+    forward = torch.compile(model) if compiled else model  # as the trainer's --compile
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     torch.cuda.reset_peak_memory_stats()
     times = []
@@ -139,7 +145,7 @@ def time_training(model, batch: int, seq_len: int, steps: int, warmup: int, prec
     def step():
         ids = torch.randint(0, SIZE_125M["vocab_size"], (batch, seq_len), device="cuda")  # fresh every step
         with torch.autocast("cuda", dtype=torch.bfloat16) if precision == "autocast" else contextlib.nullcontext():
-            loss = model(input_ids=ids, labels=ids, position_ids=position_ids, use_cache=False).loss
+            loss = forward(input_ids=ids, labels=ids, position_ids=position_ids, use_cache=False).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -197,6 +203,8 @@ def main():
                         help="documents packed per row (position_ids restart at 0); a row of the table each")
     parser.add_argument("--profile", action="store_true",
                         help="also profile 3 steps of each model: GPU ms per step by kernel kind, and the idle time")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile every model's training step (the trainer's --compile); warm-up absorbs it")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -212,17 +220,19 @@ def main():
                     torch.manual_seed(0)
                     try:
                         results[name] = time_training(build(name, seq_len), batch, seq_len, args.steps, args.warmup,
-                                                      precision, args.gradient_checkpointing, documents, args.profile)
+                                                      precision, args.gradient_checkpointing, documents, args.profile,
+                                                      args.compile)
                     except torch.OutOfMemoryError:
                         results[name] = None
                     torch.cuda.empty_cache()
                 rows.append({"precision": precision, "seq_len": seq_len, "batch": batch, "documents": documents,
-                             "gradient_checkpointing": args.gradient_checkpointing, **results})
+                             "gradient_checkpointing": args.gradient_checkpointing, "compile": args.compile,
+                             **results})
                 print(json.dumps(rows[-1]), flush=True)
 
     device = torch.cuda.get_device_name()
     print(f"\nTraining step (fwd+bwd+AdamW), 125M (12 q / 2 kv heads, d64), {args.tokens_per_step} tokens/step, {device}"
-          + (", gradient checkpointing" if args.gradient_checkpointing else ""))
+          + (", gradient checkpointing" if args.gradient_checkpointing else "") + (", torch.compile" if args.compile else ""))
     header = f"{'precision':>9} {'T':>6} {'B':>3} {'docs':>4} " + " ".join(f"{m + ' tok/s':>16} {'GiB':>6}" for m in args.models)
     header += llama_ratio_header(args.models, 14)
     print(header)

@@ -144,6 +144,10 @@ for step in "${steps[@]}"; do
     check-seldq) $PY -m pytest -x tests/test_triton_kernels.py -k "gpu_kernels_match and seldq" -rA --tb=short 2>&1 \
                   | tail -n 200 ;;
     model)      $PY bench/bench_model.py --seq-lens 2048 8192 32768 --steps 5 --warmup 2 --profile --json "$OUT/model.json" ;;
+    # the same with every model's step torch.compiled (the trainer's --compile): NSA's ~1,150 small ops per step
+    # outside its kernels fused, as dense mode's are (each model compiles in its warm-up, ~1 min: two models)
+    model-compile) $PY bench/bench_model.py --models nsa nsa-dense --seq-lens 2048 8192 --precision bf16 --compile \
+                  --steps 5 --warmup 3 --json "$OUT/model_compile.json" ;;
     # issue 20: the dense baseline with packed documents (8 per row) against one document per row, SDPA's
     # boolean mask and FlexAttention's block mask (target: packed within 10% of unpacked)
     dense-docs) $PY bench/bench_model.py --models nsa-dense nsa-dense-flex --seq-lens 2048 8192 --documents 1 8 \
@@ -216,7 +220,7 @@ open(sys.argv[2], 'w').write(max((str(x) for x in t.to_pylist()[::20]), key=len)
     # issue 19: what one selection-statistics measurement costs against one 125M training step at T = 4,096
     stats-cost) $PY bench/stats_cost.py --device cuda --model 125m --seq-len 4096 --micro-batch-size 4 \
                   --tokenizer "$DATA/gpt2-tokenizer" --dataset "$DATA/wiki-summaries-en.parquet" ;;
-    *)          echo "unknown step $step (tests capture attention floors tune model dense-docs model-long generate profile train ab-long ab-long-eval retrieval stats-cost check check-seldq seldq stages pending pending-d128 ws)"
+    *)          echo "unknown step $step (tests capture attention floors tune model model-compile dense-docs model-long generate profile train ab-long ab-long-eval retrieval stats-cost check check-seldq seldq stages pending pending-d128 ws)"
                 exit 2 ;;
   esac 2>&1 | tee "$OUT/$step.log" || echo "== $step exited non-zero (log: $OUT/$step.log)" | tee -a "$OUT/env.txt"
   echo "== $step took $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"

@@ -440,6 +440,45 @@ def test_gradient_checkpointing_and_dense_baseline(tmp_path):
     assert json.loads((dense / "final" / "config.json").read_text())["attention_mode"] == "dense"
 
 
+def test_compile_trains_as_uncompiled_and_resumes_without_it(tmp_path, monkeypatch):
+    """--compile: the training steps run one compiled graph (no graph break) and train as the uncompiled loop does;
+    its checkpoints resume without --compile (no "_orig_mod." names); evaluation runs the model uncompiled.
+    (Inductor's code generation is torch's to test: AOTAutograd's eager backend keeps this test fast on a CPU.)"""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    graphs = []
+
+    def counting_aot_eager(gm, example_inputs):
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    compile_calls = []
+    real_compile = torch.compile
+
+    def compile_counting(model, **kwargs):
+        compile_calls.append(kwargs)
+        return real_compile(model, backend=counting_aot_eager, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", compile_counting)
+    plain, compiled = tmp_path / "plain", tmp_path / "compiled"
+    run_main(tiny_args(plain, max_steps=4, save_every=2, eval_every=2))
+    assert not compile_calls and not graphs
+    run_main(tiny_args(compiled, max_steps=4, save_every=2, eval_every=2, compile=True))
+    assert len(compile_calls) == 1
+    # one graph for the training forward (its backward is AOTAutograd's): a break would add one, an evaluation's
+    # forward through the compiled model another
+    assert len(graphs) == 1, [g.code[:200] for g in graphs]
+    for key in ("loss", "grad_norm"):
+        assert train_losses(compiled, key) == pytest.approx(train_losses(plain, key), rel=1e-5)
+    assert val_losses(compiled) == pytest.approx(val_losses(plain), rel=1e-5)
+    assert_same_weights(final_state(compiled), final_state(plain), atol=1e-5, rtol=1e-4)
+    # (a compiled run's checkpoint holds what an uncompiled one does, so the other direction is the same files)
+    resumed = tmp_path / "compiled_then_plain"
+    shutil.copytree(compiled / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
+    run_main(tiny_args(resumed, max_steps=4, save_every=2, resume="latest"))
+    assert train_losses(resumed) == pytest.approx({s: train_losses(plain)[s] for s in (3, 4)}, rel=1e-5)
+
+
 def test_help_lists_every_flag(capsys):
     import train_accelerate
 
