@@ -59,6 +59,15 @@ NSA_FIELDS = {"attention_mode", "nsa_backend", "cmp_block_size", "cmp_stride", "
 # run.json config entries that may differ between the runs of one comparison (attn_implementation: the dense twin's
 # kernel, e.g. flex_attention with packed documents, which an NSA run refuses; the losses do not depend on it)
 PER_RUN_CONFIG = {"attention_mode", "output_dir", "seed", "resume", "attn_implementation"}
+# run.json config entries that do not change what a run trains or where its validation curve is taken: a run kept in
+# --out from an earlier command may differ from this command's in these, and in nothing else
+# (init_from is checked apart, check_kept_run_start: a path may be spelled two ways)
+RUN_ONLY_CONFIG = {"output_dir", "world_size", "resume", "init_from", "preset", "eval_only", "report_to", "log_every",
+                   "stall_timeout", "peak_tflops", "sample_prompt", "stats_every", "eval_long_context",
+                   "long_context_task", "long_context_lengths", "long_context_depths", "long_context_samples",
+                   "save_every", "keep_last", "export_every_save", "push_to_hub", "hub_private", "hub_intermediate",
+                   "nsa_backend", "compile", "gradient_checkpointing", "ddp_comm_hook", "ddp_bucket_cap_mb",
+                   "ddp_static_graph", "powersgd_rank"}  # fmt: skip
 TARGET_NATS = 0.02  # issue 19: NSA validation loss <= dense + 0.02 nats at equal tokens
 
 
@@ -148,6 +157,33 @@ def check_kept_run_start(run_dir: Path, expected: str | None) -> None:
                          f"{expected or 'random weights'} as this command's runs do; pass another --out.")
 
 
+def check_kept_run_flags(run_dir: Path, run_flags: list[str]) -> None:
+    """A finished or resumable run in --out is reused only if it was trained with this command's flags for it
+    (run_flags: what the trainer would be given), up to RUN_ONLY_CONFIG: a run kept from a command with, say,
+    another --max-steps or --lr would otherwise be compared as if trained with this one's."""
+    record_file = run_dir / "run.json"
+    if not record_file.is_file():
+        return
+    import dataclasses
+
+    import train_accelerate
+
+    wanted = json.loads(json.dumps(dataclasses.asdict(train_accelerate.parse_args(run_flags)), default=str))
+    kept = json.loads(record_file.read_text()).get("config", {})
+
+    def same(name):
+        a, b = kept[name], wanted[name]
+        if name == "model_overrides" and a and b:  # the same JSON however it is spaced
+            return json.loads(a) == json.loads(b)
+        return a == b
+
+    differ = [name for name in wanted if name in kept and name not in RUN_ONLY_CONFIG and not same(name)]
+    if differ:
+        said = "; ".join(f"--{name.replace('_', '-')} {kept[name]!r} there, {wanted[name]!r} here" for name in differ)
+        raise ValueError(f"{run_dir} holds a run trained with other flags than this command gives it ({said}); pass "
+                         "another --out, or the flags it was trained with.")
+
+
 def train_runs(out: Path, seeds: list[int], modes: list[str], train_flags: list[str], launcher: list[str],
                env: dict | None = None, jobs: int = 1, init_from_runs: Path | None = None) -> list[Path]:  # fmt: skip
     """Train every (seed, mode) not finished yet, `jobs` at a time (1: one after another, the output on this
@@ -163,6 +199,10 @@ def train_runs(out: Path, seeds: list[int], modes: list[str], train_flags: list[
                 expected = (twin_path(init_from_runs, mode, seed) if init_from_runs is not None
                             else _flag_value(train_flags, "--init-from"))  # fmt: skip
                 check_kept_run_start(run_dir, None if expected is None else str(expected))
+            if state in ("finished", "resumable"):  # ... and trained with this command's flags
+                twin = ["--init-from", str(twin_path(init_from_runs, mode, seed))] if init_from_runs is not None else []
+                check_kept_run_flags(run_dir, [*train_flags, *twin, "--attention-mode", mode, "--seed", str(seed),
+                                               "--output-dir", str(run_dir)])
             if state == "finished":
                 print(f"{run_dir}: finished already, not trained again")
             planned.append((mode, seed, run_dir, state))

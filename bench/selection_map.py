@@ -90,6 +90,9 @@ def main(argv=None) -> dict:
     p.add_argument("--out", type=Path, default=Path("selection_map.png"))
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)
+    if args.prompt is None and not args.prompt_file.is_file():
+        raise ValueError(f"--prompt-file {str(args.prompt_file)!r}: no such file; pass a text file, or the prompt "
+                         "itself with --prompt.")
 
     from nsa_train.long_context import load_model_and_tokenizer
 

@@ -80,22 +80,34 @@ def resolve_resume(resume: str | None, ckpt_root: Path) -> Path | None:
     return path
 
 
-def check_output_dir(out_dir: Path, new_run: bool) -> None:
-    """A new run (no --resume) refuses a directory that holds another run's output, which it would mix or replace."""
-    if not new_run:
+def check_output_dir(out_dir: Path, resume: str | None, eval_only: bool = False) -> None:
+    """A new run (no --resume) refuses a directory that holds another run's output, which it would mix or replace;
+    so does `--resume latest` where a finished run left no checkpoint to continue from (it would start again from
+    step 0 over that run's final/). --eval-only writes eval.json only."""
+    if eval_only:
         return
-    existing = latest_checkpoint(Path(out_dir) / "checkpoints")
-    if existing is not None:  # a new run here would mix its checkpoints with the old run's
-        raise ValueError(
-            f"--output-dir {out_dir} already holds checkpoints of a run (latest: {existing.name}). Pass --resume "
-            "latest to continue that run, or a new (or empty) --output-dir to start a new one."
-        )
-    leftovers = [name for name in RUN_OUTPUTS if (Path(out_dir) / name).exists()]
-    if leftovers:  # a run without checkpoints: its metrics and final/ would be mixed or replaced
+    out_dir = Path(out_dir)
+    existing = latest_checkpoint(out_dir / "checkpoints")
+    if existing is not None:
+        if not resume:  # a new run here would mix its checkpoints with the old run's
+            raise ValueError(
+                f"--output-dir {out_dir} already holds checkpoints of a run (latest: {existing.name}). Pass --resume "
+                "latest to continue that run, or a new (or empty) --output-dir to start a new one."
+            )
+        return
+    leftovers = [name for name in RUN_OUTPUTS if (out_dir / name).exists()]
+    if leftovers and not resume:  # a run without checkpoints: its metrics and final/ would be mixed or replaced
         raise ValueError(
             f"--output-dir {out_dir} already holds the output of a run ({', '.join(leftovers)}) and no checkpoint. "
-            "Pass a new (or empty) --output-dir to start a new run (--resume latest would train again here from "
-            "step 0, adding to its metrics.jsonl)."
+            "Pass a new (or empty) --output-dir to start a new run."
+        )
+    if resume == "latest" and {"final", "summary.json"} & set(leftovers):
+        # (a run stopped before its first checkpoint, metrics.jsonl alone, starts again: nothing of it was kept)
+        raise ValueError(
+            f"--resume latest: {out_dir} holds a run that ended without a checkpoint ({', '.join(leftovers)}; "
+            "--save-every 0 saves none), so there is nothing to continue from, and training here would start "
+            f"again from step 0 over its final/. To train further from its weights: --init-from {out_dir / 'final'} "
+            "with a new --output-dir; to start anew: a new --output-dir."
         )
 
 

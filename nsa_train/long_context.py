@@ -276,7 +276,10 @@ def text_haystack(tokenizer, source: str | None, num_tokens: int, text_column: s
     if data.streams_from_hub(source):
         raise ValueError(f"--haystack {source!r}: a streamed Hub dataset is not supported here; pass a local "
                          "parquet/jsonl/txt file or 'python-docs'.")
-    documents = data.make_source(source, text_column)
+    try:
+        documents = data.make_source(source, text_column)
+    except (FileNotFoundError, ValueError) as e:  # the data module names the trainer's flag: name this tool's
+        raise type(e)(str(e).replace("--dataset", "--haystack")) from None
     pool: list[int] = []
     separator = tokenizer("\n\n", add_special_tokens=False).input_ids
     texts = iter(documents)
@@ -853,6 +856,9 @@ def load_model_and_tokenizer(spec: str, tokenizer_spec: str | None = None, devic
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dtype == "auto":
         dtype = "bfloat16" if str(device).startswith("cuda") else "float32"
+    if not Path(spec).exists() and (spec.startswith((".", "/", "~")) or spec.count("/") > 1):  # a path, not a Hub id
+        raise ValueError(f"MODEL {spec!r}: no such directory; pass a run's final/ directory, a saved model directory "
+                         "or a Hub id (name or org/name).")
     try:
         config = AutoConfig.from_pretrained(spec, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:

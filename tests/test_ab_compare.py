@@ -77,6 +77,17 @@ def test_finished_runs_are_compared_again_without_training(ab, tmp_path, capsys)
     assert "finished already, not trained again" in capsys.readouterr().out
     assert {n: (out / n / "summary.json").stat().st_mtime_ns for n in stamps} == stamps
     assert again["comparison"] == result["comparison"]
+    # kept runs must have trained with this command's flags: another --max-steps or --lr is an error naming it (it
+    # would be compared as if trained with them); a flag that changes only the run's logging or reports is not
+    flags = train_flags(data_file)
+    for name, value in (("--max-steps", "3"), ("--lr", "1e-3")):
+        changed = [*flags, name, value]
+        with pytest.raises(ValueError, match=rf"nsa-seed3 holds a run trained with other flags.*{name} \S+ there, "
+                                             rf"\S+ here\); pass another --out"):  # fmt: skip
+            ab_compare.main(["--out", str(out), "--seeds", "3", "--", *changed])
+    relogged = ab_compare.main(["--out", str(out), "--seeds", "3", "--", *flags, "--log-every", "2"])
+    assert relogged["comparison"] == result["comparison"]
+    assert {n: (out / n / "summary.json").stat().st_mtime_ns for n in stamps} == stamps
     # --runs: finished runs from anywhere; a run whose training config differs is reported as not like for like
     other = tmp_path / "dense-other-lr"
     shutil.copytree(out / "dense-seed3", other)

@@ -339,6 +339,8 @@ def test_bad_inputs_are_named_with_the_fix(byt5, llama_dir):
         lc.run_long_context_eval(llama, byt5, "passkey", [300], [0.5], log=lambda s: None, samples=0)
     with pytest.raises(ValueError, match=r"--haystack 'hf://x/y': a streamed Hub dataset"):
         lc.run_long_context_eval(llama, byt5, "needle", [300], [0.5], haystack="hf://x/y", **quiet)
+    with pytest.raises(FileNotFoundError, match=r"^--haystack '/no/such.parquet': no such file"):  # (not the trainer's flag)
+        lc.run_long_context_eval(llama, byt5, "needle", [300], [0.5], haystack="/no/such.parquet", **quiet)
     # a learned position table (GPT-2's n_positions) cannot take longer prompts
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=384, n_positions=128, n_embd=16, n_layer=1, n_head=2))
     with pytest.raises(ValueError, match=r"--lengths 256: above what the model's positions allow \(128 positions, "
@@ -368,7 +370,7 @@ def test_cli_errors_exit_2_before_loading(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "nsa_train.long_context", str(tmp_path / "missing"), "--task", "qa"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2 and "error: --task 'qa': unknown task" in proc.stderr
-    with pytest.raises(ValueError, match=r"MODEL '.*missing': cannot load a model config"):
+    with pytest.raises(ValueError, match=r"MODEL '.*missing': no such directory; pass a run's final/"):
         lc.main([str(tmp_path / "missing"), "--lengths", "100"])
 
 

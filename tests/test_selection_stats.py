@@ -167,6 +167,12 @@ def test_dense_model_and_bad_batch():
         ss.compute_selection_stats(nsa, {"labels": torch.zeros(1, 4, dtype=torch.long)})
 
 
+def test_selection_map_missing_prompt_file_is_named_before_loading(tmp_path):
+    missing = tmp_path / "nope.txt"
+    with pytest.raises(ValueError, match=r"--prompt-file '.*nope.txt': no such file; pass a text file, or the prompt"):
+        selection_map.main([str(tmp_path / "no-model"), "--prompt-file", str(missing)])  # (no model is loaded first)
+
+
 def test_selection_map_codes_and_png(model, batch, tmp_path):
     selection = ss.capture_selections(model, batch)[1]
     codes = selection_map.selection_map(selection, row=1, group=1)

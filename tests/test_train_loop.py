@@ -306,12 +306,24 @@ def test_output_dir_of_another_run_and_resume_with_another_model(tmp_path):
 
 
 def test_output_dir_of_a_run_without_checkpoints(tmp_path):
+    """A finished run saved without checkpoints is refused by a new run and by --resume latest alike (which would
+    start again from step 0 over its final/); a run stopped before its first checkpoint (metrics.jsonl alone)
+    starts again under --resume latest, as a job script relaunched after a crash expects."""
     out = tmp_path / "run"
     run_main(tiny_args(out, max_steps=1))  # --save-every 0: metrics.jsonl and final/, no checkpoint
+    files = {p: p.read_bytes() for p in [out / "summary.json", out / "metrics.jsonl", *(out / "final").iterdir()]}
     with pytest.raises(ValueError, match=r"already holds the output of a run \(metrics.jsonl, final, summary.json\) "
-                                         r"and no checkpoint\. Pass a new \(or empty\) --output-dir.*--resume latest"):  # fmt: skip
+                                         r"and no checkpoint\. Pass a new \(or empty\) --output-dir"):  # fmt: skip
         run_main(tiny_args(out, max_steps=1))
-    assert set(train_losses(out)) == {1}
+    with pytest.raises(ValueError, match=r"--resume latest: \S*run holds a run that ended without a checkpoint "
+                                         r"\(metrics.jsonl, final, summary.json.*--init-from \S*run/final"):  # fmt: skip
+        run_main(tiny_args(out, max_steps=2, model="smoke", resume="latest"))
+    assert {p: p.read_bytes() for p in files} == files
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    (stopped / "metrics.jsonl").write_text('{"step": 1, "loss": 10.0}\n')
+    run_main(tiny_args(stopped, max_steps=1, resume="latest"))
+    assert (stopped / "final" / "model.safetensors").is_file()
 
 
 def test_resume_of_a_finished_run_changes_nothing(tmp_path, capsys):
