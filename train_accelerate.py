@@ -110,7 +110,7 @@ class TrainConfig:
     # DDP (ignored on one process)
     ddp_comm_hook: Literal["auto", "bf16", "fp16", "powersgd", "none"] = field(default="auto", metadata={"help": "Gradient all-reduce compression. auto: bf16 on multi-GPU NCCL, none otherwise."})
     ddp_bucket_cap_mb: int = 25
-    ddp_static_graph: bool = field(default=True, metadata={"help": "DDP static_graph (off: --no-ddp-static-graph)."})
+    ddp_static_graph: bool = field(default=True, metadata={"help": "DDP static_graph (off: --no-ddp-static-graph); off with --grad-accum > 1, which PyTorch's static graph does not support (said when so)."})
     powersgd_rank: int = 4
     # logging, eval, watchdog
     output_dir: str | None = field(default=None, metadata={"help": "Default runs/<date-time>."})
@@ -347,7 +347,19 @@ def announce_run(cfg: TrainConfig, say, n_params: int, source, world: int, out_d
     return tokens_per_step
 
 
-def ddp_kwargs(cfg: TrainConfig, num_processes: int) -> DistributedDataParallelKwargs:
+def ddp_static_graph(cfg: TrainConfig, num_processes: int, say=print) -> bool:
+    """--ddp-static-graph, except with gradient accumulation: DDP's static graph and no_sync (accelerate's
+    accumulate) crash on the first backward (expect_autograd_hooks_ INTERNAL ASSERT) and, once past that, stop
+    all-reducing from the second step (pytorch/pytorch PR #187732, open; accelerate issue #3679). Said when it
+    turns the flag off."""
+    if cfg.ddp_static_graph and cfg.grad_accum > 1 and num_processes > 1:
+        say(f"DDP static_graph off: --grad-accum {cfg.grad_accum} accumulates under no_sync, which PyTorch's static "
+            "graph does not support (a crash on the first backward); pass --no-ddp-static-graph to silence this.")
+        return False
+    return cfg.ddp_static_graph
+
+
+def ddp_kwargs(cfg: TrainConfig, num_processes: int, say=print) -> DistributedDataParallelKwargs:
     hook = cfg.ddp_comm_hook
     if hook == "auto":  # bf16 compression needs NCCL: multi-GPU only
         hook = "bf16" if torch.cuda.is_available() and num_processes > 1 else "none"
@@ -357,7 +369,7 @@ def ddp_kwargs(cfg: TrainConfig, num_processes: int) -> DistributedDataParallelK
         comm_hook=hooks[hook],
         comm_state_option={"matrix_approximation_rank": cfg.powersgd_rank} if hook == "powersgd" else {},
         bucket_cap_mb=cfg.ddp_bucket_cap_mb,
-        static_graph=cfg.ddp_static_graph,
+        static_graph=ddp_static_graph(cfg, num_processes, say),
         find_unused_parameters=False,
         gradient_as_bucket_view=True,
     )
@@ -383,7 +395,7 @@ def make_accelerator(cfg: TrainConfig, out_dir: Path, state: PartialState) -> Ac
         mixed_precision=cfg.mixed_precision,
         log_with=None if cfg.report_to == "none" else cfg.report_to,
         project_config=ProjectConfiguration(project_dir=str(out_dir), logging_dir=str(out_dir)),
-        kwargs_handlers=[ddp_kwargs(cfg, state.num_processes)],
+        kwargs_handlers=[ddp_kwargs(cfg, state.num_processes, state.print)],
     )
 
 
