@@ -82,7 +82,7 @@ class TrainConfig:
     cross_doc_attention: bool = field(default=False, metadata={"help": "GPT-2 style rows: attend across documents."})
     data_shard: Literal["docs", "rows"] = field(default="docs", metadata={"help": "docs: each rank tokenizes its own documents; rows: every rank packs the global stream (results independent of the process count)."})
     shuffle_buffer: int = 10_000
-    val_every_doc: int = field(default=100, metadata={"help": "Document i is held out for validation when i %% N == 0."})
+    val_every_doc: int = field(default=100, metadata={"help": "Document i is held out for validation when i %% N == 0 (0: none held out, no validation loss). A .txt file is one document."})
     val_tokens: int = field(default=1 << 18, metadata={"help": "Validation set size in tokens (split across processes)."})
     # model
     model: str = field(default="125m", metadata={"help": f"The architecture (weights start random): {list(MODEL_PRESETS)}, a config.json or a directory holding one (e.g. a run's final/)."})
@@ -115,7 +115,7 @@ class TrainConfig:
     # logging, eval, watchdog
     output_dir: str | None = field(default=None, metadata={"help": "Default runs/<date-time>."})
     log_every: int = field(default=10, metadata={"help": "Log the training loss every N steps (0: never)."})
-    eval_every: int = 250
+    eval_every: int = field(default=250, metadata={"help": "Validation loss every N steps, at step 0 and at the last step (0: never)."})
     eval_only: bool = field(default=False, metadata={"help": "Evaluate the --init-from model on the held-out rows, write eval.json and exit (no training)."})
     report_to: Literal["tensorboard", "trackio", "none"] = "tensorboard"
     stall_timeout: float = field(default=1800.0, metadata={"help": "Seconds without progress before the watchdog dumps stacks and exits (0: off)."})
@@ -129,8 +129,8 @@ class TrainConfig:
     long_context_depths: list[float] = field(default_factory=lambda: list(DEFAULT_DEPTHS), metadata={"help": "Where the hidden item sits: the fraction of the haystack before it, in [0, 1]."})
     long_context_samples: int = field(default=10, metadata={"help": "Prompts per (length, depth)."})
     # checkpoints and the Hub
-    save_every: int = 1000
-    keep_last: int = 3
+    save_every: int = field(default=1000, metadata={"help": "A checkpoint every N steps and at the end (0: none; SIGTERM still saves one)."})
+    keep_last: int = field(default=3, metadata={"help": "Checkpoints kept, the latest ones (0: every one)."})
     resume: str | None = field(default=None, metadata={"help": "'latest' (in --output-dir) or a checkpoint path."})
     export_every_save: bool = field(default=False, metadata={"help": "Also write the HF checkpoint (and push, with --push-to-hub) at each save."})
     push_to_hub: str | None = field(default=None, metadata={"help": "REPO_ID to upload final/ to (token and repo checked before training)."})

@@ -62,7 +62,7 @@ PER_RUN_CONFIG = {"attention_mode", "output_dir", "seed", "resume", "attn_implem
 # run.json config entries that do not change what a run trains or where its validation curve is taken: a run kept in
 # --out from an earlier command may differ from this command's in these, and in nothing else
 # (init_from is checked apart, check_kept_run_start: a path may be spelled two ways)
-RUN_ONLY_CONFIG = {"output_dir", "world_size", "resume", "init_from", "preset", "eval_only", "report_to", "log_every",
+RUN_ONLY_CONFIG = {"output_dir", "resume", "init_from", "preset", "eval_only", "report_to", "log_every",
                    "stall_timeout", "peak_tflops", "sample_prompt", "stats_every", "eval_long_context",
                    "long_context_task", "long_context_lengths", "long_context_depths", "long_context_samples",
                    "save_every", "keep_last", "export_every_save", "push_to_hub", "hub_private", "hub_intermediate",
@@ -174,7 +174,10 @@ def check_kept_run_flags(run_dir: Path, run_flags: list[str]) -> None:
     def same(name):
         a, b = kept[name], wanted[name]
         if name == "model_overrides" and a and b:  # the same JSON however it is spaced
-            return json.loads(a) == json.loads(b)
+            try:
+                return json.loads(a) == json.loads(b)
+            except json.JSONDecodeError:
+                pass
         return a == b
 
     differ = [name for name in wanted if name in kept and name not in RUN_ONLY_CONFIG and not same(name)]

@@ -136,7 +136,10 @@ def time_training(model, batch: int, seq_len: int, steps: int, warmup: int, prec
         from train_accelerate import enable_gradient_checkpointing
 
         enable_gradient_checkpointing(model)
-    forward = torch.compile(model) if compiled else model  # as the trainer's --compile
+    if compiled:  # as the trainer's --compile, one model per process: dynamo's cache (keyed by the code, not the
+        # wrapper) would otherwise compile each later model or length with a dynamic sequence length
+        torch._dynamo.reset()
+    forward = torch.compile(model) if compiled else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     torch.cuda.reset_peak_memory_stats()
     times = []

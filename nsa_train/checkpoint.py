@@ -29,6 +29,8 @@ from .run_state import RunState
 STATE_FILE = "trainer_state.json"
 RUN_OUTPUTS = ("metrics.jsonl", "final", "summary.json")  # what a run writes besides its checkpoints
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# the flags lr_at's schedule is laid out with: a resume may change them, and says so
+SCHEDULE_FLAGS = ("max_steps", "lr", "warmup_steps", "min_lr_ratio")
 RUNTIME_FIELDS = {"nsa_backend", "use_cache"}  # chosen per run: the weights do not depend on them
 MODEL_FLAGS = ("model", "model_overrides", "tokenizer", "attention_mode")  # the flags that build the model
 # the flags that decide which token a saved data position points at: a resume must keep them
@@ -139,6 +141,14 @@ class RunCheckpoints:
         trainer_state, data_state = load_checkpoint(self.accelerator, path, self.model_config, self.run_config)
         run = RunState.from_checkpoint(trainer_state, data_state, started)
         self.accelerator.print(f"resumed from {path} at step {run.step} ({run.tokens_seen:,} tokens)")
+        saved = trainer_state.get("config", {})
+        changed = [k for k in SCHEDULE_FLAGS if k in saved and saved[k] != self.run_config.get(k)]
+        if changed:  # allowed (e.g. raising --max-steps to train further), but the rate jumps: say so
+            diff = ", ".join(f"--{k.replace('_', '-')} {saved[k]!r} there, {self.run_config.get(k)!r} here"
+                             for k in changed)
+            self.accelerator.print(f"note: the learning-rate schedule's flags differ from the checkpoint's run ({diff}): "
+                                   f"from step {run.step} on, the rate follows this run's schedule, not the one "
+                                   "the run began with.")
         return run
 
 

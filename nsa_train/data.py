@@ -47,31 +47,31 @@ PARQUET_STREAM = "parquet:"  # --dataset parquet:PATH streams local parquet shar
 class LocalFiles:
     """Parquet / JSON-lines / txt files: a file, a directory (recursive) or a glob. A .txt file is one document."""
 
-    def __init__(self, spec: str, text_column: str = "text"):
-        self.spec, self.text_column = spec, text_column
+    def __init__(self, spec: str, text_column: str = "text", flag: str = "--dataset"):
+        self.spec, self.text_column, self.flag = spec, text_column, flag  # flag: the option errors name
         path = Path(spec).expanduser()
         if any(ch in spec for ch in "*?["):
             files = [Path(p) for p in sorted(glob.glob(spec, recursive=True))]
         elif path.is_dir():
             if (path / "dataset_dict.json").is_file() or ((path / "state.json").is_file() and any(path.glob("*.arrow"))):
                 raise ValueError(
-                    f"--dataset {spec!r} is a `datasets` save_to_disk folder (Arrow files), which is not supported. "
+                    f"{flag} {spec!r} is a `datasets` save_to_disk folder (Arrow files), which is not supported. "
                     f"Write it as parquet, e.g. `datasets.load_from_disk({spec!r}).to_parquet('data.parquet')` (for "
-                    "a DatasetDict, pick a split: `load_from_disk(...)['train']`), and pass --dataset data.parquet."
+                    f"a DatasetDict, pick a split: `load_from_disk(...)['train']`), and pass {flag} data.parquet."
                 )
             files = sorted(p for p in path.rglob("*") if p.is_file())
         elif path.exists():
             files = [path]
         else:
-            raise FileNotFoundError(f"--dataset {spec!r}: no such file, directory or glob match.")
+            raise FileNotFoundError(f"{flag} {spec!r}: no such file, directory or glob match.")
         self.files = [f for f in files if f.suffix in LOCAL_SUFFIXES]
         if not self.files:
             raise FileNotFoundError(
-                f"--dataset {spec!r}: no data files found (looked for {', '.join(LOCAL_SUFFIXES)})."
+                f"{flag} {spec!r}: no data files found (looked for {', '.join(LOCAL_SUFFIXES)})."
             )
         for f in self.files:
             if f.stat().st_size == 0:
-                raise ValueError(f"--dataset: data file {str(f)!r} is empty (0 bytes).")
+                raise ValueError(f"{self.flag}: data file {str(f)!r} is empty (0 bytes).")
         self.check_columns()
 
     def check_columns(self):
@@ -87,11 +87,11 @@ class LocalFiles:
                 try:
                     names = pq.read_schema(f).names
                 except Exception as e:  # noqa: BLE001 - pyarrow raises several types for corrupt files
-                    raise ValueError(f"--dataset: cannot read parquet file {str(f)!r}: {e}") from e
+                    raise ValueError(f"{self.flag}: cannot read parquet file {str(f)!r}: {e}") from e
             elif f.suffix in (".jsonl", ".json"):
-                first = next(_json_records(f), None)
+                first = next(_json_records(f, self.flag), None)
                 if first is None:
-                    raise ValueError(f"--dataset: data file {str(f)!r} has no records.")
+                    raise ValueError(f"{self.flag}: data file {str(f)!r} has no records.")
                 names = list(first.keys())
             else:
                 continue
@@ -109,7 +109,7 @@ class LocalFiles:
                 for batch in pq.ParquetFile(f).iter_batches(batch_size=1024, columns=[self.text_column]):
                     yield from (t for t in batch.column(0).to_pylist() if t)
             elif f.suffix in (".jsonl", ".json"):
-                for record in _json_records(f):
+                for record in _json_records(f, self.flag):
                     text = record.get(self.text_column)
                     if text:
                         yield text
@@ -122,7 +122,7 @@ class LocalFiles:
         return f"local files {self.spec} ({len(self.files)} file(s), column {self.text_column!r})"
 
 
-def _json_records(path: Path) -> Iterator[dict]:
+def _json_records(path: Path, flag: str = "--dataset") -> Iterator[dict]:
     """The objects of a JSON Lines file (one per line, streamed) or of a .json file holding one array of them
     (read whole). Anything else is an error naming the file and the two forms."""
     forms = "use JSON Lines (one object per line) or a .json file holding one array of objects"
@@ -133,10 +133,10 @@ def _json_records(path: Path) -> Iterator[dict]:
             records = json.load(fh) if whole_array else (json.loads(line) for line in fh if line.strip())
             for record in records:
                 if not isinstance(record, dict):
-                    raise ValueError(f"--dataset: {str(path)!r} holds a {type(record).__name__}, not an object; {forms}.")
+                    raise ValueError(f"{flag}: {str(path)!r} holds a {type(record).__name__}, not an object; {forms}.")
                 yield record
         except json.JSONDecodeError as e:
-            raise ValueError(f"--dataset: {str(path)!r} is not valid JSON Lines ({e}); {forms}.") from None
+            raise ValueError(f"{flag}: {str(path)!r} is not valid JSON Lines ({e}); {forms}.") from None
 
 
 class StreamedDataset:
@@ -292,8 +292,9 @@ def hub_config(dataset: str, dataset_config: str | None) -> str | None:
     return dataset_config if dataset.startswith("hf://") else None
 
 
-def make_source(dataset: str, text_column: str = "text", dataset_config: str | None = None):
-    """--dataset: python-docs | fineweb-edu | hf://NAME | parquet:PATH (streamed with `datasets`) | PATH (pyarrow)."""
+def make_source(dataset: str, text_column: str = "text", dataset_config: str | None = None, flag: str = "--dataset"):
+    """--dataset: python-docs | fineweb-edu | hf://NAME | parquet:PATH (streamed with `datasets`) | PATH (pyarrow).
+    flag: the option a local path's errors name (another tool's, e.g. long_context's --haystack)."""
     if dataset == "python-docs":
         return PythonDocs()
     if dataset == "fineweb-edu":
@@ -302,7 +303,7 @@ def make_source(dataset: str, text_column: str = "text", dataset_config: str | N
         return StreamedDataset.from_hub(dataset[len("hf://") :], hub_config(dataset, dataset_config), text_column)
     if dataset.startswith(PARQUET_STREAM):
         return StreamedDataset.from_parquet(dataset[len(PARQUET_STREAM) :], text_column)
-    return LocalFiles(dataset, text_column)
+    return LocalFiles(dataset, text_column, flag)
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -434,8 +435,10 @@ class Packer:
                 offset = 0
             if not seen and doc == 0:
                 raise ValueError(
-                    f"rank {self.rank} got no training documents from {self.source.describe()} "
-                    f"(val_every={self.val_every}, world_size={self.world_size}): the dataset is too small or empty."
+                    f"rank {self.rank} of {self.world_size} got no training documents from "
+                    f"{self.source.describe()}: every --val-every-doc {self.val_every}-th document, the first one "
+                    "included, is held out for validation, and a .txt file is one document. Give more documents "
+                    "(rows of a parquet/jsonl file, or more files) or --val-every-doc 0 (no validation)."
                 )
             epoch, doc, offset = epoch + 1, 0, 0
 

@@ -266,9 +266,11 @@ def default_haystack() -> str:
     return str(SHARED_HAYSTACK) if SHARED_HAYSTACK.is_file() else "python-docs"
 
 
-def text_haystack(tokenizer, source: str | None, num_tokens: int, text_column: str = "text") -> Haystack:
+def text_haystack(tokenizer, source: str | None, num_tokens: int, text_column: str = "text",
+                  flag: str = "--haystack") -> Haystack:
     """Documents of `source` (a parquet/jsonl/txt path, or "python-docs"), tokenized until `num_tokens` (at
-    least) are pooled, separated by blank lines. None: the shared wiki parquet if present, else Python's docs."""
+    least) are pooled, separated by blank lines. None: the shared wiki parquet if present, else Python's docs.
+    flag: the option its errors name (the trainer's --eval-long-context reads its --dataset)."""
     from . import data
 
     if source is None:
@@ -276,10 +278,7 @@ def text_haystack(tokenizer, source: str | None, num_tokens: int, text_column: s
     if data.streams_from_hub(source):
         raise ValueError(f"--haystack {source!r}: a streamed Hub dataset is not supported here; pass a local "
                          "parquet/jsonl/txt file or 'python-docs'.")
-    try:
-        documents = data.make_source(source, text_column)
-    except (FileNotFoundError, ValueError) as e:  # the data module names the trainer's flag: name this tool's
-        raise type(e)(str(e).replace("--dataset", "--haystack")) from None
+    documents = data.make_source(source, text_column, flag=flag)
     pool: list[int] = []
     separator = tokenizer("\n\n", add_special_tokens=False).input_ids
     texts = iter(documents)
@@ -846,6 +845,16 @@ def card_section(result: dict) -> str:
 # ----------------------------------------------------------------------------- command line
 
 
+def looks_like_a_missing_path(spec: str) -> bool:
+    """A MODEL that names no existing directory yet cannot be a Hub id (name or org/name): a path spelled as one
+    (./, /, ~, a backslash, more than one slash) or one whose first part is a local directory (runs/x)."""
+    if Path(spec).expanduser().exists():
+        return False
+    first = Path(spec).parts[0] if Path(spec).parts else ""
+    return (spec.startswith((".", "/", "~")) or "\\" in spec or spec.count("/") > 1
+            or ("/" in spec and Path(first).is_dir()))
+
+
 def load_model_and_tokenizer(spec: str, tokenizer_spec: str | None = None, device: str | None = None,
                              dtype: str = "auto", nsa_backend: str = "auto", trust_remote_code: bool = False):  # fmt: skip
     """A run's final/, a saved directory or a Hub id: this project's NSA models through the installed code (with
@@ -856,9 +865,10 @@ def load_model_and_tokenizer(spec: str, tokenizer_spec: str | None = None, devic
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dtype == "auto":
         dtype = "bfloat16" if str(device).startswith("cuda") else "float32"
-    if not Path(spec).exists() and (spec.startswith((".", "/", "~")) or spec.count("/") > 1):  # a path, not a Hub id
+    if looks_like_a_missing_path(spec):
         raise ValueError(f"MODEL {spec!r}: no such directory; pass a run's final/ directory, a saved model directory "
                          "or a Hub id (name or org/name).")
+    spec = str(Path(spec).expanduser()) if Path(spec).expanduser().exists() else spec
     try:
         config = AutoConfig.from_pretrained(spec, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:

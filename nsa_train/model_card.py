@@ -23,6 +23,15 @@ def without_local_path(name_or_path: str) -> str:
     return Path(name_or_path).name if Path(name_or_path).exists() else name_or_path
 
 
+def model_source(init_from: str) -> str:
+    """--init-from as the card names it: a Hub id as it is; a run's final/ as `<run>/final` (its name alone would
+    read `final` for every run); another local directory by its name."""
+    path = Path(init_from)
+    if not path.exists():
+        return init_from
+    return f"{path.parent.name}/{path.name}" if path.name == "final" else path.name
+
+
 def human(n: float) -> str:
     for unit, div in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= div:
@@ -54,6 +63,7 @@ def run_card_fields(cfg, config, run, *, n_params, world, mixed_precision, devic
         "steps": run.step, "tokens_seen": f"{run.tokens_seen:,}",
         "val_loss": None if val_loss is None else f"{val_loss:.4f}",
         "val_ppl": None if val_ppl is None else f"{val_ppl:.2f}",
+        "val_step": "-" if run.val_step is None else run.val_step,
         "tokens_per_s": f"{last['tok_s']:,.0f}" if last.get("tok_s") else None,
         "mfu": f"{last['mfu_dense']:.1%} / {last['mfu_nsa']:.1%}" if last.get("mfu_dense") is not None else None,
         "peak_mem": f"{last['peak_mem_gb']:.2f} GB" if last.get("peak_mem_gb") else None,
@@ -63,7 +73,7 @@ def run_card_fields(cfg, config, run, *, n_params, world, mixed_precision, devic
             "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
             "head_dim", "cmp_block_size", "cmp_stride", "sel_block_size", "sel_num_blocks", "window_size", "vocab_size")},
         "tokenizer": without_local_path(cfg.tokenizer),
-        "init_description": f"initialized from `{without_local_path(cfg.init_from)}`"
+        "init_description": f"initialized from `{model_source(cfg.init_from)}`"
         if getattr(cfg, "init_from", None) else "initialized at random",
         "data_description": data_description, "seq_len": cfg.seq_len,
         "doc_masking": "documents packed with EOS between them, attention across documents (GPT-2 style)"

@@ -13,7 +13,8 @@ from .data import DataState
 class RunState:
     """The run's progress after `step` optimizer steps.
 
-    Saved in a checkpoint: `step`, `tokens_seen`, `skipped_steps`, `val_loss`, `val_ppl` (in trainer_state.json)
+    Saved in a checkpoint: `step`, `tokens_seen`, `skipped_steps`, `val_loss`, `val_ppl`, `val_step` (in
+    trainer_state.json)
     and `data`, this process's position in its token stream (in data_state_rank<N>.json). Not saved, because they
     describe this process's own stretch of the run: `last_log`, the latest training-log record (loss, tokens/s,
     MFU, memory; the summary and the card quote it), `started`, when this process began (the card's wall time),
@@ -27,6 +28,7 @@ class RunState:
     skipped_steps: int = 0  # steps whose non-finite gradient left the weights as they were (--skip-nonfinite)
     val_loss: float | None = None  # from the latest evaluation
     val_ppl: float | None = None
+    val_step: int | None = None  # the step of that evaluation (a run may stop or export between evaluations)
     data: DataState = field(default_factory=DataState)  # the next token this process reads
     last_log: dict = field(default_factory=dict)
     started: float = field(default_factory=time.time)
@@ -43,7 +45,8 @@ class RunState:
         """trainer_state.json: the saved progress, with what a resume checks it against (process count, flags,
         model config)."""
         return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps,
-                "world_size": world_size, "val_loss": self.val_loss, "val_ppl": self.val_ppl, "config": run_config,
+                "world_size": world_size, "val_loss": self.val_loss, "val_ppl": self.val_ppl, "val_step": self.val_step,
+                "config": run_config,
                 "model_config": model_config}  # fmt: skip
 
     @classmethod
@@ -51,9 +54,10 @@ class RunState:
         """The inverse of `trainer_state` (and the data state saved beside it)."""
         return cls(step=trainer_state["step"], tokens_seen=trainer_state["tokens_seen"],
                    skipped_steps=trainer_state["skipped_steps"], val_loss=trainer_state.get("val_loss"),
-                   val_ppl=trainer_state.get("val_ppl"), data=DataState(**data_state), started=started)  # fmt: skip
+                   val_ppl=trainer_state.get("val_ppl"), val_step=trainer_state.get("val_step"),
+                   data=DataState(**data_state), started=started)  # fmt: skip
 
     def summary(self, **extra) -> dict:
         """summary.json: the latest log record with the figures as they are now (not as of that log)."""
         return {**self.last_log, "step": self.step, "tokens_seen": self.tokens_seen, "val_loss": self.val_loss,
-                "val_ppl": self.val_ppl, **extra}  # fmt: skip
+                "val_ppl": self.val_ppl, "val_step": self.val_step, **extra}  # fmt: skip

@@ -47,6 +47,7 @@ class StepLog:
         self.bar = tqdm(total=cfg.max_steps, initial=run.step, disable=not (self.main and sys.stderr.isatty()),
                         desc="train")  # fmt: skip
         self.loss_sum = torch.zeros((), device=accelerator.device)  # step losses since the last log, this process
+        self.steps_summed = 0  # how many: log_every, fewer in a run's last window or the first after a resume
         self.tokens_at_log = run.tokens_seen
         self.restart_clock()
         if accelerator.device.type == "cuda":
@@ -58,6 +59,7 @@ class StepLog:
 
     def step_done(self, step_loss: torch.Tensor) -> None:
         self.loss_sum += step_loss
+        self.steps_summed += 1
         self.bar.update(1)
 
     def due(self, step: int) -> bool:
@@ -65,10 +67,9 @@ class StepLog:
 
     def log_training(self, run: RunState, lr: float, grad_norm: float) -> None:
         """The log record of `run.step` (kept as `run.last_log`): console, metrics.jsonl, trackers."""
-        log_every, world = self.cfg.log_every, self.accelerator.num_processes
-        loss = (self.accelerator.reduce(self.loss_sum, reduction="sum") / log_every).item()
-        if run.step % log_every:  # the last, partial window
-            loss = loss * log_every / (run.step % log_every)
+        world = self.accelerator.num_processes
+        # the mean over the steps since the last log (a resume at a step between two logs starts a short window)
+        loss = (self.accelerator.reduce(self.loss_sum, reduction="sum") / max(self.steps_summed, 1)).item()
         tok_s = (run.tokens_seen - self.tokens_at_log) / max(time.time() - self.clock, 1e-9)
         peak = self.peak_flops
         record = {"step": run.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tok_s": tok_s,
@@ -85,6 +86,7 @@ class StepLog:
             self.accelerator.log({f"train/{k}": v for k, v in record.items() if v is not None and k != "step"},
                                  step=run.step)  # fmt: skip
         self.loss_sum.zero_()
+        self.steps_summed = 0
         self.tokens_at_log = run.tokens_seen
         self.restart_clock()
 

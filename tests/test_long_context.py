@@ -374,6 +374,15 @@ def test_cli_errors_exit_2_before_loading(tmp_path):
         lc.main([str(tmp_path / "missing"), "--lengths", "100"])
 
 
+def test_a_missing_model_path_is_told_from_a_hub_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "smoke" / "final").mkdir(parents=True)
+    for spec in ("runs/smoke/final", str(tmp_path), "gpt2", "org/name", "HuggingFaceTB/SmolLM2-135M"):
+        assert not lc.looks_like_a_missing_path(spec), spec  # there, or a Hub id
+    for spec in ("runs/nope", "runs/smoke/nope", str(tmp_path / "nope"), "./nope", "~/no/such/model", "a\\b"):
+        assert lc.looks_like_a_missing_path(spec), spec
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_processes_split_the_batches_and_every_one_gets_the_whole_result(byt5, world):
     """shard=(rank, world) (the trainer under DDP): process r scores batches r, r + world, ... and, with every

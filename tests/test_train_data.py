@@ -248,3 +248,17 @@ def test_local_tokenizer_directory():
     tok = data.load_tokenizer(str(GPT2))
     assert len(tok) == 50257 and tok.eos_token_id == 50256
     assert "local_files_only" not in tok.init_kwargs
+
+
+def test_one_txt_file_is_one_document_held_out_and_the_error_says_so(byt5, tmp_path):
+    """A .txt file is one document, and document 0 is held out for validation: a lone .txt file leaves nothing to
+    train on, and the error names --val-every-doc and the ways out; with --val-every-doc 0 it trains."""
+    text = tmp_path / "book.txt"
+    text.write_text("A line of the book.\n" * 200)
+    source = data.make_source(str(text))
+    with pytest.raises(ValueError, match=r"rank 0 of 1 got no training documents from local files .*book.txt.*every "
+                                         r"--val-every-doc 100-th document, the first one included, is held out.*a "
+                                         r"\.txt file is one document.*--val-every-doc 0"):  # fmt: skip
+        next(iter(data.Packer(source, byt5, 32, val_every=100, shuffle_buffer=0)))
+    ids, _, _, _ = next(iter(data.Packer(source, byt5, 32, val_every=0, shuffle_buffer=0)))
+    assert len(ids) == 32

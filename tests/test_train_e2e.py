@@ -108,8 +108,9 @@ def test_smoke_preset_end_to_end_with_hub_push(tmp_path, fake_hub):
     # the rendered model card carries this run's figures
     card = (out / "final" / "README.md").read_text()
     assert "${" not in card
-    assert f"| final validation loss | {summary['val_loss']:.4f} |" in card
-    assert f"| final validation perplexity | {summary['val_ppl']:.2f} |" in card
+    assert summary["val_step"] == 24
+    assert f"| validation loss, latest evaluation (at step 24) | {summary['val_loss']:.4f} |" in card
+    assert f"| validation perplexity, same evaluation | {summary['val_ppl']:.2f} |" in card
     assert "| optimizer steps | 24 |" in card and f"| tokens seen | {summary['tokens_seen']:,} |" in card
     assert f"{summary['tok_s']:,.0f}" in card
 

@@ -76,6 +76,12 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
         assert train_losses(resumed, "grad_norm")[s] == pytest.approx(train_losses(full, "grad_norm")[s], rel=1e-6)
     assert_same_weights(final_state(resumed), final_state(full), atol=1e-6, rtol=1e-6)
     assert summary["tokens_seen"] == 6 * 4 * 64
+    # logged every 2 steps from a resume at step 3: step 4's record is the mean of the one step trained since
+    # (it was half of it), step 6's of steps 5 and 6
+    every2 = tmp_path / "every2"
+    shutil.copytree(full / "checkpoints" / "step_00000003", every2 / "checkpoints" / "step_00000003")
+    run_main(tiny_args(every2, max_steps=6, save_every=3, resume="latest", log_every=2))
+    assert train_losses(every2) == pytest.approx({4: lf[4], 6: (lf[5] + lf[6]) / 2}, rel=1e-6)
 
 
 def test_checkpoint_killed_mid_write_is_never_latest(tmp_path, monkeypatch):
@@ -340,6 +346,12 @@ def test_resume_of_a_finished_run_changes_nothing(tmp_path, capsys):
     assert str(tmp_path) not in card and str(SHARED) not in card
     assert 'from_pretrained("path/to/checkpoint"' in card and "tokenizer `gpt2-tokenizer`" in card
     assert f"Data: local files {PARQUET.name} (column 'text')" in card
+    # raising --max-steps trains further, with the schedule laid over the new length: said, since the rate jumps
+    capsys.readouterr()
+    summary = run_main(tiny_args(out, max_steps=3, save_every=2, resume="latest"))
+    assert summary["finished"] and summary["step"] == 3
+    assert ("note: the learning-rate schedule's flags differ from the checkpoint's run (--max-steps 2 there, 3 "
+            "here): from step 2 on") in capsys.readouterr().out
 
 
 def _fake_world_size(ckpt, world: int):
@@ -491,6 +503,26 @@ def test_compile_trains_as_uncompiled_and_resumes_without_it(tmp_path, monkeypat
     assert train_losses(resumed) == pytest.approx({s: train_losses(plain)[s] for s in (3, 4)}, rel=1e-5)
 
 
+def test_model_card_says_which_step_its_validation_loss_is_from(tmp_path):
+    """A card written between evaluations (--export-every-save, or a step 7 export after the step 0 evaluation)
+    quotes the latest validation loss with its step, not as the final one."""
+    import train_accelerate
+    from modeling_nsa import NSAConfig
+    from nsa_train import model_card
+    from nsa_train.run_state import RunState
+
+    cfg = train_accelerate.parse_args(tiny_args(tmp_path / "run"))
+    run = RunState(step=7, tokens_seen=7 * 256, val_loss=10.8441, val_ppl=51234.5, val_step=0)
+    fields = model_card.run_card_fields(cfg, NSAConfig(), run, n_params=10**6, world=1, mixed_precision="no",
+                                        device="cpu", data_description="d", out_dir=tmp_path / "run")  # fmt: skip
+    card = model_card.render(fields)
+    assert "| optimizer steps | 7 |" in card
+    assert "| validation loss, latest evaluation (at step 0) | 10.8441 |" in card
+    # saved with the run's progress: a resumed run's card still says where its loss came from
+    state = run.trainer_state(1, {}, {})
+    assert RunState.from_checkpoint(state, {}, started=0.0).val_step == 0
+
+
 def test_help_lists_every_flag(capsys):
     import train_accelerate
 
@@ -600,8 +632,9 @@ def test_init_from_a_saved_model_and_eval_only(tmp_path, capsys):
     # the run records where its architecture came from, not a --model it did not use
     recorded = json.loads((tmp_path / "more" / "run.json").read_text())["config"]
     assert recorded["model"] is None and recorded["init_from"] == str(first / "final")
-    assert "initialized from `final`" in (tmp_path / "more" / "final" / "README.md").read_text()
+    assert "initialized from `first/final`" in (tmp_path / "more" / "final" / "README.md").read_text()
     assert "initialized at random" in (first / "final" / "README.md").read_text()
+    assert "| validation loss, latest evaluation (at step 3) |" in (first / "final" / "README.md").read_text()
     # what cannot work fails before anything runs, naming the flag
     for args, message in [
         (dict(eval_only=True), "--eval-only evaluates the model given by --init-from"),
