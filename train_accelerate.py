@@ -265,6 +265,17 @@ def check_seq_len(cfg: TrainConfig, config) -> None:
         )
 
 
+def saved_tokenizer(model_dir: str) -> tuple[str, dict] | None:
+    """(class name without "Fast", its tokenizer.json vocabulary or {}) of the tokenizer saved in a local model
+    directory, read from its files (AutoTokenizer would read the model's config too); None where none is saved."""
+    files = Path(model_dir) / "tokenizer_config.json", Path(model_dir) / "tokenizer.json"
+    if not files[0].is_file():
+        return None
+    name = json.loads(files[0].read_text()).get("tokenizer_class") or ""
+    vocab = json.loads(files[1].read_text()).get("model", {}).get("vocab", {}) if files[1].is_file() else {}
+    return name.removesuffix("Fast"), vocab if isinstance(vocab, dict) else {}
+
+
 def load_model(cfg: TrainConfig, tokenizer):
     """--init-from: a saved NSAForCausalLM (directory or Hub id), in float32 (the trainer's master weights; autocast
     computes in bf16), with this run's --nsa-backend. Its tokenizer must fit its vocabulary."""
@@ -285,6 +296,14 @@ def load_model(cfg: TrainConfig, tokenizer):
         raise ValueError(f"--tokenizer {cfg.tokenizer!r} has {len(tokenizer)} tokens, more than the --init-from model's "
                          f"vocab_size {config.vocab_size}; pass the tokenizer it was trained with (e.g. --tokenizer "
                          f"{cfg.init_from}).")
+    saved = saved_tokenizer(cfg.init_from)
+    this = (type(tokenizer).__name__.removesuffix("Fast"), tokenizer.get_vocab())
+    if saved is not None and (saved[0] != this[0] or any(this[1].get(t) != i for t, i in saved[1].items())):
+        # a run's final/ carries its tokenizer: another one reads the model's ids as other text
+        PartialState().print(
+            f"warning: --tokenizer {cfg.tokenizer!r} ({this[0]}, {len(tokenizer)} tokens) is not the tokenizer saved "
+            f"with --init-from {cfg.init_from} ({saved[0]}): the model reads its ids as other text. Pass --tokenizer "
+            f"{cfg.init_from} to use its own.")
     check_seq_len(cfg, config)
     return model
 

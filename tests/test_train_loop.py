@@ -623,7 +623,9 @@ def test_init_from_a_saved_model_and_eval_only(tmp_path, capsys):
     first = tmp_path / "first"
     run_main(tiny_args(first, max_steps=3, eval_every=3))
     ended_with = val_losses(first)[3]
+    capsys.readouterr()
     result = run_main(tiny_args(tmp_path / "eval", init_from=first / "final", eval_only=True))
+    assert "is not the tokenizer saved with --init-from" not in capsys.readouterr().out  # the same one
     assert json.loads((tmp_path / "eval" / "eval.json").read_text()) == result
     assert result["val_loss"] == pytest.approx(ended_with, rel=1e-6) and result["val_rows"] > 0
     assert not (tmp_path / "eval" / "metrics.jsonl").exists() and not (tmp_path / "eval" / "final").exists()
@@ -635,6 +637,10 @@ def test_init_from_a_saved_model_and_eval_only(tmp_path, capsys):
     assert "initialized from `first/final`" in (tmp_path / "more" / "final" / "README.md").read_text()
     assert "initialized at random" in (first / "final" / "README.md").read_text()
     assert "| validation loss, latest evaluation (at step 3) |" in (first / "final" / "README.md").read_text()
+    # another tokenizer than the one saved with the model reads its ids as other text: said
+    run_main(tiny_args(tmp_path / "eval-bytes", init_from=first / "final", eval_only=True, tokenizer="byt5"))
+    assert (f"warning: --tokenizer 'byt5' (ByT5Tokenizer, 384 tokens) is not the tokenizer saved with --init-from "
+            f"{first / 'final'} (GPT2Tokenizer)") in capsys.readouterr().out
     # what cannot work fails before anything runs, naming the flag
     for args, message in [
         (dict(eval_only=True), "--eval-only evaluates the model given by --init-from"),
