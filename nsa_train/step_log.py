@@ -28,6 +28,25 @@ def peak_memory_gb(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def keep_records_up_to(path: Path, step: int) -> None:
+    """Before a run continues from `step` (a checkpoint's; 0: from the start), metrics.jsonl drops the records of
+    later steps, which the stopped launch logged after its last checkpoint and the run now trains again (and a line
+    cut short by a kill). Written to a temporary file and renamed: a kill here loses nothing."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if step > 0 and isinstance(record, dict) and record.get("step", step + 1) <= step:
+            kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
+
+
 class StepLog:
     """The training loss averaged over the `log_every` steps since the last log, tokens/s over the training time
     since then (evaluations and saves restart the clock, so they are not counted), MFU against `peak_flops`, and
@@ -43,6 +62,8 @@ class StepLog:
         if self.trackers:  # TensorBoard events go to <output_dir>/logs; its hyperparameters are scalars: lists as text
             accelerator.init_trackers("logs", config={k: " ".join(map(str, v)) if isinstance(v, list) else v
                                                       for k, v in run_config.items() if v is not None})  # fmt: skip
+        if self.main:
+            keep_records_up_to(Path(out_dir) / "metrics.jsonl", run.step)
         self.file = open(Path(out_dir) / "metrics.jsonl", "a") if self.main else None
         self.bar = tqdm(total=cfg.max_steps, initial=run.step, disable=not (self.main and sys.stderr.isatty()),
                         desc="train")  # fmt: skip

@@ -76,6 +76,15 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
         assert train_losses(resumed, "grad_norm")[s] == pytest.approx(train_losses(full, "grad_norm")[s], rel=1e-6)
     assert_same_weights(final_state(resumed), final_state(full), atol=1e-6, rtol=1e-6)
     assert summary["tokens_seen"] == 6 * 4 * 64
+    # a launch that logged steps 4-6 (and half a line) after its step-3 checkpoint, then stopped: the resume drops
+    # those records and logs the steps again, so each step's record is there once
+    stopped = tmp_path / "stopped"
+    shutil.copytree(full / "checkpoints" / "step_00000003", stopped / "checkpoints" / "step_00000003")
+    (stopped / "metrics.jsonl").write_text((full / "metrics.jsonl").read_text() + '{"step": 7, "lo')
+    run_main(tiny_args(stopped, max_steps=6, save_every=3, resume="latest"))
+    steps = [json.loads(line)["step"] for line in (stopped / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [json.loads(line)["step"] for line in (full / "metrics.jsonl").read_text().splitlines()]
+    assert train_losses(stopped) == pytest.approx(lf, rel=1e-6)
     # logged every 2 steps from a resume at step 3: step 4's record is the mean of the one step trained since
     # (it was half of it), step 6's of steps 5 and 6
     every2 = tmp_path / "every2"
