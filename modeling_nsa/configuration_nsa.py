@@ -160,6 +160,11 @@ class NSAConfig(PreTrainedConfig):
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}.")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}.")
+        from transformers.activations import ACT2FN  # (the MLP's activation table; imported here: remote code too)
+
+        if self.hidden_act not in ACT2FN:
+            raise ValueError(f"hidden_act must be one of transformers' activations (e.g. 'silu', the default; "
+                             f"'gelu_pytorch_tanh'), got {self.hidden_act!r}.")
         if self.compressor not in COMPRESSORS:
             raise ValueError(f"compressor must be one of {COMPRESSORS}, got {self.compressor!r}.")
         if self.attention_mode not in ATTENTION_MODES:

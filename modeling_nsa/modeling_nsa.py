@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
+from transformers.activations import ACT2FN
 from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -81,18 +82,22 @@ class NSARMSNorm(nn.Module):
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
         return self.weight * hidden_states.to(input_dtype)
 
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
 
 class NSAMLP(nn.Module):
-    """SwiGLU feed-forward."""
+    """Gated feed-forward: SwiGLU with hidden_act "silu" (the default), as Llama's."""
 
     def __init__(self, config: NSAConfig):
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 class NSARotaryEmbedding(nn.Module):
@@ -197,6 +202,14 @@ class NSAAttention(nn.Module):
             self.g_proj = nn.Linear(config.hidden_size, self.num_heads * len(BRANCHES), bias=False)
             self.compressor = NSACompressor(config)
 
+    def extra_repr(self) -> str:
+        heads = f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+        if self.dense:
+            return f"{heads}, dense ({self.config._attn_implementation or 'sdpa'})"
+        p = self.params
+        return (f"{heads}, kv_sets={self.num_kv_sets}, l={p.cmp_block_size}, d={p.cmp_stride}, "
+                f"l'={p.sel_block_size}, n={p.sel_num_blocks}, w={p.window_size}")
+
     def _branch_kv(self, kv, branch: str):
         """kv: the K/V projection's sets x (k, v) tensors (B, T, Hkv, D) (one unbind: its backward writes their
         gradients into one tensor, where a select per tensor writes a zero-filled copy of the whole projection
@@ -226,9 +239,10 @@ class NSAAttention(nn.Module):
                 dense_attention = dense_attention_kwargs(implementation, doc_pos, num_queries, keys.query_end,
                                                          single_document, q.dtype)  # fmt: skip
             attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-            out, _ = attention(self, q.transpose(1, 2), keys.k_slc.transpose(1, 2), keys.v_slc.transpose(1, 2),
-                               scaling=self.head_dim**-0.5, dropout=0.0, **dense_attention)  # fmt: skip
+            out, weights = attention(self, q.transpose(1, 2), keys.k_slc.transpose(1, 2), keys.v_slc.transpose(1, 2),
+                                     scaling=self.head_dim**-0.5, dropout=0.0, **dense_attention)  # fmt: skip
         else:
+            weights = None  # the three branches never form a (Tq x Tk) attention matrix
             gates = torch.sigmoid(self.g_proj(hidden_states)).view(batch, num_queries, self.num_heads, len(BRANCHES))
             k_raw, v_raw = self._branch_kv(kv, "cmp")  # compression reads un-rotated keys (Eq. 7)
             k_slc, v_slc = self._branch_kv(kv, "slc")
@@ -247,7 +261,7 @@ class NSAAttention(nn.Module):
                 q, keys.k_cmp, keys.v_cmp, keys.cmp_end, keys.k_slc, keys.v_slc, keys.k_win, keys.v_win, gates, doc_pos,
                 self.params, backend=self.config.nsa_backend, query_end=keys.query_end,
             )  # fmt: skip
-        return self.o_proj(out.reshape(batch, num_queries, self.num_heads * self.head_dim)), None
+        return self.o_proj(out.reshape(batch, num_queries, self.num_heads * self.head_dim)), weights
 
     def _compress(self, k, v, cmp_end=None, keep=None, key_index=None, *, cos, sin, num_keys):
         """Compressed k, rotated at the position of the last key each covers (Eq. 7), and v (B, N, Hkv, D), through
@@ -466,9 +480,20 @@ class NSAModel(NSAPreTrainedModel):
         single_document = position_ids is None and attention_mask is None and cu_seqlens is None and past_key_values is None
         output_hidden_states = kwargs.get("output_hidden_states")
         output_hidden_states = self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
-        if kwargs.get("output_attentions", self.config.output_attentions):
+        output_attentions = kwargs.get("output_attentions")
+        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
+        all_attentions, recorders = None, []
+        if output_attentions and self.config.attention_mode == "nsa":
             _log_once("NSA: output_attentions=True returns no attention weights (attentions=None): the three branches "
                       "never form a (T x T) attention matrix.")
+        elif output_attentions and (self.config._attn_implementation or "sdpa") != "eager":
+            _log_once(f"NSA dense mode: output_attentions=True returns attention weights with attn_implementation="
+                      f"'eager' only (attentions=None with {self.config._attn_implementation or 'sdpa'!r}); load or "
+                      "build the model with attn_implementation='eager' for them.")
+        elif output_attentions:  # each layer's softmax weights (B, H, Tq, Tk), the second output of its attention
+            all_attentions = []
+            recorders = [layer.self_attn.register_forward_hook(lambda module, args, out: all_attentions.append(out[1]))
+                         for layer in self.layers]  # fmt: skip
         hidden_states = inputs_embeds
         all_hidden_states = (inputs_embeds,) if output_hidden_states else None  # each layer's input, then the output
         dense_attention = None  # the documents as dense mode's attention function takes them, for every layer
@@ -476,17 +501,22 @@ class NSAModel(NSAPreTrainedModel):
             query_end = past_key_values.cursor if static_step else None
             dense_attention = dense_attention_kwargs(self.config._attn_implementation or "sdpa", doc_pos, num_new,
                                                      query_end, single_document, inputs_embeds.dtype)  # fmt: skip
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, doc_pos, position_embeddings, past_key_values=past_key_values,
-                                  single_document=single_document, dense_attention=dense_attention)  # fmt: skip
-            if output_hidden_states:
-                all_hidden_states += (hidden_states,)
+        try:
+            for layer in self.layers:
+                hidden_states = layer(hidden_states, doc_pos, position_embeddings, past_key_values=past_key_values,
+                                      single_document=single_document, dense_attention=dense_attention)  # fmt: skip
+                if output_hidden_states:
+                    all_hidden_states += (hidden_states,)
+        finally:
+            for recorder in recorders:
+                recorder.remove()
         if past_key_values is not None:
             past_key_values.advance(num_new)
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:  # transformers' convention: num_hidden_layers + 1, the last one normalized
             all_hidden_states = all_hidden_states[:-1] + (hidden_states,)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, hidden_states=all_hidden_states,
+                                       attentions=None if all_attentions is None else tuple(all_attentions),
                                        **{CACHE_NAME: past_key_values if use_cache else None})  # fmt: skip
 
 
@@ -567,7 +597,7 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
-                                      **{CACHE_NAME: getattr(outputs, CACHE_NAME)})
+                                      attentions=outputs.attentions, **{CACHE_NAME: getattr(outputs, CACHE_NAME)})
 
 
 NSAModel.register_for_auto_class("AutoModel")

@@ -147,3 +147,47 @@ def test_hidden_states_and_tuple_outputs_follow_transformers():
     loss, logits = model(ids, labels=ids, use_cache=False, return_dict=False)
     torch.testing.assert_close(logits, model(ids, use_cache=False).logits)
     assert loss.ndim == 0 and isinstance(model.model(ids, use_cache=False, return_dict=False), tuple)
+
+
+def test_output_attentions_in_dense_mode_with_eager_attention():
+    """Dense mode with attn_implementation="eager" returns each layer's softmax weights (B, H, Tq, Tk), as Llama
+    does: rows of one, causal, confined to each packed document, and they reproduce the layer's attention output.
+    With SDPA, and in NSA mode, attentions is None and a log line says why."""
+    torch.manual_seed(0)
+    model = NSAForCausalLM(NSAConfig(**{**TINY, "attention_mode": "dense", "attn_implementation": "eager"})).double()
+    ids = torch.randint(0, 113, (2, 12))
+    position_ids = torch.cat([torch.arange(5), torch.arange(7)]).expand(2, 12)  # two documents per row
+    out = model(ids, position_ids=position_ids, output_attentions=True, use_cache=False)
+    assert len(out.attentions) == TINY["num_hidden_layers"]
+    for weights in out.attentions:
+        assert weights.shape == (2, TINY["num_attention_heads"], 12, 12)
+        torch.testing.assert_close(weights.sum(-1), torch.ones(2, TINY["num_attention_heads"], 12, dtype=weights.dtype))
+        assert (weights.triu(1) == 0).all()  # causal
+        assert (weights[..., 5:, :5] == 0).all()  # the second document never sees the first
+    assert model(ids, position_ids=position_ids, use_cache=False).attentions is None  # only when asked
+    # the weights are the ones the layer used: weights @ V through o_proj gives its attention output
+    attention = model.model.layers[0].self_attn
+    captured = {}
+    handle = attention.register_forward_hook(lambda m, a, o: captured.update(out=o[0], args=a))
+    model(ids, position_ids=position_ids, output_attentions=True, use_cache=False)
+    handle.remove()
+    hidden = captured["args"][0]
+    kv = attention.kv_proj(hidden).view(2, 12, attention.num_kv_sets * 2, TINY["num_key_value_heads"], 16).unbind(2)
+    _, v = attention._branch_kv(kv, "slc")
+    v = v.repeat_interleave(TINY["num_attention_heads"] // TINY["num_key_value_heads"], dim=2).transpose(1, 2)
+    expected = attention.o_proj((out.attentions[0] @ v).transpose(1, 2).reshape(2, 12, -1))
+    torch.testing.assert_close(captured["out"], expected)
+    sdpa = NSAForCausalLM(NSAConfig(**{**TINY, "attention_mode": "dense"}))
+    assert sdpa(ids, output_attentions=True, use_cache=False).attentions is None  # (a log line says to use eager)
+    assert NSAForCausalLM(NSAConfig(**TINY))(ids, output_attentions=True, use_cache=False).attentions is None
+
+
+def test_hidden_act_is_the_mlps_activation_and_checked():
+    torch.manual_seed(0)
+    silu = NSAForCausalLM(NSAConfig(**TINY)).eval()
+    gelu = NSAForCausalLM(NSAConfig(**{**TINY, "hidden_act": "gelu_pytorch_tanh"})).eval()
+    gelu.load_state_dict(silu.state_dict())
+    ids = torch.randint(0, 113, (1, 16))
+    assert (silu(ids).logits - gelu(ids).logits).abs().max() > 1e-3  # the same weights, another activation
+    with pytest.raises(ValueError, match=r"hidden_act must be one of transformers' activations .* got 'swishy'"):
+        NSAConfig(**{**TINY, "hidden_act": "swishy"})

@@ -572,16 +572,17 @@ def test_run_state_is_what_a_checkpoint_holds():
     from nsa_train.data import DataState
     from nsa_train.run_state import RunState
 
-    run = RunState(step=7, tokens_seen=7 * 256, skipped_steps=1, val_loss=3.5, val_ppl=33.1, data=DataState(1, 2, 3),
-                   last_log={"loss": 3.4})  # fmt: skip
+    run = RunState(step=7, tokens_seen=7 * 256, skipped_steps=1, val_loss=3.5, val_ppl=33.1, val_step=6,
+                   data=DataState(1, 2, 3), last_log={"loss": 3.4})  # fmt: skip
     saved = json.loads(json.dumps(run.trainer_state(2, {"seed": 1}, {"hidden_size": 64})))
-    assert set(saved) == {"step", "tokens_seen", "skipped_steps", "world_size", "val_loss", "val_ppl", "config",
-                          "model_config"}  # fmt: skip
+    assert set(saved) == {"step", "tokens_seen", "skipped_steps", "world_size", "val_loss", "val_ppl", "val_step",
+                          "config", "model_config"}  # fmt: skip
     assert (saved["world_size"], saved["config"], saved["model_config"]) == (2, {"seed": 1}, {"hidden_size": 64})
     back = RunState.from_checkpoint(saved, json.loads(json.dumps(run.data.to_dict())), started=run.started)
     assert back == dataclasses.replace(run, last_log={})  # the last log record belongs to the process that wrote it
     older = {k: saved[k] for k in ("step", "tokens_seen", "skipped_steps")}
-    assert RunState.from_checkpoint(older, {"epoch": 0, "doc": 5, "offset": 0}, started=0.0).val_loss is None
+    resumed_older = RunState.from_checkpoint(older, {"epoch": 0, "doc": 5, "offset": 0}, started=0.0)
+    assert resumed_older.val_loss is None and resumed_older.val_step is None
 
 
 def test_every_evaluation_metric_is_logged(tmp_path, capsys):
