@@ -493,6 +493,7 @@ def train_step(model, forward, optimizer, micro_batches, cfg: TrainConfig, accel
     world = accelerator.num_processes
     n_items = sum(data.num_label_tokens(b["labels"]) for b, _ in micro_batches).to(accelerator.device)
     n_items = accelerator.reduce(n_items, reduction="sum")  # label tokens in the whole step, all processes
+    n_items = n_items.clamp(min=1)  # a step without labels (possible at --seq-len 2) adds 0 / 1, not 0 / 0 = NaN
     step_loss = torch.zeros((), device=accelerator.device)
     for batch, _ in micro_batches:
         batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}

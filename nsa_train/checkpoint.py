@@ -20,6 +20,7 @@ import os
 import re
 import shlex
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,7 @@ class RunCheckpoints:
         trainer_state, data_state = load_checkpoint(self.accelerator, path, self.model_config, self.run_config)
         run = RunState.from_checkpoint(trainer_state, data_state, started)
         self.accelerator.print(f"resumed from {path} at step {run.step} ({run.tokens_seen:,} tokens)")
+        self.set_aside_checkpoints_after(run.step)
         saved = trainer_state.get("config", {})
         changed = [k for k in SCHEDULE_FLAGS if k in saved and saved[k] != self.run_config.get(k)]
         if changed:  # allowed (e.g. raising --max-steps to train further), but the rate jumps: say so
@@ -150,6 +152,21 @@ class RunCheckpoints:
                                    f"from step {run.step} on, the rate follows this run's schedule, not the one "
                                    "the run began with.")
         return run
+
+
+    def set_aside_checkpoints_after(self, step: int) -> None:
+        """A run resumed from an earlier checkpoint than its latest (a roll-back: --resume PATH) continues from
+        `step`: its later checkpoints belong to the abandoned stretch. They move to `abandoned-after-<step>-<time>/`
+        beside the others (kept, never deleted), so that --resume latest and --keep-last see only this run's line."""
+        later = [d for d in checkpoint_dirs(self.root) if int(_STEP_DIR.match(d.name).group(1)) > step]
+        if later and self.accelerator.is_main_process:
+            aside = self.root / f"abandoned-after-{step:08d}-{time.strftime('%Y%m%d-%H%M%S')}"
+            aside.mkdir()
+            for d in later:
+                os.replace(d, aside / d.name)
+            self.accelerator.print(f"resumed before the run's latest checkpoint: {', '.join(d.name for d in later)} "
+                                   f"moved to {aside} (--resume latest would otherwise continue from them)")
+        self.accelerator.wait_for_everyone()
 
 
 def save_checkpoint(accelerator, ckpt_root: Path, step: int, trainer_state: dict, data_state: dict,

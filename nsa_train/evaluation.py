@@ -32,8 +32,8 @@ def validation_loss(model, rows, micro_batch_size: int, accelerator) -> dict[str
     for i in range(0, len(mine), micro_batch_size):
         batch = to_batch(mine[i : i + micro_batch_size], accelerator.device)
         n = num_label_tokens(batch["labels"])
-        with accelerator.autocast():
-            loss = model(**batch, num_items_in_batch=n).loss
+        with accelerator.autocast():  # (a micro-batch without labels: 0 / 1, where 0 / 0 made the sum NaN)
+            loss = model(**batch, num_items_in_batch=n.clamp(min=1)).loss
         sums += torch.stack([loss.double() * n, n.double()])
     sums = accelerator.reduce(sums, reduction="sum")
     model.train()

@@ -5,6 +5,7 @@ equal are compared with tight tolerances.
 """
 
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -91,6 +92,24 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     shutil.copytree(full / "checkpoints" / "step_00000003", every2 / "checkpoints" / "step_00000003")
     run_main(tiny_args(every2, max_steps=6, save_every=3, resume="latest", log_every=2))
     assert train_losses(every2) == pytest.approx({4: lf[4], 6: (lf[5] + lf[6]) / 2}, rel=1e-6)
+
+
+def test_a_roll_back_sets_the_later_checkpoints_aside(tmp_path, capsys):
+    """--resume PATH to an earlier checkpoint than the latest (a roll-back): the later ones move aside, so the new
+    line's checkpoints are the latest (--resume latest continues it) and --keep-last prunes within it."""
+    out = tmp_path / "run"
+    run_main(tiny_args(out, max_steps=6, save_every=2, keep_last=5))
+    ckpts = out / "checkpoints"
+    capsys.readouterr()
+    run_main(tiny_args(out, max_steps=4, save_every=2, keep_last=2, resume=str(ckpts / "step_00000002")))
+    assert "step_00000004, step_00000006 moved to" in capsys.readouterr().out
+    assert [d.name for d in checkpoint.checkpoint_dirs(ckpts)] == ["step_00000002", "step_00000004"]
+    (aside,) = ckpts.glob("abandoned-after-00000002-*")
+    assert sorted(d.name for d in aside.iterdir()) == ["step_00000004", "step_00000006"]
+    rolled_back = json.loads((ckpts / "step_00000004" / checkpoint.STATE_FILE).read_text())
+    assert rolled_back["config"]["max_steps"] == 4  # written by the roll-back, not the abandoned line
+    summary = run_main(tiny_args(out, max_steps=4, save_every=2, keep_last=2, resume="latest"))
+    assert summary["step"] == 4 and "the run is finished: step 4" in capsys.readouterr().out
 
 
 def test_checkpoint_killed_mid_write_is_never_latest(tmp_path, monkeypatch):
@@ -686,3 +705,30 @@ def test_dense_sdpa_with_packed_documents_on_a_gpu_names_flex_attention():
     assert said(cross_doc=True) == []
     assert said(implementation="flex_attention") == []
     assert said(device="cpu") == []
+
+
+def test_validation_loss_with_a_micro_batch_without_labels():
+    """The last held-out row is padded and may hold a single token (no label after the shift); alone in a
+    micro-batch it has no labels. Its micro-batch adds nothing: the loss is the same at every micro-batch size,
+    where 0 / 0 made it NaN at size 1."""
+    import contextlib
+
+    from modeling_nsa import NSAConfig, NSAForCausalLM
+    from nsa_train.evaluation import validation_loss
+
+    class OneProcess:
+        device, process_index, num_processes = torch.device("cpu"), 0, 1
+        autocast = staticmethod(contextlib.nullcontext)
+        reduce = staticmethod(lambda tensor, reduction: tensor)
+
+    torch.manual_seed(0)
+    model = NSAForCausalLM(NSAConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, cmp_block_size=4,
+                                     cmp_stride=2, sel_block_size=8, sel_num_blocks=3, window_size=8))  # fmt: skip
+    full = (list(range(1, 17)), list(range(16)), list(range(1, 17)))
+    lone = ([5] + [0] * 15, [0] * 16, [5] + [-100] * 15)  # one real token: nothing to predict
+    rows = [full, lone]
+    losses = [validation_loss(model, rows, size, OneProcess())["val_loss"] for size in (1, 2)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6) and math.isfinite(losses[0])
+    expected = model(**{k: torch.tensor([v]) for k, v in zip(("input_ids", "position_ids", "labels"), full)}).loss
+    assert losses[0] == pytest.approx(float(expected), rel=1e-6)
