@@ -140,6 +140,9 @@ def capture(checkpoint: str, out: str, seq_len: int, layers: list[int], data=DEF
     from modeling_nsa import NSAForCausalLM
     from nsa_train.data import load_tokenizer
 
+    from nsa_train.long_context import check_device
+
+    check_device(device)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     if tokenizer is None:  # the checkpoint's own tokenizer where it has one, else the shared GPT-2 one

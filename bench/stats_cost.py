@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import train_accelerate  # noqa: E402
 from nsa_train import data  # noqa: E402
+from nsa_train.long_context import check_device  # noqa: E402
 from nsa_train.evaluation import STATS_ROWS  # noqa: E402
 from nsa_train.selection_stats import compute_selection_stats  # noqa: E402
 
@@ -48,6 +49,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args, train_flags = parser.parse_known_args()
     cfg = train_accelerate.parse_args(train_flags or ["--preset", "smoke"])
+    try:
+        check_device(args.device)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     device = torch.device(args.device)
     torch.manual_seed(cfg.seed)
     model = train_accelerate.build_model(cfg, data.load_tokenizer(cfg.tokenizer)).to(device)

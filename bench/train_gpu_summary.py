@@ -7,7 +7,6 @@ tokens/s and MFU are medians over the logging windows after the first (which hol
 
 import json
 import statistics
-import sys
 from pathlib import Path
 
 
@@ -34,7 +33,15 @@ def summarize(run: Path) -> dict:
 
 
 if __name__ == "__main__":
-    results = [summarize(Path(p)) for p in sys.argv[1:]]
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="a train_accelerate.py --output-dir")
+    args = parser.parse_args()
+    missing = [str(run) for run in args.runs if not (run / "metrics.jsonl").is_file()]
+    if missing:
+        parser.error(f"no metrics.jsonl in {', '.join(missing)}: pass train_accelerate.py output directories.")
+    results = [summarize(run) for run in args.runs]
     cols = list(results[0])
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))

@@ -845,6 +845,14 @@ def card_section(result: dict) -> str:
 # ----------------------------------------------------------------------------- command line
 
 
+def check_device(device: str | None, flag: str = "--device") -> None:
+    """A CUDA device asked for where there is none: one line naming the flag (torch's own error comes from deep
+    inside the first .to())."""
+    if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"{flag} {device}: this machine has no CUDA GPU (torch.cuda.is_available() is False); pass "
+                         f"{flag} cpu, or leave it out.")
+
+
 def looks_like_a_missing_path(spec: str) -> bool:
     """A MODEL that names no existing directory yet cannot be a Hub id (name or org/name): a path spelled as one
     (./, /, ~, a backslash, more than one slash) or one whose first part is a local directory (runs/x)."""
@@ -862,6 +870,7 @@ def load_model_and_tokenizer(spec: str, tokenizer_spec: str | None = None, devic
     import modeling_nsa  # noqa: F401  (registers model_type "nsa" with the Auto classes)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    check_device(device)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dtype == "auto":
         dtype = "bfloat16" if str(device).startswith("cuda") else "float32"

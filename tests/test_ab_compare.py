@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -430,3 +431,9 @@ def test_a_stopped_comparison_stops_its_runs(tmp_path):
 
     left = [pid for pid in os.listdir("/proc") if pid.isdigit() and str(tmp_path / "out") in command_line(pid)]
     assert not left, [command_line(pid) for pid in left]
+
+
+def test_train_gpu_summary_names_a_directory_that_is_not_a_run(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "train_gpu_summary.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and f"no metrics.jsonl in {tmp_path}: pass train_accelerate.py output" in proc.stderr

@@ -374,6 +374,14 @@ def test_cli_errors_exit_2_before_loading(tmp_path):
         lc.main([str(tmp_path / "missing"), "--lengths", "100"])
 
 
+def test_a_cuda_device_without_a_gpu_is_named(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^--device cuda:0: this machine has no CUDA GPU .* pass --device cpu"):
+        lc.load_model_and_tokenizer("never-loaded", device="cuda:0")
+    lc.check_device("cpu")
+    lc.check_device(None)
+
+
 def test_a_missing_model_path_is_told_from_a_hub_id(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs" / "smoke" / "final").mkdir(parents=True)
