@@ -393,7 +393,10 @@ class Packer:
     def tokenized(self, texts: Iterator[str]) -> Iterator[list[int]]:
         eos = self.tokenizer.eos_token_id
         while chunk := list(itertools.islice(texts, self.tokenize_batch)):
-            for ids in self.tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]:
+            # split_special_tokens: a document's literal "<|endoftext|>" (or "</s>") is text, not an EOS that would
+            # end it mid-way without a position restart
+            for ids in self.tokenizer(chunk, add_special_tokens=False, split_special_tokens=True,
+                                      verbose=False)["input_ids"]:  # fmt: skip
                 yield ids + [eos]
 
     def __iter__(self):
@@ -452,7 +455,7 @@ def validation_rows(source, tokenizer, seq_len: int, val_every: int, val_tokens:
     for i, text in enumerate(source):
         if i % val_every != 0:
             continue
-        toks = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"] + [eos]
+        toks = tokenizer(text, add_special_tokens=False, split_special_tokens=True, verbose=False)["input_ids"] + [eos]
         frag = 0  # position inside the document fragment of this row (restarts at a row start, like training)
         for p, t in enumerate(toks):
             lab.append(-100 if (p == 0 and ids and not cross_doc) else t)

@@ -51,6 +51,20 @@ def test_packing_marks_document_boundaries(byt5):
                 assert pos[j] == pos[j - 1] + 1 and lab[j] == ids[j]
 
 
+def test_a_literal_eos_string_in_a_document_is_text(byt5):
+    """A document that contains the EOS token's text ("</s>" for ByT5, "<|endoftext|>" for GPT-2) keeps it as
+    text: the only EOS ids are the ones that end documents, so positions restart only there (training and
+    validation rows alike)."""
+    texts = ["a </s> b " * 5, "c </s>", "plain"]
+    rows = list(itertools.islice(data.Packer(ListSource(texts * 4), byt5, 16, val_every=0, shuffle_buffer=0), 6))
+    stream = [t for r in rows for t in r[0]]
+    as_bytes = [t for text in texts * 4 for t in [b + 3 for b in text.encode()] + [byt5.eos_token_id]]  # ByT5: byte + 3
+    assert stream == as_bytes[: len(stream)]
+    val = data.validation_rows(ListSource(texts), byt5, 16, val_every=1, val_tokens=10**6)
+    val_stream = [t for ids, pos, lab in val for t, l in zip(ids, lab) if l != -100 or t != byt5.eos_token_id]
+    assert val_stream == [t for text in texts for t in [b + 3 for b in text.encode()] + [byt5.eos_token_id]]
+
+
 def test_cross_doc_rows_are_gpt2_style(byt5):
     rows = list(itertools.islice(data.Packer(ListSource(docs(30)), byt5, 32, val_every=0, shuffle_buffer=0,
                                              cross_doc=True), 5))  # fmt: skip
