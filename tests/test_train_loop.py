@@ -731,4 +731,4 @@ def test_validation_loss_with_a_micro_batch_without_labels():
     losses = [validation_loss(model, rows, size, OneProcess())["val_loss"] for size in (1, 2)]
     assert losses[0] == pytest.approx(losses[1], rel=1e-6) and math.isfinite(losses[0])
     expected = model(**{k: torch.tensor([v]) for k, v in zip(("input_ids", "position_ids", "labels"), full)}).loss
-    assert losses[0] == pytest.approx(float(expected), rel=1e-6)
+    assert losses[0] == pytest.approx(float(expected.detach()), rel=1e-6)
