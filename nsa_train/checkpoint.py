@@ -153,7 +153,6 @@ class RunCheckpoints:
                                    "the run began with.")
         return run
 
-
     def set_aside_checkpoints_after(self, step: int) -> None:
         """A run resumed from an earlier checkpoint than its latest (a roll-back: --resume PATH) continues from
         `step`: its later checkpoints belong to the abandoned stretch. They move to `abandoned-after-<step>-<time>/`

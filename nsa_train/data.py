@@ -48,26 +48,26 @@ class LocalFiles:
     """Parquet / JSON-lines / txt files: a file, a directory (recursive) or a glob. A .txt file is one document."""
 
     def __init__(self, spec: str, text_column: str = "text", flag: str = "--dataset"):
-        self.spec, self.text_column, self.flag = spec, text_column, flag  # flag: the option errors name
+        self.spec, self.text_column, self.flag = spec, text_column, flag  # flag: the option its errors name
         path = Path(spec).expanduser()
         if any(ch in spec for ch in "*?["):
             files = [Path(p) for p in sorted(glob.glob(spec, recursive=True))]
         elif path.is_dir():
             if (path / "dataset_dict.json").is_file() or ((path / "state.json").is_file() and any(path.glob("*.arrow"))):
                 raise ValueError(
-                    f"{flag} {spec!r} is a `datasets` save_to_disk folder (Arrow files), which is not supported. "
+                    f"{self.flag} {spec!r} is a `datasets` save_to_disk folder (Arrow files), which is not supported. "
                     f"Write it as parquet, e.g. `datasets.load_from_disk({spec!r}).to_parquet('data.parquet')` (for "
-                    f"a DatasetDict, pick a split: `load_from_disk(...)['train']`), and pass {flag} data.parquet."
+                    f"a DatasetDict, pick a split: `load_from_disk(...)['train']`), and pass {self.flag} data.parquet."
                 )
             files = sorted(p for p in path.rglob("*") if p.is_file())
         elif path.exists():
             files = [path]
         else:
-            raise FileNotFoundError(f"{flag} {spec!r}: no such file, directory or glob match.")
+            raise FileNotFoundError(f"{self.flag} {spec!r}: no such file, directory or glob match.")
         self.files = [f for f in files if f.suffix in LOCAL_SUFFIXES]
         if not self.files:
             raise FileNotFoundError(
-                f"{flag} {spec!r}: no data files found (looked for {', '.join(LOCAL_SUFFIXES)})."
+                f"{self.flag} {spec!r}: no data files found (looked for {', '.join(LOCAL_SUFFIXES)})."
             )
         for f in self.files:
             if f.stat().st_size == 0:

@@ -874,10 +874,12 @@ def load_model_and_tokenizer(spec: str, tokenizer_spec: str | None = None, devic
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dtype == "auto":
         dtype = "bfloat16" if str(device).startswith("cuda") else "float32"
-    if looks_like_a_missing_path(spec):
+    local = Path(spec).expanduser()
+    if local.exists():
+        spec = str(local)
+    elif looks_like_a_missing_path(spec):
         raise ValueError(f"MODEL {spec!r}: no such directory; pass a run's final/ directory, a saved model directory "
                          "or a Hub id (name or org/name).")
-    spec = str(Path(spec).expanduser()) if Path(spec).expanduser().exists() else spec
     try:
         config = AutoConfig.from_pretrained(spec, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:

@@ -68,8 +68,7 @@ class StepLog:
         self.bar = tqdm(total=cfg.max_steps, initial=run.step, disable=not (self.main and sys.stderr.isatty()),
                         desc="train")  # fmt: skip
         self.loss_sum = torch.zeros((), device=accelerator.device)  # step losses since the last log, this process
-        self.steps_summed = 0  # how many: log_every, fewer in a run's last window or the first after a resume
-        self.tokens_at_log = run.tokens_seen
+        self.step_at_log, self.tokens_at_log = run.step, run.tokens_seen
         self.restart_clock()
         if accelerator.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(accelerator.device)
@@ -80,7 +79,6 @@ class StepLog:
 
     def step_done(self, step_loss: torch.Tensor) -> None:
         self.loss_sum += step_loss
-        self.steps_summed += 1
         self.bar.update(1)
 
     def due(self, step: int) -> bool:
@@ -89,8 +87,10 @@ class StepLog:
     def log_training(self, run: RunState, lr: float, grad_norm: float) -> None:
         """The log record of `run.step` (kept as `run.last_log`): console, metrics.jsonl, trackers."""
         world = self.accelerator.num_processes
-        # the mean over the steps since the last log (a resume at a step between two logs starts a short window)
-        loss = (self.accelerator.reduce(self.loss_sum, reduction="sum") / max(self.steps_summed, 1)).item()
+        # the mean over the steps since the last log: log_every, fewer in a run's last window or the first after a
+        # resume between two logs
+        steps = max(run.step - self.step_at_log, 1)
+        loss = (self.accelerator.reduce(self.loss_sum, reduction="sum") / steps).item()
         tok_s = (run.tokens_seen - self.tokens_at_log) / max(time.time() - self.clock, 1e-9)
         peak = self.peak_flops
         record = {"step": run.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tok_s": tok_s,
@@ -107,8 +107,7 @@ class StepLog:
             self.accelerator.log({f"train/{k}": v for k, v in record.items() if v is not None and k != "step"},
                                  step=run.step)  # fmt: skip
         self.loss_sum.zero_()
-        self.steps_summed = 0
-        self.tokens_at_log = run.tokens_seen
+        self.step_at_log, self.tokens_at_log = run.step, run.tokens_seen
         self.restart_clock()
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
