@@ -15,6 +15,8 @@
 #   bash bench/gpu_session.sh check-seldq seldq       # the pair-wise selected dQ's GPU cases and three-way timing
 #   bash bench/gpu_session.sh ws                      # warp-specialized tile loops against the kernels' own
 #   bash bench/gpu_session.sh decode                  # issue 18's decode rows and the decode kernels one by one
+#   bash bench/gpu_session.sh flex                    # FlexAttention for the compressed and window branches against
+#                                                     #   the project's interval kernels (bench/flex_branches.py)
 # Data: the shared wiki parquet and GPT-2 tokenizer from $DATA (default ../shared/data beside the checkout, else
 # runs/data: on a device machine, which gets only the checkout, copy ../shared/data there and carry runs/data).
 # capture: trains a 125M NSA for $CAPTURE_STEPS steps on it (or takes $CKPT, an NSA checkpoint) and captures its
@@ -139,6 +141,7 @@ for step in "${steps[@]}"; do
                   12,2,64,65536,1,random 16,1,64,8192,8,random ;;
     # issue 18: Hopper warp specialization (a TMA producer and two consumer warpgroups, built by Triton) on the
     # dK/dV and dQ tile loops alone, against the loops as the kernels write them (bench/ws_tiles.py; ~1 minute)
+    flex)       $PY bench/flex_branches.py --json "$OUT/flex.json" ;;  # FlexAttention for the compressed and window branches
     ws)         $PY bench/ws_tiles.py --stages 0 2 4 --json "$OUT/ws.json" ;;  # 0: triton's default, 3
     # the GPU cases of the pair-wise selected dQ (partials and atomics) against the reference
     check-seldq) $PY -m pytest -x tests/test_triton_kernels.py -k "gpu_kernels_match and seldq" -rA --tb=short 2>&1 \
@@ -220,7 +223,7 @@ open(sys.argv[2], 'w').write(max((str(x) for x in t.to_pylist()[::20]), key=len)
     # issue 19: what one selection-statistics measurement costs against one 125M training step at T = 4,096
     stats-cost) $PY bench/stats_cost.py --device cuda --model 125m --seq-len 4096 --micro-batch-size 4 \
                   --tokenizer "$DATA/gpt2-tokenizer" --dataset "$DATA/wiki-summaries-en.parquet" ;;
-    *)          echo "unknown step $step (tests capture attention floors tune model model-compile dense-docs model-long generate profile train ab-long ab-long-eval retrieval stats-cost check check-seldq seldq stages pending pending-d128 ws)"
+    *)          echo "unknown step $step (tests capture attention floors tune model model-compile dense-docs model-long generate profile train ab-long ab-long-eval retrieval stats-cost check check-seldq seldq stages pending pending-d128 ws flex)"
                 exit 2 ;;
   esac 2>&1 | tee "$OUT/$step.log" || echo "== $step exited non-zero (log: $OUT/$step.log)" | tee -a "$OUT/env.txt"
   echo "== $step took $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"

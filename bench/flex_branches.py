@@ -1,0 +1,262 @@
+"""FlexAttention against this project's interval kernels for NSA's compressed and sliding-window branches (GPU).
+
+    python bench/flex_branches.py [--lengths 2048 8192 32768 65536] [--tokens 65536] [--inputs random correlated]
+                                  [--layouts 12,2,64 16,1,64] [--json FILE]
+
+Issue 18 names "FlexAttention for a branch, if it is faster" among the designs to try. Both branches it could
+take are interval attention: query t sees one contiguous run of keys [lo(t), hi(t)) (its document's compressed
+tokens that end at or before t; the last w keys of its document), so a FlexAttention BlockMask comes straight
+from the intervals (`interval_block_mask`: per 128-query block, the key blocks some query sees, and those every
+query sees in full, which skip the mask; O(query blocks x key blocks) work, no T x T evaluation), with a
+mask_mod lo <= kv < hi for the rest. The selected branch is not interval attention: a 128-query block's union of
+chosen blocks is the schedule the project's own kernels already walk.
+
+Per layout, length and input kind (bench_attention's inputs: B x T = --tokens, one document per row), median ms
+by CUDA events, each path computing the same thing:
+- ours: the interval share of the op's kernels: the interval layout, both interval forwards (the window's
+  writing the gated sum of the three branches), the fused dQ kernel without the selected branch's dQ (dQ of the
+  two interval branches, the three gate gradients, the deltas), the dK/dV query ranges and both dK/dV kernels;
+- flex: `torch.compile(flex_attention)` forward of both branches (the compressed one with its log-sum-exp, which
+  the top-n reads), the gated sum of the three branches, and autograd's backward of it: dQ, both branches' dK/dV,
+  the gate gradients; plus the two block masks (`mask_ms`, built once per forward for every layer).
+Before timing, both paths' outputs, log-sum-exps and gradients are compared; a difference beyond bf16 rounding
+stops the run. The verdict column is flex f+b / ours f+b: below 1, a composed op (FlexAttention for these two
+branches, the project's kernels for the top-n and the selected branch) would save the difference, less what the
+selected branch's dQ then costs in a launch of its own (the fused dQ computes it in the same pass:
+`tune_kernels.py`'s `seldq_split` variant times that launch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from modeling_nsa.nsa_layout import NSAParams, compressed_token_ends  # noqa: E402
+
+FLEX_BLOCK = 128  # FlexAttention's default query and key block
+
+try:  # the log-sum-exp: return_aux from torch 2.9 on (return_lse, deprecated there, before)
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    _LSE_REQUEST = {"return_aux": AuxRequest(lse=True)}
+except ImportError:
+    _LSE_REQUEST = {"return_lse": True}
+
+
+def interval_bounds(doc_pos: torch.Tensor, cmp_end: torch.Tensor, params: NSAParams):
+    """Each query's key intervals, computed with torch ops from the layout's definition (NSA_SPEC; the kernels'
+    `_layout` computes the same on a GPU): doc_pos (B, T) (padding -1), cmp_end (B, Nc) (each compressed token's
+    last raw key, -1 = empty slot) -> c_lo, c_hi, w_lo, w_hi (B, T) int32: compressed slots [c_lo, c_hi), window
+    keys [w_lo, w_hi); padding 0, 0. Every query is also a key (training / prefill)."""
+    t = torch.arange(doc_pos.shape[1], device=doc_pos.device)
+    valid = doc_pos >= 0
+    start = t - doc_pos  # (B, T) the document's first key
+    filled = cmp_end >= 0
+    c_lo = (filled[:, None, :] & (cmp_end[:, None, :] < start[:, :, None])).sum(-1)  # tokens before the document
+    c_hi = torch.maximum((filled[:, None, :] & (cmp_end[:, None, :] <= t[None, :, None])).sum(-1), c_lo)
+    w_lo = torch.maximum(start, t - params.window_size + 1)
+    w_hi = (t + 1).expand_as(w_lo)
+    zero = torch.zeros_like(c_lo)
+    return tuple(torch.where(valid, x, zero).to(torch.int32) for x in (c_lo, c_hi, w_lo, w_hi))
+
+
+def interval_block_mask(lo: torch.Tensor, hi: torch.Tensor, num_keys: int, block: int = FLEX_BLOCK):
+    """A FlexAttention BlockMask for interval attention: query t of row b sees keys [lo[b, t], hi[b, t]).
+
+    lo, hi (B, T) int32, empty intervals (lo >= hi) see nothing. Per block of `block` queries: the key blocks some
+    query sees are listed; those that every query of the block sees whole are "full" (FlexAttention skips the
+    mask_mod there), the others partial (the mask_mod decides per element). Returns (block_mask, lo_padded,
+    hi_padded): the mask_mod reads the intervals padded to whole query blocks with empty ones."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    batch, num_queries = lo.shape
+    q_blocks, k_blocks = -(-num_queries // block), -(-num_keys // block)
+    pad = q_blocks * block - num_queries
+    lo_p = torch.nn.functional.pad(lo, (0, pad)).contiguous()  # (B, Qb * block), padding rows empty (0, 0)
+    hi_p = torch.nn.functional.pad(hi, (0, pad)).contiguous()
+    empty = (hi_p <= lo_p).view(batch, q_blocks, block)
+    lo_b, hi_b = lo_p.view(batch, q_blocks, block), hi_p.view(batch, q_blocks, block)
+    big = torch.iinfo(torch.int32).max
+    some_lo = torch.where(empty, big, lo_b).amin(-1)  # (B, Qb) the keys any query of the block sees
+    some_hi = torch.where(empty, 0, hi_b).amax(-1)
+    every_lo = lo_b.amax(-1)  # the keys every query sees (none where one query sees none: its hi is counted as 0)
+    every_hi = torch.where(empty, 0, hi_b).amin(-1)
+    key_start = torch.arange(k_blocks, device=lo.device) * block  # (Kb,)
+    key_end = key_start + block
+    seen = (key_start < some_hi[..., None]) & (key_end.clamp(max=num_keys) > some_lo[..., None])  # (B, Qb, Kb)
+    # (a key block that runs past the last key is never full: every hi <= num_keys)
+    full = seen & (key_start >= every_lo[..., None]) & (key_end <= every_hi[..., None])
+    partial = seen & ~full
+
+    def listed(blocks):  # (B, Qb, Kb) bool -> counts (B, 1, Qb), indices (B, 1, Qb, Kb), the listed ones first
+        order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True)
+        return blocks.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
+
+    def inside_interval(b, h, q_idx, kv_idx):
+        return (kv_idx >= lo_p[b, q_idx]) & (kv_idx < hi_p[b, q_idx])
+
+    mask = BlockMask.from_kv_blocks(*listed(partial), *listed(full), block, inside_interval,
+                                    seq_lengths=(num_queries, num_keys))
+    return mask, lo_p, hi_p
+
+
+def flex_branches(q, k_cmp, v_cmp, k_win, v_win, gates, o_slc, cmp_mask, win_mask, scale, flex):
+    """The gated NSA output (B, T, H, D) with the compressed and window branches by FlexAttention (`flex`: the
+    compiled flex_attention), the selected branch's output o_slc given; also the compressed branch's base-2
+    log-sum-exp (B, T, H), as the project's kernels return it (the top-n reads it). q (B, T, H, D), k/v (B, N, Hkv, D),
+    gates (B, T, H, 3) in (cmp, slc, win) order."""
+
+    def heads_first(x):
+        return x.transpose(1, 2)
+
+    o_cmp, lse_cmp = flex(heads_first(q), heads_first(k_cmp), heads_first(v_cmp), block_mask=cmp_mask, scale=scale,
+                          enable_gqa=True, **_LSE_REQUEST)  # fmt: skip
+    lse_cmp = getattr(lse_cmp, "lse", lse_cmp)  # (an AuxOutput where return_aux asked for it)
+    o_win = flex(heads_first(q), heads_first(k_win), heads_first(v_win), block_mask=win_mask, scale=scale,
+                 enable_gqa=True)  # fmt: skip
+    g = gates.to(q.dtype)
+    out = g[..., 0:1] * heads_first(o_cmp) + g[..., 1:2] * o_slc + g[..., 2:3] * heads_first(o_win)
+    return out, heads_first(lse_cmp) * (1 / math.log(2)), heads_first(o_cmp), heads_first(o_win)
+
+
+# ----------------------------------------------------------------------------------------------
+# The GPU run
+# ----------------------------------------------------------------------------------------------
+
+
+def _compare(name, got, expected, atol, rows_ok=None):
+    """Max |got - expected| over the rows that see keys; raises past atol (a mask that differs is not rounding)."""
+    diff = (got.float() - expected.float()).abs()
+    if rows_ok is not None:
+        diff = diff[rows_ok]
+    worst = float(diff.max()) if diff.numel() else 0.0
+    if not worst <= atol:
+        raise SystemExit(f"flex_branches: {name} differs from the project's kernels by {worst:.3g} (> {atol}): "
+                         "the block mask or the mask_mod does not describe the intervals")
+    return worst
+
+
+def run_case(ba, tri_mods, H, Hkv, D, T, tokens, kind, flex):
+    """One row: check flex against the project's kernels, then time both paths."""
+    interval, dq_mod, tri = tri_mods
+    params = ba.PARAMS
+    B = max(1, tokens // T)
+    x, cmp_end, doc_pos = ba.nsa_inputs(B, T, H, Hkv, D, kind=kind)
+    q, k_cmp, v_cmp, k_win, v_win, gates = (x[n] for n in ("q", "k_cmp", "v_cmp", "k_win", "v_win", "gates"))
+    scale = D**-0.5
+    args, _, _ = tri._kernel_args(q, k_cmp, v_cmp, cmp_end, x["k_slc"], x["v_slc"], k_win, v_win, gates, doc_pos,
+                                  scale)  # fmt: skip
+    with torch.no_grad():
+        full = tri._forward_impl(*args, params, scale)  # the selected branch's output, lse and blocks, fixed below
+    _, _, o_slc, _, _, lse_slc, _, idx = full
+    do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+    intervals = interval._layout(cmp_end, doc_pos, T, T, params)
+    c_lo, c_hi, w_lo, w_hi = intervals
+    ours_bounds = torch.stack(interval_bounds(doc_pos, cmp_end, params))
+    if not torch.equal(ours_bounds, intervals):
+        raise SystemExit("flex_branches: interval_bounds differs from the kernels' _layout")
+    Nc = k_cmp.shape[1]
+
+    def ours(grad):
+        lay = interval._layout(cmp_end, doc_pos, T, T, params)
+        o_c, lse_c = interval._interval_fwd(q, k_cmp, v_cmp, lay[0], lay[1], scale)
+        o_w, lse_w, out = interval._interval_fwd(q, k_win, v_win, lay[2], lay[3], scale, combine=(o_c, o_slc, gates))
+        if not grad:
+            return out, lse_c, o_c, o_w
+        cmp, win = (k_cmp, v_cmp, lay[0], lay[1], lse_c, o_c), (k_win, v_win, lay[2], lay[3], lse_w, o_w)
+        dq, dgates, delta, lse_g = dq_mod._bwd_dq(q, do, gates, cmp, (x["k_slc"], x["v_slc"], lse_slc, o_slc), win,
+                                                  idx, doc_pos, params, scale, sel_dq=False)  # fmt: skip
+        ranges = interval._interval_query_ranges(lay, (Nc, T), interval._DKDV_KEY_TILE)
+        dk_c, dv_c = interval._interval_bwd_dkdv(q, k_cmp, v_cmp, lay[0], lay[1], ranges[0], do, lse_g[0], delta[0],
+                                                 scale)  # fmt: skip
+        dk_w, dv_w = interval._interval_bwd_dkdv(q, k_win, v_win, lay[2], lay[3], ranges[1], do, lse_g[2], delta[2],
+                                                 scale)  # fmt: skip
+        return dq, dk_c, dv_c, dk_w, dv_w, dgates
+
+    def masks():
+        return (interval_block_mask(c_lo, c_hi, Nc)[0], interval_block_mask(w_lo, w_hi, T)[0])
+
+    def theirs(grad):
+        cmp_mask, win_mask = masks()
+        with torch.set_grad_enabled(grad):
+            result = flex_branches(q, k_cmp, v_cmp, k_win, v_win, gates, o_slc, cmp_mask, win_mask, scale, flex)
+            if not grad:
+                return result
+            return torch.autograd.grad(result[0], (q, k_cmp, v_cmp, k_win, v_win, gates), do)
+
+    started = time.perf_counter()
+    flex_out = theirs(False)
+    flex_grads = theirs(True)
+    torch.cuda.synchronize()
+    compile_s = time.perf_counter() - started
+    ours_out, ours_grads = ours(False), ours(True)
+    seen_c = (c_hi > c_lo)[..., None].expand(-1, -1, H)  # rows with compressed keys: their log-sum-exp is defined
+    errors = {
+        "out": _compare("the gated output", flex_out[0], ours_out[0], 0.03),
+        "lse_cmp": _compare("the compressed log-sum-exp", flex_out[1], ours_out[1], 0.03, seen_c),
+        "o_cmp": _compare("the compressed output", flex_out[2], ours_out[2], 0.03),
+        "o_win": _compare("the window output", flex_out[3], ours_out[3], 0.03),
+    }
+    for name, got, expected in zip(("dq", "dk_cmp", "dv_cmp", "dk_win", "dv_win", "dgates"), flex_grads, ours_grads):
+        scale_of = float(expected.float().abs().max()) or 1.0
+        errors[name] = _compare(name, got, expected, 0.05 * scale_of)
+    row = dict(layout=f"{H}q/{Hkv}kv d{D}", T=T, B=B, inputs=kind, compile_s=round(compile_s, 1),
+               ours_fwd=ba.time_ms(lambda: ours(False)), ours_fb=ba.time_ms(lambda: ours(True)),
+               flex_fwd=ba.time_ms(lambda: theirs(False)), flex_fb=ba.time_ms(lambda: theirs(True)),
+               mask_ms=ba.time_ms(masks), max_errors={k: float(f"{v:.3g}") for k, v in errors.items()})  # fmt: skip
+    row["flex_over_ours_fb"] = row["flex_fb"] / row["ours_fb"]
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768, 65536])
+    ap.add_argument("--tokens", type=int, default=65536, help="B x T per step (default 65536, as bench_attention)")
+    ap.add_argument("--inputs", nargs="+", default=["random", "correlated"], choices=["random", "correlated"])
+    ap.add_argument("--layouts", nargs="+", default=["12,2,64", "16,1,64"], help="q heads,kv heads,head_dim")
+    ap.add_argument("--json", default=None, help="write the rows here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/flex_branches.py needs a CUDA GPU (tests/test_flex_branches.py checks its masks on CPU).")
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_attention as ba
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from modeling_nsa import nsa_triton as tri
+    from modeling_nsa import nsa_triton_dq as dq_mod
+    from modeling_nsa import nsa_triton_interval as interval
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    torch.manual_seed(0)
+    rows = []
+    for layout in args.layouts:
+        H, Hkv, D = (int(v) for v in layout.split(","))
+        for T in args.lengths:
+            for kind in args.inputs:
+                row = run_case(ba, (interval, dq_mod, tri), H, Hkv, D, T, args.tokens, kind, flex)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                torch.cuda.empty_cache()
+    print("\n| layout | T | inputs | ours fwd | flex fwd | ours f+b | flex f+b | masks | flex / ours f+b |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['layout']} | {r['T']} | {r['inputs']} | {r['ours_fwd']:.3f} | {r['flex_fwd']:.3f} | "
+              f"{r['ours_fb']:.3f} | {r['flex_fb']:.3f} | {r['mask_ms']:.3f} | {r['flex_over_ours_fb']:.2f}x |")
+    if args.json:
+        meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(),
+                    torch=torch.__version__, command=" ".join(sys.argv))
+        Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
