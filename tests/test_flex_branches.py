@@ -5,7 +5,10 @@ outputs and gradients with the project's kernels before it times anything)."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -163,3 +166,60 @@ def test_flex_branches_forward_matches_the_reference(case, seq_len, group):
     seen = (c_hi > c_lo)[..., None].expand_as(expected)
     assert bool(seen.any()) and bool((~seen).any())
     torch.testing.assert_close(lse2[seen], expected[seen], atol=1e-4, rtol=1e-5)
+
+
+def masked_attention_like_flex(q, k, v, block_mask=None, scale=None, enable_gqa=False, return_lse=False,
+                               return_aux=None):
+    """flex_attention's contract written out (dense scores, the block mask's mask_mod everywhere), differentiable on
+    CPU, where FlexAttention has no backward: q (B, H, T, D), k/v (B, Hkv, N, D) -> o (B, H, T, D) and, when asked,
+    the natural log-sum-exp (B, H, T) (-inf and a zero output for a row that sees no key, as flex's)."""
+    batch, num_heads, num_queries, _ = q.shape
+    group = num_heads // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    index = [torch.arange(n).view([-1 if i == axis else 1 for i in range(4)])
+             for axis, n in enumerate((batch, num_heads, num_queries, k.shape[2]))]
+    visible = block_mask.mask_mod(*index)
+    scores = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~visible, -math.inf)
+    lse = torch.logsumexp(scores, -1)
+    probs = torch.where(visible, torch.exp(scores - lse[..., None].clamp(min=-1e30)), 0.0)
+    out = probs @ v
+    return (out, lse) if (return_lse or return_aux is not None) else out
+
+
+PLUMBING = """
+import json, sys
+sys.path[:0] = ["bench", "tests"]
+import torch
+import flex_branches, test_flex_branches as t
+from modeling_nsa import nsa_triton, nsa_triton_dq, nsa_triton_interval
+
+doc_pos, cmp_end = t.layout("padded", 70, seed=3)
+generator = torch.Generator().manual_seed(3)
+shapes = dict(q=(70, 6), k_cmp=(cmp_end.shape[1], 2), v_cmp=(cmp_end.shape[1], 2), k_slc=(70, 2), v_slc=(70, 2),
+              k_win=(70, 2), v_win=(70, 2))
+x = {name: torch.randn(2, n, heads, 16, generator=generator).requires_grad_() for name, (n, heads) in shapes.items()}
+x["gates"] = torch.rand(2, 70, 6, 3, generator=generator).requires_grad_()
+row = flex_branches.check_and_time(x, cmp_end, doc_pos, t.PARAMS, t.masked_attention_like_flex, lambda fn: 1.0,
+                                   (nsa_triton, nsa_triton_interval, nsa_triton_dq))
+print("ROW " + json.dumps(row))
+"""
+
+
+def test_gpu_run_compares_flex_with_the_kernels_outputs_and_gradients():
+    """The GPU run's own check, on CPU: the project's kernels under Triton's interpreter (the interval share of the
+    op: both forwards, the fused dQ without the selected branch's, both dK/dV) against the flex path with
+    FlexAttention's contract written out, documents and padding, G = 3. Every output and gradient agrees, so a
+    difference on the GPU is FlexAttention's or the block mask's, not the comparison's plumbing."""
+    from modeling_nsa import nsa_triton_common
+
+    reason = nsa_triton_common._interpreter_reason() if nsa_triton_common._HAS_TRITON else "triton is not installed"
+    if reason:
+        pytest.skip(reason)
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", PLUMBING], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = json.loads(done.stdout.split("ROW ", 1)[1])
+    assert set(row["max_errors"]) == {"out", "lse_cmp", "o_cmp", "o_win", "dq", "dk_cmp", "dv_cmp", "dk_win",
+                                      "dv_win", "dgates"}  # fmt: skip
+    assert max(row["max_errors"].values()) < 1e-4, row["max_errors"]  # float32 on both sides
