@@ -228,7 +228,8 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench/flex_branches.py needs a CUDA GPU (tests/test_flex_branches.py checks its masks on CPU).")
+        raise SystemExit("bench/flex_branches.py needs a CUDA GPU (on CPU, tests/test_flex_branches.py checks its "
+                         "masks and its comparison).")
     sys.path.insert(0, str(ROOT / "bench"))
     import bench_attention as ba
     from torch.nn.attention.flex_attention import flex_attention
