@@ -60,8 +60,12 @@ class StepLog:
         self.main = accelerator.is_main_process
         self.trackers = cfg.report_to != "none"
         if self.trackers:  # TensorBoard events go to <output_dir>/logs; its hyperparameters are scalars: lists as text
+            # A resume hides the events a stopped or rolled-back launch wrote after its checkpoint's step (TensorBoard's
+            # purge_step), as metrics.jsonl drops their records: each step's curve point is there once.
+            resumed = {"tensorboard": {"purge_step": run.step + 1}} if run.step > 0 else {}
             accelerator.init_trackers("logs", config={k: " ".join(map(str, v)) if isinstance(v, list) else v
-                                                      for k, v in run_config.items() if v is not None})  # fmt: skip
+                                                      for k, v in run_config.items() if v is not None},
+                                      init_kwargs=resumed)  # fmt: skip
         if self.main:
             keep_records_up_to(Path(out_dir) / "metrics.jsonl", run.step)
         self.file = open(Path(out_dir) / "metrics.jsonl", "a") if self.main else None

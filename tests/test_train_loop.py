@@ -112,6 +112,27 @@ def test_a_roll_back_sets_the_later_checkpoints_aside(tmp_path, capsys):
     assert summary["step"] == 4 and "the run is finished: step 4" in capsys.readouterr().out
 
 
+def test_tensorboard_after_a_roll_back_shows_each_step_once(tmp_path):
+    """TensorBoard, as metrics.jsonl, keeps one point per step after a resume: the events the abandoned line wrote
+    after the checkpoint are hidden (purge_step), also those of tags the new line does not log at the same steps
+    (TensorBoard's own clean-up, when a tag's step goes back, covers only the tags logged again)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    run_main(tiny_args(out, max_steps=6, save_every=2, keep_last=5, eval_every=3, report_to="tensorboard"))
+    run_main(tiny_args(out, max_steps=6, save_every=2, keep_last=5, eval_every=4, report_to="tensorboard", lr=1e-3,
+                       resume=str(out / "checkpoints" / "step_00000002")))  # fmt: skip
+    assert len(list((out / "logs").glob("events.out.tfevents.*"))) == 2  # one event file per launch
+    # the reader TensorBoard itself uses (the subfolders hold each launch's hyperparameters)
+    events = EventAccumulator(str(out / "logs"))
+    events.Reload()
+    for tag, key, loaded in (("train/loss", "loss", train_losses), ("train/lr", "lr", train_losses),
+                             ("val/loss", None, lambda out, key: val_losses(out))):  # fmt: skip
+        shown = {event.step: event.value for event in events.Scalars(tag)}
+        assert shown == pytest.approx(loaded(out, key), rel=1e-6), tag  # metrics.jsonl: the new line from step 3
+    assert sorted(val_losses(out)) == [0, 4, 6]  # (the abandoned line's evaluation at step 3 is gone from both)
+
+
 def test_checkpoint_killed_mid_write_is_never_latest(tmp_path, monkeypatch):
     out = tmp_path / "run"
     real_write = checkpoint._write_json
@@ -618,7 +639,7 @@ def test_every_evaluation_metric_is_logged(tmp_path, capsys):
         def __init__(self):
             self.logged = []
 
-        def init_trackers(self, name, config):
+        def init_trackers(self, name, config, init_kwargs):
             self.logged.append(("init", name))
 
         def log(self, values, step):
