@@ -753,3 +753,88 @@ def test_validation_loss_with_a_micro_batch_without_labels():
     assert losses[0] == pytest.approx(losses[1], rel=1e-6) and math.isfinite(losses[0])
     expected = model(**{k: torch.tensor([v]) for k, v in zip(("input_ids", "position_ids", "labels"), full)}).loss
     assert losses[0] == pytest.approx(float(expected.detach()), rel=1e-6)
+
+
+def test_learning_rate_schedule_and_weight_decay_groups():
+    """Linear warm-up from lr / warmup (step 0 trains), cosine down to lr x min_lr_ratio at max_steps; no weight decay
+    on embeddings, norms and biases."""
+    from model_helpers import tiny_config
+
+    import train_accelerate as ta
+    from modeling_nsa import NSAForCausalLM
+
+    cfg = ta.TrainConfig(lr=1e-3, warmup_steps=4, max_steps=20, min_lr_ratio=0.1)
+    assert ta.lr_at(0, cfg) == pytest.approx(2.5e-4) and ta.lr_at(3, cfg) == pytest.approx(1e-3)
+    assert ta.lr_at(12, cfg) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5))  # half way down the cosine
+    assert ta.lr_at(20, cfg) == pytest.approx(1e-4) and ta.lr_at(25, cfg) == pytest.approx(1e-4)
+    decaying = [ta.lr_at(step, cfg) for step in range(4, 21)]  # (step 4 is the peak again: progress 0)
+    assert all(a > b for a, b in zip(decaying, decaying[1:]))
+    model = NSAForCausalLM(tiny_config())
+    optimizer = ta.make_optimizer(model, ta.TrainConfig(weight_decay=0.1), torch.device("cpu"))
+    decay, no_decay = ({id(p) for p in group["params"]} for group in optimizer.param_groups)
+    assert [group["weight_decay"] for group in optimizer.param_groups] == [0.1, 0.0]
+    names = {id(p): name for name, p in model.named_parameters()}
+    assert "model.embed_tokens.weight" in {names[i] for i in no_decay}
+    assert all(names[i].endswith(("norm.weight", "bias", "embed_tokens.weight")) for i in no_decay)
+    assert "model.layers.0.self_attn.q_proj.weight" in {names[i] for i in decay}
+
+
+def test_gradient_clipping_bounds_the_update():
+    """train_step clips the gradient's global norm to --grad-clip (0: no clipping): with plain SGD at lr 1 the
+    weights move by exactly the clipped gradient."""
+    from accelerate import Accelerator
+    from model_helpers import tiny_config
+
+    import train_accelerate as ta
+    from modeling_nsa import NSAForCausalLM
+
+    ids = torch.randint(0, 61, (2, 32), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    moved = {}
+    for clip in (0.0, 1e-3):
+        torch.manual_seed(0)
+        model = NSAForCausalLM(tiny_config())
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        cfg = ta.TrainConfig(grad_clip=clip, grad_accum=1)
+        _, grad_norm, updated = ta.train_step(model, model, optimizer, [(batch, None)], cfg, Accelerator(cpu=True),
+                                              "no")  # fmt: skip
+        assert updated and grad_norm > 1e-2  # the norm before clipping
+        moved[clip] = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)]).norm()
+    assert float(moved[1e-3]) == pytest.approx(1e-3, rel=1e-3)
+    assert float(moved[0.0]) == pytest.approx(grad_norm, rel=1e-3)  # unclipped: the whole gradient
+
+
+def test_log_and_evaluation_at_the_last_step_and_resume_with_accumulation(tmp_path):
+    """A run whose --max-steps is no multiple of --log-every or --eval-every still logs and evaluates its last
+    step; each record's lr is the schedule's at that step; and a resume with gradient accumulation reproduces the
+    uninterrupted run (the data state saved is the one after the step's last micro-batch)."""
+    import train_accelerate as ta
+
+    flags = dict(max_steps=5, eval_every=2, log_every=2, save_every=2, keep_last=5, micro_batch_size=2, grad_accum=2)
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    run_main(tiny_args(full, **flags))
+    records = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(val_losses(full)) == [0, 2, 4, 5]
+    assert sorted(train_losses(full)) == [2, 4, 5]
+    cfg = ta.TrainConfig(lr=3e-3, warmup_steps=2, max_steps=5)  # tiny_args' schedule
+    for record in records:
+        if "lr" in record:  # step N's record: the rate its N-th optimizer step ran at
+            assert record["lr"] == pytest.approx(ta.lr_at(record["step"] - 1, cfg)), record
+    shutil.copytree(full / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
+    run_main(tiny_args(resumed, resume="latest", **flags))
+    assert train_losses(resumed) == pytest.approx({4: train_losses(full)[4], 5: train_losses(full)[5]}, rel=1e-6)
+    assert_same_weights(final_state(resumed), final_state(full), atol=1e-6, rtol=1e-6)
+
+
+def test_a_finished_run_missing_its_export_is_exported_on_resume_and_keep_last_one(tmp_path):
+    """A run killed after its last checkpoint but before its export finished: --resume latest exports it. Also
+    --keep-last 1 keeps one checkpoint, and --eval-only may write into an existing run's folder."""
+    out = tmp_path / "run"
+    run_main(tiny_args(out, max_steps=3, save_every=1, keep_last=1))
+    assert [d.name for d in checkpoint.checkpoint_dirs(out / "checkpoints")] == ["step_00000003"]
+    shutil.rmtree(out / "final")
+    summary = run_main(tiny_args(out, max_steps=3, save_every=1, keep_last=1, resume="latest"))
+    assert summary["finished"] and (out / "final" / "model.safetensors").is_file()
+    result = run_main(tiny_args(out, init_from=out / "final", eval_only=True))
+    assert result["val_rows"] > 0 and (out / "eval.json").is_file()
