@@ -281,6 +281,16 @@ def load_model(cfg: TrainConfig, tokenizer):
     computes in bf16), with this run's --nsa-backend. Its tokenizer must fit its vocabulary."""
     from modeling_nsa import NSAForCausalLM
 
+    local = Path(cfg.init_from).expanduser()
+    if local.is_dir() and not (local / "config.json").is_file():  # (from_pretrained would build a default config)
+        if (local / checkpoint.STATE_FILE).is_file():
+            raise ValueError(f"--init-from {cfg.init_from!r} is a training checkpoint, not an exported model (no "
+                             f"config.json). Continue its run with --resume {cfg.init_from}, or export it first: "
+                             f"--resume {cfg.init_from} --max-steps <its step> --output-dir NEW writes NEW/final/, "
+                             "which --init-from takes.")
+        final = " (a run's folder: its export is final/)" if (local / "final" / "config.json").is_file() else ""
+        raise ValueError(f"--init-from {cfg.init_from!r}: the folder holds no config.json{final}; pass an exported "
+                         "model (a run's final/) or a Hub id.")
     try:
         model = NSAForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32, nsa_backend=cfg.nsa_backend,
                                                **({"attn_implementation": cfg.attn_implementation}

@@ -152,6 +152,14 @@ def test_smoke_preset_end_to_end_with_hub_push(tmp_path, fake_hub):
         namespace = {{}}
         exec(snippet, namespace)
         assert namespace["inputs"].input_ids[0, -1] != tok.eos_token_id, namespace["inputs"]
+        # the pipeline as the README and the card call it: the prompt's own bytes, no end-of-text after them
+        from transformers import pipeline
+        generator = pipeline("text-generation", model=path, trust_remote_code=True)
+        out = generator("The Python ", min_new_tokens=2, max_new_tokens=2, do_sample=False, add_special_tokens=False,
+                        return_tensors=True)
+        prompt = tok("The Python ", add_special_tokens=False).input_ids
+        ids = list(out[0]["generated_token_ids"])
+        assert ids[: len(prompt)] == prompt and len(ids) == len(prompt) + 2, (ids, prompt)
     """)
     proc = subprocess.run([sys.executable, "-c", load], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -838,3 +838,13 @@ def test_a_finished_run_missing_its_export_is_exported_on_resume_and_keep_last_o
     assert summary["finished"] and (out / "final" / "model.safetensors").is_file()
     result = run_main(tiny_args(out, init_from=out / "final", eval_only=True))
     assert result["val_rows"] > 0 and (out / "eval.json").is_file()
+    # a checkpoint is not an exported model: --init-from says how to use it instead of loading a default config
+    ckpt = out / "checkpoints" / "step_00000003"
+    with pytest.raises(ValueError, match="is a training checkpoint, not an exported model"):
+        run_main(tiny_args(tmp_path / "from_ckpt", init_from=ckpt, max_steps=1))
+    with pytest.raises(ValueError, match=r"holds no config.json \(a run's folder: its export is final/\)"):
+        run_main(tiny_args(tmp_path / "from_run", init_from=out, max_steps=1))
+    # ... and the export the message names: resumed to its own step in another folder, nothing trained
+    exported = run_main(tiny_args(tmp_path / "exported", resume=str(ckpt), max_steps=3))
+    assert exported["finished"] and exported["step"] == 3
+    assert_same_weights(final_state(tmp_path / "exported"), final_state(out))
