@@ -45,6 +45,7 @@ class NSAConfig(PreTrainedConfig):
     - `compressor` = "mlp": the paper's learnable φ; "mean" is the parameter-free average.
     - `cmp_mlp_hidden_size` = 256: hidden width of φ (l*head_dim -> hidden -> head_dim).
     - `attention_mode` = "nsa"; "dense" is the same model with full causal attention (A/B baseline).
+    - `training_seq_len` = None: the row length the model was last trained at, written by the trainer's export.
     - `nsa_backend` = "auto" (the Triton kernels on NVIDIA GPUs of compute capability 8.0+, the PyTorch
       reference elsewhere), "reference" or "triton".
     - `attn_implementation` (transformers' argument, also `from_pretrained(..., attn_implementation=...)`): dense
@@ -93,6 +94,9 @@ class NSAConfig(PreTrainedConfig):
 
     attention_mode: str = "nsa"
     nsa_backend: str = "auto"
+    # the row length the model was last trained at (the trainer's --seq-len, written at export): where
+    # nsa_train.long_context starts marking lengths as extrapolation; None: not known
+    training_seq_len: int | None = None
 
     def __post_init__(self, **kwargs):
         # transformers 5 spells RoPE as rope_parameters (rope_scaling before it): NSA's is plain RoPE, whose one
@@ -165,6 +169,10 @@ class NSAConfig(PreTrainedConfig):
         if self.hidden_act not in ACT2FN:
             raise ValueError(f"hidden_act must be one of transformers' activations (e.g. 'silu', the default; "
                              f"'gelu_pytorch_tanh'), got {self.hidden_act!r}.")
+        if self.training_seq_len is not None and (not isinstance(self.training_seq_len, int)
+                                                   or self.training_seq_len <= 0):  # fmt: skip
+            raise ValueError(f"NSAConfig.training_seq_len must be a positive integer or None, got "
+                             f"{self.training_seq_len!r}.")
         if self.compressor not in COMPRESSORS:
             raise ValueError(f"compressor must be one of {COMPRESSORS}, got {self.compressor!r}.")
         if self.attention_mode not in ATTENTION_MODES:

@@ -32,7 +32,7 @@ RUN_OUTPUTS = ("metrics.jsonl", "final", "summary.json")  # what a run writes be
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # the flags lr_at's schedule is laid out with: a resume may change them, and says so
 SCHEDULE_FLAGS = ("max_steps", "lr", "warmup_steps", "min_lr_ratio")
-RUNTIME_FIELDS = {"nsa_backend", "use_cache"}  # chosen per run: the weights do not depend on them
+RUNTIME_FIELDS = {"nsa_backend", "use_cache", "training_seq_len"}  # chosen per run: the weights do not depend on them
 MODEL_FLAGS = ("model", "model_overrides", "tokenizer", "attention_mode")  # the flags that build the model
 # the flags that decide which token a saved data position points at: a resume must keep them
 DATA_FLAGS = ("dataset", "dataset_config", "text_column", "tokenizer", "seed", "shuffle_buffer", "val_every_doc",

@@ -33,6 +33,8 @@ class Exporter:
         state_dict = self.accelerator.get_state_dict(model)  # every process: under FSDP it gathers the shards
         if self.accelerator.is_main_process:
             model = self.accelerator.unwrap_model(model)
+            # the length it was trained at travels with the model (a copy or a Hub download has no run.json)
+            model.config.training_seq_len = self.cfg.seq_len
             export_hf_checkpoint(model, self.tokenizer, final, state_dict=state_dict)
             self._card_and_push(model, run, message, branch)
         self.accelerator.wait_for_everyone()

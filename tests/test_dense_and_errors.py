@@ -106,6 +106,9 @@ BAD_CONFIGS = [
     (dict(cmp_stride=0), ["cmp_stride", "0"]),
     (dict(window_size=-1), ["window_size", "-1"]),
     (dict(sel_init_blocks=-1), ["-1"]),
+    (dict(sel_local_blocks=-1), ["sel_local_blocks", "-1"]),
+    (dict(head_dim=15, num_attention_heads=4), ["head_dim", "15"]),  # RoPE rotates pairs
+    (dict(training_seq_len=0), ["training_seq_len", "0"]),
 ]
 
 

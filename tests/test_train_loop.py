@@ -821,6 +821,13 @@ def test_log_and_evaluation_at_the_last_step_and_resume_with_accumulation(tmp_pa
     for record in records:
         if "lr" in record:  # step N's record: the rate its N-th optimizer step ran at
             assert record["lr"] == pytest.approx(ta.lr_at(record["step"] - 1, cfg)), record
+    # the export carries the training length, so a copy of final/ (or a Hub download) still marks extrapolation
+    from nsa_train.long_context import training_length
+    from transformers import AutoConfig
+
+    shutil.copytree(full / "final", tmp_path / "copied")
+    copied = AutoConfig.from_pretrained(tmp_path / "copied", trust_remote_code=True)
+    assert training_length(copied, tmp_path / "copied") == (64, "config training_seq_len")
     shutil.copytree(full / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
     run_main(tiny_args(resumed, resume="latest", **flags))
     assert train_losses(resumed) == pytest.approx({4: train_losses(full)[4], 5: train_losses(full)[5]}, rel=1e-6)
