@@ -360,18 +360,23 @@ def test_crop_takes_tokens_back_exactly(variant):
     mask[1, :7] = 0  # left padding: the rows' compressed tokens fall at different steps
     with torch.no_grad():
         full = model(tokens, attention_mask=mask[:, :70], use_cache=False).logits
-        cache = NSACache(model.config)
-        model(tokens[:, :45], attention_mask=mask[:, :45], past_key_values=cache, use_cache=True)
-        cache.activate_past_recording()
-        model(draft[:, :5], attention_mask=mask[:, :50], past_key_values=cache, use_cache=True)  # drafts: a chunk
-        for t in range(5, 12):  # and single tokens
-            model(draft[:, t : t + 1], attention_mask=mask[:, : 46 + t], past_key_values=cache, use_cache=True)
-        cache.crop(-12)  # across compression (d = 4), selection (l' = 16) and window (w = 20) boundaries
-        assert cache.get_seq_length() == 45
-        rest = [model(tokens[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache, use_cache=True).logits
-                for t in range(45, 70)]  # fmt: skip
-    torch.testing.assert_close(torch.cat(rest, 1)[0], full[0, 45:], rtol=1e-9, atol=1e-9)
-    torch.testing.assert_close(torch.cat(rest, 1)[1], full[1, 45:], rtol=1e-9, atol=1e-9)
+    # kept = 46 / 47: the first token taken back completes a compressed token (l = 8, d = 4: row 1's ends at
+    # 46, row 0's at 47), which goes with it
+    for kept in (45, 46, 47):
+        with torch.no_grad():
+            cache = NSACache(model.config)
+            model(tokens[:, :kept], attention_mask=mask[:, :kept], past_key_values=cache, use_cache=True)
+            cache.activate_past_recording()
+            model(draft[:, :5], attention_mask=mask[:, : kept + 5], past_key_values=cache, use_cache=True)  # a chunk
+            for t in range(5, 12):  # and single tokens
+                model(draft[:, t : t + 1], attention_mask=mask[:, : kept + 1 + t], past_key_values=cache,
+                      use_cache=True)  # fmt: skip
+            cache.crop(-12)  # across compression (d = 4), selection (l' = 16) and window (w = 20) boundaries
+            assert cache.get_seq_length() == kept
+            rest = [model(tokens[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache,
+                          use_cache=True).logits for t in range(kept, 70)]  # fmt: skip
+        torch.testing.assert_close(torch.cat(rest, 1)[0], full[0, kept:], rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(torch.cat(rest, 1)[1], full[1, kept:], rtol=1e-9, atol=1e-9)
 
 
 def test_crop_deeper_than_what_the_cache_kept_says_how_to_allow_it():
