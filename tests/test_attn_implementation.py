@@ -91,7 +91,10 @@ def test_every_cpu_implementation_gives_the_dense_results(implementation, layout
     """The same logits (and, but for flex on CPU, gradients) as the default path with packed documents, with padding,
     and with one document per row; the implementation asked for is the one that runs."""
     ids, position_ids, mask = inputs
+    # use_cache=False: a training forward's path (in eval mode the default builds a cache, and a row after a cache
+    # always gets a mask, so "single" would not reach the plain causal kernel without one)
     batch = {"packed": dict(position_ids=position_ids), "padded": dict(attention_mask=mask), "single": {}}[layout]
+    batch["use_cache"] = False
     # reference: documents cut apart by hand, each row-piece run alone with the default implementation
     reference = dense_model()
     with torch.no_grad():

@@ -351,6 +351,15 @@ def test_assisted_and_prompt_lookup_decoding_give_plain_greedy_tokens(variant):
     assert torch.equal(model.generate(prompt, prompt_lookup_num_tokens=5, **kwargs), plain)
 
 
+def test_training_forwards_build_no_cache_and_evaluation_forwards_do():
+    """use_cache defaults to the config's only outside training: a training step keeps no K/V cache (memory)."""
+    model = make_model()
+    ids = torch.randint(1, 97, (1, 30), generator=torch.Generator().manual_seed(3))
+    assert model.train()(ids).past_key_values is None
+    assert isinstance(model.eval()(ids).past_key_values, NSACache)
+    assert model.train()(ids, use_cache=True).past_key_values is not None  # asked for: built
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS), ids=list(VARIANTS))
 def test_crop_takes_tokens_back_exactly(variant):
     model = make_model(**VARIANTS[variant])
