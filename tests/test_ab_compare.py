@@ -280,6 +280,45 @@ def test_seed_spread_and_the_verdict():
     assert [row["tokens"] for row in ab_compare.compare(runs)["curve"]] == [0, 100]
 
 
+def test_verdict_edges_run_states_and_the_token_axis(tmp_path):
+    """The verdict's "resolved" is the target's distance from the gap (not the gap's from 0); one mode's spread
+    stands in for both with both modes' run counts; a stopped run is resumed, not compared; tokens per step count
+    gradient accumulation."""
+    # paired gaps 0.025 +- (t(2) 4.303 x 0.001 / sqrt 3 = 0.0025): beyond noise, but the target 0.02 lies within 0.005
+    # of the gap, outside the interval: resolved (missed) ...
+    runs = [fake_run(m, seed, [3.0 + (0.025 + d if m == "nsa" else 0)]) for seed, d in enumerate((-0.001, 0, 0.001))
+            for m in ("nsa", "dense")]  # fmt: skip
+    final = ab_compare.compare(runs)["final"]
+    assert final["beyond_noise"] and final["resolved"] and not final["met"]
+    # ... and a gap of 0.021 with the same spread is beyond noise yet not resolved (the target is inside)
+    runs = [fake_run(m, seed, [3.0 + (0.021 + d if m == "nsa" else 0)]) for seed, d in enumerate((-0.001, 0, 0.001))
+            for m in ("nsa", "dense")]  # fmt: skip
+    final = ab_compare.compare(runs)["final"]
+    assert final["beyond_noise"] and not final["resolved"]
+    # two NSA seeds, one dense seed, no seed both: NSA's spread for both, sqrt(1/2 + 1/1)
+    runs = [fake_run("nsa", 0, [3.10]), fake_run("nsa", 1, [3.12]), fake_run("dense", 2, [3.0])]
+    final = ab_compare.compare(runs)["final"]
+    assert final["interval_kind"] == "per-mode"
+    assert final["interval"] == pytest.approx(12.706 * statistics.stdev([3.10, 3.12]) * (1 / 2 + 1 / 1) ** 0.5)
+    # run states: finished (summary says so), resumable (checkpoint, summary says not finished), new
+    run_dir = tmp_path / "nsa-seed0"
+    (run_dir / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_00000002" / "trainer_state.json").write_text("{}")
+    (run_dir / "summary.json").write_text(json.dumps({"finished": False, "step": 2}))  # stopped by SIGTERM
+    assert ab_compare.run_state(run_dir) == "resumable"
+    (run_dir / "summary.json").write_text(json.dumps({"finished": True, "step": 4}))
+    assert ab_compare.run_state(run_dir) == "finished"
+    assert ab_compare.run_state(tmp_path / "dense-seed0") == "new"
+    # the token axis: micro-batch x accumulation x processes x sequence length per step
+    (run_dir / "run.json").write_text(json.dumps({"config": {"micro_batch_size": 2, "grad_accum": 3, "world_size": 2,
+                                                             "seq_len": 64, "seed": 0},
+                                                  "model_config": {"attention_mode": "nsa"}}))  # fmt: skip
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in (
+        {"step": 0, "val_loss": 5.0}, {"step": 4, "loss": 4.2, "tok_s": 10.0}, {"step": 4, "val_loss": 4.0})))
+    read = ab_compare.read_run(run_dir)
+    assert read["tokens_per_step"] == 2 * 3 * 2 * 64 and read["val"] == [(0, 5.0), (4 * 768, 4.0)]
+
+
 def test_bad_inputs(tmp_path, ab):
     out, data_file, _ = ab
     for flag in ("--seed", "--output-dir", "--attention-mode", "--attention_mode"):
