@@ -276,3 +276,30 @@ def test_one_txt_file_is_one_document_held_out_and_the_error_says_so(byt5, tmp_p
         next(iter(data.Packer(source, byt5, 32, val_every=100, shuffle_buffer=0)))
     ids, _, _, _ = next(iter(data.Packer(source, byt5, 32, val_every=0, shuffle_buffer=0)))
     assert len(ids) == 32
+
+
+def test_each_epoch_shuffles_the_documents_anew(byt5):
+    packer = data.Packer(ListSource(docs(60)), byt5, 48, val_every=7, shuffle_buffer=16, seed=3)
+    epoch0, epoch1 = list(packer.rank_documents(0)), list(packer.rank_documents(1))
+    assert sorted(epoch0) == sorted(epoch1) and epoch0 != epoch1
+
+
+def test_a_rows_checkpoint_resumes_on_more_processes_from_the_one_global_position(tmp_path):
+    """--data-shard rows: every rank holds the same position in the global row stream, so a checkpoint written by
+    one process resumes on two (each rank reads rank 0's state); under docs that is refused."""
+    from types import SimpleNamespace
+
+    from nsa_train import checkpoint
+
+    ckpt = tmp_path / "step_00000002"
+    ckpt.mkdir()
+    (ckpt / checkpoint.STATE_FILE).write_text(json.dumps({"step": 2, "world_size": 1,
+                                                         "config": {"data_shard": "rows"}}))  # fmt: skip
+    (ckpt / "data_state_rank0.json").write_text(json.dumps({"epoch": 0, "doc_index": 5}))
+    second_rank = SimpleNamespace(process_index=1, num_processes=2, load_state=lambda path: None)
+    _, data_state = checkpoint.load_checkpoint(second_rank, ckpt)
+    assert data_state == {"epoch": 0, "doc_index": 5}
+    (ckpt / checkpoint.STATE_FILE).write_text(json.dumps({"step": 2, "world_size": 1,
+                                                         "config": {"data_shard": "docs"}}))  # fmt: skip
+    with pytest.raises(ValueError, match="written by 1 process"):
+        checkpoint.load_checkpoint(second_rank, ckpt)
