@@ -656,6 +656,43 @@ def test_every_evaluation_metric_is_logged(tmp_path, capsys):
     assert "step 5: val loss 2.0000 ppl 7.39 sel_recall 0.75" in capsys.readouterr().out
 
 
+def test_tokens_per_second_counts_the_tokens_trained_since_the_last_log(tmp_path, monkeypatch):
+    """tok/s (and the MFU, the model card and ab_compare's speed column from it) is the tokens trained since the
+    last log over the training time since then, also in a run resumed mid-way."""
+    from types import SimpleNamespace
+
+    from nsa_train import step_log
+    from nsa_train.run_state import RunState
+
+    clock = [100.0]
+    monkeypatch.setattr(step_log.time, "time", lambda: clock[0])
+
+    class OneProcess:  # what StepLog uses of the Accelerator
+        is_main_process, num_processes, device = True, 1, torch.device("cpu")
+
+        def reduce(self, tensor, reduction):
+            return tensor
+
+    run = RunState(step=10, tokens_seen=5_000)  # resumed at step 10
+    log = step_log.StepLog(OneProcess(), tmp_path, SimpleNamespace(report_to="none", max_steps=20, log_every=2), run,
+                           (2.0, 1.0), 1e3, {})  # fmt: skip
+    for loss in (1.0, 3.0):
+        run.advance(256, data=None)
+        log.step_done(torch.tensor(loss))
+    clock[0] += 4.0
+    log.log_training(run, lr=1e-3, grad_norm=1.0)
+    assert run.last_log["tok_s"] == pytest.approx(512 / 4) and run.last_log["loss"] == pytest.approx(2.0)
+    assert run.last_log["mfu_dense"] == pytest.approx(2.0 * 128 / 1e3)
+    clock[0] += 10.0  # an evaluation, then two more steps in 2 s: the evaluation's time is not counted
+    log.restart_clock()
+    for _ in range(2):
+        run.advance(256, data=None)
+        log.step_done(torch.tensor(1.0))
+    clock[0] += 2.0
+    log.log_training(run, lr=1e-3, grad_norm=1.0)
+    assert run.last_log["tok_s"] == pytest.approx(512 / 2)
+
+
 def test_checkpoints_do_not_warn_about_the_tied_head(tmp_path, caplog):
     # accelerate drops lm_head.weight (the embeddings' tied copy) from each checkpoint and warned about it at every
     # save; the tie is rebuilt with the model, so the warning only alarms (exact resume is tested above)
