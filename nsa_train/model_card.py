@@ -73,8 +73,11 @@ def run_card_fields(cfg, config, run, *, n_params, world, mixed_precision, devic
             "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
             "head_dim", "cmp_block_size", "cmp_stride", "sel_block_size", "sel_num_blocks", "window_size", "vocab_size")},
         "tokenizer": without_local_path(cfg.tokenizer),
-        "init_description": f"initialized from `{model_source(cfg.init_from)}`"
-        if getattr(cfg, "init_from", None) else "initialized at random",
+        "init_description": f"initialized from `{model_source(cfg.init_from)}` (its own training is not counted in "
+                            "this card's steps and tokens)" if getattr(cfg, "init_from", None) else "initialized at random",
+        "tokens_trained": f"{run.tokens_seen:,} tokens" + (f" after the training of `{model_source(cfg.init_from)}`"
+                                                          if getattr(cfg, "init_from", None) else ""),
+        "schedule": f"cosine schedule over {cfg.max_steps:,} steps down to {cfg.lr * cfg.min_lr_ratio:.3g}",
         "data_description": data_description, "seq_len": cfg.seq_len,
         "doc_masking": "documents packed with EOS between them, attention across documents (GPT-2 style)"
         if cfg.cross_doc_attention else "documents packed with EOS between them and never attended across",

@@ -572,6 +572,33 @@ def test_model_card_says_which_step_its_validation_loss_is_from(tmp_path):
     assert RunState.from_checkpoint(state, {}, started=0.0).val_step == 0
 
 
+def test_model_card_describes_the_batch_documents_schedule_and_an_init_from_run(tmp_path):
+    import train_accelerate
+    from modeling_nsa import NSAConfig
+    from nsa_train import model_card
+    from nsa_train.run_state import RunState
+
+    def card(cross_doc=False, **flags):
+        cfg = train_accelerate.parse_args(tiny_args(tmp_path / "run", **flags))
+        cfg.cross_doc_attention = cross_doc
+        fields = model_card.run_card_fields(cfg, NSAConfig(), RunState(step=10, tokens_seen=10_240), n_params=10**6,
+                                            world=2, mixed_precision="no", device="cpu", data_description="d",
+                                            out_dir=tmp_path / "run")  # fmt: skip
+        return model_card.render(fields)
+
+    text = card(micro_batch_size=4, grad_accum=3, max_steps=10, min_lr_ratio=0.1)
+    assert "Global batch: 24 rows (4 per micro-batch x 3 accumulation x 2 processes) = 1,536 tokens per step." in text
+    assert "documents packed with EOS between them and never attended across" in text
+    assert "2 warm-up steps, cosine schedule over 10 steps down to 0.0003," in text  # lr 3e-3 x 0.1
+    assert "trained on 10,240 tokens:" in text and "initialized at random" in text
+    assert "attention across documents (GPT-2 style)" in card(cross_doc=True)
+    final = tmp_path / "first" / "final"
+    final.mkdir(parents=True)  # (a local source is named by its run and folder: the card may be pushed)
+    text = card(init_from=final)
+    assert "trained on 10,240 tokens after the training of `first/final`:" in text
+    assert "initialized from `first/final` (its own training is not counted" in text
+
+
 def test_help_lists_every_flag(capsys):
     import train_accelerate
 
