@@ -755,6 +755,15 @@ def test_init_from_a_saved_model_and_eval_only(tmp_path, capsys):
     run_main(tiny_args(tmp_path / "eval-bytes", init_from=first / "final", eval_only=True, tokenizer="byt5"))
     assert (f"warning: --tokenizer 'byt5' (ByT5Tokenizer, 384 tokens) is not the tokenizer saved with --init-from "
             f"{first / 'final'} (GPT2Tokenizer)") in capsys.readouterr().out
+    # ... also one of the same class whose vocabulary differs (two tokens' ids swapped in the saved one)
+    altered = tmp_path / "altered"
+    shutil.copytree(first / "final", altered)
+    saved = json.loads((altered / "tokenizer.json").read_text())
+    vocab = saved["model"]["vocab"]
+    vocab["the"], vocab["and"] = vocab["and"], vocab["the"]
+    (altered / "tokenizer.json").write_text(json.dumps(saved))
+    run_main(tiny_args(tmp_path / "eval-altered", init_from=altered, eval_only=True))
+    assert "is not the tokenizer saved with --init-from" in capsys.readouterr().out
     # what cannot work fails before anything runs, naming the flag
     for args, message in [
         (dict(eval_only=True), "--eval-only evaluates the model given by --init-from"),
