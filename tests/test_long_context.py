@@ -103,6 +103,42 @@ def test_case_has_exact_length_and_the_item_at_the_asked_depth(name, task):
         assert case.answer in tokenizer.decode(case.answer_ids)
 
 
+class WithBOS:
+    """A byte-level tokenizer that puts a BOS before every text, as Llama's does (ByT5 and GPT-2 put none)."""
+
+    BOS = 2
+
+    def __init__(self, tokenizer):
+        self.inner = tokenizer
+
+    def __call__(self, text, add_special_tokens=True, **kwargs):
+        encoded = self.inner(text, add_special_tokens=False, **kwargs)
+        if add_special_tokens:
+            encoded["input_ids"] = [self.BOS] + encoded["input_ids"]
+        return encoded
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("task", ["passkey", "needle"])
+def test_a_tokenizers_bos_goes_first_and_the_item_stays_where_the_case_says(byt5, task):
+    cases, _ = lc.build_cases(WithBOS(byt5), task, [400], [0.0, 0.5, 1.0], samples=1, seed=3, haystack="python-docs")
+    header = lc.PASSKEY_HEADER if task == "passkey" else lc.NEEDLE_HEADER
+    for case in cases:
+        assert case.prompt_ids[0] == WithBOS.BOS and case.prompt_ids.count(WithBOS.BOS) == 1
+        assert len(case.prompt_ids) + len(case.answer_ids) == case.length
+        # the BOS, the instruction, then the haystack from haystack_start, the hidden item exactly at needle_start
+        assert byt5.decode(case.prompt_ids[1 : case.haystack_start]) == header
+        expected_item = (lc.PASSKEY_NEEDLE.format(answer=case.answer) if task == "passkey" else None)
+        item = byt5.decode(case.prompt_ids[case.needle_start : case.needle_start + case.needle_len])
+        if expected_item is not None:
+            assert item == expected_item
+        else:
+            assert item.startswith(lc.NEEDLE_SENTENCE.split("{")[0]) and case.answer in item
+        assert abs((case.needle_start - case.haystack_start) / case.haystack_len - case.depth) <= 0.05
+
+
 def test_cases_are_seeded_per_cell(byt5):
     one, _ = lc.build_cases(byt5, "passkey", [300], [0.5], samples=3, seed=7)
     again, _ = lc.build_cases(byt5, "passkey", [300, 600], [0.0, 0.5], samples=3, seed=7)
