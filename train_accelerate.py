@@ -675,11 +675,22 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     run_config = asdict(cfg) | {"output_dir": str(out_dir), "world_size": world}
     checkpoints = checkpoint.RunCheckpoints(accelerator, out_dir / "checkpoints", run_config,
                                             checkpoint.model_fields(unwrapped.config), cfg.keep_last)  # fmt: skip
+    # a finished run whose last checkpoint came before its end (--save-every 0 with a SIGTERM checkpoint, or a
+    # --max-steps no multiple of --save-every) is finished too: its end is in final/, not in a checkpoint
+    ended = checkpoint.finished_step(out_dir) if cfg.resume == "latest" else None
+    if ended is not None and ended >= cfg.max_steps and (out_dir / "final").is_dir():
+        say(f"the run is finished: step {ended} >= --max-steps {cfg.max_steps} and {out_dir / 'final'} is exported; "
+            "nothing to do (raise --max-steps to train further).")
+        return json.loads((out_dir / "summary.json").read_text())
     run = checkpoints.resume(cfg.resume, started)
     if run.step >= cfg.max_steps and (out_dir / "final").is_dir():  # final/, its card and summary.json stay as they are
         say(f"the run is finished: step {run.step} >= --max-steps {cfg.max_steps} and {out_dir / 'final'} is "
             "exported; nothing to do (raise --max-steps to train further).")
         return run.summary(finished=True, output_dir=str(out_dir))
+    if ended is not None and run.step < ended:
+        say(f"note: the latest checkpoint is at step {run.step}, before the run's end at step {ended} (kept in "
+            f"final/, not in a checkpoint): steps {run.step + 1}-{ended} are trained again on the way to "
+            f"--max-steps {cfg.max_steps}.")
     packer = data.Packer(source, tokenizer, cfg.seq_len, rank=accelerator.process_index, world_size=world,
                          seed=cfg.seed, shuffle_buffer=cfg.shuffle_buffer, val_every=cfg.val_every_doc,
                          cross_doc=cfg.cross_doc_attention, state=run.data, shard=cfg.data_shard)  # fmt: skip

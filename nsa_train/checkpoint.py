@@ -114,6 +114,16 @@ def check_output_dir(out_dir: Path, resume: str | None, eval_only: bool = False)
         )
 
 
+def finished_step(out_dir: Path) -> int | None:
+    """The step a finished run ended at, from its summary.json; None where the run has not finished."""
+    summary = Path(out_dir) / "summary.json"
+    try:
+        record = json.loads(summary.read_text()) if summary.is_file() else {}
+    except json.JSONDecodeError:
+        return None
+    return int(record["step"]) if record.get("finished") and record.get("step") is not None else None
+
+
 @dataclass
 class RunCheckpoints:
     """A run's checkpoints under `root`: `save` writes a RunState with the accelerate state (model, optimizer, RNG)

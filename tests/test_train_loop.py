@@ -403,6 +403,24 @@ def test_resume_of_a_finished_run_changes_nothing(tmp_path, capsys):
             "here): from step 2 on") in capsys.readouterr().out
 
 
+def test_resume_of_a_finished_run_whose_last_checkpoint_came_before_its_end(tmp_path, capsys):
+    """A run that ended at step 3 with its last checkpoint at step 2 (as --save-every 0 leaves one written at a
+    SIGTERM, then resumed to the end; here the end's checkpoint removed). --resume latest with the same --max-steps
+    has nothing to do (it retrained step 3 and exported again); a higher one says which steps it trains again."""
+    out = tmp_path / "run"
+    run_main(tiny_args(out, max_steps=3, save_every=2))
+    shutil.rmtree(out / "checkpoints" / "step_00000003")
+    files = {p: p.read_bytes() for p in [out / "summary.json", out / "metrics.jsonl", *(out / "final").iterdir()]}
+    capsys.readouterr()
+    summary = run_main(tiny_args(out, max_steps=3, save_every=2, resume="latest"))
+    assert summary["finished"] and summary["step"] == 3
+    assert "the run is finished: step 3 >= --max-steps 3" in capsys.readouterr().out
+    assert {p: p.read_bytes() for p in files} == files
+    summary = run_main(tiny_args(out, max_steps=4, save_every=2, resume="latest"))
+    assert summary["finished"] and summary["step"] == 4
+    assert "steps 3-3 are trained again on the way to --max-steps 4" in capsys.readouterr().out
+
+
 def _fake_world_size(ckpt, world: int):
     """Make a 1-process checkpoint look written by `world` processes (every rank's data state file)."""
     state = json.loads((ckpt / checkpoint.STATE_FILE).read_text())
