@@ -687,12 +687,23 @@ def run_long_context_eval(model, tokenizer, task: str = "passkey", lengths=(1024
     mine: list[tuple[int, list[dict]]] = []
     try:
         for k in range(rank, len(batches), world):
-            if scoring == "generate":
-                scores = score_generate(model, tokenizer, batches[k], device, pad_id)
-            else:
-                scores = score_loglik(model, batches[k], device, pad_id)
-            if selection:
-                scores = [{**s, **where} for s, where in zip(scores, needle_selection(model, batches[k], device, pad_id))]
+            try:
+                if scoring == "generate":
+                    scores = score_generate(model, tokenizer, batches[k], device, pad_id)
+                else:
+                    scores = score_loglik(model, batches[k], device, pad_id)
+                if selection:
+                    scores = [{**s, **where} for s, where in zip(scores, needle_selection(model, batches[k], device,
+                                                                                           pad_id))]  # fmt: skip
+            except (torch.OutOfMemoryError, MemoryError, RuntimeError) as error:
+                if not isinstance(error, (torch.OutOfMemoryError, MemoryError)) and "allocate" not in str(error):
+                    raise
+                raise RuntimeError(
+                    f"--lengths {batches[k][0].length}: out of memory on {device} with {len(batches[k])} case(s) per "
+                    f"batch ({' '.join(str(error).split())[:160]}). Use --batch-size 1, shorter --lengths, or a GPU "
+                    "(on CPU this project's NSA models run the PyTorch reference, which holds length x length scores "
+                    "per head)."
+                ) from None
             mine.append((k, scores))
     finally:
         model.train(was_training)

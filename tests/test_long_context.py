@@ -356,6 +356,29 @@ def test_loglik_matches_a_direct_computation_on_a_real_model(llama_dir, byt5):
 # ----------------------------------------------------------------------------- errors
 
 
+def test_a_length_that_does_not_fit_in_memory_is_named_with_the_way_out(byt5, llama_dir, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    llama = AutoModelForCausalLM.from_pretrained(llama_dir)
+
+    def out_of_memory(*args, **kwargs):  # what CPU torch raises for a 100k x 100k float32 score matrix
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: not enough memory: you "
+                           "tried to allocate 39995200144 bytes.")
+
+    monkeypatch.setattr(lc, "score_loglik", out_of_memory)
+    with pytest.raises(RuntimeError, match=r"--lengths 300: out of memory on cpu with 2 case\(s\) per batch .*"
+                                           r"Use --batch-size 1, shorter --lengths, or a GPU"):
+        lc.run_long_context_eval(llama, byt5, "passkey", [300], [0.5], samples=2, batch_size=2, scoring="loglik",
+                                 log=lambda s: None)  # fmt: skip
+
+    def another_error(*args, **kwargs):
+        raise RuntimeError("shape mismatch")
+
+    monkeypatch.setattr(lc, "score_loglik", another_error)  # not memory: passed on as it is
+    with pytest.raises(RuntimeError, match="^shape mismatch$"):
+        lc.run_long_context_eval(llama, byt5, "passkey", [300], [0.5], samples=1, scoring="loglik", log=lambda s: None)
+
+
 def test_bad_inputs_are_named_with_the_fix(byt5, llama_dir):
     from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
