@@ -894,6 +894,11 @@ def test_gradient_clipping_bounds_the_update():
         moved[clip] = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)]).norm()
     assert float(moved[1e-3]) == pytest.approx(1e-3, rel=1e-3)
     assert float(moved[0.0]) == pytest.approx(grad_norm, rel=1e-3)  # unclipped: the whole gradient
+    # a step whose rows hold no label (possible at --seq-len 2) adds a zero loss and gradient, not 0 / 0 = NaN
+    unlabeled = {"input_ids": ids, "labels": torch.full_like(ids, -100)}
+    loss, grad_norm, updated = ta.train_step(model, model, optimizer, [(unlabeled, None)], cfg, Accelerator(cpu=True),
+                                             "no")  # fmt: skip
+    assert float(loss) == 0.0 and grad_norm == 0.0 and updated
 
 
 def test_log_and_evaluation_at_the_last_step_and_resume_with_accumulation(tmp_path):
