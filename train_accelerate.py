@@ -125,7 +125,7 @@ class TrainConfig:
     stats_every: int = field(default=-1, metadata={"help": "NSA's selection and gate statistics (stats.jsonl, metrics.jsonl, trackers, the card) on held-out rows every N steps; -1: at every evaluation; 0: off. Dense attention has none."})
     eval_long_context: bool = field(default=False, metadata={"help": "After the export (with --eval-only: after the loss), evaluate long-context retrieval (<output_dir>/long_context/: JSON and heatmap PNG; the card reports it)."})
     long_context_task: Literal["passkey", "needle"] = field(default="passkey", metadata={"help": "passkey: a number in filler text; needle: a sentence in the run's documents."})
-    long_context_lengths: list[int] = field(default_factory=list, metadata={"help": f"Prompt lengths in tokens; none given: --seq-len times {' '.join(map(str, LONG_CONTEXT_LENGTH_FACTORS))} (longer than --seq-len is extrapolation)."})
+    long_context_lengths: list[int] = field(default_factory=list, metadata={"help": f"Case lengths in tokens (prompt and answer, as nsa_train.long_context counts them); none given: --seq-len times {' '.join(map(str, LONG_CONTEXT_LENGTH_FACTORS))} (longer than --seq-len is extrapolation)."})
     long_context_depths: list[float] = field(default_factory=lambda: list(DEFAULT_DEPTHS), metadata={"help": "Where the hidden item sits: the fraction of the haystack before it, in [0, 1]."})
     long_context_samples: int = field(default=10, metadata={"help": "Prompts per (length, depth)."})
     # checkpoints and the Hub

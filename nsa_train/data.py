@@ -270,7 +270,8 @@ def check_hub_reachable(what: str, hint: str, timeout: float = 3.0):
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE:
-        raise ConnectionError(f"{what}: HF_HUB_OFFLINE is set, so the Hub cannot be used. {hint}")
+        raise ConnectionError(f"{what}: HF_HUB_OFFLINE is set, so the Hub cannot be used (unset it where the Hub "
+                              f"can be reached). {hint}")
     url = urlparse(constants.ENDPOINT)
     port = url.port or (443 if url.scheme == "https" else 80)
     try:

@@ -252,9 +252,10 @@ def test_unknown_tokenizer_fails_fast_with_advice(monkeypatch):
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     t0 = time.time()
-    with pytest.raises((ValueError, ConnectionError), match="--tokenizer byt5"):
+    with pytest.raises((ValueError, ConnectionError), match="--tokenizer byt5") as info:
         data.load_tokenizer("no-such-org/no-such-tokenizer")
     assert time.time() - t0 < 30
+    assert "HF_HUB_OFFLINE is set" in str(info.value) and "unset it where the Hub can be reached" in str(info.value)
 
 
 @needs_shared
