@@ -238,28 +238,33 @@ def main(argv=None):
     from modeling_nsa import nsa_triton_dq as dq_mod
     from modeling_nsa import nsa_triton_interval as interval
 
-    flex = torch.compile(flex_attention, dynamic=False)
+    # fullgraph: past dynamo's recompile_limit (8 entries on flex_attention's code, 4 per (layout, length): two key
+    # lengths x grad on/off) a call would otherwise fall back to eager flex_attention, whose math path materializes
+    # the B x H x T x N scores (OOM at T = 32768 for the window). Fail loudly instead; reset per row below.
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    flex = torch.compile(flex_attention, dynamic=False, fullgraph=True)
     torch.manual_seed(0)
     rows = []
+    meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(), torch=torch.__version__,
+                command=" ".join(sys.argv))
     for layout in args.layouts:
         H, Hkv, D = (int(v) for v in layout.split(","))
         for T in args.lengths:
+            torch._dynamo.reset()  # each (layout, length) compiles anew: 4 cache entries, never the limit
             for kind in args.inputs:
                 x, cmp_end, doc_pos = ba.nsa_inputs(max(1, args.tokens // T), T, H, Hkv, D, kind=kind)
                 row = dict(layout=f"{H}q/{Hkv}kv d{D}", inputs=kind, **check_and_time(
                     x, cmp_end, doc_pos, ba.PARAMS, flex, ba.time_ms, (tri, interval, dq_mod)))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                if args.json:  # after every row: a later crash keeps the rows measured so far
+                    Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
                 torch.cuda.empty_cache()
     print("\n| layout | T | inputs | ours fwd | flex fwd | ours f+b | flex f+b | masks | flex / ours f+b |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['layout']} | {r['T']} | {r['inputs']} | {r['ours_fwd']:.3f} | {r['flex_fwd']:.3f} | "
               f"{r['ours_fb']:.3f} | {r['flex_fb']:.3f} | {r['mask_ms']:.3f} | {r['flex_over_ours_fb']:.2f}x |")
-    if args.json:
-        meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(),
-                    torch=torch.__version__, command=" ".join(sys.argv))
-        Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
 
 
 if __name__ == "__main__":
