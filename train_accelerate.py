@@ -675,22 +675,23 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     run_config = asdict(cfg) | {"output_dir": str(out_dir), "world_size": world}
     checkpoints = checkpoint.RunCheckpoints(accelerator, out_dir / "checkpoints", run_config,
                                             checkpoint.model_fields(unwrapped.config), cfg.keep_last)  # fmt: skip
-    # a finished run whose last checkpoint came before its end (--save-every 0 with a SIGTERM checkpoint, or a
-    # --max-steps no multiple of --save-every) is finished too: its end is in final/, not in a checkpoint
+    run = checkpoints.resume(cfg.resume, started)  # (checks the checkpoint's model and data flags against this run's)
+    # A finished run whose last checkpoint came before its end (--save-every 0 with a SIGTERM checkpoint) is finished
+    # too: its end is in final/ and summary.json, not in a checkpoint. (Every launch that trains removes
+    # summary.json first, below, so one left here was written by the last launch that trained, at its end.)
     ended = checkpoint.finished_step(out_dir) if cfg.resume == "latest" else None
-    if ended is not None and ended >= cfg.max_steps and (out_dir / "final").is_dir():
-        say(f"the run is finished: step {ended} >= --max-steps {cfg.max_steps} and {out_dir / 'final'} is exported; "
-            "nothing to do (raise --max-steps to train further).")
-        return json.loads((out_dir / "summary.json").read_text())
-    run = checkpoints.resume(cfg.resume, started)
-    if run.step >= cfg.max_steps and (out_dir / "final").is_dir():  # final/, its card and summary.json stay as they are
-        say(f"the run is finished: step {run.step} >= --max-steps {cfg.max_steps} and {out_dir / 'final'} is "
+    last = max(run.step, ended or 0)
+    if last >= cfg.max_steps and (out_dir / "final").is_dir():  # final/, its card and summary.json stay as they are
+        say(f"the run is finished: step {last} >= --max-steps {cfg.max_steps} and {out_dir / 'final'} is "
             "exported; nothing to do (raise --max-steps to train further).")
-        return run.summary(finished=True, output_dir=str(out_dir))
+        return json.loads((out_dir / "summary.json").read_text()) if last > run.step else \
+            run.summary(finished=True, output_dir=str(out_dir))
     if ended is not None and run.step < ended:
         say(f"note: the latest checkpoint is at step {run.step}, before the run's end at step {ended} (kept in "
-            f"final/, not in a checkpoint): steps {run.step + 1}-{ended} are trained again on the way to "
-            f"--max-steps {cfg.max_steps}.")
+            f"final/, not in a checkpoint): steps {run.step + 1}-{min(ended, cfg.max_steps)} are trained again on "
+            f"the way to --max-steps {cfg.max_steps}.")
+    if main_proc:  # this launch trains: the summary of an earlier one no longer describes the run
+        (out_dir / "summary.json").unlink(missing_ok=True)
     packer = data.Packer(source, tokenizer, cfg.seq_len, rank=accelerator.process_index, world_size=world,
                          seed=cfg.seed, shuffle_buffer=cfg.shuffle_buffer, val_every=cfg.val_every_doc,
                          cross_doc=cfg.cross_doc_attention, state=run.data, shard=cfg.data_shard)  # fmt: skip

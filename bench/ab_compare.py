@@ -46,7 +46,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from nsa_train.checkpoint import RUN_OUTPUTS, latest_checkpoint  # noqa: E402
+from nsa_train.checkpoint import RUN_OUTPUTS, RUNTIME_FIELDS, latest_checkpoint  # noqa: E402
 from nsa_train.long_context import run_command  # noqa: E402
 
 MODES = ("nsa", "dense")
@@ -383,7 +383,7 @@ def config_differences(runs: list[dict]) -> list[str]:
                 notes.append(f"{base['name']} / {other['name']}: train config {key} = {base['config'].get(key)!r} / "
                              f"{other['config'].get(key)!r}")  # fmt: skip
         for key in sorted(set(base["model_config"]) | set(other["model_config"])):
-            if key in NSA_FIELDS or key.startswith("_") or key == "transformers_version":
+            if key in NSA_FIELDS or key in RUNTIME_FIELDS or key.startswith("_") or key == "transformers_version":
                 continue
             if base["model_config"].get(key) != other["model_config"].get(key):
                 notes.append(f"{base['name']} / {other['name']}: model config {key} = "

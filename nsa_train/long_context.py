@@ -24,8 +24,8 @@ few tokens), and the case records the depth it really got. Two scorings:
 - `loglik`: the answer is fed after the prompt; right when every answer token is the model's argmax, and the
   answer tokens' mean log-probability is reported too.
 
-Lengths above the model's training length (a run's `--seq-len` from its run.json, a config's
-`training_seq_len`, else `max_position_embeddings`) run and are flagged as extrapolation; lengths above what
+Lengths above the model's training length (a config's `training_seq_len`, which this project's export writes,
+else a run's `--seq-len` from the run.json beside its final/, else `max_position_embeddings`) run and are flagged as extrapolation; lengths above what
 a learned position table holds are refused. The result is a table (length x depth accuracy), a JSON file and
 a heatmap PNG like the NSA paper's Figure 5 (matplotlib: `pip install "nsa-transformers[plot]"`).
 
@@ -698,12 +698,12 @@ def run_long_context_eval(model, tokenizer, task: str = "passkey", lengths=(1024
             except (torch.OutOfMemoryError, MemoryError, RuntimeError) as error:
                 if not isinstance(error, (torch.OutOfMemoryError, MemoryError)) and "allocate" not in str(error):
                     raise
+                longest = max(case.length for case in batches[k])  # (a batch may hold two lengths)
                 raise RuntimeError(
-                    f"--lengths {batches[k][0].length}: out of memory on {device} with {len(batches[k])} case(s) per "
-                    f"batch ({' '.join(str(error).split())[:160]}). Use --batch-size 1, shorter --lengths, or a GPU "
-                    "(on CPU this project's NSA models run the PyTorch reference, which holds length x length scores "
-                    "per head)."
-                ) from None
+                    f"length {longest}: out of memory on {device} with {len(batches[k])} case(s) per batch. Use a "
+                    "smaller batch, shorter lengths or a GPU (on CPU this project's NSA models run the PyTorch "
+                    f"reference, which holds length x length scores per head). The error: {error}"
+                ) from error
             mine.append((k, scores))
     finally:
         model.train(was_training)
@@ -931,7 +931,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-column", default="text")
     p.add_argument("--tokenizer", default=None, help="default: MODEL's")
     p.add_argument("--training-len", type=int, default=None,
-                   help="the model's training length (default: the run's run.json, else the config)")
+                   help="the model's training length (default: the config's training_seq_len, else the run's "
+                        "run.json, else max_position_embeddings)")
     p.add_argument("--out", default=None, help="output directory (default: <run>/long_context for a run's final/, "
                    "else ./long_context)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")

@@ -77,7 +77,7 @@ def run_card_fields(cfg, config, run, *, n_params, world, mixed_precision, devic
                             "this card's steps and tokens)" if getattr(cfg, "init_from", None) else "initialized at random",
         "tokens_trained": f"{run.tokens_seen:,} tokens" + (f" after the training of `{model_source(cfg.init_from)}`"
                                                           if getattr(cfg, "init_from", None) else ""),
-        "schedule": f"cosine schedule over {cfg.max_steps:,} steps down to {cfg.lr * cfg.min_lr_ratio:.3g}",
+        "schedule": f"then cosine decay to {cfg.lr * cfg.min_lr_ratio:.3g} at step {cfg.max_steps:,}",
         "data_description": data_description, "seq_len": cfg.seq_len,
         "doc_masking": "documents packed with EOS between them, attention across documents (GPT-2 style)"
         if cfg.cross_doc_attention else "documents packed with EOS between them and never attended across",

@@ -62,7 +62,7 @@ class StepLog:
         if self.trackers:  # TensorBoard events go to <output_dir>/logs; its hyperparameters are scalars: lists as text
             # A resume hides the events a stopped or rolled-back launch wrote after its checkpoint's step (TensorBoard's
             # purge_step), as metrics.jsonl drops their records: each step's curve point is there once.
-            resumed = {"tensorboard": {"purge_step": run.step + 1}} if run.step > 0 else {}
+            resumed = {"tensorboard": {"purge_step": run.step + 1}} if cfg.resume else {}
             accelerator.init_trackers("logs", config={k: " ".join(map(str, v)) if isinstance(v, list) else v
                                                       for k, v in run_config.items() if v is not None},
                                       init_kwargs=resumed)  # fmt: skip

@@ -317,6 +317,12 @@ def test_verdict_edges_run_states_and_the_token_axis(tmp_path):
         {"step": 0, "val_loss": 5.0}, {"step": 4, "loss": 4.2, "tok_s": 10.0}, {"step": 4, "val_loss": 4.0})))
     read = ab_compare.read_run(run_dir)
     assert read["tokens_per_step"] == 2 * 3 * 2 * 64 and read["val"] == [(0, 5.0), (4 * 768, 4.0)]
+    # runtime model fields (the training length an export records) are not differences between twins
+    twins = [{"name": n, "config": {}, "model_config": {"training_seq_len": t, "hidden_size": 8}}
+             for n, t in (("a", None), ("b", 2048))]
+    assert ab_compare.config_differences(twins) == []
+    twins[1]["model_config"]["hidden_size"] = 16
+    assert ab_compare.config_differences(twins) == ["a / b: model config hidden_size = 8 / 16"]
 
 
 def test_bad_inputs(tmp_path, ab):

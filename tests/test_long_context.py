@@ -360,16 +360,27 @@ def test_a_length_that_does_not_fit_in_memory_is_named_with_the_way_out(byt5, ll
     from transformers import AutoModelForCausalLM
 
     llama = AutoModelForCausalLM.from_pretrained(llama_dir)
+    real_score = lc.score_loglik
 
-    def out_of_memory(*args, **kwargs):  # what CPU torch raises for a 100k x 100k float32 score matrix
-        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: not enough memory: you "
-                           "tried to allocate 39995200144 bytes.")
+    def out_of_memory_at_600(model, batch, *args, **kwargs):  # CPU torch's error for a 100k x 100k score matrix
+        if any(case.length == 600 for case in batch):
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: not enough memory: "
+                               "you tried to allocate 39995200144 bytes.")
+        return real_score(model, batch, *args, **kwargs)
 
-    monkeypatch.setattr(lc, "score_loglik", out_of_memory)
-    with pytest.raises(RuntimeError, match=r"--lengths 300: out of memory on cpu with 2 case\(s\) per batch .*"
-                                           r"Use --batch-size 1, shorter --lengths, or a GPU"):
-        lc.run_long_context_eval(llama, byt5, "passkey", [300], [0.5], samples=2, batch_size=2, scoring="loglik",
-                                 log=lambda s: None)  # fmt: skip
+    monkeypatch.setattr(lc, "score_loglik", out_of_memory_at_600)
+    # 3 cases per length in batches of 2: the second batch holds one case of 300 and one of 600
+    with pytest.raises(RuntimeError, match=r"^length 600: out of memory on cpu with 2 case\(s\) per batch\. Use a "
+                                           r"smaller batch, shorter lengths or a GPU .*tried to allocate 39995200144"):
+        lc.run_long_context_eval(llama, byt5, "passkey", [300, 600], [0.5], samples=3, batch_size=2,
+                                 scoring="loglik", log=lambda s: None)  # fmt: skip
+
+    def cuda_out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 40.00 GiB")
+
+    monkeypatch.setattr(lc, "score_loglik", cuda_out_of_memory)
+    with pytest.raises(RuntimeError, match=r"^length 300: out of memory .*CUDA out of memory"):
+        lc.run_long_context_eval(llama, byt5, "passkey", [300], [0.5], samples=1, scoring="loglik", log=lambda s: None)
 
     def another_error(*args, **kwargs):
         raise RuntimeError("shape mismatch")

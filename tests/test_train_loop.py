@@ -419,6 +419,34 @@ def test_resume_of_a_finished_run_whose_last_checkpoint_came_before_its_end(tmp_
     summary = run_main(tiny_args(out, max_steps=4, save_every=2, resume="latest"))
     assert summary["finished"] and summary["step"] == 4
     assert "steps 3-3 are trained again on the way to --max-steps 4" in capsys.readouterr().out
+    # with --model another than the run's, the checkpoint's model check still runs first
+    with pytest.raises(ValueError, match="holds another model than this run builds"):
+        run_main(tiny_args(out, max_steps=4, save_every=2, resume="latest", model="smoke"))
+
+
+def test_a_launch_that_trains_then_dies_leaves_no_finished_summary(tmp_path, monkeypatch):
+    """A roll-back of a finished run that dies after its first new checkpoint: summary.json no longer says the run
+    finished (it described the abandoned line), so --resume latest trains the new line to its end."""
+    import train_accelerate
+
+    out = tmp_path / "run"
+    run_main(tiny_args(out, max_steps=4, save_every=2, keep_last=5))
+    real_save = checkpoint.RunCheckpoints.save
+
+    def save_then_die(self, run):
+        path = real_save(self, run)
+        raise KeyboardInterrupt(f"killed after saving {path.name}")
+
+    monkeypatch.setattr(checkpoint.RunCheckpoints, "save", save_then_die)
+    rolled_back = dict(max_steps=4, save_every=1, keep_last=5, lr=1e-3)
+    with pytest.raises(KeyboardInterrupt, match="step_00000003"):
+        run_main(tiny_args(out, resume=str(out / "checkpoints" / "step_00000002"), **rolled_back))
+    monkeypatch.undo()
+    assert not (out / "summary.json").exists()
+    summary = run_main(tiny_args(out, resume="latest", **rolled_back))
+    assert summary["finished"] and summary["step"] == 4
+    cfg = train_accelerate.TrainConfig(lr=1e-3, warmup_steps=2, max_steps=4)
+    assert train_losses(out, "lr")[4] == pytest.approx(train_accelerate.lr_at(3, cfg))  # the new line's step 4
 
 
 def _fake_world_size(ckpt, world: int):
@@ -607,7 +635,7 @@ def test_model_card_describes_the_batch_documents_schedule_and_an_init_from_run(
     text = card(micro_batch_size=4, grad_accum=3, max_steps=10, min_lr_ratio=0.1)
     assert "Global batch: 24 rows (4 per micro-batch x 3 accumulation x 2 processes) = 1,536 tokens per step." in text
     assert "documents packed with EOS between them and never attended across" in text
-    assert "2 warm-up steps, cosine schedule over 10 steps down to 0.0003," in text  # lr 3e-3 x 0.1
+    assert "2 warm-up steps, then cosine decay to 0.0003 at step 10," in text  # lr 3e-3 x 0.1
     assert "trained on 10,240 tokens:" in text and "initialized at random" in text
     assert "attention across documents (GPT-2 style)" in card(cross_doc=True)
     final = tmp_path / "first" / "final"
@@ -686,12 +714,14 @@ def test_every_evaluation_metric_is_logged(tmp_path, capsys):
 
         def init_trackers(self, name, config, init_kwargs):
             self.logged.append(("init", name))
+            self.init_kwargs = init_kwargs
 
         def log(self, values, step):
             self.logged.append((values, step))
 
     accelerator = Tracked()
-    log = StepLog(accelerator, tmp_path, SimpleNamespace(report_to="tensorboard", max_steps=10, log_every=1),
+    log = StepLog(accelerator, tmp_path, SimpleNamespace(report_to="tensorboard", max_steps=10, log_every=1,
+                                                         resume=None),
                   RunState(), (1.0, 1.0), None, {"seed": 1})  # fmt: skip
     log.log_eval(5, {"val_loss": 2.0, "val_ppl": 7.389, "sel_recall": 0.75})
     log.close()
@@ -699,6 +729,15 @@ def test_every_evaluation_metric_is_logged(tmp_path, capsys):
                                                                      "sel_recall": 0.75}  # fmt: skip
     assert accelerator.logged == [("init", "logs"), ({"val/loss": 2.0, "val/ppl": 7.389, "sel/recall": 0.75}, 5)]
     assert "step 5: val loss 2.0000 ppl 7.39 sel_recall 0.75" in capsys.readouterr().out
+    # a resume hides TensorBoard's events after its step, also from step 0 (a launch that died before its first
+    # checkpoint), and a new run purges nothing
+    for resume, step, expected in (("latest", 0, {"tensorboard": {"purge_step": 1}}),
+                                   ("latest", 7, {"tensorboard": {"purge_step": 8}}), (None, 0, {})):  # fmt: skip
+        accelerator = Tracked()
+        StepLog(accelerator, tmp_path, SimpleNamespace(report_to="tensorboard", max_steps=10, log_every=1,
+                                                       resume=resume),
+                RunState(step=step), (1.0, 1.0), None, {}).close()  # fmt: skip
+        assert accelerator.init_kwargs == expected, (resume, step)
 
 
 def test_tokens_per_second_counts_the_tokens_trained_since_the_last_log(tmp_path, monkeypatch):
@@ -719,7 +758,8 @@ def test_tokens_per_second_counts_the_tokens_trained_since_the_last_log(tmp_path
             return tensor
 
     run = RunState(step=10, tokens_seen=5_000)  # resumed at step 10
-    log = step_log.StepLog(OneProcess(), tmp_path, SimpleNamespace(report_to="none", max_steps=20, log_every=2), run,
+    log = step_log.StepLog(OneProcess(), tmp_path, SimpleNamespace(report_to="none", max_steps=20, log_every=2,
+                                                                   resume="latest"), run,
                            (2.0, 1.0), 1e3, {})  # fmt: skip
     for loss in (1.0, 3.0):
         run.advance(256, data=None)
