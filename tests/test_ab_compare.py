@@ -325,6 +325,23 @@ def test_verdict_edges_run_states_and_the_token_axis(tmp_path):
     assert ab_compare.config_differences(twins) == ["a / b: model config hidden_size = 8 / 16"]
 
 
+def test_kept_runs_compare_model_overrides_as_json(tmp_path):
+    """A kept run's --model-overrides is the same however its JSON is spaced; another value is a difference."""
+    import dataclasses
+
+    import train_accelerate
+
+    def flags(overrides):
+        return ["--model", "tiny", "--model-overrides", overrides, "--output-dir", str(tmp_path / "run")]
+
+    kept = dataclasses.asdict(train_accelerate.parse_args(flags('{"window_size":16}')))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "run.json").write_text(json.dumps({"config": kept}, default=str))
+    ab_compare.check_kept_run_flags(tmp_path / "run", flags('{"window_size": 16}'))  # spaced otherwise: the same
+    with pytest.raises(ValueError, match="--model-overrides"):
+        ab_compare.check_kept_run_flags(tmp_path / "run", flags('{"window_size": 32}'))
+
+
 def test_bad_inputs(tmp_path, ab):
     out, data_file, _ = ab
     for flag in ("--seed", "--output-dir", "--attention-mode", "--attention_mode"):

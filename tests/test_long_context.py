@@ -390,6 +390,16 @@ def test_a_length_that_does_not_fit_in_memory_is_named_with_the_way_out(byt5, ll
         lc.run_long_context_eval(llama, byt5, "passkey", [300], [0.5], samples=1, scoring="loglik", log=lambda s: None)
 
 
+def test_extrapolation_starts_past_the_training_length(byt5, llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    llama = AutoModelForCausalLM.from_pretrained(llama_dir)
+    result = lc.run_long_context_eval(llama, byt5, "passkey", [300, 301], [0.5], samples=1, scoring="loglik",
+                                      training_len=300, log=lambda s: None)  # fmt: skip
+    assert [(cell["length"], cell["extrapolation"]) for cell in result["cells"]] == [(300, False), (301, True)]
+    assert result["extrapolated_lengths"] == [301]
+
+
 def test_bad_inputs_are_named_with_the_fix(byt5, llama_dir):
     from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 

@@ -778,6 +778,22 @@ def test_tokens_per_second_counts_the_tokens_trained_since_the_last_log(tmp_path
     assert run.last_log["tok_s"] == pytest.approx(512 / 2)
 
 
+def test_metrics_records_kept_on_resume(tmp_path):
+    """Resuming at step N keeps metrics.jsonl's records up to N; a relaunch from step 0 (no checkpoint yet) keeps
+    none, not even the step-0 evaluation it logs again; a line cut short by a kill goes too."""
+    from nsa_train.step_log import keep_records_up_to
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [{"step": 0, "val_loss": 5.0}, {"step": 1, "loss": 4.0}, {"step": 2, "loss": 3.9}, {"step": 3, "loss": 3.8}]
+    text = "".join(json.dumps(r) + "\n" for r in lines) + '{"step": 4, "lo'
+    path.write_text(text)
+    keep_records_up_to(path, 2)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2]
+    path.write_text(text)
+    keep_records_up_to(path, 0)
+    assert path.read_text() == ""
+
+
 def test_checkpoints_do_not_warn_about_the_tied_head(tmp_path, caplog):
     # accelerate drops lm_head.weight (the embeddings' tied copy) from each checkpoint and warned about it at every
     # save; the tie is rebuilt with the model, so the warning only alarms (exact resume is tested above)
