@@ -410,7 +410,7 @@ def output_dir(cfg: TrainConfig, state: PartialState) -> Path:
     out = [cfg.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"]
     broadcast_object_list(out) if state.num_processes > 1 else None
     out_dir = Path(out[0])
-    checkpoint.check_output_dir(out_dir, cfg.resume, cfg.eval_only)
+    checkpoint.check_output_dir(out_dir, cfg.resume, cfg.eval_only, cfg.max_steps)
     return out_dir
 
 

@@ -83,10 +83,11 @@ def resolve_resume(resume: str | None, ckpt_root: Path) -> Path | None:
     return path
 
 
-def check_output_dir(out_dir: Path, resume: str | None, eval_only: bool = False) -> None:
+def check_output_dir(out_dir: Path, resume: str | None, eval_only: bool = False, max_steps: int | None = None) -> None:
     """A new run (no --resume) refuses a directory that holds another run's output, which it would mix or replace;
     so does `--resume latest` where a finished run left no checkpoint to continue from (it would start again from
-    step 0 over that run's final/). --eval-only writes eval.json only."""
+    step 0 over that run's final/), unless it asks for no more steps than the run trained (nothing to do: the
+    trainer says so). --eval-only writes eval.json only."""
     if eval_only:
         return
     out_dir = Path(out_dir)
@@ -104,6 +105,9 @@ def check_output_dir(out_dir: Path, resume: str | None, eval_only: bool = False)
             f"--output-dir {out_dir} already holds the output of a run ({', '.join(leftovers)}) and no checkpoint. "
             "Pass a new (or empty) --output-dir to start a new run."
         )
+    ended = finished_step(out_dir)
+    if resume == "latest" and ended is not None and max_steps is not None and ended >= max_steps and "final" in leftovers:
+        return  # a job relaunched after its run finished: nothing to train
     if resume == "latest" and {"final", "summary.json"} & set(leftovers):
         # (a run stopped before its first checkpoint, metrics.jsonl alone, starts again: nothing of it was kept)
         raise ValueError(
@@ -145,7 +149,7 @@ class RunCheckpoints:
         directory without one yet)."""
         path = resolve_resume(resume, self.root)
         if path is None:
-            if resume == "latest":
+            if resume == "latest" and finished_step(self.root.parent) is None:  # (a finished run: the trainer says)
                 self.accelerator.print(f"--resume latest: no checkpoint found in {self.root}; training starts from "
                                        "step 0")  # fmt: skip
             return RunState(started=started)

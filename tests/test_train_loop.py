@@ -360,9 +360,10 @@ def test_output_dir_of_another_run_and_resume_with_another_model(tmp_path):
         run_main(tiny_args(tuned, max_steps=2, model="smoke", resume="latest"))
 
 
-def test_output_dir_of_a_run_without_checkpoints(tmp_path):
-    """A finished run saved without checkpoints is refused by a new run and by --resume latest alike (which would
-    start again from step 0 over its final/); a run stopped before its first checkpoint (metrics.jsonl alone)
+def test_output_dir_of_a_run_without_checkpoints(tmp_path, capsys):
+    """A finished run saved without checkpoints is refused by a new run and by --resume latest for more steps
+    (which would start again from step 0 over its final/); --resume latest for no more steps than it trained has
+    nothing to do, as for a run with checkpoints; a run stopped before its first checkpoint (metrics.jsonl alone)
     starts again under --resume latest, as a job script relaunched after a crash expects."""
     out = tmp_path / "run"
     run_main(tiny_args(out, max_steps=1))  # --save-every 0: metrics.jsonl and final/, no checkpoint
@@ -373,6 +374,10 @@ def test_output_dir_of_a_run_without_checkpoints(tmp_path):
     with pytest.raises(ValueError, match=r"--resume latest: \S*run holds a run that ended without a checkpoint "
                                          r"\(metrics.jsonl, final, summary.json.*--init-from \S*run/final"):  # fmt: skip
         run_main(tiny_args(out, max_steps=2, model="smoke", resume="latest"))
+    capsys.readouterr()
+    assert run_main(tiny_args(out, max_steps=1, resume="latest"))["finished"]  # a relaunched job: nothing to do
+    said = capsys.readouterr().out
+    assert "the run is finished: step 1 >= --max-steps 1" in said and "training starts from step 0" not in said
     assert {p: p.read_bytes() for p in files} == files
     stopped = tmp_path / "stopped"
     stopped.mkdir()
