@@ -19,11 +19,13 @@ by CUDA events, each path computing the same thing:
 - flex: `torch.compile(flex_attention)` forward of both branches (the compressed one with its log-sum-exp, which
   the top-n reads), the gated sum of the three branches, and autograd's backward of it: dQ, both branches' dK/dV,
   the gate gradients; plus the two block masks (`mask_ms`, built once per forward for every layer).
-Before timing, both paths' outputs, log-sum-exps and gradients are compared; a difference beyond bf16 rounding
-stops the run. The verdict column is flex f+b / ours f+b: below 1, a composed op (FlexAttention for these two
-branches, the project's kernels for the top-n and the selected branch) would save the difference, less what the
-selected branch's dQ then costs in a launch of its own (the fused dQ computes it in the same pass:
-`tune_kernels.py`'s `seldq_split` variant times that launch).
+- the whole op as it is (`nsa_attention_triton`, forward and autograd's backward) against the composed op:
+  FlexAttention for the two interval branches, the kernels for the rest (the top-n on flex's log-sum-exp, the
+  selected forward, the selected dQ in a launch of its own, the selected dK/dV).
+Before timing, each pair's outputs, log-sum-exps and gradients are compared (the composed op with the full op's
+blocks: a near-tie that bf16 rounds the other way would pick another block; the share of selections that agree
+is reported); a difference beyond bf16 rounding stops the run. The verdict is the last column but one: composed
+f+b / whole op f+b, below 1 where the composed op would be faster.
 """
 
 from __future__ import annotations
@@ -110,11 +112,10 @@ def interval_block_mask(lo: torch.Tensor, hi: torch.Tensor, num_keys: int, block
     return mask, lo_p, hi_p
 
 
-def flex_branches(q, k_cmp, v_cmp, k_win, v_win, gates, o_slc, cmp_mask, win_mask, scale, flex):
-    """The gated NSA output (B, T, H, D) with the compressed and window branches by FlexAttention (`flex`: the
-    compiled flex_attention), the selected branch's output o_slc given; also the compressed branch's base-2
-    log-sum-exp (B, T, H), as the project's kernels return it (the top-n reads it). q (B, T, H, D), k/v (B, N, Hkv, D),
-    gates (B, T, H, 3) in (cmp, slc, win) order."""
+def flex_interval_branches(q, k_cmp, v_cmp, k_win, v_win, cmp_mask, win_mask, scale, flex):
+    """The compressed and window branches by FlexAttention (`flex`: the compiled flex_attention): their outputs
+    (B, T, H, D) and the compressed branch's base-2 log-sum-exp (B, T, H), contiguous, as the kernels return it
+    (the top-n reads it). q (B, T, H, D), k/v (B, N, Hkv, D)."""
 
     def heads_first(x):
         return x.transpose(1, 2)
@@ -124,9 +125,21 @@ def flex_branches(q, k_cmp, v_cmp, k_win, v_win, gates, o_slc, cmp_mask, win_mas
     lse_cmp = getattr(lse_cmp, "lse", lse_cmp)  # (an AuxOutput where return_aux asked for it)
     o_win = flex(heads_first(q), heads_first(k_win), heads_first(v_win), block_mask=win_mask, scale=scale,
                  enable_gqa=True)  # fmt: skip
-    g = gates.to(q.dtype)
-    out = g[..., 0:1] * heads_first(o_cmp) + g[..., 1:2] * o_slc + g[..., 2:3] * heads_first(o_win)
-    return out, heads_first(lse_cmp) * (1 / math.log(2)), heads_first(o_cmp), heads_first(o_win)
+    lse2_cmp = (heads_first(lse_cmp.detach()) * (1 / math.log(2))).contiguous()
+    return heads_first(o_cmp), lse2_cmp, heads_first(o_win)
+
+
+def gated_sum(gates, o_cmp, o_slc, o_win):
+    """Eq. 5: each branch's output (B, T, H, D) times its gate (gates (B, T, H, 3) in (cmp, slc, win) order)."""
+    g = gates.to(o_cmp.dtype)
+    return g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win
+
+
+def flex_branches(q, k_cmp, v_cmp, k_win, v_win, gates, o_slc, cmp_mask, win_mask, scale, flex):
+    """The gated NSA output (B, T, H, D) with the compressed and window branches by FlexAttention and the selected
+    branch's output o_slc given; also the compressed base-2 log-sum-exp and both interval branches' outputs."""
+    o_cmp, lse2_cmp, o_win = flex_interval_branches(q, k_cmp, v_cmp, k_win, v_win, cmp_mask, win_mask, scale, flex)
+    return gated_sum(gates, o_cmp, o_slc, o_win), lse2_cmp, o_cmp, o_win
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,7 +149,7 @@ def flex_branches(q, k_cmp, v_cmp, k_win, v_win, gates, o_slc, cmp_mask, win_mas
 
 def _compare(name, got, expected, atol, rows_ok=None):
     """Max |got - expected| over the rows that see keys; raises past atol (a mask that differs is not rounding)."""
-    diff = (got.float() - expected.float()).abs()
+    diff = (got.detach().float() - expected.detach().float()).abs()
     if rows_ok is not None:
         diff = diff[rows_ok]
     worst = float(diff.max()) if diff.numel() else 0.0
@@ -147,11 +160,13 @@ def _compare(name, got, expected, atol, rows_ok=None):
     return worst
 
 
-def check_and_time(x, cmp_end, doc_pos, params, flex, time_ms, kernels):
+def check_and_time(x, cmp_end, doc_pos, params, flex, time_ms):
     """One row: both paths' outputs, log-sum-exps and gradients compared (SystemExit past bf16 rounding), then each
-    timed by time_ms(fn) -> ms. x: bench_attention.nsa_inputs' tensors (B, T, ...), requiring gradients; flex: the
-    compiled flex_attention; kernels: the modules (nsa_triton, nsa_triton_interval, nsa_triton_dq)."""
-    tri, interval, dq_mod = kernels
+    timed by time_ms(fn) -> ms; then the same for the whole op (`composed_and_full`). x: bench_attention.nsa_inputs'
+    tensors (B, T, ...), requiring gradients; flex: the compiled flex_attention."""
+    from modeling_nsa import nsa_triton as tri
+    from modeling_nsa import nsa_triton_dq as dq_mod
+    from modeling_nsa import nsa_triton_interval as interval
     q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates = (x[n] for n in ("q", "k_cmp", "v_cmp", "k_slc", "v_slc",
                                                                        "k_win", "v_win", "gates"))  # fmt: skip
     B, T, H, D = q.shape
@@ -208,12 +223,73 @@ def check_and_time(x, cmp_end, doc_pos, params, flex, time_ms, kernels):
     }
     for name, got, expected in zip(("dq", "dk_cmp", "dv_cmp", "dk_win", "dv_win", "dgates"), flex_grads, ours_grads):
         # relative to the gradient's own size: bf16 rounding of a sum over thousands of queries
-        errors[name] = _compare(name, got, expected, 0.02 * (float(expected.float().abs().max()) or 1.0))
+        errors[name] = _compare(name, got, expected, 0.02 * (float(expected.detach().float().abs().max()) or 1.0))
     row = dict(T=T, B=B, compile_s=round(compile_s, 1), ours_fwd=time_ms(lambda: ours(False)),
                ours_fb=time_ms(lambda: ours(True)), flex_fwd=time_ms(lambda: theirs(False)),
                flex_fb=time_ms(lambda: theirs(True)), mask_ms=time_ms(masks),
                max_errors={name: float(f"{value:.3g}") for name, value in errors.items()})  # fmt: skip
     row["flex_over_ours_fb"] = row["flex_fb"] / row["ours_fb"]
+    row.update(composed_and_full(x, cmp_end, doc_pos, params, flex, time_ms, masks, idx))
+    return row
+
+
+def composed_and_full(x, cmp_end, doc_pos, params, flex, time_ms, masks, idx_full):
+    """The whole op two ways: as it is (nsa_attention_triton, autograd), and composed: FlexAttention for the two
+    interval branches (autograd through them and the gated sum), the kernels for the rest (the top-n on flex's
+    log-sum-exp, the selected forward, the selected dQ in a launch of its own and the selected dK/dV). Compared on
+    every output and gradient with the full op's blocks (a near-tie that bf16 rounds the other way would otherwise
+    pick another block: the share of selections that agree is reported instead), then timed."""
+    from modeling_nsa import nsa_triton as tri
+    from modeling_nsa import nsa_triton_dq as dq_mod
+    from modeling_nsa import nsa_triton_interval as interval
+    from modeling_nsa import nsa_triton_selected as sel
+    from modeling_nsa import nsa_triton_topn as topn
+
+    names = ("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates")
+    q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates = (x[n] for n in names)
+    B, T, H, D = q.shape
+    scale = D**-0.5
+    do = torch.randn(q.shape, generator=torch.Generator(q.device).manual_seed(1), device=q.device, dtype=q.dtype)
+    kv32 = dq_mod._kv_offsets_fit_int32(max(T, k_cmp.shape[1]), k_slc.shape[2], D)
+
+    def full(grad):
+        with torch.set_grad_enabled(grad):
+            out = tri.nsa_attention_triton(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos,
+                                           params, scale)  # fmt: skip
+            return (out, torch.autograd.grad(out, [x[n] for n in names], do)) if grad else (out, None)
+
+    def composed(grad, idx=None):
+        cmp_mask, win_mask = masks()
+        lay = interval._layout(cmp_end, doc_pos, T, T, params)
+        with torch.set_grad_enabled(grad):
+            o_cmp, lse2_cmp, o_win = flex_interval_branches(q, k_cmp, v_cmp, k_win, v_win, cmp_mask, win_mask, scale,
+                                                            flex)  # fmt: skip
+        if idx is None:
+            idx = topn._select_topn(q, k_cmp, lse2_cmp, doc_pos, lay[0], lay[1], params, scale)
+        o_slc, lse_slc = sel._sel_fwd(q, k_slc, v_slc, idx, doc_pos, params, scale)
+        with torch.set_grad_enabled(grad):
+            out = gated_sum(gates, o_cmp, o_slc, o_win)
+            if not grad:
+                return out, None, idx
+            dq, dk_cmp, dv_cmp, dk_win, dv_win, dgates = torch.autograd.grad(out, (q, k_cmp, v_cmp, k_win, v_win,
+                                                                                   gates), do)  # fmt: skip
+        dq_slc, _, delta, lse_g = dq_mod._sel_dq_split(q, do, gates, (k_slc, v_slc, lse_slc, o_slc), idx, doc_pos,
+                                                       params, scale, kv32)  # fmt: skip
+        dk_slc, dv_slc = sel._sel_bwd_dkdv(q, k_slc, v_slc, idx, doc_pos, do, lse_g[1], delta[1], params, scale)
+        return out, (dq + dq_slc, dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates), idx
+
+    full_out, full_grads = full(True)
+    out, grads, _ = composed(True, idx=idx_full.to(torch.int32))
+    errors = {"out": _compare("the composed op's output", out, full_out, 0.03)}
+    for name, got, expected in zip(names, grads, full_grads):
+        errors[name] = _compare(f"the composed op's d{name}", got, expected,
+                                0.02 * (float(expected.detach().float().abs().max()) or 1.0))  # fmt: skip
+    idx_flex = composed(False)[2]
+    row = dict(full_fwd=time_ms(lambda: full(False)), full_fb=time_ms(lambda: full(True)),
+               composed_fwd=time_ms(lambda: composed(False)), composed_fb=time_ms(lambda: composed(True)),
+               selections_agree=float((idx_flex.long() == idx_full.long()).float().mean()),
+               composed_max_errors={name: float(f"{value:.3g}") for name, value in errors.items()})  # fmt: skip
+    row["composed_over_full_fb"] = row["composed_fb"] / row["full_fb"]
     return row
 
 
@@ -234,10 +310,6 @@ def main(argv=None):
     import bench_attention as ba
     from torch.nn.attention.flex_attention import flex_attention
 
-    from modeling_nsa import nsa_triton as tri
-    from modeling_nsa import nsa_triton_dq as dq_mod
-    from modeling_nsa import nsa_triton_interval as interval
-
     # fullgraph: past dynamo's recompile_limit (8 entries on flex_attention's code, 4 per (layout, length): two key
     # lengths x grad on/off) a call would otherwise fall back to eager flex_attention, whose math path materializes
     # the B x H x T x N scores (OOM at T = 32768 for the window). Fail loudly instead; reset per row below.
@@ -253,18 +325,20 @@ def main(argv=None):
             torch._dynamo.reset()  # each (layout, length) compiles anew: 4 cache entries, never the limit
             for kind in args.inputs:
                 x, cmp_end, doc_pos = ba.nsa_inputs(max(1, args.tokens // T), T, H, Hkv, D, kind=kind)
-                row = dict(layout=f"{H}q/{Hkv}kv d{D}", inputs=kind, **check_and_time(
-                    x, cmp_end, doc_pos, ba.PARAMS, flex, ba.time_ms, (tri, interval, dq_mod)))
+                row = dict(layout=f"{H}q/{Hkv}kv d{D}", inputs=kind,
+                           **check_and_time(x, cmp_end, doc_pos, ba.PARAMS, flex, ba.time_ms))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if args.json:  # after every row: a later crash keeps the rows measured so far
                     Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
                 torch.cuda.empty_cache()
-    print("\n| layout | T | inputs | ours fwd | flex fwd | ours f+b | flex f+b | masks | flex / ours f+b |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| layout | T | inputs | interval share f+b: kernels / flex | masks | whole op f+b: kernels / composed | "
+          "composed / kernels | selections agree |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['layout']} | {r['T']} | {r['inputs']} | {r['ours_fwd']:.3f} | {r['flex_fwd']:.3f} | "
-              f"{r['ours_fb']:.3f} | {r['flex_fb']:.3f} | {r['mask_ms']:.3f} | {r['flex_over_ours_fb']:.2f}x |")
+        print(f"| {r['layout']} | {r['T']} | {r['inputs']} | {r['ours_fb']:.3f} / {r['flex_fb']:.3f} "
+              f"({r['flex_over_ours_fb']:.2f}x) | {r['mask_ms']:.3f} | {r['full_fb']:.3f} / {r['composed_fb']:.3f} | "
+              f"{r['composed_over_full_fb']:.2f}x | {r['selections_agree']:.4f} |")
 
 
 if __name__ == "__main__":

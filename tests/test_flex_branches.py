@@ -191,7 +191,6 @@ import json, sys
 sys.path[:0] = ["bench", "tests"]
 import torch
 import flex_branches, test_flex_branches as t
-from modeling_nsa import nsa_triton, nsa_triton_dq, nsa_triton_interval
 
 doc_pos, cmp_end = t.layout("padded", 70, seed=3)
 generator = torch.Generator().manual_seed(3)
@@ -199,16 +198,16 @@ shapes = dict(q=(70, 6), k_cmp=(cmp_end.shape[1], 2), v_cmp=(cmp_end.shape[1], 2
               k_win=(70, 2), v_win=(70, 2))
 x = {name: torch.randn(2, n, heads, 16, generator=generator).requires_grad_() for name, (n, heads) in shapes.items()}
 x["gates"] = torch.rand(2, 70, 6, 3, generator=generator).requires_grad_()
-row = flex_branches.check_and_time(x, cmp_end, doc_pos, t.PARAMS, t.masked_attention_like_flex, lambda fn: 1.0,
-                                   (nsa_triton, nsa_triton_interval, nsa_triton_dq))
+row = flex_branches.check_and_time(x, cmp_end, doc_pos, t.PARAMS, t.masked_attention_like_flex, lambda fn: 1.0)
 print("ROW " + json.dumps(row))
 """
 
 
 def test_gpu_run_compares_flex_with_the_kernels_outputs_and_gradients():
-    """The GPU run's own check, on CPU: the project's kernels under Triton's interpreter (the interval share of the
-    op: both forwards, the fused dQ without the selected branch's, both dK/dV) against the flex path with
-    FlexAttention's contract written out, documents and padding, G = 3. Every output and gradient agrees, so a
+    """The GPU run's own checks, on CPU: the project's kernels under Triton's interpreter (the interval share of the
+    op: both forwards, the fused dQ without the selected branch's, both dK/dV; and the whole op) against the flex
+    path and the composed op (flex for the interval branches, the kernels for the top-n and the selected branch)
+    with FlexAttention's contract written out, documents and padding, G = 3. Every output and gradient agrees, so a
     difference on the GPU is FlexAttention's or the block mask's, not the comparison's plumbing."""
     from modeling_nsa import nsa_triton_common
 
@@ -223,3 +222,8 @@ def test_gpu_run_compares_flex_with_the_kernels_outputs_and_gradients():
     assert set(row["max_errors"]) == {"out", "lse_cmp", "o_cmp", "o_win", "dq", "dk_cmp", "dv_cmp", "dk_win",
                                       "dv_win", "dgates"}  # fmt: skip
     assert max(row["max_errors"].values()) < 1e-4, row["max_errors"]  # float32 on both sides
+    # the whole op composed (flex for the interval branches, the kernels for the rest) is the op
+    assert set(row["composed_max_errors"]) == {"out", "q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win",
+                                               "gates"}  # fmt: skip
+    assert max(row["composed_max_errors"].values()) < 1e-4, row["composed_max_errors"]
+    assert row["selections_agree"] == 1.0  # the top-n on flex's log-sum-exp picks the op's blocks
