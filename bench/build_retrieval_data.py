@@ -25,7 +25,8 @@ One answer of a few tokens per 4,096-token row gave a 125M model too little sign
 4.9M tokens (bench/QUALITY.md, "Retrieval twins"); documents of 1,024 tokens (2x NSA's window) give four per row.
 
 The script checks that the tokenizer gives each text back at the length it was built for (a BPE tokenizer can
-merge differently when re-reading decoded text) and reports how many do not; nothing here is committed.
+merge differently when re-reading decoded text), replaces those it does not with others, and says how many;
+nothing here is committed.
 """
 
 from __future__ import annotations
@@ -76,12 +77,26 @@ def main(argv=None) -> dict:
         raise ValueError(f"--rows {args.rows}: give at least 1 row.")
     per_row = args.seq_len // doc_len
     tokenizer = load_tokenizer(args.tokenizer)
-    # lengths: the tokens each text fills as the trainer re-tokenizes it, with its end-of-text token
-    texts, lengths, haystack = training_documents(tokenizer, args.task, doc_len, args.rows * per_row, args.seed,
-                                                  args.haystack, args.text_column,
-                                                  "--seq-len" if args.doc_len is None else "--doc-len",
-                                                  args.min_doc_len)  # fmt: skip
-    off = sum(n != doc_len for n in lengths)  # documents that would not fill their share of a row exactly
+    wanted = args.rows * per_row
+    # Every document must fill its share of a row exactly: the trainer's packer splits a document that does not
+    # across rows, which shifts every row after it (shuffled, wherever it lands), so a case's item and its question
+    # can end up in different rows. A BPE tokenizer can read decoded text back a token longer or shorter: those
+    # documents are dropped and replaced by others drawn with further seeds.
+    texts, dropped, haystack = [], 0, ""
+    for attempt in range(8):
+        more, lengths, haystack = training_documents(
+            tokenizer, args.task, doc_len, wanted - len(texts) + (wanted - len(texts)) // 8 + 1,
+            args.seed + attempt * 1_000_003, args.haystack, args.text_column,
+            "--seq-len" if args.doc_len is None else "--doc-len", args.min_doc_len,
+        )  # fmt: skip
+        texts += [text for text, n in zip(more, lengths) if n == doc_len]
+        dropped += sum(n != doc_len for n in lengths)
+        if len(texts) >= wanted:
+            break
+    if len(texts) < wanted:
+        raise ValueError(f"--tokenizer {args.tokenizer!r}: only {len(texts)} of {wanted} documents re-tokenize to "
+                         f"--doc-len {doc_len} tokens ({dropped} did not); try another --doc-len or --min-doc-len.")
+    texts = texts[:wanted]
 
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -91,13 +106,12 @@ def main(argv=None) -> dict:
     pq.write_table(pa.table({"text": texts}), out)
     summary = {"out": str(out), "task": args.task, "rows": args.rows, "documents": len(texts),
                "seq_len": args.seq_len, "doc_len": doc_len, "documents_per_row": per_row, "haystack": haystack,
-               "min_doc_len": args.min_doc_len,
-               "documents_not_filling_their_length": off, "token_length_range": [min(lengths), max(lengths)]}  # fmt: skip
+               "min_doc_len": args.min_doc_len, "documents_replaced": dropped}  # fmt: skip
     what = f"{len(texts):,} {args.task} documents of {doc_len} tokens with end-of-text"
     if args.min_doc_len is not None:
         what += f" (cases of {args.min_doc_len}-{doc_len} tokens, haystack text after the answer)"
-    print(f"wrote {out}: {what}, {per_row} per {args.seq_len}-token row ({haystack}); {off} re-tokenize to another "
-          f"length (range {min(lengths)}-{max(lengths)})")
+    print(f"wrote {out}: {what}, {per_row} per {args.seq_len}-token row ({haystack}); {dropped} that re-tokenized "
+          "to another length were replaced, so every row holds whole documents")
     return summary
 
 
