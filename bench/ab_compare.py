@@ -254,6 +254,10 @@ def train_runs(out: Path, seeds: list[int], modes: list[str], train_flags: list[
             where = f"; its log: {entry['log'].name}" if entry["log"] else ""
             raise RuntimeError(f"the {entry['mode']} run of seed {entry['seed']} failed (exit {code}); its output "
                                f"is in {entry['run_dir']}{where}. Command: {shlex.join(entry['cmd'])}")  # fmt: skip
+        if run_state(entry["run_dir"]) != "finished":  # stopped (SIGTERM: a checkpoint, then exit 0), not done
+            raise RuntimeError(f"the {entry['mode']} run of seed {entry['seed']} stopped before its last step (a "
+                               f"SIGTERM saves a checkpoint and exits); {entry['run_dir']} is not compared. Run this "
+                               "command again to resume it.")  # fmt: skip
         print(f"{entry['run_dir']}: done in {time.time() - entry['started']:.0f} s", flush=True)
         return True
 
@@ -488,7 +492,7 @@ def markdown(runs: list[dict], comparison: dict, notes: list[str]) -> str:
     lines += long_context_table(runs)
     modes = comparison["modes"]
     lines += ["", "Validation loss at equal tokens (mean over seeds; ± sample std over seeds where >= 2):", "",
-              "| tokens | " + " | ".join(modes) + (" | NSA - dense |" if len(modes) == 2 else ""),
+              "| tokens | " + " | ".join(modes) + (" | NSA - dense |" if len(modes) == 2 else " |"),
               "|---|" + "---|" * (len(modes) + (len(modes) == 2))]  # fmt: skip
     for row in comparison["curve"]:
         cells = []
@@ -663,6 +667,14 @@ def main(argv=None) -> dict:
             p.error(f"--runs compares finished runs, training none: {' and '.join(unused)} would not be used; drop "
                     f"{'them' if len(unused) > 1 else 'it'}.")
         run_dirs = [Path(d) for d in args.runs]
+        repeated = sorted({str(d) for d in run_dirs if run_dirs.count(d) > 1})
+        if repeated:
+            p.error(f"--runs {' '.join(repeated)}: given twice (it would count as two seeds).")
+        unfinished = [str(d) for d in run_dirs if run_state(d) == "resumable"]  # (checkpoints, summary not done)
+        if unfinished:
+            raise ValueError(f"--runs {' '.join(unfinished)}: not finished (stopped before its last step, or still "
+                             "training); resume it (the trainer's --resume latest, or the ab_compare command that "
+                             "trained it) and compare it when it is done.")
     else:
         if not train_flags:
             p.error("give the training flags after --, e.g. -- --model tiny --max-steps 500 --eval-every 50.")

@@ -495,6 +495,30 @@ def test_a_stopped_comparison_stops_its_runs(tmp_path):
     assert not left, [command_line(pid) for pid in left]
 
 
+def test_a_run_stopped_before_its_last_step_is_not_compared(tmp_path, ab):
+    """A run the trainer stopped on SIGTERM exits 0 with a checkpoint and an unfinished summary: the comparison
+    says so and compares nothing (it compared the partial curve before); --runs refuses such a run, and a run
+    given twice (it would count as two seeds)."""
+    out, _, _ = ab
+    stopping_trainer = tmp_path / "stopping_trainer.py"  # the launcher: stands in for a trainer stopped at step 2
+    stopping_trainer.write_text(
+        "import json, pathlib, sys\n"
+        "run = pathlib.Path(sys.argv[sys.argv.index('--output-dir') + 1])\n"
+        "(run / 'checkpoints' / 'step_00000002').mkdir(parents=True)\n"
+        "(run / 'checkpoints' / 'step_00000002' / 'trainer_state.json').write_text('{}')\n"
+        "(run / 'summary.json').write_text(json.dumps({'finished': False, 'step': 2}))\n")
+    with pytest.raises(RuntimeError, match=r"the nsa run of seed 0 stopped before its last step .* Run this command "
+                                           r"again to resume it"):  # fmt: skip
+        ab_compare.main(["--out", str(tmp_path / "ab"), "--seeds", "0", "--launcher",
+                         f"{sys.executable} {stopping_trainer}", "--", "--max-steps", "4", "--eval-every", "2"])
+    assert not (tmp_path / "ab" / "ab_compare.md").exists()
+    with pytest.raises(ValueError, match=r"--runs \S*nsa-seed0: not finished"):
+        ab_compare.main(["--out", str(tmp_path / "cmp"), "--runs", str(tmp_path / "ab" / "nsa-seed0"),
+                         str(out / "dense-seed0")])  # fmt: skip
+    with pytest.raises(SystemExit):
+        ab_compare.main(["--out", str(tmp_path / "cmp"), "--runs", str(out / "nsa-seed0"), str(out / "nsa-seed0")])
+
+
 def test_train_gpu_summary_names_a_directory_that_is_not_a_run(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "train_gpu_summary.py"), str(tmp_path)],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
