@@ -252,12 +252,16 @@ def anatomy(model, cases: list[RetrievalCase], batch_size: int = 20, tokenizer=N
     Cases run in batches of one (prompt, answer) length (a needle's answer words differ in tokens). ablate: an NSA
     branch whose gate is set to 0 in every layer (does the model still answer without it?)."""
     mode = check_model(model)
-    if ablate is not None and (mode != "nsa" or ablate not in ABLATIONS):
-        raise ValueError(f"--ablate {ablate!r}: one of {list(ABLATIONS)}, for an NSA model in attention_mode 'nsa' "
-                         f"(this one is {mode!r}).")  # fmt: skip
+    if ablate is not None and ablate not in ABLATIONS:
+        raise ValueError(f"--ablate {ablate!r}: one of {list(ABLATIONS)}.")
+    if ablate is not None and mode != "nsa":
+        raise ValueError(f"--ablate {ablate}: a model in attention_mode {mode!r} has no NSA branches to ablate; give "
+                         "NSA models only with --ablate (the dense twin's anatomy runs without it).")  # fmt: skip
     layers = [m.layer_idx for m in _attention_modules(model)]
-    if ablate_layers is not None and (ablate is None or not set(ablate_layers) <= set(layers)):
-        raise ValueError(f"--ablate-layers {list(ablate_layers)}: give --ablate too, and layers among {layers}.")
+    if ablate_layers is not None and ablate is None:
+        raise ValueError(f"--ablate-layers {list(ablate_layers)}: give --ablate too (which branch to ablate there).")
+    if ablate_layers is not None and not set(ablate_layers) <= set(layers):
+        raise ValueError(f"--ablate-layers {list(ablate_layers)}: this model's layers are {layers}.")
     device = next(model.parameters()).device
     model.eval()
     by_shape: dict = {}

@@ -674,7 +674,7 @@ def run_long_context_eval(model, tokenizer, task: str = "passkey", lengths=(1024
     if training_len is None:
         training_len, train_source = training_length(config, model_path)
     else:
-        train_source = "given"
+        train_source = "given: the --training-len flag, or the trainer's --seq-len"
     vocab_size = getattr(config, "vocab_size", None)
     cases, haystack_description = build_cases(tokenizer, task, lengths, depths, samples, seed, haystack, text_column,
                                               vocab_size)  # fmt: skip

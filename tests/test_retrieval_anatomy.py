@@ -340,10 +340,15 @@ def test_ablating_a_branch_zeroes_its_gate_in_every_layer(byt5):
     plain_result = anatomy_tool.anatomy(model, chunk, tokenizer=byt5)
     assert one["layers"][0]["heads"] == plain_result["layers"][0]["heads"]
     assert max(one["layers"][1]["heads"]["gate_slc"]) == 0
-    with pytest.raises(ValueError, match="--ablate-layers \\[2\\]: give --ablate too, and layers among \\[0, 1\\]"):
+    with pytest.raises(ValueError, match="--ablate-layers \\[2\\]: this model's layers are \\[0, 1\\]"):
         anatomy_tool.anatomy(model, chunk, ablate="slc", ablate_layers=[2])
-    with pytest.raises(ValueError, match="--ablate 'slc'.*attention_mode 'nsa'"):
+    with pytest.raises(ValueError, match="--ablate-layers \\[1\\]: give --ablate too"):
+        anatomy_tool.anatomy(model, chunk, ablate_layers=[1])
+    with pytest.raises(ValueError, match="--ablate slc: a model in attention_mode 'dense' has no NSA branches to "
+                                         "ablate; give NSA models only with --ablate"):
         anatomy_tool.anatomy(tiny_model(byt5, "dense"), chunk, ablate="slc")
+    with pytest.raises(ValueError, match="--ablate 'gate': one of"):
+        anatomy_tool.anatomy(model, chunk, ablate="gate")
 
 
 def test_selection_without_drops_the_hidden_blocks_from_the_last_queries_only():
