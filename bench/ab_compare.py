@@ -2,7 +2,7 @@
 
     python bench/ab_compare.py --out runs/ab --seeds 0 1 -- --dataset ../shared/data/wiki-summaries-en.parquet \\
         --tokenizer ../shared/data/gpt2-tokenizer --model tiny --seq-len 1024 --max-steps 2000 --eval-every 200
-    python bench/ab_compare.py --out runs/ab --runs runs/ab/nsa-seed0 runs/ab/dense-seed0     # finished runs only
+    python bench/ab_compare.py --out runs/ab_seed0 --runs runs/ab/nsa-seed0 runs/ab/dense-seed0  # finished runs only
 
 Every flag after `--` goes to train_accelerate.py unchanged, for every run; this script adds `--attention-mode`,
 `--seed` and `--output-dir <out>/<mode>-seed<S>`. The dense twin is the same NSAConfig with
