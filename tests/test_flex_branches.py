@@ -203,44 +203,22 @@ print("ROW " + json.dumps(row))
 """
 
 
-def _interpreter_reason():
-    from modeling_nsa import nsa_triton_common
-
-    return nsa_triton_common._interpreter_reason() if nsa_triton_common._HAS_TRITON else "triton is not installed"
-
-
-def plumbing_commands() -> list:
-    """The GPU run's checks on CPU, one interpreter process (started in the background: tests/background.py)."""
-    if _interpreter_reason():
-        return []  # the test is skipped, naming why
-    from background import Command
-
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    return [Command([sys.executable, "-c", PLUMBING], env=env, cwd=str(ROOT))]
-
-
-@pytest.fixture(scope="module")
-def plumbing_row():
-    if _interpreter_reason():
-        pytest.skip(_interpreter_reason())
-    import background
-
-    (done,) = background.results(plumbing_commands, timeout=600)
-    assert not done.timed_out, "the flex bench's checks under the interpreter took over 600 s"
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.split("ROW ", 1)[1])
-
-
-BACKGROUND_JOBS = {"plumbing_row": plumbing_commands}  # started when collection ends
-
-
-def test_gpu_run_compares_flex_with_the_kernels_outputs_and_gradients(plumbing_row):
+def test_gpu_run_compares_flex_with_the_kernels_outputs_and_gradients():
     """The GPU run's own checks, on CPU: the project's kernels under Triton's interpreter (the interval share of the
     op: both forwards, the fused dQ without the selected branch's, both dK/dV; and the whole op) against the flex
     path and the composed op (flex for the interval branches, the kernels for the top-n and the selected branch)
     with FlexAttention's contract written out, documents and padding, G = 3. Every output and gradient agrees, so a
     difference on the GPU is FlexAttention's or the block mask's, not the comparison's plumbing."""
-    row = plumbing_row
+    from modeling_nsa import nsa_triton_common
+
+    reason = nsa_triton_common._interpreter_reason() if nsa_triton_common._HAS_TRITON else "triton is not installed"
+    if reason:
+        pytest.skip(reason)
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", PLUMBING], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = json.loads(done.stdout.split("ROW ", 1)[1])
     assert set(row["max_errors"]) == {"out", "lse_cmp", "o_cmp", "o_win", "dq", "dk_cmp", "dv_cmp", "dk_win",
                                       "dv_win", "dgates"}  # fmt: skip
     assert max(row["max_errors"].values()) < 1e-4, row["max_errors"]  # float32 on both sides
