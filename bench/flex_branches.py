@@ -160,6 +160,11 @@ def _compare(name, got, expected, atol, rows_ok=None):
     return worst
 
 
+def _gradient_tolerance(expected) -> float:
+    """A gradient's tolerance: 2% of its largest entry (bf16 rounding of sums over thousands of queries)."""
+    return 0.02 * (float(expected.detach().float().abs().max()) or 1.0)
+
+
 def check_and_time(x, cmp_end, doc_pos, params, flex, time_ms):
     """One row: both paths' outputs, log-sum-exps and gradients compared (SystemExit past bf16 rounding), then each
     timed by time_ms(fn) -> ms; then the same for the whole op (`composed_and_full`). x: bench_attention.nsa_inputs'
@@ -222,8 +227,7 @@ def check_and_time(x, cmp_end, doc_pos, params, flex, time_ms):
         "o_win": _compare("the window output", flex_out[3], ours_out[3], 0.03),
     }
     for name, got, expected in zip(("dq", "dk_cmp", "dv_cmp", "dk_win", "dv_win", "dgates"), flex_grads, ours_grads):
-        # relative to the gradient's own size: bf16 rounding of a sum over thousands of queries
-        errors[name] = _compare(name, got, expected, 0.02 * (float(expected.detach().float().abs().max()) or 1.0))
+        errors[name] = _compare(name, got, expected, _gradient_tolerance(expected))
     row = dict(T=T, B=B, compile_s=round(compile_s, 1), ours_fwd=time_ms(lambda: ours(False)),
                ours_fb=time_ms(lambda: ours(True)), flex_fwd=time_ms(lambda: theirs(False)),
                flex_fb=time_ms(lambda: theirs(True)), mask_ms=time_ms(masks),
@@ -283,7 +287,7 @@ def composed_and_full(x, cmp_end, doc_pos, params, flex, time_ms, masks, idx_ful
     errors = {"out": _compare("the composed op's output", out, full_out, 0.03)}
     for name, got, expected in zip(names, grads, full_grads):
         errors[name] = _compare(f"the composed op's d{name}", got, expected,
-                                0.02 * (float(expected.detach().float().abs().max()) or 1.0))  # fmt: skip
+                                _gradient_tolerance(expected))  # fmt: skip
     idx_flex = composed(False)[2]
     row = dict(full_fwd=time_ms(lambda: full(False)), full_fb=time_ms(lambda: full(True)),
                composed_fwd=time_ms(lambda: composed(False)), composed_fb=time_ms(lambda: composed(True)),

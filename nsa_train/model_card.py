@@ -55,6 +55,7 @@ def run_card_fields(cfg, config, run, *, n_params, world, mixed_precision, devic
     dataset_id = data.FINEWEB_EDU if cfg.dataset == "fineweb-edu" else cfg.dataset.removeprefix("hf://")
     on_hub = data.streams_from_hub(cfg.dataset)
     tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * world * cfg.seq_len
+    source = model_source(cfg.init_from) if getattr(cfg, "init_from", None) else None  # (--init-from's model)
     return {
         "model_name": Path(cfg.push_to_hub or Path(out_dir).name).name,
         "repo_or_path": cfg.push_to_hub or "path/to/checkpoint",
@@ -73,10 +74,9 @@ def run_card_fields(cfg, config, run, *, n_params, world, mixed_precision, devic
             "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
             "head_dim", "cmp_block_size", "cmp_stride", "sel_block_size", "sel_num_blocks", "window_size", "vocab_size")},
         "tokenizer": without_local_path(cfg.tokenizer),
-        "init_description": f"initialized from `{model_source(cfg.init_from)}` (its own training is not counted in "
-                            "this card's steps and tokens)" if getattr(cfg, "init_from", None) else "initialized at random",
-        "tokens_trained": f"{run.tokens_seen:,} tokens" + (f" after the training of `{model_source(cfg.init_from)}`"
-                                                          if getattr(cfg, "init_from", None) else ""),
+        "init_description": f"initialized from `{source}` (its own training is not counted in this card's steps "
+                            "and tokens)" if source else "initialized at random",
+        "tokens_trained": f"{run.tokens_seen:,} tokens" + (f" after the training of `{source}`" if source else ""),
         "schedule": f"then cosine decay to {cfg.lr * cfg.min_lr_ratio:.3g} at step {cfg.max_steps:,}",
         "data_description": data_description, "seq_len": cfg.seq_len,
         "doc_masking": "documents packed with EOS between them, attention across documents (GPT-2 style)"
