@@ -344,11 +344,14 @@ def parse_model_overrides(text: str, config_class) -> dict:
 
 
 def make_optimizer(model, cfg: TrainConfig, device):
-    """AdamW; weight decay on matrices only (no decay on norms, biases, embeddings)."""
+    """AdamW; weight decay on matrices: none on norms, biases and the token embeddings (tied to the LM head). The
+    compressor's intra-block position embeddings (k_pos_emb, v_pos_emb: (l, D)) decay as matrices, as GPT-2's
+    position table does in nanoGPT; a checkpoint's optimizer state holds these groups, so changing them breaks
+    --resume of every earlier checkpoint."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
-            (no_decay if p.ndim < 2 or "embed" in name else decay).append(p)
+            (no_decay if p.ndim < 2 or name.endswith("embed_tokens.weight") else decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
 

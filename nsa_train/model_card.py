@@ -77,7 +77,7 @@ def run_card_fields(cfg, config, run, *, n_params, world, mixed_precision, devic
         "init_description": f"initialized from `{source}` (its own training is not counted in this card's steps "
                             "and tokens)" if source else "initialized at random",
         "tokens_trained": f"{run.tokens_seen:,} tokens" + (f" after the training of `{source}`" if source else ""),
-        "schedule": f"then cosine decay to {cfg.lr * cfg.min_lr_ratio:.3g} at step {cfg.max_steps:,}",
+        "schedule": schedule_words(cfg),
         "data_description": data_description, "seq_len": cfg.seq_len,
         "doc_masking": "documents packed with EOS between them, attention across documents (GPT-2 style)"
         if cfg.cross_doc_attention else "documents packed with EOS between them and never attended across",
@@ -90,6 +90,16 @@ def run_card_fields(cfg, config, run, *, n_params, world, mixed_precision, devic
         "torch_version": versions["torch"], "transformers_version": versions["transformers"],
         "accelerate_version": versions["accelerate"],
     }  # fmt: skip
+
+
+def schedule_words(cfg) -> str:
+    """What follows the warm-up in the card's optimizer line (train_accelerate.lr_at's schedule): a cosine decay,
+    or, for a run shorter than its warm-up, that it never left it."""
+    if cfg.warmup_steps >= cfg.max_steps:
+        last_lr = cfg.lr * cfg.max_steps / cfg.warmup_steps  # (linear warm-up: step s trains at lr * (s + 1) / warmup)
+        return (f"of which the run took {cfg.max_steps:,}: it ended inside the warm-up at lr {last_lr:.3g}, "
+                f"with no cosine decay")
+    return f"then cosine decay to {cfg.lr * cfg.min_lr_ratio:.3g} at step {cfg.max_steps:,}"
 
 
 def quality_section(run, attention_mode: str) -> str:

@@ -641,6 +641,10 @@ def test_model_card_describes_the_batch_documents_schedule_and_an_init_from_run(
     assert "Global batch: 24 rows (4 per micro-batch x 3 accumulation x 2 processes) = 1,536 tokens per step." in text
     assert "documents packed with EOS between them and never attended across" in text
     assert "2 warm-up steps, then cosine decay to 0.0003 at step 10," in text  # lr 3e-3 x 0.1
+    # a run shorter than its warm-up never decays: the card says where its learning rate stopped
+    short = card(max_steps=3, warmup_steps=12)
+    assert "12 warm-up steps, of which the run took 3: it ended inside the warm-up at lr 0.00075, with no" in short
+    assert "cosine decay to" not in short
     assert "trained on 10,240 tokens:" in text and "initialized at random" in text
     assert "attention across documents (GPT-2 style)" in card(cross_doc=True)
     final = tmp_path / "first" / "final"
@@ -928,6 +932,9 @@ def test_learning_rate_schedule_and_weight_decay_groups():
     names = {id(p): name for name, p in model.named_parameters()}
     assert "model.embed_tokens.weight" in {names[i] for i in no_decay}
     assert all(names[i].endswith(("norm.weight", "bias", "embed_tokens.weight")) for i in no_decay)
+    # the compressor's (l, D) position embeddings decay as matrices (the groups every checkpoint's optimizer holds)
+    assert {"model.layers.0.self_attn.compressor.k_pos_emb", "model.layers.0.self_attn.compressor.v_pos_emb",
+            "model.layers.0.self_attn.compressor.k_mlp.0.weight"} <= {names[i] for i in decay}
     assert "model.layers.0.self_attn.q_proj.weight" in {names[i] for i in decay}
 
 
