@@ -618,6 +618,11 @@ def write_comparison(run_dirs: list[Path], out: Path) -> dict:
         raise ValueError(f"--runs: give at least two runs to compare (got {len(runs)}).")
     if not modes <= set(MODES):
         raise ValueError(f"--runs: attention modes {sorted(modes)}; the runs must be {' or '.join(MODES)} runs.")
+    # runs of one name (a seed rerun in another --out) are told apart by their parent folder in every table
+    named = Counter(r["name"] for r in runs)
+    for r in runs:
+        if named[r["name"]] > 1:
+            r["name"] = f"{Path(r['dir']).parent.name}/{r['name']}"
     notes = config_differences(runs)
     comparison = compare(runs)
     out.mkdir(parents=True, exist_ok=True)

@@ -44,9 +44,12 @@ def median_seconds(fn, device, repeats: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Every other flag is train_accelerate.py's (see its --help): they build the model and set the "
+               "micro-batch (--micro-batch-size x --seq-len) a step trains on; none given: --preset smoke.")
+    parser.add_argument("--device", default="cpu", help="where both are timed: cpu, cuda or cuda:N")
+    parser.add_argument("--repeats", type=int, default=7, help="timed runs of each after one warm-up; medians taken")
     args, train_flags = parser.parse_known_args()
     cfg = train_accelerate.parse_args(train_flags or ["--preset", "smoke"])
     try:

@@ -392,10 +392,11 @@ def training_documents(tokenizer, task: str, row_len: int, count: int, seed: int
     hay = filler_haystack(tokenizer) if task == "passkey" else text_haystack(tokenizer, haystack, 4 * row_len, text_column)
     prefix = _special_prefix(tokenizer)
     if min_len is not None:
-        if not 2 <= min_len <= row_len:
-            raise ValueError(f"--min-doc-len {min_len}: give a length from 2 to {length_flag} {row_len}, or leave it out "
+        if min_len > row_len:
+            raise ValueError(f"--min-doc-len {min_len}: give a length up to {length_flag} {row_len}, or leave it out "
                              f"for answers that all end the document.")  # fmt: skip
         length_flag = "--min-doc-len"  # the shortest case must hold the task's fixed text: checked here, named so
+        # (any length below it, zero or negative too, gets the error that names the task's least length)
         build_case(tokenizer, task, min_len - 1 + len(prefix), 0.0, hay, random.Random(0), prefix=prefix,
                    length_flag=length_flag, flag_offset=1 - len(prefix))
     blank_line = tokenizer(_AFTER_ANSWER, add_special_tokens=False).input_ids  # between an answer and the text after it

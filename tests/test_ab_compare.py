@@ -229,6 +229,15 @@ def test_one_run_trains_without_a_comparison_and_compares_later(ab, tmp_path, ca
     again = ab_compare.main(["--out", str(tmp_path / "all"), "--runs", str(out / "nsa-seed3"), str(out / "dense-seed3"),
                              one["runs"][0]])
     assert sorted(r["seed"] for r in again["runs"] if r["mode"] == "nsa") == [3, 4]
+    # a seed trained again elsewhere: both runs listed, told apart by their folders, and left out of the pairing
+    rerun = tmp_path / "rerun" / "nsa-seed3"
+    shutil.copytree(out / "nsa-seed3", rerun)
+    both = ab_compare.main(["--out", str(tmp_path / "both"), "--runs", str(out / "nsa-seed3"), str(rerun),
+                            str(out / "dense-seed3")])  # fmt: skip
+    table = (tmp_path / "both" / "ab_compare.md").read_text()
+    assert f"| {out.name}/nsa-seed3 | nsa | 3 |" in table and "| rerun/nsa-seed3 | nsa | 3 |" in table
+    assert "| dense-seed3 | dense | 3 |" in table
+    assert both["comparison"]["final"]["paired_gaps"] == {}
 
 
 def test_seed_spread_and_the_verdict():

@@ -247,7 +247,11 @@ def test_build_retrieval_data_script(tmp_path):
     with pytest.raises(ValueError, match="--min-doc-len 100: too short for the passkey task"):
         build_retrieval_data.main(["--tokenizer", "byt5", "--seq-len", "256", "--min-doc-len", "100", "--rows", "1",
                                    "--out", str(out)])
-    with pytest.raises(ValueError, match="--min-doc-len 300: give a length from 2 to --seq-len 256"):
+    for bad in ("0", "-5"):  # the least length named is the task's, not a generic 2
+        with pytest.raises(ValueError, match=f"--min-doc-len {bad}: too short .* use --min-doc-len >= 224"):
+            build_retrieval_data.main(["--tokenizer", "byt5", "--seq-len", "256", "--min-doc-len", bad, "--rows", "1",
+                                       "--out", str(out)])
+    with pytest.raises(ValueError, match="--min-doc-len 300: give a length up to --seq-len 256"):
         build_retrieval_data.main(["--tokenizer", "byt5", "--seq-len", "256", "--min-doc-len", "300", "--rows", "1",
                                    "--out", str(out)])
     # a bad value: the script exits 2 with the message (run_command), which names the value and the fix

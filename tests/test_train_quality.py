@@ -203,3 +203,33 @@ def test_eval_only_with_the_retrieval_evaluation(tmp_path):
     cells = [a for row in written["accuracy"] for a in row]
     assert result["longctx_accuracy"] == pytest.approx(sum(cells) / len(cells))
     assert json.loads((tmp_path / "eval" / "eval.json").read_text()) == result
+
+
+def test_stats_cost_script_times_a_measurement_against_a_step():
+    """bench/stats_cost.py (the GPU session's `stats-cost` step, issue 19's 2% budget): the statistics' share of a
+    step and of the training time at each cadence follow from the two medians it prints; a dense model is refused
+    with the fix."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = [sys.executable, str(root / "bench" / "stats_cost.py"), "--repeats", "1", "--preset", "smoke",
+              "--seq-len", "96", "--micro-batch-size", "3", "--eval-every", "50"]  # fmt: skip
+    proc = subprocess.run(script, cwd=root, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    found = re.search(r"step \(3 x 96\) ([\d.]+) ms; statistics \((\d+) x 96, selection by (\w+)\) ([\d.]+) ms = "
+                      r"([\d.]+)% of a step", proc.stdout)  # fmt: skip
+    assert found, proc.stdout
+    step_ms, rows, selection_by, stats_ms, percent = found.groups()
+    assert int(rows) == 2 and selection_by == "reference"  # STATS_ROWS of the micro-batch, on CPU the reference
+    ratio = float(stats_ms) / float(step_ms)
+    assert float(percent) == pytest.approx(100 * ratio, abs=0.2)
+    shares = dict(re.findall(r"(--eval-every 50\)|--stats-every \d+) ([\d.]+)%", proc.stdout))
+    assert float(shares["--eval-every 50)"]) == pytest.approx(100 * ratio / 50, abs=0.02)
+    assert float(shares["--stats-every 10"]) == pytest.approx(100 * ratio / 10, abs=0.05)
+    dense = subprocess.run([*script, "--attention-mode", "dense"], cwd=root, capture_output=True, text=True,
+                           timeout=300)  # fmt: skip
+    assert dense.returncode != 0 and "drop --attention-mode dense" in dense.stderr
