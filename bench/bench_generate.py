@@ -103,6 +103,14 @@ def main():
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    known = ("nsa", "nsa-dense", "llama")
+    unknown = [m for m in args.models if m.removesuffix("-static") not in known]
+    if unknown:
+        parser.error(f"--models {' '.join(unknown)}: each is one of {', '.join(known)}, optionally with -static.")
+    if args.new_tokens < 2:  # the per-token latency is measured between the first and the last token
+        parser.error(f"--new-tokens {args.new_tokens}: give at least 2.")
+    if min(args.prompt_lens) < 1 or args.batch < 1 or args.repeats < 1:
+        parser.error(f"--prompt-lens {args.prompt_lens}, --batch {args.batch}, --repeats {args.repeats}: each at least 1.")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_generate.py needs a CUDA GPU (or, a smoke run: --device cpu --size tiny --prompt-lens 512 --new-tokens 8).")
