@@ -678,11 +678,11 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     run_config = asdict(cfg) | {"output_dir": str(out_dir), "world_size": world}
     checkpoints = checkpoint.RunCheckpoints(accelerator, out_dir / "checkpoints", run_config,
                                             checkpoint.model_fields(unwrapped.config), cfg.keep_last)  # fmt: skip
-    run = checkpoints.resume(cfg.resume, started)  # (checks the checkpoint's model and data flags against this run's)
     # A finished run whose last checkpoint came before its end (--save-every 0 with a SIGTERM checkpoint) is finished
     # too: its end is in final/ and summary.json, not in a checkpoint. (Every launch that trains removes
     # summary.json first, below, so one left here was written by the last launch that trained, at its end.)
     ended = checkpoint.finished_step(out_dir) if cfg.resume == "latest" else None
+    run = checkpoints.resume(cfg.resume, started, ended)  # (checks its model and data flags against this run's)
     last = max(run.step, ended or 0)
     if last >= cfg.max_steps and (out_dir / "final").is_dir():  # final/, its card and summary.json stay as they are
         say(f"the run is finished: step {last} >= --max-steps {cfg.max_steps} and {out_dir / 'final'} is "

@@ -53,8 +53,8 @@ def data_fields(run_config: dict) -> dict:
     return fields
 
 
-def checkpoint_dirs(ckpt_root: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
+def checkpoint_steps(ckpt_root: Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every complete checkpoint, oldest first."""
     ckpt_root = Path(ckpt_root)
     if not ckpt_root.is_dir():
         return []
@@ -63,7 +63,12 @@ def checkpoint_dirs(ckpt_root: Path) -> list[Path]:
         m = _STEP_DIR.match(d.name)
         if m and d.is_dir() and (d / STATE_FILE).is_file():
             found.append((int(m.group(1)), d))
-    return [d for _, d in sorted(found)]
+    return sorted(found)
+
+
+def checkpoint_dirs(ckpt_root: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    return [d for _, d in checkpoint_steps(ckpt_root)]
 
 
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
@@ -144,12 +149,13 @@ class RunCheckpoints:
         trainer_state = run.trainer_state(self.accelerator.num_processes, self.run_config, self.model_config)
         return save_checkpoint(self.accelerator, self.root, run.step, trainer_state, run.data.to_dict(), self.keep_last)
 
-    def resume(self, resume: str | None, started: float) -> RunState:
+    def resume(self, resume: str | None, started: float, finished_at: int | None = None) -> RunState:
         """`--resume`'s checkpoint restored, or a fresh RunState when there is none (none given, or `latest` in a
-        directory without one yet)."""
+        directory without one yet). finished_at: the step the run in this directory finished at (finished_step),
+        None if it has not: a finished run without a checkpoint is not news here (the trainer says what it does)."""
         path = resolve_resume(resume, self.root)
         if path is None:
-            if resume == "latest" and finished_step(self.root.parent) is None:  # (a finished run: the trainer says)
+            if resume == "latest" and finished_at is None:
                 self.accelerator.print(f"--resume latest: no checkpoint found in {self.root}; training starts from "
                                        "step 0")  # fmt: skip
             return RunState(started=started)
@@ -171,7 +177,7 @@ class RunCheckpoints:
         """A run resumed from an earlier checkpoint than its latest (a roll-back: --resume PATH) continues from
         `step`: its later checkpoints belong to the abandoned stretch. They move to `abandoned-after-<step>-<time>/`
         beside the others (kept, never deleted), so that --resume latest and --keep-last see only this run's line."""
-        later = [d for d in checkpoint_dirs(self.root) if int(_STEP_DIR.match(d.name).group(1)) > step]
+        later = [d for saved_step, d in checkpoint_steps(self.root) if saved_step > step]
         if later and self.accelerator.is_main_process:
             aside = self.root / f"abandoned-after-{step:08d}-{time.strftime('%Y%m%d-%H%M%S')}"
             aside.mkdir()
