@@ -703,3 +703,24 @@ def test_needle_selection_needs_an_nsa_model(llama_dir, byt5):
     with pytest.raises(ValueError, match=r"--needle-selection: LlamaForCausalLM .* needs an NSA model in "
                                          r"attention_mode 'nsa'"):  # fmt: skip
         lc.run_long_context_eval(llama, byt5, "passkey", [300], [0.5], selection=True, **quiet)
+
+
+def test_needle_visibility_at_the_window_s_edge(byt5, monkeypatch):
+    """The window of query t holds keys t - w + 1 .. t (NSA_SPEC): an answer whose last token is w keys back is
+    outside it, one key nearer inside."""
+    from modeling_nsa.nsa_layout import NSAParams
+    from nsa_train import selection_stats
+
+    cases, _ = lc.build_cases(byt5, "passkey", [300], [1.0], samples=1, seed=5)
+    case = cases[0]
+    text = bytes(i - 3 for i in case.prompt_ids).decode(errors="replace")  # ByT5: id = byte + 3
+    last_digit = max(case.needle_start + i for i in range(case.needle_len) if text[case.needle_start + i].isdigit())
+    query = len(case.prompt_ids) - 1
+    for window, inside in ((query - last_digit, False), (query - last_digit + 1, True)):
+        params = NSAParams(cmp_block_size=16, cmp_stride=8, sel_block_size=64, sel_num_blocks=4, sel_init_blocks=1,
+                           sel_local_blocks=2, window_size=window)  # fmt: skip
+        width = len(case.prompt_ids)
+        fake = [selection_stats.LayerSelection(0, torch.zeros(1, width, 4, 3), torch.full((1, 1, width, 4), -1),
+                                               torch.zeros(1, width), params)]  # fmt: skip
+        monkeypatch.setattr(selection_stats, "capture_selections", lambda *a, fake=fake, **k: fake)
+        assert lc.needle_selection(object(), cases, "cpu", pad_id=0)[0]["needle_in_window"] is inside, window

@@ -63,6 +63,9 @@ def test_a_literal_eos_string_in_a_document_is_text(byt5):
     val = data.validation_rows(ListSource(texts), byt5, 16, val_every=1, val_tokens=10**6)
     val_stream = [t for ids, pos, lab in val for t, l in zip(ids, lab) if l != -100 or t != byt5.eos_token_id]
     assert val_stream == [t for text in texts for t in [b + 3 for b in text.encode()] + [byt5.eos_token_id]]
+    # --val-tokens caps the rows at whole rows: exactly two rows' worth is two rows, one token more a third
+    for val_tokens, expected in ((32, 2), (33, 3), (16, 1)):
+        assert len(data.validation_rows(ListSource(texts), byt5, 16, val_every=1, val_tokens=val_tokens)) == expected
 
 
 def test_cross_doc_rows_are_gpt2_style(byt5):

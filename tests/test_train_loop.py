@@ -732,12 +732,15 @@ def test_every_evaluation_metric_is_logged(tmp_path, capsys):
     log = StepLog(accelerator, tmp_path, SimpleNamespace(report_to="tensorboard", max_steps=10, log_every=1,
                                                          resume=None),
                   RunState(), (1.0, 1.0), None, {"seed": 1})  # fmt: skip
-    log.log_eval(5, {"val_loss": 2.0, "val_ppl": 7.389, "sel_recall": 0.75})
+    log.log_eval(5, {"val_loss": 2.0, "val_ppl": 7.389, "sel_recall": 0.75, "sel_l1_recall": 0.5})
     log.close()
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 5, "val_loss": 2.0, "val_ppl": 7.389,
-                                                                     "sel_recall": 0.75}  # fmt: skip
-    assert accelerator.logged == [("init", "logs"), ({"val/loss": 2.0, "val/ppl": 7.389, "sel/recall": 0.75}, 5)]
-    assert "step 5: val loss 2.0000 ppl 7.39 sel_recall 0.75" in capsys.readouterr().out
+                                                                     "sel_recall": 0.75, "sel_l1_recall": 0.5}  # fmt: skip
+    assert accelerator.logged == [("init", "logs"), ({"val/loss": 2.0, "val/ppl": 7.389, "sel/recall": 0.75,
+                                                      "sel/l1_recall": 0.5}, 5)]  # fmt: skip
+    # the console line: every metric but the per-layer ones (their mean over layers shows)
+    said = capsys.readouterr().out
+    assert "step 5: val loss 2.0000 ppl 7.39 sel_recall 0.75\n" in said and "l1_recall" not in said
     # a resume hides TensorBoard's events after its step, also from step 0 (a launch that died before its first
     # checkpoint), and a new run purges nothing
     for resume, step, expected in (("latest", 0, {"tensorboard": {"purge_step": 1}}),
