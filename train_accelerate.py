@@ -704,7 +704,8 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
                         source=source)  # fmt: skip
     if main_proc:
         extra = {"data": source.describe(), "flops_per_token": dict(zip(("dense", "nsa"), flops))}
-        metrics.write_run_record(out_dir / "run.json", run_config, accelerator, unwrapped, extra)
+        metrics.write_run_record(out_dir / "run.json", run_config, accelerator, unwrapped, extra,
+                                 resumed_from=run.step if cfg.resume else None)  # fmt: skip
     tokens_per_step = announce_run(cfg, say, n_params, source, world, out_dir)
 
     # --- the loop

@@ -137,17 +137,32 @@ def device_info(accelerator) -> dict:
     return info
 
 
-def write_run_record(path: Path, config: dict, accelerator, model, extra: dict | None = None):
+def write_run_record(path: Path, config: dict, accelerator, model, extra: dict | None = None,
+                     resumed_from: int | None = None):  # fmt: skip
+    """run.json: this launch's config, model, code, packages and device at the top level, and `launches`, one entry
+    per launch of the run (started, git_sha, argv, from_step). resumed_from: the step this launch continues from
+    (--resume; 0 when it found no checkpoint), whose record keeps the earlier launches; None: a new run."""
+    sha, started = git_sha(Path(__file__).resolve().parents[1]), time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    earlier = []
+    if resumed_from is not None and path.is_file():
+        try:
+            before = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            before = {}
+        # (a record written before launches were kept: its one launch, step unknown)
+        earlier = before.get("launches") or [{"started": before.get("started"), "git_sha": before.get("git_sha"),
+                                              "argv": before.get("argv"), "from_step": None}] if before else []
     record = {
         "config": config,
         "model_config": model.config.to_dict(),
         "num_parameters": sum(p.numel() for p in model.parameters()),
-        "git_sha": git_sha(Path(__file__).resolve().parents[1]),
+        "git_sha": sha,
         "packages": package_versions(),
         "device": device_info(accelerator),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "started": started,
         "argv": sys.argv,
         **(extra or {}),
+        "launches": [*earlier, {"started": started, "git_sha": sha, "argv": sys.argv, "from_step": resumed_from or 0}],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2, default=str))

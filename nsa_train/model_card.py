@@ -3,6 +3,7 @@ card may be pushed to the Hub, so it holds no local paths."""
 
 from __future__ import annotations
 
+import json
 import time
 from importlib import resources
 from pathlib import Path
@@ -86,10 +87,25 @@ def run_card_fields(cfg, config, run, *, n_params, world, mixed_precision, devic
         "lr": cfg.lr, "betas": f"({cfg.beta1}, {cfg.beta2})", "weight_decay": cfg.weight_decay,
         "warmup_steps": cfg.warmup_steps, "grad_clip": cfg.grad_clip,
         "mixed_precision": PRECISION_WORDS.get(mixed_precision, mixed_precision),
-        "device": device, "git_sha": metrics.git_sha(Path(__file__).resolve().parents[1]),
+        "device": device, "git_sha": code_versions(out_dir, metrics.git_sha(Path(__file__).resolve().parents[1])),
         "torch_version": versions["torch"], "transformers_version": versions["transformers"],
         "accelerate_version": versions["accelerate"],
     }  # fmt: skip
+
+
+def code_versions(out_dir, current: str | None) -> str:
+    """The card's commit: this launch's and, for a resumed run whose earlier launches ran other code (run.json's
+    launches), theirs with the step each started from."""
+    try:
+        launches = json.loads((Path(out_dir) / "run.json").read_text()).get("launches", [])
+    except (OSError, json.JSONDecodeError):
+        launches = []
+    earlier = [launch for launch in launches[:-1] if launch.get("git_sha") != current]
+    if not earlier:
+        return str(current)
+    said = ", ".join(f"{launch.get('git_sha') or 'unknown'} from step "
+                     f"{'?' if launch.get('from_step') is None else launch['from_step']}" for launch in earlier)  # fmt: skip
+    return f"{current} (the launch that wrote this card; the run was resumed, and earlier launches ran {said})"
 
 
 def schedule_words(cfg) -> str:

@@ -1022,3 +1022,25 @@ def test_a_finished_run_missing_its_export_is_exported_on_resume_and_keep_last_o
     exported = run_main(tiny_args(tmp_path / "exported", resume=str(ckpt), max_steps=3))
     assert exported["finished"] and exported["step"] == 3
     assert_same_weights(final_state(tmp_path / "exported"), final_state(out))
+
+
+def test_run_json_keeps_each_launch_and_the_card_names_earlier_code(tmp_path):
+    """run.json's `launches`: one entry per launch of a run (commit, argv, the step it continued from); a new run
+    starts the list. The model card of a run resumed under other code names that code with the step it ran from."""
+    out = tmp_path / "run"
+    run_main(tiny_args(out, max_steps=1, save_every=1))
+    record = json.loads((out / "run.json").read_text())
+    assert [launch["from_step"] for launch in record["launches"]] == [0]
+    assert record["launches"][0]["git_sha"] == record["git_sha"]
+    record["launches"][0]["git_sha"] = "0123abc"  # as if the first launch had run other code
+    (out / "run.json").write_text(json.dumps(record))
+    run_main(tiny_args(out, max_steps=2, save_every=1, resume="latest"))
+    launches = json.loads((out / "run.json").read_text())["launches"]
+    assert [(launch["git_sha"], launch["from_step"]) for launch in launches][0] == ("0123abc", 0)
+    assert launches[1]["from_step"] == 1 and launches[1]["git_sha"] != "0123abc"
+    card = (out / "final" / "README.md").read_text()
+    assert "the run was resumed, and earlier launches ran 0123abc from step 0" in card
+    fresh = tmp_path / "fresh"  # a new run: its own launch only, and a card without the resumed note
+    run_main(tiny_args(fresh, max_steps=1))
+    assert len(json.loads((fresh / "run.json").read_text())["launches"]) == 1
+    assert "the run was resumed" not in (fresh / "final" / "README.md").read_text()
