@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_model import SIZE_125M, build, llama_ratio_cells, llama_ratio_header  # noqa: E402
+from bench_model import DENSE_MODELS, SIZE_125M, build, llama_ratio_cells, llama_ratio_header  # noqa: E402
 from transformers import LogitsProcessor, LogitsProcessorList  # noqa: E402
 
 SIZES = {
@@ -98,12 +98,12 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=64, help="at least 2")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--models", nargs="+", default=["nsa", "nsa-static", "nsa-dense", "llama", "llama-static"],
-                        help="nsa, nsa-dense, llama; a -static suffix: cache_implementation='static' (compiled steps)")
+                        help="nsa, nsa-dense (-flex, -eager), llama; a -static suffix: cache_implementation='static' (compiled steps)")
     parser.add_argument("--size", choices=list(SIZES), default="125m")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    known = ("nsa", "nsa-dense", "llama")
+    known = ("nsa", *DENSE_MODELS, "llama")  # what bench_model.build makes
     unknown = [m for m in args.models if m.removesuffix("-static") not in known]
     if unknown:
         parser.error(f"--models {' '.join(unknown)}: each is one of {', '.join(known)}, optionally with -static.")

@@ -632,7 +632,7 @@ def test_bench_generate_smoke_run_times_every_model_and_their_ratios(tmp_path, m
     import bench_generate
 
     for bad, said in ((["--new-tokens", "1"], "--new-tokens 1: give at least 2"),
-                      (["--models", "nsa", "mamba"], "--models mamba: each is one of nsa, nsa-dense, llama")):
+                      (["--models", "nsa", "mamba"], "--models mamba: each is one of nsa, nsa-dense, nsa-dense-flex, nsa-dense-eager, llama")):
         monkeypatch.setattr(sys, "argv", ["bench_generate.py", "--device", "cpu", *bad])
         with pytest.raises(SystemExit) as exit_info:
             bench_generate.main()
