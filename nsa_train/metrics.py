@@ -149,9 +149,11 @@ def write_run_record(path: Path, config: dict, accelerator, model, extra: dict |
             before = json.loads(path.read_text())
         except json.JSONDecodeError:
             before = {}
-        # (a record written before launches were kept: its one launch, step unknown)
-        earlier = before.get("launches") or [{"started": before.get("started"), "git_sha": before.get("git_sha"),
-                                              "argv": before.get("argv"), "from_step": None}] if before else []
+        if before.get("launches"):
+            earlier = before["launches"]
+        elif before:  # a record written before launches were kept: its one launch, step unknown
+            earlier = [{"started": before.get("started"), "git_sha": before.get("git_sha"), "argv": before.get("argv"),
+                        "from_step": None}]  # fmt: skip
     record = {
         "config": config,
         "model_config": model.config.to_dict(),

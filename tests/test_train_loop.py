@@ -1040,6 +1040,15 @@ def test_run_json_keeps_each_launch_and_the_card_names_earlier_code(tmp_path):
     assert launches[1]["from_step"] == 1 and launches[1]["git_sha"] != "0123abc"
     card = (out / "final" / "README.md").read_text()
     assert "the run was resumed, and earlier launches ran 0123abc from step 0" in card
+    # a record written before launches were kept: its one launch carried over, its start step unknown
+    record = json.loads((out / "run.json").read_text())
+    del record["launches"]
+    (out / "run.json").write_text(json.dumps({**record, "git_sha": "4567def"}))
+    run_main(tiny_args(out, max_steps=3, save_every=1, resume="latest"))
+    launches = json.loads((out / "run.json").read_text())["launches"]
+    assert [(launch["git_sha"], launch["from_step"]) for launch in launches[:1]] == [("4567def", None)]
+    assert launches[1]["from_step"] == 2 and len(launches) == 2
+    assert "earlier launches ran 4567def from step ?" in (out / "final" / "README.md").read_text()
     fresh = tmp_path / "fresh"  # a new run: its own launch only, and a card without the resumed note
     run_main(tiny_args(fresh, max_steps=1))
     assert len(json.loads((fresh / "run.json").read_text())["launches"]) == 1

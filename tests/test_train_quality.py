@@ -209,6 +209,7 @@ def test_stats_cost_script_times_a_measurement_against_a_step():
     """bench/stats_cost.py (the GPU session's `stats-cost` step, issue 19's 2% budget): the statistics' share of a
     step and of the training time at each cadence follow from the two medians it prints; a dense model is refused
     with the fix."""
+    import os
     import re
     import subprocess
     import sys
@@ -218,7 +219,7 @@ def test_stats_cost_script_times_a_measurement_against_a_step():
     script = [sys.executable, str(root / "bench" / "stats_cost.py"), "--repeats", "1", "--preset", "smoke",
               "--seq-len", "96", "--micro-batch-size", "3", "--eval-every", "50"]  # fmt: skip
     proc = subprocess.run(script, cwd=root, capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     found = re.search(r"step \(3 x 96\) ([\d.]+) ms; statistics \((\d+) x 96, selection by (\w+)\) ([\d.]+) ms = "
                       r"([\d.]+)% of a step", proc.stdout)  # fmt: skip
