@@ -34,7 +34,10 @@ from .nsa_backend import (  # noqa: F401  (resolve_nsa_backend, _logged_once: im
 )
 from .nsa_cache import BranchKeys, NSACache, sequence_keys
 from .nsa_layout import (
+    CompressedLayout,
     NSAParams,
+    compressed_layout,
+    compression_block_index,
     dense_attention_kwargs,
     document_positions,
     document_positions_from_cu_seqlens,
@@ -111,24 +114,24 @@ class NSARotaryEmbedding(nn.Module):
 
     @torch.no_grad()
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
-        """positions (B, T) int (padding -1 is rotated as 0) -> cos, sin (B, T, D)."""
+        """positions (B, T) int (padding -1 is rotated as 0) -> cos, signed_sin (B, T, D): signed_sin is sin with
+        its first half negated, rotate_half's sign folded in once per forward (apply_rope)."""
         freqs = positions.clamp(min=0).float()[..., None] * self.inv_freq.float()  # (B, T, D/2)
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, T, heads, D), cos/sin (B, T, 1, D) (one head axis to broadcast, made once per layer: decoding runs
-    this per layer and token, where every op's dispatch counts) -> x rotated, in x's dtype. Under autocast the projections are
-    bf16 and cos/sin float32: the product is rounded back to bf16 once, which is what attention consumes
-    (the kernels and SDPA run in the autocast dtype), and the K cache stays bf16 (half the memory, and no
-    cast of the whole cache at every decoding step)."""
-    return (x * cos + rotate_half(x) * sin).to(x.dtype)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (Llama's x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1)) as
+    x * cos + (x2, x1) * signed_sin, signed_sin = (-sin, sin) (NSARotaryEmbedding's second output): one flip and one
+    addcmul where rotate_half took a neg, a cat and a mul, on every q, k and compressed k of every layer (an eager
+    decoding step dispatches each op of each layer per token; a training step moves each op's bytes).
+    x (B, T, heads, D), cos/signed_sin (B, T, 1, D) (one head axis to broadcast, made once per layer) -> x rotated,
+    in x's dtype. Under autocast the projections are bf16 and cos/sin float32: the product is rounded back to bf16
+    once, which is what attention consumes (the kernels and SDPA run in the autocast dtype), and the K cache stays
+    bf16 (half the memory, and no cast of the whole cache at every decoding step)."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # (x2, x1)
+    return torch.addcmul(x * cos, swapped, signed_sin).to(x.dtype)
 
 
 class NSACompressor(nn.Module):
@@ -162,15 +165,17 @@ class NSACompressor(nn.Module):
         flat = blocks.permute(0, 1, 3, 2, 4).reshape(batch, num_slots, num_kv_heads, block * head_dim)
         return mlp(flat)
 
-    def forward(self, k, v, cmp_end=None, keep=None):
+    def forward(self, k, v, cmp_end=None, keep=None, block_index=None):
         """Compressed k, v (B, N, Hkv, D), zero at empty slots, from either
-        - raw keys/values k, v (B, T, Hkv, D) and cmp_end (B, N): the blocks are gathered here; or
+        - raw keys/values k, v (B, T, Hkv, D) and cmp_end (B, N): the blocks are gathered here;
+        - raw keys/values, block_index (B, N * l) and keep (B, N) (a CompressedLayout's, built once per forward); or
         - blocks k, v (B, N, l, Hkv, D) gathered by the caller and keep (B, N) bool (a decoding step's own block).
-        Both go through forward: hooks that load weights as a module runs (accelerate's offloading) see every use."""
+        All go through forward: hooks that load weights as a module runs (accelerate's offloading) see every use."""
         if cmp_end is not None:
-            k = gather_compression_blocks(k, cmp_end, self.block_size)
-            v = gather_compression_blocks(v, cmp_end, self.block_size)
-            keep = cmp_end >= 0
+            block_index, keep = compression_block_index(cmp_end, self.block_size, k.shape[1]), cmp_end >= 0
+        if block_index is not None:
+            k = gather_compression_blocks(k, block_index, self.block_size)
+            v = gather_compression_blocks(v, block_index, self.block_size)
         keep = keep[:, :, None, None]
         k = self._compress(k, getattr(self, "k_pos_emb", None), getattr(self, "k_mlp", None))
         v = self._compress(v, getattr(self, "v_pos_emb", None), getattr(self, "v_mlp", None))
@@ -218,12 +223,14 @@ class NSAAttention(nn.Module):
         return kv[2 * index], kv[2 * index + 1]
 
     def forward(self, hidden_states, doc_pos, position_embeddings, past_key_values=None, single_document=False,
-                dense_attention=None, **kwargs):
+                dense_attention=None, compressed: CompressedLayout | None = None, **kwargs):
         """hidden_states (B, Tq, hidden); doc_pos (B, Tk) of every key position (Tk = cached + Tq);
-        position_embeddings = cos, sin (B, W, D) at the last W of doc_pos: all Tk without a cache, the last
+        position_embeddings = cos, signed_sin (B, W, D) at the last W of doc_pos: all Tk without a cache, the last
         Tq + l - 1 with one (the queries and the compressed tokens they complete); single_document: no padding, no packed
         documents, no cache (lets dense attention use the plain causal kernel); dense_attention: the documents as
-        the attention function takes them (nsa_layout.dense_attention_kwargs; NSAModel builds them once)."""
+        the attention function takes them (nsa_layout.dense_attention_kwargs; NSAModel builds them once);
+        compressed: NSA's compressed tokens' layout, for a forward without cache or a static cache's prompt
+        (nsa_layout.compressed_layout; NSAModel builds it once, and here when it did not)."""
         batch, num_queries, _ = hidden_states.shape
         cos, sin = position_embeddings
         cos_q, sin_q = cos[:, -num_queries:, None], sin[:, -num_queries:, None]  # (B, Tq, 1, D)
@@ -253,22 +260,30 @@ class NSAAttention(nn.Module):
                 k_win = apply_rope(k_win, cos_q, sin_q)
             step = dict(k_win=k_win, v_win=v_win, k_raw=k_raw, v_raw=v_raw,
                         compress=partial(self._compress, cos=cos, sin=sin, num_keys=doc_pos.shape[1]))
+            whole_rows = past_key_values is None or (past_key_values.static and not past_key_values.decoding)
+            if compressed is None and whole_rows:  # (a layer called on its own)
+                compressed = compressed_layout(doc_pos, self.params, cos, sin)
             if past_key_values is None:
-                keys = sequence_keys(k_slc, v_slc, doc_pos, self.params, **step)
+                keys = sequence_keys(k_slc, v_slc, **step, compressed=compressed)
             else:
-                keys = past_key_values.update(k_slc, v_slc, self.layer_idx, doc_pos, **step)
+                keys = past_key_values.update(k_slc, v_slc, self.layer_idx, doc_pos, **step, compressed=compressed)
             out = nsa_attention(
                 q, keys.k_cmp, keys.v_cmp, keys.cmp_end, keys.k_slc, keys.v_slc, keys.k_win, keys.v_win, gates, doc_pos,
                 self.params, backend=self.config.nsa_backend, query_end=keys.query_end,
             )  # fmt: skip
         return self.o_proj(out.reshape(batch, num_queries, self.num_heads * self.head_dim)), weights
 
-    def _compress(self, k, v, cmp_end=None, keep=None, key_index=None, *, cos, sin, num_keys):
+    def _compress(self, k, v, cmp_end=None, keep=None, key_index=None, compressed: CompressedLayout | None = None, *,
+                  cos, sin, num_keys):
         """Compressed k, rotated at the position of the last key each covers (Eq. 7), and v (B, N, Hkv, D), through
         the compressor's forward (hooks that load weights as a module runs, accelerate's offloading, see it).
-        k, v: raw keys (B, T, Hkv, D) with cmp_end (B, N) indexing them, or gathered blocks (B, N, l, Hkv, D) with
-        keep (B, N). key_index (B, N): each token's last key among the num_keys keys (-1: empty), whose last W
-        positions cos/sin (B, W, D) cover; None: the step's last position (a decoding step's one block)."""
+        k, v: raw keys (B, T, Hkv, D) with the forward's CompressedLayout, or with cmp_end (B, N) indexing them, or
+        gathered blocks (B, N, l, Hkv, D) with keep (B, N). key_index (B, N): each token's last key among the
+        num_keys keys (-1: empty), whose last W positions cos/signed_sin (B, W, D) cover; None: the step's last
+        position (a decoding step's one block)."""
+        if compressed is not None:
+            k_cmp, v_cmp = self.compressor(k, v, keep=compressed.keep, block_index=compressed.block_index)
+            return apply_rope(k_cmp, compressed.cos, compressed.signed_sin), v_cmp
         k_cmp, v_cmp = self.compressor(k, v, cmp_end, keep)
         if key_index is None:
             return apply_rope(k_cmp, cos[:, -1:, None], sin[:, -1:, None]), v_cmp
@@ -306,11 +321,11 @@ class NSADecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = NSARMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, hidden_states, doc_pos, position_embeddings, past_key_values=None, single_document=False,
-                dense_attention=None, **kwargs):
+                dense_attention=None, compressed=None, **kwargs):
         residual = hidden_states
         attn_out, _ = self.self_attn(
             self.input_layernorm(hidden_states), doc_pos, position_embeddings, past_key_values, single_document,
-            dense_attention,
+            dense_attention, compressed,
         )
         hidden_states = residual + attn_out
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
@@ -497,14 +512,18 @@ class NSAModel(NSAPreTrainedModel):
         hidden_states = inputs_embeds
         all_hidden_states = (inputs_embeds,) if output_hidden_states else None  # each layer's input, then the output
         dense_attention = None  # the documents as dense mode's attention function takes them, for every layer
+        compressed = None  # NSA's compressed tokens' layout, for every layer (a forward over whole rows)
         if self.config.attention_mode == "dense":
             query_end = past_key_values.cursor if static_step else None
             dense_attention = dense_attention_kwargs(self.config._attn_implementation or "sdpa", doc_pos, num_new,
                                                      query_end, single_document, inputs_embeds.dtype)  # fmt: skip
+        elif past_key_values is None or (past_key_values.static and not static_step):  # no cache, a static prompt
+            compressed = compressed_layout(doc_pos, NSAParams.from_config(self.config), *position_embeddings)
         try:
             for layer in self.layers:
                 hidden_states = layer(hidden_states, doc_pos, position_embeddings, past_key_values=past_key_values,
-                                      single_document=single_document, dense_attention=dense_attention)  # fmt: skip
+                                      single_document=single_document, dense_attention=dense_attention,
+                                      compressed=compressed)  # fmt: skip
                 if output_hidden_states:
                     all_hidden_states += (hidden_states,)
         finally:

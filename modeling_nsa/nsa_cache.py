@@ -18,6 +18,7 @@ from transformers.cache_utils import Cache
 
 from .configuration_nsa import NSAConfig
 from .nsa_layout import (
+    CompressedLayout,
     NSAParams,
     cached_document_positions,
     compressed_token_ends,
@@ -25,10 +26,10 @@ from .nsa_layout import (
     ends_compressed_token,
 )
 
-# compress(k, v, cmp_end=None, keep=None, key_index=None) -> k_cmp, v_cmp (B, N, Hkv, D), k rotated
-# (NSAAttention._compress): from raw keys/values (B, T, Hkv, D) and cmp_end (B, N) indexing them, or from gathered
-# blocks (B, N, l, Hkv, D) and keep (B, N); key_index (B, N): the key position of each token's last key (its RoPE
-# position), None: the step's last query position (a decoding step's one block).
+# compress(k, v, cmp_end=None, keep=None, key_index=None, compressed=None) -> k_cmp, v_cmp (B, N, Hkv, D), k rotated
+# (NSAAttention._compress): from raw keys/values (B, T, Hkv, D) and cmp_end (B, N) indexing them (or the forward's
+# CompressedLayout), or from gathered blocks (B, N, l, Hkv, D) and keep (B, N); key_index (B, N): the key position of
+# each token's last key (its RoPE position), None: the step's last query position (a decoding step's one block).
 Compress = Callable[..., "tuple[torch.Tensor, torch.Tensor]"]
 
 
@@ -52,14 +53,16 @@ class BranchKeys(NamedTuple):
     query_end: torch.Tensor | None = None
 
 
-def sequence_keys(key_states, value_states, doc_pos, params: NSAParams, k_win=None, v_win=None, k_raw=None,
-                  v_raw=None, compress: Compress | None = None) -> BranchKeys:
+def sequence_keys(key_states, value_states, k_win=None, v_win=None, k_raw=None, v_raw=None,
+                  compress: Compress | None = None, compressed: CompressedLayout | None = None) -> BranchKeys:
     """What a step with no cache before it reads (a forward without cache, a static cache's prompt): its own keys
-    and every compressed token of its documents. Arguments as NSACache.update; k_raw None: dense attention."""
+    and every compressed token of its documents. Arguments as NSACache.update; k_raw None: dense attention;
+    compressed: the layout of the compressed tokens (nsa_layout.compressed_layout; NSAModel builds it once per
+    forward), needed with k_raw."""
     if k_raw is None:
         return BranchKeys(key_states, value_states)
-    cmp_end = compressed_token_ends(doc_pos, params)  # (B, Nc)
-    k_cmp, v_cmp = compress(k_raw, v_raw, cmp_end, key_index=cmp_end)
+    cmp_end = compressed.cmp_end  # (B, Nc)
+    k_cmp, v_cmp = compress(k_raw, v_raw, compressed=compressed)
     if k_win is None:  # shared K/V: the window reads the selection keys
         k_win, v_win = key_states, value_states
     return BranchKeys(key_states, value_states, k_win, v_win, k_cmp, v_cmp, cmp_end)
@@ -200,10 +203,11 @@ class NSALayerCache:
         self.cmp_count: torch.Tensor | None = None  # (B,) compressed tokens emitted per row
 
     def update(self, key_states, value_states, doc_pos, k_win=None, v_win=None, k_raw=None, v_raw=None,
-               compress: Compress | None = None, query_end=None) -> BranchKeys:
+               compress: Compress | None = None, query_end=None, compressed=None) -> BranchKeys:
         """Append a chunk of Tq tokens (NSACache.update's arguments); return every key, the window's last
         w + Tq - 1 (a chunk's first query sees w - 1 before it), and the compressed tokens so far, with those the
-        chunk completes made from the raw tail and the chunk."""
+        chunk completes made from the raw tail and the chunk (`compressed`, a whole forward's layout, is None here:
+        NSAModel builds it for forwards without this cache)."""
         k_slc, v_slc = self.buffers["k_slc"].append(key_states), self.buffers["v_slc"].append(value_states)
         if k_raw is None:  # dense attention reads the keys only
             return BranchKeys(k_slc, v_slc)
@@ -339,12 +343,13 @@ class NSAStaticLayerCache:
         raise AttributeError(name)
 
     def update(self, key_states, value_states, doc_pos, k_win=None, v_win=None, k_raw=None, v_raw=None,
-               compress: Compress | None = None, query_end=None) -> BranchKeys:
-        """The prompt (query_end None): allocate the buffers, store its state, return its own keys. A decoding step
-        (one token per row at key index query_end (1,), on the device): write it in place and return the whole
-        buffers; the same ops and shapes at every token, no host value read."""
+               compress: Compress | None = None, query_end=None, compressed=None) -> BranchKeys:
+        """The prompt (query_end None): allocate the buffers, store its state, return its own keys (`compressed`:
+        the prompt's CompressedLayout, as sequence_keys takes it). A decoding step (one token per row at key index
+        query_end (1,), on the device): write it in place and return the whole buffers; the same ops and shapes at
+        every token, no host value read."""
         if query_end is None:
-            keys = sequence_keys(key_states, value_states, doc_pos, self.params, k_win, v_win, k_raw, v_raw, compress)
+            keys = sequence_keys(key_states, value_states, k_win, v_win, k_raw, v_raw, compress, compressed)
             self.store_prompt(key_states, value_states, k_win, v_win, k_raw, v_raw, keys.k_cmp, keys.v_cmp, keys.cmp_end)
             return keys
         self.k_slc.index_copy_(1, query_end, key_states)
@@ -467,14 +472,15 @@ class NSACache(Cache):
         return self.capacity if self.static else -1
 
     def update(self, key_states, value_states, layer_idx: int, doc_pos, k_win=None, v_win=None, k_raw=None,
-               v_raw=None, compress: Compress | None = None) -> BranchKeys:
+               v_raw=None, compress: Compress | None = None, compressed: CompressedLayout | None = None) -> BranchKeys:
         """Store one attention step's keys in layer `layer_idx` and return what its branches read (Llama's
         Cache.update, with NSA's branches). key_states/value_states (B, Tq, Hkv, D): the selection keys (dense
         attention's keys), rotated; doc_pos (B, Tk): as append_positions returned it. NSA mode adds k_win/v_win
-        (rotated; None with shared K/V), k_raw/v_raw (un-rotated, compression's input) and `compress`."""
+        (rotated; None with shared K/V), k_raw/v_raw (un-rotated, compression's input), `compress` and, for a static
+        cache's prompt, the prompt's CompressedLayout (NSAModel builds it once for every layer)."""
         query_end = self.cursor if self.decoding else None  # a static cache's step: written at the cursor
         return self.layers[layer_idx].update(key_states, value_states, doc_pos, k_win, v_win, k_raw, v_raw, compress,
-                                             query_end)
+                                             query_end, compressed)
 
     def append_positions(self, position_ids, attention_mask, batch_size, new_len, device) -> torch.Tensor:
         """Record the new tokens' doc_pos; returns doc_pos of every key position (B, Tk).

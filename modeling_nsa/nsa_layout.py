@@ -14,6 +14,7 @@ of its last key (``cmp_end``); a row holds at most T // d of them whatever its d
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -121,16 +122,43 @@ def compressed_token_ends(doc_pos: torch.Tensor, params: NSAParams, num_slots: i
     return ends[:, :num_slots]
 
 
-def gather_compression_blocks(raw: torch.Tensor, cmp_end: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The l raw keys each compressed token summarizes. raw (B, T, Hkv, D), cmp_end (B, N) -> (B, N, l, Hkv, D).
-
-    Empty slots (cmp_end = -1) gather the first l keys; callers zero their outputs.
-    """
-    batch_size, seq_len, num_kv_heads, head_dim = raw.shape
-    offsets = torch.arange(block_size, device=raw.device) - (block_size - 1)  # (l,)
+def compression_block_index(cmp_end: torch.Tensor, block_size: int, seq_len: int) -> torch.Tensor:
+    """The raw key index of the l keys each compressed token summarizes: cmp_end (B, N) -> (B, N * l), the keys
+    (cmp_end - l, cmp_end] in order. Empty slots (cmp_end = -1) index the first l keys; callers zero their outputs."""
+    offsets = torch.arange(block_size, device=cmp_end.device) - (block_size - 1)  # (l,)
     index = (cmp_end.clamp(min=block_size - 1)[:, :, None] + offsets).clamp(0, seq_len - 1)  # (B, N, l)
-    flat = index.reshape(batch_size, -1, 1, 1).expand(-1, -1, num_kv_heads, head_dim)
-    return raw.gather(1, flat).view(batch_size, cmp_end.shape[1], block_size, num_kv_heads, head_dim)
+    return index.flatten(1)
+
+
+def gather_compression_blocks(raw: torch.Tensor, block_index: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The l raw keys each compressed token summarizes. raw (B, T, Hkv, D), block_index (B, N * l)
+    (compression_block_index) -> (B, N, l, Hkv, D)."""
+    batch_size, _, num_kv_heads, head_dim = raw.shape
+    flat = block_index[:, :, None, None].expand(-1, -1, num_kv_heads, head_dim)
+    return raw.gather(1, flat).view(batch_size, -1, block_size, num_kv_heads, head_dim)
+
+
+class CompressedLayout(NamedTuple):
+    """Where a forward's compressed tokens sit, shared by every layer: a function of doc_pos and RoPE alone, so
+    NSAModel builds it once per forward (as it builds RoPE's cos/sin) instead of once per layer (about 25 small
+    launches per layer in a training step's forward). For a forward without cache and a static cache's prompt."""
+
+    cmp_end: torch.Tensor  # (B, N) index of each compressed token's last raw key, -1: an empty slot
+    block_index: torch.Tensor  # (B, N * l) the raw keys each covers (compression_block_index)
+    keep: torch.Tensor  # (B, N) bool: the filled slots (empty ones are zeroed)
+    cos: torch.Tensor  # (B, N, 1, D): each compressed key's RoPE, at its last raw key's position (Eq. 7)
+    signed_sin: torch.Tensor  # (B, N, 1, D), apply_rope's signed sin
+
+
+def compressed_layout(doc_pos: torch.Tensor, params: NSAParams, cos: torch.Tensor,
+                      signed_sin: torch.Tensor) -> CompressedLayout:
+    """doc_pos (B, T) and RoPE's cos/signed_sin (B, T, D) at every position -> the CompressedLayout of the row."""
+    cmp_end = compressed_token_ends(doc_pos, params)  # (B, N)
+    rope_index = cmp_end.clamp(min=0)[:, :, None].expand(-1, -1, cos.shape[-1])  # (empty slots: rotated anywhere)
+    return CompressedLayout(
+        cmp_end, compression_block_index(cmp_end, params.cmp_block_size, doc_pos.shape[1]), cmp_end >= 0,
+        cos.gather(1, rope_index)[:, :, None], signed_sin.gather(1, rope_index)[:, :, None],
+    )
 
 
 def document_positions_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int, device) -> torch.Tensor:

@@ -106,17 +106,28 @@ def test_backend_auto_is_reference_on_cpu_and_explicit_triton_without_a_gpu_fail
         model(torch.randint(0, 113, (1, 20)))
 
 
-def test_rope_keeps_the_projection_dtype_under_autocast():
-    # bf16 projections x float32 cos/sin (autocast): rotated once in float32, rounded back to bf16, so the
-    # attention gets (and the K cache keeps) bf16, not a float32 promotion
-    from modeling_nsa.modeling_nsa import apply_rope
+def test_rope_is_llamas_rotate_half_and_keeps_the_projection_dtype_under_autocast():
+    # The model's RoPE (NSARotaryEmbedding's cos and signed sin, apply_rope's flip) is Llama's rotate-half
+    # convention, written out independently in tests/naive_nsa.py; and bf16 projections x float32 cos/sin
+    # (autocast): rotated once in float32, rounded back to bf16, so the attention gets (and the K cache keeps)
+    # bf16, not a float32 promotion
+    from naive_nsa import rope_naive
+
+    from modeling_nsa.modeling_nsa import NSARotaryEmbedding, apply_rope
 
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 5, 3, 8, generator=gen).to(torch.bfloat16)
-    angles = torch.randn(2, 5, 1, 8, generator=gen)
-    out = apply_rope(x, angles.cos(), angles.sin())
+    config = NSAConfig(**TINY)
+    positions = torch.randint(-1, 500, (2, 5), generator=gen)  # (padding, -1, is rotated as position 0)
+    x = torch.randn(2, 5, 3, config.head_dim, generator=gen, dtype=torch.float64)
+    cos, signed_sin = NSARotaryEmbedding(config)(positions, torch.float64)
+    expected = rope_naive(x, positions.clamp(min=0)[..., None], config.rope_theta)
+    torch.testing.assert_close(apply_rope(x, cos[:, :, None], signed_sin[:, :, None]), expected, rtol=1e-6, atol=1e-6)
+
+    x = x.to(torch.bfloat16)
+    cos, signed_sin = NSARotaryEmbedding(config)(positions, torch.float32)
+    out = apply_rope(x, cos[:, :, None], signed_sin[:, :, None])
     assert out.dtype == torch.bfloat16
-    exact = apply_rope(x.double(), angles.cos().double(), angles.sin().double())
+    exact = apply_rope(x.double(), cos.double()[:, :, None], signed_sin.double()[:, :, None])
     torch.testing.assert_close(out, exact.to(torch.bfloat16), rtol=0, atol=0)
 
 
