@@ -1,6 +1,7 @@
 """What NSA adds to a training step outside its attention op, counted on CPU (no GPU needed).
 
     python bench/model_traffic_cpu.py [--seq-lens 2048 8192] [--tokens-per-step 32768] [--top 12]
+    python bench/model_traffic_cpu.py --decode [--decode-batch 1] [--prompt-len 64]
 
 Builds the 125M NSA model (bench_model.py's size) and the same model in dense mode on the meta device (shapes
 only, no memory, no arithmetic), runs one training step (forward, loss, backward; bf16 weights as
@@ -19,6 +20,10 @@ Counting:
   kernel reaches (PyTorch's elementwise kernels and small matmuls run well below it), so read the difference
   as a lower bound of what NSA's parts add;
 - calls: the aten ops that launch work (not views or allocations), as a proxy for the host's launches.
+
+--decode counts one eager decoding step instead (real CPU tensors, the attention stand-ins, no gradients): the ops
+NSA's default and static caches, dense mode and HF Llama dispatch per generated token. Eager `generate()` on a GPU
+is host-bound at small batch: each op is a dispatch and a launch, so this count is what its step costs the host.
 """
 
 from __future__ import annotations
@@ -154,6 +159,43 @@ def count_step(model_name: str, batch: int, seq_len: int, size: dict = SIZE_125M
         return counter
 
 
+def count_decode_step(model_name: str, batch: int, prompt_len: int, static: bool = False,
+                      size: dict = SIZE_125M) -> StepCounter:
+    """The second decoding step after a prompt of prompt_len tokens (the first may allocate), counted: bench_model's
+    `model_name` in bf16 on CPU, the attention replaced by the stand-ins."""
+    saved = modeling.nsa_attention, torch.nn.functional.scaled_dot_product_attention
+    modeling.nsa_attention = _nsa_stand_in
+    torch.nn.functional.scaled_dot_product_attention = _sdpa_stand_in
+    try:
+        model = build(model_name, prompt_len + 2, size).to(torch.bfloat16).eval()
+        ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
+        cache = modeling.NSACache(model.config, max_cache_len=prompt_len + 2, static=True) if static else None
+        counter = StepCounter()
+        name = modeling.CACHE_NAME  # (past_key_values before transformers 5.24, cache since)
+        with torch.no_grad():
+            out = model(ids, use_cache=True, **{name: cache})
+            for step in range(2):
+                token, position = ids[:, -1:], prompt_len + step
+                kwargs = dict(cache_position=torch.tensor([position])) if static else {}
+                with counter if step == 1 else contextlib.nullcontext():
+                    out = model(token, use_cache=True, **{name: getattr(out, name)}, **kwargs)
+        return counter
+    finally:
+        modeling.nsa_attention, torch.nn.functional.scaled_dot_product_attention = saved
+
+
+def print_decode_counts(batch: int, prompt_len: int) -> None:
+    layers = SIZE_125M["num_hidden_layers"]
+    print(f"\nOne eager decoding step, B = {batch}, after a {prompt_len}-token prompt, 125M ({layers} layers), "
+          "attention stand-ins (ops that launch work; views and allocations not counted)\n")
+    print("| model | ops per step | per layer |")
+    print("|---|---|---|")
+    for label, name, static in (("NSA, default cache", "nsa", False), ("NSA, static cache", "nsa", True),
+                                ("NSA dense mode (SDPA)", "nsa-dense", False), ("HF Llama (SDPA)", "llama", False)):
+        calls = count_decode_step(name, batch, prompt_len, static).total("calls")
+        print(f"| {label} | {calls} | {calls / layers:.1f} |")
+
+
 def floor_ms(counter: StepCounter, tflops: float, gbps: float) -> float:
     return counter.total("flops") / (tflops * 1e9) + counter.total("bytes") / (gbps * 1e6)
 
@@ -165,7 +207,15 @@ def main():
     parser.add_argument("--top", type=int, default=12, help="op kinds listed, largest NSA - dense bytes first")
     parser.add_argument("--tflops", type=float, default=H100_TFLOPS)
     parser.add_argument("--gbps", type=float, default=H100_GBPS)
+    parser.add_argument("--decode", action="store_true", help="count an eager decoding step instead (see above)")
+    parser.add_argument("--decode-batch", type=int, default=1, help="rows of the decoding step (--decode)")
+    parser.add_argument("--prompt-len", type=int, default=64, help="tokens in the cache before the step (--decode)")
     args = parser.parse_args()
+    if args.decode:
+        if args.decode_batch < 1 or args.prompt_len < 1:
+            parser.error(f"--decode-batch ({args.decode_batch}) and --prompt-len ({args.prompt_len}) must be >= 1")
+        print_decode_counts(args.decode_batch, args.prompt_len)
+        return
     for seq_len in args.seq_lens:
         batch = max(1, args.tokens_per_step // seq_len)
         nsa, dense = count_step("nsa", batch, seq_len), count_step("nsa-dense", batch, seq_len)

@@ -53,6 +53,25 @@ class BranchKeys(NamedTuple):
     query_end: torch.Tensor | None = None
 
 
+class TokenStep(NamedTuple):
+    """Where a one-token decoding step's state goes, the same in every layer (a function of doc_pos and, in a static
+    cache, the cursor): NSACache works it out once per step (append_positions) and every layer cache reads it,
+    where each layer worked it out again (eager decoding dispatches each op of each layer at every token).
+
+    emits (B, 1) bool: the token completes a compressed token (in-document position i*d + l - 1, Eq. 7).
+    end (B, 1): its key index where it does, -1 where not (the new compressed token's cmp_end entry).
+    Static cache only (None otherwise), rings indexed by key position: tail_slot and window_slot (1,), the token's
+    slot in the raw tail (p % l) and the window (p % w); tail_order (l,), the tail's slots in key order, ending at
+    the token's.
+    """
+
+    emits: torch.Tensor
+    end: torch.Tensor
+    tail_slot: torch.Tensor | None = None
+    window_slot: torch.Tensor | None = None
+    tail_order: torch.Tensor | None = None
+
+
 def sequence_keys(key_states, value_states, k_win=None, v_win=None, k_raw=None, v_raw=None,
                   compress: Compress | None = None, compressed: CompressedLayout | None = None) -> BranchKeys:
     """What a step with no cache before it reads (a forward without cache, a static cache's prompt): its own keys
@@ -203,16 +222,17 @@ class NSALayerCache:
         self.cmp_count: torch.Tensor | None = None  # (B,) compressed tokens emitted per row
 
     def update(self, key_states, value_states, doc_pos, k_win=None, v_win=None, k_raw=None, v_raw=None,
-               compress: Compress | None = None, query_end=None, compressed=None) -> BranchKeys:
+               compress: Compress | None = None, query_end=None, compressed=None, step: TokenStep | None = None
+               ) -> BranchKeys:  # fmt: skip
         """Append a chunk of Tq tokens (NSACache.update's arguments); return every key, the window's last
         w + Tq - 1 (a chunk's first query sees w - 1 before it), and the compressed tokens so far, with those the
         chunk completes made from the raw tail and the chunk (`compressed`, a whole forward's layout, is None here:
-        NSAModel builds it for forwards without this cache)."""
+        NSAModel builds it for forwards without this cache; `step`: a one-token chunk's TokenStep)."""
         k_slc, v_slc = self.buffers["k_slc"].append(key_states), self.buffers["v_slc"].append(value_states)
         if k_raw is None:  # dense attention reads the keys only
             return BranchKeys(k_slc, v_slc)
         num_keys, num_queries = doc_pos.shape[1], k_raw.shape[1]
-        k_new, v_new, end_new = self._new_compressed(k_raw, v_raw, doc_pos, compress)
+        k_new, v_new, end_new = self._new_compressed(k_raw, v_raw, doc_pos, compress, step)
         self._append_compressed(k_new, v_new, end_new, max_slots=num_keys // self.params.cmp_stride + 1)
         if k_win is not None:  # the window buffers keep the last w keys
             k_win, v_win = self.buffers["k_win"].append(k_win), self.buffers["v_win"].append(v_win)
@@ -221,7 +241,7 @@ class NSALayerCache:
             k_win, v_win = k_slc[:, -span:], v_slc[:, -span:]
         return BranchKeys(k_slc, v_slc, k_win, v_win, self.cmp_k, self.cmp_v, self.cmp_end)
 
-    def _new_compressed(self, k_raw, v_raw, doc_pos, compress: Compress):
+    def _new_compressed(self, k_raw, v_raw, doc_pos, compress: Compress, step: TokenStep | None):
         """The compressed tokens ending inside this chunk, made from the cached raw tail + the chunk (B, Tq, Hkv, D):
         k, v (B, Nn, Hkv, D) and the key index of each one's last key (B, Nn), -1 where a row emits fewer."""
         block, stride = self.params.cmp_block_size, self.params.cmp_stride
@@ -232,9 +252,8 @@ class NSALayerCache:
             # The generation step: the token completes at most one compressed token, made from the l raw keys
             # ending at it (the tail and the token) and rotated at the token's own position.
             # A third of the general path's host work (no slot layout, no gathers): it runs per layer and token.
-            emits = ends_compressed_token(doc_pos[:, -1:], self.params)  # (B, 1)
-            k_new, v_new = compress(raw_k[:, None, -block:], raw_v[:, None, -block:], keep=emits)  # (B, 1, Hkv, D)
-            return k_new, v_new, torch.where(emits, num_keys - 1, -1)
+            k_new, v_new = compress(raw_k[:, None, -block:], raw_v[:, None, -block:], keep=step.emits)  # (B, 1, Hkv, D)
+            return k_new, v_new, step.end
         raw_doc_pos = doc_pos[:, num_keys - num_queries - tail_len :].clone()
         raw_doc_pos[:, :tail_len] = -1  # tail tokens emitted their compressed tokens already
         local_end = compressed_token_ends(raw_doc_pos, self.params, num_slots=num_queries // stride + 1)
@@ -343,11 +362,12 @@ class NSAStaticLayerCache:
         raise AttributeError(name)
 
     def update(self, key_states, value_states, doc_pos, k_win=None, v_win=None, k_raw=None, v_raw=None,
-               compress: Compress | None = None, query_end=None, compressed=None) -> BranchKeys:
+               compress: Compress | None = None, query_end=None, compressed=None, step: TokenStep | None = None
+               ) -> BranchKeys:  # fmt: skip
         """The prompt (query_end None): allocate the buffers, store its state, return its own keys (`compressed`:
         the prompt's CompressedLayout, as sequence_keys takes it). A decoding step (one token per row at key index
-        query_end (1,), on the device): write it in place and return the whole buffers; the same ops and shapes at
-        every token, no host value read."""
+        query_end (1,), on the device; `step`, its TokenStep): write it in place and return the whole buffers; the
+        same ops and shapes at every token, no host value read."""
         if query_end is None:
             keys = sequence_keys(key_states, value_states, k_win, v_win, k_raw, v_raw, compress, compressed)
             self.store_prompt(key_states, value_states, k_win, v_win, k_raw, v_raw, keys.k_cmp, keys.v_cmp, keys.cmp_end)
@@ -356,30 +376,27 @@ class NSAStaticLayerCache:
         self.v_slc.index_copy_(1, query_end, value_states)
         if k_raw is None:  # dense attention reads the keys only
             return BranchKeys(self.k_slc, self.v_slc, query_end=query_end)
-        self._store_compressed_step(k_raw, v_raw, doc_pos, compress, query_end)
+        self._store_compressed_step(k_raw, v_raw, compress, step)
         if k_win is not None:  # the window ring: key p at slot p % w
-            self.k_win.index_copy_(1, query_end % self.params.window_size, k_win)
-            self.v_win.index_copy_(1, query_end % self.params.window_size, v_win)
+            self.k_win.index_copy_(1, step.window_slot, k_win)
+            self.v_win.index_copy_(1, step.window_slot, v_win)
             k_win, v_win = self.k_win, self.v_win
         else:  # shared K/V: the window reads the key buffer itself (a "ring" of N slots: key p at slot p)
             k_win, v_win = self.k_slc, self.v_slc
         return BranchKeys(self.k_slc, self.v_slc, k_win, v_win, self.cmp_k, self.cmp_v, self.cmp_end, query_end)
 
-    def _store_compressed_step(self, k_raw, v_raw, doc_pos, compress: Compress, query_end) -> None:
+    def _store_compressed_step(self, k_raw, v_raw, compress: Compress, step: TokenStep) -> None:
         """The compressed token this step completes (Eq. 7): the l raw keys ending here, from the raw ring."""
-        block = self.params.cmp_block_size
-        self.tail_k.index_copy_(1, query_end % block, k_raw)
-        self.tail_v.index_copy_(1, query_end % block, v_raw)
-        ring_order = (query_end - block + 1 + torch.arange(block, device=query_end.device)) % block  # (l,)
-        blocks = self.tail_k.index_select(1, ring_order)[:, None], self.tail_v.index_select(1, ring_order)[:, None]
-        emits = ends_compressed_token(doc_pos.index_select(1, query_end), self.params)  # (B, 1)
-        k_new, v_new = compress(*blocks, keep=emits)  # (B, 1, Hkv, D), rotated at the token's position
+        self.tail_k.index_copy_(1, step.tail_slot, k_raw)
+        self.tail_v.index_copy_(1, step.tail_slot, v_raw)
+        blocks = self.tail_k.index_select(1, step.tail_order)[:, None], self.tail_v.index_select(1, step.tail_order)[:, None]
+        k_new, v_new = compress(*blocks, keep=step.emits)  # (B, 1, Hkv, D), rotated at the token's position
         # each row's next free slot, or (rows emitting nothing) the spare last slot, written empty
-        slot = torch.where(emits, self.cmp_count[:, None], self.num_slots - 1)  # (B, 1)
+        slot = torch.where(step.emits, self.cmp_count[:, None], self.num_slots - 1)  # (B, 1)
         self.cmp_k.scatter_(1, slot[:, :, None, None].expand_as(k_new), k_new)
         self.cmp_v.scatter_(1, slot[:, :, None, None].expand_as(v_new), v_new)
-        self.cmp_end.scatter_(1, slot, torch.where(emits, query_end, -1))
-        self.cmp_count.add_(emits[:, 0])
+        self.cmp_end.scatter_(1, slot, step.end)
+        self.cmp_count.add_(step.emits[:, 0])
 
     def store_prompt(self, k_slc, v_slc, k_win=None, v_win=None, k_raw=None, v_raw=None, k_cmp=None, v_cmp=None,
                      cmp_end=None):
@@ -454,6 +471,9 @@ class NSACache(Cache):
         self.static_positions: torch.Tensor | None = None
         self.cursor: torch.Tensor | None = None  # (1,) int64
         self.decoding = False  # static: the prompt is stored, steps follow
+        # NSA mode: a one-token step's TokenStep, worked out once per step for every layer (append_positions)
+        self.params = NSAParams.from_config(config) if config.attention_mode == "nsa" else None
+        self.step: TokenStep | None = None
 
     @property
     def is_compileable(self) -> bool:
@@ -480,7 +500,7 @@ class NSACache(Cache):
         cache's prompt, the prompt's CompressedLayout (NSAModel builds it once for every layer)."""
         query_end = self.cursor if self.decoding else None  # a static cache's step: written at the cursor
         return self.layers[layer_idx].update(key_states, value_states, doc_pos, k_win, v_win, k_raw, v_raw, compress,
-                                             query_end, compressed)
+                                             query_end, compressed, self.step)
 
     def append_positions(self, position_ids, attention_mask, batch_size, new_len, device) -> torch.Tensor:
         """Record the new tokens' doc_pos; returns doc_pos of every key position (B, Tk).
@@ -498,6 +518,10 @@ class NSACache(Cache):
                                                     device)
         doc_pos = self.positions.append(new_doc_pos)
         self.num_valid = new_doc_pos[:, -1] + 1  # the next token's position in the row's last document
+        self.step = None
+        if new_len == 1 and self.params is not None:
+            emits = ends_compressed_token(new_doc_pos, self.params)  # (B, 1)
+            self.step = TokenStep(emits, torch.where(emits, doc_pos.shape[1] - 1, -1))
         return doc_pos
 
     def _append_static_positions(self, position_ids, attention_mask, batch_size, new_len, device) -> torch.Tensor:
@@ -533,6 +557,11 @@ class NSACache(Cache):
                                                 device)  # (B, 1)
         self.static_positions.index_copy_(1, self.cursor, new_doc_pos)
         self.num_valid.copy_(new_doc_pos[:, 0] + 1)
+        if self.params is not None:
+            block, cursor = self.params.cmp_block_size, self.cursor
+            emits = ends_compressed_token(new_doc_pos, self.params)  # (B, 1)
+            self.step = TokenStep(emits, torch.where(emits, cursor, -1), cursor % block, cursor % self.params.window_size,
+                                  (cursor - block + 1 + torch.arange(block, device=device)) % block)  # fmt: skip
         return self.static_positions
 
     def advance(self, num_new: int) -> None:

@@ -28,16 +28,11 @@ def make_model(seed=0, **overrides):
     return NSAForCausalLM(NSAConfig(**{**TINY, **overrides})).double().eval()
 
 
-def greedy_without_cache(model, prompt, steps, attention_mask=None):
-    """Recompute the full forward at every step; return tokens and the logits used to pick them."""
-    tokens, logits_per_step = prompt, []
-    for _ in range(steps):
-        logits = model(tokens, attention_mask=attention_mask, use_cache=False).logits[:, -1]
-        logits_per_step.append(logits)
-        tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=1)
-        if attention_mask is not None:
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(tokens), 1)], dim=1)
-    return tokens, torch.stack(logits_per_step, 1)
+def next_token_logits_without_cache(model, sequences, prompt_len):
+    """The logits each of generate()'s steps should have had, from one forward over its whole output without a
+    cache: the model is causal, so position t's logits are those of a full recompute over the first t + 1 tokens
+    (B, steps, vocab)."""
+    return model(sequences, use_cache=False).logits[:, prompt_len - 1 : -1]
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS), ids=list(VARIANTS))
@@ -50,10 +45,11 @@ def test_greedy_generate_with_cache_equals_full_recompute(variant, prompt_len):
         prompt, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, output_logits=True,
         return_dict_in_generate=True, pad_token_id=0,
     )  # fmt: skip
-    expected_tokens, expected_logits = greedy_without_cache(model, prompt, steps)
+    expected_logits = next_token_logits_without_cache(model, out.sequences, prompt_len)
     assert isinstance(out.past_key_values, NSACache)
-    assert torch.equal(out.sequences, expected_tokens)
-    # generate() returns float32 logits
+    # each generated token is the greedy pick of a recompute without cache (so a greedy loop without cache
+    # generates the same sequence), and its logits are the recompute's; generate() returns float32 logits
+    assert torch.equal(out.sequences[:, prompt_len:], expected_logits.argmax(-1))
     torch.testing.assert_close(torch.stack(out.logits, 1), expected_logits.float(), rtol=1e-5, atol=1e-5)
 
 
@@ -204,6 +200,66 @@ def test_cached_decoding_step_makes_no_host_synchronization(variant):
                 out = model(token, attention_mask=mask, past_key_values=cache, use_cache=True)
                 cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
     assert recorder.syncs == [], recorder.syncs
+
+
+def _ops_per_layer(run, **overrides):
+    """The aten ops a model's call dispatches per layer beyond the first (a Counter of op names): run(model) with
+    one and with two layers, the attention math stubbed out (its own ops are per layer by nature)."""
+    import collections
+    from unittest import mock
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import modeling_nsa.modeling_nsa as modeling
+
+    class OpCounter(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for layers in (1, 2):
+        model = make_model(num_hidden_layers=layers, **overrides)
+        with mock.patch.object(modeling, "nsa_attention", lambda q, *args, **kwargs: torch.zeros_like(q)):
+            counts.append(run(model, OpCounter))
+    return counts[1] - counts[0]
+
+
+# the ops of the document layout's index math (ends_compressed_token, compressed_token_ends, the rings' slots)
+LAYOUT_OPS = {"remainder", "cumsum", "bitwise_and", "eq"}
+
+
+@pytest.mark.parametrize("cache", ["none", "default", "static"])
+def test_the_compressed_tokens_layout_is_worked_out_once_per_step_not_per_layer(cache):
+    """A forward over whole rows builds the compressed tokens' slots, gather index and RoPE once for every layer
+    (nsa_layout.compressed_layout), and a decoding step its token's slots once (nsa_cache.TokenStep): the
+    layout's index math is no layer's work (eager decoding dispatches every op of every layer per token)."""
+    prompt = torch.randint(0, TINY["vocab_size"], (2, 37), generator=torch.Generator().manual_seed(5))
+
+    def run(model, counter_class):
+        counter = counter_class()
+        with torch.no_grad():
+            if cache == "none":
+                with counter:
+                    model(prompt, use_cache=False)
+                return counter.ops
+            past = NSACache(model.config, max_cache_len=48, static=True) if cache == "static" else None
+            out = model(prompt, past_key_values=past, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+            for step in range(4):  # crosses a compression boundary (d = 4)
+                kwargs = dict(cache_position=torch.tensor([37 + step])) if cache == "static" else {}
+                with counter:
+                    out = model(token, past_key_values=out.past_key_values, use_cache=True, **kwargs)
+                token = out.logits[:, -1:].argmax(-1)
+            return counter.ops
+
+    per_layer = _ops_per_layer(run, **VARIANTS["mlp-kvsplit"])
+    assert per_layer["mm"] > 0  # (the second layer was run and counted)
+    assert not LAYOUT_OPS & set(per_layer), {op: per_layer[op] for op in LAYOUT_OPS & set(per_layer)}
 
 
 def test_token_buffer_appends_in_place_and_matches_concatenation():

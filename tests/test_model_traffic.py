@@ -65,6 +65,19 @@ def test_attention_stand_ins_hold_and_nsa_parts_are_counted():
     assert mt.floor_ms(nsa, 773.0, 2978.0) > mt.floor_ms(dense, 773.0, 2978.0)
 
 
+def test_decoding_step_counts_one_step_whatever_the_context():
+    """--decode's counter holds one decoding step (one embedding lookup), with the attention stand-ins (no softmax
+    over scores) and NSA's own parts (the step's compressed token: gelu, its scatter into the cache), and a step
+    dispatches the same ops after 16 cached tokens as after 80 (nothing per cached token, in either cache)."""
+    for static in (False, True):
+        short, long = (mt.count_decode_step("nsa", 2, prompt, static, TINY_SIZE) for prompt in (16, 80))
+        assert short.calls == long.calls, (static, short.calls - long.calls, long.calls - short.calls)
+        assert short.calls["embedding"] == 1 and short.calls["gelu"] > 0 and short.calls["scatter_"] > 0
+        assert not {"_softmax", "_safe_softmax", "bmm"} & set(short.calls)
+    llama = mt.count_decode_step("llama", 2, 16, size=TINY_SIZE)
+    assert llama.calls["embedding"] == 1 and llama.calls["gelu"] == 0 and llama.total("calls") > 0
+
+
 def test_command_line_prints_the_table():
     script = str(HERE.parent / "bench" / "model_traffic_cpu.py")
     result = subprocess.run([sys.executable, script, "--seq-lens", "2048", "--tokens-per-step", "4096", "--top", "3"],
