@@ -232,8 +232,8 @@ class NSAAttention(nn.Module):
         compressed: NSA's compressed tokens' layout, for a forward without cache or a static cache's prompt
         (nsa_layout.compressed_layout; NSAModel builds it once, and here when it did not)."""
         batch, num_queries, _ = hidden_states.shape
-        cos, sin = position_embeddings
-        cos_q, sin_q = cos[:, -num_queries:, None], sin[:, -num_queries:, None]  # (B, Tq, 1, D)
+        cos, signed_sin = position_embeddings
+        cos_q, sin_q = cos[:, -num_queries:, None], signed_sin[:, -num_queries:, None]  # (B, Tq, 1, D)
         q = apply_rope(self.q_proj(hidden_states).view(batch, num_queries, self.num_heads, self.head_dim), cos_q, sin_q)
         kv = self.kv_proj(hidden_states).view(batch, num_queries, self.num_kv_sets * 2, self.num_kv_heads, self.head_dim)
         kv = kv.unbind(2)  # (k, v) of each set, each (B, Tq, Hkv, D)
@@ -259,10 +259,10 @@ class NSAAttention(nn.Module):
                 k_win, v_win = self._branch_kv(kv, "win")
                 k_win = apply_rope(k_win, cos_q, sin_q)
             step = dict(k_win=k_win, v_win=v_win, k_raw=k_raw, v_raw=v_raw,
-                        compress=partial(self._compress, cos=cos, sin=sin, num_keys=doc_pos.shape[1]))
+                        compress=partial(self._compress, cos=cos, signed_sin=signed_sin, num_keys=doc_pos.shape[1]))
             whole_rows = past_key_values is None or (past_key_values.static and not past_key_values.decoding)
             if compressed is None and whole_rows:  # (a layer called on its own)
-                compressed = compressed_layout(doc_pos, self.params, cos, sin)
+                compressed = compressed_layout(doc_pos, self.params, cos, signed_sin)
             if past_key_values is None:
                 keys = sequence_keys(k_slc, v_slc, **step, compressed=compressed)
             else:
@@ -274,7 +274,7 @@ class NSAAttention(nn.Module):
         return self.o_proj(out.reshape(batch, num_queries, self.num_heads * self.head_dim)), weights
 
     def _compress(self, k, v, cmp_end=None, keep=None, key_index=None, compressed: CompressedLayout | None = None, *,
-                  cos, sin, num_keys):
+                  cos, signed_sin, num_keys):
         """Compressed k, rotated at the position of the last key each covers (Eq. 7), and v (B, N, Hkv, D), through
         the compressor's forward (hooks that load weights as a module runs, accelerate's offloading, see it).
         k, v: raw keys (B, T, Hkv, D) with the forward's CompressedLayout, or with cmp_end (B, N) indexing them, or
@@ -286,10 +286,10 @@ class NSAAttention(nn.Module):
             return apply_rope(k_cmp, compressed.cos, compressed.signed_sin), v_cmp
         k_cmp, v_cmp = self.compressor(k, v, cmp_end, keep)
         if key_index is None:
-            return apply_rope(k_cmp, cos[:, -1:, None], sin[:, -1:, None]), v_cmp
+            return apply_rope(k_cmp, cos[:, -1:, None], signed_sin[:, -1:, None]), v_cmp
         index = (key_index + cos.shape[1] - num_keys).clamp(min=0)  # (empty slots: zero, rotated anywhere)
         gather = index[:, :, None].expand(-1, -1, cos.shape[-1])
-        return apply_rope(k_cmp, cos.gather(1, gather)[:, :, None], sin.gather(1, gather)[:, :, None]), v_cmp
+        return apply_rope(k_cmp, cos.gather(1, gather)[:, :, None], signed_sin.gather(1, gather)[:, :, None]), v_cmp
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
