@@ -71,6 +71,13 @@ class TokenStep(NamedTuple):
     window_slot: torch.Tensor | None = None
     tail_order: torch.Tensor | None = None
 
+    def on(self, device: torch.device) -> "TokenStep":
+        """This step on a layer's device: itself where it is there already. A model split over GPUs (device_map)
+        gets each layer's arguments moved to the layer's GPU, but not the cache, which holds the step."""
+        if self.emits.device == device:
+            return self
+        return TokenStep(*(None if tensor is None else tensor.to(device) for tensor in self))
+
 
 def sequence_keys(key_states, value_states, k_win=None, v_win=None, k_raw=None, v_raw=None,
                   compress: Compress | None = None, compressed: CompressedLayout | None = None) -> BranchKeys:
@@ -252,6 +259,7 @@ class NSALayerCache:
             # The generation step: the token completes at most one compressed token, made from the l raw keys
             # ending at it (the tail and the token) and rotated at the token's own position.
             # A third of the general path's host work (no slot layout, no gathers): it runs per layer and token.
+            step = step.on(k_raw.device)
             k_new, v_new = compress(raw_k[:, None, -block:], raw_v[:, None, -block:], keep=step.emits)  # (B, 1, Hkv, D)
             return k_new, v_new, step.end
         raw_doc_pos = doc_pos[:, num_keys - num_queries - tail_len :].clone()
@@ -376,6 +384,7 @@ class NSAStaticLayerCache:
         self.v_slc.index_copy_(1, query_end, value_states)
         if k_raw is None:  # dense attention reads the keys only
             return BranchKeys(self.k_slc, self.v_slc, query_end=query_end)
+        step = step.on(k_raw.device)
         self._store_compressed_step(k_raw, v_raw, compress, step)
         if k_win is not None:  # the window ring: key p at slot p % w
             self.k_win.index_copy_(1, step.window_slot, k_win)

@@ -262,6 +262,21 @@ def test_the_compressed_tokens_layout_is_worked_out_once_per_step_not_per_layer(
     assert not LAYOUT_OPS & set(per_layer), {op: per_layer[op] for op in LAYOUT_OPS & set(per_layer)}
 
 
+def test_a_token_step_follows_its_layer_to_another_device():
+    """A model split over GPUs (device_map) runs each layer on its own device, with the cache's TokenStep made on
+    the first: each layer cache reads it on the device of its own keys (here the meta device stands in for a second
+    GPU), and a step already there is used as it is."""
+    from modeling_nsa.nsa_cache import TokenStep
+
+    emits = torch.tensor([[True], [False]])
+    dynamic = TokenStep(emits, torch.tensor([[5], [-1]]))
+    assert dynamic.on(torch.device("cpu")) is dynamic
+    moved = dynamic.on(torch.device("meta"))
+    assert moved.emits.is_meta and moved.end.is_meta and moved.tail_slot is None and moved.tail_order is None
+    static = TokenStep(emits, torch.tensor([[5], [-1]]), torch.tensor([5]), torch.tensor([5]), torch.arange(8))
+    assert all(tensor.is_meta for tensor in static.on(torch.device("meta")))
+
+
 def test_token_buffer_appends_in_place_and_matches_concatenation():
     from modeling_nsa.nsa_cache import TokenBuffer
 
