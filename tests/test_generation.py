@@ -202,30 +202,21 @@ def test_cached_decoding_step_makes_no_host_synchronization(variant):
     assert recorder.syncs == [], recorder.syncs
 
 
-def _ops_per_layer(run, **overrides):
-    """The aten ops a model's call dispatches per layer beyond the first (a Counter of op names): run(model) with
-    one and with two layers, the attention math stubbed out (its own ops are per layer by nature)."""
-    import collections
-    from unittest import mock
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+def _ops_per_layer(run, monkeypatch, **overrides):
+    """The ops a model's call launches per layer beyond the first (bench/model_traffic_cpu.py's StepCounter: views
+    and allocations not counted; a Counter of op names): run(model, counter) with one and with two layers, the
+    attention math stubbed out (its own ops are per layer by nature)."""
     import modeling_nsa.modeling_nsa as modeling
 
-    class OpCounter(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = collections.Counter()
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import model_traffic_cpu
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops[func.overloadpacket.__name__] += 1
-            return func(*args, **(kwargs or {}))
-
+    monkeypatch.setattr(modeling, "nsa_attention", lambda q, *args, **kwargs: torch.zeros_like(q))
     counts = []
     for layers in (1, 2):
-        model = make_model(num_hidden_layers=layers, **overrides)
-        with mock.patch.object(modeling, "nsa_attention", lambda q, *args, **kwargs: torch.zeros_like(q)):
-            counts.append(run(model, OpCounter))
+        counter = model_traffic_cpu.StepCounter()
+        run(make_model(num_hidden_layers=layers, **overrides), counter)
+        counts.append(counter.calls)
     return counts[1] - counts[0]
 
 
@@ -234,19 +225,18 @@ LAYOUT_OPS = {"remainder", "cumsum", "bitwise_and", "eq"}
 
 
 @pytest.mark.parametrize("cache", ["none", "default", "static"])
-def test_the_compressed_tokens_layout_is_worked_out_once_per_step_not_per_layer(cache):
+def test_the_compressed_tokens_layout_is_worked_out_once_per_step_not_per_layer(cache, monkeypatch):
     """A forward over whole rows builds the compressed tokens' slots, gather index and RoPE once for every layer
     (nsa_layout.compressed_layout), and a decoding step its token's slots once (nsa_cache.TokenStep): the
     layout's index math is no layer's work (eager decoding dispatches every op of every layer per token)."""
     prompt = torch.randint(0, TINY["vocab_size"], (2, 37), generator=torch.Generator().manual_seed(5))
 
-    def run(model, counter_class):
-        counter = counter_class()
+    def run(model, counter):
         with torch.no_grad():
             if cache == "none":
                 with counter:
                     model(prompt, use_cache=False)
-                return counter.ops
+                return
             past = NSACache(model.config, max_cache_len=48, static=True) if cache == "static" else None
             out = model(prompt, past_key_values=past, use_cache=True)
             token = out.logits[:, -1:].argmax(-1)
@@ -255,9 +245,8 @@ def test_the_compressed_tokens_layout_is_worked_out_once_per_step_not_per_layer(
                 with counter:
                     out = model(token, past_key_values=out.past_key_values, use_cache=True, **kwargs)
                 token = out.logits[:, -1:].argmax(-1)
-            return counter.ops
 
-    per_layer = _ops_per_layer(run, **VARIANTS["mlp-kvsplit"])
+    per_layer = _ops_per_layer(run, monkeypatch, **VARIANTS["mlp-kvsplit"])
     assert per_layer["mm"] > 0  # (the second layer was run and counted)
     assert not LAYOUT_OPS & set(per_layer), {op: per_layer[op] for op in LAYOUT_OPS & set(per_layer)}
 
