@@ -32,6 +32,7 @@ import argparse
 import collections
 import contextlib
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -159,41 +160,73 @@ def count_step(model_name: str, batch: int, seq_len: int, size: dict = SIZE_125M
         return counter
 
 
-def count_decode_step(model_name: str, batch: int, prompt_len: int, static: bool = False,
-                      size: dict = SIZE_125M) -> StepCounter:
-    """The second decoding step after a prompt of prompt_len tokens (the first may allocate), counted: bench_model's
-    `model_name` in bf16 on CPU, the attention replaced by the stand-ins."""
+def count_decode_steps(model_name: str, batch: int, prompt_len: int, num_steps: int, static: bool = False,
+                       size: dict = SIZE_125M, timed: bool = False) -> list[StepCounter]:
+    """The num_steps decoding steps after the first one that follows a prompt of prompt_len tokens (the first may
+    allocate), each counted: bench_model's `model_name` in bf16 on CPU, the attention replaced by the stand-ins.
+    timed: each counter also holds the step's wall time on this CPU (`seconds`), measured without the counting
+    mode (a second, identical run of the same steps)."""
     saved = modeling.nsa_attention, torch.nn.functional.scaled_dot_product_attention
     modeling.nsa_attention = _nsa_stand_in
     torch.nn.functional.scaled_dot_product_attention = _sdpa_stand_in
     try:
-        model = build(model_name, prompt_len + 2, size).to(torch.bfloat16).eval()
+        model = build(model_name, prompt_len + num_steps + 1, size).to(torch.bfloat16).eval()
         ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
-        cache = modeling.NSACache(model.config, max_cache_len=prompt_len + 2, static=True) if static else None
-        counter = StepCounter()
         name = modeling.CACHE_NAME  # (past_key_values before transformers 5.24, cache since)
-        with torch.no_grad():
-            out = model(ids, use_cache=True, **{name: cache})
-            for step in range(2):
-                token, position = ids[:, -1:], prompt_len + step
-                kwargs = dict(cache_position=torch.tensor([position])) if static else {}
-                with counter if step == 1 else contextlib.nullcontext():
-                    out = model(token, use_cache=True, **{name: getattr(out, name)}, **kwargs)
-        return counter
+        counters = [StepCounter() for _ in range(num_steps)]
+
+        def run(counting: bool) -> list[float]:
+            cache = (modeling.NSACache(model.config, max_cache_len=prompt_len + num_steps + 1, static=True)
+                     if static else None)  # fmt: skip
+            seconds = []
+            with torch.no_grad():
+                out = model(ids, use_cache=True, **{name: cache})
+                for step in range(num_steps + 1):
+                    token, position = ids[:, -1:], prompt_len + step
+                    kwargs = dict(cache_position=torch.tensor([position])) if static else {}
+                    counting_step = counters[step - 1] if counting and step else contextlib.nullcontext()
+                    start = time.perf_counter()
+                    with counting_step:
+                        out = model(token, use_cache=True, **{name: getattr(out, name)}, **kwargs)
+                    seconds.append(time.perf_counter() - start)
+            return seconds[1:]
+
+        run(counting=True)
+        if timed:
+            for counter, seconds in zip(counters, run(counting=False)):
+                counter.seconds = seconds
+        return counters
     finally:
         modeling.nsa_attention, torch.nn.functional.scaled_dot_product_attention = saved
 
 
+def count_decode_step(model_name: str, batch: int, prompt_len: int, static: bool = False,
+                      size: dict = SIZE_125M) -> StepCounter:
+    """The second decoding step after a prompt of prompt_len tokens, counted (count_decode_steps)."""
+    return count_decode_steps(model_name, batch, prompt_len, 1, static, size)[0]
+
+
+# the 125M model's layers, heads and NSA layout at a width where this CPU's arithmetic is negligible beside the
+# host's work per op: what is left of a step's time is Python and the dispatcher
+HOST_SIZE = dict(SIZE_125M, vocab_size=512, hidden_size=96, intermediate_size=192, head_dim=16)
+
+
 def print_decode_counts(batch: int, prompt_len: int) -> None:
-    layers = SIZE_125M["num_hidden_layers"]
-    print(f"\nOne eager decoding step, B = {batch}, after a {prompt_len}-token prompt, 125M ({layers} layers), "
-          "attention stand-ins (ops that launch work; views and allocations not counted)\n")
-    print("| model | ops per step | per layer |")
-    print("|---|---|---|")
-    for label, name, static in (("NSA, default cache", "nsa", False), ("NSA, static cache", "nsa", True),
+    """Each model's eager decoding steps over one compression cycle (d steps: at batch 1 one of them completes a
+    compressed token, and NSA's default cache runs its compressor at that step only)."""
+    layers, stride = SIZE_125M["num_hidden_layers"], modeling.NSAConfig().cmp_stride
+    print(f"\nEager decoding steps after a {prompt_len}-token prompt, B = {batch}, 125M ({layers} layers), attention "
+          f"stand-ins; ops that launch work (views and allocations not counted), over {stride} steps (d: one "
+          "compression cycle); host ms: the same steps' wall time on this CPU with the model at width 96 "
+          "(the host's work per op)\n")
+    print("| model | ops, mean per step | per layer | fewest / most in a step | host ms per step (CPU) |")
+    print("|---|---|---|---|---|")
+    for label, name, static in (("NSA, default cache", "nsa", False), ("NSA, static cache (eager)", "nsa", True),
                                 ("NSA dense mode (SDPA)", "nsa-dense", False), ("HF Llama (SDPA)", "llama", False)):
-        calls = count_decode_step(name, batch, prompt_len, static).total("calls")
-        print(f"| {label} | {calls} | {calls / layers:.1f} |")
+        calls = [c.total("calls") for c in count_decode_steps(name, batch, prompt_len, stride, static)]
+        timed = count_decode_steps(name, batch, prompt_len, stride, static, HOST_SIZE, timed=True)
+        mean, host_ms = sum(calls) / len(calls), 1e3 * sum(c.seconds for c in timed) / len(timed)
+        print(f"| {label} | {mean:.0f} | {mean / layers:.1f} | {min(calls)} / {max(calls)} | {host_ms:.2f} |")
 
 
 def floor_ms(counter: StepCounter, tflops: float, gbps: float) -> float:

@@ -63,6 +63,9 @@ class TokenStep(NamedTuple):
     Static cache only (None otherwise), rings indexed by key position: tail_slot and window_slot (1,), the token's
     slot in the raw tail (p % l) and the window (p % w); tail_order (l,), the tail's slots in key order, ending at
     the token's.
+    compresses: False when it is known that no row completes a compressed token (emits read on the host, eager
+    steps of the default cache only: `any_row_emits`); the layers then skip the compressor and the compressed
+    caches' writes. True otherwise (emits decides per row on the device).
     """
 
     emits: torch.Tensor
@@ -70,13 +73,29 @@ class TokenStep(NamedTuple):
     tail_slot: torch.Tensor | None = None
     window_slot: torch.Tensor | None = None
     tail_order: torch.Tensor | None = None
+    compresses: bool = True
 
     def on(self, device: torch.device) -> "TokenStep":
         """This step on a layer's device: itself where it is there already. A model split over GPUs (device_map)
         gets each layer's arguments moved to the layer's GPU, but not the cache, which holds the step."""
         if self.emits.device == device:
             return self
-        return TokenStep(*(None if tensor is None else tensor.to(device) for tensor in self))
+        return TokenStep(*(value.to(device) if isinstance(value, torch.Tensor) else value for value in self))
+
+
+def may_read_on_host(tensor: torch.Tensor) -> bool:
+    """Whether a step may read a device value on the host: eager steps only. A compiled step must not (a graph
+    break, or a recompile per token) and neither may one being captured into a CUDA graph."""
+    return not torch.compiler.is_compiling() and not (tensor.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def any_row_emits(emits: torch.Tensor) -> bool:
+    """Whether any row's token completes a compressed token (emits (B, 1)); True where the host may not read it.
+    One host read per eager decoding step, shared by every layer: in the steps where it says no (d - 1 of every d
+    at batch 1) each layer skips the compressor, its RoPE and the compressed caches' writes (24 of its ~70 ops).
+    Eager generate() synchronizes at every token anyway (its stopping check), so the read waits only for the
+    step's first few kernels."""
+    return bool(emits.any()) if may_read_on_host(emits) else True
 
 
 def sequence_keys(key_states, value_states, k_win=None, v_win=None, k_raw=None, v_raw=None,
@@ -239,8 +258,12 @@ class NSALayerCache:
         if k_raw is None:  # dense attention reads the keys only
             return BranchKeys(k_slc, v_slc)
         num_keys, num_queries = doc_pos.shape[1], k_raw.shape[1]
-        k_new, v_new, end_new = self._new_compressed(k_raw, v_raw, doc_pos, compress, step)
-        self._append_compressed(k_new, v_new, end_new, max_slots=num_keys // self.params.cmp_stride + 1)
+        if step is not None and not step.compresses and self.cmp_count is not None:
+            # no row completes a compressed token at this step: only the raw tail grows
+            self.buffers["tail_k"].append(k_raw), self.buffers["tail_v"].append(v_raw)
+        else:
+            k_new, v_new, end_new = self._new_compressed(k_raw, v_raw, doc_pos, compress, step)
+            self._append_compressed(k_new, v_new, end_new, max_slots=num_keys // self.params.cmp_stride + 1)
         if k_win is not None:  # the window buffers keep the last w keys
             k_win, v_win = self.buffers["k_win"].append(k_win), self.buffers["v_win"].append(v_win)
         else:  # shared K/V: the window reads the last keys of the selection cache
@@ -530,7 +553,10 @@ class NSACache(Cache):
         self.step = None
         if new_len == 1 and self.params is not None:
             emits = ends_compressed_token(new_doc_pos, self.params)  # (B, 1)
-            self.step = TokenStep(emits, torch.where(emits, doc_pos.shape[1] - 1, -1))
+            if any_row_emits(emits):
+                self.step = TokenStep(emits, torch.where(emits, doc_pos.shape[1] - 1, -1))
+            else:  # (end is not read: no layer writes a compressed token)
+                self.step = TokenStep(emits, emits, compresses=False)
         return doc_pos
 
     def _append_static_positions(self, position_ids, attention_mask, batch_size, new_len, device) -> torch.Tensor:
@@ -555,9 +581,7 @@ class NSACache(Cache):
         # max_length, so only hand-driven steps get here; checked eagerly only (a host read of the cursor, which an
         # eager step's stopping check has synchronized anyway; a compiled step or one captured into a CUDA graph
         # must not read it)
-        host_read = not torch.compiler.is_compiling() and not (
-            self.cursor.is_cuda and torch.cuda.is_current_stream_capturing())
-        if host_read and int(self.cursor) >= self.capacity:
+        if may_read_on_host(self.cursor) and int(self.cursor) >= self.capacity:
             raise ValueError(
                 f"NSACache(static=True, max_cache_len={self.capacity}) is full: it holds {self.capacity} tokens "
                 "and cannot take another; make max_cache_len at least prompt + new tokens."

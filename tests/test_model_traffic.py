@@ -65,17 +65,35 @@ def test_attention_stand_ins_hold_and_nsa_parts_are_counted():
     assert mt.floor_ms(nsa, 773.0, 2978.0) > mt.floor_ms(dense, 773.0, 2978.0)
 
 
-def test_decoding_step_counts_one_step_whatever_the_context():
-    """--decode's counter holds one decoding step (one embedding lookup), with the attention stand-ins (no softmax
-    over scores) and NSA's own parts (the step's compressed token: gelu, its scatter into the cache), and a step
-    dispatches the same ops after 16 cached tokens as after 80 (nothing per cached token, in either cache)."""
+def test_decoding_steps_count_one_step_whatever_the_context():
+    """--decode's counters hold one decoding step each (one embedding lookup), with the attention stand-ins (no
+    softmax over scores), and a step dispatches the same ops after 16 cached tokens as after 80 (nothing per cached
+    token, in either cache; 64 apart keeps each step's place in the compression cycle)."""
+    stride = TINY_SIZE["cmp_stride"]
     for static in (False, True):
-        short, long = (mt.count_decode_step("nsa", 2, prompt, static, TINY_SIZE) for prompt in (16, 80))
-        assert short.calls == long.calls, (static, short.calls - long.calls, long.calls - short.calls)
-        assert short.calls["embedding"] == 1 and short.calls["gelu"] > 0 and short.calls["scatter_"] > 0
-        assert not {"_softmax", "_safe_softmax", "bmm"} & set(short.calls)
+        short, long = (mt.count_decode_steps("nsa", 2, prompt, stride, static, TINY_SIZE) for prompt in (16, 80))
+        for step, (a, b) in enumerate(zip(short, long)):
+            assert a.calls == b.calls, (static, step, a.calls - b.calls, b.calls - a.calls)
+            assert a.calls["embedding"] == 1 and not {"_softmax", "_safe_softmax", "bmm"} & set(a.calls)
     llama = mt.count_decode_step("llama", 2, 16, size=TINY_SIZE)
     assert llama.calls["embedding"] == 1 and llama.calls["gelu"] == 0 and llama.total("calls") > 0
+
+
+def test_default_cache_runs_the_compressor_only_at_steps_that_complete_a_compressed_token():
+    """The default cache's eager steps skip the compressor (its MLP's gelu, its RoPE, the compressed caches'
+    scatters) wherever no row completes a compressed token: one step in d for rows at the same position (in-document
+    position i*d + l - 1, Eq. 7). The static cache's step is one graph, so it runs them at every step."""
+    block, stride, prompt = TINY_SIZE["cmp_block_size"], TINY_SIZE["cmp_stride"], 16
+    positions = range(prompt + 1, prompt + 1 + stride)  # the counted steps' tokens (the first step is not counted)
+    completes = [(p - (block - 1)) % stride == 0 for p in positions]
+    assert sum(completes) == 1
+    dynamic = mt.count_decode_steps("nsa", 2, prompt, stride, False, TINY_SIZE)
+    assert [step.calls["gelu"] > 0 for step in dynamic] == completes
+    assert [step.calls["scatter_"] > 0 for step in dynamic] == completes
+    skipped, compressing = (min(s.total("calls") for s in dynamic), max(s.total("calls") for s in dynamic))
+    assert compressing - skipped >= 10 * TINY_SIZE["num_hidden_layers"]
+    static = mt.count_decode_steps("nsa", 2, prompt, stride, True, TINY_SIZE)
+    assert all(step.calls["gelu"] > 0 and step.calls["scatter_"] > 0 for step in static)
 
 
 def test_command_line_prints_the_table():
