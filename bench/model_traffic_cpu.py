@@ -21,9 +21,11 @@ Counting:
   as a lower bound of what NSA's parts add;
 - calls: the aten ops that launch work (not views or allocations), as a proxy for the host's launches.
 
---decode counts one eager decoding step instead (real CPU tensors, the attention stand-ins, no gradients): the ops
-NSA's default and static caches, dense mode and HF Llama dispatch per generated token. Eager `generate()` on a GPU
-is host-bound at small batch: each op is a dispatch and a launch, so this count is what its step costs the host.
+--decode counts eager decoding steps instead (real CPU tensors, the attention stand-ins, no gradients), d of them
+(one compression cycle: NSA's default cache runs its compressor only at the steps where a row completes a
+compressed token): the ops NSA's default and static caches, dense mode and HF Llama dispatch per generated token,
+and the same steps' host time on this CPU (the model narrowed to width 96, in float32). Eager `generate()` on a
+GPU is host-bound at small batch: each op is a dispatch and a launch, so this is what its step costs the host.
 """
 
 from __future__ import annotations
@@ -160,44 +162,66 @@ def count_step(model_name: str, batch: int, seq_len: int, size: dict = SIZE_125M
         return counter
 
 
-def count_decode_steps(model_name: str, batch: int, prompt_len: int, num_steps: int, static: bool = False,
-                       size: dict = SIZE_125M, timed: bool = False) -> list[StepCounter]:
-    """The num_steps decoding steps after the first one that follows a prompt of prompt_len tokens (the first may
-    allocate), each counted: bench_model's `model_name` in bf16 on CPU, the attention replaced by the stand-ins.
-    timed: each counter also holds the step's wall time on this CPU (`seconds`), measured without the counting
-    mode (a second, identical run of the same steps)."""
+# the 125M model's layers, heads and NSA layout at a width where this CPU's arithmetic is negligible beside the
+# host's work per op: what is left of a step's time is Python and the dispatcher
+HOST_SIZE = dict(SIZE_125M, vocab_size=512, hidden_size=96, intermediate_size=192, head_dim=16)
+
+
+@contextlib.contextmanager
+def _decoding_model(model_name: str, prompt_len: int, num_steps: int, size: dict, dtype: torch.dtype):
+    """bench_model's `model_name` on CPU in `dtype`, with the attention replaced by the stand-ins while it is used."""
     saved = modeling.nsa_attention, torch.nn.functional.scaled_dot_product_attention
     modeling.nsa_attention = _nsa_stand_in
     torch.nn.functional.scaled_dot_product_attention = _sdpa_stand_in
     try:
-        model = build(model_name, prompt_len + num_steps + 1, size).to(torch.bfloat16).eval()
-        ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
-        name = modeling.CACHE_NAME  # (past_key_values before transformers 5.24, cache since)
-        counters = [StepCounter() for _ in range(num_steps)]
-
-        def run(counting: bool) -> list[float]:
-            cache = (modeling.NSACache(model.config, max_cache_len=prompt_len + num_steps + 1, static=True)
-                     if static else None)  # fmt: skip
-            seconds = []
-            with torch.no_grad():
-                out = model(ids, use_cache=True, **{name: cache})
-                for step in range(num_steps + 1):
-                    token, position = ids[:, -1:], prompt_len + step
-                    kwargs = dict(cache_position=torch.tensor([position])) if static else {}
-                    counting_step = counters[step - 1] if counting and step else contextlib.nullcontext()
-                    start = time.perf_counter()
-                    with counting_step:
-                        out = model(token, use_cache=True, **{name: getattr(out, name)}, **kwargs)
-                    seconds.append(time.perf_counter() - start)
-            return seconds[1:]
-
-        run(counting=True)
-        if timed:
-            for counter, seconds in zip(counters, run(counting=False)):
-                counter.seconds = seconds
-        return counters
+        yield build(model_name, prompt_len + num_steps + 1, size).to(dtype).eval()
     finally:
         modeling.nsa_attention, torch.nn.functional.scaled_dot_product_attention = saved
+
+
+def _decode(model, batch: int, prompt_len: int, num_steps: int, static: bool, around_step) -> None:
+    """A prompt of prompt_len tokens, then num_steps + 1 decoding steps; the last num_steps each run inside
+    around_step(i) (a context manager: the first step may allocate)."""
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
+    name = modeling.CACHE_NAME  # (past_key_values before transformers 5.24, cache since)
+    cache = modeling.NSACache(model.config, max_cache_len=prompt_len + num_steps + 1, static=True) if static else None
+    with torch.no_grad():
+        out = model(ids, use_cache=True, **{name: cache})
+        for step in range(num_steps + 1):
+            kwargs = dict(cache_position=torch.tensor([prompt_len + step])) if static else {}
+            with around_step(step - 1) if step else contextlib.nullcontext():
+                out = model(ids[:, -1:], use_cache=True, **{name: getattr(out, name)}, **kwargs)
+
+
+def count_decode_steps(model_name: str, batch: int, prompt_len: int, num_steps: int, static: bool = False,
+                       size: dict = SIZE_125M) -> list[StepCounter]:
+    """The num_steps decoding steps after the first one that follows a prompt of prompt_len tokens, each counted:
+    bench_model's `model_name` in bf16 on CPU, the attention replaced by the stand-ins."""
+    counters = [StepCounter() for _ in range(num_steps)]
+    with _decoding_model(model_name, prompt_len, num_steps, size, torch.bfloat16) as model:
+        _decode(model, batch, prompt_len, num_steps, static, lambda i: counters[i])
+    return counters
+
+
+def time_decode_steps(model_name: str, batch: int, prompt_len: int, num_steps: int, static: bool = False,
+                      size: dict | None = None, repeats: int = 5) -> list[float]:
+    """The same steps' wall times (seconds) on this CPU, each the least of `repeats` runs (what is left beside the
+    machine's noise), at HOST_SIZE in float32: this CPU's bfloat16 matmuls are emulated and would time arithmetic,
+    where float32 ones at that width take microseconds, so what is left is the host's work per op (Python,
+    dispatch)."""
+    runs = []
+
+    @contextlib.contextmanager
+    def timed(i):
+        start = time.perf_counter()
+        yield
+        runs[-1].append(time.perf_counter() - start)
+
+    with _decoding_model(model_name, prompt_len, num_steps, size or HOST_SIZE, torch.float32) as model:
+        for _ in range(repeats):
+            runs.append([])
+            _decode(model, batch, prompt_len, num_steps, static, timed)
+    return [min(step) for step in zip(*runs)]
 
 
 def count_decode_step(model_name: str, batch: int, prompt_len: int, static: bool = False,
@@ -206,26 +230,21 @@ def count_decode_step(model_name: str, batch: int, prompt_len: int, static: bool
     return count_decode_steps(model_name, batch, prompt_len, 1, static, size)[0]
 
 
-# the 125M model's layers, heads and NSA layout at a width where this CPU's arithmetic is negligible beside the
-# host's work per op: what is left of a step's time is Python and the dispatcher
-HOST_SIZE = dict(SIZE_125M, vocab_size=512, hidden_size=96, intermediate_size=192, head_dim=16)
-
-
 def print_decode_counts(batch: int, prompt_len: int) -> None:
     """Each model's eager decoding steps over one compression cycle (d steps: at batch 1 one of them completes a
     compressed token, and NSA's default cache runs its compressor at that step only)."""
     layers, stride = SIZE_125M["num_hidden_layers"], modeling.NSAConfig().cmp_stride
     print(f"\nEager decoding steps after a {prompt_len}-token prompt, B = {batch}, 125M ({layers} layers), attention "
           f"stand-ins; ops that launch work (views and allocations not counted), over {stride} steps (d: one "
-          "compression cycle); host ms: the same steps' wall time on this CPU with the model at width 96 "
-          "(the host's work per op)\n")
+          "compression cycle); host ms: the same steps' wall time on this CPU with the model at width 96 in "
+          "float32, the least of 5 runs per step (what is left is the host's work per op)\n")
     print("| model | ops, mean per step | per layer | fewest / most in a step | host ms per step (CPU) |")
     print("|---|---|---|---|---|")
     for label, name, static in (("NSA, default cache", "nsa", False), ("NSA, static cache (eager)", "nsa", True),
                                 ("NSA dense mode (SDPA)", "nsa-dense", False), ("HF Llama (SDPA)", "llama", False)):
         calls = [c.total("calls") for c in count_decode_steps(name, batch, prompt_len, stride, static)]
-        timed = count_decode_steps(name, batch, prompt_len, stride, static, HOST_SIZE, timed=True)
-        mean, host_ms = sum(calls) / len(calls), 1e3 * sum(c.seconds for c in timed) / len(timed)
+        seconds = time_decode_steps(name, batch, prompt_len, stride, static)
+        mean, host_ms = sum(calls) / len(calls), 1e3 * sum(seconds) / len(seconds)
         print(f"| {label} | {mean:.0f} | {mean / layers:.1f} | {min(calls)} / {max(calls)} | {host_ms:.2f} |")
 
 
@@ -240,9 +259,9 @@ def main():
     parser.add_argument("--top", type=int, default=12, help="op kinds listed, largest NSA - dense bytes first")
     parser.add_argument("--tflops", type=float, default=H100_TFLOPS)
     parser.add_argument("--gbps", type=float, default=H100_GBPS)
-    parser.add_argument("--decode", action="store_true", help="count an eager decoding step instead (see above)")
-    parser.add_argument("--decode-batch", type=int, default=1, help="rows of the decoding step (--decode)")
-    parser.add_argument("--prompt-len", type=int, default=64, help="tokens in the cache before the step (--decode)")
+    parser.add_argument("--decode", action="store_true", help="count and time eager decoding steps instead (see above)")
+    parser.add_argument("--decode-batch", type=int, default=1, help="rows of the decoding steps (--decode)")
+    parser.add_argument("--prompt-len", type=int, default=64, help="tokens in the cache before the steps (--decode)")
     args = parser.parse_args()
     if args.decode:
         if args.decode_batch < 1 or args.prompt_len < 1:

@@ -63,13 +63,13 @@ class TokenStep(NamedTuple):
     Static cache only (None otherwise), rings indexed by key position: tail_slot and window_slot (1,), the token's
     slot in the raw tail (p % l) and the window (p % w); tail_order (l,), the tail's slots in key order, ending at
     the token's.
-    compresses: False when it is known that no row completes a compressed token (emits read on the host, eager
-    steps of the default cache only: `any_row_emits`); the layers then skip the compressor and the compressed
-    caches' writes. True otherwise (emits decides per row on the device).
+    compresses: False when no row can complete a compressed token at this step (known on the host from the step
+    before: NSACache.no_row_can_emit); the layers then skip the compressor and the compressed caches' writes, and
+    end is None. True otherwise (emits decides per row on the device).
     """
 
     emits: torch.Tensor
-    end: torch.Tensor
+    end: torch.Tensor | None
     tail_slot: torch.Tensor | None = None
     window_slot: torch.Tensor | None = None
     tail_order: torch.Tensor | None = None
@@ -83,19 +83,10 @@ class TokenStep(NamedTuple):
         return TokenStep(*(value.to(device) if isinstance(value, torch.Tensor) else value for value in self))
 
 
-def may_read_on_host(tensor: torch.Tensor) -> bool:
-    """Whether a step may read a device value on the host: eager steps only. A compiled step must not (a graph
-    break, or a recompile per token) and neither may one being captured into a CUDA graph."""
+def is_eager_step(tensor: torch.Tensor) -> bool:
+    """Whether the step holding `tensor` runs eagerly: neither compiled nor being captured into a CUDA graph, which
+    must not read a device value on the host (a graph break, or a recompile per token) nor branch on one."""
     return not torch.compiler.is_compiling() and not (tensor.is_cuda and torch.cuda.is_current_stream_capturing())
-
-
-def any_row_emits(emits: torch.Tensor) -> bool:
-    """Whether any row's token completes a compressed token (emits (B, 1)); True where the host may not read it.
-    One host read per eager decoding step, shared by every layer: in the steps where it says no (d - 1 of every d
-    at batch 1) each layer skips the compressor, its RoPE and the compressed caches' writes (24 of its ~70 ops).
-    Eager generate() synchronizes at every token anyway (its stopping check), so the read waits only for the
-    step's first few kernels."""
-    return bool(emits.any()) if may_read_on_host(emits) else True
 
 
 def sequence_keys(key_states, value_states, k_win=None, v_win=None, k_raw=None, v_raw=None,
@@ -506,6 +497,10 @@ class NSACache(Cache):
         # NSA mode: a one-token step's TokenStep, worked out once per step for every layer (append_positions)
         self.params = NSAParams.from_config(config) if config.attention_mode == "nsa" else None
         self.step: TokenStep | None = None
+        # default cache, NSA mode: whether any row's next token could complete a compressed token, copied to the host
+        # as each chunk is recorded (predict_emits) and read at the next step (no_row_can_emit)
+        self.next_may_emit: torch.Tensor | None = None  # (1,) bool on the host (pinned beside a GPU)
+        self.next_may_emit_copied = None  # the CUDA event after its copy (None on CPU)
 
     @property
     def is_compileable(self) -> bool:
@@ -553,11 +548,45 @@ class NSACache(Cache):
         self.step = None
         if new_len == 1 and self.params is not None:
             emits = ends_compressed_token(new_doc_pos, self.params)  # (B, 1)
-            if any_row_emits(emits):
+            if self.no_row_can_emit():
+                self.step = TokenStep(emits, None, compresses=False)
+            else:
                 self.step = TokenStep(emits, torch.where(emits, doc_pos.shape[1] - 1, -1))
-            else:  # (end is not read: no layer writes a compressed token)
-                self.step = TokenStep(emits, emits, compresses=False)
+        self.predict_emits()
         return doc_pos
+
+    def predict_emits(self) -> None:
+        """After a chunk is recorded (default cache, NSA mode): whether any row's next token could complete a
+        compressed token, copied to the host without waiting for it. Only a token that continues its row's document
+        can: it sits at num_valid, and completes one where that is i*d + l - 1 (Eq. 7); a token that starts a
+        document sits at 0, which completes one only where l = 1, and padding never does. So False here is a
+        guarantee about the next step whatever its attention mask and position_ids (beam search's row reordering
+        keeps it: a subset of rows). Eager steps only (a compiled or CUDA-graph-captured step computes every
+        step's compressed token)."""
+        self.next_may_emit = self.next_may_emit_copied = None
+        if self.params is None or self.num_valid is None or not is_eager_step(self.num_valid):
+            return
+        may_emit = ends_compressed_token(self.num_valid, self.params).any()
+        if self.params.cmp_block_size == 1:  # (every position completes one)
+            may_emit = torch.ones_like(may_emit)
+        on_gpu = may_emit.is_cuda
+        self.next_may_emit = torch.empty(1, dtype=torch.bool, pin_memory=on_gpu)
+        self.next_may_emit.copy_(may_emit.view(1), non_blocking=on_gpu)
+        if on_gpu:
+            self.next_may_emit_copied = torch.cuda.Event()
+            self.next_may_emit_copied.record()
+
+    def no_row_can_emit(self) -> bool:
+        """Whether the step being recorded is known to complete no compressed token in any row (predict_emits, at the
+        step before): the layers then skip the compressor, its RoPE and the compressed caches' writes (23 of a
+        layer's ~70 ops; at batch 1, d - 1 steps of every d). The flag was copied during the step before, so
+        waiting for it costs nothing: eager generate() has synchronized since (its stopping check), and steps still
+        pipeline where it does not (transformers' deferred stop check)."""
+        if self.next_may_emit is None or not is_eager_step(self.num_valid):
+            return False
+        if self.next_may_emit_copied is not None:
+            self.next_may_emit_copied.synchronize()
+        return not self.next_may_emit.tolist()[0]  # (a host tensor: no device read)
 
     def _append_static_positions(self, position_ids, attention_mask, batch_size, new_len, device) -> torch.Tensor:
         if not self.decoding:  # the prompt (eager: generate() compiles the steps after it)
@@ -581,7 +610,7 @@ class NSACache(Cache):
         # max_length, so only hand-driven steps get here; checked eagerly only (a host read of the cursor, which an
         # eager step's stopping check has synchronized anyway; a compiled step or one captured into a CUDA graph
         # must not read it)
-        if may_read_on_host(self.cursor) and int(self.cursor) >= self.capacity:
+        if is_eager_step(self.cursor) and int(self.cursor) >= self.capacity:
             raise ValueError(
                 f"NSACache(static=True, max_cache_len={self.capacity}) is full: it holds {self.capacity} tokens "
                 "and cannot take another; make max_cache_len at least prompt + new tokens."
@@ -625,6 +654,7 @@ class NSACache(Cache):
             layer.crop(num_tokens, length - num_tokens)
         self.positions.truncate(length - num_tokens)
         self.num_valid = self.doc_pos[:, -1] + 1 if length > num_tokens else None
+        self.predict_emits()  # (rows moved back: their next tokens sit elsewhere in the compression cycle)
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
         for layer in self.layers:

@@ -96,6 +96,20 @@ def test_default_cache_runs_the_compressor_only_at_steps_that_complete_a_compres
     assert all(step.calls["gelu"] > 0 and step.calls["scatter_"] > 0 for step in static)
 
 
+def test_decode_host_timing_times_each_step_in_float32(monkeypatch):
+    """--decode's host column: one wall time per counted step (the least over the repeats), of a float32 model (this CPU's bf16 matmuls would
+    time arithmetic), with the attention stand-ins in place while it runs and restored after."""
+    dtypes = []
+    real_forward = mt.modeling.NSAForCausalLM.forward
+    monkeypatch.setattr(mt.modeling.NSAForCausalLM, "forward",
+                        lambda self, *a, **k: dtypes.append(self.lm_head.weight.dtype) or real_forward(self, *a, **k))
+    saved = mt.modeling.nsa_attention
+    seconds = mt.time_decode_steps("nsa", 1, 16, 3, size=TINY_SIZE, repeats=2)
+    assert len(seconds) == 3 and all(s > 0 for s in seconds)
+    assert set(dtypes) == {torch.float32} and len(dtypes) == 2 * (1 + 1 + 3)  # twice: prompt, first step, 3 timed
+    assert mt.modeling.nsa_attention is saved
+
+
 def test_command_line_prints_the_table():
     script = str(HERE.parent / "bench" / "model_traffic_cpu.py")
     result = subprocess.run([sys.executable, script, "--seq-lens", "2048", "--tokens-per-step", "4096", "--top", "3"],
