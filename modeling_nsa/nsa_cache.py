@@ -65,10 +65,10 @@ class TokenStep(NamedTuple):
     the token's.
     compresses: False when no row can complete a compressed token at this step (known on the host from the step
     before: NSACache.no_row_can_emit); the layers then skip the compressor and the compressed caches' writes, and
-    end is None. True otherwise (emits decides per row on the device).
+    emits and end are None. True otherwise (emits decides per row on the device).
     """
 
-    emits: torch.Tensor
+    emits: torch.Tensor | None
     end: torch.Tensor | None
     tail_slot: torch.Tensor | None = None
     window_slot: torch.Tensor | None = None
@@ -78,7 +78,7 @@ class TokenStep(NamedTuple):
     def on(self, device: torch.device) -> "TokenStep":
         """This step on a layer's device: itself where it is there already. A model split over GPUs (device_map)
         gets each layer's arguments moved to the layer's GPU, but not the cache, which holds the step."""
-        if self.emits.device == device:
+        if self.emits is None or self.emits.device == device:  # (None: a step that compresses nothing)
             return self
         return TokenStep(*(value.to(device) if isinstance(value, torch.Tensor) else value for value in self))
 
@@ -547,10 +547,10 @@ class NSACache(Cache):
         self.num_valid = new_doc_pos[:, -1] + 1  # the next token's position in the row's last document
         self.step = None
         if new_len == 1 and self.params is not None:
-            emits = ends_compressed_token(new_doc_pos, self.params)  # (B, 1)
             if self.no_row_can_emit():
-                self.step = TokenStep(emits, None, compresses=False)
+                self.step = TokenStep(None, None, compresses=False)
             else:
+                emits = ends_compressed_token(new_doc_pos, self.params)  # (B, 1)
                 self.step = TokenStep(emits, torch.where(emits, doc_pos.shape[1] - 1, -1))
         self.predict_emits()
         return doc_pos
