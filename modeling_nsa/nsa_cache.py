@@ -572,9 +572,9 @@ class NSACache(Cache):
         on_gpu = may_emit.is_cuda
         self.next_may_emit = torch.empty(1, dtype=torch.bool, pin_memory=on_gpu)
         self.next_may_emit.copy_(may_emit.view(1), non_blocking=on_gpu)
-        if on_gpu:
+        if on_gpu:  # (on the stream of the flag's GPU, where the copy runs: a model split over GPUs may be elsewhere)
             self.next_may_emit_copied = torch.cuda.Event()
-            self.next_may_emit_copied.record()
+            self.next_may_emit_copied.record(torch.cuda.current_stream(may_emit.device))
 
     def no_row_can_emit(self) -> bool:
         """Whether the step being recorded is known to complete no compressed token in any row (predict_emits, at the
