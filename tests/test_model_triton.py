@@ -202,6 +202,29 @@ def test_gpu_cached_decoding_matches_full_forward():
 
 
 @needs_cuda
+def test_gpu_default_cache_decoding_step_never_synchronizes():
+    """An eager default-cache step on the GPU waits for nothing: the flag that lets it skip the compressor was copied
+    to pinned host memory during the step before (NSACache.predict_emits), so reading it is no implicit
+    synchronization (torch.cuda's sync debug mode raises on one: a copy to pageable memory, .item(), nonzero), and
+    the steps skip the compressor where they should (rows at the same position: d - 1 steps of every d)."""
+    from modeling_nsa import NSACache
+
+    tri, ids, _ = _decoding_model_and_left_padded_ids(600)
+    cache, skipped = NSACache(tri.config), 0
+    with torch.no_grad():
+        tri(ids[:, :500], past_key_values=cache, use_cache=True)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for t in range(500, 532):
+                tri(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+                skipped += not cache.step.compresses
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert skipped == 32 - 32 // tri.config.cmp_stride
+
+
+@needs_cuda
 def test_gpu_static_cache_generate_compiles_the_step_and_matches_the_default_cache():
     # generate(cache_implementation="static") on a GPU: transformers compiles the decoding forward (its default
     # compile_config: inductor, CUDA graphs); the tokens follow the default cache's until a bf16 near-tie
