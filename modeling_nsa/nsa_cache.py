@@ -89,6 +89,14 @@ def is_eager_step(tensor: torch.Tensor) -> bool:
     return not torch.compiler.is_compiling() and not (tensor.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
+def runs_in_lockstep_with_other_ranks() -> bool:
+    """Whether this process runs the model together with others (torch.distributed, more than one rank). Sharded
+    weights (DeepSpeed ZeRO-3, FSDP units smaller than a layer) are gathered as each module runs, so every rank must
+    run the same modules at every step: a step may not skip one on its own rows' account."""
+    distributed = torch.distributed
+    return distributed.is_available() and distributed.is_initialized() and distributed.get_world_size() > 1
+
+
 def sequence_keys(key_states, value_states, k_win=None, v_win=None, k_raw=None, v_raw=None,
                   compress: Compress | None = None, compressed: CompressedLayout | None = None) -> BranchKeys:
     """What a step with no cache before it reads (a forward without cache, a static cache's prompt): its own keys
@@ -562,9 +570,11 @@ class NSACache(Cache):
         document sits at 0, which completes one only where l = 1, and padding never does. So False here is a
         guarantee about the next step whatever its attention mask and position_ids (beam search's row reordering
         keeps it: a subset of rows). Eager steps only (a compiled or CUDA-graph-captured step computes every
-        step's compressed token)."""
+        step's compressed token), and in one process only (runs_in_lockstep_with_other_ranks)."""
         self.next_may_emit = self.next_may_emit_copied = None
         if self.params is None or self.num_valid is None or not is_eager_step(self.num_valid):
+            return
+        if runs_in_lockstep_with_other_ranks():
             return
         may_emit = ends_compressed_token(self.num_valid, self.params).any()
         if self.params.cmp_block_size == 1:  # (every position completes one)

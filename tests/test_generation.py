@@ -241,6 +241,25 @@ def test_a_step_said_to_complete_no_compressed_token_completes_none():
     assert promised > 100
 
 
+def test_ranks_running_together_never_skip_the_compressor(monkeypatch):
+    """Under torch.distributed with several ranks (FSDP or ZeRO-3 may gather the compressor's weights as it runs, a
+    collective every rank must join), no step skips the compressor on its own rows' account: ranks whose rows sit
+    at different positions would otherwise wait for each other forever."""
+    def steps_compress(cache):  # 9 tokens (the next sits at 9: it completes no compressed token), then 3 steps
+        cache.append_positions(None, None, 1, 9, "cpu")
+        compressing = []
+        for _ in range(3):
+            cache.append_positions(None, None, 1, 1, "cpu")
+            compressing.append(cache.step.compresses)
+        return compressing
+
+    assert steps_compress(NSACache(NSAConfig(**TINY))) == [False, False, True]  # at 9, 10; 11 completes one (l=8, d=4)
+    monkeypatch.setattr(torch.distributed, "is_available", lambda: True)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    assert steps_compress(NSACache(NSAConfig(**TINY))) == [True, True, True]
+
+
 @pytest.mark.parametrize("variant", ["mlp-kvsplit", "mean-kvshared"])
 def test_generation_without_the_skip_equals_generation_with_it(variant, monkeypatch):
     """A compiled or CUDA-graph-captured default-cache step has no host flag, so it makes every step's compressed
