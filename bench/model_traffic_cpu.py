@@ -204,7 +204,7 @@ def count_decode_steps(model_name: str, batch: int, prompt_len: int, num_steps: 
 
 
 def time_decode_steps(model_name: str, batch: int, prompt_len: int, num_steps: int, static: bool = False,
-                      size: dict | None = None, repeats: int = 5) -> list[float]:
+                      size: dict = HOST_SIZE, repeats: int = 5) -> list[float]:
     """The same steps' wall times (seconds) on this CPU, each the least of `repeats` runs (what is left beside the
     machine's noise), at HOST_SIZE in float32: this CPU's bfloat16 matmuls are emulated and would time arithmetic,
     where float32 ones at that width take microseconds, so what is left is the host's work per op (Python,
@@ -217,7 +217,7 @@ def time_decode_steps(model_name: str, batch: int, prompt_len: int, num_steps: i
         yield
         runs[-1].append(time.perf_counter() - start)
 
-    with _decoding_model(model_name, prompt_len, num_steps, size or HOST_SIZE, torch.float32) as model:
+    with _decoding_model(model_name, prompt_len, num_steps, size, torch.float32) as model:
         for _ in range(repeats):
             runs.append([])
             _decode(model, batch, prompt_len, num_steps, static, timed)

@@ -259,7 +259,8 @@ class NSALayerCache:
         num_keys, num_queries = doc_pos.shape[1], k_raw.shape[1]
         if step is not None and not step.compresses and self.cmp_count is not None:
             # no row completes a compressed token at this step: only the raw tail grows
-            self.buffers["tail_k"].append(k_raw), self.buffers["tail_v"].append(v_raw)
+            self.buffers["tail_k"].append(k_raw)
+            self.buffers["tail_v"].append(v_raw)
         else:
             k_new, v_new, end_new = self._new_compressed(k_raw, v_raw, doc_pos, compress, step)
             self._append_compressed(k_new, v_new, end_new, max_slots=num_keys // self.params.cmp_stride + 1)
@@ -567,7 +568,8 @@ class NSACache(Cache):
         """After a chunk is recorded (default cache, NSA mode): whether any row's next token could complete a
         compressed token, copied to the host without waiting for it. Only a token that continues its row's document
         can: it sits at num_valid, and completes one where that is i*d + l - 1 (Eq. 7); a token that starts a
-        document sits at 0, which completes one only where l = 1, and padding never does. So False here is a
+        document sits at 0, which completes one only where l = 1 (d = 1: then every position does, num_valid's
+        too, so the flag is always set), and padding never does. So False here is a
         guarantee about the next step whatever its attention mask and position_ids (beam search's row reordering
         keeps it: a subset of rows). Eager steps only (a compiled or CUDA-graph-captured step computes every
         step's compressed token), and in one process only (runs_in_lockstep_with_other_ranks)."""
@@ -577,8 +579,6 @@ class NSACache(Cache):
         if runs_in_lockstep_with_other_ranks():
             return
         may_emit = ends_compressed_token(self.num_valid, self.params).any()
-        if self.params.cmp_block_size == 1:  # (every position completes one)
-            may_emit = torch.ones_like(may_emit)
         on_gpu = may_emit.is_cuda
         self.next_may_emit = torch.empty(1, dtype=torch.bool, pin_memory=on_gpu)
         self.next_may_emit.copy_(may_emit.view(1), non_blocking=on_gpu)

@@ -97,8 +97,9 @@ def test_default_cache_runs_the_compressor_only_at_steps_that_complete_a_compres
 
 
 def test_decode_host_timing_times_each_step_in_float32(monkeypatch):
-    """--decode's host column: one wall time per counted step (the least over the repeats), of a float32 model (this CPU's bf16 matmuls would
-    time arithmetic), with the attention stand-ins in place while it runs and restored after."""
+    """--decode's host column: one wall time per counted step (the least over the repeats), of a float32 model
+    (this CPU's bf16 matmuls would time arithmetic), with the attention stand-ins in place while it runs and
+    restored after."""
     dtypes = []
     real_forward = mt.modeling.NSAForCausalLM.forward
     monkeypatch.setattr(mt.modeling.NSAForCausalLM, "forward",
