@@ -164,7 +164,7 @@ def triton_unusable_reason(device) -> str | None:
         return "Triton is not installed (pip install triton)"
     device = torch.device(device)
     if device.type == "cpu":
-        if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        if _interpreting():
             return _interpreter_reason()
         return "Triton cannot run on device cpu (set TRITON_INTERPRET=1 to run the kernels on CPU, slowly)"
     if device.type != "cuda":
@@ -182,6 +182,11 @@ _CUDA_DEVICE_REASONS: dict[int, str | None] = {}
 
 def _version(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split("+")[0].split(".")[:2] if part.isdigit())
+
+
+def _interpreting() -> bool:
+    """Whether the kernels run in Triton's interpreter (TRITON_INTERPRET=1: on CPU, in numpy)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _interpreter_reason() -> str | None:
@@ -282,6 +287,12 @@ def _hopper_class(device) -> bool:
     Ada (sm_80-89) and consumer Blackwell (sm_120: mma.sync, 99 KiB) hold accumulators in registers: the
     smaller tiles (at sm_120 the wide choices spill 500-1000 bytes per thread: tests/triton_aot.py)."""
     return 90 <= _compute_capability(device) < 120
+
+
+def _has_programmatic_dependent_launch(device) -> bool:
+    """Hopper and later (sm_90+) place a launch's programs on the SMs while the launch before it in the stream
+    still runs, where they wait (griddepcontrol); not in the interpreter, which runs programs one at a time."""
+    return _compute_capability(device) >= 90 and not _interpreting()
 
 
 # CUDA's opt-in limit of shared memory per block by compute capability, where the device cannot be asked

@@ -41,11 +41,23 @@ if triton is not None:
         return t
 
     @triton.jit
+    def _after_previous_launch(PDL: tl.constexpr):
+        """A decode kernel's first step. With PDL (a programmatic dependent launch, sm_90 and later: the launch
+        made with launch_pdl=True), this launch's programs are placed on the SMs while the launch before it in the
+        stream still runs: wait here until that launch has ended and its writes are visible (every input read
+        below may be its output, or an earlier launch's, which it waited for in turn), then let the next launch's
+        programs be placed. A CUDA-graphed step is a chain of short launches; each link then starts without a
+        launch's latency. Without PDL, nothing (the stream orders the launches)."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
     def _decode_cmp_split_kernel(
         Q, KC, VC, CEND, DOCPOS, TEND, PM, PL, PACC, PP, PCNT,
         Tk, Nc, S, sm_scale2, kc_bs, vc_bs, ce_bs, dp_bs,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
-        CS: tl.constexpr, STATIC: tl.constexpr,
+        CS: tl.constexpr, STATIC: tl.constexpr, PDL: tl.constexpr,
     ):
         """Decode, split s of the compressed slots [s*CS, (s+1)*CS) of one (row, KV group): the split's
         softmax partials (max m, sum l, unnormalized output acc), its probabilities exp2(x - m) per head and
@@ -53,6 +65,7 @@ if triton is not None:
         documents and visible slots. A slot is visible iff start <= cmp_end <= t (slots sorted by end).
         *_bs: batch strides (elements) of KC, VC, CEND, DOCPOS: the cache's buffers are views with room to grow.
         STATIC (a static cache's fixed-size buffers): the query is key TEND[0], not Tk - 1 (_decode_query)."""
+        _after_previous_launch(PDL)
         pid_bg = tl.program_id(0)
         sp = tl.program_id(1)
         b, g, t, start, valid, hh, row, row_ok, q, d = _decode_rows(Q, DOCPOS, TEND, pid_bg, Tk, dp_bs, H, HKV, G, D,
@@ -127,13 +140,14 @@ if triton is not None:
         L: tl.constexpr, DS: tl.constexpr, LB: tl.constexpr,
         N_SEL: tl.constexpr, N_PAD: tl.constexpr, INIT: tl.constexpr, LOCAL: tl.constexpr,
         CS: tl.constexpr, SB: tl.constexpr, TB: tl.constexpr, TB_PAD: tl.constexpr, RC: tl.constexpr,
-        STATIC: tl.constexpr,
+        STATIC: tl.constexpr, PDL: tl.constexpr,
     ):
         """Decode, program (row x KV group, j) of the selection blocks [j*TB, (j+1)*TB): their scores (Eqs. 9-10)
         from the splits' stored probabilities, summed over the G heads, and the range's top-n as N_PAD keys,
         best first (_topn_key; KEY_MIN past the eligible blocks), for the selected parts to merge. All of the
         range's blocks at once and one bitonic top-k (tl.topk), where a loop of chunks merged into a list took a
         chain of dependent reductions per chunk. Block ranges run in parallel: no program walks every block."""
+        _after_previous_launch(PDL)
         pid_bg = tl.program_id(0)
         pj = tl.program_id(1)
         b = (pid_bg // HKV).to(tl.int64)
@@ -271,7 +285,7 @@ if triton is not None:
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
         LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, WIN: tl.constexpr,
         SB: tl.constexpr, LISTS: tl.constexpr, SEL_STEP: tl.constexpr, BLOCK_N: tl.constexpr,
-        STATIC: tl.constexpr,
+        STATIC: tl.constexpr, PDL: tl.constexpr,
     ):
         """Decode, one program per (row, KV group), rows = its G heads: merges the compressed-branch splits,
         then selected and window attention, and the gated sum. The third and last launch of an eager step, where
@@ -280,6 +294,7 @@ if triton is not None:
         takes _decode_parts_kernel and _decode_combine_kernel instead. *_bs: batch strides (elements) of KS, VS, KW, VW, DOCPOS (views of the
         cache's buffers). STATIC: the query is key TEND[0] and KW/VW a ring of Tw slots (key p at slot p % Tw);
         otherwise KW/VW hold keys Tk - Tw .. Tk - 1."""
+        _after_previous_launch(PDL)
         pid_bg = tl.program_id(0)
         b, g, t, start, valid, hh, row, row_ok, q, d = _decode_rows(Q, DOCPOS, TEND, pid_bg, Tk, dp_bs, H, HKV, G, D,
                                                                      G_PAD, STATIC)
@@ -304,7 +319,7 @@ if triton is not None:
         LB: tl.constexpr, N_SEL: tl.constexpr, N_PAD: tl.constexpr, WIN: tl.constexpr,
         SB: tl.constexpr, LISTS: tl.constexpr, SEL_STEP: tl.constexpr, SEL_PART: tl.constexpr,
         SEL_PARTS: tl.constexpr, BLOCK_N: tl.constexpr, WIN_PART: tl.constexpr, STATIC: tl.constexpr,
-        COMBINE: tl.constexpr, PB: tl.constexpr,
+        COMBINE: tl.constexpr, PB: tl.constexpr, PDL: tl.constexpr,
     ):
         """Decode, program (row x KV group, part): _decode_finish_kernel's work in parts that run side by side, for
         a CUDA-graphed step, where a launch costs microseconds and the finish kernel's chain of steps is what
@@ -313,6 +328,7 @@ if triton is not None:
         its softmax partial (max, sum, unnormalized output per head) for _decode_combine_kernel, or (COMBINE) counts
         itself in ARRIVED[row x KV group] (zeros before the launch) and the last of a row's parts to arrive combines
         them (_combine_parts): one launch fewer in the step's chain, and no program waits for another."""
+        _after_previous_launch(PDL)
         pid_bg = tl.program_id(0)
         part = tl.program_id(1)
         # (rows unused: a name reused by the branches below must keep one type, so not `_`)
@@ -365,9 +381,10 @@ if triton is not None:
     def _decode_combine_kernel(
         OM, OL, OACC, GATE, OUT, n_parts,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
-        SEL_PARTS: tl.constexpr, PB: tl.constexpr,
+        SEL_PARTS: tl.constexpr, PB: tl.constexpr, PDL: tl.constexpr,
     ):
         """Decode, one program per (row, KV group): the parts' partials combined and gated (_combine_parts)."""
+        _after_previous_launch(PDL)
         _combine_parts(OM, OL, OACC, GATE, OUT, tl.program_id(0), n_parts, H, HKV, G, D, G_PAD, SEL_PARTS, PB)
 
 
@@ -409,10 +426,17 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     sel_parts, win_parts = _cdiv(n_sel, launch.sel_part), _cdiv(num_win, launch.win_part)
     n_parts = sel_parts + win_parts + 1  # the last: the compressed branch
     query_end = query_end if static else doc_pos  # (unread without STATIC)
+    # PDL: every launch below waits for the one before it on the device (_after_previous_launch), so the chain
+    # holds only these kernels: the fused combine's count zeroed before the first
+    pdl = dict(PDL=True, launch_pdl=True) if launch.pdl else dict(PDL=False)
+    combine = launch.parts and launch.fused_combine
+    # (row x KV group) parts arrived, for the part that arrives last to combine them (fused_combine; unread otherwise:
+    # no memset launch on the default step)
+    arrived = torch.zeros(batch * num_kv, device=q.device, dtype=torch.int32) if combine else counts
     _decode_cmp_split_kernel[(batch * num_kv, n_split)](
         q, k_cmp, v_cmp, cmp_end, doc_pos, query_end, part_m, part_l, part_acc, part_p, counts,
         num_keys, num_slots, n_split, scale * _LOG2E, k_cmp.stride(0), v_cmp.stride(0), cmp_end.stride(0),
-        doc_pos.stride(0), H=num_heads, CS=split, STATIC=static, num_warps=4, **common,
+        doc_pos.stride(0), H=num_heads, CS=split, STATIC=static, num_warps=4, **common, **pdl,
     )
     _decode_topn_kernel[(batch * num_kv, n_prog)](
         part_m, part_l, part_acc, part_p, counts, doc_pos, query_end, top_keys, num_keys, n_split, n_prog,
@@ -421,7 +445,7 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
         CS=split, SB=launch.topn_merge_splits, TB=launch.topn_blocks,
         # its TB blocks padded to a power of two, at least n (tl.topk takes k <= the length)
         TB_PAD=max(_next_pow2(launch.topn_blocks), n_pad), RC=launch.topn_offsets,
-        STATIC=static, num_warps=launch.topn_warps, **common, **topn,
+        STATIC=static, num_warps=launch.topn_warps, **common, **topn, **pdl,
     )
     out = torch.empty_like(q)
     common_last = dict(H=num_heads, WIN=params.window_size, SB=launch.part_splits, LISTS=launch.lists,
@@ -431,16 +455,12 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     if not launch.parts:
         _decode_finish_kernel[(batch * num_kv,)](
             q, part_m, part_l, part_acc, counts, top_keys, k_slc, v_slc, k_win, v_win, gates, doc_pos, query_end,
-            out, num_keys, num_win, n_split, n_prog, scale * _LOG2E, *strides, **common_last,
+            out, num_keys, num_win, n_split, n_prog, scale * _LOG2E, *strides, **common_last, **pdl,
         )
         return out
     out_m = torch.empty(batch * num_kv * n_parts * g_pad, device=q.device, dtype=torch.float32)
     out_l = torch.empty_like(out_m)
     out_acc = torch.empty(out_m.shape[0], head_dim, device=q.device, dtype=torch.float32)
-    combine = launch.fused_combine
-    # (row x KV group) parts arrived, for the part that arrives last to combine them (fused_combine; unread otherwise:
-    # no memset launch on the default step)
-    arrived = torch.zeros(batch * num_kv, device=q.device, dtype=torch.int32) if combine else counts
     pb = max(1, 256 // head_dim)  # parts per load in the combine: spill-free to head_dim 256
     # one stage: a part is one step by default (nothing to overlap), and the two branches' pipeline buffers would
     # not share shared memory (258 KiB on sm_90)
@@ -448,11 +468,11 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
         q, part_m, part_l, part_acc, counts, top_keys, k_slc, v_slc, k_win, v_win, doc_pos, query_end,
         out_m, out_l, out_acc, arrived, gates, out, num_keys, num_win, n_split, n_prog, n_parts, scale * _LOG2E,
         *strides, SEL_PART=launch.sel_part, SEL_PARTS=sel_parts, WIN_PART=launch.win_part, COMBINE=combine, PB=pb,
-        num_stages=1, **common_last,
+        num_stages=1, **common_last, **pdl,
     )
     if not combine:
         _decode_combine_kernel[(batch * num_kv,)](
             out_m, out_l, out_acc, gates, out, n_parts, H=num_heads, SEL_PARTS=sel_parts, PB=pb, num_warps=4,
-            **common,
+            **common, **pdl,
         )
     return out

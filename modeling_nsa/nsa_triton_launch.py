@@ -9,7 +9,8 @@ import contextlib
 import dataclasses
 
 from .nsa_layout import NSAParams
-from .nsa_triton_common import _LARGE_SHARED_MEMORY, _hopper_class, _is_sm90, _next_pow2, _shared_memory_limit
+from .nsa_triton_common import (_LARGE_SHARED_MEMORY, _has_programmatic_dependent_launch, _hopper_class, _is_sm90,
+                                _next_pow2, _shared_memory_limit)
 
 
 @dataclasses.dataclass
@@ -105,6 +106,9 @@ class LaunchOverrides:
     decode_win_tile: int | None = None  # window keys per step of a decode window part
     decode_parts: int | None = None  # 1/0: the decode step's parts + combine kernels / the finish kernel
     decode_fused_combine: int | None = None  # 1: the decode parts' last program to finish combines them
+    # 1: the decode step's launches as programmatic dependent launches on sm_90 and later (each placed on the SMs
+    # while the one before it runs, waiting there for its end; _after_previous_launch)
+    decode_pdl: int | None = None
     decode_sel_part: int | None = None  # selected blocks per decode part program
     decode_win_part: int | None = None  # window keys per decode part program
     decode_warps: int | None = None  # warps of the decode finish and parts kernels
@@ -412,6 +416,7 @@ class DecodeLaunch:
     num_warps: int  # of the finish and parts kernels
     parts: bool  # the last launches: parts + combine kernels (else the finish kernel)
     fused_combine: bool  # with parts: the last part of a row and KV group to finish combines (no combine kernel)
+    pdl: bool  # programmatic dependent launches (sm_90+): no launch latency between the step's kernels
 
 
 def _decode_launch(head_dim: int, n_sel: int, params: NSAParams, static: bool, device) -> DecodeLaunch:
@@ -462,4 +467,8 @@ def _decode_launch(head_dim: int, n_sel: int, params: NSAParams, static: bool, d
         # off until timed: one launch fewer on a graphed step's chain against an atomic count per part (variant
         # decode_fused_combine, bench/KERNELS.md)
         fused_combine=bool(o.decode_fused_combine),
+        # off until timed: each launch of the step's chain placed on the SMs while the one before it runs (Hopper's
+        # programmatic dependent launch), where a CUDA-graphed step at B = 1 otherwise pays a launch's latency at
+        # every link of its chain of short kernels (variant decode_pdl, bench/KERNELS.md)
+        pdl=bool(o.decode_pdl) and _has_programmatic_dependent_launch(device),
     )

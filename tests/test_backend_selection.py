@@ -396,3 +396,60 @@ def test_offsets_within_a_row_are_int32_exactly_while_the_row_fits():
     # the dK/dV kernels' q/dO rows within a batch row (ROW32)
     last_q = -(-(2**31) // (12 * 64)) - 1  # (2**31 is not a multiple of 768)
     assert launch._rows_fit_int32(last_q, 12, 64) and not launch._rows_fit_int32(last_q + 1, 12, 64)
+
+
+DECODE_KERNELS = {"_decode_cmp_split_kernel", "_decode_topn_kernel", "_decode_finish_kernel", "_decode_parts_kernel",
+                  "_decode_combine_kernel"}
+
+
+@needs_triton
+@pytest.mark.parametrize("capability,interpreting,opted_in,expected", [
+    (90, False, True, True), (100, False, True, True), (80, False, True, False), (86, False, True, False),
+    (90, True, True, False), (90, False, False, False),
+], ids=["sm90", "sm100", "sm80", "sm86", "sm90-interpreter", "sm90-default"])
+@pytest.mark.parametrize("static,fused_combine", [(False, False), (True, False), (True, True)],
+                         ids=["eager", "static", "static-fusedcombine"])
+def test_decode_launches_are_programmatic_dependent_only_where_asked_and_supported(
+        monkeypatch, capability, interpreting, opted_in, expected, static, fused_combine):
+    """decode_pdl=1 makes every launch of the decode step a programmatic dependent launch (launch_pdl) and its
+    kernel wait for the launch before it (PDL, _after_previous_launch) on sm_90 and later, the two always together
+    (a launch_pdl kernel that did not wait could read its inputs before they are written); never before Hopper,
+    in the interpreter (griddepcontrol is PTX), or by default. The step's launches then follow each other with no
+    torch kernel between them (only allocations): the fused combine's zeroed count comes before the first, so
+    each link's wait is on the link before it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton_aot import _Recorder, with_kernels_replaced
+
+    monkeypatch.setattr(common, "_compute_capability", lambda device: capability)
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if interpreting else "0")
+    t, cmp_end, doc_pos, p = make_inputs(2, 300, 12, 2, 64, DEFAULT, torch.bfloat16, "cpu", "pad")
+    tk, w = 300, p.window_size
+    events: list = []  # torch ops (names) and recorded launches ((name, fn, args, kwargs)) in the order they run
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            events.append(str(func.overloadpacket.__name__))
+            return func(*args, **(kwargs or {}))
+
+    def step():  # the launcher itself (nsa_decode_triton runs a static step inside a custom op: the mode sees only it)
+        query_end = torch.tensor([tk - 1]) if static else None
+        k_win, v_win = (t["k_win"][:, :w], t["v_win"][:, :w]) if static else (t["k_win"][:, tk - w:], t["v_win"][:, tk - w:])
+        args, scale, _ = tri._kernel_args(t["q"][:, tk - 1:], t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"], t["v_slc"],
+                                          k_win, v_win, t["gates"][:, tk - 1:], doc_pos, None, batch_strided=True)
+        with Ops():
+            kernel_module("decode")._decode_step(*args, p, scale, query_end)
+
+    with tri.launch_overrides(decode_pdl=int(opted_in), decode_fused_combine=int(fused_combine)):
+        with_kernels_replaced(step, lambda name, fn: _Recorder(name, fn, events))
+    launched = [i for i, e in enumerate(events) if isinstance(e, tuple)]
+    expected_kernels = (["_decode_cmp_split_kernel", "_decode_topn_kernel"]
+                        + (["_decode_parts_kernel"] if static else ["_decode_finish_kernel"])
+                        + (["_decode_combine_kernel"] if static and not fused_combine else []))
+    assert [events[i][0] for i in launched] == expected_kernels
+    for i in launched:
+        name, _, _, kwargs = events[i]
+        assert kwargs["PDL"] is expected and kwargs.get("launch_pdl", False) is expected, (name, kwargs)
+    between = [e for e in events[launched[0]:launched[-1]] if not isinstance(e, tuple)]
+    assert all(op.startswith("empty") for op in between), between
+    if fused_combine:  # the count zeroed before the first launch
+        assert {"zeros", "zero_", "fill_"} & set(events[:launched[0]]), events[:launched[0]]
