@@ -93,13 +93,15 @@ for step in "${steps[@]}"; do
     attention)  $PY bench/bench_attention.py --lengths $LENGTHS --inputs random correlated $(captured_kind) \
                   --decode 8192 32768 65536 --decode-batch 1 32 --json "$OUT/attention.json" ;;
     # issue 18's decode rows alone (B = 1 and 32, eager and CUDA-graphed, against dense SDPA in the same run), then
-    # the decode kernels one by one at 64k, B = 1, default against the top-n at 8 warps and the parts combined by their
-    # last program (about a minute): the decode top-n as one tl.topk per block range and the list merge by tl.topk
-    # (2026-11-28, bench/KERNELS.md)
+    # the decode kernels one by one at 64k, B = 1, default against the top-n at 8 warps, the parts combined by their
+    # last program and the step's launches as programmatic dependent launches, alone and with that combine (about a
+    # minute): the decode top-n as one tl.topk per block range and the list merge by tl.topk (2026-11-28), PDL
+    # (2026-11-29, fourth CPU session; bench/KERNELS.md)
     decode)     $PY bench/bench_attention.py --lengths --decode 8192 32768 65536 --decode-batch 1 32 \
                   --json "$OUT/decode.json" \
                 && $PY bench/tune_kernels.py --decode-only --variants default decode_topn_8warps:decode_topn_warps=8 \
-                  decode_fused_combine:decode_fused_combine=1 --json "$OUT/decode_tune.json" ;;
+                  decode_fused_combine:decode_fused_combine=1 decode_pdl:decode_pdl=1 \
+                  decode_pdl_fused_combine:decode_pdl=1,decode_fused_combine=1 --json "$OUT/decode_tune.json" ;;
     # per kernel: time, FLOP / byte / exp floors at the ceilings measured in the same run, achieved fraction
     floors)     $PY bench/kernel_floors.py --lengths $LENGTHS --inputs random $(captured_kind) \
                   --decode-lengths 8192 65536 --json "$OUT/floors.json" ;;

@@ -118,6 +118,10 @@ DEFAULT_VARIANTS = [
     "decode_topn_8warps:decode_topn_warps=8",
     # the parts' last program to finish (an atomic count per row and KV group) combines them: no combine launch
     "decode_fused_combine:decode_fused_combine=1",
+    # each launch of the step placed on the SMs while the one before it runs, waiting there (Hopper's programmatic
+    # dependent launch: no launch latency between the graphed step's links), alone and with the fused combine
+    "decode_pdl:decode_pdl=1",
+    "decode_pdl_fused_combine:decode_pdl=1,decode_fused_combine=1",
     # the finish kernel as timed on 2026-11-22 (one selected block, 64 window keys, 8 splits and 4 lists per step;
     # top-n: 8 splits per merge step)
     "decode_short_steps:decode_parts=0,decode_sel_step=1,decode_win_tile=64,decode_warps=4,"

@@ -29,7 +29,10 @@ H100_TRITON = "3.6.0"  # torch 2.11's pin, the H100 sessions' triton (bench/resu
 # the default launches at the layouts the benchmarks time, head_dim 32-128 (the opt-in variants compile with the
 # local triton only: CI time)
 H100_SCENARIOS = ["125M-G6-d64-bf16", "125M-G6-d64-bf16-long", "fla-G16-d64-bf16", "G1-d64-bf16", "G4-d128-fp16",
-                  "G8-d128-bf16-long", "G4-d32-fp16"]
+                  "G8-d128-bf16-long", "G4-d32-fp16",
+                  # the decode step's programmatic dependent launches (opt-in, the next decode timing): the
+                  # griddepcontrol the device's triton emits for them
+                  "125M-G6-d64-bf16-pdl"]
 
 
 def env_with_first(target: Path) -> dict:

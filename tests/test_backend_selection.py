@@ -398,9 +398,6 @@ def test_offsets_within_a_row_are_int32_exactly_while_the_row_fits():
     assert launch._rows_fit_int32(last_q, 12, 64) and not launch._rows_fit_int32(last_q + 1, 12, 64)
 
 
-DECODE_KERNELS = {"_decode_cmp_split_kernel", "_decode_topn_kernel", "_decode_finish_kernel", "_decode_parts_kernel",
-                  "_decode_combine_kernel"}
-
 
 @needs_triton
 @pytest.mark.parametrize("capability,interpreting,opted_in,expected", [

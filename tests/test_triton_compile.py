@@ -278,6 +278,33 @@ def test_dkdv_runs_the_interior_query_tiles_unmasked(aot_results, arch):
             assert len(per_tile) == 3 and per_tile[1] < min(per_tile[0], per_tile[2]), (r["scenario"], per_tile)
 
 
+DECODE_KERNELS = {"_decode_cmp_split_kernel", "_decode_topn_kernel", "_decode_finish_kernel", "_decode_parts_kernel",
+                  "_decode_combine_kernel"}
+
+
+def _pdl_rows(results, arch):
+    """(kernel, launched with launch_pdl, waits for the launch before it) of one architecture's compiled launches,
+    those of the decode_pdl scenario and the others."""
+    rows = [r for r in _rows(results, arch) if r["ok"]]
+    pdl = {(r["kernel"], r["launch_pdl"], r["waits_for_previous_launch"]) for r in rows if r["scenario"].endswith("-pdl")}
+    others = {(r["kernel"], r["launch_pdl"], r["waits_for_previous_launch"]) for r in rows
+              if not r["scenario"].endswith("-pdl")}
+    return pdl, others
+
+
+@pytest.mark.parametrize("arch", **ARCHS)
+def test_decode_programmatic_dependent_launches_wait_for_the_launch_before(aot_results, arch):
+    """decode_pdl (opt-in): on sm_90 every decode kernel is launched with launch_pdl and its PTX waits
+    (griddepcontrol.wait) for the launch before it, which it may otherwise overtake; no other launch is either.
+    Before Hopper the variant's launches are the default's (no griddepcontrol: PTX for sm_80 has none)."""
+    pdl, others = _pdl_rows(aot_results, arch)
+    assert not [row for row in others if row[1] or row[2]], others
+    if arch == 90:
+        assert pdl == {(kernel, True, True) for kernel in DECODE_KERNELS}, pdl
+    else:
+        assert not pdl  # (the same launches as the default scenario's: compiled once, under that scenario)
+
+
 @pytest.mark.parametrize("arch", **OPT_IN_ARCHS)
 def test_selected_dq_in_dkdv_variant_compiles(aot_results, arch):
     """The selected branch's dQ added pair by pair by the selected dK/dV kernel (launch_overrides(sel_dq_in_dkdv=
@@ -446,3 +473,6 @@ def test_every_default_launch_compiles_with_the_h100s_triton(h100_aot_results):
     assert not _serialized_wgmma(h100_aot_results)
     unpipelined = _unpipelined(h100_aot_results)
     assert not unpipelined, unpipelined
+    # the decode step's programmatic dependent launches (opt-in, timed next): the device's triton emits the wait
+    pdl, others = _pdl_rows(h100_aot_results, 90)
+    assert pdl == {(kernel, True, True) for kernel in DECODE_KERNELS} and not [r for r in others if r[1] or r[2]]

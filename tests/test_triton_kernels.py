@@ -602,6 +602,61 @@ def test_gpu_decode_matches_reference(T):
     assert res["decode"] <= 1e-2, res
 
 
+@GPU
+@pytest.mark.parametrize("fused_combine", [0, 1], ids=["combinekernel", "fusedcombine"])
+def test_gpu_decode_pdl_equals_the_default_eager_and_graphed(fused_combine):
+    """decode_pdl=1 (each decode launch a programmatic dependent launch waiting for the one before) changes when
+    programs start, never what they compute: bitwise the default's output, eager and from a static step captured
+    in a CUDA graph and replayed at three positions (programmatic edges in the graph), over three block ranges."""
+    from triton_helpers import DEFAULT, import_nsa, make_inputs
+
+    _, _, tri = import_nsa()
+    t, cmp_end, doc_pos, p = make_inputs(2, 9000, 12, 2, 64, DEFAULT, torch.bfloat16, "cuda", "pad")
+    w = p.window_size
+
+    def eager(tk):
+        return tri.nsa_decode_triton(t["q"][:, tk - 1:tk], t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"][:, :tk],
+                                     t["v_slc"][:, :tk], t["k_win"][:, tk - w:tk], t["v_win"][:, tk - w:tk],
+                                     t["gates"][:, tk - 1:tk], doc_pos[:, :tk], p)
+
+    query_end = torch.tensor([0], device="cuda")
+    q_step, gates_step = torch.empty_like(t["q"][:, :1]), torch.empty_like(t["gates"][:, :1])
+    ring_k, ring_v = torch.empty_like(t["k_win"][:, :w]), torch.empty_like(t["v_win"][:, :w])
+
+    def static_step():  # a static cache's step: fixed-size buffers, the query's index on the device
+        return tri.nsa_decode_triton(q_step, t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"], t["v_slc"], ring_k, ring_v,
+                                     gates_step, doc_pos, p, query_end=query_end)
+
+    def set_position(tk):
+        query_end.fill_(tk - 1)
+        q_step.copy_(t["q"][:, tk - 1:tk])
+        gates_step.copy_(t["gates"][:, tk - 1:tk])
+        slots = torch.arange(tk - w, tk, device="cuda") % w  # key p at ring slot p % w
+        ring_k[:, slots], ring_v[:, slots] = t["k_win"][:, tk - w:tk], t["v_win"][:, tk - w:tk]
+
+    positions = [1000, 4097, 9000]
+    with tri.launch_overrides(decode_fused_combine=fused_combine):
+        expected_eager = [eager(tk) for tk in positions]
+        expected_static = []
+        for tk in positions:
+            set_position(tk)
+            expected_static.append(static_step().clone())
+    with tri.launch_overrides(decode_pdl=1, decode_fused_combine=fused_combine):
+        for tk, want in zip(positions, expected_eager):
+            assert torch.equal(eager(tk), want), tk
+        set_position(positions[0])
+        static_step()  # compiled before the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graphed_out = static_step()
+        for tk, want in zip(positions, expected_static):
+            set_position(tk)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(graphed_out, want), tk
+
+
 def _gpu_memory_gib() -> float:
     return torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 0.0
 

@@ -123,6 +123,10 @@ SCENARIOS = {
     # count and the combine inside (the scenario's other launches repeat the first one's and are compiled once)
     "125M-G6-d64-bf16-fusedcombine": _scenario(2, 300, 12, 2, 64, torch.bfloat16, decode_steps=(300,),
                                                overrides=dict(decode_fused_combine=True)),
+    # the decode step's programmatic dependent launches (opt-in, decode_pdl): every decode kernel with its
+    # griddepcontrol wait on sm_90 (before Hopper the launches are the default's, compiled once)
+    "125M-G6-d64-bf16-pdl": _scenario(2, 300, 12, 2, 64, torch.bfloat16, decode_steps=(300,),
+                                      overrides=dict(decode_pdl=True)),
 }
 
 # Launch variants not yet the default (bench/KERNELS.md), each compiled at the shapes where its kernels differ
@@ -306,6 +310,9 @@ def _compile_one(i):
         target, options, signature, constexprs, attrs = _specialize(fn, args, kwargs, arch)
         kern = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
         res.update(ok=True, shared=kern.metadata.shared, num_warps=options.num_warps,
+                   # a programmatic dependent launch, and whether the kernel waits for the launch before it
+                   launch_pdl=bool(getattr(kern.metadata, "launch_pdl", False)),
+                   waits_for_previous_launch="griddepcontrol.wait" in kern.asm["ptx"],
                    **dict(zip(("dot_loops", "unpipelined_dot_loops", "exposed_dot_loops"),
                               _loop_pipelining(kern.asm["ttgir"]))),
                    **_resources(kern.asm["cubin"]))
