@@ -290,9 +290,11 @@ def _hopper_class(device) -> bool:
 
 
 def _has_programmatic_dependent_launch(device) -> bool:
-    """Hopper and later (sm_90+) place a launch's programs on the SMs while the launch before it in the stream
-    still runs, where they wait (griddepcontrol); not in the interpreter, which runs programs one at a time."""
-    return _compute_capability(device) >= 90 and not _interpreting()
+    """Where a launch's programs may be placed on the SMs while the launch before it in the stream still runs,
+    waiting there (griddepcontrol, sm_90 and later): Hopper and datacenter Blackwell (sm_90-103). Not consumer
+    Blackwell (sm_120) until tried there (CUDA-graph capture of such launches has been reported to fail on it), nor
+    in the interpreter, which runs programs one at a time."""
+    return 90 <= _compute_capability(device) < 120 and not _interpreting()
 
 
 # CUDA's opt-in limit of shared memory per block by compute capability, where the device cannot be asked

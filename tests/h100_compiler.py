@@ -32,7 +32,7 @@ H100_SCENARIOS = ["125M-G6-d64-bf16", "125M-G6-d64-bf16-long", "fla-G16-d64-bf16
                   "G8-d128-bf16-long", "G4-d32-fp16",
                   # the decode step's programmatic dependent launches (opt-in, the next decode timing): the
                   # griddepcontrol the device's triton emits for them
-                  "125M-G6-d64-bf16-pdl"]
+                  "125M-G6-d64-bf16-pdl", "125M-G6-d64-bf16-pdl-fusedcombine"]
 
 
 def env_with_first(target: Path) -> dict:

@@ -398,20 +398,19 @@ def test_offsets_within_a_row_are_int32_exactly_while_the_row_fits():
     assert launch._rows_fit_int32(last_q, 12, 64) and not launch._rows_fit_int32(last_q + 1, 12, 64)
 
 
-
 @needs_triton
 @pytest.mark.parametrize("capability,interpreting,opted_in,expected", [
     (90, False, True, True), (100, False, True, True), (80, False, True, False), (86, False, True, False),
-    (90, True, True, False), (90, False, False, False),
-], ids=["sm90", "sm100", "sm80", "sm86", "sm90-interpreter", "sm90-default"])
+    (120, False, True, False), (90, True, True, False), (90, False, False, False),
+], ids=["sm90", "sm100", "sm80", "sm86", "sm120", "sm90-interpreter", "sm90-default"])
 @pytest.mark.parametrize("static,fused_combine", [(False, False), (True, False), (True, True)],
                          ids=["eager", "static", "static-fusedcombine"])
 def test_decode_launches_are_programmatic_dependent_only_where_asked_and_supported(
         monkeypatch, capability, interpreting, opted_in, expected, static, fused_combine):
     """decode_pdl=1 makes every launch of the decode step a programmatic dependent launch (launch_pdl) and its
-    kernel wait for the launch before it (PDL, _after_previous_launch) on sm_90 and later, the two always together
-    (a launch_pdl kernel that did not wait could read its inputs before they are written); never before Hopper,
-    in the interpreter (griddepcontrol is PTX), or by default. The step's launches then follow each other with no
+    kernel wait for the launch before it (PDL, _after_previous_launch) on Hopper and datacenter Blackwell, the two
+    always together (a launch_pdl kernel that did not wait could read its inputs before they are written); never
+    before Hopper, on consumer Blackwell (untried), in the interpreter (griddepcontrol is PTX), or by default. The step's launches then follow each other with no
     torch kernel between them (only allocations): the fused combine's zeroed count comes before the first, so
     each link's wait is on the link before it."""
     from torch.utils._python_dispatch import TorchDispatchMode

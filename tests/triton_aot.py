@@ -127,6 +127,9 @@ SCENARIOS = {
     # griddepcontrol wait on sm_90 (before Hopper the launches are the default's, compiled once)
     "125M-G6-d64-bf16-pdl": _scenario(2, 300, 12, 2, 64, torch.bfloat16, decode_steps=(300,),
                                       overrides=dict(decode_pdl=True)),
+    # ... with the fused combine, as gpu_session.sh times them together (only the parts kernel differs)
+    "125M-G6-d64-bf16-pdl-fusedcombine": _scenario(2, 300, 12, 2, 64, torch.bfloat16, decode_steps=(300,),
+                                                   overrides=dict(decode_pdl=True, decode_fused_combine=True)),
 }
 
 # Launch variants not yet the default (bench/KERNELS.md), each compiled at the shapes where its kernels differ
@@ -239,6 +242,16 @@ def _loop_pipelining(ttgir: str) -> tuple[int, int, int]:
     return len(with_dot), sum(not lp["copy"] for lp in with_dot), len(exposed)
 
 
+def _waits_before_memory(ptx: str) -> bool:
+    """Whether a kernel's PTX waits for the launch before it (griddepcontrol.wait, a programmatic dependent launch)
+    before its first global memory access: a load, store, atomic or asynchronous copy ahead of the wait could
+    meet that launch's data half written."""
+    wait = ptx.find("griddepcontrol.wait")
+    first_access = min((m.start() for m in re.finditer(r"\b(ld|st|atom|red|cp\.async)\.[a-z.]*global", ptx)),
+                       default=len(ptx))
+    return 0 <= wait < first_access
+
+
 def _has_dot(ttgir: str) -> bool:
     """Whether a kernel's TTGIR runs a tl.dot anywhere (in a loop or not)."""
     return "warp_group_dot " in ttgir or "tt.dot " in ttgir
@@ -312,7 +325,7 @@ def _compile_one(i):
         res.update(ok=True, shared=kern.metadata.shared, num_warps=options.num_warps,
                    # a programmatic dependent launch, and whether the kernel waits for the launch before it
                    launch_pdl=bool(getattr(kern.metadata, "launch_pdl", False)),
-                   waits_for_previous_launch="griddepcontrol.wait" in kern.asm["ptx"],
+                   waits_for_previous_launch=_waits_before_memory(kern.asm["ptx"]),
                    **dict(zip(("dot_loops", "unpipelined_dot_loops", "exposed_dot_loops"),
                               _loop_pipelining(kern.asm["ttgir"]))),
                    **_resources(kern.asm["cubin"]))
