@@ -607,12 +607,18 @@ def test_gpu_decode_matches_reference(T):
 def test_gpu_decode_pdl_equals_the_default_eager_and_graphed(fused_combine):
     """decode_pdl=1 (each decode launch a programmatic dependent launch waiting for the one before) changes when
     programs start, never what they compute: bitwise the default's output, eager and from a static step captured
-    in a CUDA graph and replayed at three positions (programmatic edges in the graph), over three block ranges."""
-    from triton_helpers import DEFAULT, import_nsa, make_inputs
+    in a CUDA graph and replayed at three positions (programmatic edges in the graph), over three block ranges,
+    rows of packed documents. Bitwise equality is necessary, not sufficient: a wait in the wrong place could
+    still pass by timing (tests/test_triton_compile.py checks where the wait is)."""
+    from triton_helpers import DEFAULT, import_nsa, kernel_module, make_inputs
 
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90 or later: before, decode_pdl changes nothing")
     _, _, tri = import_nsa()
-    t, cmp_end, doc_pos, p = make_inputs(2, 9000, 12, 2, 64, DEFAULT, torch.bfloat16, "cuda", "pad")
+    t, cmp_end, doc_pos, p = make_inputs(2, 9000, 12, 2, 64, DEFAULT, torch.bfloat16, "cuda", "varlen")
     w = p.window_size
+    with tri.launch_overrides(decode_pdl=1):
+        assert kernel_module("launch")._decode_launch(64, p.sel_num_blocks, p, True, t["q"].device).pdl
 
     def eager(tk):
         return tri.nsa_decode_triton(t["q"][:, tk - 1:tk], t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"][:, :tk],
