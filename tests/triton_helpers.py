@@ -787,6 +787,59 @@ def run_opcheck_case(case: dict) -> dict:
     return res
 
 
+# torch ops that wait for the device on a GPU: a value read by the host (item, tolist, bool(), int()) or an output
+# whose size depends on the data (nonzero, boolean indexing, unique, ...)
+HOST_SYNCING_OPS = {"_local_scalar_dense", "nonzero", "nonzero_static", "masked_select", "unique", "_unique", "_unique2",
+                    "unique_dim", "unique_consecutive", "equal", "is_nonzero", "argwhere"}
+
+
+@with_case_launch
+def run_host_sync_case(case: dict) -> dict:
+    """Every torch op the op's launchers run for one training forward and backward and two decoding steps (eager
+    and a static cache's), called below the custom ops (a dispatch mode sees no op inside one): those that would
+    make the host wait for the GPU (HOST_SYNCING_OPS, and indexing by a boolean mask), each with the launcher line
+    that ran it. The launchers promise none: the host queues a step's kernels without waiting, so steps pipeline
+    (bench/KERNELS.md: a wait per layer exposes the host's launch time and the GPU's idle)."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    layout, _, tri = import_nsa()
+    t, cmp_end, doc_pos, p, _, _ = case_setup(case)
+    syncs, ops = [], []
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            ops.append(name)
+            bool_index = name == "index" and any(torch.is_tensor(i) and i.dtype == torch.bool for i in args[1] if i is not None)
+            if name in HOST_SYNCING_OPS or bool_index:
+                frames = [f for f in traceback.extract_stack() if "modeling_nsa" in f.filename]
+                where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
+                syncs.append(f"{name} at {where}")
+            return func(*args, **(kwargs or {}))
+
+    args = tri._prepare(t["q"], t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"], t["v_slc"], t["k_win"], t["v_win"],
+                        t["gates"], doc_pos)
+    params, scale = tri._params_tuple(p), case["D"] ** -0.5
+    dout = torch.randn_like(t["q"])
+    Tk = case["T"] - 5
+    ce = layout.compressed_token_ends(doc_pos[:, :Tk], p, num_slots=cmp_end.shape[1])
+    cache, query_end = static_layout(t, ce, doc_pos, Tk, p.window_size)
+    w = min(Tk, p.window_size)
+    eager_step = tri._prepare(t["q"][:, Tk - 1:Tk], t["k_cmp"], t["v_cmp"], ce, t["k_slc"][:, :Tk], t["v_slc"][:, :Tk],
+                              t["k_win"][:, Tk - w:Tk], t["v_win"][:, Tk - w:Tk], t["gates"][:, Tk - 1:Tk],
+                              doc_pos[:, :Tk], batch_strided=True)
+    static_step = tri._prepare(t["q"][:, Tk - 1:Tk], *cache[:7], t["gates"][:, Tk - 1:Tk], cache[7], batch_strided=True)
+    decode = kernel_module("decode")
+    with Recorder():
+        outs = tri._nsa_fwd_op._init_fn(*args, params, scale)
+        tri._nsa_bwd_op._init_fn(dout, *args, *outs[1:], params, scale)
+        decode._decode_step(*eager_step, p, scale)
+        tri._nsa_decode_static_op._init_fn(*static_step, query_end, params, scale)
+    return {"syncs": syncs, "ops": len(ops)}
+
+
 class PoisonedAllocations(types.ModuleType):
     """torch as the kernel files see it in the kernel tests: torch.empty / torch.empty_like return memory filled with
     NaN (floating point) or 2**30 (integers) instead of whatever the allocator held. On a GPU that memory is
@@ -1056,7 +1109,7 @@ def main(argv):
                       "select": run_select_case, "union": run_union_case, "layout": run_layout_case,
                       "heavyplan": run_heavy_plan_case,
                       "ranges": run_ranges_case,
-                      "selfwd": run_selfwd_case, "seldq": run_seldq_case,
+                      "selfwd": run_selfwd_case, "seldq": run_seldq_case, "hostsync": run_host_sync_case,
                       "large_offset": run_large_offset_case,
                       "large_offset_decode": run_large_offset_decode_case}.get(case.get("kind"), run_case)
             res = runner(case)
