@@ -410,9 +410,9 @@ def test_decode_launches_are_programmatic_dependent_only_where_asked_and_support
     """decode_pdl=1 makes every launch of the decode step a programmatic dependent launch (launch_pdl) and its
     kernel wait for the launch before it (PDL, _after_previous_launch) on Hopper and datacenter Blackwell, the two
     always together (a launch_pdl kernel that did not wait could read its inputs before they are written); never
-    before Hopper, on consumer Blackwell (untried), in the interpreter (griddepcontrol is PTX), or by default. The step's launches then follow each other with no
-    torch kernel between them (only allocations): the fused combine's zeroed count comes before the first, so
-    each link's wait is on the link before it."""
+    before Hopper, on consumer Blackwell (untried), in the interpreter (griddepcontrol is PTX), or by default.
+    The step's launches then follow each other with no torch kernel between them (only allocations): the fused
+    combine's zeroed count comes before the first, so each link's wait is on the link before it."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from triton_aot import _Recorder, with_kernels_replaced
 
@@ -429,7 +429,8 @@ def test_decode_launches_are_programmatic_dependent_only_where_asked_and_support
 
     def step():  # the launcher itself (nsa_decode_triton runs a static step inside a custom op: the mode sees only it)
         query_end = torch.tensor([tk - 1]) if static else None
-        k_win, v_win = (t["k_win"][:, :w], t["v_win"][:, :w]) if static else (t["k_win"][:, tk - w:], t["v_win"][:, tk - w:])
+        window = slice(0, w) if static else slice(tk - w, tk)  # a static cache's ring, or the last w keys
+        k_win, v_win = t["k_win"][:, window], t["v_win"][:, window]
         args, scale, _ = tri._kernel_args(t["q"][:, tk - 1:], t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"], t["v_slc"],
                                           k_win, v_win, t["gates"][:, tk - 1:], doc_pos, None, batch_strided=True)
         with Ops():

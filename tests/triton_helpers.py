@@ -789,8 +789,8 @@ def run_opcheck_case(case: dict) -> dict:
 
 # torch ops that wait for the device on a GPU: a value read by the host (item, tolist, bool(), int()) or an output
 # whose size depends on the data (nonzero, boolean indexing, unique, ...)
-HOST_SYNCING_OPS = {"_local_scalar_dense", "nonzero", "nonzero_static", "masked_select", "unique", "_unique", "_unique2",
-                    "unique_dim", "unique_consecutive", "equal", "is_nonzero", "argwhere"}
+HOST_SYNCING_OPS = {"_local_scalar_dense", "nonzero", "nonzero_static", "masked_select", "unique", "_unique",
+                    "_unique2", "unique_dim", "unique_consecutive", "equal", "is_nonzero", "argwhere"}
 
 
 @with_case_launch
@@ -812,7 +812,8 @@ def run_host_sync_case(case: dict) -> dict:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func.overloadpacket.__name__
             ops.append(name)
-            bool_index = name == "index" and any(torch.is_tensor(i) and i.dtype == torch.bool for i in args[1] if i is not None)
+            bool_index = name == "index" and any(torch.is_tensor(i) and i.dtype == torch.bool
+                                                 for i in args[1] if i is not None)
             if name in HOST_SYNCING_OPS or bool_index:
                 frames = [f for f in traceback.extract_stack() if "modeling_nsa" in f.filename]
                 where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
