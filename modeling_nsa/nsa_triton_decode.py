@@ -42,11 +42,11 @@ if triton is not None:
 
     @triton.jit
     def _after_previous_launch(PDL: tl.constexpr):
-        """A decode kernel's first step. With PDL (a programmatic dependent launch, sm_90 and later: the launch
-        made with launch_pdl=True), this launch's programs are placed on the SMs while the launch before it in the
-        stream still runs: wait here until that launch has ended and its writes are visible (every input read
-        below may be its output, or an earlier launch's, which it waited for in turn), then let the next launch's
-        programs be placed. A CUDA-graphed step is a chain of short launches; each link then starts without a
+        """A decode kernel's first step. With PDL (a programmatic dependent launch, Hopper and datacenter
+        Blackwell: the launch made with launch_pdl=True), this launch's programs are placed on the SMs while the
+        launch before it in the stream still runs: wait here until that launch has ended and its writes are
+        visible (every input read below may be its output, or an earlier launch's, which it waited for in turn),
+        then let the next launch's programs be placed. A CUDA-graphed step is a chain of short launches; each link then starts without a
         launch's latency. Without PDL, nothing (the stream orders the launches)."""
         if PDL:
             tl.extra.cuda.gdc_wait()

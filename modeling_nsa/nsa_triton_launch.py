@@ -106,8 +106,8 @@ class LaunchOverrides:
     decode_win_tile: int | None = None  # window keys per step of a decode window part
     decode_parts: int | None = None  # 1/0: the decode step's parts + combine kernels / the finish kernel
     decode_fused_combine: int | None = None  # 1: the decode parts' last program to finish combines them
-    # 1: the decode step's launches as programmatic dependent launches on sm_90 and later (each placed on the SMs
-    # while the one before it runs, waiting there for its end; _after_previous_launch)
+    # 1: the decode step's launches as programmatic dependent launches on Hopper and datacenter Blackwell (each
+    # placed on the SMs while the one before it runs, waiting there for its end; _after_previous_launch)
     decode_pdl: int | None = None
     decode_sel_part: int | None = None  # selected blocks per decode part program
     decode_win_part: int | None = None  # window keys per decode part program
@@ -416,7 +416,7 @@ class DecodeLaunch:
     num_warps: int  # of the finish and parts kernels
     parts: bool  # the last launches: parts + combine kernels (else the finish kernel)
     fused_combine: bool  # with parts: the last part of a row and KV group to finish combines (no combine kernel)
-    pdl: bool  # programmatic dependent launches (sm_90+): no launch latency between the step's kernels
+    pdl: bool  # programmatic dependent launches (sm_90-103): no launch latency between the step's kernels
 
 
 def _decode_launch(head_dim: int, n_sel: int, params: NSAParams, static: bool, device) -> DecodeLaunch:

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from modeling_nsa import NSACache, NSAConfig, NSAForCausalLM
+from triton_helpers import HostSyncRecorder
 
 # Small blocks so that 70 generated tokens cross compression (l=8, d=4), selection (l'=16, n=3)
 # and window (w=20) boundaries many times.
@@ -170,20 +170,6 @@ def test_cache_memory_is_bounded_by_what_nsa_reads():
             assert layer.buffers[name].storage.shape[1] <= 2 * cfg.window_size + 64
 
 
-class SyncRecorder(TorchDispatchMode):
-    """The host reads of device values an eager step makes (.item(), bool(tensor), nonzero, data-dependent shapes)."""
-
-    def __init__(self):
-        super().__init__()
-        self.syncs = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
-                    torch.ops.aten.item.default):
-            self.syncs.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS), ids=list(VARIANTS))
 def test_cached_decoding_step_makes_no_host_synchronization(variant):
     """A generation step queues its GPU work without waiting for it (no .item(), nonzero or data-dependent shapes),
@@ -199,7 +185,7 @@ def test_cached_decoding_step_makes_no_host_synchronization(variant):
         skipped = 0
         for step in range(6):  # crosses a compression boundary (d=4)
             mask = torch.cat([mask, mask.new_ones(2, 1)], dim=1)
-            with SyncRecorder() as recorder:
+            with HostSyncRecorder() as recorder:
                 out = model(token, attention_mask=mask, past_key_values=cache, use_cache=True)
             assert recorder.syncs == [], (step, recorder.syncs)
             cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)

@@ -27,6 +27,7 @@ import types
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -793,33 +794,38 @@ HOST_SYNCING_OPS = {"_local_scalar_dense", "nonzero", "nonzero_static", "masked_
                     "_unique2", "unique_dim", "unique_consecutive", "equal", "is_nonzero", "argwhere"}
 
 
+class HostSyncRecorder(TorchDispatchMode):
+    """Inside the block, every torch op run (`ops`, by name) and those that would make the host wait for the GPU
+    (`syncs`: HOST_SYNCING_OPS and indexing by a boolean mask), each with the modeling_nsa line that ran it. A
+    dispatch mode sees a custom op, not the ops inside it: record below the custom ops to see the launchers'."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.syncs = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import traceback
+
+        name = func.overloadpacket.__name__
+        self.ops.append(name)
+        bool_index = name == "index" and any(torch.is_tensor(i) and i.dtype == torch.bool
+                                             for i in args[1] if i is not None)
+        if name in HOST_SYNCING_OPS or bool_index:
+            frames = [f for f in traceback.extract_stack() if "modeling_nsa" in f.filename]
+            where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
+            self.syncs.append(f"{name} at {where}")
+        return func(*args, **(kwargs or {}))
+
+
 @with_case_launch
 def run_host_sync_case(case: dict) -> dict:
     """Every torch op the op's launchers run for one training forward and backward and two decoding steps (eager
-    and a static cache's), called below the custom ops (a dispatch mode sees no op inside one): those that would
-    make the host wait for the GPU (HOST_SYNCING_OPS, and indexing by a boolean mask), each with the launcher line
-    that ran it. The launchers promise none: the host queues a step's kernels without waiting, so steps pipeline
-    (bench/KERNELS.md: a wait per layer exposes the host's launch time and the GPU's idle)."""
-    import traceback
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    and a static cache's), called below the custom ops (HostSyncRecorder): those that would make the host wait for
+    the GPU, each with the launcher line that ran it. The launchers promise none: the host queues a step's kernels
+    without waiting, so steps pipeline (bench/KERNELS.md: a wait per layer exposes the host's launch time and the
+    GPU's idle)."""
     layout, _, tri = import_nsa()
     t, cmp_end, doc_pos, p, _, _ = case_setup(case)
-    syncs, ops = [], []
-
-    class Recorder(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            ops.append(name)
-            bool_index = name == "index" and any(torch.is_tensor(i) and i.dtype == torch.bool
-                                                 for i in args[1] if i is not None)
-            if name in HOST_SYNCING_OPS or bool_index:
-                frames = [f for f in traceback.extract_stack() if "modeling_nsa" in f.filename]
-                where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
-                syncs.append(f"{name} at {where}")
-            return func(*args, **(kwargs or {}))
-
     args = tri._prepare(t["q"], t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"], t["v_slc"], t["k_win"], t["v_win"],
                         t["gates"], doc_pos)
     params, scale = tri._params_tuple(p), case["D"] ** -0.5
@@ -833,12 +839,12 @@ def run_host_sync_case(case: dict) -> dict:
                               doc_pos[:, :Tk], batch_strided=True)
     static_step = tri._prepare(t["q"][:, Tk - 1:Tk], *cache[:7], t["gates"][:, Tk - 1:Tk], cache[7], batch_strided=True)
     decode = kernel_module("decode")
-    with Recorder():
+    with HostSyncRecorder() as recorder:
         outs = tri._nsa_fwd_op._init_fn(*args, params, scale)
         tri._nsa_bwd_op._init_fn(dout, *args, *outs[1:], params, scale)
         decode._decode_step(*eager_step, p, scale)
         tri._nsa_decode_static_op._init_fn(*static_step, query_end, params, scale)
-    return {"syncs": syncs, "ops": len(ops)}
+    return {"syncs": recorder.syncs, "ops": len(recorder.ops)}
 
 
 class PoisonedAllocations(types.ModuleType):
