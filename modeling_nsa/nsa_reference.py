@@ -6,6 +6,14 @@ branch builds a boolean (query x key) mask from the document layout and runs one
 softmax. Memory is O(Tq x Tk) per head, which is what an oracle may spend; the Triton path
 (nsa_triton.py) computes the same function in O(Tq x keys-touched).
 
+Two forms of the masked softmax, one function: `reference_branches` writes the softmax out and
+returns every branch's probabilities (what a diagnosis reads); `nsa_attention_reference`, the
+CPU training path, needs only the outputs and hands each mask to F.scaled_dot_product_attention,
+whose fused softmax keeps no (Tq x Tk) float tensor for the backward: on CPU about 3x faster per
+branch, and the float memory of a training step falls from O(H x T^2) to the boolean masks.
+The compressed branch's probabilities, which the selection scores (Eqs. 8-10), are computed the
+written-out way in both forms, so both select the same blocks.
+
 Queries are the last Tq of the Tk key positions, so the same function serves training
 (Tq = Tk), prefill and cached decoding (Tq = 1).
 """
@@ -32,6 +40,27 @@ def _masked_softmax_attention(q, k, v, mask, scale):
     weights = torch.exp(scores - row_max)  # exp(-inf) = 0 at masked keys
     probs = weights / weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
     return torch.einsum("bhgqk,bhkd->bhgqd", probs, v), probs
+
+
+def _masked_attention_output(q, k, v, mask, scale):
+    """The output of `_masked_softmax_attention`, through SDPA's fused softmax (no probabilities kept).
+
+    q (B, Hkv, G, Tq, D), k/v (B, Hkv, Tk, D), mask (B, Hkv or 1, Tq, Tk) bool -> (B, Hkv, G, Tq, D).
+    A row with no visible key (padding, a ring slot not written yet) gives 0, as the written-out form does:
+    it attends to every key and is then zeroed, since what SDPA returns for a fully masked row has differed
+    between torch versions and backends (NaN in some). Its gradient is zero: the zeroing cuts it.
+    """
+    batch, num_kv_heads, group, num_queries, head_dim = q.shape
+    has_key = mask.any(dim=-1, keepdim=True)  # (B, Hkv or 1, Tq, 1)
+    mask = mask | ~has_key
+    if mask.shape[1] != 1:  # per KV group (the selection) -> per query head h = kv * G + g
+        mask = mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(batch, num_kv_heads * group, num_queries, -1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.reshape(batch, num_kv_heads * group, num_queries, head_dim), k, v, attn_mask=mask, scale=scale,
+        enable_gqa=True,
+    )  # (B, H, Tq, D)
+    out = out.view(batch, num_kv_heads, group, num_queries, head_dim)
+    return out * has_key[:, :, None].to(out.dtype)
 
 
 def _same_document(q_index, q_doc_pos, k_index, k_doc_pos):
@@ -93,9 +122,10 @@ class ReferenceBranches(NamedTuple):
     o_cmp: torch.Tensor  # (B, Hkv, G, Tq, D) compression branch output
     p_cmp: torch.Tensor  # (B, Hkv, G, Tq, Nc) its attention probabilities over the compressed tokens
     o_slc: torch.Tensor  # (B, Hkv, G, Tq, D) selection branch output
-    p_slc: torch.Tensor  # (B, Hkv, G, Tq, Tk) its probabilities over the key positions (0 outside chosen blocks)
+    p_slc: torch.Tensor | None  # (B, Hkv, G, Tq, Tk) its probabilities over the key positions (0 outside chosen
+    # blocks); None when reference_branches(probabilities=False)
     o_win: torch.Tensor  # (B, Hkv, G, Tq, D) sliding-window branch output
-    p_win: torch.Tensor  # (B, Hkv, G, Tq, Tw) its probabilities over the window's slots
+    p_win: torch.Tensor | None  # (B, Hkv, G, Tq, Tw) its probabilities over the window's slots; None as p_slc
     win_index: torch.Tensor  # (B, Tw) the key position in each window slot (negative: a ring slot not written yet)
     block_indices: torch.Tensor  # (B, Hkv, Tq, n') selected in-document blocks, -1 unused
 
@@ -126,13 +156,16 @@ def reference_branches(
     scale: float | None = None,
     query_end: torch.Tensor | None = None,
     block_indices: torch.Tensor | None = None,
+    probabilities: bool = True,
 ) -> ReferenceBranches:
     """Each branch's output and attention probabilities for queries at the last Tq of Tk key positions, before the
     gates combine them (NSA_SPEC, one layer, step 3); `nsa_attention_reference` documents the arguments. What a
     diagnosis of a trained model reads: where each branch looks, not only what the gated sum gives.
 
     block_indices (B, Hkv, Tq, n'): the selected blocks to attend instead of this function's top-n (the kernels'
-    selection, which near a tie in low precision may pick another block); default: the reference's own."""
+    selection, which near a tie in low precision may pick another block); default: the reference's own.
+    probabilities=False: p_slc and p_win are None and the branches' outputs come from SDPA's fused softmax (the
+    training path's form; the module docstring says why); p_cmp is still returned, without a gradient."""
     batch, num_queries, num_heads, head_dim = q.shape
     num_keys, num_kv_heads = k_slc.shape[1], k_slc.shape[2]
     num_win = k_win.shape[1]
@@ -140,6 +173,11 @@ def reference_branches(
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     compute_dtype = torch.promote_types(q.dtype, torch.float32)
     device = q.device
+    if probabilities:
+        attend = _masked_softmax_attention
+    else:
+        def attend(q, k, v, mask, scale):
+            return _masked_attention_output(q, k, v, mask, scale), None
 
     def heads_first(x):  # (B, T, Hkv, D) -> (B, Hkv, T, D)
         return x.to(compute_dtype).transpose(1, 2)
@@ -166,9 +204,16 @@ def reference_branches(
         & (cmp_end >= 0)[:, None, :]
         & (end_index[:, None, :] <= q_index[:, :, None])
     )
-    o_cmp, p_cmp = _masked_softmax_attention(
-        q_grouped, heads_first(k_cmp), heads_first(v_cmp), cmp_visible[:, None], scale
-    )  # (B, Hkv, G, Tq, D), (B, Hkv, G, Tq, Nc)
+    if probabilities:
+        o_cmp, p_cmp = _masked_softmax_attention(
+            q_grouped, heads_first(k_cmp), heads_first(v_cmp), cmp_visible[:, None], scale
+        )  # (B, Hkv, G, Tq, D), (B, Hkv, G, Tq, Nc)
+    else:  # the selection reads p_cmp without a gradient (Eq. 8 picks blocks, it is not differentiated)
+        with torch.no_grad():
+            _, p_cmp = _masked_softmax_attention(
+                q_grouped, heads_first(k_cmp), heads_first(v_cmp), cmp_visible[:, None], scale
+            )
+        o_cmp = _masked_attention_output(q_grouped, heads_first(k_cmp), heads_first(v_cmp), cmp_visible[:, None], scale)
 
     # Selection branch (Eqs. 8-12): top-n blocks per KV group from the compression probabilities.
     num_sel_blocks = (num_keys + params.sel_block_size - 1) // params.sel_block_size
@@ -181,7 +226,7 @@ def reference_branches(
     chosen.scatter_(-1, torch.where(block_indices >= 0, block_indices, num_sel_blocks), True)
     key_block = (doc_pos.clamp(min=0) // params.sel_block_size)[:, None, None, :].expand(-1, num_kv_heads, num_queries, -1)
     slc_mask = chosen.gather(-1, key_block) & same_doc_causal[:, None]  # (B, Hkv, Tq, Tk)
-    o_slc, p_slc = _masked_softmax_attention(q_grouped, heads_first(k_slc), heads_first(v_slc), slc_mask, scale)
+    o_slc, p_slc = attend(q_grouped, heads_first(k_slc), heads_first(v_slc), slc_mask, scale)
 
     # Sliding window: the last w keys of the query's document, itself included.
     win_doc_pos = doc_pos.gather(1, win_index.clamp(min=0))
@@ -191,7 +236,7 @@ def reference_branches(
         & (q_index[:, :, None] >= win_index[:, None, :])
         & (q_index[:, :, None] - win_index[:, None, :] < params.window_size)
     )
-    o_win, p_win = _masked_softmax_attention(q_grouped, heads_first(k_win), heads_first(v_win), win_mask[:, None], scale)
+    o_win, p_win = attend(q_grouped, heads_first(k_win), heads_first(v_win), win_mask[:, None], scale)
     return ReferenceBranches(o_cmp, p_cmp, o_slc, p_slc, o_win, p_win, win_index, block_indices)
 
 
@@ -224,7 +269,9 @@ def nsa_attention_reference(
     not written yet (doc_pos -1 there). k_win/v_win are then a ring of Tw >= w slots, key p at slot p % Tw.
     A tensor, not an int: compiled decoding steps must not depend on a host value that changes per token.
     """
-    branches = reference_branches(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, doc_pos, params, scale, query_end)
+    branches = reference_branches(
+        q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, doc_pos, params, scale, query_end, probabilities=False
+    )
     out = branches.gated(gates).to(q.dtype)
     return (out, branches.block_indices) if return_block_indices else out
 

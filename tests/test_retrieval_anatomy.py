@@ -49,8 +49,10 @@ def cases(byt5, samples: int = 2):
 
 
 def test_reference_branches_are_what_the_reference_gates():
-    """The gated sum of reference_branches' outputs is nsa_attention_reference's output, and each branch's
-    probabilities sum to 1 over what it sees (the selected branch's only inside the chosen blocks)."""
+    """The gated sum of reference_branches' outputs is nsa_attention_reference's output (bitwise in the fused
+    form the reference itself runs, to fp64 rounding in the written-out form whose probabilities a diagnosis
+    reads), and each branch's probabilities sum to 1 over what it sees (the selected branch's only inside the
+    chosen blocks)."""
     from modeling_nsa.nsa_layout import NSAParams
 
     torch.manual_seed(0)
@@ -67,13 +69,19 @@ def test_reference_branches_are_what_the_reference_gates():
     out, blocks = nsa_attention_reference(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos,
                                           params, return_block_indices=True)  # fmt: skip
     b = reference_branches(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, doc_pos, params)
+    fused = reference_branches(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, doc_pos, params,
+                               probabilities=False)  # fmt: skip
+    assert fused.p_slc is None and fused.p_win is None
 
     def heads_last(o):
         return o.permute(0, 3, 1, 2, 4).reshape(batch, num_keys, heads, dim)
 
-    gated = gates[..., 0:1] * heads_last(b.o_cmp) + gates[..., 1:2] * heads_last(b.o_slc) + gates[..., 2:3] * heads_last(b.o_win)
-    torch.testing.assert_close(gated, out, rtol=0, atol=0)
-    assert torch.equal(b.block_indices, blocks)
+    for branches, tolerance in ((fused, 0.0), (b, 1e-12)):
+        gated = (gates[..., 0:1] * heads_last(branches.o_cmp) + gates[..., 1:2] * heads_last(branches.o_slc)
+                 + gates[..., 2:3] * heads_last(branches.o_win))  # fmt: skip
+        torch.testing.assert_close(gated, out, rtol=0, atol=tolerance)
+        assert torch.equal(branches.block_indices, blocks)
+    torch.testing.assert_close(fused.p_cmp, b.p_cmp, rtol=0, atol=0)
     torch.testing.assert_close(b.p_slc.sum(-1), torch.ones_like(b.p_slc[..., 0]))
     torch.testing.assert_close(b.p_win.sum(-1), torch.ones_like(b.p_win[..., 0]))
     seen = b.p_cmp.sum(-1)[..., 15:]  # queries from the first compressed token's last key on see one
