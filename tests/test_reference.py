@@ -14,7 +14,7 @@ import torch
 
 from modeling_nsa.modeling_nsa import NSAForCausalLM
 from modeling_nsa.nsa_layout import compressed_token_ends, document_positions
-from modeling_nsa.nsa_reference import nsa_attention_reference
+from modeling_nsa.nsa_reference import nsa_attention_reference, reference_branches
 
 from model_helpers import (
     doc_pos_tensor,
@@ -132,6 +132,33 @@ def test_reference_matches_naive(case):
     g_ref = _grads(ref, weight, grad_wrt.values())
     g_naive = _grads(naive, weight, grad_wrt.values())
     for name, a, b in zip(names, g_ref, g_naive):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, name=name: f"grad wrt {name}: {m}")
+
+
+FORM_CASES = [c for c in CASES if c[5] in ("pad", "docs-pad")] + [CASES[3], CASES[-2]]
+
+
+@pytest.mark.parametrize("case", FORM_CASES, ids=[case_id(c) for c in FORM_CASES])
+def test_training_form_equals_the_written_out_form(case):
+    """nsa_attention_reference (each branch through SDPA's fused softmax) against the same function with the
+    softmax written out (reference_branches' form, which the naive comparison above does not see): outputs at
+    every row, padding included, where both must give exactly 0, and gradients with the padded rows weighted
+    too, where both must send nothing back."""
+    T, G, Hkv, comp, kv, layout, p, _, Tq, Tw = case
+    args, grad_wrt, _ = build_inputs(T, G, Hkv, comp, kv, layout, p, Tq, Tw)
+    q, *rest = args
+    params = args[10]
+    fused, fused_blocks = nsa_attention_reference(*args, return_block_indices=True)
+    written = reference_branches(*args[:8], args[9], params, probabilities=True)
+    written_out = written.gated(args[8])
+    assert torch.equal(fused_blocks, written.block_indices)
+    torch.testing.assert_close(fused, written_out, **TOL)
+    padded = ~valid_mask(args[9], q.shape[1])
+    if padded.any():
+        assert torch.equal(fused[padded], torch.zeros_like(fused[padded]))
+    weight = torch.randn(fused.shape, generator=torch.Generator().manual_seed(1), dtype=fused.dtype)
+    for name, a, b in zip(grad_wrt, _grads(fused, weight, grad_wrt.values()), _grads(written_out, weight, grad_wrt.values())):
         assert torch.isfinite(a).all(), name
         torch.testing.assert_close(a, b, **TOL, msg=lambda m, name=name: f"grad wrt {name}: {m}")
 
