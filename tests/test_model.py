@@ -202,3 +202,30 @@ def test_hidden_act_is_the_mlps_activation_and_checked():
     assert (silu(ids).logits - gelu(ids).logits).abs().max() > 1e-3  # the same weights, another activation
     with pytest.raises(ValueError, match=r"hidden_act must be one of transformers' activations .* got 'swishy'"):
         NSAConfig(**{**TINY, "hidden_act": "swishy"})
+
+
+@pytest.mark.parametrize("mode", ["nsa", "dense"])
+def test_a_training_step_waits_for_the_device_only_at_the_vocabulary_check(mode):
+    """A training forward and backward (padding, packed documents, labels) makes the host wait for the device only
+    where the model checks the token ids against the vocabulary, once per forward: anything else that reads a
+    device value on the host (.item(), a boolean index, nonzero, ...) stalls every step of a GPU run while the
+    queue drains. The Triton op's launchers are held to none (triton_helpers.run_host_sync_case)."""
+    import inspect
+
+    from modeling_nsa import modeling_nsa
+    from triton_helpers import HostSyncRecorder
+
+    source = inspect.getsource(modeling_nsa).splitlines()
+    vocabulary_check = 1 + next(i for i, line in enumerate(source) if "int(input_ids.min()), int(input_ids.max())" in line)
+    torch.manual_seed(0)
+    model = NSAForCausalLM(NSAConfig(**dict(TINY, attention_mode=mode))).train()
+    ids = torch.randint(0, 113, (2, 64))
+    attention_mask = torch.ones(2, 64, dtype=torch.long)
+    attention_mask[1, :7] = 0
+    position_ids = (torch.arange(64) % 40).expand(2, -1)
+    for inputs in (dict(attention_mask=attention_mask), dict(position_ids=position_ids)):
+        with HostSyncRecorder() as recorder:
+            model(ids, labels=ids, **inputs).loss.backward()
+        assert len(recorder.ops) > 100  # the step ran under the recorder
+        assert set(recorder.syncs) == {f"_local_scalar_dense at modeling_nsa.py:{vocabulary_check}"}, recorder.syncs
+        assert len(recorder.syncs) == 2  # the ids' min and max

@@ -247,3 +247,32 @@ def test_attention_layer_matches_naive(case):
     g_naive = _grads(naive, weight, tensors)
     for name, a, b in zip(["x", *params], g_out, g_naive):
         torch.testing.assert_close(a, b, **TOL, msg=lambda m, name=name: f"grad wrt {name}: {m}")
+
+
+def test_bench_reference_cpu_times_each_form(monkeypatch, capsys):
+    """bench/bench_reference_cpu.py: the written-out row really runs the written-out form (reference_branches with
+    probabilities), the fused row the training form, and the model's reference is the training form again after."""
+    import importlib.util
+    from pathlib import Path
+
+    from modeling_nsa import nsa_backend, nsa_reference
+
+    spec = importlib.util.spec_from_file_location("bench_reference_cpu",
+                                                  Path(__file__).parent.parent / "bench" / "bench_reference_cpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    forms = []
+    real = nsa_reference.reference_branches
+
+    def spy(*args, probabilities=True, **kwargs):
+        forms.append(probabilities)
+        return real(*args, probabilities=probabilities, **kwargs)
+
+    monkeypatch.setattr(nsa_reference, "reference_branches", spy)
+    result = bench.main(["--preset", "tiny", "--seq-len", "64", "--batch", "1", "--steps", "1", "--warmup", "0"])
+    assert list(result["rows"]) == ["nsa, fused", "nsa, written out", "dense mode"]
+    assert all(row["s_per_step"] > 0 for row in result["rows"].values())
+    layers = 2  # the tiny preset's; one forward a variant, each layer one call
+    assert forms == [False] * layers + [True] * layers
+    assert nsa_backend.nsa_attention_reference is nsa_reference.nsa_attention_reference
+    assert "| nsa, written out |" in capsys.readouterr().out
