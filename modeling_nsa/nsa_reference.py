@@ -204,16 +204,13 @@ def reference_branches(
         & (cmp_end >= 0)[:, None, :]
         & (end_index[:, None, :] <= q_index[:, :, None])
     )
+    cmp_inputs = (q_grouped, heads_first(k_cmp), heads_first(v_cmp), cmp_visible[:, None], scale)
     if probabilities:
-        o_cmp, p_cmp = _masked_softmax_attention(
-            q_grouped, heads_first(k_cmp), heads_first(v_cmp), cmp_visible[:, None], scale
-        )  # (B, Hkv, G, Tq, D), (B, Hkv, G, Tq, Nc)
+        o_cmp, p_cmp = _masked_softmax_attention(*cmp_inputs)  # (B, Hkv, G, Tq, D), (B, Hkv, G, Tq, Nc)
     else:  # the selection reads p_cmp without a gradient (Eq. 8 picks blocks, it is not differentiated)
         with torch.no_grad():
-            _, p_cmp = _masked_softmax_attention(
-                q_grouped, heads_first(k_cmp), heads_first(v_cmp), cmp_visible[:, None], scale
-            )
-        o_cmp = _masked_attention_output(q_grouped, heads_first(k_cmp), heads_first(v_cmp), cmp_visible[:, None], scale)
+            p_cmp = _masked_softmax_attention(*cmp_inputs)[1]
+        o_cmp = _masked_attention_output(*cmp_inputs)
 
     # Selection branch (Eqs. 8-12): top-n blocks per KV group from the compression probabilities.
     num_sel_blocks = (num_keys + params.sel_block_size - 1) // params.sel_block_size
