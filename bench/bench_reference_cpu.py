@@ -2,9 +2,11 @@
 
 The CPU path is `nsa_reference.nsa_attention_reference`. Since 2026-11-29 it hands each branch's boolean mask to
 F.scaled_dot_product_attention (the fused form); before, it wrote the softmax out as `reference_branches` still does
-for the probabilities a diagnosis reads (the written-out form). This times one training step (forward, backward,
-AdamW) of the same model and batch with each form, and the model's dense twin (`attention_mode="dense"`, SDPA),
-in one process, on the threads given:
+for the probabilities a diagnosis reads (the written-out form). Since 2026-11-30 the fused form gives the window
+branch in chunks of w queries with the 2w - 1 slots each can reach (`_banded_window_output`). This times one
+training step (forward, backward, AdamW) of the same model and batch with each form, the fused form with every
+window slot under the mask, and the model's dense twin (`attention_mode="dense"`, SDPA), in one process, on the
+threads given:
 
     python bench/bench_reference_cpu.py                                    # smoke model, 8 x 1,024 tokens, 1 thread
     python bench/bench_reference_cpu.py --preset tiny --seq-len 512 --threads 2
@@ -74,13 +76,20 @@ def main(argv=None) -> dict:
     ids = torch.randint(0, VOCAB_SIZE, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0))
     fused = nsa_reference.nsa_attention_reference
     rows = {}
-    for name, mode, reference in (("nsa, fused", "nsa", fused), ("nsa, written out", "nsa", written_out_reference),
-                                  ("dense mode", "dense", fused)):
+    banded_fraction = nsa_reference.BANDED_WINDOW_MAX_PAIR_FRACTION
+    variants = (  # name, attention mode, the reference function, the fused form's banded-window threshold
+        ("nsa, fused", "nsa", fused, banded_fraction),
+        ("nsa, fused, window unbanded", "nsa", fused, 0.0),  # every window slot under the mask (before 2026-11-30)
+        ("nsa, written out", "nsa", written_out_reference, banded_fraction),
+        ("dense mode", "dense", fused, banded_fraction),
+    )
+    for name, mode, reference, band_below in variants:
         config = NSAConfig(vocab_size=VOCAB_SIZE, max_position_embeddings=args.seq_len, attention_mode=mode,
                            nsa_backend="reference", **fields)  # fmt: skip
         torch.manual_seed(0)
         model = NSAForCausalLM(config).train()
         nsa_reference.nsa_attention_reference = reference
+        nsa_reference.BANDED_WINDOW_MAX_PAIR_FRACTION = band_below
         try:  # the backend module bound the function at import: patch the name it calls
             from modeling_nsa import nsa_backend
 
@@ -89,6 +98,7 @@ def main(argv=None) -> dict:
         finally:
             nsa_reference.nsa_attention_reference = fused
             nsa_backend.nsa_attention_reference = fused
+            nsa_reference.BANDED_WINDOW_MAX_PAIR_FRACTION = banded_fraction
         rows[name] = {"s_per_step": seconds, "tok_s": args.batch * args.seq_len / seconds}
 
     base = rows["nsa, fused"]["s_per_step"]

@@ -28,6 +28,17 @@ import torch
 from .nsa_layout import NSAParams
 
 
+# The training form gives the window branch in chunks (`_banded_window_output`: w queries by 2w - 1 slots each)
+# where they cover at most this fraction of the (query, slot) pairs the full mask does (at Tq = Tw: from Tw >= 4w
+# on); nearer, the chunks' gathers cost more than the pairs they leave out save.
+BANDED_WINDOW_MAX_PAIR_FRACTION = 0.5
+
+
+def _bands_the_window(num_queries: int, num_win: int, window_size: int) -> bool:
+    chunked_pairs = -(-num_queries // window_size) * window_size * (2 * window_size - 1)
+    return chunked_pairs <= BANDED_WINDOW_MAX_PAIR_FRACTION * num_queries * num_win
+
+
 def _masked_softmax_attention(q, k, v, mask, scale):
     """Softmax attention with fp32 (or fp64) softmax; rows with no visible key give 0, never NaN.
 
@@ -61,6 +72,54 @@ def _masked_attention_output(q, k, v, mask, scale):
     )  # (B, H, Tq, D)
     out = out.view(batch, num_kv_heads, group, num_queries, head_dim)
     return out * has_key[:, :, None].to(out.dtype)
+
+
+def _window_mask(q_index, q_doc_pos, win_index, win_doc_pos, window_size):
+    """(B, Tq, Tw) bool: the window slot holds one of the last w keys of the query's document, itself included."""
+    return (
+        _same_document(q_index, q_doc_pos, win_index, win_doc_pos)
+        & (win_index >= 0)[:, None, :]  # ring slots not written yet
+        & (q_index[:, :, None] >= win_index[:, None, :])
+        & (q_index[:, :, None] - win_index[:, None, :] < window_size)
+    )
+
+
+def _banded_window_output(q, k_win, v_win, q_index, q_doc_pos, win_index, win_doc_pos, window_size, scale):
+    """The window branch's output through `_masked_attention_output`, each chunk of w queries given only the
+    2w - 1 slots its queries can reach instead of all Tw slots under the mask: the same masked softmax (a key
+    left out is one the mask hides), with about 2w keys per query where the full form has Tw.
+
+    For queries and window slots that are suffixes of the same key positions (no ring: query_end is None), so
+    query j's own key sits at slot j + Tw - Tq. q (B, Hkv, G, Tq, D), k_win/v_win (B, Hkv, Tw, D),
+    q_index/q_doc_pos (B, Tq), win_index/win_doc_pos (B, Tw) -> (B, Hkv, G, Tq, D).
+    """
+    batch, num_kv_heads, group, num_queries, head_dim = q.shape
+    num_win = k_win.shape[2]
+    device = q.device
+    chunk, span = window_size, 2 * window_size - 1  # a chunk's queries reach back w - 1 slots before its first
+    num_chunks = -(-num_queries // chunk)
+    query = torch.arange(num_chunks * chunk, device=device).view(num_chunks, chunk)  # (nC, C), padded past Tq
+    slot = (num_win - num_queries - (window_size - 1) + query[:, :1]) + torch.arange(span, device=device)  # (nC, S)
+    query_ok, slot_ok = query < num_queries, (slot >= 0) & (slot < num_win)
+    query, slot = query.clamp(max=num_queries - 1), slot.clamp(0, num_win - 1)
+
+    def per_chunk(values, at, ok):  # (B, N) at (nC, M) -> (B * nC, M), -1 (no document) at a padded entry
+        return values[:, at].masked_fill(~ok, -1).reshape(batch * num_chunks, -1)
+
+    mask = _window_mask(  # (B * nC, C, S)
+        per_chunk(q_index, query, query_ok), per_chunk(q_doc_pos, query, query_ok),
+        per_chunk(win_index, slot, slot_ok), per_chunk(win_doc_pos, slot, slot_ok), window_size,
+    )
+    q_chunks = torch.nn.functional.pad(q, (0, 0, 0, num_chunks * chunk - num_queries))
+    q_chunks = q_chunks.view(batch, num_kv_heads, group, num_chunks, chunk, head_dim).permute(0, 3, 1, 2, 4, 5)
+    q_chunks = q_chunks.reshape(batch * num_chunks, num_kv_heads, group, chunk, head_dim)
+
+    def kv_chunks(x):  # (B, Hkv, Tw, D) -> (B * nC, Hkv, S, D)
+        return x[:, :, slot].transpose(1, 2).reshape(batch * num_chunks, num_kv_heads, span, head_dim)
+
+    out = _masked_attention_output(q_chunks, kv_chunks(k_win), kv_chunks(v_win), mask[:, None], scale)
+    out = out.view(batch, num_chunks, num_kv_heads, group, chunk, head_dim).permute(0, 2, 3, 1, 4, 5)
+    return out.reshape(batch, num_kv_heads, group, num_chunks * chunk, head_dim)[:, :, :, :num_queries]
 
 
 def _same_document(q_index, q_doc_pos, k_index, k_doc_pos):
@@ -227,13 +286,14 @@ def reference_branches(
 
     # Sliding window: the last w keys of the query's document, itself included.
     win_doc_pos = doc_pos.gather(1, win_index.clamp(min=0))
-    win_mask = (
-        _same_document(q_index, q_doc_pos, win_index, win_doc_pos)
-        & (win_index >= 0)[:, None, :]  # ring slots not written yet
-        & (q_index[:, :, None] >= win_index[:, None, :])
-        & (q_index[:, :, None] - win_index[:, None, :] < params.window_size)
-    )
-    o_win, p_win = attend(q_grouped, heads_first(k_win), heads_first(v_win), win_mask[:, None], scale)
+    if not probabilities and query_end is None and _bands_the_window(num_queries, num_win, params.window_size):
+        o_win, p_win = _banded_window_output(
+            q_grouped, heads_first(k_win), heads_first(v_win), q_index, q_doc_pos, win_index, win_doc_pos,
+            params.window_size, scale,
+        ), None
+    else:
+        win_mask = _window_mask(q_index, q_doc_pos, win_index, win_doc_pos, params.window_size)
+        o_win, p_win = attend(q_grouped, heads_first(k_win), heads_first(v_win), win_mask[:, None], scale)
     return ReferenceBranches(o_cmp, p_cmp, o_slc, p_slc, o_win, p_win, win_index, block_indices)
 
 

@@ -14,7 +14,13 @@ import torch
 
 from modeling_nsa.modeling_nsa import NSAForCausalLM
 from modeling_nsa.nsa_layout import compressed_token_ends, document_positions
-from modeling_nsa.nsa_reference import nsa_attention_reference, reference_branches
+from modeling_nsa.nsa_reference import (
+    _banded_window_output,
+    _masked_attention_output,
+    _window_mask,
+    nsa_attention_reference,
+    reference_branches,
+)
 
 from model_helpers import (
     doc_pos_tensor,
@@ -163,6 +169,57 @@ def test_training_form_equals_the_written_out_form(case):
         torch.testing.assert_close(a, b, **TOL, msg=lambda m, name=name: f"grad wrt {name}: {m}")
 
 
+# (Tq, Tw, w, G, layout): odd lengths, a chunk cut short at the end, queries a suffix of the window's slots
+# (a prefill after cached tokens), the window longer than a document, and padding at either end.
+BANDED_CASES = [(97, 97, 16, 6, "docs"), (61, 61, 5, 1, "docs-pad"), (40, 40, 8, 16, "pad"),
+                (33, 70, 9, 2, "single"), (70, 70, 70, 3, "docs"), (1, 41, 7, 4, "single")]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BANDED_CASES, ids=[f"q{c[0]}-w{c[1]}-win{c[2]}-G{c[3]}-{c[4]}" for c in BANDED_CASES])
+def test_banded_window_equals_the_masked_window(case):
+    """The training form's window branch in chunks of w queries, each given only the 2w - 1 slots it can reach,
+    against every slot under the window mask: outputs (0 at padded rows) and gradients, fp64."""
+    num_queries, num_win, window, group, layout = case
+    doc_pos = doc_pos_tensor(layout, num_win)  # the window's slots are the last Tw keys; queries the last Tq
+    batch, num_kv_heads, head_dim = doc_pos.shape[0], 2, 8
+    g = torch.Generator().manual_seed(num_queries * 1000 + num_win)
+    q = torch.randn(batch, num_kv_heads, group, num_queries, head_dim, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(batch, num_kv_heads, num_win, head_dim, generator=g, dtype=torch.float64) for _ in "kv")
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    win_index = torch.arange(num_win).expand(batch, -1)
+    q_index, q_doc_pos = win_index[:, num_win - num_queries :], doc_pos[:, num_win - num_queries :]
+    full_mask = _window_mask(q_index, q_doc_pos, win_index, doc_pos, window)
+    expected = _masked_attention_output(q, k, v, full_mask[:, None], 0.3)
+    banded = _banded_window_output(q, k, v, q_index, q_doc_pos, win_index, doc_pos, window, 0.3)
+    assert banded.shape == expected.shape
+    torch.testing.assert_close(banded, expected, **TOL)
+    padded = (q_doc_pos < 0)[:, None, None, :, None]
+    assert torch.equal(banded * padded, torch.zeros_like(banded))
+    weight = torch.randn(banded.shape, generator=g, dtype=torch.float64)
+    for name, a, b in zip("qkv", _grads(banded, weight, (q, k, v)), _grads(expected, weight, (q, k, v))):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, name=name: f"grad wrt {name}: {m}")
+
+
+@pytest.mark.parametrize("num_keys,num_queries,window,expect_banded", [(97, 97, 16, True), (97, 97, 25, False),
+                                                                       (97, 1, 16, False), (600, 1, 8, True)])  # fmt: skip
+def test_training_form_bands_the_window_where_it_halves_the_pairs(monkeypatch, num_keys, num_queries, window,
+                                                                  expect_banded):  # fmt: skip
+    """The training form takes the banded window where its chunks cover at most half the (query, slot) pairs of
+    the full mask (Tw >= 4w in training; a single query pays for a chunk of w); the written-out form never does
+    (its probabilities cover every slot)."""
+    from modeling_nsa import nsa_reference
+
+    calls = []
+    real = nsa_reference._banded_window_output
+    monkeypatch.setattr(nsa_reference, "_banded_window_output", lambda *a: calls.append(a) or real(*a))
+    p = dict(P_A, w=window)
+    args, *_ = build_inputs(num_keys, 2, 2, "mean", "kvsplit", "docs", p, num_queries, None)
+    nsa_attention_reference(*args)
+    assert len(calls) == expect_banded
+    reference_branches(*args[:8], args[9], args[10], probabilities=True)
+    assert len(calls) == expect_banded
+
+
 def test_cases_exercise_every_rule():
     """The parametrization above must reach: top-n beyond the forced blocks, a window shorter
     than the document, documents, left and right padding, t < l - 1, and all G values."""
@@ -251,7 +308,8 @@ def test_attention_layer_matches_naive(case):
 
 def test_bench_reference_cpu_times_each_form(monkeypatch, capsys):
     """bench/bench_reference_cpu.py: the written-out row really runs the written-out form (reference_branches with
-    probabilities), the fused row the training form, and the model's reference is the training form again after."""
+    probabilities), the fused rows the training form, banded and then not, and the model's reference and the
+    banding threshold are the training form's again after."""
     import importlib.util
     from pathlib import Path
 
@@ -269,10 +327,16 @@ def test_bench_reference_cpu_times_each_form(monkeypatch, capsys):
         return real(*args, probabilities=probabilities, **kwargs)
 
     monkeypatch.setattr(nsa_reference, "reference_branches", spy)
-    result = bench.main(["--preset", "tiny", "--seq-len", "64", "--batch", "1", "--steps", "1", "--warmup", "0"])
-    assert list(result["rows"]) == ["nsa, fused", "nsa, written out", "dense mode"]
+    banded = []
+    real_banded = nsa_reference._banded_window_output
+    monkeypatch.setattr(nsa_reference, "_banded_window_output", lambda *a: banded.append(len(forms)) or real_banded(*a))
+    # 128 tokens = 4 windows of the tiny preset's 32: the fused form bands its window there
+    result = bench.main(["--preset", "tiny", "--seq-len", "128", "--batch", "1", "--steps", "1", "--warmup", "0"])
+    assert list(result["rows"]) == ["nsa, fused", "nsa, fused, window unbanded", "nsa, written out", "dense mode"]
     assert all(row["s_per_step"] > 0 for row in result["rows"].values())
     layers = 2  # the tiny preset's; one forward a variant, each layer one call
-    assert forms == [False] * layers + [True] * layers
+    assert forms == [False] * (2 * layers) + [True] * layers
+    assert banded == list(range(1, layers + 1))  # only in the first row's forward, once per layer
     assert nsa_backend.nsa_attention_reference is nsa_reference.nsa_attention_reference
+    assert nsa_reference.BANDED_WINDOW_MAX_PAIR_FRACTION == 0.5
     assert "| nsa, written out |" in capsys.readouterr().out
