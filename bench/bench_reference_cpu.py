@@ -3,10 +3,11 @@
 The CPU path is `nsa_reference.nsa_attention_reference`. Since 2026-11-29 it hands each branch's boolean mask to
 F.scaled_dot_product_attention (the fused form); before, it wrote the softmax out as `reference_branches` still does
 for the probabilities a diagnosis reads (the written-out form). Since 2026-11-30 the fused form gives the window
-branch in chunks of w queries with the 2w - 1 slots each can reach (`_banded_window_output`). This times one
-training step (forward, backward, AdamW) of the same model and batch with each form, the fused form with every
-window slot under the mask, and the model's dense twin (`attention_mode="dense"`, SDPA), in one process, on the
-threads given:
+branch in chunks of w queries with the 2w - 1 slots each can reach (`_banded_window_output`) and the selected
+branch in 8 chunks of queries with the keys up to each chunk's last query (`_causal_chunks_output`). This times
+one training step (forward, backward, AdamW) of the same model and batch with each form, the fused form with one
+SDPA call per branch over all its keys (as before 2026-11-30), and the model's dense twin
+(`attention_mode="dense"`, SDPA), in one process, on the threads given:
 
     python bench/bench_reference_cpu.py                                    # smoke model, 8 x 1,024 tokens, 1 thread
     python bench/bench_reference_cpu.py --preset tiny --seq-len 512 --threads 2
@@ -76,20 +77,21 @@ def main(argv=None) -> dict:
     ids = torch.randint(0, VOCAB_SIZE, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0))
     fused = nsa_reference.nsa_attention_reference
     rows = {}
-    banded_fraction = nsa_reference.BANDED_WINDOW_MAX_PAIR_FRACTION
-    variants = (  # name, attention mode, the reference function, the fused form's banded-window threshold
-        ("nsa, fused", "nsa", fused, banded_fraction),
-        ("nsa, fused, window unbanded", "nsa", fused, 0.0),  # every window slot under the mask (before 2026-11-30)
-        ("nsa, written out", "nsa", written_out_reference, banded_fraction),
-        ("dense mode", "dense", fused, banded_fraction),
+    banded_fraction, query_chunks = nsa_reference.BANDED_WINDOW_MAX_PAIR_FRACTION, nsa_reference.SELECTED_QUERY_CHUNKS
+    variants = (  # name, attention mode, the reference function, the fused form's (window threshold, chunks)
+        ("nsa, fused", "nsa", fused, (banded_fraction, query_chunks)),
+        # one SDPA call per branch over all its keys (before 2026-11-30)
+        ("nsa, fused, one call per branch", "nsa", fused, (0.0, 1)),
+        ("nsa, written out", "nsa", written_out_reference, (banded_fraction, query_chunks)),
+        ("dense mode", "dense", fused, (banded_fraction, query_chunks)),
     )
-    for name, mode, reference, band_below in variants:
+    for name, mode, reference, (band_below, chunks) in variants:
         config = NSAConfig(vocab_size=VOCAB_SIZE, max_position_embeddings=args.seq_len, attention_mode=mode,
                            nsa_backend="reference", **fields)  # fmt: skip
         torch.manual_seed(0)
         model = NSAForCausalLM(config).train()
         nsa_reference.nsa_attention_reference = reference
-        nsa_reference.BANDED_WINDOW_MAX_PAIR_FRACTION = band_below
+        nsa_reference.BANDED_WINDOW_MAX_PAIR_FRACTION, nsa_reference.SELECTED_QUERY_CHUNKS = band_below, chunks
         try:  # the backend module bound the function at import: patch the name it calls
             from modeling_nsa import nsa_backend
 
@@ -99,6 +101,7 @@ def main(argv=None) -> dict:
             nsa_reference.nsa_attention_reference = fused
             nsa_backend.nsa_attention_reference = fused
             nsa_reference.BANDED_WINDOW_MAX_PAIR_FRACTION = banded_fraction
+            nsa_reference.SELECTED_QUERY_CHUNKS = query_chunks
         rows[name] = {"s_per_step": seconds, "tok_s": args.batch * args.seq_len / seconds}
 
     base = rows["nsa, fused"]["s_per_step"]

@@ -34,6 +34,12 @@ from .nsa_layout import NSAParams
 BANDED_WINDOW_MAX_PAIR_FRACTION = 0.5
 
 
+# The training form gives the selected branch in this many chunks of queries, each with the keys up to its last
+# query (`_causal_chunks_output`): (c + 1) / 2c of the (query, key) pairs of one call, 0.56 at 8; more chunks
+# save less and launch more.
+SELECTED_QUERY_CHUNKS = 8
+
+
 def _bands_the_window(num_queries: int, num_win: int, window_size: int) -> bool:
     chunked_pairs = -(-num_queries // window_size) * window_size * (2 * window_size - 1)
     return chunked_pairs <= BANDED_WINDOW_MAX_PAIR_FRACTION * num_queries * num_win
@@ -120,6 +126,25 @@ def _banded_window_output(q, k_win, v_win, q_index, q_doc_pos, win_index, win_do
     out = _masked_attention_output(q_chunks, kv_chunks(k_win), kv_chunks(v_win), mask[:, None], scale)
     out = out.view(batch, num_chunks, num_kv_heads, group, chunk, head_dim).permute(0, 2, 3, 1, 4, 5)
     return out.reshape(batch, num_kv_heads, group, num_chunks * chunk, head_dim)[:, :, :, :num_queries]
+
+
+def _causal_chunks_output(q, k, v, mask, scale):
+    """`_masked_attention_output` for queries at the last Tq of Tk key positions under a causal mask, in
+    SELECTED_QUERY_CHUNKS chunks of queries, each given only the keys up to its last query: the same masked
+    softmax (a key left out is one causality hides) over about half the (query, key) pairs of one call.
+
+    q (B, Hkv, G, Tq, D), k/v (B, Hkv, Tk, D), mask (B, Hkv or 1, Tq, Tk) bool, False at every key after its
+    query -> (B, Hkv, G, Tq, D).
+    """
+    num_queries, num_keys = q.shape[3], k.shape[2]
+    bounds = [num_queries * c // SELECTED_QUERY_CHUNKS for c in range(SELECTED_QUERY_CHUNKS + 1)]
+    outputs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end > start:
+            keys = num_keys - num_queries + end  # one past the key of the chunk's last query
+            outputs.append(_masked_attention_output(q[:, :, :, start:end], k[:, :, :keys], v[:, :, :keys],
+                                                    mask[:, :, start:end, :keys], scale))  # fmt: skip
+    return torch.cat(outputs, dim=3)
 
 
 def _same_document(q_index, q_doc_pos, k_index, k_doc_pos):
@@ -282,7 +307,10 @@ def reference_branches(
     chosen.scatter_(-1, torch.where(block_indices >= 0, block_indices, num_sel_blocks), True)
     key_block = (doc_pos.clamp(min=0) // params.sel_block_size)[:, None, None, :].expand(-1, num_kv_heads, num_queries, -1)
     slc_mask = chosen.gather(-1, key_block) & same_doc_causal[:, None]  # (B, Hkv, Tq, Tk)
-    o_slc, p_slc = attend(q_grouped, heads_first(k_slc), heads_first(v_slc), slc_mask, scale)
+    if probabilities:
+        o_slc, p_slc = attend(q_grouped, heads_first(k_slc), heads_first(v_slc), slc_mask, scale)
+    else:
+        o_slc, p_slc = _causal_chunks_output(q_grouped, heads_first(k_slc), heads_first(v_slc), slc_mask, scale), None
 
     # Sliding window: the last w keys of the query's document, itself included.
     win_doc_pos = doc_pos.gather(1, win_index.clamp(min=0))

@@ -16,7 +16,9 @@ from modeling_nsa.modeling_nsa import NSAForCausalLM
 from modeling_nsa.nsa_layout import compressed_token_ends, document_positions
 from modeling_nsa.nsa_reference import (
     _banded_window_output,
+    _causal_chunks_output,
     _masked_attention_output,
+    _same_document,
     _window_mask,
     nsa_attention_reference,
     reference_branches,
@@ -200,6 +202,63 @@ def test_banded_window_equals_the_masked_window(case):
         torch.testing.assert_close(a, b, **TOL, msg=lambda m, name=name: f"grad wrt {name}: {m}")
 
 
+# (Tq, Tk, G, layout): chunks of unequal length, fewer queries than chunks (some empty), queries a suffix of the
+# keys (a prefill after cached tokens), documents and padding.
+CHUNKED_CASES = [(97, 97, 6, "docs"), (61, 61, 1, "docs-pad"), (40, 40, 16, "pad"), (5, 70, 2, "single"),
+                 (33, 70, 3, "docs"), (1, 41, 4, "single")]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CHUNKED_CASES, ids=[f"q{c[0]}-k{c[1]}-G{c[2]}-{c[3]}" for c in CHUNKED_CASES])
+def test_causal_chunks_equal_one_masked_call(case):
+    """The training form's selected branch in chunks of queries, each given the keys up to its last query, against
+    one call over every key under the same mask (a random selection of keys, causal, in-document): outputs (0 at
+    padded rows) and gradients, fp64."""
+    num_queries, num_keys, group, layout = case
+    doc_pos = doc_pos_tensor(layout, num_keys)
+    batch, num_kv_heads, head_dim = doc_pos.shape[0], 2, 8
+    g = torch.Generator().manual_seed(num_queries * 1000 + num_keys)
+    q = torch.randn(batch, num_kv_heads, group, num_queries, head_dim, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(batch, num_kv_heads, num_keys, head_dim, generator=g, dtype=torch.float64) for _ in "kv")
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    key_index = torch.arange(num_keys).expand(batch, -1)
+    q_index, q_doc_pos = key_index[:, num_keys - num_queries :], doc_pos[:, num_keys - num_queries :]
+    causal = q_index[:, :, None] >= key_index[:, None, :]
+    chosen = torch.rand(batch, num_kv_heads, num_queries, num_keys, generator=g) < 0.4  # per KV group, as selection
+    mask = chosen & (_same_document(q_index, q_doc_pos, key_index, doc_pos) & causal)[:, None]
+    expected = _masked_attention_output(q, k, v, mask, 0.3)
+    chunked = _causal_chunks_output(q, k, v, mask, 0.3)
+    torch.testing.assert_close(chunked, expected, **TOL)
+    padded = (q_doc_pos < 0)[:, None, None, :, None]
+    assert torch.equal(chunked * padded, torch.zeros_like(chunked))
+    weight = torch.randn(chunked.shape, generator=g, dtype=torch.float64)
+    for name, a, b in zip("qkv", _grads(chunked, weight, (q, k, v)), _grads(expected, weight, (q, k, v))):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, name=name: f"grad wrt {name}: {m}")
+
+
+def test_training_form_chunks_the_selected_branch(monkeypatch):
+    """The training form gives the selected branch in query chunks with their causal key prefixes, each chunk's
+    keys ending at its last query; the written-out form covers every key (its probabilities do)."""
+    from modeling_nsa import nsa_reference
+
+    calls = []
+    real = nsa_reference._masked_attention_output
+    def spy(q, k, *rest):  # records (queries, keys) of each call
+        calls.append((q.shape[3], k.shape[2]))
+        return real(q, k, *rest)
+
+    monkeypatch.setattr(nsa_reference, "_masked_attention_output", spy)
+    args, *_ = build_inputs(97, 2, 2, "mean", "kvsplit", "docs", dict(P_A, w=25), None, None)  # window not banded
+    nsa_attention_reference(*args)
+    chunks = nsa_reference.SELECTED_QUERY_CHUNKS
+    ends = [97 * (c + 1) // chunks for c in range(chunks)]
+    sizes = [end - start for start, end in zip([0] + ends[:-1], ends)]
+    compressed, window = calls[0], calls[-1]
+    assert calls[1:-1] == list(zip(sizes, ends)) and window == (97, 97) and compressed[0] == 97
+    calls.clear()
+    reference_branches(*args[:8], args[9], args[10], probabilities=True)
+    assert calls == []
+
+
 @pytest.mark.parametrize("num_keys,num_queries,window,expect_banded", [(97, 97, 16, True), (97, 97, 25, False),
                                                                        (97, 1, 16, False), (600, 1, 8, True)])  # fmt: skip
 def test_training_form_bands_the_window_where_it_halves_the_pairs(monkeypatch, num_keys, num_queries, window,
@@ -308,8 +367,8 @@ def test_attention_layer_matches_naive(case):
 
 def test_bench_reference_cpu_times_each_form(monkeypatch, capsys):
     """bench/bench_reference_cpu.py: the written-out row really runs the written-out form (reference_branches with
-    probabilities), the fused rows the training form, banded and then not, and the model's reference and the
-    banding threshold are the training form's again after."""
+    probabilities), the fused rows the training form, in chunks and then in one call per branch, and the model's
+    reference and the chunking are the training form's again after."""
     import importlib.util
     from pathlib import Path
 
@@ -330,13 +389,18 @@ def test_bench_reference_cpu_times_each_form(monkeypatch, capsys):
     banded = []
     real_banded = nsa_reference._banded_window_output
     monkeypatch.setattr(nsa_reference, "_banded_window_output", lambda *a: banded.append(len(forms)) or real_banded(*a))
+    chunked = []  # (forward calls so far, the chunk count in force) at each selected branch of the training form
+    real_chunked = nsa_reference._causal_chunks_output
+    monkeypatch.setattr(nsa_reference, "_causal_chunks_output",
+                        lambda *a: chunked.append((len(forms), nsa_reference.SELECTED_QUERY_CHUNKS)) or real_chunked(*a))
     # 128 tokens = 4 windows of the tiny preset's 32: the fused form bands its window there
     result = bench.main(["--preset", "tiny", "--seq-len", "128", "--batch", "1", "--steps", "1", "--warmup", "0"])
-    assert list(result["rows"]) == ["nsa, fused", "nsa, fused, window unbanded", "nsa, written out", "dense mode"]
+    assert list(result["rows"]) == ["nsa, fused", "nsa, fused, one call per branch", "nsa, written out", "dense mode"]
     assert all(row["s_per_step"] > 0 for row in result["rows"].values())
     layers = 2  # the tiny preset's; one forward a variant, each layer one call
     assert forms == [False] * (2 * layers) + [True] * layers
     assert banded == list(range(1, layers + 1))  # only in the first row's forward, once per layer
+    assert chunked == [(1, 8), (2, 8), (3, 1), (4, 1)]  # 8 chunks in the first row, one in the second
     assert nsa_backend.nsa_attention_reference is nsa_reference.nsa_attention_reference
-    assert nsa_reference.BANDED_WINDOW_MAX_PAIR_FRACTION == 0.5
+    assert (nsa_reference.BANDED_WINDOW_MAX_PAIR_FRACTION, nsa_reference.SELECTED_QUERY_CHUNKS) == (0.5, 8)
     assert "| nsa, written out |" in capsys.readouterr().out
