@@ -80,18 +80,18 @@ def main(argv=None) -> dict:
     banded_fraction, query_chunks = nsa_reference.BANDED_WINDOW_MAX_PAIR_FRACTION, nsa_reference.SELECTED_QUERY_CHUNKS
     variants = (  # name, attention mode, the reference function, the fused form's (window threshold, chunks)
         ("nsa, fused", "nsa", fused, (banded_fraction, query_chunks)),
-        # one SDPA call per branch over all its keys (before 2026-11-30)
+        # one SDPA call per branch over all its keys (before 2026-11-30): a pair fraction of 0 never bands
         ("nsa, fused, one call per branch", "nsa", fused, (0.0, 1)),
         ("nsa, written out", "nsa", written_out_reference, (banded_fraction, query_chunks)),
         ("dense mode", "dense", fused, (banded_fraction, query_chunks)),
     )
-    for name, mode, reference, (band_below, chunks) in variants:
+    for name, mode, reference, (max_pair_fraction, chunks) in variants:
         config = NSAConfig(vocab_size=VOCAB_SIZE, max_position_embeddings=args.seq_len, attention_mode=mode,
                            nsa_backend="reference", **fields)  # fmt: skip
         torch.manual_seed(0)
         model = NSAForCausalLM(config).train()
         nsa_reference.nsa_attention_reference = reference
-        nsa_reference.BANDED_WINDOW_MAX_PAIR_FRACTION, nsa_reference.SELECTED_QUERY_CHUNKS = band_below, chunks
+        nsa_reference.BANDED_WINDOW_MAX_PAIR_FRACTION, nsa_reference.SELECTED_QUERY_CHUNKS = max_pair_fraction, chunks
         try:  # the backend module bound the function at import: patch the name it calls
             from modeling_nsa import nsa_backend
 

@@ -1,17 +1,20 @@
 """Pure-PyTorch NSA, vectorized over every query at once: the CPU path and the kernels' oracle.
 
 It computes exactly NSA_SPEC (paper §3): three branches on the same queries, each a softmax
-attention under its own mask, gated per head. No loop over tokens, queries or blocks: each
-branch builds a boolean (query x key) mask from the document layout and runs one masked
-softmax. Memory is O(Tq x Tk) per head, which is what an oracle may spend; the Triton path
-(nsa_triton.py) computes the same function in O(Tq x keys-touched).
+attention under its own mask, gated per head. No loop whose length grows with the tokens,
+queries or blocks: each branch builds a boolean (query x key) mask from the document layout and
+runs a masked softmax over it. Memory is O(Tq x Tk) per head, which is what an oracle may spend;
+the Triton path (nsa_triton.py) computes the same function in O(Tq x keys-touched).
 
 Two forms of the masked softmax, one function: `reference_branches` writes the softmax out and
 returns every branch's probabilities (what a diagnosis reads); `nsa_attention_reference`, the
 CPU training path, needs only the outputs and hands each mask to F.scaled_dot_product_attention,
 whose fused softmax keeps no (Tq x Tk) float tensor for the backward: on CPU about 3x faster per
 branch, and the float memory of a training step falls from O(H x T^2) to the boolean masks.
-The compressed branch's probabilities, which the selection scores (Eqs. 8-10), are computed the
+The training form also leaves out keys a mask hides wholesale: the selected branch goes in a fixed
+SELECTED_QUERY_CHUNKS chunks of queries, each over the keys up to its last query (causality hides
+the rest), and where it at least halves the pairs the window branch goes as one batched call over
+chunks of w queries by the 2w - 1 slots they can reach. The compressed branch's probabilities, which the selection scores (Eqs. 8-10), are computed the
 written-out way in both forms, so both select the same blocks.
 
 Queries are the last Tq of the Tk key positions, so the same function serves training
@@ -29,8 +32,8 @@ from .nsa_layout import NSAParams
 
 
 # The training form gives the window branch in chunks (`_banded_window_output`: w queries by 2w - 1 slots each)
-# where they cover at most this fraction of the (query, slot) pairs the full mask does (at Tq = Tw: from Tw >= 4w
-# on); nearer, the chunks' gathers cost more than the pairs they leave out save.
+# where they cover at most this fraction of the (query, slot) pairs the full mask does (`_banding_pays`; at
+# Tq = Tw = T from about 4w on); nearer, the chunks' gathers cost more than the pairs they leave out save.
 BANDED_WINDOW_MAX_PAIR_FRACTION = 0.5
 
 
@@ -40,7 +43,13 @@ BANDED_WINDOW_MAX_PAIR_FRACTION = 0.5
 SELECTED_QUERY_CHUNKS = 8
 
 
-def _bands_the_window(num_queries: int, num_win: int, window_size: int) -> bool:
+def _banding_pays(num_queries: int, num_win: int, window_size: int) -> bool:
+    """Whether the banded window's (query, slot) pairs, the last chunk's padded queries included, are at most
+    BANDED_WINDOW_MAX_PAIR_FRACTION of the Tq x Tw the full mask covers. At Tq = Tw = T: from T = 4w - 1 where T
+    is a multiple of w, always from about 4.5w (the padding counts just past each multiple); never for a lone
+    decoding query (its chunk is w queries)."""
+    if num_queries == 0:
+        return False
     chunked_pairs = -(-num_queries // window_size) * window_size * (2 * window_size - 1)
     return chunked_pairs <= BANDED_WINDOW_MAX_PAIR_FRACTION * num_queries * num_win
 
@@ -129,22 +138,23 @@ def _banded_window_output(q, k_win, v_win, q_index, q_doc_pos, win_index, win_do
 
 
 def _causal_chunks_output(q, k, v, mask, scale):
-    """`_masked_attention_output` for queries at the last Tq of Tk key positions under a causal mask, in
-    SELECTED_QUERY_CHUNKS chunks of queries, each given only the keys up to its last query: the same masked
-    softmax (a key left out is one causality hides) over about half the (query, key) pairs of one call.
+    """`_masked_attention_output` under a causal mask in SELECTED_QUERY_CHUNKS chunks of queries, each given only
+    the keys up to its last query: the same masked softmax (a key left out is one causality hides) over about
+    half the (query, key) pairs of one call.
 
-    q (B, Hkv, G, Tq, D), k/v (B, Hkv, Tk, D), mask (B, Hkv or 1, Tq, Tk) bool, False at every key after its
-    query -> (B, Hkv, G, Tq, D).
+    Query j's key index is at most Tk - Tq + j (the last Tq of Tk positions; a static cache's queries end earlier,
+    and the keys past them that a chunk keeps are masked). q (B, Hkv, G, Tq, D), k/v (B, Hkv, Tk, D), mask
+    (B, Hkv or 1, Tq, Tk) bool, False at every key after its query -> (B, Hkv, G, Tq, D).
     """
     num_queries, num_keys = q.shape[3], k.shape[2]
     bounds = [num_queries * c // SELECTED_QUERY_CHUNKS for c in range(SELECTED_QUERY_CHUNKS + 1)]
     outputs = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end > start:
-            keys = num_keys - num_queries + end  # one past the key of the chunk's last query
+            keys = num_keys - num_queries + end  # one past the latest key the chunk's last query can see
             outputs.append(_masked_attention_output(q[:, :, :, start:end], k[:, :, :keys], v[:, :, :keys],
                                                     mask[:, :, start:end, :keys], scale))  # fmt: skip
-    return torch.cat(outputs, dim=3)
+    return torch.cat(outputs, dim=3) if outputs else _masked_attention_output(q, k, v, mask, scale)
 
 
 def _same_document(q_index, q_doc_pos, k_index, k_doc_pos):
@@ -249,7 +259,9 @@ def reference_branches(
     block_indices (B, Hkv, Tq, n'): the selected blocks to attend instead of this function's top-n (the kernels'
     selection, which near a tie in low precision may pick another block); default: the reference's own.
     probabilities=False: p_slc and p_win are None and the branches' outputs come from SDPA's fused softmax (the
-    training path's form; the module docstring says why); p_cmp is still returned, without a gradient."""
+    training path's form; the module docstring says why), the selected branch in query chunks over their causal
+    key prefixes and the window, where that pays, in chunks of w queries; p_cmp is still returned, without a
+    gradient."""
     batch, num_queries, num_heads, head_dim = q.shape
     num_keys, num_kv_heads = k_slc.shape[1], k_slc.shape[2]
     num_win = k_win.shape[1]
@@ -314,7 +326,7 @@ def reference_branches(
 
     # Sliding window: the last w keys of the query's document, itself included.
     win_doc_pos = doc_pos.gather(1, win_index.clamp(min=0))
-    if not probabilities and query_end is None and _bands_the_window(num_queries, num_win, params.window_size):
+    if not probabilities and query_end is None and _banding_pays(num_queries, num_win, params.window_size):
         o_win, p_win = _banded_window_output(
             q_grouped, heads_first(k_win), heads_first(v_win), q_index, q_doc_pos, win_index, win_doc_pos,
             params.window_size, scale,

@@ -174,7 +174,8 @@ def test_training_form_equals_the_written_out_form(case):
 # (Tq, Tw, w, G, layout): odd lengths, a chunk cut short at the end, queries a suffix of the window's slots
 # (a prefill after cached tokens), the window longer than a document, and padding at either end.
 BANDED_CASES = [(97, 97, 16, 6, "docs"), (61, 61, 5, 1, "docs-pad"), (40, 40, 8, 16, "pad"),
-                (33, 70, 9, 2, "single"), (70, 70, 70, 3, "docs"), (1, 41, 7, 4, "single")]  # fmt: skip
+                (33, 70, 9, 2, "single"), (70, 70, 70, 3, "docs"), (1, 41, 7, 4, "single"),
+                (50, 20, 7, 2, "docs")]  # fewer slots than queries: the first queries' keys are not in the window  # fmt: skip
 
 
 @pytest.mark.parametrize("case", BANDED_CASES, ids=[f"q{c[0]}-w{c[1]}-win{c[2]}-G{c[3]}-{c[4]}" for c in BANDED_CASES])
@@ -182,17 +183,19 @@ def test_banded_window_equals_the_masked_window(case):
     """The training form's window branch in chunks of w queries, each given only the 2w - 1 slots it can reach,
     against every slot under the window mask: outputs (0 at padded rows) and gradients, fp64."""
     num_queries, num_win, window, group, layout = case
-    doc_pos = doc_pos_tensor(layout, num_win)  # the window's slots are the last Tw keys; queries the last Tq
+    num_keys = max(num_queries, num_win)  # the window's slots are the last Tw keys, the queries the last Tq
+    doc_pos = doc_pos_tensor(layout, num_keys)
     batch, num_kv_heads, head_dim = doc_pos.shape[0], 2, 8
     g = torch.Generator().manual_seed(num_queries * 1000 + num_win)
     q = torch.randn(batch, num_kv_heads, group, num_queries, head_dim, generator=g, dtype=torch.float64)
     k, v = (torch.randn(batch, num_kv_heads, num_win, head_dim, generator=g, dtype=torch.float64) for _ in "kv")
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    win_index = torch.arange(num_win).expand(batch, -1)
-    q_index, q_doc_pos = win_index[:, num_win - num_queries :], doc_pos[:, num_win - num_queries :]
-    full_mask = _window_mask(q_index, q_doc_pos, win_index, doc_pos, window)
+    key_index = torch.arange(num_keys).expand(batch, -1)
+    win_index, win_doc_pos = key_index[:, num_keys - num_win :], doc_pos[:, num_keys - num_win :]
+    q_index, q_doc_pos = key_index[:, num_keys - num_queries :], doc_pos[:, num_keys - num_queries :]
+    full_mask = _window_mask(q_index, q_doc_pos, win_index, win_doc_pos, window)
     expected = _masked_attention_output(q, k, v, full_mask[:, None], 0.3)
-    banded = _banded_window_output(q, k, v, q_index, q_doc_pos, win_index, doc_pos, window, 0.3)
+    banded = _banded_window_output(q, k, v, q_index, q_doc_pos, win_index, win_doc_pos, window, 0.3)
     assert banded.shape == expected.shape
     torch.testing.assert_close(banded, expected, **TOL)
     padded = (q_doc_pos < 0)[:, None, None, :, None]
@@ -277,6 +280,24 @@ def test_training_form_bands_the_window_where_it_halves_the_pairs(monkeypatch, n
     assert len(calls) == expect_banded
     reference_branches(*args[:8], args[9], args[10], probabilities=True)
     assert len(calls) == expect_banded
+
+
+@pytest.mark.parametrize("num_queries", [1, 3])
+def test_a_static_cache_step_never_bands_its_ring(num_queries):
+    """A static cache's window is a ring (key p at slot p % Tw, queries ending at query_end), not the last Tw key
+    positions, so the training form must not band it even where banding would pay (a shared-K/V static cache
+    passes its whole key buffer as the window: Tw = 64 >= 2w(2w - 1) at w = 4): both forms agree."""
+    query_end, num_keys = 30, 64
+    args, *_ = build_inputs(num_keys, 2, 2, "mean", "kvshared", "single", dict(P_A, w=4), num_queries, None)
+    q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params = args
+    doc_pos = doc_pos.masked_fill(torch.arange(num_keys) > query_end, -1)  # keys past query_end: not written yet
+    cmp_end = cmp_end.masked_fill(cmp_end > query_end, -1)
+    inputs = (q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, doc_pos, params)
+    end = torch.tensor([query_end])
+    training = reference_branches(*inputs, query_end=end, probabilities=False)
+    written = reference_branches(*inputs, query_end=end, probabilities=True)
+    for name in ("o_cmp", "o_slc", "o_win"):
+        torch.testing.assert_close(getattr(training, name), getattr(written, name), **TOL, msg=name)
 
 
 def test_cases_exercise_every_rule():
@@ -389,6 +410,7 @@ def test_bench_reference_cpu_times_each_form(monkeypatch, capsys):
     banded = []
     real_banded = nsa_reference._banded_window_output
     monkeypatch.setattr(nsa_reference, "_banded_window_output", lambda *a: banded.append(len(forms)) or real_banded(*a))
+    settings = (nsa_reference.BANDED_WINDOW_MAX_PAIR_FRACTION, nsa_reference.SELECTED_QUERY_CHUNKS)
     chunked = []  # (forward calls so far, the chunk count in force) at each selected branch of the training form
     real_chunked = nsa_reference._causal_chunks_output
     monkeypatch.setattr(nsa_reference, "_causal_chunks_output",
@@ -400,7 +422,8 @@ def test_bench_reference_cpu_times_each_form(monkeypatch, capsys):
     layers = 2  # the tiny preset's; one forward a variant, each layer one call
     assert forms == [False] * (2 * layers) + [True] * layers
     assert banded == list(range(1, layers + 1))  # only in the first row's forward, once per layer
-    assert chunked == [(1, 8), (2, 8), (3, 1), (4, 1)]  # 8 chunks in the first row, one in the second
+    chunks = settings[1]
+    assert chunked == [(1, chunks), (2, chunks), (3, 1), (4, 1)]  # the form's chunks in the first row, one in the second
     assert nsa_backend.nsa_attention_reference is nsa_reference.nsa_attention_reference
-    assert (nsa_reference.BANDED_WINDOW_MAX_PAIR_FRACTION, nsa_reference.SELECTED_QUERY_CHUNKS) == (0.5, 8)
+    assert (nsa_reference.BANDED_WINDOW_MAX_PAIR_FRACTION, nsa_reference.SELECTED_QUERY_CHUNKS) == settings
     assert "| nsa, written out |" in capsys.readouterr().out
