@@ -14,8 +14,9 @@ branch, and the float memory of a training step falls from O(H x T^2) to the boo
 The training form also leaves out keys a mask hides wholesale: the selected branch goes in a fixed
 SELECTED_QUERY_CHUNKS chunks of queries, each over the keys up to its last query (causality hides
 the rest), and where it at least halves the pairs the window branch goes as one batched call over
-chunks of w queries by the 2w - 1 slots they can reach. The compressed branch's probabilities, which the selection scores (Eqs. 8-10), are computed the
-written-out way in both forms, so both select the same blocks.
+chunks of w queries by the 2w - 1 slots they can reach. The compressed branch's probabilities,
+which the selection scores (Eqs. 8-10), are computed the written-out way in both forms, so both
+select the same blocks.
 
 Queries are the last Tq of the Tk key positions, so the same function serves training
 (Tq = Tk), prefill and cached decoding (Tq = 1).

@@ -178,6 +178,24 @@ BANDED_CASES = [(97, 97, 16, 6, "docs"), (61, 61, 5, 1, "docs-pad"), (40, 40, 8,
                 (50, 20, 7, 2, "docs")]  # fewer slots than queries: the first queries' keys are not in the window  # fmt: skip
 
 
+def _grouped_qkv(batch, group, num_queries, num_keys, seed, num_kv_heads=2, head_dim=8):
+    """fp64 leaves q (B, Hkv, G, Tq, D), k/v (B, Hkv, Tk, D) for the branch helpers, and their generator."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, num_kv_heads, group, num_queries, head_dim, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(batch, num_kv_heads, num_keys, head_dim, generator=g, dtype=torch.float64) for _ in "kv")
+    return tuple(x.requires_grad_() for x in (q, k, v)), g
+
+
+def _assert_same_branch_output(got, expected, q_doc_pos, leaves, g):
+    """got == expected in outputs and in gradients wrt `leaves` (fp64), and exactly 0 at padded queries."""
+    torch.testing.assert_close(got, expected, **TOL)
+    padded = (q_doc_pos < 0)[:, None, None, :, None]
+    assert torch.equal(got * padded, torch.zeros_like(got))
+    weight = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    for name, a, b in zip("qkv", _grads(got, weight, leaves), _grads(expected, weight, leaves)):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, name=name: f"grad wrt {name}: {m}")
+
+
 @pytest.mark.parametrize("case", BANDED_CASES, ids=[f"q{c[0]}-w{c[1]}-win{c[2]}-G{c[3]}-{c[4]}" for c in BANDED_CASES])
 def test_banded_window_equals_the_masked_window(case):
     """The training form's window branch in chunks of w queries, each given only the 2w - 1 slots it can reach,
@@ -185,11 +203,8 @@ def test_banded_window_equals_the_masked_window(case):
     num_queries, num_win, window, group, layout = case
     num_keys = max(num_queries, num_win)  # the window's slots are the last Tw keys, the queries the last Tq
     doc_pos = doc_pos_tensor(layout, num_keys)
-    batch, num_kv_heads, head_dim = doc_pos.shape[0], 2, 8
-    g = torch.Generator().manual_seed(num_queries * 1000 + num_win)
-    q = torch.randn(batch, num_kv_heads, group, num_queries, head_dim, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(batch, num_kv_heads, num_win, head_dim, generator=g, dtype=torch.float64) for _ in "kv")
-    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    batch = doc_pos.shape[0]
+    (q, k, v), g = _grouped_qkv(batch, group, num_queries, num_win, seed=num_queries * 1000 + num_win)
     key_index = torch.arange(num_keys).expand(batch, -1)
     win_index, win_doc_pos = key_index[:, num_keys - num_win :], doc_pos[:, num_keys - num_win :]
     q_index, q_doc_pos = key_index[:, num_keys - num_queries :], doc_pos[:, num_keys - num_queries :]
@@ -197,12 +212,7 @@ def test_banded_window_equals_the_masked_window(case):
     expected = _masked_attention_output(q, k, v, full_mask[:, None], 0.3)
     banded = _banded_window_output(q, k, v, q_index, q_doc_pos, win_index, win_doc_pos, window, 0.3)
     assert banded.shape == expected.shape
-    torch.testing.assert_close(banded, expected, **TOL)
-    padded = (q_doc_pos < 0)[:, None, None, :, None]
-    assert torch.equal(banded * padded, torch.zeros_like(banded))
-    weight = torch.randn(banded.shape, generator=g, dtype=torch.float64)
-    for name, a, b in zip("qkv", _grads(banded, weight, (q, k, v)), _grads(expected, weight, (q, k, v))):
-        torch.testing.assert_close(a, b, **TOL, msg=lambda m, name=name: f"grad wrt {name}: {m}")
+    _assert_same_branch_output(banded, expected, q_doc_pos, (q, k, v), g)
 
 
 # (Tq, Tk, G, layout): chunks of unequal length, fewer queries than chunks (some empty), queries a suffix of the
@@ -218,24 +228,16 @@ def test_causal_chunks_equal_one_masked_call(case):
     padded rows) and gradients, fp64."""
     num_queries, num_keys, group, layout = case
     doc_pos = doc_pos_tensor(layout, num_keys)
-    batch, num_kv_heads, head_dim = doc_pos.shape[0], 2, 8
-    g = torch.Generator().manual_seed(num_queries * 1000 + num_keys)
-    q = torch.randn(batch, num_kv_heads, group, num_queries, head_dim, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(batch, num_kv_heads, num_keys, head_dim, generator=g, dtype=torch.float64) for _ in "kv")
-    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    batch = doc_pos.shape[0]
+    (q, k, v), g = _grouped_qkv(batch, group, num_queries, num_keys, seed=num_queries * 1000 + num_keys)
     key_index = torch.arange(num_keys).expand(batch, -1)
     q_index, q_doc_pos = key_index[:, num_keys - num_queries :], doc_pos[:, num_keys - num_queries :]
     causal = q_index[:, :, None] >= key_index[:, None, :]
-    chosen = torch.rand(batch, num_kv_heads, num_queries, num_keys, generator=g) < 0.4  # per KV group, as selection
+    chosen = torch.rand(batch, k.shape[1], num_queries, num_keys, generator=g) < 0.4  # per KV group, as selection
     mask = chosen & (_same_document(q_index, q_doc_pos, key_index, doc_pos) & causal)[:, None]
     expected = _masked_attention_output(q, k, v, mask, 0.3)
     chunked = _causal_chunks_output(q, k, v, mask, 0.3)
-    torch.testing.assert_close(chunked, expected, **TOL)
-    padded = (q_doc_pos < 0)[:, None, None, :, None]
-    assert torch.equal(chunked * padded, torch.zeros_like(chunked))
-    weight = torch.randn(chunked.shape, generator=g, dtype=torch.float64)
-    for name, a, b in zip("qkv", _grads(chunked, weight, (q, k, v)), _grads(expected, weight, (q, k, v))):
-        torch.testing.assert_close(a, b, **TOL, msg=lambda m, name=name: f"grad wrt {name}: {m}")
+    _assert_same_branch_output(chunked, expected, q_doc_pos, (q, k, v), g)
 
 
 def test_training_form_chunks_the_selected_branch(monkeypatch):
@@ -245,6 +247,7 @@ def test_training_form_chunks_the_selected_branch(monkeypatch):
 
     calls = []
     real = nsa_reference._masked_attention_output
+
     def spy(q, k, *rest):  # records (queries, keys) of each call
         calls.append((q.shape[3], k.shape[2]))
         return real(q, k, *rest)
