@@ -55,17 +55,23 @@ def _banding_pays(num_queries: int, num_win: int, window_size: int) -> bool:
     return chunked_pairs <= BANDED_WINDOW_MAX_PAIR_FRACTION * num_queries * num_win
 
 
-def _masked_softmax_attention(q, k, v, mask, scale):
-    """Softmax attention with fp32 (or fp64) softmax; rows with no visible key give 0, never NaN.
+def _masked_softmax(q, k, mask, scale):
+    """Softmax probabilities in fp32 (or fp64); rows with no visible key are 0, never NaN.
 
-    q (B, Hkv, G, Tq, D), k/v (B, Hkv, Tk, D), mask (B, Hkv or 1, Tq, Tk) bool -> (B, Hkv, G, Tq, D), probs.
+    q (B, Hkv, G, Tq, D), k (B, Hkv, Tk, D), mask (B, Hkv or 1, Tq, Tk) bool -> (B, Hkv, G, Tq, Tk).
     """
     scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scale
     scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     weights = torch.exp(scores - row_max)  # exp(-inf) = 0 at masked keys
-    probs = weights / weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
+    return weights / weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
+
+
+def _masked_softmax_attention(q, k, v, mask, scale):
+    """Softmax attention written out (`_masked_softmax`): q (B, Hkv, G, Tq, D), k/v (B, Hkv, Tk, D), mask
+    (B, Hkv or 1, Tq, Tk) bool -> output (B, Hkv, G, Tq, D), probabilities (B, Hkv, G, Tq, Tk)."""
+    probs = _masked_softmax(q, k, mask, scale)
     return torch.einsum("bhgqk,bhkd->bhgqd", probs, v), probs
 
 
@@ -211,6 +217,50 @@ def select_blocks(block_scores, q_doc_pos, params: NSAParams):
     return torch.where(chosen_eligible, top, torch.full_like(top, -1))
 
 
+def _compressed_visibility(q_index, q_doc_pos, cmp_end, doc_pos):
+    """(B, Tq, Nc) bool, the compression branch's mask (Eq. 7): compressed token i is visible to query t iff its
+    last key i*d + l - 1 (cmp_end) is at or before t, inside t's document."""
+    end_index = cmp_end.clamp(min=0)
+    return (
+        _same_document(q_index, q_doc_pos, end_index, doc_pos.gather(1, end_index))
+        & (cmp_end >= 0)[:, None, :]
+        & (end_index[:, None, :] <= q_index[:, :, None])
+    )
+
+
+def _top_blocks(p_cmp, cmp_end, doc_pos, q_doc_pos, params: NSAParams):
+    """The selected blocks (B, Hkv, Tq, n') from the compression probabilities p_cmp (B, Hkv, G, Tq, Nc): their
+    block scores summed over each KV group (Eqs. 9-10), then the top-n with forced blocks (Eqs. 11-12)."""
+    batch, num_kv_heads, group, num_queries, _ = p_cmp.shape
+    num_sel_blocks = (doc_pos.shape[1] + params.sel_block_size - 1) // params.sel_block_size
+    block_scores = selection_block_scores(p_cmp.reshape(batch, num_kv_heads * group, num_queries, -1), cmp_end,
+                                          doc_pos, num_sel_blocks, params, num_kv_heads)  # fmt: skip
+    return select_blocks(block_scores.detach(), q_doc_pos, params)
+
+
+@torch.no_grad()
+def reference_block_indices(q, k_cmp, cmp_end, doc_pos, params: NSAParams, scale: float | None = None) -> torch.Tensor:
+    """The selected blocks alone, as `nsa_attention_reference(..., return_block_indices=True)` selects them:
+    (B, Hkv, Tq, n') int64 in-document block indices by priority, -1 unused.
+
+    q (B, Tq, H, D) are the last Tq of doc_pos's Tk positions; k_cmp (B, Nc, Hkv, D) and cmp_end (B, Nc) as there.
+    Only the compression branch's probabilities are computed (the selection reads nothing else: Eqs. 8-12), so
+    the statistics' and diagnostics' selections do not pay for the selected and window branches; the signature
+    is `nsa_triton.select_blocks_triton`'s."""
+    batch, num_queries, num_heads, head_dim = q.shape
+    num_keys, num_kv_heads = doc_pos.shape[1], k_cmp.shape[2]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    compute_dtype = torch.promote_types(q.dtype, torch.float32)
+    q_grouped = q.to(compute_dtype).view(batch, num_queries, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    q_grouped = q_grouped.permute(0, 2, 3, 1, 4)  # (B, Hkv, G, Tq, D)
+    k_grouped = k_cmp.to(compute_dtype).transpose(1, 2)  # (B, Hkv, Nc, D)
+    q_index = torch.arange(num_keys - num_queries, num_keys, device=q.device).expand(batch, -1)
+    q_doc_pos = doc_pos[:, num_keys - num_queries :]
+    cmp_visible = _compressed_visibility(q_index, q_doc_pos, cmp_end, doc_pos)
+    p_cmp = _masked_softmax(q_grouped, k_grouped, cmp_visible[:, None], scale)  # (B, Hkv, G, Tq, Nc)
+    return _top_blocks(p_cmp, cmp_end, doc_pos, q_doc_pos, params)
+
+
 class ReferenceBranches(NamedTuple):
     """The three branches of one layer before the gates (`reference_branches`), in grouped-query layout."""
 
@@ -294,28 +344,19 @@ def reference_branches(
     causal = q_index[:, :, None] >= key_index[:, None, :]
     same_doc_causal = _same_document(q_index, q_doc_pos, key_index, doc_pos) & causal  # (B, Tq, Tk)
 
-    # Compression branch (Eq. 7): token i visible to t iff i*d + l - 1 <= t, inside t's document.
-    end_index = cmp_end.clamp(min=0)
-    cmp_visible = (
-        _same_document(q_index, q_doc_pos, end_index, doc_pos.gather(1, end_index))
-        & (cmp_end >= 0)[:, None, :]
-        & (end_index[:, None, :] <= q_index[:, :, None])
-    )
+    cmp_visible = _compressed_visibility(q_index, q_doc_pos, cmp_end, doc_pos)
     cmp_inputs = (q_grouped, heads_first(k_cmp), heads_first(v_cmp), cmp_visible[:, None], scale)
     if probabilities:
         o_cmp, p_cmp = _masked_softmax_attention(*cmp_inputs)  # (B, Hkv, G, Tq, D), (B, Hkv, G, Tq, Nc)
     else:  # the selection reads p_cmp without a gradient (Eq. 8 picks blocks, it is not differentiated)
         with torch.no_grad():
-            p_cmp = _masked_softmax_attention(*cmp_inputs)[1]
+            p_cmp = _masked_softmax(q_grouped, heads_first(k_cmp), cmp_visible[:, None], scale)
         o_cmp = _masked_attention_output(*cmp_inputs)
 
     # Selection branch (Eqs. 8-12): top-n blocks per KV group from the compression probabilities.
     num_sel_blocks = (num_keys + params.sel_block_size - 1) // params.sel_block_size
     if block_indices is None:
-        block_scores = selection_block_scores(
-            p_cmp.reshape(batch, num_heads, num_queries, -1), cmp_end, doc_pos, num_sel_blocks, params, num_kv_heads
-        )
-        block_indices = select_blocks(block_scores.detach(), q_doc_pos, params)  # (B, Hkv, Tq, n')
+        block_indices = _top_blocks(p_cmp, cmp_end, doc_pos, q_doc_pos, params)  # (B, Hkv, Tq, n')
     chosen = torch.zeros(batch, num_kv_heads, num_queries, num_sel_blocks + 1, dtype=torch.bool, device=device)
     chosen.scatter_(-1, torch.where(block_indices >= 0, block_indices, num_sel_blocks), True)
     key_block = (doc_pos.clamp(min=0) // params.sel_block_size)[:, None, None, :].expand(-1, num_kv_heads, num_queries, -1)
@@ -374,4 +415,11 @@ def nsa_attention_reference(
     return (out, branches.block_indices) if return_block_indices else out
 
 
-__all__ = ["ReferenceBranches", "nsa_attention_reference", "reference_branches", "select_blocks", "selection_block_scores"]
+__all__ = [
+    "ReferenceBranches",
+    "nsa_attention_reference",
+    "reference_block_indices",
+    "reference_branches",
+    "select_blocks",
+    "selection_block_scores",
+]

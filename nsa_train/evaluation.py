@@ -19,7 +19,7 @@ from .data import num_label_tokens, streams_from_hub, to_batch
 from .run_state import RunState
 
 STATS_ROWS = 2  # held-out rows the selection statistics are measured on: whole rows where the layers run the kernels,
-# cut to selection_stats.REFERENCE_MAX_LEN tokens where they run the reference (its scores are T x T per head)
+# cut to selection_stats.REFERENCE_MAX_LEN tokens where they run the reference (its masks are T x T)
 
 
 @torch.no_grad()

@@ -21,9 +21,11 @@ How the indices are had: the model runs its own forward once (no cache, no gradi
 `nsa_attention` of the model's code records its inputs; the selection is then recomputed on those inputs. On a
 CUDA device where the Triton kernels handle the parameters that is their top-n (`select_blocks_triton`: the
 selection the kernel path trains with, O(T x n) memory), so whole rows are measured, at any training length.
-Elsewhere it is the reference (`nsa_attention_reference` with `return_block_indices=True`), which holds
-(queries x keys) scores per head, so rows are cut to REFERENCE_MAX_LEN tokens (causal: the kept queries'
-selections do not change). The statistics name which one ran (`selection_by`) and the row length measured.
+Elsewhere it is the reference's (`nsa_reference.reference_block_indices`: the compression branch's probabilities
+and the top-n, not the other two branches; the same selection as `nsa_attention_reference`'s). There the
+layers' own forward runs the reference too, with (queries x keys) masks per layer, so rows are cut to
+REFERENCE_MAX_LEN tokens (causal: the kept queries' selections do not change). The statistics name which one
+ran (`selection_by`) and the row length measured.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import torch
 
 from modeling_nsa.modeling_nsa import BRANCHES  # the gates' order (cmp, slc, win), paper Eq. 5
 
-REFERENCE_MAX_LEN = 2048  # tokens per row where the reference selects: its scores are (T x T) per head
+REFERENCE_MAX_LEN = 2048  # tokens per row where the reference runs the layers: its masks are (T x T)
 
 
 @dataclass
@@ -75,9 +77,12 @@ def _recording_seam(model, sink: dict, selected_by: set, use_kernels: bool, last
     modules = _attention_modules(model)
     code, package = _model_code(model)
     try:
-        reference = importlib.import_module(".nsa_reference", package).nsa_attention_reference
+        reference_module = importlib.import_module(".nsa_reference", package)
     except ImportError:
-        from modeling_nsa.nsa_reference import nsa_attention_reference as reference
+        from modeling_nsa import nsa_reference as reference_module
+    # the selection alone (the compression branch's probabilities and the top-n); a checkpoint's remote copy
+    # older than it has only the whole reference, whose selection is the same
+    selection_only = getattr(reference_module, "reference_block_indices", None)
     try:
         kernels = importlib.import_module(".nsa_triton", package).select_blocks_triton
     except ImportError:  # a checkpoint's remote copy without the kernel files
@@ -94,8 +99,12 @@ def _recording_seam(model, sink: dict, selected_by: set, use_kernels: bool, last
                 return indices
             except ValueError:  # parameters the kernels do not handle (they say which): the reference
                 pass
-        _, indices = reference(a["q"], a["k_cmp"], a["v_cmp"], a["cmp_end"], a["k_slc"], a["v_slc"], a["k_win"],
-                               a["v_win"], a["gates"], a["doc_pos"], a["params"], return_block_indices=True)  # fmt: skip
+        if selection_only is not None:
+            indices = selection_only(a["q"], a["k_cmp"], a["cmp_end"], a["doc_pos"], a["params"])
+        else:
+            _, indices = reference_module.nsa_attention_reference(
+                a["q"], a["k_cmp"], a["v_cmp"], a["cmp_end"], a["k_slc"], a["v_slc"], a["k_win"], a["v_win"],
+                a["gates"], a["doc_pos"], a["params"], return_block_indices=True)  # fmt: skip
         selected_by.add("reference")
         return indices
 

@@ -21,6 +21,7 @@ from modeling_nsa.nsa_reference import (
     _same_document,
     _window_mask,
     nsa_attention_reference,
+    reference_block_indices,
     reference_branches,
 )
 
@@ -142,6 +143,31 @@ def test_reference_matches_naive(case):
     for name, a, b in zip(names, g_ref, g_naive):
         assert torch.isfinite(a).all(), name
         torch.testing.assert_close(a, b, **TOL, msg=lambda m, name=name: f"grad wrt {name}: {m}")
+
+
+SELECTION_CASES = CASES + [(83, 4, 2, "mlp", "kvsplit", "docs-pad", P_WIDE, "wide", None, None),
+                           (45, 8, 1, "mean", "kvsplit", "docs", P_INIT2, "init2", 7, 45)]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", SELECTION_CASES, ids=[case_id(c) for c in SELECTION_CASES])
+def test_selection_alone_is_the_whole_references_selection(case):
+    """reference_block_indices (the compression branch's probabilities and the top-n only, what the selection
+    statistics run) selects exactly the blocks of the whole reference, slot for slot, and the naive oracle's
+    sets: documents, padding, queries a suffix of the keys, G = 1-16."""
+    T, G, Hkv, comp, kv, layout, p, _, Tq, Tw = case
+    args, _, _ = build_inputs(T, G, Hkv, comp, kv, layout, p, Tq, Tw)
+    q, k_cmp, _, cmp_end, *_, doc_pos, params = args
+    alone = reference_block_indices(q, k_cmp, cmp_end, doc_pos, params)
+    _, whole = nsa_attention_reference(*args, return_block_indices=True)
+    assert alone.dtype == torch.int64 and not alone.requires_grad
+    assert torch.equal(alone, whole)
+    assert block_sets_from_reference(alone) == naive_nsa_attention(*args, return_block_indices=True)[1]
+    # the softmax scale reaches the selection as it does the whole reference's (it changes the ranking where a
+    # block is picked freely: the pure top-n case below)
+    flat = reference_block_indices(q, k_cmp, cmp_end, doc_pos, params, scale=0.05)
+    assert torch.equal(flat, nsa_attention_reference(*args, scale=0.05, return_block_indices=True)[1])
+    if p is P_TOPN:
+        assert not torch.equal(flat, alone)
 
 
 FORM_CASES = [c for c in CASES if c[5] in ("pad", "docs-pad")] + [CASES[3], CASES[-2]]

@@ -257,6 +257,27 @@ def test_the_kernels_select_on_whole_rows_where_the_layers_run_them(model, batch
     assert "selection by the Triton kernels" in ss.card_section(stats)
 
 
+def test_the_reference_selects_without_the_other_branches(model, batch, monkeypatch):
+    """On the reference, the statistics' selection is `reference_block_indices` (the compression branch and the
+    top-n, once per layer), not a second run of the whole layer; a checkpoint's code without it (an older remote
+    copy) falls back to the whole reference, and both give the same statistics."""
+    from modeling_nsa import nsa_reference
+
+    calls = []
+    alone = nsa_reference.reference_block_indices
+
+    def counted(*args):
+        calls.append(args[0].shape[1])
+        return alone(*args)
+
+    monkeypatch.setattr(nsa_reference, "reference_block_indices", counted)
+    by_selection_alone = ss.compute_selection_stats(model, batch)
+    assert calls == [80, 80]
+    monkeypatch.delattr(nsa_reference, "reference_block_indices")
+    by_whole_reference = ss.compute_selection_stats(model, batch)
+    assert by_selection_alone == by_whole_reference and by_selection_alone["selection_by"] == "reference"
+
+
 def test_kernels_select_follows_the_layers_backend(model):
     """The choice is the model's own: its nsa_backend resolved on its device (CPU: the reference)."""
     assert ss._kernels_select(model) is False
