@@ -139,7 +139,10 @@ class TrainConfig:
 
 
 def build_parser() -> HfArgumentParser:
-    parser = HfArgumentParser(TrainConfig, usage="%(prog)s [--preset smoke] [--FLAG VALUE ...]  (--help lists every flag)")
+    # allow_abbrev=False: a prefix of a flag (--max-step) is an error naming the flag, not silently that flag; a
+    # prefix that is unique today would change meaning when a flag sharing it is added
+    parser = HfArgumentParser(TrainConfig, usage="%(prog)s [--preset smoke] [--FLAG VALUE ...]  (--help lists every flag)",
+                              allow_abbrev=False)  # fmt: skip
     for action in parser._actions:
         if action.option_strings[0].startswith("--no_"):  # its default would read False; the flag's own help says it
             action.help = argparse.SUPPRESS
@@ -156,7 +159,8 @@ def parse_args(argv=None) -> TrainConfig:
     preset = parser.parse_known_args([a for a in argv if a not in ("-h", "--help")])[0].preset
     if preset is not None:
         if preset not in PRESETS:
-            parser.error(f"unknown --preset {preset!r}; choose from {list(PRESETS)}.")
+            model = f" ({preset!r} is a --model: --model {preset})" if preset in MODEL_PRESETS else ""
+            parser.error(f"unknown --preset {preset!r}; choose from {list(PRESETS)}{model}.")
         parser.set_defaults(**PRESETS[preset])
     cfg, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if unknown:
@@ -683,7 +687,7 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     # summary.json first, below, so one left here was written by the last launch that trained, at its end.)
     ended = checkpoint.finished_step(out_dir) if cfg.resume == "latest" else None
     run = checkpoints.resume(cfg.resume, started, ended)  # (checks its model and data flags against this run's)
-    last = max(run.step, ended or 0)
+    resumed_at, last = run.step, max(run.step, ended or 0)
     if last >= cfg.max_steps and (out_dir / "final").is_dir():  # final/, its card and summary.json stay as they are
         say(f"the run is finished: step {last} >= --max-steps {cfg.max_steps} and {out_dir / 'final'} is "
             "exported; nothing to do (raise --max-steps to train further).")
@@ -743,7 +747,7 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     # --- the end: final checkpoint and export, then the summary
     finished = run.step >= cfg.max_steps and not stop.stopped
     if finished:
-        if cfg.save_every:
+        if cfg.save_every and run.step > resumed_at:  # (none trained, e.g. exporting a checkpoint: it is saved)
             save(model, run, checkpoints, exporter, cfg)
         exporter.export(model, run, "final" if cfg.push_to_hub else "")
         if cfg.sample_prompt:  # on every process: under FSDP each forward gathers the shards from all of them

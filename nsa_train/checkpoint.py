@@ -84,7 +84,12 @@ def resolve_resume(resume: str | None, ckpt_root: Path) -> Path | None:
         return latest_checkpoint(ckpt_root)
     path = Path(resume)
     if not (path / STATE_FILE).is_file():
-        raise FileNotFoundError(f"--resume {resume!r} is not a complete checkpoint (no {STATE_FILE}).")
+        # the checkpoints that do exist, where the path's folder (or this run's) holds any: what to pass instead
+        found = checkpoint_dirs(path.parent) or checkpoint_dirs(ckpt_root)
+        choices = (f" Checkpoints there: {', '.join(str(d) for d in found[-5:])}"
+                   f"{f' (and {len(found) - 5} older)' if len(found) > 5 else ''}; or --resume latest.") if found else ""
+        what = "is not a complete checkpoint (no " + STATE_FILE + ")" if path.is_dir() else "does not exist"
+        raise FileNotFoundError(f"--resume {resume!r} {what}.{choices}")
     return path
 
 
@@ -165,7 +170,8 @@ class RunCheckpoints:
         self.set_aside_checkpoints_after(run.step)
         saved = trainer_state.get("config", {})
         changed = [k for k in SCHEDULE_FLAGS if k in saved and saved[k] != self.run_config.get(k)]
-        if changed:  # allowed (e.g. raising --max-steps to train further), but the rate jumps: say so
+        # allowed (e.g. raising --max-steps to train further), but the rate jumps: say so, where a step will train
+        if changed and run.step < self.run_config.get("max_steps", run.step + 1):
             diff = ", ".join(f"--{k.replace('_', '-')} {saved[k]!r} there, {self.run_config.get(k)!r} here"
                              for k in changed)
             self.accelerator.print(f"note: the learning-rate schedule's flags differ from the checkpoint's run ({diff}): "

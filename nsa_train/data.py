@@ -20,6 +20,7 @@ Hub, or local parquet shards given as ``parquet:PATH`` through the same streamin
 from __future__ import annotations
 
 import ast
+import difflib
 import glob
 import itertools
 import json
@@ -310,6 +311,19 @@ def make_source(dataset: str, text_column: str = "text", dataset_config: str | N
 # ----------------------------------------------------------------------------- tokenizer
 
 
+def _looks_like_a_path(name: str) -> bool:
+    """A --tokenizer value that can only mean a local directory: relative or absolute path syntax, or more
+    folders than a Hub id's owner/name."""
+    return name.startswith((".", "/", "~")) or name.endswith("/") or name.count("/") > 1 or "\\" in name
+
+
+def _subdirs(folder: Path) -> list[Path]:
+    try:
+        return [d for d in folder.expanduser().iterdir() if d.is_dir()]
+    except OSError:
+        return []
+
+
 def load_tokenizer(name: str):
     """`byt5` (byte-level, no files) or any AutoTokenizer name/path; clear error when it cannot be had."""
     from transformers import AutoTokenizer, ByT5Tokenizer
@@ -327,6 +341,11 @@ def load_tokenizer(name: str):
         except (OSError, ValueError):
             if Path(name).exists():
                 raise ValueError(f"--tokenizer {name!r}: the directory holds no loadable tokenizer.") from None
+            if _looks_like_a_path(name):  # not a Hub id (owner/name): asking the Hub would only blur the typo
+                near = difflib.get_close_matches(Path(name).name, [d.name for d in _subdirs(Path(name).parent)], 3)
+                close = f" (did you mean {' or '.join(str(Path(name).parent / n) for n in near)}?)" if near else ""
+                raise ValueError(f"--tokenizer {name!r}: no such directory{close}. Pass --tokenizer PATH to a "
+                                 "tokenizer directory, a Hub id, or byt5 (byte-level, needs no files).") from None
             check_hub_reachable(f"--tokenizer {name!r}", hint)
             try:
                 tok = AutoTokenizer.from_pretrained(name)

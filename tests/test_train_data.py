@@ -261,6 +261,19 @@ def test_unknown_tokenizer_fails_fast_with_advice(monkeypatch):
     assert "HF_HUB_OFFLINE is set" in str(info.value) and "unset it where the Hub can be reached" in str(info.value)
 
 
+def test_a_mistyped_tokenizer_path_is_named_as_a_path_not_a_hub_failure(tmp_path, monkeypatch):
+    """A --tokenizer value in path syntax that does not exist is a typo, not a Hub id: the error says so at once,
+    with the near folder names, and never asks the Hub (which would only report the network)."""
+    (tmp_path / "gpt2-tokenizer").mkdir()
+    monkeypatch.setattr(data, "check_hub_reachable", lambda *a: pytest.fail("a local path was tried on the Hub"))
+    with pytest.raises(ValueError, match=r"gpt2-tokeniser': no such directory \(did you mean .*gpt2-tokenizer\?\)"):
+        data.load_tokenizer(str(tmp_path / "gpt2-tokeniser"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"'\./elsewhere/tok': no such directory\. Pass --tokenizer PATH"):
+        data.load_tokenizer("./elsewhere/tok")
+    assert not data._looks_like_a_path("gpt2") and not data._looks_like_a_path("openai-community/gpt2")
+
+
 @needs_shared
 def test_local_tokenizer_directory():
     tok = data.load_tokenizer(str(GPT2))

@@ -112,6 +112,27 @@ def test_a_roll_back_sets_the_later_checkpoints_aside(tmp_path, capsys):
     assert summary["step"] == 4 and "the run is finished: step 4" in capsys.readouterr().out
 
 
+def test_exporting_a_checkpoint_trains_nothing_and_copies_nothing(tmp_path, capsys):
+    """The README's export of an intermediate checkpoint (--resume PATH --max-steps <its step> into a new
+    --output-dir): final/ holds that checkpoint's weights, no step trains, no copy of the checkpoint is saved, and
+    the schedule note (the rate follows this run's flags from here on) is not printed, since nothing follows."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    run_main(tiny_args(out, max_steps=4, save_every=2))
+    capsys.readouterr()
+    exported = tmp_path / "at-2"
+    summary = run_main(tiny_args(exported, max_steps=2, save_every=2, resume=str(out / "checkpoints" / "step_00000002")))
+    printed = capsys.readouterr().out
+    assert summary["step"] == 2 and summary["finished"] and "schedule's flags differ" not in printed
+    assert not checkpoint.checkpoint_dirs(exported / "checkpoints")
+    weights = load_file(exported / "final" / "model.safetensors")
+    saved = load_file(out / "checkpoints" / "step_00000002" / "model.safetensors")
+    assert weights.keys() == saved.keys() and all(torch.equal(weights[k], saved[k]) for k in weights)
+    run_main(tiny_args(tmp_path / "further", max_steps=3, save_every=2, resume=str(out / "checkpoints" / "step_00000002")))
+    assert "schedule's flags differ" in capsys.readouterr().out  # a step trains under the changed schedule: said
+
+
 def test_tensorboard_after_a_roll_back_shows_each_step_once(tmp_path):
     """TensorBoard, as metrics.jsonl, keeps one point per step after a resume: the events the abandoned line wrote
     after the checkpoint are hidden (purge_step), also those of tags the new line does not log at the same steps
@@ -151,8 +172,13 @@ def test_checkpoint_killed_mid_write_is_never_latest(tmp_path, monkeypatch):
     assert checkpoint.resolve_resume("latest", ckpts).name == "step_00000002"
     (ckpts / "step_00000009").mkdir()  # a step directory without trainer_state.json is not complete either
     assert checkpoint.latest_checkpoint(ckpts).name == "step_00000002"
-    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint") as half_written:
         checkpoint.resolve_resume(str(ckpts / ".tmp-step_00000004"), ckpts)
+    assert f"Checkpoints there: {ckpts / 'step_00000002'}; or --resume latest" in str(half_written.value)
+    with pytest.raises(FileNotFoundError, match=r"step_00000099' does not exist\. Checkpoints there: .*step_00000002"):
+        checkpoint.resolve_resume(str(ckpts / "step_00000099"), ckpts)  # a mistyped step: what exists is named
+    with pytest.raises(FileNotFoundError, match=r"elsewhere' does not exist\.$"):
+        checkpoint.resolve_resume(str(tmp_path / "elsewhere"), tmp_path / "no-run")  # nothing to suggest
     monkeypatch.setattr(checkpoint, "_write_json", real_write)
     run_main(tiny_args(out, max_steps=6, save_every=2, keep_last=2, resume="latest"))
     assert [d.name for d in checkpoint.checkpoint_dirs(ckpts)] == ["step_00000004", "step_00000006"]  # keep-last 2
@@ -684,6 +710,12 @@ def test_preset_and_unknown_flags(capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "error: unrecognized arguments: --lr-rate 3 (did you mean" in err and "--lr?" in err
+    with pytest.raises(SystemExit):  # a prefix of a flag is not that flag (argparse would take it by default)
+        train_accelerate.parse_args(["--max-step", "2"])
+    assert "unrecognized arguments: --max-step 2 (did you mean --max-steps" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_accelerate.parse_args(["--preset", "tiny"])
+    assert "unknown --preset 'tiny'; choose from ['smoke'] ('tiny' is a --model: --model tiny)" in capsys.readouterr().err
 
 
 def test_run_state_is_what_a_checkpoint_holds():
