@@ -747,7 +747,10 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     # --- the end: final checkpoint and export, then the summary
     finished = run.step >= cfg.max_steps and not stop.stopped
     if finished:
-        if cfg.save_every and run.step > resumed_at:  # (none trained, e.g. exporting a checkpoint: it is saved)
+        # (none trained since resuming one of this run's checkpoints: that one is this step's; resumed from another
+        # run's, e.g. the README's export of a checkpoint into a new --output-dir, it is copied here, so that the
+        # new folder can train further with --resume latest)
+        if cfg.save_every and (run.step > resumed_at or not checkpoints.holds(checkpoints.resumed_from)):
             save(model, run, checkpoints, exporter, cfg)
         exporter.export(model, run, "final" if cfg.push_to_hub else "")
         if cfg.sample_prompt:  # on every process: under FSDP each forward gathers the shards from all of them

@@ -84,10 +84,16 @@ def resolve_resume(resume: str | None, ckpt_root: Path) -> Path | None:
         return latest_checkpoint(ckpt_root)
     path = Path(resume)
     if not (path / STATE_FILE).is_file():
-        # the checkpoints that do exist, where the path's folder (or this run's) holds any: what to pass instead
-        found = checkpoint_dirs(path.parent) or checkpoint_dirs(ckpt_root)
+        # the checkpoints that do exist, what to pass instead: in the path itself (a run's folder or its
+        # checkpoints/), beside it (a mistyped step), or in this run's folder
+        found, where = [], None
+        for folder in (path / "checkpoints", path, path.parent, ckpt_root):
+            found, where = checkpoint_dirs(folder), folder
+            if found:
+                break
+        latest = "; or --resume latest" if found and Path(where).resolve() == Path(ckpt_root).resolve() else ""
         choices = (f" Checkpoints there: {', '.join(str(d) for d in found[-5:])}"
-                   f"{f' (and {len(found) - 5} older)' if len(found) > 5 else ''}; or --resume latest.") if found else ""
+                   f"{f' (and {len(found) - 5} older)' if len(found) > 5 else ''}{latest}.") if found else ""
         what = "is not a complete checkpoint (no " + STATE_FILE + ")" if path.is_dir() else "does not exist"
         raise FileNotFoundError(f"--resume {resume!r} {what}.{choices}")
     return path
@@ -148,6 +154,12 @@ class RunCheckpoints:
     run_config: dict  # this run's flags (saved; DATA_FLAGS compared on resume)
     model_config: dict  # model_fields of this run's model (saved; compared on resume)
     keep_last: int = 3
+    resumed_from: Path | None = None  # the checkpoint `resume` restored, if any
+
+    def holds(self, path: Path | None) -> bool:
+        """Whether `path` is one of this run's checkpoints (under `root`), decided from the paths alone, so that
+        every process answers alike."""
+        return path is not None and path.resolve().parent == self.root.resolve()
 
     def save(self, run: RunState) -> Path:
         """Every process calls this."""
@@ -166,6 +178,7 @@ class RunCheckpoints:
             return RunState(started=started)
         trainer_state, data_state = load_checkpoint(self.accelerator, path, self.model_config, self.run_config)
         run = RunState.from_checkpoint(trainer_state, data_state, started)
+        self.resumed_from = path
         self.accelerator.print(f"resumed from {path} at step {run.step} ({run.tokens_seen:,} tokens)")
         self.set_aside_checkpoints_after(run.step)
         saved = trainer_state.get("config", {})

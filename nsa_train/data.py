@@ -24,6 +24,7 @@ import difflib
 import glob
 import itertools
 import json
+import os
 import queue
 import random
 import socket
@@ -312,14 +313,15 @@ def make_source(dataset: str, text_column: str = "text", dataset_config: str | N
 
 
 def _looks_like_a_path(name: str) -> bool:
-    """A --tokenizer value that can only mean a local directory: relative or absolute path syntax, or more
-    folders than a Hub id's owner/name."""
-    return name.startswith((".", "/", "~")) or name.endswith("/") or name.count("/") > 1 or "\\" in name
+    """A --tokenizer value that means a local directory: relative or absolute path syntax, more folders than a
+    Hub id's owner/name, or an owner/name whose owner is a folder here (runs/tok)."""
+    return (name.startswith((".", "/", "~")) or name.endswith("/") or name.count("/") > 1 or "\\" in name
+            or ("/" in name and Path(name).parent.is_dir()))
 
 
 def _subdirs(folder: Path) -> list[Path]:
     try:
-        return [d for d in folder.expanduser().iterdir() if d.is_dir()]
+        return [d for d in folder.iterdir() if d.is_dir()]
     except OSError:
         return []
 
@@ -331,6 +333,7 @@ def load_tokenizer(name: str):
     if name in ("byt5", "bytes"):
         tok = ByT5Tokenizer()
     else:
+        name = os.path.expanduser(name)  # ~/tok quoted, or --tokenizer=~/tok, reaches here unexpanded
         hint = (
             f"--tokenizer {name!r} is not a local directory and is not in the Hugging Face cache. Pass "
             "--tokenizer PATH to a tokenizer directory (e.g. ../shared/data/gpt2-tokenizer), or --tokenizer byt5 "

@@ -73,6 +73,13 @@ def _parse_only(argv: list[str]) -> str | None:
             runpy.run_path(str(ROOT / argv[0]), run_name="__main__")
         return "the script ran past its argument parsing without calling parse_args"
     except _Parsed:
+        if "--" in argv:  # ab_compare.py's training flags, after its own: the trainer's parser checks them too
+            try:
+                parse_train_flags(argv[argv.index("--") + 1 :])
+            except _Parsed:
+                return None
+            except SystemExit as e:
+                return f"its training flags (after --): exited {e.code}"
         return None
     except SystemExit as e:
         return f"exited {e.code}"
@@ -88,6 +95,7 @@ def _record(tmp_path: Path, steps: list[str]) -> dict[str, list[list[str]]]:
     recorder.chmod(0o755)
     placeholder = tmp_path / "placeholder.parquet"  # the steps that check a data file exists before using it
     placeholder.write_bytes(b"")
+    (tmp_path / "captured.pt").write_bytes(b"")  # so that attention and floors add their captured input kind
     by_step = {}
     for step in steps:
         log = tmp_path / f"log-{step}"
@@ -143,6 +151,9 @@ def test_the_dry_run_finds_a_bad_flag_and_an_empty_test_selection(tmp_path):
     """The check above has teeth: a flag the script does not take, and a -k that matches nothing, are reported."""
     assert _parse_only(["bench/kernel_floors.py", "--lengths", "2048", "--no-such-flag"]) == "exited 2"
     assert _parse_only(["bench/kernel_floors.py", "--lengths", "2048"]) is None
+    ab = ["bench/ab_compare.py", "--out", "runs/x", "--seeds", "0", "--", "--model", "tiny"]
+    assert _parse_only(ab) is None
+    assert _parse_only([*ab, "--warmup-stepz", "3"]) == "its training flags (after --): exited 2"
     assert _pytest_selection(["-m", "pytest", "tests/test_gpu_session.py", "-k", "no_test_has_this_name"])[0] == 0
 
 

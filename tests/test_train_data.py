@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import shutil
 import time
 
 import pytest
@@ -271,7 +272,20 @@ def test_a_mistyped_tokenizer_path_is_named_as_a_path_not_a_hub_failure(tmp_path
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match=r"'\./elsewhere/tok': no such directory\. Pass --tokenizer PATH"):
         data.load_tokenizer("./elsewhere/tok")
+    (tmp_path / "runs").mkdir()  # owner/name where the owner is a folder here: a path too
+    with pytest.raises(ValueError, match=r"'runs/tok': no such directory"):
+        data.load_tokenizer("runs/tok")
+    monkeypatch.setenv("HOME", str(tmp_path))  # ~ left unexpanded by the shell (quoted, or --tokenizer=~/...)
+    with pytest.raises(ValueError, match=r"gpt2-tokeniser': no such directory \(did you mean .*/gpt2-tokenizer\?\)"):
+        data.load_tokenizer("~/gpt2-tokeniser")
     assert not data._looks_like_a_path("gpt2") and not data._looks_like_a_path("openai-community/gpt2")
+
+
+@needs_shared
+def test_a_tokenizer_under_the_home_folder_loads_as_tilde(tmp_path, monkeypatch):
+    shutil.copytree(GPT2, tmp_path / "tok")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert len(data.load_tokenizer("~/tok")) == 50257
 
 
 @needs_shared

@@ -112,10 +112,12 @@ def test_a_roll_back_sets_the_later_checkpoints_aside(tmp_path, capsys):
     assert summary["step"] == 4 and "the run is finished: step 4" in capsys.readouterr().out
 
 
-def test_exporting_a_checkpoint_trains_nothing_and_copies_nothing(tmp_path, capsys):
+def test_exporting_a_checkpoint_trains_nothing_and_the_export_trains_further(tmp_path, capsys, monkeypatch):
     """The README's export of an intermediate checkpoint (--resume PATH --max-steps <its step> into a new
-    --output-dir): final/ holds that checkpoint's weights, no step trains, no copy of the checkpoint is saved, and
-    the schedule note (the rate follows this run's flags from here on) is not printed, since nothing follows."""
+    --output-dir): final/ holds that checkpoint's weights, no step trains, the schedule note (the rate follows this
+    run's flags from here on) is not printed, since nothing follows, and the checkpoint is copied into the new
+    folder, which --resume latest then trains further. Relaunched where its own latest checkpoint is at the end
+    (final/ lost), nothing is saved again."""
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
@@ -123,14 +125,20 @@ def test_exporting_a_checkpoint_trains_nothing_and_copies_nothing(tmp_path, caps
     capsys.readouterr()
     exported = tmp_path / "at-2"
     summary = run_main(tiny_args(exported, max_steps=2, save_every=2, resume=str(out / "checkpoints" / "step_00000002")))
-    printed = capsys.readouterr().out
-    assert summary["step"] == 2 and summary["finished"] and "schedule's flags differ" not in printed
-    assert not checkpoint.checkpoint_dirs(exported / "checkpoints")
+    assert summary["step"] == 2 and summary["finished"] and "schedule's flags differ" not in capsys.readouterr().out
     weights = load_file(exported / "final" / "model.safetensors")
     saved = load_file(out / "checkpoints" / "step_00000002" / "model.safetensors")
     assert weights.keys() == saved.keys() and all(torch.equal(weights[k], saved[k]) for k in weights)
-    run_main(tiny_args(tmp_path / "further", max_steps=3, save_every=2, resume=str(out / "checkpoints" / "step_00000002")))
+    assert [d.name for d in checkpoint.checkpoint_dirs(exported / "checkpoints")] == ["step_00000002"]
+    assert run_main(tiny_args(exported, max_steps=3, save_every=2, resume="latest"))["step"] == 3
     assert "schedule's flags differ" in capsys.readouterr().out  # a step trains under the changed schedule: said
+
+    shutil.rmtree(out / "final")
+    (out / "summary.json").unlink()
+    saves = []
+    monkeypatch.setattr(checkpoint, "save_checkpoint", lambda *a, **k: saves.append(a) or pytest.fail("saved again"))
+    assert run_main(tiny_args(out, max_steps=4, save_every=2, resume="latest"))["step"] == 4
+    assert (out / "final" / "model.safetensors").is_file() and not saves
 
 
 def test_tensorboard_after_a_roll_back_shows_each_step_once(tmp_path):
@@ -179,6 +187,10 @@ def test_checkpoint_killed_mid_write_is_never_latest(tmp_path, monkeypatch):
         checkpoint.resolve_resume(str(ckpts / "step_00000099"), ckpts)  # a mistyped step: what exists is named
     with pytest.raises(FileNotFoundError, match=r"elsewhere' does not exist\.$"):
         checkpoint.resolve_resume(str(tmp_path / "elsewhere"), tmp_path / "no-run")  # nothing to suggest
+    for given in (out, ckpts):  # the run's folder or its checkpoints/ for a checkpoint: the checkpoints in it
+        with pytest.raises(FileNotFoundError, match="not a complete checkpoint") as info:
+            checkpoint.resolve_resume(str(given), tmp_path / "new-run" / "checkpoints")
+        assert f"Checkpoints there: {ckpts / 'step_00000002'}." in str(info.value)  # another run's: no "latest"
     monkeypatch.setattr(checkpoint, "_write_json", real_write)
     run_main(tiny_args(out, max_steps=6, save_every=2, keep_last=2, resume="latest"))
     assert [d.name for d in checkpoint.checkpoint_dirs(ckpts)] == ["step_00000004", "step_00000006"]  # keep-last 2
