@@ -429,6 +429,8 @@ def _session_step_flags(step_name, tmp_path):
     command = re.split(r"(?<!\\)\n", step.split("bench/ab_compare.py", 1)[1], maxsplit=1)[0]  # up to its last line
     command = command.replace("\\\n", " ")
     defaults = dict(re.findall(r"^(\w+)=\$\{\1:-([^}]*)\}", script, flags=re.M))  # AB_STEPS=${AB_STEPS:-300}
+    # ${NAME:+...} of a variable empty by default (RT_OVERRIDES) adds nothing
+    command = re.sub(r"\$\{(\w+):\+[^}]*\}", lambda m: "" if not defaults.get(m.group(1)) else m.group(0), command)
     values = {f'"${name}"': value for name, value in defaults.items()}
     values |= {'"$LONG_DOCS"': str(tmp_path / "docs.parquet"), '"$RETRIEVAL_ROWS"': str(tmp_path / "rows.parquet"),
                '"$DATA/gpt2-tokenizer"': str(tmp_path / "tok")}

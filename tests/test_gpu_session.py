@@ -102,7 +102,7 @@ def _record(tmp_path: Path, steps: list[str]) -> dict[str, list[list[str]]]:
         log.mkdir()
         env = dict(os.environ, PY=str(recorder), OUT=str(tmp_path / "out"), GPU_SESSION_DRY_LOG=str(log),
                    LONG_DOCS=str(placeholder), RETRIEVAL_ROWS=str(placeholder), DATA=str(tmp_path / "data"),
-                   CAPTURED=str(tmp_path / "captured.pt"))  # fmt: skip
+                   CAPTURED=str(tmp_path / "captured.pt"), RT_OVERRIDES='{"compressor": "mean"}')  # fmt: skip
         env.pop("FLA_WHEEL", None)
         done = subprocess.run(["bash", str(SCRIPT), step], cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=120)  # fmt: skip
@@ -129,6 +129,8 @@ def test_every_step_of_the_gpu_session_parses_its_flags(tmp_path):
     steps = session_steps()
     assert {"check", "pending", "attention", "decode", "floors", "flex", "ws", "tests", "retrieval"} <= set(steps)
     recorded = _record(tmp_path, steps)
+    overrides = [c for c in recorded["retrieval"] if "--model-overrides" in c]  # RT_OVERRIDES as one argument
+    assert overrides and overrides[0][overrides[0].index("--model-overrides") + 1] == '{"compressor": "mean"}'
     failures = []
     for step, commands in recorded.items():
         if not commands:
