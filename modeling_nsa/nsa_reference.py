@@ -217,6 +217,13 @@ def select_blocks(block_scores, q_doc_pos, params: NSAParams):
     return torch.where(chosen_eligible, top, torch.full_like(top, -1))
 
 
+def _grouped_queries(q, num_kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """q (B, Tq, H, D) -> (B, Hkv, G, Tq, D) in `dtype`: query head h = kv * G + g beside its KV group."""
+    batch, num_queries, num_heads, head_dim = q.shape
+    grouped = q.to(dtype).view(batch, num_queries, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    return grouped.permute(0, 2, 3, 1, 4)
+
+
 def _compressed_visibility(q_index, q_doc_pos, cmp_end, doc_pos):
     """(B, Tq, Nc) bool, the compression branch's mask (Eq. 7): compressed token i is visible to query t iff its
     last key i*d + l - 1 (cmp_end) is at or before t, inside t's document."""
@@ -247,12 +254,11 @@ def reference_block_indices(q, k_cmp, cmp_end, doc_pos, params: NSAParams, scale
     Only the compression branch's probabilities are computed (the selection reads nothing else: Eqs. 8-12), so
     the statistics' and diagnostics' selections do not pay for the selected and window branches; the signature
     is `nsa_triton.select_blocks_triton`'s."""
-    batch, num_queries, num_heads, head_dim = q.shape
+    batch, num_queries, _, head_dim = q.shape
     num_keys, num_kv_heads = doc_pos.shape[1], k_cmp.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     compute_dtype = torch.promote_types(q.dtype, torch.float32)
-    q_grouped = q.to(compute_dtype).view(batch, num_queries, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    q_grouped = q_grouped.permute(0, 2, 3, 1, 4)  # (B, Hkv, G, Tq, D)
+    q_grouped = _grouped_queries(q, num_kv_heads, compute_dtype)  # (B, Hkv, G, Tq, D)
     k_grouped = k_cmp.to(compute_dtype).transpose(1, 2)  # (B, Hkv, Nc, D)
     q_index = torch.arange(num_keys - num_queries, num_keys, device=q.device).expand(batch, -1)
     q_doc_pos = doc_pos[:, num_keys - num_queries :]
@@ -316,7 +322,6 @@ def reference_branches(
     batch, num_queries, num_heads, head_dim = q.shape
     num_keys, num_kv_heads = k_slc.shape[1], k_slc.shape[2]
     num_win = k_win.shape[1]
-    group = num_heads // num_kv_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     compute_dtype = torch.promote_types(q.dtype, torch.float32)
     device = q.device
@@ -329,7 +334,7 @@ def reference_branches(
     def heads_first(x):  # (B, T, Hkv, D) -> (B, Hkv, T, D)
         return x.to(compute_dtype).transpose(1, 2)
 
-    q_grouped = q.to(compute_dtype).view(batch, num_queries, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    q_grouped = _grouped_queries(q, num_kv_heads, compute_dtype)  # (B, Hkv, G, Tq, D)
     key_index = torch.arange(num_keys, device=device).expand(batch, -1)
     if query_end is None:
         q_index = key_index[:, num_keys - num_queries :]
@@ -350,7 +355,7 @@ def reference_branches(
         o_cmp, p_cmp = _masked_softmax_attention(*cmp_inputs)  # (B, Hkv, G, Tq, D), (B, Hkv, G, Tq, Nc)
     else:  # the selection reads p_cmp without a gradient (Eq. 8 picks blocks, it is not differentiated)
         with torch.no_grad():
-            p_cmp = _masked_softmax(q_grouped, heads_first(k_cmp), cmp_visible[:, None], scale)
+            p_cmp = _masked_softmax(*cmp_inputs[:2], cmp_visible[:, None], scale)
         o_cmp = _masked_attention_output(*cmp_inputs)
 
     # Selection branch (Eqs. 8-12): top-n blocks per KV group from the compression probabilities.

@@ -184,7 +184,7 @@ class RunCheckpoints:
         saved = trainer_state.get("config", {})
         changed = [k for k in SCHEDULE_FLAGS if k in saved and saved[k] != self.run_config.get(k)]
         # allowed (e.g. raising --max-steps to train further), but the rate jumps: say so, where a step will train
-        if changed and run.step < self.run_config.get("max_steps", run.step + 1):
+        if changed and run.step < self.run_config["max_steps"]:
             diff = ", ".join(f"--{k.replace('_', '-')} {saved[k]!r} there, {self.run_config.get(k)!r} here"
                              for k in changed)
             self.accelerator.print(f"note: the learning-rate schedule's flags differ from the checkpoint's run ({diff}): "
