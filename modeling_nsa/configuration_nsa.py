@@ -11,7 +11,7 @@ from transformers.configuration_utils import PreTrainedConfig
 
 ATTENTION_MODES = ("nsa", "dense")
 NSA_BACKENDS = ("auto", "reference", "triton")
-COMPRESSORS = ("mlp", "mean")
+COMPRESSORS = ("mlp", "mean", "mean_mlp")
 # transformers' defaults, which NSA mode takes (and does not consult): "sdpa", and "eager" that output_attentions sets
 NSA_MODE_ATTN_IMPLEMENTATIONS = (None, "sdpa", "eager")
 
@@ -42,7 +42,8 @@ class NSAConfig(PreTrainedConfig):
       the document and at the query's own position (§4.1: "1 initial block and 2 local blocks").
     - `window_size` [w] = 512: sliding-window keys, the query itself included.
     - `kv_per_branch` = True: independent K/V per branch (§3.3.3); False shares one K/V.
-    - `compressor` = "mlp": the paper's learnable φ; "mean" is the parameter-free average.
+    - `compressor` = "mlp": the paper's learnable φ; "mean" is the parameter-free average (fla's); "mean_mlp" is
+      the average plus the paper's φ with its output layer started at zero (it begins as "mean").
     - `cmp_mlp_hidden_size` = 256: hidden width of φ (l*head_dim -> hidden -> head_dim).
     - `attention_mode` = "nsa"; "dense" is the same model with full causal attention (A/B baseline).
     - `training_seq_len` = None: the row length the model was last trained at, written by the trainer's export.

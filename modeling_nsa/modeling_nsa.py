@@ -139,14 +139,16 @@ class NSACompressor(nn.Module):
 
     "mlp" (the paper's learnable φ): intra-block position embedding (l x D) added to the keys,
     flattened, then Linear(l*D -> hidden) -> GELU -> Linear(hidden -> D); separate φ for K and V,
-    shared across KV heads. "mean": the block average (no parameters; fla's choice).
+    shared across KV heads. "mean": the block average (no parameters; fla's choice). "mean_mlp": the block
+    average plus the paper's φ, whose output layer starts at zero: it begins as "mean" (whose compressed keys
+    rank blocks like the keys they cover from the first step) and learns away from it (bench/QUALITY.md).
     """
 
     def __init__(self, config: NSAConfig):
         super().__init__()
         self.mode = config.compressor
         self.block_size, head_dim = config.cmp_block_size, config.head_dim
-        if self.mode == "mlp":
+        if self.mode in ("mlp", "mean_mlp"):
             hidden = config.cmp_mlp_hidden_size
             self.k_pos_emb = nn.Parameter(torch.zeros(self.block_size, head_dim))
             self.v_pos_emb = nn.Parameter(torch.zeros(self.block_size, head_dim))
@@ -160,9 +162,11 @@ class NSACompressor(nn.Module):
     def _compress(self, blocks, pos_emb, mlp):  # (B, N, l, Hkv, D) -> (B, N, Hkv, D)
         if self.mode == "mean":
             return blocks.mean(dim=2)
-        blocks = blocks + pos_emb[:, None, :].to(blocks.dtype)
         batch, num_slots, block, num_kv_heads, head_dim = blocks.shape
-        flat = blocks.permute(0, 1, 3, 2, 4).reshape(batch, num_slots, num_kv_heads, block * head_dim)
+        positioned = blocks + pos_emb[:, None, :].to(blocks.dtype)
+        flat = positioned.permute(0, 1, 3, 2, 4).reshape(batch, num_slots, num_kv_heads, block * head_dim)
+        if self.mode == "mean_mlp":
+            return blocks.mean(dim=2) + mlp(flat)  # the mean of the raw keys, without the position embedding
         return mlp(flat)
 
     def forward(self, k, v, cmp_end=None, keep=None, block_index=None):
@@ -376,9 +380,13 @@ class NSAPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
-        if isinstance(module, NSACompressor) and module.mode == "mlp":
+        if isinstance(module, NSACompressor) and module.mode in ("mlp", "mean_mlp"):
             init.normal_(module.k_pos_emb, mean=0.0, std=self.config.initializer_range)
             init.normal_(module.v_pos_emb, mean=0.0, std=self.config.initializer_range)
+            if module.mode == "mean_mlp":  # φ's output layer at zero: the compressor starts as the block mean
+                for output_layer in (module.k_mlp[2], module.v_mlp[2]):
+                    init.zeros_(output_layer.weight)
+                    init.zeros_(output_layer.bias)
         elif isinstance(module, NSARotaryEmbedding):
             exponent = torch.arange(0, self.config.head_dim, 2, dtype=torch.float32) / self.config.head_dim
             init.copy_(module.inv_freq, 1.0 / (self.config.rope_theta**exponent))
