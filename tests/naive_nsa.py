@@ -239,7 +239,8 @@ def naive_compress(raw, cmp_end, doc_pos, params, kind, phi=None, rope_theta=Non
 
     raw (B, T, Hkv, D) un-rotated keys (or values); slot s covers raw keys (cmp_end-l, cmp_end].
     kind "mean": the average. kind "mlp": phi = dict(pos_emb (l, D), w1 (hidden, l*D), b1, w2 (D, hidden), b2):
-    x = raw block + pos_emb, flattened in (position, dim) order, GELU MLP. If rope_theta is given the
+    x = raw block + pos_emb, flattened in (position, dim) order, GELU MLP. kind "mean_mlp": the average plus
+    kind "mlp"'s result (the average of the raw block, without pos_emb). If rope_theta is given the
     result is rotated at in-document position i*d + l - 1 (keys). Empty slots are zero.
     """
     l, d = params.cmp_block_size, params.cmp_stride
@@ -260,14 +261,13 @@ def naive_compress(raw, cmp_end, doc_pos, params, kind, phi=None, rope_theta=Non
             heads = []
             for g in range(Hkv):
                 blk = raw[b, first : end + 1, g]  # (l, D)
-                if kind == "mean":
-                    c = blk.mean(0)
-                elif kind == "mlp":
+                if kind not in ("mean", "mlp", "mean_mlp"):
+                    raise ValueError(kind)
+                c = blk.mean(0) if kind in ("mean", "mean_mlp") else 0.0
+                if kind in ("mlp", "mean_mlp"):
                     x = (blk + phi["pos_emb"]).reshape(-1)
                     hdn = F.gelu(F.linear(x, phi["w1"], phi.get("b1")))
-                    c = F.linear(hdn, phi["w2"], phi.get("b2"))
-                else:
-                    raise ValueError(kind)
+                    c = c + F.linear(hdn, phi["w2"], phi.get("b2"))
                 if rope_theta is not None:
                     c = rope_naive(c, float(pos_end), rope_theta)
                 heads.append(c)

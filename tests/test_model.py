@@ -229,3 +229,34 @@ def test_a_training_step_waits_for_the_device_only_at_the_vocabulary_check(mode)
         assert len(recorder.ops) > 100  # the step ran under the recorder
         assert set(recorder.syncs) == {f"_local_scalar_dense at modeling_nsa.py:{vocabulary_check}"}, recorder.syncs
         assert len(recorder.syncs) == 2  # the ids' min and max
+
+
+def test_mean_mlp_compressor_starts_as_the_mean_and_learns_away_from_it(tmp_path):
+    """compressor="mean_mlp" = the block mean + the paper's φ with its output layer at zero. At initialization the
+    model computes what compressor="mean" computes with the same other weights; a training step moves φ (the
+    output layer first: the hidden layer's gradient passes through it); from_pretrained keeps the trained φ (the
+    zero start must not overwrite loaded weights)."""
+    torch.manual_seed(0)
+    model = NSAForCausalLM(NSAConfig(**TINY, compressor="mean_mlp")).double()
+    mean_model = NSAForCausalLM(NSAConfig(**TINY, compressor="mean")).double()
+    missing, unexpected = mean_model.load_state_dict(model.state_dict(), strict=False)
+    assert not missing and unexpected and all(".compressor." in name for name in unexpected)
+    batch = torch.randint(0, 113, (2, 61), generator=torch.Generator().manual_seed(1))  # 61: 14 compressed tokens
+    start = model(batch).logits
+    torch.testing.assert_close(start, mean_model(batch).logits, rtol=0, atol=0)
+
+    compressor = model.model.layers[0].self_attn.compressor
+    assert compressor.k_mlp[0].weight.abs().min() > 0 and compressor.k_pos_emb.abs().min() > 0
+    model(batch, labels=batch).loss.backward()
+    for output_layer in (compressor.k_mlp[2], compressor.v_mlp[2]):
+        assert output_layer.weight.abs().max() == 0 and output_layer.weight.grad.abs().max() > 0
+    torch.optim.AdamW(model.parameters(), lr=1e-2).step()
+    assert compressor.k_mlp[2].weight.abs().max() > 0 and compressor.v_mlp[2].bias.abs().max() > 0
+    trained = model(batch).logits
+    assert not torch.allclose(trained, start)
+
+    model.save_pretrained(tmp_path)
+    reloaded = NSAForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float64)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], tensor), name
+    torch.testing.assert_close(reloaded(batch).logits, trained, rtol=1e-12, atol=1e-12)  # (train vs eval form)

@@ -375,6 +375,7 @@ LAYER_CASES = [
     (40, 4, 2, "mean", True, "docs-pad"),
     (40, 3, 3, "mean", False, "single"),
     (1, 2, 1, "mlp", True, "single"),
+    (45, 4, 2, "mean_mlp", True, "docs-pad"),
 ]
 
 
@@ -404,7 +405,7 @@ def test_attention_layer_matches_naive(case):
     weight = torch.randn(out.shape, generator=gen, dtype=torch.float64) * mask[:, :, None]
     params = dict(layer.named_parameters())
     expected_names = {"q_proj.weight", "kv_proj.weight", "o_proj.weight", "g_proj.weight"}
-    if comp == "mlp":
+    if comp in ("mlp", "mean_mlp"):
         expected_names |= {f"compressor.{kv}_{n}" for kv in "kv" for n in ("pos_emb", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias")}
     assert set(params) == expected_names, "layer parameters changed: update naive_layer_forward"
     assert layer.kv_proj.weight.shape[0] == (3 if kvb else 1) * 2 * Hkv * config.head_dim
