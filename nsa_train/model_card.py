@@ -73,7 +73,8 @@ def run_card_fields(cfg, config, run, *, n_params, world, mixed_precision, devic
         "quality": quality_section(run, config.attention_mode),
         **{k: getattr(config, k) for k in (
             "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "cmp_block_size", "cmp_stride", "sel_block_size", "sel_num_blocks", "window_size", "vocab_size")},
+            "head_dim", "cmp_block_size", "cmp_stride", "sel_block_size", "sel_num_blocks", "window_size", "vocab_size",
+            "compressor")},
         "tokenizer": without_local_path(cfg.tokenizer),
         "init_description": f"initialized from `{source}` (its own training is not counted in this card's steps "
                             "and tokens)" if source else "initialized at random",
