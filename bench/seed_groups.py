@@ -1,0 +1,262 @@
+"""Groups of seeds compared: how many learned a retrieval task, and their validation loss, with the tests behind
+the claims in bench/QUALITY.md (Fisher's exact test on the counts, the loss gap paired by seed).
+
+    python bench/seed_groups.py --out runs/groups \\
+        --group dense bench/results/2026-11-2*-cpu-retrieval-varied-rows*:dense \\
+        --group nsa-mlp bench/results/2026-11-2*-cpu-retrieval-varied-rows*:nsa \\
+        --group nsa-mean bench/results/2026-11-29-cpu-retrieval-mean-compressor bench/results/2026-11-29-cpu-retrieval-mean-compressor/seeds34 \\
+            bench/results/2026-11-30-cpu-retrieval-mean-compressor-seeds*
+
+`bench/ab_compare.py` compares NSA with its dense twin; this compares any named groups of finished runs, e.g. NSA
+with two compressors and dense, each over its own seeds. A SOURCE is a folder holding an `ab_compare.json` (an
+`ab_compare.py --out`, or its copy under `bench/results/`); `SOURCE:MODE` keeps its runs of that attention mode
+only. Per run it reads the seed and the last validation loss from `ab_compare.json`, and the passkey (or needle)
+evaluation from `<SOURCE>/<run>/long_context/<task>_<scoring>.json` (the trainer's `--eval-long-context`) or, in a
+results copy, `<SOURCE>/<run>-<task>.json`.
+
+A run "learned" the task where its accuracy (mean over depths) at `--learned-length` is at least
+`--learned-accuracy` (defaults: the evaluation's first length, 0.98: the README's rule). For every two groups:
+- the counts, with Fisher's exact test, two-sided (the probability, with the margins fixed, of a table at most as
+  likely as the one observed);
+- validation loss, second minus first, paired by the seeds both ran (mean and Student's t 95% half-width; their
+  twins share a data order, and initial weights where the models share parameters), and unpaired (Welch's t).
+Writes `<out>/seed_groups.md` and `seed_groups.json`, and prints the Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import statistics
+import sys
+import time
+from itertools import combinations
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: nsa_train
+
+from nsa_train.long_context import run_command  # noqa: E402
+
+MODES = ("nsa", "dense")
+
+# Two-sided 95% quantiles of Student's t by degrees of freedom (1.96 past 30), as bench/ab_compare.py's.
+_T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def t95(dof: int) -> float:
+    return _T95[dof - 1] if dof <= len(_T95) else 1.96
+
+
+def fisher_exact_two_sided(a: int, b: int, c: int, d: int) -> float:
+    """p of the 2x2 table [[a, b], [c, d]] (rows: groups; columns: learned, not): the sum of the hypergeometric
+    probabilities of every table with the same margins that is at most as likely as this one."""
+    row1, col1, total = a + b, a + c, a + b + c + d
+
+    def probability(x):  # x in the top-left cell
+        return math.comb(col1, x) * math.comb(total - col1, row1 - x) / math.comb(total, row1)
+
+    observed = probability(a)
+    cells = range(max(0, row1 + col1 - total), min(row1, col1) + 1)
+    # (the relative slack keeps tables exactly as likely as the observed one from being lost to rounding)
+    return min(1.0, sum(p for p in map(probability, cells) if p <= observed * (1 + 1e-9)))
+
+
+# ----------------------------------------------------------------------------- reading runs
+
+
+def parse_source(spec: str) -> tuple[list[Path], str | None]:
+    """'FOLDER[:MODE]' -> the folders it names (a glob pattern is expanded) and the mode kept (None: every run)."""
+    mode = None
+    if ":" in spec and spec.rsplit(":", 1)[1] in MODES:
+        spec, mode = spec.rsplit(":", 1)
+    elif ":" in spec and "/" not in spec.rsplit(":", 1)[1]:
+        raise ValueError(f"--group source {spec!r}: after ':' give an attention mode, {' or '.join(MODES)}.")
+    folders = sorted(Path(p) for p in glob.glob(spec)) if glob.has_magic(spec) else [Path(spec)]
+    folders = [f for f in folders if (f / "ab_compare.json").is_file()] if glob.has_magic(spec) else folders
+    if not folders:
+        raise ValueError(f"--group source {spec!r}: no folder holding an ab_compare.json matches it.")
+    for folder in folders:
+        if not (folder / "ab_compare.json").is_file():
+            raise ValueError(f"--group source {folder}: no ab_compare.json there; give the --out folder of "
+                             "bench/ab_compare.py (or its copy under bench/results/).")
+    return folders, mode
+
+
+def _evaluation_file(folder: Path, name: str, task: str, scoring: str) -> Path | None:
+    for path in (folder / name / "long_context" / f"{task}_{scoring}.json", folder / f"{name}-{task}.json"):
+        if path.is_file():
+            return path
+    return None
+
+
+def read_group(name: str, specs: list[str], task: str, scoring: str) -> list[dict]:
+    """The runs of one group: seed, mode, folder, final validation loss and tokens, and the retrieval accuracy per
+    case length (mean over depths; None where the run has no evaluation of `task`)."""
+    runs = []
+    for spec in specs:
+        folders, mode = parse_source(spec)
+        for folder in folders:
+            record = json.loads((folder / "ab_compare.json").read_text())
+            for run in record.get("runs", []):
+                if mode is not None and run.get("mode") != mode:
+                    continue
+                if not run.get("val"):
+                    raise ValueError(f"{folder}/ab_compare.json: run {run.get('name')} has no validation loss.")
+                path = _evaluation_file(folder, run["name"], task, scoring)
+                accuracy = None
+                if path is not None:
+                    result = json.loads(path.read_text())
+                    if result.get("task") == task and result.get("scoring", scoring) == scoring:
+                        accuracy = {int(n): statistics.fmean(row) for n, row in zip(result["lengths"], result["accuracy"])}
+                tokens, loss = run["val"][-1]
+                runs.append({"group": name, "source": str(folder), "name": run["name"], "mode": run.get("mode"),
+                             "seed": run.get("seed"), "tokens": tokens, "val_loss": loss, "accuracy": accuracy})
+    if not runs:
+        raise ValueError(f"--group {name}: its sources ({' '.join(specs)}) hold no runs of the mode asked for.")
+    seeds = [r["seed"] for r in runs]
+    repeated = sorted({s for s in seeds if seeds.count(s) > 1})
+    if repeated:
+        where = "; ".join(f"seed {s}: " + ", ".join(f"{r['source']}/{r['name']}" for r in runs if r["seed"] == s)
+                          for s in repeated)
+        raise ValueError(f"--group {name}: more than one run of a seed ({where}); a group holds one run per seed "
+                         "(name the sources so that each seed appears once, e.g. with ':nsa' or ':dense').")
+    return sorted(runs, key=lambda r: r["seed"])
+
+
+# ----------------------------------------------------------------------------- comparing
+
+
+def learned(run: dict, length: int, threshold: float) -> bool | None:
+    if run["accuracy"] is None or length not in run["accuracy"]:
+        return None
+    return run["accuracy"][length] >= threshold
+
+
+def summarize(groups: dict[str, list[dict]], length: int, threshold: float) -> dict:
+    summary = {}
+    for name, runs in groups.items():
+        flags = [learned(r, length, threshold) for r in runs]
+        losses = [r["val_loss"] for r in runs]
+        summary[name] = {
+            "seeds": [r["seed"] for r in runs], "evaluated": sum(f is not None for f in flags),
+            "learned": sum(bool(f) for f in flags),
+            "val_loss_mean": statistics.fmean(losses), "val_loss_std": statistics.stdev(losses) if len(losses) > 1 else None,
+        }  # fmt: skip
+    return summary
+
+
+def compare_pair(first: list[dict], second: list[dict], length: int, threshold: float) -> dict:
+    """Second group against the first: counts and Fisher's p over the runs each evaluated, and the validation-loss
+    gap (second - first), paired by shared seeds and unpaired."""
+    counts = []
+    for runs in (first, second):
+        flags = [f for f in (learned(r, length, threshold) for r in runs) if f is not None]
+        counts.append((sum(flags), len(flags) - sum(flags)))
+    out = {"learned": [c[0] for c in counts], "evaluated": [sum(c) for c in counts]}
+    out["fisher_p"] = fisher_exact_two_sided(*counts[0], *counts[1]) if all(sum(c) for c in counts) else None
+    by_seed = [{r["seed"]: r["val_loss"] for r in runs} for runs in (first, second)]
+    shared = sorted(set(by_seed[0]) & set(by_seed[1]))
+    gaps = [by_seed[1][s] - by_seed[0][s] for s in shared]
+    out["paired_seeds"] = shared
+    out["paired_gap"] = statistics.fmean(gaps) if gaps else None
+    out["paired_half_width"] = t95(len(gaps) - 1) * statistics.stdev(gaps) / math.sqrt(len(gaps)) if len(gaps) > 1 else None
+    a, b = ([r["val_loss"] for r in runs] for runs in (first, second))
+    out["unpaired_gap"] = statistics.fmean(b) - statistics.fmean(a)
+    if len(a) > 1 and len(b) > 1:
+        se = math.sqrt(statistics.variance(a) / len(a) + statistics.variance(b) / len(b))
+        out["welch_t"] = out["unpaired_gap"] / se if se > 0 else None
+    else:
+        out["welch_t"] = None
+    return out
+
+
+def _fmt(x, spec="{:+.4f}"):
+    return "-" if x is None else spec.format(x)
+
+
+def markdown(groups: dict[str, list[dict]], summary: dict, pairs: dict, length: int, threshold: float,
+             task: str) -> str:
+    names = list(groups)
+    lengths = sorted({n for runs in groups.values() for r in runs if r["accuracy"] for n in r["accuracy"]})
+    seeds = sorted({r["seed"] for runs in groups.values() for r in runs})
+    lines = [f"# Seed groups: {task} learned (at least {threshold:.0%} at {length} tokens) and validation loss", "",
+             f"Per seed: {task} accuracy at " + " / ".join(map(str, lengths)) + " tokens (mean over depths), then the "
+             "validation loss at the run's last evaluation; **bold**: not learned.", "",
+             "| seed | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]  # fmt: skip
+    for seed in seeds:
+        cells = []
+        for name in names:
+            run = next((r for r in groups[name] if r["seed"] == seed), None)
+            if run is None:
+                cells.append("")
+                continue
+            accuracy = " / ".join(f"{run['accuracy'][n]:.0%}" if n in run["accuracy"] else "-" for n in lengths) \
+                if run["accuracy"] else "no evaluation"
+            text = f"{accuracy}, {run['val_loss']:.4f}"
+            cells.append(f"**{text}**" if learned(run, length, threshold) is False else text)
+        lines.append(f"| {seed} | " + " | ".join(cells) + " |")
+    lines += ["", "| group | seeds | learned | val loss, mean ± std over seeds |", "|---|---|---|---|"]
+    for name in names:
+        s = summary[name]
+        lines.append(f"| {name} | {len(s['seeds'])} | {s['learned']} of {s['evaluated']} | "
+                     f"{s['val_loss_mean']:.4f} ± {_fmt(s['val_loss_std'], '{:.4f}')} |")  # fmt: skip
+    lines += ["", "| second vs first | learned | Fisher's exact p (two-sided) | val loss, second - first, paired by "
+                  "seed (95%) | paired seeds | unpaired gap, Welch's t |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for (first, second), c in pairs.items():
+        paired = f"{_fmt(c['paired_gap'])} ± {_fmt(c['paired_half_width'], '{:.4f}')}" if c["paired_gap"] is not None else "-"
+        lines.append(f"| {second} vs {first} | {c['learned'][1]}/{c['evaluated'][1]} vs {c['learned'][0]}/"
+                     f"{c['evaluated'][0]} | {_fmt(c['fisher_p'], '{:.3f}')} | {paired} | {len(c['paired_seeds'])} | "
+                     f"{_fmt(c['unpaired_gap'])}, t = {_fmt(c['welch_t'], '{:.1f}')} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="bench/seed_groups.py", description=__doc__.split("\n\n")[0],
+                                allow_abbrev=False)
+    p.add_argument("--out", required=True, type=Path, help="folder for seed_groups.md and seed_groups.json")
+    p.add_argument("--group", nargs="+", action="append", required=True, metavar=("NAME", "SOURCE"),
+                   help="a name, then folders holding ab_compare.json (glob patterns allowed), each optionally "
+                        "':nsa' or ':dense' to keep that mode's runs; give --group once per group (two or more)")
+    p.add_argument("--task", default="passkey", help="the evaluation to count (default passkey)")
+    p.add_argument("--scoring", default="generate", help="its scoring (default generate)")
+    p.add_argument("--learned-length", type=int, default=None,
+                   help="case length (tokens) where learning is judged (default: the first length evaluated)")
+    p.add_argument("--learned-accuracy", type=float, default=0.98,
+                   help="accuracy at that length that counts as learned (default 0.98)")
+    args = p.parse_args(argv)
+    if len(args.group) < 2:
+        p.error("give --group at least twice: a comparison needs two groups.")
+    short = [g[0] for g in args.group if len(g) < 2]
+    if short:
+        p.error(f"--group {short[0]}: give the group's sources after its name.")
+    names = [g[0] for g in args.group]
+    if len(set(names)) != len(names):
+        p.error(f"--group names repeat: {names}; give each group its own name.")
+    if not 0 < args.learned_accuracy <= 1:
+        p.error(f"--learned-accuracy {args.learned_accuracy}: give a fraction in (0, 1], e.g. 0.98.")
+    groups = {g[0]: read_group(g[0], g[1:], args.task, args.scoring) for g in args.group}
+    evaluated = sorted({n for runs in groups.values() for r in runs if r["accuracy"] for n in r["accuracy"]})
+    if not evaluated:
+        raise ValueError(f"no run of these groups has a {args.task} evaluation scored by {args.scoring}: train with "
+                         "--eval-long-context, or run python -m nsa_train.long_context on each run's final/.")
+    length = args.learned_length if args.learned_length is not None else evaluated[0]
+    if length not in evaluated:
+        raise ValueError(f"--learned-length {length}: no run evaluated that length; they evaluated {evaluated}.")
+    summary = summarize(groups, length, args.learned_accuracy)
+    pairs = {(a, b): compare_pair(groups[a], groups[b], length, args.learned_accuracy) for a, b in combinations(names, 2)}
+    text = markdown(groups, summary, pairs, length, args.learned_accuracy, args.task)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "seed_groups.md").write_text(text)
+    result = {"task": args.task, "scoring": args.scoring, "learned_length": length,
+              "learned_accuracy": args.learned_accuracy, "date": time.strftime("%Y-%m-%d"), "groups": groups,
+              "summary": summary, "pairs": [{"first": a, "second": b, **c} for (a, b), c in pairs.items()]}  # fmt: skip
+    (args.out / "seed_groups.json").write_text(json.dumps(result, indent=2))
+    print(text)
+    return result
+
+
+if __name__ == "__main__":
+    run_command(main)
