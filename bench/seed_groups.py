@@ -2,24 +2,27 @@
 the claims in bench/QUALITY.md (Fisher's exact test on the counts, the loss gap paired by seed).
 
     python bench/seed_groups.py --out runs/groups \\
-        --group dense bench/results/2026-11-2*-cpu-retrieval-varied-rows*:dense \\
-        --group nsa-mlp bench/results/2026-11-2*-cpu-retrieval-varied-rows*:nsa \\
+        --group dense "bench/results/2026-11-*-cpu-retrieval-varied-rows*:dense" \\
+        --group nsa-mlp "bench/results/2026-11-*-cpu-retrieval-varied-rows*:nsa" \\
         --group nsa-mean bench/results/2026-11-29-cpu-retrieval-mean-compressor bench/results/2026-11-29-cpu-retrieval-mean-compressor/seeds34 \\
-            bench/results/2026-11-30-cpu-retrieval-mean-compressor-seeds*
+            "bench/results/2026-11-30-cpu-retrieval-mean-compressor-seeds*"
 
 `bench/ab_compare.py` compares NSA with its dense twin; this compares any named groups of finished runs, e.g. NSA
 with two compressors and dense, each over its own seeds. A SOURCE is a folder holding an `ab_compare.json` (an
 `ab_compare.py --out`, or its copy under `bench/results/`); `SOURCE:MODE` keeps its runs of that attention mode
-only. Per run it reads the seed and the last validation loss from `ab_compare.json`, and the passkey (or needle)
+only; a pattern is expanded (quote it). Per run it reads the seed and the last validation loss from `ab_compare.json`, and the passkey (or needle)
 evaluation from `<SOURCE>/<run>/long_context/<task>_<scoring>.json` (the trainer's `--eval-long-context`) or, in a
 results copy, `<SOURCE>/<run>-<task>.json`.
 
 A run "learned" the task where its accuracy (mean over depths) at `--learned-length` is at least
-`--learned-accuracy` (defaults: the evaluation's first length, 0.98: the README's rule). For every two groups:
+`--learned-accuracy` (defaults: the shortest length evaluated, 0.98: the README's rule); a run that did not
+evaluate that length is left out of the counts (said in the table). For every two groups:
 - the counts, with Fisher's exact test, two-sided (the probability, with the margins fixed, of a table at most as
   likely as the one observed);
-- validation loss, second minus first, paired by the seeds both ran (mean and Student's t 95% half-width; their
-  twins share a data order, and initial weights where the models share parameters), and unpaired (Welch's t).
+- validation loss, second minus first, paired by the seeds both ran (mean and Student's t 95% half-width), and
+  unpaired (Welch's t). Runs of one seed share their data order; whether they share initial weights depends on
+  the pair: ab_compare's dense twin takes its NSA twin's weights, and compressors "mlp" and "mean_mlp" draw the
+  same weights (but φ's zeroed output layer), whereas "mean" draws none for φ, which shifts every later draw.
 Writes `<out>/seed_groups.md` and `seed_groups.json`, and prints the Markdown.
 """
 
@@ -68,16 +71,22 @@ def fisher_exact_two_sided(a: int, b: int, c: int, d: int) -> float:
 
 
 def parse_source(spec: str) -> tuple[list[Path], str | None]:
-    """'FOLDER[:MODE]' -> the folders it names (a glob pattern is expanded) and the mode kept (None: every run)."""
+    """'FOLDER[:MODE]' -> the folders it names (a glob pattern is expanded) and the mode kept (None: every run).
+    A folder that exists under the whole spec is taken as it is, colons and brackets included."""
     mode = None
-    if ":" in spec and spec.rsplit(":", 1)[1] in MODES:
-        spec, mode = spec.rsplit(":", 1)
-    elif ":" in spec and "/" not in spec.rsplit(":", 1)[1]:
-        raise ValueError(f"--group source {spec!r}: after ':' give an attention mode, {' or '.join(MODES)}.")
-    folders = sorted(Path(p) for p in glob.glob(spec)) if glob.has_magic(spec) else [Path(spec)]
-    folders = [f for f in folders if (f / "ab_compare.json").is_file()] if glob.has_magic(spec) else folders
-    if not folders:
-        raise ValueError(f"--group source {spec!r}: no folder holding an ab_compare.json matches it.")
+    if not Path(spec).is_dir() and ":" in spec:
+        head, tail = spec.rsplit(":", 1)
+        if tail not in MODES:
+            raise ValueError(f"--group source {spec!r}: no such folder, and after ':' give an attention mode, "
+                             f"{' or '.join(MODES)}.")
+        spec, mode = head, tail
+    if Path(spec).is_dir() or not glob.has_magic(spec):
+        folders = [Path(spec)]
+    else:
+        folders = sorted(f for f in map(Path, glob.glob(spec)) if (f / "ab_compare.json").is_file())
+        if not folders:
+            raise ValueError(f"--group source {spec!r}: no folder holding an ab_compare.json matches it (a path "
+                             "with [ or ] in its name: pass the folder itself, or glob.escape it).")
     for folder in folders:
         if not (folder / "ab_compare.json").is_file():
             raise ValueError(f"--group source {folder}: no ab_compare.json there; give the --out folder of "
@@ -95,20 +104,28 @@ def _evaluation_file(folder: Path, name: str, task: str, scoring: str) -> Path |
 def read_group(name: str, specs: list[str], task: str, scoring: str) -> list[dict]:
     """The runs of one group: seed, mode, folder, final validation loss and tokens, and the retrieval accuracy per
     case length (mean over depths; None where the run has no evaluation of `task`)."""
-    runs = []
+    runs, seen = [], set()
     for spec in specs:
         folders, mode = parse_source(spec)
         for folder in folders:
+            if (folder.resolve(), mode) in seen:  # named twice (a folder and a pattern that matches it): once
+                continue
+            seen.add((folder.resolve(), mode))
             record = json.loads((folder / "ab_compare.json").read_text())
             for run in record.get("runs", []):
                 if mode is not None and run.get("mode") != mode:
                     continue
-                if not run.get("val"):
-                    raise ValueError(f"{folder}/ab_compare.json: run {run.get('name')} has no validation loss.")
+                if not isinstance(run.get("seed"), int) or not run.get("name") or not run.get("val"):
+                    raise ValueError(f"{folder}/ab_compare.json: run {run.get('name')!r} lacks its name, integer "
+                                     "seed or validation losses; write the file again with bench/ab_compare.py "
+                                     "--runs <its runs>.")  # fmt: skip
                 path = _evaluation_file(folder, run["name"], task, scoring)
                 accuracy = None
                 if path is not None:
                     result = json.loads(path.read_text())
+                    if not isinstance(result.get("lengths"), list) or not isinstance(result.get("accuracy"), list):
+                        raise ValueError(f"{path}: not an evaluation as nsa_train.long_context writes it (no lengths "
+                                         "or accuracy); run the evaluation again or remove the file.")
                     if result.get("task") == task and result.get("scoring", scoring) == scoring:
                         accuracy = {int(n): statistics.fmean(row) for n, row in zip(result["lengths"], result["accuracy"])}
                 tokens, loss = run["val"][-1]
@@ -198,7 +215,8 @@ def markdown(groups: dict[str, list[dict]], summary: dict, pairs: dict, length: 
             text = f"{accuracy}, {run['val_loss']:.4f}"
             cells.append(f"**{text}**" if learned(run, length, threshold) is False else text)
         lines.append(f"| {seed} | " + " | ".join(cells) + " |")
-    lines += ["", "| group | seeds | learned | val loss, mean ± std over seeds |", "|---|---|---|---|"]
+    lines += ["", "| group | seeds | learned, of the runs evaluated at that length | val loss, mean ± std over seeds |",
+              "|---|---|---|---|"]
     for name in names:
         s = summary[name]
         lines.append(f"| {name} | {len(s['seeds'])} | {s['learned']} of {s['evaluated']} | "
@@ -223,7 +241,7 @@ def main(argv=None) -> dict:
     p.add_argument("--task", default="passkey", help="the evaluation to count (default passkey)")
     p.add_argument("--scoring", default="generate", help="its scoring (default generate)")
     p.add_argument("--learned-length", type=int, default=None,
-                   help="case length (tokens) where learning is judged (default: the first length evaluated)")
+                   help="case length (tokens) where learning is judged (default: the shortest length evaluated)")
     p.add_argument("--learned-accuracy", type=float, default=0.98,
                    help="accuracy at that length that counts as learned (default 0.98)")
     args = p.parse_args(argv)

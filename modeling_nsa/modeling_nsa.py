@@ -158,6 +158,8 @@ class NSACompressor(nn.Module):
             self.v_mlp = nn.Sequential(
                 nn.Linear(self.block_size * head_dim, hidden), nn.GELU(), nn.Linear(hidden, head_dim)
             )
+            if self.mode == "mean_mlp":  # φ's output layers start at zero (_init_weights): the block mean at first
+                self.k_mlp[2]._nsa_zero_init = self.v_mlp[2]._nsa_zero_init = True
 
     def _compress(self, blocks, pos_emb, mlp):  # (B, N, l, Hkv, D) -> (B, N, Hkv, D)
         if self.mode == "mean":
@@ -383,10 +385,12 @@ class NSAPreTrainedModel(PreTrainedModel):
         if isinstance(module, NSACompressor) and module.mode in ("mlp", "mean_mlp"):
             init.normal_(module.k_pos_emb, mean=0.0, std=self.config.initializer_range)
             init.normal_(module.v_pos_emb, mean=0.0, std=self.config.initializer_range)
-            if module.mode == "mean_mlp":  # φ's output layer at zero: the compressor starts as the block mean
-                for output_layer in (module.k_mlp[2], module.v_mlp[2]):
-                    init.zeros_(output_layer.weight)
-                    init.zeros_(output_layer.bias)
+        elif isinstance(module, nn.Linear) and getattr(module, "_nsa_zero_init", False):
+            # "mean_mlp"'s φ output layers, zeroed where the Linear itself is initialized: transformers skips a
+            # module whose own parameters all loaded, so the compressor's visit may not happen when only these are
+            # missing from a checkpoint
+            init.zeros_(module.weight)
+            init.zeros_(module.bias)
         elif isinstance(module, NSARotaryEmbedding):
             exponent = torch.arange(0, self.config.head_dim, 2, dtype=torch.float32) / self.config.head_dim
             init.copy_(module.inv_freq, 1.0 / (self.config.rope_theta**exponent))

@@ -4,6 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from safetensors.torch import load_file, save_file
+
 from modeling_nsa import NSAConfig, NSAForCausalLM
 
 TINY = dict(
@@ -260,3 +262,14 @@ def test_mean_mlp_compressor_starts_as_the_mean_and_learns_away_from_it(tmp_path
     for name, tensor in model.state_dict().items():
         assert torch.equal(reloaded.state_dict()[name], tensor), name
     torch.testing.assert_close(reloaded(batch).logits, trained, rtol=1e-12, atol=1e-12)  # (train vs eval form)
+
+    # a checkpoint without φ's output layers (e.g. converted from "mean"): those start at zero again, even though
+    # the compressor's own parameters (the position embeddings) all loaded and transformers skips its visit
+    weights = tmp_path / "model.safetensors"
+    saved = load_file(weights)
+    kept = {name: t for name, t in saved.items() if "_mlp.2." not in name}
+    assert len(kept) == len(saved) - 4 * model.config.num_hidden_layers  # k/v output layers' weight and bias
+    save_file(kept, weights, metadata={"format": "pt"})
+    partial = NSAForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float64)
+    for name, tensor in partial.state_dict().items():
+        assert torch.equal(tensor, torch.zeros_like(tensor) if "_mlp.2." in name else model.state_dict()[name]), name

@@ -74,6 +74,17 @@ def test_groups_count_learned_seeds_and_pair_losses_by_seed(two_groups, capsys):
     assert json.loads((out / "seed_groups.json").read_text())["pairs"][0]["fisher_p"] == pair["fisher_p"]
 
 
+def test_sources_named_twice_count_once_and_folders_may_hold_colons(two_groups):
+    colon = two_groups / "run:2026"
+    (two_groups / "ab").rename(colon)
+    assert seed_groups.parse_source(str(colon)) == ([colon], None)
+    assert seed_groups.parse_source(f"{colon}:nsa") == ([colon], "nsa")
+    result = seed_groups.main(["--out", str(two_groups / "out"), "--group", "dense", f"{colon}:dense",
+                               f"{colon}:dense", "--group", "nsa", f"{two_groups}/results/more:nsa",
+                               f"{two_groups}/results/m*:nsa"])  # fmt: skip
+    assert result["summary"]["dense"]["seeds"] == [0, 1] and result["summary"]["nsa"]["seeds"] == [2, 3, 4]
+
+
 def test_the_learned_rule_follows_its_flags(two_groups):
     result = seed_groups.main(["--out", str(two_groups / "out"), "--group", "dense", f"{two_groups}/ab:dense",
                                "--group", "nsa", f"{two_groups}/ab:nsa", "--learned-length", "256",
@@ -83,7 +94,7 @@ def test_the_learned_rule_follows_its_flags(two_groups):
 
 @pytest.mark.parametrize("table, expected", [
     ((3, 1, 1, 3), Fraction(34, 70)),  # Fisher's tea tasting: 8 cups, two-sided
-    ((3, 9, 9, 3), None),  # symmetric with (9, 3, 3, 9): the same p
+    ((3, 9, 9, 3), None),  # symmetric with (9, 3, 3, 9): the same p, 0.0391 (R's fisher.test, scipy's)
     ((0, 5, 5, 0), Fraction(2, 252)),  # the two most extreme tables of margins 5, 5
     ((2, 0, 0, 0), Fraction(1)),  # one table only
 ], ids=["tea-tasting", "3v9-symmetric", "extreme", "single-table"])
@@ -91,7 +102,7 @@ def test_fisher_exact_two_sided(table, expected):
     p = seed_groups.fisher_exact_two_sided(*table)
     if expected is None:
         a, b, c, d = table
-        assert math.isclose(p, seed_groups.fisher_exact_two_sided(b, a, d, c)) and 0.03 < p < 0.05
+        assert math.isclose(p, seed_groups.fisher_exact_two_sided(b, a, d, c)) and round(p, 6) == 0.039126
     else:
         assert math.isclose(p, float(expected))
 
@@ -110,9 +121,11 @@ def test_fisher_exact_two_sided(table, expected):
      "no run of these groups has a needle evaluation"),
     (lambda t: ["--group", "a", f"{t}/ab:dense", "--group", "b", f"{t}/ab:nsa", "--learned-accuracy", "98"],
      "--learned-accuracy 98.0: give a fraction"),
+    (lambda t: ["--group", "a", f"{t}/ab:dense", "--group", "b", f"{t}/noseed:nsa"], "lacks its name, integer seed"),
 ], ids=["one-group", "repeated-name", "no-sources", "seed-twice", "bad-mode", "missing-folder", "empty-glob",
-        "length-not-evaluated", "task-not-evaluated", "percent-not-fraction"])
+        "length-not-evaluated", "task-not-evaluated", "percent-not-fraction", "no-seed"])
 def test_bad_input_is_named(two_groups, capsys, make_args, message):
+    write_comparison(two_groups / "noseed", [("nsa", None, 0.3, None)])
     with pytest.raises((SystemExit, ValueError)) as caught:
         seed_groups.main(["--out", str(two_groups / "out"), *make_args(two_groups)])
     said = str(caught.value) if caught.type is ValueError else capsys.readouterr().err
