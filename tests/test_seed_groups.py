@@ -134,18 +134,24 @@ def test_bad_input_is_named(two_groups, capsys, make_args, message):
 
 def test_the_readmes_retrieval_counts_follow_from_the_committed_results(tmp_path):
     """bench/QUALITY.md's twelve seeds on varied rows: dense 9, NSA with the MLP compressor 3 (p = 0.039), NSA with
-    the mean compressor 8; validation loss NSA (MLP) - dense +0.013 ± 0.011 and mean - dense -0.0009 ± 0.0036."""
+    the mean compressor 8, with the MLP started at the mean 6; validation loss NSA (MLP) - dense +0.013 ± 0.011,
+    mean - dense -0.0009 ± 0.0036, mean + MLP - dense +0.0044 ± 0.0091."""
     results = ROOT / "bench" / "results"
     mean_sources = [f"{results}/2026-11-29-cpu-retrieval-mean-compressor",
                     f"{results}/2026-11-29-cpu-retrieval-mean-compressor/seeds34",
                     f"{results}/2026-11-30-cpu-retrieval-mean-compressor-seeds*"]  # fmt: skip
     result = seed_groups.main(["--out", str(tmp_path), "--group", "dense", f"{results}/2026-11-*-cpu-retrieval-varied-rows*:dense",
                                "--group", "nsa-mlp", f"{results}/2026-11-*-cpu-retrieval-varied-rows*:nsa",
-                               "--group", "nsa-mean", *mean_sources])  # fmt: skip
+                               "--group", "nsa-mean", *mean_sources, "--group", "nsa-mean-mlp",
+                               f"{results}/2026-11-30-cpu-retrieval-mean-mlp-compressor/seeds*"])  # fmt: skip
     counts = {name: (s["learned"], len(s["seeds"])) for name, s in result["summary"].items()}
-    assert counts == {"dense": (9, 12), "nsa-mlp": (3, 12), "nsa-mean": (8, 12)}
+    assert counts == {"dense": (9, 12), "nsa-mlp": (3, 12), "nsa-mean": (8, 12), "nsa-mean-mlp": (6, 12)}
     pairs = {(p["first"], p["second"]): p for p in result["pairs"]}
     mlp, mean = pairs["dense", "nsa-mlp"], pairs["dense", "nsa-mean"]
     assert round(mlp["fisher_p"], 3) == 0.039 and round(mean["fisher_p"], 2) == 1.0
     assert (round(mlp["paired_gap"], 3), round(mlp["paired_half_width"], 3)) == (0.013, 0.011)
     assert (round(mean["paired_gap"], 4), round(mean["paired_half_width"], 4)) == (-0.0009, 0.0036)
+    started = pairs["dense", "nsa-mean-mlp"]  # the MLP started at the mean (2026-11-30)
+    assert (round(started["paired_gap"], 4), round(started["paired_half_width"], 4)) == (0.0044, 0.0091)
+    assert round(pairs["nsa-mlp", "nsa-mean-mlp"]["fisher_p"], 2) == 0.40
+    assert round(pairs["nsa-mean", "nsa-mean-mlp"]["fisher_p"], 2) == 0.68
