@@ -12,7 +12,8 @@ with two compressors and dense, each over its own seeds. A SOURCE is a folder ho
 `ab_compare.py --out`, or its copy under `bench/results/`); `SOURCE:MODE` keeps its runs of that attention mode
 only; a pattern is expanded (quote it). Per run it reads the seed and the last validation loss from `ab_compare.json`, and the passkey (or needle)
 evaluation from `<SOURCE>/<run>/long_context/<task>_<scoring>.json` (the trainer's `--eval-long-context`) or, in a
-results copy, `<SOURCE>/<run>-<task>.json`.
+results copy, `<SOURCE>/<run>-<task>.json`. `--task none` compares the validation loss alone (runs trained
+without a retrieval evaluation, e.g. language-model A/Bs).
 
 A run "learned" the task where its accuracy (mean over depths) at `--learned-length` is at least
 `--learned-accuracy` (defaults: the shortest length evaluated, 0.98: the README's rule); a run that did not
@@ -119,7 +120,7 @@ def read_group(name: str, specs: list[str], task: str, scoring: str) -> list[dic
                     raise ValueError(f"{folder}/ab_compare.json: run {run.get('name')!r} lacks its name, integer "
                                      "seed or validation losses; write the file again with bench/ab_compare.py "
                                      "--runs <its runs>.")  # fmt: skip
-                path = _evaluation_file(folder, run["name"], task, scoring)
+                path = _evaluation_file(folder, run["name"], task, scoring) if task is not None else None
                 accuracy = None
                 if path is not None:
                     result = json.loads(path.read_text())
@@ -194,15 +195,21 @@ def _fmt(x, spec="{:+.4f}"):
     return "-" if x is None else spec.format(x)
 
 
-def markdown(groups: dict[str, list[dict]], summary: dict, pairs: dict, length: int, threshold: float,
-             task: str) -> str:
+def markdown(groups: dict[str, list[dict]], summary: dict, pairs: dict, length: int | None, threshold: float,
+             task: str | None) -> str:
+    """The tables; task None: validation loss only (no retrieval columns)."""
     names = list(groups)
     lengths = sorted({n for runs in groups.values() for r in runs if r["accuracy"] for n in r["accuracy"]})
     seeds = sorted({r["seed"] for runs in groups.values() for r in runs})
-    lines = [f"# Seed groups: {task} learned (at least {threshold:.0%} at {length} tokens) and validation loss", "",
-             f"Per seed: {task} accuracy at " + " / ".join(map(str, lengths)) + " tokens (mean over depths), then the "
-             "validation loss at the run's last evaluation; **bold**: not learned.", "",
-             "| seed | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]  # fmt: skip
+    if task is None:
+        lines = ["# Seed groups: validation loss", "", "Per seed: the validation loss at the run's last evaluation "
+                 "(tokens: " + ", ".join(sorted({f"{r['tokens']:,}" for runs in groups.values() for r in runs})) + ").",
+                 "", "| seed | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]  # fmt: skip
+    else:
+        lines = [f"# Seed groups: {task} learned (at least {threshold:.0%} at {length} tokens) and validation loss",
+                 "", f"Per seed: {task} accuracy at " + " / ".join(map(str, lengths)) + " tokens (mean over depths), "
+                 "then the validation loss at the run's last evaluation; **bold**: not learned.", "",
+                 "| seed | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]  # fmt: skip
     for seed in seeds:
         cells = []
         for name in names:
@@ -212,22 +219,27 @@ def markdown(groups: dict[str, list[dict]], summary: dict, pairs: dict, length: 
                 continue
             accuracy = " / ".join(f"{run['accuracy'][n]:.0%}" if n in run["accuracy"] else "-" for n in lengths) \
                 if run["accuracy"] else "no evaluation"
-            text = f"{accuracy}, {run['val_loss']:.4f}"
+            text = f"{run['val_loss']:.4f}" if task is None else f"{accuracy}, {run['val_loss']:.4f}"
             cells.append(f"**{text}**" if learned(run, length, threshold) is False else text)
         lines.append(f"| {seed} | " + " | ".join(cells) + " |")
-    lines += ["", "| group | seeds | learned, of the runs evaluated at that length | val loss, mean ± std over seeds |",
-              "|---|---|---|---|"]
+    learned_heads = [] if task is None else ["learned, of the runs evaluated at that length"]
+    lines += ["", "| " + " | ".join(["group", "seeds", *learned_heads, "val loss, mean ± std over seeds"]) + " |",
+              "|---|---|" + "---|" * (len(learned_heads) + 1)]
     for name in names:
         s = summary[name]
-        lines.append(f"| {name} | {len(s['seeds'])} | {s['learned']} of {s['evaluated']} | "
-                     f"{s['val_loss_mean']:.4f} ± {_fmt(s['val_loss_std'], '{:.4f}')} |")  # fmt: skip
-    lines += ["", "| second vs first | learned | Fisher's exact p (two-sided) | val loss, second - first, paired by "
-                  "seed (95%) | paired seeds | unpaired gap, Welch's t |", "|---|---|---|---|---|---|"]  # fmt: skip
+        counts = [] if task is None else [f"{s['learned']} of {s['evaluated']}"]
+        lines.append("| " + " | ".join([name, str(len(s["seeds"])), *counts,
+                                        f"{s['val_loss_mean']:.4f} ± {_fmt(s['val_loss_std'], '{:.4f}')}"]) + " |")
+    fisher_heads = [] if task is None else ["learned", "Fisher's exact p (two-sided)"]
+    heads = ["second vs first", *fisher_heads, "val loss, second - first, paired by seed (95%)", "paired seeds",
+             "unpaired gap, Welch's t"]  # fmt: skip
+    lines += ["", "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for (first, second), c in pairs.items():
         paired = f"{_fmt(c['paired_gap'])} ± {_fmt(c['paired_half_width'], '{:.4f}')}" if c["paired_gap"] is not None else "-"
-        lines.append(f"| {second} vs {first} | {c['learned'][1]}/{c['evaluated'][1]} vs {c['learned'][0]}/"
-                     f"{c['evaluated'][0]} | {_fmt(c['fisher_p'], '{:.3f}')} | {paired} | {len(c['paired_seeds'])} | "
-                     f"{_fmt(c['unpaired_gap'])}, t = {_fmt(c['welch_t'], '{:.1f}')} |")  # fmt: skip
+        fisher = [] if task is None else [f"{c['learned'][1]}/{c['evaluated'][1]} vs {c['learned'][0]}/{c['evaluated'][0]}",
+                                          _fmt(c["fisher_p"], "{:.3f}")]  # fmt: skip
+        lines.append("| " + " | ".join([f"{second} vs {first}", *fisher, paired, str(len(c["paired_seeds"])),
+                                        f"{_fmt(c['unpaired_gap'])}, t = {_fmt(c['welch_t'], '{:.1f}')}"]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -238,7 +250,8 @@ def main(argv=None) -> dict:
     p.add_argument("--group", nargs="+", action="append", required=True, metavar=("NAME", "SOURCE"),
                    help="a name, then folders holding ab_compare.json (glob patterns allowed), each optionally "
                         "':nsa' or ':dense' to keep that mode's runs; give --group once per group (two or more)")
-    p.add_argument("--task", default="passkey", help="the evaluation to count (default passkey)")
+    p.add_argument("--task", default="passkey",
+                   help="the evaluation to count (default passkey); 'none': compare validation loss only")
     p.add_argument("--scoring", default="generate", help="its scoring (default generate)")
     p.add_argument("--learned-length", type=int, default=None,
                    help="case length (tokens) where learning is judged (default: the shortest length evaluated)")
@@ -255,20 +268,24 @@ def main(argv=None) -> dict:
         p.error(f"--group names repeat: {names}; give each group its own name.")
     if not 0 < args.learned_accuracy <= 1:
         p.error(f"--learned-accuracy {args.learned_accuracy}: give a fraction in (0, 1], e.g. 0.98.")
-    groups = {g[0]: read_group(g[0], g[1:], args.task, args.scoring) for g in args.group}
+    task = None if args.task == "none" else args.task
+    if task is None and args.learned_length is not None:
+        p.error(f"--learned-length {args.learned_length} with --task none: no retrieval is counted; drop one.")
+    groups = {g[0]: read_group(g[0], g[1:], task, args.scoring) for g in args.group}
     evaluated = sorted({n for runs in groups.values() for r in runs if r["accuracy"] for n in r["accuracy"]})
-    if not evaluated:
-        raise ValueError(f"no run of these groups has a {args.task} evaluation scored by {args.scoring}: train with "
-                         "--eval-long-context, or run python -m nsa_train.long_context on each run's final/.")
-    length = args.learned_length if args.learned_length is not None else evaluated[0]
-    if length not in evaluated:
+    if task is not None and not evaluated:
+        raise ValueError(f"no run of these groups has a {task} evaluation scored by {args.scoring}: train with "
+                         "--eval-long-context, or run python -m nsa_train.long_context on each run's final/; "
+                         "--task none compares validation loss only.")
+    length = None if task is None else args.learned_length if args.learned_length is not None else evaluated[0]
+    if task is not None and length not in evaluated:
         raise ValueError(f"--learned-length {length}: no run evaluated that length; they evaluated {evaluated}.")
     summary = summarize(groups, length, args.learned_accuracy)
     pairs = {(a, b): compare_pair(groups[a], groups[b], length, args.learned_accuracy) for a, b in combinations(names, 2)}
-    text = markdown(groups, summary, pairs, length, args.learned_accuracy, args.task)
+    text = markdown(groups, summary, pairs, length, args.learned_accuracy, task)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "seed_groups.md").write_text(text)
-    result = {"task": args.task, "scoring": args.scoring, "learned_length": length,
+    result = {"task": task, "scoring": args.scoring, "learned_length": length,
               "learned_accuracy": args.learned_accuracy, "date": time.strftime("%Y-%m-%d"), "groups": groups,
               "summary": summary, "pairs": [{"first": a, "second": b, **c} for (a, b), c in pairs.items()]}  # fmt: skip
     (args.out / "seed_groups.json").write_text(json.dumps(result, indent=2))

@@ -85,6 +85,19 @@ def test_sources_named_twice_count_once_and_folders_may_hold_colons(two_groups):
     assert result["summary"]["dense"]["seeds"] == [0, 1] and result["summary"]["nsa"]["seeds"] == [2, 3, 4]
 
 
+def test_task_none_compares_validation_loss_only(two_groups):
+    (two_groups / "ab" / "nsa-seed0" / "long_context" / "passkey_generate.json").unlink()
+    result = seed_groups.main(["--out", str(two_groups / "out"), "--task", "none", "--group", "dense",
+                               f"{two_groups}/ab:dense", "--group", "nsa", f"{two_groups}/ab:nsa"])  # fmt: skip
+    assert result["task"] is None and result["learned_length"] is None
+    (pair,) = result["pairs"]
+    assert pair["evaluated"] == [0, 0] and pair["fisher_p"] is None
+    assert math.isclose(pair["paired_gap"], statistics.fmean([0.30 - 0.20, 0.21 - 0.22]))
+    text = (two_groups / "out" / "seed_groups.md").read_text()
+    assert "| 0 | 0.2000 | 0.3000 |" in text and "Fisher" not in text and "learned" not in text
+    assert "| nsa vs dense | +0.0450 ± " in text
+
+
 def test_the_learned_rule_follows_its_flags(two_groups):
     result = seed_groups.main(["--out", str(two_groups / "out"), "--group", "dense", f"{two_groups}/ab:dense",
                                "--group", "nsa", f"{two_groups}/ab:nsa", "--learned-length", "256",
@@ -122,8 +135,10 @@ def test_fisher_exact_two_sided(table, expected):
     (lambda t: ["--group", "a", f"{t}/ab:dense", "--group", "b", f"{t}/ab:nsa", "--learned-accuracy", "98"],
      "--learned-accuracy 98.0: give a fraction"),
     (lambda t: ["--group", "a", f"{t}/ab:dense", "--group", "b", f"{t}/noseed:nsa"], "lacks its name, integer seed"),
+    (lambda t: ["--group", "a", f"{t}/ab:dense", "--group", "b", f"{t}/ab:nsa", "--task", "none",
+                "--learned-length", "224"], "--learned-length 224 with --task none"),
 ], ids=["one-group", "repeated-name", "no-sources", "seed-twice", "bad-mode", "missing-folder", "empty-glob",
-        "length-not-evaluated", "task-not-evaluated", "percent-not-fraction", "no-seed"])
+        "length-not-evaluated", "task-not-evaluated", "percent-not-fraction", "no-seed", "length-without-task"])
 def test_bad_input_is_named(two_groups, capsys, make_args, message):
     write_comparison(two_groups / "noseed", [("nsa", None, 0.3, None)])
     with pytest.raises((SystemExit, ValueError)) as caught:
