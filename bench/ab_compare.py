@@ -410,7 +410,7 @@ _T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2
         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
 
 
-def _t95(dof: int) -> float:
+def t95(dof: int) -> float:
     return _T95[dof - 1] if dof <= len(_T95) else 1.96
 
 
@@ -422,15 +422,15 @@ def gap_interval(row: dict) -> tuple[float | None, str]:
     or one mode's spread for both. None: no spread measured."""
     gaps = list(row.get("paired_gaps", {}).values())
     if len(gaps) >= 2:
-        return _t95(len(gaps) - 1) * statistics.stdev(gaps) / math.sqrt(len(gaps)), "paired"
+        return t95(len(gaps) - 1) * statistics.stdev(gaps) / math.sqrt(len(gaps)), "paired"
     spreads = [row[m] for m in MODES if row.get(m) and row[m]["std"] is not None]
     if not spreads:
         return None, "none"
     if len(spreads) == 2:
         se = math.sqrt(sum(s["std"] ** 2 / s["n"] for s in spreads))
-        return _t95(min(s["n"] for s in spreads) - 1) * se, "per-mode"
+        return t95(min(s["n"] for s in spreads) - 1) * se, "per-mode"
     s = spreads[0]
-    return _t95(s["n"] - 1) * s["std"] * math.sqrt(sum(1 / row[m]["n"] for m in MODES)), "per-mode"
+    return t95(s["n"] - 1) * s["std"] * math.sqrt(sum(1 / row[m]["n"] for m in MODES)), "per-mode"
 
 
 def compare(runs: list[dict]) -> dict:

@@ -40,18 +40,10 @@ from itertools import combinations
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: nsa_train
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: ab_compare
 
+from ab_compare import MODES, t95  # noqa: E402  (Student's t quantiles: one table for both comparisons)
 from nsa_train.long_context import run_command  # noqa: E402
-
-MODES = ("nsa", "dense")
-
-# Two-sided 95% quantiles of Student's t by degrees of freedom (1.96 past 30), as bench/ab_compare.py's.
-_T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
-
-
-def t95(dof: int) -> float:
-    return _T95[dof - 1] if dof <= len(_T95) else 1.96
 
 
 def fisher_exact_two_sided(a: int, b: int, c: int, d: int) -> float:
