@@ -12,6 +12,8 @@ from transformers.configuration_utils import PreTrainedConfig
 ATTENTION_MODES = ("nsa", "dense")
 NSA_BACKENDS = ("auto", "reference", "triton")
 COMPRESSORS = ("mlp", "mean", "mean_mlp")
+# the compressors with the paper's learnable φ (position embeddings and MLPs for K and V)
+COMPRESSORS_WITH_MLP = ("mlp", "mean_mlp")
 # transformers' defaults, which NSA mode takes (and does not consult): "sdpa", and "eager" that output_attentions sets
 NSA_MODE_ATTN_IMPLEMENTATIONS = (None, "sdpa", "eager")
 

@@ -24,7 +24,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import can_return_tuple
 
-from .configuration_nsa import NSAConfig, check_attn_implementation
+from .configuration_nsa import COMPRESSORS_WITH_MLP, NSAConfig, check_attn_implementation
 from .nsa_backend import (  # noqa: F401  (resolve_nsa_backend, _logged_once: importable from here, as before)
     _check_explicit_triton,
     _log_once,
@@ -148,7 +148,7 @@ class NSACompressor(nn.Module):
         super().__init__()
         self.mode = config.compressor
         self.block_size, head_dim = config.cmp_block_size, config.head_dim
-        if self.mode in ("mlp", "mean_mlp"):
+        if self.mode in COMPRESSORS_WITH_MLP:
             hidden = config.cmp_mlp_hidden_size
             self.k_pos_emb = nn.Parameter(torch.zeros(self.block_size, head_dim))
             self.v_pos_emb = nn.Parameter(torch.zeros(self.block_size, head_dim))
@@ -382,7 +382,7 @@ class NSAPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
-        if isinstance(module, NSACompressor) and module.mode in ("mlp", "mean_mlp"):
+        if isinstance(module, NSACompressor) and module.mode in COMPRESSORS_WITH_MLP:
             init.normal_(module.k_pos_emb, mean=0.0, std=self.config.initializer_range)
             init.normal_(module.v_pos_emb, mean=0.0, std=self.config.initializer_range)
         elif isinstance(module, nn.Linear) and getattr(module, "_nsa_zero_init", False):

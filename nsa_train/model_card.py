@@ -73,8 +73,8 @@ def run_card_fields(cfg, config, run, *, n_params, world, mixed_precision, devic
         "quality": quality_section(run, config.attention_mode),
         **{k: getattr(config, k) for k in (
             "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "cmp_block_size", "cmp_stride", "sel_block_size", "sel_num_blocks", "window_size", "vocab_size",
-            "compressor")},
+            "head_dim", "vocab_size")},
+        "attention_structure": attention_structure(config),
         "tokenizer": without_local_path(cfg.tokenizer),
         "init_description": f"initialized from `{source}` (its own training is not counted in this card's steps "
                             "and tokens)" if source else "initialized at random",
@@ -117,6 +117,18 @@ def schedule_words(cfg) -> str:
         return (f"of which the run took {cfg.max_steps:,}: it ended inside the warm-up at lr {last_lr:.3g}, "
                 f"with no cosine decay")
     return f"then cosine decay to {cfg.lr * cfg.min_lr_ratio:.3g} at step {cfg.max_steps:,}"
+
+
+def attention_structure(config) -> str:
+    """The card's attention row: NSA's block sizes, selection count, window and compressor, or, for a dense-mode
+    checkpoint, that those fields of its config are not used (they are kept so the dense twin's config loads the
+    same)."""
+    if config.attention_mode != "nsa":
+        return ("dense: causal attention over every earlier token of the document (the config's NSA fields are kept "
+                "but not used)")
+    return (f"NSA: compression block l = {config.cmp_block_size}, stride d = {config.cmp_stride}; selection block "
+            f"l' = {config.sel_block_size}, n = {config.sel_num_blocks} selected; window {config.window_size}; "
+            f"compressor `{config.compressor}`")
 
 
 def quality_section(run, attention_mode: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from modeling_nsa.configuration_nsa import NSAConfig
+from modeling_nsa.configuration_nsa import COMPRESSORS_WITH_MLP, NSAConfig
 from modeling_nsa.nsa_layout import NSAParams
 
 from naive_nsa import (
@@ -125,7 +125,7 @@ def naive_layer_forward(layer, hidden_states, doc_pos, config):
     k_win, v_win = rope_naive(kv[:, :, win_set, 0], pos4, theta), kv[:, :, win_set, 1]
     cmp_end = naive_cmp_end(doc_pos, params)
     comp = layer.compressor
-    if config.compressor in ("mlp", "mean_mlp"):
+    if config.compressor in COMPRESSORS_WITH_MLP:
         def phi(pos_emb, mlp):
             return dict(pos_emb=pos_emb, w1=mlp[0].weight, b1=mlp[0].bias, w2=mlp[2].weight, b2=mlp[2].bias)
 

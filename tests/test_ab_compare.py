@@ -289,6 +289,17 @@ def test_seed_spread_and_the_verdict():
     assert [row["tokens"] for row in ab_compare.compare(runs)["curve"]] == [0, 100]
 
 
+def test_students_t_past_the_table():
+    """Past 30 degrees of freedom t95 follows Student's t, not the normal 1.96 (which is 4% short at 31): the
+    published two-sided 95% quantiles at 40, 60 and 120, continuous with the table at 30, falling towards 1.96."""
+    for dof, published in ((40, 2.0211), (60, 2.0003), (120, 1.9799), (1000, 1.9623)):
+        assert ab_compare.t95(dof) == pytest.approx(published, abs=2e-4), dof
+    values = [ab_compare.t95(d) for d in range(1, 400)]
+    assert all(a > b for a, b in zip(values, values[1:])) and values[-1] > 1.96
+    with pytest.raises(ValueError, match="at least 1 degree of freedom"):
+        ab_compare.t95(0)
+
+
 def test_verdict_edges_run_states_and_the_token_axis(tmp_path):
     """The verdict's "resolved" is the target's distance from the gap (not the gap's from 0); one mode's spread
     stands in for both with both modes' run counts; a stopped run is resumed, not compared; tokens per step count

@@ -695,6 +695,29 @@ def test_model_card_describes_the_batch_documents_schedule_and_an_init_from_run(
     assert "initialized from `first/final` (its own training is not counted" in text
 
 
+def test_model_card_names_nsa_structure_only_for_an_nsa_checkpoint(tmp_path):
+    """An NSA card's attention row gives l, d, l', n, the window and the compressor; a dense-mode card says the
+    config's NSA fields are unused instead of listing them as if they shaped the model."""
+    import train_accelerate
+    from modeling_nsa import NSAConfig
+    from nsa_train import model_card
+    from nsa_train.run_state import RunState
+
+    def attention_row(**config):
+        cfg = train_accelerate.parse_args(tiny_args(tmp_path / "run"))
+        fields = model_card.run_card_fields(cfg, NSAConfig(**config), RunState(step=1, tokens_seen=256), n_params=10**6,
+                                            world=1, mixed_precision="no", device="cpu", data_description="d",
+                                            out_dir=tmp_path / "run")  # fmt: skip
+        return next(line for line in model_card.render(fields).splitlines() if line.startswith("| attention |"))
+
+    nsa = attention_row(cmp_block_size=16, cmp_stride=8, sel_block_size=32, sel_num_blocks=4, window_size=64,
+                        compressor="mean_mlp")
+    assert "l = 16, stride d = 8; selection block l' = 32, n = 4 selected; window 64; compressor `mean_mlp`" in nsa
+    dense = attention_row(attention_mode="dense", compressor="mean_mlp")
+    assert dense.startswith("| attention | dense:") and "not used" in dense
+    assert "compressor" not in dense and "window" not in dense
+
+
 def test_help_lists_every_flag(capsys):
     import train_accelerate
 
