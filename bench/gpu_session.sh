@@ -119,11 +119,14 @@ for step in "${steps[@]}"; do
     # into pieces of one size (default: the 256 heaviest above 1,024 pairs) against above 2,048 pairs and above
     # 4,096 with 512 slots (bench/schedule_model.py's best on random queries), and its pair positions as int32
     # against int64 (as timed until 2026-11-27); and the selected dQ in a launch of its own (sel_dq_split) against
-    # the one fused dQ, at issue 18's lengths, both layouts and correlated queries, with dense SDPA; the training
-    # top-n merging chunks where more than 2 blocks enter (a bitonic top-k, 2026-11-28) against inserting them all
+    # the one fused dQ, at issue 18's lengths, both layouts and correlated queries, with dense SDPA; the whole
+    # selected branch pair by pair (the block-outer forward with the dQ formed in the selected dK/dV: the schedule
+    # whose floors fit the 64k target, bench/KERNELS.md); the training top-n merging chunks where more than 2
+    # blocks enter (a bitonic top-k, 2026-11-28) against inserting them all
     pending)    $PY bench/tune_kernels.py --json "$OUT/pending.json" --no-decode --dense --variants default \
                   heavy2k:sel_pieces=2048/320/1024/256 heavy4k:sel_pieces=4096/320/1024/512 \
                   pairs_int64:sel_pairs_int64=1 seldq_split:sel_dq_split=1 seldq_pairs:sel_dq_in_dkdv=1 \
+                  pairs_all:sel_fwd_pairs=1,sel_dq_in_dkdv=1 \
                   topn_insert_all:topn_insert_max=65536 \
                   --cases 12,2,64,8192,8,random 12,2,64,2048,32,random \
                   12,2,64,65536,1,random 12,2,64,32768,2,random 16,1,64,8192,8,random 16,1,64,65536,1,random \

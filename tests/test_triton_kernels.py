@@ -202,6 +202,11 @@ CPU_CASES = [
           (16, 1, 70, 16, "varlen", None, {})]],
     dict(_PAIR_DQ_CASES[4], sel_dq_pairs=True, sel_fwd_pairs=True),
     dict(_PAIR_DQ_CASES[6], sel_dq_pairs=True, sel_fwd_pair_queries=13),
+    # the block-outer forward with the dQ formed in the selected dK/dV (the whole selected branch pair by pair: the
+    # schedule whose floors fit issue 18's 64k target, bench/KERNELS.md): the dK/dV reads the pair forward's
+    # log-sum-exp
+    dict(_PAIR_DQ_CASES[4], sel_fwd_pairs=True, sel_dq_in_dkdv=True, sel_fwd_pair_queries=9),
+    dict(_PAIR_DQ_CASES[5], sel_fwd_pairs=True, sel_dq_in_dkdv=True),
     # the block-outer selected forward (launch_overrides(sel_fwd_pairs=True)): each (query, block) pair's partial
     # softmax, merged per query by a combine kernel; queries in chunks (sel_fwd_pair_queries) so that tiles are cut
     # by chunk ends too. Alone against the branch's definition (tests/triton_helpers.selected_branch_torch) on random
@@ -575,6 +580,8 @@ GPU_CASES = [
     dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_fwd_pairs=True, sel_dq_pairs=True),
     dict(B=2, T=1000, H=16, Hkv=1, D=64, layout="varlen", sel_fwd_pairs=True, sel_dq_pairs=True),
     dict(B=1, T=2048, H=8, Hkv=1, D=128, layout="pad", sel_fwd_pairs=True, sel_dq_pairs=True),
+    # ... and the block-outer forward with the dQ formed in the selected dK/dV (tune variant pairs_all)
+    dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_fwd_pairs=True, sel_dq_in_dkdv=True),
     # the union walk's per-query choice bits at real sizes: G = 1 (128-query tiles: four mask words) and G = 2 (two),
     # the int64 sort keys, and the selected forward and top-n under their 128-register caps (four programs per SM)
     dict(B=1, T=2048, H=4, Hkv=4, D=64, layout="varlen"),
