@@ -87,10 +87,22 @@ def parse_source(spec: str) -> tuple[list[Path], str | None]:
     return folders, mode
 
 
-def _evaluation_file(folder: Path, name: str, task: str, scoring: str) -> Path | None:
-    for path in (folder / name / "long_context" / f"{task}_{scoring}.json", folder / f"{name}-{task}.json"):
+def _evaluation_file(folder: Path, run: dict, task: str, scoring: str) -> Path | None:
+    """The run's evaluation file: in the comparison's folder (its training, or a results copy `<run>-<task>.json`),
+    else in the run's own directory (a comparison made with ab_compare --runs of runs trained elsewhere)."""
+    name, where = run["name"], [folder / run["name"]] + ([Path(run["dir"])] if run.get("dir") else [])
+    for path in [d / "long_context" / f"{task}_{scoring}.json" for d in where] + [folder / f"{name}-{task}.json"]:
         if path.is_file():
             return path
+    return None
+
+
+def _recorded_accuracy(run: dict, task: str, scoring: str) -> dict[int, float] | None:
+    """The accuracy per length (mean over depths) that ab_compare recorded in its JSON for the run, where no
+    evaluation file is found (the run's directory moved or deleted since)."""
+    for record in run.get("long_context") or ():
+        if record.get("task") == task and record.get("scoring", scoring) == scoring:
+            return {int(n): float(a) for n, a in zip(record["lengths"], record["accuracy"])}
     return None
 
 
@@ -112,8 +124,8 @@ def read_group(name: str, specs: list[str], task: str, scoring: str) -> list[dic
                     raise ValueError(f"{folder}/ab_compare.json: run {run.get('name')!r} lacks its name, integer "
                                      "seed or validation losses; write the file again with bench/ab_compare.py "
                                      "--runs <its runs>.")  # fmt: skip
-                path = _evaluation_file(folder, run["name"], task, scoring) if task is not None else None
-                accuracy = None
+                path = _evaluation_file(folder, run, task, scoring) if task is not None else None
+                accuracy = _recorded_accuracy(run, task, scoring) if task is not None and path is None else None
                 if path is not None:
                     result = json.loads(path.read_text())
                     if not isinstance(result.get("lengths"), list) or not isinstance(result.get("accuracy"), list):
@@ -266,8 +278,10 @@ def main(argv=None) -> dict:
     groups = {g[0]: read_group(g[0], g[1:], task, args.scoring) for g in args.group}
     evaluated = sorted({n for runs in groups.values() for r in runs if r["accuracy"] for n in r["accuracy"]})
     if task is not None and not evaluated:
-        raise ValueError(f"no run of these groups has a {task} evaluation scored by {args.scoring}: train with "
-                         "--eval-long-context, or run python -m nsa_train.long_context on each run's final/; "
+        raise ValueError(f"no run of these groups has a {task} evaluation scored by {args.scoring} (looked for "
+                         f"<run>/long_context/{task}_{args.scoring}.json in each comparison folder and in each run's "
+                         f"own directory, <run>-{task}.json beside them, and the comparison's ab_compare.json): train "
+                         "with --eval-long-context, or run python -m nsa_train.long_context on each run's final/; "
                          "--task none compares validation loss only.")
     length = None if task is None else args.learned_length if args.learned_length is not None else evaluated[0]
     if task is not None and length not in evaluated:

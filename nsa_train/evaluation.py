@@ -114,7 +114,8 @@ def long_context_settings(cfg, tokenizer, vocab_size: int | None) -> dict:
     settings = dict(task=cfg.long_context_task, depths=list(cfg.long_context_depths),
                     lengths=sorted(cfg.long_context_lengths or [cfg.seq_len * f for f in LONG_CONTEXT_LENGTH_FACTORS]),
                     samples=cfg.long_context_samples, batch_size=LONG_CONTEXT_BATCH_SIZE, training_len=cfg.seq_len,
-                    haystack=haystack, text_column=cfg.text_column)  # fmt: skip
+                    training_len_source="the run's --seq-len", haystack=haystack,
+                    text_column=cfg.text_column)  # fmt: skip
     # one case of the shortest length: what the fixed text and the tokenizer allow
     try:
         long_context.build_cases(tokenizer, settings["task"], settings["lengths"][:1], settings["depths"][:1], 1,

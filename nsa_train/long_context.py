@@ -643,10 +643,12 @@ def run_long_context_eval(model, tokenizer, task: str = "passkey", lengths=(1024
                           haystack: str | None = None, text_column: str = "text", training_len: int | None = None,
                           model_path: str | Path | None = None, out_dir: str | Path | None = None,
                           model_name: str | None = None, log=print, shard: tuple[int, int] = (0, 1),
-                          gather=None, selection: bool | None = None) -> dict:  # fmt: skip
+                          gather=None, selection: bool | None = None,
+                          training_len_source: str = "given by the caller") -> dict:  # fmt: skip
     """Evaluate `model` on `samples` cases per (length, depth); returns (and with `out_dir` writes as JSON and
     PNG) the accuracy per cell. `training_len` (default: from the config, or `model_path`'s run.json) marks
-    longer lengths as extrapolation. The model is put in eval mode and back in its mode after.
+    longer lengths as extrapolation; `training_len_source` says where a given one came from (the tables' footnote).
+    The model is put in eval mode and back in its mode after.
 
     shard=(rank, world) with `gather` (a list of this process's items -> every process's, concatenated in rank
     order: accelerate's gather_object) splits the batches between data-parallel processes, batch k to rank
@@ -675,7 +677,7 @@ def run_long_context_eval(model, tokenizer, task: str = "passkey", lengths=(1024
     if training_len is None:
         training_len, train_source = training_length(config, model_path)
     else:
-        train_source = "given: the --training-len flag, or the trainer's --seq-len"
+        train_source = training_len_source
     vocab_size = getattr(config, "vocab_size", None)
     cases, haystack_description = build_cases(tokenizer, task, lengths, depths, samples, seed, haystack, text_column,
                                               vocab_size)  # fmt: skip
@@ -746,6 +748,10 @@ def run_long_context_eval(model, tokenizer, task: str = "passkey", lengths=(1024
         "haystack": haystack_description if task == "needle" else "filler sentences",
         "training_len": training_len, "training_len_source": train_source,
         "extrapolated_lengths": [n for n in lengths if training_len is not None and n > training_len],
+        # rotary positions run past max_position_embeddings (position_limit refuses only learned tables): say so
+        "max_position_embeddings": getattr(config, "max_position_embeddings", None),
+        "beyond_max_positions": [n for n in lengths if limit is None
+                                 and (getattr(config, "max_position_embeddings", None) or n) < n],
         "device": str(device), "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "date": time.strftime("%Y-%m-%d"), "wall_s": round(time.time() - started, 2), "processes": world,
         "accuracy": [[cell["accuracy"] for cell in cells if cell["length"] == n] for n in lengths],
@@ -797,6 +803,10 @@ def format_table(result: dict) -> str:
     if result["extrapolated_lengths"]:
         lines.append(f"\n* beyond the training length {result['training_len']:,} ({result['training_len_source']}): "
                      "extrapolation")  # fmt: skip
+    if result.get("beyond_max_positions"):
+        lines.append(f"\n{', '.join(f'{n:,}' for n in result['beyond_max_positions'])}: beyond the config's "
+                     f"max_position_embeddings ({result['max_position_embeddings']:,}); rotary positions run there, "
+                     "but the model was not built for them")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -875,6 +885,25 @@ def looks_like_a_missing_path(spec: str) -> bool:
             or ("/" in spec and Path(first).is_dir()))
 
 
+def check_hub_id_reachable(repo_id: str, filename: str, what: str, hint: str) -> None:
+    """A Hub id whose `filename` is not in the local cache must come from the Hub: fail in seconds where it cannot
+    be reached (offline mode, no network), not after transformers' minute of retries."""
+    from huggingface_hub import try_to_load_from_cache
+
+    from .data import check_hub_reachable
+
+    try:
+        cached = try_to_load_from_cache(repo_id, filename)
+    except ValueError:  # not a valid repo id: from_pretrained names it
+        return
+    if isinstance(cached, str):
+        return
+    try:
+        check_hub_reachable(what, hint)
+    except ConnectionError as e:
+        raise ValueError(str(e)) from None
+
+
 def load_model_and_tokenizer(spec: str, tokenizer_spec: str | None = None, device: str | None = None,
                              dtype: str = "auto", nsa_backend: str = "auto", trust_remote_code: bool = False):  # fmt: skip
     """A run's final/, a saved directory or a Hub id: this project's NSA models through the installed code (with
@@ -892,6 +921,20 @@ def load_model_and_tokenizer(spec: str, tokenizer_spec: str | None = None, devic
     elif looks_like_a_missing_path(spec):
         raise ValueError(f"MODEL {spec!r}: no such directory; pass a run's final/ directory, a saved model directory "
                          "or a Hub id (name or org/name).")
+    else:
+        check_hub_id_reachable(spec, "config.json", f"MODEL {spec!r}",
+                               "Pass a run's final/ directory or a saved model directory, or run where the Hub can be "
+                               "reached.")  # fmt: skip
+    if tokenizer_spec is not None:
+        local_tokenizer = Path(tokenizer_spec).expanduser()
+        if local_tokenizer.exists():
+            tokenizer_spec = str(local_tokenizer)
+        elif looks_like_a_missing_path(tokenizer_spec):
+            raise ValueError(f"--tokenizer {tokenizer_spec!r}: no such directory; pass the model's tokenizer directory "
+                             "or Hub id, or leave --tokenizer out to use MODEL's.")  # fmt: skip
+        else:
+            check_hub_id_reachable(tokenizer_spec, "tokenizer_config.json", f"--tokenizer {tokenizer_spec!r}",
+                                   "Pass a local tokenizer directory, or leave --tokenizer out to use MODEL's.")
     try:
         config = AutoConfig.from_pretrained(spec, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
@@ -936,6 +979,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "run.json, else max_position_embeddings)")
     p.add_argument("--out", default=None, help="output directory (default: <run>/long_context for a run's final/, "
                    "else ./long_context)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace <out>/<task>_<scoring>.json even where it holds an evaluation with other lengths, "
+                   "depths, samples or seed (for a run: the trainer's, which its model card quotes)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on a GPU, float32 on CPU")
@@ -947,23 +993,51 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# what makes two evaluations of one task and scoring the same measurement (a second run may replace the first)
+SAME_EVALUATION = ("lengths", "depths", "samples", "seed")
+
+
+def check_not_replacing(out_dir: Path, task: str, scoring: str, settings: dict) -> None:
+    """Refuse to overwrite `<out>/<task>_<scoring>.json` holding an evaluation with other settings: for a run's
+    final/ that file is the trainer's --eval-long-context result, which the model card, bench/ab_compare.py and
+    bench/seed_groups.py read, and a silent swap would mix two measurements there."""
+    path = Path(out_dir) / f"{task}_{scoring}.json"
+    if not path.is_file():
+        return
+    try:
+        old = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        old = {}
+    old = {k: old.get(k) for k in SAME_EVALUATION}
+    if old.get("lengths") is not None:
+        old["lengths"] = sorted(set(old["lengths"]))
+    differ = [f"{k} {old[k]} -> {settings[k]}" for k in SAME_EVALUATION if old[k] != settings[k]]
+    if differ:
+        raise ValueError(f"{path} holds an evaluation with other settings ({'; '.join(differ)}): for a run it is the "
+                         "trainer's --eval-long-context result, which the model card, ab_compare and seed_groups "
+                         "read. Pass --out DIR to write this one elsewhere, or --overwrite to replace it.")
+
+
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     # cheap checks first: a typo fails before a model is loaded
     check_task(args.task)
     check_scoring(args.scoring)
-    check_depths(args.depths)
-    model, tokenizer = load_model_and_tokenizer(args.model, args.tokenizer, args.device, args.dtype, args.nsa_backend,
-                                                args.trust_remote_code)  # fmt: skip
+    depths = check_depths(args.depths)
     out = args.out
     if out is None:
         run_dir = Path(args.model).resolve().parent  # a run's final/ sits in the run's directory
         out = run_dir / "long_context" if (run_dir / "run.json").is_file() else Path("long_context")
+    if not args.overwrite:
+        check_not_replacing(Path(out), args.task, args.scoring, {"lengths": sorted(set(args.lengths)), "depths": depths,
+                                                                  "samples": args.samples, "seed": args.seed})
+    model, tokenizer = load_model_and_tokenizer(args.model, args.tokenizer, args.device, args.dtype, args.nsa_backend,
+                                                args.trust_remote_code)  # fmt: skip
     return run_long_context_eval(
         model, tokenizer, args.task, args.lengths, args.depths, samples=args.samples, batch_size=args.batch_size,
         scoring=args.scoring, seed=args.seed, haystack=args.haystack, text_column=args.text_column,
-        training_len=args.training_len, model_path=args.model, out_dir=out, model_name=args.model,
-        selection=args.needle_selection,
+        training_len=args.training_len, training_len_source="--training-len", model_path=args.model, out_dir=out,
+        model_name=args.model, selection=args.needle_selection,
     )  # fmt: skip
 
 

@@ -61,7 +61,7 @@ def run_card_fields(cfg, config, run, *, n_params, world, mixed_precision, devic
         "model_name": Path(cfg.push_to_hub or Path(out_dir).name).name,
         "repo_or_path": cfg.push_to_hub or "path/to/checkpoint",
         "datasets_yaml": f"datasets:\n- {dataset_id}\n" if on_hub else "",
-        "num_parameters_human": human(n_params), "attention_mode": config.attention_mode,
+        "attention_mode": config.attention_mode,
         "steps": run.step, "tokens_seen": f"{run.tokens_seen:,}",
         "val_loss": None if val_loss is None else f"{val_loss:.4f}",
         "val_ppl": None if val_ppl is None else f"{val_ppl:.2f}",
@@ -77,7 +77,10 @@ def run_card_fields(cfg, config, run, *, n_params, world, mixed_precision, devic
         "attention_structure": attention_structure(config),
         "tokenizer": without_local_path(cfg.tokenizer),
         "init_description": f"initialized from `{source}` (its own training is not counted in this card's steps "
-                            "and tokens)" if source else "initialized at random",
+                            "and tokens)" if source else "initialized at random" + (
+                                ", from the weights of the NSA model of the same seed (every shared parameter copied: "
+                                "the dense twin of an A/B comparison)" if config.attention_mode != "nsa" else ""),
+        "model_description": model_description(config, human(n_params)),
         "tokens_trained": f"{run.tokens_seen:,} tokens" + (f" after the training of `{source}`" if source else ""),
         "schedule": schedule_words(cfg),
         "data_description": data_description, "seq_len": cfg.seq_len,
@@ -117,6 +120,15 @@ def schedule_words(cfg) -> str:
         return (f"of which the run took {cfg.max_steps:,}: it ended inside the warm-up at lr {last_lr:.3g}, "
                 f"with no cosine decay")
     return f"then cosine decay to {cfg.lr * cfg.min_lr_ratio:.3g} at step {cfg.max_steps:,}"
+
+
+def model_description(config, parameters: str) -> str:
+    """The card's first sentence: an NSA model, or a dense-mode one (the baseline NSA models are compared with)."""
+    paper = "(Yuan et al., 2025, arXiv:2502.11089)"
+    if config.attention_mode == "nsa":
+        return f"A {parameters}-parameter decoder with **Native Sparse Attention** {paper}"
+    return (f"A {parameters}-parameter decoder in the dense mode of this project's NSA model {paper}: full causal "
+            "attention in place of NSA's three branches, the baseline that NSA models are compared with")
 
 
 def attention_structure(config) -> str:

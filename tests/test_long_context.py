@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -422,6 +423,15 @@ def test_extrapolation_starts_past_the_training_length(byt5, llama_dir):
                                       training_len=300, log=lambda s: None)  # fmt: skip
     assert [(cell["length"], cell["extrapolation"]) for cell in result["cells"]] == [(300, False), (301, True)]
     assert result["extrapolated_lengths"] == [301]
+    assert "* beyond the training length 300 (given by the caller): extrapolation" in lc.format_table(result)
+    # rotary positions run past max_position_embeddings (512 here); the table says which lengths went there
+    past = lc.run_long_context_eval(llama, byt5, "passkey", [300, 520], [0.5], samples=1, scoring="loglik",
+                                    training_len=300, training_len_source="--training-len", log=lambda s: None)
+    assert past["beyond_max_positions"] == [520] and past["max_position_embeddings"] == 512
+    table = lc.format_table(past)
+    assert "beyond the training length 300 (--training-len)" in table
+    assert "520: beyond the config's max_position_embeddings (512)" in table
+    assert "max_position_embeddings" not in lc.format_table(result)
 
 
 def test_bad_inputs_are_named_with_the_fix(byt5, llama_dir):
@@ -476,6 +486,42 @@ def test_cli_errors_exit_2_before_loading(tmp_path):
     assert proc.returncode == 2 and "error: --task 'qa': unknown task" in proc.stderr
     with pytest.raises(ValueError, match=r"MODEL '.*missing': no such directory; pass a run's final/"):
         lc.main([str(tmp_path / "missing"), "--lengths", "100"])
+    # a missing --tokenizer path is named as one (not as a malformed Hub id), before any model loads
+    with pytest.raises(ValueError, match=r"^--tokenizer '.*no/tok': no such directory; pass the model's tokenizer"):
+        lc.load_model_and_tokenizer(str(tmp_path), str(tmp_path / "no" / "tok"))
+
+
+def test_a_hub_id_fails_in_seconds_where_the_hub_cannot_be_reached(monkeypatch):
+    """A Hub id that is not in the local cache, offline: one error naming it, not a minute of retries."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    started = time.time()
+    with pytest.raises(ValueError, match=r"^MODEL 'someorg/nomodel': HF_HUB_OFFLINE is set.*Pass a run's final/"):
+        lc.load_model_and_tokenizer("someorg/nomodel")
+    with pytest.raises(ValueError, match=r"^--tokenizer 'someorg/notok': HF_HUB_OFFLINE is set"):
+        lc.check_hub_id_reachable("someorg/notok", "tokenizer_config.json", "--tokenizer 'someorg/notok'", "")
+    assert time.time() - started < 10
+
+
+def test_the_cli_does_not_replace_an_evaluation_made_with_other_settings(tmp_path):
+    """<out>/<task>_<scoring>.json of a run is the trainer's --eval-long-context result, which the model card,
+    ab_compare and seed_groups read: another evaluation (other lengths, depths, samples or seed) refuses to replace
+    it, before a model loads, unless --overwrite; the same settings again (an identical measurement) may."""
+    out = tmp_path / "long_context"
+    out.mkdir()
+    trainer = {"task": "passkey", "scoring": "generate", "lengths": [128, 256], "depths": [0.0, 0.5, 1.0],
+               "samples": 10, "seed": 0}
+    (out / "passkey_generate.json").write_text(json.dumps(trainer))
+    with pytest.raises(ValueError, match=r"passkey_generate.json holds an evaluation with other settings \(lengths "
+                                         r"\[128, 256\] -> \[128, 512\]; samples 10 -> 4\).*--out DIR.*--overwrite"):
+        lc.main([str(tmp_path / "missing"), "--lengths", "512", "128", "--depths", "0", "0.5", "1", "--samples", "4",
+                 "--out", str(out)])  # fmt: skip
+    lc.check_not_replacing(out, "passkey", "generate", {k: trainer[k] for k in lc.SAME_EVALUATION})
+    lc.check_not_replacing(out, "passkey", "loglik", {"lengths": [512], "depths": [0.5], "samples": 1, "seed": 0})
+    # with --overwrite the check is skipped: the missing model is what fails next
+    with pytest.raises(ValueError, match=r"MODEL '.*missing': no such directory"):
+        lc.main([str(tmp_path / "missing"), "--lengths", "512", "--out", str(out), "--overwrite"])
 
 
 def test_a_cuda_device_without_a_gpu_is_named(monkeypatch):

@@ -74,6 +74,36 @@ def test_groups_count_learned_seeds_and_pair_losses_by_seed(two_groups, capsys):
     assert json.loads((out / "seed_groups.json").read_text())["pairs"][0]["fisher_p"] == pair["fisher_p"]
 
 
+def test_runs_compared_where_they_trained_are_read_from_their_own_directories(tmp_path):
+    """ab_compare --runs compares runs trained elsewhere: the folder holds only ab_compare.json, whose records name
+    each run's directory (its evaluation is read there) and hold each run's accuracy per length (read where the
+    directory has gone)."""
+    write_comparison(tmp_path / "trained", [("nsa", 0, 0.30, [0.99, 0.2]), ("dense", 0, 0.20, [1.0, 1.0]),
+                                            ("nsa", 1, 0.21, [0.5, 0.5]), ("dense", 1, 0.22, [0.0, 0.0])])
+    runs = json.loads((tmp_path / "trained" / "ab_compare.json").read_text())["runs"]
+    for run in runs:
+        run["dir"] = str(tmp_path / "trained" / run["name"])
+    # the nsa seed 1 run's directory is gone; ab_compare recorded its accuracy (mean over depths) when it compared
+    runs[2]["long_context"] = [{"task": "passkey", "scoring": "generate", "lengths": LENGTHS, "accuracy": [0.98, 0.4]}]
+    (tmp_path / "trained" / "nsa-seed1" / "long_context" / "passkey_generate.json").unlink()
+    compared = tmp_path / "compared"
+    compared.mkdir()
+    (compared / "ab_compare.json").write_text(json.dumps({"runs": runs}))
+    result = seed_groups.main(["--out", str(tmp_path / "out"), "--group", "dense", f"{compared}:dense",
+                               "--group", "nsa", f"{compared}:nsa"])  # fmt: skip
+    assert result["summary"]["dense"]["learned"] == 1 and result["summary"]["nsa"]["learned"] == 2
+    assert result["pairs"][0]["evaluated"] == [2, 2]
+    for run in runs:
+        run.pop("long_context", None)
+        run["dir"] = str(tmp_path / "gone" / run["name"])
+    (compared / "ab_compare.json").write_text(json.dumps({"runs": runs}))
+    with pytest.raises(ValueError, match=r"no run of these groups has a passkey evaluation .*looked for "
+                                         r"<run>/long_context/passkey_generate.json in each comparison folder and in "
+                                         r"each run's own directory"):  # fmt: skip
+        seed_groups.main(["--out", str(tmp_path / "out2"), "--group", "dense", f"{compared}:dense",
+                          "--group", "nsa", f"{compared}:nsa"])  # fmt: skip
+
+
 def test_sources_named_twice_count_once_and_folders_may_hold_colons(two_groups):
     colon = two_groups / "run:2026"
     (two_groups / "ab").rename(colon)

@@ -716,6 +716,16 @@ def test_model_card_names_nsa_structure_only_for_an_nsa_checkpoint(tmp_path):
     dense = attention_row(attention_mode="dense", compressor="mean_mlp")
     assert dense.startswith("| attention | dense:") and "not used" in dense
     assert "compressor" not in dense and "window" not in dense
+    # the first sentence and the weights' start say which model it is too
+    cfg = train_accelerate.parse_args(tiny_args(tmp_path / "run"))
+    for mode, says, never in (("nsa", "decoder with **Native Sparse Attention**", "dense mode"),
+                              ("dense", "decoder in the dense mode of this project's NSA model", "with **Native")):
+        fields = model_card.run_card_fields(cfg, NSAConfig(attention_mode=mode), RunState(step=1, tokens_seen=256),
+                                            n_params=10**6, world=1, mixed_precision="no", device="cpu",
+                                            data_description="d", out_dir=tmp_path / "run")  # fmt: skip
+        card = model_card.render(fields)
+        assert f"A 1.0M-parameter {says}" in card and never not in card, mode
+        assert ("every shared parameter copied" in card) == (mode == "dense"), mode
 
 
 def test_help_lists_every_flag(capsys):
