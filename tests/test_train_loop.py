@@ -439,8 +439,9 @@ def test_resume_of_a_finished_run_changes_nothing(tmp_path, capsys):
     assert 'from_pretrained("path/to/checkpoint"' in card and "tokenizer `gpt2-tokenizer`" in card
     assert f"Data: local files {PARQUET.name} (column 'text')" in card
     config = json.loads((out / "final" / "config.json").read_text())
-    assert (f"| NSA: l, d, l', n, window; compressor | {config['cmp_block_size']}, {config['cmp_stride']}, "
-            f"{config['sel_block_size']}, {config['sel_num_blocks']}, {config['window_size']}; `mlp` |") in card
+    assert (f"| attention | NSA: compression block l = {config['cmp_block_size']}, stride d = {config['cmp_stride']}; "
+            f"selection block l' = {config['sel_block_size']}, n = {config['sel_num_blocks']} selected; window "
+            f"{config['window_size']}; compressor `mlp` |") in card
     # raising --max-steps trains further, with the schedule laid over the new length: said, since the rate jumps
     capsys.readouterr()
     summary = run_main(tiny_args(out, max_steps=3, save_every=2, resume="latest"))
