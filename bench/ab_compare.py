@@ -372,6 +372,16 @@ def read_long_context(run_dir: Path) -> list[dict]:
     return found
 
 
+def _shared_overrides(overrides) -> dict | None:
+    """A run's --model-overrides without NSA's own fields (the ones a dense twin ignores), or None where it is not
+    a JSON object (compared as written then)."""
+    try:
+        fields = json.loads(overrides) if overrides else {}
+    except (TypeError, json.JSONDecodeError):
+        return None
+    return {k: v for k, v in fields.items() if k not in NSA_FIELDS} if isinstance(fields, dict) else None
+
+
 def config_differences(runs: list[dict]) -> list[str]:
     """What differs between the runs besides the attention mode, the seed and the directories: NSA's own model
     fields may differ (dense ignores them); anything else means the comparison is not like for like."""
@@ -383,6 +393,9 @@ def config_differences(runs: list[dict]) -> list[str]:
                 continue
             if key == "init_from" and _started_from_twin(base) and _started_from_twin(base) == _started_from_twin(other):
                 continue  # each started from its own twin of one earlier comparison (--init-from-runs)
+            if key == "model_overrides":  # NSA's own fields may differ (the model configs below say the rest)
+                if _shared_overrides(base["config"].get(key)) == _shared_overrides(other["config"].get(key)):
+                    continue
             if base["config"].get(key) != other["config"].get(key):
                 notes.append(f"{base['name']} / {other['name']}: train config {key} = {base['config'].get(key)!r} / "
                              f"{other['config'].get(key)!r}")  # fmt: skip

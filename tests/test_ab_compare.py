@@ -343,6 +343,15 @@ def test_verdict_edges_run_states_and_the_token_axis(tmp_path):
     assert ab_compare.config_differences(twins) == []
     twins[1]["model_config"]["hidden_size"] = 16
     assert ab_compare.config_differences(twins) == ["a / b: model config hidden_size = 8 / 16"]
+    # --model-overrides that differ only in NSA's own fields (an NSA variant against the dense runs of another
+    # comparison) are not differences; any other field is
+    twins = [{"name": n, "config": {"model_overrides": o}, "model_config": {}}
+             for n, o in (("a", '{"sel_num_blocks": 8, "compressor": "mean"}'), ("b", '{"sel_num_blocks": 8}'))]
+    assert ab_compare.config_differences(twins) == []
+    twins[1]["config"]["model_overrides"] = '{"sel_num_blocks": 8, "intermediate_size": 656}'
+    assert ab_compare.config_differences(twins) == [
+        "a / b: train config model_overrides = '{\"sel_num_blocks\": 8, \"compressor\": \"mean\"}' / "
+        "'{\"sel_num_blocks\": 8, \"intermediate_size\": 656}'"]
 
 
 def test_kept_runs_compare_model_overrides_as_json(tmp_path):
