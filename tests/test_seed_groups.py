@@ -200,3 +200,25 @@ def test_the_readmes_retrieval_counts_follow_from_the_committed_results(tmp_path
     assert (round(started["paired_gap"], 4), round(started["paired_half_width"], 4)) == (0.0044, 0.0091)
     assert round(pairs["nsa-mlp", "nsa-mean-mlp"]["fisher_p"], 2) == 0.40
     assert round(pairs["nsa-mean", "nsa-mean-mlp"]["fisher_p"], 2) == 0.68
+
+
+def test_the_compressors_text_figures_follow_from_the_committed_results(tmp_path):
+    """bench/QUALITY.md's compressors on text (the smoke A/B on bytes, 7.37M tokens): mean - MLP +0.009 ± 0.018
+    over eight seeds, mean + MLP - MLP -0.007 ± 0.035 over four, mean - dense -0.037 ± 0.044 and mean - the dense
+    twin of the MLP NSA's parameter count +0.001 ± 0.024."""
+    results = ROOT / "bench" / "results"
+    smoke = f"{results}/2026-11-30-cpu-ab-smoke-bytes-900"
+    result = seed_groups.main(["--out", str(tmp_path), "--task", "none",
+                               "--group", "nsa-mlp", f"{smoke}/vs-dense-wide-8-seeds:nsa",
+                               "--group", "nsa-mean", f"{smoke}-mean/seeds*", "--group", "nsa-mean-mlp", f"{smoke}-mean-mlp",
+                               "--group", "dense", f"{smoke}:dense", "--group", "dense-wide",
+                               f"{smoke}/vs-dense-wide-8-seeds:dense"])  # fmt: skip
+    assert {name: len(s["seeds"]) for name, s in result["summary"].items()} == {
+        "nsa-mlp": 8, "nsa-mean": 8, "nsa-mean-mlp": 4, "dense": 4, "dense-wide": 8}
+    pairs = {(p["first"], p["second"]): p for p in result["pairs"]}
+    for (first, second), (gap, half) in {("nsa-mlp", "nsa-mean"): (0.009, 0.018),
+                                         ("nsa-mlp", "nsa-mean-mlp"): (-0.007, 0.035),
+                                         ("nsa-mean", "dense"): (0.037, 0.044),
+                                         ("nsa-mean", "dense-wide"): (-0.001, 0.024)}.items():  # fmt: skip
+        pair = pairs[first, second]
+        assert (round(pair["paired_gap"], 3), round(pair["paired_half_width"], 3)) == (gap, half), (first, second)
