@@ -89,7 +89,8 @@ def test_the_session_pending_step_times_the_heavy_pieces_int32_pairs_and_split_d
     i), the top-n in tiles of 8 queries at 4 warps; the selected forward and the top-n with maxnreg = 128 (sm_90,
     head_dim 64) and no other launch capped. The step's variants: other heavy thresholds and slots (reaching the
     heavy pass's grid), int64 pair positions (reaching the kernel's pointers), the selected dQ split from the fused
-    one, the selected dQ added pair by pair by the selected dK/dV kernel, and the top-n inserting every entering
+    one, the selected dQ added pair by pair by the selected dK/dV kernel (alone, and with the block-outer forward:
+    the whole selected branch pair by pair), and the top-n inserting every entering
     block (reaching its INSERT_MAX); its cases are issue 18's B*T = 64k shapes."""
     pytest.importorskip("triton")
     import triton_aot
@@ -98,7 +99,7 @@ def test_the_session_pending_step_times_the_heavy_pieces_int32_pairs_and_split_d
     step = script.split("    pending)", 1)[1].split(";;", 1)[0].replace("\\\n", " ")
     variants = [tk.parse_variant(v) for v in step.split("--variants", 1)[1].split("--cases", 1)[0].split()]
     assert [name for name, _ in variants] == ["default", "heavy2k", "heavy4k", "pairs_int64", "seldq_split",
-                                              "seldq_pairs", "topn_insert_all"], variants
+                                              "seldq_pairs", "pairs_all", "topn_insert_all"], variants
     batch, num_kv, seq_len = 2, 2, 300
 
     def calls_of(settings):
@@ -115,7 +116,7 @@ def test_the_session_pending_step_times_the_heavy_pieces_int32_pairs_and_split_d
         triton_aot.with_kernels_replaced(run, Stand)
         return calls
 
-    default_calls, heavy2k, heavy4k, pairs_int64, seldq_split, seldq_pairs, insert_all = (
+    default_calls, heavy2k, heavy4k, pairs_int64, seldq_split, seldq_pairs, pairs_all, insert_all = (
         calls_of(settings) for _, settings in variants)
     old_calls = calls_of(dict(sel_dkdv_ranges_first=True))
     tiles_fast_calls = calls_of(dict(dkdv_key_tiles_fast=True))
@@ -148,6 +149,13 @@ def test_the_session_pending_step_times_the_heavy_pieces_int32_pairs_and_split_d
     assert {kw["DQ_PAIRS"] for name, _, kw in seldq_pairs if name == "_sel_bwd_dkdv_kernel"} == {1}
     assert {kw["DQ_PAIRS"] for name, _, kw in default_calls if name == "_sel_bwd_dkdv_kernel"} == {0}
     assert [kw["SEL_DQ"] for name, _, kw in seldq_pairs if name == "_bwd_dq_kernel"] == [False]
+    # the whole selected branch pair by pair: the block-outer forward (its pair walk and combine) in place of the
+    # union walk, and the dQ in the selected dK/dV as above
+    names = [name for name, _, _ in pairs_all]
+    assert "_sel_fwd_pairs_kernel" in names and "_sel_fwd_pairs_combine_kernel" in names
+    assert "_sel_fwd_kernel" not in names and "_sel_fwd_kernel" in [name for name, _, _ in default_calls]
+    assert {kw["DQ_PAIRS"] for name, _, kw in pairs_all if name == "_sel_bwd_dkdv_kernel"} == {1}
+    assert [kw["SEL_DQ"] for name, _, kw in pairs_all if name == "_bwd_dq_kernel"] == [False]
     intervals, old_intervals = ([(grid, kw["TILES_FAST"], kw["N_SPLIT"]) for name, grid, kw in calls
                                  if name == "_interval_bwd_dkdv_kernel"] for calls in (default_calls, tiles_fast_calls))
     # the compressed branch's query ranges are split at 300 queries: key tile on the last axis by default
