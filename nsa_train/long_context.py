@@ -679,6 +679,7 @@ def run_long_context_eval(model, tokenizer, task: str = "passkey", lengths=(1024
     else:
         train_source = training_len_source
     vocab_size = getattr(config, "vocab_size", None)
+    max_positions = getattr(config, "max_position_embeddings", None)
     cases, haystack_description = build_cases(tokenizer, task, lengths, depths, samples, seed, haystack, text_column,
                                               vocab_size)  # fmt: skip
     device = next(model.parameters()).device
@@ -749,9 +750,8 @@ def run_long_context_eval(model, tokenizer, task: str = "passkey", lengths=(1024
         "training_len": training_len, "training_len_source": train_source,
         "extrapolated_lengths": [n for n in lengths if training_len is not None and n > training_len],
         # rotary positions run past max_position_embeddings (position_limit refuses only learned tables): say so
-        "max_position_embeddings": getattr(config, "max_position_embeddings", None),
-        "beyond_max_positions": [n for n in lengths if limit is None
-                                 and (getattr(config, "max_position_embeddings", None) or n) < n],
+        "max_position_embeddings": max_positions,
+        "beyond_max_positions": [n for n in lengths if limit is None and max_positions is not None and n > max_positions],
         "device": str(device), "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "date": time.strftime("%Y-%m-%d"), "wall_s": round(time.time() - started, 2), "processes": world,
         "accuracy": [[cell["accuracy"] for cell in cells if cell["length"] == n] for n in lengths],
@@ -904,6 +904,18 @@ def check_hub_id_reachable(repo_id: str, filename: str, what: str, hint: str) ->
         raise ValueError(str(e)) from None
 
 
+def resolve_source(spec: str, flag: str, filename: str, missing_fix: str, offline_fix: str) -> str:
+    """A local directory (returned with ~ expanded), else a Hub id: a path that names no directory fails as one
+    (not as a malformed Hub id), and an uncached Hub id fails in seconds where the Hub cannot be reached."""
+    local = Path(spec).expanduser()
+    if local.exists():
+        return str(local)
+    if looks_like_a_missing_path(spec):
+        raise ValueError(f"{flag} {spec!r}: no such directory; {missing_fix}")
+    check_hub_id_reachable(spec, filename, f"{flag} {spec!r}", offline_fix)
+    return spec
+
+
 def load_model_and_tokenizer(spec: str, tokenizer_spec: str | None = None, device: str | None = None,
                              dtype: str = "auto", nsa_backend: str = "auto", trust_remote_code: bool = False):  # fmt: skip
     """A run's final/, a saved directory or a Hub id: this project's NSA models through the installed code (with
@@ -915,26 +927,15 @@ def load_model_and_tokenizer(spec: str, tokenizer_spec: str | None = None, devic
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dtype == "auto":
         dtype = "bfloat16" if str(device).startswith("cuda") else "float32"
-    local = Path(spec).expanduser()
-    if local.exists():
-        spec = str(local)
-    elif looks_like_a_missing_path(spec):
-        raise ValueError(f"MODEL {spec!r}: no such directory; pass a run's final/ directory, a saved model directory "
-                         "or a Hub id (name or org/name).")
-    else:
-        check_hub_id_reachable(spec, "config.json", f"MODEL {spec!r}",
-                               "Pass a run's final/ directory or a saved model directory, or run where the Hub can be "
-                               "reached.")  # fmt: skip
+    spec = resolve_source(spec, "MODEL", "config.json",
+                          "pass a run's final/ directory, a saved model directory or a Hub id (name or org/name).",
+                          "Pass a run's final/ directory or a saved model directory, or run where the Hub can be "
+                          "reached.")  # fmt: skip
     if tokenizer_spec is not None:
-        local_tokenizer = Path(tokenizer_spec).expanduser()
-        if local_tokenizer.exists():
-            tokenizer_spec = str(local_tokenizer)
-        elif looks_like_a_missing_path(tokenizer_spec):
-            raise ValueError(f"--tokenizer {tokenizer_spec!r}: no such directory; pass the model's tokenizer directory "
-                             "or Hub id, or leave --tokenizer out to use MODEL's.")  # fmt: skip
-        else:
-            check_hub_id_reachable(tokenizer_spec, "tokenizer_config.json", f"--tokenizer {tokenizer_spec!r}",
-                                   "Pass a local tokenizer directory, or leave --tokenizer out to use MODEL's.")
+        tokenizer_spec = resolve_source(tokenizer_spec, "--tokenizer", "tokenizer_config.json",
+                                        "pass the model's tokenizer directory or Hub id, or leave --tokenizer out to "
+                                        "use MODEL's.",
+                                        "Pass a local tokenizer directory, or leave --tokenizer out to use MODEL's.")
     try:
         config = AutoConfig.from_pretrained(spec, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
@@ -1008,9 +1009,7 @@ def check_not_replacing(out_dir: Path, task: str, scoring: str, settings: dict) 
         old = json.loads(path.read_text())
     except json.JSONDecodeError:
         old = {}
-    old = {k: old.get(k) for k in SAME_EVALUATION}
-    if old.get("lengths") is not None:
-        old["lengths"] = sorted(set(old["lengths"]))
+    old = {k: old.get(k) for k in SAME_EVALUATION}  # (its lengths sorted, as check_lengths leaves them)
     differ = [f"{k} {old[k]} -> {settings[k]}" for k in SAME_EVALUATION if old[k] != settings[k]]
     if differ:
         raise ValueError(f"{path} holds an evaluation with other settings ({'; '.join(differ)}): for a run it is the "
@@ -1029,8 +1028,9 @@ def main(argv=None) -> dict:
         run_dir = Path(args.model).resolve().parent  # a run's final/ sits in the run's directory
         out = run_dir / "long_context" if (run_dir / "run.json").is_file() else Path("long_context")
     if not args.overwrite:
-        check_not_replacing(Path(out), args.task, args.scoring, {"lengths": sorted(set(args.lengths)), "depths": depths,
-                                                                  "samples": args.samples, "seed": args.seed})
+        check_not_replacing(Path(out), args.task, args.scoring, {"lengths": check_lengths(args.lengths, None),
+                                                                  "depths": depths, "samples": args.samples,
+                                                                  "seed": args.seed})  # fmt: skip
     model, tokenizer = load_model_and_tokenizer(args.model, args.tokenizer, args.device, args.dtype, args.nsa_backend,
                                                 args.trust_remote_code)  # fmt: skip
     return run_long_context_eval(

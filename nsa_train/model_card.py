@@ -76,10 +76,7 @@ def run_card_fields(cfg, config, run, *, n_params, world, mixed_precision, devic
             "head_dim", "vocab_size")},
         "attention_structure": attention_structure(config),
         "tokenizer": without_local_path(cfg.tokenizer),
-        "init_description": f"initialized from `{source}` (its own training is not counted in this card's steps "
-                            "and tokens)" if source else "initialized at random" + (
-                                ", from the weights of the NSA model of the same seed (every shared parameter copied: "
-                                "the dense twin of an A/B comparison)" if config.attention_mode != "nsa" else ""),
+        "init_description": init_description(config, source),
         "model_description": model_description(config, human(n_params)),
         "tokens_trained": f"{run.tokens_seen:,} tokens" + (f" after the training of `{source}`" if source else ""),
         "schedule": schedule_words(cfg),
@@ -120,6 +117,17 @@ def schedule_words(cfg) -> str:
         return (f"of which the run took {cfg.max_steps:,}: it ended inside the warm-up at lr {last_lr:.3g}, "
                 f"with no cosine decay")
     return f"then cosine decay to {cfg.lr * cfg.min_lr_ratio:.3g} at step {cfg.max_steps:,}"
+
+
+def init_description(config, source: str | None) -> str:
+    """Where the weights started: `source` (--init-from's model), else at random; a dense-mode run's random start
+    is its NSA twin's (the trainer copies every shared parameter from the NSA model of the same seed)."""
+    if source:
+        return f"initialized from `{source}` (its own training is not counted in this card's steps and tokens)"
+    if config.attention_mode == "nsa":
+        return "initialized at random"
+    return ("initialized at random, from the weights of the NSA model of the same seed (every shared parameter "
+            "copied: the dense twin of an A/B comparison)")
 
 
 def model_description(config, parameters: str) -> str:
