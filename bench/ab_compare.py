@@ -349,27 +349,32 @@ def read_run(run_dir: Path) -> dict:
     }  # fmt: skip
 
 
+def read_evaluation(path: Path) -> dict | None:
+    """One retrieval evaluation as nsa_train.long_context writes it (<run>/long_context/<task>_<scoring>.json):
+    task, scoring, case lengths, extrapolated lengths, and per length the accuracy and the answer's-block selection
+    rate (NSA; None otherwise), each the mean over depths. None for another tool's JSON (no accuracy or lengths);
+    a file that names them but does not hold them as rows of numbers is an error naming the file."""
+    try:
+        result = json.loads(path.read_text())
+        if not isinstance(result, dict) or "accuracy" not in result or "lengths" not in result:
+            return None
+        selected = result.get("needle_selected")
+        return {
+            "task": result.get("task"), "scoring": result.get("scoring"), "lengths": list(result["lengths"]),
+            "extrapolated": result.get("extrapolated_lengths") or [],
+            "accuracy": [statistics.fmean(row) for row in result["accuracy"]],
+            "selected": [statistics.fmean(row) for row in selected] if selected else None,
+        }  # fmt: skip
+    except (json.JSONDecodeError, TypeError, statistics.StatisticsError) as e:
+        raise ValueError(f"{path}: not a long-context evaluation as nsa_train.long_context writes it ({e}); "
+                         "run the evaluation again or remove the file.") from None
+
+
 def read_long_context(run_dir: Path) -> list[dict]:
-    """The run's retrieval evaluations (<run>/long_context/<task>_<scoring>.json, written by --eval-long-context or
-    nsa_train.long_context): per case length, the accuracy and the answer's-block selection rate (NSA), each the
-    mean over depths."""
-    found = []
-    for path in sorted((run_dir / "long_context").glob("*.json")):
-        try:
-            result = json.loads(path.read_text())
-            if not isinstance(result, dict) or "accuracy" not in result or "lengths" not in result:
-                continue  # another tool's file
-            selected = result.get("needle_selected")
-            found.append({
-                "task": result.get("task"), "scoring": result.get("scoring"), "lengths": result["lengths"],
-                "extrapolated": result.get("extrapolated_lengths") or [],
-                "accuracy": [statistics.fmean(row) for row in result["accuracy"]],
-                "selected": [statistics.fmean(row) for row in selected] if selected else None,
-            })  # fmt: skip
-        except (json.JSONDecodeError, TypeError, statistics.StatisticsError) as e:
-            raise ValueError(f"{path}: not a long-context evaluation as nsa_train.long_context writes it ({e}); "
-                             "run the evaluation again or remove the file.") from None
-    return found
+    """The run's retrieval evaluations (<run>/long_context/*.json, written by --eval-long-context or
+    nsa_train.long_context), each as read_evaluation reads it."""
+    found = (read_evaluation(path) for path in sorted((run_dir / "long_context").glob("*.json")))
+    return [evaluation for evaluation in found if evaluation is not None]
 
 
 def _shared_overrides(overrides) -> dict | None:

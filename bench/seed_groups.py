@@ -42,7 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: nsa_train
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: ab_compare
 
-from ab_compare import MODES, t95  # noqa: E402  (Student's t quantiles: one table for both comparisons)
+from ab_compare import MODES, read_evaluation, t95  # noqa: E402  (one reader of evaluations, one t table for both tools)
 from nsa_train.long_context import run_command  # noqa: E402
 
 
@@ -127,12 +127,12 @@ def read_group(name: str, specs: list[str], task: str, scoring: str) -> list[dic
                 path = _evaluation_file(folder, run, task, scoring) if task is not None else None
                 accuracy = _recorded_accuracy(run, task, scoring) if task is not None and path is None else None
                 if path is not None:
-                    result = json.loads(path.read_text())
-                    if not isinstance(result.get("lengths"), list) or not isinstance(result.get("accuracy"), list):
+                    result = read_evaluation(path)
+                    if result is None:
                         raise ValueError(f"{path}: not an evaluation as nsa_train.long_context writes it (no lengths "
                                          "or accuracy); run the evaluation again or remove the file.")
-                    if result.get("task") == task and result.get("scoring", scoring) == scoring:
-                        accuracy = {int(n): statistics.fmean(row) for n, row in zip(result["lengths"], result["accuracy"])}
+                    if result["task"] == task and (result["scoring"] or scoring) == scoring:
+                        accuracy = {int(n): a for n, a in zip(result["lengths"], result["accuracy"])}
                 tokens, loss = run["val"][-1]
                 runs.append({"group": name, "source": str(folder), "name": run["name"], "mode": run.get("mode"),
                              "seed": run.get("seed"), "tokens": tokens, "val_loss": loss, "accuracy": accuracy})

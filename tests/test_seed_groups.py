@@ -167,10 +167,20 @@ def test_fisher_exact_two_sided(table, expected):
     (lambda t: ["--group", "a", f"{t}/ab:dense", "--group", "b", f"{t}/noseed:nsa"], "lacks its name, integer seed"),
     (lambda t: ["--group", "a", f"{t}/ab:dense", "--group", "b", f"{t}/ab:nsa", "--task", "none",
                 "--learned-length", "224"], "--learned-length 224 with --task none"),
+    (lambda t: ["--group", "a", f"{t}/ab:dense", "--group", "b", f"{t}/notevaluation:nsa"],
+     "passkey_generate.json: not an evaluation as nsa_train.long_context writes it (no lengths or accuracy)"),
+    (lambda t: ["--group", "a", f"{t}/ab:dense", "--group", "b", f"{t}/textrows:nsa"],
+     "passkey_generate.json: not a long-context evaluation as nsa_train.long_context writes it"),
 ], ids=["one-group", "repeated-name", "no-sources", "seed-twice", "bad-mode", "missing-folder", "empty-glob",
-        "length-not-evaluated", "task-not-evaluated", "percent-not-fraction", "no-seed", "length-without-task"])
+        "length-not-evaluated", "task-not-evaluated", "percent-not-fraction", "no-seed", "length-without-task",
+        "not-an-evaluation", "rows-not-numbers"])
 def test_bad_input_is_named(two_groups, capsys, make_args, message):
     write_comparison(two_groups / "noseed", [("nsa", None, 0.3, None)])
+    # an evaluation file holding another tool's JSON, and one whose accuracy rows are not numbers
+    for folder, content in [("notevaluation", {"task": "passkey"}),
+                            ("textrows", {"task": "passkey", "lengths": [224], "accuracy": [["high", "low"]]})]:
+        write_comparison(two_groups / folder, [("nsa", 5, 0.3, [1.0, 1.0])])
+        (two_groups / folder / "nsa-seed5" / "long_context" / "passkey_generate.json").write_text(json.dumps(content))
     with pytest.raises((SystemExit, ValueError)) as caught:
         seed_groups.main(["--out", str(two_groups / "out"), *make_args(two_groups)])
     said = str(caught.value) if caught.type is ValueError else capsys.readouterr().err
