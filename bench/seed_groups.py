@@ -20,6 +20,9 @@ A run "learned" the task where its accuracy (mean over depths) at `--learned-len
 evaluate that length is left out of the counts (said in the table). For every two groups:
 - the counts, with Fisher's exact test, two-sided (the probability, with the margins fixed, of a table at most as
   likely as the one observed);
+- the accuracy at that length, second minus first, paired by the seeds both evaluated (mean and Student's t 95%
+  half-width): where few runs of either group reach the threshold, the counts say little and this says how far
+  apart the groups are;
 - validation loss, second minus first, paired by the seeds both ran (mean and Student's t 95% half-width), and
   unpaired (Welch's t). Runs of one seed share their data order; whether they share initial weights depends on
   the pair: ab_compare's dense twin takes its NSA twin's weights, and compressors "mlp" and "mean_mlp" draw the
@@ -170,21 +173,31 @@ def summarize(groups: dict[str, list[dict]], length: int, threshold: float) -> d
     return summary
 
 
-def compare_pair(first: list[dict], second: list[dict], length: int, threshold: float) -> dict:
-    """Second group against the first: counts and Fisher's p over the runs each evaluated, and the validation-loss
-    gap (second - first), paired by shared seeds and unpaired."""
+def paired_gap(first: dict[int, float], second: dict[int, float]) -> tuple[list[int], float | None, float | None]:
+    """Second - first over the seeds both have: (those seeds, mean gap, Student's t 95% half-width)."""
+    shared = sorted(set(first) & set(second))
+    gaps = [second[s] - first[s] for s in shared]
+    mean = statistics.fmean(gaps) if gaps else None
+    half = t95(len(gaps) - 1) * statistics.stdev(gaps) / math.sqrt(len(gaps)) if len(gaps) > 1 else None
+    return shared, mean, half
+
+
+def compare_pair(first: list[dict], second: list[dict], length: int | None, threshold: float) -> dict:
+    """Second group against the first: counts and Fisher's p over the runs each evaluated; the accuracy at the
+    learned length (second - first, paired by the seeds both evaluated: where few runs of either group reach the
+    threshold, the counts say little and this says how far apart they are); the validation-loss gap (second -
+    first), paired by shared seeds and unpaired."""
     counts = []
     for runs in (first, second):
         flags = [f for f in (learned(r, length, threshold) for r in runs) if f is not None]
         counts.append((sum(flags), len(flags) - sum(flags)))
     out = {"learned": [c[0] for c in counts], "evaluated": [sum(c) for c in counts]}
     out["fisher_p"] = fisher_exact_two_sided(*counts[0], *counts[1]) if all(sum(c) for c in counts) else None
-    by_seed = [{r["seed"]: r["val_loss"] for r in runs} for runs in (first, second)]
-    shared = sorted(set(by_seed[0]) & set(by_seed[1]))
-    gaps = [by_seed[1][s] - by_seed[0][s] for s in shared]
-    out["paired_seeds"] = shared
-    out["paired_gap"] = statistics.fmean(gaps) if gaps else None
-    out["paired_half_width"] = t95(len(gaps) - 1) * statistics.stdev(gaps) / math.sqrt(len(gaps)) if len(gaps) > 1 else None
+    accuracy = [{r["seed"]: r["accuracy"][length] for r in runs if r["accuracy"] and length in r["accuracy"]}
+                for runs in (first, second)]
+    out["accuracy_seeds"], out["accuracy_gap"], out["accuracy_half_width"] = paired_gap(*accuracy)
+    losses = [{r["seed"]: r["val_loss"] for r in runs} for runs in (first, second)]
+    out["paired_seeds"], out["paired_gap"], out["paired_half_width"] = paired_gap(*losses)
     a, b = ([r["val_loss"] for r in runs] for runs in (first, second))
     out["unpaired_gap"] = statistics.fmean(b) - statistics.fmean(a)
     if len(a) > 1 and len(b) > 1:
@@ -234,14 +247,17 @@ def markdown(groups: dict[str, list[dict]], summary: dict, pairs: dict, length: 
         counts = [] if task is None else [f"{s['learned']} of {s['evaluated']}"]
         lines.append("| " + " | ".join([name, str(len(s["seeds"])), *counts,
                                         f"{s['val_loss_mean']:.4f} ± {_fmt(s['val_loss_std'], '{:.4f}')}"]) + " |")
-    fisher_heads = [] if task is None else ["learned", "Fisher's exact p (two-sided)"]
+    fisher_heads = [] if task is None else ["learned", "Fisher's exact p (two-sided)",
+                                            f"accuracy at {length}, second - first, paired by seed (95%)"]
     heads = ["second vs first", *fisher_heads, "val loss, second - first, paired by seed (95%)", "paired seeds",
              "unpaired gap, Welch's t"]  # fmt: skip
     lines += ["", "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for (first, second), c in pairs.items():
         paired = f"{_fmt(c['paired_gap'])} ± {_fmt(c['paired_half_width'], '{:.4f}')}" if c["paired_gap"] is not None else "-"
+        accuracy = "-" if c["accuracy_gap"] is None else \
+            f"{c['accuracy_gap']:+.0%} ± {_fmt(c['accuracy_half_width'], '{:.0%}')} ({len(c['accuracy_seeds'])} seeds)"
         fisher = [] if task is None else [f"{c['learned'][1]}/{c['evaluated'][1]} vs {c['learned'][0]}/{c['evaluated'][0]}",
-                                          _fmt(c["fisher_p"], "{:.3f}")]  # fmt: skip
+                                          _fmt(c["fisher_p"], "{:.3f}"), accuracy]  # fmt: skip
         lines.append("| " + " | ".join([f"{second} vs {first}", *fisher, paired, str(len(c["paired_seeds"])),
                                         f"{_fmt(c['unpaired_gap'])}, t = {_fmt(c['welch_t'], '{:.1f}')}"]) + " |")
     return "\n".join(lines) + "\n"

@@ -67,10 +67,14 @@ def test_groups_count_learned_seeds_and_pair_losses_by_seed(two_groups, capsys):
     gaps = [0.30 - 0.20, 0.21 - 0.22, 0.26 - 0.23, 0.25 - 0.24]  # seed 4 has no dense twin: not paired
     assert pair["paired_seeds"] == [0, 1, 2, 3] and math.isclose(pair["paired_gap"], statistics.fmean(gaps))
     assert math.isclose(pair["paired_half_width"], 3.182 * statistics.stdev(gaps) / 2)
+    # accuracy at 224, NSA - dense over the seeds both evaluated (the fixture's two depths average to the value given)
+    hits = [0.5 - 1.0, 0.99 - 0.98, 0.0 - 1.0, 0.1 - 0.97]
+    assert pair["accuracy_seeds"] == [0, 1, 2, 3] and math.isclose(pair["accuracy_gap"], statistics.fmean(hits))
+    assert math.isclose(pair["accuracy_half_width"], 3.182 * statistics.stdev(hits) / 2)
     text = (out / "seed_groups.md").read_text()
     assert text == capsys.readouterr().out.rstrip("\n") + "\n"
     assert "| 3 | **97% / 100%, 0.2400** | **10% / 0%, 0.2500** |" in text  # 97% at 224: not learned, bold
-    assert "| 4 |  | **0% / 0%, 0.2700** |" in text and "| nsa vs dense | 1/5 vs 3/4 | 0.206 |" in text
+    assert "| 4 |  | **0% / 0%, 0.2700** |" in text and "| nsa vs dense | 1/5 vs 3/4 | 0.206 | -59% ± 72% (4 seeds) |" in text
     assert json.loads((out / "seed_groups.json").read_text())["pairs"][0]["fisher_p"] == pair["fisher_p"]
 
 
