@@ -312,9 +312,10 @@ def make_source(dataset: str, text_column: str = "text", dataset_config: str | N
 # ----------------------------------------------------------------------------- tokenizer
 
 
-def _looks_like_a_path(name: str) -> bool:
-    """A --tokenizer value that means a local directory: relative or absolute path syntax, more folders than a
-    Hub id's owner/name, or an owner/name whose owner is a folder here (runs/tok)."""
+def looks_like_a_path(name: str) -> bool:
+    """A --tokenizer or MODEL value that means a local directory, not a Hub id (name or owner/name): relative or
+    absolute path syntax, more folders than owner/name, or an owner/name whose owner is a folder here (runs/tok).
+    A directory that exists is the caller's first test; this names the ones that do not as mistyped paths."""
     return (name.startswith((".", "/", "~")) or name.endswith("/") or name.count("/") > 1 or "\\" in name
             or ("/" in name and Path(name).parent.is_dir()))
 
@@ -326,8 +327,12 @@ def _subdirs(folder: Path) -> list[Path]:
         return []
 
 
-def load_tokenizer(name: str):
-    """`byt5` (byte-level, no files) or any AutoTokenizer name/path; clear error when it cannot be had."""
+def load_tokenizer(name: str, require_eos: bool = True, trust_remote_code: bool = False, other_fix: str = ""):
+    """`byt5` (byte-level, no files) or any AutoTokenizer name/path; clear error when it cannot be had.
+
+    require_eos: packing puts the EOS token between documents (the trainer, the corpus builder); an evaluation
+    that packs nothing passes False. other_fix: a further remedy the caller's command offers, appended to the
+    not-found errors (e.g. the long-context tool's "leave --tokenizer out")."""
     from transformers import AutoTokenizer, ByT5Tokenizer
 
     if name in ("byt5", "bytes"):
@@ -337,25 +342,25 @@ def load_tokenizer(name: str):
         hint = (
             f"--tokenizer {name!r} is not a local directory and is not in the Hugging Face cache. Pass "
             "--tokenizer PATH to a tokenizer directory (e.g. ../shared/data/gpt2-tokenizer), or --tokenizer byt5 "
-            "(byte-level, needs no files)."
+            f"(byte-level, needs no files).{other_fix}"
         )
         try:
-            tok = AutoTokenizer.from_pretrained(name, local_files_only=True)
+            tok = AutoTokenizer.from_pretrained(name, local_files_only=True, trust_remote_code=trust_remote_code)
         except (OSError, ValueError):
             if Path(name).exists():
-                raise ValueError(f"--tokenizer {name!r}: the directory holds no loadable tokenizer.") from None
-            if _looks_like_a_path(name):  # not a Hub id (owner/name): asking the Hub would only blur the typo
+                raise ValueError(f"--tokenizer {name!r}: the directory holds no loadable tokenizer.{other_fix}") from None
+            if looks_like_a_path(name):  # not a Hub id (owner/name): asking the Hub would only blur the typo
                 near = difflib.get_close_matches(Path(name).name, [d.name for d in _subdirs(Path(name).parent)], 3)
                 close = f" (did you mean {' or '.join(str(Path(name).parent / n) for n in near)}?)" if near else ""
                 raise ValueError(f"--tokenizer {name!r}: no such directory{close}. Pass --tokenizer PATH to a "
-                                 "tokenizer directory, a Hub id, or byt5 (byte-level, needs no files).") from None
+                                 f"tokenizer directory, a Hub id, or byt5 (byte-level, needs no files).{other_fix}") from None
             check_hub_reachable(f"--tokenizer {name!r}", hint)
             try:
-                tok = AutoTokenizer.from_pretrained(name)
+                tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
             except (OSError, ValueError) as e:
                 raise ValueError(f"--tokenizer {name!r} could not be loaded: {e}\n{hint}") from None
     tok.init_kwargs.pop("local_files_only", None)  # not a property of the tokenizer: keep it out of exports
-    if tok.eos_token_id is None:
+    if require_eos and tok.eos_token_id is None:
         raise ValueError(f"--tokenizer {name!r} has no EOS token; packing needs one between documents.")
     return tok
 

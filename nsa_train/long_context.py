@@ -875,16 +875,6 @@ def check_device(device: str | None, flag: str = "--device") -> None:
                          f"{flag} cpu, or leave it out.")
 
 
-def looks_like_a_missing_path(spec: str) -> bool:
-    """A MODEL that names no existing directory yet cannot be a Hub id (name or org/name): a path spelled as one
-    (./, /, ~, a backslash, more than one slash) or one whose first part is a local directory (runs/x)."""
-    if Path(spec).expanduser().exists():
-        return False
-    first = Path(spec).parts[0] if Path(spec).parts else ""
-    return (spec.startswith((".", "/", "~")) or "\\" in spec or spec.count("/") > 1
-            or ("/" in spec and Path(first).is_dir()))
-
-
 def check_hub_id_reachable(repo_id: str, filename: str, what: str, hint: str) -> None:
     """A Hub id whose `filename` is not in the local cache must come from the Hub: fail in seconds where it cannot
     be reached (offline mode, no network), not after transformers' minute of retries."""
@@ -907,10 +897,12 @@ def check_hub_id_reachable(repo_id: str, filename: str, what: str, hint: str) ->
 def resolve_source(spec: str, flag: str, filename: str, missing_fix: str, offline_fix: str) -> str:
     """A local directory (returned with ~ expanded), else a Hub id: a path that names no directory fails as one
     (not as a malformed Hub id), and an uncached Hub id fails in seconds where the Hub cannot be reached."""
+    from .data import looks_like_a_path
+
     local = Path(spec).expanduser()
     if local.exists():
         return str(local)
-    if looks_like_a_missing_path(spec):
+    if looks_like_a_path(spec):
         raise ValueError(f"{flag} {spec!r}: no such directory; {missing_fix}")
     check_hub_id_reachable(spec, filename, f"{flag} {spec!r}", offline_fix)
     return spec
@@ -923,6 +915,8 @@ def load_model_and_tokenizer(spec: str, tokenizer_spec: str | None = None, devic
     import modeling_nsa  # noqa: F401  (registers model_type "nsa" with the Auto classes)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from .data import load_tokenizer
+
     check_device(device)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dtype == "auto":
@@ -931,11 +925,13 @@ def load_model_and_tokenizer(spec: str, tokenizer_spec: str | None = None, devic
                           "pass a run's final/ directory, a saved model directory or a Hub id (name or org/name).",
                           "Pass a run's final/ directory or a saved model directory, or run where the Hub can be "
                           "reached.")  # fmt: skip
-    if tokenizer_spec is not None:
-        tokenizer_spec = resolve_source(tokenizer_spec, "--tokenizer", "tokenizer_config.json",
-                                        "pass the model's tokenizer directory or Hub id, or leave --tokenizer out to "
-                                        "use MODEL's.",
-                                        "Pass a local tokenizer directory, or leave --tokenizer out to use MODEL's.")
+    tokenizer = None
+    if tokenizer_spec is not None:  # the trainer's loader: byt5 by name, a mistyped path named with its near folders
+        try:
+            tokenizer = load_tokenizer(tokenizer_spec, require_eos=False, trust_remote_code=trust_remote_code,
+                                       other_fix=" Or leave --tokenizer out to use MODEL's.")  # fmt: skip
+        except ConnectionError as e:  # the Hub cannot be reached: bad input here, one line as the others
+            raise ValueError(str(e)) from None
     try:
         config = AutoConfig.from_pretrained(spec, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
@@ -944,11 +940,12 @@ def load_model_and_tokenizer(spec: str, tokenizer_spec: str | None = None, devic
     extra = {"nsa_backend": nsa_backend} if config.model_type == "nsa" else {}
     model = AutoModelForCausalLM.from_pretrained(spec, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code,
                                                  **extra)  # fmt: skip
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_spec or spec, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--tokenizer {tokenizer_spec or spec!r}: cannot load a tokenizer ({' '.join(str(e).split())[:300]}); "
-                         "pass --tokenizer with the model's tokenizer directory or Hub id.") from None  # fmt: skip
+    if tokenizer is None:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(spec, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"MODEL {spec!r}: cannot load its tokenizer ({' '.join(str(e).split())[:300]}); pass "
+                             "--tokenizer with the model's tokenizer directory, a Hub id or byt5.") from None  # fmt: skip
     return model.to(device), tokenizer
 
 
@@ -974,7 +971,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--haystack", default=None, help="needle: a parquet/jsonl/txt file of documents or 'python-docs' "
                    f"(default: {SHARED_HAYSTACK.name} beside the checkout when present, else python-docs)")
     p.add_argument("--text-column", default="text")
-    p.add_argument("--tokenizer", default=None, help="default: MODEL's")
+    p.add_argument("--tokenizer", default=None, help="a tokenizer directory, a Hub id or byt5, as the trainer's "
+                   "--tokenizer (default: MODEL's)")
     p.add_argument("--training-len", type=int, default=None,
                    help="the model's training length (default: the config's training_seq_len, else the run's "
                         "run.json, else max_position_embeddings)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ from torch import nn
 from transformers import ByT5Tokenizer
 
 from nsa_train import long_context as lc
+from nsa_train.data import looks_like_a_path
 
 REPO = Path(__file__).resolve().parents[1]
 GPT2 = REPO.parent / "shared" / "data" / "gpt2-tokenizer"
@@ -487,8 +489,24 @@ def test_cli_errors_exit_2_before_loading(tmp_path):
     with pytest.raises(ValueError, match=r"MODEL '.*missing': no such directory; pass a run's final/"):
         lc.main([str(tmp_path / "missing"), "--lengths", "100"])
     # a missing --tokenizer path is named as one (not as a malformed Hub id), before any model loads
-    with pytest.raises(ValueError, match=r"^--tokenizer '.*no/tok': no such directory; pass the model's tokenizer"):
+    with pytest.raises(ValueError, match=r"^--tokenizer '.*no/tok': no such directory\. Pass --tokenizer PATH .* Or "
+                                         r"leave --tokenizer out to use MODEL's\.$"):
         lc.load_model_and_tokenizer(str(tmp_path), str(tmp_path / "no" / "tok"))
+
+
+def test_a_model_saved_without_a_tokenizer_takes_the_trainers_tokenizer_names(llama_dir, tmp_path):
+    """--tokenizer goes through the trainer's loader: `byt5` (what a run trained with --tokenizer byt5 names) loads
+    by name, as in train_accelerate.py; a model directory without tokenizer files, and no --tokenizer, is named with
+    that fix."""
+    bare = tmp_path / "weights-only"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(llama_dir / name, bare / name)
+    with pytest.raises(ValueError, match=r"^MODEL '.*weights-only': cannot load its tokenizer .* pass --tokenizer .* "
+                                         r"or byt5\.$"):
+        lc.load_model_and_tokenizer(str(bare))
+    model, tokenizer = lc.load_model_and_tokenizer(str(bare), "byt5")
+    assert type(tokenizer).__name__ == "ByT5Tokenizer" and model.config.vocab_size == len(tokenizer)
 
 
 def test_a_hub_id_fails_in_seconds_where_the_hub_cannot_be_reached(monkeypatch):
@@ -536,9 +554,11 @@ def test_a_missing_model_path_is_told_from_a_hub_id(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs" / "smoke" / "final").mkdir(parents=True)
     for spec in ("runs/smoke/final", str(tmp_path), "gpt2", "org/name", "HuggingFaceTB/SmolLM2-135M"):
-        assert not lc.looks_like_a_missing_path(spec), spec  # there, or a Hub id
+        assert Path(spec).exists() or not looks_like_a_path(spec), spec  # there, or a Hub id
     for spec in ("runs/nope", "runs/smoke/nope", str(tmp_path / "nope"), "./nope", "~/no/such/model", "a\\b"):
-        assert lc.looks_like_a_missing_path(spec), spec
+        assert looks_like_a_path(spec), spec
+    with pytest.raises(ValueError, match=r"^MODEL 'runs/nope': no such directory; pass a run's final/"):
+        lc.resolve_source("runs/nope", "MODEL", "config.json", "pass a run's final/ directory.", "")
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -278,7 +278,7 @@ def test_a_mistyped_tokenizer_path_is_named_as_a_path_not_a_hub_failure(tmp_path
     monkeypatch.setenv("HOME", str(tmp_path))  # ~ left unexpanded by the shell (quoted, or --tokenizer=~/...)
     with pytest.raises(ValueError, match=r"gpt2-tokeniser': no such directory \(did you mean .*/gpt2-tokenizer\?\)"):
         data.load_tokenizer("~/gpt2-tokeniser")
-    assert not data._looks_like_a_path("gpt2") and not data._looks_like_a_path("openai-community/gpt2")
+    assert not data.looks_like_a_path("gpt2") and not data.looks_like_a_path("openai-community/gpt2")
 
 
 @needs_shared
