@@ -125,7 +125,7 @@ class TrainConfig:
     stats_every: int = field(default=-1, metadata={"help": "NSA's selection and gate statistics (stats.jsonl, metrics.jsonl, trackers, the card) on held-out rows every N steps; -1: at every evaluation; 0: off. Dense attention has none."})
     eval_long_context: bool = field(default=False, metadata={"help": "After the export (with --eval-only: after the loss), evaluate long-context retrieval (<output_dir>/long_context/: JSON and heatmap PNG; the card reports it)."})
     long_context_task: Literal["passkey", "needle"] = field(default="passkey", metadata={"help": "passkey: a number in filler text; needle: a sentence in the run's documents."})
-    long_context_lengths: list[int] = field(default_factory=list, metadata={"help": f"Case lengths in tokens (prompt and answer, as nsa_train.long_context counts them); none given: --seq-len times {' '.join(map(str, LONG_CONTEXT_LENGTH_FACTORS))} (longer than --seq-len is extrapolation)."})
+    long_context_lengths: list[int] = field(default_factory=list, metadata={"help": f"Case lengths in tokens (prompt and answer, as nsa_train.long_context counts them); none given: --seq-len times {' '.join(map(str, LONG_CONTEXT_LENGTH_FACTORS))}, less the multiples too short for the task's fixed text (longer than --seq-len is extrapolation)."})
     long_context_depths: list[float] = field(default_factory=lambda: list(DEFAULT_DEPTHS), metadata={"help": "Where the hidden item sits: the fraction of the haystack before it, in [0, 1]."})
     long_context_samples: int = field(default=10, metadata={"help": "Prompts per (length, depth)."})
     # checkpoints and the Hub
@@ -180,6 +180,15 @@ def parse_args(argv=None) -> TrainConfig:
         if getattr(cfg, name) < least:
             flag = "--" + name.replace("_", "-")
             parser.error(f"{flag} {getattr(cfg, name)}: must be {'a positive integer' if least else 'at least 0'}.")
+    for name, valid, fix in (("lr", lambda v: v > 0, "a positive learning rate, e.g. 6e-4"),
+                             ("min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]: the cosine's floor as a fraction of --lr"),
+                             ("warmup_steps", lambda v: v >= 0, "at least 0"),
+                             ("weight_decay", lambda v: v >= 0, "at least 0"),
+                             ("beta1", lambda v: 0 <= v < 1, "in [0, 1): AdamW's moment decay"),
+                             ("beta2", lambda v: 0 <= v < 1, "in [0, 1): AdamW's moment decay"),
+                             ("grad_clip", lambda v: v >= 0, "at least 0 (0: no clipping)")):  # fmt: skip
+        if not valid(getattr(cfg, name)):  # before torch's own "Invalid learning rate: -1.0", which names no flag
+            parser.error(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be {fix}.")
     if cfg.stats_every < -1:
         parser.error(f"--stats-every {cfg.stats_every}: -1 (at every evaluation), 0 (off) or a number of steps.")
     try:  # the evaluation's own checks, its flags named as the trainer spells them
@@ -660,7 +669,7 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
                                     cfg.cross_doc_attention)  # fmt: skip
     schedule = EvalSchedule(cfg.eval_every if val_rows else 0, stats_every(cfg, val_rows, say), cfg.max_steps,
                             out_dir / "stats.jsonl")  # fmt: skip
-    long_context = long_context_settings(cfg, tokenizer, model.config.vocab_size) if cfg.eval_long_context else None
+    long_context = long_context_settings(cfg, tokenizer, model.config.vocab_size, say) if cfg.eval_long_context else None
     if main_proc:  # only now: a run that fails in its checks above leaves no empty directory behind
         out_dir.mkdir(parents=True, exist_ok=True)
     watchdog.beat(phase="setup")

@@ -687,7 +687,10 @@ def main(argv=None) -> dict:
     p.add_argument("--launcher", default=shlex.quote(sys.executable),
                    help="how to start train_accelerate.py, e.g. 'accelerate launch --config_file "
                         "accelerate_configs/single_gpu.yaml' (default: this Python)")  # fmt: skip
-    args = p.parse_args(own)
+    args, unknown = p.parse_known_args(own)
+    if unknown:  # most often a training flag given before the --
+        p.error(f"unrecognized arguments: {' '.join(unknown)} (training flags go after --: ab_compare.py --out DIR "
+                f"-- {shlex.join(unknown)} ...)")
     # absolute: the runs start in the repository root, wherever this command runs
     out = Path(args.out).resolve()
     if args.init_from_runs is not None:

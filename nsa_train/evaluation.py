@@ -102,30 +102,51 @@ LONG_CONTEXT_LENGTH_FACTORS = (1, 2, 4)  # --long-context-lengths default: these
 LONG_CONTEXT_BATCH_SIZE = 4  # prompts per generate() call
 
 
-def long_context_settings(cfg, tokenizer, vocab_size: int | None) -> dict:
+def long_context_settings(cfg, tokenizer, vocab_size: int | None, say=print) -> dict:
     """`run_long_context_eval`'s keyword arguments for `--eval-long-context`, checked at the start of the run: a
     length too short for the task's fixed text, or a tokenizer the task cannot use, fails before the first step,
-    not after the last. Lengths default to --seq-len times LONG_CONTEXT_LENGTH_FACTORS (beyond 1: extrapolation).
-    The needle task hides its sentence in the run's own documents; for a streamed Hub dataset, in the shared
-    wiki parquet when present, else in Python's documentation (offline)."""
+    not after the last. Every case the evaluation will score is built here once (the same seed builds the same
+    cases at the end). Lengths default to --seq-len times LONG_CONTEXT_LENGTH_FACTORS (beyond 1: extrapolation),
+    less the multiples too short for the task's fixed text (said with `say`: the smoke preset's 128 tokens cannot
+    hold the passkey task's 223); given lengths are all kept or refused. The needle task hides its sentence in the
+    run's own documents; for a streamed Hub dataset, in the shared wiki parquet when present, else in Python's
+    documentation (offline)."""
     from . import long_context
 
     haystack = long_context.default_haystack() if streams_from_hub(cfg.dataset) else cfg.dataset
-    settings = dict(task=cfg.long_context_task, depths=list(cfg.long_context_depths),
-                    lengths=sorted(cfg.long_context_lengths or [cfg.seq_len * f for f in LONG_CONTEXT_LENGTH_FACTORS]),
-                    samples=cfg.long_context_samples, batch_size=LONG_CONTEXT_BATCH_SIZE, training_len=cfg.seq_len,
+    settings = dict(task=cfg.long_context_task, depths=list(cfg.long_context_depths), samples=cfg.long_context_samples,
+                    batch_size=LONG_CONTEXT_BATCH_SIZE, training_len=cfg.seq_len,
                     training_len_source="the run's --seq-len", haystack=haystack,
                     text_column=cfg.text_column)  # fmt: skip
-    # one case of the shortest length: what the fixed text and the tokenizer allow
-    try:
-        long_context.build_cases(tokenizer, settings["task"], settings["lengths"][:1], settings["depths"][:1], 1,
-                                 haystack=haystack, text_column=cfg.text_column, vocab_size=vocab_size)  # fmt: skip
-    except ValueError as e:  # its messages name long_context's CLI flag (--lengths): name the trainer's
-        default = "" if cfg.long_context_lengths else (
-            f" (--long-context-lengths not given: --seq-len {cfg.seq_len} x "
-            f"{' '.join(map(str, LONG_CONTEXT_LENGTH_FACTORS))})")  # fmt: skip
-        raise ValueError(f"--eval-long-context{default}: " + str(e).replace("--lengths ", "--long-context-lengths ")
-                         ) from None
+
+    def error_of(lengths: list[int]) -> str | None:
+        """Why the cases of those lengths cannot be built (as run_long_context_eval builds them), in the trainer's
+        flag names, or None."""
+        try:
+            long_context.build_cases(tokenizer, settings["task"], lengths, settings["depths"], settings["samples"],
+                                     haystack=haystack, text_column=cfg.text_column, vocab_size=vocab_size)  # fmt: skip
+        except ValueError as e:  # its messages name long_context's CLI flag (--lengths): name the trainer's
+            return str(e).replace("--lengths ", "--long-context-lengths ")
+        return None
+
+    if cfg.long_context_lengths:
+        settings["lengths"] = sorted(cfg.long_context_lengths)
+        if error := error_of(settings["lengths"]):
+            raise ValueError(f"--eval-long-context: {error}")
+        return settings
+    defaults = sorted(cfg.seq_len * f for f in LONG_CONTEXT_LENGTH_FACTORS)
+    # the longest must fit: else every one is too short, or the tokenizer cannot serve the task
+    if error := error_of(defaults[-1:]):
+        raise ValueError(f"--eval-long-context (--long-context-lengths not given: --seq-len {cfg.seq_len} x "
+                         f"{' '.join(map(str, LONG_CONTEXT_LENGTH_FACTORS))}): {error}")  # fmt: skip
+    settings["lengths"] = []
+    for length in defaults[:-1]:
+        if error := error_of([length]):
+            say(f"--eval-long-context: the default length {length} (--seq-len x {length // cfg.seq_len}) left out: "
+                f"{error}")
+        else:
+            settings["lengths"].append(length)
+    settings["lengths"].append(defaults[-1])
     return settings
 
 

@@ -680,6 +680,13 @@ def run_long_context_eval(model, tokenizer, task: str = "passkey", lengths=(1024
         train_source = training_len_source
     vocab_size = getattr(config, "vocab_size", None)
     max_positions = getattr(config, "max_position_embeddings", None)
+    # rotary positions run past max_position_embeddings (position_limit refuses only learned tables): say so before
+    # the evaluation's minutes, not only in its table
+    beyond_max_positions = [n for n in lengths if limit is None and max_positions is not None and n > max_positions]
+    if beyond_max_positions:
+        log(f"{', '.join(f'{n:,}' for n in beyond_max_positions)} tokens: beyond the config's max_position_embeddings "
+            f"({max_positions:,}); rotary positions run there, but the model was not built for them (the results are "
+            "marked so)")  # fmt: skip
     cases, haystack_description = build_cases(tokenizer, task, lengths, depths, samples, seed, haystack, text_column,
                                               vocab_size)  # fmt: skip
     device = next(model.parameters()).device
@@ -749,9 +756,8 @@ def run_long_context_eval(model, tokenizer, task: str = "passkey", lengths=(1024
         "haystack": haystack_description if task == "needle" else "filler sentences",
         "training_len": training_len, "training_len_source": train_source,
         "extrapolated_lengths": [n for n in lengths if training_len is not None and n > training_len],
-        # rotary positions run past max_position_embeddings (position_limit refuses only learned tables): say so
         "max_position_embeddings": max_positions,
-        "beyond_max_positions": [n for n in lengths if limit is None and max_positions is not None and n > max_positions],
+        "beyond_max_positions": beyond_max_positions,
         "device": str(device), "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "date": time.strftime("%Y-%m-%d"), "wall_s": round(time.time() - started, 2), "processes": world,
         "accuracy": [[cell["accuracy"] for cell in cells if cell["length"] == n] for n in lengths],
@@ -814,6 +820,16 @@ def _mean_shares(shares: list[dict]) -> dict:
     return {name: sum(s[name] for s in shares) / len(shares) for name in REGIONS}
 
 
+def heatmap_length_note(first_beyond: int | None, training_len: int | None) -> str:
+    """The heatmap's x-label addition: where the dashed line between trained and extrapolated lengths is, or that
+    every length is beyond the training length (no line at the plot's edge)."""
+    if first_beyond is None:
+        return ""
+    if first_beyond == 0:
+        return f"; all beyond the training length {training_len:,}"
+    return "; dashed: training length"
+
+
 def write_outputs(result: dict, out_dir: str | Path) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -844,11 +860,11 @@ def plot_heatmap(result: dict, path: str | Path) -> Path:
             ax.text(i, j, f"{100 * grid[j][i]:.0f}", ha="center", va="center", fontsize=8)
     ax.set_xticks(range(len(lengths)), [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths])
     ax.set_yticks(range(len(depths)), [f"{100 * d:g}%" for d in depths])
-    ax.set_xlabel("context length (tokens)" + ("; dashed: training length" if result["extrapolated_lengths"] else ""))
+    first_beyond = lengths.index(result["extrapolated_lengths"][0]) if result["extrapolated_lengths"] else None
+    ax.set_xlabel("context length (tokens)" + heatmap_length_note(first_beyond, result["training_len"]))
     ax.set_ylabel("depth of the hidden item")
-    if result["extrapolated_lengths"]:
-        first = lengths.index(result["extrapolated_lengths"][0])
-        ax.axvline(first - 0.5, color="black", linestyle="--", linewidth=1)
+    if first_beyond:  # a line between the trained lengths and the ones beyond (none at the plot's edge)
+        ax.axvline(first_beyond - 0.5, color="black", linestyle="--", linewidth=1)
     name = "/".join(Path(str(result["model"])).parts[-2:])  # runs/<run>/final -> <run>/final
     ax.set_title(f"{name}: {result['task']} ({result['scoring']})", fontsize=9)
     fig.colorbar(image, ax=ax, label="accuracy")
@@ -925,6 +941,9 @@ def load_model_and_tokenizer(spec: str, tokenizer_spec: str | None = None, devic
                           "pass a run's final/ directory, a saved model directory or a Hub id (name or org/name).",
                           "Pass a run's final/ directory or a saved model directory, or run where the Hub can be "
                           "reached.")  # fmt: skip
+    if not (Path(spec) / "config.json").exists() and (Path(spec) / "final" / "config.json").is_file():
+        raise ValueError(f"MODEL {spec!r} is a training run's directory, not a saved model; pass its final/ "
+                         f"({Path(spec) / 'final'}).")  # fmt: skip
     tokenizer = None
     if tokenizer_spec is not None:  # the trainer's loader: byt5 by name, a mistyped path named with its near folders
         try:
@@ -1021,6 +1040,7 @@ def main(argv=None) -> dict:
     check_task(args.task)
     check_scoring(args.scoring)
     depths = check_depths(args.depths)
+    check_device(args.device)  # before the check of an earlier result: each mistake named at the first try
     out = args.out
     if out is None:
         run_dir = Path(args.model).resolve().parent  # a run's final/ sits in the run's directory

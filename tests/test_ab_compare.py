@@ -391,6 +391,15 @@ def test_bad_inputs(tmp_path, ab):
         ab_compare.main(["--out", str(tmp_path), "--seeds", "1", "1", "--", *train_flags(data_file)])
 
 
+def test_a_training_flag_before_the_separator_is_told_where_it_goes(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        ab_compare.main(["--out", str(tmp_path), "--preset", "smoke", "--max-steps", "5"])
+    assert exit_info.value.code == 2
+    assert ("unrecognized arguments: --preset smoke --max-steps 5 (training flags go after --: ab_compare.py --out DIR "
+            "-- --preset smoke --max-steps 5 ...)") in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
 # ----------------------------------------------------------------------------- bench/build_corpus.py
 
 

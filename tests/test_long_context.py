@@ -427,9 +427,12 @@ def test_extrapolation_starts_past_the_training_length(byt5, llama_dir):
     assert result["extrapolated_lengths"] == [301]
     assert "* beyond the training length 300 (given by the caller): extrapolation" in lc.format_table(result)
     # rotary positions run past max_position_embeddings (512 here); the table says which lengths went there
+    logged = []
     past = lc.run_long_context_eval(llama, byt5, "passkey", [300, 520], [0.5], samples=1, scoring="loglik",
-                                    training_len=300, training_len_source="--training-len", log=lambda s: None)
+                                    training_len=300, training_len_source="--training-len", log=logged.append)
     assert past["beyond_max_positions"] == [520] and past["max_position_embeddings"] == 512
+    # ... and says so before the evaluation, not only in the table at its end
+    assert logged[0].startswith("520 tokens: beyond the config's max_position_embeddings (512)"), logged[0]
     table = lc.format_table(past)
     assert "beyond the training length 300 (--training-len)" in table
     assert "520: beyond the config's max_position_embeddings (512)" in table
@@ -546,8 +549,18 @@ def test_a_cuda_device_without_a_gpu_is_named(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match=r"^--device cuda:0: this machine has no CUDA GPU .* pass --device cpu"):
         lc.load_model_and_tokenizer("never-loaded", device="cuda:0")
+    # from the CLI, before the check of an earlier result in --out (a refusal there would hide it until a second try)
+    monkeypatch.setattr(lc, "check_not_replacing", lambda *a: pytest.fail("the earlier result came first"))
+    with pytest.raises(ValueError, match=r"^--device cuda: this machine has no CUDA GPU"):
+        lc.main(["never-loaded", "--device", "cuda"])
     lc.check_device("cpu")
     lc.check_device(None)
+
+
+def test_a_run_directory_is_told_to_pass_its_final(nsa_run):
+    with pytest.raises(ValueError, match=r"^MODEL '.*' is a training run's directory, not a saved model; pass its "
+                                         r"final/ \(.*final\)\.$"):
+        lc.load_model_and_tokenizer(str(nsa_run))
 
 
 def test_a_missing_model_path_is_told_from_a_hub_id(tmp_path, monkeypatch):
@@ -790,3 +803,10 @@ def test_needle_visibility_at_the_window_s_edge(byt5, monkeypatch):
                                                torch.zeros(1, width), params)]  # fmt: skip
         monkeypatch.setattr(selection_stats, "capture_selections", lambda *a, fake=fake, **k: fake)
         assert lc.needle_selection(object(), cases, "cpu", pad_id=0)[0]["needle_in_window"] is inside, window
+
+
+def test_the_heatmap_says_where_extrapolation_starts():
+    assert lc.heatmap_length_note(None, 256) == ""  # every length trained
+    assert lc.heatmap_length_note(2, 256) == "; dashed: training length"  # a line between columns 1 and 2
+    # every length beyond: a line at the plot's edge would not show, so the label says it
+    assert lc.heatmap_length_note(0, 8192) == "; all beyond the training length 8,192"

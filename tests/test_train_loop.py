@@ -322,11 +322,17 @@ def test_bad_numbers_are_argument_errors(capsys):
     import train_accelerate
 
     for flag, value, says in (("--micro-batch-size", "0", "a positive integer"),
-                              ("--grad-accum", "0", "a positive integer"), ("--log-every", "-1", "at least 0")):
+                              ("--grad-accum", "0", "a positive integer"), ("--log-every", "-1", "at least 0"),
+                              ("--lr", "-1.0", "a positive learning rate"), ("--lr", "0.0", "a positive learning rate"),
+                              ("--min-lr-ratio", "1.5", "in [0, 1]"), ("--warmup-steps", "-1", "at least 0"),
+                              ("--weight-decay", "-0.1", "at least 0"), ("--beta1", "1.0", "in [0, 1)"),
+                              ("--beta2", "-0.5", "in [0, 1)"), ("--grad-clip", "-1.0", "at least 0")):  # fmt: skip
         with pytest.raises(SystemExit) as exit_info:
             train_accelerate.parse_args([flag, value])
         assert exit_info.value.code == 2
         assert f"error: {flag} {value}: must be {says}" in capsys.readouterr().err
+    # the edges that are allowed: no clipping, no warm-up, no decay, a floor at the peak
+    train_accelerate.parse_args(["--grad-clip", "0", "--warmup-steps", "0", "--weight-decay", "0", "--min-lr-ratio", "1"])
 
 
 def test_missing_tracker_is_said(tmp_path, capsys, monkeypatch):

@@ -130,11 +130,39 @@ def test_bad_quality_flags(tmp_path, capsys):
     # what needs the tokenizer fails before the first step, and leaves no run directory behind
     with pytest.raises(ValueError, match="--long-context-lengths 16: too short for the passkey task's fixed text"):
         run_main(tiny_args(tmp_path / "short") + ["--eval-long-context", "--long-context-lengths", "16"])
-    with pytest.raises(ValueError, match=r"not given: --seq-len 16 x 1 2 4\): --long-context-lengths 16: too short"):
-        run_main(tiny_args(tmp_path / "short", seq_len=16) + ["--eval-long-context"])
+    with pytest.raises(ValueError, match=r"not given: --seq-len 8 x 1 2 4\): --long-context-lengths 32: too short"):
+        run_main(tiny_args(tmp_path / "short", seq_len=8) + ["--eval-long-context"])
     with pytest.raises(ValueError, match="--stats-every 5: the statistics are measured on held-out rows"):
         run_main(tiny_args(tmp_path / "norows", stats_every=5, val_tokens=0))
     assert not (tmp_path / "short").exists() and not (tmp_path / "norows").exists()
+
+
+def test_default_long_context_lengths_leave_out_the_multiples_too_short_for_the_task():
+    """--long-context-lengths not given: --seq-len x 1 2 4, less the multiples shorter than the task's fixed text
+    (the smoke preset's 128 tokens against the passkey task's 223 with bytes), each named; given lengths are kept
+    or refused as a whole; the longest default too short refuses the run."""
+    from types import SimpleNamespace
+
+    from nsa_train import data
+    from nsa_train.evaluation import long_context_settings
+
+    tokenizer = data.load_tokenizer("byt5")
+
+    def cfg(seq_len, lengths=()):
+        return SimpleNamespace(seq_len=seq_len, long_context_lengths=list(lengths), long_context_task="passkey",
+                               long_context_depths=[0.0, 1.0], long_context_samples=2, dataset=str(PARQUET),
+                               text_column="text")  # fmt: skip
+
+    said = []
+    assert long_context_settings(cfg(128), tokenizer, 384, said.append)["lengths"] == [256, 512]
+    assert len(said) == 1 and said[0].startswith("--eval-long-context: the default length 128 (--seq-len x 1) left "
+                                                 "out: --long-context-lengths 128: too short for the passkey task")
+    said.clear()
+    assert long_context_settings(cfg(256), tokenizer, 384, said.append)["lengths"] == [256, 512, 1024] and not said
+    with pytest.raises(ValueError, match=r"^--eval-long-context: --long-context-lengths 128: too short"):
+        long_context_settings(cfg(128, [512, 128]), tokenizer, 384, said.append)
+    with pytest.raises(ValueError, match=r"not given: --seq-len 32 x 1 2 4\): --long-context-lengths 128: too short"):
+        long_context_settings(cfg(32), tokenizer, 384, said.append)
 
 
 @pytest.mark.parametrize("kv_per_branch", [True, False])
