@@ -665,11 +665,21 @@ def write_comparison(run_dirs: list[Path], out: Path) -> dict:
     return result
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with the way out for its most likely unknown flag: a training flag given before the --."""
+
+    def error(self, message):
+        if message.startswith("unrecognized arguments: "):
+            unknown = message.removeprefix("unrecognized arguments: ")
+            message += f" (training flags go after --: ab_compare.py --out DIR -- {unknown} ...)"
+        super().error(message)
+
+
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     train_flags = argv[argv.index("--") + 1 :] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(prog="bench/ab_compare.py", description=__doc__.split("\n\n")[0],
+    p = _Parser(prog="bench/ab_compare.py", description=__doc__.split("\n\n")[0],
                                 usage="%(prog)s --out DIR [--seeds S ...] [--modes nsa dense] -- TRAIN_FLAGS  |  "
                                       "%(prog)s --out DIR --runs RUN_DIR RUN_DIR ...")  # fmt: skip
     p.add_argument("--out", required=True, help="directory of the runs and the comparison")
@@ -687,10 +697,7 @@ def main(argv=None) -> dict:
     p.add_argument("--launcher", default=shlex.quote(sys.executable),
                    help="how to start train_accelerate.py, e.g. 'accelerate launch --config_file "
                         "accelerate_configs/single_gpu.yaml' (default: this Python)")  # fmt: skip
-    args, unknown = p.parse_known_args(own)
-    if unknown:  # most often a training flag given before the --
-        p.error(f"unrecognized arguments: {' '.join(unknown)} (training flags go after --: ab_compare.py --out DIR "
-                f"-- {shlex.join(unknown)} ...)")
+    args = p.parse_args(own)
     # absolute: the runs start in the repository root, wherever this command runs
     out = Path(args.out).resolve()
     if args.init_from_runs is not None:
