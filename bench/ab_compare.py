@@ -679,7 +679,7 @@ def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     train_flags = argv[argv.index("--") + 1 :] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
-    p = _Parser(prog="bench/ab_compare.py", description=__doc__.split("\n\n")[0],
+    p = _Parser(prog="bench/ab_compare.py", allow_abbrev=False, description=__doc__.split("\n\n")[0],
                                 usage="%(prog)s --out DIR [--seeds S ...] [--modes nsa dense] -- TRAIN_FLAGS  |  "
                                       "%(prog)s --out DIR --runs RUN_DIR RUN_DIR ...")  # fmt: skip
     p.add_argument("--out", required=True, help="directory of the runs and the comparison")

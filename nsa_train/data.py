@@ -346,9 +346,10 @@ def load_tokenizer(name: str, require_eos: bool = True, trust_remote_code: bool 
         )
         try:
             tok = AutoTokenizer.from_pretrained(name, local_files_only=True, trust_remote_code=trust_remote_code)
-        except (OSError, ValueError):
-            if Path(name).exists():
-                raise ValueError(f"--tokenizer {name!r}: the directory holds no loadable tokenizer.{other_fix}") from None
+        except (OSError, ValueError) as e:
+            if Path(name).exists():  # transformers' reason (an unknown class, remote code, a missing package) kept
+                raise ValueError(f"--tokenizer {name!r}: the directory holds no loadable tokenizer "
+                                 f"({' '.join(str(e).split())[:300]}).{other_fix}") from None
             if looks_like_a_path(name):  # not a Hub id (owner/name): asking the Hub would only blur the typo
                 near = difflib.get_close_matches(Path(name).name, [d.name for d in _subdirs(Path(name).parent)], 3)
                 close = f" (did you mean {' or '.join(str(Path(name).parent / n) for n in near)}?)" if near else ""

@@ -105,8 +105,9 @@ LONG_CONTEXT_BATCH_SIZE = 4  # prompts per generate() call
 def long_context_settings(cfg, tokenizer, vocab_size: int | None, say=print) -> dict:
     """`run_long_context_eval`'s keyword arguments for `--eval-long-context`, checked at the start of the run: a
     length too short for the task's fixed text, or a tokenizer the task cannot use, fails before the first step,
-    not after the last. Every case the evaluation will score is built here once (the same seed builds the same
-    cases at the end). Lengths default to --seq-len times LONG_CONTEXT_LENGTH_FACTORS (beyond 1: extrapolation),
+    not after the last. Cases of every length, depth and sample are built here, as the evaluation builds them
+    (a default length alone: the needle's haystack pool is then sized for that length, so its draws differ from
+    the final ones, but what can fail, the fixed text and the tokenizer, does not). Lengths default to --seq-len times LONG_CONTEXT_LENGTH_FACTORS (beyond 1: extrapolation),
     less the multiples too short for the task's fixed text (said with `say`: the smoke preset's 128 tokens cannot
     hold the passkey task's 223); given lengths are all kept or refused. The needle task hides its sentence in the
     run's own documents; for a streamed Hub dataset, in the shared wiki parquet when present, else in Python's

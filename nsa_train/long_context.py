@@ -924,6 +924,14 @@ def resolve_source(spec: str, flag: str, filename: str, missing_fix: str, offlin
     return spec
 
 
+def check_not_a_run_directory(spec: str) -> None:
+    """MODEL given as a training run's directory (its saved model is in final/): said with the path to pass."""
+    path = Path(spec).expanduser()
+    if not (path / "config.json").exists() and (path / "final" / "config.json").is_file():
+        raise ValueError(f"MODEL {spec!r} is a training run's directory, not a saved model; pass its final/ "
+                         f"({path / 'final'}).")
+
+
 def load_model_and_tokenizer(spec: str, tokenizer_spec: str | None = None, device: str | None = None,
                              dtype: str = "auto", nsa_backend: str = "auto", trust_remote_code: bool = False):  # fmt: skip
     """A run's final/, a saved directory or a Hub id: this project's NSA models through the installed code (with
@@ -941,9 +949,7 @@ def load_model_and_tokenizer(spec: str, tokenizer_spec: str | None = None, devic
                           "pass a run's final/ directory, a saved model directory or a Hub id (name or org/name).",
                           "Pass a run's final/ directory or a saved model directory, or run where the Hub can be "
                           "reached.")  # fmt: skip
-    if not (Path(spec) / "config.json").exists() and (Path(spec) / "final" / "config.json").is_file():
-        raise ValueError(f"MODEL {spec!r} is a training run's directory, not a saved model; pass its final/ "
-                         f"({Path(spec) / 'final'}).")  # fmt: skip
+    check_not_a_run_directory(spec)
     tokenizer = None
     if tokenizer_spec is not None:  # the trainer's loader: byt5 by name, a mistyped path named with its near folders
         try:
@@ -1041,6 +1047,7 @@ def main(argv=None) -> dict:
     check_scoring(args.scoring)
     depths = check_depths(args.depths)
     check_device(args.device)  # before the check of an earlier result: each mistake named at the first try
+    check_not_a_run_directory(args.model)
     out = args.out
     if out is None:
         run_dir = Path(args.model).resolve().parent  # a run's final/ sits in the run's directory

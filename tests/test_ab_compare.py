@@ -398,6 +398,10 @@ def test_a_training_flag_before_the_separator_is_told_where_it_goes(tmp_path, ca
     assert ("unrecognized arguments: --preset smoke --max-steps 5 (training flags go after --: ab_compare.py --out DIR "
             "-- --preset smoke --max-steps 5 ...)") in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+    # the trainer's --seed is not read as this command's --seeds (no abbreviations): it is told where it goes
+    with pytest.raises(SystemExit):
+        ab_compare.main(["--out", str(tmp_path), "--seed", "1"])
+    assert "unrecognized arguments: --seed 1 (training flags go after --" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- bench/build_corpus.py

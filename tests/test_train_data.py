@@ -281,6 +281,14 @@ def test_a_mistyped_tokenizer_path_is_named_as_a_path_not_a_hub_failure(tmp_path
     assert not data.looks_like_a_path("gpt2") and not data.looks_like_a_path("openai-community/gpt2")
 
 
+def test_a_directory_without_a_loadable_tokenizer_says_why(tmp_path):
+    """transformers' reason (here: a config naming an unknown class and no tokenizer files) is kept in the error,
+    not only "no tokenizer"."""
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "NoSuchTokenizerFast"}))
+    with pytest.raises(ValueError, match=r"the directory holds no loadable tokenizer \(\S.+\)\. Or x$"):
+        data.load_tokenizer(str(tmp_path), other_fix=" Or x")
+
+
 @needs_shared
 def test_a_tokenizer_under_the_home_folder_loads_as_tilde(tmp_path, monkeypatch):
     shutil.copytree(GPT2, tmp_path / "tok")
