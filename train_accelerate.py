@@ -175,18 +175,15 @@ def parse_args(argv=None) -> TrainConfig:
                      "architecture is the saved model's; drop one of them.")
     if cfg.init_from:
         cfg.model = None  # the saved architecture is used: run.json names no --model (a preset's) it did not use
-    for name, least in (("micro_batch_size", 1), ("grad_accum", 1), ("max_steps", 0), ("log_every", 0),
-                        ("eval_every", 0), ("save_every", 0), ("long_context_samples", 1)):  # fmt: skip
-        if getattr(cfg, name) < least:
-            flag = "--" + name.replace("_", "-")
-            parser.error(f"{flag} {getattr(cfg, name)}: must be {'a positive integer' if least else 'at least 0'}.")
-    for name, valid, fix in (("lr", lambda v: v > 0, "a positive learning rate, e.g. 6e-4"),
-                             ("min_lr_ratio", lambda v: 0 <= v <= 1, "in [0, 1]: the cosine's floor as a fraction of --lr"),
-                             ("warmup_steps", lambda v: v >= 0, "at least 0"),
-                             ("weight_decay", lambda v: v >= 0, "at least 0"),
-                             ("beta1", lambda v: 0 <= v < 1, "in [0, 1): AdamW's moment decay"),
-                             ("beta2", lambda v: 0 <= v < 1, "in [0, 1): AdamW's moment decay"),
-                             ("grad_clip", lambda v: v >= 0, "at least 0 (0: no clipping)")):  # fmt: skip
+    positive, at_least_0 = (lambda v: v >= 1, "a positive integer"), (lambda v: v >= 0, "at least 0")
+    adam_beta = (lambda v: 0 <= v < 1, "in [0, 1): AdamW's moment decay")
+    for name, (valid, fix) in (("micro_batch_size", positive), ("grad_accum", positive), ("max_steps", at_least_0),
+                               ("log_every", at_least_0), ("eval_every", at_least_0), ("save_every", at_least_0),
+                               ("long_context_samples", positive), ("warmup_steps", at_least_0),
+                               ("weight_decay", at_least_0), ("beta1", adam_beta), ("beta2", adam_beta),
+                               ("lr", (lambda v: v > 0, "a positive learning rate, e.g. 6e-4")),
+                               ("min_lr_ratio", (lambda v: 0 <= v <= 1, "in [0, 1]: the cosine's floor as a fraction of --lr")),
+                               ("grad_clip", (lambda v: v >= 0, "at least 0 (0: no clipping)"))):  # fmt: skip
         if not valid(getattr(cfg, name)):  # before torch's own "Invalid learning rate: -1.0", which names no flag
             parser.error(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be {fix}.")
     if cfg.stats_every < -1:

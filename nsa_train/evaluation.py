@@ -105,13 +105,13 @@ LONG_CONTEXT_BATCH_SIZE = 4  # prompts per generate() call
 def long_context_settings(cfg, tokenizer, vocab_size: int | None, say=print) -> dict:
     """`run_long_context_eval`'s keyword arguments for `--eval-long-context`, checked at the start of the run: a
     length too short for the task's fixed text, or a tokenizer the task cannot use, fails before the first step,
-    not after the last. Cases of every length, depth and sample are built here, as the evaluation builds them
-    (a default length alone: the needle's haystack pool is then sized for that length, so its draws differ from
-    the final ones, but what can fail, the fixed text and the tokenizer, does not). Lengths default to --seq-len times LONG_CONTEXT_LENGTH_FACTORS (beyond 1: extrapolation),
-    less the multiples too short for the task's fixed text (said with `say`: the smoke preset's 128 tokens cannot
-    hold the passkey task's 223); given lengths are all kept or refused. The needle task hides its sentence in the
-    run's own documents; for a streamed Hub dataset, in the shared wiki parquet when present, else in Python's
-    documentation (offline)."""
+    not after the last. Cases of every length, depth and sample are built here, as the evaluation builds them (a
+    default length alone: the needle's haystack pool is then sized for that length, so its draws differ from the
+    final ones, but what can fail, the fixed text and the tokenizer, does not). Lengths default to --seq-len times
+    LONG_CONTEXT_LENGTH_FACTORS (beyond 1: extrapolation), less the multiples too short for the task's fixed text
+    (said with `say`: the smoke preset's 128 tokens cannot hold the passkey task's 223); given lengths are all kept
+    or refused. The needle task hides its sentence in the run's own documents; for a streamed Hub dataset, in the
+    shared wiki parquet when present, else in Python's documentation (offline)."""
     from . import long_context
 
     haystack = long_context.default_haystack() if streams_from_hub(cfg.dataset) else cfg.dataset
