@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nsa_train.checkpoint import RUN_OUTPUTS, RUNTIME_FIELDS, latest_checkpoint  # noqa: E402
-from nsa_train.long_context import run_command  # noqa: E402
+from nsa_train.long_context import ended_inside_answer_rates, run_command  # noqa: E402
 
 MODES = ("nsa", "dense")
 # train_accelerate.py flags this script sets per run
@@ -351,18 +351,21 @@ def read_run(run_dir: Path) -> dict:
 
 def read_evaluation(path: Path) -> dict | None:
     """One retrieval evaluation as nsa_train.long_context writes it (<run>/long_context/<task>_<scoring>.json):
-    task, scoring, case lengths, extrapolated lengths, and per length the accuracy and the answer's-block selection
-    rate (NSA; None otherwise), each the mean over depths. None for another tool's JSON (no accuracy or lengths);
-    a file that names them but does not hold them as rows of numbers is an error naming the file."""
+    task, scoring, case lengths, extrapolated lengths, and per length the accuracy, the share of cases that ended
+    inside the answer (generate scoring; None otherwise: long_context.ends_inside_answer) and the answer's-block
+    selection rate (NSA; None otherwise), each the mean over depths. None for another tool's JSON (no accuracy or
+    lengths); a file that names them but does not hold them as rows of numbers is an error naming the file."""
     try:
         result = json.loads(path.read_text())
         if not isinstance(result, dict) or "accuracy" not in result or "lengths" not in result:
             return None
         selected = result.get("needle_selected")
+        ended = ended_inside_answer_rates(result)
         return {
             "task": result.get("task"), "scoring": result.get("scoring"), "lengths": list(result["lengths"]),
             "extrapolated": result.get("extrapolated_lengths") or [],
             "accuracy": [statistics.fmean(row) for row in result["accuracy"]],
+            "ended": [statistics.fmean(row) for row in ended] if ended else None,
             "selected": [statistics.fmean(row) for row in selected] if selected else None,
         }  # fmt: skip
     except (json.JSONDecodeError, TypeError, statistics.StatisticsError) as e:
@@ -573,17 +576,24 @@ def long_context_table(runs: list[dict]) -> list[str]:
         lengths = sorted({n for _, ev in found for n in ev["lengths"]})
         heads = [f"{n:,}" for n in lengths]
         with_selection = any(ev["selected"] for _, ev in found)
+        with_endings = any(any(ev.get("ended") or ()) for _, ev in found)  # (the column only where a run stopped early)
         lines += ["", f"Long-context retrieval, {task} scored by {scoring}: accuracy per case length (prompt and "
                       "answer, tokens), mean over depths (* past the run's training length)"
+                  + ("; the share of cases whose answer ended inside it (its right start, then end-of-text: "
+                     "scored wrong), per length" if with_endings else "")
                   + ("; NSA: the share of the last prompt token's selections "
                       "(per layer and KV group) that held the answer's block, per length" if with_selection else "")
                   + ":", "",
-                  "| run | " + " | ".join(heads) + (" | answer's block selected |" if with_selection else " |"),
-                  "|---|" + "---|" * (len(lengths) + with_selection)]  # fmt: skip
+                  "| run | " + " | ".join(heads) + (" | ended inside the answer" if with_endings else "")
+                  + (" | answer's block selected |" if with_selection else " |"),
+                  "|---|" + "---|" * (len(lengths) + with_endings + with_selection)]  # fmt: skip
         for r, ev in found:
             by_length = dict(zip(ev["lengths"], ev["accuracy"]))
             cells = [f"{by_length[n]:.0%}" + ("*" if n in ev["extrapolated"] else "") if n in by_length else ""
                      for n in lengths]  # fmt: skip
+            if with_endings:
+                ended = dict(zip(ev["lengths"], ev.get("ended") or ()))
+                cells.append(" / ".join(f"{ended[n]:.0%}" if n in ended else "-" for n in lengths) if ended else "")
             if with_selection:
                 chosen = dict(zip(ev["lengths"], ev["selected"] or ()))
                 cells.append(" / ".join(f"{chosen[n]:.0%}" if n in chosen else "-" for n in lengths) if chosen else "")

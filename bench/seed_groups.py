@@ -23,6 +23,10 @@ evaluate that length is left out of the counts (said in the table). For every tw
 - the accuracy at that length, second minus first, paired by the seeds both evaluated (mean and Student's t 95%
   half-width): where few runs of either group reach the threshold, the counts say little and this says how far
   apart the groups are;
+- where some run's greedy answers ended inside themselves at that length (the right start, then end-of-text:
+  `nsa_train.long_context.ends_inside_answer`), the share of such cases and the accuracy counting them as right,
+  each second minus first, paired: a model can learn to end its text where its training rows ended, and a case
+  whose answer reaches that position then fails on the ending, not on the lookup;
 - validation loss, second minus first, paired by the seeds both ran (mean and Student's t 95% half-width), and
   unpaired (Welch's t). Runs of one seed share their data order; whether they share initial weights depends on
   the pair: ab_compare's dense twin takes its NSA twin's weights, and compressors "mlp" and "mean_mlp" draw the
@@ -100,12 +104,18 @@ def _evaluation_file(folder: Path, run: dict, task: str, scoring: str) -> Path |
     return None
 
 
-def _recorded_accuracy(run: dict, task: str, scoring: str) -> dict[int, float] | None:
-    """The accuracy per length (mean over depths) that ab_compare recorded in its JSON for the run, where no
-    evaluation file is found (the run's directory moved or deleted since)."""
+def _by_length(evaluation: dict, key: str) -> dict[int, float] | None:
+    """One per-length figure of an evaluation as ab_compare.read_evaluation reads it (None where it has none)."""
+    values = evaluation.get(key)
+    return None if values is None else {int(n): float(v) for n, v in zip(evaluation["lengths"], values)}
+
+
+def _recorded_evaluation(run: dict, task: str, scoring: str) -> dict | None:
+    """The evaluation summary (per length, mean over depths) that ab_compare recorded in its JSON for the run, where
+    no evaluation file is found (the run's directory moved or deleted since)."""
     for record in run.get("long_context") or ():
         if record.get("task") == task and record.get("scoring", scoring) == scoring:
-            return {int(n): float(a) for n, a in zip(record["lengths"], record["accuracy"])}
+            return record
     return None
 
 
@@ -128,17 +138,19 @@ def read_group(name: str, specs: list[str], task: str, scoring: str) -> list[dic
                                      "seed or validation losses; write the file again with bench/ab_compare.py "
                                      "--runs <its runs>.")  # fmt: skip
                 path = _evaluation_file(folder, run, task, scoring) if task is not None else None
-                accuracy = _recorded_accuracy(run, task, scoring) if task is not None and path is None else None
+                evaluation = _recorded_evaluation(run, task, scoring) if task is not None and path is None else None
                 if path is not None:
                     result = read_evaluation(path)
                     if result is None:
                         raise ValueError(f"{path}: not an evaluation as nsa_train.long_context writes it (no lengths "
                                          "or accuracy); run the evaluation again or remove the file.")
                     if result["task"] == task and (result["scoring"] or scoring) == scoring:
-                        accuracy = {int(n): a for n, a in zip(result["lengths"], result["accuracy"])}
+                        evaluation = result
                 tokens, loss = run["val"][-1]
                 runs.append({"group": name, "source": str(folder), "name": run["name"], "mode": run.get("mode"),
-                             "seed": run.get("seed"), "tokens": tokens, "val_loss": loss, "accuracy": accuracy})
+                             "seed": run.get("seed"), "tokens": tokens, "val_loss": loss,
+                             "accuracy": _by_length(evaluation, "accuracy") if evaluation else None,
+                             "ended": _by_length(evaluation, "ended") if evaluation else None})  # fmt: skip
     if not runs:
         raise ValueError(f"--group {name}: its sources ({' '.join(specs)}) hold no runs of the mode asked for.")
     seeds = [r["seed"] for r in runs]
@@ -196,6 +208,14 @@ def compare_pair(first: list[dict], second: list[dict], length: int | None, thre
     accuracy = [{r["seed"]: r["accuracy"][length] for r in runs if r["accuracy"] and length in r["accuracy"]}
                 for runs in (first, second)]
     out["accuracy_seeds"], out["accuracy_gap"], out["accuracy_half_width"] = paired_gap(*accuracy)
+    # a greedy answer that stopped after its right start (long_context.ends_inside_answer) is scored wrong; where
+    # the case's answer reaches the rows' end, that is the ending a model learned from its rows, not the lookup
+    ended = [{r["seed"]: r["ended"][length] for r in runs if r.get("ended") and length in r["ended"]}
+             for runs in (first, second)]  # fmt: skip
+    out["ended_seeds"], out["ended_gap"], out["ended_half_width"] = paired_gap(*ended)
+    right_or_ended = [{seed: accuracy[i][seed] + ended[i][seed] for seed in ended[i] if seed in accuracy[i]}
+                      for i in range(2)]  # fmt: skip
+    out["right_or_ended_seeds"], out["right_or_ended_gap"], out["right_or_ended_half_width"] = paired_gap(*right_or_ended)
     losses = [{r["seed"]: r["val_loss"] for r in runs} for runs in (first, second)]
     out["paired_seeds"], out["paired_gap"], out["paired_half_width"] = paired_gap(*losses)
     a, b = ([r["val_loss"] for r in runs] for runs in (first, second))
@@ -260,6 +280,19 @@ def markdown(groups: dict[str, list[dict]], summary: dict, pairs: dict, length: 
                                           _fmt(c["fisher_p"], "{:.3f}"), accuracy]  # fmt: skip
         lines.append("| " + " | ".join([f"{second} vs {first}", *fisher, paired, str(len(c["paired_seeds"])),
                                         f"{_fmt(c['unpaired_gap'])}, t = {_fmt(c['welch_t'], '{:.1f}')}"]) + " |")
+    if task is not None and any(c["ended_gap"] is not None for c in pairs.values()) and any(
+            r.get("ended") and r["ended"].get(length) for runs in groups.values() for r in runs):  # fmt: skip
+        lines += ["", f"Answers that ended inside themselves at {length} tokens (the right start, then end-of-text: "
+                  "scored wrong above; a model can learn to end its text where its training rows ended), per seed "
+                  "in the table's order: " + "; ".join(
+                      f"{name} " + " / ".join(f"{r['ended'][length]:.0%}" if r.get("ended") and length in r["ended"]
+                                              else "-" for r in groups[name]) for name in names) + ".", "",
+                  "| second vs first | ended inside the answer, second - first, paired (95%) | right or ended inside "
+                  "it, second - first, paired (95%) |", "|---|---|---|"]  # fmt: skip
+        for (first, second), c in pairs.items():
+            gaps = [("-" if c[f"{k}_gap"] is None else f"{c[f'{k}_gap']:+.0%} ± {_fmt(c[f'{k}_half_width'], '{:.0%}')} "
+                     f"({len(c[f'{k}_seeds'])} seeds)") for k in ("ended", "right_or_ended")]  # fmt: skip
+            lines.append(f"| {second} vs {first} | " + " | ".join(gaps) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -483,8 +483,35 @@ def score_generate(model, tokenizer, cases: list[RetrievalCase], device, pad_id:
     results = []
     for row, case in enumerate(cases):
         text = tokenizer.decode(out[row, ids.shape[1] :].tolist(), skip_special_tokens=True)
-        results.append({"correct": first_word(text) == case.answer, "prediction": text.strip()})
+        prediction = text.strip()
+        results.append({"correct": first_word(text) == case.answer, "prediction": prediction,
+                        "ended_inside_answer": ends_inside_answer(prediction, case.answer)})  # fmt: skip
     return results
+
+
+def ends_inside_answer(prediction: str, answer: str) -> bool:
+    """Whether a greedy answer stopped (end-of-text or another special token, which decoding drops) after the right
+    start of the answer: e.g. '7008' for '70087'. Scored wrong; told apart because a model trained on rows of one
+    length can learn to end its text where they ended, so a case whose answer runs to that position fails on the
+    ending, not the lookup (score_generate leaves room for the whole answer and three more tokens: a stop inside it
+    is the model's own)."""
+    return bool(prediction) and prediction != answer and answer.startswith(prediction)
+
+
+def ended_inside_answer_rates(result: dict) -> list[list[float]] | None:
+    """(lengths, depths) share of cases that ended inside the answer, from an evaluation's JSON: its own matrix, or
+    for a file written before the matrix existed its cases' predictions; None for loglik scoring (no text ends)."""
+    if result.get("ended_inside_answer") is not None:
+        return result["ended_inside_answer"]
+    cells = result.get("cells") or []
+    if result.get("scoring") != "generate" or not cells or not all(
+            "prediction" in case and "answer" in case for cell in cells for case in cell.get("cases", ())):  # fmt: skip
+        return None
+    share = {(c["length"], c["depth"]): sum(ends_inside_answer(x["prediction"], x["answer"]) for x in c["cases"])
+             / len(c["cases"]) for c in cells if c.get("cases")}  # fmt: skip
+    if set(share) != {(n, d) for n in result["lengths"] for d in result["depths"]}:
+        return None
+    return [[share[n, d] for d in result["depths"]] for n in result["lengths"]]
 
 
 @torch.no_grad()
@@ -733,6 +760,8 @@ def run_long_context_eval(model, tokenizer, task: str = "passkey", lengths=(1024
                     "extrapolation": training_len is not None and length > training_len}  # fmt: skip
             if scoring == "loglik":
                 cell["answer_logprob_mean"] = sum(s["answer_logprob"] for _, s in mine) / len(mine)
+            else:
+                cell["ended_inside_answer"] = sum(s["ended_inside_answer"] for _, s in mine) / len(mine)
             if selection:
                 chosen = [s for _, s in mine]
                 cell["needle_selected_rate"] = _selection_rate(chosen)
@@ -761,6 +790,8 @@ def run_long_context_eval(model, tokenizer, task: str = "passkey", lengths=(1024
         "device": str(device), "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "date": time.strftime("%Y-%m-%d"), "wall_s": round(time.time() - started, 2), "processes": world,
         "accuracy": [[cell["accuracy"] for cell in cells if cell["length"] == n] for n in lengths],
+        "ended_inside_answer": ([[cell["ended_inside_answer"] for cell in cells if cell["length"] == n]
+                                 for n in lengths] if scoring == "generate" else None),
         "needle_selected": ([[cell["needle_selected_rate"] for cell in cells if cell["length"] == n] for n in lengths]
                             if selection else None),
         "cells": cells,
@@ -784,6 +815,13 @@ def format_table(result: dict) -> str:
         mark = "*" if length in result["extrapolated_lengths"] else ""
         cells = " | ".join(f"{100 * a:.0f}" for a in row)
         lines.append(f"| {length:,}{mark} | {cells} | {100 * sum(row) / len(row):.0f} |")
+    ended = ended_inside_answer_rates(result)
+    ended_rows = [(n, row) for n, row in zip(result["lengths"], ended or ()) if any(row)]
+    if ended_rows:
+        lines += ["", "ended inside the answer (its right start, then end-of-text; scored wrong above), % of cases: "
+                  + ", ".join(f"{n:,}: {100 * sum(row) / len(row):.0f}" for n, row in ended_rows)
+                  + ". A model trained on rows of one length can learn to end its text where they ended: a case "
+                  "whose answer runs to or past that position then fails on the ending, not on the lookup."]  # fmt: skip
     if result.get("needle_selected"):
         lines += ["", "the answer's block in the last prompt token's selection, % of (case, layer, KV group); chance: "
                   "uniform free picks:", "",
@@ -1080,6 +1118,7 @@ if __name__ == "__main__":
     run_command(main)
 
 
-__all__ = ["RetrievalCase", "answer_mentions", "build_case", "build_cases", "card_section", "format_table", "needle_selection",
+__all__ = ["RetrievalCase", "answer_mentions", "build_case", "build_cases", "card_section", "ended_inside_answer_rates",
+           "ends_inside_answer", "format_table", "needle_selection",
            "plot_heatmap", "run_command", "run_long_context_eval", "score_generate", "score_loglik",
            "takes_needle_selection"]  # fmt: skip

@@ -182,18 +182,24 @@ def test_long_context_evaluations_are_tabled_per_run(ab, tmp_path):
     written = runs["nsa"] / "long_context" / "passkey_generate.json"
     result = json.loads(written.read_text())
     assert result["extrapolated_lengths"] == [256] and len(result["needle_selected"]) == 2
-    result.update(accuracy=[[1.0, 0.5, 0.0], [0.25, 0.25, 0.1]], needle_selected=[[1.0, 1.0, 0.7], [0.0, 0.3, 0.0]])
+    result.update(accuracy=[[1.0, 0.5, 0.0], [0.25, 0.25, 0.1]], needle_selected=[[1.0, 1.0, 0.7], [0.0, 0.3, 0.0]],
+                  ended_inside_answer=[[0.0, 0.0, 0.0], [0.5, 0.25, 0.0]])
     written.write_text(json.dumps(result))
     (runs["dense"] / "long_context").mkdir()
+    # a file written before the ended-inside-the-answer matrix existed: its share comes from the cases' predictions
+    # (at 224 tokens, depth 0.5: '123' for '1234', the text ended one token early)
+    cells = [{"length": n, "depth": d, "cases": [{"answer": "1234", "prediction": "123" if (n, d) == (224, 0.5)
+                                                  else "1234"}]} for n in (200, 224) for d in (0.0, 0.5, 1.0)]  # fmt: skip
     (runs["dense"] / "long_context" / "passkey_generate.json").write_text(json.dumps(
-        {"task": "passkey", "scoring": "generate", "lengths": [200, 224], "extrapolated_lengths": [],
-         "accuracy": [[0.0, 0.0, 0.0], [1.0, 1.0, 0.4]], "needle_selected": None}))
+        {"task": "passkey", "scoring": "generate", "lengths": [200, 224], "depths": [0.0, 0.5, 1.0],
+         "extrapolated_lengths": [], "accuracy": [[0.0, 0.0, 0.0], [1.0, 1.0, 0.4]], "needle_selected": None,
+         "cells": cells}))
     (runs["dense"] / "long_context" / "notes.json").write_text(json.dumps(["not an evaluation"]))
     ab_compare.main(["--out", str(tmp_path / "cmp"), "--runs", str(runs["nsa"]), str(runs["dense"])])
     table = (tmp_path / "cmp" / "ab_compare.md").read_text()
-    assert "| run | 200 | 224 | 256 | answer's block selected |" in table
-    assert "| nsa-seed3 |  | 50% | 20%* | - / 90% / 10% |" in table
-    assert "| dense-seed3 | 0% | 80% |  |  |" in table
+    assert "| run | 200 | 224 | 256 | ended inside the answer | answer's block selected |" in table
+    assert "| nsa-seed3 |  | 50% | 20%* | - / 0% / 25% | - / 90% / 10% |" in table
+    assert "| dense-seed3 | 0% | 80% |  | 0% / 33% / - |  |" in table
     (runs["dense"] / "long_context" / "passkey_loglik.json").write_text('{"accuracy": ')
     with pytest.raises(ValueError, match=r"passkey_loglik.json: not a long-context evaluation as "
                                          r"nsa_train.long_context writes it"):

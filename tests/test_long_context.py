@@ -282,13 +282,14 @@ class ScriptedLM(nn.Module):
     Its logits put all mass on the true next token (or on another one) and its generate() writes the answer (or
     another number)."""
 
-    def __init__(self, cases, right, vocab_size=384):
+    def __init__(self, cases, right, vocab_size=384, stops=lambda prompt: False):
         super().__init__()
         self.config = type("Config", (), {"vocab_size": vocab_size, "max_position_embeddings": 4096,
                                           "model_type": "scripted", "rope_theta": 1e4})()  # fmt: skip
         self.anchor = nn.Parameter(torch.zeros(1))
         self.answers = {tuple(c.prompt_ids): c.answer_ids for c in cases}
         self.right = right
+        self.stops = stops  # generate() ends the text (token 1, ByT5's </s>) before the answer's last token
 
     def forward(self, input_ids, attention_mask, logits_to_keep=0):
         assert attention_mask.shape == input_ids.shape
@@ -306,7 +307,12 @@ class ScriptedLM(nn.Module):
         rows = []
         for row in range(input_ids.shape[0]):
             prompt = tuple(input_ids[row][attention_mask[row].bool()].tolist())
-            answer = self.answers[prompt] if self.right(prompt) else [ord(c) + 3 for c in " 00000"]
+            if self.right(prompt):
+                answer = self.answers[prompt]
+            elif self.stops(prompt):
+                answer = self.answers[prompt][:-1]  # then the end-of-text padding below
+            else:
+                answer = [ord(c) + 3 for c in " 00000"]
             rows.append(input_ids[row].tolist() + (answer + [1] * max_new_tokens)[:max_new_tokens])
         return torch.tensor(rows)
 
@@ -328,6 +334,41 @@ def test_scoring_on_scripted_answers(byt5, task, scoring):
     if scoring == "loglik":  # a right answer has log-prob ~0 (-0.017: 383 other logits at 0), a wrong one ~ -10
         by_cell = {(c["length"], c["depth"]): c["answer_logprob_mean"] for c in result["cells"]}
         assert by_cell[(300, 0.0)] > -0.02 and by_cell[(300, 1.0)] < -9
+
+
+def test_answers_that_end_inside_themselves_are_counted_apart(byt5, tmp_path):
+    """A greedy answer that stops after its right start (the ending a model learned from rows of one length) is
+    scored wrong, and counted per cell, in the result's matrix and in the printed table; for a file written
+    before the matrix existed, from its cases' predictions."""
+    lengths, depths = [300, 420], [0.0, 1.0]
+    cases, _ = lc.build_cases(byt5, "passkey", lengths, depths, samples=2, seed=3)
+    length_of = {tuple(c.prompt_ids): c.length for c in cases}
+    depth_of = {tuple(c.prompt_ids): c.depth for c in cases}
+    # right at 300 tokens; at 420 it stops one token short at depth 0 and answers another number at depth 1
+    model = ScriptedLM(cases, lambda p: length_of[p] == 300, stops=lambda p: depth_of[p] == 0.0)
+    lines = []
+    result = lc.run_long_context_eval(model, byt5, "passkey", lengths, depths, samples=2, seed=3, batch_size=3,
+                                      log=lines.append, out_dir=tmp_path)  # fmt: skip
+    assert result["accuracy"] == [[1.0, 1.0], [0.0, 0.0]]
+    assert result["ended_inside_answer"] == [[0.0, 0.0], [1.0, 0.0]]
+    stopped = next(c for c in result["cells"] if (c["length"], c["depth"]) == (420, 0.0))["cases"]
+    assert all(x["ended_inside_answer"] and x["answer"].startswith(x["prediction"]) and
+               len(x["prediction"]) == len(x["answer"]) - 1 for x in stopped)  # fmt: skip
+    assert "ended inside the answer" in lines[0] and "420: 50" in lines[0] and "300:" not in lines[0].split("ended")[1]
+    saved = json.loads((tmp_path / "passkey_generate.json").read_text())
+    del saved["ended_inside_answer"]  # a file written before the matrix existed: derived from its cases
+    assert lc.ended_inside_answer_rates(saved) == [[0.0, 0.0], [1.0, 0.0]]
+    loglik = lc.run_long_context_eval(model, byt5, "passkey", lengths, depths, samples=2, seed=3, scoring="loglik",
+                                      log=lambda s: None)  # fmt: skip
+    assert loglik["ended_inside_answer"] is None and lc.ended_inside_answer_rates(loglik) is None
+
+
+def test_ends_inside_answer_rule():
+    assert lc.ends_inside_answer("7008", "70087")
+    assert not lc.ends_inside_answer("70087", "70087")  # right
+    assert not lc.ends_inside_answer("", "70087")  # nothing said: not the answer's start
+    assert not lc.ends_inside_answer("7008 and", "70087")  # went on: a wrong answer
+    assert not lc.ends_inside_answer("7009", "70087")
 
 
 def test_first_word_rule():
