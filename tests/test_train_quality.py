@@ -74,6 +74,8 @@ def test_long_context_evaluation_at_the_end(run_with_quality):
     assert logged[0]["longctx_len96_accuracy"] == pytest.approx(sum(result["accuracy"][1]) / 2)
     rates = [rate for row in result["needle_selected"] for rate in row]  # NSA: where the last token's selection looks
     assert logged[0]["longctx_needle_selected"] == pytest.approx(sum(rates) / len(rates))
+    ended = [share for row in result["ended_inside_answer"] for share in row]  # answers stopped after a right start
+    assert logged[0]["longctx_ended_inside_answer"] == pytest.approx(sum(ended) / len(ended))
     card = (out / "final" / "README.md").read_text()
     quality = card.split("## Quality")[1].split("## Model")[0]
     assert "### Long-context retrieval: passkey" in quality and "| 96* |" in quality
