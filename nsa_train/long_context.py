@@ -450,9 +450,12 @@ def _fitted(tokenizer, build, start: int, target: int) -> tuple[str, int]:
 # ----------------------------------------------------------------------------- scoring
 
 
+ANSWER_PUNCTUATION = ".,;:!?\"'()[]"  # stripped from an answer's first word before it is compared
+
+
 def first_word(text: str) -> str:
     words = text.split()
-    return words[0].strip(".,;:!?\"'()[]") if words else ""
+    return words[0].strip(ANSWER_PUNCTUATION) if words else ""
 
 
 def _left_padded(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -480,38 +483,48 @@ def score_generate(model, tokenizer, cases: list[RetrievalCase], device, pad_id:
     max_new = max(len(c.answer_ids) for c in cases) + 3
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
                          pad_token_id=pad_id)  # fmt: skip
+    # a row stops at an end-of-text (the generation config's, or any special token, which decoding drops); a
+    # finished row of the batch is padded after it
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    stop_ids = set(getattr(tokenizer, "all_special_ids", None) or ()) | set(eos if isinstance(eos, list) else [eos])
     results = []
     for row, case in enumerate(cases):
-        text = tokenizer.decode(out[row, ids.shape[1] :].tolist(), skip_special_tokens=True)
+        generated = out[row, ids.shape[1] :].tolist()
+        text = tokenizer.decode(generated, skip_special_tokens=True)
         prediction = text.strip()
-        results.append({"correct": first_word(text) == case.answer, "prediction": prediction,
-                        "ended_inside_answer": ends_inside_answer(prediction, case.answer)})  # fmt: skip
+        stopped = any(token in stop_ids for token in generated)
+        results.append({"correct": first_word(text) == case.answer, "prediction": prediction, "stopped": stopped,
+                        "ended_inside_answer": stopped and ends_inside_answer(prediction, case.answer)})  # fmt: skip
     return results
 
 
 def ends_inside_answer(prediction: str, answer: str) -> bool:
-    """Whether a greedy answer stopped (end-of-text or another special token, which decoding drops) after the right
-    start of the answer: e.g. '7008' for '70087'. Scored wrong; told apart because a model trained on rows of one
-    length can learn to end its text where they ended, so a case whose answer runs to that position fails on the
-    ending, not the lookup (score_generate leaves room for the whole answer and three more tokens: a stop inside it
-    is the model's own)."""
+    """Whether a greedy answer's whole text (stripped, less the punctuation first_word strips) is a right start of
+    the answer and not all of it: e.g. '7008' for '70087'. score_generate also requires that the text stopped there
+    (an end-of-text; it leaves room for the whole answer and three more tokens, so the stop is the model's own).
+    Scored wrong; told apart because a model trained on rows of one length can learn to end its text where they
+    ended, so a case whose answer runs to that position fails on the ending, not the lookup."""
+    prediction = prediction.strip().strip(ANSWER_PUNCTUATION)
     return bool(prediction) and prediction != answer and answer.startswith(prediction)
 
 
 def ended_inside_answer_rates(result: dict) -> list[list[float]] | None:
     """(lengths, depths) share of cases that ended inside the answer, from an evaluation's JSON: its own matrix, or
-    for a file written before the matrix existed its cases' predictions; None for loglik scoring (no text ends)."""
+    for a file written before the matrix existed its cases' predictions (which do not record the stop: an answer's
+    start followed by whitespace alone counts there too); None for loglik scoring (no text ends) and for a file
+    that holds neither."""
     if result.get("ended_inside_answer") is not None:
         return result["ended_inside_answer"]
-    cells = result.get("cells") or []
-    if result.get("scoring") != "generate" or not cells or not all(
-            "prediction" in case and "answer" in case for cell in cells for case in cell.get("cases", ())):  # fmt: skip
+    cells, lengths, depths = result.get("cells") or [], result.get("lengths"), result.get("depths")
+    if result.get("scoring") != "generate" or not cells or not lengths or not depths or not all(
+            isinstance(cell, dict) and cell.get("cases") and all("prediction" in x and "answer" in x for x in cell["cases"])
+            for cell in cells):  # fmt: skip
         return None
-    share = {(c["length"], c["depth"]): sum(ends_inside_answer(x["prediction"], x["answer"]) for x in c["cases"])
-             / len(c["cases"]) for c in cells if c.get("cases")}  # fmt: skip
-    if set(share) != {(n, d) for n in result["lengths"] for d in result["depths"]}:
+    share = {(c.get("length"), c.get("depth")): sum(ends_inside_answer(x["prediction"], x["answer"])
+                                                    for x in c["cases"]) / len(c["cases"]) for c in cells}  # fmt: skip
+    if set(share) != {(n, d) for n in lengths for d in depths}:
         return None
-    return [[share[n, d] for d in result["depths"]] for n in result["lengths"]]
+    return [[share[n, d] for d in depths] for n in lengths]
 
 
 @torch.no_grad()

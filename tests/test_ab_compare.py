@@ -206,6 +206,22 @@ def test_long_context_evaluations_are_tabled_per_run(ab, tmp_path):
         ab_compare.main(["--out", str(tmp_path / "cmp2"), "--runs", str(runs["nsa"]), str(runs["dense"])])
 
 
+def test_the_ended_inside_answer_column_leaves_runs_without_it_blank():
+    """A run whose evaluation has no ended-inside-the-answer shares (a file from before them, without cases) gets
+    an empty cell in that column, beside a run that has them; a table where no run ended an answer early has no
+    such column."""
+    def run(name, ended):
+        return {"name": name, "long_context": [{"task": "passkey", "scoring": "generate", "lengths": [224, 256],
+                                                "extrapolated": [], "accuracy": [1.0, 0.5], "ended": ended,
+                                                "selected": None}]}  # fmt: skip
+
+    table = "\n".join(ab_compare.long_context_table([run("nsa-seed0", [0.0, 0.25]), run("dense-seed0", None)]))
+    assert "| run | 224 | 256 | ended inside the answer |" in table
+    assert "| nsa-seed0 | 100% | 50% | 0% / 25% |" in table and "| dense-seed0 | 100% | 50% |  |" in table
+    table = "\n".join(ab_compare.long_context_table([run("nsa-seed0", [0.0, 0.0]), run("dense-seed0", None)]))
+    assert "ended inside" not in table and "| dense-seed0 | 100% | 50% |" in table
+
+
 def fake_run(mode, seed, losses, tokens_per_step=100):
     return {"name": f"{mode}-seed{seed}", "mode": mode, "seed": seed,
             "val": [(i * tokens_per_step, loss) for i, loss in enumerate(losses)]}  # fmt: skip

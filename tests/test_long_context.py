@@ -289,7 +289,9 @@ class ScriptedLM(nn.Module):
         self.anchor = nn.Parameter(torch.zeros(1))
         self.answers = {tuple(c.prompt_ids): c.answer_ids for c in cases}
         self.right = right
-        self.stops = stops  # generate() ends the text (token 1, ByT5's </s>) before the answer's last token
+        # generate() writes all but the answer's last token, then "end": ends the text (token 1, ByT5's </s>), or
+        # "spaces": goes on with spaces (no stop)
+        self.stops = stops
 
     def forward(self, input_ids, attention_mask, logits_to_keep=0):
         assert attention_mask.shape == input_ids.shape
@@ -310,7 +312,7 @@ class ScriptedLM(nn.Module):
             if self.right(prompt):
                 answer = self.answers[prompt]
             elif self.stops(prompt):
-                answer = self.answers[prompt][:-1]  # then the end-of-text padding below
+                answer = self.answers[prompt][:-1] + ([] if self.stops(prompt) == "end" else [ord(" ") + 3] * 9)
             else:
                 answer = [ord(c) + 3 for c in " 00000"]
             rows.append(input_ids[row].tolist() + (answer + [1] * max_new_tokens)[:max_new_tokens])
@@ -344,20 +346,24 @@ def test_answers_that_end_inside_themselves_are_counted_apart(byt5, tmp_path):
     cases, _ = lc.build_cases(byt5, "passkey", lengths, depths, samples=2, seed=3)
     length_of = {tuple(c.prompt_ids): c.length for c in cases}
     depth_of = {tuple(c.prompt_ids): c.depth for c in cases}
-    # right at 300 tokens; at 420 it stops one token short at depth 0 and answers another number at depth 1
-    model = ScriptedLM(cases, lambda p: length_of[p] == 300, stops=lambda p: depth_of[p] == 0.0)
+    # right at 300 tokens; at 420 one token short, then the end of the text at depth 0 and spaces at depth 1
+    model = ScriptedLM(cases, lambda p: length_of[p] == 300, stops=lambda p: "end" if depth_of[p] == 0.0 else "spaces")
     lines = []
     result = lc.run_long_context_eval(model, byt5, "passkey", lengths, depths, samples=2, seed=3, batch_size=3,
                                       log=lines.append, out_dir=tmp_path)  # fmt: skip
     assert result["accuracy"] == [[1.0, 1.0], [0.0, 0.0]]
     assert result["ended_inside_answer"] == [[0.0, 0.0], [1.0, 0.0]]
     stopped = next(c for c in result["cells"] if (c["length"], c["depth"]) == (420, 0.0))["cases"]
-    assert all(x["ended_inside_answer"] and x["answer"].startswith(x["prediction"]) and
+    assert all(x["ended_inside_answer"] and x["stopped"] and x["answer"].startswith(x["prediction"]) and
                len(x["prediction"]) == len(x["answer"]) - 1 for x in stopped)  # fmt: skip
+    went_on = next(c for c in result["cells"] if (c["length"], c["depth"]) == (420, 1.0))["cases"]
+    assert all(not x["stopped"] and not x["ended_inside_answer"] for x in went_on)  # the same text, no stop
     assert "ended inside the answer" in lines[0] and "420: 50" in lines[0] and "300:" not in lines[0].split("ended")[1]
     saved = json.loads((tmp_path / "passkey_generate.json").read_text())
-    del saved["ended_inside_answer"]  # a file written before the matrix existed: derived from its cases
-    assert lc.ended_inside_answer_rates(saved) == [[0.0, 0.0], [1.0, 0.0]]
+    del saved["ended_inside_answer"]  # a file written before the matrix existed: derived from its cases' texts,
+    assert lc.ended_inside_answer_rates(saved) == [[0.0, 0.0], [1.0, 1.0]]  # where no stop was recorded
+    del saved["depths"]
+    assert lc.ended_inside_answer_rates(saved) is None
     loglik = lc.run_long_context_eval(model, byt5, "passkey", lengths, depths, samples=2, seed=3, scoring="loglik",
                                       log=lambda s: None)  # fmt: skip
     assert loglik["ended_inside_answer"] is None and lc.ended_inside_answer_rates(loglik) is None
@@ -369,6 +375,8 @@ def test_ends_inside_answer_rule():
     assert not lc.ends_inside_answer("", "70087")  # nothing said: not the answer's start
     assert not lc.ends_inside_answer("7008 and", "70087")  # went on: a wrong answer
     assert not lc.ends_inside_answer("7009", "70087")
+    assert lc.ends_inside_answer("'viol", "violet")  # the punctuation first_word strips
+    assert not lc.ends_inside_answer(" . ", "70087")
 
 
 def test_first_word_rule():
