@@ -351,21 +351,23 @@ def read_run(run_dir: Path) -> dict:
 
 def read_evaluation(path: Path) -> dict | None:
     """One retrieval evaluation as nsa_train.long_context writes it (<run>/long_context/<task>_<scoring>.json):
-    task, scoring, case lengths, extrapolated lengths, and per length the accuracy, the share of cases that ended
-    inside the answer (generate scoring; None otherwise: long_context.ends_inside_answer) and the answer's-block
-    selection rate (NSA; None otherwise), each the mean over depths. None for another tool's JSON (no accuracy or
+    task, scoring, case lengths, extrapolated lengths, and per length the accuracy, the shares of cases that ended
+    inside the answer and that were right but for its last token (generate scoring; None otherwise, the second
+    also for files written before it: long_context.ending_summary) and the answer's-block selection rate (NSA;
+    None otherwise), each the mean over depths. None for another tool's JSON (no accuracy or
     lengths); a file that names them but does not hold them as rows of numbers is an error naming the file."""
     try:
         result = json.loads(path.read_text())
         if not isinstance(result, dict) or "accuracy" not in result or "lengths" not in result:
             return None
         selected = result.get("needle_selected")
-        ended = ended_inside_answer_rates(result)
+        ended, but_last = ended_inside_answer_rates(result), result.get("right_but_last_token")
         return {
             "task": result.get("task"), "scoring": result.get("scoring"), "lengths": list(result["lengths"]),
             "extrapolated": result.get("extrapolated_lengths") or [],
             "accuracy": [statistics.fmean(row) for row in result["accuracy"]],
             "ended": [statistics.fmean(row) for row in ended] if ended else None,
+            "right_but_last": [statistics.fmean(row) for row in but_last] if but_last else None,
             "selected": [statistics.fmean(row) for row in selected] if selected else None,
         }  # fmt: skip
     except (json.JSONDecodeError, TypeError, statistics.StatisticsError) as e:
@@ -576,15 +578,18 @@ def long_context_table(runs: list[dict]) -> list[str]:
         lengths = sorted({n for _, ev in found for n in ev["lengths"]})
         heads = [f"{n:,}" for n in lengths]
         with_selection = any(ev["selected"] for _, ev in found)
-        with_endings = any(any(ev.get("ended") or ()) for _, ev in found)  # (the column only where a run stopped early)
+        endings = {id(ev): _ending_cells(ev) for _, ev in found}
+        with_endings = any(endings.values())  # (the column only where some answer failed on its last token)
         lines += ["", f"Long-context retrieval, {task} scored by {scoring}: accuracy per case length (prompt and "
                       "answer, tokens), mean over depths (* past the run's training length)"
-                  + ("; the share of cases whose answer ended inside it (its right start, then end-of-text: "
-                     "scored wrong), per length" if with_endings else "")
+                  + ("; per length where they tell more than the accuracy, the cases right but for the answer's "
+                     "last token and those that ended inside the answer (its right start, then end-of-text; both "
+                     "scored wrong: a case one token longer than a training row puts the answer's last token "
+                     "where the rows ended)" if with_endings else "")
                   + ("; NSA: the share of the last prompt token's selections "
                       "(per layer and KV group) that held the answer's block, per length" if with_selection else "")
                   + ":", "",
-                  "| run | " + " | ".join(heads) + (" | ended inside the answer" if with_endings else "")
+                  "| run | " + " | ".join(heads) + (" | right but for the last token (ended inside)" if with_endings else "")
                   + (" | answer's block selected |" if with_selection else " |"),
                   "|---|" + "---|" * (len(lengths) + with_endings + with_selection)]  # fmt: skip
         for r, ev in found:
@@ -592,13 +597,30 @@ def long_context_table(runs: list[dict]) -> list[str]:
             cells = [f"{by_length[n]:.0%}" + ("*" if n in ev["extrapolated"] else "") if n in by_length else ""
                      for n in lengths]  # fmt: skip
             if with_endings:
-                ended = dict(zip(ev["lengths"], ev.get("ended") or ()))
-                cells.append(" / ".join(f"{ended[n]:.0%}" if n in ended else "-" for n in lengths) if ended else "")
+                cells.append(endings[id(ev)])
             if with_selection:
                 chosen = dict(zip(ev["lengths"], ev["selected"] or ()))
                 cells.append(" / ".join(f"{chosen[n]:.0%}" if n in chosen else "-" for n in lengths) if chosen else "")
             lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _ending_cells(ev: dict) -> str:
+    """'256: 94% (ended 69%)' for each length where the cases right but for the answer's last token differ from the
+    accuracy or some answer ended inside itself ('256: ended 69%' for files without the first); '' where none."""
+    accuracy = dict(zip(ev["lengths"], ev["accuracy"]))
+    ended = dict(zip(ev["lengths"], ev.get("ended") or ()))
+    but_last = dict(zip(ev["lengths"], ev.get("right_but_last") or ()))
+    parts = []
+    for n in ev["lengths"]:
+        told = n in but_last and abs(but_last[n] - accuracy[n]) > 1e-9
+        if not told and not ended.get(n):
+            continue
+        if n in but_last:
+            parts.append(f"{n:,}: {but_last[n]:.0%} (ended {ended.get(n, 0):.0%})")
+        else:
+            parts.append(f"{n:,}: ended {ended[n]:.0%}")
+    return ", ".join(parts)
 
 
 def plot(runs: list[dict], comparison: dict, path: Path) -> Path:

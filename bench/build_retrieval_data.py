@@ -53,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--seq-len: each row then holds --seq-len / --doc-len documents")
     p.add_argument("--min-doc-len", type=int, default=None,
                    help="vary where each answer ends: each case (prompt and answer) takes a length drawn uniformly "
-                        "from [--min-doc-len, --doc-len] and haystack text after the answer completes its document "
-                        "(default: every answer ends its document, at the same position)")
+                        "from [--min-doc-len, --doc-len] and haystack text after the answer completes its document; "
+                        "without it every answer ends its document, at the same position")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--haystack", default=None, help="needle: a parquet/jsonl/txt file of documents or 'python-docs' "
                    "(default: the shared wiki parquet beside the checkout when present, else python-docs)")
@@ -77,6 +77,9 @@ def main(argv=None) -> dict:
         raise ValueError(f"--rows {args.rows}: give at least 1 row.")
     per_row = args.seq_len // doc_len
     tokenizer = load_tokenizer(args.tokenizer)
+    # texts (documents, the haystack) are tokenized whole to count their tokens, never fed to a model: its limit
+    # (GPT-2's 1,024) would only print a warning about sequences longer than it
+    tokenizer.model_max_length = 10**9
     wanted = args.rows * per_row
     # Every document must fill its share of a row exactly: the trainer's packer splits a document that does not
     # across rows, which shifts every row after it (shuffled, wherever it lands), so a case's item and its question

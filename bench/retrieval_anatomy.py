@@ -300,7 +300,8 @@ def anatomy(model, cases: list[RetrievalCase], batch_size: int = 20, tokenizer=N
 
 def format_table(results: list[dict]) -> str:
     """One Markdown table for all models: per layer, the head with the largest probability on the item."""
-    lines = ["| model | length | exact answers (teacher-forced) | layer | head | answer's block selected | gates cmp / "
+    lines = ["| model | length | exact answers (teacher-forced) | layer | head | token's block selected at the answer "
+             "queries (long_context: at the last prompt token) | gates cmp / "
              "slc / win | NSA p on the answer's token: cmp / slc / win | p on the answer's token: gated (NSA), softmax "
              "(dense) | p on the item: slc (NSA), softmax (dense) |",
              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -320,6 +321,8 @@ def format_table(results: list[dict]) -> str:
                                      else f", {ablated} gate 0" + where)  # fmt: skip
             lines.append(f"| {result['name']} ({mode}) | {result['length']} | {result['exact_answers']:.0%} | "
                          f"{entry['layer']} | {h} | " + " | ".join(cells) + " |")  # fmt: skip
+    lines += ["", "Per layer, the head whose selected branch (NSA) or softmax (dense) puts the most probability on "
+              "the hidden item; anatomy.json holds every head."]
     return "\n".join(lines)
 
 

@@ -23,10 +23,10 @@ evaluate that length is left out of the counts (said in the table). For every tw
 - the accuracy at that length, second minus first, paired by the seeds both evaluated (mean and Student's t 95%
   half-width): where few runs of either group reach the threshold, the counts say little and this says how far
   apart the groups are;
-- where some run's greedy answers ended inside themselves at that length (the right start, then end-of-text:
-  `nsa_train.long_context.ends_inside_answer`), the share of such cases and the accuracy counting them as right,
-  each second minus first, paired: a model can learn to end its text where its training rows ended, and a case
-  whose answer reaches that position then fails on the ending, not on the lookup;
+- where some run's greedy answers at that length failed on their last token only, the shares of cases right but
+  for the answer's last token and of answers that ended inside themselves (the right start, then end-of-text),
+  each second minus first, paired (`nsa_train.long_context.ending_summary`): a model can learn to end its text
+  where its training rows ended, and a case one token longer than a row puts the answer's last token there;
 - validation loss, second minus first, paired by the seeds both ran (mean and Student's t 95% half-width), and
   unpaired (Welch's t). Runs of one seed share their data order; whether they share initial weights depends on
   the pair: ab_compare's dense twin takes its NSA twin's weights, and compressors "mlp" and "mean_mlp" draw the
@@ -150,7 +150,8 @@ def read_group(name: str, specs: list[str], task: str, scoring: str) -> list[dic
                 runs.append({"group": name, "source": str(folder), "name": run["name"], "mode": run.get("mode"),
                              "seed": run.get("seed"), "tokens": tokens, "val_loss": loss,
                              "accuracy": _by_length(evaluation, "accuracy") if evaluation else None,
-                             "ended": _by_length(evaluation, "ended") if evaluation else None})  # fmt: skip
+                             "ended": _by_length(evaluation, "ended") if evaluation else None,
+                             "right_but_last": _by_length(evaluation, "right_but_last") if evaluation else None})  # fmt: skip
     if not runs:
         raise ValueError(f"--group {name}: its sources ({' '.join(specs)}) hold no runs of the mode asked for.")
     seeds = [r["seed"] for r in runs]
@@ -208,14 +209,12 @@ def compare_pair(first: list[dict], second: list[dict], length: int | None, thre
     accuracy = [{r["seed"]: r["accuracy"][length] for r in runs if r["accuracy"] and length in r["accuracy"]}
                 for runs in (first, second)]
     out["accuracy_seeds"], out["accuracy_gap"], out["accuracy_half_width"] = paired_gap(*accuracy)
-    # a greedy answer that stopped after its right start (long_context.ends_inside_answer) is scored wrong; where
-    # the case's answer reaches the rows' end, that is the ending a model learned from its rows, not the lookup
-    ended = [{r["seed"]: r["ended"][length] for r in runs if r.get("ended") and length in r["ended"]}
-             for runs in (first, second)]  # fmt: skip
-    out["ended_seeds"], out["ended_gap"], out["ended_half_width"] = paired_gap(*ended)
-    right_or_ended = [{seed: accuracy[i][seed] + ended[i][seed] for seed in ended[i] if seed in accuracy[i]}
-                      for i in range(2)]  # fmt: skip
-    out["right_or_ended_seeds"], out["right_or_ended_gap"], out["right_or_ended_half_width"] = paired_gap(*right_or_ended)
+    # a greedy answer that stopped after its right start, or that was right but for its last token, is scored
+    # wrong; where the case's last answer token sits where the training rows ended, that is the ending a model
+    # learned from its rows, not the lookup (long_context.ending_summary)
+    for key in ("ended", "right_but_last"):
+        shares = [{r["seed"]: r[key][length] for r in runs if r.get(key) and length in r[key]} for runs in (first, second)]
+        out[f"{key}_seeds"], out[f"{key}_gap"], out[f"{key}_half_width"] = paired_gap(*shares)
     losses = [{r["seed"]: r["val_loss"] for r in runs} for runs in (first, second)]
     out["paired_seeds"], out["paired_gap"], out["paired_half_width"] = paired_gap(*losses)
     a, b = ([r["val_loss"] for r in runs] for runs in (first, second))
@@ -257,7 +256,10 @@ def markdown(groups: dict[str, list[dict]], summary: dict, pairs: dict, length: 
             accuracy = " / ".join(f"{run['accuracy'][n]:.0%}" if n in run["accuracy"] else "-" for n in lengths) \
                 if run["accuracy"] else "no evaluation"
             text = f"{run['val_loss']:.4f}" if task is None else f"{accuracy}, {run['val_loss']:.4f}"
-            cells.append(f"**{text}**" if learned(run, length, threshold) is False else text)
+            verdict = learned(run, length, threshold)
+            if task is not None and verdict is None:  # neither bold nor plain: not judged
+                text += f" (not evaluated at {length})"
+            cells.append(f"**{text}**" if verdict is False else text)
         lines.append(f"| {seed} | " + " | ".join(cells) + " |")
     learned_heads = [] if task is None else ["learned, of the runs evaluated at that length"]
     lines += ["", "| " + " | ".join(["group", "seeds", *learned_heads, "val loss, mean ± std over seeds"]) + " |",
@@ -280,18 +282,27 @@ def markdown(groups: dict[str, list[dict]], summary: dict, pairs: dict, length: 
                                           _fmt(c["fisher_p"], "{:.3f}"), accuracy]  # fmt: skip
         lines.append("| " + " | ".join([f"{second} vs {first}", *fisher, paired, str(len(c["paired_seeds"])),
                                         f"{_fmt(c['unpaired_gap'])}, t = {_fmt(c['welch_t'], '{:.1f}')}"]) + " |")
-    if task is not None and any(c["ended_gap"] is not None for c in pairs.values()) and any(
-            r.get("ended") and r["ended"].get(length) for runs in groups.values() for r in runs):  # fmt: skip
-        lines += ["", f"Answers that ended inside themselves at {length} tokens (the right start, then end-of-text: "
-                  "scored wrong above; a model can learn to end its text where its training rows ended), per seed "
-                  "in the table's order: " + "; ".join(
-                      f"{name} " + " / ".join(f"{r['ended'][length]:.0%}" if r.get("ended") and length in r["ended"]
-                                              else "-" for r in groups[name]) for name in names) + ".", "",
-                  "| second vs first | ended inside the answer, second - first, paired (95%) | right or ended inside "
-                  "it, second - first, paired (95%) |", "|---|---|---|"]  # fmt: skip
+    def tells_more(run):  # some answer at the learned length failed on its last token only
+        accuracy, but_last = (run["accuracy"] or {}).get(length), (run.get("right_but_last") or {}).get(length)
+        return (run.get("ended") or {}).get(length, 0) > 0 or (
+            accuracy is not None and but_last is not None and abs(but_last - accuracy) > 1e-9)
+
+    if task is not None and any(tells_more(r) for runs in groups.values() for r in runs):
+        def shares(runs, key):
+            return ", ".join(f"seed {r['seed']}: " + (f"{r[key][length]:.0%}" if r.get(key) and length in r[key]
+                                                       else "-") for r in runs)  # fmt: skip
+
+        lines += ["", f"At {length} tokens, answers scored wrong that failed on their last token only: a model can "
+                  "learn to end its text where its training rows ended, and a case one token longer than a row puts "
+                  "the answer's last token there. Per seed, the cases right but for the answer's last token: "
+                  + "; ".join(f"{name} {shares(groups[name], 'right_but_last')}" for name in names)
+                  + ". Those that ended inside the answer (its right start, then end-of-text): "
+                  + "; ".join(f"{name} {shares(groups[name], 'ended')}" for name in names) + ".", "",
+                  "| second vs first | right but for the last token, second - first, paired (95%) | ended inside "
+                  "the answer, second - first, paired (95%) |", "|---|---|---|"]  # fmt: skip
         for (first, second), c in pairs.items():
             gaps = [("-" if c[f"{k}_gap"] is None else f"{c[f'{k}_gap']:+.0%} ± {_fmt(c[f'{k}_half_width'], '{:.0%}')} "
-                     f"({len(c[f'{k}_seeds'])} seeds)") for k in ("ended", "right_or_ended")]  # fmt: skip
+                     f"({len(c[f'{k}_seeds'])} seeds)") for k in ("right_but_last", "ended")]  # fmt: skip
             lines.append(f"| {second} vs {first} | " + " | ".join(gaps) + " |")
     return "\n".join(lines) + "\n"
 

@@ -160,8 +160,9 @@ def evaluate_long_context(model, tokenizer, run: RunState, settings: dict, out_d
     `out_dir`/<task>_<scoring>.json and .png (titled `model_name`, default the run's final/) and prints the
     table. The result is kept as `run.long_context` for the model card (the haystack named without local paths);
     returned as metrics: the mean accuracy over every cell, `longctx_accuracy`, and each length's,
-    `longctx_len<N>_accuracy`; scored by generate, `longctx_ended_inside_answer`, the mean share of answers that
-    stopped after their right start (`long_context.ends_inside_answer`); for an NSA model also
+    `longctx_len<N>_accuracy`; scored by generate, `longctx_ended_inside_answer` and `longctx_right_but_last_token`,
+    the mean shares of answers that stopped after their right start and of those right but for their last token
+    (`long_context.ending_summary`), and each length's (`longctx_len<N>_...`); for an NSA model also
     `longctx_needle_selected`, the mean over the cells of how often the last prompt token's selection held the
     answer's block (`long_context.needle_selection`)."""
     from . import data, long_context
@@ -187,7 +188,10 @@ def evaluate_long_context(model, tokenizer, run: RunState, settings: dict, out_d
     if result.get("needle_selected"):  # NSA: how often the last prompt token's selection held the answer's block
         rates = [rate for row in result["needle_selected"] for rate in row]
         logged["longctx_needle_selected"] = sum(rates) / len(rates)
-    if result.get("ended_inside_answer"):  # generate: answers that stopped after their right start (scored wrong)
-        ended = [share for row in result["ended_inside_answer"] for share in row]
-        logged["longctx_ended_inside_answer"] = sum(ended) / len(ended)
+    # generate: the answers that failed on their last token alone (scored wrong; long_context.ending_summary), per
+    # length too: they gather at the length one token longer than a training row
+    for key in ("ended_inside_answer", "right_but_last_token"):
+        if result.get(key):
+            shares = {f"longctx_len{n}_{key}": sum(row) / len(row) for n, row in zip(result["lengths"], result[key])}
+            logged |= {f"longctx_{key}": sum(shares.values()) / len(shares), **shares}
     return logged

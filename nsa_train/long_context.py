@@ -320,10 +320,10 @@ def _answer_ids(tokenizer, question: str, answer: str, vocab_size: int | None) -
 
 def build_case(tokenizer, task: str, length: int, depth: float, haystack: Haystack, rng: random.Random,
                vocab_size: int | None = None, prefix: list[int] | None = None, length_flag: str = "--lengths",
-               flag_offset: int = 0) -> RetrievalCase:  # fmt: skip
+               flag_offset: int = 0, in_document: bool = False) -> RetrievalCase:  # fmt: skip
     """One case of `length` tokens (prompt and answer). A too short length is named in the error as
     `length_flag` length + flag_offset (what the user gave: training_documents' rows hold the case without the
-    tokenizer's special prefix, plus the end-of-text token)."""
+    tokenizer's special prefix, plus the end-of-text token; in_document says so in the error)."""
     header, item, question, answer = _item_texts(task, rng)
     prefix = _special_prefix(tokenizer) if prefix is None else prefix
     header_ids = _encode_exact(tokenizer, header, "instruction", vocab_size)
@@ -333,9 +333,14 @@ def build_case(tokenizer, task: str, length: int, depth: float, haystack: Haysta
     fixed = len(prefix) + len(header_ids) + len(item_ids) + len(question_ids) + len(answer_ids)
     budget = length - fixed  # the haystack's tokens: the case (prompt and answer) is `length` tokens
     if budget < 0:
+        # what the count holds: a training row's document its end-of-text (its special prefix is the row's); an
+        # evaluation case the tokenizer's special prefix
+        extra = "the document's end-of-text" if in_document else "the tokenizer's special tokens" if prefix else ""
+        parts = (f"instruction, hidden item, question, answer and {extra}" if extra
+                 else "instruction, hidden item, question and answer")
         raise ValueError(f"{length_flag} {length + flag_offset}: too short for the {task} task's fixed text "
-                         f"({fixed + flag_offset} tokens with this tokenizer: instruction, hidden item, question and "
-                         f"answer); use {length_flag} >= {fixed + flag_offset}.")  # fmt: skip
+                         f"({fixed + flag_offset} tokens with this tokenizer: {parts}); use {length_flag} >= "
+                         f"{fixed + flag_offset}.")  # fmt: skip
     hay = haystack.take(budget, rng)
     cut = round(depth * budget)
     cut = haystack.snap_to_boundary(hay, cut, radius=min(32, max(2, budget // 50)))
@@ -398,7 +403,7 @@ def training_documents(tokenizer, task: str, row_len: int, count: int, seed: int
         length_flag = "--min-doc-len"  # the shortest case must hold the task's fixed text: checked here, named so
         # (any length below it, zero or negative too, gets the error that names the task's least length)
         build_case(tokenizer, task, min_len - 1 + len(prefix), 0.0, hay, random.Random(0), prefix=prefix,
-                   length_flag=length_flag, flag_offset=1 - len(prefix))
+                   length_flag=length_flag, flag_offset=1 - len(prefix), in_document=True)
     blank_line = tokenizer(_AFTER_ANSWER, add_special_tokens=False).input_ids  # between an answer and the text after it
     texts, filled = [], []
     for i in range(count):
@@ -414,7 +419,7 @@ def training_documents(tokenizer, task: str, row_len: int, count: int, seed: int
             # special prefix (the trainer appends the end-of-text token)
             rng.setstate(state)
             case = build_case(tokenizer, task, length, depth, hay, rng, prefix=prefix, length_flag=length_flag,
-                              flag_offset=1 - len(prefix))
+                              flag_offset=1 - len(prefix), in_document=True)
             return tokenizer.decode(case.prompt_ids[len(prefix) :] + case.answer_ids, clean_up_tokenization_spaces=False)
 
         text, excess = _fitted(tokenizer, case_text, case_len - 1 + len(prefix), case_len)
@@ -493,8 +498,14 @@ def score_generate(model, tokenizer, cases: list[RetrievalCase], device, pad_id:
         text = tokenizer.decode(generated, skip_special_tokens=True)
         prediction = text.strip()
         stopped = any(token in stop_ids for token in generated)
-        results.append({"correct": first_word(text) == case.answer, "prediction": prediction, "stopped": stopped,
-                        "ended_inside_answer": stopped and ends_inside_answer(prediction, case.answer)})  # fmt: skip
+        correct = first_word(text) == case.answer
+        # the lookup without the answer's last token: in a case one token longer than a training row of one
+        # document, that token sits where every row put its end-of-text
+        but_last = len(case.answer_ids) - 1
+        right_but_last = correct or (but_last > 0 and generated[:but_last] == case.answer_ids[:but_last])
+        results.append({"correct": correct, "prediction": prediction, "stopped": stopped,
+                        "ended_inside_answer": stopped and ends_inside_answer(prediction, case.answer),
+                        "right_but_last_token": right_but_last})  # fmt: skip
     return results
 
 
@@ -506,6 +517,35 @@ def ends_inside_answer(prediction: str, answer: str) -> bool:
     ended, so a case whose answer runs to that position fails on the ending, not the lookup."""
     prediction = prediction.strip().strip(ANSWER_PUNCTUATION)
     return bool(prediction) and prediction != answer and answer.startswith(prediction)
+
+
+def ending_summary(result: dict) -> str:
+    """One line under a generate evaluation's table: per length, the cases right but for the answer's last token
+    (where that differs from the accuracy) and the answers that ended inside themselves, or that none did; empty
+    where every answer was right."""
+    def by_length(matrix):
+        return {n: sum(row) / len(row) for n, row in zip(result["lengths"], matrix or ())}
+
+    accuracy, ended = by_length(result["accuracy"]), by_length(ended_inside_answer_rates(result))
+    but_last = by_length(result.get("right_but_last_token"))
+    if all(a == 1 for a in accuracy.values()):
+        return ""
+    differs = [n for n in but_last if abs(but_last[n] - accuracy[n]) > 1e-9]
+    stopped = [n for n in ended if ended[n] > 0]
+    if not differs and not stopped:
+        return ("every wrong answer was wrong before its last token, and none ended inside itself (its right start, "
+                "then end-of-text)." if but_last else "no answer ended inside itself (its right start, then "
+                "end-of-text).")  # fmt: skip
+    parts = []
+    if differs:
+        parts.append("right but for the answer's last token, % of cases: "
+                     + ", ".join(f"{n:,}: {100 * but_last[n]:.0f}" for n in differs))
+    if stopped:
+        parts.append("ended inside the answer (its right start, then end-of-text), % of cases: "
+                     + ", ".join(f"{n:,}: {100 * ended[n]:.0f}" for n in stopped))
+    return ("; ".join(parts) + ". Both are scored wrong above. A model trained on rows of one length can learn to "
+            "end its text where they ended: in a case one token longer than such a row, the answer's last token "
+            "sits there, and a case that fails only on it failed on the ending, not on the lookup.")
 
 
 def ended_inside_answer_rates(result: dict) -> list[list[float]] | None:
@@ -775,6 +815,7 @@ def run_long_context_eval(model, tokenizer, task: str = "passkey", lengths=(1024
                 cell["answer_logprob_mean"] = sum(s["answer_logprob"] for _, s in mine) / len(mine)
             else:
                 cell["ended_inside_answer"] = sum(s["ended_inside_answer"] for _, s in mine) / len(mine)
+                cell["right_but_last_token"] = sum(s["right_but_last_token"] for _, s in mine) / len(mine)
             if selection:
                 chosen = [s for _, s in mine]
                 cell["needle_selected_rate"] = _selection_rate(chosen)
@@ -805,6 +846,8 @@ def run_long_context_eval(model, tokenizer, task: str = "passkey", lengths=(1024
         "accuracy": [[cell["accuracy"] for cell in cells if cell["length"] == n] for n in lengths],
         "ended_inside_answer": ([[cell["ended_inside_answer"] for cell in cells if cell["length"] == n]
                                  for n in lengths] if scoring == "generate" else None),
+        "right_but_last_token": ([[cell["right_but_last_token"] for cell in cells if cell["length"] == n]
+                                  for n in lengths] if scoring == "generate" else None),
         "needle_selected": ([[cell["needle_selected_rate"] for cell in cells if cell["length"] == n] for n in lengths]
                             if selection else None),
         "cells": cells,
@@ -828,13 +871,9 @@ def format_table(result: dict) -> str:
         mark = "*" if length in result["extrapolated_lengths"] else ""
         cells = " | ".join(f"{100 * a:.0f}" for a in row)
         lines.append(f"| {length:,}{mark} | {cells} | {100 * sum(row) / len(row):.0f} |")
-    ended = ended_inside_answer_rates(result)
-    ended_rows = [(n, row) for n, row in zip(result["lengths"], ended or ()) if any(row)]
-    if ended_rows:
-        lines += ["", "ended inside the answer (its right start, then end-of-text; scored wrong above), % of cases: "
-                  + ", ".join(f"{n:,}: {100 * sum(row) / len(row):.0f}" for n, row in ended_rows)
-                  + ". A model trained on rows of one length can learn to end its text where they ended: a case "
-                  "whose answer runs to or past that position then fails on the ending, not on the lookup."]  # fmt: skip
+    summary = ending_summary(result) if result["scoring"] == "generate" else ""
+    if summary:
+        lines += ["", summary]
     if result.get("needle_selected"):
         lines += ["", "the answer's block in the last prompt token's selection, % of (case, layer, KV group); chance: "
                   "uniform free picks:", "",
@@ -1132,6 +1171,6 @@ if __name__ == "__main__":
 
 
 __all__ = ["RetrievalCase", "answer_mentions", "build_case", "build_cases", "card_section", "ended_inside_answer_rates",
-           "ends_inside_answer", "format_table", "needle_selection",
+           "ending_summary", "ends_inside_answer", "format_table", "needle_selection",
            "plot_heatmap", "run_command", "run_long_context_eval", "score_generate", "score_loglik",
            "takes_needle_selection"]  # fmt: skip

@@ -183,7 +183,8 @@ def test_long_context_evaluations_are_tabled_per_run(ab, tmp_path):
     result = json.loads(written.read_text())
     assert result["extrapolated_lengths"] == [256] and len(result["needle_selected"]) == 2
     result.update(accuracy=[[1.0, 0.5, 0.0], [0.25, 0.25, 0.1]], needle_selected=[[1.0, 1.0, 0.7], [0.0, 0.3, 0.0]],
-                  ended_inside_answer=[[0.0, 0.0, 0.0], [0.5, 0.25, 0.0]])
+                  ended_inside_answer=[[0.0, 0.0, 0.0], [0.5, 0.25, 0.0]],
+                  right_but_last_token=[[1.0, 0.5, 0.0], [1.0, 0.5, 0.4]])
     written.write_text(json.dumps(result))
     (runs["dense"] / "long_context").mkdir()
     # a file written before the ended-inside-the-answer matrix existed: its share comes from the cases' predictions
@@ -197,29 +198,31 @@ def test_long_context_evaluations_are_tabled_per_run(ab, tmp_path):
     (runs["dense"] / "long_context" / "notes.json").write_text(json.dumps(["not an evaluation"]))
     ab_compare.main(["--out", str(tmp_path / "cmp"), "--runs", str(runs["nsa"]), str(runs["dense"])])
     table = (tmp_path / "cmp" / "ab_compare.md").read_text()
-    assert "| run | 200 | 224 | 256 | ended inside the answer | answer's block selected |" in table
-    assert "| nsa-seed3 |  | 50% | 20%* | - / 0% / 25% | - / 90% / 10% |" in table
-    assert "| dense-seed3 | 0% | 80% |  | 0% / 33% / - |  |" in table
+    assert "| run | 200 | 224 | 256 | right but for the last token (ended inside) | answer's block selected |" in table
+    assert "| nsa-seed3 |  | 50% | 20%* | 256: 63% (ended 25%) | - / 90% / 10% |" in table
+    assert "| dense-seed3 | 0% | 80% |  | 224: ended 33% |  |" in table  # (an older file: no right-but-last)
     (runs["dense"] / "long_context" / "passkey_loglik.json").write_text('{"accuracy": ')
     with pytest.raises(ValueError, match=r"passkey_loglik.json: not a long-context evaluation as "
                                          r"nsa_train.long_context writes it"):
         ab_compare.main(["--out", str(tmp_path / "cmp2"), "--runs", str(runs["nsa"]), str(runs["dense"])])
 
 
-def test_the_ended_inside_answer_column_leaves_runs_without_it_blank():
-    """A run whose evaluation has no ended-inside-the-answer shares (a file from before them, without cases) gets
-    an empty cell in that column, beside a run that has them; a table where no run ended an answer early has no
+def test_the_last_token_column_leaves_runs_without_it_blank():
+    """A run whose evaluation has no last-token shares (a file from before them, without cases) gets an empty cell
+    in that column, beside a run that has them; a table where no answer failed on its last token alone has no
     such column."""
-    def run(name, ended):
+    def run(name, ended, but_last):
         return {"name": name, "long_context": [{"task": "passkey", "scoring": "generate", "lengths": [224, 256],
                                                 "extrapolated": [], "accuracy": [1.0, 0.5], "ended": ended,
-                                                "selected": None}]}  # fmt: skip
+                                                "right_but_last": but_last, "selected": None}]}  # fmt: skip
 
-    table = "\n".join(ab_compare.long_context_table([run("nsa-seed0", [0.0, 0.25]), run("dense-seed0", None)]))
-    assert "| run | 224 | 256 | ended inside the answer |" in table
-    assert "| nsa-seed0 | 100% | 50% | 0% / 25% |" in table and "| dense-seed0 | 100% | 50% |  |" in table
-    table = "\n".join(ab_compare.long_context_table([run("nsa-seed0", [0.0, 0.0]), run("dense-seed0", None)]))
-    assert "ended inside" not in table and "| dense-seed0 | 100% | 50% |" in table
+    table = "\n".join(ab_compare.long_context_table([run("nsa-seed0", [0.0, 0.25], [1.0, 0.9]),
+                                                     run("dense-seed0", None, None)]))  # fmt: skip
+    assert "| run | 224 | 256 | right but for the last token (ended inside) |" in table
+    assert "| nsa-seed0 | 100% | 50% | 256: 90% (ended 25%) |" in table and "| dense-seed0 | 100% | 50% |  |" in table
+    table = "\n".join(ab_compare.long_context_table([run("nsa-seed0", [0.0, 0.0], [1.0, 0.5]),
+                                                     run("dense-seed0", None, None)]))  # fmt: skip
+    assert "last token" not in table and "| dense-seed0 | 100% | 50% |" in table
 
 
 def fake_run(mode, seed, losses, tokens_per_step=100):

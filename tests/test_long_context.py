@@ -358,7 +358,11 @@ def test_answers_that_end_inside_themselves_are_counted_apart(byt5, tmp_path):
                len(x["prediction"]) == len(x["answer"]) - 1 for x in stopped)  # fmt: skip
     went_on = next(c for c in result["cells"] if (c["length"], c["depth"]) == (420, 1.0))["cases"]
     assert all(not x["stopped"] and not x["ended_inside_answer"] for x in went_on)  # the same text, no stop
-    assert "ended inside the answer" in lines[0] and "420: 50" in lines[0] and "300:" not in lines[0].split("ended")[1]
+    # both the depth-0 stops and the depth-1 spaces had every token but the last right
+    assert result["right_but_last_token"] == [[1.0, 1.0], [1.0, 1.0]]
+    summary = lines[0].split("\n\n")[-1]
+    assert summary.startswith("right but for the answer's last token, % of cases: 420: 100; ended inside the answer")
+    assert "end-of-text), % of cases: 420: 50." in summary and "300:" not in summary
     saved = json.loads((tmp_path / "passkey_generate.json").read_text())
     del saved["ended_inside_answer"]  # a file written before the matrix existed: derived from its cases' texts,
     assert lc.ended_inside_answer_rates(saved) == [[0.0, 0.0], [1.0, 1.0]]  # where no stop was recorded
@@ -367,6 +371,15 @@ def test_answers_that_end_inside_themselves_are_counted_apart(byt5, tmp_path):
     loglik = lc.run_long_context_eval(model, byt5, "passkey", lengths, depths, samples=2, seed=3, scoring="loglik",
                                       log=lambda s: None)  # fmt: skip
     assert loglik["ended_inside_answer"] is None and lc.ended_inside_answer_rates(loglik) is None
+    assert loglik["right_but_last_token"] is None and "last token" not in lc.format_table(loglik)
+    # wrong from the first token: said to be so; every answer right: no line
+    wrong = lc.run_long_context_eval(ScriptedLM(cases, lambda p: length_of[p] == 300), byt5, "passkey", lengths,
+                                     depths, samples=2, seed=3, log=lambda s: None)  # fmt: skip
+    assert lc.format_table(wrong).endswith("every wrong answer was wrong before its last token, and none ended inside "
+                                           "itself (its right start, then end-of-text).")  # fmt: skip
+    right = lc.run_long_context_eval(ScriptedLM(cases, lambda p: True), byt5, "passkey", lengths, depths, samples=2,
+                                     seed=3, log=lambda s: None)  # fmt: skip
+    assert "last token" not in lc.format_table(right) and "ended inside" not in lc.format_table(right)
 
 
 def test_ends_inside_answer_rule():

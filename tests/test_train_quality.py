@@ -74,8 +74,10 @@ def test_long_context_evaluation_at_the_end(run_with_quality):
     assert logged[0]["longctx_len96_accuracy"] == pytest.approx(sum(result["accuracy"][1]) / 2)
     rates = [rate for row in result["needle_selected"] for rate in row]  # NSA: where the last token's selection looks
     assert logged[0]["longctx_needle_selected"] == pytest.approx(sum(rates) / len(rates))
-    ended = [share for row in result["ended_inside_answer"] for share in row]  # answers stopped after a right start
-    assert logged[0]["longctx_ended_inside_answer"] == pytest.approx(sum(ended) / len(ended))
+    for key in ("ended_inside_answer", "right_but_last_token"):  # answers that failed on their last token alone
+        shares = [share for row in result[key] for share in row]
+        assert logged[0][f"longctx_{key}"] == pytest.approx(sum(shares) / len(shares))
+        assert logged[0][f"longctx_len96_{key}"] == pytest.approx(sum(result[key][1]) / 2)
     card = (out / "final" / "README.md").read_text()
     quality = card.split("## Quality")[1].split("## Model")[0]
     assert "### Long-context retrieval: passkey" in quality and "| 96* |" in quality
