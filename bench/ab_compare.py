@@ -250,6 +250,8 @@ def train_runs(out: Path, seeds: list[int], modes: list[str], train_flags: list[
         running.remove(entry)
         if entry["log"]:
             entry["log"].close()
+            for line in log_warnings(Path(entry["log"].name)):  # else seen only by those who open the log
+                print(f"{entry['mode']}-seed{entry['seed']}: {line}", flush=True)
         if code != 0:
             where = f"; its log: {entry['log'].name}" if entry["log"] else ""
             raise RuntimeError(f"the {entry['mode']} run of seed {entry['seed']} failed (exit {code}); its output "
@@ -603,6 +605,12 @@ def long_context_table(runs: list[dict]) -> list[str]:
                 cells.append(" / ".join(f"{chosen[n]:.0%}" if n in chosen else "-" for n in lengths) if chosen else "")
             lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
     return lines
+
+
+def log_warnings(log: Path) -> list[str]:
+    """The trainer's 'warning: ...' lines in a run's log (under --jobs its output goes there), each once."""
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    return list(dict.fromkeys(line.strip() for line in lines if line.lstrip().lower().startswith("warning:")))
 
 
 def _ending_cells(ev: dict) -> str:

@@ -243,6 +243,17 @@ def test_jobs_train_side_by_side_with_the_same_results(ab, tmp_path):
         ab_compare.main(["--out", str(tmp_path / "x"), "--jobs", "0", "--", *train_flags(data_file)])
 
 
+def test_log_warnings_finds_each_warning_line_once(tmp_path):
+    """Under --jobs a run's output goes to its log; ab_compare prints the 'warning:' lines found there, each once."""
+    log = tmp_path / "nsa-seed0.log"
+    log.write_text("step 10: loss 2.0\nwarning: --warmup-steps 200 >= --max-steps 150: the whole run is warm-up\n"
+                   "step 20: loss 1.9\nwarning: --warmup-steps 200 >= --max-steps 150: the whole run is warm-up\n"
+                   "  Warning: another\n")  # (a resumed run appends to its log: the same line again)
+    assert ab_compare.log_warnings(log) == ["warning: --warmup-steps 200 >= --max-steps 150: the whole run is warm-up",
+                                            "Warning: another"]  # fmt: skip
+    assert ab_compare.log_warnings(tmp_path / "missing.log") == []
+
+
 def test_one_run_trains_without_a_comparison_and_compares_later(ab, tmp_path, capsys):
     """--modes nsa with one seed (a seed added to a finished comparison): the run trains and the command says how to
     compare it, instead of failing after the training; then --runs compares it with the earlier runs."""
