@@ -252,6 +252,27 @@ def test_the_compressors_text_figures_follow_from_the_committed_results(tmp_path
         assert (round(pair["paired_gap"], 3), round(pair["paired_half_width"], 3)) == (gap, half), (first, second)
 
 
+def test_the_eight_seed_text_figures_follow_from_the_committed_results(tmp_path):
+    """bench/QUALITY.md's smoke A/B on bytes at 7.37M tokens over eight seeds: NSA - dense -0.0429 ± 0.0140, the
+    mean compressor - dense -0.0340 ± 0.0182, the dense twin of NSA's parameter count - dense -0.0351 ± 0.0225 and
+    - NSA +0.0079 ± 0.0223."""
+    smoke = f"{ROOT / 'bench' / 'results'}/2026-11-30-cpu-ab-smoke-bytes-900"
+    result = seed_groups.main(["--out", str(tmp_path), "--task", "none", "--group", "dense", f"{smoke}/eight-seeds:dense",
+                               "--group", "nsa-mlp", f"{smoke}/eight-seeds:nsa", "--group", "nsa-mean",
+                               f"{smoke}-mean/seeds*", "--group", "dense-wide", f"{smoke}/vs-dense-wide-8-seeds:dense"])
+    assert all(s["seeds"] == list(range(8)) for s in result["summary"].values())
+    pairs = {(p["first"], p["second"]): p for p in result["pairs"]}
+    for (first, second), (gap, half) in {("dense", "nsa-mlp"): (-0.0429, 0.0140), ("dense", "nsa-mean"): (-0.0340, 0.0182),
+                                         ("dense", "dense-wide"): (-0.0351, 0.0225),
+                                         ("nsa-mlp", "dense-wide"): (0.0079, 0.0223)}.items():  # fmt: skip
+        pair = pairs[first, second]
+        assert (round(pair["paired_gap"], 4), round(pair["paired_half_width"], 4)) == (gap, half), (first, second)
+    # the four new dense seeds in their own comparison are the ones the sixteen-run comparison holds
+    new = json.loads(Path(f"{smoke}/dense-seeds4to7/ab_compare.json").read_text())["runs"]
+    eight = {r["name"]: r for r in json.loads(Path(f"{smoke}/eight-seeds/ab_compare.json").read_text())["runs"]}
+    assert [r["val"] for r in new] == [eight[r["name"]]["val"] for r in new]
+
+
 def test_the_mean_compressors_fine_tuning_figures_follow_from_the_committed_results(tmp_path):
     """bench/QUALITY.md's twins fine-tuned from text-pretrained twins with the mean compressor, twelve seeds: NSA 2
     learned, its dense twins 1; accuracy at 224 tokens NSA - dense -3% ± 29%; validation loss -0.0097 ± 0.0225 after
