@@ -354,9 +354,9 @@ def read_run(run_dir: Path) -> dict:
 def read_evaluation(path: Path) -> dict | None:
     """One retrieval evaluation as nsa_train.long_context writes it (<run>/long_context/<task>_<scoring>.json):
     task, scoring, case lengths, extrapolated lengths, and per length the accuracy, the shares of cases that ended
-    inside the answer and that were right but for its last token (generate scoring; None otherwise, the second
-    also for files written before it: long_context.ending_summary) and the answer's-block selection rate (NSA;
-    None otherwise), each the mean over depths. None for another tool's JSON (no accuracy or
+    inside the answer and that were right in every answer token but perhaps the last (generate scoring; None
+    otherwise, the second also for files written before it: long_context.ending_summary) and the answer's-block
+    selection rate (NSA; None otherwise), each the mean over depths. None for another tool's JSON (no accuracy or
     lengths); a file that names them but does not hold them as rows of numbers is an error naming the file."""
     try:
         result = json.loads(path.read_text())
@@ -584,14 +584,14 @@ def long_context_table(runs: list[dict]) -> list[str]:
         with_endings = any(endings.values())  # (the column only where some answer failed on its last token)
         lines += ["", f"Long-context retrieval, {task} scored by {scoring}: accuracy per case length (prompt and "
                       "answer, tokens), mean over depths (* past the run's training length)"
-                  + ("; per length where they tell more than the accuracy, the cases right but for the answer's "
-                     "last token and those that ended inside the answer (its right start, then end-of-text; both "
-                     "scored wrong: a case one token longer than a training row puts the answer's last token "
-                     "where the rows ended)" if with_endings else "")
+                  + ("; per length where they tell more than the accuracy, the cases right in every answer token "
+                     "but perhaps the last (right answers included) and those that ended inside the answer (its "
+                     "right start, then end-of-text; scored wrong): a case one token longer than a training row "
+                     "puts the answer's last token where the rows ended" if with_endings else "")
                   + ("; NSA: the share of the last prompt token's selections "
                       "(per layer and KV group) that held the answer's block, per length" if with_selection else "")
                   + ":", "",
-                  "| run | " + " | ".join(heads) + (" | right but for the last token (ended inside)" if with_endings else "")
+                  "| run | " + " | ".join(heads) + (" | right but perhaps the last token (ended inside)" if with_endings else "")
                   + (" | answer's block selected |" if with_selection else " |"),
                   "|---|" + "---|" * (len(lengths) + with_endings + with_selection)]  # fmt: skip
         for r, ev in found:
@@ -614,8 +614,9 @@ def log_warnings(log: Path) -> list[str]:
 
 
 def _ending_cells(ev: dict) -> str:
-    """'256: 94% (ended 69%)' for each length where the cases right but for the answer's last token differ from the
-    accuracy or some answer ended inside itself ('256: ended 69%' for files without the first); '' where none."""
+    """'256: 94% (ended 69%)' for each length where the cases right in every answer token but perhaps the last
+    (right answers included) differ from the accuracy or some answer ended inside itself ('256: ended 69%' for files
+    without the first); '' where none."""
     accuracy = dict(zip(ev["lengths"], ev["accuracy"]))
     ended = dict(zip(ev["lengths"], ev.get("ended") or ()))
     but_last = dict(zip(ev["lengths"], ev.get("right_but_last") or ()))

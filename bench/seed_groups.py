@@ -23,8 +23,9 @@ evaluate that length is left out of the counts (said in the table). For every tw
 - the accuracy at that length, second minus first, paired by the seeds both evaluated (mean and Student's t 95%
   half-width): where few runs of either group reach the threshold, the counts say little and this says how far
   apart the groups are;
-- where some run's greedy answers at that length failed on their last token only, the shares of cases right but
-  for the answer's last token and of answers that ended inside themselves (the right start, then end-of-text),
+- where some run's greedy answers at that length failed at their last token alone, the shares of cases right in
+  every answer token but perhaps the last (right answers included) and of answers that ended inside themselves
+  (the right start, then end-of-text),
   each second minus first, paired (`nsa_train.long_context.ending_summary`): a model can learn to end its text
   where its training rows ended, and a case one token longer than a row puts the answer's last token there;
 - validation loss, second minus first, paired by the seeds both ran (mean and Student's t 95% half-width), and
@@ -209,9 +210,9 @@ def compare_pair(first: list[dict], second: list[dict], length: int | None, thre
     accuracy = [{r["seed"]: r["accuracy"][length] for r in runs if r["accuracy"] and length in r["accuracy"]}
                 for runs in (first, second)]
     out["accuracy_seeds"], out["accuracy_gap"], out["accuracy_half_width"] = paired_gap(*accuracy)
-    # a greedy answer that stopped after its right start, or that was right but for its last token, is scored
+    # a greedy answer that stopped after its right start, or that was wrong at its last token alone, is scored
     # wrong; where the case's last answer token sits where the training rows ended, that is the ending a model
-    # learned from its rows, not the lookup (long_context.ending_summary)
+    # learned from its rows, not the lookup (long_context.ending_summary); right_but_last includes right answers
     for key in ("ended", "right_but_last"):
         shares = [{r["seed"]: r[key][length] for r in runs if r.get(key) and length in r[key]} for runs in (first, second)]
         out[f"{key}_seeds"], out[f"{key}_gap"], out[f"{key}_half_width"] = paired_gap(*shares)
@@ -257,7 +258,7 @@ def markdown(groups: dict[str, list[dict]], summary: dict, pairs: dict, length: 
                 if run["accuracy"] else "no evaluation"
             text = f"{run['val_loss']:.4f}" if task is None else f"{accuracy}, {run['val_loss']:.4f}"
             verdict = learned(run, length, threshold)
-            if task is not None and verdict is None:  # neither bold nor plain: not judged
+            if task is not None and verdict is None and run["accuracy"]:  # neither bold nor plain: not judged
                 text += f" (not evaluated at {length})"
             cells.append(f"**{text}**" if verdict is False else text)
         lines.append(f"| {seed} | " + " | ".join(cells) + " |")
@@ -292,13 +293,14 @@ def markdown(groups: dict[str, list[dict]], summary: dict, pairs: dict, length: 
             return ", ".join(f"seed {r['seed']}: " + (f"{r[key][length]:.0%}" if r.get(key) and length in r[key]
                                                        else "-") for r in runs)  # fmt: skip
 
-        lines += ["", f"At {length} tokens, answers scored wrong that failed on their last token only: a model can "
-                  "learn to end its text where its training rows ended, and a case one token longer than a row puts "
-                  "the answer's last token there. Per seed, the cases right but for the answer's last token: "
+        lines += ["", f"At {length} tokens, some answers failed at their last token alone: a model can learn to end "
+                  "its text where its training rows ended, and a case one token longer than a row puts the answer's "
+                  "last token there. Per seed, the cases right in every answer token but perhaps the last (right "
+                  "answers included): "
                   + "; ".join(f"{name} {shares(groups[name], 'right_but_last')}" for name in names)
                   + ". Those that ended inside the answer (its right start, then end-of-text): "
                   + "; ".join(f"{name} {shares(groups[name], 'ended')}" for name in names) + ".", "",
-                  "| second vs first | right but for the last token, second - first, paired (95%) | ended inside "
+                  "| second vs first | right but perhaps the last token, second - first, paired (95%) | ended inside "
                   "the answer, second - first, paired (95%) |", "|---|---|---|"]  # fmt: skip
         for (first, second), c in pairs.items():
             gaps = [("-" if c[f"{k}_gap"] is None else f"{c[f'{k}_gap']:+.0%} ± {_fmt(c[f'{k}_half_width'], '{:.0%}')} "

@@ -161,8 +161,8 @@ def evaluate_long_context(model, tokenizer, run: RunState, settings: dict, out_d
     table. The result is kept as `run.long_context` for the model card (the haystack named without local paths);
     returned as metrics: the mean accuracy over every cell, `longctx_accuracy`, and each length's,
     `longctx_len<N>_accuracy`; scored by generate, `longctx_ended_inside_answer` and `longctx_right_but_last_token`,
-    the mean shares of answers that stopped after their right start and of those right but for their last token
-    (`long_context.ending_summary`), and each length's (`longctx_len<N>_...`); for an NSA model also
+    the mean shares of answers that stopped after their right start and of those right in every token but perhaps
+    the last (`long_context.ending_summary`), and each length's (`longctx_len<N>_...`); for an NSA model also
     `longctx_needle_selected`, the mean over the cells of how often the last prompt token's selection held the
     answer's block (`long_context.needle_selection`)."""
     from . import data, long_context

@@ -499,10 +499,11 @@ def score_generate(model, tokenizer, cases: list[RetrievalCase], device, pad_id:
         prediction = text.strip()
         stopped = any(token in stop_ids for token in generated)
         correct = first_word(text) == case.answer
-        # the lookup without the answer's last token: in a case one token longer than a training row of one
-        # document, that token sits where every row put its end-of-text
+        # the lookup without the answer's last token (right answers included): in a case one token longer than a
+        # training row of one document, that token sits where every row put its end-of-text. None for a one-token
+        # answer, which has nothing before its last token
         but_last = len(case.answer_ids) - 1
-        right_but_last = correct or (but_last > 0 and generated[:but_last] == case.answer_ids[:but_last])
+        right_but_last = (correct or generated[:but_last] == case.answer_ids[:but_last]) if but_last else None
         results.append({"correct": correct, "prediction": prediction, "stopped": stopped,
                         "ended_inside_answer": stopped and ends_inside_answer(prediction, case.answer),
                         "right_but_last_token": right_but_last})  # fmt: skip
@@ -520,14 +521,14 @@ def ends_inside_answer(prediction: str, answer: str) -> bool:
 
 
 def ending_summary(result: dict) -> str:
-    """One line under a generate evaluation's table: per length, the cases right but for the answer's last token
-    (where that differs from the accuracy) and the answers that ended inside themselves, or that none did; empty
-    where every answer was right."""
+    """One line under a generate evaluation's table: per length, the cases right in every answer token but perhaps
+    the last (right answers included; where that differs from the accuracy) and the answers that ended inside
+    themselves, or that none did; empty where every answer was right."""
     def by_length(matrix):
         return {n: sum(row) / len(row) for n, row in zip(result["lengths"], matrix or ())}
 
     accuracy, ended = by_length(result["accuracy"]), by_length(ended_inside_answer_rates(result))
-    but_last = by_length(result.get("right_but_last_token"))
+    but_last = by_length(result.get("right_but_last_token"))  # (none for one-token answers)
     if all(a == 1 for a in accuracy.values()):
         return ""
     differs = [n for n in but_last if abs(but_last[n] - accuracy[n]) > 1e-9]
@@ -538,14 +539,20 @@ def ending_summary(result: dict) -> str:
                 "end-of-text).")  # fmt: skip
     parts = []
     if differs:
-        parts.append("right but for the answer's last token, % of cases: "
-                     + ", ".join(f"{n:,}: {100 * but_last[n]:.0f}" for n in differs))
+        parts.append("right in every answer token but perhaps the last (the accuracy plus the answers wrong at that "
+                     "token alone), % of cases: " + ", ".join(f"{n:,}: {100 * but_last[n]:.0f}" for n in differs))
     if stopped:
-        parts.append("ended inside the answer (its right start, then end-of-text), % of cases: "
+        parts.append("ended inside the answer (its right start, then end-of-text; scored wrong), % of cases: "
                      + ", ".join(f"{n:,}: {100 * ended[n]:.0f}" for n in stopped))
-    return ("; ".join(parts) + ". Both are scored wrong above. A model trained on rows of one length can learn to "
-            "end its text where they ended: in a case one token longer than such a row, the answer's last token "
-            "sits there, and a case that fails only on it failed on the ending, not on the lookup.")
+    training_len = result.get("training_len")
+    if training_len in differs or training_len in stopped:
+        why = (f"At {training_len:,} tokens, the training length, a case's last answer token sits where rows of one "
+               "document put their end-of-text: a model that learned to end its text there fails at that token "
+               "alone, on the ending, not on the lookup.")
+    else:
+        why = ("A model trained on rows of one length can learn to end its text where they ended; a failure at the "
+               "answer's last token alone may be that, not the lookup.")
+    return "; ".join(parts) + ". " + why
 
 
 def ended_inside_answer_rates(result: dict) -> list[list[float]] | None:
@@ -815,7 +822,8 @@ def run_long_context_eval(model, tokenizer, task: str = "passkey", lengths=(1024
                 cell["answer_logprob_mean"] = sum(s["answer_logprob"] for _, s in mine) / len(mine)
             else:
                 cell["ended_inside_answer"] = sum(s["ended_inside_answer"] for _, s in mine) / len(mine)
-                cell["right_but_last_token"] = sum(s["right_but_last_token"] for _, s in mine) / len(mine)
+                but_last = [s["right_but_last_token"] for _, s in mine]
+                cell["right_but_last_token"] = None if None in but_last else sum(but_last) / len(but_last)
             if selection:
                 chosen = [s for _, s in mine]
                 cell["needle_selected_rate"] = _selection_rate(chosen)
@@ -847,7 +855,8 @@ def run_long_context_eval(model, tokenizer, task: str = "passkey", lengths=(1024
         "ended_inside_answer": ([[cell["ended_inside_answer"] for cell in cells if cell["length"] == n]
                                  for n in lengths] if scoring == "generate" else None),
         "right_but_last_token": ([[cell["right_but_last_token"] for cell in cells if cell["length"] == n]
-                                  for n in lengths] if scoring == "generate" else None),
+                                  for n in lengths] if scoring == "generate" and all(
+                                      cell["right_but_last_token"] is not None for cell in cells) else None),
         "needle_selected": ([[cell["needle_selected_rate"] for cell in cells if cell["length"] == n] for n in lengths]
                             if selection else None),
         "cells": cells,

@@ -198,7 +198,7 @@ def test_long_context_evaluations_are_tabled_per_run(ab, tmp_path):
     (runs["dense"] / "long_context" / "notes.json").write_text(json.dumps(["not an evaluation"]))
     ab_compare.main(["--out", str(tmp_path / "cmp"), "--runs", str(runs["nsa"]), str(runs["dense"])])
     table = (tmp_path / "cmp" / "ab_compare.md").read_text()
-    assert "| run | 200 | 224 | 256 | right but for the last token (ended inside) | answer's block selected |" in table
+    assert "| run | 200 | 224 | 256 | right but perhaps the last token (ended inside) | answer's block selected |" in table
     assert "| nsa-seed3 |  | 50% | 20%* | 256: 63% (ended 25%) | - / 90% / 10% |" in table
     assert "| dense-seed3 | 0% | 80% |  | 224: ended 33% |  |" in table  # (an older file: no right-but-last)
     (runs["dense"] / "long_context" / "passkey_loglik.json").write_text('{"accuracy": ')
@@ -218,11 +218,14 @@ def test_the_last_token_column_leaves_runs_without_it_blank():
 
     table = "\n".join(ab_compare.long_context_table([run("nsa-seed0", [0.0, 0.25], [1.0, 0.9]),
                                                      run("dense-seed0", None, None)]))  # fmt: skip
-    assert "| run | 224 | 256 | right but for the last token (ended inside) |" in table
+    assert "| run | 224 | 256 | right but perhaps the last token (ended inside) |" in table
     assert "| nsa-seed0 | 100% | 50% | 256: 90% (ended 25%) |" in table and "| dense-seed0 | 100% | 50% |  |" in table
     table = "\n".join(ab_compare.long_context_table([run("nsa-seed0", [0.0, 0.0], [1.0, 0.5]),
                                                      run("dense-seed0", None, None)]))  # fmt: skip
     assert "last token" not in table and "| dense-seed0 | 100% | 50% |" in table
+    # wrong at the last token alone without ending inside the answer ('7008y'): the column, no ended share
+    table = "\n".join(ab_compare.long_context_table([run("nsa-seed0", [0.0, 0.0], [1.0, 0.8])]))
+    assert "| nsa-seed0 | 100% | 50% | 256: 80% (ended 0%) |" in table
 
 
 def fake_run(mode, seed, losses, tokens_per_step=100):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -289,8 +290,8 @@ class ScriptedLM(nn.Module):
         self.anchor = nn.Parameter(torch.zeros(1))
         self.answers = {tuple(c.prompt_ids): c.answer_ids for c in cases}
         self.right = right
-        # generate() writes all but the answer's last token, then "end": ends the text (token 1, ByT5's </s>), or
-        # "spaces": goes on with spaces (no stop)
+        # generate() writes all but the answer's last token, then "end": ends the text (token 1, ByT5's </s>),
+        # "spaces": goes on with spaces (no stop), or "wrong-last": another byte in the last token's place, then ends
         self.stops = stops
 
     def forward(self, input_ids, attention_mask, logits_to_keep=0):
@@ -312,7 +313,8 @@ class ScriptedLM(nn.Module):
             if self.right(prompt):
                 answer = self.answers[prompt]
             elif self.stops(prompt):
-                answer = self.answers[prompt][:-1] + ([] if self.stops(prompt) == "end" else [ord(" ") + 3] * 9)
+                tail = {"end": [], "spaces": [ord(" ") + 3] * 9, "wrong-last": [ord("y") + 3]}[self.stops(prompt)]
+                answer = self.answers[prompt][:-1] + tail
             else:
                 answer = [ord(c) + 3 for c in " 00000"]
             rows.append(input_ids[row].tolist() + (answer + [1] * max_new_tokens)[:max_new_tokens])
@@ -348,6 +350,7 @@ def test_answers_that_end_inside_themselves_are_counted_apart(byt5, tmp_path):
     depth_of = {tuple(c.prompt_ids): c.depth for c in cases}
     # right at 300 tokens; at 420 one token short, then the end of the text at depth 0 and spaces at depth 1
     model = ScriptedLM(cases, lambda p: length_of[p] == 300, stops=lambda p: "end" if depth_of[p] == 0.0 else "spaces")
+    # ('wrong-last' below: '7008y' for '70087', then the end: right but for the last token, not ended inside it)
     lines = []
     result = lc.run_long_context_eval(model, byt5, "passkey", lengths, depths, samples=2, seed=3, batch_size=3,
                                       log=lines.append, out_dir=tmp_path)  # fmt: skip
@@ -361,8 +364,9 @@ def test_answers_that_end_inside_themselves_are_counted_apart(byt5, tmp_path):
     # both the depth-0 stops and the depth-1 spaces had every token but the last right
     assert result["right_but_last_token"] == [[1.0, 1.0], [1.0, 1.0]]
     summary = lines[0].split("\n\n")[-1]
-    assert summary.startswith("right but for the answer's last token, % of cases: 420: 100; ended inside the answer")
-    assert "end-of-text), % of cases: 420: 50." in summary and "300:" not in summary
+    assert summary.startswith("right in every answer token but perhaps the last (the accuracy plus the answers wrong "
+                              "at that token alone), % of cases: 420: 100; ended inside the answer")
+    assert "end-of-text; scored wrong), % of cases: 420: 50." in summary and "300:" not in summary
     saved = json.loads((tmp_path / "passkey_generate.json").read_text())
     del saved["ended_inside_answer"]  # a file written before the matrix existed: derived from its cases' texts,
     assert lc.ended_inside_answer_rates(saved) == [[0.0, 0.0], [1.0, 1.0]]  # where no stop was recorded
@@ -379,7 +383,41 @@ def test_answers_that_end_inside_themselves_are_counted_apart(byt5, tmp_path):
                                            "itself (its right start, then end-of-text).")  # fmt: skip
     right = lc.run_long_context_eval(ScriptedLM(cases, lambda p: True), byt5, "passkey", lengths, depths, samples=2,
                                      seed=3, log=lambda s: None)  # fmt: skip
-    assert "last token" not in lc.format_table(right) and "ended inside" not in lc.format_table(right)
+    assert "last" not in lc.format_table(right) and "ended inside" not in lc.format_table(right)
+    # a wrong last token, then the end of the text: counted as right but perhaps the last, not as ended inside;
+    # at the training length the line says why
+    last = lc.run_long_context_eval(ScriptedLM(cases, lambda p: length_of[p] == 300, stops=lambda p: "wrong-last"),
+                                    byt5, "passkey", lengths, depths, samples=2, seed=3, training_len=420,
+                                    log=lambda s: None)  # fmt: skip
+    assert last["right_but_last_token"] == [[1.0, 1.0], [1.0, 1.0]] and last["ended_inside_answer"] == [[0, 0], [0, 0]]
+    assert all(x["prediction"].endswith("y") and x["stopped"] for c in last["cells"] if c["length"] == 420
+               for x in c["cases"])  # fmt: skip
+    summary = lc.format_table(last).split("\n\n")[-1]
+    assert summary.startswith("right in every answer token but perhaps the last") and "420: 100" in summary
+    assert "ended inside" not in summary and "At 420 tokens, the training length" in summary
+
+
+def test_one_token_answers_have_no_right_but_last_share(byt5, monkeypatch):
+    """An answer of one token has nothing before its last: no share (it would only repeat the accuracy), and the
+    line under the table does not claim that wrong answers went wrong before their last token."""
+    real = lc._item_texts
+
+    def one_digit_answers(task, rng):
+        header, item, question, answer = real(task, rng)
+        return header, item.replace(answer, answer[0]), question, answer[0]
+
+    monkeypatch.setattr(lc, "_item_texts", one_digit_answers)
+    cases, _ = lc.build_cases(byt5, "passkey", [300], [0.0, 1.0], samples=2, seed=3)
+    assert all(len(c.answer_ids) == 2 for c in cases)  # ByT5: the leading space and the digit
+    cases = [dataclasses.replace(c, answer_ids=c.answer_ids[1:]) for c in cases]  # one token: the digit alone
+    scored = lc.score_generate(ScriptedLM(cases, lambda p: True), byt5, cases, torch.device("cpu"), pad_id=0)
+    assert [s["correct"] for s in scored] == [True] * 4 and [s["right_but_last_token"] for s in scored] == [None] * 4
+    monkeypatch.setattr(lc, "_answer_ids", lambda tokenizer, question, answer, vocab: [ord(answer) + 3])
+    model = ScriptedLM(lc.build_cases(byt5, "passkey", [300], [0.0, 1.0], samples=2, seed=3)[0], lambda p: False)
+    result = lc.run_long_context_eval(model, byt5, "passkey", [300], [0.0, 1.0], samples=2, seed=3,
+                                      log=lambda s: None)  # fmt: skip
+    assert result["accuracy"] == [[0.0, 0.0]] and result["right_but_last_token"] is None
+    assert lc.format_table(result).endswith("no answer ended inside itself (its right start, then end-of-text).")
 
 
 def test_ends_inside_answer_rule():

@@ -153,6 +153,29 @@ def test_a_run_not_evaluated_at_the_learned_length_is_marked(two_groups):
     assert "| 0 | 100% / 100% / -, 0.2000 | - / - / 100%, 0.2800 (not evaluated at 224) |" in text
 
 
+def test_answers_wrong_at_their_last_token_alone_are_paired_by_seed(tmp_path):
+    """Where answers failed at their last token alone (here without ending inside the answer), the table gives each
+    seed's share of cases right in every token but perhaps the last, and the paired gaps."""
+    folder = tmp_path / "ab"
+    write_comparison(folder, [("nsa", 0, 0.30, None), ("dense", 0, 0.31, None), ("nsa", 1, 0.29, None),
+                              ("dense", 1, 0.30, None)])  # fmt: skip
+    shares = {("nsa", 0): (0.9, 0.95), ("dense", 0): (0.2, 0.9), ("nsa", 1): (1.0, 1.0), ("dense", 1): (0.5, 0.8)}
+    for (mode, seed), (accuracy, but_last) in shares.items():
+        path = folder / f"{mode}-seed{seed}" / "long_context" / "passkey_generate.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({"task": "passkey", "scoring": "generate", "lengths": [256], "depths": [0.0],
+                                    "accuracy": [[accuracy]], "ended_inside_answer": [[0.0]],
+                                    "right_but_last_token": [[but_last]]}))  # fmt: skip
+    result = seed_groups.main(["--out", str(tmp_path / "out"), "--group", "dense", f"{folder}:dense",
+                               "--group", "nsa", f"{folder}:nsa"])  # fmt: skip
+    (pair,) = result["pairs"]
+    assert math.isclose(pair["right_but_last_gap"], statistics.fmean([0.95 - 0.9, 1.0 - 0.8]))
+    assert pair["ended_gap"] == 0
+    text = (tmp_path / "out" / "seed_groups.md").read_text()
+    assert "dense seed 0: 90%, seed 1: 80%; nsa seed 0: 95%, seed 1: 100%." in text
+    assert "| nsa vs dense | +12% ± " in text
+
+
 @pytest.mark.parametrize("table, expected", [
     ((3, 1, 1, 3), Fraction(34, 70)),  # Fisher's tea tasting: 8 cups, two-sided
     ((3, 9, 9, 3), None),  # symmetric with (9, 3, 3, 9): the same p, 0.0391 (R's fisher.test, scipy's)
