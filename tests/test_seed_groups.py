@@ -296,6 +296,26 @@ def test_the_eight_seed_text_figures_follow_from_the_committed_results(tmp_path)
     assert [r["val"] for r in new] == [eight[r["name"]]["val"] for r in new]
 
 
+def test_the_equal_parameter_figures_follow_from_the_committed_results(tmp_path):
+    """bench/QUALITY.md's mean-compressor NSA (0.51M parameters) against a dense twin of its own parameter count,
+    eight seeds: -0.0247 ± 0.0190; dense 0.44M -> 0.51M -0.0093 ± 0.0145, 0.51M -> 0.65M -0.0258 ± 0.0202."""
+    smoke = f"{ROOT / 'bench' / 'results'}/2026-11-30-cpu-ab-smoke-bytes-900"
+    result = seed_groups.main(["--out", str(tmp_path), "--task", "none", "--group", "dense", f"{smoke}/eight-seeds:dense",
+                               "--group", "nsa-mean", f"{smoke}-mean/seeds*", "--group", "dense-0.51M",
+                               f"{smoke}/dense-parameters-of-mean-nsa:dense", "--group", "dense-0.65M",
+                               f"{smoke}/vs-dense-wide-8-seeds:dense"])  # fmt: skip
+    assert all(s["seeds"] == list(range(8)) for s in result["summary"].values())
+    runs = json.loads(Path(f"{smoke}/dense-parameters-of-mean-nsa/ab_compare.json").read_text())["runs"]
+    mean_nsa = json.loads(Path(f"{smoke}-mean/seeds0to3/ab_compare.json").read_text())["runs"]
+    assert {r["num_parameters"] for r in runs} == {511360} and mean_nsa[0]["num_parameters"] == 511616
+    pairs = {(p["first"], p["second"]): p for p in result["pairs"]}
+    for (first, second), (gap, half) in {("nsa-mean", "dense-0.51M"): (0.0247, 0.0190),
+                                         ("dense", "dense-0.51M"): (-0.0093, 0.0145),
+                                         ("dense-0.51M", "dense-0.65M"): (-0.0258, 0.0202)}.items():  # fmt: skip
+        pair = pairs[first, second]
+        assert (round(pair["paired_gap"], 4), round(pair["paired_half_width"], 4)) == (gap, half), (first, second)
+
+
 def test_the_mean_compressors_fine_tuning_figures_follow_from_the_committed_results(tmp_path):
     """bench/QUALITY.md's twins fine-tuned from text-pretrained twins with the mean compressor, twelve seeds: NSA 2
     learned, its dense twins 1; accuracy at 224 tokens NSA - dense -3% ± 29%; validation loss -0.0097 ± 0.0225 after
