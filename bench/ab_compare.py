@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nsa_train.checkpoint import RUN_OUTPUTS, RUNTIME_FIELDS, latest_checkpoint  # noqa: E402
-from nsa_train.long_context import ended_inside_answer_rates, run_command  # noqa: E402
+from nsa_train.long_context import ended_inside_answer_rates, run_command, tells_more_than_accuracy  # noqa: E402
 
 MODES = ("nsa", "dense")
 # train_accelerate.py flags this script sets per run
@@ -580,8 +580,8 @@ def long_context_table(runs: list[dict]) -> list[str]:
         lengths = sorted({n for _, ev in found for n in ev["lengths"]})
         heads = [f"{n:,}" for n in lengths]
         with_selection = any(ev["selected"] for _, ev in found)
-        endings = {id(ev): _ending_cells(ev) for _, ev in found}
-        with_endings = any(endings.values())  # (the column only where some answer failed on its last token)
+        endings = [_ending_cells(ev) for _, ev in found]
+        with_endings = any(endings)  # (the column only where some answer failed on its last token)
         lines += ["", f"Long-context retrieval, {task} scored by {scoring}: accuracy per case length (prompt and "
                       "answer, tokens), mean over depths (* past the run's training length)"
                   + ("; per length where they tell more than the accuracy, the cases right in every answer token "
@@ -594,12 +594,12 @@ def long_context_table(runs: list[dict]) -> list[str]:
                   "| run | " + " | ".join(heads) + (" | right but perhaps the last token (ended inside)" if with_endings else "")
                   + (" | answer's block selected |" if with_selection else " |"),
                   "|---|" + "---|" * (len(lengths) + with_endings + with_selection)]  # fmt: skip
-        for r, ev in found:
+        for (r, ev), ending in zip(found, endings):
             by_length = dict(zip(ev["lengths"], ev["accuracy"]))
             cells = [f"{by_length[n]:.0%}" + ("*" if n in ev["extrapolated"] else "") if n in by_length else ""
                      for n in lengths]  # fmt: skip
             if with_endings:
-                cells.append(endings[id(ev)])
+                cells.append(ending)
             if with_selection:
                 chosen = dict(zip(ev["lengths"], ev["selected"] or ()))
                 cells.append(" / ".join(f"{chosen[n]:.0%}" if n in chosen else "-" for n in lengths) if chosen else "")
@@ -622,8 +622,7 @@ def _ending_cells(ev: dict) -> str:
     but_last = dict(zip(ev["lengths"], ev.get("right_but_last") or ()))
     parts = []
     for n in ev["lengths"]:
-        told = n in but_last and abs(but_last[n] - accuracy[n]) > 1e-9
-        if not told and not ended.get(n):
+        if not tells_more_than_accuracy(accuracy[n], but_last.get(n), ended.get(n)):
             continue
         if n in but_last:
             parts.append(f"{n:,}: {but_last[n]:.0%} (ended {ended.get(n, 0):.0%})")

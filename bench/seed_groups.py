@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: ab_compare
 
 from ab_compare import MODES, read_evaluation, t95  # noqa: E402  (one reader of evaluations, one t table for both tools)
-from nsa_train.long_context import run_command  # noqa: E402
+from nsa_train.long_context import run_command, tells_more_than_accuracy  # noqa: E402
 
 
 def fisher_exact_two_sided(a: int, b: int, c: int, d: int) -> float:
@@ -284,9 +284,9 @@ def markdown(groups: dict[str, list[dict]], summary: dict, pairs: dict, length: 
         lines.append("| " + " | ".join([f"{second} vs {first}", *fisher, paired, str(len(c["paired_seeds"])),
                                         f"{_fmt(c['unpaired_gap'])}, t = {_fmt(c['welch_t'], '{:.1f}')}"]) + " |")
     def tells_more(run):  # some answer at the learned length failed on its last token only
-        accuracy, but_last = (run["accuracy"] or {}).get(length), (run.get("right_but_last") or {}).get(length)
-        return (run.get("ended") or {}).get(length, 0) > 0 or (
-            accuracy is not None and but_last is not None and abs(but_last - accuracy) > 1e-9)
+        accuracy = (run["accuracy"] or {}).get(length)
+        return accuracy is not None and tells_more_than_accuracy(
+            accuracy, (run.get("right_but_last") or {}).get(length), (run.get("ended") or {}).get(length))
 
     if task is not None and any(tells_more(r) for runs in groups.values() for r in runs):
         def shares(runs, key):

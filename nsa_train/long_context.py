@@ -520,6 +520,12 @@ def ends_inside_answer(prediction: str, answer: str) -> bool:
     return bool(prediction) and prediction != answer and answer.startswith(prediction)
 
 
+def tells_more_than_accuracy(accuracy: float, right_but_last: float | None = None, ended: float | None = None) -> bool:
+    """Whether a length's last-token shares tell more than its accuracy: some answer ended inside itself, or the
+    cases right in every answer token but perhaps the last outnumber the right ones (one rule for every table)."""
+    return bool(ended) or (right_but_last is not None and abs(right_but_last - accuracy) > 1e-9)
+
+
 def ending_summary(result: dict) -> str:
     """One line under a generate evaluation's table: per length, the cases right in every answer token but perhaps
     the last (right answers included; where that differs from the accuracy) and the answers that ended inside
@@ -531,8 +537,8 @@ def ending_summary(result: dict) -> str:
     but_last = by_length(result.get("right_but_last_token"))  # (none for one-token answers)
     if all(a == 1 for a in accuracy.values()):
         return ""
-    differs = [n for n in but_last if abs(but_last[n] - accuracy[n]) > 1e-9]
-    stopped = [n for n in ended if ended[n] > 0]
+    differs = [n for n in but_last if tells_more_than_accuracy(accuracy[n], right_but_last=but_last[n])]
+    stopped = [n for n in ended if tells_more_than_accuracy(accuracy[n], ended=ended[n])]
     if not differs and not stopped:
         return ("every wrong answer was wrong before its last token, and none ended inside itself (its right start, "
                 "then end-of-text)." if but_last else "no answer ended inside itself (its right start, then "
@@ -1182,4 +1188,4 @@ if __name__ == "__main__":
 __all__ = ["RetrievalCase", "answer_mentions", "build_case", "build_cases", "card_section", "ended_inside_answer_rates",
            "ending_summary", "ends_inside_answer", "format_table", "needle_selection",
            "plot_heatmap", "run_command", "run_long_context_eval", "score_generate", "score_loglik",
-           "takes_needle_selection"]  # fmt: skip
+           "takes_needle_selection", "tells_more_than_accuracy"]  # fmt: skip
