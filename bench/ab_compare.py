@@ -47,6 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nsa_train.checkpoint import RUN_OUTPUTS, RUNTIME_FIELDS, latest_checkpoint  # noqa: E402
+from nsa_train.evaluation import POSITION_METRIC  # noqa: E402
 from nsa_train.long_context import ended_inside_answer_rates, run_command, tells_more_than_accuracy  # noqa: E402
 
 MODES = ("nsa", "dense")
@@ -343,12 +344,22 @@ def read_run(run_dir: Path) -> dict:
         "git_sha": record.get("git_sha"), "started": record.get("started"),
         "tokens_per_step": tokens_per_step,
         "val": [(s * tokens_per_step, evals[s]["val_loss"]) for s in sorted(evals)],  # (tokens, loss)
+        "val_by_position": by_position(evals[max(evals)], max(evals) * tokens_per_step),
         "train": [(r.get("tokens_seen", r["step"] * tokens_per_step), r["loss"]) for r in train_rows],
         "tok_s": statistics.median(speeds) if speeds else None,
         "peak_mem_gb": max((r["peak_mem_gb"] for r in train_rows if r.get("peak_mem_gb")), default=None),
         "finished": summary.get("finished"), "steps": summary.get("step", max(train, default=None)),
         "long_context": read_long_context(run_dir),
     }  # fmt: skip
+
+
+def by_position(evaluation: dict, tokens: int) -> dict | None:
+    """An evaluation's validation loss by query position (the trainer's `val_loss_pos<lo>to<hi>`,
+    nsa_train.evaluation.position_buckets): {"tokens": tokens, "ranges": [[lo, hi, loss], ...]} in position order;
+    None for runs trained before the trainer reported it (or with a window that holds every query)."""
+    ranges = sorted([*map(int, POSITION_METRIC.match(k).groups()), v] for k, v in evaluation.items()
+                    if POSITION_METRIC.match(k))  # fmt: skip
+    return {"tokens": tokens, "ranges": ranges} if ranges else None
 
 
 def read_evaluation(path: Path) -> dict | None:
@@ -507,7 +518,36 @@ def compare(runs: list[dict]) -> dict:
                    "beyond_noise": half is not None and abs(gap) > half,
                    # the runs tell "met" from "missed" only if the target lies outside the gap's 95% interval
                    "resolved": half is not None and abs(gap - TARGET_NATS) > half}  # fmt: skip
-    return {"curve": curve, "final": verdict, "modes": list(by_mode)}
+    return {"curve": curve, "final": verdict, "modes": list(by_mode),
+            "by_position": compare_by_position(by_mode, curve[-1]["tokens"]) if curve else []}
+
+
+def compare_by_position(by_mode: dict[str, list[dict]], tokens: int) -> list[dict]:
+    """At `tokens` (the last count every run evaluated at), per range of query positions that every run reported
+    there: each mode's mean loss over seeds and its spread, and NSA - dense with its 95% interval (gap_interval:
+    paired by seed where both modes ran it). Empty where some run did not report the loss by position there (runs
+    trained before the trainer did, or evaluated last at other token counts)."""
+    runs = [r for rs in by_mode.values() for r in rs]
+    reported = [r.get("val_by_position") for r in runs]
+    if not all(rep and rep["tokens"] == tokens for rep in reported):
+        return []
+    shared = set.intersection(*({(lo, hi) for lo, hi, _ in rep["ranges"]} for rep in reported))
+    rows = []
+    for lo, hi in sorted(shared):
+        loss = {m: {r["seed"]: next(x for a, b, x in r["val_by_position"]["ranges"] if (a, b) == (lo, hi))
+                    for r in rs} for m, rs in by_mode.items()}  # fmt: skip
+        row = {"positions": [lo, hi]}
+        for mode, rs in by_mode.items():
+            row[mode] = _spread([loss[mode][r["seed"]] for r in rs])
+        if "nsa" in row and "dense" in row:
+            row["nsa_minus_dense"] = row["nsa"]["mean"] - row["dense"]["mean"]
+            once = [{seed for seed, n in Counter(r["seed"] for r in rs).items() if n == 1}
+                    for rs in (by_mode["nsa"], by_mode["dense"])]  # fmt: skip
+            row["paired_gaps"] = {str(seed): loss["nsa"][seed] - loss["dense"][seed]
+                                  for seed in sorted(once[0] & once[1])}  # fmt: skip
+            row["interval"], row["interval_kind"] = gap_interval(row)
+        rows.append(row)
+    return rows
 
 
 def _fmt(x, spec="{:.4f}"):
@@ -554,6 +594,7 @@ def markdown(runs: list[dict], comparison: dict, notes: list[str]) -> str:
                       + (f"; per seed: {paired}" if paired else "")
                       + (f"; seed-to-seed std within a mode {final['seed_std']:.4f}" if final["seed_std"] else "")
                       + "."]  # fmt: skip
+    lines += position_table(comparison)
     started = {_started_from_twin(r) for r in runs if r.get("config")}
     if len(started) == 1 and None not in started:
         lines += ["", f"Each run started from its own twin's final/ in {started.pop()} (--init-from-runs)."]
@@ -566,6 +607,31 @@ def markdown(runs: list[dict], comparison: dict, notes: list[str]) -> str:
     lines += ["", f"Peak memory: allocated GPU memory on CUDA, the process's resident set size on CPU. "
                   f"Written {time.strftime('%Y-%m-%d')}."]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def position_table(comparison: dict) -> list[str]:
+    """Markdown lines: the validation loss at the last evaluation by range of query positions (compare_by_position);
+    empty where the runs did not report it."""
+    rows, modes = comparison.get("by_position") or [], comparison["modes"]
+    if not rows:
+        return []
+    both = "nsa_minus_dense" in rows[0]
+    lines = ["", f"Validation loss at {comparison['curve'][-1]['tokens']:,} tokens by the query's position in its "
+                 "document's fragment of the row (the tokens it predicts from, less itself): NSA's window holds the "
+                 "whole context of the first range; beyond it, what lies further back reaches NSA only through the "
+                 "compressed and selected branches (mean over seeds; ± sample std over seeds where >= 2):", "",
+             "| positions | " + " | ".join(modes) + (" | NSA - dense (95%) |" if both else " |"),
+             "|---|" + "---|" * (len(modes) + both)]  # fmt: skip
+    for row in rows:
+        cells = [f"{row[m]['mean']:.4f}" + (f" ± {row[m]['std']:.4f}" if row[m]["std"] is not None else "")
+                 for m in modes]  # fmt: skip
+        if both:
+            half = row["interval"]
+            cells.append(f"{row['nsa_minus_dense']:+.4f}" + (f" ± {half:.4f} ({row['interval_kind']})"
+                                                              if half is not None else ""))  # fmt: skip
+        lo, hi = row["positions"]
+        lines.append(f"| {lo:,}-{hi - 1:,} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def long_context_table(runs: list[dict]) -> list[str]:

@@ -148,8 +148,11 @@ def read_group(name: str, specs: list[str], task: str, scoring: str) -> list[dic
                     if result["task"] == task and (result["scoring"] or scoring) == scoring:
                         evaluation = result
                 tokens, loss = run["val"][-1]
+                reported = run.get("val_by_position")  # (ab_compare.by_position; None in older files)
+                by_position = {(lo, hi): x for lo, hi, x in reported["ranges"]} \
+                    if reported and reported.get("tokens") == tokens else None
                 runs.append({"group": name, "source": str(folder), "name": run["name"], "mode": run.get("mode"),
-                             "seed": run.get("seed"), "tokens": tokens, "val_loss": loss,
+                             "seed": run.get("seed"), "tokens": tokens, "val_loss": loss, "by_position": by_position,
                              "accuracy": _by_length(evaluation, "accuracy") if evaluation else None,
                              "ended": _by_length(evaluation, "ended") if evaluation else None,
                              "right_but_last": _by_length(evaluation, "right_but_last") if evaluation else None})  # fmt: skip
@@ -196,6 +199,14 @@ def paired_gap(first: dict[int, float], second: dict[int, float]) -> tuple[list[
     return shared, mean, half
 
 
+def position_ranges(runs: list[dict]) -> list[tuple[int, int]]:
+    """The ranges of query positions whose validation loss every one of `runs` reported at its last evaluation (in
+    position order); none where one of them did not (trained before the trainer reported it)."""
+    if not runs or any(r.get("by_position") is None for r in runs):
+        return []
+    return sorted(set.intersection(*(set(r["by_position"]) for r in runs)))
+
+
 def compare_pair(first: list[dict], second: list[dict], length: int | None, threshold: float) -> dict:
     """Second group against the first: counts and Fisher's p over the runs each evaluated; the accuracy at the
     learned length (second - first, paired by the seeds both evaluated: where few runs of either group reach the
@@ -218,6 +229,11 @@ def compare_pair(first: list[dict], second: list[dict], length: int | None, thre
         out[f"{key}_seeds"], out[f"{key}_gap"], out[f"{key}_half_width"] = paired_gap(*shares)
     losses = [{r["seed"]: r["val_loss"] for r in runs} for runs in (first, second)]
     out["paired_seeds"], out["paired_gap"], out["paired_half_width"] = paired_gap(*losses)
+    # the loss by query position (the trainer's val_loss_pos<lo>to<hi>), per range every run of both reported
+    out["by_position"] = []
+    for lo, hi in position_ranges(first + second):
+        seeds, gap, half = paired_gap(*({r["seed"]: r["by_position"][lo, hi] for r in runs} for runs in (first, second)))
+        out["by_position"].append({"positions": [lo, hi], "seeds": seeds, "gap": gap, "half_width": half})
     a, b = ([r["val_loss"] for r in runs] for runs in (first, second))
     out["unpaired_gap"] = statistics.fmean(b) - statistics.fmean(a)
     if len(a) > 1 and len(b) > 1:
@@ -283,6 +299,8 @@ def markdown(groups: dict[str, list[dict]], summary: dict, pairs: dict, length: 
                                           _fmt(c["fisher_p"], "{:.3f}"), accuracy]  # fmt: skip
         lines.append("| " + " | ".join([f"{second} vs {first}", *fisher, paired, str(len(c["paired_seeds"])),
                                         f"{_fmt(c['unpaired_gap'])}, t = {_fmt(c['welch_t'], '{:.1f}')}"]) + " |")
+    lines += position_lines(groups, pairs)
+
     def tells_more(run):  # some answer at the learned length failed on its last token only
         accuracy = (run["accuracy"] or {}).get(length)
         return accuracy is not None and tells_more_than_accuracy(
@@ -307,6 +325,32 @@ def markdown(groups: dict[str, list[dict]], summary: dict, pairs: dict, length: 
                      f"({len(c[f'{k}_seeds'])} seeds)") for k in ("right_but_last", "ended")]  # fmt: skip
             lines.append(f"| {second} vs {first} | " + " | ".join(gaps) + " |")
     return "\n".join(lines) + "\n"
+
+
+def position_lines(groups: dict[str, list[dict]], pairs: dict) -> list[str]:
+    """Markdown lines: each group's validation loss by range of query positions (mean ± std over seeds) and each
+    pair's gap per range, paired by seed; empty where some run did not report it."""
+    ranges = position_ranges([r for runs in groups.values() for r in runs])
+    if not ranges:
+        return []
+    heads = [f"{lo:,}-{hi - 1:,}" for lo, hi in ranges]
+    lines = ["", "Validation loss at the last evaluation by the query's position in its document's fragment of the "
+                 "row (the tokens it predicts from, less itself; the first range is NSA's window), mean ± std over "
+                 "seeds, then second - first, paired by seed (95%):", "",
+             "| group | " + " | ".join(heads) + " |", "|---|" + "---|" * len(ranges)]  # fmt: skip
+    for name, runs in groups.items():
+        cells = []
+        for key in ranges:
+            values = [r["by_position"][key] for r in runs]
+            std = f" ± {statistics.stdev(values):.4f}" if len(values) > 1 else ""
+            cells.append(f"{statistics.fmean(values):.4f}{std}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    for (first, second), c in pairs.items():
+        gaps = {tuple(row["positions"]): row for row in c["by_position"]}
+        cells = [_fmt(gaps[key]["gap"]) + (f" ± {gaps[key]['half_width']:.4f}" if gaps[key]["half_width"] else "")
+                 for key in ranges]  # fmt: skip
+        lines.append(f"| {second} - {first} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main(argv=None) -> dict:
@@ -356,7 +400,10 @@ def main(argv=None) -> dict:
     result = {"task": task, "scoring": args.scoring, "learned_length": length,
               "learned_accuracy": args.learned_accuracy, "date": time.strftime("%Y-%m-%d"), "groups": groups,
               "summary": summary, "pairs": [{"first": a, "second": b, **c} for (a, b), c in pairs.items()]}  # fmt: skip
-    (args.out / "seed_groups.json").write_text(json.dumps(result, indent=2))
+    written = {**result, "groups": {name: [{**r, "by_position": r["by_position"] and [[*k, x] for k, x in
+                                                                                     r["by_position"].items()]}
+                                           for r in runs] for name, runs in groups.items()}}  # (JSON: no tuple keys)
+    (args.out / "seed_groups.json").write_text(json.dumps(written, indent=2))
     print(text)
     return result
 

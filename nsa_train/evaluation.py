@@ -10,35 +10,82 @@ so a forward on one process alone would wait forever. The main process writes th
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .data import num_label_tokens, streams_from_hub, to_batch
+from .data import streams_from_hub, to_batch
 from .run_state import RunState
 
 STATS_ROWS = 2  # held-out rows the selection statistics are measured on: whole rows where the layers run the kernels,
 # cut to selection_stats.REFERENCE_MAX_LEN tokens where they run the reference (its masks are T x T)
 
 
+def position_buckets(window_size: int | None, seq_len: int) -> list[tuple[int, int]]:
+    """The ranges [lo, hi) of query positions (tokens before the query in its document's fragment of the row: the
+    context it predicts from, less itself) that the validation loss is also reported over: [0, w), then doubling
+    ranges [w, 2w), [2w, 4w), ... up to `seq_len` (w: NSA's sliding window). A query in [0, w) sees its whole
+    context through the window branch; beyond it, what lies further back reaches NSA only through the compressed
+    and selected branches, and dense attention sees all of it. Empty where the window holds a whole row."""
+    if not window_size or window_size >= seq_len:
+        return []
+    edges, edge = [0], window_size
+    while edge < seq_len:
+        edges.append(edge)
+        edge *= 2
+    edges.append(seq_len)
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def position_metric(lo: int, hi: int) -> str:
+    """The metric name of the validation loss over query positions [lo, hi): `val_loss_pos<lo>to<hi>`."""
+    return f"val_loss_pos{lo}to{hi}"
+
+
+POSITION_METRIC = re.compile(r"val_loss_pos(\d+)to(\d+)$")
+
+
 @torch.no_grad()
 def validation_loss(model, rows, micro_batch_size: int, accelerator) -> dict[str, float]:
     """`val_loss`, the mean loss over the label tokens of every process's share of the held-out rows, and its
-    perplexity `val_ppl`. Every process calls this (the sums are all-reduced)."""
+    perplexity `val_ppl`; and the mean loss over the label tokens predicted from each range of positions of
+    `position_buckets` (the model config's `window_size`, the rows' length), `val_loss_pos<lo>to<hi>`: where in the
+    context a model gains or loses (a range without label tokens is left out). Every process calls this (the sums
+    are all-reduced)."""
     model.eval()
-    sums = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # (loss sum, label tokens)
+    seq_len = len(rows[0][0]) if rows else 0
+    buckets = position_buckets(getattr(model.config, "window_size", None), seq_len)
+    inner_edges = torch.tensor([hi for _, hi in buckets[:-1]], device=accelerator.device)
+    # row 0: loss sums, row 1: label tokens; column 0: every position, then one column per bucket
+    sums = torch.zeros(2, 1 + len(buckets), dtype=torch.float64, device=accelerator.device)
     mine = rows[accelerator.process_index :: accelerator.num_processes]
     for i in range(0, len(mine), micro_batch_size):
         batch = to_batch(mine[i : i + micro_batch_size], accelerator.device)
-        n = num_label_tokens(batch["labels"])
-        with accelerator.autocast():  # (a micro-batch without labels: 0 / 1, where 0 / 0 made the sum NaN)
-            loss = model(**batch, num_items_in_batch=n.clamp(min=1)).loss
-        sums += torch.stack([loss.double() * n, n.double()])
+        labels = batch.pop("labels")
+        with accelerator.autocast():
+            logits = model(**batch).logits  # (B, T, V)
+        # the loss of the model's loss_function, token by token: the prediction at t of the label at t + 1 (-100:
+        # none), in fp32 (its upcast), so that the buckets add up to val_loss
+        targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)  # (B, T)
+        token_loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                                       ignore_index=-100, reduction="none")  # (B * T,)
+        has_label = (targets.flatten() != -100).double()
+        sums[0, 0] += token_loss.double().sum()
+        sums[1, 0] += has_label.sum()
+        if buckets:
+            bucket = torch.bucketize(batch["position_ids"].flatten(), inner_edges, right=True)  # (B * T,)
+            sums[0, 1:].index_add_(0, bucket, token_loss.double())
+            sums[1, 1:].index_add_(0, bucket, has_label)
     sums = accelerator.reduce(sums, reduction="sum")
     model.train()
-    val_loss = (sums[0] / sums[1].clamp(min=1)).item()
-    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+    val_loss = (sums[0, 0] / sums[1, 0].clamp(min=1)).item()
+    metrics = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+    for (lo, hi), loss_sum, count in zip(buckets, sums[0, 1:].tolist(), sums[1, 1:].tolist()):
+        if count > 0:
+            metrics[position_metric(lo, hi)] = loss_sum / count
+    return metrics
 
 
 def selection_statistics(model, run: RunState, rows, accelerator, stats_file: Path) -> dict[str, float]:

@@ -53,6 +53,15 @@ def test_trains_both_modes_and_writes_table_plot_and_json(ab):
         val = [entry["val_loss"] for entry in logged if "val_loss" in entry]
         assert [row[mode]["mean"] for row in curve] == val
     assert curve[-1]["nsa_minus_dense"] == pytest.approx(curve[-1]["nsa"]["mean"] - curve[-1]["dense"]["mean"])
+    # the loss by query position at the last evaluation (tiny: window 32 of 64-token rows), from the runs' logs
+    by_position = result["comparison"]["by_position"]
+    assert [row["positions"] for row in by_position] == [[0, 32], [32, 64]]
+    for run_name, mode in (("nsa-seed3", "nsa"), ("dense-seed3", "dense")):
+        last = [json.loads(line) for line in (out / run_name / "metrics.jsonl").read_text().splitlines()
+                if "val_loss" in line][-1]  # fmt: skip
+        assert [row[mode]["mean"] for row in by_position] == [last["val_loss_pos0to32"], last["val_loss_pos32to64"]]
+    gap = by_position[1]["nsa"]["mean"] - by_position[1]["dense"]["mean"]
+    assert f"| 32-63 | {by_position[1]['nsa']['mean']:.4f} | {by_position[1]['dense']['mean']:.4f} | {gap:+.4f} |" in table
     assert json.loads((out / "ab_compare.json").read_text())["comparison"] == result["comparison"]
 
 
@@ -231,6 +240,38 @@ def test_the_last_token_column_leaves_runs_without_it_blank():
 def fake_run(mode, seed, losses, tokens_per_step=100):
     return {"name": f"{mode}-seed{seed}", "mode": mode, "seed": seed,
             "val": [(i * tokens_per_step, loss) for i, loss in enumerate(losses)]}  # fmt: skip
+
+
+def with_positions(run, ranges):
+    """A fake run that reported its last evaluation's loss by query position: [[lo, hi, loss], ...]."""
+    return {**run, "val_by_position": {"tokens": run["val"][-1][0], "ranges": ranges}}
+
+
+def test_loss_by_position_gap_and_interval():
+    """Per range of query positions: each mode's mean over seeds, NSA - dense, and its interval paired by seed; a
+    run without the figures (trained before the trainer logged them) or last evaluated at another count: none."""
+    runs = [with_positions(fake_run("nsa", 0, [5.0, 3.0]), [[0, 64, 3.5], [64, 128, 2.50]]),
+            with_positions(fake_run("nsa", 1, [5.0, 3.0]), [[0, 64, 3.6], [64, 128, 2.54]]),
+            with_positions(fake_run("dense", 0, [5.0, 3.0]), [[0, 64, 3.5], [64, 128, 2.60]]),
+            with_positions(fake_run("dense", 1, [5.0, 3.0]), [[0, 64, 3.6], [64, 128, 2.70]])]  # fmt: skip
+    rows = ab_compare.compare(runs)["by_position"]
+    assert [row["positions"] for row in rows] == [[0, 64], [64, 128]]
+    assert rows[0]["nsa_minus_dense"] == pytest.approx(0.0)
+    assert rows[1]["nsa"]["mean"] == pytest.approx(2.52) and rows[1]["dense"]["mean"] == pytest.approx(2.65)
+    assert rows[1]["paired_gaps"] == {"0": pytest.approx(-0.10), "1": pytest.approx(-0.16)}
+    assert rows[1]["interval"] == pytest.approx(12.706 * statistics.stdev([-0.10, -0.16]) / 2 ** 0.5)
+    text = ab_compare.markdown([], ab_compare.compare(runs), [])
+    assert f"| 64-127 | 2.5200 ± {statistics.stdev([2.50, 2.54]):.4f} | 2.6500 ± {statistics.stdev([2.6, 2.7]):.4f} | " \
+           f"-0.1300 ± {rows[1]['interval']:.4f} (paired) |" in text
+    assert "Validation loss at 100 tokens by the query's position" in text
+    # NSA alone (--modes nsa): its means, no gap
+    alone = ab_compare.compare(runs[:2])["by_position"]
+    assert alone[1]["nsa"]["mean"] == pytest.approx(2.52) and "nsa_minus_dense" not in alone[1]
+    older = runs[:3] + [fake_run("dense", 1, [5.0, 3.0])]
+    assert ab_compare.compare(older)["by_position"] == []
+    assert "by the query's position" not in ab_compare.markdown([], ab_compare.compare(older), [])
+    elsewhere = runs[:3] + [with_positions(fake_run("dense", 1, [5.0, 3.0, 2.9]), [[0, 64, 3.0], [64, 128, 2.0]])]
+    assert ab_compare.compare(elsewhere)["by_position"] == []  # its figures are at 200 tokens, the others' at 100
 
 
 def test_jobs_train_side_by_side_with_the_same_results(ab, tmp_path):

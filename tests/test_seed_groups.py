@@ -132,6 +132,41 @@ def test_task_none_compares_validation_loss_only(two_groups):
     assert "| nsa vs dense | +0.0450 ± " in text
 
 
+def test_loss_by_position_per_group_and_paired_gap(tmp_path):
+    """Runs whose ab_compare record holds the loss by query position at their last evaluation: each group's mean
+    per range and the second - first gap per range, paired by seed; a group with a run that lacks it: none."""
+    def comparison(folder, mode, losses):  # seed -> (loss at positions 0-63, at 64-127)
+        folder.mkdir(parents=True)
+        runs = [{"name": f"{mode}-seed{seed}", "mode": mode, "seed": seed, "val": [[0, 5.0], [1000, sum(pair) / 2]],
+                 "val_by_position": {"tokens": 1000, "ranges": [[0, 64, pair[0]], [64, 128, pair[1]]]}}
+                for seed, pair in losses.items()]  # fmt: skip
+        (folder / "ab_compare.json").write_text(json.dumps({"runs": runs}))
+
+    comparison(tmp_path / "dense", "dense", {0: (3.0, 2.00), 1: (3.2, 2.10), 2: (3.1, 2.05)})
+    comparison(tmp_path / "nsa", "nsa", {0: (3.0, 1.90), 1: (3.3, 2.06), 2: (3.1, 1.97)})
+    result = seed_groups.main(["--out", str(tmp_path / "out"), "--task", "none", "--group", "dense",
+                               str(tmp_path / "dense"), "--group", "nsa", str(tmp_path / "nsa")])  # fmt: skip
+    (pair,) = result["pairs"]
+    near, far = pair["by_position"]
+    assert near["positions"] == [0, 64] and far["positions"] == [64, 128] and far["seeds"] == [0, 1, 2]
+    gaps = [-0.10, -0.04, -0.08]
+    assert math.isclose(far["gap"], statistics.fmean(gaps))
+    assert math.isclose(far["half_width"], 4.303 * statistics.stdev(gaps) / 3**0.5, rel_tol=1e-3)
+    text = (tmp_path / "out" / "seed_groups.md").read_text()
+    assert f"| dense | 3.1000 ± 0.1000 | 2.0500 ± 0.0500 |" in text
+    assert f"| nsa - dense | +0.0333 ± {near['half_width']:.4f} | {far['gap']:+.4f} ± {far['half_width']:.4f} |" in text
+    written = json.loads((tmp_path / "out" / "seed_groups.json").read_text())
+    assert written["groups"]["nsa"][0]["by_position"] == [[0, 64, 3.0], [64, 128, 1.90]]
+    # a run without the figures (trained before the trainer logged them): no table, no gaps
+    record = json.loads((tmp_path / "nsa" / "ab_compare.json").read_text())
+    del record["runs"][1]["val_by_position"]
+    (tmp_path / "nsa" / "ab_compare.json").write_text(json.dumps(record))
+    result = seed_groups.main(["--out", str(tmp_path / "out"), "--task", "none", "--group", "dense",
+                               str(tmp_path / "dense"), "--group", "nsa", str(tmp_path / "nsa")])  # fmt: skip
+    assert result["pairs"][0]["by_position"] == []
+    assert "by the query's position" not in (tmp_path / "out" / "seed_groups.md").read_text()
+
+
 def test_the_learned_rule_follows_its_flags(two_groups):
     result = seed_groups.main(["--out", str(two_groups / "out"), "--group", "dense", f"{two_groups}/ab:dense",
                                "--group", "nsa", f"{two_groups}/ab:nsa", "--learned-length", "256",

@@ -819,15 +819,21 @@ def test_every_evaluation_metric_is_logged(tmp_path, capsys):
     log = StepLog(accelerator, tmp_path, SimpleNamespace(report_to="tensorboard", max_steps=10, log_every=1,
                                                          resume=None),
                   RunState(), (1.0, 1.0), None, {"seed": 1})  # fmt: skip
-    log.log_eval(5, {"val_loss": 2.0, "val_ppl": 7.389, "sel_recall": 0.75, "sel_l1_recall": 0.5})
+    log.log_eval(5, {"val_loss": 2.0, "val_ppl": 7.389, "val_loss_pos0to64": 2.5, "val_loss_pos64to128": 1.75,
+                     "sel_recall": 0.75, "sel_l1_recall": 0.5})  # fmt: skip
     log.close()
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 5, "val_loss": 2.0, "val_ppl": 7.389,
+                                                                     "val_loss_pos0to64": 2.5,
+                                                                     "val_loss_pos64to128": 1.75,
                                                                      "sel_recall": 0.75, "sel_l1_recall": 0.5}  # fmt: skip
-    assert accelerator.logged == [("init", "logs"), ({"val/loss": 2.0, "val/ppl": 7.389, "sel/recall": 0.75,
+    assert accelerator.logged == [("init", "logs"), ({"val/loss": 2.0, "val/ppl": 7.389, "val/loss_pos0to64": 2.5,
+                                                      "val/loss_pos64to128": 1.75, "sel/recall": 0.75,
                                                       "sel/l1_recall": 0.5}, 5)]  # fmt: skip
-    # the console line: every metric but the per-layer ones (their mean over layers shows)
+    # the console line: every metric but the per-layer ones (their mean over layers shows), the loss by position as
+    # one item after the perplexity
     said = capsys.readouterr().out
-    assert "step 5: val loss 2.0000 ppl 7.39 sel_recall 0.75\n" in said and "l1_recall" not in said
+    assert ("step 5: val loss 2.0000 ppl 7.39 by position 0-64 2.5000 64-128 1.7500 sel_recall 0.75\n" in said
+            and "l1_recall" not in said)  # fmt: skip
     # a resume hides TensorBoard's events after its step, also from step 0 (a launch that died before its first
     # checkpoint), and a new run purges nothing
     for resume, step, expected in (("latest", 0, {"tensorboard": {"purge_step": 1}}),
@@ -999,6 +1005,58 @@ def test_validation_loss_with_a_micro_batch_without_labels():
     assert losses[0] == pytest.approx(losses[1], rel=1e-6) and math.isfinite(losses[0])
     expected = model(**{k: torch.tensor([v]) for k, v in zip(("input_ids", "position_ids", "labels"), full)}).loss
     assert losses[0] == pytest.approx(float(expected.detach()), rel=1e-6)
+
+
+def test_position_buckets_double_from_the_window():
+    from nsa_train.evaluation import position_buckets
+
+    assert position_buckets(64, 1024) == [(0, 64), (64, 128), (128, 256), (256, 512), (512, 1024)]
+    assert position_buckets(64, 100) == [(0, 64), (64, 100)]  # the last range ends at the row's length
+    assert position_buckets(512, 512) == [] and position_buckets(None, 512) == []  # the window holds every query
+
+
+def test_validation_loss_by_position_matches_each_token_loss():
+    """val_loss_pos<lo>to<hi> is the mean loss of the label tokens predicted from positions lo..hi-1 of their
+    document's fragment (position_ids, which restart at each document), computed here token by token from the
+    model's logits: a row of two documents, a second row cut short by padding, window 4 (ranges 0-4, 4-8, 8-16).
+    The ranges' label tokens add up to val_loss's."""
+    import contextlib
+
+    from modeling_nsa import NSAConfig, NSAForCausalLM
+    from nsa_train.evaluation import validation_loss
+
+    class OneProcess:
+        device, process_index, num_processes = torch.device("cpu"), 0, 1
+        autocast = staticmethod(contextlib.nullcontext)
+        reduce = staticmethod(lambda tensor, reduction: tensor)
+
+    torch.manual_seed(0)
+    model = NSAForCausalLM(NSAConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, cmp_block_size=4,
+                                     cmp_stride=2, sel_block_size=4, sel_num_blocks=3, window_size=4))  # fmt: skip
+    ids = torch.randint(1, 64, (2, 16)).tolist()
+    two_docs = (ids[0], list(range(10)) + list(range(6)), ids[0][:10] + [-100] + ids[0][11:])  # doc B starts at 10
+    padded = (ids[1][:9] + [0] * 7, list(range(9)) + [0] * 7, ids[1][:9] + [-100] * 7)
+    rows = [two_docs, padded]
+    metrics = validation_loss(model, rows, 2, OneProcess())
+
+    losses = {lo: [] for lo in (0, 4, 8)}  # range start -> the losses of the label tokens predicted from it
+    with torch.no_grad():
+        for row_ids, positions, labels in rows:
+            log_probs = model(input_ids=torch.tensor([row_ids]), position_ids=torch.tensor([positions])).logits[0]
+            log_probs = log_probs.float().log_softmax(-1)
+            for t in range(15):
+                if labels[t + 1] != -100:
+                    lo = 0 if positions[t] < 4 else 4 if positions[t] < 8 else 8
+                    losses[lo].append(-float(log_probs[t, labels[t + 1]]))
+    assert {k: len(v) for k, v in losses.items()} == {0: 12, 4: 9, 8: 1}  # (4 + 4 + 4, 4 + 1 + 4, 1)
+    for lo, hi in ((0, 4), (4, 8), (8, 16)):
+        assert metrics[f"val_loss_pos{lo}to{hi}"] == pytest.approx(sum(losses[lo]) / len(losses[lo]), rel=1e-5)
+    every = [x for v in losses.values() for x in v]
+    assert metrics["val_loss"] == pytest.approx(sum(every) / len(every), rel=1e-5)
+    # a range no label token was predicted from is left out, not reported as 0 or NaN
+    short = validation_loss(model, [padded], 2, OneProcess())
+    assert "val_loss_pos8to16" not in short and "val_loss_pos4to8" in short
 
 
 def test_learning_rate_schedule_and_weight_decay_groups():
