@@ -25,7 +25,9 @@ tokens, and NSA - dense) and `ab_compare.json`. Validation losses are compared a
 evaluated at; with two or more seeds of a mode, the seed-to-seed spread (sample standard deviation, min-max)
 is given beside the difference, with the gap's 95% interval (paired by seed where both modes ran it), so a gap
 can be read against the noise; the 0.02-nat target is judged met or MISSED only when it lies outside that
-interval (two seeds rarely decide it: give three or more). Needs matplotlib for the PNG
+interval (two seeds rarely decide it: give three or more). At the last evaluation the loss is also compared by the
+query's position (the trainer's `val_loss_pos<lo>to<hi>`: inside NSA's window, then ranges doubling beyond it),
+NSA - dense per range with the same interval. Needs matplotlib for the PNG
 (`pip install "nsa-transformers[plot]"`).
 """
 
@@ -534,15 +536,18 @@ def compare_by_position(by_mode: dict[str, list[dict]], tokens: int) -> list[dic
     shared = set.intersection(*({(lo, hi) for lo, hi, _ in rep["ranges"]} for rep in reported))
     rows = []
     for lo, hi in sorted(shared):
-        loss = {m: {r["seed"]: next(x for a, b, x in r["val_by_position"]["ranges"] if (a, b) == (lo, hi))
-                    for r in rs} for m, rs in by_mode.items()}  # fmt: skip
+        def at(run):  # the run's loss over positions lo..hi-1
+            return next(x for a, b, x in run["val_by_position"]["ranges"] if (a, b) == (lo, hi))
+
         row = {"positions": [lo, hi]}
         for mode, rs in by_mode.items():
-            row[mode] = _spread([loss[mode][r["seed"]] for r in rs])
+            row[mode] = _spread([at(r) for r in rs])
         if "nsa" in row and "dense" in row:
             row["nsa_minus_dense"] = row["nsa"]["mean"] - row["dense"]["mean"]
+            # paired as compare() pairs: the seeds each mode ran once
             once = [{seed for seed, n in Counter(r["seed"] for r in rs).items() if n == 1}
                     for rs in (by_mode["nsa"], by_mode["dense"])]  # fmt: skip
+            loss = {m: {r["seed"]: at(r) for r in by_mode[m] if r["seed"] in once[0] & once[1]} for m in MODES}
             row["paired_gaps"] = {str(seed): loss["nsa"][seed] - loss["dense"][seed]
                                   for seed in sorted(once[0] & once[1])}  # fmt: skip
             row["interval"], row["interval_kind"] = gap_interval(row)

@@ -29,7 +29,8 @@ evaluate that length is left out of the counts (said in the table). For every tw
   each second minus first, paired (`nsa_train.long_context.ending_summary`): a model can learn to end its text
   where its training rows ended, and a case one token longer than a row puts the answer's last token there;
 - validation loss, second minus first, paired by the seeds both ran (mean and Student's t 95% half-width), and
-  unpaired (Welch's t). Runs of one seed share their data order; whether they share initial weights depends on
+  unpaired (Welch's t); where every run recorded it (ab_compare's `val_by_position`, from the trainer's
+  `val_loss_pos<lo>to<hi>`), also each group's loss by the query's position and the paired gap per range. Runs of one seed share their data order; whether they share initial weights depends on
   the pair: ab_compare's dense twin takes its NSA twin's weights, and compressors "mlp" and "mean_mlp" draw the
   same weights (but φ's zeroed output layer), whereas "mean" draws none for φ, which shifts every later draw.
 Writes `<out>/seed_groups.md` and `seed_groups.json`, and prints the Markdown.
@@ -149,8 +150,7 @@ def read_group(name: str, specs: list[str], task: str, scoring: str) -> list[dic
                         evaluation = result
                 tokens, loss = run["val"][-1]
                 reported = run.get("val_by_position")  # (ab_compare.by_position; None in older files)
-                by_position = {(lo, hi): x for lo, hi, x in reported["ranges"]} \
-                    if reported and reported.get("tokens") == tokens else None
+                by_position = reported["ranges"] if reported and reported.get("tokens") == tokens else None
                 runs.append({"group": name, "source": str(folder), "name": run["name"], "mode": run.get("mode"),
                              "seed": run.get("seed"), "tokens": tokens, "val_loss": loss, "by_position": by_position,
                              "accuracy": _by_length(evaluation, "accuracy") if evaluation else None,
@@ -204,7 +204,12 @@ def position_ranges(runs: list[dict]) -> list[tuple[int, int]]:
     position order); none where one of them did not (trained before the trainer reported it)."""
     if not runs or any(r.get("by_position") is None for r in runs):
         return []
-    return sorted(set.intersection(*(set(r["by_position"]) for r in runs)))
+    return sorted(set.intersection(*({(lo, hi) for lo, hi, _ in r["by_position"]} for r in runs)))
+
+
+def position_loss(run: dict, lo: int, hi: int) -> float:
+    """The run's validation loss over query positions lo..hi-1 (its `by_position`: [[lo, hi, loss], ...])."""
+    return next(x for a, b, x in run["by_position"] if (a, b) == (lo, hi))
 
 
 def compare_pair(first: list[dict], second: list[dict], length: int | None, threshold: float) -> dict:
@@ -232,7 +237,7 @@ def compare_pair(first: list[dict], second: list[dict], length: int | None, thre
     # the loss by query position (the trainer's val_loss_pos<lo>to<hi>), per range every run of both reported
     out["by_position"] = []
     for lo, hi in position_ranges(first + second):
-        seeds, gap, half = paired_gap(*({r["seed"]: r["by_position"][lo, hi] for r in runs} for runs in (first, second)))
+        seeds, gap, half = paired_gap(*({r["seed"]: position_loss(r, lo, hi) for r in runs} for runs in (first, second)))
         out["by_position"].append({"positions": [lo, hi], "seeds": seeds, "gap": gap, "half_width": half})
     a, b = ([r["val_loss"] for r in runs] for runs in (first, second))
     out["unpaired_gap"] = statistics.fmean(b) - statistics.fmean(a)
@@ -341,13 +346,13 @@ def position_lines(groups: dict[str, list[dict]], pairs: dict) -> list[str]:
     for name, runs in groups.items():
         cells = []
         for key in ranges:
-            values = [r["by_position"][key] for r in runs]
+            values = [position_loss(r, *key) for r in runs]
             std = f" ± {statistics.stdev(values):.4f}" if len(values) > 1 else ""
             cells.append(f"{statistics.fmean(values):.4f}{std}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     for (first, second), c in pairs.items():
         gaps = {tuple(row["positions"]): row for row in c["by_position"]}
-        cells = [_fmt(gaps[key]["gap"]) + (f" ± {gaps[key]['half_width']:.4f}" if gaps[key]["half_width"] else "")
+        cells = [_fmt(gaps[key]["gap"]) + (f" ± {gaps[key]['half_width']:.4f}" if gaps[key]["half_width"] is not None else "")
                  for key in ranges]  # fmt: skip
         lines.append(f"| {second} - {first} | " + " | ".join(cells) + " |")
     return lines
@@ -400,10 +405,7 @@ def main(argv=None) -> dict:
     result = {"task": task, "scoring": args.scoring, "learned_length": length,
               "learned_accuracy": args.learned_accuracy, "date": time.strftime("%Y-%m-%d"), "groups": groups,
               "summary": summary, "pairs": [{"first": a, "second": b, **c} for (a, b), c in pairs.items()]}  # fmt: skip
-    written = {**result, "groups": {name: [{**r, "by_position": r["by_position"] and [[*k, x] for k, x in
-                                                                                     r["by_position"].items()]}
-                                           for r in runs] for name, runs in groups.items()}}  # (JSON: no tuple keys)
-    (args.out / "seed_groups.json").write_text(json.dumps(written, indent=2))
+    (args.out / "seed_groups.json").write_text(json.dumps(result, indent=2))
     print(text)
     return result
 

@@ -66,8 +66,8 @@ def validation_loss(model, rows, micro_batch_size: int, accelerator) -> dict[str
         labels = batch.pop("labels")
         with accelerator.autocast():
             logits = model(**batch).logits  # (B, T, V)
-        # the loss of the model's loss_function, token by token: the prediction at t of the label at t + 1 (-100:
-        # none), in fp32 (its upcast), so that the buckets add up to val_loss
+        # the model's loss_function token by token (transformers' ForCausalLMLoss: the prediction at t of the label
+        # at t + 1, -100 none, in fp32 as its upcast); val_loss and the ranges sum the same token losses
         targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)  # (B, T)
         token_loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                                                        ignore_index=-100, reduction="none")  # (B * T,)
@@ -78,6 +78,7 @@ def validation_loss(model, rows, micro_batch_size: int, accelerator) -> dict[str
             bucket = torch.bucketize(batch["position_ids"].flatten(), inner_edges, right=True)  # (B * T,)
             sums[0, 1:].index_add_(0, bucket, token_loss.double())
             sums[1, 1:].index_add_(0, bucket, has_label)
+        del logits, token_loss  # (not held through the next micro-batch's forward)
     sums = accelerator.reduce(sums, reduction="sum")
     model.train()
     val_loss = (sums[0, 0] / sums[1, 0].clamp(min=1)).item()

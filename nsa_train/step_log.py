@@ -118,14 +118,15 @@ class StepLog:
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
         """One evaluation's metrics (`<group>_<name>`; trackers: `<group>/<name>`). The console line leaves out
         per-layer figures (`<group>_l<N>_<name>`, e.g. the selection statistics; their means over layers show) and
-        shows the validation loss by query position as one item, `by position 0-64 1.912 64-128 1.734 ...`."""
+        shows the validation loss by query position as one item, `by position 0-63 1.9120 64-127 1.7340 ...`."""
         by_position = {k: v for k, v in metrics.items() if POSITION_METRIC.match(k)}
         shown = [EVAL_CONSOLE[k].format(v) if k in EVAL_CONSOLE else f"{k} {v:.4g}" for k, v in metrics.items()
                  if not PER_LAYER.match(k) and k not in by_position]  # fmt: skip
         if by_position:
             ranges = (POSITION_METRIC.match(k).groups() for k in by_position)
-            shown.insert(min(2, len(shown)), "by position " + " ".join(
-                f"{lo}-{hi} {v:.4f}" for (lo, hi), v in zip(ranges, by_position.values())))  # fmt: skip
+            after = next((i + 1 for i, k in enumerate(metrics) if k == "val_ppl"), 0)  # (val_ppl is shown)
+            shown.insert(after, "by position " + " ".join(
+                f"{lo}-{int(hi) - 1} {v:.4f}" for (lo, hi), v in zip(ranges, by_position.values())))  # fmt: skip
         shown = " ".join(shown)
         self._write(f"step {step}: {shown}", {"step": step, **metrics})
         if self.trackers:

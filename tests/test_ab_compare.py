@@ -270,6 +270,11 @@ def test_loss_by_position_gap_and_interval():
     older = runs[:3] + [fake_run("dense", 1, [5.0, 3.0])]
     assert ab_compare.compare(older)["by_position"] == []
     assert "by the query's position" not in ab_compare.markdown([], ab_compare.compare(older), [])
+    # a seed NSA ran twice (a rerun in another --out): both runs in NSA's mean, the seed left out of the pairing
+    rerun = with_positions(fake_run("nsa", 1, [5.0, 3.0]), [[0, 64, 3.7], [64, 128, 2.90]])
+    twice = ab_compare.compare(runs + [rerun])["by_position"][1]
+    assert twice["nsa"]["mean"] == pytest.approx((2.50 + 2.54 + 2.90) / 3) and twice["nsa"]["n"] == 3
+    assert twice["paired_gaps"] == {"0": pytest.approx(-0.10)} and twice["interval_kind"] == "per-mode"
     elsewhere = runs[:3] + [with_positions(fake_run("dense", 1, [5.0, 3.0, 2.9]), [[0, 64, 3.0], [64, 128, 2.0]])]
     assert ab_compare.compare(elsewhere)["by_position"] == []  # its figures are at 200 tokens, the others' at 100
 

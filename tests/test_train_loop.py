@@ -832,7 +832,7 @@ def test_every_evaluation_metric_is_logged(tmp_path, capsys):
     # the console line: every metric but the per-layer ones (their mean over layers shows), the loss by position as
     # one item after the perplexity
     said = capsys.readouterr().out
-    assert ("step 5: val loss 2.0000 ppl 7.39 by position 0-64 2.5000 64-128 1.7500 sel_recall 0.75\n" in said
+    assert ("step 5: val loss 2.0000 ppl 7.39 by position 0-63 2.5000 64-127 1.7500 sel_recall 0.75\n" in said
             and "l1_recall" not in said)  # fmt: skip
     # a resume hides TensorBoard's events after its step, also from step 0 (a launch that died before its first
     # checkpoint), and a new run purges nothing
