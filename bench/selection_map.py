@@ -2,6 +2,7 @@
 
     python bench/selection_map.py runs/nsa/final --prompt-file some.txt --layer 3 --group 0 --out map.png
     python bench/selection_map.py runs/nsa/final --prompt "The Python language ..." --layer 0
+    python bench/selection_map.py runs/ft_passkey/nsa-seed0/final --task passkey --length 1024 --depth 0.5 --layer 1
 
 Rows are the prompt's queries (top: the first token), columns the selection blocks of l' keys. A cell is
 dark blue where the query selected the block by its score (paper Eqs. 9-11), orange where the block was forced
@@ -10,6 +11,13 @@ window covers part of the block (it is attended whether selected or not) and lig
 eligible but was not chosen; white is the future. The block indices are the reference's top-n
 (`nsa_train.selection_stats.capture_selections`), so the picture is what the model computes on any backend.
 The layer's statistics (`nsa_train.selection_stats`) are printed beside it.
+
+`--task passkey|needle` builds the prompt as `nsa_train.long_context` does (`--length` tokens with the answer,
+the hidden item at `--depth`; `--sample` picks which case of that cell) and maps the prompt with its answer: red
+lines mark the selection blocks that hold the hidden item, black ones the queries that predict the answer's
+tokens (the last prompt token's and the answer's own, as the model reads the answer), and it prints how often
+those queries' selections held an item block. Where they did not, the answer came from the compressed branch or
+not at all (`bench/retrieval_anatomy.py` tells which).
 """
 
 from __future__ import annotations
@@ -54,7 +62,23 @@ def selection_map(selection, row: int = 0, group: int = 0) -> torch.Tensor:
     return codes
 
 
-def plot_map(codes: torch.Tensor, path: str | Path, title: str) -> Path:
+def case_marks(case, block_size: int) -> dict:
+    """Where a retrieval case's hidden item and answer queries lie in its map (prompt and answer as one row):
+    `item_blocks`, the selection blocks holding any token of the item; `answer_queries`, the positions of the
+    queries that predict the answer's tokens (the last prompt token's, then each answer token's but the last)."""
+    first, last = case.needle_start, case.needle_start + case.needle_len - 1
+    start = len(case.prompt_ids) - 1
+    return {"item_blocks": list(range(first // block_size, last // block_size + 1)),
+            "answer_queries": list(range(start, start + len(case.answer_ids)))}
+
+
+def item_selected_share(codes: torch.Tensor, marks: dict) -> float:
+    """The share of the answer queries whose selection (chosen or forced) held an item block."""
+    rows = codes[marks["answer_queries"]][:, marks["item_blocks"]]  # (answer queries, item blocks)
+    return float(((rows == SELECTED) | (rows == FORCED)).any(dim=1).float().mean())
+
+
+def plot_map(codes: torch.Tensor, path: str | Path, title: str, marks: dict | None = None) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -71,6 +95,13 @@ def plot_map(codes: torch.Tensor, path: str | Path, title: str) -> Path:
     ax.set_title(title, fontsize=9)
     legend = [Patch(color=COLORS[c], label=label) for c, label in
               ((SELECTED, "selected (top-n)"), (FORCED, "forced"), (WINDOW, "in the window"), (ELIGIBLE, "not chosen"))]  # fmt: skip
+    if marks:  # a retrieval case: the item's blocks (columns) and the answer's queries (rows)
+        ax.axvline(marks["item_blocks"][0] - 0.5, color="red", linewidth=0.8)
+        ax.axvline(marks["item_blocks"][-1] + 0.5, color="red", linewidth=0.8)
+        ax.axhline(marks["answer_queries"][0] - 0.5, color="black", linewidth=0.8)
+        ax.axhline(marks["answer_queries"][-1] + 0.5, color="black", linewidth=0.8)
+        legend += [Patch(edgecolor="red", facecolor="none", label="hidden item's blocks"),
+                   Patch(edgecolor="black", facecolor="none", label="queries predicting the answer")]  # fmt: skip
     ax.legend(handles=legend, fontsize=7, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -84,15 +115,27 @@ def main(argv=None) -> dict:
     text = p.add_mutually_exclusive_group(required=True)
     text.add_argument("--prompt", help="the prompt text")
     text.add_argument("--prompt-file", type=Path, help="a text file holding the prompt")
+    text.add_argument("--task", choices=("passkey", "needle"),
+                      help="a retrieval case as nsa_train.long_context builds it (with --length, --depth, --sample)")
+    p.add_argument("--length", type=int, default=None, help="--task: the case's tokens, prompt and answer")
+    p.add_argument("--depth", type=float, default=0.5, help="--task: where the item is hidden, 0..1 (default 0.5)")
+    p.add_argument("--sample", type=int, default=0, help="--task: which case of that length and depth (default 0)")
+    p.add_argument("--haystack", default=None,
+                   help="--task needle: the documents to hide it in (default: long_context's default haystack)")
     p.add_argument("--layer", type=int, default=0)
     p.add_argument("--group", type=int, default=0, help="KV head group (0 .. num_key_value_heads - 1)")
     p.add_argument("--max-len", type=int, default=2048, help="tokens of the prompt kept")
     p.add_argument("--out", type=Path, default=Path("selection_map.png"))
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)
-    if args.prompt is None and not args.prompt_file.is_file():
+    if args.prompt_file is not None and not args.prompt_file.is_file():
         raise ValueError(f"--prompt-file {str(args.prompt_file)!r}: no such file; pass a text file, or the prompt "
                          "itself with --prompt.")
+    if (args.task is None) != (args.length is None):
+        raise ValueError(f"--length {args.length} and --task {args.task}: give both (a retrieval case of that "
+                         "many tokens) or neither (with --prompt or --prompt-file).")
+    if args.task is not None and (not 0 <= args.depth <= 1 or args.sample < 0):
+        raise ValueError(f"--depth {args.depth} / --sample {args.sample}: give a depth in 0..1 and a sample >= 0.")
 
     from nsa_train.long_context import load_model_and_tokenizer
 
@@ -105,21 +148,43 @@ def main(argv=None) -> dict:
         raise ValueError(f"--layer {args.layer}: the model has layers 0..{config.num_hidden_layers - 1}.")
     if not 0 <= args.group < config.num_key_value_heads:
         raise ValueError(f"--group {args.group}: the model has KV head groups 0..{config.num_key_value_heads - 1}.")
-    prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text(encoding="utf-8")
-    # truncated by the tokenizer, which otherwise warns that the whole prompt is longer than the model takes
-    ids = tokenizer(prompt, return_tensors="pt", truncation=True, max_length=args.max_len).input_ids
+    marks = None
+    if args.task is not None:  # the case's prompt and answer, as the evaluation builds them (errors name the fix)
+        from nsa_train.long_context import build_cases, default_haystack
+
+        haystack = args.haystack or default_haystack()
+        cases, _ = build_cases(tokenizer, args.task, [args.length], [args.depth], args.sample + 1, haystack=haystack,
+                               vocab_size=config.vocab_size)  # fmt: skip
+        case = cases[args.sample]
+        ids = torch.tensor([case.prompt_ids + case.answer_ids])
+        marks = case_marks(case, config.sel_block_size)
+        max_len = ids.shape[1]
+    else:
+        prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text(encoding="utf-8")
+        # truncated by the tokenizer, which otherwise warns that the whole prompt is longer than the model takes
+        ids = tokenizer(prompt, return_tensors="pt", truncation=True, max_length=args.max_len).input_ids
+        max_len = args.max_len
     if ids.shape[1] < 2:
         raise ValueError("--prompt: give a prompt of at least 2 tokens.")
-    selection = capture_selections(model, {"input_ids": ids}, max_rows=1, max_len=args.max_len)[args.layer]
+    selection = capture_selections(model, {"input_ids": ids}, max_rows=1, max_len=max_len)[args.layer]
     stats = {"layers": [{"layer": args.layer, **layer_statistics(selection.gates, selection.block_indices,
                                                                    selection.doc_pos, selection.params)}]}  # fmt: skip
     codes = selection_map(selection, row=0, group=args.group)
     name = "/".join(Path(args.model).parts[-2:])
-    plot_map(codes, args.out, f"{name}: layer {args.layer}, KV group {args.group}, {ids.shape[1]} tokens "
-                              f"(l'={config.sel_block_size}, n={config.sel_num_blocks}, w={config.window_size})")  # fmt: skip
+    what = f"{args.task} at depth {args.depth:g}, " if marks else ""
+    plot_map(codes, args.out, f"{name}: {what}layer {args.layer}, KV group {args.group}, {ids.shape[1]} tokens "
+                              f"(l'={config.sel_block_size}, n={config.sel_num_blocks}, w={config.window_size})",
+             marks)  # fmt: skip
     print(format_stats(stats))
+    result = {"codes": codes, "stats": stats}
+    if marks:
+        result |= {"marks": marks, "item_selected": item_selected_share(codes, marks), "answer": case.answer}
+        print(f"the hidden item: selection blocks {marks['item_blocks'][0]}-{marks['item_blocks'][-1]}; the queries "
+              f"predicting the answer ({case.answer!r}, positions {marks['answer_queries'][0]}-"
+              f"{marks['answer_queries'][-1]}): {result['item_selected']:.0%} of them selected one "
+              f"(layer {args.layer}, KV group {args.group})")  # fmt: skip
     print(f"wrote {args.out}")
-    return {"codes": codes, "stats": stats}
+    return result
 
 
 if __name__ == "__main__":

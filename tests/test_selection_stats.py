@@ -205,6 +205,38 @@ def test_selection_map_cli(model, tmp_path):
         selection_map.main([str(tmp_path / "final"), "--prompt", "abc", "--layer", "5"])
 
 
+def test_selection_map_of_a_retrieval_case_marks_the_item_and_the_answer_queries(model, tmp_path, capsys):
+    """--task passkey: the map of a case's prompt and answer as long_context builds it; the item's blocks and the
+    answer's queries as the case places them, and the share of those queries whose selection held an item block,
+    recomputed here from the selected block indices."""
+    from transformers import ByT5Tokenizer
+
+    from nsa_train.long_context import build_cases
+
+    model.save_pretrained(tmp_path / "final")
+    ByT5Tokenizer().save_pretrained(tmp_path / "final")
+    result = selection_map.main([str(tmp_path / "final"), "--task", "passkey", "--length", "256", "--depth", "0.25",
+                                 "--sample", "1", "--layer", "1", "--group", "1", "--out", str(tmp_path / "map.png")])  # fmt: skip
+    case = build_cases(ByT5Tokenizer(), "passkey", [256], [0.25], 2, vocab_size=384)[0][1]
+    assert result["answer"] == case.answer and result["codes"].shape == (256, 32)
+    item = ByT5Tokenizer().decode(case.prompt_ids[case.needle_start : case.needle_start + case.needle_len])
+    assert case.answer in item
+    first, last = case.needle_start // 8, (case.needle_start + case.needle_len - 1) // 8
+    assert result["marks"]["item_blocks"] == list(range(first, last + 1))
+    queries = list(range(len(case.prompt_ids) - 1, 255))  # the last prompt token, then every answer token but the last
+    assert result["marks"]["answer_queries"] == queries
+    ids = torch.tensor([case.prompt_ids + case.answer_ids])
+    indices = ss.capture_selections(model, {"input_ids": ids}, max_len=256)[1].block_indices[0, 1]  # (T, n)
+    held = [bool(set(indices[q].tolist()) & set(range(first, last + 1))) for q in queries]
+    assert result["item_selected"] == pytest.approx(sum(held) / len(held))
+    assert f"{result['item_selected']:.0%} of them selected one" in capsys.readouterr().out
+    assert (tmp_path / "map.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match=r"--length None and --task passkey: give both"):
+        selection_map.main([str(tmp_path / "final"), "--task", "passkey"])
+    with pytest.raises(ValueError, match=r"--depth 1.5 / --sample 0: give a depth in 0..1"):
+        selection_map.main([str(tmp_path / "final"), "--task", "passkey", "--length", "256", "--depth", "1.5"])
+
+
 def test_the_reference_selects_on_rows_cut_to_its_length(model, batch, monkeypatch):
     """Where the layers run the reference (here: CPU), the statistics' selection is the reference's, on rows cut
     to REFERENCE_MAX_LEN tokens (its scores are T x T per head); max_len overrides the cut."""
