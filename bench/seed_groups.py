@@ -253,6 +253,17 @@ def _fmt(x, spec="{:+.4f}"):
     return "-" if x is None else spec.format(x)
 
 
+def share_gap(gap: float | None, half: float | None, seeds: list[int]) -> str:
+    """'+25% ± 30% (4 seeds)': a paired gap between two shares and its 95% half-width; where the interval runs past
+    the ±100% a difference of shares can take (few seeds), it says so rather than let the figure pass as a bound."""
+    if gap is None:
+        return "-"
+    text = f"{gap:+.0%} ± {_fmt(half, '{:.0%}')} ({len(seeds)} seeds"
+    if half is not None and (gap - half < -1 or gap + half > 1):
+        text += "; the interval runs past ±100%: more seeds narrow it"
+    return text + ")"
+
+
 def markdown(groups: dict[str, list[dict]], summary: dict, pairs: dict, length: int | None, threshold: float,
              task: str | None) -> str:
     """The tables; task None: validation loss only (no retrieval columns)."""
@@ -298,8 +309,7 @@ def markdown(groups: dict[str, list[dict]], summary: dict, pairs: dict, length: 
     lines += ["", "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for (first, second), c in pairs.items():
         paired = f"{_fmt(c['paired_gap'])} ± {_fmt(c['paired_half_width'], '{:.4f}')}" if c["paired_gap"] is not None else "-"
-        accuracy = "-" if c["accuracy_gap"] is None else \
-            f"{c['accuracy_gap']:+.0%} ± {_fmt(c['accuracy_half_width'], '{:.0%}')} ({len(c['accuracy_seeds'])} seeds)"
+        accuracy = share_gap(c["accuracy_gap"], c["accuracy_half_width"], c["accuracy_seeds"])
         fisher = [] if task is None else [f"{c['learned'][1]}/{c['evaluated'][1]} vs {c['learned'][0]}/{c['evaluated'][0]}",
                                           _fmt(c["fisher_p"], "{:.3f}"), accuracy]  # fmt: skip
         lines.append("| " + " | ".join([f"{second} vs {first}", *fisher, paired, str(len(c["paired_seeds"])),
@@ -326,8 +336,7 @@ def markdown(groups: dict[str, list[dict]], summary: dict, pairs: dict, length: 
                   "| second vs first | right but perhaps the last token, second - first, paired (95%) | ended inside "
                   "the answer, second - first, paired (95%) |", "|---|---|---|"]  # fmt: skip
         for (first, second), c in pairs.items():
-            gaps = [("-" if c[f"{k}_gap"] is None else f"{c[f'{k}_gap']:+.0%} ± {_fmt(c[f'{k}_half_width'], '{:.0%}')} "
-                     f"({len(c[f'{k}_seeds'])} seeds)") for k in ("right_but_last", "ended")]  # fmt: skip
+            gaps = [share_gap(c[f"{k}_gap"], c[f"{k}_half_width"], c[f"{k}_seeds"]) for k in ("right_but_last", "ended")]
             lines.append(f"| {second} vs {first} | " + " | ".join(gaps) + " |")
     return "\n".join(lines) + "\n"
 

@@ -74,7 +74,7 @@ def test_groups_count_learned_seeds_and_pair_losses_by_seed(two_groups, capsys):
     text = (out / "seed_groups.md").read_text()
     assert text == capsys.readouterr().out.rstrip("\n") + "\n"
     assert "| 3 | **97% / 100%, 0.2400** | **10% / 0%, 0.2500** |" in text  # 97% at 224: not learned, bold
-    assert "| 4 |  | **0% / 0%, 0.2700** |" in text and "| nsa vs dense | 1/5 vs 3/4 | 0.206 | -59% ± 72% (4 seeds) |" in text
+    assert "| 4 |  | **0% / 0%, 0.2700** |" in text and "| nsa vs dense | 1/5 vs 3/4 | 0.206 | -59% ± 72% (4 seeds; the interval runs past ±100%: more seeds narrow it) |" in text
     assert json.loads((out / "seed_groups.json").read_text())["pairs"][0]["fisher_p"] == pair["fisher_p"]
 
 
@@ -400,3 +400,13 @@ def test_the_continued_fine_tuning_figures_follow_from_the_committed_results(tmp
     table = (tmp_path / "256" / "seed_groups.md").read_text()
     assert "| nsa-20M vs dense-20M | +10% ± 23% (12 seeds) | -30% ± 26% (12 seeds) |" in table
     assert "dense-20M seed 0: 94%, seed 1: 100%" in table
+
+
+def test_a_share_gap_whose_interval_runs_past_the_whole_range_says_so():
+    """Two seeds whose accuracy gaps are -100% and 0%: t(1) x std / sqrt(2) = +-635%, which no difference of shares
+    can reach; the table says more seeds narrow it instead of printing it as a bound."""
+    seeds, gap, half = seed_groups.paired_gap({0: 1.0, 1: 1.0}, {0: 0.0, 1: 1.0})
+    assert (gap, round(half, 2)) == (-0.5, 6.35)
+    assert seed_groups.share_gap(gap, half, seeds) == "-50% ± 635% (2 seeds; the interval runs past ±100%: more seeds narrow it)"
+    assert seed_groups.share_gap(-0.59, 0.72, [0, 1, 2, 3]).endswith("(4 seeds; the interval runs past ±100%: more seeds narrow it)")  # -131%
+    assert seed_groups.share_gap(-0.30, 0.26, list(range(12))) == "-30% ± 26% (12 seeds)"
