@@ -709,7 +709,9 @@ def plot(runs: list[dict], comparison: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     colors = {"nsa": "tab:blue", "dense": "tab:orange"}
-    panels = 2 if any("nsa_minus_dense" in r for r in comparison["curve"]) else 1
+    with_gap = any("nsa_minus_dense" in r for r in comparison["curve"])
+    by_position = [r for r in comparison.get("by_position") or () if "nsa_minus_dense" in r]
+    panels = 1 + with_gap + bool(by_position)
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4), squeeze=False)
     ax = axes[0][0]
     seeds = sorted({r["seed"] or 0 for r in runs})
@@ -723,7 +725,7 @@ def plot(runs: list[dict], comparison: dict, path: Path) -> Path:
     ax.set_title("validation loss")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    if panels == 2:
+    if with_gap:
         ax = axes[0][1]
         rows = [r for r in comparison["curve"] if "nsa_minus_dense" in r]
         tokens = [r["tokens"] for r in rows]
@@ -741,6 +743,21 @@ def plot(runs: list[dict], comparison: dict, path: Path) -> Path:
         ax.set_xlabel("tokens")
         ax.set_ylabel("nats")
         ax.set_title("NSA - dense validation loss")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    if by_position:  # the last evaluation's gap by the query's position (compare_by_position)
+        ax = axes[0][-1]
+        labels = [f"{lo}-{hi - 1}" for lo, hi in (r["positions"] for r in by_position)]
+        gap = [r["nsa_minus_dense"] for r in by_position]
+        halves = [r["interval"] or 0.0 for r in by_position]
+        ax.errorbar(range(len(gap)), gap, yerr=halves if any(halves) else None, marker="o", color="black", capsize=3,
+                    label="NSA - dense" + (f", 95% interval ({by_position[0]['interval_kind']})" if any(halves) else ""))
+        ax.axhline(0.0, color="gray", linewidth=0.8)
+        ax.axvline(0.5, color="tab:green", linestyle=":", label="end of NSA's window")
+        ax.set_xticks(range(len(gap)), labels, fontsize=8)
+        ax.set_xlabel("query position (tokens before it in its document)")
+        ax.set_ylabel("nats")
+        ax.set_title(f"NSA - dense by position, at {comparison['curve'][-1]['tokens']:,} tokens")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.tight_layout()
