@@ -113,6 +113,7 @@ def evaluate(model, run: RunState, val_rows, micro_batch_size: int, accelerator,
     metrics = validation_loss(model, val_rows, micro_batch_size, accelerator) if loss else {}
     if loss:
         run.val_loss, run.val_ppl, run.val_step = metrics["val_loss"], metrics["val_ppl"], run.step
+        run.val_by_position = {k: v for k, v in metrics.items() if POSITION_METRIC.match(k)}
     if stats_file is not None:
         metrics |= selection_statistics(model, run, val_rows, accelerator, stats_file)
     return metrics

@@ -152,11 +152,12 @@ def attention_structure(config) -> str:
 
 
 def quality_section(run, attention_mode: str) -> str:
-    """The card's quality figures: the end-of-run long-context retrieval evaluation and the latest selection and
-    gate statistics, each where the run measured it."""
+    """The card's quality figures: the latest evaluation's loss by query position, the end-of-run long-context
+    retrieval evaluation and the latest selection and gate statistics, each where the run measured it."""
     from . import long_context, selection_stats
 
-    parts = [long_context.card_section(run.long_context) if run.long_context else
+    parts = [position_section(run.val_by_position, run.val_step)] if run.val_by_position else []
+    parts += [long_context.card_section(run.long_context) if run.long_context else
              "Long-context retrieval: not measured in this run (train with `--eval-long-context`, or run "
              "`python -m nsa_train.long_context` on this checkpoint)."]  # fmt: skip
     if attention_mode != "nsa":
@@ -166,6 +167,17 @@ def quality_section(run, attention_mode: str) -> str:
     else:
         parts.append("Selection and gate statistics: not measured in this run (`--stats-every`).")
     return "\n\n".join(part.strip() for part in parts)
+
+
+def position_section(by_position: dict[str, float], step: int | None) -> str:
+    """Markdown: the validation loss by the query's position (`val_loss_pos<lo>to<hi>` metrics, in position order)."""
+    from .evaluation import POSITION_METRIC
+
+    ranges = sorted((*map(int, POSITION_METRIC.match(k).groups()), v) for k, v in by_position.items())
+    rows = "\n".join(f"| {lo:,}-{hi - 1:,} | {loss:.4f} |" for lo, hi, loss in ranges)
+    return (f"Validation loss by the query's position in its document (tokens before it; at step {step}): the first "
+            "range lies inside NSA's sliding window; beyond it the far context reaches NSA only through its "
+            f"compressed and selected branches.\n\n| positions | loss |\n|---|---|\n{rows}")
 
 
 def data_description(source) -> str:

@@ -18,8 +18,9 @@ class RunState:
     and `data`, this process's position in its token stream (in data_state_rank<N>.json). Not saved, because they
     describe this process's own stretch of the run: `last_log`, the latest training-log record (loss, tokens/s,
     MFU, memory; the summary and the card quote it), `started`, when this process began (the card's wall time),
-    and what the card's quality section reports: `selection_stats`, the latest selection statistics
-    (`nsa_train.selection_stats`), and `long_context`, the result of the end-of-run retrieval evaluation
+    and what the card's quality section reports: `val_by_position`, the latest evaluation's loss by query position
+    (`val_loss_pos<lo>to<hi>`, `nsa_train.evaluation.validation_loss`), `selection_stats`, the latest selection
+    statistics (`nsa_train.selection_stats`), and `long_context`, the result of the end-of-run retrieval evaluation
     (`--eval-long-context`); empty when not measured.
     """
 
@@ -32,6 +33,7 @@ class RunState:
     data: DataState = field(default_factory=DataState)  # the next token this process reads
     last_log: dict = field(default_factory=dict)
     started: float = field(default_factory=time.time)
+    val_by_position: dict = field(default_factory=dict)
     selection_stats: dict = field(default_factory=dict)
     long_context: dict = field(default_factory=dict)
 

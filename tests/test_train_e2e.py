@@ -111,6 +111,8 @@ def test_smoke_preset_end_to_end_with_hub_push(tmp_path, fake_hub):
     assert summary["val_step"] == 24
     assert f"| validation loss, latest evaluation (at step 24) | {summary['val_loss']:.4f} |" in card
     assert f"| validation perplexity, same evaluation | {summary['val_ppl']:.2f} |" in card
+    last = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "val_loss" in line][-1]
+    assert f"| 64-127 | {last['val_loss_pos64to128']:.4f} |" in card  # (smoke: window 64, rows of 128)
     assert "| optimizer steps | 24 |" in card and f"| tokens seen | {summary['tokens_seen']:,} |" in card
     assert f"{summary['tok_s']:,.0f}" in card
 

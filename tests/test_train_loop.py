@@ -666,9 +666,17 @@ def test_model_card_says_which_step_its_validation_loss_is_from(tmp_path):
     card = model_card.render(fields)
     assert "| optimizer steps | 7 |" in card
     assert "| validation loss, latest evaluation (at step 0) | 10.8441 |" in card
+    assert "by the query's position" not in card  # (not measured: no section)
     # saved with the run's progress: a resumed run's card still says where its loss came from
     state = run.trainer_state(1, {}, {})
     assert RunState.from_checkpoint(state, {}, started=0.0).val_step == 0
+    # the loss by query position, as evaluate() records it, in position order (not the metrics' string order)
+    run.val_by_position = {"val_loss_pos512to1024": 2.5, "val_loss_pos0to64": 3.25, "val_loss_pos64to512": 2.75}
+    card = model_card.render(model_card.run_card_fields(cfg, NSAConfig(), run, n_params=10**6, world=1,
+                                                        mixed_precision="no", device="cpu", data_description="d",
+                                                        out_dir=tmp_path / "run"))  # fmt: skip
+    assert "Validation loss by the query's position in its document (tokens before it; at step 0)" in card
+    assert "| 0-63 | 3.2500 |\n| 64-511 | 2.7500 |\n| 512-1,023 | 2.5000 |" in card
 
 
 def test_model_card_describes_the_batch_documents_schedule_and_an_init_from_run(tmp_path):
