@@ -342,27 +342,34 @@ def markdown(groups: dict[str, list[dict]], summary: dict, pairs: dict, length: 
 
 
 def position_lines(groups: dict[str, list[dict]], pairs: dict) -> list[str]:
-    """Markdown lines: each group's validation loss by range of query positions (mean ± std over seeds) and each
-    pair's gap per range, paired by seed; empty where some run did not report it."""
-    ranges = position_ranges([r for runs in groups.values() for r in runs])
+    """Markdown lines: the validation loss by range of query positions (mean ± std over seeds) of each group whose
+    every run reported it, and the gap per range of each pair of such groups, paired by seed; the other groups are
+    named as left out (trained before the trainer reported it); empty where fewer than one group reported it."""
+    reporting = [name for name, runs in groups.items() if position_ranges(runs)]
+    ranges = position_ranges([r for name in reporting for r in groups[name]])
     if not ranges:
         return []
     heads = [f"{lo:,}-{hi - 1:,}" for lo, hi in ranges]
+    left_out = [name for name in groups if name not in reporting]
     lines = ["", "Validation loss at the last evaluation by the query's position in its document's fragment of the "
                  "row (the tokens it predicts from, less itself; the first range is NSA's window), mean ± std over "
-                 "seeds, then second - first, paired by seed (95%):", "",
+                 "seeds, then second - first, paired by seed (95%)"
+             + (f"; {', '.join(left_out)}: not reported by every run (trained before the trainer logged it)"
+                if left_out else "") + ":", "",
              "| group | " + " | ".join(heads) + " |", "|---|" + "---|" * len(ranges)]  # fmt: skip
-    for name, runs in groups.items():
+    for name in reporting:
         cells = []
         for key in ranges:
-            values = [position_loss(r, *key) for r in runs]
+            values = [position_loss(r, *key) for r in groups[name]]
             std = f" ± {statistics.stdev(values):.4f}" if len(values) > 1 else ""
             cells.append(f"{statistics.fmean(values):.4f}{std}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     for (first, second), c in pairs.items():
         gaps = {tuple(row["positions"]): row for row in c["by_position"]}
+        if first not in reporting or second not in reporting or not gaps:
+            continue
         cells = [_fmt(gaps[key]["gap"]) + (f" ± {gaps[key]['half_width']:.4f}" if gaps[key]["half_width"] is not None else "")
-                 for key in ranges]  # fmt: skip
+                 if key in gaps else "-" for key in ranges]  # fmt: skip
         lines.append(f"| {second} - {first} | " + " | ".join(cells) + " |")
     return lines
 

@@ -157,12 +157,22 @@ def test_loss_by_position_per_group_and_paired_gap(tmp_path):
     assert f"| nsa - dense | +0.0333 ± {near['half_width']:.4f} | {far['gap']:+.4f} ± {far['half_width']:.4f} |" in text
     written = json.loads((tmp_path / "out" / "seed_groups.json").read_text())
     assert written["groups"]["nsa"][0]["by_position"] == [[0, 64, 3.0], [64, 128, 1.90]]
-    # a run without the figures (trained before the trainer logged them): no table, no gaps
-    record = json.loads((tmp_path / "nsa" / "ab_compare.json").read_text())
+    # a third group whose runs were trained before the trainer logged the figures: named as left out, its pairs
+    # without gaps; the other two groups' rows and pair stay
+    comparison(tmp_path / "older", "nsa", {0: (3.0, 1.95), 1: (3.2, 2.0)})
+    record = json.loads((tmp_path / "older" / "ab_compare.json").read_text())
     del record["runs"][1]["val_by_position"]
-    (tmp_path / "nsa" / "ab_compare.json").write_text(json.dumps(record))
+    (tmp_path / "older" / "ab_compare.json").write_text(json.dumps(record))
     result = seed_groups.main(["--out", str(tmp_path / "out"), "--task", "none", "--group", "dense",
-                               str(tmp_path / "dense"), "--group", "nsa", str(tmp_path / "nsa")])  # fmt: skip
+                               str(tmp_path / "dense"), "--group", "nsa", str(tmp_path / "nsa"), "--group", "older",
+                               str(tmp_path / "older")])  # fmt: skip
+    assert [pair["by_position"] == [] for pair in result["pairs"]] == [False, True, True]
+    text = (tmp_path / "out" / "seed_groups.md").read_text()
+    assert "; older: not reported by every run" in text and "| older |" not in text.split("by the query's")[1]
+    assert f"| nsa - dense | +0.0333 ± {near['half_width']:.4f} |" in text and "| older - dense | +" not in text
+    # no group reported it: no table
+    result = seed_groups.main(["--out", str(tmp_path / "out"), "--task", "none", "--group", "older",
+                               str(tmp_path / "older"), "--group", "older-again", str(tmp_path / "older")])  # fmt: skip
     assert result["pairs"][0]["by_position"] == []
     assert "by the query's position" not in (tmp_path / "out" / "seed_groups.md").read_text()
 
