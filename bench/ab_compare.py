@@ -552,6 +552,14 @@ def compare_by_position(by_mode: dict[str, list[dict]], tokens: int) -> list[dic
                                   for seed in sorted(once[0] & once[1])}  # fmt: skip
             row["interval"], row["interval_kind"] = gap_interval(row)
         rows.append(row)
+    # beyond the window, the gap less the window's own, seed by seed: whether NSA loses (or gains) where the far
+    # context reaches it only through its compressed and selected branches, with each seed's general lead taken out
+    for row in rows[1:]:
+        if len(row.get("paired_gaps", {})) >= 2:
+            first = rows[0]["paired_gaps"]
+            beyond = [gap - first[seed] for seed, gap in row["paired_gaps"].items()]
+            row["beyond_window"] = {"mean": statistics.fmean(beyond), "n": len(beyond),
+                                    "interval": t95(len(beyond) - 1) * statistics.stdev(beyond) / math.sqrt(len(beyond))}
     return rows
 
 
@@ -621,12 +629,18 @@ def position_table(comparison: dict) -> list[str]:
     if not rows:
         return []
     both = "nsa_minus_dense" in rows[0]
+    beyond = any("beyond_window" in row for row in rows)
+    window = f"{rows[0]['positions'][0]:,}-{rows[0]['positions'][1] - 1:,}"
     lines = ["", f"Validation loss at {comparison['curve'][-1]['tokens']:,} tokens by the query's position in its "
                  "document's fragment of the row (the tokens it predicts from, less itself): NSA's window holds the "
                  "whole context of the first range; beyond it, what lies further back reaches NSA only through the "
-                 "compressed and selected branches (mean over seeds; ± sample std over seeds where >= 2):", "",
-             "| positions | " + " | ".join(modes) + (" | NSA - dense (95%) |" if both else " |"),
-             "|---|" + "---|" * (len(modes) + both)]  # fmt: skip
+                 "compressed and selected branches (mean over seeds; ± sample std over seeds where >= 2)"
+             + (f"; the last column: NSA - dense there less NSA - dense at {window}, seed by seed (a seed's lead "
+                "everywhere cancels): below 0, NSA gains more beyond its window than inside it" if beyond else "")
+             + ":", "",
+             "| positions | " + " | ".join(modes) + (" | NSA - dense (95%)" if both else "")
+             + (f" | less the gap at {window} (95%, paired) |" if beyond else " |"),
+             "|---|" + "---|" * (len(modes) + both + beyond)]  # fmt: skip
     for row in rows:
         cells = [f"{row[m]['mean']:.4f}" + (f" ± {row[m]['std']:.4f}" if row[m]["std"] is not None else "")
                  for m in modes]  # fmt: skip
@@ -634,6 +648,9 @@ def position_table(comparison: dict) -> list[str]:
             half = row["interval"]
             cells.append(f"{row['nsa_minus_dense']:+.4f}" + (f" ± {half:.4f} ({row['interval_kind']})"
                                                               if half is not None else ""))  # fmt: skip
+        if beyond:
+            rel = row.get("beyond_window")
+            cells.append(f"{rel['mean']:+.4f} ± {rel['interval']:.4f}" if rel else "")
         lo, hi = row["positions"]
         lines.append(f"| {lo:,}-{hi - 1:,} | " + " | ".join(cells) + " |")
     return lines

@@ -235,10 +235,17 @@ def compare_pair(first: list[dict], second: list[dict], length: int | None, thre
     losses = [{r["seed"]: r["val_loss"] for r in runs} for runs in (first, second)]
     out["paired_seeds"], out["paired_gap"], out["paired_half_width"] = paired_gap(*losses)
     # the loss by query position (the trainer's val_loss_pos<lo>to<hi>), per range every run of both reported
+    # and beyond the window, that gap less the window's, seed by seed (each seed's lead everywhere cancels)
     out["by_position"] = []
-    for lo, hi in position_ranges(first + second):
+    ranges = position_ranges(first + second)
+    for lo, hi in ranges:
         seeds, gap, half = paired_gap(*({r["seed"]: position_loss(r, lo, hi) for r in runs} for runs in (first, second)))
-        out["by_position"].append({"positions": [lo, hi], "seeds": seeds, "gap": gap, "half_width": half})
+        row = {"positions": [lo, hi], "seeds": seeds, "gap": gap, "half_width": half}
+        if (lo, hi) != ranges[0]:  # (the first range is NSA's window)
+            _, row["beyond_window_gap"], row["beyond_window_half_width"] = paired_gap(
+                *({r["seed"]: position_loss(r, lo, hi) - position_loss(r, *ranges[0]) for r in runs}
+                  for runs in (first, second)))  # fmt: skip
+        out["by_position"].append(row)
     a, b = ([r["val_loss"] for r in runs] for runs in (first, second))
     out["unpaired_gap"] = statistics.fmean(b) - statistics.fmean(a)
     if len(a) > 1 and len(b) > 1:
@@ -364,13 +371,23 @@ def position_lines(groups: dict[str, list[dict]], pairs: dict) -> list[str]:
             std = f" ± {statistics.stdev(values):.4f}" if len(values) > 1 else ""
             cells.append(f"{statistics.fmean(values):.4f}{std}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    for (first, second), c in pairs.items():
-        gaps = {tuple(row["positions"]): row for row in c["by_position"]}
-        if first not in reporting or second not in reporting or not gaps:
-            continue
-        cells = [_fmt(gaps[key]["gap"]) + (f" ± {gaps[key]['half_width']:.4f}" if gaps[key]["half_width"] is not None else "")
-                 if key in gaps else "-" for key in ranges]  # fmt: skip
-        lines.append(f"| {second} - {first} | " + " | ".join(cells) + " |")
+    def cell(gap, half):
+        return _fmt(gap) + (f" ± {half:.4f}" if half is not None else "")
+
+    shown = [(first, second, {tuple(row["positions"]): row for row in c["by_position"]}) for (first, second), c in
+             pairs.items() if first in reporting and second in reporting and c["by_position"]]  # fmt: skip
+    for first, second, gaps in shown:
+        lines.append(f"| {second} - {first} | " + " | ".join(
+            cell(gaps[key]["gap"], gaps[key]["half_width"]) if key in gaps else "-" for key in ranges) + " |")
+    if shown and len(ranges) > 1:
+        lines += ["", f"Beyond the window: second - first there, less second - first at {heads[0]}, seed by seed "
+                      "(each seed's lead everywhere cancels; below 0, the second group gains more beyond NSA's window "
+                      "than inside it), 95% paired:", "",
+                  "| pair | " + " | ".join(heads[1:]) + " |", "|---|" + "---|" * (len(ranges) - 1)]  # fmt: skip
+        for first, second, gaps in shown:
+            lines.append(f"| {second} - {first} | " + " | ".join(
+                cell(gaps[key].get("beyond_window_gap"), gaps[key].get("beyond_window_half_width")) if key in gaps
+                else "-" for key in ranges[1:]) + " |")  # fmt: skip
     return lines
 
 

@@ -256,13 +256,22 @@ def test_loss_by_position_gap_and_interval():
             with_positions(fake_run("dense", 1, [5.0, 3.0]), [[0, 64, 3.6], [64, 128, 2.70]])]  # fmt: skip
     rows = ab_compare.compare(runs)["by_position"]
     assert [row["positions"] for row in rows] == [[0, 64], [64, 128]]
+    shifted = [with_positions(r, [[0, 64, x + 0.05 * (r["mode"] == "nsa") * (r["seed"] + 1)], [64, 128, y]])
+               for r, ((_, _, x), (_, _, y)) in zip(runs, (r["val_by_position"]["ranges"] for r in runs))]
+    # a seed whose NSA is worse inside the window by 0.05 (0.10) and as good beyond: the relative gap counts it
+    relative = ab_compare.compare(shifted)["by_position"][1]["beyond_window"]["mean"]
+    assert relative == pytest.approx(statistics.fmean([-0.10 - 0.05, -0.16 - 0.10]))
     assert rows[0]["nsa_minus_dense"] == pytest.approx(0.0)
     assert rows[1]["nsa"]["mean"] == pytest.approx(2.52) and rows[1]["dense"]["mean"] == pytest.approx(2.65)
     assert rows[1]["paired_gaps"] == {"0": pytest.approx(-0.10), "1": pytest.approx(-0.16)}
     assert rows[1]["interval"] == pytest.approx(12.706 * statistics.stdev([-0.10, -0.16]) / 2 ** 0.5)
+    # beyond the window, the gap less the window's gap, seed by seed: -0.10 - 0 and -0.16 - 0
+    assert rows[1]["beyond_window"]["mean"] == pytest.approx(-0.13) and "beyond_window" not in rows[0]
+    assert rows[1]["beyond_window"]["interval"] == pytest.approx(rows[1]["interval"])
     text = ab_compare.markdown([], ab_compare.compare(runs), [])
     assert f"| 64-127 | 2.5200 ± {statistics.stdev([2.50, 2.54]):.4f} | 2.6500 ± {statistics.stdev([2.6, 2.7]):.4f} | " \
-           f"-0.1300 ± {rows[1]['interval']:.4f} (paired) |" in text
+           f"-0.1300 ± {rows[1]['interval']:.4f} (paired) | -0.1300 ± {rows[1]['interval']:.4f} |" in text
+    assert "| less the gap at 0-63 (95%, paired) |" in text
     assert "Validation loss at 100 tokens by the query's position" in text
     # NSA alone (--modes nsa): its means, no gap
     alone = ab_compare.compare(runs[:2])["by_position"]

@@ -155,6 +155,12 @@ def test_loss_by_position_per_group_and_paired_gap(tmp_path):
     text = (tmp_path / "out" / "seed_groups.md").read_text()
     assert f"| dense | 3.1000 ± 0.1000 | 2.0500 ± 0.0500 |" in text
     assert f"| nsa - dense | +0.0333 ± {near['half_width']:.4f} | {far['gap']:+.4f} ± {far['half_width']:.4f} |" in text
+    # beyond the window, the gap less the window's, seed by seed: (-0.10 - 0, -0.04 - 0.1, -0.08 - 0)
+    beyond = [-0.10, -0.14, -0.08]
+    assert math.isclose(far["beyond_window_gap"], statistics.fmean(beyond))
+    assert math.isclose(far["beyond_window_half_width"], 4.303 * statistics.stdev(beyond) / 3**0.5, rel_tol=1e-3)
+    assert "beyond_window_gap" not in near
+    assert f"| nsa - dense | {far['beyond_window_gap']:+.4f} ± {far['beyond_window_half_width']:.4f} |" in text
     written = json.loads((tmp_path / "out" / "seed_groups.json").read_text())
     assert written["groups"]["nsa"][0]["by_position"] == [[0, 64, 3.0], [64, 128, 1.90]]
     # a third group whose runs were trained before the trainer logged the figures: named as left out, its pairs
