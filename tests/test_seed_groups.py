@@ -367,6 +367,38 @@ def test_the_equal_parameter_figures_follow_from_the_committed_results(tmp_path)
         assert (round(pair["paired_gap"], 4), round(pair["paired_half_width"], 4)) == (gap, half), (first, second)
 
 
+def test_the_figures_by_position_follow_from_the_committed_results(tmp_path):
+    """bench/QUALITY.md's mean NSA against the dense twin of its parameter count by query position, seeds 0-3: NSA -
+    dense -0.0255 ± 0.0618 at 0-63 and -0.0233 ± 0.0454 at 512-1,023; beyond the window less inside it -0.0004 ±
+    0.0376 to +0.0087 ± 0.0343. The reruns' final losses are the earlier runs' (the eight-seed comparison's seeds 0-3),
+    and each run's validation loss lies between its lowest and highest loss by position."""
+    smoke = ROOT / "bench" / "results" / "2026-11-30-cpu-ab-smoke-bytes-900"
+    result = seed_groups.main(["--out", str(tmp_path), "--task", "none", "--group", "dense-0.51M",
+                               f"{smoke}/by-position:dense", "--group", "nsa-mean", f"{smoke}/by-position:nsa"])  # fmt: skip
+    (pair,) = result["pairs"]
+    rows = {tuple(row["positions"]): row for row in pair["by_position"]}
+    assert sorted(rows) == [(0, 64), (64, 128), (128, 256), (256, 512), (512, 1024)]
+    expected = {(0, 64): (-0.0255, 0.0618, None, None), (64, 128): (-0.0259, 0.0482, -0.0004, 0.0376),
+                (128, 256): (-0.0168, 0.0385, 0.0087, 0.0343), (256, 512): (-0.0177, 0.0413, 0.0077, 0.0308),
+                (512, 1024): (-0.0233, 0.0454, 0.0022, 0.0343)}  # fmt: skip
+    for key, (gap, half, beyond, beyond_half) in expected.items():
+        row = rows[key]
+        assert (round(row["gap"], 4), round(row["half_width"], 4)) == (gap, half), key
+        if beyond is not None:
+            assert (round(row["beyond_window_gap"], 4), round(row["beyond_window_half_width"], 4)) == (beyond, beyond_half)
+    earlier = {(g, r["seed"]): r["val_loss"] for g, folder in (("dense-0.51M", "dense-parameters-of-mean-nsa"),
+                                                                ("nsa-mean", "../2026-11-30-cpu-ab-smoke-bytes-900-mean/seeds0to3"))
+               for r in seed_groups.read_group(g, [str(smoke / folder)], None, "generate")}  # fmt: skip
+    for name, runs in result["groups"].items():
+        for run in runs:
+            assert round(run["val_loss"], 4) == round(earlier[name, run["seed"]], 4), (name, run["seed"])
+    # token-weighted ranges: their mean lies between the smallest and largest range's loss
+    record = json.loads((smoke / "by-position" / "ab_compare.json").read_text())
+    for run in record["runs"]:
+        losses = [x for _, _, x in run["val_by_position"]["ranges"]]
+        assert min(losses) < run["val"][-1][1] < max(losses)
+
+
 def test_the_mean_compressors_fine_tuning_figures_follow_from_the_committed_results(tmp_path):
     """bench/QUALITY.md's twins fine-tuned from text-pretrained twins with the mean compressor, twelve seeds: NSA 2
     learned, its dense twins 1; accuracy at 224 tokens NSA - dense -3% ± 29%; validation loss -0.0097 ± 0.0225 after
