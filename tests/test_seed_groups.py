@@ -399,6 +399,30 @@ def test_the_figures_by_position_follow_from_the_committed_results(tmp_path):
         assert min(losses) < run["val"][-1][1] < max(losses)
 
 
+def test_the_shared_kv_figures_follow_from_the_committed_results(tmp_path):
+    """bench/QUALITY.md's mean NSA with one shared K/V set (446,080 parameters) against dense of its size (443,008),
+    seeds 0-3: +0.0026 ± 0.0350; three K/V sets - one -0.0395 ± 0.0514; dense 473 - 384 -0.0156 ± 0.0081; the K/V
+    sets' gain less the MLP's -0.024 ± 0.057."""
+    smoke = ROOT / "bench" / "results" / "2026-11-30-cpu-ab-smoke-bytes-900"
+    result = seed_groups.main(["--out", str(tmp_path), "--task", "none", "--group", "dense-0.44M",
+                               f"{smoke}/eight-seeds:dense", "--group", "shared", str(smoke / "shared-kv"),
+                               "--group", "dense-0.51M", f"{smoke}/by-position:dense", "--group", "three",
+                               f"{smoke}/by-position:nsa"])  # fmt: skip
+    runs = json.loads((smoke / "shared-kv" / "ab_compare.json").read_text())["runs"]
+    assert {r["num_parameters"] for r in runs} == {446080} and sorted(r["seed"] for r in runs) == [0, 1, 2, 3]
+    pairs = {(p["first"], p["second"]): p for p in result["pairs"]}
+    for (first, second), (gap, half) in {("dense-0.44M", "shared"): (0.0026, 0.0350),
+                                         ("shared", "three"): (-0.0395, 0.0514),
+                                         ("dense-0.44M", "dense-0.51M"): (-0.0156, 0.0081)}.items():  # fmt: skip
+        pair = pairs[first, second]
+        assert (round(pair["paired_gap"], 4), round(pair["paired_half_width"], 4)) == (gap, half), (first, second)
+    loss = {name: {r["seed"]: r["val_loss"] for r in runs} for name, runs in result["groups"].items()}
+    _, gap, half = seed_groups.paired_gap(
+        {s: loss["dense-0.51M"][s] - loss["dense-0.44M"][s] for s in range(4)},
+        {s: loss["three"][s] - loss["shared"][s] for s in range(4)})  # fmt: skip
+    assert (round(gap, 3), round(half, 3)) == (-0.024, 0.057)
+
+
 def test_the_mean_compressors_fine_tuning_figures_follow_from_the_committed_results(tmp_path):
     """bench/QUALITY.md's twins fine-tuned from text-pretrained twins with the mean compressor, twelve seeds: NSA 2
     learned, its dense twins 1; accuracy at 224 tokens NSA - dense -3% ± 29%; validation loss -0.0097 ± 0.0225 after
