@@ -304,6 +304,16 @@ def test_the_readmes_retrieval_counts_follow_from_the_committed_results(tmp_path
     assert round(pairs["nsa-mean", "nsa-mean-mlp"]["fisher_p"], 2) == 0.68
 
 
+def assert_paired_loss_gaps(result: dict, expected: dict[tuple[str, str], tuple[float, float]], decimals: int = 4) -> None:
+    """Each (first, second) pair's validation-loss gap, paired by seed, and its 95% half-width, rounded to
+    `decimals` as QUALITY.md quotes them."""
+    pairs = {(p["first"], p["second"]): p for p in result["pairs"]}
+    for (first, second), (gap, half) in expected.items():
+        pair = pairs[first, second]
+        assert (round(pair["paired_gap"], decimals), round(pair["paired_half_width"], decimals)) == (gap, half), \
+            (first, second)
+
+
 def test_the_compressors_text_figures_follow_from_the_committed_results(tmp_path):
     """bench/QUALITY.md's compressors on text (the smoke A/B on bytes, 7.37M tokens): mean - MLP +0.009 ± 0.018
     over eight seeds, mean + MLP - MLP -0.007 ± 0.035 over four, mean - dense -0.037 ± 0.044 and mean - the dense
@@ -317,13 +327,10 @@ def test_the_compressors_text_figures_follow_from_the_committed_results(tmp_path
                                f"{smoke}/vs-dense-wide-8-seeds:dense"])  # fmt: skip
     assert {name: len(s["seeds"]) for name, s in result["summary"].items()} == {
         "nsa-mlp": 8, "nsa-mean": 8, "nsa-mean-mlp": 4, "dense": 4, "dense-wide": 8}
-    pairs = {(p["first"], p["second"]): p for p in result["pairs"]}
-    for (first, second), (gap, half) in {("nsa-mlp", "nsa-mean"): (0.009, 0.018),
-                                         ("nsa-mlp", "nsa-mean-mlp"): (-0.007, 0.035),
-                                         ("nsa-mean", "dense"): (0.037, 0.044),
-                                         ("nsa-mean", "dense-wide"): (-0.001, 0.024)}.items():  # fmt: skip
-        pair = pairs[first, second]
-        assert (round(pair["paired_gap"], 3), round(pair["paired_half_width"], 3)) == (gap, half), (first, second)
+    assert_paired_loss_gaps(result, {("nsa-mlp", "nsa-mean"): (0.009, 0.018),
+                                     ("nsa-mlp", "nsa-mean-mlp"): (-0.007, 0.035),
+                                     ("nsa-mean", "dense"): (0.037, 0.044),
+                                     ("nsa-mean", "dense-wide"): (-0.001, 0.024)}, decimals=3)  # fmt: skip
 
 
 def test_the_eight_seed_text_figures_follow_from_the_committed_results(tmp_path):
@@ -335,12 +342,9 @@ def test_the_eight_seed_text_figures_follow_from_the_committed_results(tmp_path)
                                "--group", "nsa-mlp", f"{smoke}/eight-seeds:nsa", "--group", "nsa-mean",
                                f"{smoke}-mean/seeds*", "--group", "dense-wide", f"{smoke}/vs-dense-wide-8-seeds:dense"])
     assert all(s["seeds"] == list(range(8)) for s in result["summary"].values())
-    pairs = {(p["first"], p["second"]): p for p in result["pairs"]}
-    for (first, second), (gap, half) in {("dense", "nsa-mlp"): (-0.0429, 0.0140), ("dense", "nsa-mean"): (-0.0340, 0.0182),
-                                         ("dense", "dense-wide"): (-0.0351, 0.0225),
-                                         ("nsa-mlp", "dense-wide"): (0.0079, 0.0223)}.items():  # fmt: skip
-        pair = pairs[first, second]
-        assert (round(pair["paired_gap"], 4), round(pair["paired_half_width"], 4)) == (gap, half), (first, second)
+    assert_paired_loss_gaps(result, {("dense", "nsa-mlp"): (-0.0429, 0.0140), ("dense", "nsa-mean"): (-0.0340, 0.0182),
+                                     ("dense", "dense-wide"): (-0.0351, 0.0225),
+                                     ("nsa-mlp", "dense-wide"): (0.0079, 0.0223)})  # fmt: skip
     # the four new dense seeds in their own comparison are the ones the sixteen-run comparison holds
     new = json.loads(Path(f"{smoke}/dense-seeds4to7/ab_compare.json").read_text())["runs"]
     eight = {r["name"]: r for r in json.loads(Path(f"{smoke}/eight-seeds/ab_compare.json").read_text())["runs"]}
@@ -359,12 +363,9 @@ def test_the_equal_parameter_figures_follow_from_the_committed_results(tmp_path)
     runs = json.loads(Path(f"{smoke}/dense-parameters-of-mean-nsa/ab_compare.json").read_text())["runs"]
     mean_nsa = json.loads(Path(f"{smoke}-mean/seeds0to3/ab_compare.json").read_text())["runs"]
     assert {r["num_parameters"] for r in runs} == {511360} and mean_nsa[0]["num_parameters"] == 511616
-    pairs = {(p["first"], p["second"]): p for p in result["pairs"]}
-    for (first, second), (gap, half) in {("nsa-mean", "dense-0.51M"): (0.0247, 0.0190),
-                                         ("dense", "dense-0.51M"): (-0.0093, 0.0145),
-                                         ("dense-0.51M", "dense-0.65M"): (-0.0258, 0.0202)}.items():  # fmt: skip
-        pair = pairs[first, second]
-        assert (round(pair["paired_gap"], 4), round(pair["paired_half_width"], 4)) == (gap, half), (first, second)
+    assert_paired_loss_gaps(result, {("nsa-mean", "dense-0.51M"): (0.0247, 0.0190),
+                                     ("dense", "dense-0.51M"): (-0.0093, 0.0145),
+                                     ("dense-0.51M", "dense-0.65M"): (-0.0258, 0.0202)})  # fmt: skip
 
 
 def test_the_figures_by_position_follow_from_the_committed_results(tmp_path):
@@ -410,12 +411,9 @@ def test_the_shared_kv_figures_follow_from_the_committed_results(tmp_path):
                                f"{smoke}/by-position:nsa"])  # fmt: skip
     runs = json.loads((smoke / "shared-kv" / "ab_compare.json").read_text())["runs"]
     assert {r["num_parameters"] for r in runs} == {446080} and sorted(r["seed"] for r in runs) == [0, 1, 2, 3]
-    pairs = {(p["first"], p["second"]): p for p in result["pairs"]}
-    for (first, second), (gap, half) in {("dense-0.44M", "shared"): (0.0026, 0.0350),
-                                         ("shared", "three"): (-0.0395, 0.0514),
-                                         ("dense-0.44M", "dense-0.51M"): (-0.0156, 0.0081)}.items():  # fmt: skip
-        pair = pairs[first, second]
-        assert (round(pair["paired_gap"], 4), round(pair["paired_half_width"], 4)) == (gap, half), (first, second)
+    assert_paired_loss_gaps(result, {("dense-0.44M", "shared"): (0.0026, 0.0350),
+                                     ("shared", "three"): (-0.0395, 0.0514),
+                                     ("dense-0.44M", "dense-0.51M"): (-0.0156, 0.0081)})  # fmt: skip
     loss = {name: {r["seed"]: r["val_loss"] for r in runs} for name, runs in result["groups"].items()}
     _, gap, half = seed_groups.paired_gap(
         {s: loss["dense-0.51M"][s] - loss["dense-0.44M"][s] for s in range(4)},
