@@ -49,7 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nsa_train.checkpoint import RUN_OUTPUTS, RUNTIME_FIELDS, latest_checkpoint  # noqa: E402
-from nsa_train.evaluation import POSITION_METRIC  # noqa: E402
+from nsa_train.evaluation import position_losses  # noqa: E402
 from nsa_train.long_context import ended_inside_answer_rates, run_command, tells_more_than_accuracy  # noqa: E402
 
 MODES = ("nsa", "dense")
@@ -359,8 +359,7 @@ def by_position(evaluation: dict, tokens: int) -> dict | None:
     """An evaluation's validation loss by query position (the trainer's `val_loss_pos<lo>to<hi>`,
     nsa_train.evaluation.position_buckets): {"tokens": tokens, "ranges": [[lo, hi, loss], ...]} in position order;
     None for runs trained before the trainer reported it (or with a window that holds every query)."""
-    ranges = sorted([*map(int, POSITION_METRIC.match(k).groups()), v] for k, v in evaluation.items()
-                    if POSITION_METRIC.match(k))  # fmt: skip
+    ranges = [list(r) for r in position_losses(evaluation)]
     return {"tokens": tokens, "ranges": ranges} if ranges else None
 
 
@@ -480,6 +479,17 @@ def gap_interval(row: dict) -> tuple[float | None, str]:
     return t95(s["n"] - 1) * s["std"] * math.sqrt(sum(1 / row[m]["n"] for m in MODES)), "per-mode"
 
 
+def paired_gaps(by_mode: dict[str, list[dict]], loss_of) -> dict[str, float]:
+    """NSA - dense per seed, of the figure `loss_of(run)` gives. A/B twins of one seed share the initial weights of
+    every shared parameter and the data order, so the seed's luck is common to both: the spread of NSA - dense over
+    seeds is the noise of the gap. Seeds that one mode ran twice are not paired (which of its runs is the twin is
+    not known). Keys are str (JSON's)."""
+    once = [{seed for seed, n in Counter(r["seed"] for r in rs).items() if n == 1}
+            for rs in (by_mode["nsa"], by_mode["dense"])]  # fmt: skip
+    loss = {m: {r["seed"]: loss_of(r) for r in by_mode[m] if r["seed"] in once[0] & once[1]} for m in MODES}
+    return {str(seed): loss["nsa"][seed] - loss["dense"][seed] for seed in sorted(once[0] & once[1])}
+
+
 def compare(runs: list[dict]) -> dict:
     """Per mode, per evaluated token count (those every run of both modes reached): mean validation loss over
     seeds, its spread, NSA - dense, NSA - dense per seed both modes ran once, and the 95% interval of the gap
@@ -497,14 +507,7 @@ def compare(runs: list[dict]) -> dict:
             row[mode] = _spread([dict(r["val"])[tokens] for r in rs])
         if "nsa" in row and "dense" in row:
             row["nsa_minus_dense"] = row["nsa"]["mean"] - row["dense"]["mean"]
-            # A/B twins of one seed share the initial weights of every shared parameter and the data order, so
-            # the seed's luck is common to both: the spread of NSA - dense over seeds is the noise of the gap
-            # (seeds that one mode ran twice are not paired: which of its runs is the twin is not known)
-            once = [{seed for seed, n in Counter(r["seed"] for r in rs).items() if n == 1}
-                    for rs in (by_mode["nsa"], by_mode["dense"])]  # fmt: skip
-            loss = {m: {r["seed"]: dict(r["val"])[tokens] for r in rs} for m, rs in by_mode.items()}
-            row["paired_gaps"] = {str(seed): loss["nsa"][seed] - loss["dense"][seed]  # (str: JSON's keys)
-                                  for seed in sorted(once[0] & once[1])}  # fmt: skip
+            row["paired_gaps"] = paired_gaps(by_mode, lambda run: dict(run["val"])[tokens])
             row["interval"], row["interval_kind"] = gap_interval(row)
         curve.append(row)
     final = curve[-1] if curve else None
@@ -544,12 +547,7 @@ def compare_by_position(by_mode: dict[str, list[dict]], tokens: int) -> list[dic
             row[mode] = _spread([at(r) for r in rs])
         if "nsa" in row and "dense" in row:
             row["nsa_minus_dense"] = row["nsa"]["mean"] - row["dense"]["mean"]
-            # paired as compare() pairs: the seeds each mode ran once
-            once = [{seed for seed, n in Counter(r["seed"] for r in rs).items() if n == 1}
-                    for rs in (by_mode["nsa"], by_mode["dense"])]  # fmt: skip
-            loss = {m: {r["seed"]: at(r) for r in by_mode[m] if r["seed"] in once[0] & once[1]} for m in MODES}
-            row["paired_gaps"] = {str(seed): loss["nsa"][seed] - loss["dense"][seed]
-                                  for seed in sorted(once[0] & once[1])}  # fmt: skip
+            row["paired_gaps"] = paired_gaps(by_mode, at)
             row["interval"], row["interval_kind"] = gap_interval(row)
         rows.append(row)
     # beyond the window, the gap less the window's own, seed by seed: whether NSA loses (or gains) where the far

@@ -47,6 +47,11 @@ def position_metric(lo: int, hi: int) -> str:
 POSITION_METRIC = re.compile(r"val_loss_pos(\d+)to(\d+)$")
 
 
+def position_losses(metrics: dict[str, float]) -> list[tuple[int, int, float]]:
+    """The `val_loss_pos<lo>to<hi>` entries of a metrics dict as (lo, hi, loss), in position order."""
+    return sorted((int(m[1]), int(m[2]), v) for k, v in metrics.items() if (m := POSITION_METRIC.match(k)))
+
+
 @torch.no_grad()
 def validation_loss(model, rows, micro_batch_size: int, accelerator) -> dict[str, float]:
     """`val_loss`, the mean loss over the label tokens of every process's share of the held-out rows, and its

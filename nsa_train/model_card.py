@@ -171,10 +171,9 @@ def quality_section(run, attention_mode: str) -> str:
 
 def position_section(by_position: dict[str, float], step: int | None) -> str:
     """Markdown: the validation loss by the query's position (`val_loss_pos<lo>to<hi>` metrics, in position order)."""
-    from .evaluation import POSITION_METRIC
+    from .evaluation import position_losses
 
-    ranges = sorted((*map(int, POSITION_METRIC.match(k).groups()), v) for k, v in by_position.items())
-    rows = "\n".join(f"| {lo:,}-{hi - 1:,} | {loss:.4f} |" for lo, hi, loss in ranges)
+    rows = "\n".join(f"| {lo:,}-{hi - 1:,} | {loss:.4f} |" for lo, hi, loss in position_losses(by_position))
     return (f"Validation loss by the query's position in its document (tokens before it; at step {step}): the first "
             "range lies inside NSA's sliding window; beyond it the far context reaches NSA only through its "
             f"compressed and selected branches.\n\n| positions | loss |\n|---|---|\n{rows}")

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .evaluation import POSITION_METRIC
+from .evaluation import POSITION_METRIC, position_losses
 from .run_state import RunState
 
 # how the console line shows an evaluation metric (others: "<name> <value>")
@@ -119,14 +119,11 @@ class StepLog:
         """One evaluation's metrics (`<group>_<name>`; trackers: `<group>/<name>`). The console line leaves out
         per-layer figures (`<group>_l<N>_<name>`, e.g. the selection statistics; their means over layers show) and
         shows the validation loss by query position as one item, `by position 0-63 1.9120 64-127 1.7340 ...`."""
-        by_position = {k: v for k, v in metrics.items() if POSITION_METRIC.match(k)}
         shown = [EVAL_CONSOLE[k].format(v) if k in EVAL_CONSOLE else f"{k} {v:.4g}" for k, v in metrics.items()
-                 if not PER_LAYER.match(k) and k not in by_position]  # fmt: skip
-        if by_position:
-            ranges = (POSITION_METRIC.match(k).groups() for k in by_position)
+                 if not PER_LAYER.match(k) and not POSITION_METRIC.match(k)]  # fmt: skip
+        if by_position := position_losses(metrics):
             after = next((i + 1 for i, k in enumerate(metrics) if k == "val_ppl"), 0)  # (val_ppl is shown)
-            shown.insert(after, "by position " + " ".join(
-                f"{lo}-{int(hi) - 1} {v:.4f}" for (lo, hi), v in zip(ranges, by_position.values())))  # fmt: skip
+            shown.insert(after, "by position " + " ".join(f"{lo}-{hi - 1} {v:.4f}" for lo, hi, v in by_position))
         shown = " ".join(shown)
         self._write(f"step {step}: {shown}", {"step": step, **metrics})
         if self.trackers:
