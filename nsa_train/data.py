@@ -475,8 +475,11 @@ class Packer:
             epoch, doc, offset = epoch + 1, 0, 0
 
 
-def validation_rows(source, tokenizer, seq_len: int, val_every: int, val_tokens: int, cross_doc: bool = False):
-    """The held-out rows: documents i % val_every == 0, packed like training, the last row padded (label -100)."""
+def validation_rows(source, tokenizer, seq_len: int, val_every: int, val_tokens: int, cross_doc: bool = False,
+                    skip_tokens: int = 0):  # fmt: skip
+    """The held-out rows: documents i % val_every == 0, packed like training, the last row padded (label -100).
+    `skip_tokens` drops that many tokens from the start of the first held-out document, which moves every row's
+    start as far through the text (`bench/position_shift.py`: is a position's loss the position's or its text's)."""
     if val_every <= 0 or val_tokens <= 0:
         return []
     eos = tokenizer.eos_token_id
@@ -485,6 +488,11 @@ def validation_rows(source, tokenizer, seq_len: int, val_every: int, val_tokens:
         if i % val_every != 0:
             continue
         toks = tokenizer(text, add_special_tokens=False, split_special_tokens=True, verbose=False)["input_ids"] + [eos]
+        if i == 0 and skip_tokens:
+            if not 0 < skip_tokens < len(toks) - 1:
+                raise ValueError(f"skip_tokens {skip_tokens}: the first held-out document has {len(toks)} tokens "
+                                 "with its EOS; skip from 0 to fewer than its length less one.")  # fmt: skip
+            toks = toks[skip_tokens:]
         frag = 0  # position inside the document fragment of this row (restarts at a row start, like training)
         for p, t in enumerate(toks):
             lab.append(-100 if (p == 0 and ids and not cross_doc) else t)

@@ -9,6 +9,7 @@ so a forward on one process alone would wait forever. The main process writes th
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from dataclasses import dataclass
@@ -23,18 +24,33 @@ STATS_ROWS = 2  # held-out rows the selection statistics are measured on: whole 
 # cut to selection_stats.REFERENCE_MAX_LEN tokens where they run the reference (its masks are T x T)
 
 
+class OneProcess:
+    """What `validation_loss` uses of the Accelerator, for a script that evaluates in one process on one device."""
+
+    process_index, num_processes = 0, 1
+    autocast = staticmethod(contextlib.nullcontext)
+    reduce = staticmethod(lambda tensor, reduction: tensor)
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+
+
 def position_buckets(window_size: int | None, seq_len: int) -> list[tuple[int, int]]:
     """The ranges [lo, hi) of query positions (tokens before the query in its document's fragment of the row: the
     context it predicts from, less itself) that the validation loss is also reported over: [0, w), then doubling
     ranges [w, 2w), [2w, 4w), ... up to `seq_len` (w: NSA's sliding window). A query in [0, w) sees its whole
     context through the window branch; beyond it, what lies further back reaches NSA only through the compressed
-    and selected branches, and dense attention sees all of it. Empty where the window holds a whole row."""
+    and selected branches, and dense attention sees all of it. Empty where the window holds a whole row. A last
+    range shorter than half the one before it joins that one (window 64, 1,025 tokens: [512, 1025), not a range
+    of one position), unless the one before is the window's."""
     if not window_size or window_size >= seq_len:
         return []
     edges, edge = [0], window_size
     while edge < seq_len:
         edges.append(edge)
         edge *= 2
+    if len(edges) >= 3 and edges[-2] >= window_size and seq_len - edges[-1] < (edges[-1] - edges[-2]) / 2:
+        edges.pop()
     edges.append(seq_len)
     return list(zip(edges[:-1], edges[1:]))
 

@@ -110,6 +110,27 @@ def test_validation_documents_never_reach_training(byt5):
     assert val[-1][2][-1] == -100  # the padded tail of the last row carries no loss
 
 
+def test_skipped_tokens_move_every_validation_row_through_the_text(byt5):
+    """skip_tokens s drops the first held-out document's first s tokens: the held-out stream is the unskipped one
+    less its first s tokens, so the text at offset p of a row moves to position p - s; positions still restart at
+    each row and each document, the first token of a later document still has no label."""
+    texts = [("first " * 40).strip(), "second doc " * 6, "third " * 12]
+    stream = [t for text in texts for t in [b + 3 for b in text.encode()] + [byt5.eos_token_id]]  # ByT5: byte + 3
+    for skip in (1, 7, 32, 50):
+        moved = data.validation_rows(ListSource(texts), byt5, 32, val_every=1, val_tokens=10**6, skip_tokens=skip)
+        assert [t for ids, _, _ in moved for t in ids][: len(stream) - skip] == stream[skip:]
+        assert moved[0][0][0] == stream[skip] and moved[0][2][0] == stream[skip]  # a row's first token keeps its label
+        for ids, pos, lab in moved:
+            assert pos[0] == 0
+            for j in range(1, 32):
+                starts_doc = ids[j - 1] == byt5.eos_token_id  # (the padding: EOS tokens, each its own document)
+                assert (pos[j] == 0) == starts_doc and (lab[j] == -100) == starts_doc
+    with pytest.raises(ValueError, match="skip_tokens 240: the first held-out document has 240 tokens"):
+        data.validation_rows(ListSource(texts), byt5, 32, val_every=1, val_tokens=10**6, skip_tokens=240)
+    with pytest.raises(ValueError, match="skip_tokens -3"):
+        data.validation_rows(ListSource(texts), byt5, 32, val_every=1, val_tokens=10**6, skip_tokens=-3)
+
+
 def test_row_sharding_is_independent_of_process_count(byt5):
     src = ListSource(docs(80))
     kw = dict(val_every=0, shuffle_buffer=10, seed=5, shard="rows")

@@ -4,7 +4,6 @@ Every run is a tiny NSAForCausalLM (2 layers, hidden 64) in float32 on CPU with 
 equal are compared with tight tolerances.
 """
 
-import contextlib
 import json
 import math
 import re
@@ -989,14 +988,6 @@ def test_dense_sdpa_with_packed_documents_on_a_gpu_names_flex_attention():
     assert said(device="cpu") == []
 
 
-class EvalProcess:
-    """What validation_loss uses of the Accelerator, for one CPU process."""
-
-    device, process_index, num_processes = torch.device("cpu"), 0, 1
-    autocast = staticmethod(contextlib.nullcontext)
-    reduce = staticmethod(lambda tensor, reduction: tensor)
-
-
 def one_layer_nsa(sel_block_size: int, window_size: int):
     """A one-layer NSA model (vocabulary 64, hidden 32) with these selection blocks and window, seeded."""
     from modeling_nsa import NSAConfig, NSAForCausalLM
@@ -1012,13 +1003,13 @@ def test_validation_loss_with_a_micro_batch_without_labels():
     """The last held-out row is padded and may hold a single token (no label after the shift); alone in a
     micro-batch it has no labels. Its micro-batch adds nothing: the loss is the same at every micro-batch size,
     where 0 / 0 made it NaN at size 1."""
-    from nsa_train.evaluation import validation_loss
+    from nsa_train.evaluation import OneProcess, validation_loss
 
     model = one_layer_nsa(sel_block_size=8, window_size=8)
     full = (list(range(1, 17)), list(range(16)), list(range(1, 17)))
     lone = ([5] + [0] * 15, [0] * 16, [5] + [-100] * 15)  # one real token: nothing to predict
     rows = [full, lone]
-    losses = [validation_loss(model, rows, size, EvalProcess())["val_loss"] for size in (1, 2)]
+    losses = [validation_loss(model, rows, size, OneProcess())["val_loss"] for size in (1, 2)]
     assert losses[0] == pytest.approx(losses[1], rel=1e-6) and math.isfinite(losses[0])
     expected = model(**{k: torch.tensor([v]) for k, v in zip(("input_ids", "position_ids", "labels"), full)}).loss
     assert losses[0] == pytest.approx(float(expected.detach()), rel=1e-6)
@@ -1029,6 +1020,11 @@ def test_position_buckets_double_from_the_window():
 
     assert position_buckets(64, 1024) == [(0, 64), (64, 128), (128, 256), (256, 512), (512, 1024)]
     assert position_buckets(64, 100) == [(0, 64), (64, 100)]  # the last range ends at the row's length
+    # a last range under half the one before joins it, but never the window's own range
+    assert position_buckets(64, 1025)[-1] == (512, 1025) and len(position_buckets(64, 1025)) == 5
+    assert position_buckets(64, 1300)[-1] == (1024, 1300)  # 276 positions: at least half of 512, kept
+    assert position_buckets(64, 70) == [(0, 64), (64, 70)]
+    assert position_buckets(64, 129) == [(0, 64), (64, 129)]
     assert position_buckets(512, 512) == [] and position_buckets(None, 512) == []  # the window holds every query
 
 
@@ -1037,14 +1033,14 @@ def test_validation_loss_by_position_matches_each_token_loss():
     document's fragment (position_ids, which restart at each document), computed here token by token from the
     model's logits: a row of two documents, a second row cut short by padding, window 4 (ranges 0-4, 4-8, 8-16).
     The ranges' label tokens add up to val_loss's."""
-    from nsa_train.evaluation import validation_loss
+    from nsa_train.evaluation import OneProcess, validation_loss
 
     model = one_layer_nsa(sel_block_size=4, window_size=4)
     ids = torch.randint(1, 64, (2, 16)).tolist()
     two_docs = (ids[0], list(range(10)) + list(range(6)), ids[0][:10] + [-100] + ids[0][11:])  # doc B starts at 10
     padded = (ids[1][:9] + [0] * 7, list(range(9)) + [0] * 7, ids[1][:9] + [-100] * 7)
     rows = [two_docs, padded]
-    metrics = validation_loss(model, rows, 2, EvalProcess())
+    metrics = validation_loss(model, rows, 2, OneProcess())
 
     losses = {lo: [] for lo in (0, 4, 8)}  # range start -> the losses of the label tokens predicted from it
     with torch.no_grad():
@@ -1061,7 +1057,7 @@ def test_validation_loss_by_position_matches_each_token_loss():
     every = [x for v in losses.values() for x in v]
     assert metrics["val_loss"] == pytest.approx(sum(every) / len(every), rel=1e-5)
     # a range no label token was predicted from is left out, not reported as 0 or NaN
-    short = validation_loss(model, [padded], 2, EvalProcess())
+    short = validation_loss(model, [padded], 2, OneProcess())
     assert "val_loss_pos8to16" not in short and "val_loss_pos4to8" in short
 
 

@@ -1,0 +1,98 @@
+"""Is a position's validation loss the position's or its text's? The trainer's loss by query position
+(`val_loss_pos<lo>to<hi>`), on the held-out rows as the trainer builds them and on the same rows started later in
+the text: a table.
+
+    python bench/position_shift.py runs/pos_mean/nsa-seed0/final runs/pos_dense473/dense-seed0/final \
+        --dataset runs/data/linux-docs-en.parquet --tokenizer byt5 --seq-len 1024 --val-every-doc 20 \
+        --val-tokens 65536 --shifts 0 32 64 96 --out runs/position_shift.json
+
+Every held-out row starts a fragment of a document at position 0, so positions 0-63 of every row hold the text at
+offsets 0-63 of each 1,024-token piece of the held-out documents. With few documents (two in the smoke runs), a
+range's loss mostly says how hard that text is. `--shifts s` drops the first s tokens of the first held-out
+document (`nsa_train.data.validation_rows(skip_tokens=s)`), so the text at offset p of a row moves to position
+p - s: a loss that moves with the shift is the text's, one that stays is the position's. The gap between two
+models (twins that see the same rows) is what the trainer's ranges are for; this says how to read the ranges'
+levels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nsa_train.data import make_source, validation_rows  # noqa: E402
+from nsa_train.evaluation import OneProcess, position_losses, validation_loss  # noqa: E402
+from nsa_train.long_context import load_model_and_tokenizer, run_command  # noqa: E402
+
+
+def shifted_losses(model, tokenizer, dataset: str, seq_len: int, val_every: int, val_tokens: int, shifts,
+                   micro_batch_size: int = 8, text_column: str = "text") -> dict[int, dict[str, float]]:  # fmt: skip
+    """{shift: validation_loss's metrics on the held-out rows with the first held-out document's first `shift`
+    tokens dropped}."""
+    process = OneProcess(next(model.parameters()).device)
+    results = {}
+    for shift in shifts:
+        rows = validation_rows(make_source(dataset, text_column), tokenizer, seq_len, val_every, val_tokens,
+                               skip_tokens=shift)  # fmt: skip
+        if not rows:
+            raise ValueError(f"--dataset {dataset!r} with --val-every-doc {val_every} gave no held-out rows.")
+        results[shift] = validation_loss(model, rows, micro_batch_size, process)
+    return results
+
+
+def shift_table(name: str, results: dict[int, dict[str, float]]) -> str:
+    """Markdown: one line per shift, the loss over every position, then by range."""
+    ranges = [(lo, hi) for lo, hi, _ in position_losses(results[min(results)])]
+    lines = [f"{name}", "", "| shift | every position | " + " | ".join(f"{lo}-{hi - 1}" for lo, hi in ranges) + " |",
+             "|---" * (2 + len(ranges)) + "|"]  # fmt: skip
+    for shift, metrics in results.items():
+        by_range = {(lo, hi): loss for lo, hi, loss in position_losses(metrics)}
+        cells = [f"{by_range[r]:.4f}" if r in by_range else "" for r in ranges]
+        lines.append(f"| {shift} | {metrics['val_loss']:.4f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("models", nargs="+", metavar="MODEL", help="a run's final/ or a saved model directory")
+    parser.add_argument("--dataset", required=True, help="the run's --dataset (a local file or folder)")
+    parser.add_argument("--tokenizer", default=None, help="the run's --tokenizer (default: each MODEL's own)")
+    parser.add_argument("--text-column", default="text")
+    parser.add_argument("--seq-len", type=int, required=True, help="the run's --seq-len")
+    parser.add_argument("--val-every-doc", type=int, default=100, help="the run's --val-every-doc (trainer default 100)")
+    parser.add_argument("--val-tokens", type=int, default=65536, help="the run's --val-tokens (trainer default 65536)")
+    parser.add_argument("--shifts", type=int, nargs="+", default=[0, 32, 64, 96],
+                        help="tokens dropped from the first held-out document; 0 is the trainer's rows")
+    parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--device", default=None, help="default: cuda where available, else cpu")
+    parser.add_argument("--out", type=Path, default=None, help="a JSON file for {model: {shift: metrics}}")
+    args = parser.parse_args(argv)
+    if any(s < 0 for s in args.shifts):
+        raise ValueError(f"--shifts {args.shifts}: a shift is a number of tokens to drop, 0 or more.")
+    if args.seq_len <= 1:
+        raise ValueError(f"--seq-len {args.seq_len}: rows need at least 2 tokens; pass the run's --seq-len.")
+    everything = {}
+    for spec in args.models:
+        model, tokenizer = load_model_and_tokenizer(spec, args.tokenizer, args.device)
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"the tokenizer of {spec!r} has no EOS token, which the held-out rows end each document "
+                             "with; pass the run's --tokenizer.")  # fmt: skip
+        results = shifted_losses(model.eval(), tokenizer, args.dataset, args.seq_len, args.val_every_doc,
+                                 args.val_tokens, args.shifts, args.micro_batch_size, args.text_column)  # fmt: skip
+        print(shift_table(spec, results), end="\n\n")
+        everything[spec] = {str(s): m for s, m in results.items()}
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(everything, indent=1) + "\n")
+    return everything
+
+
+if __name__ == "__main__":
+    run_command(main)

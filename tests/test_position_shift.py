@@ -1,0 +1,66 @@
+"""bench/position_shift.py: the trainer's loss by position on the held-out rows, and on the rows started later."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from modeling_nsa import NSAConfig, NSAForCausalLM
+from nsa_train.data import load_tokenizer, make_source, validation_rows
+from nsa_train.evaluation import OneProcess, validation_loss
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import position_shift  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def saved_model_and_data(tmp_path_factory):
+    """A seeded tiny NSA model (window 8: ranges 0-7, 8-15, 16-31 at 32 tokens) saved as a checkpoint, and a
+    JSONL file of three documents."""
+    folder = tmp_path_factory.mktemp("shift")
+    torch.manual_seed(0)
+    model = NSAForCausalLM(NSAConfig(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, cmp_block_size=4,
+                                     cmp_stride=2, sel_block_size=4, sel_num_blocks=3, window_size=8,
+                                     nsa_backend="reference"))  # fmt: skip
+    model.save_pretrained(folder / "model")
+    texts = ["The first document, long enough for several rows of thirty-two bytes each. " * 3,
+             "A second one.", "And a third document that ends the held-out text."]  # fmt: skip
+    (folder / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return folder / "model", folder / "docs.jsonl"
+
+
+def test_shift_zero_is_the_trainers_validation_loss_and_a_shift_moves_the_text(saved_model_and_data, tmp_path, capsys):
+    model_dir, docs = saved_model_and_data
+    out = tmp_path / "shift.json"
+    results = position_shift.main([str(model_dir), "--dataset", str(docs), "--tokenizer", "byt5", "--seq-len", "32",
+                                   "--val-every-doc", "1", "--val-tokens", "1000000", "--shifts", "0", "5",
+                                   "--out", str(out), "--device", "cpu"])  # fmt: skip
+    assert json.loads(out.read_text()) == results
+    by_shift = results[str(model_dir)]
+    # shift 0: the rows the trainer evaluates (validation_rows without skip_tokens), the trainer's own function
+    model = NSAForCausalLM.from_pretrained(model_dir).eval()
+    tokenizer = load_tokenizer("byt5")
+    rows = validation_rows(make_source(str(docs)), tokenizer, 32, 1, 10**6)
+    expected = validation_loss(model, rows, 8, OneProcess())
+    assert by_shift["0"] == pytest.approx(expected, rel=1e-6)
+    assert set(by_shift["0"]) >= {"val_loss", "val_loss_pos0to8", "val_loss_pos8to16", "val_loss_pos16to32"}
+    # shift 5: other text at each position, so other losses (the same model)
+    assert by_shift["5"]["val_loss_pos0to8"] != pytest.approx(by_shift["0"]["val_loss_pos0to8"], rel=1e-4)
+    printed = capsys.readouterr().out
+    assert "| shift | every position | 0-7 | 8-15 | 16-31 |" in printed
+    assert f"| 5 | {by_shift['5']['val_loss']:.4f} | {by_shift['5']['val_loss_pos0to8']:.4f} |" in printed
+
+
+def test_bad_shifts_and_lengths_name_the_value(saved_model_and_data):
+    model_dir, docs = saved_model_and_data
+    common = [str(model_dir), "--dataset", str(docs), "--tokenizer", "byt5", "--val-every-doc", "1"]
+    with pytest.raises(ValueError, match=r"--shifts \[0, -4\]"):
+        position_shift.main([*common, "--seq-len", "32", "--shifts", "0", "-4"])
+    with pytest.raises(ValueError, match="--seq-len 1"):
+        position_shift.main([*common, "--seq-len", "1"])
+    with pytest.raises(ValueError, match="skip_tokens 5000"):  # past the first held-out document
+        position_shift.main([*common, "--seq-len", "32", "--shifts", "5000"])
