@@ -400,6 +400,32 @@ def test_the_figures_by_position_follow_from_the_committed_results(tmp_path):
         assert min(losses) < run["val"][-1][1] < max(losses)
 
 
+def test_the_position_shift_figures_follow_from_the_committed_results():
+    """bench/QUALITY.md's rows started later in the text (bench/position_shift.py): at shift 0 each checkpoint gives
+    the trainer's own losses by position (the runs' last evaluation, to 1e-4); the rise from 0-63 to 64-127 at
+    shift 0 turns into a fall at shifts 64 and 96 (the text moved); NSA - dense at 0-63 is -0.025 / -0.028 / -0.024
+    / -0.016 at shifts 0 / 32 / 64 / 96."""
+    folder = ROOT / "bench" / "results" / "2026-11-30-cpu-ab-smoke-bytes-900" / "by-position"
+    shifted = json.loads((folder / "position_shift.json").read_text())
+    trainer = {run["dir"]: run for run in json.loads((folder / "ab_compare.json").read_text())["runs"]}
+    assert len(shifted) == len(trainer) == 8
+    for model, by_shift in shifted.items():
+        run = trainer[model.removesuffix("/final")]
+        for lo, hi, loss in run["val_by_position"]["ranges"]:
+            assert by_shift["0"][f"val_loss_pos{lo}to{hi}"] == pytest.approx(loss, abs=1e-4), (model, lo)
+        assert by_shift["0"]["val_loss"] == pytest.approx(run["val"][-1][1], abs=1e-4)
+
+    def mean(mode: str, shift: str, metric: str) -> float:
+        return statistics.mean(v[shift][metric] for k, v in shifted.items() if f"/{mode}-seed" in k)
+
+    first, second = "val_loss_pos0to64", "val_loss_pos64to128"
+    for mode in ("nsa", "dense"):
+        assert mean(mode, "0", first) < mean(mode, "0", second)
+        assert mean(mode, "64", first) > mean(mode, "64", second) and mean(mode, "96", first) > mean(mode, "96", second)
+    gaps = [round(mean("nsa", shift, first) - mean("dense", shift, first), 3) for shift in ("0", "32", "64", "96")]
+    assert gaps == [-0.025, -0.028, -0.024, -0.016]
+
+
 def test_the_shared_kv_figures_follow_from_the_committed_results(tmp_path):
     """bench/QUALITY.md's mean NSA with one shared K/V set (446,080 parameters) against dense of its size (443,008),
     seeds 0-3: +0.0026 ± 0.0350; three K/V sets - one -0.0395 ± 0.0514; dense 473 - 384 -0.0156 ± 0.0081; the K/V
