@@ -447,6 +447,35 @@ def test_the_shared_kv_figures_follow_from_the_committed_results(tmp_path):
     assert (round(gap, 3), round(half, 3)) == (-0.024, 0.057)
 
 
+def test_the_eight_seed_shared_kv_and_dense_kv_heads_figures_follow_from_the_committed_results(tmp_path):
+    """bench/QUALITY.md's eight seeds of the one-set mean NSA and the dense twin with 4 K/V heads (511,872
+    parameters): one set - dense +0.0052 ± 0.0275; three sets - one -0.0392 ± 0.0242; dense's K/V heads -0.0057 ±
+    0.0177, its MLP -0.0093 ± 0.0145, the two +0.0036 ± 0.0183; three sets - dense with the heads -0.0283 ± 0.0201;
+    the sets' gain less the heads' -0.0335 ± 0.0333 (every seed below 0), less the MLP's -0.0299 ± 0.0355."""
+    smoke = ROOT / "bench" / "results" / "2026-11-30-cpu-ab-smoke-bytes-900"
+    result = seed_groups.main(["--out", str(tmp_path), "--task", "none", "--group", "dense-0.44M",
+                               f"{smoke}/eight-seeds:dense", "--group", "shared", str(smoke / "shared-kv-8-seeds"),
+                               "--group", "dense-mlp", f"{smoke}/dense-parameters-of-mean-nsa:dense",
+                               "--group", "dense-kv4", str(smoke / "dense-more-kv-heads"),
+                               "--group", "three", f"{smoke}-mean/seeds*"])  # fmt: skip
+    heads = json.loads((smoke / "dense-more-kv-heads" / "ab_compare.json").read_text())["runs"]
+    assert {r["num_parameters"] for r in heads} == {511872} and sorted(r["seed"] for r in heads) == list(range(8))
+    assert all(r["mode"] == "dense" for r in heads)
+    assert_paired_loss_gaps(result, {("dense-0.44M", "shared"): (0.0052, 0.0275),
+                                     ("shared", "three"): (-0.0392, 0.0242),
+                                     ("dense-0.44M", "dense-kv4"): (-0.0057, 0.0177),
+                                     ("dense-0.44M", "dense-mlp"): (-0.0093, 0.0145),
+                                     ("dense-mlp", "dense-kv4"): (0.0036, 0.0183),
+                                     ("dense-kv4", "three"): (-0.0283, 0.0201)})  # fmt: skip
+    loss = {name: {r["seed"]: r["val_loss"] for r in runs} for name, runs in result["groups"].items()}
+    sets_gain = {s: loss["three"][s] - loss["shared"][s] for s in range(8)}
+    for control, expected in (("dense-kv4", (-0.0335, 0.0333)), ("dense-mlp", (-0.0299, 0.0355))):
+        control_gain = {s: loss[control][s] - loss["dense-0.44M"][s] for s in range(8)}
+        _, gap, half = seed_groups.paired_gap(control_gain, sets_gain)
+        assert (round(gap, 4), round(half, 4)) == expected, control
+    assert all(sets_gain[s] < loss["dense-kv4"][s] - loss["dense-0.44M"][s] for s in range(8))
+
+
 def test_the_mean_compressors_fine_tuning_figures_follow_from_the_committed_results(tmp_path):
     """bench/QUALITY.md's twins fine-tuned from text-pretrained twins with the mean compressor, twelve seeds: NSA 2
     learned, its dense twins 1; accuracy at 224 tokens NSA - dense -3% ± 29%; validation loss -0.0097 ± 0.0225 after
