@@ -10,7 +10,8 @@ Every held-out row starts a fragment of a document at position 0, so positions 0
 offsets 0-63 of each 1,024-token piece of the held-out documents. With few documents (two in the smoke runs), a
 range's loss mostly says how hard that text is. `--shifts s` drops the first s tokens of the first held-out
 document (`nsa_train.data.validation_rows(skip_tokens=s)`), so the text at offset p of a row moves to position
-p - s: a loss that moves with the shift is the text's, one that stays is the position's. The gap between two
+p - s (a later document that starts inside a row moves with it; its own start, at position 0, does not): a loss
+that moves with the shift is the text's, one that stays is the position's. The gap between two
 models (twins that see the same rows) is what the trainer's ranges are for; this says how to read the ranges'
 levels.
 """
@@ -32,16 +33,18 @@ from nsa_train.long_context import load_model_and_tokenizer, run_command  # noqa
 
 
 def shifted_losses(model, tokenizer, dataset: str, seq_len: int, val_every: int, val_tokens: int, shifts,
-                   micro_batch_size: int = 8, text_column: str = "text") -> dict[int, dict[str, float]]:  # fmt: skip
+                   micro_batch_size: int = 8, text_column: str = "text", cross_doc: bool = False,
+                   ) -> dict[int, dict[str, float]]:  # fmt: skip
     """{shift: validation_loss's metrics on the held-out rows with the first held-out document's first `shift`
     tokens dropped}."""
     process = OneProcess(next(model.parameters()).device)
     results = {}
     for shift in shifts:
         rows = validation_rows(make_source(dataset, text_column), tokenizer, seq_len, val_every, val_tokens,
-                               skip_tokens=shift)  # fmt: skip
+                               cross_doc=cross_doc, skip_tokens=shift)  # fmt: skip
         if not rows:
-            raise ValueError(f"--dataset {dataset!r} with --val-every-doc {val_every} gave no held-out rows.")
+            raise ValueError(f"--dataset {dataset!r} gave no held-out rows with --val-every-doc {val_every} and "
+                             f"--val-tokens {val_tokens}: pass the run's values (both above 0).")  # fmt: skip
         results[shift] = validation_loss(model, rows, micro_batch_size, process)
     return results
 
@@ -70,22 +73,31 @@ def main(argv=None):
     parser.add_argument("--val-tokens", type=int, default=65536, help="the run's --val-tokens (trainer default 65536)")
     parser.add_argument("--shifts", type=int, nargs="+", default=[0, 32, 64, 96],
                         help="tokens dropped from the first held-out document; 0 is the trainer's rows")
+    parser.add_argument("--cross-doc", action="store_true", help="the run's --cross-doc (positions run across the row)")
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--device", default=None, help="default: cuda where available, else cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
+                        help="the weights' dtype (default float32, as on CPU the trainer evaluates; on a GPU it "
+                             "evaluates fp32 weights under bf16 autocast, so figures there differ slightly)")
     parser.add_argument("--out", type=Path, default=None, help="a JSON file for {model: {shift: metrics}}")
     args = parser.parse_args(argv)
     if any(s < 0 for s in args.shifts):
         raise ValueError(f"--shifts {args.shifts}: a shift is a number of tokens to drop, 0 or more.")
+    if len(set(args.models)) != len(args.models):
+        raise ValueError(f"MODEL given twice in {args.models}: each model's results are keyed by its path; give each "
+                         "once.")  # fmt: skip
+    shifts = sorted(set(args.shifts))
     if args.seq_len <= 1:
         raise ValueError(f"--seq-len {args.seq_len}: rows need at least 2 tokens; pass the run's --seq-len.")
     everything = {}
     for spec in args.models:
-        model, tokenizer = load_model_and_tokenizer(spec, args.tokenizer, args.device)
+        model, tokenizer = load_model_and_tokenizer(spec, args.tokenizer, args.device, args.dtype)
         if tokenizer.eos_token_id is None:
             raise ValueError(f"the tokenizer of {spec!r} has no EOS token, which the held-out rows end each document "
                              "with; pass the run's --tokenizer.")  # fmt: skip
         results = shifted_losses(model.eval(), tokenizer, args.dataset, args.seq_len, args.val_every_doc,
-                                 args.val_tokens, args.shifts, args.micro_batch_size, args.text_column)  # fmt: skip
+                                 args.val_tokens, shifts, args.micro_batch_size, args.text_column,
+                                 args.cross_doc)  # fmt: skip
         print(shift_table(spec, results), end="\n\n")
         everything[spec] = {str(s): m for s, m in results.items()}
     if args.out is not None:

@@ -489,9 +489,9 @@ def validation_rows(source, tokenizer, seq_len: int, val_every: int, val_tokens:
             continue
         toks = tokenizer(text, add_special_tokens=False, split_special_tokens=True, verbose=False)["input_ids"] + [eos]
         if i == 0 and skip_tokens:
-            if not 0 < skip_tokens < len(toks) - 1:
-                raise ValueError(f"skip_tokens {skip_tokens}: the first held-out document has {len(toks)} tokens "
-                                 "with its EOS; skip from 0 to fewer than its length less one.")  # fmt: skip
+            if not 0 < skip_tokens <= len(toks) - 2:  # keep two tokens: one to predict from, one to predict
+                raise ValueError(f"skip_tokens {skip_tokens} (bench/position_shift.py --shifts): the first held-out "
+                                 f"document has {len(toks)} tokens with its EOS; skip from 0 to {len(toks) - 2}.")  # fmt: skip
             toks = toks[skip_tokens:]
         frag = 0  # position inside the document fragment of this row (restarts at a row start, like training)
         for p, t in enumerate(toks):

@@ -64,3 +64,22 @@ def test_bad_shifts_and_lengths_name_the_value(saved_model_and_data):
         position_shift.main([*common, "--seq-len", "1"])
     with pytest.raises(ValueError, match="skip_tokens 5000"):  # past the first held-out document
         position_shift.main([*common, "--seq-len", "32", "--shifts", "5000"])
+    with pytest.raises(ValueError, match="--val-tokens 0: pass the run's values"):
+        position_shift.main([*common, "--seq-len", "32", "--val-tokens", "0"])
+    with pytest.raises(ValueError, match="MODEL given twice"):
+        position_shift.main([str(model_dir), *common, "--seq-len", "32"])
+
+
+def test_cross_doc_rows_and_repeated_shifts(saved_model_and_data):
+    """--cross-doc evaluates the rows a --cross-doc run held out (positions run across the row), and a shift given
+    twice is evaluated once."""
+    model_dir, docs = saved_model_and_data
+    results = position_shift.main([str(model_dir), "--dataset", str(docs), "--tokenizer", "byt5", "--seq-len", "32",
+                                   "--val-every-doc", "1", "--cross-doc", "--shifts", "3", "0", "3"])  # fmt: skip
+    by_shift = results[str(model_dir)]
+    assert list(by_shift) == ["0", "3"]
+    model = NSAForCausalLM.from_pretrained(model_dir).eval()
+    rows = validation_rows(make_source(str(docs)), load_tokenizer("byt5"), 32, 1, 65536, cross_doc=True)
+    assert by_shift["0"] == pytest.approx(validation_loss(model, rows, 8, OneProcess()), rel=1e-6)
+    plain = validation_rows(make_source(str(docs)), load_tokenizer("byt5"), 32, 1, 65536)
+    assert by_shift["0"]["val_loss"] != pytest.approx(validation_loss(model, plain, 8, OneProcess())["val_loss"], rel=1e-6)

@@ -125,8 +125,12 @@ def test_skipped_tokens_move_every_validation_row_through_the_text(byt5):
             for j in range(1, 32):
                 starts_doc = ids[j - 1] == byt5.eos_token_id  # (the padding: EOS tokens, each its own document)
                 assert (pos[j] == 0) == starts_doc and (lab[j] == -100) == starts_doc
-    with pytest.raises(ValueError, match="skip_tokens 240: the first held-out document has 240 tokens"):
-        data.validation_rows(ListSource(texts), byt5, 32, val_every=1, val_tokens=10**6, skip_tokens=240)
+    # the first document has 240 tokens with its EOS: 238 leaves two (one to predict from, one to predict)
+    last = data.validation_rows(ListSource(texts), byt5, 32, val_every=1, val_tokens=10**6, skip_tokens=238)
+    assert last[0][0][:2] == stream[238:240] and last[0][0][2] == stream[240]
+    for too_many in (239, 240):
+        with pytest.raises(ValueError, match=rf"skip_tokens {too_many} .*has 240 tokens with its EOS; skip from 0 to 238"):
+            data.validation_rows(ListSource(texts), byt5, 32, val_every=1, val_tokens=10**6, skip_tokens=too_many)
     with pytest.raises(ValueError, match="skip_tokens -3"):
         data.validation_rows(ListSource(texts), byt5, 32, val_every=1, val_tokens=10**6, skip_tokens=-3)
 

@@ -1023,6 +1023,8 @@ def test_position_buckets_double_from_the_window():
     # a last range under half the one before joins it, but never the window's own range
     assert position_buckets(64, 1025)[-1] == (512, 1025) and len(position_buckets(64, 1025)) == 5
     assert position_buckets(64, 1300)[-1] == (1024, 1300)  # 276 positions: at least half of 512, kept
+    assert position_buckets(64, 640)[-2:] == [(256, 512), (512, 640)]  # exactly half of 256: kept
+    assert position_buckets(64, 639)[-1] == (256, 639)  # one short of half: joined
     assert position_buckets(64, 70) == [(0, 64), (64, 70)]
     assert position_buckets(64, 129) == [(0, 64), (64, 129)]
     assert position_buckets(512, 512) == [] and position_buckets(None, 512) == []  # the window holds every query
