@@ -460,6 +460,11 @@ def t95(dof: int) -> float:
             + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * v**3))
 
 
+def paired_half_width(gaps: list[float]) -> float:
+    """Student's t 95% half-width of the mean of per-seed gaps (two or more): t * std / sqrt(n)."""
+    return t95(len(gaps) - 1) * statistics.stdev(gaps) / math.sqrt(len(gaps))
+
+
 def gap_interval(row: dict) -> tuple[float | None, str]:
     """Half-width of the 95% interval of NSA - dense at one token count, and how it was formed. Paired by seed
     where 2 or more seeds ran both modes once each (twins of one seed share the initial weights of every shared
@@ -468,7 +473,7 @@ def gap_interval(row: dict) -> tuple[float | None, str]:
     or one mode's spread for both. None: no spread measured."""
     gaps = list(row.get("paired_gaps", {}).values())
     if len(gaps) >= 2:
-        return t95(len(gaps) - 1) * statistics.stdev(gaps) / math.sqrt(len(gaps)), "paired"
+        return paired_half_width(gaps), "paired"
     spreads = [row[m] for m in MODES if row.get(m) and row[m]["std"] is not None]
     if not spreads:
         return None, "none"
@@ -557,7 +562,7 @@ def compare_by_position(by_mode: dict[str, list[dict]], tokens: int) -> list[dic
             first = rows[0]["paired_gaps"]
             beyond = [gap - first[seed] for seed, gap in row["paired_gaps"].items()]
             row["beyond_window"] = {"mean": statistics.fmean(beyond), "n": len(beyond),
-                                    "interval": t95(len(beyond) - 1) * statistics.stdev(beyond) / math.sqrt(len(beyond))}
+                                    "interval": paired_half_width(beyond)}
     return rows
 
 

@@ -49,7 +49,7 @@ def position_buckets(window_size: int | None, seq_len: int) -> list[tuple[int, i
     while edge < seq_len:
         edges.append(edge)
         edge *= 2
-    if len(edges) >= 3 and edges[-2] >= window_size and seq_len - edges[-1] < (edges[-1] - edges[-2]) / 2:
+    if len(edges) >= 3 and seq_len - edges[-1] < (edges[-1] - edges[-2]) / 2:  # (two edges: the window, never joined)
         edges.pop()
     edges.append(seq_len)
     return list(zip(edges[:-1], edges[1:]))
