@@ -248,10 +248,10 @@ def dense_twin(config, nsa_model):
     that an A/B pair with one --seed starts from the same weights: built at random, two layouts draw the random
     numbers in different orders (the NSA-only modules sit between the shared ones). `nsa_model` is built first,
     from the seeded generator; the dense model is built on a fork of it, so the generator then stands where an NSA
-    run's does. With kv_per_branch the NSA K/V projection holds three sets (cmp, slc, win; paper Sec. 3.3.3) and the
-    dense one a single set: it takes the selection branch's (full-resolution keys, as dense attention reads)."""
+    run's does. With kv_per_branch the NSA K/V projection holds three sets (cmp, slc, win; paper Sec. 3.3.3), or
+    two with one branch's own, and the dense one a single set: it takes the selection branch's (full-resolution
+    keys, as dense attention reads)."""
     from modeling_nsa import NSAForCausalLM
-    from modeling_nsa.modeling_nsa import BRANCHES
 
     with torch.random.fork_rng(devices=[]):  # the build's own draws are overwritten below
         model = NSAForCausalLM(config)
@@ -259,8 +259,9 @@ def dense_twin(config, nsa_model):
     with torch.no_grad():
         for name, param in model.named_parameters():  # the tied lm_head is the embeddings: listed once
             value = source[name]
-            if name.endswith("kv_proj.weight") and value.shape != param.shape:  # (3 * 2 * Hkv * D, hidden)
-                value = value.view(len(BRANCHES), -1, value.shape[-1])[BRANCHES.index("slc")]  # (2 * Hkv * D, hidden)
+            if name.endswith("kv_proj.weight") and value.shape != param.shape:  # (sets * 2 * Hkv * D, hidden)
+                sets = nsa_model.config.kv_set_of_branch
+                value = value.view(max(sets.values()) + 1, -1, value.shape[-1])[sets["slc"]]  # (2 * Hkv * D, hidden)
             param.copy_(value)
     return model
 

@@ -14,6 +14,8 @@ NSA_BACKENDS = ("auto", "reference", "triton")
 COMPRESSORS = ("mlp", "mean", "mean_mlp")
 # the compressors with the paper's learnable φ (position embeddings and MLPs for K and V)
 COMPRESSORS_WITH_MLP = ("mlp", "mean_mlp")
+# kv_per_branch's values besides True/False: the one branch with a K/V set of its own, the other two sharing one
+KV_OWN_SET_BRANCHES = ("cmp", "slc", "win")
 # transformers' defaults, which NSA mode takes (and does not consult): "sdpa", and "eager" that output_attentions sets
 NSA_MODE_ATTN_IMPLEMENTATIONS = (None, "sdpa", "eager")
 
@@ -43,7 +45,8 @@ class NSAConfig(PreTrainedConfig):
     - `sel_init_blocks` = 1 / `sel_local_blocks` = 2: blocks always selected at the start of
       the document and at the query's own position (§4.1: "1 initial block and 2 local blocks").
     - `window_size` [w] = 512: sliding-window keys, the query itself included.
-    - `kv_per_branch` = True: independent K/V per branch (§3.3.3); False shares one K/V.
+    - `kv_per_branch` = True: independent K/V per branch (§3.3.3); False shares one K/V. An ablation between
+      them: "cmp", "slc" or "win" gives that branch a K/V set of its own and the other two one shared set.
     - `compressor` = "mlp": the paper's learnable φ; "mean" is the parameter-free average (fla's); "mean_mlp" is
       the average plus the paper's φ with its output layer started at zero (it begins as "mean").
     - `cmp_mlp_hidden_size` = 256: hidden width of φ (l*head_dim -> hidden -> head_dim).
@@ -91,7 +94,7 @@ class NSAConfig(PreTrainedConfig):
     sel_init_blocks: int = 1
     sel_local_blocks: int = 2
     window_size: int = 512
-    kv_per_branch: bool = True
+    kv_per_branch: bool | str = True
     compressor: str = "mlp"
     cmp_mlp_hidden_size: int = 256
 
@@ -176,6 +179,11 @@ class NSAConfig(PreTrainedConfig):
                                                    or self.training_seq_len <= 0):  # fmt: skip
             raise ValueError(f"NSAConfig.training_seq_len must be a positive integer or None, got "
                              f"{self.training_seq_len!r}.")
+        if not isinstance(self.kv_per_branch, bool) and self.kv_per_branch not in KV_OWN_SET_BRANCHES:
+            raise ValueError(
+                f"kv_per_branch must be True (a K/V set per branch), False (one shared set) or the branch with a set "
+                f"of its own, one of {KV_OWN_SET_BRANCHES}; got {self.kv_per_branch!r}."
+            )
         if self.compressor not in COMPRESSORS:
             raise ValueError(f"compressor must be one of {COMPRESSORS}, got {self.compressor!r}.")
         if self.attention_mode not in ATTENTION_MODES:
@@ -183,6 +191,16 @@ class NSAConfig(PreTrainedConfig):
         if self.nsa_backend not in NSA_BACKENDS:
             raise ValueError(f"nsa_backend must be one of {NSA_BACKENDS}, got {self.nsa_backend!r}.")
         check_attn_implementation(self.attention_mode, getattr(self, "_attn_implementation_internal", None))
+
+    @property
+    def kv_set_of_branch(self) -> dict[str, int]:
+        """NSA mode's K/V set of each branch (cmp, slc, win), numbered in that order of first use: the K/V
+        projection's output is (sets, k/v, Hkv, D). Dense mode has one set, read as the selection branch's."""
+        own = self.kv_per_branch
+        # the set each branch reads, named: its own, or the one set the others share
+        names = [branch if own is True or branch == own else "shared" for branch in KV_OWN_SET_BRANCHES]
+        order = list(dict.fromkeys(names))
+        return {branch: order.index(name) for branch, name in zip(KV_OWN_SET_BRANCHES, names)}
 
     @property
     def num_key_value_groups(self) -> int:

@@ -203,8 +203,9 @@ class NSAAttention(nn.Module):
         self.head_dim = config.head_dim
         self.dense = config.attention_mode == "dense"
         self.is_causal, self.num_key_value_groups = True, config.num_key_value_groups  # (transformers' attention functions)
-        # Independent K/V per branch (paper §3.3.3) or one shared K/V.
-        self.num_kv_sets = 3 if (config.kv_per_branch and not self.dense) else 1
+        # Independent K/V per branch (paper §3.3.3), one shared K/V, or one branch's own and a shared one
+        self.kv_set_of_branch = dict.fromkeys(BRANCHES, 0) if self.dense else config.kv_set_of_branch
+        self.num_kv_sets = max(self.kv_set_of_branch.values()) + 1
         self.params = NSAParams.from_config(config)
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
         self.kv_proj = nn.Linear(config.hidden_size, self.num_kv_sets * 2 * self.num_kv_heads * self.head_dim, bias=False)
@@ -224,8 +225,8 @@ class NSAAttention(nn.Module):
     def _branch_kv(self, kv, branch: str):
         """kv: the K/V projection's sets x (k, v) tensors (B, T, Hkv, D) (one unbind: its backward writes their
         gradients into one tensor, where a select per tensor writes a zero-filled copy of the whole projection
-        each and sums them) -> k, v of one branch (the shared set when not kv_per_branch)."""
-        index = BRANCHES.index(branch) if self.num_kv_sets == 3 else 0
+        each and sums them) -> k, v of one branch (its own set, or the set it shares: config.kv_set_of_branch)."""
+        index = self.kv_set_of_branch[branch]
         return kv[2 * index], kv[2 * index + 1]
 
     def forward(self, hidden_states, doc_pos, position_embeddings, past_key_values=None, single_document=False,
@@ -260,8 +261,8 @@ class NSAAttention(nn.Module):
             k_raw, v_raw = self._branch_kv(kv, "cmp")  # compression reads un-rotated keys (Eq. 7)
             k_slc, v_slc = self._branch_kv(kv, "slc")
             k_slc = apply_rope(k_slc, cos_q, sin_q)
-            k_win = v_win = None  # shared K/V: the window reads the selection keys
-            if self.num_kv_sets == 3:
+            k_win = v_win = None  # a K/V set shared with the selection: the window reads the selection keys
+            if self.kv_set_of_branch["win"] != self.kv_set_of_branch["slc"]:
                 k_win, v_win = self._branch_kv(kv, "win")
                 k_win = apply_rope(k_win, cos_q, sin_q)
             step = dict(k_win=k_win, v_win=v_win, k_raw=k_raw, v_raw=v_raw,

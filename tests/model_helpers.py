@@ -100,7 +100,7 @@ def naive_layer_forward(layer, hidden_states, doc_pos, config):
     """NSAAttention.forward recomputed from NSA_SPEC with the layer's own weights (no cache).
 
     Layout read from modeling_nsa.py: q_proj -> (H, D); kv_proj -> (sets, 2, Hkv, D) with sets in
-    (cmp, slc, win) order (one shared set when kv_per_branch=False); g_proj -> (H, 3) in (cmp, slc, win)
+    (cmp, slc, win) order (one shared set when kv_per_branch=False; two when it names a branch); g_proj -> (H, 3) in (cmp, slc, win)
     order; compressor k_pos_emb/v_pos_emb and k_mlp/v_mlp = Sequential(Linear, GELU, Linear).
     """
     B, T, _ = hidden_states.shape
@@ -112,14 +112,20 @@ def naive_layer_forward(layer, hidden_states, doc_pos, config):
     pos4 = pos[:, :, None]
     q = rope_naive(F.linear(x, layer.q_proj.weight).view(B, T, H, D), pos4, theta)
     dense = config.attention_mode == "dense"
-    sets = 3 if (config.kv_per_branch and not dense) else 1
+    # the set each of (cmp, slc, win) reads: own sets in that order, or one shared set, or (kv_per_branch naming a
+    # branch) the shared set at the first of the other two and the named branch's own set where it comes
+    own = config.kv_per_branch
+    cmp_set, slc_set, win_set = {True: (0, 1, 2), False: (0, 0, 0), "cmp": (0, 1, 1), "slc": (0, 1, 0),
+                                 "win": (0, 0, 1)}[own]  # fmt: skip
+    if dense:
+        cmp_set = slc_set = win_set = 0
+    sets = max(cmp_set, slc_set, win_set) + 1
     kv = F.linear(x, layer.kv_proj.weight).view(B, T, sets, 2, Hkv, D)
     if dense:
         k = rope_naive(kv[:, :, 0, 0], pos4, theta)
         out = naive_dense_attention(q, k, kv[:, :, 0, 1], doc_pos)
         return F.linear(out.reshape(B, T, H * D), layer.o_proj.weight)
     gates = torch.sigmoid(F.linear(x, layer.g_proj.weight)).view(B, T, H, 3)
-    cmp_set, slc_set, win_set = (0, 1, 2) if sets == 3 else (0, 0, 0)
     k_raw, v_raw = kv[:, :, cmp_set, 0], kv[:, :, cmp_set, 1]
     k_slc, v_slc = rope_naive(kv[:, :, slc_set, 0], pos4, theta), kv[:, :, slc_set, 1]
     k_win, v_win = rope_naive(kv[:, :, win_set, 0], pos4, theta), kv[:, :, win_set, 1]

@@ -109,6 +109,7 @@ BAD_CONFIGS = [
     (dict(sel_local_blocks=-1), ["sel_local_blocks", "-1"]),
     (dict(head_dim=15, num_attention_heads=4), ["head_dim", "15"]),  # RoPE rotates pairs
     (dict(training_seq_len=0), ["training_seq_len", "0"]),
+    (dict(kv_per_branch="window"), ["kv_per_branch", "'window'", "'win'"]),  # names the branches it takes
 ]
 
 
@@ -134,6 +135,17 @@ def test_invalid_config_on_load(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="24"):
         NSAConfig.from_pretrained(tmp_path)
+
+
+def test_kv_per_branch_naming_a_branch_saves_and_loads(tmp_path):
+    """kv_per_branch as a branch name (that branch's own K/V set, one shared by the other two) survives the
+    config's JSON and builds a K/V projection of two sets."""
+    NSAConfig(kv_per_branch="win").save_pretrained(tmp_path)
+    loaded = NSAConfig.from_pretrained(tmp_path)
+    assert loaded.kv_per_branch == "win" and loaded.kv_set_of_branch == {"cmp": 0, "slc": 0, "win": 1}
+    model = NSAForCausalLM(tiny_config(kv_per_branch="win", num_hidden_layers=1))
+    layer = model.model.layers[0].self_attn
+    assert layer.kv_proj.out_features == 2 * 2 * layer.num_kv_heads * layer.head_dim
 
 
 def test_valid_odd_config_accepted():

@@ -20,6 +20,8 @@ TINY = dict(
 VARIANTS = {
     "mlp-kvsplit": dict(compressor="mlp", kv_per_branch=True),
     "mean-kvshared": dict(compressor="mean", kv_per_branch=False),
+    # the compressor's own K/V set, the window reading the selection's keys (kept apart from the raw-key tail)
+    "mean-kv-own-cmp": dict(compressor="mean", kv_per_branch="cmp"),
     "dense": dict(attention_mode="dense"),
 }
 

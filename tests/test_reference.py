@@ -376,12 +376,17 @@ LAYER_CASES = [
     (40, 3, 3, "mean", False, "single"),
     (1, 2, 1, "mlp", True, "single"),
     (45, 4, 2, "mean_mlp", True, "docs-pad"),
+    # one branch's own K/V set and one shared by the other two (kv_per_branch naming the branch)
+    (45, 6, 2, "mlp", "win", "docs"),
+    (40, 4, 2, "mean", "cmp", "docs-pad"),
+    (45, 6, 3, "mean_mlp", "slc", "pad"),
 ]
 
 
 def layer_id(c):
     T, H, Hkv, comp, kvb, layout = c
-    return f"T{T}-G{H // Hkv}-{comp}-{'kvsplit' if kvb else 'kvshared'}-{layout}"
+    kv_layout = {True: "kvsplit", False: "kvshared"}.get(kvb, f"kv-own-{kvb}")
+    return f"T{T}-G{H // Hkv}-{comp}-{kv_layout}-{layout}"
 
 
 @pytest.mark.parametrize("case", LAYER_CASES, ids=[layer_id(c) for c in LAYER_CASES])
@@ -408,7 +413,7 @@ def test_attention_layer_matches_naive(case):
     if comp in ("mlp", "mean_mlp"):
         expected_names |= {f"compressor.{kv}_{n}" for kv in "kv" for n in ("pos_emb", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias")}
     assert set(params) == expected_names, "layer parameters changed: update naive_layer_forward"
-    assert layer.kv_proj.weight.shape[0] == (3 if kvb else 1) * 2 * Hkv * config.head_dim
+    assert layer.kv_proj.weight.shape[0] == {True: 3, False: 1}.get(kvb, 2) * 2 * Hkv * config.head_dim
     tensors = [x, *params.values()]
     g_out = _grads(out, weight, tensors)
     g_naive = _grads(naive, weight, tensors)
