@@ -260,7 +260,7 @@ def dense_twin(config, nsa_model):
         for name, param in model.named_parameters():  # the tied lm_head is the embeddings: listed once
             value = source[name]
             if name.endswith("kv_proj.weight") and value.shape != param.shape:  # (sets * 2 * Hkv * D, hidden)
-                sets = nsa_model.config.kv_set_of_branch
+                sets = nsa_model.config.kv_set_of_branch  # (the NSA model's: the dense config's is one set)
                 value = value.view(max(sets.values()) + 1, -1, value.shape[-1])[sets["slc"]]  # (2 * Hkv * D, hidden)
             param.copy_(value)
     return model

@@ -14,8 +14,9 @@ NSA_BACKENDS = ("auto", "reference", "triton")
 COMPRESSORS = ("mlp", "mean", "mean_mlp")
 # the compressors with the paper's learnable φ (position embeddings and MLPs for K and V)
 COMPRESSORS_WITH_MLP = ("mlp", "mean_mlp")
-# kv_per_branch's values besides True/False: the one branch with a K/V set of its own, the other two sharing one
-KV_OWN_SET_BRANCHES = ("cmp", "slc", "win")
+# NSA's branches in gate order (paper Eq. 5); kv_per_branch may name one of them (its own K/V set, the other two
+# sharing one)
+BRANCHES = ("cmp", "slc", "win")
 # transformers' defaults, which NSA mode takes (and does not consult): "sdpa", and "eager" that output_attentions sets
 NSA_MODE_ATTN_IMPLEMENTATIONS = (None, "sdpa", "eager")
 
@@ -179,10 +180,10 @@ class NSAConfig(PreTrainedConfig):
                                                    or self.training_seq_len <= 0):  # fmt: skip
             raise ValueError(f"NSAConfig.training_seq_len must be a positive integer or None, got "
                              f"{self.training_seq_len!r}.")
-        if not isinstance(self.kv_per_branch, bool) and self.kv_per_branch not in KV_OWN_SET_BRANCHES:
+        if not isinstance(self.kv_per_branch, bool) and self.kv_per_branch not in BRANCHES:
             raise ValueError(
                 f"kv_per_branch must be True (a K/V set per branch), False (one shared set) or the branch with a set "
-                f"of its own, one of {KV_OWN_SET_BRANCHES}; got {self.kv_per_branch!r}."
+                f"of its own, one of {BRANCHES}; got {self.kv_per_branch!r}."
             )
         if self.compressor not in COMPRESSORS:
             raise ValueError(f"compressor must be one of {COMPRESSORS}, got {self.compressor!r}.")
@@ -194,13 +195,15 @@ class NSAConfig(PreTrainedConfig):
 
     @property
     def kv_set_of_branch(self) -> dict[str, int]:
-        """NSA mode's K/V set of each branch (cmp, slc, win), numbered in that order of first use: the K/V
-        projection's output is (sets, k/v, Hkv, D). Dense mode has one set, read as the selection branch's."""
+        """The K/V set each branch (cmp, slc, win) reads, numbered in that order of first use: the K/V projection's
+        output is (sets, k/v, Hkv, D). Dense mode has one set (set 0), which its attention reads."""
         own = self.kv_per_branch
+        if self.attention_mode == "dense":
+            return dict.fromkeys(BRANCHES, 0)
         # the set each branch reads, named: its own, or the one set the others share
-        names = [branch if own is True or branch == own else "shared" for branch in KV_OWN_SET_BRANCHES]
+        names = [branch if own is True or branch == own else "shared" for branch in BRANCHES]
         order = list(dict.fromkeys(names))
-        return {branch: order.index(name) for branch, name in zip(KV_OWN_SET_BRANCHES, names)}
+        return {branch: order.index(name) for branch, name in zip(BRANCHES, names)}
 
     @property
     def num_key_value_groups(self) -> int:

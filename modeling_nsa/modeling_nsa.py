@@ -24,7 +24,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import can_return_tuple
 
-from .configuration_nsa import COMPRESSORS_WITH_MLP, NSAConfig, check_attn_implementation
+from .configuration_nsa import BRANCHES, COMPRESSORS_WITH_MLP, NSAConfig, check_attn_implementation
 from .nsa_backend import (  # noqa: F401  (resolve_nsa_backend, _logged_once: importable from here, as before)
     _check_explicit_triton,
     _log_once,
@@ -44,7 +44,6 @@ from .nsa_layout import (
     gather_compression_blocks,
 )
 
-BRANCHES = ("cmp", "slc", "win")  # gate order, paper Eq. 5
 # transformers 5.24 renamed past_key_values to cache (generate() passes the new name, outputs hold it); the
 # transformers range this project supports has either, so the cache travels under the name the installed one uses
 CACHE_NAME = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -204,7 +203,7 @@ class NSAAttention(nn.Module):
         self.dense = config.attention_mode == "dense"
         self.is_causal, self.num_key_value_groups = True, config.num_key_value_groups  # (transformers' attention functions)
         # Independent K/V per branch (paper §3.3.3), one shared K/V, or one branch's own and a shared one
-        self.kv_set_of_branch = dict.fromkeys(BRANCHES, 0) if self.dense else config.kv_set_of_branch
+        self.kv_set_of_branch = config.kv_set_of_branch
         self.num_kv_sets = max(self.kv_set_of_branch.values()) + 1
         self.params = NSAParams.from_config(config)
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)

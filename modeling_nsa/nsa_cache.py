@@ -107,7 +107,7 @@ def sequence_keys(key_states, value_states, k_win=None, v_win=None, k_raw=None, 
         return BranchKeys(key_states, value_states)
     cmp_end = compressed.cmp_end  # (B, Nc)
     k_cmp, v_cmp = compress(k_raw, v_raw, compressed=compressed)
-    if k_win is None:  # shared K/V: the window reads the selection keys
+    if k_win is None:  # the window shares the selection's K/V set: it reads the selection keys
         k_win, v_win = key_states, value_states
     return BranchKeys(key_states, value_states, k_win, v_win, k_cmp, v_cmp, cmp_end)
 
@@ -223,7 +223,8 @@ class NSALayerCache:
     """One layer's decoding state; memory is bounded by what NSA reads.
 
     k_slc/v_slc: every key (selection may pick any block), (B, Tk, Hkv, D), rotated.
-    k_win/v_win: the last w keys only (kv_per_branch; otherwise the window reads k_slc).
+    k_win/v_win: the last w keys only, where the window has a K/V set apart from the selection's (kv_per_branch
+    True, "slc" or "win"); otherwise the window reads k_slc.
     cmp_k/cmp_v/cmp_end: compressed tokens emitted so far (rotated k), (B, Tk // d + 1, ...), each row's first
     cmp_count slots filled (rows emit at different steps under left padding), the rest empty (zero, end -1).
     tail_k/tail_v: the last l - 1 raw (un-rotated) keys/values, from which the next compressed token is made.
@@ -266,7 +267,7 @@ class NSALayerCache:
             self._append_compressed(k_new, v_new, end_new, max_slots=num_keys // self.params.cmp_stride + 1)
         if k_win is not None:  # the window buffers keep the last w keys
             k_win, v_win = self.buffers["k_win"].append(k_win), self.buffers["v_win"].append(v_win)
-        else:  # shared K/V: the window reads the last keys of the selection cache
+        else:  # the window shares the selection's K/V set: it reads the last keys of the selection cache
             span = min(num_keys, self.params.window_size + num_queries - 1)
             k_win, v_win = k_slc[:, -span:], v_slc[:, -span:]
         return BranchKeys(k_slc, v_slc, k_win, v_win, self.cmp_k, self.cmp_v, self.cmp_end)
@@ -371,7 +372,8 @@ class NSAStaticLayerCache:
     replays it. The price is memory: the key buffers hold max_cache_len tokens from the prompt on.
 
     k_slc/v_slc (B, N, Hkv, D): key p at index p (not yet written: zero, with doc_pos -1).
-    k_win/v_win (B, w, Hkv, D): a ring, key p at slot p % w (kv_per_branch; otherwise the window reads k_slc).
+    k_win/v_win (B, w, Hkv, D): a ring, key p at slot p % w, where the window has a K/V set apart from the
+    selection's (kv_per_branch True, "slc" or "win"); otherwise the window reads k_slc.
     tail_k/tail_v (B, l, Hkv, D): a ring of the raw keys/values, p at slot p % l (the next compressed token's).
     cmp_k/cmp_v/cmp_end (B, N // d + 2, ...): each row's compressed tokens in its first cmp_count slots, the rest
     empty (zero, end -1); the last slot takes the (empty) writes of rows that emit nothing at a step.
@@ -413,7 +415,7 @@ class NSAStaticLayerCache:
             self.k_win.index_copy_(1, step.window_slot, k_win)
             self.v_win.index_copy_(1, step.window_slot, v_win)
             k_win, v_win = self.k_win, self.v_win
-        else:  # shared K/V: the window reads the key buffer itself (a "ring" of N slots: key p at slot p)
+        else:  # the window shares the selection's set: it reads the key buffer (a "ring" of N slots: key p at p)
             k_win, v_win = self.k_slc, self.v_slc
         return BranchKeys(self.k_slc, self.v_slc, k_win, v_win, self.cmp_k, self.cmp_v, self.cmp_end, query_end)
 
@@ -450,7 +452,7 @@ class NSAStaticLayerCache:
             self.tensors[name][:, :num_keys] = tokens
         if k_raw is None:  # dense attention keeps keys only
             return
-        if k_win is not None:  # kv_per_branch (shared K/V: the window reads k_slc)
+        if k_win is not None:  # a window K/V set of its own (else the window reads k_slc)
             ring("k_win", k_win, self.params.window_size)
             ring("v_win", v_win, self.params.window_size)
         ring("tail_k", k_raw, self.params.cmp_block_size)
@@ -532,7 +534,7 @@ class NSACache(Cache):
         """Store one attention step's keys in layer `layer_idx` and return what its branches read (Llama's
         Cache.update, with NSA's branches). key_states/value_states (B, Tq, Hkv, D): the selection keys (dense
         attention's keys), rotated; doc_pos (B, Tk): as append_positions returned it. NSA mode adds k_win/v_win
-        (rotated; None with shared K/V), k_raw/v_raw (un-rotated, compression's input), `compress` and, for a static
+        (rotated; None where the window shares the selection's K/V set), k_raw/v_raw (un-rotated, compression's input), `compress` and, for a static
         cache's prompt, the prompt's CompressedLayout (NSAModel builds it once for every layer)."""
         query_end = self.cursor if self.decoding else None  # a static cache's step: written at the cursor
         return self.layers[layer_idx].update(key_states, value_states, doc_pos, k_win, v_win, k_raw, v_raw, compress,

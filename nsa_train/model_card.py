@@ -146,9 +146,11 @@ def attention_structure(config) -> str:
     if config.attention_mode != "nsa":
         return ("dense: causal attention over every earlier token of the document (the config's NSA fields are kept "
                 "but not used)")
+    kv_sets = {True: "one per branch", False: "one shared by the branches"}.get(
+        config.kv_per_branch, f"`{config.kv_per_branch}`'s own, one shared by the other two")
     return (f"NSA: compression block l = {config.cmp_block_size}, stride d = {config.cmp_stride}; selection block "
             f"l' = {config.sel_block_size}, n = {config.sel_num_blocks} selected; window {config.window_size}; "
-            f"compressor `{config.compressor}`")
+            f"compressor `{config.compressor}`; K/V sets: {kv_sets}")
 
 
 def quality_section(run, attention_mode: str) -> str:

@@ -630,6 +630,8 @@ def test_static_cache_generates_what_the_default_cache_does(variant):
         assert layer.cmp_end.shape[1] == cache.capacity // TINY["cmp_stride"] + 2
         if variant == "mlp-kvsplit":
             assert layer.k_win.shape[1] == TINY["window_size"]
+        else:  # the window shares the selection's K/V set: it reads k_slc, and the cache keeps no ring of its own
+            assert getattr(layer, "k_win", None) is None
 
 
 def test_beam_search_with_the_static_cache_equals_the_default_cache():

@@ -447,7 +447,7 @@ def test_resume_of_a_finished_run_changes_nothing(tmp_path, capsys):
     config = json.loads((out / "final" / "config.json").read_text())
     assert (f"| attention | NSA: compression block l = {config['cmp_block_size']}, stride d = {config['cmp_stride']}; "
             f"selection block l' = {config['sel_block_size']}, n = {config['sel_num_blocks']} selected; window "
-            f"{config['window_size']}; compressor `mlp` |") in card
+            f"{config['window_size']}; compressor `mlp`; K/V sets: one per branch |") in card
     # raising --max-steps trains further, with the schedule laid over the new length: said, since the rate jumps
     capsys.readouterr()
     summary = run_main(tiny_args(out, max_steps=3, save_every=2, resume="latest"))
@@ -728,6 +728,9 @@ def test_model_card_names_nsa_structure_only_for_an_nsa_checkpoint(tmp_path):
     nsa = attention_row(cmp_block_size=16, cmp_stride=8, sel_block_size=32, sel_num_blocks=4, window_size=64,
                         compressor="mean_mlp")
     assert "l = 16, stride d = 8; selection block l' = 32, n = 4 selected; window 64; compressor `mean_mlp`" in nsa
+    assert "K/V sets: one per branch" in nsa
+    assert "K/V sets: one shared by the branches |" in attention_row(kv_per_branch=False)
+    assert "K/V sets: `win`'s own, one shared by the other two |" in attention_row(kv_per_branch="win")
     dense = attention_row(attention_mode="dense", compressor="mean_mlp")
     assert dense.startswith("| attention | dense:") and "not used" in dense
     assert "compressor" not in dense and "window" not in dense

@@ -169,7 +169,7 @@ def test_default_long_context_lengths_leave_out_the_multiples_too_short_for_the_
         long_context_settings(cfg(32), tokenizer, 384, said.append)
 
 
-@pytest.mark.parametrize("kv_per_branch", [True, False, "slc", "cmp"])
+@pytest.mark.parametrize("kv_per_branch", [True, False, "slc", "cmp", "win"])
 def test_dense_twin_starts_from_the_nsa_weights(kv_per_branch):
     """Built by the trainer with one seed, the NSA model and its dense twin hold the same shared parameters (the
     dense K/V projection: the NSA selection branch's set), and the generator stands at the same place after."""
@@ -191,8 +191,9 @@ def test_dense_twin_starts_from_the_nsa_weights(kv_per_branch):
     for name, param in dense.items():
         expected = nsa[name]
         if kv_per_branch is not False and name.endswith("kv_proj.weight"):
-            # sets (cmp, slc, win), or ("cmp and win" shared, slc's own), or (cmp's own, "slc and win"): slc's is set 1
-            expected = expected.view(2 if kv_per_branch in ("slc", "cmp") else 3, -1, expected.shape[-1])[1]
+            # the NSA sets: (cmp, slc, win); (cmp+win, slc); (cmp, slc+win); (cmp+slc, win): the selection's set
+            sets, slc_set = {True: (3, 1), "slc": (2, 1), "cmp": (2, 1), "win": (2, 0)}[kv_per_branch]
+            expected = expected.view(sets, -1, expected.shape[-1])[slc_set]
         assert torch.equal(param, expected), name
     assert torch.equal(after["nsa"], after["dense"])
     assert models["dense"].lm_head.weight is models["dense"].model.embed_tokens.weight  # still tied
