@@ -535,3 +535,25 @@ def test_a_share_gap_whose_interval_runs_past_the_whole_range_says_so():
     assert seed_groups.share_gap(gap, half, seeds) == "-50% ± 635% (2 seeds; the interval runs past ±100%: more seeds narrow it)"
     assert seed_groups.share_gap(-0.59, 0.72, [0, 1, 2, 3]).endswith("(4 seeds; the interval runs past ±100%: more seeds narrow it)")  # -131%
     assert seed_groups.share_gap(-0.30, 0.26, list(range(12))) == "-30% ± 26% (12 seeds)"
+
+
+def test_the_own_kv_set_figures_follow_from_the_committed_results(tmp_path):
+    """bench/QUALITY.md's mean NSA with one branch's own K/V set (478,848 parameters), six seeds: the window's own set
+    - one set -0.0273 ± 0.0464, the compressor's -0.0110 ± 0.0732; three sets - the window's -0.0195 ± 0.0285,
+    three sets - the compressor's -0.0358 ± 0.0593; the two layouts +0.0163 ± 0.0455; three - one on these seeds -0.0468;
+    without seed 2 the compressor's own set - one -0.038 ± 0.029."""
+    smoke = ROOT / "bench" / "results" / "2026-11-30-cpu-ab-smoke-bytes-900"
+    result = seed_groups.main(["--out", str(tmp_path), "--task", "none", "--group", "one", str(smoke / "shared-kv-8-seeds"),
+                               "--group", "win", str(smoke / "kv-own-win"), "--group", "cmp", str(smoke / "kv-own-cmp"),
+                               "--group", "three", f"{smoke}-mean/seeds*"])  # fmt: skip
+    for layout in ("win", "cmp"):
+        runs = json.loads((smoke / f"kv-own-{layout}" / "ab_compare.json").read_text())["runs"]
+        assert {r["num_parameters"] for r in runs} == {478848} and sorted(r["seed"] for r in runs) == list(range(6))
+    assert_paired_loss_gaps(result, {("one", "win"): (-0.0273, 0.0464), ("one", "cmp"): (-0.0110, 0.0732),
+                                     ("win", "three"): (-0.0195, 0.0285), ("cmp", "three"): (-0.0358, 0.0593),
+                                     ("win", "cmp"): (0.0163, 0.0455)})  # fmt: skip
+    loss = {name: {r["seed"]: r["val_loss"] for r in runs} for name, runs in result["groups"].items()}
+    assert round(statistics.mean(loss["three"][s] - loss["one"][s] for s in range(6)), 4) == -0.0468
+    _, gap, half = seed_groups.paired_gap({s: loss["one"][s] for s in (0, 1, 3, 4, 5)},
+                                          {s: loss["cmp"][s] for s in (0, 1, 3, 4, 5)})  # fmt: skip
+    assert (round(gap, 3), round(half, 3)) == (-0.038, 0.029)
