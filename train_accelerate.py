@@ -260,8 +260,8 @@ def dense_twin(config, nsa_model):
         for name, param in model.named_parameters():  # the tied lm_head is the embeddings: listed once
             value = source[name]
             if name.endswith("kv_proj.weight") and value.shape != param.shape:  # (sets * 2 * Hkv * D, hidden)
-                sets = nsa_model.config.kv_set_of_branch  # (the NSA model's: the dense config's is one set)
-                value = value.view(max(sets.values()) + 1, -1, value.shape[-1])[sets["slc"]]  # (2 * Hkv * D, hidden)
+                nsa_config = nsa_model.config  # (the NSA model's sets: the dense config has one)
+                value = value.view(nsa_config.num_kv_sets, -1, value.shape[-1])[nsa_config.kv_set_of_branch["slc"]]
             param.copy_(value)
     return model
 

@@ -197,13 +197,18 @@ class NSAConfig(PreTrainedConfig):
     def kv_set_of_branch(self) -> dict[str, int]:
         """The K/V set each branch (cmp, slc, win) reads, numbered in that order of first use: the K/V projection's
         output is (sets, k/v, Hkv, D). Dense mode has one set (set 0), which its attention reads."""
-        own = self.kv_per_branch
         if self.attention_mode == "dense":
             return dict.fromkeys(BRANCHES, 0)
+        own = self.kv_per_branch
         # the set each branch reads, named: its own, or the one set the others share
         names = [branch if own is True or branch == own else "shared" for branch in BRANCHES]
         order = list(dict.fromkeys(names))
         return {branch: order.index(name) for branch, name in zip(BRANCHES, names)}
+
+    @property
+    def num_kv_sets(self) -> int:
+        """How many K/V sets the K/V projection holds: 3, 2 (kv_per_branch naming a branch) or 1 (shared, or dense)."""
+        return max(self.kv_set_of_branch.values()) + 1
 
     @property
     def num_key_value_groups(self) -> int:

@@ -203,8 +203,7 @@ class NSAAttention(nn.Module):
         self.dense = config.attention_mode == "dense"
         self.is_causal, self.num_key_value_groups = True, config.num_key_value_groups  # (transformers' attention functions)
         # Independent K/V per branch (paper §3.3.3), one shared K/V, or one branch's own and a shared one
-        self.kv_set_of_branch = config.kv_set_of_branch
-        self.num_kv_sets = max(self.kv_set_of_branch.values()) + 1
+        self.kv_set_of_branch, self.num_kv_sets = config.kv_set_of_branch, config.num_kv_sets
         self.params = NSAParams.from_config(config)
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
         self.kv_proj = nn.Linear(config.hidden_size, self.num_kv_sets * 2 * self.num_kv_heads * self.head_dim, bias=False)

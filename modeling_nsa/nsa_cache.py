@@ -534,8 +534,9 @@ class NSACache(Cache):
         """Store one attention step's keys in layer `layer_idx` and return what its branches read (Llama's
         Cache.update, with NSA's branches). key_states/value_states (B, Tq, Hkv, D): the selection keys (dense
         attention's keys), rotated; doc_pos (B, Tk): as append_positions returned it. NSA mode adds k_win/v_win
-        (rotated; None where the window shares the selection's K/V set), k_raw/v_raw (un-rotated, compression's input), `compress` and, for a static
-        cache's prompt, the prompt's CompressedLayout (NSAModel builds it once for every layer)."""
+        (rotated; None where the window shares the selection's K/V set), k_raw/v_raw (un-rotated, compression's
+        input), `compress` and, for a static cache's prompt, the prompt's CompressedLayout (NSAModel builds it once
+        for every layer)."""
         query_end = self.cursor if self.decoding else None  # a static cache's step: written at the cursor
         return self.layers[layer_idx].update(key_states, value_states, doc_pos, k_win, v_win, k_raw, v_raw, compress,
                                              query_end, compressed, self.step)

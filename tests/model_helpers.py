@@ -101,7 +101,8 @@ def naive_layer_forward(layer, hidden_states, doc_pos, config):
 
     Layout read from modeling_nsa.py: q_proj -> (H, D); kv_proj -> (sets, 2, Hkv, D) with sets in
     (cmp, slc, win) order (one shared set when kv_per_branch=False; two when it names a branch);
-    g_proj -> (H, 3) in (cmp, slc, win) order; compressor k_pos_emb/v_pos_emb and k_mlp/v_mlp = Sequential(Linear, GELU, Linear).
+    g_proj -> (H, 3) in (cmp, slc, win) order; compressor k_pos_emb/v_pos_emb and k_mlp/v_mlp =
+    Sequential(Linear, GELU, Linear).
     """
     B, T, _ = hidden_states.shape
     H, Hkv, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim

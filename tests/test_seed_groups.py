@@ -540,8 +540,8 @@ def test_a_share_gap_whose_interval_runs_past_the_whole_range_says_so():
 def test_the_own_kv_set_figures_follow_from_the_committed_results(tmp_path):
     """bench/QUALITY.md's mean NSA with one branch's own K/V set (478,848 parameters), six seeds: the window's own set
     - one set -0.0273 ± 0.0464, the compressor's -0.0110 ± 0.0732; three sets - the window's -0.0195 ± 0.0285,
-    three sets - the compressor's -0.0358 ± 0.0593; the two layouts +0.0163 ± 0.0455; three - one on these seeds -0.0468 ± 0.0314;
-    without seed 2 the compressor's own set - one -0.038 ± 0.029."""
+    three sets - the compressor's -0.0358 ± 0.0593; the two layouts +0.0163 ± 0.0455; three - one on these seeds
+    -0.0468 ± 0.0314; without seed 2 the compressor's own set - one -0.038 ± 0.029."""
     smoke = ROOT / "bench" / "results" / "2026-11-30-cpu-ab-smoke-bytes-900"
     result = seed_groups.main(["--out", str(tmp_path), "--task", "none", "--group", "one", str(smoke / "shared-kv-8-seeds"),
                                "--group", "win", str(smoke / "kv-own-win"), "--group", "cmp", str(smoke / "kv-own-cmp"),
@@ -553,7 +553,8 @@ def test_the_own_kv_set_figures_follow_from_the_committed_results(tmp_path):
                                      ("win", "three"): (-0.0195, 0.0285), ("cmp", "three"): (-0.0358, 0.0593),
                                      ("win", "cmp"): (0.0163, 0.0455)})  # fmt: skip
     loss = {name: {r["seed"]: r["val_loss"] for r in runs} for name, runs in result["groups"].items()}
-    _, gap, half = seed_groups.paired_gap({s: loss["one"][s] for s in range(6)}, {s: loss["three"][s] for s in range(6)})
+    _, gap, half = seed_groups.paired_gap({s: loss["one"][s] for s in range(6)},
+                                          {s: loss["three"][s] for s in range(6)})  # fmt: skip
     assert (round(gap, 4), round(half, 4)) == (-0.0468, 0.0314)
     _, gap, half = seed_groups.paired_gap({s: loss["one"][s] for s in (0, 1, 3, 4, 5)},
                                           {s: loss["cmp"][s] for s in (0, 1, 3, 4, 5)})  # fmt: skip
