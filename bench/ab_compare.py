@@ -27,8 +27,9 @@ is given beside the difference, with the gap's 95% interval (paired by seed wher
 can be read against the noise; the 0.02-nat target is judged met or MISSED only when it lies outside that
 interval (two seeds rarely decide it: give three or more). At the last evaluation the loss is also compared by the
 query's position (the trainer's `val_loss_pos<lo>to<hi>`: inside NSA's window, then ranges doubling beyond it),
-NSA - dense per range with the same interval. Needs matplotlib for the PNG
-(`pip install "nsa-transformers[plot]"`).
+NSA - dense per range with the same interval. NSA runs that logged selection statistics (the trainer's
+`stats.jsonl`, written at every evaluation) get a table of each layer's gates and selection at the last one (mean ±
+std over seeds). Needs matplotlib for the PNG (`pip install "nsa-transformers[plot]"`).
 """
 
 from __future__ import annotations
@@ -352,7 +353,84 @@ def read_run(run_dir: Path) -> dict:
         "peak_mem_gb": max((r["peak_mem_gb"] for r in train_rows if r.get("peak_mem_gb")), default=None),
         "finished": summary.get("finished"), "steps": summary.get("step", max(train, default=None)),
         "long_context": read_long_context(run_dir),
+        "selection": read_selection(run_dir, max(evals)),
     }  # fmt: skip
+
+
+# the per-layer selection statistics (nsa_train.selection_stats.layer_statistics) that the tables carry
+SELECTION_FIELDS = ("gate_cmp_mean", "gate_slc_mean", "gate_win_mean", "blocks_per_query", "distance_mean",
+                    "beyond_window_share", "forced_share", "neighbour_overlap")  # fmt: skip
+# (field, column head, format) of the selection tables, here and in bench/seed_groups.py
+SELECTION_COLUMNS = (("gate_cmp_mean", "gate cmp", "{:.3f}"), ("gate_slc_mean", "gate slc", "{:.3f}"),
+                     ("gate_win_mean", "gate win", "{:.3f}"), ("distance_mean", "mean distance (blocks)", "{:.2f}"),
+                     ("beyond_window_share", "beyond the window", "{:.3f}"),
+                     ("neighbour_overlap", "neighbour overlap", "{:.3f}"))  # fmt: skip
+
+
+def read_selection(run_dir: Path, step: int) -> dict | None:
+    """The run's selection statistics at evaluation step `step` (the trainer's stats.jsonl, one record per
+    evaluation): {"step", "rows", "seq_len", "layers": [{"layer", SELECTION_FIELDS...}]}; None where the run logged
+    none at that step (a dense run, or one trained with --stats-every 0). A resumed run may repeat a step: the last
+    record wins, as for the losses."""
+    path = Path(run_dir) / "stats.jsonl"
+    if not path.is_file():
+        return None
+    found = None
+    for line in path.read_text().splitlines():
+        record = json.loads(line) if line.strip() else {}
+        if record.get("step") == step and record.get("layers"):
+            found = record
+    if found is None:
+        return None
+    try:
+        layers = [{"layer": layer["layer"], **{key: layer[key] for key in SELECTION_FIELDS}} for layer in found["layers"]]
+    except KeyError as e:
+        raise ValueError(f"{path}: step {step}'s record lacks {e}; it was not written by nsa_train.selection_stats "
+                         "(remove the file, or train the run again).") from None
+    return {"step": step, "rows": found.get("rows"), "seq_len": found.get("seq_len"), "layers": layers}
+
+
+def selection_summary(runs: list[dict]) -> list[dict]:
+    """Per layer, each SELECTION_FIELDS' mean and sample std (None for one run) over the runs' selection
+    statistics; [] where some run has none or the runs' layer counts differ."""
+    records = [r.get("selection") for r in runs]
+    if not records or any(s is None for s in records) or len({len(s["layers"]) for s in records}) != 1:
+        return []
+    summary = []
+    for i in range(len(records[0]["layers"])):
+        row = {"layer": records[0]["layers"][i]["layer"]}
+        for key in SELECTION_FIELDS:
+            values = [s["layers"][i][key] for s in records]
+            row[key] = {"mean": statistics.fmean(values),
+                        "std": statistics.stdev(values) if len(values) > 1 else None}  # fmt: skip
+        summary.append(row)
+    return summary
+
+
+def selection_cell(stat: dict, spec: str) -> str:
+    """'mean ± std' of a selection_summary entry, in `spec`'s format."""
+    return spec.format(stat["mean"]) + (f" ± {spec.format(stat['std'])}" if stat["std"] is not None else "")
+
+
+def selection_table(runs: list[dict]) -> list[str]:
+    """Markdown lines: the NSA runs' gates and selection per layer at their last evaluation (selection_summary);
+    empty where some NSA run logged none."""
+    nsa = [r for r in runs if r["mode"] == "nsa"]
+    summary = selection_summary(nsa)
+    if not summary:
+        return []
+    first = nsa[0]["selection"]
+    lines = ["", f"Gates and selection of the NSA runs at the last evaluation (the trainer's stats.jsonl: "
+                 f"{first['rows']} validation row(s) of {first['seq_len']:,} tokens; mean ± std over "
+                 f"{len(nsa)} run(s)). Distance: from the query's own block, in selection blocks; beyond the "
+                 "window: selections of blocks no key of which the window holds; neighbour overlap: the share of a "
+                 "query's blocks its predecessor also chose:", "",
+             "| layer | " + " | ".join(head for _, head, _ in SELECTION_COLUMNS) + " |",
+             "|---|" + "---|" * len(SELECTION_COLUMNS)]  # fmt: skip
+    for row in summary:
+        lines.append(f"| {row['layer']} | " + " | ".join(selection_cell(row[key], spec)
+                                                         for key, _, spec in SELECTION_COLUMNS) + " |")
+    return lines
 
 
 def by_position(evaluation: dict, tokens: int) -> dict | None:
@@ -611,6 +689,7 @@ def markdown(runs: list[dict], comparison: dict, notes: list[str]) -> str:
                       + (f"; seed-to-seed std within a mode {final['seed_std']:.4f}" if final["seed_std"] else "")
                       + "."]  # fmt: skip
     lines += position_table(comparison)
+    lines += selection_table(runs)
     started = {_started_from_twin(r) for r in runs if r.get("config")}
     if len(started) == 1 and None not in started:
         lines += ["", f"Each run started from its own twin's final/ in {started.pop()} (--init-from-runs)."]

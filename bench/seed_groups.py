@@ -30,9 +30,12 @@ evaluate that length is left out of the counts (said in the table). For every tw
   where its training rows ended, and a case one token longer than a row puts the answer's last token there;
 - validation loss, second minus first, paired by the seeds both ran (mean and Student's t 95% half-width), and
   unpaired (Welch's t); where every run recorded it (ab_compare's `val_by_position`, from the trainer's
-  `val_loss_pos<lo>to<hi>`), also each group's loss by the query's position and the paired gap per range. Runs of one seed share their data order; whether they share initial weights depends on
-  the pair: ab_compare's dense twin takes its NSA twin's weights, and compressors "mlp" and "mean_mlp" draw the
-  same weights (but φ's zeroed output layer), whereas "mean" draws none for φ, which shifts every later draw.
+  `val_loss_pos<lo>to<hi>`), also each group's loss by the query's position and the paired gap per range;
+- where every run of a group recorded them (ab_compare's `selection`, from the trainer's `stats.jsonl`), each
+  layer's gates and selection at the last evaluation (mean ± std over seeds) and their gaps, paired by seed.
+Runs of one seed share their data order; whether they share initial weights depends on the pair: ab_compare's
+dense twin takes its NSA twin's weights, and compressors "mlp" and "mean_mlp" draw the same weights (but φ's zeroed
+output layer), whereas "mean" draws none for φ, which shifts every later draw.
 Writes `<out>/seed_groups.md` and `seed_groups.json`, and prints the Markdown.
 """
 
@@ -51,7 +54,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: nsa_train
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: ab_compare
 
-from ab_compare import MODES, read_evaluation, t95  # noqa: E402  (one reader of evaluations, one t table for both tools)
+from ab_compare import (MODES, SELECTION_COLUMNS, read_evaluation, selection_cell, selection_summary,  # noqa: E402
+                        t95)  # (one reader of evaluations, one t table, one selection table for both tools)
 from nsa_train.long_context import run_command, tells_more_than_accuracy  # noqa: E402
 
 
@@ -155,7 +159,8 @@ def read_group(name: str, specs: list[str], task: str, scoring: str) -> list[dic
                              "seed": run.get("seed"), "tokens": tokens, "val_loss": loss, "by_position": by_position,
                              "accuracy": _by_length(evaluation, "accuracy") if evaluation else None,
                              "ended": _by_length(evaluation, "ended") if evaluation else None,
-                             "right_but_last": _by_length(evaluation, "right_but_last") if evaluation else None})  # fmt: skip
+                             "right_but_last": _by_length(evaluation, "right_but_last") if evaluation else None,
+                             "selection": run.get("selection")})  # fmt: skip
     if not runs:
         raise ValueError(f"--group {name}: its sources ({' '.join(specs)}) hold no runs of the mode asked for.")
     seeds = [r["seed"] for r in runs]
@@ -322,6 +327,7 @@ def markdown(groups: dict[str, list[dict]], summary: dict, pairs: dict, length: 
         lines.append("| " + " | ".join([f"{second} vs {first}", *fisher, paired, str(len(c["paired_seeds"])),
                                         f"{_fmt(c['unpaired_gap'])}, t = {_fmt(c['welch_t'], '{:.1f}')}"]) + " |")
     lines += position_lines(groups, pairs)
+    lines += selection_lines(groups)
 
     def tells_more(run):  # some answer at the learned length failed on its last token only
         accuracy = (run["accuracy"] or {}).get(length)
@@ -388,6 +394,41 @@ def position_lines(groups: dict[str, list[dict]], pairs: dict) -> list[str]:
             lines.append(f"| {second} - {first} | " + " | ".join(
                 cell(gaps[key].get("beyond_window_gap"), gaps[key].get("beyond_window_half_width")) if key in gaps
                 else "-" for key in ranges[1:]) + " |")  # fmt: skip
+    return lines
+
+
+def selection_lines(groups: dict[str, list[dict]]) -> list[str]:
+    """Markdown lines: each layer's gates and selection at the last evaluation (ab_compare's `selection`: the trainer's
+    stats.jsonl) of every group whose runs all logged them, mean ± std over seeds, then for each two such groups the
+    difference per layer, second - first, paired by seed (95%); the other groups are named as left out; empty where
+    no group logged them."""
+    summaries = {name: selection_summary(runs) for name, runs in groups.items()}
+    reporting = [name for name, summary in summaries.items() if summary]
+    if not reporting:
+        return []
+    left_out = [name for name in groups if name not in reporting]
+    heads = [head for _, head, _ in SELECTION_COLUMNS]
+    record = groups[reporting[0]][0]["selection"]
+    lines = ["", f"Gates and selection at the last evaluation (the trainer's stats.jsonl: {record['rows']} validation "
+                 f"row(s) of {record['seq_len']:,} tokens), per layer, mean ± std over seeds, then second - first, "
+                 "paired by seed (95%)" + (f"; {', '.join(left_out)}: not logged by every run" if left_out else "")
+             + ":", "", "| group | layer | " + " | ".join(heads) + " |", "|---|---|" + "---|" * len(heads)]  # fmt: skip
+    for name in reporting:
+        for row in summaries[name]:
+            lines.append(f"| {name} | {row['layer']} | " + " | ".join(selection_cell(row[key], spec)
+                                                                      for key, _, spec in SELECTION_COLUMNS) + " |")
+    for first, second in combinations(reporting, 2):
+        if len(summaries[first]) != len(summaries[second]):
+            continue
+        for i, row in enumerate(summaries[first]):
+            cells, seeds = [], []
+            for key, _, spec in SELECTION_COLUMNS:
+                by_seed = [{r["seed"]: r["selection"]["layers"][i][key] for r in groups[name]} for name in (first, second)]
+                seeds, gap, half = paired_gap(*by_seed)
+                sign = spec.replace("{:", "{:+")
+                cells.append("-" if gap is None else sign.format(gap) + (f" ± {spec.format(half)}" if half is not None
+                                                                         else ""))  # fmt: skip
+            lines.append(f"| {second} - {first} ({len(seeds)} seeds) | {row['layer']} | " + " | ".join(cells) + " |")
     return lines
 
 

@@ -65,6 +65,41 @@ def test_trains_both_modes_and_writes_table_plot_and_json(ab):
     assert json.loads((out / "ab_compare.json").read_text())["comparison"] == result["comparison"]
 
 
+def test_the_nsa_runs_selection_at_the_last_evaluation_is_tabled(ab, tmp_path):
+    """The NSA run's gates and selection per layer at its last evaluation, as its stats.jsonl logged them, in the
+    JSON and the Markdown; the dense run has none; a record without a field is an error naming the file."""
+    out, _, result = ab
+    runs = {r["mode"]: r for r in result["runs"]}
+    assert runs["dense"]["selection"] is None
+    logged = [json.loads(line) for line in (out / "nsa-seed3" / "stats.jsonl").read_text().splitlines()]
+    last = [record for record in logged if record["step"] == 2][-1]
+    selection = runs["nsa"]["selection"]
+    assert (selection["step"], selection["rows"], selection["seq_len"]) == (2, last["rows"], 64)
+    assert len(selection["layers"]) == len(last["layers"]) == 2  # the tiny model's layers
+    for read, layer in zip(selection["layers"], last["layers"]):
+        assert read == {"layer": layer["layer"], **{key: layer[key] for key in ab_compare.SELECTION_FIELDS}}
+    table = (out / "ab_compare.md").read_text()
+    assert "Gates and selection of the NSA runs at the last evaluation" in table
+    layer = last["layers"][1]
+    assert (f"| 1 | {layer['gate_cmp_mean']:.3f} | {layer['gate_slc_mean']:.3f} | {layer['gate_win_mean']:.3f} | "
+            f"{layer['distance_mean']:.2f} | {layer['beyond_window_share']:.3f} | {layer['neighbour_overlap']:.3f} |") in table
+    # two runs: mean ± sample std per field
+    twin = {**runs["nsa"], "selection": {**selection, "layers": [{**selection["layers"][0], "distance_mean": 3.0},
+                                                                 selection["layers"][1]]}}  # fmt: skip
+    first = {**runs["nsa"], "selection": {**selection, "layers": [{**selection["layers"][0], "distance_mean": 1.0},
+                                                                  selection["layers"][1]]}}  # fmt: skip
+    summary = ab_compare.selection_summary([first, twin])
+    assert summary[0]["distance_mean"] == {"mean": 2.0, "std": statistics.stdev([1.0, 3.0])}
+    assert ab_compare.selection_summary([first, runs["dense"]]) == []  # a run without statistics: no table
+    # a record at another step is not this evaluation's; a record without a field names the file
+    run_dir = tmp_path / "nsa-seed0"
+    run_dir.mkdir()
+    (run_dir / "stats.jsonl").write_text(json.dumps({"step": 4, "layers": [{"layer": 0}]}) + "\n")
+    assert ab_compare.read_selection(run_dir, 2) is None
+    with pytest.raises(ValueError, match=r"stats.jsonl: step 4's record lacks 'gate_cmp_mean'"):
+        ab_compare.read_selection(run_dir, 4)
+
+
 def test_the_two_runs_differ_only_in_attention_mode(ab):
     out, _, _ = ab
     nsa, dense = (json.loads((out / name / "run.json").read_text()) for name in ("nsa-seed3", "dense-seed3"))

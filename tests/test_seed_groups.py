@@ -183,6 +183,42 @@ def test_loss_by_position_per_group_and_paired_gap(tmp_path):
     assert "by the query's position" not in (tmp_path / "out" / "seed_groups.md").read_text()
 
 
+def test_selection_statistics_per_group_and_paired_gap(tmp_path):
+    """Runs whose ab_compare record holds their selection statistics: each group's mean ± std per layer and field,
+    and second - first per layer, paired by seed; a group with a run that lacks them is named as left out."""
+    def comparison(folder, distances):  # seed -> (layer 0's mean distance, layer 1's); the other fields fixed
+        folder.mkdir(parents=True)
+        fields = {"gate_cmp_mean": 0.1, "gate_slc_mean": 0.2, "gate_win_mean": 0.4, "blocks_per_query": 7.5,
+                  "beyond_window_share": 0.5, "forced_share": 0.39, "neighbour_overlap": 0.75}  # fmt: skip
+        runs = [{"name": f"nsa-seed{seed}", "mode": "nsa", "seed": seed, "val": [[0, 5.0], [1000, 2.0]],
+                 "selection": None if pair is None else {"step": 9, "rows": 2, "seq_len": 1024, "layers": [
+                     {"layer": i, **fields, "distance_mean": d} for i, d in enumerate(pair)]}}
+                for seed, pair in distances.items()]  # fmt: skip
+        (folder / "ab_compare.json").write_text(json.dumps({"runs": runs}))
+
+    comparison(tmp_path / "one", {0: (14.0, 15.0), 1: (15.0, 16.0), 2: (16.0, 14.0)})
+    comparison(tmp_path / "three", {0: (12.0, 10.0), 1: (13.0, 11.0), 2: (13.0, 9.0), 3: (20.0, 20.0)})
+    comparison(tmp_path / "older", {0: (1.0, 1.0), 1: None})
+    result = seed_groups.main(["--out", str(tmp_path / "out"), "--task", "none", "--group", "one", str(tmp_path / "one"),
+                               "--group", "three", str(tmp_path / "three"), "--group", "older",
+                               str(tmp_path / "older")])  # fmt: skip
+    assert result["groups"]["three"][3]["selection"]["layers"][1]["distance_mean"] == 20.0
+    text = (tmp_path / "out" / "seed_groups.md").read_text()
+    assert "2 validation row(s) of 1,024 tokens" in text and "; older: not logged by every run" in text
+    assert "| one | 1 | 0.100 ± 0.000 | 0.200 ± 0.000 | 0.400 ± 0.000 | 15.00 ± 1.00 | 0.500 ± 0.000 | 0.750 ± 0.000 |" in text
+    assert f"| three | 0 | 0.100 ± 0.000 | 0.200 ± 0.000 | 0.400 ± 0.000 | 14.50 ± {statistics.stdev([12, 13, 13, 20]):.2f} |" in text
+    # layer 1, three - one over seeds 0-2 (seed 3 has no twin): -5, -5, -5 -> -5.00 ± 0.00; layer 0: -2, -2, -3
+    gaps = [-2.0, -2.0, -3.0]
+    half = 4.303 * statistics.stdev(gaps) / 3**0.5
+    assert f"| three - one (3 seeds) | 0 | +0.000 ± 0.000 | +0.000 ± 0.000 | +0.000 ± 0.000 | {statistics.fmean(gaps):+.2f} ± {half:.2f} |" in text
+    assert "| three - one (3 seeds) | 1 | +0.000 ± 0.000 | +0.000 ± 0.000 | +0.000 ± 0.000 | -5.00 ± 0.00 |" in text
+    assert "| older |" not in text.split("Gates and selection")[1]
+    # no group logged them: no table
+    seed_groups.main(["--out", str(tmp_path / "out"), "--task", "none", "--group", "older", str(tmp_path / "older"),
+                      "--group", "older-again", str(tmp_path / "older")])  # fmt: skip
+    assert "Gates and selection" not in (tmp_path / "out" / "seed_groups.md").read_text()
+
+
 def test_the_learned_rule_follows_its_flags(two_groups):
     result = seed_groups.main(["--out", str(two_groups / "out"), "--group", "dense", f"{two_groups}/ab:dense",
                                "--group", "nsa", f"{two_groups}/ab:nsa", "--learned-length", "256",
