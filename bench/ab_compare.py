@@ -369,9 +369,10 @@ SELECTION_COLUMNS = (("gate_cmp_mean", "gate cmp", "{:.3f}"), ("gate_slc_mean", 
 
 def read_selection(run_dir: Path, step: int) -> dict | None:
     """The run's selection statistics at evaluation step `step` (the trainer's stats.jsonl, one record per
-    evaluation): {"step", "rows", "seq_len", "layers": [{"layer", SELECTION_FIELDS...}]}; None where the run logged
-    none at that step (a dense run, or one trained with --stats-every 0). A resumed run may repeat a step: the last
-    record wins, as for the losses."""
+    evaluation): {"step", "rows", "seq_len", "layers": [{"layer", SELECTION_FIELDS..., "distance_share": the
+    selections' shares by distance bin, "0", "1", "2-3", "4-7", ... blocks back}]}; None where the run logged none at
+    that step (a dense run, or one trained with --stats-every 0). A resumed run may repeat a step: the last record
+    wins, as for the losses."""
     path = Path(run_dir) / "stats.jsonl"
     if not path.is_file():
         return None
@@ -383,7 +384,8 @@ def read_selection(run_dir: Path, step: int) -> dict | None:
     if found is None:
         return None
     try:
-        layers = [{"layer": layer["layer"], **{key: layer[key] for key in SELECTION_FIELDS}} for layer in found["layers"]]
+        layers = [{"layer": layer["layer"], **{key: layer[key] for key in SELECTION_FIELDS},
+                   "distance_share": layer["distance_share"]} for layer in found["layers"]]  # fmt: skip
     except KeyError as e:
         raise ValueError(f"{path}: step {step}'s record lacks {e}; it was not written by nsa_train.selection_stats "
                          "(remove the file, or train the run again).") from None

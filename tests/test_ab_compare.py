@@ -77,7 +77,8 @@ def test_the_nsa_runs_selection_at_the_last_evaluation_is_tabled(ab, tmp_path):
     assert (selection["step"], selection["rows"], selection["seq_len"]) == (2, last["rows"], 64)
     assert len(selection["layers"]) == len(last["layers"]) == 2  # the tiny model's layers
     for read, layer in zip(selection["layers"], last["layers"]):
-        assert read == {"layer": layer["layer"], **{key: layer[key] for key in ab_compare.SELECTION_FIELDS}}
+        assert read == {"layer": layer["layer"], **{key: layer[key] for key in ab_compare.SELECTION_FIELDS},
+                        "distance_share": layer["distance_share"]}  # fmt: skip
     table = (out / "ab_compare.md").read_text()
     assert "Gates and selection of the NSA runs at the last evaluation" in table
     layer = last["layers"][1]
