@@ -377,8 +377,12 @@ def read_selection(run_dir: Path, step: int) -> dict | None:
     if not path.is_file():
         return None
     found = None
-    for line in path.read_text().splitlines():
-        record = json.loads(line) if line.strip() else {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            record = json.loads(line) if line.strip() else {}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}, line {number}: not JSON ({e}); a run stopped mid-write leaves a cut last line: "
+                             "remove that line.") from None
         if record.get("step") == step and record.get("layers"):
             found = record
     if found is None:
@@ -392,17 +396,26 @@ def read_selection(run_dir: Path, step: int) -> dict | None:
     return {"step": step, "rows": found.get("rows"), "seq_len": found.get("seq_len"), "layers": layers}
 
 
+def selection_layers(run: dict) -> list[int] | None:
+    """The layer indices of a run's selection statistics, None where it has none."""
+    return None if run.get("selection") is None else [layer["layer"] for layer in run["selection"]["layers"]]
+
+
 def selection_summary(runs: list[dict]) -> list[dict]:
     """Per layer, each SELECTION_FIELDS' mean and sample std (None for one run) over the runs' selection
-    statistics; [] where some run has none or the runs' layer counts differ."""
-    records = [r.get("selection") for r in runs]
-    if not records or any(s is None for s in records) or len({len(s["layers"]) for s in records}) != 1:
+    statistics (NaN where some run's is: a layer that selected nothing); [] where some run has none or the runs'
+    layers differ."""
+    layers = [selection_layers(r) for r in runs]
+    if not runs or None in layers or any(ids != layers[0] for ids in layers):
         return []
     summary = []
-    for i in range(len(records[0]["layers"])):
-        row = {"layer": records[0]["layers"][i]["layer"]}
+    for i, layer in enumerate(layers[0]):
+        row = {"layer": layer}
         for key in SELECTION_FIELDS:
-            values = [s["layers"][i][key] for s in records]
+            values = [r["selection"]["layers"][i][key] for r in runs]
+            if any(math.isnan(v) for v in values):
+                row[key] = {"mean": math.nan, "std": None}
+                continue
             row[key] = {"mean": statistics.fmean(values),
                         "std": statistics.stdev(values) if len(values) > 1 else None}  # fmt: skip
         summary.append(row)
@@ -420,6 +433,11 @@ def selection_table(runs: list[dict]) -> list[str]:
     nsa = [r for r in runs if r["mode"] == "nsa"]
     summary = selection_summary(nsa)
     if not summary:
+        missing = [r["name"] for r in nsa if r.get("selection") is None]
+        if nsa and len(missing) < len(nsa):  # some logged them: say why there is no table
+            return ["", f"Gates and selection: not tabled; {', '.join(missing) or 'the runs'} "
+                        + ("logged none at the last evaluation (trained with --stats-every 0, or stopped on an "
+                           "evaluation without statistics)." if missing else "differ in their layers.")]
         return []
     first = nsa[0]["selection"]
     lines = ["", f"Gates and selection of the NSA runs at the last evaluation (the trainer's stats.jsonl: "

@@ -1,17 +1,23 @@
 """How much a trained NSA model leans on each branch: its validation loss with one branch's output removed (that
-branch's gate set to 0 in every layer), against its loss with all three, on the held-out rows as the trainer builds
-them; for groups of seeds, each group's mean and the gaps between groups paired by seed.
+branch's gate set to 0 in every layer), against its loss with all three, on the run's held-out rows; for groups of
+seeds, each group's mean and the gaps between groups paired by seed.
 
-    python bench/branch_ablation.py --dataset runs/data/linux-docs-en.parquet --seq-len 1024 --val-every-doc 20 \
-        --val-tokens 65536 --group three-sets runs/pos_mean/nsa-seed* --group one-set runs/pos_mean_sharedkv_*/nsa-seed* \
-        --out runs/branch_ablation
+    python bench/branch_ablation.py --group three-sets runs/pos_mean/nsa-seed* \
+        --group one-set runs/pos_mean_sharedkv_*/nsa-seed* --out runs/branch_ablation
 
-A MODEL is a run's directory (its final/ is loaded; its seed is read from its run.json) or a saved NSA model
-directory (then it has no seed and is left out of the paired gaps). Removing a branch changes what the next layer
-sees in a way training never did, so the rise in loss measures how much the trained model's output depends on that
-branch, not what the branch would be worth to a model trained without it. Gates are removed through the attention
-seam (`bench/retrieval_anatomy.py`'s `--ablate`, which reads retrieval answers instead of the validation loss).
-Writes `<out>/branch_ablation.md` and `branch_ablation.json`, and prints the Markdown.
+A MODEL is a run's directory (its final/ is loaded, its seed and data flags read from its run.json) or a saved NSA
+model directory (no seed: it is left out of the paired gaps). The held-out rows are the trainer's
+(`nsa_train.data.validation_rows` with the run's --dataset, --dataset-config, --text-column, --seq-len,
+--val-every-doc, --val-tokens and --cross-doc-attention), built with each model's own tokenizer; the runs of one
+call must agree on those flags (the flags given here override run.json, and are required for saved models). Losses
+are computed in float32 without autocast, as the trainer evaluates on a CPU: there the "none" column is the run's
+last validation loss; a run trained on a GPU under bf16 autocast differs from its logged loss slightly.
+
+Removing a branch changes what the next layer sees in a way training never did, so the rise in loss measures how
+much the trained model's output depends on that branch, not what the branch would be worth to a model trained
+without it. Gates are removed through the attention seam (`bench/retrieval_anatomy.py`'s `gate_removed`; its
+`--ablate` reads retrieval answers instead of the validation loss). Writes `<out>/branch_ablation.md` and
+`branch_ablation.json`, and prints the Markdown.
 """
 
 from __future__ import annotations
@@ -33,50 +39,85 @@ from modeling_nsa.configuration_nsa import BRANCHES  # noqa: E402
 from nsa_train.data import make_source, validation_rows  # noqa: E402
 from nsa_train.evaluation import OneProcess, validation_loss  # noqa: E402
 from nsa_train.long_context import load_model_and_tokenizer, run_command  # noqa: E402
-from retrieval_anatomy import _recording  # noqa: E402  (the seam that zeroes a branch's gate)
+from retrieval_anatomy import gate_removed  # noqa: E402
 from seed_groups import paired_gap  # noqa: E402
+
+# the trainer's data flags that decide its held-out rows: (run.json config key, this script's option)
+DATA_FLAGS = (("dataset", "--dataset"), ("dataset_config", "--dataset-config"), ("text_column", "--text-column"),
+              ("seq_len", "--seq-len"), ("val_every_doc", "--val-every-doc"), ("val_tokens", "--val-tokens"),
+              ("cross_doc_attention", "--cross-doc-attention"))  # fmt: skip
+RISES = ("none", *BRANCHES)  # the "none" column is the loss itself, the others its rise with that branch removed
 
 
 def ablation_losses(model, rows, micro_batch_size: int = 8) -> dict[str, float]:
     """{"none": the validation loss, and per branch of BRANCHES: the loss with that branch's gate 0 in every layer}
     on `rows` (nsa_train.data.validation_rows)."""
-    if getattr(model.config, "attention_mode", None) != "nsa":
-        raise ValueError(f"attention_mode {getattr(model.config, 'attention_mode', None)!r}: a model without NSA's "
-                         "branches has none to remove; give NSA models only.")  # fmt: skip
     process = OneProcess(next(model.parameters()).device)
     losses = {"none": validation_loss(model, rows, micro_batch_size, process)["val_loss"]}
     for branch in BRANCHES:
-        with _recording(model, "nsa", {}, ablate=branch):
+        with gate_removed(model, branch):
             losses[branch] = validation_loss(model, rows, micro_batch_size, process)["val_loss"]
     return losses
 
 
-def model_and_seed(spec: str) -> tuple[str, int | None]:
-    """A run's directory -> (its final/, the seed in its run.json); any other path -> (itself, None)."""
+def read_model(spec: str) -> dict:
+    """A MODEL argument -> {"spec", "path" (the directory to load), "seed" (None outside a run), "data" (the run's
+    data flags from its run.json, {} outside a run)}. A run's directory needs its final/."""
     run = Path(spec)
     record = run / "run.json"
-    if record.is_file() and (run / "final").is_dir():
-        seed = json.loads(record.read_text()).get("config", {}).get("seed")
-        return str(run / "final"), seed if isinstance(seed, int) else None
-    return spec, None
+    if not record.is_file():
+        return {"spec": spec, "path": spec, "seed": None, "data": {}}
+    if not (run / "final").is_dir():
+        raise ValueError(f"{spec}: a run's directory without final/ (the trainer exports it when the run ends); "
+                         "finish the run, or give a saved model directory.")  # fmt: skip
+    config = json.loads(record.read_text()).get("config", {})
+    seed = config.get("seed")
+    return {"spec": spec, "path": str(run / "final"), "seed": seed if isinstance(seed, int) else None,
+            "data": {key: config.get(key) for key, _ in DATA_FLAGS if key in config}}  # fmt: skip
+
+
+def data_flags(models: list[dict], given: dict) -> dict:
+    """The held-out rows' flags: each given flag, else the value every run's run.json agrees on; an error naming the
+    runs where they disagree, and the flags needed where no run records one."""
+    flags = {}
+    for key, option in DATA_FLAGS:
+        if given.get(key) is not None:
+            flags[key] = given[key]
+            continue
+        recorded = {m["spec"]: m["data"][key] for m in models if key in m["data"]}
+        values = {json.dumps(v) for v in recorded.values()}
+        if len(values) > 1:
+            raise ValueError(f"the runs' {option} differ ({', '.join(f'{s}: {v!r}' for s, v in recorded.items())}): "
+                             f"their held-out rows differ; compare runs of one data set, or give {option} to "
+                             "evaluate all of them on the same rows.")  # fmt: skip
+        flags[key] = next(iter(recorded.values())) if recorded else None
+    for key, option in (("dataset", "--dataset"), ("seq_len", "--seq-len")):
+        if flags[key] is None:
+            raise ValueError(f"no run.json gives {option} (saved models only): pass the runs' {option}.")
+    defaults = {"text_column": "text", "val_every_doc": 100, "val_tokens": 65536, "cross_doc_attention": False}
+    return {key: defaults.get(key) if flags[key] is None else flags[key] for key, _ in DATA_FLAGS}
 
 
 def group_summary(runs: list[dict]) -> dict[str, dict]:
-    """Per key ("none", then each branch's rise over "none"): mean and sample std (None for one run) over runs."""
+    """Per key of RISES (the loss, then each branch's rise over it): mean and sample std (None for one run)."""
     summary = {}
-    for key in ("none", *BRANCHES):
-        values = [r["losses"][key] - (r["losses"]["none"] if key != "none" else 0.0) for r in runs]
+    for key in RISES:
+        values = [rise(r, key) for r in runs]
         summary[key] = {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else None}
     return summary
 
 
+def rise(run: dict, key: str) -> float:
+    """The run's loss ("none") or the rise in it with `key`'s branch removed."""
+    return run["losses"][key] - (run["losses"]["none"] if key != "none" else 0.0)
+
+
 def pair_gaps(first: list[dict], second: list[dict]) -> dict[str, dict]:
-    """Per key as group_summary's: second - first over the seeds both groups ran (mean, Student's t 95% half-width)."""
+    """Per key of RISES: second - first over the seeds both groups ran (mean, Student's t 95% half-width)."""
     gaps = {}
-    for key in ("none", *BRANCHES):
+    for key in RISES:
         def by_seed(runs):
-            return {r["seed"]: r["losses"][key] - (r["losses"]["none"] if key != "none" else 0.0)
-                    for r in runs if r["seed"] is not None}  # fmt: skip
+            return {r["seed"]: rise(r, key) for r in runs if r["seed"] is not None}
 
         seeds, gap, half = paired_gap(by_seed(first), by_seed(second))
         gaps[key] = {"seeds": seeds, "gap": gap, "half_width": half}
@@ -90,9 +131,9 @@ def markdown(groups: dict[str, list[dict]], summaries: dict, pairs: dict, rows: 
              "| group | model | seed | " + " | ".join(heads) + " |", "|---|---|---|" + "---|" * len(heads)]  # fmt: skip
     for name, runs in groups.items():
         for r in runs:
-            rises = [f"{r['losses'][b] - r['losses']['none']:+.4f}" for b in BRANCHES]
             seed = "" if r["seed"] is None else str(r["seed"])
-            lines.append(f"| {name} | {r['model']} | {seed} | {r['losses']['none']:.4f} | " + " | ".join(rises) + " |")
+            lines.append(f"| {name} | {r['model']} | {seed} | {r['losses']['none']:.4f} | "
+                         + " | ".join(f"{rise(r, b):+.4f}" for b in BRANCHES) + " |")  # fmt: skip
 
     def cell(stat, sign=""):
         spec = "{:" + sign + ".4f}"
@@ -104,12 +145,12 @@ def markdown(groups: dict[str, list[dict]], summaries: dict, pairs: dict, rows: 
         lines.append(f"| {name} | {len(groups[name])} | {cell(summary['none'])} | "
                      + " | ".join(cell(summary[b], "+") for b in BRANCHES) + " |")  # fmt: skip
     if pairs:
-        lines += ["", "Second - first, paired by seed (95%):", "", "| second - first | paired seeds | " + " | ".join(heads) + " |",
-                  "|---|---|" + "---|" * len(heads)]  # fmt: skip
+        lines += ["", "Second - first, paired by seed (95%):", "",
+                  "| second - first | paired seeds | " + " | ".join(heads) + " |", "|---|---|" + "---|" * len(heads)]
         for (first, second), gaps in pairs.items():
             cells = [("-" if g["gap"] is None else f"{g['gap']:+.4f}" + (f" ± {g['half_width']:.4f}"
                                                                           if g["half_width"] is not None else ""))
-                     for g in (gaps[k] for k in ("none", *BRANCHES))]  # fmt: skip
+                     for g in (gaps[k] for k in RISES)]  # fmt: skip
             lines.append(f"| {second} - {first} | {len(gaps['none']['seeds'])} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -119,12 +160,15 @@ def main(argv=None) -> dict:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--group", nargs="+", action="append", required=True, metavar=("NAME", "MODEL"),
                    help="a name, then models (a run's directory, or a saved NSA model); give --group once per group")
-    p.add_argument("--dataset", required=True, help="the runs' --dataset (a local file or folder)")
-    p.add_argument("--tokenizer", default=None, help="the runs' --tokenizer (default: each model's own)")
-    p.add_argument("--text-column", default="text")
-    p.add_argument("--seq-len", type=int, required=True, help="the runs' --seq-len")
-    p.add_argument("--val-every-doc", type=int, default=100, help="the runs' --val-every-doc (trainer default 100)")
-    p.add_argument("--val-tokens", type=int, default=65536, help="the runs' --val-tokens (trainer default 65536)")
+    p.add_argument("--dataset", default=None, help="default: the runs' --dataset (run.json)")
+    p.add_argument("--dataset-config", default=None, help="default: the runs' --dataset-config")
+    p.add_argument("--text-column", default=None, help="default: the runs' --text-column (else text)")
+    p.add_argument("--seq-len", type=int, default=None, help="default: the runs' --seq-len")
+    p.add_argument("--val-every-doc", type=int, default=None, help="default: the runs' (else the trainer's 100)")
+    p.add_argument("--val-tokens", type=int, default=None, help="default: the runs' (else the trainer's 65536)")
+    p.add_argument("--cross-doc-attention", action="store_true", default=None,
+                   help="default: the runs' --cross-doc-attention (rows whose positions run across documents)")
+    p.add_argument("--tokenizer", default=None, help="default: each model's own (its final/ holds the run's)")
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--device", default=None, help="default: cuda where available, else cpu")
     p.add_argument("--out", type=Path, required=True, help="folder for branch_ablation.md and branch_ablation.json")
@@ -135,36 +179,53 @@ def main(argv=None) -> dict:
     names = [g[0] for g in args.group]
     if len(set(names)) != len(names):
         p.error(f"--group names repeat: {names}; give each group its own name.")
-    if args.seq_len <= 1:
-        p.error(f"--seq-len {args.seq_len}: rows need at least 2 tokens; pass the runs' --seq-len.")
-    groups, rows = {}, None
-    for name, *specs in args.group:
+    # everything that can be refused is checked before the first model is evaluated
+    models = {name: [read_model(spec) for spec in specs] for name, *specs in args.group}
+    for name, group in models.items():
+        seeds = [m["seed"] for m in group if m["seed"] is not None]
+        repeated = sorted({s for s in seeds if seeds.count(s) > 1})
+        if repeated:
+            where = ", ".join(m["spec"] for m in group if m["seed"] in repeated)
+            raise ValueError(f"--group {name}: seed {repeated} appears more than once ({where}); a group holds one "
+                             "model per seed.")  # fmt: skip
+        for m in group:
+            config_file = Path(m["path"]) / "config.json"
+            config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+            if config.get("model_type") != "nsa" or config.get("attention_mode", "nsa") != "nsa":
+                raise ValueError(f"{m['spec']}: model_type {config.get('model_type')!r}, attention_mode "
+                                 f"{config.get('attention_mode')!r}: only an NSA model (attention_mode 'nsa') has "
+                                 "branches to remove; give NSA models only.")  # fmt: skip
+    given = {"dataset": args.dataset, "dataset_config": args.dataset_config, "text_column": args.text_column,
+             "seq_len": args.seq_len, "val_every_doc": args.val_every_doc, "val_tokens": args.val_tokens,
+             "cross_doc_attention": args.cross_doc_attention}  # fmt: skip
+    flags = data_flags([m for group in models.values() for m in group], given)
+    if flags["seq_len"] <= 1:
+        p.error(f"--seq-len {flags['seq_len']}: rows need at least 2 tokens; pass the runs' --seq-len.")
+    groups, num_rows = {}, None
+    for name, group in models.items():
         runs = []
-        for spec in specs:
-            path, seed = model_and_seed(spec)
-            model, tokenizer = load_model_and_tokenizer(path, args.tokenizer, args.device, "float32")
-            if rows is None:  # every model is evaluated on the same rows (one tokenizer across the groups)
-                rows = validation_rows(make_source(args.dataset, args.text_column), tokenizer, args.seq_len,
-                                       args.val_every_doc, args.val_tokens)  # fmt: skip
-                if not rows:
-                    raise ValueError(f"--dataset {args.dataset!r} gave no held-out rows with --val-every-doc "
-                                     f"{args.val_every_doc} and --val-tokens {args.val_tokens}: pass the runs' values "
-                                     "(both above 0).")  # fmt: skip
+        for m in group:
+            model, tokenizer = load_model_and_tokenizer(m["path"], args.tokenizer, args.device, "float32")
+            rows = validation_rows(make_source(flags["dataset"], flags["text_column"], flags["dataset_config"]),
+                                   tokenizer, flags["seq_len"], flags["val_every_doc"], flags["val_tokens"],
+                                   flags["cross_doc_attention"])  # fmt: skip
+            if not rows:
+                raise ValueError(f"--dataset {flags['dataset']!r} gave no held-out rows with --val-every-doc "
+                                 f"{flags['val_every_doc']} and --val-tokens {flags['val_tokens']}: pass the runs' "
+                                 "values (both above 0).")  # fmt: skip
+            num_rows = len(rows)
             with torch.no_grad():
                 losses = ablation_losses(model.eval(), rows, args.micro_batch_size)
-            runs.append({"model": spec, "seed": seed, "losses": losses})
-            print(f"{name} {spec}: " + ", ".join(f"{k} {v:.4f}" for k, v in losses.items()), file=sys.stderr, flush=True)
-        seeds = [r["seed"] for r in runs if r["seed"] is not None]
-        if len(set(seeds)) != len(seeds):
-            raise ValueError(f"--group {name}: a seed appears twice ({sorted(seeds)}); a group holds one model per seed.")
+            runs.append({"model": m["spec"], "seed": m["seed"], "losses": losses})
+            print(f"{name} {m['spec']}: " + ", ".join(f"{k} {v:.4f}" for k, v in losses.items()), file=sys.stderr,
+                  flush=True)  # fmt: skip
         groups[name] = runs
     summaries = {name: group_summary(runs) for name, runs in groups.items()}
     pairs = {(a, b): pair_gaps(groups[a], groups[b]) for a, b in combinations(names, 2)}
-    text = markdown(groups, summaries, pairs, len(rows), args.seq_len)
+    text = markdown(groups, summaries, pairs, num_rows, flags["seq_len"])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "branch_ablation.md").write_text(text)
-    result = {"date": time.strftime("%Y-%m-%d"), "dataset": args.dataset, "seq_len": args.seq_len, "rows": len(rows),
-              "val_every_doc": args.val_every_doc, "val_tokens": args.val_tokens, "groups": groups,
+    result = {"date": time.strftime("%Y-%m-%d"), "data": flags, "rows": num_rows, "groups": groups,
               "summaries": summaries, "pairs": [{"first": a, "second": b, **g} for (a, b), g in pairs.items()]}  # fmt: skip
     (args.out / "branch_ablation.json").write_text(json.dumps(result, indent=2))
     print(text)

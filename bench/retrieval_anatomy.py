@@ -88,6 +88,27 @@ def _selection_without(blocks: torch.Tensor, hidden: torch.Tensor, last: int, bl
 
 
 @contextmanager
+def gate_removed(model, branch: str):
+    """While active, `branch`'s gate (one of BRANCHES) is 0 in every NSA layer of `model`, so that branch's output
+    never reaches the model; nothing is recorded (`_recording`'s ablations also keep each layer's inputs)."""
+    if branch not in BRANCHES:
+        raise ValueError(f"branch {branch!r}: one of {list(BRANCHES)}.")
+    code, _ = _model_code(model)
+    seam = code.nsa_attention
+
+    def without_branch(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, **kwargs):
+        gates = gates.clone()
+        gates[..., BRANCHES.index(branch)] = 0  # (B, T, H, 3): the branch's output scaled to 0
+        return seam(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, **kwargs)
+
+    code.nsa_attention = without_branch
+    try:
+        yield
+    finally:
+        code.nsa_attention = seam
+
+
+@contextmanager
 def _recording(model, mode: str, sink: dict, last: int | None = None, ablate: str | None = None,
                hidden: torch.Tensor | None = None, ablate_layers=None):  # fmt: skip
     """While active, each layer's attention inputs land in sink[layer]. NSA: the nsa_attention seam's arguments,

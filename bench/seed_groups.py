@@ -54,8 +54,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: nsa_train
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: ab_compare
 
-from ab_compare import (MODES, SELECTION_COLUMNS, read_evaluation, selection_cell, selection_summary,  # noqa: E402
-                        t95)  # (one reader of evaluations, one t table, one selection table for both tools)
+from ab_compare import (MODES, SELECTION_COLUMNS, read_evaluation, selection_cell, selection_layers,  # noqa: E402
+                        selection_summary, t95)  # (one reader of evaluations, one t table, one selection table for both tools)
 from nsa_train.long_context import run_command, tells_more_than_accuracy  # noqa: E402
 
 
@@ -411,14 +411,17 @@ def selection_lines(groups: dict[str, list[dict]]) -> list[str]:
     record = groups[reporting[0]][0]["selection"]
     lines = ["", f"Gates and selection at the last evaluation (the trainer's stats.jsonl: {record['rows']} validation "
                  f"row(s) of {record['seq_len']:,} tokens), per layer, mean ± std over seeds, then second - first, "
-                 "paired by seed (95%)" + (f"; {', '.join(left_out)}: not logged by every run" if left_out else "")
+                 "paired by seed (95%)" + (f"; {', '.join(left_out)}: not logged by every run (dense runs log "
+                                           "none)" if left_out else "")
              + ":", "", "| group | layer | " + " | ".join(heads) + " |", "|---|---|" + "---|" * len(heads)]  # fmt: skip
     for name in reporting:
         for row in summaries[name]:
             lines.append(f"| {name} | {row['layer']} | " + " | ".join(selection_cell(row[key], spec)
                                                                       for key, _, spec in SELECTION_COLUMNS) + " |")
     for first, second in combinations(reporting, 2):
-        if len(summaries[first]) != len(summaries[second]):
+        if selection_layers(groups[first][0]) != selection_layers(groups[second][0]):
+            lines.append(f"| {second} - {first} | their layers differ: not compared | " + " | ".join(["-"] * len(heads))
+                         + " |")  # fmt: skip
             continue
         for i, row in enumerate(summaries[first]):
             cells, seeds = [], []

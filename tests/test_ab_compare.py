@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import statistics
@@ -92,12 +93,27 @@ def test_the_nsa_runs_selection_at_the_last_evaluation_is_tabled(ab, tmp_path):
     summary = ab_compare.selection_summary([first, twin])
     assert summary[0]["distance_mean"] == {"mean": 2.0, "std": statistics.stdev([1.0, 3.0])}
     assert ab_compare.selection_summary([first, runs["dense"]]) == []  # a run without statistics: no table
-    # a record at another step is not this evaluation's; a record without a field names the file
+    # a NaN statistic (a layer that selected nothing) gives NaN, not an error
+    nan_run = {**first, "selection": {**selection, "layers": [{**selection["layers"][0], "distance_mean": math.nan},
+                                                              selection["layers"][1]]}}  # fmt: skip
+    assert math.isnan(ab_compare.selection_summary([nan_run, twin])[0]["distance_mean"]["mean"])
+    # an NSA run without statistics: no table, a line saying which run and why
+    lines = ab_compare.selection_table([first, {**twin, "name": "nsa-seed9", "selection": None}])
+    assert lines[-1].startswith("Gates and selection: not tabled; nsa-seed9 logged none at the last evaluation")
+    # a record at another step is not this evaluation's; a resumed run's repeated step: the last record wins; a
+    # record without a field, or a cut line, names the file
     run_dir = tmp_path / "nsa-seed0"
     run_dir.mkdir()
-    (run_dir / "stats.jsonl").write_text(json.dumps({"step": 4, "layers": [{"layer": 0}]}) + "\n")
+    layer = {key: 0.5 for key in ab_compare.SELECTION_FIELDS}
+    records = [{"step": 4, "layers": [{"layer": 0, **layer, "distance_mean": d, "distance_share": {}}]} for d in (1.0, 2.0)]
+    (run_dir / "stats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert ab_compare.read_selection(run_dir, 2) is None
+    assert ab_compare.read_selection(run_dir, 4)["layers"][0]["distance_mean"] == 2.0
+    (run_dir / "stats.jsonl").write_text(json.dumps({"step": 4, "layers": [{"layer": 0}]}) + "\n")
     with pytest.raises(ValueError, match=r"stats.jsonl: step 4's record lacks 'gate_cmp_mean'"):
+        ab_compare.read_selection(run_dir, 4)
+    (run_dir / "stats.jsonl").write_text(json.dumps(records[0]) + "\n" + json.dumps(records[1])[:20])
+    with pytest.raises(ValueError, match=r"stats.jsonl, line 2: not JSON"):
         ab_compare.read_selection(run_dir, 4)
 
 

@@ -75,7 +75,7 @@ def test_each_branch_removed_is_its_gate_at_zero(runs_and_data, tmp_path, capsys
     rows = validation_rows(make_source(str(folder / "docs.jsonl"), "text"), load_tokenizer("byt5"), 32, 1, 1000000)
     assert result["rows"] == len(rows) > 1
     for run in (*result["groups"]["runs"], *result["groups"]["saved"]):
-        model = NSAForCausalLM.from_pretrained(branch_ablation.model_and_seed(run["model"])[0]).eval()
+        model = NSAForCausalLM.from_pretrained(branch_ablation.read_model(run["model"])["path"]).eval()
         assert run["losses"]["none"] == pytest.approx(loss_with_gate_at_zero(model, rows, None), rel=1e-6)
         for branch in BRANCHES:
             expected = loss_with_gate_at_zero(model, rows, branch)
@@ -109,18 +109,53 @@ def test_group_means_and_gaps_paired_by_seed():
     rises = [(3.2 - 1.9) - (3.0 - 2.0), (3.3 - 2.0) - (3.4 - 2.2)]  # second's rise - first's, per seed
     assert gaps["win"]["gap"] == pytest.approx(statistics.fmean(rises))
     assert gaps["win"]["half_width"] == pytest.approx(12.706 * statistics.stdev(rises) / 2**0.5, rel=1e-4)
+    text = branch_ablation.markdown({"first": first, "second": second}, {"first": summary,
+                                    "second": branch_ablation.group_summary(second)}, {("first", "second"): gaps}, 4, 32)
+    assert f"| second - first | 2 | {statistics.fmean([-0.1, -0.2]):+.4f} ± " in text
+    assert f"| {statistics.fmean(rises):+.4f} ± {gaps['win']['half_width']:.4f} |" in text
+
+
+def test_the_held_out_rows_follow_the_runs_data_flags(runs_and_data, tmp_path):
+    """Without data flags the rows are the runs' own (run.json); runs that disagree on a flag are refused, naming
+    them, unless the flag is given."""
+    folder = runs_and_data
+    for seed, every in ((0, 1), (1, 2)):
+        run = tmp_path / f"run{seed}"
+        shutil.copytree(folder / f"run{seed}" / "final", run / "final")
+        (run / "run.json").write_text(json.dumps({"config": {
+            "seed": seed, "dataset": str(folder / "docs.jsonl"), "dataset_config": None, "text_column": "text",
+            "seq_len": 32, "val_every_doc": every, "val_tokens": 1000000, "cross_doc_attention": False}}))
+    with pytest.raises(ValueError, match=r"the runs' --val-every-doc differ \(.*run0: 1, .*run1: 2\)"):
+        branch_ablation.main(["--tokenizer", "byt5", "--group", "a", str(tmp_path / "run0"), "--group", "b",
+                              str(tmp_path / "run1"), "--out", str(tmp_path / "out")])  # fmt: skip
+    result = branch_ablation.main(["--tokenizer", "byt5", "--val-every-doc", "2", "--group", "a", str(tmp_path / "run0"), "--group", "b",
+                                   str(tmp_path / "run1"), "--out", str(tmp_path / "out")])  # fmt: skip
+    rows = validation_rows(make_source(str(folder / "docs.jsonl"), "text"), load_tokenizer("byt5"), 32, 2, 1000000)
+    assert result["rows"] == len(rows) and result["data"]["val_every_doc"] == 2 and result["data"]["seq_len"] == 32
+    model = NSAForCausalLM.from_pretrained(tmp_path / "run1" / "final").eval()
+    assert result["groups"]["b"][0]["losses"]["none"] == pytest.approx(loss_with_gate_at_zero(model, rows, None), rel=1e-6)
+    # second - first per seed where both groups ran it: here none (seeds 0 and 1), so the pair table has no gaps
+    assert "| b - a | 0 | - | - | - | - |" in (tmp_path / "out" / "branch_ablation.md").read_text()
 
 
 def test_bad_input_is_named(runs_and_data, tmp_path):
     folder = runs_and_data
     torch.manual_seed(0)
     NSAForCausalLM(tiny_config(attention_mode="dense")).save_pretrained(tmp_path / "dense")
-    with pytest.raises(ValueError, match="attention_mode 'dense': a model without NSA's branches"):
-        branch_ablation.main(["--dataset", str(folder / "docs.jsonl"), *DATA_FLAGS, "--group", "dense",
-                              str(tmp_path / "dense"), "--out", str(tmp_path / "out")])  # fmt: skip
-    with pytest.raises(ValueError, match=r"--group twice: a seed appears twice \(\[0, 0\]\)"):
+    with pytest.raises(ValueError, match="dense: model_type 'nsa', attention_mode 'dense': only an NSA model"):
+        branch_ablation.main(["--dataset", str(folder / "docs.jsonl"), *DATA_FLAGS, "--group", "nsa",
+                              str(folder / "run0"), "--group", "dense", str(tmp_path / "dense"), "--out",
+                              str(tmp_path / "out")])  # fmt: skip
+    with pytest.raises(ValueError, match=r"--group twice: seed \[0\] appears more than once \(.*run0, .*run0/\)"):
         branch_ablation.main(["--dataset", str(folder / "docs.jsonl"), *DATA_FLAGS, "--group", "twice",
                               str(folder / "run0"), str(folder / "run0") + "/", "--out", str(tmp_path / "out")])  # fmt: skip
+    (tmp_path / "unfinished").mkdir()
+    (tmp_path / "unfinished" / "run.json").write_text(json.dumps({"config": {"seed": 3}}))
+    with pytest.raises(ValueError, match="unfinished: a run's directory without final/"):
+        branch_ablation.main([*DATA_FLAGS, "--dataset", str(folder / "docs.jsonl"), "--group", "a",
+                              str(tmp_path / "unfinished"), "--out", str(tmp_path / "out")])  # fmt: skip
+    with pytest.raises(ValueError, match="no run.json gives --dataset"):
+        branch_ablation.main(["--group", "saved", str(folder / "saved"), "--out", str(tmp_path / "out")])
     with pytest.raises(ValueError, match="gave no held-out rows with --val-every-doc 0"):
         branch_ablation.main(["--dataset", str(folder / "docs.jsonl"), "--tokenizer", "byt5", "--seq-len", "32",
                               "--val-every-doc", "0", "--group", "a", str(folder / "run0"), "--out", str(tmp_path / "o")])  # fmt: skip

@@ -197,22 +197,29 @@ def test_selection_statistics_per_group_and_paired_gap(tmp_path):
         (folder / "ab_compare.json").write_text(json.dumps({"runs": runs}))
 
     comparison(tmp_path / "one", {0: (14.0, 15.0), 1: (15.0, 16.0), 2: (16.0, 14.0)})
-    comparison(tmp_path / "three", {0: (12.0, 10.0), 1: (13.0, 11.0), 2: (13.0, 9.0), 3: (20.0, 20.0)})
+    comparison(tmp_path / "three", {0: (12.0, 10.0), 2: (13.0, 9.0), 3: (20.0, 20.0), 5: (13.0, 11.0)})
     comparison(tmp_path / "older", {0: (1.0, 1.0), 1: None})
     result = seed_groups.main(["--out", str(tmp_path / "out"), "--task", "none", "--group", "one", str(tmp_path / "one"),
                                "--group", "three", str(tmp_path / "three"), "--group", "older",
                                str(tmp_path / "older")])  # fmt: skip
-    assert result["groups"]["three"][3]["selection"]["layers"][1]["distance_mean"] == 20.0
+    assert result["groups"]["three"][2]["selection"]["layers"][1]["distance_mean"] == 20.0
     text = (tmp_path / "out" / "seed_groups.md").read_text()
     assert "2 validation row(s) of 1,024 tokens" in text and "; older: not logged by every run" in text
     assert "| one | 1 | 0.100 ± 0.000 | 0.200 ± 0.000 | 0.400 ± 0.000 | 15.00 ± 1.00 | 0.500 ± 0.000 | 0.750 ± 0.000 |" in text
     assert f"| three | 0 | 0.100 ± 0.000 | 0.200 ± 0.000 | 0.400 ± 0.000 | 14.50 ± {statistics.stdev([12, 13, 13, 20]):.2f} |" in text
-    # layer 1, three - one over seeds 0-2 (seed 3 has no twin): -5, -5, -5 -> -5.00 ± 0.00; layer 0: -2, -2, -3
-    gaps = [-2.0, -2.0, -3.0]
-    half = 4.303 * statistics.stdev(gaps) / 3**0.5
-    assert f"| three - one (3 seeds) | 0 | +0.000 ± 0.000 | +0.000 ± 0.000 | +0.000 ± 0.000 | {statistics.fmean(gaps):+.2f} ± {half:.2f} |" in text
-    assert "| three - one (3 seeds) | 1 | +0.000 ± 0.000 | +0.000 ± 0.000 | +0.000 ± 0.000 | -5.00 ± 0.00 |" in text
+    # three - one over the seeds both ran, 0 and 2 (not by position in the groups): layer 1 -5, -5; layer 0 -2, -3
+    gaps = [-2.0, -3.0]
+    half = 12.706 * statistics.stdev(gaps) / 2**0.5
+    assert f"| three - one (2 seeds) | 0 | +0.000 ± 0.000 | +0.000 ± 0.000 | +0.000 ± 0.000 | {statistics.fmean(gaps):+.2f} ± {half:.2f} |" in text
+    assert "| three - one (2 seeds) | 1 | +0.000 ± 0.000 | +0.000 ± 0.000 | +0.000 ± 0.000 | -5.00 ± 0.00 |" in text
     assert "| older |" not in text.split("Gates and selection")[1]
+    # a group of a one-layer model is tabled, and not compared with the two-layer groups
+    comparison(tmp_path / "shallow", {0: (14.0,), 1: (15.0,)})
+    seed_groups.main(["--out", str(tmp_path / "out"), "--task", "none", "--group", "one", str(tmp_path / "one"),
+                      "--group", "shallow", str(tmp_path / "shallow")])  # fmt: skip
+    text = (tmp_path / "out" / "seed_groups.md").read_text()
+    assert "| shallow | 0 | 0.100 ± 0.000 | 0.200 ± 0.000 | 0.400 ± 0.000 | 14.50 ± 0.71 |" in text
+    assert "| shallow - one | their layers differ: not compared |" in text
     # no group logged them: no table
     seed_groups.main(["--out", str(tmp_path / "out"), "--task", "none", "--group", "older", str(tmp_path / "older"),
                       "--group", "older-again", str(tmp_path / "older")])  # fmt: skip
