@@ -40,7 +40,7 @@ from nsa_train.data import make_source, validation_rows  # noqa: E402
 from nsa_train.evaluation import OneProcess, validation_loss  # noqa: E402
 from nsa_train.long_context import load_model_and_tokenizer, run_command  # noqa: E402
 from retrieval_anatomy import gate_removed  # noqa: E402
-from seed_groups import paired_gap  # noqa: E402
+from seed_groups import check_groups, paired_gap, write_report  # noqa: E402
 
 # the trainer's data flags that decide its held-out rows: (run.json config key, this script's option)
 DATA_FLAGS = (("dataset", "--dataset"), ("dataset_config", "--dataset-config"), ("text_column", "--text-column"),
@@ -173,12 +173,8 @@ def main(argv=None) -> dict:
     p.add_argument("--device", default=None, help="default: cuda where available, else cpu")
     p.add_argument("--out", type=Path, required=True, help="folder for branch_ablation.md and branch_ablation.json")
     args = p.parse_args(argv)
-    short = [g[0] for g in args.group if len(g) < 2]
-    if short:
-        p.error(f"--group {short[0]}: give the group's models after its name.")
+    check_groups(p, args.group, "models", at_least=1)
     names = [g[0] for g in args.group]
-    if len(set(names)) != len(names):
-        p.error(f"--group names repeat: {names}; give each group its own name.")
     # everything that can be refused is checked before the first model is evaluated
     models = {name: [read_model(spec) for spec in specs] for name, *specs in args.group}
     for name, group in models.items():
@@ -223,12 +219,9 @@ def main(argv=None) -> dict:
     summaries = {name: group_summary(runs) for name, runs in groups.items()}
     pairs = {(a, b): pair_gaps(groups[a], groups[b]) for a, b in combinations(names, 2)}
     text = markdown(groups, summaries, pairs, num_rows, flags["seq_len"])
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "branch_ablation.md").write_text(text)
     result = {"date": time.strftime("%Y-%m-%d"), "data": flags, "rows": num_rows, "groups": groups,
               "summaries": summaries, "pairs": [{"first": a, "second": b, **g} for (a, b), g in pairs.items()]}  # fmt: skip
-    (args.out / "branch_ablation.json").write_text(json.dumps(result, indent=2))
-    print(text)
+    write_report(args.out, "branch_ablation", text, result)
     return result
 
 

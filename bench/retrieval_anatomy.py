@@ -87,6 +87,13 @@ def _selection_without(blocks: torch.Tensor, hidden: torch.Tensor, last: int, bl
     return torch.where(drop, torch.full_like(blocks, -1), blocks)
 
 
+def _without_gate(gates: torch.Tensor, branch: str) -> torch.Tensor:
+    """gates (B, T, H, 3) with `branch`'s gate at 0 (a copy): that branch's output scaled to 0."""
+    gates = gates.clone()
+    gates[..., BRANCHES.index(branch)] = 0
+    return gates
+
+
 @contextmanager
 def gate_removed(model, branch: str):
     """While active, `branch`'s gate (one of BRANCHES) is 0 in every NSA layer of `model`, so that branch's output
@@ -97,9 +104,8 @@ def gate_removed(model, branch: str):
     seam = code.nsa_attention
 
     def without_branch(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, **kwargs):
-        gates = gates.clone()
-        gates[..., BRANCHES.index(branch)] = 0  # (B, T, H, 3): the branch's output scaled to 0
-        return seam(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, **kwargs)
+        return seam(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, _without_gate(gates, branch), doc_pos, params,
+                    **kwargs)
 
     code.nsa_attention = without_branch
     try:
@@ -134,8 +140,7 @@ def _recording(model, mode: str, sink: dict, last: int | None = None, ablate: st
             def record(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, **kwargs):
                 ablated = ablate if ablate_layers is None or current["layer"] in ablate_layers else None
                 if ablated in BRANCHES:
-                    gates = gates.clone()
-                    gates[..., BRANCHES.index(ablated)] = 0  # (B, T, H, 3): the branch's output scaled to 0
+                    gates = _without_gate(gates, ablated)
                 entry = dict(q=q, k_cmp=k_cmp, v_cmp=v_cmp, cmp_end=cmp_end, k_slc=k_slc, v_slc=v_slc, k_win=k_win,
                              v_win=v_win, gates=gates, doc_pos=doc_pos, params=params)  # fmt: skip
                 kept = slice(-last, None) if last else slice(None)

@@ -435,6 +435,29 @@ def selection_lines(groups: dict[str, list[dict]]) -> list[str]:
     return lines
 
 
+def check_groups(parser: argparse.ArgumentParser, groups: list[list[str]], members: str, at_least: int = 2) -> None:
+    """--group NAME MEMBER... as given (`groups`): at least `at_least` groups, each with members (named `members` in
+    the error), names distinct; else the parser's error with the fix. Shared with bench/branch_ablation.py."""
+    if len(groups) < at_least:  # (argparse's required=True already asks for one)
+        parser.error("give --group at least twice: a comparison needs two groups." if at_least == 2 else
+                     f"give --group at least {at_least} times.")  # fmt: skip
+    short = [g[0] for g in groups if len(g) < 2]
+    if short:
+        parser.error(f"--group {short[0]}: give the group's {members} after its name.")
+    names = [g[0] for g in groups]
+    if len(set(names)) != len(names):
+        parser.error(f"--group names repeat: {names}; give each group its own name.")
+
+
+def write_report(out: Path, stem: str, text: str, result: dict) -> None:
+    """<out>/<stem>.md (text) and <stem>.json (result), then the Markdown printed. Shared with
+    bench/branch_ablation.py."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.md").write_text(text)
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    print(text)
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="bench/seed_groups.py", description=__doc__.split("\n\n")[0],
                                 allow_abbrev=False)
@@ -450,14 +473,8 @@ def main(argv=None) -> dict:
     p.add_argument("--learned-accuracy", type=float, default=0.98,
                    help="accuracy at that length that counts as learned (default 0.98)")
     args = p.parse_args(argv)
-    if len(args.group) < 2:
-        p.error("give --group at least twice: a comparison needs two groups.")
-    short = [g[0] for g in args.group if len(g) < 2]
-    if short:
-        p.error(f"--group {short[0]}: give the group's sources after its name.")
+    check_groups(p, args.group, "sources")
     names = [g[0] for g in args.group]
-    if len(set(names)) != len(names):
-        p.error(f"--group names repeat: {names}; give each group its own name.")
     if not 0 < args.learned_accuracy <= 1:
         p.error(f"--learned-accuracy {args.learned_accuracy}: give a fraction in (0, 1], e.g. 0.98.")
     task = None if args.task == "none" else args.task
@@ -477,13 +494,10 @@ def main(argv=None) -> dict:
     summary = summarize(groups, length, args.learned_accuracy)
     pairs = {(a, b): compare_pair(groups[a], groups[b], length, args.learned_accuracy) for a, b in combinations(names, 2)}
     text = markdown(groups, summary, pairs, length, args.learned_accuracy, task)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "seed_groups.md").write_text(text)
     result = {"task": task, "scoring": args.scoring, "learned_length": length,
               "learned_accuracy": args.learned_accuracy, "date": time.strftime("%Y-%m-%d"), "groups": groups,
               "summary": summary, "pairs": [{"first": a, "second": b, **c} for (a, b), c in pairs.items()]}  # fmt: skip
-    (args.out / "seed_groups.json").write_text(json.dumps(result, indent=2))
-    print(text)
+    write_report(args.out, "seed_groups", text, result)
     return result
 
 
