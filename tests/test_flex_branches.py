@@ -125,7 +125,7 @@ def test_block_mask_lists_every_visible_key_and_only_whole_blocks_as_full(case, 
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # (its math path, on purpose)
-@pytest.mark.parametrize("group", [1, 6, 16])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 6, 8, 16])
 @pytest.mark.parametrize("case,seq_len", [("padded", 200), ("docs", 257)], ids=["padded-T200", "docs-T257"])
 def test_flex_branches_forward_matches_the_reference(case, seq_len, group):
     """FlexAttention (uncompiled: its math path, with the mask_mod) on the masks and the gated sum the GPU run

@@ -73,6 +73,7 @@ _KNOB_IDS = {
     "arch": lambda c: f"sm{c['arch']}",
     "cache_views": lambda c: "cacheviews",
     "static": lambda c: "static",
+    "chunk": lambda c: f"chunk{c['chunk']}",
     "param_overrides": lambda c: "-".join(f"{k}{v}" for k, v in c["param_overrides"].items()),
 }
 
@@ -103,6 +104,8 @@ CPU_CASES = [
     dict(B=2, T=47, H=6, Hkv=2, D=16, layout="varlen"),  # G=3: not a power of two
     dict(B=2, T=64, H=4, Hkv=1, D=32, layout="pad", dtype="float16"),
     dict(B=1, T=81, H=6, Hkv=1, D=16, layout="varlen", dtype="float16"),  # G=6
+    dict(B=2, T=53, H=8, Hkv=1, D=16, layout="pad"),  # G=8: every launch at its default
+    dict(B=1, T=75, H=16, Hkv=1, D=16, layout="varlen"),  # G=16
     # 7 blocks in chunks of 4 = n: the first placed whole, the second merged whole into the top-n lists (a
     # top-k of list and chunk); dK/dV query ranges split in 3 partials
     dict(B=1, T=100, H=4, Hkv=2, D=16, bj=4, split=3, topn_insert_max=0),
@@ -162,15 +165,25 @@ CPU_CASES = [
     dict(B=2, T=70, H=3, Hkv=1, D=16, layout="varlen", sel_pieces=[5, 3, 2, 1]),
     # the same splits over two KV heads (each head's heavy blocks in its own slots)
     dict(B=1, T=60, H=4, Hkv=2, D=16, layout="varlen", sel_pieces=[5, 3, 64, 32]),
+    # ... at G = 1, 4 and 6, over padding
+    dict(B=2, T=67, H=2, Hkv=2, D=16, layout="pad", sel_pieces=[5, 3, 64, 32]),
+    dict(B=1, T=71, H=4, Hkv=1, D=16, layout="pad", sel_pieces=[5, 3, 2, 1]),
+    dict(B=2, T=58, H=6, Hkv=1, D=16, layout="varlen", sel_pieces=[5, 3, 64, 32]),
     # the selected dQ in a launch of its own (launch_overrides(sel_dq_split=True)): G = 1 over padding, G = 16 in
     # fp16 over documents, and sm_80's sub-tiles
     dict(B=1, T=70, H=2, Hkv=2, D=16, layout="pad", sel_dq_split=True),
     dict(B=2, T=81, H=16, Hkv=1, D=16, layout="varlen", dtype="float16", sel_dq_split=True),
     dict(B=2, T=90, H=6, Hkv=1, D=16, layout="varlen", sel_dq_split=True, arch=80),
+    # ... and G = 2, 3, 4, 8 over padding and documents
+    dict(B=2, T=47, H=4, Hkv=2, D=16, layout="varlen", sel_dq_split=True),
+    dict(B=2, T=61, H=3, Hkv=1, D=16, layout="pad", sel_dq_split=True),
+    dict(B=1, T=77, H=4, Hkv=1, D=32, layout="varlen", sel_dq_split=True),
+    dict(B=2, T=59, H=8, Hkv=1, D=16, layout="pad", dtype="float16", sel_dq_split=True),
     # ... with int64 pair positions (the launcher's choice from 2**31 pairs on; int32 below), and int64 K/V offsets
     # in the union walk and the interval tiles (from 2**31 elements in a row's K/V on)
     dict(B=1, T=60, H=4, Hkv=2, D=16, layout="varlen", sel_pieces=[5, 3, 64, 32], sel_pairs_int64=True,
          offsets_int64=True),
+    dict(B=2, T=57, H=3, Hkv=1, D=16, layout="pad", sel_pairs_int64=True, offsets_int64=True),
     # ... with the programs in the order timed until 2026-11-27 (launch_overrides(sel_dkdv_ranges_first=True): key
     # range fastest, the main pass before the heavy pass), one slot so heavy blocks stay with their key range
     dict(B=1, T=60, H=4, Hkv=2, D=16, layout="varlen", sel_pieces=[5, 3, 2, 1], sel_dkdv_ranges_first=True),
@@ -202,6 +215,8 @@ CPU_CASES = [
           (16, 1, 70, 16, "varlen", None, {})]],
     dict(_PAIR_DQ_CASES[4], sel_dq_pairs=True, sel_fwd_pairs=True),
     dict(_PAIR_DQ_CASES[6], sel_dq_pairs=True, sel_fwd_pair_queries=13),
+    dict(_PAIR_DQ_CASES[0], sel_dq_pairs=True),  # the launcher's wiring over padding: G = 1, 4
+    dict(_PAIR_DQ_CASES[3], sel_dq_pairs=True, sel_fwd_pair_queries=13),
     # the block-outer forward with the dQ formed in the selected dK/dV (the whole selected branch pair by pair: the
     # schedule whose floors fit issue 18's 64k target, bench/KERNELS.md): the dK/dV reads the pair forward's
     # log-sum-exp
@@ -222,6 +237,10 @@ CPU_CASES = [
     # the union walk against the same definition (the oracle checked against the default forward)
     dict(kind="selfwd", B=2, T=81, H=6, Hkv=1, D=16, layout="varlen"),
     dict(B=2, T=60, H=3, Hkv=1, D=16, layout="pad", dtype="float16", sel_fwd_pairs=True, sel_fwd_pair_queries=7),
+    # ... whose log-sum-exp the default (union) dQ reads: G = 1, 2, 4 over documents and padding
+    dict(B=2, T=55, H=2, Hkv=2, D=16, layout="varlen", sel_fwd_pairs=True),
+    dict(B=1, T=69, H=4, Hkv=2, D=16, layout="pad", sel_fwd_pairs=True, sel_fwd_pair_queries=9),
+    dict(B=2, T=63, H=4, Hkv=1, D=16, layout="varlen", dtype="float16", sel_fwd_pairs=True),
     # H100's launches at head_dim 128 (the dK/dV in 16-row tiles, the interval-only dQ in 32-row tiles; the same
     # launch for both pair-wise modes)
     dict(B=1, T=70, H=8, Hkv=1, D=128, layout="varlen", arch=90, sel_dq_in_dkdv=True),
@@ -243,6 +262,10 @@ CPU_CASES = [
       for g, hkv, layout, t, bj in [(1, 2, "pad", 300, 4), (2, 1, "varlen", 700, None), (3, 2, "pad", 700, None),
                                     (4, 1, "varlen", 300, 4), (6, 2, "varlen", 300, 4), (8, 1, "varlen", 600, None),
                                     (16, 1, "varlen", 300, 4)]],
+    # every entering block merged by a top-k (topn_insert_max=0) and every one inserted (8), over documents and
+    # padding: both of the top-n's list updates against the reference's scores
+    dict(kind="select", B=2, T=300, H=6, Hkv=2, D=16, layout="varlen", bj=4, topn_insert_max=0),
+    dict(kind="select", B=2, T=300, H=4, Hkv=1, D=16, layout="pad", bj=4, topn_insert_max=8),
     # lists of n = 5 in 8 slots, chunks of 16 blocks (38 blocks a row: three chunks): a chunk's best 8 merged with
     # the list's kept 5 (no first chunk placed: n < 8), slots past n then holding entries no later insertion or
     # merge may take for kept ones
@@ -348,6 +371,22 @@ CPU_CASES = [
     # 16-slot splits and 3-block top-n ranges so that programs past the written keys exist and must find nothing
     dict(kind="decode", B=2, T=90, H=6, Hkv=2, D=16, steps=[1, 9, 16, 17, 50, 89], Tw=16, layout="varlen",
          decode_split=16, decode_topn_blocks=3, static=True),
+    # decoding at G = 4, 8 and 16 (rows padded to 16 head rows: 16 the one with none padded), eager and static,
+    # over split compressed slots, top-n ranges, parts and the fused combine
+    dict(kind="decode", B=2, T=300, H=8, Hkv=2, D=16, steps=[1, 17, 150, 300], Tw=16, layout="varlen",
+         decode_split=16, decode_topn_blocks=3),
+    dict(kind="decode", B=2, T=120, H=8, Hkv=1, D=16, steps=[1, 30, 77, 119], layout="pad", static=True,
+         decode_sel_step=2, decode_sel_part=4, decode_win_tile=16, decode_win_part=32, decode_fused_combine=1,
+         param_overrides=dict(sel_num_blocks=6, window_size=40)),
+    dict(kind="decode", B=2, T=400, H=16, Hkv=1, D=16, steps=[1, 20, 111, 400], Tw=40, layout="varlen",
+         decode_parts=True, decode_sel_step=4, decode_win_tile=16,
+         param_overrides=dict(sel_num_blocks=6, window_size=40)),
+    dict(kind="decode", B=2, T=90, H=16, Hkv=1, D=16, steps=[1, 16, 17, 50, 89], Tw=16, layout="pad", static=True),
+    dict(kind="decode", B=1, T=100, H=4, Hkv=1, D=32, steps=[1, 33, 100], Tw=16, dtype="float16"),
+    # a chunk of queries after a cache (chunked prefill, speculative verification: nsa_decode_triton with Tq > 1
+    # runs the training forward's kernels on the last Tq positions): G = 3 over documents, G = 16 over padding
+    dict(kind="decode", B=2, T=90, H=6, Hkv=2, D=16, steps=[5, 17, 50, 90], Tw=16, layout="varlen", chunk=5),
+    dict(kind="decode", B=2, T=100, H=16, Hkv=1, D=16, steps=[7, 40, 100], Tw=16, layout="pad", chunk=7),
     # the launchers never make the host wait for the GPU: training forward and backward, eager and static decoding,
     # over packed documents and over padding
     dict(kind="hostsync", B=2, T=90, H=6, Hkv=2, D=16, layout="varlen"),
@@ -589,6 +628,14 @@ GPU_CASES = [
     dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_fwd_max_registers=128, topn_max_registers=128),
     # the int64 offsets of huge inputs (pair positions, K/V and q rows within a row), forced at a real size
     dict(B=2, T=1000, H=12, Hkv=2, D=64, layout="varlen", sel_pairs_int64=True, offsets_int64=True),
+    # the selected dQ in a launch of its own (sel_dq_split, tune variant seldq_split): its compiled kernel and its
+    # extra rounding of the interval dQ, at G = 6, 16 and 8 (head_dim 128)
+    dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_dq_split=True),
+    dict(B=2, T=1000, H=16, Hkv=1, D=64, layout="varlen", sel_dq_split=True),
+    dict(B=1, T=2048, H=8, Hkv=1, D=128, layout="pad", sel_dq_split=True),
+    # the block-outer forward with the default (union) dQ, which reads its log-sum-exp, at G = 1 and 4
+    dict(B=1, T=2048, H=4, Hkv=4, D=64, layout="varlen", sel_fwd_pairs=True),
+    dict(B=2, T=1000, H=8, Hkv=2, D=64, layout="pad", sel_fwd_pairs=True),
 ]
 for _c in GPU_CASES:
     _c.setdefault("dtype", "bfloat16")
@@ -605,13 +652,29 @@ def test_gpu_kernels_match_reference(case):
     _check(res, case, 1e-2)
 
 
+# the decode cases on the GPU: G = 6 eagerly at three lengths (9000: top-n over three block ranges); a static
+# cache's step (parts) with the separate combine launch and with the parts' last program combining them
+# (decode_fused_combine), at G = 6 and 16; G = 4 and 8 eagerly; a chunk of 7 queries after a cache
+_GPU_DECODE_CASES = [
+    *[dict(T=T, H=12, Hkv=2) for T in (100, 4097, 9000)],
+    *[dict(T=9000, H=h, Hkv=hkv, static=True, decode_fused_combine=fused)
+      for h, hkv in ((12, 2), (16, 1)) for fused in (0, 1)],
+    dict(T=4097, H=8, Hkv=2, layout="varlen"),
+    dict(T=4097, H=8, Hkv=1),
+    dict(T=4097, H=12, Hkv=2, layout="varlen", chunk=7),
+]
+
+
 @GPU
-@pytest.mark.parametrize("T", [100, 4097, 9000])  # 9000: top-n over three block ranges
-def test_gpu_decode_matches_reference(T):
+@pytest.mark.parametrize("knobs", _GPU_DECODE_CASES,
+                         ids=[_case_id(dict(c, B=2, D=64, dtype="bfloat16", kind="decode")) for c in _GPU_DECODE_CASES])
+def test_gpu_decode_matches_reference(knobs):
     from triton_helpers import run_decode_case
 
-    case = dict(kind="decode", B=2, T=T, H=12, Hkv=2, D=64, steps=[1, 31, 32, 33, T // 2, T], Tw=512,
-                dtype="bfloat16", device="cuda", params="default", layout="pad")
+    T = knobs["T"]
+    steps = [7, 31, 32, 33, T // 2, T] if knobs.get("chunk") else [1, 31, 32, 33, T // 2, T]
+    case = dict(dict(kind="decode", B=2, D=64, steps=steps, Tw=512, dtype="bfloat16", device="cuda",
+                     params="default", layout="pad"), **knobs)
     res = run_decode_case(case)
     assert res["decode"] <= 1e-2, res
 

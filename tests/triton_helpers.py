@@ -596,12 +596,17 @@ def static_layout(t, ce, doc_pos, Tk, Tw):
 def run_decode_case(case: dict) -> dict:
     """Decode (Tq = 1, window cache of the last Tw keys) Triton vs reference at every position in steps.
     cache_views: every cache tensor a view of a larger buffer (`in_buffer`), as NSACache passes them.
-    static: NSACache(static=True)'s layout (`static_layout`), for both the kernels and the reference."""
+    static: NSACache(static=True)'s layout (`static_layout`), for both the kernels and the reference.
+    chunk: queries per step (default 1): the last `chunk` of the Tk positions after a cache (chunked prefill,
+    speculative verification), whose window cache then holds the last Tw + chunk - 1 keys."""
     layout, reference, tri = import_nsa()
     t, cmp_end_full, doc_pos, p, dtype, device = case_setup(case)
+    chunk = case.get("chunk", 1)
+    if chunk > 1 and (case.get("static") or min(case["steps"]) < chunk):
+        raise ValueError(f"decode case: chunk={chunk} needs every step >= chunk and no static cache (one query)")
     worst = 0.0
     for Tk in case["steps"]:
-        Tw = min(Tk, case.get("Tw", p.window_size))
+        Tw = min(Tk, case.get("Tw", p.window_size) + chunk - 1)
         dp = doc_pos[:, :Tk]
         ce = layout.compressed_token_ends(dp, p, num_slots=cmp_end_full.shape[1])
         # slots of the prefix are the first slots of the full layout (sorted by end index)
@@ -615,7 +620,8 @@ def run_decode_case(case: dict) -> dict:
             plain = [x.float() if x.is_floating_point() else x for x in cache]
             cache, query_end = static_layout(t, ce, doc_pos, Tk, case.get("Tw", p.window_size))
         k_cmp, v_cmp, ce, k_slc, v_slc, k_win, v_win, dp = cache
-        args = (t["q"][:, Tk - 1 : Tk], k_cmp, v_cmp, ce, k_slc, v_slc, k_win, v_win, t["gates"][:, Tk - 1 : Tk], dp, p)
+        queries = slice(Tk - chunk, Tk)
+        args = (t["q"][:, queries], k_cmp, v_cmp, ce, k_slc, v_slc, k_win, v_win, t["gates"][:, queries], dp, p)
         o = tri.nsa_decode_triton(*args, query_end=query_end)
         floats = [a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
         if query_end is not None:
