@@ -72,6 +72,8 @@ _KNOB_IDS = {
     "block_n": lambda c: f"keytile{c['block_n']}",
     "arch": lambda c: f"sm{c['arch']}",
     "cache_views": lambda c: "cacheviews",
+    "dq_rows": lambda c: f"dq{c['dq_rows']}rows",
+    "topn_rows": lambda c: f"topn{c['topn_rows']}rows",
     "static": lambda c: "static",
     "chunk": lambda c: f"chunk{c['chunk']}",
     "param_overrides": lambda c: "-".join(f"{k}{v}" for k, v in c["param_overrides"].items()),
@@ -154,6 +156,12 @@ CPU_CASES = [
     dict(B=1, T=77, H=8, Hkv=2, D=16, layout="pad", sel_sub_rows=16),
     # 16 selected blocks: the fused dQ takes 128-row tiles (21 queries x G=6) on sm_90
     dict(B=1, T=300, H=6, Hkv=1, D=16, layout="varlen", param_overrides=dict(sel_num_blocks=16)),
+    # ... in 64-row tiles instead (tune variant dq64rows), over padding
+    dict(B=2, T=150, H=6, Hkv=1, D=16, layout="pad", arch=90, dq_rows=64, param_overrides=dict(sel_num_blocks=16)),
+    # the top-n in 128-row programs (16 queries x 8 padded heads) and 16-row ones (4 queries x 4 padded heads):
+    # tiles cut by documents and padding
+    dict(B=2, T=90, H=6, Hkv=1, D=16, layout="pad", topn_rows=128),
+    dict(B=2, T=77, H=3, Hkv=1, D=16, layout="varlen", topn_rows=16),
     # G = 1 with 16 selected blocks: the fused dQ's 128-query tiles on sm_90, whose choice bits fill four words
     # (the union walk reads words 1-3 from a second tensor)
     dict(B=1, T=130, H=2, Hkv=2, D=16, layout="varlen", param_overrides=dict(sel_num_blocks=16)),
