@@ -193,7 +193,7 @@ def test_selection_map_codes_and_png(model, batch, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_selection_map_cli(model, tmp_path):
+def test_selection_map_cli(model, tmp_path, capsys):
     from transformers import ByT5Tokenizer
 
     model.save_pretrained(tmp_path / "final")
@@ -201,6 +201,11 @@ def test_selection_map_cli(model, tmp_path):
     result = selection_map.main([str(tmp_path / "final"), "--prompt", "A prompt of a few dozen bytes, long enough.",
                                  "--layer", "1", "--group", "0", "--out", str(tmp_path / "map.png")])  # fmt: skip
     assert (tmp_path / "map.png").is_file() and result["codes"].shape[0] == 44
+    # a prompt longer than --max-len is cut, and said (ByT5 ends it with its EOS: 51 tokens)
+    capsys.readouterr()
+    result = selection_map.main([str(tmp_path / "final"), "--prompt", "x" * 50, "--max-len", "30", "--out",
+                                 str(tmp_path / "cut.png")])  # fmt: skip
+    assert result["codes"].shape[0] == 30 and "the prompt's first 30 of 51 tokens (--max-len 30)" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"--layer 5: the model has layers 0..1"):
         selection_map.main([str(tmp_path / "final"), "--prompt", "abc", "--layer", "5"])
 

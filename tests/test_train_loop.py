@@ -921,6 +921,23 @@ def test_checkpoints_do_not_warn_about_the_tied_head(tmp_path, caplog):
     assert not [r.getMessage() for r in caplog.records if "Removed shared tensor" in r.getMessage()]
 
 
+def test_init_from_takes_the_saved_tokenizer_unless_one_is_given(tmp_path):
+    """--init-from a folder with a saved tokenizer (a run's final/) uses it where --tokenizer is not on the command
+    line, even under a preset that names another; a --tokenizer given wins."""
+    import train_accelerate
+
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / "tokenizer_config.json").write_text('{"tokenizer_class": "GPT2Tokenizer"}')
+    assert train_accelerate.parse_args(tiny_args(tmp_path / "a", init_from=final, tokenizer=None)).tokenizer == str(final)
+    assert train_accelerate.parse_args(["--preset", "smoke", "--init-from", str(final)]).tokenizer == str(final)
+    for given in (["--tokenizer", "byt5"], ["--tokenizer=byt5"]):
+        assert train_accelerate.parse_args(["--preset", "smoke", "--init-from", str(final), *given]).tokenizer == "byt5"
+    bare = tmp_path / "bare"  # no tokenizer saved: the flag's default (the preset's)
+    bare.mkdir()
+    assert train_accelerate.parse_args(["--preset", "smoke", "--init-from", str(bare)]).tokenizer == "byt5"
+
+
 def test_init_from_a_saved_model_and_eval_only(tmp_path, capsys):
     """--init-from starts from a saved model's weights (its step-0 validation loss is the one it ended with), and
     --eval-only evaluates it on the same held-out rows, writes eval.json and trains nothing."""
@@ -1205,3 +1222,24 @@ def test_run_json_keeps_each_launch_and_the_card_names_earlier_code(tmp_path):
     run_main(tiny_args(fresh, max_steps=1))
     assert len(json.loads((fresh / "run.json").read_text())["launches"]) == 1
     assert "the run was resumed" not in (fresh / "final" / "README.md").read_text()
+
+
+def test_short_data_says_its_validation_rows_and_each_new_epoch(tmp_path, capsys):
+    """Data too small for --val-tokens and for the run's tokens: the trainer says how many validation rows it has
+    (instead of silently evaluating on fewer) and when the training stream starts over."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [f"Document {i} says that the number {i} comes after {i - 1} and before {i + 1}." for i in range(12)]
+    small = tmp_path / "small.parquet"
+    pq.write_table(pa.table({"text": texts}), small)
+    run_main(tiny_args(tmp_path / "run", dataset=small, val_every_doc=6, val_tokens=1024, max_steps=4))
+    log = capsys.readouterr().out
+    assert "note: validation holds 1 row(s) of 64 tokens (64 tokens), fewer than --val-tokens 1,024" in log
+    # 10 training documents of ~20 tokens: each step of 4 rows x 64 tokens reads them through at least once
+    epochs = [line for line in log.splitlines() if "the training data was read through" in line]
+    assert len(epochs) == 4 and "note: step 1: " in epochs[0] and "epoch 1 starts" in epochs[0], log
+    # a run whose data lasts says neither
+    run_main(tiny_args(tmp_path / "long", max_steps=2))
+    log = capsys.readouterr().out
+    assert "note: validation holds" not in log and "read through" not in log
