@@ -77,7 +77,7 @@ class TrainConfig:
     dataset: str = field(default="fineweb-edu", metadata={"help": "fineweb-edu | python-docs | hf://NAME (a Hub dataset, streamed) | parquet:PATH (local parquet shards, e.g. of FineWeb-Edu, streamed the same way) | PATH (file, dir, glob of parquet/jsonl/txt)."})
     dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset config; when not given: sample-10BT for fineweb-edu (or sample-100BT, ...), the dataset's own default for hf://NAME."})
     text_column: str = "text"
-    tokenizer: str = field(default="gpt2", metadata={"help": "AutoTokenizer name or path, or 'byt5' (byte-level, no files). With --init-from a folder that holds a tokenizer (a run's final/), that one unless this flag is given."})
+    tokenizer: str = field(default="gpt2", metadata={"help": "AutoTokenizer name or path, or 'byt5' (byte-level, no files)."})
     seq_len: int = 2048
     cross_doc_attention: bool = field(default=False, metadata={"help": "GPT-2 style rows: attend across documents."})
     data_shard: Literal["docs", "rows"] = field(default="docs", metadata={"help": "docs: each rank tokenizes its own documents; rows: every rank packs the global stream (results independent of the process count)."})
@@ -175,10 +175,6 @@ def parse_args(argv=None) -> TrainConfig:
                      "architecture is the saved model's; drop one of them.")
     if cfg.init_from:
         cfg.model = None  # the saved architecture is used: run.json names no --model (a preset's) it did not use
-        if saved_tokenizer(cfg.init_from) is not None:  # its own tokenizer, unless --tokenizer is on the command line
-            parser.set_defaults(tokenizer=None)
-            if parser.parse_known_args([a for a in argv if a not in ("-h", "--help")])[0].tokenizer is None:
-                cfg.tokenizer = cfg.init_from
     positive, at_least_0 = (lambda v: v >= 1, "a positive integer"), (lambda v: v >= 0, "at least 0")
     adam_beta = (lambda v: 0 <= v < 1, "in [0, 1): AdamW's moment decay")
     for name, (valid, fix) in (("micro_batch_size", positive), ("grad_accum", positive), ("max_steps", at_least_0),
@@ -394,20 +390,25 @@ def announce_run(cfg: TrainConfig, say, n_params: int, source, world: int, out_d
     return tokens_per_step
 
 
-def note_short_validation(cfg: TrainConfig, val_rows: list, say) -> None:
-    """Said where the held-out documents (every --val-every-doc-th) fill fewer rows than --val-tokens asks: the
-    validation loss then rests on those rows alone (data.validation_rows stops at the data's end)."""
-    if val_rows and len(val_rows) * cfg.seq_len < cfg.val_tokens:
-        say(f"note: validation holds {len(val_rows)} row(s) of {cfg.seq_len} tokens ({len(val_rows) * cfg.seq_len:,} "
-            f"tokens), fewer than --val-tokens {cfg.val_tokens:,}: the data's held-out documents (one in every "
-            f"{cfg.val_every_doc}, --val-every-doc) end there; a smaller --val-every-doc or more data holds out more.")
+def note_short_validation(cfg: TrainConfig, val_rows: list, eos_token_id: int, say) -> None:
+    """Said where the held-out documents (one in every --val-every-doc) hold fewer tokens than --val-tokens asks:
+    the validation loss then rests on those alone (data.validation_rows stops at the data's end)."""
+    text_tokens = data.validation_text_tokens(val_rows, eos_token_id)
+    if val_rows and text_tokens < cfg.val_tokens:
+        say(f"note: validation holds {text_tokens:,} tokens of text ({len(val_rows)} row(s) of {cfg.seq_len}), fewer "
+            f"than --val-tokens {cfg.val_tokens:,}: the data's held-out documents (one in every {cfg.val_every_doc}, "
+            "--val-every-doc) end there; a smaller --val-every-doc or more data holds out more.")
 
 
-def note_new_epoch(step: int, epoch_before: int, epoch_now: int, say) -> None:
-    """Said once each time this process's training stream starts over: later steps read documents again."""
+def note_new_epoch(step: int, epoch_before: int, epoch_now: int, world: int, say) -> None:
+    """Said each step in which the main process's training stream starts over (each process reads its own share
+    of the documents, and wraps at its own steps): later steps read documents again."""
     if epoch_now > epoch_before:
-        say(f"note: step {step}: the training data was read through; epoch {epoch_now} starts (the same documents "
-            "again, in another order): from here the training loss is on documents the model has seen.")
+        epochs = f"epoch {epoch_now} starts" if epoch_now == epoch_before + 1 else \
+            f"epochs {epoch_before + 1}-{epoch_now} start"
+        stream = "the training data" if world == 1 else f"process 0's share of the training data (of {world})"
+        say(f"note: step {step}: {stream} was read through; {epochs} (the same documents again, in another order): "
+            "from here the training loss is on documents the model has seen.")
 
 
 def ddp_static_graph(cfg: TrainConfig, num_processes: int, say=print) -> bool:
@@ -685,7 +686,7 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     hub_api = hub.preflight_on_main(accelerator, cfg.push_to_hub, private=cfg.hub_private)
     val_rows = data.validation_rows(source, tokenizer, cfg.seq_len, cfg.val_every_doc, cfg.val_tokens,
                                     cfg.cross_doc_attention)  # fmt: skip
-    note_short_validation(cfg, val_rows, say)
+    note_short_validation(cfg, val_rows, tokenizer.eos_token_id, say)
     schedule = EvalSchedule(cfg.eval_every if val_rows else 0, stats_every(cfg, val_rows, say), cfg.max_steps,
                             out_dir / "stats.jsonl")  # fmt: skip
     long_context = long_context_settings(cfg, tokenizer, model.config.vocab_size, say) if cfg.eval_long_context else None
@@ -756,7 +757,7 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
             skip_nonfinite_step(cfg, run, checkpoints, step_loss, grad_norm, lr)
         epoch_before = run.data.epoch
         run.advance(tokens_per_step, data=micro_batches[-1][1])
-        note_new_epoch(run.step, epoch_before, run.data.epoch, say)
+        note_new_epoch(run.step, epoch_before, run.data.epoch, world, say)
         log.step_done(step_loss)
         watchdog.beat(step=run.step, tokens_seen=run.tokens_seen)
         if log.due(run.step):

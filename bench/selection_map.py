@@ -166,7 +166,7 @@ def main(argv=None) -> dict:
         max_len = args.max_len
         total = len(tokenizer(prompt, verbose=False).input_ids)
         if total > ids.shape[1]:
-            print(f"the prompt's first {ids.shape[1]} of {total} tokens (--max-len {args.max_len})")
+            print(f"the prompt cut to {ids.shape[1]} of its {total} tokens (--max-len {args.max_len})")
     if ids.shape[1] < 2:
         raise ValueError("--prompt: give a prompt of at least 2 tokens.")
     selection = capture_selections(model, {"input_ids": ids}, max_rows=1, max_len=max_len)[args.layer]

@@ -510,6 +510,18 @@ def validation_rows(source, tokenizer, seq_len: int, val_every: int, val_tokens:
     return rows
 
 
+def validation_text_tokens(rows, eos_token_id: int) -> int:
+    """Tokens of text in validation_rows' rows: all but the padding at the end of the last row (EOS tokens without
+    a label; a document's own EOS has one)."""
+    if not rows:
+        return 0
+    ids, _, labels = rows[-1]
+    padding = 0
+    while padding < len(ids) and ids[-1 - padding] == eos_token_id and labels[-1 - padding] == -100:
+        padding += 1
+    return len(rows) * len(ids) - padding
+
+
 def to_batch(rows, device=None) -> dict[str, torch.Tensor]:
     ids, pos, lab = (torch.tensor([r[j] for r in rows], dtype=torch.long) for j in range(3))
     batch = {"input_ids": ids, "position_ids": pos, "labels": lab}

@@ -205,7 +205,7 @@ def test_selection_map_cli(model, tmp_path, capsys):
     capsys.readouterr()
     result = selection_map.main([str(tmp_path / "final"), "--prompt", "x" * 50, "--max-len", "30", "--out",
                                  str(tmp_path / "cut.png")])  # fmt: skip
-    assert result["codes"].shape[0] == 30 and "the prompt's first 30 of 51 tokens (--max-len 30)" in capsys.readouterr().out
+    assert result["codes"].shape[0] == 30 and "the prompt cut to 30 of its 51 tokens (--max-len 30)" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"--layer 5: the model has layers 0..1"):
         selection_map.main([str(tmp_path / "final"), "--prompt", "abc", "--layer", "5"])
 

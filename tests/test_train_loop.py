@@ -15,6 +15,7 @@ import textwrap
 import pytest
 import torch
 from train_helpers import (
+    GPT2,
     PARQUET,
     REPO,
     SHARED,
@@ -921,23 +922,6 @@ def test_checkpoints_do_not_warn_about_the_tied_head(tmp_path, caplog):
     assert not [r.getMessage() for r in caplog.records if "Removed shared tensor" in r.getMessage()]
 
 
-def test_init_from_takes_the_saved_tokenizer_unless_one_is_given(tmp_path):
-    """--init-from a folder with a saved tokenizer (a run's final/) uses it where --tokenizer is not on the command
-    line, even under a preset that names another; a --tokenizer given wins."""
-    import train_accelerate
-
-    final = tmp_path / "final"
-    final.mkdir()
-    (final / "tokenizer_config.json").write_text('{"tokenizer_class": "GPT2Tokenizer"}')
-    assert train_accelerate.parse_args(tiny_args(tmp_path / "a", init_from=final, tokenizer=None)).tokenizer == str(final)
-    assert train_accelerate.parse_args(["--preset", "smoke", "--init-from", str(final)]).tokenizer == str(final)
-    for given in (["--tokenizer", "byt5"], ["--tokenizer=byt5"]):
-        assert train_accelerate.parse_args(["--preset", "smoke", "--init-from", str(final), *given]).tokenizer == "byt5"
-    bare = tmp_path / "bare"  # no tokenizer saved: the flag's default (the preset's)
-    bare.mkdir()
-    assert train_accelerate.parse_args(["--preset", "smoke", "--init-from", str(bare)]).tokenizer == "byt5"
-
-
 def test_init_from_a_saved_model_and_eval_only(tmp_path, capsys):
     """--init-from starts from a saved model's weights (its step-0 validation loss is the one it ended with), and
     --eval-only evaluates it on the same held-out rows, writes eval.json and trains nothing."""
@@ -1235,10 +1219,20 @@ def test_short_data_says_its_validation_rows_and_each_new_epoch(tmp_path, capsys
     pq.write_table(pa.table({"text": texts}), small)
     run_main(tiny_args(tmp_path / "run", dataset=small, val_every_doc=6, val_tokens=1024, max_steps=4))
     log = capsys.readouterr().out
-    assert "note: validation holds 1 row(s) of 64 tokens (64 tokens), fewer than --val-tokens 1,024" in log
-    # 10 training documents of ~20 tokens: each step of 4 rows x 64 tokens reads them through at least once
-    epochs = [line for line in log.splitlines() if "the training data was read through" in line]
-    assert len(epochs) == 4 and "note: step 1: " in epochs[0] and "epoch 1 starts" in epochs[0], log
+    # the two held-out documents' tokens with their EOS, counted here: the row's padding is not text
+    from nsa_train.data import load_tokenizer
+
+    tokenizer = load_tokenizer(GPT2)
+    held_out = sum(len(tokenizer(texts[i])["input_ids"]) + 1 for i in (0, 6))
+    assert held_out < 64
+    assert f"note: validation holds {held_out} tokens of text (1 row(s) of 64), fewer than --val-tokens 1,024" in log
+    # 10 training documents of ~20 tokens (~200 in all): each step of 4 rows x 64 tokens reads them through once
+    # or twice; the notes name every epoch that starts, in order
+    epochs = [re.search(r"step (\d+): the training data was read through; epochs? (\d+)(?:-(\d+))? start", line)
+              for line in log.splitlines() if "was read through" in line]
+    named = [(int(m[1]), int(m[2]), int(m[3] or m[2])) for m in epochs]
+    assert [step for step, _, _ in named] == [1, 2, 3, 4] and named[0][1] == 1, log
+    assert all(b[1] == a[2] + 1 for a, b in zip(named, named[1:])) and any(lo < hi for _, lo, hi in named), log
     # a run whose data lasts says neither
     run_main(tiny_args(tmp_path / "long", max_steps=2))
     log = capsys.readouterr().out

@@ -395,6 +395,8 @@ CPU_CASES = [
     # runs the training forward's kernels on the last Tq positions): G = 3 over documents, G = 16 over padding
     dict(kind="decode", B=2, T=90, H=6, Hkv=2, D=16, steps=[5, 17, 50, 90], Tw=16, layout="varlen", chunk=5),
     dict(kind="decode", B=2, T=100, H=16, Hkv=1, D=16, steps=[7, 40, 100], Tw=16, layout="pad", chunk=7),
+    # ... with every key of the prefix in the window cache (a window K/V set of its own, an assisted-decoding crop)
+    dict(kind="decode", B=2, T=91, H=6, Hkv=2, D=16, steps=[5, 17, 50, 91], Tw=91, layout="varlen", chunk=5),
     # the launchers never make the host wait for the GPU: training forward and backward, eager and static decoding,
     # over packed documents and over padding
     dict(kind="hostsync", B=2, T=90, H=6, Hkv=2, D=16, layout="varlen"),
@@ -579,6 +581,14 @@ def test_interpreter_kernels_match_reference(interpreter_results, i):
     _check(interpreter_results[i], case, tol)
 
 
+def test_case_ids_are_unique():
+    """Each case's id names it in pytest and keys its recorded seconds (CASE_SECONDS_FILE): two cases with one id
+    would share a cost and read as one case in a failure."""
+    for cases in (CPU_CASES, GPU_CASES + _GPU_DECODE_CASES):
+        ids = [_case_id(c) for c in cases]
+        assert len(set(ids)) == len(ids), sorted(i for i in set(ids) if ids.count(i) > 1)
+
+
 def test_triton_is_usable_reports_device():
     from triton_helpers import import_nsa
 
@@ -664,25 +674,24 @@ def test_gpu_kernels_match_reference(case):
 # cache's step (parts) with the separate combine launch and with the parts' last program combining them
 # (decode_fused_combine), at G = 6 and 16; G = 4 and 8 eagerly; a chunk of 7 queries after a cache
 _GPU_DECODE_CASES = [
-    *[dict(T=T, H=12, Hkv=2) for T in (100, 4097, 9000)],
-    *[dict(T=9000, H=h, Hkv=hkv, static=True, decode_fused_combine=fused)
-      for h, hkv in ((12, 2), (16, 1)) for fused in (0, 1)],
-    dict(T=4097, H=8, Hkv=2, layout="varlen"),
-    dict(T=4097, H=8, Hkv=1),
-    dict(T=4097, H=12, Hkv=2, layout="varlen", chunk=7),
+    dict(dict(kind="decode", B=2, D=64, Tw=512, dtype="bfloat16", device="cuda", params="default", layout="pad"),
+         steps=[7 if knobs.get("chunk") else 1, 31, 32, 33, knobs["T"] // 2, knobs["T"]], **knobs)
+    for knobs in [
+        *[dict(T=T, H=12, Hkv=2) for T in (100, 4097, 9000)],
+        *[dict(T=9000, H=h, Hkv=hkv, static=True, decode_fused_combine=fused)
+          for h, hkv in ((12, 2), (16, 1)) for fused in (0, 1)],
+        dict(T=4097, H=8, Hkv=2, layout="varlen"),
+        dict(T=4097, H=8, Hkv=1),
+        dict(T=4097, H=12, Hkv=2, layout="varlen", chunk=7),
+    ]
 ]
 
 
 @GPU
-@pytest.mark.parametrize("knobs", _GPU_DECODE_CASES,
-                         ids=[_case_id(dict(c, B=2, D=64, dtype="bfloat16", kind="decode")) for c in _GPU_DECODE_CASES])
-def test_gpu_decode_matches_reference(knobs):
+@pytest.mark.parametrize("case", _GPU_DECODE_CASES, ids=[_case_id(c) for c in _GPU_DECODE_CASES])
+def test_gpu_decode_matches_reference(case):
     from triton_helpers import run_decode_case
 
-    T = knobs["T"]
-    steps = [7, 31, 32, 33, T // 2, T] if knobs.get("chunk") else [1, 31, 32, 33, T // 2, T]
-    case = dict(dict(kind="decode", B=2, D=64, steps=steps, Tw=512, dtype="bfloat16", device="cuda",
-                     params="default", layout="pad"), **knobs)
     res = run_decode_case(case)
     assert res["decode"] <= 1e-2, res
 

@@ -594,11 +594,13 @@ def static_layout(t, ce, doc_pos, Tk, Tw):
 
 @with_case_launch
 def run_decode_case(case: dict) -> dict:
-    """Decode (Tq = 1, window cache of the last Tw keys) Triton vs reference at every position in steps.
+    """Decoding after a cache, Triton vs reference at every position Tk in steps: the last `chunk` (default 1) of
+    the Tk positions as queries, the window cache the Tw keys before the first query and the chunk's own (the
+    last Tw + chunk - 1; NSACache passes that many with one K/V set, more with a window set of its own and after
+    an assisted-decoding crop: a Tw of T covers those). chunk > 1 is a chunked prefill or a speculative
+    verification (nsa_decode_triton runs the training forward's kernels on the chunk).
     cache_views: every cache tensor a view of a larger buffer (`in_buffer`), as NSACache passes them.
-    static: NSACache(static=True)'s layout (`static_layout`), for both the kernels and the reference.
-    chunk: queries per step (default 1): the last `chunk` of the Tk positions after a cache (chunked prefill,
-    speculative verification), whose window cache then holds the last Tw + chunk - 1 keys."""
+    static: NSACache(static=True)'s layout (`static_layout`), for both the kernels and the reference."""
     layout, reference, tri = import_nsa()
     t, cmp_end_full, doc_pos, p, dtype, device = case_setup(case)
     chunk = case.get("chunk", 1)
