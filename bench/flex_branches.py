@@ -200,7 +200,7 @@ def check_and_time(x, cmp_end, doc_pos, params, flex, time_ms):
                                                  scale)  # fmt: skip
         dk_w, dv_w = interval._interval_bwd_dkdv(q, k_win, v_win, lay[2], lay[3], ranges[1], do, lse_g[2], delta[2],
                                                  scale)  # fmt: skip
-        return dq, dk_c, dv_c, dk_w, dv_w, dgates
+        return dq.lo.view(q.shape), dk_c, dv_c, dk_w, dv_w, dgates  # (the interval branches' fp32 dQ: _FloatDq)
 
     def masks():
         return interval_block_mask(c_lo, c_hi, num_slots)[0], interval_block_mask(w_lo, w_hi, T)[0]

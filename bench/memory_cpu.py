@@ -35,6 +35,7 @@ from triton_helpers import DEFAULT, make_inputs  # noqa: E402
 _OP_IMPLS = {
     torch.ops.nsa_triton.fwd.default: tri._nsa_fwd_op._init_fn,
     torch.ops.nsa_triton.bwd.default: tri._nsa_bwd_op._init_fn,
+    torch.ops.nsa_triton.bwd_reusing_outputs.default: tri._nsa_bwd_reusing_op._init_fn,
 }
 
 

@@ -56,6 +56,7 @@ from .nsa_layout import NSAParams
 from .nsa_triton_common import (  # noqa: F401  (_HAS_TRITON: callers ask this module whether triton imported)
     _HAS_TRITON,
     MIN_COMPUTE_CAPABILITY,
+    _FloatDq,
     triton_is_usable,
     triton_supports,
     triton_unsupported_reason,
@@ -140,14 +141,8 @@ def _(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, para
     )
 
 
-@torch.library.custom_op(f"{_NS}::bwd", mutates_args=())
-def _nsa_bwd_op(
-    dout: torch.Tensor, q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, cmp_end: torch.Tensor,
-    k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor,
-    gates: torch.Tensor, doc_pos: torch.Tensor, o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor,
-    lse_cmp: torch.Tensor, lse_slc: torch.Tensor, lse_win: torch.Tensor, idx: torch.Tensor,
-    params: list[int], scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward_impl(dout, q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, o_cmp, o_slc, o_win,
+                   lse_cmp, lse_slc, lse_win, idx, params, scale, dq_over_outputs: bool):
     p = _params_from(params)
     intervals = _layout(cmp_end, doc_pos, q.shape[1], k_win.shape[1], p)
     c_lo, c_hi, w_lo, w_hi = intervals
@@ -157,11 +152,12 @@ def _nsa_bwd_op(
     # block union ("union"), or formed pair by pair: by a block-outer kernel of its own ("pairs", after the dK/dV
     # kernels), or by the selected dK/dV kernel, which stores per-pair partials that _sel_dq_reduce sums
     # ("partials") or adds them to an fp32 dQ with atomics ("atomic"); in those three dQ is first the fp32 of the
-    # interval branches.
+    # interval branches (a _FloatDq: with dq_over_outputs in o_cmp's and o_win's storage, which no kernel reads
+    # after _bwd_dq).
     cmp, win = (k_cmp, v_cmp, c_lo, c_hi, lse_cmp, o_cmp), (k_win, v_win, w_lo, w_hi, lse_win, o_win)
     sel_dq_mode = _sel_dq_mode()
     dq, dgates, delta, lse_g = _bwd_dq(q, dout, gates, cmp, (k_slc, v_slc, lse_slc, o_slc), win, idx, doc_pos, p,
-                                       scale, sel_dq=sel_dq_mode == "union")  # fmt: skip
+                                       scale, sel_dq=sel_dq_mode == "union", dq_over_outputs=dq_over_outputs)
     # the dK/dV kernels' query ranges per key tile, both interval branches in two launches
     cmp_ranges, win_ranges = _interval_query_ranges(intervals, (k_cmp.shape[1], k_win.shape[1]), _DKDV_KEY_TILE)
     dk_cmp, dv_cmp = _interval_bwd_dkdv(q, k_cmp, v_cmp, c_lo, c_hi, cmp_ranges, dout, lse_g[0], delta[0], scale)
@@ -169,22 +165,56 @@ def _nsa_bwd_op(
     dk_slc, dv_slc = _sel_bwd_dkdv(q, k_slc, v_slc, idx, doc_pos, dout, lse_g[1], delta[1], p, scale,
                                    dq_accum=dq if sel_dq_mode == "atomic" else None, dq_partials=partials)
     if partials is not None:
-        dq = _sel_dq_reduce(dq, partials, idx, q.dtype)
+        dq = _sel_dq_reduce(dq, partials, idx, q)
         del partials
     dk_win, dv_win = _interval_bwd_dkdv(q, k_win, v_win, w_lo, w_hi, win_ranges, dout, lse_g[2], delta[2], scale)
     if sel_dq_mode == "pairs":
         dq = _sel_dq_pairs(q, k_slc, v_slc, idx, doc_pos, dout, lse_g[1], delta[1], dq, p, scale,
                            _sel_dq_reduce_chunk)
-    return dq.to(q.dtype), dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates
+    dq = dq.rounded(q) if isinstance(dq, _FloatDq) else dq
+    return dq, dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates
 
 
-@_nsa_bwd_op.register_fake
-def _(dout, q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, o_cmp, o_slc, o_win,
-      lse_cmp, lse_slc, lse_win, idx, params, scale):
+@torch.library.custom_op(f"{_NS}::bwd", mutates_args=())
+def _nsa_bwd_op(
+    dout: torch.Tensor, q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, cmp_end: torch.Tensor,
+    k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor,
+    gates: torch.Tensor, doc_pos: torch.Tensor, o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor,
+    lse_cmp: torch.Tensor, lse_slc: torch.Tensor, lse_win: torch.Tensor, idx: torch.Tensor,
+    params: list[int], scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward_impl(dout, q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, o_cmp, o_slc,
+                          o_win, lse_cmp, lse_slc, lse_win, idx, params, scale, dq_over_outputs=False)
+
+
+@torch.library.custom_op(f"{_NS}::bwd_reusing_outputs", mutates_args=("o_cmp", "o_win"))
+def _nsa_bwd_reusing_op(
+    dout: torch.Tensor, q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, cmp_end: torch.Tensor,
+    k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor,
+    gates: torch.Tensor, doc_pos: torch.Tensor, o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor,
+    lse_cmp: torch.Tensor, lse_slc: torch.Tensor, lse_win: torch.Tensor, idx: torch.Tensor,
+    params: list[int], scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of the pair-wise selected dQ modes: their fp32 dQ (B*Tq*H*D floats, which the default's
+    union walk never needs: 192 MiB at 64k tokens x 12 heads x 64, above dense SDPA's peak, bench/KERNELS.md) is
+    kept in the storage of the saved o_cmp and o_win, which it overwrites once _bwd_dq has read them. Declared as a
+    mutation (their version counters move; torch.compile functionalizes it, and there, since the two are inputs
+    of the compiled backward, keeps copies: the memory saved is eager mode's). _backward refuses a second
+    backward through the same graph (retain_graph=True) instead of reading the overwritten outputs."""
+    return _backward_impl(dout, q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, o_cmp, o_slc,
+                          o_win, lse_cmp, lse_slc, lse_win, idx, params, scale, dq_over_outputs=True)
+
+
+def _bwd_fake(dout, q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, o_cmp, o_slc, o_win,
+              lse_cmp, lse_slc, lse_win, idx, params, scale):
     return (
         torch.empty_like(q), torch.empty_like(k_cmp), torch.empty_like(v_cmp), torch.empty_like(k_slc),
         torch.empty_like(v_slc), torch.empty_like(k_win), torch.empty_like(v_win), torch.empty_like(gates),
     )
+
+
+_nsa_bwd_op.register_fake(_bwd_fake)
+_nsa_bwd_reusing_op.register_fake(_bwd_fake)
 
 
 def _setup_context(ctx, inputs, output):
@@ -201,11 +231,28 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+def _backward_op(o_cmp: torch.Tensor, o_win: torch.Tensor):
+    """The backward op under the present launch overrides: the pair-wise selected dQ modes need an fp32 dQ, laid
+    over the saved interval outputs, which are dead after _bwd_dq (_nsa_bwd_reusing_op); the default's union walk
+    needs none."""
+    if _sel_dq_mode() != "union" and _FloatDq.fits_over(o_cmp, o_win):
+        return _nsa_bwd_reusing_op
+    return _nsa_bwd_op
+
+
 def _backward(ctx, dout, *unused):
     if dout is None:  # the gated output is not part of the loss
         return (None,) * 12
+    if getattr(ctx, "outputs_overwritten", False):
+        raise RuntimeError(
+            "nsa_triton: a second backward through the same graph (retain_graph=True) after a backward with the "
+            "pair-wise selected dQ (launch_overrides(sel_dq_in_dkdv=True), sel_dq_partials or sel_dq_pairs), which "
+            "keeps its fp32 dQ in the saved branch outputs; backpropagate such graphs with the default dQ (no "
+            "override) or run the forward again")
     saved = ctx.saved_tensors
-    grads = _nsa_bwd_op(dout, *saved, ctx.params, ctx.scale)
+    backward_op = _backward_op(o_cmp=saved[10], o_win=saved[12])
+    grads = backward_op(dout, *saved, ctx.params, ctx.scale)
+    ctx.outputs_overwritten = backward_op is _nsa_bwd_reusing_op
     dq, dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates = grads
     return dq, dk_cmp, dv_cmp, None, dk_slc, dv_slc, dk_win, dv_win, dgates, None, None, None
 

@@ -6,6 +6,7 @@ softmax, the packing of (query x head) rows, the flash-attention dK/dV update, t
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -55,6 +56,42 @@ if _HAS_TRITON:
         lse_g = tl.load(LSE_G + row, mask=row_ok, other=0.0)
         delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
         return q, dout, lse_g, delta
+
+    # The fp32 dQ of the pair-wise selected dQ modes: (R, D) rows of flat (batch, query, head) index. DQ_HALF == D:
+    # one buffer DQ. DQ_HALF < D: laid over the two interval branches' saved outputs, dead by then
+    # (nsa_triton._nsa_bwd_reusing_op): each row's first DQ_HALF columns in DQ (R, DQ_HALF), the rest in DQ_HI, so
+    # that fp32 row r lies in the bytes of the bf16/fp16 output rows r, which only the program that owns row r
+    # reads. Each half goes through a pointer of its own, contiguous along the row, with the other half's columns
+    # masked off: a pointer chosen per column (tl.where) made the selected dK/dV's atomics scalar (32 instead of 8
+    # vector ones per tile on sm_90) and spilled its main pass; the two masked halves keep them 4-wide.
+    @triton.jit
+    def _dq_store(DQ, DQ_HI, rows, d, D: tl.constexpr, DQ_HALF: tl.constexpr, value, row_ok):
+        """Store value (rows, D) at those rows of the fp32 dQ (DQ, DQ_HI, DQ_HALF)."""
+        if DQ_HALF == D:
+            tl.store(DQ + rows[:, None] * D + d[None, :], value, mask=row_ok[:, None])
+        else:
+            col = (rows[:, None] * DQ_HALF + d[None, :] % DQ_HALF)
+            tl.store(DQ + col, value, mask=row_ok[:, None] & (d < DQ_HALF)[None, :])
+            tl.store(DQ_HI + col, value, mask=row_ok[:, None] & (d >= DQ_HALF)[None, :])
+
+    @triton.jit
+    def _dq_add(DQ, DQ_HI, rows, d, D: tl.constexpr, DQ_HALF: tl.constexpr, value, row_ok):
+        """Add value (rows, D) to those rows of the fp32 dQ with atomics."""
+        if DQ_HALF == D:
+            tl.atomic_add(DQ + rows[:, None] * D + d[None, :], value, mask=row_ok[:, None], sem="relaxed")
+        else:
+            col = (rows[:, None] * DQ_HALF + d[None, :] % DQ_HALF)
+            tl.atomic_add(DQ + col, value, mask=row_ok[:, None] & (d < DQ_HALF)[None, :], sem="relaxed")
+            tl.atomic_add(DQ_HI + col, value, mask=row_ok[:, None] & (d >= DQ_HALF)[None, :], sem="relaxed")
+
+    @triton.jit
+    def _dq_load(DQ, DQ_HI, rows, d, D: tl.constexpr, DQ_HALF: tl.constexpr, row_ok):
+        """Those rows of the fp32 dQ, (rows, D) (0 off row_ok)."""
+        if DQ_HALF == D:
+            return tl.load(DQ + rows[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        col = (rows[:, None] * DQ_HALF + d[None, :] % DQ_HALF)
+        lo = tl.load(DQ + col, mask=row_ok[:, None] & (d < DQ_HALF)[None, :], other=0.0)
+        return lo + tl.load(DQ_HI + col, mask=row_ok[:, None] & (d >= DQ_HALF)[None, :], other=0.0)
 
     @triton.jit
     def _dkdv_update_ds(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv):
@@ -232,6 +269,53 @@ def _launch_shapes(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int
     batch, num_q, num_heads, head_dim = q.shape
     num_keys, num_kv = k.shape[1], k.shape[2]
     return batch, num_q, num_heads, head_dim, num_keys, num_kv, num_heads // num_kv
+
+
+class _FloatDq(NamedTuple):
+    """The backward's fp32 dQ (B, Tq, H, D) while the selected branch's share is added to it pair by pair (the
+    pair-wise dQ modes, nsa_triton_launch._sel_dq_mode): its (B*Tq*H) rows' first `half` columns in `lo` and the
+    rest in `hi`, each (B*Tq*H, half) (the kernels' DQ, DQ_HI, DQ_HALF: _dq_store). half == D: one buffer (lo is
+    hi)."""
+
+    lo: torch.Tensor
+    hi: torch.Tensor
+    half: int
+
+    @classmethod
+    def new(cls, q: torch.Tensor) -> "_FloatDq":
+        """A buffer of its own: B*Tq*H*D floats (192 MiB at 64k tokens x 12 heads x 64)."""
+        rows = torch.empty(q.numel() // q.shape[-1], q.shape[-1], device=q.device, dtype=torch.float32)
+        return cls(rows, rows, q.shape[-1])
+
+    @classmethod
+    def over(cls, o_cmp: torch.Tensor, o_win: torch.Tensor) -> "_FloatDq":
+        """Laid over the storage of the two interval branches' saved outputs (contiguous (B, Tq, H, D), q's
+        dtype), which the backward has read by the time it writes dQ: with 2-byte outputs each fp32 row r takes
+        o_cmp's row r (its first D/2 columns) and o_win's row r (the rest), so dQ needs no memory of its own;
+        with 4-byte outputs o_cmp alone holds it."""
+        head_dim = o_cmp.shape[-1]
+        half = head_dim * o_cmp.element_size() // 4
+        lo = o_cmp.view(torch.float32).view(-1, half)
+        return cls(lo, o_win.view(torch.float32).view(-1, half) if half < head_dim else lo, half)
+
+    @staticmethod
+    def fits_over(o_cmp: torch.Tensor, o_win: torch.Tensor) -> bool:
+        """Whether `over` applies: both contiguous from their storage's start, with the same shape and dtype, whose
+        rows hold a whole number of floats. (Their storages are two: outputs of one custom op may not alias, which
+        torch.library enforces; and data pointers are not read here, since under torch.compile these are fake.)"""
+        return (o_cmp.is_contiguous() and o_win.is_contiguous() and o_cmp.shape == o_win.shape
+                and o_cmp.dtype == o_win.dtype and o_cmp.element_size() in (2, 4)
+                and o_cmp.storage_offset() == 0 == o_win.storage_offset()
+                and (o_cmp.shape[-1] * o_cmp.element_size()) % 4 == 0)
+
+    def rounded(self, like: torch.Tensor) -> torch.Tensor:
+        """dQ in like's dtype and shape: a new tensor (never the buffer, which may be an op's input)."""
+        out = torch.empty_like(like)
+        rows = out.view(-1, like.shape[-1])
+        rows[:, : self.half].copy_(self.lo)  # (rounded as they are copied: no fp32 temporary)
+        if self.half < like.shape[-1]:
+            rows[:, self.half:].copy_(self.hi)
+        return out
 
 
 def _cdiv(a: int, b: int) -> int:

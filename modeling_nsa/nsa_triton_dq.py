@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .nsa_layout import NSAParams
-from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes
+from .nsa_triton_common import _LOG2E, _FloatDq, _cdiv, _launch_shapes
 from .nsa_triton_launch import (_OVERRIDES, _dq_launch, _kv_offsets_fit_int32, _query_tiles_light_first,
                                 _sel_dq_reduce_rows, _sel_fwd_opts, _sel_rows_per_program, _sel_sub_tile)
 from .nsa_triton_selected import _tile_block_union
@@ -21,7 +21,7 @@ except Exception:  # pragma: no cover - exercised only without triton
 
 
 if triton is not None:
-    from .nsa_triton_common import _load_lse, _query_tile_id, _tile_rows
+    from .nsa_triton_common import _dq_load, _dq_store, _load_lse, _query_tile_id, _tile_rows
     from .nsa_triton_interval import _interval_kv, _interval_tiles
     from .nsa_triton_selected import _sel_block, _sel_chosen, _sel_sub_rows, _sel_visible
 
@@ -189,7 +189,7 @@ if triton is not None:
 
     @triton.jit
     def _bwd_dq_kernel(
-        Q, DOUT, GATE, DG, DELTA, LSE_G, DQ,
+        Q, DOUT, GATE, DG, DELTA, LSE_G, DQ, DQ_HI,
         KC, VC, C_LO, C_HI, LSE_C, OC,
         KS, VS, UENT, UHI, UCNT, UPAST, LSE_S, OS,
         KW, VW, W_LO, W_HI, LSE_W, OW,
@@ -197,12 +197,14 @@ if triton is not None:
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         LB: tl.constexpr, N_SEL: tl.constexpr, QPB: tl.constexpr, WORDS: tl.constexpr, BLOCK_M: tl.constexpr,
         SUB_M: tl.constexpr, BLOCK_N: tl.constexpr, SEL_DQ: tl.constexpr, LIGHT_FIRST: tl.constexpr,
-        KV32: tl.constexpr, ADD_DQ: tl.constexpr,
+        KV32: tl.constexpr, ADD_DQ: tl.constexpr, DQ_HALF: tl.constexpr, DQ_OVER_OUTPUTS: tl.constexpr,
     ):
         """dQ of all three branches for one query tile, accumulated in registers in a fixed branch order
         (compressed, window, selected) and written once in q's dtype; also the gate gradients and the
         per-branch deltas. The branch output gradient g_i * dout is formed here (never materialized). The
-        selected branch runs in sub-tiles as in _sel_fwd_kernel, joined back into the tile's rows."""
+        selected branch runs in sub-tiles as in _sel_fwd_kernel, joined back into the tile's rows. Without SEL_DQ,
+        dQ in fp32 (DQ, DQ_HI, DQ_HALF: _dq_store); DQ_OVER_OUTPUTS: over the storage of OC and OW, whose rows
+        this tile read first."""
         SUBS: tl.constexpr = BLOCK_M // SUB_M
         pid_q, pid_bg, b, g, qi, row, row_ok = _dq_tile(Tq, H, HKV, G, QPB, BLOCK_M, LIGHT_FIRST)
         d = tl.arange(0, D)
@@ -230,7 +232,9 @@ if triton is not None:
         dq = dq * scale
         if ADD_DQ:  # the selected share _sel_dq_kernel stored, in q's dtype
             dq += tl.load(DQ + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-        tl.store(DQ + row[:, None] * D + d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+        if DQ_OVER_OUTPUTS:  # DQ lies over OC's and OW's rows: every thread's loads of them come first
+            tl.debug_barrier()
+        _dq_store(DQ, DQ_HI, row, d, D, DQ_HALF, dq.to(DQ.dtype.element_ty), row_ok)
 
     @triton.jit
     def _sel_dq_kernel(
@@ -256,14 +260,16 @@ if triton is not None:
     # ------------------------------------------------------------------------------------------
 
     @triton.jit(do_not_specialize=["c0"])
-    def _sel_dq_reduce_kernel(DQP, IDX, DQ_IN, DQ_OUT, Tq, c0, chunk_q,
+    def _sel_dq_reduce_kernel(DQP, IDX, DQ_IN, DQ_IN_HI, DQ_OUT, DQ_OUT_HI, Tq, c0, chunk_q,
                               H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                              N_SEL: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr):
+                              N_SEL: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr,
+                              IN_HALF: tl.constexpr, OUT_HALF: tl.constexpr):
         """DQ_OUT = DQ_IN (fp32: the interval branches' dQ) + the sum over a query's slots, in slot order, of the
         selected branch's partials DQP, for the chunk_q queries from c0: ((B*Hkv x chunk_q + query - c0) x n' +
         slot, G, D), stored by the selected dK/dV kernel (one chunk of all Tq queries) or by the pair-dQ kernel; the
         slots whose block is unused (idx -1) were never written and are skipped. Rows: QPB queries x the G heads
-        of one KV group (as the other query tiles)."""
+        of one KV group (as the other query tiles). IN_HALF < D: DQ_IN lies over DQ_IN and DQ_IN_HI (_dq_load), and
+        so DQ_OUT with OUT_HALF (the pair-dQ kernel's in-place sum: a program reads, then writes, its own rows)."""
         pid_q = tl.program_id(0)
         pid_bg = tl.program_id(1)
         b = (pid_bg // HKV).to(tl.int64)
@@ -273,7 +279,7 @@ if triton is not None:
         hh = r % G
         d = tl.arange(0, D)
         row = (b * Tq + qi) * H + g * G + hh
-        acc = tl.load(DQ_IN + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)  # (rows, D) fp32
+        acc = _dq_load(DQ_IN, DQ_IN_HI, row, d, D, IN_HALF, row_ok)  # (rows, D) fp32
         flat = (pid_bg.to(tl.int64) * Tq + qi) * N_SEL  # (rows,) the query's first slot in idx
         part_flat = (pid_bg.to(tl.int64) * chunk_q + local) * N_SEL  # ... in DQP
         for s in range(N_SEL):
@@ -281,20 +287,24 @@ if triton is not None:
             part = tl.load(DQP + ((part_flat + s) * G + hh)[:, None] * D + d[None, :], mask=used[:, None],
                            other=0.0)
             acc += part.to(tl.float32)
-        tl.store(DQ_OUT + row[:, None] * D + d[None, :], acc.to(DQ_OUT.dtype.element_ty), mask=row_ok[:, None])
+        _dq_store(DQ_OUT, DQ_OUT_HI, row, d, D, OUT_HALF, acc.to(DQ_OUT.dtype.element_ty), row_ok)
 
 
 # ----------------------------------------------------------------------------------------------
 # Host-side launchers (static shapes, no host synchronization)
 # ----------------------------------------------------------------------------------------------
 
-def _bwd_dq(q, dout, gates, cmp, slc, win, idx, doc_pos, params: NSAParams, scale, sel_dq: bool = True):
+def _bwd_dq(q, dout, gates, cmp, slc, win, idx, doc_pos, params: NSAParams, scale, sel_dq: bool = True,
+            dq_over_outputs: bool = False):
     """dQ (B, Tq, H, D), the gate gradients (B, Tq, H, 3) and, per branch, the deltas and gated log-sum-exps the dK/dV
     kernels read (each (3, B, Tq, H) fp32: _branch_prep) in one launch,
     query tiles as the selected attention's. cmp, win: each interval branch's (keys, values, lo, hi, lse,
     output); slc: the selected branch's (keys, values, lse, output), idx its blocks. The block union (sort
     temporaries) comes before dQ is allocated, which lowers the backward's peak memory. sel_dq=False: the
-    selected branch's dQ is left out (the selected dK/dV kernel adds it) and dQ is returned in fp32 for that."""
+    selected branch's dQ is left out (a pair-wise kernel adds it) and dQ is returned in fp32 for that, as a
+    _FloatDq: laid over the storage of the interval branches' outputs cmp[-1] and win[-1] with dq_over_outputs
+    (their rows are read by this launch's program that then writes dQ's same rows; the caller owns that they are
+    dead after it: nsa_triton._nsa_bwd_reusing_op), else a buffer of its own."""
     k_cmp, k_slc, k_win = cmp[0], slc[0], win[0]
     batch, num_q, num_heads, head_dim, num_keys, num_kv, group = _launch_shapes(q, k_slc)
     n_sel = idx.shape[-1]
@@ -310,20 +320,25 @@ def _bwd_dq(q, dout, gates, cmp, slc, win, idx, doc_pos, params: NSAParams, scal
         entries = high_bits = idx
         counts = n_past = idx.new_zeros(batch, num_kv, 0)
     if not split:
-        dq = torch.empty_like(q) if sel_dq else torch.empty(q.shape, device=q.device, dtype=torch.float32)
+        if sel_dq:
+            dq = torch.empty_like(q)
+        else:
+            dq = _FloatDq.over(cmp[-1], win[-1]) if dq_over_outputs else _FloatDq.new(q)
         dgates = torch.empty_like(gates)
         delta, lse_g = _branch_rows(q)
     else:
         dq, dgates, delta, lse_g = dq
+    dq_lo, dq_hi, dq_half = dq if isinstance(dq, _FloatDq) else (dq, dq, head_dim)
     _bwd_dq_kernel[(_cdiv(num_q, qpb), batch * num_kv)](
-        q, dout, gates, dgates, delta, lse_g, dq, *cmp, k_slc, slc[1], entries, high_bits, counts, n_past, *slc[2:],
-        *win,
+        q, dout, gates, dgates, delta, lse_g, dq_lo, dq_hi, *cmp, k_slc, slc[1], entries, high_bits, counts, n_past,
+        *slc[2:], *win,
         num_q, num_keys, k_cmp.shape[1], k_win.shape[1], num_keys - num_q, counts.shape[-1], batch * num_q * num_heads,
         scale * _LOG2E, scale,
         H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=params.sel_block_size, N_SEL=n_sel,
         QPB=qpb, WORDS=high_bits.shape[-1] + 1 if sel_dq else 1, BLOCK_M=block_m,
         SUB_M=_sel_sub_tile(block_m, head_dim, q.device, dq=True),
-        BLOCK_N=64, SEL_DQ=sel_dq, LIGHT_FIRST=_query_tiles_light_first(), KV32=kv32, ADD_DQ=split, **dq_opts,
+        BLOCK_N=64, SEL_DQ=sel_dq, LIGHT_FIRST=_query_tiles_light_first(), KV32=kv32, ADD_DQ=split,
+        DQ_HALF=dq_half, DQ_OVER_OUTPUTS=sel_dq is False and dq_over_outputs, **dq_opts,
     )
     return dq, dgates, delta, lse_g
 
@@ -369,23 +384,24 @@ def _sel_dq_partials(q, idx):
     return torch.empty(batch, num_kv, num_q, n_sel, num_heads // num_kv, head_dim, device=q.device, dtype=q.dtype)
 
 
-def _sel_dq_reduce(dq_intervals, partials, idx, dtype):
-    """dQ (B, Tq, H, D) in `dtype`: the interval branches' fp32 dQ plus each query's selected partials, summed in
+def _sel_dq_reduce(dq_intervals: _FloatDq, partials, idx, q):
+    """dQ in q's shape and dtype: the interval branches' fp32 dQ plus each query's selected partials, summed in
     slot order (deterministic)."""
-    dq = torch.empty(dq_intervals.shape, device=dq_intervals.device, dtype=dtype)
-    _sel_dq_reduce_chunk(partials, idx, dq_intervals, dq, 0, dq.shape[1])
+    dq = torch.empty_like(q)
+    _sel_dq_reduce_chunk(partials, idx, dq_intervals, _FloatDq(dq, dq, q.shape[-1]), 0, q.shape[1])
     return dq
 
 
-def _sel_dq_reduce_chunk(partials, idx, dq_intervals, dq, c0: int, chunk_q: int):
+def _sel_dq_reduce_chunk(partials, idx, dq_intervals: _FloatDq, dq: _FloatDq, c0: int, chunk_q: int):
     """dq[:, c0 : c0 + chunk_q] = the interval branches' fp32 dQ there plus the chunk's selected partials
     ((B*Hkv x chunk_q x n' x G, D) rows: the whole of Tq for the selected dK/dV's, a chunk for the pair-dQ
     kernel's), summed in slot order."""
-    batch, num_q, num_heads, head_dim = dq_intervals.shape
-    num_kv, n_sel = idx.shape[1], idx.shape[-1]
-    group = num_heads // num_kv
+    batch, num_kv, num_q, n_sel = idx.shape
+    head_dim = partials.shape[-1]
+    group = dq_intervals.lo.shape[0] // (batch * num_q * num_kv)
     block_m, qpb = _sel_dq_reduce_rows(group)
     _sel_dq_reduce_kernel[(_cdiv(min(chunk_q, num_q - c0), qpb), batch * num_kv)](
-        partials, idx, dq_intervals, dq, num_q, c0, chunk_q, H=num_heads, HKV=num_kv, G=group, D=head_dim,
-        N_SEL=n_sel, QPB=qpb, BLOCK_M=block_m, num_warps=4,
+        partials, idx, dq_intervals.lo, dq_intervals.hi, dq.lo, dq.hi, num_q, c0, chunk_q, H=group * num_kv,
+        HKV=num_kv, G=group, D=head_dim, N_SEL=n_sel, QPB=qpb, BLOCK_M=block_m, IN_HALF=dq_intervals.half,
+        OUT_HALF=dq.half, num_warps=4,
     )

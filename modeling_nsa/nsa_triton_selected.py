@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .nsa_layout import NSAParams
-from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes, _next_pow2
+from .nsa_triton_common import _LOG2E, _FloatDq, _cdiv, _launch_shapes, _next_pow2
 from .nsa_triton_launch import (_OVERRIDES, _dkdv_launch, _kv_offsets_fit_int32, _query_tiles_light_first,
                                 _rows_fit_int32, _sel_dkdv_chunk_tiles, _sel_fwd_opts, _sel_fwd_pair_queries,
                                 _sel_fwd_pairs_launch, _sel_rows_per_program, _sel_sub_tile)
@@ -21,8 +21,9 @@ except Exception:  # pragma: no cover - exercised only without triton
 
 
 if triton is not None:
-    from .nsa_triton_common import (_bwd_rows, _dkdv_update, _dkdv_update_ds, _head_rows, _kv_offsets, _max_combine,
-                                     _min_combine, _query_tile_id, _softmax_init, _softmax_tile, _tile_rows)
+    from .nsa_triton_common import (_bwd_rows, _dkdv_update, _dkdv_update_ds, _dq_add, _head_rows, _kv_offsets,
+                                     _max_combine, _min_combine, _query_tile_id, _softmax_init, _softmax_tile,
+                                     _tile_rows)
 
     # ------------------------------------------------------------------------------------------
     # Selected attention
@@ -188,11 +189,12 @@ if triton is not None:
         return kk, (kk < Tk) & (k_pos >= 0) & (kk - k_pos == a_start)
 
     @triton.jit
-    def _sel_pair_tile(Q, DO, LSE_G, DELTA, DQ, b, g, Tq, q_off, kk, k_ok, k, v, sm_scale2, scale, dk, dv, qi, f,
-                       row_ok, r, hh, d, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                       DQ_PAIRS: tl.constexpr, MASKED: tl.constexpr, ROW32: tl.constexpr):
+    def _sel_pair_tile(Q, DO, LSE_G, DELTA, DQ, DQ_HI, b, g, Tq, q_off, kk, k_ok, k, v, sm_scale2, scale, dk, dv,
+                       qi, f, row_ok, r, hh, d, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                       DQ_PAIRS: tl.constexpr, MASKED: tl.constexpr, ROW32: tl.constexpr, DQ_HALF: tl.constexpr):
         """One pair tile: rows r (query qi x head hh) of block keys kk added to dK, dV (and with DQ_PAIRS the
-        rows' dQ shares: 1 added atomically at their rows, 2 stored at their (query, slot) partials f)."""
+        rows' dQ shares: 1 added atomically at their rows of the fp32 dQ (DQ, DQ_HI, DQ_HALF: _dq_add), 2 stored
+        at their (query, slot) partials f)."""
         base, row = _head_rows(b, g, qi, hh, Tq, H, G, ROW32)
         q, do, lse, delta = _bwd_rows(Q + base * D, DO + base * D, LSE_G + base, DELTA + base, row, row_ok, d, D)
         if MASKED:  # one compare per pair: keys off the block moved past every query, rows off the tile before key 0
@@ -202,7 +204,8 @@ if triton is not None:
         if DQ_PAIRS == 1:
             dk, dv, ds_t = _dkdv_update_ds(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
             dq = tl.dot(tl.trans(ds_t), k) * scale  # (rows, D)
-            tl.atomic_add(DQ + base * D + row[:, None] * D + d[None, :], dq, mask=row_ok[:, None], sem="relaxed")
+            # (the batch and head-group offset on the bases: row stays int32 under ROW32)
+            _dq_add(DQ + base * DQ_HALF, DQ_HI + base * DQ_HALF, row, d, D, DQ_HALF, dq, row_ok)
         elif DQ_PAIRS == 2:
             dk, dv, ds_t = _dkdv_update_ds(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
             dq = tl.dot(tl.trans(ds_t), k) * scale  # (rows, D)
@@ -212,10 +215,10 @@ if triton is not None:
         return dk, dv
 
     @triton.jit
-    def _sel_pair_tiles(Q, PAIR_Q, PAIR_F, DO, LSE_G, DELTA, DQ, b, g, p_from, p_to, p_end, Tq, q_off, kk, k_ok,
-                        k, v, sm_scale2, scale, dk, dv, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+    def _sel_pair_tiles(Q, PAIR_Q, PAIR_F, DO, LSE_G, DELTA, DQ, DQ_HI, b, g, p_from, p_to, p_end, Tq, q_off, kk,
+                        k_ok, k, v, sm_scale2, scale, dk, dv, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                         QPB: tl.constexpr, BLOCK_M: tl.constexpr, DQ_PAIRS: tl.constexpr,
-                        MASKED: tl.constexpr, CH: tl.constexpr, ROW32: tl.constexpr):
+                        MASKED: tl.constexpr, CH: tl.constexpr, ROW32: tl.constexpr, DQ_HALF: tl.constexpr):
         """A block's dK/dV over its pair tiles p_from, p_from + QPB, ... below p_to (rows packed as query x head;
         rows past QPB * G or at pairs past p_end are not loaded). MASKED: keys outside the block and keys after a
         row's query are masked. Otherwise each query lies at or past the block's last key, so every row sees every
@@ -239,8 +242,9 @@ if triton is not None:
                 f = pi
                 if DQ_PAIRS == 2:
                     f = tl.load(PAIR_F + pi, mask=row_ok, other=0).to(tl.int64)  # (rows,) flat (b, kv, query, slot)
-                dk, dv = _sel_pair_tile(Q, DO, LSE_G, DELTA, DQ, b, g, Tq, q_off, kk, k_ok, k, v, sm_scale2, scale,
-                                        dk, dv, qi, f, row_ok, r, hh, d, H, G, D, DQ_PAIRS, MASKED, ROW32)
+                dk, dv = _sel_pair_tile(Q, DO, LSE_G, DELTA, DQ, DQ_HI, b, g, Tq, q_off, kk, k_ok, k, v, sm_scale2,
+                                        scale, dk, dv, qi, f, row_ok, r, hh, d, H, G, D, DQ_PAIRS, MASKED, ROW32,
+                                        DQ_HALF)
         else:
             CHQ: tl.constexpr = triton.next_power_of_2(CH * QPB)  # the chunk's index list (<= 256 by the launcher)
             c = tl.arange(0, CHQ)
@@ -259,17 +263,17 @@ if triton is not None:
                     f = local
                     if DQ_PAIRS == 2:
                         f = tl.gather(chunk_f, local, 0)
-                    dk, dv = _sel_pair_tile(Q, DO, LSE_G, DELTA, DQ, b, g, Tq, q_off, kk, k_ok, k, v, sm_scale2,
-                                            scale, dk, dv, qi, f, row_ok, r, hh, d, H, G, D, DQ_PAIRS, MASKED,
-                                            ROW32)
+                    dk, dv = _sel_pair_tile(Q, DO, LSE_G, DELTA, DQ, DQ_HI, b, g, Tq, q_off, kk, k_ok, k, v,
+                                            sm_scale2, scale, dk, dv, qi, f, row_ok, r, hh, d, H, G, D, DQ_PAIRS,
+                                            MASKED, ROW32, DQ_HALF)
         return dk, dv
 
     @triton.jit
-    def _sel_block_dkdv(Q, K, V, PAIR_Q, PAIR_F, DOCPOS, DO, LSE_G, DELTA, DQ, a, pid_bg, p_begin, p_end,
+    def _sel_block_dkdv(Q, K, V, PAIR_Q, PAIR_F, DOCPOS, DO, LSE_G, DELTA, DQ, DQ_HI, a, pid_bg, p_begin, p_end,
                         Tq, Tk, q_off, sm_scale2, scale,
                         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
                         QPB: tl.constexpr, BLOCK_M: tl.constexpr, DQ_PAIRS: tl.constexpr,
-                        CH: tl.constexpr, ROW32: tl.constexpr):
+                        CH: tl.constexpr, ROW32: tl.constexpr, DQ_HALF: tl.constexpr):
         """dK (unscaled), dV of the selection block whose first key is a, over its (query, block) pairs
         [p_begin, p_end) (rows packed as query x head). DQ_PAIRS: also each pair's dQ share (a query's n blocks
         are met in n programs): 1 added to an fp32 dQ with atomics, 2 stored to its (query, slot) partial. A
@@ -291,22 +295,22 @@ if triton is not None:
         first_q = tl.load(PAIR_Q + first, mask=first < p_end, other=0)
         n_partial = tl.sum(((first < p_end) & (q_off + first_q < a + LB - 1)).to(tl.int32), 0)
         p_seen_whole = tl.minimum(p_begin + tl.cdiv(n_partial, QPB) * QPB, p_end)  # the tiles from here
-        dk, dv = _sel_pair_tiles(Q, PAIR_Q, PAIR_F, DO, LSE_G, DELTA, DQ, b, g, p_begin, p_seen_whole, p_end, Tq,
-                                 q_off, kk, k_ok, k, v, sm_scale2, scale, dk, dv, H, G, D, QPB, BLOCK_M, DQ_PAIRS,
-                                 True, CH, ROW32)
-        dk, dv = _sel_pair_tiles(Q, PAIR_Q, PAIR_F, DO, LSE_G, DELTA, DQ, b, g, p_seen_whole, p_end, p_end, Tq,
-                                 q_off, kk, k_ok, k, v, sm_scale2, scale, dk, dv, H, G, D, QPB, BLOCK_M,
-                                 DQ_PAIRS, False, CH, ROW32)
+        dk, dv = _sel_pair_tiles(Q, PAIR_Q, PAIR_F, DO, LSE_G, DELTA, DQ, DQ_HI, b, g, p_begin, p_seen_whole, p_end,
+                                 Tq, q_off, kk, k_ok, k, v, sm_scale2, scale, dk, dv, H, G, D, QPB, BLOCK_M,
+                                 DQ_PAIRS, True, CH, ROW32, DQ_HALF)
+        dk, dv = _sel_pair_tiles(Q, PAIR_Q, PAIR_F, DO, LSE_G, DELTA, DQ, DQ_HI, b, g, p_seen_whole, p_end, p_end,
+                                 Tq, q_off, kk, k_ok, k, v, sm_scale2, scale, dk, dv, H, G, D, QPB, BLOCK_M,
+                                 DQ_PAIRS, False, CH, ROW32, DQ_HALF)
         return dk, dv, kv_off, k_ok
 
     @triton.jit
     def _sel_bwd_dkdv_kernel(
-        Q, K, V, PAIR_OFF, PAIR_Q, PAIR_F, SLOT_RANK, PIECES, DOCPOS, DO, LSE_G, DELTA, DK, DV, PDK, PDV, DQ,
+        Q, K, V, PAIR_OFF, PAIR_Q, PAIR_F, SLOT_RANK, PIECES, DOCPOS, DO, LSE_G, DELTA, DK, DV, PDK, PDV, DQ, DQ_HI,
         Tq, Tk, q_off, sm_scale2, scale, heavy_min, n_flat, n_heavy,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         LB: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr,
         HEAVY_PASS: tl.constexpr, DQ_PAIRS: tl.constexpr,
-        CH: tl.constexpr, RANGES_FAST: tl.constexpr, ROW32: tl.constexpr,
+        CH: tl.constexpr, RANGES_FAST: tl.constexpr, ROW32: tl.constexpr, DQ_HALF: tl.constexpr,
     ):
         # A program's work is its block's pair count, which ranges from a few to every query of the row (block 0
         # is forced for all of them, and top-n favours early blocks), so the order programs start in decides
@@ -331,9 +335,9 @@ if triton is not None:
                 p_begin = tl.load(PIECES + piece * 3 + 1)
                 p_end = tl.load(PIECES + piece * 3 + 2)
                 dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, PAIR_F, DOCPOS, DO, LSE_G, DELTA, DQ,
-                                                       a, pid_bg, p_begin, p_end, Tq, Tk, q_off, sm_scale2, scale,
-                                                       H, HKV, G, D, LB, QPB, BLOCK_M, DQ_PAIRS,
-                                                       CH, ROW32)
+                                                       DQ_HI, a, pid_bg, p_begin, p_end, Tq, Tk, q_off, sm_scale2,
+                                                       scale, H, HKV, G, D, LB, QPB, BLOCK_M, DQ_PAIRS,
+                                                       CH, ROW32, DQ_HALF)
                 # (the program id read again, not kept live through the tile loop: at 255 registers on the 125M
                 # layout one more live value spills inside it)
                 p_off = (tl.program_id(0).to(tl.int64) * LB + tl.arange(0, LB).to(tl.int64))[:, None] * D + d[None, :]
@@ -359,9 +363,9 @@ if triton is not None:
                 p_begin = tl.sum(tl.where(hit, beg, 0), 0)
                 p_end = p_begin + tl.sum(tl.where(hit, cnt, 0), 0)
                 dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, PAIR_F, DOCPOS, DO, LSE_G, DELTA, DQ,
-                                                       a, pid_bg, p_begin, p_end, Tq, Tk, q_off, sm_scale2, scale,
-                                                       H, HKV, G, D, LB, QPB, BLOCK_M, DQ_PAIRS,
-                                                       CH, ROW32)
+                                                       DQ_HI, a, pid_bg, p_begin, p_end, Tq, Tk, q_off, sm_scale2,
+                                                       scale, H, HKV, G, D, LB, QPB, BLOCK_M, DQ_PAIRS,
+                                                       CH, ROW32, DQ_HALF)
                 tl.store(DK + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=k_ok[:, None])
                 tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
 
@@ -898,7 +902,7 @@ def _sel_fwd_pairs(q, k, v, idx, doc_pos, params: NSAParams, scale):
 
 
 def _sel_dq_pairs(q, k, v, idx, doc_pos, do, lse_g, delta, dq_intervals, params: NSAParams, scale, reduce):
-    """dQ (B, Tq, H, D) in fp32, in dq_intervals' storage: the interval branches' dQ plus the selected branch's,
+    """dQ in fp32, in dq_intervals' storage (a _FloatDq): the interval branches' dQ plus the selected branch's,
     formed pair by pair (launch_overrides(sel_dq_pairs=True)): per chunk of queries (as the block-outer forward's),
     _sel_dq_pairs_kernel stores each pair's share at its (query, slot), then `reduce(partials, idx, dq_intervals,
     dq_intervals, c0, chunk_q)` (nsa_triton_dq._sel_dq_reduce_chunk) adds a query's shares to its interval dQ in
@@ -1010,7 +1014,7 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, lse_g, delta, params: NSAParams, sc
                   dq_partials=None):
     """dK, dV of the selected branch over the (block -> queries) index; lse_g, delta: the branch's gated
     log-sum-exp and delta (B, Tq, H) from the dQ kernel (_bwd_rows). The branch's dQ, which the kernel can form
-    pair by pair: dq_accum, an fp32 (B, Tq, H, D) dQ it is added to atomically (launch_overrides(sel_dq_in_dkdv=
+    pair by pair: dq_accum, the fp32 dQ (a _FloatDq) it is added to atomically (launch_overrides(sel_dq_in_dkdv=
     True)); dq_partials, a (B, Hkv, Tq, n', G, D) buffer in q's dtype where each (query, block) pair writes its G
     heads' share at the block's slot in idx (sel_dq_partials; _sel_dq_reduce sums them); neither: dQ is left to
     the fused dQ kernel."""
@@ -1055,11 +1059,13 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, lse_g, delta, params: NSAParams, sc
                                                            max_pieces, wide=wide_pairs or n_flat >= 2**31)
     pdk = torch.empty(max_pieces, lb, head_dim, device=q.device, dtype=torch.float32)
     pdv = torch.empty_like(pdk)
-    dq_out = dq_partials if dq_pairs == 2 else dq_accum if dq_pairs == 1 else pdk
+    # where the pairs' dQ shares go (DQ, DQ_HI, DQ_HALF: _dq_add); without them a pointer the kernel never reads
+    dq_out = dq_accum if dq_pairs == 1 else _FloatDq(dq_partials, dq_partials, head_dim) if dq_pairs == 2 else \
+        _FloatDq(pdk, pdk, head_dim)
     args = (q, k, v, pair_off, pair_q, pair_f, slot_rank, pieces, doc_pos, do, lse_g, delta, dk, dv, pdk, pdv,
-            dq_out, num_q, num_keys, q_off, scale * _LOG2E, scale, heavy_min, n_flat, n_heavy)
+            dq_out.lo, dq_out.hi, num_q, num_keys, q_off, scale * _LOG2E, scale, heavy_min, n_flat, n_heavy)
     meta = dict(H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=lb, QPB=qpb, BLOCK_M=block_m,
-                DQ_PAIRS=dq_pairs,
+                DQ_PAIRS=dq_pairs, DQ_HALF=dq_out.half,
                 CH=_sel_dkdv_chunk_tiles(group, qpb, head_dim, q.device),
                 ROW32=_rows_fit_int32(num_q, num_heads, head_dim), **dkdv_opts)
     # the order timed until 2026-11-27 (main pass with the key range fastest, then the heavy pass); also past

@@ -411,68 +411,68 @@ def test_the_equal_parameter_figures_follow_from_the_committed_results(tmp_path)
                                      ("dense-0.51M", "dense-0.65M"): (-0.0258, 0.0202)})  # fmt: skip
 
 
-def test_the_figures_by_position_follow_from_the_committed_results(tmp_path):
-    """bench/QUALITY.md's mean NSA against the dense twin of its parameter count by query position, seeds 0-3: NSA -
+_SMOKE_900 = ROOT / "bench" / "results" / "2026-11-30-cpu-ab-smoke-bytes-900"
+_MEAN_RUNS = "../2026-11-30-cpu-ab-smoke-bytes-900-mean"
+# (folder, NSA's earlier runs, NSA - dense by range: (gap, half width, beyond the window less inside it, its half width))
+_BY_POSITION = {
+    "four_seeds": ("by-position", [f"{_MEAN_RUNS}/seeds0to3"],
+                   {(0, 64): (-0.0255, 0.0618, None, None), (64, 128): (-0.0259, 0.0482, -0.0004, 0.0376),
+                    (128, 256): (-0.0168, 0.0385, 0.0087, 0.0343), (256, 512): (-0.0177, 0.0413, 0.0077, 0.0308),
+                    (512, 1024): (-0.0233, 0.0454, 0.0022, 0.0343)}),
+    "eight_seeds": ("by-position-8-seeds", [f"{_MEAN_RUNS}/seeds0to3", f"{_MEAN_RUNS}/seeds4to7"],
+                    {(0, 64): (-0.0251, 0.0273, None, None), (64, 128): (-0.0254, 0.0181, -0.0003, 0.0173),
+                     (128, 256): (-0.0221, 0.0198, 0.0030, 0.0137), (256, 512): (-0.0234, 0.0178, 0.0017, 0.0155),
+                     (512, 1024): (-0.0259, 0.0195, -0.0007, 0.0143)}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("seeds", sorted(_BY_POSITION))
+def test_the_figures_by_position_follow_from_the_committed_results(tmp_path, seeds):
+    """bench/QUALITY.md's mean NSA against the dense twin of its parameter count by query position. Seeds 0-3: NSA -
     dense -0.0255 ± 0.0618 at 0-63 and -0.0233 ± 0.0454 at 512-1,023; beyond the window less inside it -0.0004 ±
-    0.0376 to +0.0087 ± 0.0343. The reruns' final losses are the earlier runs' (the eight-seed comparison's seeds 0-3),
-    and each run's validation loss lies between its lowest and highest loss by position."""
-    smoke = ROOT / "bench" / "results" / "2026-11-30-cpu-ab-smoke-bytes-900"
+    0.0376 to +0.0087 ± 0.0343. Eight seeds (4-7 trained again, 2026-12-01): from -0.0221 ± 0.0198 to -0.0259 ±
+    0.0195 in every range, each beyond its interval but 0-63's; beyond the window less inside it -0.0007 ± 0.0143 to
+    +0.0030 ± 0.0137. Every rerun's final loss is the earlier run's, and each run's validation loss lies between its
+    lowest and highest loss by position."""
+    folder, nsa_earlier, expected = _BY_POSITION[seeds]
     result = seed_groups.main(["--out", str(tmp_path), "--task", "none", "--group", "dense-0.51M",
-                               f"{smoke}/by-position:dense", "--group", "nsa-mean", f"{smoke}/by-position:nsa"])  # fmt: skip
+                               f"{_SMOKE_900}/{folder}:dense", "--group", "nsa-mean", f"{_SMOKE_900}/{folder}:nsa"])  # fmt: skip
     (pair,) = result["pairs"]
+    n_seeds = 8 if seeds == "eight_seeds" else 4
+    assert pair["paired_seeds"] == list(range(n_seeds))
     rows = {tuple(row["positions"]): row for row in pair["by_position"]}
-    assert sorted(rows) == [(0, 64), (64, 128), (128, 256), (256, 512), (512, 1024)]
-    expected = {(0, 64): (-0.0255, 0.0618, None, None), (64, 128): (-0.0259, 0.0482, -0.0004, 0.0376),
-                (128, 256): (-0.0168, 0.0385, 0.0087, 0.0343), (256, 512): (-0.0177, 0.0413, 0.0077, 0.0308),
-                (512, 1024): (-0.0233, 0.0454, 0.0022, 0.0343)}  # fmt: skip
-    for key, (gap, half, beyond, beyond_half) in expected.items():
-        row = rows[key]
-        assert (round(row["gap"], 4), round(row["half_width"], 4)) == (gap, half), key
-        if beyond is not None:
-            assert (round(row["beyond_window_gap"], 4), round(row["beyond_window_half_width"], 4)) == (beyond, beyond_half)
-    earlier = {(g, r["seed"]): r["val_loss"] for g, folder in (("dense-0.51M", "dense-parameters-of-mean-nsa"),
-                                                                ("nsa-mean", "../2026-11-30-cpu-ab-smoke-bytes-900-mean/seeds0to3"))
-               for r in seed_groups.read_group(g, [str(smoke / folder)], None, "generate")}  # fmt: skip
-    for name, runs in result["groups"].items():
-        for run in runs:
-            assert round(run["val_loss"], 4) == round(earlier[name, run["seed"]], 4), (name, run["seed"])
-    # token-weighted ranges: their mean lies between the smallest and largest range's loss
-    record = json.loads((smoke / "by-position" / "ab_compare.json").read_text())
-    for run in record["runs"]:
-        losses = [x for _, _, x in run["val_by_position"]["ranges"]]
-        assert min(losses) < run["val"][-1][1] < max(losses)
-
-
-def test_the_eight_seed_figures_by_position_follow_from_the_committed_results(tmp_path):
-    """bench/QUALITY.md's mean NSA against the dense twin of its parameter count by query position over eight seeds
-    (seeds 4-7 trained again, 2026-12-01): NSA - dense from -0.0221 ± 0.0198 to -0.0259 ± 0.0195 in every range,
-    each beyond its interval but 0-63's; beyond the window less inside it -0.0007 ± 0.0143 to +0.0030 ± 0.0137.
-    Every rerun's final loss is the earlier run's (seeds 0-7 of both groups)."""
-    smoke = ROOT / "bench" / "results" / "2026-11-30-cpu-ab-smoke-bytes-900"
-    result = seed_groups.main(["--out", str(tmp_path), "--task", "none", "--group", "dense-0.51M",
-                               f"{smoke}/by-position-8-seeds:dense", "--group", "nsa-mean",
-                               f"{smoke}/by-position-8-seeds:nsa"])  # fmt: skip
-    (pair,) = result["pairs"]
-    assert pair["paired_seeds"] == list(range(8))
-    rows = {tuple(row["positions"]): row for row in pair["by_position"]}
-    expected = {(0, 64): (-0.0251, 0.0273, None, None), (64, 128): (-0.0254, 0.0181, -0.0003, 0.0173),
-                (128, 256): (-0.0221, 0.0198, 0.0030, 0.0137), (256, 512): (-0.0234, 0.0178, 0.0017, 0.0155),
-                (512, 1024): (-0.0259, 0.0195, -0.0007, 0.0143)}  # fmt: skip
     assert sorted(rows) == sorted(expected)
     for key, (gap, half, beyond, beyond_half) in expected.items():
         row = rows[key]
         assert (round(row["gap"], 4), round(row["half_width"], 4)) == (gap, half), key
         if beyond is not None:
             assert (round(row["beyond_window_gap"], 4), round(row["beyond_window_half_width"], 4)) == (beyond, beyond_half)
-    earlier = {(g, r["seed"]): r["val_loss"] for g, folders in (
-        ("dense-0.51M", ["dense-parameters-of-mean-nsa"]),
-        ("nsa-mean", ["../2026-11-30-cpu-ab-smoke-bytes-900-mean/seeds0to3",
-                      "../2026-11-30-cpu-ab-smoke-bytes-900-mean/seeds4to7"]))
-        for r in seed_groups.read_group(g, [str(smoke / f) for f in folders], None, "generate")}  # fmt: skip
+    earlier = {(g, r["seed"]): r["val_loss"] for g, folders in (("dense-0.51M", ["dense-parameters-of-mean-nsa"]),
+                                                                 ("nsa-mean", nsa_earlier))
+               for r in seed_groups.read_group(g, [str(_SMOKE_900 / f) for f in folders], None, "generate")}  # fmt: skip
     for name, runs in result["groups"].items():
-        assert sorted(run["seed"] for run in runs) == list(range(8))
+        assert sorted(run["seed"] for run in runs) == list(range(n_seeds))
         for run in runs:
             assert round(run["val_loss"], 4) == round(earlier[name, run["seed"]], 4), (name, run["seed"])
+    # token-weighted ranges: their mean lies between the smallest and largest range's loss
+    record = json.loads((_SMOKE_900 / folder / "ab_compare.json").read_text())
+    for run in record["runs"]:
+        losses = [x for _, _, x in run["val_by_position"]["ranges"]]
+        assert min(losses) < run["val"][-1][1] < max(losses)
+
+
+def _shifted_runs(folder: str, n_runs: int) -> dict:
+    """bench/position_shift.py's losses of a folder's runs by shift, checked first: at shift 0 each checkpoint gives
+    the trainer's own losses by position and overall (the runs' last evaluation, to 1e-4)."""
+    shifted = json.loads((_SMOKE_900 / folder / "position_shift.json").read_text())
+    trainer = {run["dir"]: run for run in json.loads((_SMOKE_900 / folder / "ab_compare.json").read_text())["runs"]}
+    assert len(shifted) == len(trainer) == n_runs
+    for model, by_shift in shifted.items():
+        run = trainer[model.removesuffix("/final")]
+        for lo, hi, loss in run["val_by_position"]["ranges"]:
+            assert by_shift["0"][f"val_loss_pos{lo}to{hi}"] == pytest.approx(loss, abs=1e-4), (model, lo)
+        assert by_shift["0"]["val_loss"] == pytest.approx(run["val"][-1][1], abs=1e-4)
+    return shifted
 
 
 def test_the_position_shift_figures_follow_from_the_committed_results():
@@ -480,15 +480,7 @@ def test_the_position_shift_figures_follow_from_the_committed_results():
     the trainer's own losses by position (the runs' last evaluation, to 1e-4); the rise from 0-63 to 64-127 at
     shift 0 turns into a fall at shifts 64 and 96 (the text moved); NSA - dense at 0-63 is -0.025 / -0.028 / -0.024
     / -0.016 at shifts 0 / 32 / 64 / 96."""
-    folder = ROOT / "bench" / "results" / "2026-11-30-cpu-ab-smoke-bytes-900" / "by-position"
-    shifted = json.loads((folder / "position_shift.json").read_text())
-    trainer = {run["dir"]: run for run in json.loads((folder / "ab_compare.json").read_text())["runs"]}
-    assert len(shifted) == len(trainer) == 8
-    for model, by_shift in shifted.items():
-        run = trainer[model.removesuffix("/final")]
-        for lo, hi, loss in run["val_by_position"]["ranges"]:
-            assert by_shift["0"][f"val_loss_pos{lo}to{hi}"] == pytest.approx(loss, abs=1e-4), (model, lo)
-        assert by_shift["0"]["val_loss"] == pytest.approx(run["val"][-1][1], abs=1e-4)
+    shifted = _shifted_runs("by-position", 8)
 
     def mean(mode: str, shift: str, metric: str) -> float:
         return statistics.mean(v[shift][metric] for k, v in shifted.items() if f"/{mode}-seed" in k)
@@ -505,13 +497,7 @@ def test_the_eight_seed_position_shift_figures_follow_from_the_committed_results
     """bench/QUALITY.md's eight-seed rows started later in the text: at shift 0 each checkpoint gives the trainer's
     own losses by position; NSA - dense over every position -0.0244 to -0.0248 at every shift; beyond the window
     less inside it, paired over the eight seeds, from -0.0107 (shift 96, 512-1,023, ± 0.0093) to +0.0030."""
-    folder = ROOT / "bench" / "results" / "2026-11-30-cpu-ab-smoke-bytes-900" / "by-position-8-seeds"
-    shifted = json.loads((folder / "position_shift.json").read_text())
-    trainer = {run["dir"]: run for run in json.loads((folder / "ab_compare.json").read_text())["runs"]}
-    assert len(shifted) == len(trainer) == 16
-    for model, by_shift in shifted.items():
-        for lo, hi, loss in trainer[model.removesuffix("/final")]["val_by_position"]["ranges"]:
-            assert by_shift["0"][f"val_loss_pos{lo}to{hi}"] == pytest.approx(loss, abs=1e-4), (model, lo)
+    shifted = _shifted_runs("by-position-8-seeds", 16)
     seed_of = {model: (model.split("/")[-2].split("-seed")[0], int(model.split("-seed")[1].split("/")[0]))
                for model in shifted}  # fmt: skip
     inside, cells, overall = "val_loss_pos0to64", [], []

@@ -319,6 +319,12 @@ def test_selected_dq_in_dkdv_variant_compiles(aot_results, arch):
         "125M-G6-d64-bf16-long-seldq", "fla-G16-d64-bf16-seldq", "G8-d128-bf16-long-seldq"}, rows
     assert all(r["constexprs"]["DQ_PAIRS"] == 1 for r in dkdv) and not any(r["constexprs"]["SEL_DQ"] for r in dq)
     assert all(r["ok"] for r in rows), [(r["scenario"], r["kernel"], r.get("error")) for r in rows]
+    # bf16: the fp32 dQ lies over the saved interval outputs, half a row in each (nsa_triton_common._FloatDq), and
+    # the pairs' atomic adds into it stay 4-wide (a pointer chosen per column made them scalar: 32 per tile, not 8)
+    assert all(r["constexprs"]["DQ_HALF"] == r["constexprs"]["D"] // 2 for r in dkdv + dq), rows
+    assert all(r["constexprs"]["DQ_OVER_OUTPUTS"] for r in dq), dq
+    assert all(r["atomics_v4"] > 0 and r["atomics_scalar"] == 0 for r in dkdv), [
+        (r["scenario"], r["atomics_v4"], r["atomics_scalar"]) for r in dkdv]
     # the fused dQ without the selected loop: the interval branches' six loops only
     assert all(r["dot_loops"] == 6 for r in dq), [(r["scenario"], r["dot_loops"]) for r in dq]
     if arch == 90:

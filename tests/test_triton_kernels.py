@@ -210,6 +210,10 @@ CPU_CASES = [
     # poisoned with NaN, so the slots of unused blocks must be skipped)
     *[dict(case, sel_dq_in_dkdv=True) for case in _PAIR_DQ_CASES],
     *[dict(case, sel_dq_partials=True) for case in _PAIR_DQ_CASES],
+    # ... in fp16 at G = 16 and G = 1 too: each 2-byte case keeps its fp32 dQ over the saved o_cmp and o_win, half a
+    # row in each (_FloatDq; swapping the halves' pointers fails every such case of the atomic and pair-dQ modes)
+    dict(_PAIR_DQ_CASES[6], dtype="float16", sel_dq_in_dkdv=True),
+    dict(_PAIR_DQ_CASES[0], dtype="float16", sel_dq_pairs=True),
     # ... and by a block-outer kernel of its own (sel_dq_pairs=True: the forward's pair walk, 3 dots per pair tile,
     # partials per chunk of queries summed in slot order): alone against autograd through the branch's definition
     # at G = 1, 2, 3, 4, 6, 8, 16 over documents, padding and odd lengths, fp16, sm_80's launch, chunks cutting
@@ -401,9 +405,13 @@ CPU_CASES = [
     # over packed documents and over padding
     dict(kind="hostsync", B=2, T=90, H=6, Hkv=2, D=16, layout="varlen"),
     dict(kind="hostsync", B=2, T=90, H=6, Hkv=2, D=16, layout="pad"),
-    # torch.compile(fullgraph=True) of the op, forward and backward through AOTAutograd, against eager
+    # torch.compile(fullgraph=True) of the op, forward and backward through AOTAutograd, against eager; and with the
+    # pair-wise dQ in fp16, whose backward op writes its fp32 dQ over the saved interval outputs (a declared
+    # mutation, which AOTAutograd functionalizes)
     dict(kind="compile", B=2, T=40, H=4, Hkv=2, D=16, layout="varlen"),
-    # torch.library.opcheck of both custom ops: schema, autograd registration, fake implementations against
+    dict(kind="compile", B=2, T=40, H=4, Hkv=2, D=16, layout="varlen", dtype="float16", sel_dq_in_dkdv=True),
+    # torch.library.opcheck of the custom ops (and of the pair-wise dQ's backward, which mutates o_cmp and o_win):
+    # schema, autograd registration, fake implementations against
     # the real outputs (aot_eager above does not compare their shapes), AOT dispatch
     # (T = 24: the checks are of the ops' registration, which no length changes; 26 s under the interpreter, 47 at 40)
     dict(kind="opcheck", B=2, T=24, H=4, Hkv=2, D=16, layout="varlen"),

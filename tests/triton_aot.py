@@ -88,7 +88,7 @@ def _scenario(B, T, H, Hkv, D, dtype, layout="varlen", decode_steps=(), override
         scale = D ** -0.5
         outs = tri._forward_impl(*args, p, scale)
         dout = torch.randn_like(t["q"])
-        tri._nsa_bwd_op(dout, *args, *outs[1:], tri._params_tuple(p), scale)
+        tri._backward_op(outs[1], outs[3])(dout, *args, *outs[1:], tri._params_tuple(p), scale)
         tri.select_blocks_triton(t["q"], t["k_cmp"], cmp_end, doc_pos, p)
         for tk in decode_steps:
             w = min(tk, p.window_size)
@@ -326,6 +326,9 @@ def _compile_one(i):
                    # a programmatic dependent launch, and whether the kernel waits for the launch before it
                    launch_pdl=bool(getattr(kern.metadata, "launch_pdl", False)),
                    waits_for_previous_launch=_waits_before_memory(kern.asm["ptx"]),
+                   # global atomics by width: 4-wide (one instruction per 16 bytes) and scalar
+                   atomics_v4=len(re.findall(r"\b(?:red|atom)\.global\S*\.v4\.", kern.asm["ptx"])),
+                   atomics_scalar=len(re.findall(r"\b(?:red|atom)\.global(?:(?!\.v[248]\.)\S)*\s", kern.asm["ptx"])),
                    **dict(zip(("dot_loops", "unpipelined_dot_loops", "exposed_dot_loops"),
                               _loop_pipelining(kern.asm["ttgir"]))),
                    **_resources(kern.asm["cubin"]))

@@ -394,9 +394,10 @@ def run_seldq_case(case: dict) -> dict:
     o, lse = selected._sel_fwd(q, k, v, idx.to(device), doc_pos, p, scale)
     delta = (dout.float() * o.float()).sum(-1).contiguous()  # (B, Tq, H)
     lse_g = (torch.where(torch.isinf(lse), 0.0, lse) - torch.log2(gates[..., 1].float())).contiguous()
+    zero = torch.zeros(q.shape, device=device, dtype=torch.float32).view(-1, q.shape[-1])
     dq = selected._sel_dq_pairs(q, k, v, idx.to(device), doc_pos, dout, lse_g, delta,
-                                torch.zeros(q.shape, device=device, dtype=torch.float32), p, scale,
-                                dq_module._sel_dq_reduce_chunk)
+                                dq_module._FloatDq(zero, zero, q.shape[-1]), p, scale, dq_module._sel_dq_reduce_chunk)
+    dq = dq.lo.view(q.shape)
     return {"dq": rel(dq.cpu().float(), dq_ref), "nan": bool(torch.isnan(dq).any())}
 
 
@@ -786,6 +787,12 @@ def run_opcheck_case(case: dict) -> dict:
                               ("bwd", tri._nsa_bwd_op, (dout, *args, *outs[1:], params, scale))]:
         checks = torch.library.opcheck(op, op_args, raise_exception=False)
         res.update({f"{name}/{check}": str(outcome)[:400] for check, outcome in checks.items()})
+    # the pair-wise dQ's backward, which writes its fp32 dQ over o_cmp and o_win (declared mutated: opcheck's
+    # schema check fails an op that mutates an argument it does not declare)
+    with tri.launch_overrides(sel_dq_in_dkdv=True):
+        checks = torch.library.opcheck(tri._nsa_bwd_reusing_op, (dout, *args, *[o.clone() for o in outs[1:]], params,
+                                                                 scale), raise_exception=False)
+    res.update({f"bwd_reusing_outputs/{check}": str(outcome)[:400] for check, outcome in checks.items()})
     Tk = case["T"] - 5
     ce = import_nsa()[0].compressed_token_ends(doc_pos[:, :Tk], p, num_slots=cmp_end.shape[1])
     cache, query_end = static_layout(t, ce, doc_pos, Tk, p.window_size)
@@ -849,7 +856,7 @@ def run_host_sync_case(case: dict) -> dict:
     decode = kernel_module("decode")
     with HostSyncRecorder() as recorder:
         outs = tri._nsa_fwd_op._init_fn(*args, params, scale)
-        tri._nsa_bwd_op._init_fn(dout, *args, *outs[1:], params, scale)
+        tri._backward_op(outs[1], outs[3])._init_fn(dout, *args, *outs[1:], params, scale)
         decode._decode_step(*eager_step, p, scale)
         tri._nsa_decode_static_op._init_fn(*static_step, query_end, params, scale)
     return {"syncs": recorder.syncs, "ops": len(recorder.ops)}
