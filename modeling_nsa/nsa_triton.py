@@ -175,36 +175,6 @@ def _backward_impl(dout, q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, g
     return dq, dk_cmp, dv_cmp, dk_slc, dv_slc, dk_win, dv_win, dgates
 
 
-@torch.library.custom_op(f"{_NS}::bwd", mutates_args=())
-def _nsa_bwd_op(
-    dout: torch.Tensor, q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, cmp_end: torch.Tensor,
-    k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor,
-    gates: torch.Tensor, doc_pos: torch.Tensor, o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor,
-    lse_cmp: torch.Tensor, lse_slc: torch.Tensor, lse_win: torch.Tensor, idx: torch.Tensor,
-    params: list[int], scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward_impl(dout, q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, o_cmp, o_slc,
-                          o_win, lse_cmp, lse_slc, lse_win, idx, params, scale, dq_over_outputs=False)
-
-
-@torch.library.custom_op(f"{_NS}::bwd_reusing_outputs", mutates_args=("o_cmp", "o_win"))
-def _nsa_bwd_reusing_op(
-    dout: torch.Tensor, q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, cmp_end: torch.Tensor,
-    k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor,
-    gates: torch.Tensor, doc_pos: torch.Tensor, o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor,
-    lse_cmp: torch.Tensor, lse_slc: torch.Tensor, lse_win: torch.Tensor, idx: torch.Tensor,
-    params: list[int], scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward of the pair-wise selected dQ modes: their fp32 dQ (B*Tq*H*D floats, which the default's
-    union walk never needs: 192 MiB at 64k tokens x 12 heads x 64, above dense SDPA's peak, bench/KERNELS.md) is
-    kept in the storage of the saved o_cmp and o_win, which it overwrites once _bwd_dq has read them. Declared as a
-    mutation (their version counters move; torch.compile functionalizes it, and there, since the two are inputs
-    of the compiled backward, keeps copies: the memory saved is eager mode's). _backward refuses a second
-    backward through the same graph (retain_graph=True) instead of reading the overwritten outputs."""
-    return _backward_impl(dout, q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, o_cmp, o_slc,
-                          o_win, lse_cmp, lse_slc, lse_win, idx, params, scale, dq_over_outputs=True)
-
-
 def _bwd_fake(dout, q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, o_cmp, o_slc, o_win,
               lse_cmp, lse_slc, lse_win, idx, params, scale):
     return (
@@ -213,8 +183,34 @@ def _bwd_fake(dout, q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates,
     )
 
 
-_nsa_bwd_op.register_fake(_bwd_fake)
-_nsa_bwd_reusing_op.register_fake(_bwd_fake)
+def _backward_custom_op(name: str, dq_over_outputs: bool):
+    """The backward as a custom op (one schema for both): with dq_over_outputs, the backward of the pair-wise
+    selected dQ modes, whose fp32 dQ (B*Tq*H*D floats, which the default's union walk never needs: 192 MiB at 64k
+    tokens x 12 heads x 64, above dense SDPA's peak, bench/KERNELS.md) is kept in the storage of the saved o_cmp and
+    o_win, which it overwrites once _bwd_dq has read them. That is declared as a mutation (their version counters
+    move; torch.compile functionalizes it, and there, since the two are inputs of the compiled backward, keeps
+    copies: the memory saved is eager mode's); _backward refuses a second backward through the same graph
+    (retain_graph=True) instead of reading the overwritten outputs."""
+
+    def backward(
+        dout: torch.Tensor, q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, cmp_end: torch.Tensor,
+        k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor,
+        gates: torch.Tensor, doc_pos: torch.Tensor, o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor,
+        lse_cmp: torch.Tensor, lse_slc: torch.Tensor, lse_win: torch.Tensor, idx: torch.Tensor,
+        params: list[int], scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+               torch.Tensor]:
+        return _backward_impl(dout, q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, o_cmp,
+                              o_slc, o_win, lse_cmp, lse_slc, lse_win, idx, params, scale, dq_over_outputs)
+
+    op = torch.library.custom_op(f"{_NS}::{name}", mutates_args=("o_cmp", "o_win") if dq_over_outputs else ())(
+        backward)
+    op.register_fake(_bwd_fake)
+    return op
+
+
+_nsa_bwd_op = _backward_custom_op("bwd", dq_over_outputs=False)
+_nsa_bwd_reusing_op = _backward_custom_op("bwd_reusing_outputs", dq_over_outputs=True)
 
 
 def _setup_context(ctx, inputs, output):

@@ -65,14 +65,21 @@ if _HAS_TRITON:
     # masked off: a pointer chosen per column (tl.where) made the selected dK/dV's atomics scalar (32 instead of 8
     # vector ones per tile on sm_90) and spilled its main pass; the two masked halves keep them 4-wide.
     @triton.jit
+    def _dq_halves(DQ, DQ_HI, rows, d, DQ_HALF: tl.constexpr, row_ok):
+        """DQ_HALF < D: the two halves' addresses (rows, D), each contiguous along the row, and their masks."""
+        col = rows[:, None] * DQ_HALF + d[None, :] % DQ_HALF
+        return (DQ + col, DQ_HI + col, row_ok[:, None] & (d < DQ_HALF)[None, :],
+                row_ok[:, None] & (d >= DQ_HALF)[None, :])
+
+    @triton.jit
     def _dq_store(DQ, DQ_HI, rows, d, D: tl.constexpr, DQ_HALF: tl.constexpr, value, row_ok):
         """Store value (rows, D) at those rows of the fp32 dQ (DQ, DQ_HI, DQ_HALF)."""
         if DQ_HALF == D:
             tl.store(DQ + rows[:, None] * D + d[None, :], value, mask=row_ok[:, None])
         else:
-            col = (rows[:, None] * DQ_HALF + d[None, :] % DQ_HALF)
-            tl.store(DQ + col, value, mask=row_ok[:, None] & (d < DQ_HALF)[None, :])
-            tl.store(DQ_HI + col, value, mask=row_ok[:, None] & (d >= DQ_HALF)[None, :])
+            lo, hi, lo_ok, hi_ok = _dq_halves(DQ, DQ_HI, rows, d, DQ_HALF, row_ok)
+            tl.store(lo, value, mask=lo_ok)
+            tl.store(hi, value, mask=hi_ok)
 
     @triton.jit
     def _dq_add(DQ, DQ_HI, rows, d, D: tl.constexpr, DQ_HALF: tl.constexpr, value, row_ok):
@@ -80,18 +87,17 @@ if _HAS_TRITON:
         if DQ_HALF == D:
             tl.atomic_add(DQ + rows[:, None] * D + d[None, :], value, mask=row_ok[:, None], sem="relaxed")
         else:
-            col = (rows[:, None] * DQ_HALF + d[None, :] % DQ_HALF)
-            tl.atomic_add(DQ + col, value, mask=row_ok[:, None] & (d < DQ_HALF)[None, :], sem="relaxed")
-            tl.atomic_add(DQ_HI + col, value, mask=row_ok[:, None] & (d >= DQ_HALF)[None, :], sem="relaxed")
+            lo, hi, lo_ok, hi_ok = _dq_halves(DQ, DQ_HI, rows, d, DQ_HALF, row_ok)
+            tl.atomic_add(lo, value, mask=lo_ok, sem="relaxed")
+            tl.atomic_add(hi, value, mask=hi_ok, sem="relaxed")
 
     @triton.jit
     def _dq_load(DQ, DQ_HI, rows, d, D: tl.constexpr, DQ_HALF: tl.constexpr, row_ok):
         """Those rows of the fp32 dQ, (rows, D) (0 off row_ok)."""
         if DQ_HALF == D:
             return tl.load(DQ + rows[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
-        col = (rows[:, None] * DQ_HALF + d[None, :] % DQ_HALF)
-        lo = tl.load(DQ + col, mask=row_ok[:, None] & (d < DQ_HALF)[None, :], other=0.0)
-        return lo + tl.load(DQ_HI + col, mask=row_ok[:, None] & (d >= DQ_HALF)[None, :], other=0.0)
+        lo, hi, lo_ok, hi_ok = _dq_halves(DQ, DQ_HI, rows, d, DQ_HALF, row_ok)
+        return tl.load(lo, mask=lo_ok, other=0.0) + tl.load(hi, mask=hi_ok, other=0.0)
 
     @triton.jit
     def _dkdv_update_ds(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv):

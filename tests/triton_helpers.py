@@ -394,10 +394,10 @@ def run_seldq_case(case: dict) -> dict:
     o, lse = selected._sel_fwd(q, k, v, idx.to(device), doc_pos, p, scale)
     delta = (dout.float() * o.float()).sum(-1).contiguous()  # (B, Tq, H)
     lse_g = (torch.where(torch.isinf(lse), 0.0, lse) - torch.log2(gates[..., 1].float())).contiguous()
-    zero = torch.zeros(q.shape, device=device, dtype=torch.float32).view(-1, q.shape[-1])
-    dq = selected._sel_dq_pairs(q, k, v, idx.to(device), doc_pos, dout, lse_g, delta,
-                                dq_module._FloatDq(zero, zero, q.shape[-1]), p, scale, dq_module._sel_dq_reduce_chunk)
-    dq = dq.lo.view(q.shape)
+    zero = dq_module._FloatDq.new(q)
+    zero.lo.zero_()
+    dq = selected._sel_dq_pairs(q, k, v, idx.to(device), doc_pos, dout, lse_g, delta, zero, p, scale,
+                                dq_module._sel_dq_reduce_chunk).lo.view(q.shape)
     return {"dq": rel(dq.cpu().float(), dq_ref), "nan": bool(torch.isnan(dq).any())}
 
 
@@ -783,16 +783,16 @@ def run_opcheck_case(case: dict) -> dict:
     outs = tri._nsa_fwd_op(*args, params, scale)
     dout = torch.randn_like(outs[0])
     res = {}
-    for name, op, op_args in [("fwd", tri._nsa_fwd_op, (*leaves, params, scale)),
-                              ("bwd", tri._nsa_bwd_op, (dout, *args, *outs[1:], params, scale))]:
-        checks = torch.library.opcheck(op, op_args, raise_exception=False)
+    # (the pair-wise dQ's backward writes its fp32 dQ over o_cmp and o_win, declared mutated: opcheck's schema check
+    # fails an op that mutates an argument it does not declare; it gets copies of the outputs)
+    for name, op, op_args, overrides in [
+            ("fwd", tri._nsa_fwd_op, (*leaves, params, scale), {}),
+            ("bwd", tri._nsa_bwd_op, (dout, *args, *outs[1:], params, scale), {}),
+            ("bwd_reusing_outputs", tri._nsa_bwd_reusing_op,
+             (dout, *args, *[o.clone() for o in outs[1:]], params, scale), dict(sel_dq_in_dkdv=True))]:
+        with tri.launch_overrides(**overrides):
+            checks = torch.library.opcheck(op, op_args, raise_exception=False)
         res.update({f"{name}/{check}": str(outcome)[:400] for check, outcome in checks.items()})
-    # the pair-wise dQ's backward, which writes its fp32 dQ over o_cmp and o_win (declared mutated: opcheck's
-    # schema check fails an op that mutates an argument it does not declare)
-    with tri.launch_overrides(sel_dq_in_dkdv=True):
-        checks = torch.library.opcheck(tri._nsa_bwd_reusing_op, (dout, *args, *[o.clone() for o in outs[1:]], params,
-                                                                 scale), raise_exception=False)
-    res.update({f"bwd_reusing_outputs/{check}": str(outcome)[:400] for check, outcome in checks.items()})
     Tk = case["T"] - 5
     ce = import_nsa()[0].compressed_token_ends(doc_pos[:, :Tk], p, num_slots=cmp_end.shape[1])
     cache, query_end = static_layout(t, ce, doc_pos, Tk, p.window_size)
