@@ -196,6 +196,46 @@ def test_every_kernel_fits_in_shared_memory(aot_results, arch):
     assert not over, over
 
 
+def test_sm86_compiles_the_launches_its_smaller_tiles_change_and_reuses_sm80s_code_for_the_rest(aot_results):
+    """tests/triton_aot.py compiles an sm_86 launch only where the launchers sized it differently from every sm_80
+    launch (SAME_CODE_AS): the rest are sm_80's rows under sm_86's name, with sm_80's code, shared memory and loops,
+    and without the registers ptxas decides per target."""
+    sm80 = {(r["kernel"], json.dumps(r["constexprs"], sort_keys=True), r["num_warps"]): r for r in _rows(aot_results, 80)}
+    rows = _rows(aot_results, 86)
+    twins, own = [r for r in rows if "same_as_arch" in r], [r for r in rows if "same_as_arch" not in r]
+    assert twins and own, (len(twins), len(own))  # the 99 KiB shrinks some tiles (head_dim 128), not all
+    for r in twins:
+        twin = sm80.get((r["kernel"], json.dumps(r["constexprs"], sort_keys=True), r["num_warps"]))
+        assert r["same_as_arch"] == 80 and twin is not None, (r["kernel"], r["scenario"])
+        assert (r["shared"], r["dot_loops"], r["ok"]) == (twin["shared"], twin["dot_loops"], twin["ok"])
+        assert "reg" not in r and "stack" not in r, (r["kernel"], r["scenario"])
+    assert all("reg" in r for r in own if r["ok"])
+
+
+@pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="triton with its NVIDIA backend is not installed")
+def test_an_sm86_launch_reuses_an_sm80_compile_only_when_identical():
+    """The twin match is of everything triton compiles from (argument specialization included), not of names."""
+    from triton_aot import _ampere_twins, collect
+
+    sm80 = [(80, *launch) for launch in collect(80, ["G4-d128-fp16"])]
+    sm86 = [(86, *launch) for launch in collect(86, ["G4-d128-fp16"])]
+    compiled, same_as = _ampere_twins(sm80 + sm86)
+    assert set(range(len(sm80))) <= set(compiled)  # every sm_80 launch compiles
+    assert same_as and len(same_as) < len(sm86), (len(same_as), len(sm86))  # head_dim 128: some tiles differ
+    # a launch with an integer argument that is a multiple of 16 (a stride: triton specializes on its divisibility)
+    def multiple_of_16(a):
+        return isinstance(a, int) and not isinstance(a, bool) and a > 0 and a % 16 == 0
+
+    launch = next(x for x in sm80 if any(multiple_of_16(a) for a in x[4]))
+    arch, scenario, name, fn, args, kwargs = launch
+    identical = (86, scenario, name, fn, args, dict(kwargs))
+    more_warps = (86, scenario, name, fn, args, dict(kwargs, num_warps=2 * kwargs.get("num_warps", 4)))
+    at = next(i for i, a in enumerate(args) if multiple_of_16(a))  # made odd: no divisibility hint, other code
+    odd_int = (86, scenario, name, fn, (*args[:at], args[at] + 1, *args[at + 1:]), dict(kwargs))
+    compiled, same_as = _ampere_twins([launch, identical, more_warps, odd_int])
+    assert same_as == {1: 0} and compiled == [0, 2, 3], (compiled, same_as)
+
+
 # The loops that carry the op's time, on sm_90: each loop that runs a tl.dot in its body must issue its next
 # tile's loads while the current one computes (Triton's software pipelining: async copies in the loop body).
 # Two patterns silently turned it off here: a branch around a loop's block math, and a loop nested directly in

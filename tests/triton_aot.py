@@ -373,6 +373,47 @@ def collect(arch: int, scenarios=None) -> list:
     return launches
 
 
+# Ampere's two targets: sm_86 (and sm_89's launches, the same) lowers a launch exactly as sm_80 does (mma.sync,
+# cp.async; the PTX differs in its .target line), so a launch the launchers size identically on both (same
+# constexprs, warps, stages and argument specialization: the tiles the 99 KiB of shared memory did not shrink) has
+# the same TTGIR, PTX and shared memory, and the sm_80 compile stands for both. Its row is the sm_80 row under
+# sm_86's arch and scenario, with same_as_arch = 80 and without what ptxas decides per target (registers, stack:
+# nothing checks them on sm_86). On 2026-12-02, 118 of sm_86's 132 launches were such twins; compiled separately,
+# every one had the same shared memory, loops and pipelining as its sm_80 twin (registers and 3 stack frames
+# differed), and skipping them cut this job from 1,048 to 864 CPU-s.
+SAME_CODE_AS = {86: 80}
+PER_TARGET_FIELDS = ("reg", "stack", "local")
+
+
+def _specialization(launch) -> str:
+    """What triton compiles a launch from besides the target: the kernel, its argument specialization (dtypes,
+    16-divisibility, constants), constexprs and options, bound for sm_80 (the same for every Ampere target)."""
+    _, _, name, fn, args, kwargs = launch
+    _, options, signature, constexprs, attrs = _specialize(fn, args, kwargs, 80)
+    return repr((name, signature, sorted(constexprs.items(), key=repr), sorted(attrs.items(), key=repr),
+                 sorted(options.__dict__.items())))
+
+
+def _ampere_twins(launches) -> tuple[list[int], dict[int, int]]:
+    """(indices to compile, {index: the index whose compile stands for it}): an sm_86 launch with the specialization
+    of a requested sm_80 launch is not compiled again (SAME_CODE_AS)."""
+    by_spec = {}
+    for i, launch in enumerate(launches):
+        if launch[0] in SAME_CODE_AS.values():
+            by_spec.setdefault((launch[0], _specialization(launch)), i)
+    same_as = {}
+    for i, launch in enumerate(launches):
+        twin_arch = SAME_CODE_AS.get(launch[0])
+        if twin_arch is not None and (twin_arch, _specialization(launch)) in by_spec:
+            same_as[i] = by_spec[(twin_arch, _specialization(launch))]
+    return [i for i in range(len(launches)) if i not in same_as], same_as
+
+
+def _seconds_text(row: dict) -> str:
+    """The table's last column: the compile's seconds, or which architecture's compile stands for the launch."""
+    return f"(sm_{row['same_as_arch']}'s code)" if "same_as_arch" in row else str(row["seconds"])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", type=int, nargs="*", default=[90, 80, 86],
@@ -396,11 +437,16 @@ def main():
         sys.exit("triton_aot.py compiles real kernels: unset TRITON_INTERPRET")
     for arch in args.arch:
         _LAUNCHES.extend((arch, *x) for x in collect(arch, args.scenarios) if not args.kernels or x[1] in args.kernels)
-    jobs = range(len(_LAUNCHES))
+    compiled, same_as = _ampere_twins(_LAUNCHES)
     import multiprocessing
 
     with ProcessPoolExecutor(max_workers=args.workers, mp_context=multiprocessing.get_context("fork")) as pool:
-        results = list(pool.map(_compile_one, jobs))
+        results = dict(zip(compiled, pool.map(_compile_one, compiled)))
+    for i, twin in same_as.items():  # the sm_86 launches the sm_80 compile stands for
+        arch, scenario = _LAUNCHES[i][:2]
+        shared_code = {k: v for k, v in results[twin].items() if k not in PER_TARGET_FIELDS}
+        results[i] = dict(shared_code, arch=arch, scenario=scenario, seconds=0.0, same_as_arch=_LAUNCHES[twin][0])
+    results = [results[i] for i in range(len(_LAUNCHES))]
     print("| arch | kernel | scenario | warps | regs | spill (stack/local B) | smem KiB | dot loops (unpipelined, "
           "loads exposed) | s |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -409,7 +455,7 @@ def main():
             print(f"| sm_{r['arch']} | {r['kernel']} | {r['scenario']} | {r['num_warps']} | {r.get('reg', '?')} | "
                   f"{r.get('stack', '?')}/{r.get('local', '?')} | {r['shared'] / 1024:.0f} | "
                   f"{r['dot_loops']} ({r['unpipelined_dot_loops']}, {r['exposed_dot_loops']}) | "
-                  f"{r['seconds']} |")
+                  f"{_seconds_text(r)} |")
         else:
             print(f"| sm_{r['arch']} | {r['kernel']} | {r['scenario']} | FAILED: {r['error'][:300]} |")
     if args.sass_loops is not None:
