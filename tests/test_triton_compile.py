@@ -200,7 +200,8 @@ def test_sm86_compiles_the_launches_its_smaller_tiles_change_and_reuses_sm80s_co
     """tests/triton_aot.py compiles an sm_86 launch only where the launchers sized it differently from every sm_80
     launch (SAME_CODE_AS): the rest are sm_80's rows under sm_86's name, with sm_80's code, shared memory and loops,
     and without the registers ptxas decides per target."""
-    sm80 = {(r["kernel"], json.dumps(r["constexprs"], sort_keys=True), r["num_warps"]): r for r in _rows(aot_results, 80)}
+    sm80 = {(r["kernel"], json.dumps(r["constexprs"], sort_keys=True), r["num_warps"]): r
+            for r in _rows(aot_results, 80)}
     rows = _rows(aot_results, 86)
     twins, own = [r for r in rows if "same_as_arch" in r], [r for r in rows if "same_as_arch" not in r]
     assert twins and own, (len(twins), len(own))  # the 99 KiB shrinks some tiles (head_dim 128), not all

@@ -1081,8 +1081,14 @@ def patch_the_language_once_per_launch():
         return True
     launch = {"starting": False, "patched": None}  # the language modules patched since the running launch began
 
+    seen_in = {}  # id of a function's module globals -> the language modules they hold (a walk per module, not call)
+
     def language_modules(fn) -> frozenset:
-        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+        key = id(fn.__globals__)
+        if key not in seen_in:
+            seen_in[key] = frozenset(id(v) for v in fn.__globals__.values()
+                                     if inspect.ismodule(v) and v in (tl, tl.core))
+        return seen_in[key]
 
     def patch_lang_once(fn):
         modules = language_modules(fn)
