@@ -50,7 +50,7 @@ from nsa_train.export import Exporter, generate_sample
 from nsa_train.long_context import DEFAULT_DEPTHS, check_depths, check_lengths
 from nsa_train.preemption import SigtermStop
 from nsa_train.run_state import RunState
-from nsa_train.step_log import StepLog
+from nsa_train.step_log import StepLog, transformers_bars_on_a_terminal_only
 
 MODEL_PRESETS = {
     "125m": {},  # NSAConfig defaults: 12 layers, hidden 768, 12 q / 2 kv heads, paper NSA sizes
@@ -662,6 +662,7 @@ def main(cfg: TrainConfig) -> dict:
 def train(cfg: TrainConfig, cleanup: list) -> dict:
     started = time.time()
     quiet_tied_head_notice()
+    transformers_bars_on_a_terminal_only()
     # the process group before the Accelerator (whose TensorBoard logger needs the output dir, the same on every process)
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
     out_dir = output_dir(cfg, state)

@@ -210,14 +210,12 @@ def long_context_settings(cfg, tokenizer, vocab_size: int | None, say=print) -> 
     if error := error_of(defaults[-1:]):
         raise ValueError(f"--eval-long-context (--long-context-lengths not given: --seq-len {cfg.seq_len} x "
                          f"{' '.join(map(str, LONG_CONTEXT_LENGTH_FACTORS))}): {error}")  # fmt: skip
-    settings["lengths"] = []
-    for length in defaults[:-1]:
-        if error := error_of([length]):
-            say(f"--eval-long-context: the default length {length} (--seq-len x {length // cfg.seq_len}) left out: "
-                f"{error}")
-        else:
-            settings["lengths"].append(length)
-    settings["lengths"].append(defaults[-1])
+    skipped = {length: error for length in defaults[:-1] if (error := error_of([length]))}
+    settings["lengths"] = [length for length in defaults if length not in skipped]
+    for length, error in skipped.items():  # a note, not an error: the run goes on at the other default lengths
+        why = error.removeprefix(f"--long-context-lengths {length}: ").split("; use ")[0]
+        say(f"note: --eval-long-context skips its default length {length} (--seq-len x {length // cfg.seq_len}), "
+            f"{why}; it evaluates {' '.join(map(str, settings['lengths']))} (--long-context-lengths sets the lengths)")
     return settings
 
 

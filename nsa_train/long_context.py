@@ -1161,6 +1161,9 @@ def main(argv=None) -> dict:
         check_not_replacing(Path(out), args.task, args.scoring, {"lengths": check_lengths(args.lengths, None),
                                                                   "depths": depths, "samples": args.samples,
                                                                   "seed": args.seed})  # fmt: skip
+    from .step_log import transformers_bars_on_a_terminal_only  # (here: step_log imports this module's users)
+
+    transformers_bars_on_a_terminal_only()
     model, tokenizer = load_model_and_tokenizer(args.model, args.tokenizer, args.device, args.dtype, args.nsa_backend,
                                                 args.trust_remote_code)  # fmt: skip
     return run_long_context_eval(

@@ -18,6 +18,35 @@ from .run_state import RunState
 # how the console line shows an evaluation metric (others: "<name> <value>")
 EVAL_CONSOLE = {"val_loss": "val loss {:.4f}", "val_ppl": "ppl {:.2f}"}
 PER_LAYER = re.compile(r"[a-z]+_l\d+_")
+# the selection statistics' means over layers (nsa_train.selection_stats.flatten_stats, group "stats"): the console
+# shows these few as one item; metrics.jsonl, stats.jsonl and the trackers keep every figure
+SELECTION_MEANS = "stats_all_"
+SELECTION_CONSOLE = (("distance_mean", "reach {:.1f} blocks"), ("beyond_window_share", "beyond window {:.0%}"),
+                     ("forced_share", "forced {:.0%}"), ("neighbour_overlap", "overlap {:.2f}"))
+
+
+def selection_console(metrics: dict[str, float]) -> str | None:
+    """The selection statistics as one console item, `selection: gates cmp/slc/win 0.31/0.35/0.34, reach 4.2
+    blocks, beyond window 41%, forced 22%, overlap 0.63` (means over layers), or None where none were measured."""
+    means = {k[len(SELECTION_MEANS):]: v for k, v in metrics.items() if k.startswith(SELECTION_MEANS)}
+    if not means:
+        return None
+    parts = []
+    gates = [means.get(f"gate_{branch}_mean") for branch in ("cmp", "slc", "win")]
+    if None not in gates:
+        parts.append("gates cmp/slc/win " + "/".join(f"{g:.2f}" for g in gates))
+    parts += [text.format(means[name]) for name, text in SELECTION_CONSOLE if name in means]
+    return "selection: " + ", ".join(parts)
+
+
+def transformers_bars_on_a_terminal_only() -> None:
+    """transformers' own progress bars (`Writing model shards` at each export, `Loading weights` at each load, the
+    Hub's downloads) shown on a terminal only, as the trainer's bar is: in a log file they would be the only tqdm
+    lines, printed at every save and load."""
+    if not sys.stderr.isatty():
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
 
 def peak_memory_gb(device) -> float:
@@ -117,13 +146,15 @@ class StepLog:
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
         """One evaluation's metrics (`<group>_<name>`; trackers: `<group>/<name>`). The console line leaves out
-        per-layer figures (`<group>_l<N>_<name>`, e.g. the selection statistics; their means over layers show) and
-        shows the validation loss by query position as one item, `by position 0-63 1.9120 64-127 1.7340 ...`."""
+        per-layer figures (`<group>_l<N>_<name>`), shows the validation loss by query position as one item, `by
+        position 0-63 1.9120 64-127 1.7340 ...`, and the selection statistics as one (`selection_console`)."""
         shown = [EVAL_CONSOLE[k].format(v) if k in EVAL_CONSOLE else f"{k} {v:.4g}" for k, v in metrics.items()
-                 if not PER_LAYER.match(k) and not POSITION_METRIC.match(k)]  # fmt: skip
+                 if not PER_LAYER.match(k) and not POSITION_METRIC.match(k) and not k.startswith(SELECTION_MEANS)]
         if by_position := position_losses(metrics):
             after = next((i + 1 for i, k in enumerate(metrics) if k == "val_ppl"), 0)  # (val_ppl is shown)
             shown.insert(after, "by position " + " ".join(f"{lo}-{hi - 1} {v:.4f}" for lo, hi, v in by_position))
+        if selection := selection_console(metrics):
+            shown.append(selection)
         shown = " ".join(shown)
         self._write(f"step {step}: {shown}", {"step": step, **metrics})
         if self.trackers:

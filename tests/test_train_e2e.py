@@ -101,6 +101,8 @@ def test_smoke_preset_end_to_end_with_hub_push(tmp_path, fake_hub):
                     "--output-dir", str(out), "--push-to-hub", "tester/nsa-smoke"], env=env, timeout=600)  # fmt: skip
     summary = json.loads((out / "summary.json").read_text())
     assert summary["finished"] and summary["step"] == 24 and "sample:" in proc.stdout
+    # transformers' bars (each export's "Writing model shards", each load's "Loading weights") off a terminal
+    assert "Writing model shards" not in proc.stdout + proc.stderr and "Loading weights" not in proc.stderr
     record = json.loads((out / "run.json").read_text())
     assert record["config"]["tokenizer"] == "byt5" and record["config"]["dataset"] == "python-docs"
     assert (out / "logs").is_dir() and list((out / "logs").rglob("events.out.tfevents*"))  # TensorBoard

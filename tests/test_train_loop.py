@@ -846,6 +846,21 @@ def test_every_evaluation_metric_is_logged(tmp_path, capsys):
     said = capsys.readouterr().out
     assert ("step 5: val loss 2.0000 ppl 7.39 by position 0-63 2.5000 64-127 1.7500 sel_recall 0.75\n" in said
             and "l1_recall" not in said)  # fmt: skip
+    # the selection statistics: one console item of their means over layers; the file keeps every figure
+    stats = {"stats_l0_gate_cmp_mean": 0.2, "stats_all_gate_cmp_mean": 0.31, "stats_all_gate_cmp_std": 0.05,
+             "stats_all_gate_slc_mean": 0.354, "stats_all_gate_win_mean": 0.336, "stats_all_distance_mean": 4.25,
+             "stats_all_beyond_window_share": 0.412, "stats_all_forced_share": 0.2249, "stats_all_neighbour_overlap":
+             0.634, "stats_all_neighbour_jaccard": 0.5}  # fmt: skip
+    (tmp_path / "stats").mkdir()
+    log = StepLog(Tracked(), tmp_path / "stats", SimpleNamespace(report_to="none", max_steps=10, log_every=1,
+                                                                 resume=None),
+                  RunState(), (1.0, 1.0), None, {})  # fmt: skip
+    log.log_eval(6, {"val_loss": 2.0, **stats})
+    log.close()
+    said = capsys.readouterr().out
+    assert ("step 6: val loss 2.0000 selection: gates cmp/slc/win 0.31/0.35/0.34, reach 4.2 blocks, beyond window "
+            "41%, forced 22%, overlap 0.63\n") in said and "stats_" not in said, said
+    assert json.loads((tmp_path / "stats" / "metrics.jsonl").read_text()) == {"step": 6, "val_loss": 2.0, **stats}
     # a resume hides TensorBoard's events after its step, also from step 0 (a launch that died before its first
     # checkpoint), and a new run purges nothing
     for resume, step, expected in (("latest", 0, {"tensorboard": {"purge_step": 1}}),
