@@ -385,11 +385,15 @@ SAME_CODE_AS = {86: 80}
 PER_TARGET_FIELDS = ("reg", "stack", "local")
 
 
-def _specialization(launch) -> str:
+def _specialization(launch) -> str | None:
     """What triton compiles a launch from besides the target: the kernel, its argument specialization (dtypes,
-    16-divisibility, constants), constexprs and options, bound for sm_80 (the same for every Ampere target)."""
+    16-divisibility, constants), constexprs and options, bound for sm_80 (the same for every Ampere target). None
+    where the binding fails: the launch then compiles on its own, which reports the error with its name and shape."""
     _, _, name, fn, args, kwargs = launch
-    _, options, signature, constexprs, attrs = _specialize(fn, args, kwargs, 80)
+    try:
+        _, options, signature, constexprs, attrs = _specialize(fn, args, kwargs, 80)
+    except Exception:
+        return None
     return repr((name, signature, sorted(constexprs.items(), key=repr), sorted(attrs.items(), key=repr),
                  sorted(options.__dict__.items())))
 
@@ -399,13 +403,13 @@ def _ampere_twins(launches) -> tuple[list[int], dict[int, int]]:
     of a requested sm_80 launch is not compiled again (SAME_CODE_AS)."""
     by_spec = {}
     for i, launch in enumerate(launches):
-        if launch[0] in SAME_CODE_AS.values():
-            by_spec.setdefault((launch[0], _specialization(launch)), i)
+        if launch[0] in SAME_CODE_AS.values() and (spec := _specialization(launch)) is not None:
+            by_spec.setdefault((launch[0], spec), i)
     same_as = {}
     for i, launch in enumerate(launches):
         twin_arch = SAME_CODE_AS.get(launch[0])
-        if twin_arch is not None and (twin_arch, _specialization(launch)) in by_spec:
-            same_as[i] = by_spec[(twin_arch, _specialization(launch))]
+        if twin_arch is not None and (spec := _specialization(launch)) is not None and (twin_arch, spec) in by_spec:
+            same_as[i] = by_spec[(twin_arch, spec)]
     return [i for i in range(len(launches)) if i not in same_as], same_as
 
 
