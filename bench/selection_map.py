@@ -161,10 +161,12 @@ def main(argv=None) -> dict:
         max_len = ids.shape[1]
     else:
         prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text(encoding="utf-8")
-        # truncated by the tokenizer, which otherwise warns that the whole prompt is longer than the model takes
-        ids = tokenizer(prompt, return_tensors="pt", truncation=True, max_length=args.max_len).input_ids
+        # tokenized once, whole (verbose=False: the tokenizer otherwise warns that it is longer than the model
+        # takes), then cut to --max-len: a causal LM's special tokens (a BOS) lead the prompt and survive the cut
+        prompt_ids = tokenizer(prompt, verbose=False).input_ids
+        ids = torch.tensor([prompt_ids[: args.max_len]])
         max_len = args.max_len
-        total = len(tokenizer(prompt, verbose=False).input_ids)
+        total = len(prompt_ids)
         if total > ids.shape[1]:
             print(f"the prompt cut to {ids.shape[1]} of its {total} tokens (--max-len {args.max_len})")
     if ids.shape[1] < 2:

@@ -190,14 +190,15 @@ def long_context_settings(cfg, tokenizer, vocab_size: int | None, say=print) -> 
                     training_len_source="the run's --seq-len", haystack=haystack,
                     text_column=cfg.text_column)  # fmt: skip
 
-    def error_of(lengths: list[int]) -> str | None:
+    def error_of(lengths: list[int]) -> ValueError | None:
         """Why the cases of those lengths cannot be built (as run_long_context_eval builds them), in the trainer's
         flag names, or None."""
         try:
             long_context.build_cases(tokenizer, settings["task"], lengths, settings["depths"], settings["samples"],
-                                     haystack=haystack, text_column=cfg.text_column, vocab_size=vocab_size)  # fmt: skip
-        except ValueError as e:  # its messages name long_context's CLI flag (--lengths): name the trainer's
-            return str(e).replace("--lengths ", "--long-context-lengths ")
+                                     haystack=haystack, text_column=cfg.text_column, vocab_size=vocab_size,
+                                     length_flag="--long-context-lengths")  # fmt: skip
+        except ValueError as e:
+            return e
         return None
 
     if cfg.long_context_lengths:
@@ -211,11 +212,13 @@ def long_context_settings(cfg, tokenizer, vocab_size: int | None, say=print) -> 
         raise ValueError(f"--eval-long-context (--long-context-lengths not given: --seq-len {cfg.seq_len} x "
                          f"{' '.join(map(str, LONG_CONTEXT_LENGTH_FACTORS))}): {error}")  # fmt: skip
     skipped = {length: error for length in defaults[:-1] if (error := error_of([length]))}
+    if other := [e for e in skipped.values() if not isinstance(e, long_context.CaseTooShortError)]:
+        raise ValueError(f"--eval-long-context: {other[0]}")  # not a length's fault: the longest would have failed too
     settings["lengths"] = [length for length in defaults if length not in skipped]
     for length, error in skipped.items():  # a note, not an error: the run goes on at the other default lengths
-        why = error.removeprefix(f"--long-context-lengths {length}: ").split("; use ")[0]
         say(f"note: --eval-long-context skips its default length {length} (--seq-len x {length // cfg.seq_len}), "
-            f"{why}; it evaluates {' '.join(map(str, settings['lengths']))} (--long-context-lengths sets the lengths)")
+            f"{error.reason}; it evaluates {' '.join(map(str, settings['lengths']))} (--long-context-lengths sets "
+            f"the lengths)")  # fmt: skip
     return settings
 
 

@@ -318,6 +318,20 @@ def _answer_ids(tokenizer, question: str, answer: str, vocab_size: int | None) -
     return _encode_exact(tokenizer, " " + answer, "answer", vocab_size)
 
 
+class CaseTooShortError(ValueError):
+    """A case length below what the task's fixed text takes, with its parts as fields (so that a caller, the
+    trainer's default lengths, can say why it skips a length without parsing the message): `length` as the user
+    gave it under `length_flag`, `needed` the least that works, `parts` what the fixed text holds."""
+
+    def __init__(self, length_flag: str, length: int, needed: int, task: str, parts: str):
+        self.length_flag, self.length, self.needed, self.task, self.parts = length_flag, length, needed, task, parts
+        super().__init__(f"{length_flag} {length}: {self.reason}; use {length_flag} >= {needed}.")
+
+    @property
+    def reason(self) -> str:
+        return f"too short for the {self.task} task's fixed text ({self.needed} tokens with this tokenizer: {self.parts})"
+
+
 def build_case(tokenizer, task: str, length: int, depth: float, haystack: Haystack, rng: random.Random,
                vocab_size: int | None = None, prefix: list[int] | None = None, length_flag: str = "--lengths",
                flag_offset: int = 0, in_document: bool = False) -> RetrievalCase:  # fmt: skip
@@ -338,9 +352,7 @@ def build_case(tokenizer, task: str, length: int, depth: float, haystack: Haysta
         extra = "the document's end-of-text" if in_document else "the tokenizer's special tokens" if prefix else ""
         parts = (f"instruction, hidden item, question, answer and {extra}" if extra
                  else "instruction, hidden item, question and answer")
-        raise ValueError(f"{length_flag} {length + flag_offset}: too short for the {task} task's fixed text "
-                         f"({fixed + flag_offset} tokens with this tokenizer: {parts}); use {length_flag} >= "
-                         f"{fixed + flag_offset}.")  # fmt: skip
+        raise CaseTooShortError(length_flag, length + flag_offset, fixed + flag_offset, task, parts)
     hay = haystack.take(budget, rng)
     cut = round(depth * budget)
     cut = haystack.snap_to_boundary(hay, cut, radius=min(32, max(2, budget // 50)))
@@ -354,9 +366,11 @@ def build_case(tokenizer, task: str, length: int, depth: float, haystack: Haysta
 
 
 def build_cases(tokenizer, task: str, lengths, depths, samples: int, seed: int = 0, haystack: str | None = None,
-                text_column: str = "text", vocab_size: int | None = None) -> tuple[list[RetrievalCase], str]:  # fmt: skip
+                text_column: str = "text", vocab_size: int | None = None,
+                length_flag: str = "--lengths") -> tuple[list[RetrievalCase], str]:  # fmt: skip
     """`samples` cases per (length, depth), each from its own seeded generator (so a cell's cases do not depend on
-    the other lengths or depths asked). Returns the cases and the haystack's description."""
+    the other lengths or depths asked). Returns the cases and the haystack's description; a length too short for
+    the task raises CaseTooShortError naming `length_flag` (the caller's flag for the lengths)."""
     check_task(task)
     if samples < 1:
         raise ValueError(f"--samples {samples}: give at least 1 case per (length, depth).")
@@ -365,7 +379,7 @@ def build_cases(tokenizer, task: str, lengths, depths, samples: int, seed: int =
     prefix = _special_prefix(tokenizer)
     cases = [
         build_case(tokenizer, task, length, depth, hay, random.Random(f"{seed}-{task}-{length}-{depth:g}-{i}"),
-                   vocab_size, prefix)  # fmt: skip
+                   vocab_size, prefix, length_flag=length_flag)  # fmt: skip
         for length in lengths for depth in depths for i in range(samples)
     ]
     return cases, hay.description

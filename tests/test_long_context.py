@@ -552,8 +552,11 @@ def test_bad_inputs_are_named_with_the_fix(byt5, llama_dir):
                            ([], r"at least one depth"), ([0.5, 0.5], r"repeated")):  # fmt: skip
         with pytest.raises(ValueError, match=needle):
             lc.run_long_context_eval(llama, byt5, "passkey", [300], depths, **quiet)
-    with pytest.raises(ValueError, match=r"--lengths 20: too short for the passkey task's fixed text \(\d+ tokens.*use --lengths >= \d+"):
+    with pytest.raises(ValueError, match=r"--lengths 20: too short for the passkey task's fixed text \(\d+ tokens.*use --lengths >= \d+") as short:
         lc.run_long_context_eval(llama, byt5, "passkey", [20], [0.5], **quiet)
+    # the fields a caller reads instead of the message (the trainer's note on a skipped default length)
+    assert isinstance(short.value, lc.CaseTooShortError) and (short.value.length, short.value.task) == (20, "passkey")
+    assert f"use --lengths >= {short.value.needed}." in str(short.value) and short.value.needed > 20
     with pytest.raises(ValueError, match=r"--samples 0"):
         lc.run_long_context_eval(llama, byt5, "passkey", [300], [0.5], log=lambda s: None, samples=0)
     with pytest.raises(ValueError, match=r"--haystack 'hf://x/y': a streamed Hub dataset"):
