@@ -6,6 +6,8 @@ Defaults are the 125M reference model: 12 layers, hidden 768, 12 query heads,
 2 KV heads (G = 6), head_dim 64, SwiGLU, RMSNorm, RoPE, GPT-2 vocab padded to 50304.
 """
 
+import math
+
 from huggingface_hub.dataclasses import strict
 from transformers.configuration_utils import PreTrainedConfig
 
@@ -67,7 +69,9 @@ class NSAConfig(PreTrainedConfig):
     """
 
     model_type = "nsa"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    # the output's cache, which Trainer's evaluation must not take for logits: "cache" from transformers 5.24 on,
+    # "past_key_values" before
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
 
     vocab_size: int = 50304
     hidden_size: int = 768
@@ -167,8 +171,9 @@ class NSAConfig(PreTrainedConfig):
             del self.rope_parameters
         if isinstance(self.rope_theta, int) and not isinstance(self.rope_theta, bool):
             self.rope_theta = float(self.rope_theta)  # an int, given or from rope_parameters: stored as a float
-        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
-            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}.")
+        if (isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float))
+                or not math.isfinite(self.rope_theta) or self.rope_theta <= 0):  # (NaN <= 0 is False)
+            raise ValueError(f"rope_theta must be a finite number > 0 (RoPE's base, e.g. 10000.0), got {self.rope_theta}.")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}.")
         from transformers.activations import ACT2FN  # (the MLP's activation table; imported here: remote code too)

@@ -459,14 +459,24 @@ class NSAModel(NSAPreTrainedModel):
         past_key_values = cache if cache is not None else past_key_values  # (transformers >= 5.24's name)
         # Training forwards build no cache unless asked: the cache is for generation.
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
-        if self.gradient_checkpointing and self.training:
-            if use_cache:
-                _log_once("NSA: use_cache=True does not combine with gradient checkpointing in training; no cache is built.")
-            use_cache = False
         if past_key_values is not None and not isinstance(past_key_values, NSACache):
             if past_key_values.get_seq_length() > 0:
                 raise ValueError(f"NSA needs an NSACache, got a filled {type(past_key_values).__name__}.")
             past_key_values = None
+        # the backward replays each checkpointed layer, whose cache update would then store its keys twice; without
+        # gradients (generating from a model in training mode) there is no replay, and the cache works as in eval
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            if past_key_values is not None:
+                raise ValueError(
+                    "NSA: a cache (past_key_values/cache) in a training forward with gradient checkpointing: the "
+                    "backward replays each layer, which would store its keys in the cache a second time. Pass no "
+                    "cache, run the forward under torch.no_grad() or model.eval(), or call "
+                    "model.gradient_checkpointing_disable()."
+                )
+            if use_cache:
+                _log_once("NSA: use_cache=True does not combine with gradient checkpointing in training (with "
+                          "gradients); no cache is built.")
+            use_cache = False
         if use_cache and past_key_values is None:
             past_key_values = NSACache(self.config)
         static_step = past_key_values is not None and past_key_values.static and past_key_values.decoding
@@ -572,8 +582,23 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
         """generate() gets an NSACache (selection/window/compressed state), never a DynamicCache, with room
         for generate()'s max_length reserved (no step copies the cache). cache_implementation="static": fixed-size
         buffers, and generate() compiles the decoding steps on a GPU (transformers' compile_config: CUDA graphs)."""
-        if model_kwargs.get(CACHE_NAME) is None and generation_config.use_cache is not False:
+        user_cache = model_kwargs.get(CACHE_NAME)
+        if user_cache is not None:  # as transformers' own: conflicting arguments refused, the cache marked as the
+            # caller's (generate() then keeps it consistent with the tokens it returns)
+            if generation_config.cache_implementation is not None:
+                raise ValueError(
+                    f"generate(): pass either cache_implementation={generation_config.cache_implementation!r} or a "
+                    f"cache ({CACHE_NAME}=), not both: the cache given is used as it is."
+                )
+            if isinstance(user_cache, tuple):
+                raise ValueError(f"generate(): {CACHE_NAME}= takes an NSACache, not a tuple of tensors.")
+            user_cache._is_user_defined = True
+            return
+        if generation_config.use_cache is not False:
             static = generation_config.cache_implementation == "static"
+            if static and getattr(generation_config, "max_cache_len", None) is not None:  # (transformers >= 5.2x)
+                # sized for the longest call expected, as transformers' static caches: the same shapes every call
+                max_cache_length = max(max_cache_length or 0, generation_config.max_cache_len)
             if generation_config.cache_implementation not in (None, "static"):
                 _log_once(
                     f"NSA: generate() uses NSACache (compressed, selection and window state); "

@@ -212,11 +212,19 @@ class TokenBuffer:
         return self.view()
 
     def index_select(self, index: torch.Tensor) -> None:
-        """Reorder the rows (beam search): the live tokens only, not the whole reserved storage."""
-        if self.storage is not None:
-            live = self.storage[:, self.start : self.end]
+        """Reorder the rows (beam search): the live tokens only, not the whole reserved storage. An index of another
+        length (a batch subset, repeated rows) makes a storage of that many rows, with the same spare room."""
+        if self.storage is None:
+            return
+        live = self.storage[:, self.start : self.end]
+        index = index.to(self.storage.device)
+        if index.numel() == self.storage.shape[0]:
             self._writable(live)
-            self.storage[:, self.start : self.end] = live.index_select(0, index.to(self.storage.device))
+            self.storage[:, self.start : self.end] = live.index_select(0, index)
+            return
+        storage = self.storage.new_full((index.numel(), *self.storage.shape[1:]), self.fill)
+        storage[:, self.start : self.end] = live.index_select(0, index)
+        self.storage = storage
 
 
 class NSALayerCache:
@@ -464,7 +472,12 @@ class NSAStaticLayerCache:
         self.cmp_count = _static_address((cmp_end >= 0).sum(-1))
 
     def index_select(self, index: torch.Tensor) -> None:
-        """Reorder the rows (beam search), in place: the buffers keep their addresses."""
+        """Reorder the rows (beam search), in place: the buffers keep their addresses (so the batch keeps its size)."""
+        if self.cmp_count is not None and index.numel() != self.cmp_count.shape[0]:
+            raise ValueError(
+                f"NSACache(static=True) holds {self.cmp_count.shape[0]} rows in buffers of fixed size and cannot take "
+                f"{index.numel()}; a batch of another size needs the default cache (no cache_implementation='static')."
+            )
         for tensor in [*self.tensors.values(), *([self.cmp_count] if self.cmp_count is not None else [])]:
             tensor.copy_(tensor.index_select(0, index.to(tensor.device)))
 
@@ -494,10 +507,19 @@ class NSACache(Cache):
                 f"NSACache(static=True) needs max_cache_len > 0 (got {max_cache_len}): the longest prompt + "
                 "generated length, which its buffers hold from the start."
             )
-        layer_class = NSAStaticLayerCache if static else NSALayerCache
-        super().__init__(layers=[layer_class(config, max_cache_len) for _ in range(config.num_hidden_layers)])
+        super().__init__(layers=self._new_layers(config, max_cache_len, static))
         # (not "max_cache_len": a read-only property of transformers' Cache in 5.17)
-        self.static, self.capacity = static, max_cache_len
+        self.static, self.capacity, self.config = static, max_cache_len, config
+        self._empty()
+
+    @staticmethod
+    def _new_layers(config: NSAConfig, max_cache_len: int, static: bool) -> list:
+        layer_class = NSAStaticLayerCache if static else NSALayerCache
+        return [layer_class(config, max_cache_len) for _ in range(config.num_hidden_layers)]
+
+    def _empty(self) -> None:
+        """The state of a cache that holds no token (a new one, or reset())."""
+        max_cache_len, config = self.capacity, self.config
         self.positions = TokenBuffer(reserve=max_cache_len)  # (B, Tk) in-document position of every cached token
         self.num_valid: torch.Tensor | None = None  # (B,) position the next token takes in its document
         # static: the positions of all max_cache_len keys (-1 until written) and the key index of the next token,
@@ -513,9 +535,33 @@ class NSACache(Cache):
         self.next_may_emit: torch.Tensor | None = None  # (1,) bool on the host (pinned beside a GPU)
         self.next_may_emit_copied = None  # the CUDA event after its copy (None on CPU)
 
+    def reset(self) -> None:
+        """Empty the cache for another prompt (transformers' Cache.reset): every layer's buffers are dropped, and the
+        next prompt allocates them, as in a new cache."""
+        self.layers = self._new_layers(self.config, self.capacity, self.static)
+        self._empty()
+
     @property
     def is_compileable(self) -> bool:
         return self.static
+
+    @property
+    def is_initialized(self) -> bool:
+        """Whether a prompt is stored (the buffers are allocated at the first forward: batch, device and dtype)."""
+        return self.num_valid is not None
+
+    @property
+    def batch_size(self) -> int:
+        return -1 if self.num_valid is None else self.num_valid.shape[0]
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        """The most tokens the cache holds: a static cache's max_cache_len; -1 (no bound) for the default one."""
+        return self.capacity if self.static else -1
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """(kv_length, kv_offset) as transformers' mask helpers count them: NSA builds no 4-D mask (its document
+        positions carry padding and documents), but the sizes are those of its keys."""
+        return (self.capacity, 0) if self.static else (self.get_seq_length() + query_length, 0)
 
     @property
     def doc_pos(self) -> torch.Tensor | None:
@@ -669,7 +715,22 @@ class NSACache(Cache):
         self.num_valid = self.doc_pos[:, -1] + 1 if length > num_tokens else None
         self.predict_emits()  # (rows moved back: their next tokens sit elsewhere in the compression cycle)
 
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows `indices` (any number, in that order; transformers' Cache.batch_select_indices)."""
+        self.reorder_cache(torch.as_tensor(indices, dtype=torch.long))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row `repeats` times in a row (transformers' Cache.batch_repeat_interleave: a prompt's cache
+        expanded for several samples or beams)."""
+        if self.num_valid is not None:
+            rows = torch.arange(self.num_valid.shape[0], device=self.num_valid.device)
+            self.reorder_cache(rows.repeat_interleave(repeats))
+
     def reorder_cache(self, beam_idx: torch.LongTensor):
+        """Rows in the order of beam_idx (beam search); a length other than the batch's keeps or repeats rows
+        (the default cache only: a static cache's buffers keep their size)."""
+        if self.num_valid is None:  # nothing stored yet
+            return
         for layer in self.layers:
             layer.index_select(beam_idx)
         if self.static:

@@ -110,6 +110,9 @@ BAD_CONFIGS = [
     (dict(head_dim=15, num_attention_heads=4), ["head_dim", "15"]),  # RoPE rotates pairs
     (dict(training_seq_len=0), ["training_seq_len", "0"]),
     (dict(kv_per_branch="window"), ["kv_per_branch", "'window'", "'win'"]),  # names the branches it takes
+    (dict(rope_theta=-1.0), ["rope_theta", "-1.0"]),
+    (dict(rope_theta=float("nan")), ["rope_theta", "nan", "finite"]),  # (NaN <= 0 is False: a NaN RoPE base)
+    (dict(rope_theta=float("inf")), ["rope_theta", "inf"]),  # (every frequency but the first 0: RoPE nearly off)
 ]
 
 

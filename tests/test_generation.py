@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from modeling_nsa import NSACache, NSAConfig, NSAForCausalLM
+from modeling_nsa.modeling_nsa import CACHE_NAME  # generate()'s name for the cache: "cache" from transformers 5.24
 from triton_helpers import HostSyncRecorder
 
 # Small blocks so that 70 generated tokens cross compression (l=8, d=4), selection (l'=16, n=3)
@@ -768,3 +769,119 @@ def test_bench_generate_smoke_run_times_every_model_and_their_ratios(tmp_path, m
         with pytest.raises(SystemExit) as exit_info:
             bench_generate.main()
         assert exit_info.value.code == 2 and said in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- transformers' Cache API, generate()'s cache arguments
+
+
+def _prompt_and_cache(model, batch=3, length=21, seed=5):
+    prompt = torch.randint(1, 97, (batch, length), generator=torch.Generator().manual_seed(seed))
+    cache = NSACache(model.config)
+    model(prompt, past_key_values=cache)
+    return prompt, cache
+
+
+@pytest.mark.parametrize("variant", ["mlp-kvsplit", "mean-kvshared", "dense"])
+def test_selecting_and_repeating_a_caches_rows_continues_as_those_rows_alone(variant):
+    """batch_select_indices / batch_repeat_interleave (transformers' Cache API: a subset of a batch, a prompt
+    expanded for several samples): the next chunk's logits are those of the chosen rows' own forwards."""
+    model = make_model(**VARIANTS[variant])
+    prompt, cache = _prompt_and_cache(model)
+    nxt = torch.randint(1, 97, (3, 6), generator=torch.Generator().manual_seed(6))
+    whole = model(torch.cat([prompt, nxt], 1), use_cache=False).logits[:, -6:]  # (3, 6, V)
+    rows = torch.tensor([2, 0])
+    cache.batch_select_indices(rows)
+    assert cache.batch_size == 2 and cache.get_seq_length() == 21
+    torch.testing.assert_close(model(nxt[rows], past_key_values=cache).logits, whole[rows], rtol=1e-9, atol=1e-9)
+    prompt, cache = _prompt_and_cache(model)
+    cache.batch_repeat_interleave(2)  # rows 0, 0, 1, 1, 2, 2
+    repeated = torch.arange(3).repeat_interleave(2)
+    assert cache.batch_size == 6
+    torch.testing.assert_close(model(nxt[repeated], past_key_values=cache).logits, whole[repeated], rtol=1e-9,
+                               atol=1e-9)  # fmt: skip
+
+
+def test_a_reset_cache_serves_another_prompt_as_a_new_one():
+    model = make_model()
+    _, cache = _prompt_and_cache(model, batch=2, length=40)
+    assert cache.is_initialized and cache.get_max_length() == -1
+    cache.reset()
+    assert not cache.is_initialized and cache.get_seq_length() == 0 and cache.batch_size == -1
+    prompt = torch.randint(1, 97, (3, 17), generator=torch.Generator().manual_seed(8))  # another batch size
+    nxt = torch.randint(1, 97, (3, 1), generator=torch.Generator().manual_seed(9))
+    model(prompt, past_key_values=cache)
+    expected = model(torch.cat([prompt, nxt], 1), use_cache=False).logits[:, -1:]
+    torch.testing.assert_close(model(nxt, past_key_values=cache).logits, expected, rtol=1e-9, atol=1e-9)
+    assert cache.get_mask_sizes(4, 0) == (18 + 4, 0)
+    static = NSACache(model.config, max_cache_len=40, static=True)
+    model(prompt, past_key_values=static)
+    assert static.get_max_length() == 40 and static.get_mask_sizes(1, 0) == (40, 0)
+    with pytest.raises(ValueError, match="holds 3 rows in buffers of fixed size and cannot take 2; .*default cache"):
+        static.batch_select_indices(torch.tensor([0, 1]))
+    static.reset()
+    model(prompt[:2], past_key_values=static)  # a new prompt, of another batch size
+    assert static.batch_size == 2 and int(static.cursor) == 17
+
+
+def test_generate_takes_a_callers_cache_as_transformers_does():
+    model = make_model()
+    prompt = torch.randint(1, 97, (1, 9), generator=torch.Generator().manual_seed(4))
+    cache = NSACache(model.config)
+    model.generate(prompt, **{CACHE_NAME: cache}, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert cache._is_user_defined and cache.get_seq_length() >= 9 + 2  # marked as the caller's, and filled
+    with pytest.raises(ValueError, match="either cache_implementation='static' or a cache"):
+        model.generate(prompt, **{CACHE_NAME: NSACache(model.config)}, cache_implementation="static",
+                       max_new_tokens=3, do_sample=False, pad_token_id=0)  # fmt: skip
+
+
+@pytest.mark.skipif(not hasattr(__import__("transformers").GenerationConfig(), "max_cache_len"),
+                    reason="this transformers has no generation_config.max_cache_len")
+def test_a_static_cache_is_sized_by_max_cache_len_when_given():
+    model = make_model()
+    out = model.generate(torch.randint(1, 97, (1, 9)), max_new_tokens=3, do_sample=False, pad_token_id=0,
+                         cache_implementation="static", max_cache_len=64, return_dict_in_generate=True)
+    assert out.past_key_values.capacity == 64  # (without it: the call's max_length, 12)
+
+
+@pytest.mark.parametrize("variant", ["mlp-kvsplit", "dense"])
+def test_gradient_checkpointing_keeps_a_cache_without_gradients_and_refuses_one_with_them(variant):
+    """The backward replays a checkpointed layer, which would store its keys in the cache again: a training forward
+    with gradients refuses a cache, naming the ways out; without gradients (decoding from a model in training mode)
+    the cache works as in eval mode."""
+    model = make_model(**VARIANTS[variant]).train()
+    # (transformers >= 5.23 names it activation checkpointing)
+    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    ids = torch.randint(1, 97, (1, 30), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="gradient checkpointing: the backward replays each layer.*torch.no_grad"):
+        model(ids, past_key_values=NSACache(model.config), labels=ids)
+    with torch.no_grad():
+        out = model(ids[:, :29], use_cache=True)
+        assert isinstance(out.past_key_values, NSACache)
+        step = model(ids[:, 29:], past_key_values=out.past_key_values).logits
+        whole = model(ids, use_cache=False).logits[:, -1:]
+    torch.testing.assert_close(step, whole, rtol=1e-9, atol=1e-9)
+    loss = model(ids, labels=ids).loss  # a training step without a cache still trains
+    loss.backward()
+    assert model.lm_head.weight.grad is not None
+
+
+def test_trainer_evaluation_with_the_cache_on_takes_the_logits_not_the_cache(tmp_path):
+    """Trainer.prediction_step drops the output fields named in config.keys_to_ignore_at_inference before it
+    takes the rest for logits: the cache's field ("cache" from transformers 5.24, "past_key_values" before) is
+    among them, so an evaluation with the config's use_cache on (NSA builds a cache in eval mode) still works."""
+    from transformers import Trainer, TrainingArguments
+
+    model = make_model().float()
+    model.config.use_cache = True
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(1, 97, (4, 16)).tolist()]
+    # (transformers >= 5.2x's Trainer sets the config's use_cache from its own argument)
+    use_cache = {"use_cache": True} if "use_cache" in TrainingArguments.__dataclass_fields__ else {}
+    args = TrainingArguments(str(tmp_path), per_device_eval_batch_size=2, report_to=[], use_cpu=True, **use_cache)
+    seen = []
+
+    def metrics(prediction):
+        seen.append(prediction.predictions)
+        return {"rows": len(prediction.predictions)}
+
+    result = Trainer(model=model, args=args, eval_dataset=rows, compute_metrics=metrics).evaluate()
+    assert result["eval_rows"] == 4 and seen[0].shape == (4, 16, 97)  # the logits, gathered over both batches
