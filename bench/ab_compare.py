@@ -504,6 +504,33 @@ def _shared_overrides(overrides) -> dict | None:
     return {k: v for k, v in fields.items() if k not in NSA_FIELDS} if isinstance(fields, dict) else None
 
 
+def sample_warnings(runs: list[dict], comparison: dict) -> list[str]:
+    """What makes the runs' averages something other than a comparison of seeds at the runs' ends: two runs of one
+    mode and seed (their spread is not seed-to-seed), one mode only (no NSA - dense), the last shared evaluation
+    short of a run's last (their --eval-every or tokens per step differ) or at step 0 only."""
+    warnings = []
+    pairs = Counter((r["mode"], r["seed"]) for r in runs)
+    for (mode, seed), count in sorted(pairs.items(), key=str):
+        if count > 1:
+            names = ", ".join(r["name"] for r in runs if (r["mode"], r["seed"]) == (mode, seed))
+            warnings.append(f"{names}: {count} {mode} runs of seed {seed}, averaged as separate samples: their spread "
+                            "is not seed-to-seed (to compare two variants of one mode, use bench/seed_groups.py)")
+    if len(comparison["modes"]) == 1:
+        warnings.append(f"only {comparison['modes'][0]} runs: the spread over them, no NSA - dense (give both modes' "
+                        "runs to compare attention)")  # fmt: skip
+    curve = comparison["curve"]
+    shared = curve[-1]["tokens"] if curve else None
+    if shared == 0:
+        warnings.append("the runs share no evaluation after step 0 (their --eval-every or tokens per step differ): no "
+                        "comparison at equal tokens, no verdict")  # fmt: skip
+    elif shared is not None:
+        beyond = [f"{r['name']} {r['val'][-1][0]:,}" for r in runs if r["val"][-1][0] > shared]
+        if beyond:
+            warnings.append(f"compared at {shared:,} tokens, the last count every run evaluated; runs evaluated "
+                            f"later: {', '.join(beyond)}")
+    return warnings
+
+
 def config_differences(runs: list[dict]) -> list[str]:
     """What differs between the runs besides the attention mode, the seed and the directories: NSA's own model
     fields may differ (dense ignores them); anything else means the comparison is not like for like."""
@@ -615,7 +642,8 @@ def compare(runs: list[dict]) -> dict:
         curve.append(row)
     final = curve[-1] if curve else None
     verdict = None
-    if final and "nsa_minus_dense" in final:
+    # (a verdict at 0 tokens would judge the untrained models: runs that share no later evaluation get none)
+    if final and "nsa_minus_dense" in final and final["tokens"] > 0:
         gap, half = final["nsa_minus_dense"], final["interval"]
         seed_std = max((final[m]["std"] or 0.0) for m in by_mode)
         paired = final["paired_gaps"]
@@ -668,13 +696,18 @@ def _fmt(x, spec="{:.4f}"):
     return "" if x is None else spec.format(x)
 
 
-def markdown(runs: list[dict], comparison: dict, notes: list[str]) -> str:
-    lines = ["# NSA vs dense", "",
-             "| run | mode | seed | params | device | steps | tokens | val loss | val ppl | tok/s (median) | peak mem GB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+def markdown(runs: list[dict], comparison: dict, notes: list[str], warnings: list[str] = ()) -> str:
+    lines = ["# NSA vs dense" if len(comparison["modes"]) == 2 else f"# {comparison['modes'][0]} runs", ""]
+    if warnings:
+        lines += ["**Read with care:**", "", *[f"- {w}" for w in warnings], ""]
+    lines += ["| run | mode | seed | params | device | steps | tokens | val loss | val ppl | tok/s (median) | peak mem GB |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in runs:
         tokens, loss = r["val"][-1]
-        lines.append(f"| {r['name']} | {r['mode']} | {r['seed']} | {r['num_parameters'] / 1e6:.2f}M | {r['device']} | "
+        # the attention kernel where the run chose one (a dense twin's sdpa / eager / flex_attention: tok/s depends on it)
+        kernel = (r.get("config") or {}).get("attn_implementation")
+        mode = f"{r['mode']} ({kernel})" if kernel else r["mode"]
+        lines.append(f"| {r['name']} | {mode} | {r['seed']} | {r['num_parameters'] / 1e6:.2f}M | {r['device']} | "
                      f"{r['steps']} | {tokens:,} | {loss:.4f} | {math.exp(min(loss, 50)):.2f} | {_fmt(r['tok_s'], '{:,.0f}')} | "
                      f"{_fmt(r['peak_mem_gb'], '{:.2f}')} |")  # fmt: skip
     lines += long_context_table(runs)
@@ -740,7 +773,9 @@ def position_table(comparison: dict) -> list[str]:
              + (f"; the last column: NSA - dense there less NSA - dense at {window}, seed by seed (a seed's lead "
                 "everywhere cancels): below 0, NSA gains more beyond its window than inside it" if beyond else "")
              + ":", "",
-             "| positions | " + " | ".join(modes) + (" | NSA - dense (95%)" if both else "")
+             "| positions | " + " | ".join(modes)
+             + ((" | NSA - dense (95%)" if any(row["interval"] is not None for row in rows) else " | NSA - dense")
+                if both else "")
              + (f" | less the gap at {window} (95%, paired) |" if beyond else " |"),
              "|---|" + "---|" * (len(modes) + both + beyond)]  # fmt: skip
     for row in rows:
@@ -899,10 +934,12 @@ def write_comparison(run_dirs: list[Path], out: Path) -> dict:
             r["name"] = f"{Path(r['dir']).parent.name}/{r['name']}"
     notes = config_differences(runs)
     comparison = compare(runs)
+    warnings = sample_warnings(runs, comparison)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "ab_compare.md").write_text(markdown(runs, comparison, notes))
+    (out / "ab_compare.md").write_text(markdown(runs, comparison, notes, warnings))
     result = {"runs": [{k: v for k, v in r.items() if k not in ("config", "model_config")} for r in runs],
-              "comparison": comparison, "config_differences": notes, "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+              "comparison": comparison, "config_differences": notes, "warnings": warnings,
+              "date": time.strftime("%Y-%m-%d")}  # fmt: skip
     (out / "ab_compare.json").write_text(json.dumps(result, indent=2))
     try:
         plot(runs, comparison, out / "ab_compare.png")

@@ -435,6 +435,35 @@ def test_seed_spread_and_the_verdict():
     assert [row["tokens"] for row in ab_compare.compare(runs)["curve"]] == [0, 100]
 
 
+def test_runs_that_are_not_a_seed_by_seed_comparison_are_said_to_be():
+    """Runs compared with --runs that share no evaluation after step 0 get no verdict (it would judge the untrained
+    models); two runs of one mode and seed, one mode only, and runs evaluated past the shared count are named
+    above the tables."""
+    # NSA evaluated every 100 tokens, dense at other counts: only step 0 is shared
+    runs = [fake_run("nsa", 0, [5.0, 4.0, 3.0]), {**fake_run("dense", 0, [5.1, 3.9]), "val": [(0, 5.1), (150, 3.9)]}]
+    comparison = ab_compare.compare(runs)
+    assert [row["tokens"] for row in comparison["curve"]] == [0] and comparison["final"] is None
+    warnings = ab_compare.sample_warnings(runs, comparison)
+    assert any("share no evaluation after step 0" in w and "no verdict" in w for w in warnings)
+    text = ab_compare.markdown([], comparison, [], warnings)
+    assert "Read with care" in text and "target <=" not in text
+    # evaluated past the shared count: named with their last counts
+    runs = [fake_run("nsa", 0, [5.0, 4.0, 3.0]), fake_run("dense", 0, [5.0, 3.9])]
+    warnings = ab_compare.sample_warnings(runs, ab_compare.compare(runs))
+    assert warnings == ["compared at 100 tokens, the last count every run evaluated; runs evaluated later: "
+                        "nsa-seed0 200"]
+    # two NSA runs of one seed (e.g. two schedules), no dense run: not seeds, and no NSA - dense
+    runs = [fake_run("nsa", 0, [5.0, 3.1]), {**fake_run("nsa", 0, [5.0, 3.2]), "name": "other/nsa-seed0"}]
+    comparison = ab_compare.compare(runs)
+    warnings = ab_compare.sample_warnings(runs, comparison)
+    assert any("2 nsa runs of seed 0, averaged as separate samples" in w and "seed_groups" in w for w in warnings)
+    assert any("only nsa runs" in w for w in warnings)
+    assert ab_compare.markdown([], comparison, [], warnings).startswith("# nsa runs")
+    # a like-for-like pair: nothing to say
+    runs = [fake_run("nsa", 0, [5.0, 3.1]), fake_run("dense", 0, [5.0, 3.0])]
+    assert ab_compare.sample_warnings(runs, ab_compare.compare(runs)) == []
+
+
 def test_students_t_past_the_table():
     """Past 30 degrees of freedom t95 follows Student's t, not the normal 1.96 (which is 4% short at 31): the
     published two-sided 95% quantiles at 40, 60 and 120, continuous with the table at 30, falling towards 1.96."""
@@ -452,17 +481,17 @@ def test_verdict_edges_run_states_and_the_token_axis(tmp_path):
     gradient accumulation."""
     # paired gaps 0.025 +- (t(2) 4.303 x 0.001 / sqrt 3 = 0.0025): beyond noise, but the target 0.02 lies within 0.005
     # of the gap, outside the interval: resolved (missed) ...
-    runs = [fake_run(m, seed, [3.0 + (0.025 + d if m == "nsa" else 0)]) for seed, d in enumerate((-0.001, 0, 0.001))
+    runs = [fake_run(m, seed, [5.0, 3.0 + (0.025 + d if m == "nsa" else 0)]) for seed, d in enumerate((-0.001, 0, 0.001))
             for m in ("nsa", "dense")]  # fmt: skip
     final = ab_compare.compare(runs)["final"]
     assert final["beyond_noise"] and final["resolved"] and not final["met"]
     # ... and a gap of 0.021 with the same spread is beyond noise yet not resolved (the target is inside)
-    runs = [fake_run(m, seed, [3.0 + (0.021 + d if m == "nsa" else 0)]) for seed, d in enumerate((-0.001, 0, 0.001))
+    runs = [fake_run(m, seed, [5.0, 3.0 + (0.021 + d if m == "nsa" else 0)]) for seed, d in enumerate((-0.001, 0, 0.001))
             for m in ("nsa", "dense")]  # fmt: skip
     final = ab_compare.compare(runs)["final"]
     assert final["beyond_noise"] and not final["resolved"]
     # two NSA seeds, one dense seed, no seed both: NSA's spread for both, sqrt(1/2 + 1/1)
-    runs = [fake_run("nsa", 0, [3.10]), fake_run("nsa", 1, [3.12]), fake_run("dense", 2, [3.0])]
+    runs = [fake_run("nsa", 0, [5.0, 3.10]), fake_run("nsa", 1, [5.0, 3.12]), fake_run("dense", 2, [5.0, 3.0])]
     final = ab_compare.compare(runs)["final"]
     assert final["interval_kind"] == "per-mode"
     assert final["interval"] == pytest.approx(12.706 * statistics.stdev([3.10, 3.12]) * (1 / 2 + 1 / 1) ** 0.5)
