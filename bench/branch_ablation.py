@@ -2,8 +2,8 @@
 branch's gate set to 0 in every layer), against its loss with all three, on the run's held-out rows; for groups of
 seeds, each group's mean and the gaps between groups paired by seed.
 
-    python bench/branch_ablation.py --group three-sets runs/pos_mean/nsa-seed* \
-        --group one-set runs/pos_mean_sharedkv_*/nsa-seed* --out runs/branch_ablation
+    python bench/branch_ablation.py --group three-sets runs/pos_mean/nsa-seed*/ \
+        --group one-set runs/pos_mean_sharedkv_*/nsa-seed*/ --out runs/branch_ablation
 
 A MODEL is a run's directory (its final/ is loaded, its seed and data flags read from its run.json) or a saved NSA
 model directory (no seed: it is left out of the paired gaps). The held-out rows are the trainer's
@@ -39,6 +39,7 @@ from modeling_nsa.configuration_nsa import BRANCHES  # noqa: E402
 from nsa_train.data import make_source, validation_rows  # noqa: E402
 from nsa_train.evaluation import OneProcess, validation_loss  # noqa: E402
 from nsa_train.long_context import load_model_and_tokenizer, run_command  # noqa: E402
+import train_accelerate  # noqa: E402  (the trainer's data flag defaults)
 from retrieval_anatomy import gate_removed  # noqa: E402
 from seed_groups import check_groups, paired_gap, write_report  # noqa: E402
 
@@ -46,6 +47,9 @@ from seed_groups import check_groups, paired_gap, write_report  # noqa: E402
 DATA_FLAGS = (("dataset", "--dataset"), ("dataset_config", "--dataset-config"), ("text_column", "--text-column"),
               ("seq_len", "--seq-len"), ("val_every_doc", "--val-every-doc"), ("val_tokens", "--val-tokens"),
               ("cross_doc_attention", "--cross-doc-attention"))  # fmt: skip
+# the trainer's defaults of those flags (what a run whose run.json lacks one used)
+TRAINER_DEFAULTS = {key: train_accelerate.TrainConfig.__dataclass_fields__[key].default
+                    for key in ("text_column", "val_every_doc", "val_tokens", "cross_doc_attention")}  # fmt: skip
 RISES = ("none", *BRANCHES)  # the "none" column is the loss itself, the others its rise with that branch removed
 
 
@@ -62,8 +66,14 @@ def ablation_losses(model, rows, micro_batch_size: int = 8) -> dict[str, float]:
 
 def read_model(spec: str) -> dict:
     """A MODEL argument -> {"spec", "path" (the directory to load), "seed" (None outside a run), "data" (the run's
-    data flags from its run.json, {} outside a run)}. A run's directory needs its final/."""
+    data flags from its run.json, {} outside a run)}. A run's directory needs its final/; a run's final/ is read
+    as its run (the run.json beside it)."""
     run = Path(spec)
+    if run.is_file():  # (a shell glob such as runs/ab/nsa-seed* also matches ab_compare's nsa-seed0.log)
+        raise ValueError(f"{spec}: a file, not a model: give a run's directory or a saved model directory (a glob "
+                         "such as DIR/nsa-seed*/ matches directories only).")  # fmt: skip
+    if not (run / "run.json").is_file() and run.name == "final" and (run.parent / "run.json").is_file():
+        run = run.parent
     record = run / "run.json"
     if not record.is_file():
         return {"spec": spec, "path": spec, "seed": None, "data": {}}
@@ -94,8 +104,19 @@ def data_flags(models: list[dict], given: dict) -> dict:
     for key, option in (("dataset", "--dataset"), ("seq_len", "--seq-len")):
         if flags[key] is None:
             raise ValueError(f"no run.json gives {option} (saved models only): pass the runs' {option}.")
-    defaults = {"text_column": "text", "val_every_doc": 100, "val_tokens": 65536, "cross_doc_attention": False}
-    return {key: defaults.get(key) if flags[key] is None else flags[key] for key, _ in DATA_FLAGS}
+    return {key: TRAINER_DEFAULTS.get(key) if flags[key] is None else flags[key] for key, _ in DATA_FLAGS}
+
+
+def describe_flags(flags: dict) -> str:
+    """The held-out rows' flags as the trainer's command line spells them."""
+    words = []
+    for key, option in DATA_FLAGS:
+        value = flags.get(key)
+        if key == "cross_doc_attention":
+            words += [option] if value else []
+        elif value is not None:
+            words += [option, str(value)]
+    return " ".join(words)
 
 
 def group_summary(runs: list[dict]) -> dict[str, dict]:
@@ -164,8 +185,10 @@ def main(argv=None) -> dict:
     p.add_argument("--dataset-config", default=None, help="default: the runs' --dataset-config")
     p.add_argument("--text-column", default=None, help="default: the runs' --text-column (else text)")
     p.add_argument("--seq-len", type=int, default=None, help="default: the runs' --seq-len")
-    p.add_argument("--val-every-doc", type=int, default=None, help="default: the runs' (else the trainer's 100)")
-    p.add_argument("--val-tokens", type=int, default=None, help="default: the runs' (else the trainer's 65536)")
+    p.add_argument("--val-every-doc", type=int, default=None, help="default: the runs' (else the trainer's "
+                   f"{TRAINER_DEFAULTS['val_every_doc']})")
+    p.add_argument("--val-tokens", type=int, default=None, help="default: the runs' (else the trainer's "
+                   f"{TRAINER_DEFAULTS['val_tokens']})")
     p.add_argument("--cross-doc-attention", action="store_true", default=None,
                    help="default: the runs' --cross-doc-attention (rows whose positions run across documents)")
     p.add_argument("--tokenizer", default=None, help="default: each model's own (its final/ holds the run's)")

@@ -2,9 +2,12 @@
 (`val_loss_pos<lo>to<hi>`), on the held-out rows as the trainer builds them and on the same rows started later in
 the text: a table.
 
-    python bench/position_shift.py runs/pos_mean/nsa-seed0/final runs/pos_dense473/dense-seed0/final \
-        --dataset runs/data/linux-docs-en.parquet --tokenizer byt5 --seq-len 1024 --val-every-doc 20 \
-        --val-tokens 65536 --shifts 0 32 64 96 --out runs/position_shift.json
+    python bench/position_shift.py runs/pos_mean/nsa-seed0 runs/pos_dense473/dense-seed0 \
+        --shifts 0 32 64 96 --out runs/position_shift.json
+
+A MODEL is a run's directory or its final/ (the held-out rows' flags are then read from the run's run.json, as
+bench/branch_ablation.py reads them) or a saved model directory (give the run's --dataset and --seq-len, and
+the other data flags where the run did not use the trainer's defaults).
 
 Every held-out row starts a fragment of a document at position 0, so positions 0-63 of every row hold the text at
 offsets 0-63 of each 1,024-token piece of the held-out documents. With few documents (two in the smoke runs), a
@@ -26,21 +29,23 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: branch_ablation (a run's data flags)
 
 from nsa_train.data import make_source, validation_rows  # noqa: E402
 from nsa_train.evaluation import OneProcess, position_losses, validation_loss  # noqa: E402
+from branch_ablation import TRAINER_DEFAULTS, data_flags, describe_flags, read_model  # noqa: E402
 from nsa_train.long_context import load_model_and_tokenizer, run_command  # noqa: E402
 
 
 def shifted_losses(model, tokenizer, dataset: str, seq_len: int, val_every: int, val_tokens: int, shifts,
                    micro_batch_size: int = 8, text_column: str = "text", cross_doc: bool = False,
-                   ) -> dict[int, dict[str, float]]:  # fmt: skip
+                   dataset_config: str | None = None) -> dict[int, dict[str, float]]:  # fmt: skip
     """{shift: validation_loss's metrics on the held-out rows with the first held-out document's first `shift`
     tokens dropped}."""
     process = OneProcess(next(model.parameters()).device)
     results = {}
     for shift in shifts:
-        rows = validation_rows(make_source(dataset, text_column), tokenizer, seq_len, val_every, val_tokens,
+        rows = validation_rows(make_source(dataset, text_column, dataset_config), tokenizer, seq_len, val_every, val_tokens,
                                cross_doc=cross_doc, skip_tokens=shift)  # fmt: skip
         if not rows:
             raise ValueError(f"--dataset {dataset!r} gave no held-out rows with --val-every-doc {val_every} and "
@@ -64,16 +69,22 @@ def shift_table(name: str, results: dict[int, dict[str, float]]) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("models", nargs="+", metavar="MODEL", help="a run's final/ or a saved model directory")
-    parser.add_argument("--dataset", required=True, help="the run's --dataset (a local file or folder)")
+    parser.add_argument("models", nargs="+", metavar="MODEL",
+                        help="a run's directory or its final/ (data flags from its run.json), or a saved model directory")
+    parser.add_argument("--dataset", default=None, help="default: the run's --dataset (run.json)")
+    parser.add_argument("--dataset-config", default=None, help="default: the run's --dataset-config")
     parser.add_argument("--tokenizer", default=None, help="the run's --tokenizer (default: each MODEL's own)")
-    parser.add_argument("--text-column", default="text")
-    parser.add_argument("--seq-len", type=int, required=True, help="the run's --seq-len")
-    parser.add_argument("--val-every-doc", type=int, default=100, help="the run's --val-every-doc (trainer default 100)")
-    parser.add_argument("--val-tokens", type=int, default=65536, help="the run's --val-tokens (trainer default 65536)")
+    parser.add_argument("--text-column", default=None, help="default: the run's (else text)")
+    parser.add_argument("--seq-len", type=int, default=None, help="default: the run's --seq-len")
+    parser.add_argument("--val-every-doc", type=int, default=None,
+                        help=f"default: the run's (else the trainer's {TRAINER_DEFAULTS['val_every_doc']})")
+    parser.add_argument("--val-tokens", type=int, default=None,
+                        help=f"default: the run's (else the trainer's {TRAINER_DEFAULTS['val_tokens']})")
+    parser.add_argument("--cross-doc-attention", "--cross-doc", dest="cross_doc_attention", action="store_true",
+                        default=None, help="the run's --cross-doc-attention (positions run across the row; default: "
+                                           "the run's)")  # fmt: skip
     parser.add_argument("--shifts", type=int, nargs="+", default=[0, 32, 64, 96],
                         help="tokens dropped from the first held-out document; 0 is the trainer's rows")
-    parser.add_argument("--cross-doc", action="store_true", help="the run's --cross-doc (positions run across the row)")
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--device", default=None, help="default: cuda where available, else cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
@@ -87,17 +98,22 @@ def main(argv=None):
         raise ValueError(f"MODEL given twice in {args.models}: each model's results are keyed by its path; give each "
                          "once.")  # fmt: skip
     shifts = sorted(set(args.shifts))
-    if args.seq_len <= 1:
-        raise ValueError(f"--seq-len {args.seq_len}: rows need at least 2 tokens; pass the run's --seq-len.")
+    models = [read_model(spec) for spec in args.models]
+    given = {key: getattr(args, key) for key in ("dataset", "dataset_config", "text_column", "seq_len",
+                                                 "val_every_doc", "val_tokens", "cross_doc_attention")}  # fmt: skip
+    flags = data_flags(models, given)  # the runs must agree: one set of rows for every model
+    if flags["seq_len"] <= 1:
+        raise ValueError(f"--seq-len {flags['seq_len']}: rows need at least 2 tokens; pass the run's --seq-len.")
+    print(f"held-out rows: {describe_flags(flags)}", file=sys.stderr)
     everything = {}
-    for spec in args.models:
-        model, tokenizer = load_model_and_tokenizer(spec, args.tokenizer, args.device, args.dtype)
+    for spec, m in zip(args.models, models):
+        model, tokenizer = load_model_and_tokenizer(m["path"], args.tokenizer, args.device, args.dtype)
         if tokenizer.eos_token_id is None:
             raise ValueError(f"the tokenizer of {spec!r} has no EOS token, which the held-out rows end each document "
                              "with; pass the run's --tokenizer.")  # fmt: skip
-        results = shifted_losses(model.eval(), tokenizer, args.dataset, args.seq_len, args.val_every_doc,
-                                 args.val_tokens, shifts, args.micro_batch_size, args.text_column,
-                                 args.cross_doc)  # fmt: skip
+        results = shifted_losses(model.eval(), tokenizer, flags["dataset"], flags["seq_len"], flags["val_every_doc"],
+                                 flags["val_tokens"], shifts, args.micro_batch_size, flags["text_column"],
+                                 flags["cross_doc_attention"], flags["dataset_config"])  # fmt: skip
         print(shift_table(spec, results), end="\n\n")
         everything[spec] = {str(s): m for s, m in results.items()}
     if args.out is not None:

@@ -149,6 +149,10 @@ def test_bad_input_is_named(runs_and_data, tmp_path):
     with pytest.raises(ValueError, match=r"--group twice: seed \[0\] appears more than once \(.*run0, .*run0/\)"):
         branch_ablation.main(["--dataset", str(folder / "docs.jsonl"), *DATA_FLAGS, "--group", "twice",
                               str(folder / "run0"), str(folder / "run0") + "/", "--out", str(tmp_path / "out")])  # fmt: skip
+    (tmp_path / "nsa-seed0.log").write_text("a run's log beside it (ab_compare --jobs)")  # a glob DIR/nsa-seed* takes it
+    with pytest.raises(ValueError, match=r"nsa-seed0.log: a file, not a model: .*DIR/nsa-seed\*/ matches directories"):
+        branch_ablation.main([*DATA_FLAGS, "--dataset", str(folder / "docs.jsonl"), "--group", "a",
+                              str(tmp_path / "nsa-seed0.log"), "--out", str(tmp_path / "out")])  # fmt: skip
     (tmp_path / "unfinished").mkdir()
     (tmp_path / "unfinished" / "run.json").write_text(json.dumps({"config": {"seed": 3}}))
     with pytest.raises(ValueError, match="unfinished: a run's directory without final/"):

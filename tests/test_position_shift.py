@@ -1,6 +1,7 @@
 """bench/position_shift.py: the trainer's loss by position on the held-out rows, and on the rows started later."""
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -83,3 +84,24 @@ def test_cross_doc_rows_and_repeated_shifts(saved_model_and_data):
     assert by_shift["0"] == pytest.approx(validation_loss(model, rows, 8, OneProcess()), rel=1e-6)
     plain = validation_rows(make_source(str(docs)), load_tokenizer("byt5"), 32, 1, 65536)
     assert by_shift["0"]["val_loss"] != pytest.approx(validation_loss(model, plain, 8, OneProcess())["val_loss"], rel=1e-6)
+
+
+def test_a_runs_directory_or_final_gives_the_held_out_rows_flags(saved_model_and_data, tmp_path, capsys):
+    """A MODEL inside a run (its directory or its final/) takes the rows' flags from the run's run.json, so shift
+    0 is the run's own validation loss without retyping them; flags given still win."""
+    model_dir, docs = saved_model_and_data
+    run = tmp_path / "nsa-seed0"
+    shutil.copytree(model_dir, run / "final")
+    (run / "run.json").write_text(json.dumps({"config": {
+        "seed": 0, "dataset": str(docs), "dataset_config": None, "text_column": "text", "seq_len": 32,
+        "val_every_doc": 2, "val_tokens": 10**6, "cross_doc_attention": False}}))  # fmt: skip
+    model = NSAForCausalLM.from_pretrained(model_dir).eval()
+    rows = validation_rows(make_source(str(docs)), load_tokenizer("byt5"), 32, 2, 10**6)
+    expected = validation_loss(model, rows, 8, OneProcess())["val_loss"]
+    for spec in (run, run / "final"):
+        results = position_shift.main([str(spec), "--tokenizer", "byt5", "--shifts", "0"])
+        assert results[str(spec)]["0"]["val_loss"] == pytest.approx(expected, rel=1e-6)
+    said = capsys.readouterr().err
+    assert "held-out rows: --dataset " in said and "--seq-len 32 --val-every-doc 2 --val-tokens 1000000" in said
+    every = position_shift.main([str(run), "--tokenizer", "byt5", "--shifts", "0", "--val-every-doc", "1"])
+    assert every[str(run)]["0"]["val_loss"] != pytest.approx(expected, rel=1e-6)  # the given flag wins
