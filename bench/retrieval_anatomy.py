@@ -362,6 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="the cases' seed (the long-context evaluation's default)")
     p.add_argument("--haystack", default=None, help="needle task: the text source (as nsa_train.long_context)")
     p.add_argument("--batch-size", type=int, default=20, help="cases per forward")
+    p.add_argument("--tokenizer", default=None, help="a tokenizer directory, a Hub id or byt5, as the trainer's "
+                   "--tokenizer (default: each MODEL's own)")
     p.add_argument("--device", default=None, help="default: cuda where there is one, else cpu")
     p.add_argument("--dtype", default="auto", help="the weights' dtype: auto is bfloat16 on cuda, float32 on cpu")
     p.add_argument("--ablate", default=None, choices=ABLATIONS,
@@ -379,7 +381,7 @@ def main(argv=None) -> list[dict]:
     check_depths(args.depths)
     results = []
     for spec in args.models:
-        model, tokenizer = load_model_and_tokenizer(spec, device=args.device, dtype=args.dtype)
+        model, tokenizer = load_model_and_tokenizer(spec, args.tokenizer, device=args.device, dtype=args.dtype)
         for length in args.lengths:
             cases, _ = build_cases(tokenizer, args.task, [length], args.depths, args.samples, seed=args.seed,
                                    haystack=args.haystack, vocab_size=model.config.vocab_size)  # fmt: skip

@@ -125,6 +125,8 @@ def main(argv=None) -> dict:
     p.add_argument("--layer", type=int, default=0)
     p.add_argument("--group", type=int, default=0, help="KV head group (0 .. num_key_value_heads - 1)")
     p.add_argument("--max-len", type=int, default=2048, help="tokens of the prompt kept")
+    p.add_argument("--tokenizer", default=None, help="a tokenizer directory, a Hub id or byt5, as the trainer's "
+                   "--tokenizer (default: MODEL's own; a model saved without one needs it)")
     p.add_argument("--out", type=Path, default=Path("selection_map.png"))
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)
@@ -139,11 +141,14 @@ def main(argv=None) -> dict:
 
     from nsa_train.long_context import load_model_and_tokenizer
 
-    model, tokenizer = load_model_and_tokenizer(args.model, device=args.device, dtype="float32")
+    def nsa_only(config):
+        if getattr(config, "attention_mode", None) != "nsa":
+            raise ValueError(f"MODEL {args.model!r}: not an NSA model (model_type {config.model_type!r}, attention_mode "
+                             f"{getattr(config, 'attention_mode', None)!r}); a selection map needs NSA's selection.")  # fmt: skip
+
+    model, tokenizer = load_model_and_tokenizer(args.model, args.tokenizer, device=args.device, dtype="float32",
+                                                check_config=nsa_only)  # fmt: skip
     config = model.config
-    if getattr(config, "attention_mode", None) != "nsa":
-        raise ValueError(f"MODEL {args.model!r}: not an NSA model (attention_mode "
-                         f"{getattr(config, 'attention_mode', None)!r}); a selection map needs NSA's selection.")  # fmt: skip
     if not 0 <= args.layer < config.num_hidden_layers:
         raise ValueError(f"--layer {args.layer}: the model has layers 0..{config.num_hidden_layers - 1}.")
     if not 0 <= args.group < config.num_key_value_heads:

@@ -1052,9 +1052,12 @@ def check_not_a_run_directory(spec: str) -> None:
 
 
 def load_model_and_tokenizer(spec: str, tokenizer_spec: str | None = None, device: str | None = None,
-                             dtype: str = "auto", nsa_backend: str = "auto", trust_remote_code: bool = False):  # fmt: skip
+                             dtype: str = "auto", nsa_backend: str = "auto", trust_remote_code: bool = False,
+                             check_config=None):  # fmt: skip
     """A run's final/, a saved directory or a Hub id: this project's NSA models through the installed code (with
-    `nsa_backend`), any other causal LM through AutoModelForCausalLM."""
+    `nsa_backend`), any other causal LM through AutoModelForCausalLM. check_config(config), where given, is called
+    on the model's config before the weights and the tokenizer load (a tool refusing a model it cannot use says
+    so first)."""
     import modeling_nsa  # noqa: F401  (registers model_type "nsa" with the Auto classes)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -1081,6 +1084,8 @@ def load_model_and_tokenizer(spec: str, tokenizer_spec: str | None = None, devic
     except (OSError, ValueError) as e:
         raise ValueError(f"MODEL {spec!r}: cannot load a model config from it ({' '.join(str(e).split())[:300]}); pass "
                          "a run's final/ directory, a saved model directory or a Hub id.") from None  # fmt: skip
+    if check_config is not None:
+        check_config(config)
     extra = {"nsa_backend": nsa_backend} if config.model_type == "nsa" else {}
     model = AutoModelForCausalLM.from_pretrained(spec, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code,
                                                  **extra)  # fmt: skip

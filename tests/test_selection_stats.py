@@ -208,6 +208,18 @@ def test_selection_map_cli(model, tmp_path, capsys):
     assert result["codes"].shape[0] == 30 and "the prompt cut to 30 of its 51 tokens (--max-len 30)" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"--layer 5: the model has layers 0..1"):
         selection_map.main([str(tmp_path / "final"), "--prompt", "abc", "--layer", "5"])
+    # a model saved without a tokenizer (as the README's Python example saves one): --tokenizer gives it
+    model.save_pretrained(tmp_path / "bare")
+    with pytest.raises(ValueError, match="cannot load its tokenizer"):
+        selection_map.main([str(tmp_path / "bare"), "--prompt", "abc", "--out", str(tmp_path / "bare.png")])
+    result = selection_map.main([str(tmp_path / "bare"), "--prompt", "A prompt of a few dozen bytes, long enough.",
+                                 "--tokenizer", "byt5", "--layer", "1", "--out", str(tmp_path / "bare.png")])  # fmt: skip
+    assert result["codes"].shape[0] == 44
+    # a model that is not NSA is named as such before its (missing) tokenizer is looked for
+    dense = type(model)(type(model.config)(**{**model.config.to_dict(), "attention_mode": "dense"}))
+    dense.save_pretrained(tmp_path / "dense")
+    with pytest.raises(ValueError, match="not an NSA model .*attention_mode 'dense'"):
+        selection_map.main([str(tmp_path / "dense"), "--prompt", "abc"])
 
 
 def test_selection_map_of_a_retrieval_case_marks_the_item_and_the_answer_queries(model, tmp_path, capsys):
