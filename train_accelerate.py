@@ -70,6 +70,9 @@ PRESETS = {  # defaults a preset sets; flags given on the command line still win
 }  # fmt: skip
 
 
+DEFAULT_TOKENIZER = "gpt2"  # --tokenizer's default without --init-from (from the Hub: offline, give a saved one)
+
+
 @dataclass
 class TrainConfig:
     preset: str | None = field(default=None, metadata={"help": f"Defaults for a named setup: {list(PRESETS)}."})
@@ -77,7 +80,7 @@ class TrainConfig:
     dataset: str = field(default="fineweb-edu", metadata={"help": "fineweb-edu | python-docs | hf://NAME (a Hub dataset, streamed) | parquet:PATH (local parquet shards, e.g. of FineWeb-Edu, streamed the same way) | PATH (file, dir, glob of parquet/jsonl/txt)."})
     dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset config; when not given: sample-10BT for fineweb-edu (or sample-100BT, ...), the dataset's own default for hf://NAME."})
     text_column: str = "text"
-    tokenizer: str = field(default="gpt2", metadata={"help": "AutoTokenizer name or path, or 'byt5' (byte-level, no files)."})
+    tokenizer: str | None = field(default=None, metadata={"help": f"AutoTokenizer name or path, or 'byt5' (byte-level, no files); default: the --init-from model's own where one is saved beside it (a run's final/), else {DEFAULT_TOKENIZER}."})
     seq_len: int = 2048
     cross_doc_attention: bool = field(default=False, metadata={"help": "GPT-2 style rows: attend across documents."})
     data_shard: Literal["docs", "rows"] = field(default="docs", metadata={"help": "docs: each rank tokenizes its own documents; rows: every rank packs the global stream (results independent of the process count)."})
@@ -136,6 +139,11 @@ class TrainConfig:
     push_to_hub: str | None = field(default=None, metadata={"help": "REPO_ID to upload final/ to (token and repo checked before training)."})
     hub_private: bool = False
     hub_intermediate: Literal["commit", "branch"] = field(default="commit", metadata={"help": "Intermediate pushes as commits on main or as branches step-N."})
+
+    def __post_init__(self):
+        if self.tokenizer is None:  # the one the --init-from model was trained with, where it is saved beside it
+            saved = self.init_from and (Path(self.init_from).expanduser() / "tokenizer_config.json").is_file()
+            self.tokenizer = self.init_from if saved else DEFAULT_TOKENIZER
 
 
 def build_parser() -> HfArgumentParser:

@@ -335,6 +335,10 @@ def load_tokenizer(name: str, require_eos: bool = True, trust_remote_code: bool 
     not-found errors (e.g. the long-context tool's "leave --tokenizer out")."""
     from transformers import AutoTokenizer, ByT5Tokenizer
 
+    # registers model_type "nsa": AutoTokenizer reads a model folder's config.json (a run's final/ holds the run's
+    # tokenizer), and warns that an unknown type instantiates "a model of type ``"
+    import modeling_nsa  # noqa: F401
+
     if name in ("byt5", "bytes"):
         tok = ByT5Tokenizer()
     else:

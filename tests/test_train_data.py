@@ -328,6 +328,28 @@ def test_local_tokenizer_directory():
     assert "local_files_only" not in tok.init_kwargs
 
 
+def test_a_model_folders_tokenizer_loads_without_transformers_unknown_model_warning(tmp_path):
+    """A run's final/ as --tokenizer (the trainer's own advice with --init-from): AutoTokenizer reads its config.json,
+    and in a process that has not imported modeling_nsa an unregistered model_type "nsa" made transformers warn about
+    instantiating "a model of type ``"; load_tokenizer registers it first."""
+    import subprocess
+    import sys
+
+    from transformers import ByT5Tokenizer
+
+    from modeling_nsa import NSAConfig, NSAForCausalLM
+    from nsa_train.checkpoint import export_hf_checkpoint
+
+    config = NSAConfig(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16, cmp_block_size=4, cmp_stride=2, sel_block_size=4,
+                       sel_num_blocks=3, window_size=8)  # fmt: skip
+    export_hf_checkpoint(NSAForCausalLM(config), ByT5Tokenizer(), tmp_path / "final")
+    code = f"from nsa_train.data import load_tokenizer; print(type(load_tokenizer({str(tmp_path / 'final')!r})).__name__)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ByT5Tokenizer", done.stderr
+    assert "a model of type" not in done.stderr
+
+
 def test_one_txt_file_is_one_document_held_out_and_the_error_says_so(byt5, tmp_path):
     """A .txt file is one document, and document 0 is held out for validation: a lone .txt file leaves nothing to
     train on, and the error names --val-every-doc and the ways out; with --val-every-doc 0 it trains."""

@@ -957,6 +957,15 @@ def test_init_from_a_saved_model_and_eval_only(tmp_path, capsys):
     assert "initialized from `first/final`" in (tmp_path / "more" / "final" / "README.md").read_text()
     assert "initialized at random" in (first / "final" / "README.md").read_text()
     assert "| validation loss, latest evaluation (at step 3) |" in (first / "final" / "README.md").read_text()
+    # without --tokenizer the model's own (saved in its final/) is the default, not the Hub's gpt2
+    import train_accelerate
+
+    assert train_accelerate.parse_args(["--init-from", str(first / "final")]).tokenizer == str(first / "final")
+    assert train_accelerate.parse_args(["--init-from", str(tmp_path / "elsewhere")]).tokenizer == "gpt2"
+    assert train_accelerate.parse_args([]).tokenizer == "gpt2"
+    own = run_main(tiny_args(tmp_path / "eval-own", init_from=first / "final", eval_only=True, tokenizer=None))
+    assert own["val_loss"] == pytest.approx(ended_with, rel=1e-6)
+    assert "is not the tokenizer saved with --init-from" not in capsys.readouterr().out
     # another tokenizer than the one saved with the model reads its ids as other text: said
     run_main(tiny_args(tmp_path / "eval-bytes", init_from=first / "final", eval_only=True, tokenizer="byt5"))
     assert (f"warning: --tokenizer 'byt5' (ByT5Tokenizer, 384 tokens) is not the tokenizer saved with --init-from "
