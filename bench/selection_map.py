@@ -104,6 +104,7 @@ def plot_map(codes: torch.Tensor, path: str | Path, title: str, marks: dict | No
                    Patch(edgecolor="black", facecolor="none", label="queries predicting the answer")]  # fmt: skip
     ax.legend(handles=legend, fontsize=7, loc="upper right")
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return Path(path)
@@ -127,9 +128,15 @@ def main(argv=None) -> dict:
     p.add_argument("--max-len", type=int, default=2048, help="tokens of the prompt kept")
     p.add_argument("--tokenizer", default=None, help="a tokenizer directory, a Hub id or byt5, as the trainer's "
                    "--tokenizer (default: MODEL's own; a model saved without one needs it)")
-    p.add_argument("--out", type=Path, default=Path("selection_map.png"))
+    p.add_argument("--out", type=Path, default=None,
+                   help="the PNG (default: <run>/selection_map/layer<L>_group<G>.png for a run's final/, else "
+                        "./selection_map.png)")
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)
+    if args.out is None:  # beside a run's other evaluations (long_context's rule), not in the working directory
+        run_dir = Path(args.model).resolve().parent
+        args.out = (run_dir / "selection_map" / f"layer{args.layer}_group{args.group}.png"
+                    if (run_dir / "run.json").is_file() else Path("selection_map.png"))  # fmt: skip
     if args.prompt_file is not None and not args.prompt_file.is_file():
         raise ValueError(f"--prompt-file {str(args.prompt_file)!r}: no such file; pass a text file, or the prompt "
                          "itself with --prompt.")

@@ -208,6 +208,10 @@ def test_selection_map_cli(model, tmp_path, capsys):
     assert result["codes"].shape[0] == 30 and "the prompt cut to 30 of its 51 tokens (--max-len 30)" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"--layer 5: the model has layers 0..1"):
         selection_map.main([str(tmp_path / "final"), "--prompt", "abc", "--layer", "5"])
+    # a run's final/ without --out: the map goes beside the run's other evaluations, not into the working directory
+    (tmp_path / "run.json").write_text("{}")
+    result = selection_map.main([str(tmp_path / "final"), "--prompt", "abcdef", "--layer", "1"])
+    assert (tmp_path / "selection_map" / "layer1_group0.png").is_file()
     # a model saved without a tokenizer (as the README's Python example saves one): --tokenizer gives it
     model.save_pretrained(tmp_path / "bare")
     with pytest.raises(ValueError, match="cannot load its tokenizer"):
