@@ -609,6 +609,7 @@ def evaluate_only(cfg: TrainConfig, accelerator, model, val_rows, source, out_di
     accelerator.print(f"eval: {cfg.init_from}: val loss {result['val_loss']:.4f} ppl {result['val_ppl']:.2f} on "
                       f"{len(val_rows)} rows of {cfg.seq_len} tokens ({result['data']}); written to "
                       f"{out_dir / 'eval.json'}")  # fmt: skip
+    watchdog.beat(phase="done")
     return result
 
 
@@ -729,6 +730,7 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     if last >= cfg.max_steps and (out_dir / "final").is_dir():  # final/, its card and summary.json stay as they are
         say(f"the run is finished: step {last} >= --max-steps {cfg.max_steps} and {out_dir / 'final'} is "
             "exported; nothing to do (raise --max-steps to train further).")
+        watchdog.beat(step=last, phase="done")
         return json.loads((out_dir / "summary.json").read_text()) if last > run.step else \
             run.summary(finished=True, output_dir=str(out_dir))
     if ended is not None and run.step < ended:
@@ -807,6 +809,7 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     if main_proc:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         say(f"done: {json.dumps(summary)}")
+    watchdog.beat(step=run.step, phase="done" if finished else "stopped")  # (stopped: by SIGTERM, resumable)
     if cfg.report_to != "none":  # last: it also destroys the process group, so no collective may follow it
         accelerator.end_training()
     return summary

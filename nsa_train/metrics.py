@@ -215,4 +215,10 @@ class Watchdog:
                 os._exit(self.EXIT_CODE)
 
     def stop(self):
+        """End the watch. The heartbeat file then says the process left ("exited", with the phase it was in and its
+        step), unless the run's end already said how ("done", "stopped"): a monitor never reads a run as starting or
+        training after its process is gone."""
         self._stop.set()
+        if self.heartbeat_path is not None and self.info.get("phase") not in ("done", "stopped"):
+            last = {"step": self.info["step"]} if "step" in self.info else {}
+            self.beat(**last, phase="exited", after=self.info.get("phase"))

@@ -160,8 +160,9 @@ def quality_section(run, attention_mode: str) -> str:
 
     parts = [position_section(run.val_by_position, run.val_step)] if run.val_by_position else []
     parts += [long_context.card_section(run.long_context) if run.long_context else
-             "Long-context retrieval: not measured in this run (train with `--eval-long-context`, or run "
-             "`python -m nsa_train.long_context` on this checkpoint)."]  # fmt: skip
+             "Long-context retrieval: not measured by the training run (its `--eval-long-context` puts the table "
+             "here). `python -m nsa_train.long_context` measures this checkpoint and writes its own table and heatmap; "
+             "this card stays as the run wrote it."]  # fmt: skip
     if attention_mode != "nsa":
         parts.append("Selection and gate statistics: none, the model uses dense attention.")
     elif run.selection_stats:

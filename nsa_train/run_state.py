@@ -60,6 +60,8 @@ class RunState:
                    data=DataState(**data_state), started=started)  # fmt: skip
 
     def summary(self, **extra) -> dict:
-        """summary.json: the latest log record with the figures as they are now (not as of that log)."""
-        return {**self.last_log, "step": self.step, "tokens_seen": self.tokens_seen, "val_loss": self.val_loss,
-                "val_ppl": self.val_ppl, "val_step": self.val_step, **extra}  # fmt: skip
+        """summary.json: the latest log record (its training loss, learning rate, speed: as of `logged_step`, which a
+        run stopped between logs has passed) with the figures as they are now (not as of that log)."""
+        logged = {"logged_step": self.last_log["step"]} if "step" in self.last_log else {}
+        return {**self.last_log, **logged, "step": self.step, "tokens_seen": self.tokens_seen,
+                "val_loss": self.val_loss, "val_ppl": self.val_ppl, "val_step": self.val_step, **extra}  # fmt: skip

@@ -45,7 +45,8 @@ def test_validation_loss_falls(tmp_path):
     record = json.loads((out / "run.json").read_text())
     assert record["config"]["seq_len"] == 64 and record["packages"]["torch"] == torch.__version__
     assert "git_sha" in record and record["device"]["type"] == "cpu"
-    assert json.loads((out / "heartbeat.json").read_text())["step"] == 40
+    heartbeat = json.loads((out / "heartbeat.json").read_text())
+    assert heartbeat["step"] == 40 and heartbeat["phase"] == "done"  # a monitor reads the run as over
 
 
 def test_grad_accumulation_equals_big_batch(tmp_path):
@@ -246,6 +247,22 @@ def test_watchdog_dumps_stacks_and_exits(tmp_path):
     assert json.loads((tmp_path / "hb.json").read_text())["step"] == 7
 
 
+def test_the_heartbeat_says_when_its_process_left(tmp_path):
+    """A launch that ends without saying how (an error, a refused resume) leaves "exited" with the phase it was in;
+    a run's own end ("done", "stopped") is kept."""
+    from nsa_train.metrics import Watchdog
+
+    watchdog = Watchdog(0, tmp_path / "hb.json")
+    watchdog.beat(step=5, phase="eval")
+    watchdog.stop()
+    assert {k: v for k, v in json.loads((tmp_path / "hb.json").read_text()).items() if k not in ("time", "pid")} == \
+        {"step": 5, "phase": "exited", "after": "eval"}
+    watchdog = Watchdog(0, tmp_path / "hb.json")
+    watchdog.beat(step=9, phase="done")
+    watchdog.stop()
+    assert json.loads((tmp_path / "hb.json").read_text())["phase"] == "done"
+
+
 def test_sigterm_saves_and_resume_continues(tmp_path):
     """SIGTERM mid-run: a checkpoint at the current step, exit 0; resuming finishes like an uninterrupted run."""
     import signal
@@ -268,7 +285,10 @@ def test_sigterm_saves_and_resume_continues(tmp_path):
     ckpt = checkpoint.latest_checkpoint(out / "checkpoints")
     step = json.loads((ckpt / checkpoint.STATE_FILE).read_text())["step"]
     assert step >= 2 and not (out / "final").exists()
-    assert json.loads((out / "summary.json").read_text())["finished"] is False
+    stopped = json.loads((out / "summary.json").read_text())
+    assert stopped["finished"] is False and stopped["step"] == step
+    assert stopped["logged_step"] <= step  # its loss and speed are those of the last log, said as of which step
+    assert json.loads((out / "heartbeat.json").read_text())["phase"] == "stopped"
     summary = run_main(tiny_args(out, max_steps=step + 1, save_every=0, resume="latest"))  # it resumes from there
     assert summary["finished"] and summary["step"] == step + 1 and step + 1 in train_losses(out)
 
@@ -439,6 +459,7 @@ def test_resume_of_a_finished_run_changes_nothing(tmp_path, capsys):
     summary = run_main(tiny_args(out, max_steps=2, save_every=2, resume="latest"))
     assert summary["finished"] and summary["step"] == 2
     assert "the run is finished: step 2 >= --max-steps 2" in capsys.readouterr().out
+    assert json.loads((out / "heartbeat.json").read_text())["phase"] == "done"
     assert {p: p.read_bytes() for p in files} == files and {p: p.stat().st_mtime_ns for p in files} == mtimes
     # the model card names no local path: it may be pushed to the Hub
     card = (out / "final" / "README.md").read_text()

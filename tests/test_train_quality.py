@@ -105,7 +105,7 @@ def test_statistics_every_n_steps_without_validation_loss(tmp_path):
     assert [r["step"] for r in jsonl(out / "stats.jsonl")] == [0, 1, 2]
     evals = [r for r in jsonl(out / "metrics.jsonl") if "stats_all_forced_share" in r]
     assert [r["step"] for r in evals] == [0, 1, 2] and not any("val_loss" in r for r in evals)
-    assert "not measured in this run (train with `--eval-long-context`" in (out / "final" / "README.md").read_text()
+    assert "not measured by the training run (its `--eval-long-context`" in (out / "final" / "README.md").read_text()
 
 
 def test_statistics_off_and_dense(tmp_path, capsys):
