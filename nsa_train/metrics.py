@@ -14,6 +14,7 @@ MFU = FLOPs/s over the device's peak (bf16 dense tensor-core figure; `--peak-tfl
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -219,6 +220,10 @@ class Watchdog:
         step), unless the run's end already said how ("done", "stopped"): a monitor never reads a run as starting or
         training after its process is gone."""
         self._stop.set()
-        if self.heartbeat_path is not None and self.info.get("phase") not in ("done", "stopped"):
+        # (only where a beat was written: a launch refused before its output directory exists leaves none; and never
+        # raising, since this runs while the launch's own error propagates)
+        if self.heartbeat_path is not None and self.heartbeat_path.is_file() and \
+                self.info.get("phase") not in ("done", "stopped"):
             last = {"step": self.info["step"]} if "step" in self.info else {}
-            self.beat(**last, phase="exited", after=self.info.get("phase"))
+            with contextlib.suppress(OSError):
+                self.beat(**last, phase="exited", after=self.info.get("phase"))

@@ -13,15 +13,15 @@ from .data import DataState
 class RunState:
     """The run's progress after `step` optimizer steps.
 
-    Saved in a checkpoint: `step`, `tokens_seen`, `skipped_steps`, `val_loss`, `val_ppl`, `val_step` (in
-    trainer_state.json)
-    and `data`, this process's position in its token stream (in data_state_rank<N>.json). Not saved, because they
-    describe this process's own stretch of the run: `last_log`, the latest training-log record (loss, tokens/s,
-    MFU, memory; the summary and the card quote it), `started`, when this process began (the card's wall time),
-    and what the card's quality section reports: `val_by_position`, the latest evaluation's loss by query position
-    (`val_loss_pos<lo>to<hi>`, `nsa_train.evaluation.validation_loss`), `selection_stats`, the latest selection
-    statistics (`nsa_train.selection_stats`), and `long_context`, the result of the end-of-run retrieval evaluation
-    (`--eval-long-context`); empty when not measured.
+    Saved in a checkpoint: `step`, `tokens_seen`, `skipped_steps`, `val_loss`, `val_ppl`, `val_step` and, for the
+    card's quality section, `val_by_position`, the latest evaluation's loss by query position
+    (`val_loss_pos<lo>to<hi>`, `nsa_train.evaluation.validation_loss`), and `selection_stats`, the latest selection
+    statistics (`nsa_train.selection_stats`) (in trainer_state.json: a resumed or exported run's card reports the
+    evaluation the checkpoint's run made last, as it reports its validation loss), and `data`, this process's
+    position in its token stream (in data_state_rank<N>.json). Not saved, because they describe this process's own
+    stretch of the run: `last_log`, the latest training-log record (loss, tokens/s, MFU, memory; the summary and
+    the card quote it), `started`, when this process began (the card's wall time), and `long_context`, the result
+    of the end-of-run retrieval evaluation (`--eval-long-context`); empty when not measured.
     """
 
     step: int = 0
@@ -48,7 +48,7 @@ class RunState:
         model config)."""
         return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps,
                 "world_size": world_size, "val_loss": self.val_loss, "val_ppl": self.val_ppl, "val_step": self.val_step,
-                "config": run_config,
+                "val_by_position": self.val_by_position, "selection_stats": self.selection_stats, "config": run_config,
                 "model_config": model_config}  # fmt: skip
 
     @classmethod
@@ -57,6 +57,8 @@ class RunState:
         return cls(step=trainer_state["step"], tokens_seen=trainer_state["tokens_seen"],
                    skipped_steps=trainer_state["skipped_steps"], val_loss=trainer_state.get("val_loss"),
                    val_ppl=trainer_state.get("val_ppl"), val_step=trainer_state.get("val_step"),
+                   val_by_position=trainer_state.get("val_by_position") or {},
+                   selection_stats=trainer_state.get("selection_stats") or {},
                    data=DataState(**data_state), started=started)  # fmt: skip
 
     def summary(self, **extra) -> dict:

@@ -58,14 +58,17 @@ def peak_memory_gb(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def keep_records_up_to(path: Path, step: int) -> None:
-    """Before a run continues from `step` (a checkpoint's; 0: from the start), metrics.jsonl drops the records of
-    later steps, which the stopped launch logged after its last checkpoint and the run now trains again (and a line
-    cut short by a kill). Written to a temporary file and renamed: a kill here loses nothing."""
-    if not path.is_file():
+def keep_records_up_to(path: Path, step: int, source: Path | None = None) -> None:
+    """Before a run continues from `step` (a checkpoint's; 0: from the start), metrics.jsonl (and stats.jsonl) drop
+    the records of later steps, which the stopped launch logged after its last checkpoint and the run now trains
+    again (and a line cut short by a kill). `source`: the file to read them from (a checkpoint of another run's
+    directory: its history up to `step` starts this one's). Written to a temporary file and renamed: a kill here
+    loses nothing."""
+    source = path if source is None else source
+    if not source.is_file():
         return
     kept = []
-    for line in path.read_text().splitlines():
+    for line in source.read_text().splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
@@ -75,6 +78,19 @@ def keep_records_up_to(path: Path, step: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     tmp.replace(path)
+
+
+def history_source(resume: str | None, out_dir: Path) -> Path | None:
+    """The run directory whose records a new output directory starts from: that of a checkpoint given by path from
+    another run (e.g. exporting an intermediate checkpoint: --resume RUN/checkpoints/step_N --output-dir NEW), when
+    the new one has no records of its own; else None."""
+    if resume in (None, "latest"):
+        return None
+    checkpoint_dir = Path(resume).expanduser().resolve()
+    run_dir = checkpoint_dir.parent.parent  # RUN/checkpoints/step_N
+    if run_dir == out_dir.resolve() or (out_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").is_file():
+        return None
+    return run_dir
 
 
 class StepLog:
@@ -97,7 +113,9 @@ class StepLog:
                                                       for k, v in run_config.items() if v is not None},
                                       init_kwargs=resumed)  # fmt: skip
         if self.main:
-            keep_records_up_to(Path(out_dir) / "metrics.jsonl", run.step)
+            history = history_source(cfg.resume, Path(out_dir))
+            for name in ("metrics.jsonl", "stats.jsonl"):
+                keep_records_up_to(Path(out_dir) / name, run.step, history / name if history else None)
         self.file = open(Path(out_dir) / "metrics.jsonl", "a") if self.main else None
         self.bar = tqdm(total=cfg.max_steps, initial=run.step, disable=not (self.main and sys.stderr.isatty()),
                         desc="train")  # fmt: skip

@@ -123,11 +123,20 @@ def test_exporting_a_checkpoint_trains_nothing_and_the_export_trains_further(tmp
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
-    run_main(tiny_args(out, max_steps=4, save_every=2))
+    run_main(tiny_args(out, max_steps=4, save_every=2, eval_every=2, stats_every=2))
     capsys.readouterr()
     exported = tmp_path / "at-2"
     summary = run_main(tiny_args(exported, max_steps=2, save_every=2, resume=str(out / "checkpoints" / "step_00000002")))
     assert summary["step"] == 2 and summary["finished"] and "schedule's flags differ" not in capsys.readouterr().out
+    # the export starts with the run's history up to its step (the curve, the statistics), and its card reports the
+    # evaluation the run made at that step, as the run's own card at step 2 did
+    def steps(path):
+        return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+    assert steps(exported / "metrics.jsonl") == [s for s in steps(out / "metrics.jsonl") if s <= 2] != []
+    assert steps(exported / "stats.jsonl") == [0, 2] and steps(out / "stats.jsonl") == [0, 2, 4]
+    card = (exported / "final" / "README.md").read_text()
+    assert "| gate cmp |" in card and "validation loss, latest evaluation (at step 2)" in card
     weights = load_file(exported / "final" / "model.safetensors")
     saved = load_file(out / "checkpoints" / "step_00000002" / "model.safetensors")
     assert weights.keys() == saved.keys() and all(torch.equal(weights[k], saved[k]) for k in weights)
@@ -815,16 +824,18 @@ def test_run_state_is_what_a_checkpoint_holds():
     from nsa_train.run_state import RunState
 
     run = RunState(step=7, tokens_seen=7 * 256, skipped_steps=1, val_loss=3.5, val_ppl=33.1, val_step=6,
-                   data=DataState(1, 2, 3), last_log={"loss": 3.4})  # fmt: skip
+                   data=DataState(1, 2, 3), last_log={"loss": 3.4}, val_by_position={"val_loss_pos0to64": 3.7},
+                   selection_stats={"layers": [{"layer": 0, "gate_cmp_mean": 0.3}]})  # fmt: skip
     saved = json.loads(json.dumps(run.trainer_state(2, {"seed": 1}, {"hidden_size": 64})))
     assert set(saved) == {"step", "tokens_seen", "skipped_steps", "world_size", "val_loss", "val_ppl", "val_step",
-                          "config", "model_config"}  # fmt: skip
+                          "val_by_position", "selection_stats", "config", "model_config"}  # fmt: skip
     assert (saved["world_size"], saved["config"], saved["model_config"]) == (2, {"seed": 1}, {"hidden_size": 64})
     back = RunState.from_checkpoint(saved, json.loads(json.dumps(run.data.to_dict())), started=run.started)
     assert back == dataclasses.replace(run, last_log={})  # the last log record belongs to the process that wrote it
     older = {k: saved[k] for k in ("step", "tokens_seen", "skipped_steps")}
     resumed_older = RunState.from_checkpoint(older, {"epoch": 0, "doc": 5, "offset": 0}, started=0.0)
     assert resumed_older.val_loss is None and resumed_older.val_step is None
+    assert resumed_older.val_by_position == {} and resumed_older.selection_stats == {}
 
 
 def test_every_evaluation_metric_is_logged(tmp_path, capsys):
