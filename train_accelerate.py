@@ -548,6 +548,10 @@ def train_step(model, forward, optimizer, micro_batches, cfg: TrainConfig, accel
     n_items = accelerator.reduce(n_items, reduction="sum")  # label tokens in the whole step, all processes
     n_items = n_items.clamp(min=1)  # a step without labels (possible at --seq-len 2) adds 0 / 1, not 0 / 0 = NaN
     step_loss = torch.zeros((), device=accelerator.device)
+    # accelerate's micro-batch count decides when gradients sync and the optimizer steps; a checkpoint restores it,
+    # so a resume with another --grad-accum would put its windows out of step with these (the optimizer then skips
+    # its step and the gradients pile up, silently): each optimizer step is one window, counted from 0
+    accelerator.step = 0
     for batch, _ in micro_batches:
         batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
         with accelerator.accumulate(model):
@@ -555,6 +559,9 @@ def train_step(model, forward, optimizer, micro_batches, cfg: TrainConfig, accel
             # accelerate divides by grad_accum and DDP averages over processes: undo both
             accelerator.backward(loss * cfg.grad_accum * world)
             step_loss += loss.detach()
+    if not accelerator.sync_gradients:  # (the window above ends with this step's last micro-batch)
+        raise RuntimeError(f"the step's {len(micro_batches)} micro-batches did not end a gradient-accumulation window "
+                           f"of {accelerator.gradient_accumulation_steps}: the optimizer would skip its step.")
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
     grad_norm = float(grad_norm)  # one host sync per step; identical on every process after the all-reduce
     updated = math.isfinite(grad_norm) or precision == "fp16"

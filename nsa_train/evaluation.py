@@ -82,8 +82,12 @@ def validation_loss(model, rows, micro_batch_size: int, accelerator) -> dict[str
     # row 0: loss sums, row 1: label tokens; column 0: every position, then one column per bucket
     sums = torch.zeros(2, 1 + len(buckets), dtype=torch.float64, device=accelerator.device)
     mine = rows[accelerator.process_index :: accelerator.num_processes]
-    for i in range(0, len(mine), micro_batch_size):
-        batch = to_batch(mine[i : i + micro_batch_size], accelerator.device)
+    # every process runs the same number of forwards (under FSDP each is a collective): a process whose share
+    # ends a batch early runs a row whose labels are all -100, which adds nothing to the sums
+    per_process = math.ceil(len(rows) / accelerator.num_processes)
+    filler = [(rows[0][0], rows[0][1], [-100] * seq_len)] if rows else []
+    for i in range(0, per_process, micro_batch_size):
+        batch = to_batch(mine[i : i + micro_batch_size] or filler, accelerator.device)
         labels = batch.pop("labels")
         with accelerator.autocast():
             logits = model(**batch).logits  # (B, T, V)

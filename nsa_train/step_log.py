@@ -121,17 +121,22 @@ class StepLog:
                         desc="train")  # fmt: skip
         self.loss_sum = torch.zeros((), device=accelerator.device)  # step losses since the last log, this process
         self.step_at_log, self.tokens_at_log = run.step, run.tokens_seen
+        self.trained_s = 0.0  # training seconds since the last log, banked at each step's end (step_done)
         self.restart_clock()
         if accelerator.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(accelerator.device)
 
     def restart_clock(self) -> None:
-        """Time from now on counts towards tokens/s (called after work that trains no tokens)."""
+        """Time from now on counts towards tokens/s (called after work that trains no tokens: the time since the
+        last step ended, which that work took, is left out; the steps' time before it was banked by step_done)."""
         self.clock = time.time()
 
     def step_done(self, step_loss: torch.Tensor) -> None:
         self.loss_sum += step_loss
         self.bar.update(1)
+        now = time.time()
+        self.trained_s += now - self.clock  # the step's time (since the last step ended, or the clock restarted)
+        self.clock = now
 
     def due(self, step: int) -> bool:
         return bool(self.cfg.log_every) and (step % self.cfg.log_every == 0 or step == self.cfg.max_steps)
@@ -143,7 +148,7 @@ class StepLog:
         # resume between two logs
         steps = max(run.step - self.step_at_log, 1)
         loss = (self.accelerator.reduce(self.loss_sum, reduction="sum") / steps).item()
-        tok_s = (run.tokens_seen - self.tokens_at_log) / max(time.time() - self.clock, 1e-9)
+        tok_s = (run.tokens_seen - self.tokens_at_log) / max(self.trained_s + time.time() - self.clock, 1e-9)
         peak = self.peak_flops
         record = {"step": run.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tok_s": tok_s,
                   "mfu_dense": self.flops_dense * tok_s / (peak * world) if peak else None,
@@ -159,7 +164,7 @@ class StepLog:
             self.accelerator.log({f"train/{k}": v for k, v in record.items() if v is not None and k != "step"},
                                  step=run.step)  # fmt: skip
         self.loss_sum.zero_()
-        self.step_at_log, self.tokens_at_log = run.step, run.tokens_seen
+        self.step_at_log, self.tokens_at_log, self.trained_s = run.step, run.tokens_seen, 0.0
         self.restart_clock()
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:

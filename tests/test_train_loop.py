@@ -96,6 +96,23 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     assert train_losses(every2) == pytest.approx({4: lf[4], 6: (lf[5] + lf[6]) / 2}, rel=1e-6)
 
 
+def test_a_resume_with_another_grad_accum_trains_as_that_run_from_the_start(tmp_path):
+    """A checkpoint restores accelerate's micro-batch count, which decides when the optimizer steps: resumed with
+    another --grad-accum (the same rows per step, e.g. on half the processes), every step must still update the
+    weights. 3 steps of 4 x 1, then 3 of 2 x 2, equal 6 steps of 2 x 2 (the same rows, the same token-weighted
+    gradients); before the fix the resumed steps left the weights at step 3's."""
+    out, whole = tmp_path / "run", tmp_path / "whole"
+    run_main(tiny_args(out, max_steps=3, save_every=3, micro_batch_size=4, grad_accum=1))
+    at_3 = final_state(out)
+    run_main(tiny_args(out, max_steps=6, save_every=3, micro_batch_size=2, grad_accum=2, resume="latest"))
+    run_main(tiny_args(whole, max_steps=6, save_every=3, micro_batch_size=2, grad_accum=2))
+    resumed = final_state(out)
+    assert any(not torch.equal(resumed[k], at_3[k]) for k in resumed)
+    assert_same_weights(resumed, final_state(whole), atol=1e-5, rtol=1e-4)
+    losses, expected = train_losses(out), train_losses(whole)
+    assert [losses[s] for s in (4, 5, 6)] == pytest.approx([expected[s] for s in (4, 5, 6)], rel=1e-4)
+
+
 def test_a_roll_back_sets_the_later_checkpoints_aside(tmp_path, capsys):
     """--resume PATH to an earlier checkpoint than the latest (a roll-back): the later ones move aside, so the new
     line's checkpoints are the latest (--resume latest continues it) and --keep-last prunes within it."""
@@ -940,6 +957,17 @@ def test_tokens_per_second_counts_the_tokens_trained_since_the_last_log(tmp_path
     clock[0] += 2.0
     log.log_training(run, lr=1e-3, grad_norm=1.0)
     assert run.last_log["tok_s"] == pytest.approx(512 / 2)
+    # an evaluation (or a save) between two logs: the steps before it count with their time, the evaluation's
+    # time does not (four 1-s steps of 256 tokens, 10 s of evaluation after the second)
+    for i in range(4):
+        clock[0] += 1.0
+        run.advance(256, data=None)
+        log.step_done(torch.tensor(1.0))
+        if i == 1:
+            clock[0] += 10.0
+            log.restart_clock()
+    log.log_training(run, lr=1e-3, grad_norm=1.0)
+    assert run.last_log["tok_s"] == pytest.approx(1024 / 4)
 
 
 def test_metrics_records_kept_on_resume(tmp_path):
@@ -1073,6 +1101,41 @@ def test_validation_loss_with_a_micro_batch_without_labels():
     assert losses[0] == pytest.approx(losses[1], rel=1e-6) and math.isfinite(losses[0])
     expected = model(**{k: torch.tensor([v]) for k, v in zip(("input_ids", "position_ids", "labels"), full)}).loss
     assert losses[0] == pytest.approx(float(expected.detach()), rel=1e-6)
+
+
+def test_every_process_runs_as_many_validation_forwards_whatever_its_share():
+    """Under FSDP each forward gathers the weights from every process: a process whose share of the held-out rows
+    ends a batch early still runs as many forwards (a row with no labels, adding nothing), or the other waits in
+    its gather forever. Three rows on two processes at micro-batch 1: two forwards each; the sums over both
+    processes are those of one process evaluating all three."""
+    from nsa_train.evaluation import OneProcess, validation_loss
+
+    model = one_layer_nsa(sel_block_size=8, window_size=8)
+    rows = [(list(range(i, i + 16)), list(range(16)), list(range(i, i + 16))) for i in (1, 3, 5)]
+
+    class Rank(OneProcess):  # process `rank` of two, its sums handed back unreduced
+        num_processes = 2
+
+        def __init__(self, rank):
+            super().__init__()
+            self.process_index, self.sums = rank, None
+
+        def reduce(self, tensor, reduction):
+            self.sums = tensor.clone()
+            return tensor
+
+    forwards, ranks = [], [Rank(0), Rank(1)]
+    hook = model.register_forward_hook(lambda module, args, out: forwards[-1].append(1))
+    for rank in ranks:
+        forwards.append([])
+        validation_loss(model, rows, 1, rank)
+    hook.remove()
+    assert [len(f) for f in forwards] == [2, 2]
+    together = ranks[0].sums + ranks[1].sums
+    one = Rank(0)
+    one.num_processes = 1
+    validation_loss(model, rows, 1, one)
+    torch.testing.assert_close(together, one.sums)
 
 
 def test_position_buckets_double_from_the_window():
