@@ -103,7 +103,7 @@ class TrainConfig:
     lr: float = 6e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 200
-    weight_decay: float = 0.1
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW's decoupled weight decay, on weight matrices only (the compressor's position embeddings among them); none on norms, biases and the token embeddings (tied to the LM head)."})
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
@@ -776,7 +776,7 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
         epoch_before = run.data.epoch
         run.advance(tokens_per_step, data=micro_batches[-1][1])
         note_new_epoch(run.step, epoch_before, run.data.epoch, world, say)
-        log.step_done(step_loss)
+        log.step_done(step_loss if updated else None)
         watchdog.beat(step=run.step, tokens_seen=run.tokens_seen)
         if log.due(run.step):
             log.log_training(run, lr, grad_norm)

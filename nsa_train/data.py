@@ -244,7 +244,8 @@ def hub_access_error(what: str, error: BaseException) -> Exception | None:
 
 
 class PythonDocs:
-    """Text that ships with Python: the language reference topics (pydoc_data) and stdlib docstrings."""
+    """Text that ships with Python: the language reference topics (pydoc_data) and stdlib docstrings (the standard
+    library's modules and packages, not what is installed into its site-packages)."""
 
     def __iter__(self) -> Iterator[str]:
         from pydoc_data.topics import topics
@@ -252,7 +253,10 @@ class PythonDocs:
         for key in sorted(topics):
             yield topics[key]
         stdlib = Path(sysconfig.get_paths()["stdlib"])
-        for f in sorted(stdlib.glob("*.py")) + sorted(stdlib.glob("*/*.py")):
+        # the standard library's own packages only: site-packages (and Debian's dist-packages) hold what is installed
+        # there, which differs from machine to machine and would shift every later document's index
+        packages = [f for f in sorted(stdlib.glob("*/*.py")) if f.parent.name not in ("site-packages", "dist-packages")]
+        for f in sorted(stdlib.glob("*.py")) + packages:
             try:
                 tree = ast.parse(f.read_text(encoding="utf-8"))
             except (SyntaxError, UnicodeDecodeError, OSError):

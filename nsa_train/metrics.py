@@ -6,7 +6,9 @@ FLOPs per trained token (forward + backward = 3 x forward, matmuls only, PaLM/na
 
 N is the parameter count (the NSA compressor MLPs run once per d tokens, so they are counted at 1/d), K the
 keys one query attends to on average over positions 0..T-1:
-- dense-equivalent: K = (T + 1) / 2 (causal attention over the full row; what a dense model would execute);
+- dense-equivalent: what the model's dense twin (`attention_mode="dense"`: NSA's own parameters, the gate
+  projection, compressor and extra K/V sets, left out) would execute: its N, K = (T + 1) / 2 (causal attention
+  over the full row); an NSA run and its dense twin at the same tokens/s then show the same MFU;
 - NSA executed: K = window + selected blocks + compressed tokens, each capped by the causal prefix
   (NSA_SPEC "Cost per query"). At T=2048 NSA executes *more* attention FLOPs than dense; it pays from ~8k on.
 MFU = FLOPs/s over the device's peak (bf16 dense tensor-core figure; `--peak-tflops` overrides).
@@ -49,6 +51,20 @@ def attention_keys(config, seq_len: int) -> tuple[float, float]:
     return dense, total / T
 
 
+def dense_twin_params(model) -> int:
+    """The parameter count of the model's dense twin (its config with attention_mode "dense"), built on the meta
+    device (no memory, no initialization)."""
+    import torch
+
+    cfg = model.config
+    if getattr(cfg, "attention_mode", "dense") == "dense":
+        return sum(p.numel() for p in model.parameters())
+    dense = type(cfg)(**{**cfg.to_dict(), "attention_mode": "dense"})
+    with torch.device("meta"):
+        twin = type(model)(dense)
+    return sum(p.numel() for p in twin.parameters())
+
+
 def flops_per_token(model, seq_len: int) -> tuple[float, float]:
     """(dense-equivalent, NSA-executed) training FLOPs per token."""
     cfg = model.config
@@ -57,7 +73,7 @@ def flops_per_token(model, seq_len: int) -> tuple[float, float]:
     params = 6 * (n_all - n_cmp) + 6 * n_cmp / cfg.cmp_stride * (cfg.num_key_value_heads if n_cmp else 0)
     attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
     k_dense, k_nsa = attention_keys(cfg, seq_len)
-    return 6 * n_all + attn * k_dense, params + attn * k_nsa
+    return 6 * dense_twin_params(model) + attn * k_dense, params + attn * k_nsa
 
 
 def peak_flops(device, override_tflops: float | None = None) -> float | None:

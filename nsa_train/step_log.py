@@ -122,6 +122,7 @@ class StepLog:
         self.loss_sum = torch.zeros((), device=accelerator.device)  # step losses since the last log, this process
         self.step_at_log, self.tokens_at_log = run.step, run.tokens_seen
         self.trained_s = 0.0  # training seconds since the last log, banked at each step's end (step_done)
+        self.skipped_since_log = 0  # steps skipped with a non-finite gradient since the last log
         self.restart_clock()
         if accelerator.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(accelerator.device)
@@ -131,8 +132,13 @@ class StepLog:
         last step ended, which that work took, is left out; the steps' time before it was banked by step_done)."""
         self.clock = time.time()
 
-    def step_done(self, step_loss: torch.Tensor) -> None:
-        self.loss_sum += step_loss
+    def step_done(self, step_loss: torch.Tensor | None) -> None:
+        """A step ended; `step_loss` None: it was skipped (--skip-nonfinite), and its non-finite loss stays out of
+        the logged mean (the record's `skipped` counts it)."""
+        if step_loss is None:
+            self.skipped_since_log += 1
+        else:
+            self.loss_sum += step_loss
         self.bar.update(1)
         now = time.time()
         self.trained_s += now - self.clock  # the step's time (since the last step ended, or the clock restarted)
@@ -146,8 +152,9 @@ class StepLog:
         world = self.accelerator.num_processes
         # the mean over the steps since the last log: log_every, fewer in a run's last window or the first after a
         # resume between two logs
-        steps = max(run.step - self.step_at_log, 1)
-        loss = (self.accelerator.reduce(self.loss_sum, reduction="sum") / steps).item()
+        steps = run.step - self.step_at_log - self.skipped_since_log  # (skips: the same on every process)
+        loss = (self.accelerator.reduce(self.loss_sum, reduction="sum") / max(steps, 1)).item()
+        loss = loss if steps > 0 or run.step == self.step_at_log else float("nan")  # every step skipped: no mean
         tok_s = (run.tokens_seen - self.tokens_at_log) / max(self.trained_s + time.time() - self.clock, 1e-9)
         peak = self.peak_flops
         record = {"step": run.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tok_s": tok_s,
@@ -165,6 +172,7 @@ class StepLog:
                                  step=run.step)  # fmt: skip
         self.loss_sum.zero_()
         self.step_at_log, self.tokens_at_log, self.trained_s = run.step, run.tokens_seen, 0.0
+        self.skipped_since_log = 0
         self.restart_clock()
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:

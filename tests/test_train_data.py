@@ -228,9 +228,21 @@ def test_hub_dataset_config_defaults(tmp_path, monkeypatch):
         list(data.make_source(f"hf://{repo}", dataset_config="sample-10BT"))
 
 
-def test_python_docs_source_ships_with_python():
+def test_python_docs_source_ships_with_python(tmp_path, monkeypatch):
     texts = list(itertools.islice(data.PythonDocs(), 200))
     assert len(texts) == 200 and sum(map(len, texts)) > 100_000
+    # a module installed into the interpreter's site-packages is not Python's documentation: the documents (and
+    # which of them are held out) are the same whatever is installed there
+    stdlib = tmp_path / "lib"
+    for folder, name in ((stdlib, "mod"), (stdlib / "pkg", "inner"), (stdlib / "site-packages", "installed"),
+                         (stdlib / "dist-packages", "debian")):  # fmt: skip
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{name}.py").write_text(f'"""{name}: {"documentation text " * 20}"""\n')
+    monkeypatch.setattr(data.sysconfig, "get_paths", lambda: {"stdlib": str(stdlib)})
+    from pydoc_data import topics
+
+    monkeypatch.setattr(topics, "topics", {})
+    assert [doc.split(":")[0] for doc in data.PythonDocs()] == ["mod", "inner"]
 
 
 # ---------------------------------------------------------------- bad input: clear errors

@@ -250,9 +250,11 @@ def test_nonfinite_loss_stops_before_touching_weights(tmp_path, monkeypatch):
 
 def test_nonfinite_loss_skip_flag(tmp_path, monkeypatch):
     _poison_loss_at(monkeypatch, {3})
-    summary = run_main(tiny_args(tmp_path / "run", max_steps=5, skip_nonfinite=True))
+    summary = run_main(tiny_args(tmp_path / "run", max_steps=5, skip_nonfinite=True, log_every=5))
     assert summary["skipped"] == 1 and summary["finished"]
     assert all(torch.isfinite(v).all() for v in final_state(tmp_path / "run").values())
+    # the logged loss is the mean over the four steps that trained, not NaN from the skipped one
+    assert math.isfinite(train_losses(tmp_path / "run")[5])
 
 
 def test_watchdog_dumps_stacks_and_exits(tmp_path):
@@ -1136,6 +1138,21 @@ def test_every_process_runs_as_many_validation_forwards_whatever_its_share():
     one.num_processes = 1
     validation_loss(model, rows, 1, one)
     torch.testing.assert_close(together, one.sums)
+
+
+def test_dense_equivalent_flops_are_the_dense_twins():
+    """mfu_dense counts what the dense twin executes: its parameters (NSA's gate projection, compressor and extra
+    K/V sets left out) and full causal attention; an NSA run and its twin at one tokens/s show one MFU."""
+    import train_accelerate
+    from modeling_nsa import NSAConfig
+    from nsa_train import metrics
+
+    nsa = one_layer_nsa(sel_block_size=8, window_size=8)
+    twin = train_accelerate.dense_twin(NSAConfig(**{**nsa.config.to_dict(), "attention_mode": "dense"}), nsa)
+    n_twin = sum(p.numel() for p in twin.parameters())
+    assert metrics.dense_twin_params(nsa) == n_twin < sum(p.numel() for p in nsa.parameters())
+    attention = 12 * 1 * 2 * 16 * (64 + 1) / 2  # 12 L H D x the causal mean of keys at T = 64
+    assert metrics.flops_per_token(nsa, 64)[0] == metrics.flops_per_token(twin, 64)[0] == 6 * n_twin + attention
 
 
 def test_position_buckets_double_from_the_window():
