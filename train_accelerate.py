@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import itertools
 import json
 import logging
 import math
@@ -571,6 +572,23 @@ def train_step(model, forward, optimizer, micro_batches, cfg: TrainConfig, accel
     return step_loss, grad_norm, updated
 
 
+def read_on_every_process(loader, accelerator):
+    """The loader with its first micro-batch read here, on every process, before any collective: a process whose
+    share of the data fails (no training documents in its --data-shard docs share) raises its error, and the others,
+    told by one all-reduce, raise too instead of waiting for it in the first step's."""
+    try:
+        first, error = next(loader), None
+    except ValueError as e:
+        first, error = None, e
+    failed = int(accelerator.reduce(torch.tensor([error is not None], device=accelerator.device).int(), reduction="sum"))
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError(f"{failed} other process(es) of {accelerator.num_processes} could not read their share of the "
+                         "training data (their error is in their log): every process stops.")
+    return itertools.chain([first], loader)
+
+
 def skip_nonfinite_step(cfg: TrainConfig, run: RunState, checkpoints: checkpoint.RunCheckpoints, step_loss,
                         grad_norm: float, lr: float) -> None:  # fmt: skip
     """A step that left the weights as they were: an error, or with --skip-nonfinite counted and said."""
@@ -751,6 +769,7 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
                          cross_doc=cfg.cross_doc_attention, state=run.data, shard=cfg.data_shard)  # fmt: skip
     loader = data.BatchLoader(packer, cfg.micro_batch_size)
     cleanup.append(loader.close)
+    loader = read_on_every_process(loader, accelerator)
     exporter = Exporter(cfg, accelerator, tokenizer, out_dir, hub_api, n_params=n_params, precision=precision,
                         source=source)  # fmt: skip
     if main_proc:

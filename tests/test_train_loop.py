@@ -1155,6 +1155,31 @@ def test_dense_equivalent_flops_are_the_dense_twins():
     assert metrics.flops_per_token(nsa, 64)[0] == metrics.flops_per_token(twin, 64)[0] == 6 * n_twin + attention
 
 
+def test_a_process_that_cannot_read_its_data_stops_every_process():
+    """Each process reads its first micro-batch before any collective; one whose data share fails raises its own
+    error, and the others, told by one all-reduce, raise too (instead of waiting for it in the first step)."""
+    import train_accelerate
+
+    class Processes:  # what read_on_every_process uses of the Accelerator; `others` processes failed elsewhere
+        num_processes, device = 2, torch.device("cpu")
+
+        def __init__(self, others):
+            self.others = others
+
+        def reduce(self, tensor, reduction):
+            return tensor + self.others
+
+    def failing():
+        raise ValueError("rank 1 of 2 got no training documents")
+        yield
+
+    with pytest.raises(ValueError, match="rank 1 of 2 got no training documents"):
+        train_accelerate.read_on_every_process(failing(), Processes(0))
+    with pytest.raises(ValueError, match="1 other process.* of 2 could not read their share"):
+        train_accelerate.read_on_every_process(iter([("batch", "state")]), Processes(1))
+    assert list(train_accelerate.read_on_every_process(iter([1, 2, 3]), Processes(0))) == [1, 2, 3]
+
+
 def test_position_buckets_double_from_the_window():
     from nsa_train.evaluation import position_buckets
 
