@@ -643,6 +643,7 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            return_dict=True,  # (the output's fields are read below, whatever config.return_dict says)
             **{key: kwargs[key] for key in passed if key in kwargs},
         )
         hidden_states = outputs.last_hidden_state

@@ -160,6 +160,10 @@ def test_hidden_states_and_tuple_outputs_follow_transformers():
     loss, logits = model(ids, labels=ids, use_cache=False, return_dict=False)
     torch.testing.assert_close(logits, model(ids, use_cache=False).logits)
     assert loss.ndim == 0 and isinstance(model.model(ids, use_cache=False, return_dict=False), tuple)
+    model.config.return_dict = False  # the config's default for every call: tuples from both classes
+    loss, logits = model(ids, labels=ids, use_cache=False)
+    torch.testing.assert_close(logits, model(ids, use_cache=False, return_dict=True).logits)
+    model.config.return_dict = True
 
 
 def test_output_attentions_in_dense_mode_with_eager_attention():
