@@ -518,6 +518,12 @@ def sample_warnings(runs: list[dict], comparison: dict) -> list[str]:
     if len(comparison["modes"]) == 1:
         warnings.append(f"only {comparison['modes'][0]} runs: the spread over them, no NSA - dense (give both modes' "
                         "runs to compare attention)")  # fmt: skip
+    final = comparison.get("final")
+    if final and final["interval_kind"] == "paired":
+        unpaired = [r["name"] for r in runs if str(r["seed"]) not in final["paired_gaps"]]
+        if unpaired:
+            warnings.append(f"runs without a twin of their seed in the other mode ({', '.join(unpaired)}): left out of "
+                            "NSA - dense and its interval, which are paired by seed (the modes' means hold them)")
     curve = comparison["curve"]
     shared = curve[-1]["tokens"] if curve else None
     if shared == 0:
@@ -620,6 +626,17 @@ def paired_gaps(by_mode: dict[str, list[dict]], loss_of) -> dict[str, float]:
     return {str(seed): loss["nsa"][seed] - loss["dense"][seed] for seed in sorted(once[0] & once[1])}
 
 
+def set_gap(row: dict, by_mode: dict[str, list[dict]], loss_of) -> None:
+    """NSA - dense in `row` (which holds each mode's spread), its per-seed gaps and its 95% interval, the gap centred
+    where its interval is formed: on the paired seeds' mean gap where the interval is paired (runs without a twin of
+    their seed are then left out of both; with every run paired it is the difference of the modes' means), else on
+    the difference of the modes' means."""
+    row["paired_gaps"] = paired_gaps(by_mode, loss_of)
+    row["interval"], row["interval_kind"] = gap_interval(row)
+    row["nsa_minus_dense"] = (statistics.fmean(row["paired_gaps"].values()) if row["interval_kind"] == "paired"
+                              else row["nsa"]["mean"] - row["dense"]["mean"])  # fmt: skip
+
+
 def compare(runs: list[dict]) -> dict:
     """Per mode, per evaluated token count (those every run of both modes reached): mean validation loss over
     seeds, its spread, NSA - dense, NSA - dense per seed both modes ran once, and the 95% interval of the gap
@@ -636,9 +653,7 @@ def compare(runs: list[dict]) -> dict:
         for mode, rs in by_mode.items():
             row[mode] = _spread([dict(r["val"])[tokens] for r in rs])
         if "nsa" in row and "dense" in row:
-            row["nsa_minus_dense"] = row["nsa"]["mean"] - row["dense"]["mean"]
-            row["paired_gaps"] = paired_gaps(by_mode, lambda run: dict(run["val"])[tokens])
-            row["interval"], row["interval_kind"] = gap_interval(row)
+            set_gap(row, by_mode, lambda run: dict(run["val"])[tokens])
         curve.append(row)
     final = curve[-1] if curve else None
     verdict = None
@@ -677,9 +692,7 @@ def compare_by_position(by_mode: dict[str, list[dict]], tokens: int) -> list[dic
         for mode, rs in by_mode.items():
             row[mode] = _spread([at(r) for r in rs])
         if "nsa" in row and "dense" in row:
-            row["nsa_minus_dense"] = row["nsa"]["mean"] - row["dense"]["mean"]
-            row["paired_gaps"] = paired_gaps(by_mode, at)
-            row["interval"], row["interval_kind"] = gap_interval(row)
+            set_gap(row, by_mode, at)
         rows.append(row)
     # beyond the window, the gap less the window's own, seed by seed: whether NSA loses (or gains) where the far
     # context reaches it only through its compressed and selected branches, with each seed's general lead taken out

@@ -491,10 +491,20 @@ def main(argv=None) -> dict:
     length = None if task is None else args.learned_length if args.learned_length is not None else evaluated[0]
     if task is not None and length not in evaluated:
         raise ValueError(f"--learned-length {length}: no run evaluated that length; they evaluated {evaluated}.")
+    # the validation losses compared are each run's last: runs that stopped at other token counts are not at
+    # equal tokens (said on stderr and in the report's JSON)
+    tokens = sorted({r["tokens"] for runs in groups.values() for r in runs})
+    unequal = None
+    if len(tokens) > 1:
+        unequal = (f"the runs' last evaluations are at different token counts ({', '.join(f'{t:,}' for t in tokens)}): "
+                   "their validation losses are not at equal tokens")
+        print(f"warning: {unequal}", file=sys.stderr)
     summary = summarize(groups, length, args.learned_accuracy)
     pairs = {(a, b): compare_pair(groups[a], groups[b], length, args.learned_accuracy) for a, b in combinations(names, 2)}
     text = markdown(groups, summary, pairs, length, args.learned_accuracy, task)
-    result = {"task": task, "scoring": args.scoring, "learned_length": length,
+    if unequal:
+        text = f"**Read with care:** {unequal}.\n\n" + text
+    result = {"task": task, "scoring": args.scoring, "learned_length": length, "unequal_tokens": unequal,
               "learned_accuracy": args.learned_accuracy, "date": time.strftime("%Y-%m-%d"), "groups": groups,
               "summary": summary, "pairs": [{"first": a, "second": b, **c} for (a, b), c in pairs.items()]}  # fmt: skip
     write_report(args.out, "seed_groups", text, result)

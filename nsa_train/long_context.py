@@ -16,8 +16,14 @@ retrieve": models trained on such rows can depend on that exact layout):
   (`--haystack`, default the shared `wiki-summaries-en.parquet` beside the checkout when present) or, offline,
   Python's own documentation (`--haystack python-docs`).
 
-The hidden item starts at a sentence boundary of the haystack (the nearest one to the asked depth, within a
-few tokens), and the case records the depth it really got. Two scorings:
+The hidden item starts at the sentence boundary of the haystack nearest to the asked depth when one lies within
+min(32, max(2, haystack tokens / 50)) tokens of it, else at the asked token itself, and the case records the depth
+it really got. With a subword tokenizer (GPT-2's) the item lands between sentences or words nearly always; with a
+byte-level one (ByT5's) that radius is a few dozen bytes, shorter than most sentences, so at short lengths the
+item often splits a sentence, or a word (a review counted 48 of 60 passkey cases off a sentence end at 512 bytes,
+none at 4,096). Kept as it is: the published evaluations and the retrieval rows built by
+bench/build_retrieval_data.py (which places its items the same way, so training and evaluation agree) depend on
+it. Two scorings:
 
 - `generate`: the model's own greedy answer (batched `generate()`, left padding; an NSA model decodes with its
   NSACache); right when its first word is the answer;
@@ -245,8 +251,8 @@ class Haystack:
         return pool[start : start + num_tokens]
 
     def snap_to_boundary(self, tokens: list[int], index: int, radius: int) -> int:
-        """The sentence boundary nearest to `index` within `radius` tokens (index itself if none): the hidden
-        item goes between sentences, not inside one."""
+        """The sentence boundary nearest to `index` within `radius` tokens (index itself if none: then the hidden
+        item may split a sentence, or with a byte-level tokenizer a word; see the module's docstring)."""
         for offset in range(radius + 1):
             for candidate in (index - offset, index + offset):
                 if 0 <= candidate <= len(tokens) and (
@@ -499,7 +505,11 @@ def _pad_id(tokenizer, model) -> int:
 def score_generate(model, tokenizer, cases: list[RetrievalCase], device, pad_id: int) -> list[dict]:
     """Greedy answers for a batch of cases (left padding): right when the first generated word is the answer."""
     ids, mask = _left_padded([c.prompt_ids for c in cases], pad_id, device)
+    # room for the whole answer and three more tokens, within what the model's positions allow (a case of exactly
+    # that many tokens holds the answer and nothing after it: check_lengths' limit)
     max_new = max(len(c.answer_ids) for c in cases) + 3
+    if (limit := position_limit(getattr(model, "config", None))[0]) is not None:
+        max_new = max(min(max_new, limit - max(len(c.prompt_ids) for c in cases)), 1)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
                          pad_token_id=pad_id)  # fmt: skip
     # a row stops at an end-of-text (the generation config's, or any special token, which decoding drops); a
@@ -509,7 +519,9 @@ def score_generate(model, tokenizer, cases: list[RetrievalCase], device, pad_id:
     results = []
     for row, case in enumerate(cases):
         generated = out[row, ids.shape[1] :].tolist()
-        text = tokenizer.decode(generated, skip_special_tokens=True)
+        # the answer ends at the first stop token (decoding would drop one inside the text and join its two sides)
+        cut = next((i for i, token in enumerate(generated) if token in stop_ids), len(generated))
+        text = tokenizer.decode(generated[:cut], skip_special_tokens=True)
         prediction = text.strip()
         stopped = any(token in stop_ids for token in generated)
         correct = first_word(text) == case.answer
@@ -600,7 +612,11 @@ def score_loglik(model, cases: list[RetrievalCase], device, pad_id: int) -> list
     sequences = [c.prompt_ids + c.answer_ids for c in cases]
     ids, mask = _left_padded(sequences, pad_id, device)
     keep = max(len(c.answer_ids) for c in cases) + 1  # the logits that predict answer tokens, at most
-    kwargs = {"logits_to_keep": keep} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    accepts = inspect.signature(model.forward).parameters
+    kwargs = {"logits_to_keep": keep} if "logits_to_keep" in accepts else {}
+    if "position_ids" in accepts:  # each row's own positions, as generate() gives them: a model with a learned
+        # position table (GPT-2, OPT) otherwise reads a left-padded row at positions shifted by its padding
+        kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=ids, attention_mask=mask, **kwargs).logits[:, -keep:].float()  # (B, keep, V)
     log_probs = torch.log_softmax(logits, dim=-1)
     results = []
@@ -1156,8 +1172,13 @@ def check_not_replacing(out_dir: Path, task: str, scoring: str, settings: dict) 
         old = json.loads(path.read_text())
     except json.JSONDecodeError:
         old = {}
+    recorded_haystack = old.get("haystack")
     old = {k: old.get(k) for k in SAME_EVALUATION}  # (its lengths sorted, as check_lengths leaves them)
     differ = [f"{k} {old[k]} -> {settings[k]}" for k in SAME_EVALUATION if old[k] != settings[k]]
+    # the needle's documents (recorded as their description, which a short pool extends with a note)
+    haystack = settings.get("haystack")
+    if haystack and recorded_haystack and not str(recorded_haystack).startswith(haystack):
+        differ.append(f"haystack {recorded_haystack!r} -> {haystack!r}")
     if differ:
         raise ValueError(f"{path} holds an evaluation with other settings ({'; '.join(differ)}): for a run it is the "
                          "trainer's --eval-long-context result, which the model card, ab_compare and seed_groups "
@@ -1177,9 +1198,14 @@ def main(argv=None) -> dict:
         run_dir = Path(args.model).resolve().parent  # a run's final/ sits in the run's directory
         out = run_dir / "long_context" if (run_dir / "run.json").is_file() else Path("long_context")
     if not args.overwrite:
-        check_not_replacing(Path(out), args.task, args.scoring, {"lengths": check_lengths(args.lengths, None),
-                                                                  "depths": depths, "samples": args.samples,
-                                                                  "seed": args.seed})  # fmt: skip
+        settings = {"lengths": check_lengths(args.lengths, None), "depths": depths, "samples": args.samples,
+                    "seed": args.seed}  # fmt: skip
+        if args.task == "needle":  # (described as the evaluation will record it; not read here)
+            from .data import make_source
+
+            settings["haystack"] = make_source(args.haystack or default_haystack(), args.text_column,
+                                               flag="--haystack").describe()  # fmt: skip
+        check_not_replacing(Path(out), args.task, args.scoring, settings)
     from .step_log import transformers_bars_on_a_terminal_only  # (here: step_log imports this module's users)
 
     transformers_bars_on_a_terminal_only()

@@ -150,3 +150,31 @@ def test_pipeline_and_text_streamer(child, exported):
     assert child["streamed"] == continuation + "\n"  # TextStreamer prints the new text, then ends the line
     expected = [p + greedy(model, tokenizer, p, 12) for p in PIPELINE_PROMPTS]
     assert child["pipeline_batched"] == expected  # padded on the left by the exported tokenizer
+
+
+def test_lm_eval_scores_a_byte_level_export_with_the_readmes_flag(tmp_path):
+    """A byte-level export (the smoke preset's ByT5 tokenizer) appends </s> to every text it encodes, and lm-eval
+    passes the tokenizer's default: the context would end in </s> and the continuation lose its first byte. The
+    README's `add_bos_token=False` (lm-eval: add_special_tokens=False) scores the continuation's own bytes."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.models.huggingface import HFLM
+    from transformers import ByT5Tokenizer
+
+    from modeling_nsa import NSAConfig, NSAForCausalLM
+    from nsa_train import checkpoint
+
+    tokenizer = ByT5Tokenizer()
+    config = NSAConfig(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16, cmp_block_size=4, cmp_stride=2, sel_block_size=4,
+                       sel_num_blocks=3, window_size=8, eos_token_id=tokenizer.eos_token_id,
+                       pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    ckpt = checkpoint.export_hf_checkpoint(NSAForCausalLM(config), tokenizer, tmp_path / "final")
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "trust_remote_code=True,add_bos_token=False" in readme  # the by-hand commands pass it
+
+    def encoded(**args):
+        lm = HFLM(pretrained=str(ckpt), trust_remote_code=True, batch_size=1, device="cpu", **args)
+        return [lm.tok_decode(ids) for ids in lm._encode_pair("The cat", " sat")]
+
+    assert encoded(add_bos_token=False) == ["The cat", " sat"]
+    assert encoded() != ["The cat", " sat"]  # (why the flag is there: 'The cat</s>', 'sat</s>')

@@ -648,6 +648,18 @@ def test_the_cli_does_not_replace_an_evaluation_made_with_other_settings(tmp_pat
     # with --overwrite the check is skipped: the missing model is what fails next
     with pytest.raises(ValueError, match=r"MODEL '.*missing': no such directory"):
         lc.main([str(tmp_path / "missing"), "--lengths", "512", "--out", str(out), "--overwrite"])
+    # a needle evaluation on other documents is another evaluation too (its haystack, as the result records it)
+    from nsa_train.data import make_source
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"text": "A document. " * 50}) + "\n")
+    described = make_source("python-docs").describe()
+    (out / "needle_generate.json").write_text(json.dumps({**trainer, "task": "needle", "haystack": described}))
+    same = ["--task", "needle", "--lengths", "128", "256", "--depths", "0", "0.5", "1", "--samples", "10", "--out", str(out)]
+    with pytest.raises(ValueError, match=r"needle_generate.json holds an evaluation with other settings \(haystack "):
+        lc.main([str(tmp_path / "missing"), *same, "--haystack", str(docs)])
+    with pytest.raises(ValueError, match=r"MODEL '.*missing': no such directory"):  # its own documents: not refused
+        lc.main([str(tmp_path / "missing"), *same, "--haystack", "python-docs"])
 
 
 def test_a_cuda_device_without_a_gpu_is_named(monkeypatch):
@@ -919,3 +931,40 @@ def test_the_heatmap_says_where_extrapolation_starts():
     assert lc.heatmap_length_note(2, 256) == "; dashed: training length"  # a line between columns 1 and 2
     # every length beyond: a line at the plot's edge would not show, so the label says it
     assert lc.heatmap_length_note(0, 8192) == "; all beyond the training length 8,192"
+
+
+def test_a_learned_position_model_is_scored_at_its_own_positions_and_within_its_table(byt5):
+    """GPT-2's learned position table: loglik scoring gives each left-padded row its own positions (a batch of two
+    lengths scores as each case alone, as generate() does), and generate scoring of a case as long as the table
+    stops the answer's extra tokens at its end instead of indexing past it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=384, n_positions=320, n_embd=16, n_layer=1, n_head=2)).eval()
+    cases, _ = lc.build_cases(byt5, "passkey", [300, 320], [0.5], 2)
+    together = lc.score_loglik(gpt2, cases, "cpu", 0)
+    alone = [lc.score_loglik(gpt2, [case], "cpu", 0)[0] for case in cases]
+    assert [r["answer_logprob"] for r in together] == pytest.approx([r["answer_logprob"] for r in alone], abs=1e-5)
+    longest = [c for c in cases if c.length == 320]
+    results = lc.score_generate(gpt2, byt5, longest, "cpu", 0)  # (before: IndexError past position 319)
+    assert len(results) == 2 and all(isinstance(r["correct"], bool) for r in results)
+
+
+def test_a_generated_answer_ends_at_its_first_stop_token(byt5):
+    """A model whose generation config names no end-of-text may write one inside its answer and go on: the answer
+    is what came before it (decoding would drop it and join both sides into the right number)."""
+    from types import SimpleNamespace
+
+    (case,), _ = lc.build_cases(byt5, "passkey", [300], [0.5], 1)
+    first, rest = case.answer_ids[:2], case.answer_ids[2:]
+
+    class Scripted:  # generate() writes two digits, </s>, then the rest of the answer
+        config, generation_config = SimpleNamespace(), SimpleNamespace(eos_token_id=None)
+
+        def generate(self, input_ids, **kwargs):
+            tail = torch.tensor([first + [byt5.eos_token_id] + rest])
+            return torch.cat([input_ids, tail], 1)
+
+    (result,) = lc.score_generate(Scripted(), byt5, [case], "cpu", 0)
+    assert not result["correct"] and result["prediction"] == byt5.decode(first).strip() and result["stopped"]
+    assert result["ended_inside_answer"]

@@ -130,6 +130,15 @@ def test_task_none_compares_validation_loss_only(two_groups):
     text = (two_groups / "out" / "seed_groups.md").read_text()
     assert "| 0 | 0.2000 | 0.3000 |" in text and "Fisher" not in text and "learned" not in text
     assert "| nsa vs dense | +0.0450 ± " in text
+    assert result["unequal_tokens"] is None and "Read with care" not in text
+    # a run that stopped at another token count: its loss is not at equal tokens, said
+    record = json.loads((two_groups / "ab" / "ab_compare.json").read_text())
+    record["runs"][0]["val"][-1][0] = 500
+    (two_groups / "ab" / "ab_compare.json").write_text(json.dumps(record))
+    result = seed_groups.main(["--out", str(two_groups / "out"), "--task", "none", "--group", "dense",
+                               f"{two_groups}/ab:dense", "--group", "nsa", f"{two_groups}/ab:nsa"])  # fmt: skip
+    assert result["unequal_tokens"].startswith("the runs' last evaluations are at different token counts (500, 1,000)")
+    assert (two_groups / "out" / "seed_groups.md").read_text().startswith("**Read with care:** the runs' last")
 
 
 def test_loss_by_position_per_group_and_paired_gap(tmp_path):
