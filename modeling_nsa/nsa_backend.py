@@ -18,6 +18,7 @@ import logging
 
 import torch
 
+from .configuration_nsa import NSA_BACKENDS
 from .nsa_layout import NSAParams
 from .nsa_reference import nsa_attention_reference
 
@@ -26,12 +27,34 @@ logger = logging.getLogger(__name__)
 _logged_once: set[str] = set()
 
 
-def _log_once(message: str) -> None:
-    """Log a warning the first time it comes up. Not inside torch.compile (logging cannot be traced:
-    fullgraph=True would fail); the eager calls around it say it."""
-    if message not in _logged_once and not torch.compiler.is_compiling():
+def _emit_once(message: str) -> None:
+    """Log a warning the first time it comes up."""
+    if message not in _logged_once:
         _logged_once.add(message)
         logger.warning(message)
+
+
+def _emit_while_tracing(ctx) -> None:
+    """_log_once's message said while torch.compile traces it (dynamo's comptime runs this at trace time, once per
+    compilation; it takes no free variables, so the message is read from _log_once's frame)."""
+    _emit_once(ctx.get_local("message").as_python_constant())
+
+
+def _log_once(message: str) -> None:
+    """Log a warning the first time it comes up, also inside torch.compile, where a fallback is decided while
+    the graph is traced (a whole model compiled has no eager call around it that would say it): logging cannot be
+    traced (fullgraph=True would fail), so the message is said at trace time through dynamo's comptime."""
+    if torch.compiler.is_compiling():
+        if _comptime is not None:
+            _comptime(_emit_while_tracing)
+        return
+    _emit_once(message)
+
+
+try:  # (dynamo's hook for code run at trace time; without it a compiled region says nothing, as before)
+    from torch._dynamo.comptime import comptime as _comptime
+except ImportError:  # pragma: no cover
+    _comptime = None
 
 
 def resolve_nsa_backend(requested: str, device: torch.device) -> str:
@@ -40,6 +63,8 @@ def resolve_nsa_backend(requested: str, device: torch.device) -> str:
     kernels cannot run raises instead of quietly changing the code path. (Parameters the kernels do not handle
     on a device where they run, an unsupported head_dim say, are nsa_attention's to decide: the reference with
     a log line under 'auto', an error under 'triton'.)"""
+    if requested not in NSA_BACKENDS:
+        raise ValueError(f"backend={requested!r}: choose one of {', '.join(map(repr, NSA_BACKENDS))}.")
     if requested == "reference":
         return "reference"
     try:
@@ -101,11 +126,17 @@ def nsa_attention(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, d
             return nsa_attention_triton(
                 q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, checked=True
             )
-        elif not (torch.is_grad_enabled() and q.requires_grad):
+        elif not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cmp, v_cmp, k_slc, v_slc, k_win,
+                                                                              v_win, gates))):  # fmt: skip
+            # (any input: q alone left gradients to trained K/V or gate projections behind a frozen q out)
             return nsa_decode_triton(
                 q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, query_end=query_end,
                 checked=True,
             )
+        elif requested == "triton":
+            raise RuntimeError("nsa_backend='triton' but no Triton kernel differentiates a chunk after a cache "
+                               "(queries behind cached keys, with gradients). Use nsa_backend='auto' (the PyTorch "
+                               "reference there, logged), or run the chunk without gradients.")
         else:
             _log_once("NSA: no differentiable Triton kernel for a chunk after a cache; using the reference.")
     return nsa_attention_reference(

@@ -57,6 +57,7 @@ from .nsa_triton_common import (  # noqa: F401  (_HAS_TRITON: callers ask this m
     _HAS_TRITON,
     MIN_COMPUTE_CAPABILITY,
     _FloatDq,
+    _interpreting,
     triton_is_usable,
     triton_supports,
     triton_unsupported_reason,
@@ -290,8 +291,11 @@ def kernel_dtype(dtype: torch.dtype, device) -> torch.dtype:
     """The dtype the kernels compute in (fp32 accumulation) for inputs of `dtype` on `device`: on a GPU
     bfloat16 or float16 as given, and bfloat16 for anything else (float32 tiles would take twice the shared
     memory the launches are sized for, and tl.dot would round them to TF32 anyway); under the interpreter on
-    CPU the inputs' own (the CPU tests run float32 exactly)."""
-    if torch.device(device).type != "cuda" or dtype in (torch.bfloat16, torch.float16):
+    CPU the inputs' own (the CPU tests run float32 exactly), except bfloat16, computed in float32 there: the
+    interpreter multiplies bfloat16 tl.dot operands as their raw bits (triton-lang/triton#11584)."""
+    if torch.device(device).type != "cuda":  # (a CPU launch captured for an ahead-of-time compile keeps bfloat16)
+        return torch.float32 if dtype == torch.bfloat16 and _interpreting() else dtype
+    if dtype in (torch.bfloat16, torch.float16):
         return dtype
     return torch.bfloat16
 
@@ -306,9 +310,13 @@ def _kernel_inputs(*tensors):
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else q.dtype
     compute = kernel_dtype(dtype, q.device)
     if compute != dtype:
-        _log_once(f"nsa_triton: {dtype} inputs on a GPU: the kernels compute in {compute} with float32 "
-                  f"accumulation and return {dtype} (nsa_backend='reference' computes in {dtype}; "
-                  f"model.to({compute}) or torch.autocast skips the casts)")
+        if q.device.type == "cuda":
+            _log_once(f"nsa_triton: {dtype} inputs on a GPU: the kernels compute in {compute} with float32 "
+                      f"accumulation and return {dtype} (nsa_backend='reference' computes in {dtype}; "
+                      f"model.to({compute}) or torch.autocast skips the casts)")
+        else:
+            _log_once(f"nsa_triton: {dtype} inputs under Triton's interpreter compute in {compute} (its tl.dot "
+                      f"multiplies {dtype} as raw bits) and return {dtype}")
     # (a no-op .to() still costs about a microsecond of dispatch: the decode step pays it per layer and token)
     return tuple(t.to(compute) if t.is_floating_point() and t.dtype != compute else t for t in tensors), dtype
 
@@ -324,9 +332,35 @@ _USE_NSA_ATTENTION = ("nsa_backend.nsa_attention(..., backend='auto') (the PyTor
                       "do not apply) or nsa_reference.nsa_attention_reference")
 
 
+def _check_shapes(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos) -> None:
+    """The shapes the kernels index by (NSA_SPEC's), each checked against q's and the cache's sizes: a mismatch
+    would make them read out of bounds (wrong output, a fault or a hang), where the reference raises. Shapes are
+    static: free under torch.compile."""
+    if q.dim() != 4:
+        raise ValueError(f"nsa_triton: q must be (B, Tq, H, D), got shape {tuple(q.shape)}.")
+    batch, num_queries, num_heads, head_dim = q.shape
+    num_kv, num_keys, num_slots = k_slc.shape[2] if k_slc.dim() == 4 else -1, k_slc.shape[1], cmp_end.shape[-1]
+    expected = {
+        "k_slc": (batch, num_keys, num_kv, head_dim), "v_slc": (batch, num_keys, num_kv, head_dim),
+        "k_win": (batch, k_win.shape[1], num_kv, head_dim), "v_win": (batch, k_win.shape[1], num_kv, head_dim),
+        "k_cmp": (batch, num_slots, num_kv, head_dim), "v_cmp": (batch, num_slots, num_kv, head_dim),
+        "cmp_end": (batch, num_slots), "gates": (batch, num_queries, num_heads, 3), "doc_pos": (batch, num_keys),
+    }  # fmt: skip
+    given = {"k_slc": k_slc, "v_slc": v_slc, "k_win": k_win, "v_win": v_win, "k_cmp": k_cmp, "v_cmp": v_cmp,
+             "cmp_end": cmp_end, "gates": gates, "doc_pos": doc_pos}  # fmt: skip
+    for name, shape in expected.items():
+        if tuple(given[name].shape) != shape:
+            raise ValueError(f"nsa_triton: {name} has shape {tuple(given[name].shape)}; with q {tuple(q.shape)}, "
+                             f"k_slc {tuple(k_slc.shape)} and cmp_end {tuple(cmp_end.shape)} it must be {shape}.")
+    if num_kv < 1 or num_heads % num_kv:
+        raise ValueError(f"nsa_triton: {num_heads} query heads do not share {num_kv} K/V heads evenly; give a "
+                         "number of query heads that is a multiple of the K/V heads.")
+
+
 def _kernel_args(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, scale, batch_strided=False):
     """What both attention entry points do first: (the kernels' prepared inputs, the softmax scale, the dtype to
     return the output in)."""
+    _check_shapes(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     floats, out_dtype = _kernel_inputs(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates)
     q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates = floats

@@ -330,17 +330,24 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+MAX_SEL_BLOCK_SIZE = 128  # the largest l' whose launches are compiled and fit (tests/triton_aot.py, KERNELS.md)
+# l' x head_dim past which a block's tiles need more than the 99 KiB of shared memory of RTX 30xx/40xx, A10, L4
+# (the eager decode step's finish kernel at l' = 128, head_dim 128: 136 KiB)
+_SMALL_SHARED_MEMORY_BLOCK = 64 * 128
+
+
 def triton_unsupported_reason(params: NSAParams, head_dim: int, device=None) -> str | None:
     """Why the kernels do not handle these parameters (None: they do). They need head_dim a power of two in
-    [16, 256], l' a power of two >= 16 (a selection block is one tl.dot operand), l'/d a power of two,
-    l a multiple of d and l <= l' (a compressed token overlaps at most two selection blocks); head_dim 256
-    also needs 160 KiB of shared memory per block (A100, H100; not the 99 KiB of RTX 30xx/40xx, A10, L4)."""
+    [16, 256], l' a power of two in [16, 128] (a selection block is one tl.dot operand; larger blocks outgrow the
+    launches' registers and shared memory), l'/d a power of two, l a multiple of d and l <= l' (a compressed
+    token overlaps at most two selection blocks); head_dim 256, and l' x head_dim above 64 x 128, also need 160 KiB
+    of shared memory per block (A100, H100; not the 99 KiB of RTX 30xx/40xx, A10, L4)."""
     lb, ds = params.sel_block_size, params.cmp_stride
     pow2 = lambda x: x > 0 and (x & (x - 1)) == 0  # noqa: E731
     if not (pow2(head_dim) and 16 <= head_dim <= 256):
         return f"head_dim={head_dim} (the kernels take a power of two in [16, 256])"
-    if not (pow2(lb) and lb >= 16):
-        return f"sel_block_size={lb} (the kernels take a power of two >= 16)"
+    if not (pow2(lb) and 16 <= lb <= MAX_SEL_BLOCK_SIZE):
+        return f"sel_block_size={lb} (the kernels take a power of two in [16, {MAX_SEL_BLOCK_SIZE}])"
     if not (lb % ds == 0 and pow2(lb // ds)):
         return f"sel_block_size / cmp_stride = {lb} / {ds} (the kernels take a power of two)"
     if not (params.cmp_block_size % ds == 0 and params.cmp_block_size <= lb):
@@ -349,6 +356,11 @@ def triton_unsupported_reason(params: NSAParams, head_dim: int, device=None) -> 
     if device is not None and head_dim > 128 and _shared_memory_limit(device) < _LARGE_SHARED_MEMORY:
         return (f"head_dim={head_dim} needs {_LARGE_SHARED_MEMORY // 1024} KiB of shared memory per block; this "
                 f"GPU has {_shared_memory_limit(device) // 1024} KiB (head_dim <= 128 runs on it)")
+    if device is not None and lb * head_dim > _SMALL_SHARED_MEMORY_BLOCK and \
+            _shared_memory_limit(device) < _LARGE_SHARED_MEMORY:
+        return (f"sel_block_size={lb} at head_dim={head_dim}: needs {_LARGE_SHARED_MEMORY // 1024} KiB of shared "
+                f"memory per block; this GPU has {_shared_memory_limit(device) // 1024} KiB (sel_block_size x "
+                f"head_dim <= {_SMALL_SHARED_MEMORY_BLOCK} runs on it)")
     return None
 
 

@@ -88,10 +88,73 @@ def test_head_dim_256_needs_the_large_shared_memory_of_a100_and_h100(monkeypatch
     (64, {"sel_block_size": 48}, "sel_block_size=48"),
     (64, {"cmp_stride": 32, "cmp_block_size": 32, "sel_block_size": 96}, "sel_block_size=96"),
     (64, {"cmp_block_size": 40}, "cmp_block_size=40"),
-], ids=["head_dim96", "sel_block48", "sel_block96", "cmp_block40"])
+    # a power of two past what the launches are sized for: ptxas runs out of registers under sm_90's cap, and
+    # the selected forward's tiles outgrow shared memory at head_dim 128 (review, 2026-12-02, AOT compiles)
+    (64, {"cmp_stride": 16, "cmp_block_size": 32, "sel_block_size": 256},
+     "sel_block_size=256 (the kernels take a power of two in [16, 128])"),
+], ids=["head_dim96", "sel_block48", "sel_block96", "cmp_block40", "sel_block256"])
 def test_unsupported_parameters_are_named(head_dim, overrides, expected):
     params = layout.NSAParams(**{**DEFAULT, **overrides})
     assert expected in tri.triton_unsupported_reason(params, head_dim)
+
+
+@pytest.mark.parametrize("capability,supported", [(80, True), (90, True), (86, False), (89, False)])
+def test_selection_blocks_of_128_at_head_dim_128_need_the_large_shared_memory(monkeypatch, capability, supported):
+    # the eager decode step's finish kernel at l' = 128, head_dim 128 takes 136 KiB (AOT compile, 2026-12-02):
+    # past the 99 KiB of RTX 30xx/40xx, A10, L4; l' = 128 at head_dim 64 fits everywhere
+    monkeypatch.setattr(common, "_compute_capability", lambda device: capability)
+    params = layout.NSAParams(**{**DEFAULT, "cmp_stride": 16, "cmp_block_size": 32, "sel_block_size": 128})
+    assert tri.triton_supports(params, 64, "cpu")
+    assert tri.triton_supports(params, 128, "cpu") == supported
+    if not supported:
+        assert "sel_block_size=128 at head_dim=128: needs 160 KiB" in tri.triton_unsupported_reason(params, 128, "cpu")
+
+
+def test_a_backend_name_outside_the_three_is_refused():
+    with pytest.raises(ValueError, match=r"backend='Triton': choose one of 'auto', 'reference', 'triton'"):
+        backend.resolve_nsa_backend("Triton", torch.device("cpu"))
+
+
+def test_a_chunk_after_a_cache_with_any_input_needing_gradients_is_differentiated(monkeypatch, caplog):
+    """The kernels' chunk path (no autograd) is taken only where no input needs gradients: with q frozen but the
+    keys trained (a frozen query projection, trained K/V or gate projections) 'auto' runs the reference, logged,
+    and an explicit 'triton' raises, naming the way out; before, the output silently had no gradient."""
+    monkeypatch.setattr(backend, "_logged_once", set())
+    _on_a_gpu_where_the_kernels_run(monkeypatch)
+    t, cmp_end, doc_pos, p = make_inputs(1, 40, 2, 1, 16, DEFAULT, torch.float32, "cpu")
+    k_slc = t["k_slc"].clone().requires_grad_(True)
+    chunk = (t["q"][:, -4:], t["k_cmp"], t["v_cmp"], cmp_end, k_slc, t["v_slc"], t["k_win"], t["v_win"],
+             t["gates"][:, -4:], doc_pos, p)  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        out = backend.nsa_attention(*chunk)
+    assert out.requires_grad and "no differentiable Triton kernel for a chunk after a cache" in caplog.text
+    torch.testing.assert_close(out, import_nsa()[1].nsa_attention_reference(*chunk))
+    with pytest.raises(RuntimeError, match="nsa_backend='triton' but no Triton kernel differentiates a chunk"):
+        backend.nsa_attention(*chunk, backend="triton")
+
+
+def test_the_kernels_refuse_shapes_they_would_read_out_of_bounds():
+    """Shapes that disagree with q's and the cache's (the reference raises on them; the kernels would read out of
+    bounds, fault or hang) are refused before any launch, naming the tensor, its shape and the one expected."""
+    t, cmp_end, doc_pos, p = make_inputs(1, 32, 4, 2, 16, DEFAULT, torch.float32, "cpu")
+    good = dict(q=t["q"], k_cmp=t["k_cmp"], v_cmp=t["v_cmp"], cmp_end=cmp_end, k_slc=t["k_slc"], v_slc=t["v_slc"],
+                k_win=t["k_win"], v_win=t["v_win"], gates=t["gates"], doc_pos=doc_pos)
+    cases = {
+        "gates": (t["gates"][..., :2], r"gates has shape \(1, 32, 4, 2\); .* must be \(1, 32, 4, 3\)"),
+        "k_cmp": (t["k_cmp"][:, :-1], rf"k_cmp has shape \(1, {cmp_end.shape[1] - 1}, 2, 16\)"),  # a slot short
+        "v_win": (torch.cat([t["v_win"], t["v_win"]], -1), r"v_win has shape \(1, 32, 2, 32\)"),
+        "doc_pos": (doc_pos[:, :16], r"doc_pos has shape \(1, 16\); .* must be \(1, 32\)"),
+    }
+    for name, (bad, message) in cases.items():
+        with pytest.raises(ValueError, match=message):
+            tri.nsa_attention_triton(**{**good, name: bad}, params=p)
+    # the chunk entry point (one query after 31 cached keys) checks the same
+    with pytest.raises(ValueError, match=r"doc_pos has shape \(1, 16\); .* must be \(1, 32\)"):
+        tri.nsa_decode_triton(**{**good, "q": t["q"][:, -1:], "gates": t["gates"][:, -1:], "doc_pos": doc_pos[:, :16]},
+                              params=p)  # fmt: skip
+    q3 = t["q"][:, :, :3]  # 3 query heads over 2 K/V heads
+    with pytest.raises(ValueError, match="3 query heads do not share 2 K/V heads evenly"):
+        tri.nsa_attention_triton(**{**good, "q": q3, "gates": t["gates"][:, :, :3]}, params=p)
 
 
 def _on_a_gpu_where_the_kernels_run(monkeypatch):
@@ -134,6 +197,15 @@ def test_wide_tile_launches_only_where_mma_reads_shared_memory(monkeypatch, capa
 ])
 def test_kernel_dtype_on_a_gpu_is_bf16_or_fp16(device, dtype, computes_in):
     assert tri.kernel_dtype(dtype, device) == computes_in
+
+
+@pytest.mark.parametrize("interpreting,computes_in", [(True, torch.float32), (False, torch.bfloat16)])
+def test_bf16_under_the_interpreter_computes_in_float32(monkeypatch, interpreting, computes_in):
+    # the interpreter multiplies bf16 tl.dot operands as raw bits (triton-lang/triton#11584): float32 there; a CPU
+    # launch captured for an ahead-of-time compile (tests/triton_aot.py, not interpreting) keeps bf16
+    monkeypatch.setattr(tri, "_interpreting", lambda: interpreting)
+    assert tri.kernel_dtype(torch.bfloat16, "cpu") == computes_in
+    assert tri.kernel_dtype(torch.float16, "cpu") == torch.float16
 
 
 def test_under_autocast_the_kernels_get_the_autocast_dtype(monkeypatch):
@@ -220,6 +292,10 @@ def test_reference_fallback_compiles_fullgraph(monkeypatch):
             doc_pos)
     compiled = torch.compile(lambda *a: backend.nsa_attention(*a, p), fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(*args), import_nsa()[1].nsa_attention_reference(*args, p))
+    # ... and says it there too: dynamo replays the log call after the graph (a whole model compiled has no eager
+    # call around it that would), once
+    compiled(*args)
+    assert len([m for m in backend._logged_once if "do not handle head_dim=256" in m]) == 1
 
 
 def test_float32_inputs_computed_in_bf16_come_back_in_float32_and_say_so(monkeypatch, caplog):
