@@ -58,6 +58,7 @@ from .nsa_triton_common import (  # noqa: F401  (_HAS_TRITON: callers ask this m
     MIN_COMPUTE_CAPABILITY,
     _FloatDq,
     _interpreting,
+    on_the_inputs_device,
     triton_is_usable,
     triton_supports,
     triton_unsupported_reason,
@@ -71,6 +72,7 @@ from .nsa_triton_selected import _sel_bwd_dkdv, _sel_dq_pairs, _sel_fwd
 from .nsa_triton_topn import _select_topn
 
 
+@on_the_inputs_device
 def _forward_impl(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, scale):
     num_q = q.shape[1]
     c_lo, c_hi, w_lo, w_hi = _layout(cmp_end, doc_pos, num_q, k_win.shape[1], params)
@@ -142,6 +144,7 @@ def _(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, para
     )
 
 
+@on_the_inputs_device
 def _backward_impl(dout, q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, o_cmp, o_slc, o_win,
                    lse_cmp, lse_slc, lse_win, idx, params, scale, dq_over_outputs: bool):
     p = _params_from(params)
@@ -416,6 +419,7 @@ def nsa_decode_triton(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gate
 
 
 @torch.no_grad()
+@on_the_inputs_device
 def select_blocks_triton(q, k_cmp, cmp_end, doc_pos, params: NSAParams, scale: float | None = None) -> torch.Tensor:
     """Top-n selected blocks, (B, Hkv, Tq, n') int64 in-document block indices by priority, -1 unused.
 

@@ -5,6 +5,7 @@ softmax, the packing of (query x head) rows, the flash-attention dK/dV update, t
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -225,6 +226,22 @@ _CUDA_DEVICE_REASONS: dict[int, str | None] = {}
 
 def _version(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split("+")[0].split(".")[:2] if part.isdigit())
+
+
+def on_the_inputs_device(launcher):
+    """Run `launcher` with the CUDA device of its first tensor argument current: Triton launches on the current
+    device, while a model split over GPUs (device_map) runs each layer on its inputs' own GPU (launched on another,
+    the kernels would read addresses that are not there)."""
+
+    @functools.wraps(launcher)
+    def on_device(*args, **kwargs):
+        tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if tensor is None or not tensor.is_cuda:
+            return launcher(*args, **kwargs)
+        with torch.cuda.device(tensor.device):
+            return launcher(*args, **kwargs)
+
+    return on_device
 
 
 def _interpreting() -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .nsa_layout import NSAParams
-from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes, _next_pow2
+from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes, _next_pow2, on_the_inputs_device
 from .nsa_triton_launch import _decode_launch
 
 
@@ -394,6 +394,7 @@ if triton is not None:
 # Host-side launchers (static shapes, no host synchronization)
 # ----------------------------------------------------------------------------------------------
 
+@on_the_inputs_device
 def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params: NSAParams, scale,
                  query_end=None):
     """One query per row (Tq == 1), none of the launches with a long serial loop at long context: the

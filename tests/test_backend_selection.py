@@ -526,3 +526,25 @@ def test_decode_launches_are_programmatic_dependent_only_where_asked_and_support
     assert all(op.startswith("empty") for op in between), between
     if fused_combine:  # the count zeroed before the first launch
         assert {"zeros", "zero_", "fill_"} & set(events[:launched[0]]), events[:launched[0]]
+
+
+def test_the_launchers_run_on_their_inputs_gpu(monkeypatch):
+    """Triton launches on the current CUDA device: each launcher (training forward and backward, the decode step,
+    the block selection) makes its inputs' GPU current, so a model split over GPUs (device_map) launches each
+    layer where its tensors are. Checked with a tensor that says it is on cuda:1 and torch.cuda.device recorded."""
+    import contextlib
+
+    decode = kernel_module("decode")
+    for launcher in (tri._forward_impl, tri._backward_impl, decode._decode_step, tri.select_blocks_triton):
+        assert getattr(launcher, "__wrapped__", None) is not None, launcher  # (wrapped by on_the_inputs_device)
+
+    class OnSecondGpu(torch.Tensor):
+        is_cuda = property(lambda self: True)
+        device = property(lambda self: torch.device("cuda", 1))
+
+    entered = []
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext(entered.append(device)))
+    launched = common.on_the_inputs_device(lambda *tensors: torch.cuda.current_device if entered else None)
+    assert launched(2.0, torch.zeros(1).as_subclass(OnSecondGpu)) is not None and entered == [torch.device("cuda", 1)]
+    entered.clear()
+    assert launched(torch.zeros(1)) is None and entered == []  # a CPU tensor (the interpreter): no device switch
