@@ -45,8 +45,8 @@ def shifted_losses(model, tokenizer, dataset: str, seq_len: int, val_every: int,
     process = OneProcess(next(model.parameters()).device)
     results = {}
     for shift in shifts:
-        rows = validation_rows(make_source(dataset, text_column, dataset_config), tokenizer, seq_len, val_every, val_tokens,
-                               cross_doc=cross_doc, skip_tokens=shift)  # fmt: skip
+        rows = validation_rows(make_source(dataset, text_column, dataset_config), tokenizer, seq_len, val_every,
+                               val_tokens, cross_doc=cross_doc, skip_tokens=shift)  # fmt: skip
         if not rows:
             raise ValueError(f"--dataset {dataset!r} gave no held-out rows with --val-every-doc {val_every} and "
                              f"--val-tokens {val_tokens}: pass the run's values (both above 0).")  # fmt: skip

@@ -343,17 +343,14 @@ def _check_shapes(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, d
         raise ValueError(f"nsa_triton: q must be (B, Tq, H, D), got shape {tuple(q.shape)}.")
     batch, num_queries, num_heads, head_dim = q.shape
     num_kv, num_keys, num_slots = k_slc.shape[2] if k_slc.dim() == 4 else -1, k_slc.shape[1], cmp_end.shape[-1]
-    expected = {
-        "k_slc": (batch, num_keys, num_kv, head_dim), "v_slc": (batch, num_keys, num_kv, head_dim),
-        "k_win": (batch, k_win.shape[1], num_kv, head_dim), "v_win": (batch, k_win.shape[1], num_kv, head_dim),
-        "k_cmp": (batch, num_slots, num_kv, head_dim), "v_cmp": (batch, num_slots, num_kv, head_dim),
-        "cmp_end": (batch, num_slots), "gates": (batch, num_queries, num_heads, 3), "doc_pos": (batch, num_keys),
-    }  # fmt: skip
-    given = {"k_slc": k_slc, "v_slc": v_slc, "k_win": k_win, "v_win": v_win, "k_cmp": k_cmp, "v_cmp": v_cmp,
-             "cmp_end": cmp_end, "gates": gates, "doc_pos": doc_pos}  # fmt: skip
-    for name, shape in expected.items():
-        if tuple(given[name].shape) != shape:
-            raise ValueError(f"nsa_triton: {name} has shape {tuple(given[name].shape)}; with q {tuple(q.shape)}, "
+    keys, window, compressed = (batch, num_keys, num_kv, head_dim), (batch, k_win.shape[1], num_kv, head_dim), \
+        (batch, num_slots, num_kv, head_dim)
+    for name, tensor, shape in (("k_slc", k_slc, keys), ("v_slc", v_slc, keys), ("k_win", k_win, window),
+                                ("v_win", v_win, window), ("k_cmp", k_cmp, compressed), ("v_cmp", v_cmp, compressed),
+                                ("cmp_end", cmp_end, (batch, num_slots)), ("doc_pos", doc_pos, (batch, num_keys)),
+                                ("gates", gates, (batch, num_queries, num_heads, 3))):  # fmt: skip
+        if tensor.shape != shape:
+            raise ValueError(f"nsa_triton: {name} has shape {tuple(tensor.shape)}; with q {tuple(q.shape)}, "
                              f"k_slc {tuple(k_slc.shape)} and cmp_end {tuple(cmp_end.shape)} it must be {shape}.")
     if num_kv < 1 or num_heads % num_kv:
         raise ValueError(f"nsa_triton: {num_heads} query heads do not share {num_kv} K/V heads evenly; give a "

@@ -523,7 +523,7 @@ def score_generate(model, tokenizer, cases: list[RetrievalCase], device, pad_id:
         cut = next((i for i, token in enumerate(generated) if token in stop_ids), len(generated))
         text = tokenizer.decode(generated[:cut], skip_special_tokens=True)
         prediction = text.strip()
-        stopped = any(token in stop_ids for token in generated)
+        stopped = cut < len(generated)
         correct = first_word(text) == case.answer
         # the lookup without the answer's last token (right answers included): in a case one token longer than a
         # training row of one document, that token sits where every row put its end-of-text. None for a one-token
