@@ -543,7 +543,7 @@ def enable_gradient_checkpointing(model) -> None:
 def train_step(model, forward, optimizer, micro_batches, cfg: TrainConfig, accelerator, precision: str):
     """One optimizer step over the step's micro-batches, each through `forward` (the prepared model, or with
     --compile its compiled wrapper). Returns (loss summed over them, gradient norm, whether the weights were updated:
-    not when the gradient is non-finite, except under fp16, whose scaler skips on its own)."""
+    not when the gradient is non-finite, or under fp16 when the grad scaler skipped the step)."""
     world = accelerator.num_processes
     n_items = sum(data.num_label_tokens(b["labels"]) for b, _ in micro_batches).to(accelerator.device)
     n_items = accelerator.reduce(n_items, reduction="sum")  # label tokens in the whole step, all processes
@@ -565,9 +565,15 @@ def train_step(model, forward, optimizer, micro_batches, cfg: TrainConfig, accel
                            f"of {accelerator.gradient_accumulation_steps}: the optimizer would skip its step.")
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
     grad_norm = float(grad_norm)  # one host sync per step; identical on every process after the all-reduce
-    updated = math.isfinite(grad_norm) or precision == "fp16"
-    if updated:
+    if precision == "fp16":
+        # the grad scaler decides: it skips a step whose scaled gradients overflowed and lowers its scale (normal in
+        # the first steps, as the scale falls from 2^16 to what fits); accelerate says whether it did
         optimizer.step()
+        updated = not optimizer.step_was_skipped
+    else:
+        updated = math.isfinite(grad_norm)
+        if updated:
+            optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return step_loss, grad_norm, updated
 
@@ -590,8 +596,16 @@ def read_on_every_process(loader, accelerator):
 
 
 def skip_nonfinite_step(cfg: TrainConfig, run: RunState, checkpoints: checkpoint.RunCheckpoints, step_loss,
-                        grad_norm: float, lr: float) -> None:  # fmt: skip
-    """A step that left the weights as they were: an error, or with --skip-nonfinite counted and said."""
+                        grad_norm: float, lr: float, precision: str) -> None:  # fmt: skip
+    """A step that left the weights as they were: an error, or with --skip-nonfinite counted and said. Under fp16 a
+    step the grad scaler skipped with a finite loss is its normal working (its scale was too high): counted and
+    said, never an error."""
+    scaler_overflow = precision == "fp16" and math.isfinite(float(step_loss))
+    if scaler_overflow:
+        run.skipped_steps += 1
+        checkpoints.accelerator.print(f"step {run.step}: fp16 gradients overflowed, the grad scaler skipped the step "
+                                      f"and lowered its scale ({run.skipped_steps} skipped so far)")  # fmt: skip
+        return
     if not cfg.skip_nonfinite:
         latest = checkpoint.latest_checkpoint(checkpoints.root)
         raise FloatingPointError(
@@ -791,7 +805,7 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
         micro_batches = [next(loader) for _ in range(cfg.grad_accum)]  # (batch, DataState after it)
         step_loss, grad_norm, updated = train_step(model, forward, optimizer, micro_batches, cfg, accelerator, precision)
         if not updated:
-            skip_nonfinite_step(cfg, run, checkpoints, step_loss, grad_norm, lr)
+            skip_nonfinite_step(cfg, run, checkpoints, step_loss, grad_norm, lr, precision)
         epoch_before = run.data.epoch
         run.advance(tokens_per_step, data=micro_batches[-1][1])
         note_new_epoch(run.step, epoch_before, run.data.epoch, world, say)

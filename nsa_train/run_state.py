@@ -26,7 +26,7 @@ class RunState:
 
     step: int = 0
     tokens_seen: int = 0
-    skipped_steps: int = 0  # steps whose non-finite gradient left the weights as they were (--skip-nonfinite)
+    skipped_steps: int = 0  # steps that left the weights as they were (--skip-nonfinite; fp16 grad-scaler overflows)
     val_loss: float | None = None  # from the latest evaluation
     val_ppl: float | None = None
     val_step: int | None = None  # the step of that evaluation (a run may stop or export between evaluations)

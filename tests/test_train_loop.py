@@ -257,6 +257,48 @@ def test_nonfinite_loss_skip_flag(tmp_path, monkeypatch):
     assert math.isfinite(train_losses(tmp_path / "run")[5])
 
 
+def test_fp16_step_the_grad_scaler_skipped_is_not_counted_as_an_update(tmp_path, capsys):
+    """Under fp16 the grad scaler, not the gradient norm, decides whether the weights moved: a step it skipped (its
+    scale overflowed the gradients) is reported as not updated, counted and said without stopping the run; a
+    non-finite loss, which no scale fixes, still stops it (accelerate gives CPUs no scaler: an SGD whose
+    `step_was_skipped` is accelerate's stands in for a scaled optimizer)."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+    from model_helpers import tiny_config
+
+    import train_accelerate as ta
+    from modeling_nsa import NSAForCausalLM
+    from nsa_train.run_state import RunState
+
+    class ScaledSGD(torch.optim.SGD):
+        step_was_skipped = False
+
+        def step(self, closure=None):
+            if not self.step_was_skipped:  # the scaler calls the inner step only when it does not skip
+                super().step(closure)
+
+    ids = torch.randint(0, 61, (2, 32), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    cfg = ta.TrainConfig(grad_accum=1)
+    for skipped in (True, False):
+        model = NSAForCausalLM(tiny_config())
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer = ScaledSGD(model.parameters(), lr=1.0)
+        optimizer.step_was_skipped = skipped
+        loss, grad_norm, updated = ta.train_step(model, model, optimizer, [(batch, None)], cfg, Accelerator(cpu=True),
+                                                 "fp16")  # fmt: skip
+        moved = any(not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+        assert math.isfinite(grad_norm) and updated is (not skipped) and moved is (not skipped)
+    run = RunState(step=3)
+    checkpoints = SimpleNamespace(accelerator=SimpleNamespace(print=print), root=None)
+    ta.skip_nonfinite_step(cfg, run, checkpoints, loss, grad_norm, 1e-3, "fp16")
+    assert run.skipped_steps == 1 and "grad scaler skipped the step" in capsys.readouterr().out
+    with pytest.raises(FloatingPointError, match="non-finite loss/gradient at step 3"):
+        ta.skip_nonfinite_step(cfg, run, SimpleNamespace(accelerator=None, root=tmp_path),
+                               loss * float("nan"), float("nan"), 1e-3, "fp16")  # fmt: skip
+
+
 def test_watchdog_dumps_stacks_and_exits(tmp_path):
     code = textwrap.dedent(f"""
         import time
