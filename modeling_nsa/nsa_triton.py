@@ -335,6 +335,9 @@ _USE_NSA_ATTENTION = ("nsa_backend.nsa_attention(..., backend='auto') (the PyTor
                       "do not apply) or nsa_reference.nsa_attention_reference")
 
 
+_GRID_AXIS_MAX = 65535  # CUDA's limit on a launch grid's y and z sizes
+
+
 def _check_shapes(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos) -> None:
     """The shapes the kernels index by (NSA_SPEC's), each checked against q's and the cache's sizes: a mismatch
     would make them read out of bounds (wrong output, a fault or a hang), where the reference raises. Shapes are
@@ -355,6 +358,10 @@ def _check_shapes(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, d
     if num_kv < 1 or num_heads % num_kv:
         raise ValueError(f"nsa_triton: {num_heads} query heads do not share {num_kv} K/V heads evenly; give a "
                          "number of query heads that is a multiple of the K/V heads.")
+    if batch * num_kv > _GRID_AXIS_MAX:  # the training kernels launch one program row per (row, K/V head)
+        raise ValueError(f"nsa_triton: batch {batch} x {num_kv} K/V heads = {batch * num_kv} program rows, more than "
+                         f"the {_GRID_AXIS_MAX:,} a CUDA launch grid's second axis holds; run the batch in parts of at "
+                         f"most {_GRID_AXIS_MAX // num_kv} rows.")
 
 
 def _kernel_args(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, scale, batch_strided=False):

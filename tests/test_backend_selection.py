@@ -155,6 +155,10 @@ def test_the_kernels_refuse_shapes_they_would_read_out_of_bounds():
     q3 = t["q"][:, :, :3]  # 3 query heads over 2 K/V heads
     with pytest.raises(ValueError, match="3 query heads do not share 2 K/V heads evenly"):
         tri.nsa_attention_triton(**{**good, "q": q3, "gates": t["gates"][:, :, :3]}, params=p)
+    # 32,768 rows x 2 K/V heads: one program row more than a launch grid's second axis holds (stride-0 copies)
+    wide = {name: x.expand(32768, *x.shape[1:]) for name, x in good.items()}
+    with pytest.raises(ValueError, match=r"batch 32768 x 2 K/V heads = 65536 program rows.*parts of at most 32767"):
+        tri.nsa_attention_triton(**wide, params=p)
 
 
 def _on_a_gpu_where_the_kernels_run(monkeypatch):
