@@ -29,6 +29,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import (
     DDPCommunicationHookType,
     DistributedDataParallelKwargs,
+    DistributedType,
     ProjectConfiguration,
     broadcast_object_list,
     is_tensorboard_available,
@@ -115,7 +116,8 @@ class TrainConfig:
     ddp_comm_hook: Literal["auto", "bf16", "fp16", "powersgd", "none"] = field(default="auto", metadata={"help": "Gradient all-reduce compression. auto: bf16 on multi-GPU NCCL, none otherwise."})
     ddp_bucket_cap_mb: int = 25
     ddp_static_graph: bool = field(default=True, metadata={"help": "DDP static_graph (off: --no-ddp-static-graph); off with --grad-accum > 1, which PyTorch's static graph does not support (said when so)."})
-    powersgd_rank: int = 4
+    powersgd_rank: int = field(default=4, metadata={"help": "With --ddp-comm-hook powersgd: the rank of its low-rank gradient approximation."})
+    powersgd_start_step: int = field(default=1000, metadata={"help": "With --ddp-comm-hook powersgd: the optimizer step from which gradients are compressed; before it they are all-reduced whole (PowerSGD's warm-up; torch's default 1000). At least 2."})
     # logging, eval, watchdog
     output_dir: str | None = field(default=None, metadata={"help": "Default runs/<date-time>."})
     log_every: int = field(default=10, metadata={"help": "Log the training loss every N steps (0: never)."})
@@ -192,7 +194,10 @@ def parse_args(argv=None) -> TrainConfig:
                                ("weight_decay", at_least_0), ("beta1", adam_beta), ("beta2", adam_beta),
                                ("lr", (lambda v: v > 0, "a positive learning rate, e.g. 6e-4")),
                                ("min_lr_ratio", (lambda v: 0 <= v <= 1, "in [0, 1]: the cosine's floor as a fraction of --lr")),
-                               ("grad_clip", (lambda v: v >= 0, "at least 0 (0: no clipping)"))):  # fmt: skip
+                               ("grad_clip", (lambda v: v >= 0, "at least 0 (0: no clipping)")),
+                               ("powersgd_rank", positive),
+                               ("powersgd_start_step", (lambda v: v >= 2, "at least 2: DDP compresses no gradient "
+                                                                         "before its second step"))):  # fmt: skip
         if not valid(getattr(cfg, name)):  # before torch's own "Invalid learning rate: -1.0", which names no flag
             parser.error(f"--{name.replace('_', '-')} {getattr(cfg, name)}: must be {fix}.")
     if cfg.stats_every < -1:
@@ -409,13 +414,15 @@ def note_short_validation(cfg: TrainConfig, val_rows: list, eos_token_id: int, s
             "--val-every-doc) end there; a smaller --val-every-doc or more data holds out more.")
 
 
-def note_new_epoch(step: int, epoch_before: int, epoch_now: int, world: int, say) -> None:
-    """Said each step in which the main process's training stream starts over (each process reads its own share
-    of the documents, and wraps at its own steps): later steps read documents again."""
+def note_new_epoch(step: int, epoch_before: int, epoch_now: int, world: int, shard: str, say) -> None:
+    """Said each step in which the main process's training stream starts over (under --data-shard docs each process
+    reads its own share of the documents and wraps at its own steps; under rows every process reads the one row
+    stream): later steps read documents again."""
     if epoch_now > epoch_before:
         epochs = f"epoch {epoch_now} starts" if epoch_now == epoch_before + 1 else \
             f"epochs {epoch_before + 1}-{epoch_now} start"
-        stream = "the training data" if world == 1 else f"process 0's share of the training data (of {world})"
+        stream = "the training data" if world == 1 or shard == "rows" else \
+            f"process 0's share of the training data (of {world})"
         say(f"note: step {step}: {stream} was read through; {epochs} (the same documents again, in another order): "
             "from here the training loss is on documents the model has seen.")
 
@@ -432,7 +439,19 @@ def ddp_static_graph(cfg: TrainConfig, num_processes: int, say=print) -> bool:
     return cfg.ddp_static_graph
 
 
-def ddp_kwargs(cfg: TrainConfig, num_processes: int, say=print) -> DistributedDataParallelKwargs:
+def powersgd_options(cfg: TrainConfig, resumed_step: int, say=print) -> dict:
+    """torch's PowerSGDState options. Its step counter starts at 0 in each launch and its error feedback is not in
+    checkpoints: a resumed run starts compressing where the uninterrupted one would (--powersgd-start-step less the
+    steps done, at least torch's 2) and says that its error feedback restarts from zero."""
+    if resumed_step:
+        say(f"note: --ddp-comm-hook powersgd resumes at step {resumed_step} with its error feedback at zero (the "
+            "hook's state is not in checkpoints): the run continues close to the uninterrupted one, not bit for bit.")
+    return {"matrix_approximation_rank": cfg.powersgd_rank,
+            "start_powerSGD_iter": max(2, cfg.powersgd_start_step - resumed_step)}
+
+
+def ddp_kwargs(cfg: TrainConfig, num_processes: int, say=print, resumed_step: int = 0) -> DistributedDataParallelKwargs:
+    """accelerate's DDP settings from the --ddp-* flags; `resumed_step`: the step the launch continues from."""
     hook = cfg.ddp_comm_hook
     if hook == "auto":  # bf16 compression needs NCCL: multi-GPU only
         hook = "bf16" if torch.cuda.is_available() and num_processes > 1 else "none"
@@ -440,7 +459,7 @@ def ddp_kwargs(cfg: TrainConfig, num_processes: int, say=print) -> DistributedDa
              "powersgd": DDPCommunicationHookType.POWER_SGD, "none": DDPCommunicationHookType.NO}  # fmt: skip
     return DistributedDataParallelKwargs(
         comm_hook=hooks[hook],
-        comm_state_option={"matrix_approximation_rank": cfg.powersgd_rank} if hook == "powersgd" else {},
+        comm_state_option=powersgd_options(cfg, resumed_step, say) if hook == "powersgd" else {},
         bucket_cap_mb=cfg.ddp_bucket_cap_mb,
         static_graph=ddp_static_graph(cfg, num_processes, say),
         find_unused_parameters=False,
@@ -458,6 +477,13 @@ def output_dir(cfg: TrainConfig, state: PartialState) -> Path:
     return out_dir
 
 
+def resumed_step(cfg: TrainConfig, out_dir: Path) -> int:
+    """The step of the checkpoint --resume names (0 for a new run), read before the Accelerator exists: the DDP
+    hook's options, which the Accelerator takes, depend on it."""
+    path = checkpoint.resolve_resume(cfg.resume, out_dir / "checkpoints") if not cfg.eval_only else None
+    return json.loads((path / checkpoint.STATE_FILE).read_text())["step"] if path else 0
+
+
 def make_accelerator(cfg: TrainConfig, out_dir: Path, state: PartialState) -> Accelerator:
     for tracker, available in (("tensorboard", is_tensorboard_available), ("trackio", is_trackio_available)):
         if cfg.report_to == tracker and not available():
@@ -468,7 +494,7 @@ def make_accelerator(cfg: TrainConfig, out_dir: Path, state: PartialState) -> Ac
         mixed_precision=cfg.mixed_precision,
         log_with=None if cfg.report_to == "none" else cfg.report_to,
         project_config=ProjectConfiguration(project_dir=str(out_dir), logging_dir=str(out_dir)),
-        kwargs_handlers=[ddp_kwargs(cfg, state.num_processes, state.print)],
+        kwargs_handlers=[ddp_kwargs(cfg, state.num_processes, state.print, resumed_step(cfg, out_dir))],
     )
 
 
@@ -634,7 +660,13 @@ def evaluate_only(cfg: TrainConfig, accelerator, model, val_rows, source, out_di
     if not val_rows:
         raise ValueError(f"--eval-only: no validation rows (--val-every-doc {cfg.val_every_doc}, --val-tokens "
                          f"{cfg.val_tokens}); both must be > 0.")
-    unwrapped = accelerator.unwrap_model(accelerator.prepare(model))
+    if accelerator.distributed_type == DistributedType.FSDP:
+        # FSDP2 shards a model only together with its optimizer (accelerate maps the optimizer's parameters to the
+        # shards); one that never steps and holds no state stands in
+        model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    else:
+        model = accelerator.prepare(model)
+    unwrapped = accelerator.unwrap_model(model)
     metrics = validation_loss(unwrapped, val_rows, cfg.micro_batch_size, accelerator)
     if long_context:  # on every process: split under DDP, whole under FSDP (see evaluate_long_context)
         with beating(watchdog, unwrapped, phase="long_context"):
@@ -794,7 +826,9 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
 
     # --- the loop
     stop = SigtermStop()
-    cleanup.append(stop.restore)
+    # restored last, after the heartbeat says the process exited: a SIGTERM that the launcher sends when another
+    # process fails would otherwise kill this one between the two and leave the heartbeat showing a training step
+    cleanup.insert(0, stop.restore)
     model.train()
     log = StepLog(accelerator, out_dir, cfg, run, flops, metrics.peak_flops(accelerator.device, cfg.peak_tflops),
                   run_config)  # fmt: skip
@@ -808,7 +842,7 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
             skip_nonfinite_step(cfg, run, checkpoints, step_loss, grad_norm, lr, precision)
         epoch_before = run.data.epoch
         run.advance(tokens_per_step, data=micro_batches[-1][1])
-        note_new_epoch(run.step, epoch_before, run.data.epoch, world, say)
+        note_new_epoch(run.step, epoch_before, run.data.epoch, world, cfg.data_shard, say)
         log.step_done(step_loss if updated else None)
         watchdog.beat(step=run.step, tokens_seen=run.tokens_seen)
         if log.due(run.step):

@@ -232,6 +232,24 @@ def save_checkpoint(accelerator, ckpt_root: Path, step: int, trainer_state: dict
     return final
 
 
+def check_checkpoint_kind(path: Path, fsdp_now: bool) -> None:
+    """accelerate restores a checkpoint only under the kind of launch that wrote it: FSDP saves each rank's shards
+    (pytorch_model_fsdp_*, optimizer_*), DDP and one process the whole model (model.safetensors); across the two
+    load_state fails on a missing file or deep in torch.distributed.checkpoint. Refused here, naming both ways on."""
+    fsdp_then = any(path.glob("pytorch_model_fsdp*"))
+    if fsdp_then == fsdp_now:
+        return
+    kinds = ("FSDP", "DDP or one process")
+    then, now = (kinds if fsdp_then else kinds[::-1])
+    raise ValueError(
+        f"--resume {path}: the checkpoint was written under {then} and this launch runs {now}; accelerate restores "
+        f"a checkpoint only under the kind of launch that wrote it. Resume it under {then} (the accelerate config "
+        f"it was trained with), or export it there (--resume {path} --max-steps <its step> --output-dir NEW writes "
+        "NEW/final/) and start this launch from the export with --init-from NEW/final (weights only: a new "
+        "optimizer and data order)."
+    )
+
+
 def load_checkpoint(accelerator, path: Path, model_config: dict | None = None,
                     run_config: dict | None = None) -> tuple[dict, dict]:  # fmt: skip
     """Restores model/optimizer/RNG; returns (trainer_state, this rank's data state).
@@ -275,6 +293,7 @@ def load_checkpoint(accelerator, path: Path, model_config: dict | None = None,
             f"(each process saved its position in its own share of the documents); this run has {world}. Resume "
             f"with {saved_world} process(es)."
         )
+    check_checkpoint_kind(path, accelerator.distributed_type == "FSDP")  # (DistributedType is a str enum)
     accelerator.load_state(str(path))
     rank = 0 if shard == "rows" else accelerator.process_index  # rows: the same global position on every rank
     data_file = path / f"data_state_rank{rank}.json"

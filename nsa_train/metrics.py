@@ -229,6 +229,10 @@ class Watchdog:
                         fh.flush()
                         faulthandler.dump_traceback(file=fh, all_threads=True)
                 sys.stderr.flush()
+                if self.heartbeat_path is not None and self.heartbeat_path.is_file():  # what a monitor reads
+                    last = {"step": self.info["step"]} if "step" in self.info else {}
+                    with contextlib.suppress(OSError):
+                        self.beat(**last, phase="stalled", after=self.info.get("phase"), idle_s=round(idle))
                 os._exit(self.EXIT_CODE)
 
     def stop(self):

@@ -120,3 +120,35 @@ def test_fsdp_final_is_a_full_hf_checkpoint(fsdp_run, one_process):
     with torch.no_grad():
         expected = reference(torch.tensor([[464, 3290, 318, 257, 1332]])).logits
     torch.testing.assert_close(torch.load(out / "logits.pt"), expected, atol=2e-3, rtol=1e-3)
+
+
+def test_fsdp_eval_only_gives_the_one_process_loss(fsdp_run, tmp_path):
+    """--eval-only under FSDP shards the --init-from model (FSDP2 shards a model only with an optimizer: a stand-in
+    that never steps) and gives the loss one process gives; it stopped with accelerate's "a model and optimizer
+    must be passed together" before."""
+    out, _ = fsdp_run
+    one = run_main(tiny_args(tmp_path / "one", init_from=out / "final", eval_only=True, data_shard="rows"))
+    run_cli(tiny_args(tmp_path / "fsdp", init_from=out / "final", eval_only=True, data_shard="rows"),
+            launcher=fsdp_launch(), env=CPU, timeout=300)  # fmt: skip
+    sharded = json.loads((tmp_path / "fsdp" / "eval.json").read_text())
+    assert sharded["num_processes"] == 2 and sharded["val_rows"] == one["val_rows"] > 0
+    assert sharded["val_loss"] == pytest.approx(one["val_loss"], rel=1e-6)
+
+
+def test_a_checkpoint_resumes_only_under_the_kind_of_launch_that_wrote_it(fsdp_run, tmp_path):
+    """accelerate restores FSDP's sharded checkpoints only under FSDP and whole ones only outside it (across the two
+    it failed on a missing pytorch_model.bin, or deep in torch.distributed.checkpoint): refused up front, naming
+    the way on."""
+    from nsa_train.checkpoint import check_checkpoint_kind, latest_checkpoint
+
+    out, _ = fsdp_run
+    sharded = tmp_path / "from_fsdp" / "checkpoints" / "step_00000002"
+    shutil.copytree(out / "checkpoints" / "step_00000002", sharded)
+    with pytest.raises(ValueError, match=r"written under FSDP and this launch runs DDP or one process.*--init-from"):
+        run_main(tiny_args(tmp_path / "from_fsdp", data_shard="rows", max_steps=STEPS, resume="latest"))
+    run_main(tiny_args(tmp_path / "whole", max_steps=1, save_every=1))
+    whole = latest_checkpoint(tmp_path / "whole" / "checkpoints")
+    with pytest.raises(ValueError, match=r"written under DDP or one process and this launch runs FSDP"):
+        check_checkpoint_kind(whole, fsdp_now=True)
+    check_checkpoint_kind(whole, fsdp_now=False)  # the kind that wrote each resumes it
+    check_checkpoint_kind(sharded, fsdp_now=True)

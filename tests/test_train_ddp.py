@@ -110,3 +110,26 @@ def test_ddp_with_gradient_accumulation_matches_one_process(tmp_path, one_proces
         assert l2[s] == pytest.approx(l1[s], rel=1e-5, abs=1e-6), (s, l1, l2)
         assert g2[s] == pytest.approx(g1[s], rel=1e-5), (s, g1, g2)  # the all-reduced gradient, every step
     assert_same_weights(final_state(tmp_path), final_state(one_process), atol=1e-4, rtol=1e-3)
+
+
+def test_powersgd_starts_compressing_at_the_same_step_after_a_resume(tmp_path):
+    """--ddp-comm-hook powersgd: torch's hook counts its steps from 0 in each launch, so a resumed run sent whole
+    gradients for another --powersgd-start-step steps; its start is now counted from the resumed step (at least
+    torch's 2) and the launch says that the hook's error feedback restarts."""
+    import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as powersgd
+
+    import train_accelerate as ta
+
+    said = []
+    cfg = ta.parse_args(["--ddp-comm-hook", "powersgd", "--powersgd-start-step", "1000", "--powersgd-rank", "2"])
+    for resumed, start in ((0, 1000), (400, 600), (999, 2), (5000, 2)):
+        kwargs = ta.ddp_kwargs(cfg, 2, said.append, resumed_step=resumed)
+        assert kwargs.comm_state_option == {"matrix_approximation_rank": 2, "start_powerSGD_iter": start}
+        powersgd.PowerSGDState(None, **kwargs.comm_state_option)  # options torch's state takes
+    assert len(said) == 3 and all("error feedback at zero" in line for line in said)
+    # the step the launch resumes from is read before the Accelerator exists, from the checkpoint --resume names
+    run_main(tiny_args(tmp_path / "run", max_steps=2, save_every=2))
+    assert ta.resumed_step(ta.parse_args(tiny_args(tmp_path / "run", resume="latest")), tmp_path / "run") == 2
+    assert ta.resumed_step(ta.parse_args(tiny_args(tmp_path / "new")), tmp_path / "new") == 0
+    with pytest.raises(SystemExit):
+        ta.parse_args(["--powersgd-start-step", "1"])

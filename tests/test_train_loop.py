@@ -5,6 +5,7 @@ equal are compared with tight tolerances.
 """
 
 import json
+import os
 import math
 import re
 import shutil
@@ -314,7 +315,8 @@ def test_watchdog_dumps_stacks_and_exits(tmp_path):
     assert proc.returncode == 3
     assert "no progress" in proc.stderr and "stuck_in_collective" in proc.stderr
     assert "stuck_in_collective" in (tmp_path / "stacks.txt").read_text()
-    assert json.loads((tmp_path / "hb.json").read_text())["step"] == 7
+    beat = json.loads((tmp_path / "hb.json").read_text())  # a monitor sees the stall
+    assert beat["step"] == 7 and beat["phase"] == "stalled" and beat["idle_s"] >= 1
 
 
 def test_the_heartbeat_says_when_its_process_left(tmp_path):
@@ -361,6 +363,28 @@ def test_sigterm_saves_and_resume_continues(tmp_path):
     assert json.loads((out / "heartbeat.json").read_text())["phase"] == "stopped"
     summary = run_main(tiny_args(out, max_steps=step + 1, save_every=0, resume="latest"))  # it resumes from there
     assert summary["finished"] and summary["step"] == step + 1 and step + 1 in train_losses(out)
+
+
+def test_a_sigterm_while_the_run_cleans_up_does_not_kill_it_before_its_heartbeat(tmp_path):
+    """When one process fails, the launcher sends SIGTERM to the others, which are then leaving through their
+    clean-up: the SIGTERM handler stays in place until the heartbeat has said how the process ended (it was
+    restored first, so the signal killed the process before its heartbeat left a training step behind)."""
+    out = tmp_path / "run"
+    code = textwrap.dedent(f"""
+        import os, signal, sys
+        from nsa_train import metrics
+        say_how_it_ended = metrics.Watchdog.stop
+        def stop(self):
+            os.kill(os.getpid(), signal.SIGTERM)  # as torchrun does when another process has failed
+            say_how_it_ended(self)
+        metrics.Watchdog.stop = stop
+        import train_accelerate as ta
+        ta.main(ta.parse_args({tiny_args(out, max_steps=1)!r}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=str(REPO), capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+    assert json.loads((out / "heartbeat.json").read_text())["phase"] == "done"
 
 
 def test_summary_counts_tokens_up_to_a_stop_between_log_steps(tmp_path, monkeypatch):
@@ -1440,3 +1464,11 @@ def test_short_data_says_its_validation_rows_and_each_new_epoch(tmp_path, capsys
     run_main(tiny_args(tmp_path / "long", max_steps=2))
     log = capsys.readouterr().out
     assert "note: validation holds" not in log and "read through" not in log
+    # several processes: under --data-shard docs the note is process 0's share's; under rows, the one row stream's
+    import train_accelerate as ta
+
+    said = []
+    ta.note_new_epoch(5, 0, 1, 2, "docs", said.append)
+    ta.note_new_epoch(5, 0, 1, 2, "rows", said.append)
+    assert "process 0's share of the training data (of 2) was read through" in said[0]
+    assert "step 5: the training data was read through; epoch 1 starts" in said[1]
