@@ -395,6 +395,19 @@ class NSAPreTrainedModel(PreTrainedModel):
             init.copy_(module.inv_freq, 1.0 / (self.config.rope_theta**exponent))
 
 
+def check_cache(cache, config: NSAConfig) -> None:
+    """The cache a caller passes is an NSACache of this model's layout: any other (a transformers DynamicCache or
+    StaticCache, a legacy tuple) holds none of NSA's compressed and selection state, and dropping it would leave the
+    caller's object empty while the model ran as if from a new prompt."""
+    if not isinstance(cache, NSACache):
+        raise ValueError(
+            f"NSA needs an NSACache, got {type(cache).__name__}: it holds NSA's compressed and window state beside the "
+            "keys. Pass NSACache(model.config) (from modeling_nsa import NSACache) or no cache (use_cache=True "
+            "builds one and returns it as past_key_values)."
+        )
+    cache.check_model(config)
+
+
 class NSAModel(NSAPreTrainedModel):
     def __init__(self, config: NSAConfig):
         super().__init__(config)
@@ -418,6 +431,10 @@ class NSAModel(NSAPreTrainedModel):
         shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:2])
         if len(shape) != 2:
             raise ValueError(f"input_ids must be (batch, seq_len), got shape {shape}.")
+        if shape[1] == 0:  # (generate() feeds the tokens past the cache's length: none where it holds the prompt)
+            held = f"; the cache already holds {past_len} token(s)" if past_len else ""
+            raise ValueError(f"the input has no tokens (shape {shape}){held}. A new prompt needs an empty cache: a new "
+                             "NSACache(model.config) or cache.reset(); a continuation passes its new tokens.")
         if input_ids is not None and past_len == 0 and not torch.compiler.is_compiling():
             # One host sync per forward buys a clear message instead of a CUDA device assert. Not on steps
             # after a cache (generation feeds back the model's own tokens): no sync per generated token.
@@ -459,10 +476,8 @@ class NSAModel(NSAPreTrainedModel):
         past_key_values = cache if cache is not None else past_key_values  # (transformers >= 5.24's name)
         # Training forwards build no cache unless asked: the cache is for generation.
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
-        if past_key_values is not None and not isinstance(past_key_values, NSACache):
-            if past_key_values.get_seq_length() > 0:
-                raise ValueError(f"NSA needs an NSACache, got a filled {type(past_key_values).__name__}.")
-            past_key_values = None
+        if past_key_values is not None:
+            check_cache(past_key_values, self.config)
         # the backward replays each checkpointed layer, whose cache update would then store its keys twice; without
         # gradients (generating from a model in training mode) there is no replay, and the cache works as in eval
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
@@ -592,6 +607,7 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
                 )
             if isinstance(user_cache, tuple):
                 raise ValueError(f"generate(): {CACHE_NAME}= takes an NSACache, not a tuple of tensors.")
+            check_cache(user_cache, self.config)
             user_cache._is_user_defined = True
             return
         if generation_config.use_cache is not False:

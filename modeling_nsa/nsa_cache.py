@@ -491,6 +491,14 @@ class NSAStaticLayerCache:
         )
 
 
+def _cache_layout(config: NSAConfig) -> dict:
+    """What a cache's contents depend on: the fields two models must share to read each other's cache."""
+    fields = ("num_hidden_layers", "num_key_value_heads", "head_dim", "attention_mode", "kv_per_branch",
+              "cmp_block_size", "cmp_stride", "sel_block_size", "sel_num_blocks", "sel_init_blocks",
+              "sel_local_blocks", "window_size")  # fmt: skip
+    return {name: getattr(config, name, None) for name in fields}
+
+
 class NSACache(Cache):
     """KV cache for NSA generation (NSA_SPEC, "Incremental decoding"). max_cache_len: the longest sequence
     expected (generate() passes its max_length), reserved at the first append so no step copies the cache;
@@ -534,6 +542,27 @@ class NSACache(Cache):
         # as each chunk is recorded (predict_emits) and read at the next step (no_row_can_emit)
         self.next_may_emit: torch.Tensor | None = None  # (1,) bool on the host (pinned beside a GPU)
         self.next_may_emit_copied = None  # the CUDA event after its copy (None on CPU)
+
+    def check_model(self, config: NSAConfig) -> None:
+        """A cache built from another model's config would be read with that model's layout (its layer count, K/V
+        heads, window and compression blocks): wrong logits or an unrelated shape error. Refused naming the fields."""
+        if config is self.config:
+            return
+        mine, theirs = _cache_layout(self.config), _cache_layout(config)
+        if mine != theirs:
+            diff = ", ".join(f"{k} {mine[k]!r} vs {theirs[k]!r}" for k in mine if mine[k] != theirs[k])
+            raise ValueError(f"this NSACache was built for another model (cache vs model: {diff}); build it from the "
+                             "model's own config: NSACache(model.config).")
+
+    def check_batch(self, batch_size: int) -> None:
+        """The rows of a filled cache are the rows the input continues."""
+        if self.num_valid is not None and self.num_valid.shape[0] != batch_size:
+            raise ValueError(
+                f"the cache holds {self.num_valid.shape[0]} row(s) and the input has {batch_size}: each input row "
+                "continues one cached row. To continue a cached prompt in several rows (num_return_sequences, "
+                "num_beams, a batch) repeat its rows first: cache.batch_repeat_interleave(k); to keep some rows: "
+                "cache.batch_select_indices(indices)."
+            )
 
     def reset(self) -> None:
         """Empty the cache for another prompt (transformers' Cache.reset): every layer's buffers are dropped, and the
@@ -594,6 +623,7 @@ class NSACache(Cache):
         padding), so a row fed in chunks gets the doc_pos of one forward over it: a chunk's first token
         continues the row's last document (generation) unless a rule starts a new one there.
         A static cache returns the prompt's positions for the prompt, then the whole (B, max_cache_len) buffer."""
+        self.check_batch(batch_size)
         if self.static:
             return self._append_static_positions(position_ids, attention_mask, batch_size, new_len, device)
         if self.num_valid is None:

@@ -885,3 +885,35 @@ def test_trainer_evaluation_with_the_cache_on_takes_the_logits_not_the_cache(tmp
 
     result = Trainer(model=model, args=args, eval_dataset=rows, compute_metrics=metrics).evaluate()
     assert result["eval_rows"] == 4 and seen[0].shape == (4, 16, 97)  # the logits, gathered over both batches
+
+
+def test_a_cache_the_model_cannot_read_is_refused_naming_the_fix():
+    """A transformers DynamicCache holds none of NSA's state: it was dropped without a word, leaving the caller's
+    object empty, so a hand-driven next step ran as a new prompt (logits off by up to ~1). A cache built from
+    another model's config gave wrong logits or unrelated shape errors; a cache of other rows, an input with no
+    tokens, torch's own messages. Each is refused now, naming the value and the fix."""
+    from transformers import DynamicCache
+
+    model = make_model()
+    prompt = torch.randint(0, TINY["vocab_size"], (1, 19), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for foreign in (DynamicCache(), (torch.zeros(1),)):
+            with pytest.raises(ValueError, match=r"NSA needs an NSACache, got (DynamicCache|tuple).*NSACache\(model"):
+                model(prompt, past_key_values=foreign, use_cache=True)
+        with pytest.raises(ValueError, match=r"NSA needs an NSACache, got DynamicCache"):
+            model.generate(prompt, max_new_tokens=2, do_sample=False, **{CACHE_NAME: DynamicCache()})
+        for field, value in (("window_size", 4), ("cmp_stride", 2), ("num_hidden_layers", 1)):
+            other = NSACache(NSAConfig(**{**TINY, field: value}))
+            with pytest.raises(ValueError, match=rf"another model \(cache vs model: {field} {value} vs {TINY[field]}"):
+                model(prompt, past_key_values=other, use_cache=True)
+        same = NSACache(NSAConfig(**TINY))  # an equal config, another object: readable
+        logits = model(prompt, past_key_values=same, use_cache=True).logits
+        torch.testing.assert_close(logits, model(prompt, use_cache=False).logits)
+        with pytest.raises(ValueError, match=r"the cache holds 1 row\(s\) and the input has 2.*batch_repeat_interleave"):
+            model(prompt[:, :1].repeat(2, 1), past_key_values=same, use_cache=True)
+        with pytest.raises(ValueError, match=r"no tokens \(shape \(1, 0\)\); the cache already holds 19 .*reset\(\)"):
+            model(prompt[:, :0], past_key_values=same, use_cache=True)
+        same.batch_repeat_interleave(2)  # the fix the message names: both rows continue the prompt
+        step = model(prompt[:, -1:].repeat(2, 1), past_key_values=same, use_cache=True).logits
+        full = model(torch.cat([prompt, prompt[:, -1:]], 1), use_cache=False).logits[:, -1]
+        torch.testing.assert_close(step[:, -1], full.expand(2, -1))
