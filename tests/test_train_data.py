@@ -394,7 +394,8 @@ def test_a_rows_checkpoint_resumes_on_more_processes_from_the_one_global_positio
     (ckpt / checkpoint.STATE_FILE).write_text(json.dumps({"step": 2, "world_size": 1,
                                                          "config": {"data_shard": "rows"}}))  # fmt: skip
     (ckpt / "data_state_rank0.json").write_text(json.dumps({"epoch": 0, "doc_index": 5}))
-    second_rank = SimpleNamespace(process_index=1, num_processes=2, load_state=lambda path: None)
+    second_rank = SimpleNamespace(process_index=1, num_processes=2, distributed_type="MULTI_CPU",
+                                  load_state=lambda path: None)
     _, data_state = checkpoint.load_checkpoint(second_rank, ckpt)
     assert data_state == {"epoch": 0, "doc_index": 5}
     (ckpt / checkpoint.STATE_FILE).write_text(json.dumps({"step": 2, "world_size": 1,
