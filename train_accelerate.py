@@ -478,7 +478,7 @@ def output_dir(cfg: TrainConfig, state: PartialState) -> Path:
 
 
 def resumed_step(cfg: TrainConfig, out_dir: Path) -> int:
-    """The step of the checkpoint --resume names (0 for a new run), read before the Accelerator exists: the DDP
+    """The step of the checkpoint --resume names (0 for a new run), read before the Accelerator exists: the PowerSGD
     hook's options, which the Accelerator takes, depend on it."""
     path = checkpoint.resolve_resume(cfg.resume, out_dir / "checkpoints") if not cfg.eval_only else None
     return json.loads((path / checkpoint.STATE_FILE).read_text())["step"] if path else 0
@@ -494,7 +494,8 @@ def make_accelerator(cfg: TrainConfig, out_dir: Path, state: PartialState) -> Ac
         mixed_precision=cfg.mixed_precision,
         log_with=None if cfg.report_to == "none" else cfg.report_to,
         project_config=ProjectConfiguration(project_dir=str(out_dir), logging_dir=str(out_dir)),
-        kwargs_handlers=[ddp_kwargs(cfg, state.num_processes, state.print, resumed_step(cfg, out_dir))],
+        kwargs_handlers=[ddp_kwargs(cfg, state.num_processes, state.print,
+                                    resumed_step(cfg, out_dir) if cfg.ddp_comm_hook == "powersgd" else 0)],
     )
 
 

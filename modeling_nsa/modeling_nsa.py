@@ -605,9 +605,7 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
                     f"generate(): pass either cache_implementation={generation_config.cache_implementation!r} or a "
                     f"cache ({CACHE_NAME}=), not both: the cache given is used as it is."
                 )
-            if isinstance(user_cache, tuple):
-                raise ValueError(f"generate(): {CACHE_NAME}= takes an NSACache, not a tuple of tensors.")
-            check_cache(user_cache, self.config)
+            check_cache(user_cache, self.config)  # (a legacy tuple, a DynamicCache, another model's cache: refused)
             user_cache._is_user_defined = True
             return
         if generation_config.use_cache is not False:

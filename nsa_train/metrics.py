@@ -229,10 +229,7 @@ class Watchdog:
                         fh.flush()
                         faulthandler.dump_traceback(file=fh, all_threads=True)
                 sys.stderr.flush()
-                if self.heartbeat_path is not None and self.heartbeat_path.is_file():  # what a monitor reads
-                    last = {"step": self.info["step"]} if "step" in self.info else {}
-                    with contextlib.suppress(OSError):
-                        self.beat(**last, phase="stalled", after=self.info.get("phase"), idle_s=round(idle))
+                self._beat_end("stalled", idle_s=round(idle))  # what a monitor reads
                 os._exit(self.EXIT_CODE)
 
     def stop(self):
@@ -240,10 +237,14 @@ class Watchdog:
         step), unless the run's end already said how ("done", "stopped"): a monitor never reads a run as starting or
         training after its process is gone."""
         self._stop.set()
-        # (only where a beat was written: a launch refused before its output directory exists leaves none; and never
-        # raising, since this runs while the launch's own error propagates)
-        if self.heartbeat_path is not None and self.heartbeat_path.is_file() and \
-                self.info.get("phase") not in ("done", "stopped"):
+        if self.info.get("phase") not in ("done", "stopped"):
+            self._beat_end("exited")
+
+    def _beat_end(self, phase: str, **extra) -> None:
+        """The last heartbeat: how the process ended, with its last step and the phase it was in. Only where a beat
+        was written (a launch refused before its output directory exists leaves none), and never raising: this runs
+        while the launch's own error propagates, or just before the watchdog ends the process."""
+        if self.heartbeat_path is not None and self.heartbeat_path.is_file():
             last = {"step": self.info["step"]} if "step" in self.info else {}
             with contextlib.suppress(OSError):
-                self.beat(**last, phase="exited", after=self.info.get("phase"))
+                self.beat(**last, phase=phase, after=self.info.get("phase"), **extra)
