@@ -102,6 +102,7 @@ class TrainConfig:
     micro_batch_size: int = 16
     grad_accum: int = 1
     max_steps: int = 5000
+    stop_at_step: int = field(default=0, metadata={"help": "stop after this step with a checkpoint, as a SIGTERM would, and leave the run to continue with --resume latest; the learning-rate schedule and evaluations stay those of --max-steps (0: train to --max-steps). Splits a run over sessions of fixed length at steps chosen in advance."})
     lr: float = 6e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 200
@@ -191,6 +192,7 @@ def parse_args(argv=None) -> TrainConfig:
     for name, (valid, fix) in (("micro_batch_size", positive), ("grad_accum", positive), ("max_steps", at_least_0),
                                ("log_every", at_least_0), ("eval_every", at_least_0), ("save_every", at_least_0),
                                ("long_context_samples", positive), ("warmup_steps", at_least_0),
+                               ("stop_at_step", (lambda v: v >= 0, "at least 0 (0: train to --max-steps)")),
                                ("weight_decay", at_least_0), ("beta1", adam_beta), ("beta2", adam_beta),
                                ("lr", (lambda v: v > 0, "a positive learning rate, e.g. 6e-4")),
                                ("min_lr_ratio", (lambda v: 0 <= v <= 1, "in [0, 1]: the cosine's floor as a fraction of --lr")),
@@ -821,6 +823,8 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
                         source=source)  # fmt: skip
     if main_proc:
         extra = {"data": source.describe(), "flops_per_token": dict(zip(("dense", "nsa"), flops))}
+        if isinstance(source, data.LocalFiles):  # (streamed and built-in sources have no local files to name)
+            extra["data_files"] = data.file_fingerprints(source.files)
         metrics.write_run_record(out_dir / "run.json", run_config, accelerator, unwrapped, extra,
                                  resumed_from=run.step if cfg.resume else None)  # fmt: skip
     tokens_per_step = announce_run(cfg, say, n_params, source, world, out_dir)
@@ -835,7 +839,11 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
                   run_config)  # fmt: skip
     if run.step == 0 and schedule.due(0):  # the starting point of the validation curve
         log.log_eval(0, evaluate(unwrapped, run, val_rows, cfg.micro_batch_size, accelerator, **schedule.what(0)))
-    while run.step < cfg.max_steps:
+    stop_at = min(cfg.max_steps, cfg.stop_at_step or cfg.max_steps)  # the step this launch trains to
+    if run.step >= stop_at and run.step < cfg.max_steps:
+        say(f"step {run.step} is at or past --stop-at-step {cfg.stop_at_step}: nothing to train in this launch "
+            f"(raise --stop-at-step, or drop it to train to --max-steps {cfg.max_steps}).")
+    while run.step < stop_at:
         lr = set_learning_rate(optimizer, lr_at(run.step, cfg))
         micro_batches = [next(loader) for _ in range(cfg.grad_accum)]  # (batch, DataState after it)
         step_loss, grad_norm, updated = train_step(model, forward, optimizer, micro_batches, cfg, accelerator, precision)
@@ -854,6 +862,11 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
             watchdog.beat(step=run.step, phase="eval")
         if stop.requested(accelerator):
             say(f"SIGTERM at step {run.step}: saving a checkpoint and exiting")
+            save(model, run, checkpoints, exporter, cfg)
+            break
+        if run.step == stop_at < cfg.max_steps:
+            say(f"--stop-at-step {cfg.stop_at_step}: saving a checkpoint and exiting; --resume latest continues the "
+                f"run to --max-steps {cfg.max_steps}")
             save(model, run, checkpoints, exporter, cfg)
             break
         if cfg.save_every and run.step % cfg.save_every == 0 and run.step < cfg.max_steps:
@@ -881,6 +894,8 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     log.close()
     digests = metrics.replica_digests(unwrapped, accelerator)  # DDP replicas must hold bit-identical weights
     summary = run.summary(finished=finished, output_dir=str(out_dir), weight_digests=digests)
+    if not finished and not stop.stopped and run.step >= stop_at:  # (ab_compare reads it: stopped as asked)
+        summary["stopped_at_step"] = cfg.stop_at_step
     if main_proc:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         say(f"done: {json.dumps(summary)}")

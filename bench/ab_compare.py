@@ -11,7 +11,9 @@ sets), starting from the same values (the trainer's build_model gives the dense 
 under the same `--seed`; its K/V projection: the selection branch's set), the same data order (the packer's
 shuffle is seeded by `--seed`) and the same schedule. A run already
 finished in its directory is not trained again; one stopped with checkpoints continues (`--resume latest`), so a
-long comparison can be split across sessions by running the same command again.
+long comparison can be split across sessions by running the same command again. With the trainer's
+`--stop-at-step N` among the flags every run stops at step N (a checkpoint, the schedule still --max-steps') and the
+runs are compared up to there, the table saying so; the command with a later N, or without it, continues them.
 
 `--init-from-runs DIR` starts each twin from its own twin of an earlier comparison (DIR/<mode>-seed<S>/final, the
 trainer's `--init-from`): pretrain both modes on text, then fine-tune both on retrieval rows, each pair still
@@ -62,7 +64,7 @@ NSA_FIELDS = {"attention_mode", "nsa_backend", "cmp_block_size", "cmp_stride", "
               "cmp_mlp_hidden_size"}  # fmt: skip
 # run.json config entries that may differ between the runs of one comparison (attn_implementation: the dense twin's
 # kernel, e.g. flex_attention with packed documents, which an NSA run refuses; the losses do not depend on it)
-PER_RUN_CONFIG = {"attention_mode", "output_dir", "seed", "resume", "attn_implementation"}
+PER_RUN_CONFIG = {"attention_mode", "output_dir", "seed", "resume", "attn_implementation", "stop_at_step"}
 # run.json config entries that do not change what a run trains or where its validation curve is taken: a run kept in
 # --out from an earlier command may differ from this command's in these, and in nothing else
 # (init_from is checked apart, check_kept_run_start: a path may be spelled two ways)
@@ -71,7 +73,7 @@ RUN_ONLY_CONFIG = {"output_dir", "resume", "init_from", "preset", "eval_only", "
                    "long_context_task", "long_context_lengths", "long_context_depths", "long_context_samples",
                    "save_every", "keep_last", "export_every_save", "push_to_hub", "hub_private", "hub_intermediate",
                    "nsa_backend", "compile", "gradient_checkpointing", "ddp_comm_hook", "ddp_bucket_cap_mb",
-                   "ddp_static_graph", "powersgd_rank"}  # fmt: skip
+                   "ddp_static_graph", "powersgd_rank", "stop_at_step"}  # fmt: skip
 TARGET_NATS = 0.02  # issue 19: NSA validation loss <= dense + 0.02 nats at equal tokens
 
 
@@ -100,6 +102,16 @@ def _flag_value(flags: list[str], name: str) -> str | None:
         elif flag.replace("_", "-").startswith(name + "="):
             value = flag.split("=", 1)[1]
     return value
+
+
+def stopped_as_asked(run_dir: Path, stop_at_step: str | None) -> bool:
+    """Whether a resumable run stopped at or past this command's --stop-at-step (the trainer's summary.json says
+    where a --stop-at-step stopped it): done as far as the command asks, so neither trained nor refused."""
+    summary = run_dir / "summary.json"
+    if not stop_at_step or int(stop_at_step) <= 0 or not summary.is_file():
+        return False
+    record = json.loads(summary.read_text())
+    return "stopped_at_step" in record and record.get("step", 0) >= int(stop_at_step)
 
 
 def run_state(run_dir: Path) -> str:
@@ -197,6 +209,7 @@ def train_runs(out: Path, seeds: list[int], modes: list[str], train_flags: list[
     terminal; more: side by side, each run's output in <out>/<mode>-seed<S>.log); returns the run directories.
     init_from_runs: each run starts from that comparison's run of the same mode and seed (its final/)."""
     check_train_flags(train_flags, init_from_runs)
+    stop_at_step = _flag_value(train_flags, "--stop-at-step")
     planned = []  # (mode, seed, run_dir, state) of every run, in the order they train
     for seed in seeds:
         for mode in modes:
@@ -212,6 +225,9 @@ def train_runs(out: Path, seeds: list[int], modes: list[str], train_flags: list[
                                                "--output-dir", str(run_dir)])
             if state == "finished":
                 print(f"{run_dir}: finished already, not trained again")
+            elif state == "resumable" and stopped_as_asked(run_dir, stop_at_step):
+                print(f"{run_dir}: stopped at --stop-at-step {stop_at_step} already, not trained further")
+                state = "finished"  # (as far as this command asks)
             planned.append((mode, seed, run_dir, state))
     to_train = [(mode, seed) for mode, seed, _, state in planned if state != "finished"]
     sources = twin_sources(init_from_runs, to_train) if init_from_runs is not None else {}
@@ -260,7 +276,8 @@ def train_runs(out: Path, seeds: list[int], modes: list[str], train_flags: list[
             where = f"; its log: {entry['log'].name}" if entry["log"] else ""
             raise RuntimeError(f"the {entry['mode']} run of seed {entry['seed']} failed (exit {code}); its output "
                                f"is in {entry['run_dir']}{where}. Command: {shlex.join(entry['cmd'])}")  # fmt: skip
-        if run_state(entry["run_dir"]) != "finished":  # stopped (SIGTERM: a checkpoint, then exit 0), not done
+        done = run_state(entry["run_dir"]) == "finished" or stopped_as_asked(entry["run_dir"], stop_at_step)
+        if not done:  # stopped (SIGTERM: a checkpoint, then exit 0), not done
             raise RuntimeError(f"the {entry['mode']} run of seed {entry['seed']} stopped before its last step (a "
                                f"SIGTERM saves a checkpoint and exits); {entry['run_dir']} is not compared. Run this "
                                "command again to resume it.")  # fmt: skip
@@ -946,6 +963,12 @@ def write_comparison(run_dirs: list[Path], out: Path) -> dict:
         if named[r["name"]] > 1:
             r["name"] = f"{Path(r['dir']).parent.name}/{r['name']}"
     notes = config_differences(runs)
+    stopped = sorted({r["steps"] for r in runs if not r["finished"]})
+    if stopped:  # (training runs only: --runs compares finished ones)
+        notes.append(f"a prefix: {'runs' if len(runs) > 1 else 'the run'} stopped at step "
+                     f"{', '.join(map(str, stopped))} of --max-steps {runs[0]['config'].get('max_steps')} "
+                     "(--stop-at-step), the learning rate not yet decayed as at the end; the same command with a "
+                     "later --stop-at-step, or without it, trains them on")
     comparison = compare(runs)
     warnings = sample_warnings(runs, comparison)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,7 @@
 """Build a larger offline English corpus for the A/B runs from text a package registry ships.
 
     python bench/build_corpus.py --out runs/data/linux-docs-en.parquet          # apt-get download + extract
+    python bench/build_corpus.py --package linux-doc-6.12=6.12.117-1~deb12u1 --out ...   # one version, pinned
     python bench/build_corpus.py --deb linux-doc-6.12_*.deb --out corpus.parquet     # a .deb fetched before
     python train_accelerate.py --dataset runs/data/linux-docs-en.parquet ...
 
@@ -21,12 +22,24 @@ in path order, so `--val-every-doc N` holds out the same pages every time.
 Nothing here is committed: the corpus is built where it is used. `apt-get download` needs Debian's package
 lists (`apt-get update` once); no root is needed for it. Python reads the .deb itself (ar + tar), so
 `dpkg-deb` is not needed either.
+
+Which corpus a run read: beside the parquet, `<name>.source.json` records the package and version it was built
+from (the .deb's own control file), the .deb's and the parquet's sha256 and the counts printed. Debian's mirror
+serves the current version of the package only, so a later build may differ from an earlier one: the quality
+runs of 2026-11-29 to 2026-12-01 (bench/QUALITY.md) read the corpus of 6.12.117-1~deb12u1 (parquet sha256
+1255dc35b68a21d8...); 6.12.118-1~deb12u1 (b5c2403dcb462c4a..., the mirror's on 2026-12-02) changes two training
+pages (filesystems/fsverity.rst, overlayfs.rst) and none of the held-out rows, so a run's training stream is the
+same up to the first row holding one of them (seed 0 of the smoke A/B: step 694 of 900). Pin the version with
+`--package NAME=VERSION` while the mirror still serves it (`apt-cache policy NAME` lists those it does), or keep
+the .deb and pass --deb. The trainer records each local data file's sha256 in its run.json (data_files).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
+import json
 import re
 import subprocess
 import sys
@@ -44,9 +57,10 @@ _LITERAL = re.compile(r"``([^`]+)``")
 _SPDX = re.compile(r"SPDX-License-Identifier:\s*([^\s*]+(?:\s+(?:OR|AND|WITH)\s+[^\s*]+)*)")
 
 
-def read_deb_members(deb: Path, wanted) -> dict[str, bytes]:
+def read_deb_members(deb: Path, wanted, archive: str = "data.tar") -> dict[str, bytes]:
     """The files of a .deb whose path `wanted(path)` accepts: a .deb is an `ar` archive whose data.tar.* member
-    holds the files (xz, gz, zst-less bz2 or plain tar)."""
+    holds the files (xz, gz, zst-less bz2 or plain tar), and its control.tar.* member the package's control file
+    (archive="control.tar")."""
     blob = deb.read_bytes()
     if blob[:8] != b"!<arch>\n":
         raise ValueError(f"--deb {deb}: not a Debian package (no ar header); pass a .deb file.")
@@ -55,12 +69,12 @@ def read_deb_members(deb: Path, wanted) -> dict[str, bytes]:
         header = blob[offset : offset + 60]
         name = header[:16].decode().strip().rstrip("/")
         size = int(header[48:58].decode().strip())
-        if name.startswith("data.tar"):
+        if name.startswith(archive):
             data = (name, blob[offset + 60 : offset + 60 + size])
             break
         offset += 60 + size + (size % 2)  # members are 2-byte aligned
     if data is None:
-        raise ValueError(f"--deb {deb}: no data.tar member in it.")
+        raise ValueError(f"--deb {deb}: no {archive} member in it.")
     if data[0].endswith(".zst"):
         raise ValueError(f"--deb {deb}: its files are zstd-compressed, which Python's tarfile cannot read; extract it "
                          "with `dpkg-deb -x` and pass --from-dir.")  # fmt: skip
@@ -71,6 +85,18 @@ def read_deb_members(deb: Path, wanted) -> dict[str, bytes]:
             if member.isfile() and wanted(path):
                 out[path] = tar.extractfile(member).read()
     return out
+
+
+def deb_source(deb: Path) -> dict:
+    """{"package", "version" (from the .deb's control file; None where it has none), "deb_sha256"}."""
+    fields = {}
+    try:
+        control = read_deb_members(deb, lambda p: p == "control", archive="control.tar").get("control", b"")
+        fields = dict(re.findall(r"^(Package|Version):\s*(\S+)", control.decode(errors="replace"), flags=re.M))
+    except (ValueError, tarfile.TarError):
+        pass
+    return {"package": fields.get("Package"), "version": fields.get("Version"),
+            "deb_sha256": hashlib.sha256(deb.read_bytes()).hexdigest()}
 
 
 def page_files_from_deb(deb: Path) -> dict[str, str]:
@@ -89,10 +115,15 @@ def page_files_from_dir(root: Path) -> dict[str, str]:
 
 
 def download(package: str, where: Path) -> Path:
-    """`apt-get download PACKAGE` into `where`; the .deb's path."""
+    """`apt-get download PACKAGE` (NAME or NAME=VERSION) into `where`; the .deb's path."""
     proc = subprocess.run(["apt-get", "download", package], cwd=where, capture_output=True, text=True)
-    debs = sorted(where.glob(f"{package}_*.deb"))
+    name, _, version = package.partition("=")
+    debs = sorted(where.glob(f"{name}_*.deb"))
     if proc.returncode != 0 or not debs:
+        if version and "Version" in proc.stderr and "was not found" in proc.stderr:
+            raise RuntimeError(f"apt-get download {package}: the mirror does not serve version {version} "
+                               f"({proc.stderr.strip()[-200:]}). `apt-cache policy {name}` lists the versions it "
+                               "does; or fetch that .deb elsewhere and pass --deb FILE.")  # fmt: skip
         raise RuntimeError(f"apt-get download {package} failed ({proc.stderr.strip()[-300:]}); run `apt-get update` "
                            "first, or fetch the .deb elsewhere and pass --deb FILE.")  # fmt: skip
     return debs[-1]
@@ -152,7 +183,8 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="bench/build_corpus.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, type=Path, help="the parquet file to write (column text)")
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--package", default=DEFAULT_PACKAGE, help="the Debian package to apt-get download")
+    source.add_argument("--package", default=DEFAULT_PACKAGE,
+                        help="the Debian package to apt-get download: NAME, or NAME=VERSION for one version")
     source.add_argument("--deb", type=Path, help="a .deb file downloaded before")
     source.add_argument("--from-dir", type=Path, help="an extracted package (dpkg-deb -x) or its html/_sources")
     p.add_argument("--min-chars", type=int, default=500, help="drop pages shorter than this (after markup removal)")
@@ -162,13 +194,15 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.from_dir is not None:
         pages = page_files_from_dir(args.from_dir)
+        source = {"from_dir": str(args.from_dir)}
     elif args.deb is not None:
         if not args.deb.is_file():
             raise FileNotFoundError(f"--deb {args.deb}: no such file.")
-        pages = page_files_from_deb(args.deb)
+        pages, source = page_files_from_deb(args.deb), deb_source(args.deb)
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            pages = page_files_from_deb(download(args.package, Path(tmp)))
+            deb = download(args.package, Path(tmp))
+            pages, source = page_files_from_deb(deb), deb_source(deb)
     if not pages:
         raise ValueError(f"no {SOURCES_DIR}**/*.txt pages found in the package; is it a linux-doc package?")
     rows = build(pages, args.min_chars, args.min_letter_share)
@@ -182,8 +216,14 @@ def main(argv=None) -> dict:
 
         tokenizer = load_tokenizer(args.tokenizer)
         stats["tokens"] = sum(len(ids) for ids in tokenizer([r["text"] for r in rows], verbose=False).input_ids)
-    print(f"wrote {args.out}: " + ", ".join(f"{k} {v:,}" for k, v in stats.items()))
-    return stats
+    record = {**source, "parquet_sha256": hashlib.sha256(args.out.read_bytes()).hexdigest(), **stats,
+              "min_chars": args.min_chars, "min_letter_share": args.min_letter_share}
+    source_file = args.out.with_name(args.out.stem + ".source.json")
+    source_file.write_text(json.dumps(record, indent=2) + "\n")
+    built_from = f" from {source['package']} {source['version']}" if source.get("version") else ""
+    print(f"wrote {args.out}{built_from}: " + ", ".join(f"{k} {v:,}" for k, v in stats.items())
+          + f"; sha256 {record['parquet_sha256'][:16]}..., recorded in {source_file}")
+    return {**stats, "source": record}
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 import difflib
 import glob
+import hashlib
 import itertools
 import json
 import os
@@ -208,6 +209,28 @@ def file_names(paths) -> str:
     then how many there are."""
     names = [Path(p).name for p in paths]
     return ", ".join(names[:5]) + (f", ... ({len(names)} files)" if len(names) > 5 else "")
+
+
+FINGERPRINT_MAX_BYTES = 2 * 1024**3  # sha256 runs at about 1 GB/s: at most a few seconds at start-up
+
+
+def file_fingerprints(paths, max_bytes: int = FINGERPRINT_MAX_BYTES) -> dict:
+    """Which bytes a run read (run.json's data_files): each local file's size and sha256, so that two runs of one
+    --dataset path that read different files (a corpus rebuilt from a newer package: bench/build_corpus.py) can be
+    told apart. Above max_bytes in all, sizes only ("sha256": null), since hashing would hold up the start."""
+    paths = [Path(p) for p in paths]
+    total = sum(p.stat().st_size for p in paths)
+    files = []
+    for path in paths:
+        digest = None
+        if total <= max_bytes:
+            h = hashlib.sha256()
+            with open(path, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+            digest = h.hexdigest()
+        files.append({"path": str(path), "bytes": path.stat().st_size, "sha256": digest})
+    return {"files": files, "hashed": total <= max_bytes, "max_bytes_hashed": max_bytes}
 
 
 LOCAL_HINT = ("Pass --dataset parquet:DIR with local parquet shards (e.g. a downloaded copy of FineWeb-Edu) or "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -605,14 +606,20 @@ def fake_linux_doc_deb(path: Path) -> Path:
         "short.rst.txt": "Too short.\n",  # under --min-chars: dropped
         "translations/it_IT/howto.rst.txt": prose,  # a translation: dropped
     }  # fmt: skip
-    data = io.BytesIO()
-    with tarfile.open(fileobj=data, mode="w:xz") as tar:
-        for name, text in pages.items():
-            blob = text.encode()
-            info = tarfile.TarInfo(f"./usr/share/doc/linux-doc-6.12/html/_sources/{name}")
-            info.size = len(blob)
-            tar.addfile(info, io.BytesIO(blob))
-    members = [("debian-binary", b"2.0\n"), ("control.tar.xz", b""), ("data.tar.xz", data.getvalue())]
+
+    def xz_tar(files: dict[str, str]) -> bytes:
+        data = io.BytesIO()
+        with tarfile.open(fileobj=data, mode="w:xz") as tar:
+            for name, text in files.items():
+                blob = text.encode()
+                info = tarfile.TarInfo(name)
+                info.size = len(blob)
+                tar.addfile(info, io.BytesIO(blob))
+        return data.getvalue()
+
+    control = "Package: linux-doc-6.12\nSource: linux\nVersion: 6.12.117-1~deb12u1\nArchitecture: all\n"
+    data = xz_tar({f"./usr/share/doc/linux-doc-6.12/html/_sources/{name}": text for name, text in pages.items()})
+    members = [("debian-binary", b"2.0\n"), ("control.tar.xz", xz_tar({"./control": control})), ("data.tar.xz", data)]
     out = b"!<arch>\n"
     for name, blob in members:
         out += f"{name + '/':<16}{0:<12}{0:<6}{0:<6}{100644:<8}{len(blob):<10}`\n".encode() + blob
@@ -637,6 +644,36 @@ def test_build_corpus_from_a_deb(tmp_path):
     assert text.endswith("See the rules and make htmldocs.")
     with pytest.raises(ValueError, match=r"--deb .*: not a Debian package"):
         build_corpus.main(["--deb", str(out), "--out", str(tmp_path / "x.parquet")])
+    # which corpus this is, beside it: the package and version from the .deb's control file, both files' sha256
+    record = json.loads((tmp_path / "corpus.source.json").read_text())
+    assert (record["package"], record["version"]) == ("linux-doc-6.12", "6.12.117-1~deb12u1")
+    assert record["parquet_sha256"] == hashlib.sha256(out.read_bytes()).hexdigest() == stats["source"]["parquet_sha256"]
+    assert record["deb_sha256"] == hashlib.sha256((tmp_path / "linux-doc.deb").read_bytes()).hexdigest()
+    assert record["documents"] == 1 and record["min_chars"] == 200
+
+
+def test_build_corpus_downloads_a_pinned_version(tmp_path, monkeypatch):
+    """--package NAME=VERSION: apt-get download names the file NAME_VERSION_ARCH.deb, which is found; a version
+    the mirror does not serve is said with the command that lists those it does."""
+    import build_corpus
+
+    calls = []
+
+    def fake_apt(command, cwd, **kwargs):
+        calls.append(command)
+        name, _, version = command[2].partition("=")
+        if version == "0.0-gone":
+            return subprocess.CompletedProcess(command, 100, "", f"E: Version '{version}' for '{name}' was not found")
+        fake_linux_doc_deb(Path(cwd) / f"{name}_{version or '6.12.118-1~deb12u1'}_all.deb")
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(build_corpus.subprocess, "run", fake_apt)
+    stats = build_corpus.main(["--package", "linux-doc-6.12=6.12.117-1~deb12u1", "--out",
+                               str(tmp_path / "c.parquet"), "--min-chars", "200"])  # fmt: skip
+    assert calls[-1] == ["apt-get", "download", "linux-doc-6.12=6.12.117-1~deb12u1"]
+    assert stats["documents"] == 1 and stats["source"]["version"] == "6.12.117-1~deb12u1"
+    with pytest.raises(RuntimeError, match=r"does not serve version 0.0-gone.*apt-cache policy linux-doc-6.12"):
+        build_corpus.main(["--package", "linux-doc-6.12=0.0-gone", "--out", str(tmp_path / "d.parquet")])
 
 
 def _session_step_flags(step_name, tmp_path):
@@ -746,6 +783,26 @@ def test_a_run_stopped_before_its_last_step_is_not_compared(tmp_path, ab):
                          str(out / "dense-seed0")])  # fmt: skip
     with pytest.raises(SystemExit):
         ab_compare.main(["--out", str(tmp_path / "cmp"), "--runs", str(out / "nsa-seed0"), str(out / "nsa-seed0")])
+
+
+def test_stop_at_step_compares_a_prefix_and_the_same_command_without_it_trains_on(tmp_path, capsys, ab):
+    """The trainer's --stop-at-step among the flags: every run stops there (a checkpoint) and the runs are compared
+    up to it, the notes saying it is a prefix; the command again skips them; without the flag they resume and
+    finish, compared as any finished runs."""
+    _, data_file, _ = ab
+    flags = [*train_flags(data_file), "--max-steps", "3"]
+    out = tmp_path / "ab"
+    first = ab_compare.main(["--out", str(out), "--seeds", "0", "--", *flags, "--stop-at-step", "2"])
+    assert [(r["finished"], r["steps"]) for r in first["runs"]] == [(False, 2), (False, 2)]
+    assert [n for n in first["config_differences"] if n.startswith("a prefix: runs stopped at step 2 of --max-steps 3")]
+    assert first["comparison"]["curve"][-1]["tokens"] == 2 * 2 * 64  # the last evaluation both runs made: step 2
+    again = ab_compare.main(["--out", str(out), "--seeds", "0", "--", *flags, "--stop-at-step", "2"])
+    assert capsys.readouterr().out.count("stopped at --stop-at-step 2 already, not trained further") == 2
+    assert again["comparison"] == first["comparison"]
+    done = ab_compare.main(["--out", str(out), "--seeds", "0", "--", *flags])
+    assert capsys.readouterr().out.count("resuming: ") == 2
+    assert [(r["finished"], r["steps"]) for r in done["runs"]] == [(True, 3), (True, 3)]
+    assert done["config_differences"] == [] and done["comparison"]["curve"][-1]["tokens"] == 3 * 2 * 64
 
 
 def test_train_gpu_summary_names_a_directory_that_is_not_a_run(tmp_path):

@@ -402,3 +402,22 @@ def test_a_rows_checkpoint_resumes_on_more_processes_from_the_one_global_positio
                                                          "config": {"data_shard": "docs"}}))  # fmt: skip
     with pytest.raises(ValueError, match="written by 1 process"):
         checkpoint.load_checkpoint(second_rank, ckpt)
+
+
+def test_file_fingerprints_name_the_bytes_read_and_skip_hashing_large_data(tmp_path):
+    """run.json's data_files: each local file's size and sha256, equal for equal bytes and different for a file
+    changed in one byte; above the size limit, sizes only (hashing would hold up the start)."""
+    import hashlib
+
+    first, second = tmp_path / "a.txt", tmp_path / "b.txt"
+    first.write_text("one document\n")
+    second.write_text("another document\n")
+    record = data.file_fingerprints([first, second])
+    assert record["hashed"] and [f["sha256"] for f in record["files"]] == [
+        hashlib.sha256(first.read_bytes()).hexdigest(), hashlib.sha256(second.read_bytes()).hexdigest()]
+    assert [f["bytes"] for f in record["files"]] == [13, 17]
+    second.write_text("another documenT\n")
+    assert data.file_fingerprints([first, second])["files"][1]["sha256"] != record["files"][1]["sha256"]
+    large = data.file_fingerprints([first, second], max_bytes=20)
+    assert not large["hashed"] and [f["sha256"] for f in large["files"]] == [None, None]
+    assert [f["bytes"] for f in large["files"]] == [13, 17]

@@ -4,6 +4,7 @@ Every run is a tiny NSAForCausalLM (2 layers, hidden 64) in float32 on CPU with 
 equal are compared with tight tolerances.
 """
 
+import hashlib
 import json
 import os
 import math
@@ -95,6 +96,26 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     shutil.copytree(full / "checkpoints" / "step_00000003", every2 / "checkpoints" / "step_00000003")
     run_main(tiny_args(every2, max_steps=6, save_every=3, resume="latest", log_every=2))
     assert train_losses(every2) == pytest.approx({4: lf[4], 6: (lf[5] + lf[6]) / 2}, rel=1e-6)
+
+
+def test_stop_at_step_splits_a_run_that_resumes_as_if_uninterrupted(tmp_path, capsys):
+    """--stop-at-step N: a checkpoint at step N and an exit (no final/, summary not finished, stopped_at_step N);
+    the same flag again trains nothing; --resume latest then trains on under --max-steps' schedule, as the run
+    would have gone without the stop."""
+    full, split = tmp_path / "full", tmp_path / "split"
+    run_main(tiny_args(full, max_steps=5))
+    summary = run_main(tiny_args(split, max_steps=5, stop_at_step=2))
+    assert summary["step"] == 2 and not summary["finished"] and summary["stopped_at_step"] == 2
+    assert [d.name for d in checkpoint.checkpoint_dirs(split / "checkpoints")] == ["step_00000002"]
+    assert not (split / "final").exists()
+    assert json.loads((split / "heartbeat.json").read_text())["phase"] == "stopped"
+    again = run_main(tiny_args(split, max_steps=5, stop_at_step=2, resume="latest"))
+    assert again["step"] == 2 and again["stopped_at_step"] == 2
+    assert "step 2 is at or past --stop-at-step 2: nothing to train" in capsys.readouterr().out
+    summary = run_main(tiny_args(split, max_steps=5, resume="latest"))
+    assert summary["finished"] and "stopped_at_step" not in summary
+    assert train_losses(split) == pytest.approx(train_losses(full), rel=1e-6, abs=1e-7)
+    assert_same_weights(final_state(split), final_state(full), atol=1e-6, rtol=1e-6)
 
 
 def test_a_resume_with_another_grad_accum_trains_as_that_run_from_the_start(tmp_path):
@@ -441,7 +462,8 @@ def test_bad_numbers_are_argument_errors(capsys):
                               ("--lr", "-1.0", "a positive learning rate"), ("--lr", "0.0", "a positive learning rate"),
                               ("--min-lr-ratio", "1.5", "in [0, 1]"), ("--warmup-steps", "-1", "at least 0"),
                               ("--weight-decay", "-0.1", "at least 0"), ("--beta1", "1.0", "in [0, 1)"),
-                              ("--beta2", "-0.5", "in [0, 1)"), ("--grad-clip", "-1.0", "at least 0")):  # fmt: skip
+                              ("--beta2", "-0.5", "in [0, 1)"), ("--grad-clip", "-1.0", "at least 0"),
+                              ("--stop-at-step", "-1", "at least 0 (0: train to --max-steps)")):  # fmt: skip
         with pytest.raises(SystemExit) as exit_info:
             train_accelerate.parse_args([flag, value])
         assert exit_info.value.code == 2
@@ -1411,6 +1433,9 @@ def test_run_json_keeps_each_launch_and_the_card_names_earlier_code(tmp_path):
     run_main(tiny_args(out, max_steps=1, save_every=1))
     record = json.loads((out / "run.json").read_text())
     assert [launch["from_step"] for launch in record["launches"]] == [0]
+    # which bytes the run read: the data file's size and sha256 (a corpus rebuilt from another version differs)
+    assert record["data_files"]["files"] == [{"path": str(PARQUET), "bytes": PARQUET.stat().st_size,
+                                              "sha256": hashlib.sha256(PARQUET.read_bytes()).hexdigest()}]
     assert record["launches"][0]["git_sha"] == record["git_sha"]
     record["launches"][0]["git_sha"] = "0123abc"  # as if the first launch had run other code
     (out / "run.json").write_text(json.dumps(record))
