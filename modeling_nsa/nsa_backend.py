@@ -104,7 +104,8 @@ def nsa_attention(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, d
     """Gated NSA output (B, Tq, H, D) for queries at the last Tq of Tk key positions (or, query_end: a static
     cache's step, the queries ending at key query_end[0]).
 
-    Arguments as `nsa_reference.nsa_attention_reference`. The Triton path covers training/prefill
+    Arguments as `nsa_reference.nsa_attention_reference` (gates in [0, 1]: Eq. 5's sigmoid gates, which the
+    kernels' backward relies on, nsa_triton.nsa_attention_triton). The Triton path covers training/prefill
     (Tq = Tk = Tw, differentiable) and chunks after a cache (decode, no autograd); under 'auto' the reference
     runs, logged once, for parameters the kernels do not handle on this device and for a chunk after a cache
     that needs gradients. (Float32 inputs on a GPU compute in bf16, logged: nsa_triton._kernel_inputs.)

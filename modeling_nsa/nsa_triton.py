@@ -382,6 +382,9 @@ def nsa_attention_triton(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, g
     Differentiable w.r.t. q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win and gates. Raises ValueError for
     parameters the kernels do not handle on q's device (triton_unsupported_reason); checked=True: the caller
     has asked already (nsa_backend.nsa_attention, which runs the reference there under 'auto').
+    gates must lie in [0, 1], as Eq. 5's sigmoid gates (the model's) do: the backward folds each into the
+    log-sum-exp as log2 g, and in fp16 its dV operand g P carries a 2^15 scale (nsa_triton_common.FP16_DV_SCALE)
+    that a gate above 1 could take past fp16's largest value. (Not checked: that would read the gates on the host.)
     """
     num_queries, num_keys, num_win = q.shape[1], k_slc.shape[1], k_win.shape[1]
     if not num_queries == num_keys == num_win:  # (the backward kernels have no cached keys before the queries)

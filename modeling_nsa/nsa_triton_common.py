@@ -23,6 +23,13 @@ _HAS_TRITON = triton is not None
 
 
 if _HAS_TRITON:
+    # The dK/dV kernels fold a branch's gate g into its log-sum-exp (_bwd_rows), so their dV dot's operand is g P,
+    # not P. fp16's smallest normal is 6.1e-5: where g is small (g < ~0.03 over a 512-key window) g P falls below
+    # it and the dV lost precision that a gated attention rounding P and g dout apart keeps (with g ~ 5e-5, dV's
+    # error was 13x the reference's in fp16). In fp16 the operand is g P times 2^15 (a power of two: exact; g P
+    # <= 1 keeps it below fp16's largest, 65,504) and the kernel's dV is scaled back before its store. bf16 has
+    # fp32's exponent range and takes no scale.
+    FP16_DV_SCALE = tl.constexpr(32768.0)
 
     @triton.jit
     def _gated_sum(GATE, row, row_ok, o_cmp, o_slc, o_win):
@@ -109,11 +116,22 @@ if _HAS_TRITON:
         dots' M dimension. Returns (dk, dv, dS^T (keys, rows) in q's dtype: the rows' dQ share is dS K)."""
         s_t = tl.dot(k, tl.trans(q)) * sm_scale2  # (keys, rows)
         p_t = tl.where(vis_t, tl.exp2(s_t - lse[None, :]), 0.0)
-        dv += tl.dot(p_t.to(do.dtype), do)
+        if do.dtype == tl.float16:  # (resolved when the kernel is compiled: no branch in the loop)
+            dv += tl.dot((p_t * FP16_DV_SCALE).to(do.dtype), do)  # dv scaled by FP16_DV_SCALE: _dv_unscaled
+        else:
+            dv += tl.dot(p_t.to(do.dtype), do)
         dp_t = tl.dot(v, tl.trans(do))
         ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
         dk += tl.dot(ds_t, q)
         return dk, dv, ds_t
+
+    @triton.jit
+    def _dv_unscaled(dv, DO):
+        """A dK/dV kernel's fp32 dV accumulator as the gradient: _dkdv_update_ds scales the dV dot's operand by
+        FP16_DV_SCALE where dout (DO's element type) is fp16."""
+        if DO.dtype.element_ty == tl.float16:
+            return dv * (1.0 / FP16_DV_SCALE)
+        return dv
 
     @triton.jit
     def _dkdv_update(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv):

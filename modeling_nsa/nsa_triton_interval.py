@@ -21,8 +21,8 @@ except Exception:  # pragma: no cover - exercised only without triton
 
 
 if triton is not None:
-    from .nsa_triton_common import (_bwd_rows, _dkdv_update, _gated_sum, _head_rows, _kv_offsets, _max_combine,
-                                     _query_tile_id, _softmax_init, _softmax_tile, _tile_rows)
+    from .nsa_triton_common import (_bwd_rows, _dkdv_update, _dv_unscaled, _gated_sum, _head_rows, _kv_offsets,
+                                     _max_combine, _query_tile_id, _softmax_init, _softmax_tile, _tile_rows)
 
     # ------------------------------------------------------------------------------------------
     # Interval attention (compressed + window branches)
@@ -224,7 +224,7 @@ if triton is not None:
                                    v, sm_scale2, dk, dv, H, G, D, QPB, BLOCK_M, True, ROW32)
         split_off = pid_s.to(tl.int64) * (n_bg // HKV) * Nk * HKV * D
         tl.store(DK + split_off + kv_off, (dk * scale).to(DK.dtype.element_ty), mask=k_ok[:, None])
-        tl.store(DV + split_off + kv_off, dv.to(DV.dtype.element_ty), mask=k_ok[:, None])
+        tl.store(DV + split_off + kv_off, _dv_unscaled(dv, DO).to(DV.dtype.element_ty), mask=k_ok[:, None])
 
 
     # ------------------------------------------------------------------------------------------

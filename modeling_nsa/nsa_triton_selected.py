@@ -21,9 +21,9 @@ except Exception:  # pragma: no cover - exercised only without triton
 
 
 if triton is not None:
-    from .nsa_triton_common import (_bwd_rows, _dkdv_update, _dkdv_update_ds, _dq_add, _head_rows, _kv_offsets,
-                                     _max_combine, _min_combine, _query_tile_id, _softmax_init, _softmax_tile,
-                                     _tile_rows)
+    from .nsa_triton_common import (_bwd_rows, _dkdv_update, _dkdv_update_ds, _dq_add, _dv_unscaled, _head_rows,
+                                     _kv_offsets, _max_combine, _min_combine, _query_tile_id, _softmax_init,
+                                     _softmax_tile, _tile_rows)
 
     # ------------------------------------------------------------------------------------------
     # Selected attention
@@ -301,7 +301,7 @@ if triton is not None:
         dk, dv = _sel_pair_tiles(Q, PAIR_Q, PAIR_F, DO, LSE_G, DELTA, DQ, DQ_HI, b, g, p_seen_whole, p_end, p_end,
                                  Tq, q_off, kk, k_ok, k, v, sm_scale2, scale, dk, dv, H, G, D, QPB, BLOCK_M,
                                  DQ_PAIRS, False, CH, ROW32, DQ_HALF)
-        return dk, dv, kv_off, k_ok
+        return dk, _dv_unscaled(dv, DO), kv_off, k_ok
 
     @triton.jit
     def _sel_bwd_dkdv_kernel(

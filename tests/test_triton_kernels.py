@@ -77,6 +77,7 @@ _KNOB_IDS = {
     "static": lambda c: "static",
     "chunk": lambda c: f"chunk{c['chunk']}",
     "param_overrides": lambda c: "-".join(f"{k}{v}" for k, v in c["param_overrides"].items()),
+    "gate_logit": lambda c: f"gatelogit{c['gate_logit']:g}",
 }
 
 
@@ -122,6 +123,12 @@ CPU_CASES = [
     # boundaries and padding, T not a multiple of the tile
     dict(B=1, T=77, H=6, Hkv=1, D=16, layout="varlen", sel_rows=16),
     dict(B=2, T=45, H=4, Hkv=2, D=16, layout="pad", dtype="float16", sel_rows=16),
+    # fp16 with gates near 5e-5 (sigmoid(-10)): the dK/dV kernels' dV operand g P lies below fp16's smallest
+    # normal unless scaled (nsa_triton_common.FP16_DV_SCALE); the gradients are as small as the gates, so their
+    # errors are taken relative to their own norms (rel_floor 0)
+    # (measured: dV 3.4-4.0e-4 with the scale, 1.7-2.1e-3 without; the other gradients <= 8.3e-4 either way)
+    dict(B=1, T=90, H=4, Hkv=2, D=16, layout="varlen", dtype="float16", gate_logit=-10.0, rel_floor=0.0,
+         param_overrides=dict(window_size=64), tol=1e-3),
     # interval branches with key tiles inside every row's interval (run unmasked): a 160-key window, and up to
     # 99 compressed tokens, so whole 64-key tiles fall inside; padding and document starts around them
     dict(B=2, T=400, H=3, Hkv=1, D=16, layout="pad", param_overrides=dict(window_size=160)),
@@ -585,7 +592,7 @@ def _check(res, case, tol):
 @pytest.mark.parametrize("i", range(len(CPU_CASES)), ids=[_case_id(c) for c in CPU_CASES])
 def test_interpreter_kernels_match_reference(interpreter_results, i):
     case = CPU_CASES[i]
-    tol = 2e-3 if case.get("dtype") == "float16" else 1e-4
+    tol = case.get("tol", 2e-3 if case.get("dtype") == "float16" else 1e-4)
     _check(interpreter_results[i], case, tol)
 
 
