@@ -825,8 +825,10 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
         extra = {"data": source.describe(), "flops_per_token": dict(zip(("dense", "nsa"), flops))}
         if isinstance(source, data.LocalFiles):  # (streamed and built-in sources have no local files to name)
             extra["data_files"] = data.file_fingerprints(source.files)
-        metrics.write_run_record(out_dir / "run.json", run_config, accelerator, unwrapped, extra,
-                                 resumed_from=run.step if cfg.resume else None)  # fmt: skip
+        record = metrics.write_run_record(out_dir / "run.json", run_config, accelerator, unwrapped, extra,
+                                          resumed_from=run.step if cfg.resume else None)  # fmt: skip
+        if metrics.data_change(record["launches"]):
+            say(f"warning: {metrics.data_change(record['launches'])}")
     tokens_per_step = announce_run(cfg, say, n_params, source, world, out_dir)
 
     # --- the loop
@@ -894,12 +896,12 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     log.close()
     digests = metrics.replica_digests(unwrapped, accelerator)  # DDP replicas must hold bit-identical weights
     summary = run.summary(finished=finished, output_dir=str(out_dir), weight_digests=digests)
-    if not finished and not stop.stopped and run.step >= stop_at:  # (ab_compare reads it: stopped as asked)
+    if not finished and run.step >= stop_at:  # (ab_compare reads it: stopped as asked, with a SIGTERM there too)
         summary["stopped_at_step"] = cfg.stop_at_step
     if main_proc:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         say(f"done: {json.dumps(summary)}")
-    watchdog.beat(step=run.step, phase="done" if finished else "stopped")  # (stopped: by SIGTERM, resumable)
+    watchdog.beat(step=run.step, phase="done" if finished else "stopped")  # (by SIGTERM or --stop-at-step: resumable)
     if cfg.report_to != "none":  # last: it also destroys the process group, so no collective may follow it
         accelerator.end_training()
     return summary

@@ -23,15 +23,17 @@ Nothing here is committed: the corpus is built where it is used. `apt-get downlo
 lists (`apt-get update` once); no root is needed for it. Python reads the .deb itself (ar + tar), so
 `dpkg-deb` is not needed either.
 
-Which corpus a run read: beside the parquet, `<name>.source.json` records the package and version it was built
-from (the .deb's own control file), the .deb's and the parquet's sha256 and the counts printed. Debian's mirror
+Which corpus a run read: beside the parquet, `<name>.parquet.source` (JSON, under a suffix the trainer does not
+read as data, so that --dataset DIR still takes the folder) records the package and version it was built from (the
+.deb's own control file), the .deb's and the parquet's sha256 and the counts printed. Debian's mirror
 serves the current version of the package only, so a later build may differ from an earlier one: the quality
 runs of 2026-11-29 to 2026-12-01 (bench/QUALITY.md) read the corpus of 6.12.117-1~deb12u1 (parquet sha256
 1255dc35b68a21d8...); 6.12.118-1~deb12u1 (b5c2403dcb462c4a..., the mirror's on 2026-12-02) changes two training
 pages (filesystems/fsverity.rst, overlayfs.rst) and none of the held-out rows, so a run's training stream is the
 same up to the first row holding one of them (seed 0 of the smoke A/B: step 694 of 900). Pin the version with
 `--package NAME=VERSION` while the mirror still serves it (`apt-cache policy NAME` lists those it does), or keep
-the .deb and pass --deb. The trainer records each local data file's sha256 in its run.json (data_files).
+the .deb and pass --deb. The trainer records each local data file's sha256 in its run.json (data_files, up to 2 GiB
+of data in all; sizes only above).
 """
 
 from __future__ import annotations
@@ -218,7 +220,7 @@ def main(argv=None) -> dict:
         stats["tokens"] = sum(len(ids) for ids in tokenizer([r["text"] for r in rows], verbose=False).input_ids)
     record = {**source, "parquet_sha256": hashlib.sha256(args.out.read_bytes()).hexdigest(), **stats,
               "min_chars": args.min_chars, "min_letter_share": args.min_letter_share}
-    source_file = args.out.with_name(args.out.stem + ".source.json")
+    source_file = args.out.with_name(args.out.name + ".source")  # (.json would be read as data: --dataset DIR)
     source_file.write_text(json.dumps(record, indent=2) + "\n")
     built_from = f" from {source['package']} {source['version']}" if source.get("version") else ""
     print(f"wrote {args.out}{built_from}: " + ", ".join(f"{k} {v:,}" for k, v in stats.items())

@@ -181,11 +181,39 @@ def write_run_record(path: Path, config: dict, accelerator, model, extra: dict |
         "started": started,
         "argv": sys.argv,
         **(extra or {}),
-        "launches": [*earlier, {"started": started, "git_sha": sha, "argv": sys.argv, "from_step": resumed_from or 0}],
+        "launches": [*earlier, {"started": started, "git_sha": sha, "argv": sys.argv, "from_step": resumed_from or 0,
+                                "data_sha256": data_digests((extra or {}).get("data_files"))}],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2, default=str))
     return record
+
+
+def data_digests(data_files: dict | None) -> dict | None:
+    """{path: sha256} of run.json's data_files (nsa_train.data.file_fingerprints); None without local files."""
+    return None if not data_files else {f["path"]: f["sha256"] for f in data_files["files"]}
+
+
+def data_change(launches: list[dict]) -> str | None:
+    """What differs between the data files the last launch read and those of the launch before it that recorded
+    them (run.json's launches): a resumed run that trains on other bytes than it started with (a corpus rebuilt in
+    between); None where they agree or either is unknown (streamed data, no record, sizes only)."""
+    if not launches or not launches[-1].get("data_sha256"):
+        return None
+    now = launches[-1]["data_sha256"]
+    before = next((launch for launch in reversed(launches[:-1]) if launch.get("data_sha256")), None)
+    if before is None:
+        return None
+    differ = [f"{path}: sha256 {str(before['data_sha256'].get(path))[:12]} then, {str(digest)[:12]} now"
+              for path, digest in now.items() if digest and before["data_sha256"].get(path) not in (None, digest)]
+    added = sorted(set(now) - set(before["data_sha256"]))
+    removed = sorted(set(before["data_sha256"]) - set(now))
+    differ += [f"{path}: new since then" for path in added] + [f"{path}: gone since then" for path in removed]
+    if not differ:
+        return None
+    return (f"the data files differ from those of the launch that started at step {before.get('from_step')} "
+            f"({'; '.join(differ)}): this launch trains on other bytes than the run read before (a corpus rebuilt "
+            "in between?), so it does not continue that run's data exactly.")
 
 
 class Watchdog:

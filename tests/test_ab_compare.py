@@ -645,11 +645,16 @@ def test_build_corpus_from_a_deb(tmp_path):
     with pytest.raises(ValueError, match=r"--deb .*: not a Debian package"):
         build_corpus.main(["--deb", str(out), "--out", str(tmp_path / "x.parquet")])
     # which corpus this is, beside it: the package and version from the .deb's control file, both files' sha256
-    record = json.loads((tmp_path / "corpus.source.json").read_text())
+    record = json.loads((tmp_path / "corpus.parquet.source").read_text())
     assert (record["package"], record["version"]) == ("linux-doc-6.12", "6.12.117-1~deb12u1")
     assert record["parquet_sha256"] == hashlib.sha256(out.read_bytes()).hexdigest() == stats["source"]["parquet_sha256"]
     assert record["deb_sha256"] == hashlib.sha256((tmp_path / "linux-doc.deb").read_bytes()).hexdigest()
     assert record["documents"] == 1 and record["min_chars"] == 200
+    # the folder, record beside the corpus, is still a --dataset the trainer reads: one data file in it
+    sys.path.insert(0, str(ROOT))
+    from nsa_train.data import LocalFiles
+
+    assert LocalFiles(str(tmp_path)).files == [out]
 
 
 def test_build_corpus_downloads_a_pinned_version(tmp_path, monkeypatch):

@@ -118,6 +118,30 @@ def test_stop_at_step_splits_a_run_that_resumes_as_if_uninterrupted(tmp_path, ca
     assert_same_weights(final_state(split), final_state(full), atol=1e-6, rtol=1e-6)
 
 
+def test_a_resume_that_reads_other_data_bytes_is_warned_about(tmp_path, capsys):
+    """Each launch records its data files' sha256 in run.json; a resume whose files differ from the earlier
+    launch's (a corpus rebuilt between sessions) says so, naming the file, and the earlier digests stay."""
+    import pyarrow.parquet as pq
+
+    data_file = tmp_path / "docs.parquet"
+    shutil.copy(PARQUET, data_file)
+    out = tmp_path / "run"
+    run_main(tiny_args(out, dataset=data_file, max_steps=3, stop_at_step=1))
+    run_main(tiny_args(out, dataset=data_file, max_steps=3, stop_at_step=2, resume="latest"))
+    assert "data files differ" not in capsys.readouterr().out  # the same bytes: nothing said
+    table = pq.read_table(data_file).to_pylist()
+    table[-1]["text"] += " One more sentence."
+    import pyarrow as pa
+
+    pq.write_table(pa.Table.from_pylist(table), data_file)
+    run_main(tiny_args(out, dataset=data_file, max_steps=3, resume="latest"))
+    said = capsys.readouterr().out
+    assert f"warning: the data files differ from those of the launch that started at step 1 ({data_file}: sha256" in said
+    launches = json.loads((out / "run.json").read_text())["launches"]
+    digests = [launch["data_sha256"][str(data_file)] for launch in launches]
+    assert digests[0] == digests[1] != digests[2] == hashlib.sha256(data_file.read_bytes()).hexdigest()
+
+
 def test_a_resume_with_another_grad_accum_trains_as_that_run_from_the_start(tmp_path):
     """A checkpoint restores accelerate's micro-batch count, which decides when the optimizer steps: resumed with
     another --grad-accum (the same rows per step, e.g. on half the processes), every step must still update the
