@@ -29,12 +29,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: branch_ablation (a run's data flags)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: held_out (a run's data flags)
 
 from nsa_train.data import make_source, validation_rows  # noqa: E402
 from nsa_train.evaluation import OneProcess, position_losses, validation_loss  # noqa: E402
-from branch_ablation import TRAINER_DEFAULTS, data_flags, describe_flags, read_model  # noqa: E402
 from nsa_train.long_context import load_model_and_tokenizer, run_command  # noqa: E402
+from held_out import TRAINER_DEFAULTS, data_flags, describe_flags, read_model  # noqa: E402
 
 
 def shifted_losses(model, tokenizer, dataset: str, seq_len: int, val_every: int, val_tokens: int, shifts,
