@@ -60,7 +60,7 @@ except Exception:  # pragma: no cover - the script needs triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 if triton is not None:  # the kernels' own tile updates and row loads, so the pointer variants are the kernels' loops
-    from modeling_nsa.nsa_triton_common import _dkdv_update
+    from modeling_nsa.nsa_triton_common import _dkdv_update, _dv_unscaled
     from modeling_nsa.nsa_triton_dq import _dq_update, _interval_dq_range
     from modeling_nsa.nsa_triton_interval import _dkdv_query_tiles
 
@@ -99,7 +99,7 @@ if triton is not None:
         dk, dv = _dkdv_query_tiles(Q, DO, LSE, DELTA, LSE, LSE, 0, 0, start, start + WALK, start + WALK, R, kk, k, v,
                                    scale2, dk, dv, 1, 1, D, BM, BM, False, True)
         tl.store(DK + kk[:, None] * D + d[None, :], dk * scale)
-        tl.store(DV + kk[:, None] * D + d[None, :], dv)
+        tl.store(DV + kk[:, None] * D + d[None, :], _dv_unscaled(dv, DO))  # (fp16: the kernels' 2^15 scale)
 
     @triton.jit
     def _dkdv_tiles_tma_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, R, N, WALK, scale2, scale,
@@ -131,7 +131,7 @@ if triton is not None:
         kk = pid * BN + tl.arange(0, BN)
         d = tl.arange(0, D)
         tl.store(DK + kk[:, None] * D + d[None, :], dk * scale)
-        tl.store(DV + kk[:, None] * D + d[None, :], dv)
+        tl.store(DV + kk[:, None] * D + d[None, :], _dv_unscaled(dv, DO))  # (fp16: the kernels' 2^15 scale)
 
     @triton.jit
     def _dq_tiles_ptr_kernel(Q, K, V, DO, LSE, DELTA, DQ, R, N, WALK, scale2, scale,
