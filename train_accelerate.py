@@ -827,8 +827,8 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
             extra["data_files"] = data.file_fingerprints(source.files)
         record = metrics.write_run_record(out_dir / "run.json", run_config, accelerator, unwrapped, extra,
                                           resumed_from=run.step if cfg.resume else None)  # fmt: skip
-        if metrics.data_change(record["launches"]):
-            say(f"warning: {metrics.data_change(record['launches'])}")
+        if change := metrics.data_change(record["launches"]):
+            say(f"warning: {change}")
     tokens_per_step = announce_run(cfg, say, n_params, source, world, out_dir)
 
     # --- the loop

@@ -218,19 +218,19 @@ def file_fingerprints(paths, max_bytes: int = FINGERPRINT_MAX_BYTES) -> dict:
     """Which bytes a run read (run.json's data_files): each local file's size and sha256, so that two runs of one
     --dataset path that read different files (a corpus rebuilt from a newer package: bench/build_corpus.py) can be
     told apart. Above max_bytes in all, sizes only ("sha256": null), since hashing would hold up the start."""
-    paths = [Path(p) for p in paths]
-    total = sum(p.stat().st_size for p in paths)
+    sizes = {Path(p): Path(p).stat().st_size for p in paths}
+    hashed = sum(sizes.values()) <= max_bytes
     files = []
-    for path in paths:
+    for path, size in sizes.items():
         digest = None
-        if total <= max_bytes:
+        if hashed:
             h = hashlib.sha256()
             with open(path, "rb") as fh:
                 for chunk in iter(lambda: fh.read(1 << 20), b""):
                     h.update(chunk)
             digest = h.hexdigest()
-        files.append({"path": str(path), "bytes": path.stat().st_size, "sha256": digest})
-    return {"files": files, "hashed": total <= max_bytes, "max_bytes_hashed": max_bytes}
+        files.append({"path": str(path), "bytes": size, "sha256": digest})
+    return {"files": files, "hashed": hashed, "max_bytes_hashed": max_bytes}
 
 
 LOCAL_HINT = ("Pass --dataset parquet:DIR with local parquet shards (e.g. a downloaded copy of FineWeb-Edu) or "
