@@ -108,6 +108,14 @@ if _HAS_TRITON:
         return tl.load(lo, mask=lo_ok, other=0.0) + tl.load(hi, mask=hi_ok, other=0.0)
 
     @triton.jit
+    def _dv_operand(p_t, do):
+        """P^T (keys, rows) as the dV dot's operand in dout's dtype; in fp16 times FP16_DV_SCALE (see there), which
+        _dv_unscaled takes back before the dV store. Resolved when the kernel is compiled: no branch in the loop."""
+        if do.dtype == tl.float16:
+            return (p_t * FP16_DV_SCALE).to(do.dtype)
+        return p_t.to(do.dtype)
+
+    @triton.jit
     def _dkdv_update_ds(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv):
         """One query tile's share of a key tile's dK (unscaled) and dV: the flash-attention backward with
         the probabilities recomputed from the saved log-sum-exp; vis_t (keys, rows) says which row sees which
@@ -116,10 +124,7 @@ if _HAS_TRITON:
         dots' M dimension. Returns (dk, dv, dS^T (keys, rows) in q's dtype: the rows' dQ share is dS K)."""
         s_t = tl.dot(k, tl.trans(q)) * sm_scale2  # (keys, rows)
         p_t = tl.where(vis_t, tl.exp2(s_t - lse[None, :]), 0.0)
-        if do.dtype == tl.float16:  # (resolved when the kernel is compiled: no branch in the loop)
-            dv += tl.dot((p_t * FP16_DV_SCALE).to(do.dtype), do)  # dv scaled by FP16_DV_SCALE: _dv_unscaled
-        else:
-            dv += tl.dot(p_t.to(do.dtype), do)
+        dv += tl.dot(_dv_operand(p_t, do), do)
         dp_t = tl.dot(v, tl.trans(do))
         ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
         dk += tl.dot(ds_t, q)
