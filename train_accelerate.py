@@ -862,13 +862,11 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
             log.log_eval(run.step, evaluate(unwrapped, run, val_rows, cfg.micro_batch_size, accelerator,
                                             **schedule.what(run.step)))  # fmt: skip
             watchdog.beat(step=run.step, phase="eval")
-        if stop.requested(accelerator):
-            say(f"SIGTERM at step {run.step}: saving a checkpoint and exiting")
-            save(model, run, checkpoints, exporter, cfg)
-            break
-        if run.step == stop_at < cfg.max_steps:
-            say(f"--stop-at-step {cfg.stop_at_step}: saving a checkpoint and exiting; --resume latest continues the "
-                f"run to --max-steps {cfg.max_steps}")
+        sigterm = stop.requested(accelerator)  # (a collective under DDP: asked at every step on every process)
+        if sigterm or run.step == stop_at < cfg.max_steps:
+            say(f"SIGTERM at step {run.step}: saving a checkpoint and exiting" if sigterm else
+                f"--stop-at-step {cfg.stop_at_step}: saving a checkpoint and exiting; --resume latest continues the "
+                f"run to --max-steps {cfg.max_steps}")  # fmt: skip
             save(model, run, checkpoints, exporter, cfg)
             break
         if cfg.save_every and run.step % cfg.save_every == 0 and run.step < cfg.max_steps:
