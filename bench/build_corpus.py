@@ -59,11 +59,10 @@ _LITERAL = re.compile(r"``([^`]+)``")
 _SPDX = re.compile(r"SPDX-License-Identifier:\s*([^\s*]+(?:\s+(?:OR|AND|WITH)\s+[^\s*]+)*)")
 
 
-def read_deb_members(deb: Path, wanted, archive: str = "data.tar") -> dict[str, bytes]:
-    """The files of a .deb whose path `wanted(path)` accepts: a .deb is an `ar` archive whose data.tar.* member
-    holds the files (xz, gz, zst-less bz2 or plain tar), and its control.tar.* member the package's control file
-    (archive="control.tar")."""
-    blob = deb.read_bytes()
+def read_deb_members(deb: Path, blob: bytes, wanted, archive: str = "data.tar") -> dict[str, bytes]:
+    """The files of a .deb (its bytes `blob`; `deb` names it in errors) whose path `wanted(path)` accepts: a .deb
+    is an `ar` archive whose data.tar.* member holds the files (xz, gz, zst-less bz2 or plain tar), and its
+    control.tar.* member the package's control file (archive="control.tar")."""
     if blob[:8] != b"!<arch>\n":
         raise ValueError(f"--deb {deb}: not a Debian package (no ar header); pass a .deb file.")
     offset, data = 8, None
@@ -89,21 +88,21 @@ def read_deb_members(deb: Path, wanted, archive: str = "data.tar") -> dict[str, 
     return out
 
 
-def deb_source(deb: Path) -> dict:
-    """{"package", "version" (from the .deb's control file; None where it has none), "deb_sha256"}."""
+def read_deb(deb: Path) -> tuple[dict[str, str], dict]:
+    """A linux-doc .deb's pages ({path under html/_sources: text}) and where they came from: {"package", "version"
+    (from the .deb's control file; None where it has none), "deb_sha256"}. Reads the file once (it is ~30 MB)."""
+    blob = deb.read_bytes()
+    members = read_deb_members(deb, blob, lambda p: SOURCES_DIR in p and p.endswith(".txt"))
+    pages = {p.split(SOURCES_DIR, 1)[1]: b.decode("utf-8", errors="replace") for p, b in members.items()}
     fields = {}
     try:
-        control = read_deb_members(deb, lambda p: p == "control", archive="control.tar").get("control", b"")
+        control = read_deb_members(deb, blob, lambda p: p == "control", archive="control.tar").get("control", b"")
         fields = dict(re.findall(r"^(Package|Version):\s*(\S+)", control.decode(errors="replace"), flags=re.M))
     except (ValueError, tarfile.TarError):
         pass
-    return {"package": fields.get("Package"), "version": fields.get("Version"),
-            "deb_sha256": hashlib.sha256(deb.read_bytes()).hexdigest()}
-
-
-def page_files_from_deb(deb: Path) -> dict[str, str]:
-    members = read_deb_members(deb, lambda p: SOURCES_DIR in p and p.endswith(".txt"))
-    return {p.split(SOURCES_DIR, 1)[1]: b.decode("utf-8", errors="replace") for p, b in members.items()}
+    source = {"package": fields.get("Package"), "version": fields.get("Version"),
+              "deb_sha256": hashlib.sha256(blob).hexdigest()}  # fmt: skip
+    return pages, source
 
 
 def page_files_from_dir(root: Path) -> dict[str, str]:
@@ -200,11 +199,11 @@ def main(argv=None) -> dict:
     elif args.deb is not None:
         if not args.deb.is_file():
             raise FileNotFoundError(f"--deb {args.deb}: no such file.")
-        pages, source = page_files_from_deb(args.deb), deb_source(args.deb)
+        pages, source = read_deb(args.deb)
     else:
         with tempfile.TemporaryDirectory() as tmp:
             deb = download(args.package, Path(tmp))
-            pages, source = page_files_from_deb(deb), deb_source(deb)
+            pages, source = read_deb(deb)
     if not pages:
         raise ValueError(f"no {SOURCES_DIR}**/*.txt pages found in the package; is it a linux-doc package?")
     rows = build(pages, args.min_chars, args.min_letter_share)
