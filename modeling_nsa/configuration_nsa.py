@@ -54,6 +54,7 @@ class NSAConfig(PreTrainedConfig):
       the average plus the paper's φ with its output layer started at zero (it begins as "mean").
     - `cmp_mlp_hidden_size` = 256: hidden width of φ (l*head_dim -> hidden -> head_dim).
     - `attention_mode` = "nsa"; "dense" is the same model with full causal attention (A/B baseline).
+    - `head_dim` = 64, as the 125M model; None derives it as Llama does (hidden_size // num_attention_heads).
     - `training_seq_len` = None: the row length the model was last trained at, written by the trainer's export.
     - `nsa_backend` = "auto" (the Triton kernels on NVIDIA GPUs of compute capability 8.0+, the PyTorch
       reference elsewhere), "reference" or "triton".
@@ -79,7 +80,7 @@ class NSAConfig(PreTrainedConfig):
     num_hidden_layers: int = 12
     num_attention_heads: int = 12
     num_key_value_heads: int = 2
-    head_dim: int = 64
+    head_dim: int | None = 64  # None: hidden_size // num_attention_heads (Llama's rule), resolved at validation
     hidden_act: str = "silu"
     max_position_embeddings: int = 8192
     rope_theta: float | int = 10000.0  # an int (config.json files often say 500000) is stored as a float
@@ -132,6 +133,16 @@ class NSAConfig(PreTrainedConfig):
         """The one validation step; raises `ValueError` naming the values. __post_init__ runs it (construction and
         loading), NSAPreTrainedModel when a model is built (a field may have been set since), and, being a @strict
         class validator, `validate()` too (transformers calls it at save; it wraps the error)."""
+        if self.head_dim is None:  # Llama's rule (a Llama config ported as it is); stored resolved, so saved as a number
+            if (isinstance(self.hidden_size, int) and isinstance(self.num_attention_heads, int)
+                    and self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads == 0):
+                self.head_dim = self.hidden_size // self.num_attention_heads
+            else:
+                raise ValueError(
+                    f"head_dim=None derives head_dim as hidden_size // num_attention_heads, but hidden_size "
+                    f"({self.hidden_size!r}) is not a multiple of num_attention_heads ({self.num_attention_heads!r}); "
+                    "set head_dim (e.g. 64)."
+                )
         positive = (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "max_position_embeddings", "cmp_block_size", "cmp_stride",
@@ -174,6 +185,11 @@ class NSAConfig(PreTrainedConfig):
         if (isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float))
                 or not math.isfinite(self.rope_theta) or self.rope_theta <= 0):  # (NaN <= 0 is False)
             raise ValueError(f"rope_theta must be a finite number > 0 (RoPE's base, e.g. 10000.0), got {self.rope_theta}.")
+        for name, low, example in (("rms_norm_eps", "> 0", "1e-6"), ("initializer_range", ">= 0", "0.02")):
+            value = getattr(self, name)  # (a negative eps gives NaN, a negative std fails only when weights are drawn)
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                    or (value <= 0 if low == "> 0" else value < 0)):  # fmt: skip
+                raise ValueError(f"NSAConfig.{name} must be a finite number {low} (e.g. {example}), got {value!r}.")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}.")
         from transformers.activations import ACT2FN  # (the MLP's activation table; imported here: remote code too)

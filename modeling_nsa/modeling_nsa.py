@@ -451,7 +451,8 @@ class NSAModel(NSAPreTrainedModel):
             expected = (shape[0], past_len + shape[1])
             if attention_mask.dim() != 2 or tuple(attention_mask.shape) not in {expected, shape}:
                 raise ValueError(
-                    f"attention_mask must be 2-D (batch, past + seq_len) = {expected}, got {tuple(attention_mask.shape)}."
+                    f"attention_mask has shape {tuple(attention_mask.shape)}; with {past_len} cached and {shape[1]} new "
+                    f"tokens it must be 2-D (batch, past + seq_len) = {expected}."
                 )
         if position_ids is not None and position_ids.shape[-1] != shape[1]:
             raise ValueError(f"position_ids has length {position_ids.shape[-1]} but the input has {shape[1]} tokens.")
@@ -556,7 +557,9 @@ class NSAModel(NSAPreTrainedModel):
         elif past_key_values is None or (past_key_values.static and not static_step):  # no cache, a static prompt
             compressed = compressed_layout(doc_pos, NSAParams.from_config(self.config), *position_embeddings)
         try:
-            for layer in self.layers:
+            # the first config.num_hidden_layers layers, as Llama: generate(assistant_early_exit=N) drafts with the
+            # first N (it sets the count for its draft calls, and its draft cache holds N layers)
+            for layer in self.layers[: self.config.num_hidden_layers]:
                 hidden_states = layer(hidden_states, doc_pos, position_embeddings, past_key_values=past_key_values,
                                       single_document=single_document, dense_attention=dense_attention,
                                       compressed=compressed)  # fmt: skip

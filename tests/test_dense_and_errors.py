@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -113,6 +115,10 @@ BAD_CONFIGS = [
     (dict(rope_theta=-1.0), ["rope_theta", "-1.0"]),
     (dict(rope_theta=float("nan")), ["rope_theta", "nan", "finite"]),  # (NaN <= 0 is False: a NaN RoPE base)
     (dict(rope_theta=float("inf")), ["rope_theta", "inf"]),  # (every frequency but the first 0: RoPE nearly off)
+    (dict(initializer_range=-0.1), ["initializer_range", "-0.1"]),  # (else a late error from the weights' init)
+    (dict(rms_norm_eps=-1.0), ["rms_norm_eps", "-1.0"]),  # (else NaN logits)
+    (dict(rms_norm_eps=0.0), ["rms_norm_eps", "0.0"]),
+    (dict(head_dim=None, hidden_size=130, num_attention_heads=4), ["head_dim", "130", "4"]),  # no whole quotient
 ]
 
 
@@ -149,6 +155,36 @@ def test_kv_per_branch_naming_a_branch_saves_and_loads(tmp_path):
     model = NSAForCausalLM(tiny_config(kv_per_branch="win", num_hidden_layers=1))
     layer = model.model.layers[0].self_attn
     assert layer.kv_proj.out_features == 2 * 2 * layer.num_kv_heads * layer.head_dim
+
+
+def test_attention_masks_of_the_wrong_shape_are_refused_naming_the_shapes():
+    """A mask must be (batch, past + seq_len): another shape (peft's prompt tuning gave one too short) is refused
+    saying what it got, the cached and new lengths, and the shape it must have."""
+    from modeling_nsa.nsa_cache import NSACache
+
+    model = NSAForCausalLM(tiny_config()).eval()
+    ids = torch.randint(0, 61, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), pytest.raises(ValueError, match=r"shape \(2, 1, 10\); .* must be 2-D .* = \(2, 10\)\.$"):
+        model(ids, attention_mask=torch.ones(2, 1, 10, dtype=torch.long))
+    cache = NSACache(model.config)
+    with torch.no_grad():
+        model(ids, attention_mask=torch.ones(2, 10, dtype=torch.long), past_key_values=cache, use_cache=True)
+        step = ids[:, :3]
+        model(step, attention_mask=torch.ones(2, 13, dtype=torch.long), past_key_values=copy.deepcopy(cache))
+        with pytest.raises(ValueError) as info:
+            model(step, attention_mask=torch.ones(2, 8, dtype=torch.long), past_key_values=cache, use_cache=True)
+    message = str(info.value)
+    for needle in ("(2, 8)", "10 cached and 3 new", "(2, 13)"):
+        assert needle in message, f"{needle!r} not in {message!r}"
+
+
+def test_head_dim_none_derives_it_as_llama_does(tmp_path):
+    """head_dim=None (a Llama config ported as it is) is hidden_size // num_attention_heads, saved as that number."""
+    config = NSAConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=None)
+    assert config.head_dim == 32
+    config.save_pretrained(tmp_path)
+    assert NSAConfig.from_pretrained(tmp_path).head_dim == 32
+    assert NSAConfig().head_dim == 64  # the default stays the 125M model's
 
 
 def test_valid_odd_config_accepted():

@@ -484,6 +484,33 @@ def test_assisted_and_prompt_lookup_decoding_give_plain_greedy_tokens(variant):
     assert torch.equal(model.generate(prompt, prompt_lookup_num_tokens=5, **kwargs), plain)
 
 
+@pytest.mark.parametrize("variant", ["mlp-kvsplit", "dense"])
+def test_early_exit_drafts_with_the_first_layers_and_gives_plain_greedy_tokens(variant):
+    """generate(assistant_early_exit=1) (self-speculative decoding, LayerSkip) drafts with the model's first layer:
+    transformers sets config.num_hidden_layers to 1 for the draft calls, and the forward runs that many layers (as
+    Llama's), so the drafts' cache of one layer suffices. The verified tokens are plain greedy's."""
+    model = make_model(**VARIANTS[variant])
+    prompt = torch.randint(1, 97, (1, 40), generator=torch.Generator().manual_seed(9))
+    kwargs = dict(max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=0)
+    plain = model.generate(prompt, **kwargs)
+    calls = [0] * len(model.model.layers)
+
+    def count(index):
+        def hook(module, args, output):
+            calls[index] += 1
+        return hook
+
+    hooks = [layer.register_forward_hook(count(i)) for i, layer in enumerate(model.model.layers)]
+    try:
+        early_exit = model.generate(prompt, assistant_early_exit=1, **kwargs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert torch.equal(early_exit, plain)
+    assert calls[0] > calls[1] > 0, calls  # the draft calls ran the first layer only, the verifications both
+    assert model.config.num_hidden_layers == 2  # (transformers restores it after each draft)
+
+
 def test_training_forwards_build_no_cache_and_evaluation_forwards_do():
     """use_cache defaults to the config's only outside training: a training step keeps no K/V cache (memory)."""
     model = make_model()
