@@ -37,7 +37,7 @@ from accelerate.utils import (
     parse_flag_from_env,
     set_seed,
 )
-from transformers import HfArgumentParser
+from transformers import HfArgumentParser, PretrainedConfig
 
 from nsa_train import checkpoint, data, hub, metrics, model_card
 from nsa_train.evaluation import (
@@ -189,7 +189,8 @@ def parse_args(argv=None) -> TrainConfig:
         cfg.model = None  # the saved architecture is used: run.json names no --model (a preset's) it did not use
     positive, at_least_0 = (lambda v: v >= 1, "a positive integer"), (lambda v: v >= 0, "at least 0")
     adam_beta = (lambda v: 0 <= v < 1, "in [0, 1): AdamW's moment decay")
-    for name, (valid, fix) in (("micro_batch_size", positive), ("grad_accum", positive), ("max_steps", at_least_0),
+    for name, (valid, fix) in (("seq_len", (lambda v: v >= 2, "at least 2: a row holds tokens and their next tokens "
+                                                          "as labels")), ("micro_batch_size", positive), ("grad_accum", positive), ("max_steps", at_least_0),
                                ("log_every", at_least_0), ("eval_every", at_least_0), ("save_every", at_least_0),
                                ("long_context_samples", positive), ("warmup_steps", at_least_0),
                                ("stop_at_step", (lambda v: v >= 0, "at least 0 (0: train to --max-steps)")),
@@ -197,7 +198,15 @@ def parse_args(argv=None) -> TrainConfig:
                                ("lr", (lambda v: v > 0, "a positive learning rate, e.g. 6e-4")),
                                ("min_lr_ratio", (lambda v: 0 <= v <= 1, "in [0, 1]: the cosine's floor as a fraction of --lr")),
                                ("grad_clip", (lambda v: v >= 0, "at least 0 (0: no clipping)")),
-                               ("powersgd_rank", positive),
+                               ("powersgd_rank", positive), ("ddp_bucket_cap_mb", positive),
+                               ("val_tokens", (lambda v: v >= 0, "at least 0 (0: no validation rows)")),
+                               ("val_every_doc", (lambda v: v >= 0, "at least 0 (0: no document held out)")),
+                               ("keep_last", (lambda v: v >= 0, "at least 0 (0: keep every checkpoint)")),
+                               ("shuffle_buffer", (lambda v: v >= 0, "at least 0 (0 or 1: no shuffle)")),
+                               ("stall_timeout", (lambda v: v >= 0, "at least 0 seconds (0: no watchdog)")),
+                               ("peak_tflops", (lambda v: v is None or v > 0, "a positive TFLOP/s figure per "
+                                                                              "device (MFU's denominator)")),
+                               ("seed", (lambda v: 0 <= v < 2**32, "in [0, 2**32): the seed numpy and torch take")),
                                ("powersgd_start_step", (lambda v: v >= 2, "at least 2: DDP compresses no gradient "
                                                                          "before its second step"))):  # fmt: skip
         if not valid(getattr(cfg, name)):  # before torch's own "Invalid learning rate: -1.0", which names no flag
@@ -246,10 +255,25 @@ def build_model(cfg: TrainConfig, tokenizer):
         source = "--model-overrides" if any(repr(k) in str(e) for k in overrides) else f"--model {cfg.model!r}"
         raise ValueError(f"{source}: {' '.join(str(e).split())}") from None
     check_seq_len(cfg, config)
-    if config.attention_mode == "nsa":
-        return NSAForCausalLM(config)
-    nsa_fields = {**fields, "attention_mode": "nsa", "nsa_backend": "reference"}  # never run: any backend builds
-    return dense_twin(config, NSAForCausalLM(NSAConfig(**nsa_fields)))
+    with attn_implementation_named(cfg):
+        if config.attention_mode == "nsa":
+            return NSAForCausalLM(config)
+        nsa_fields = {**fields, "attention_mode": "nsa", "nsa_backend": "reference"}  # never run: any backend builds
+        return dense_twin(config, NSAForCausalLM(NSAConfig(**nsa_fields)))
+
+
+@contextlib.contextmanager
+def attn_implementation_named(cfg: TrainConfig):
+    """transformers checks --attn-implementation's package when the model is built; its ImportError ("FlashAttention2
+    has been toggled on, but ...") names neither the flag nor the choices that need nothing installed."""
+    try:
+        yield
+    except ImportError as e:
+        if not cfg.attn_implementation:
+            raise
+        raise ValueError(f"--attn-implementation {cfg.attn_implementation}: {' '.join(str(e).split())} Install it "
+                         "(flash-attn runs on CUDA GPUs: pip install flash-attn), or pass --attn-implementation sdpa "
+                         "(the default) or flex_attention, which compute the same attention.") from None
 
 
 def check_attn_implementation_flag(cfg: TrainConfig, attention_mode: str) -> None:
@@ -318,13 +342,21 @@ def load_model(cfg: TrainConfig, tokenizer):
         final = " (a run's folder: its export is final/)" if (local / "final" / "config.json").is_file() else ""
         raise ValueError(f"--init-from {cfg.init_from!r}: the folder holds no config.json{final}; pass an exported "
                          "model (a run's final/) or a Hub id.")
-    try:
-        model = NSAForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32, nsa_backend=cfg.nsa_backend,
-                                               **({"attn_implementation": cfg.attn_implementation}
-                                                  if cfg.attn_implementation else {}))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--init-from {cfg.init_from!r}: cannot load an NSA model from it ({' '.join(str(e).split())})"
-                         ) from None
+    with attn_implementation_named(cfg):  # (its ImportError passes the except below)
+        try:
+            saved_type = PretrainedConfig.get_config_dict(cfg.init_from)[0].get("model_type")
+            # from_pretrained would load another model_type with a warning only, every weight of another name (all
+            # of NSA's own, more where the layouts differ) left at random
+            if saved_type != NSAForCausalLM.config_class.model_type:
+                raise ValueError(f"it holds a {saved_type!r} model, not an NSA one (model_type 'nsa'): --init-from "
+                                 "continues an NSA model's training. Pass an NSA export (a run's final/) or Hub id; for "
+                                 "the dense baseline, train with --attention-mode dense.")
+            model = NSAForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32, nsa_backend=cfg.nsa_backend,
+                                                   **({"attn_implementation": cfg.attn_implementation}
+                                                      if cfg.attn_implementation else {}))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--init-from {cfg.init_from!r}: cannot load an NSA model from it "
+                             f"({' '.join(str(e).split())})") from None
     config = model.config
     if cfg.attention_mode and cfg.attention_mode != config.attention_mode:
         raise ValueError(f"--attention-mode {cfg.attention_mode}: the --init-from model is {config.attention_mode!r} "
@@ -477,6 +509,59 @@ def output_dir(cfg: TrainConfig, state: PartialState) -> Path:
     out_dir = Path(out[0])
     checkpoint.check_output_dir(out_dir, cfg.resume, cfg.eval_only, cfg.max_steps)
     return out_dir
+
+
+def claim_output_dir(cfg: TrainConfig, out_dir: Path, accelerator):
+    """The main process creates the run's directory and takes its lock for this launch (checkpoint.lock_output_dir:
+    another live launch there is refused), then checks the directory again under the lock (a launch that ended
+    there since the first check left its output). Every process raises the main process's error. Returns the
+    lock's open file on the main process (closing it releases the lock), else None."""
+    lock, error = None, None
+    if accelerator.is_main_process:
+        try:
+            lock = checkpoint.lock_output_dir(out_dir)
+            checkpoint.check_output_dir(out_dir, cfg.resume, cfg.eval_only, cfg.max_steps)
+        except ValueError as e:
+            error = str(e)
+            if lock is not None:
+                lock.close()
+    if accelerator.num_processes > 1:  # (the others wait here for the main process's verdict)
+        verdict = [error]
+        broadcast_object_list(verdict)
+        error = verdict[0]
+    if error is not None:
+        raise ValueError(error)
+    return lock
+
+
+def run_began_from(cfg: TrainConfig, out_dir: Path) -> str | None:
+    """Where the run's weights began: --init-from for a new run; for a resumed one, the --init-from of the launch
+    that started it (its checkpoint's record; None: at random). A resumed run's weights are its checkpoint's, so
+    an --init-from other than the run's own would be recorded (run.json, the model card) but never used: refused.
+    The run's own may be given (it builds the architecture, whose weights the checkpoint then replaces)."""
+    path = checkpoint.resolve_resume(cfg.resume, out_dir / "checkpoints") if cfg.resume and not cfg.eval_only else None
+    if path is None:  # a new run (also --resume latest before the run's first checkpoint)
+        return cfg.init_from
+    began = json.loads((path / checkpoint.STATE_FILE).read_text()).get("config", {}).get("init_from")
+    if cfg.init_from and not same_model_source(cfg.init_from, began):
+        start = f"from --init-from {began}" if began else "at random weights"
+        own = f" (or pass the run's own, --init-from {began})" if began else ""
+        raise ValueError(
+            f"--init-from {cfg.init_from} with --resume {cfg.resume}: the run of {path} began {start}, and a resumed "
+            f"run's weights are its checkpoint's, so --init-from would be recorded but not used. Drop --init-from"
+            f"{own}; to start from {cfg.init_from} instead, give a new --output-dir without --resume."
+        )
+    return began
+
+
+def same_model_source(a: str | None, b: str | None) -> bool:
+    """Two --init-from values naming one model: the same local folder however spelt, or the same Hub id."""
+    if a is None or b is None:
+        return a == b
+    local = [Path(x).expanduser() for x in (a, b)]
+    if all(p.exists() for p in local):
+        return local[0].resolve() == local[1].resolve()
+    return a == b
 
 
 def resumed_step(cfg: TrainConfig, out_dir: Path) -> int:
@@ -687,6 +772,19 @@ def evaluate_only(cfg: TrainConfig, accelerator, model, val_rows, source, out_di
     return result
 
 
+def say_sample(model, tokenizer, prompt: str, accelerator) -> None:
+    """--sample-prompt's greedy continuation, printed. A sample that fails (a tokenizer that cannot decode every id
+    of a larger vocabulary, say) is a warning: the run is trained and exported by then, and its summary still due."""
+    try:
+        sample = generate_sample(model, tokenizer, prompt, accelerator)
+    except Exception as e:  # noqa: BLE001 - whatever fails in generation or decoding, the run's outputs stand
+        accelerator.print(f"warning: the end-of-run sample (--sample-prompt {prompt!r}) failed: {type(e).__name__}: "
+                          f"{' '.join(str(e).split())[:300]}. The run is trained and exported; generate from its final/ "
+                          "to look into it.")  # fmt: skip
+        return
+    accelerator.print(f"sample: {sample!r}")
+
+
 class TiedHeadSaveNotice(logging.Filter):
     """accelerate drops lm_head.weight, the tied copy of the input embeddings, from every checkpoint and warns that
     this "should be OK, but check": the model ties it again when it is built, and resume is tested bit-exact, so the
@@ -759,9 +857,11 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     set_seed(cfg.seed)
 
     # --- everything that can fail fails here, before the first step
+    began_from = run_began_from(cfg, out_dir)
     tokenizer = data.load_tokenizer(cfg.tokenizer)
     source = data.make_source(cfg.dataset, cfg.text_column, cfg.dataset_config)
     model = build_model(cfg, tokenizer)
+    cfg.init_from = began_from  # (resumed without the flag: the run's own, for run.json and the model card)
     tokenizer.model_max_length = model.config.max_position_embeddings  # long documents are packed, not truncated
     cfg.attention_mode = model.config.attention_mode  # the flag's or the --model file's: run.json records it
     check_backend(cfg, accelerator.device)
@@ -774,8 +874,9 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     schedule = EvalSchedule(cfg.eval_every if val_rows else 0, stats_every(cfg, val_rows, say), cfg.max_steps,
                             out_dir / "stats.jsonl")  # fmt: skip
     long_context = long_context_settings(cfg, tokenizer, model.config.vocab_size, say) if cfg.eval_long_context else None
-    if main_proc:  # only now: a run that fails in its checks above leaves no empty directory behind
-        out_dir.mkdir(parents=True, exist_ok=True)
+    # only now: a run that fails in its checks above leaves no empty directory behind
+    lock = claim_output_dir(cfg, out_dir, accelerator)
+    cleanup.insert(0, lock.close if lock else lambda: None)  # released after the watchdog's last heartbeat
     watchdog.beat(phase="setup")
     if cfg.eval_only:
         return evaluate_only(cfg, accelerator, model, val_rows, source, out_dir, tokenizer, long_context, watchdog)
@@ -884,8 +985,7 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
             save(model, run, checkpoints, exporter, cfg)
         exporter.export(model, run, "final" if cfg.push_to_hub else "")
         if cfg.sample_prompt:  # on every process: under FSDP each forward gathers the shards from all of them
-            sample = generate_sample(unwrapped, tokenizer, cfg.sample_prompt, accelerator)
-            say(f"sample: {sample!r}")
+            say_sample(unwrapped, tokenizer, cfg.sample_prompt, accelerator)
         if long_context:  # on every process too (split under DDP); after the export, which it cannot lose by failing
             with beating(watchdog, unwrapped, step=run.step, phase="long_context"):
                 log.log_eval(run.step, evaluate_long_context(unwrapped, tokenizer, run, long_context,

@@ -166,7 +166,7 @@ def main(argv=None) -> dict:
 
         haystack = args.haystack or default_haystack()
         cases, _ = build_cases(tokenizer, args.task, [args.length], [args.depth], args.sample + 1, haystack=haystack,
-                               vocab_size=config.vocab_size)  # fmt: skip
+                               vocab_size=config.vocab_size, length_flag="--length")  # fmt: skip
         case = cases[args.sample]
         ids = torch.tensor([case.prompt_ids + case.answer_ids])
         marks = case_marks(case, config.sel_block_size)

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import fcntl
 import itertools
 import json
 import os
 import re
 import shlex
 import shutil
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +30,7 @@ from typing import Any
 from .run_state import RunState
 
 STATE_FILE = "trainer_state.json"
+LOCK_FILE = "run.lock"  # held (flock) by the launch writing into an output dir; names it for the one refused
 RUN_OUTPUTS = ("metrics.jsonl", "final", "summary.json")  # what a run writes besides its checkpoints
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # the flags lr_at's schedule is laid out with: a resume may change them, and says so
@@ -132,6 +135,33 @@ def check_output_dir(out_dir: Path, resume: str | None, eval_only: bool = False,
             f"again from step 0 over its final/. To train further from its weights: --init-from {out_dir / 'final'} "
             "with a new --output-dir; to start anew: a new --output-dir."
         )
+
+
+def lock_output_dir(out_dir: Path):
+    """Creates `out_dir` and takes its lock for this launch: an open file holding an exclusive flock, released by
+    the kernel when the process ends however it ends (no stale lock after a crash or SIGKILL); close it to release
+    earlier. A folder another live launch holds is an error naming that launch: two launches in one folder would
+    mix their checkpoints and metrics, and a resume would read checkpoints the other is writing (and both write
+    heartbeat.json). Main process only."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(out_dir / LOCK_FILE, "a+")  # (not "w": truncating would erase the holder's name)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # BlockingIOError: another open file (process) holds it
+        handle.seek(0)
+        holder = handle.read().strip() or "one that has not yet written its name"
+        handle.close()
+        raise ValueError(
+            f"--output-dir {out_dir} is in use by another launch ({holder}): two launches in one folder would mix "
+            "their checkpoints and metrics. Wait for that launch to end (or stop it: SIGTERM saves a checkpoint "
+            "that --resume latest continues), or pass another --output-dir."
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    handle.flush()
+    return handle
 
 
 def finished_step(out_dir: Path) -> int | None:

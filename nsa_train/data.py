@@ -80,6 +80,7 @@ class LocalFiles:
     def check_columns(self):
         """Fail before training when a file lacks the text column (parquet schema / first JSON line)."""
         try:
+            import pyarrow as pa
             import pyarrow.parquet as pq
         except ImportError as e:
             if any(f.suffix == ".parquet" for f in self.files):
@@ -103,6 +104,12 @@ class LocalFiles:
                     f"--text-column {self.text_column!r} not found in {str(f)!r}; its columns are {names}. "
                     "Pass --text-column NAME."
                 )
+            if f.suffix == ".parquet":  # (a JSON file's values are checked as they are read: it has no schema)
+                kind = pq.read_schema(f).field(self.text_column).type
+                string_view = getattr(pa.types, "is_string_view", lambda _: False)(kind)  # (pyarrow >= 16)
+                if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or string_view):
+                    raise ValueError(f"--text-column {self.text_column!r} of {str(f)!r} holds {kind}, not text; its "
+                                     f"columns are {names}. Pass --text-column NAME of a string column.")
 
     def __iter__(self) -> Iterator[str]:
         for f in self.files:
@@ -112,10 +119,10 @@ class LocalFiles:
                 for batch in pq.ParquetFile(f).iter_batches(batch_size=1024, columns=[self.text_column]):
                     yield from (t for t in batch.column(0).to_pylist() if t)
             elif f.suffix in (".jsonl", ".json"):
-                for record in _json_records(f, self.flag):
+                for number, record in enumerate(_json_records(f, self.flag), 1):
                     text = record.get(self.text_column)
                     if text:
-                        yield text
+                        yield document_text(text, self.text_column, f"record {number} of {str(f)!r}")
             else:
                 text = f.read_text(encoding="utf-8", errors="replace")
                 if text.strip():
@@ -123,6 +130,15 @@ class LocalFiles:
 
     def describe(self) -> str:
         return f"local files {self.spec} ({len(self.files)} file(s), column {self.text_column!r})"
+
+
+def document_text(value, text_column: str, where: str) -> str:
+    """A document's text as a source read it: a string, else an error naming the record and the fix (the tokenizer
+    would fail on it later with a TypeError that names neither)."""
+    if not isinstance(value, str):
+        raise ValueError(f"--text-column {text_column!r}: {where} holds a {type(value).__name__} ({str(value)[:60]!r}), "
+                         "not text. Pass --text-column NAME of the column holding each document's text.")
+    return value
 
 
 def _json_records(path: Path, flag: str = "--dataset") -> Iterator[dict]:
@@ -183,9 +199,9 @@ class StreamedDataset:
         try:
             ds = datasets.load_dataset(self.path, name=self.config, split=self.split, data_files=self.data_files,
                                        streaming=True)  # fmt: skip
-            for example in ds:
+            for number, example in enumerate(ds, 1):
                 if example.get(self.text_column):
-                    yield example[self.text_column]
+                    yield document_text(example[self.text_column], self.text_column, f"example {number} of {self.flag}")
         except ValueError as e:  # e.g. "BuilderConfig 'x' not found. Available: [...]", "Config name is missing"
             if "config" not in str(e).lower() or self.data_files is not None:
                 raise

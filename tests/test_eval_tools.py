@@ -170,7 +170,9 @@ def test_lm_eval_scores_a_byte_level_export_with_the_readmes_flag(tmp_path):
                        pad_token_id=tokenizer.pad_token_id)  # fmt: skip
     ckpt = checkpoint.export_hf_checkpoint(NSAForCausalLM(config), tokenizer, tmp_path / "final")
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    card = (Path(__file__).resolve().parents[1] / "model_cards" / "nsa_model_card.md").read_text()
     assert "trust_remote_code=True,add_bos_token=False" in readme  # the by-hand commands pass it
+    assert "trust_remote_code=True,add_bos_token=False" in card  # and so does every exported model's card
 
     def encoded(**args):
         lm = HFLM(pretrained=str(ckpt), trust_remote_code=True, batch_size=1, device="cpu", **args)

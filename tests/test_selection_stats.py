@@ -256,6 +256,9 @@ def test_selection_map_of_a_retrieval_case_marks_the_item_and_the_answer_queries
         selection_map.main([str(tmp_path / "final"), "--task", "passkey"])
     with pytest.raises(ValueError, match=r"--depth 1.5 / --sample 0: give a depth in 0..1"):
         selection_map.main([str(tmp_path / "final"), "--task", "passkey", "--length", "256", "--depth", "1.5"])
+    with pytest.raises(ValueError, match=r"^--length 20: .*too short") as raised:  # this script's flag, not --lengths
+        selection_map.main([str(tmp_path / "final"), "--task", "passkey", "--length", "20"])
+    assert "--lengths" not in str(raised.value)
 
 
 def test_the_reference_selects_on_rows_cut_to_its_length(model, batch, monkeypatch):

@@ -278,6 +278,33 @@ def test_missing_text_column():
         data.make_source(str(PARQUET), text_column="body")
 
 
+def test_a_text_column_that_holds_no_text_is_named(tmp_path):
+    """--text-column naming a column of numbers (or lists) fails naming the column, where and the fix: a parquet
+    file's before training (its schema), a JSON record's when it is read, and a streamed example's too, instead of
+    the tokenizer's TypeError deep in the data thread."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["a document"], "n": pa.array([7], pa.int64())}), tmp_path / "numbers.parquet")
+    with pytest.raises(ValueError, match=r"--text-column 'n' of '.*numbers.parquet' holds int64, not text.*\['text', "
+                                         r"'n'\]. Pass --text-column NAME of a string column"):
+        data.make_source(str(tmp_path / "numbers.parquet"), text_column="n")
+    with pytest.raises(ValueError, match=r"--text-column 'n' of .* holds int64, not text"):
+        data.make_source(f"parquet:{tmp_path / 'numbers.parquet'}", text_column="n")
+    assert list(data.make_source(str(tmp_path / "numbers.parquet"))) == ["a document"]
+    (tmp_path / "mixed.jsonl").write_text("\n".join(json.dumps(r) for r in ({"text": "fine"}, {"text": ["a", "b"]})))
+    documents = iter(data.make_source(str(tmp_path / "mixed.jsonl")))
+    assert next(documents) == "fine"
+    with pytest.raises(ValueError, match=r"--text-column 'text': record 2 of '.*mixed.jsonl' holds a list \(\"\['a', "
+                                         r"'b'\]\"\), not text. Pass --text-column NAME"):
+        next(documents)
+    # a streamed dataset (the Hub's path: load_dataset(..., streaming=True)) names the example
+    streamed = iter(data.StreamedDataset("json", data_files=[str(tmp_path / "mixed.jsonl")], flag="--dataset hf://x"))
+    assert next(streamed) == "fine"
+    with pytest.raises(ValueError, match=r"--text-column 'text': example 2 of --dataset hf://x holds a list"):
+        next(streamed)
+
+
 def test_dataset_with_no_documents(byt5, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -487,13 +487,23 @@ def test_bad_numbers_are_argument_errors(capsys):
                               ("--min-lr-ratio", "1.5", "in [0, 1]"), ("--warmup-steps", "-1", "at least 0"),
                               ("--weight-decay", "-0.1", "at least 0"), ("--beta1", "1.0", "in [0, 1)"),
                               ("--beta2", "-0.5", "in [0, 1)"), ("--grad-clip", "-1.0", "at least 0"),
-                              ("--stop-at-step", "-1", "at least 0 (0: train to --max-steps)")):  # fmt: skip
+                              ("--stop-at-step", "-1", "at least 0 (0: train to --max-steps)"),
+                              ("--val-tokens", "-1", "at least 0"), ("--val-every-doc", "-5", "at least 0"),
+                              ("--keep-last", "-1", "at least 0"), ("--shuffle-buffer", "-10", "at least 0"),
+                              ("--stall-timeout", "-1.0", "at least 0 seconds"),
+                              ("--peak-tflops", "-989.0", "a positive TFLOP/s figure"),
+                              ("--peak-tflops", "0.0", "a positive TFLOP/s figure"),
+                              ("--ddp-bucket-cap-mb", "0", "a positive integer"),
+                              ("--seq-len", "0", "at least 2"), ("--seq-len", "1", "at least 2"),
+                              ("--seed", "-1", "in [0, 2**32)"), ("--seed", str(2**32), "in [0, 2**32)")):  # fmt: skip
         with pytest.raises(SystemExit) as exit_info:
             train_accelerate.parse_args([flag, value])
         assert exit_info.value.code == 2
         assert f"error: {flag} {value}: must be {says}" in capsys.readouterr().err
     # the edges that are allowed: no clipping, no warm-up, no decay, a floor at the peak
-    train_accelerate.parse_args(["--grad-clip", "0", "--warmup-steps", "0", "--weight-decay", "0", "--min-lr-ratio", "1"])
+    train_accelerate.parse_args(["--grad-clip", "0", "--warmup-steps", "0", "--weight-decay", "0", "--min-lr-ratio", "1",
+                                 "--val-tokens", "0", "--val-every-doc", "0", "--keep-last", "0", "--shuffle-buffer", "0",
+                                 "--stall-timeout", "0", "--seed", "0"])
 
 
 def test_missing_tracker_is_said(tmp_path, capsys, monkeypatch):
@@ -1165,6 +1175,86 @@ def test_init_from_a_saved_model_and_eval_only(tmp_path, capsys):
         run_main(tiny_args(tmp_path / "bad", init_from=tmp_path / "nothing-here", eval_only=True))
     with pytest.raises(ValueError, match="--attention-mode dense: the --init-from model is 'nsa'"):
         run_main(tiny_args(tmp_path / "bad", init_from=first / "final", attention_mode="dense"))
+
+
+def test_resume_keeps_where_the_run_began_and_init_from_takes_nsa_models_only(tmp_path):
+    """A resumed run's weights are its checkpoint's: an --init-from other than the run's own is refused (it would
+    be recorded in run.json and the card, never used); the run's own is taken however spelt; resumed without it
+    (the architecture from --model), the run still records and cards where it began. --init-from refuses a saved
+    model of another model_type (from_pretrained would load a Llama with a warning, NSA's weights at random)."""
+    first = tmp_path / "first"
+    run_main(tiny_args(first, max_steps=1))
+    begun_at_random = tmp_path / "random"
+    run_main(tiny_args(begun_at_random, max_steps=2, stop_at_step=1, save_every=1))
+    with pytest.raises(ValueError, match=r"--init-from \S*first/final with --resume latest: the run of \S*step_00000001 "
+                                         r"began at random weights.*Drop --init-from; to start from"):  # fmt: skip
+        run_main(tiny_args(begun_at_random, max_steps=2, resume="latest", init_from=first / "final"))
+    tuned = tmp_path / "tuned"
+    run_main(tiny_args(tuned, init_from=first / "final", max_steps=3, stop_at_step=1, save_every=1))
+    other = tmp_path / "other"
+    shutil.copytree(first / "final", other)
+    with pytest.raises(ValueError, match=r"began from --init-from \S*first/final.*\(or pass the run's own"):
+        run_main(tiny_args(tuned, init_from=other, resume="latest", max_steps=3, stop_at_step=2))
+    run_main(tiny_args(tuned, init_from=f"{first / 'final'}/", resume="latest", max_steps=3, stop_at_step=2))
+    run_main(tiny_args(tuned, model=first / "final", resume="latest", max_steps=3))  # no --init-from
+    recorded = json.loads((tuned / "run.json").read_text())["config"]
+    assert recorded["init_from"] == str(first / "final") and recorded["model"] == str(first / "final")
+    assert "initialized from `first/final`" in (tuned / "final" / "README.md").read_text()
+    # a Llama checkpoint is not an NSA model to continue
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=50304, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path / "llama")
+    with pytest.raises(ValueError, match=r"--init-from \S*llama.*cannot load an NSA model from it \(it holds a "
+                                         r"'llama' model, not an NSA one"):  # fmt: skip
+        run_main(tiny_args(tmp_path / "from-llama", init_from=tmp_path / "llama", max_steps=1))
+    assert not (tmp_path / "from-llama").exists()
+
+
+def test_a_live_launch_holds_its_output_dir(tmp_path):
+    """A second launch into a folder a live launch is writing (a new run, or a resume) is refused naming the
+    holder; the lock goes with its process however that ends (SIGKILL here), and a run releases its own at the end."""
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        from nsa_train import checkpoint
+        lock = checkpoint.lock_output_dir({str(out)!r})
+        print("held", flush=True)
+        time.sleep(600)
+        """)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for resume in (None, "latest"):
+            with pytest.raises(ValueError, match=rf"--output-dir \S*run is in use by another launch \(pid {holder.pid} "
+                                                 r"on .*\): two launches.*or pass another --output-dir"):  # fmt: skip
+                run_main(tiny_args(out, max_steps=1, resume=resume))
+        assert sorted(p.name for p in out.iterdir()) == ["run.lock"]  # nothing written beside the lock
+    finally:
+        holder.kill()
+        holder.wait()
+    run_main(tiny_args(out, max_steps=1, save_every=1))  # the killed launch's lock went with it
+    assert run_main(tiny_args(out, max_steps=2, resume="latest"))["step"] == 2  # and this one released its own
+
+
+def test_a_failing_sample_is_a_warning_after_the_export(tmp_path, capsys, monkeypatch):
+    """--sample-prompt runs after the export: a sample that fails (here generation raises as a decoder that cannot
+    decode an id would) is said as a warning, and the run ends as finished with its summary.json; one that works is
+    printed."""
+    import train_accelerate
+
+    run_main(tiny_args(tmp_path / "ok", max_steps=1, sample_prompt="The "))
+    assert "sample: 'The " in capsys.readouterr().out
+
+    def fails(*args, **kwargs):
+        raise ValueError("bytes must be in range(0, 256)")
+
+    monkeypatch.setattr(train_accelerate, "generate_sample", fails)
+    summary = run_main(tiny_args(tmp_path / "run", max_steps=1, sample_prompt="The "))
+    assert summary["finished"] and json.loads((tmp_path / "run" / "summary.json").read_text())["finished"]
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    assert ("warning: the end-of-run sample (--sample-prompt 'The ') failed: ValueError: bytes must be in range(0, "
+            "256). The run is trained and exported") in capsys.readouterr().out
 
 
 def test_dense_sdpa_with_packed_documents_on_a_gpu_names_flex_attention():

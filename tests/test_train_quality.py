@@ -218,6 +218,18 @@ def test_attn_implementation_flag_reaches_the_dense_model_and_nsa_refuses_it(tmp
     with pytest.raises(ValueError, match="--attn-implementation flex_attention chooses dense attention's function"):
         run_main(tiny_args(tmp_path / "nsa", attn_implementation="flex_attention"))
     assert not (tmp_path / "nsa").exists()
+    # a flash-attn choice where the package is missing: transformers' ImportError with the flag and the choices
+    # that need nothing installed (built, and loaded with --init-from)
+    from transformers.utils import is_flash_attn_2_available
+
+    if not is_flash_attn_2_available():
+        for flags in (dict(attention_mode="dense"), dict(init_from=tmp_path / "dense" / "final")):
+            if "init_from" in flags:
+                run_main(tiny_args(tmp_path / "dense", attention_mode="dense", max_steps=1))
+            with pytest.raises(ValueError, match=r"^--attn-implementation flash_attention_2: FlashAttention2 has been "
+                                                 r"toggled on.*or pass --attn-implementation sdpa"):  # fmt: skip
+                run_main(tiny_args(tmp_path / "fa2", attn_implementation="flash_attention_2", **flags))
+        assert not (tmp_path / "fa2").exists()
 
 
 def test_flex_attention_training_on_cpu_fails_before_the_first_step(tmp_path, monkeypatch):
