@@ -17,6 +17,7 @@
 #   bash bench/gpu_session.sh decode                  # issue 18's decode rows and the decode kernels one by one
 #   bash bench/gpu_session.sh flex                    # FlexAttention for the compressed and window branches against
 #                                                     #   the project's interval kernels (bench/flex_branches.py)
+#   bash bench/gpu_session.sh fuzz                    # $FUZZ_S seconds of random kernel cases against the reference
 # Data: the shared wiki parquet and GPT-2 tokenizer from $DATA (default ../shared/data beside the checkout, else
 # runs/data: on a device machine, which gets only the checkout, copy ../shared/data there and carry runs/data).
 # capture: trains a 125M NSA for $CAPTURE_STEPS steps on it (or takes $CKPT, an NSA checkpoint) and captures its
@@ -42,6 +43,8 @@ RT_ANATOMY_LENGTHS=${RT_ANATOMY_LENGTHS:-1024}  # retrieval: lengths bench/retri
 RT_OVERRIDES=${RT_OVERRIDES:-}  # retrieval: --model-overrides for both twins, e.g. '{"compressor": "mean"}' (the tiny
                                 # CPU twins learned the lookup in 8 of 12 seeds with it, 3 of 12 with the paper's MLP)
 LENGTHS=${LENGTHS:-2048 8192 32768 65536}  # issue 18's table
+FUZZ_S=${FUZZ_S:-240}  # fuzz: seconds of random cases (about 1 s each on a GPU once its shapes compiled)
+FUZZ_SEED=${FUZZ_SEED:-20261203}  # fuzz: the run's seed; a failure replays alone with the --case its log line gives
 mkdir -p "$OUT"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests capture attention floors tune model dense-docs model-long generate profile train)
@@ -228,10 +231,14 @@ open(sys.argv[2], 'w').write(max((str(x) for x in t.to_pylist()[::20]), key=len)
                     --lengths $RT_ANATOMY_LENGTHS --samples "$LC_SAMPLES" --batch-size 4 \
                     --out "$OUT/retrieval/anatomy-ablate-$ablate"
                 done ;;
+    # random valid cases of every kernel (G 1-16, odd lengths, documents, padding, fp16/fp32, decode with both
+    # caches) against the reference on the GPU (bench/fuzz_kernels.py); exits non-zero on a mismatch
+    fuzz)       $PY bench/fuzz_kernels.py --device cuda --seed "$FUZZ_SEED" --budget-s "$FUZZ_S" \
+                  --log "$OUT/fuzz.jsonl" ;;
     # issue 19: what one selection-statistics measurement costs against one 125M training step at T = 4,096
     stats-cost) $PY bench/stats_cost.py --device cuda --model 125m --seq-len 4096 --micro-batch-size 4 \
                   --tokenizer "$DATA/gpt2-tokenizer" --dataset "$DATA/wiki-summaries-en.parquet" ;;
-    *)          echo "unknown step $step (tests capture attention floors tune model model-compile dense-docs model-long generate profile train ab-long ab-long-eval retrieval stats-cost check check-seldq seldq stages pending pending-d128 ws flex)"
+    *)          echo "unknown step $step (tests capture attention floors tune model model-compile dense-docs model-long generate profile train ab-long ab-long-eval retrieval stats-cost fuzz check check-seldq seldq stages pending pending-d128 ws flex)"
                 exit 2 ;;
   esac 2>&1 | tee "$OUT/$step.log" || echo "== $step exited non-zero (log: $OUT/$step.log)" | tee -a "$OUT/env.txt"
   echo "== $step took $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"

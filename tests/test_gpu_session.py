@@ -127,7 +127,7 @@ def _pytest_selection(argv: list[str]) -> tuple[int, str]:
 
 def test_every_step_of_the_gpu_session_parses_its_flags(tmp_path):
     steps = session_steps()
-    assert {"check", "pending", "attention", "decode", "floors", "flex", "ws", "tests", "retrieval"} <= set(steps)
+    assert {"check", "pending", "attention", "decode", "floors", "flex", "ws", "tests", "retrieval", "fuzz"} <= set(steps)
     recorded = _record(tmp_path, steps)
     overrides = [c for c in recorded["retrieval"] if "--model-overrides" in c]  # RT_OVERRIDES as one argument
     assert overrides and overrides[0][overrides[0].index("--model-overrides") + 1] == '{"compressor": "mean"}'
