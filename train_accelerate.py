@@ -182,6 +182,14 @@ def parse_args(argv=None) -> TrainConfig:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     if cfg.eval_only and not cfg.init_from:
         parser.error("--eval-only evaluates the model given by --init-from (a run's final/ or a Hub id); pass it.")
+    if cfg.eval_only and cfg.resume:
+        parser.error(f"--resume {cfg.resume} with --eval-only: --eval-only evaluates the exported model --init-from "
+                     "names and reads no checkpoint. To evaluate a checkpoint, export it first (--resume CHECKPOINT "
+                     "--max-steps <its step> --output-dir NEW writes NEW/final/) and pass --init-from NEW/final.")
+    if cfg.dataset_config and not (cfg.dataset == "fineweb-edu" or cfg.dataset.startswith("hf://")):
+        parser.error(f"--dataset-config {cfg.dataset_config!r}: configs are a Hub dataset's (fineweb-edu, hf://NAME); "
+                     f"--dataset {cfg.dataset} is read as it is. Drop --dataset-config, or point --dataset at the "
+                     "files of the config you want.")
     if cfg.init_from and cfg.model_overrides:
         parser.error(f"--model-overrides {cfg.model_overrides!r}: not used with --init-from {cfg.init_from!r}, whose "
                      "architecture is the saved model's; drop one of them.")

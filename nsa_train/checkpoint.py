@@ -53,7 +53,20 @@ def data_fields(run_config: dict) -> dict:
 
     fields = {k: run_config.get(k) for k in DATA_FLAGS}
     fields["dataset_config"] = hub_config(str(fields["dataset"]), fields["dataset_config"])
+    fields["dataset"] = _same_files_same_name(fields["dataset"])
     return fields
+
+
+def _same_files_same_name(dataset):
+    """A local --dataset path that exists here as its real absolute path (a relative path, or one through a symlink,
+    names the same files as the resolved one); anything else (a Hub name, a glob, a path gone) as it was given."""
+    from .data import PARQUET_STREAM
+
+    if not isinstance(dataset, str) or any(ch in dataset for ch in "*?["):
+        return dataset
+    prefix = PARQUET_STREAM if dataset.startswith(PARQUET_STREAM) else ""
+    path = Path(dataset[len(prefix) :]).expanduser()
+    return prefix + str(path.resolve()) if path.exists() and dataset not in ("python-docs", "fineweb-edu") else dataset
 
 
 def checkpoint_steps(ckpt_root: Path) -> list[tuple[int, Path]]:

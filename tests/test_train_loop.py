@@ -708,6 +708,23 @@ def test_resume_with_other_data_flags_or_process_count(tmp_path):
     assert run_main(tiny_args(rows, max_steps=2, resume="latest", data_shard="rows"))["step"] == 2
 
 
+def test_resume_reads_the_same_files_however_named_and_flags_that_would_be_ignored_are_refused(tmp_path, capsys):
+    """--dataset names files: the same ones through a symlink (or a relative path) are the same data, and a resume
+    continues; --resume with --eval-only and --dataset-config with local data would be silently ignored: refused."""
+    out = tmp_path / "run"
+    run_main(tiny_args(out, max_steps=1, save_every=1))
+    link = tmp_path / "link.parquet"
+    link.symlink_to(PARQUET)
+    assert run_main(tiny_args(out, max_steps=2, resume="latest", dataset=link))["step"] == 2
+    for flags, says in ((dict(init_from=out / "final", eval_only=True, resume="latest"),
+                         "--resume latest with --eval-only: --eval-only evaluates the exported model"),
+                        (dict(dataset_config="sample-10BT"),
+                         "--dataset-config 'sample-10BT': configs are a Hub dataset's (fineweb-edu, hf://NAME)")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            run_main(tiny_args(tmp_path / "bad", **flags))
+        assert says in capsys.readouterr().err
+
+
 def test_short_run_notes_and_exported_tokenizer(tmp_path, capsys):
     """`--resume latest` with nothing to resume and a warm-up longer than the run say so; the exported tokenizer
     pads on the left (batched generation) with a pad token."""
