@@ -16,6 +16,9 @@ compressed keys: the case "found by a randomized search" there). A case varies:
   cases, values off that grid (l not a multiple of d, more forced blocks than n), which NSAConfig or the kernels
   must refuse;
 - on a CPU, A100's launch tiles in some cases (the launchers take sm_80's configuration: `arch` 80);
+- in 35% of the cases, one to three launch choices forced (modeling_nsa's LaunchOverrides, as the suite's cases
+  force them: the untimed opt-in schedules, the orders and index widths kept from before, small chunks, splits
+  and tiles), which change how the work is scheduled and must not change the result;
 - decoding after a cache (`--kind decode`, or 30% of `mixed`): one query per step, eager or on a static
   cache (NSACache(static=True)'s layout: full-length buffers, the window a ring), or a chunk of 3 or 5 queries
   (chunked prefill, speculative verification); the window cache holding the last w + chunk - 1 keys or every key
@@ -108,6 +111,29 @@ ALL_KEYS_WINDOW_CACHE_SHARE = 0.5  # eager decoding whose window cache holds eve
 CACHE_VIEWS_SHARE = 0.5  # eager decoding on views of larger buffers (as NSACache passes them)
 DECODE_STEPS = {"full": 3, "small": 2}  # random cache lengths per case, besides the full row
 A100_TILES_SHARE = 0.2  # CPU cases run with sm_80's launch configuration
+
+# Launch choices (modeling_nsa's LaunchOverrides, as the suite's cases force them): they change how the work is
+# scheduled, never the result, so a case run under them must pass as under the defaults. In LAUNCH_CHOICE_SHARE of
+# the cases, 1 to LAUNCH_CHOICES_MAX of them, each at a value the launchers take at any shape: the opt-in
+# schedules not yet timed (pair-wise selected dQ and forward, split dQ), the orders and index widths kept from
+# before, and small chunks, splits and tiles that give tiny rows many of them.
+LAUNCH_CHOICE_SHARE = 0.35
+LAUNCH_CHOICES_MAX = 3
+ATTENTION_LAUNCH_CHOICES = {  # case key -> values (bj, split: tests/triton_helpers.CASE_KEY_FIELDS)
+    "sel_dq_in_dkdv": (True,), "sel_dq_partials": (True,), "sel_fwd_pairs": (True,), "sel_fwd_pair_queries": (7, 9, 13),
+    "sel_dq_pairs": (True,), "sel_dq_split": (True,), "sel_union_wide_keys": (True,), "query_tiles_light_first": (True,),
+    "offsets_int64": (True,), "sel_pairs_int64": (True,), "sel_dkdv_ranges_first": (True,),
+    "dkdv_key_tiles_fast": (True,), "sel_dkdv_chunk_pairs": (0, 12, 20), "range_chunk": (16, 32),
+    "topn_insert_max": (0, 1, 8), "bj": (2, 4), "split": (2, 3), "sel_pieces": ([5, 3, 64, 32], [5, 3, 2, 1]),
+}  # fmt: skip
+DECODE_LAUNCH_CHOICES = {
+    "decode_parts": (True, False), "decode_fused_combine": (1,), "decode_split": (16, 32), "decode_topn_blocks": (3, 16),
+    "decode_topn_offsets": (1,), "decode_sel_step": (2, 4), "decode_win_tile": (16,), "decode_sel_part": (4,),
+    "decode_win_part": (32,), "decode_merge_splits": (2,), "decode_merge_lists": (2,),
+}  # fmt: skip
+GPU_DECODE_LAUNCH_CHOICES = {"decode_pdl": (1,)}  # (programmatic dependent launches: a GPU's, from sm_90)
+# a choice that acts only with another: the second is set with it
+LAUNCH_CHOICE_NEEDS = {"sel_fwd_pair_queries": ("sel_fwd_pairs", True), "decode_fused_combine": ("decode_parts", True)}
 
 CPU_TOLERANCE = {"float32": 1e-4, "float16": 2e-3}  # tests/test_triton_kernels.py's interpreter cases
 GPU_TOLERANCE = 1e-2  # its GPU cases (bf16 and fp16)
@@ -238,7 +264,24 @@ def draw_case(seed: int, index: int, kind: str = "mixed", size: str = "full", de
         case["arch"] = 80
     if kind == "decode":
         _draw_decode(rng, case, size)
+    if rng.random() < LAUNCH_CHOICE_SHARE:
+        _draw_launch_choices(rng, case)
     return FuzzCase(seed, index, profile, case)
+
+
+def _draw_launch_choices(rng: random.Random, case: dict) -> None:
+    """Force 1 to LAUNCH_CHOICES_MAX launch choices in `case`: a decoding step's, or (a training case, or a chunk of
+    queries after a cache, which runs the training forward's kernels) the training kernels'."""
+    table = {}
+    if case.get("kind") == "decode":
+        table |= DECODE_LAUNCH_CHOICES | (GPU_DECODE_LAUNCH_CHOICES if case.get("device") == "cuda" else {})
+    if case.get("kind") != "decode" or case.get("chunk", 1) > 1:
+        table |= ATTENTION_LAUNCH_CHOICES
+    for key in rng.sample(sorted(table), rng.randint(1, LAUNCH_CHOICES_MAX)):
+        case[key] = rng.choice(table[key])
+        if key in LAUNCH_CHOICE_NEEDS:
+            needed, value = LAUNCH_CHOICE_NEEDS[key]
+            case[needed] = value
 
 
 def refusal(case: dict) -> str | None:

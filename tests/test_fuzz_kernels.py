@@ -190,6 +190,35 @@ def test_the_cases_cover_what_the_fuzzer_claims():
     assert len(reasons) < 0.15 * DRAWN, reasons
 
 
+def test_launch_choices_are_drawn_where_they_act():
+    """About a third of the cases force launch choices; over DRAWN cases every one in the tables is drawn, each is
+    a LaunchOverrides field the suite's case_launch forces, a decoding step's only in decoding cases (and the
+    training kernels' only where they run: training cases and chunks of queries), a choice that needs another
+    comes with it, and programmatic dependent launches only on a GPU."""
+    import dataclasses
+
+    import triton_helpers
+    from modeling_nsa.nsa_triton_launch import LaunchOverrides
+
+    attention_keys, decode_keys = set(fuzz_kernels.ATTENTION_LAUNCH_CHOICES), set(fuzz_kernels.DECODE_LAUNCH_CHOICES)
+    fields = {field.name for field in dataclasses.fields(LaunchOverrides)}
+    every = attention_keys | decode_keys | set(fuzz_kernels.GPU_DECODE_LAUNCH_CHOICES)
+    assert {triton_helpers.CASE_KEY_FIELDS.get(key, key) for key in every} <= fields
+    drawn = [fuzz_kernels.draw_case(SEED, i).case for i in range(DRAWN)]
+    forced = [case for case in drawn if set(case) & (attention_keys | decode_keys)]
+    assert 0.25 < len(forced) / DRAWN < 0.45
+    assert set().union(*map(set, forced)) >= attention_keys | decode_keys
+    for case in drawn:
+        if case.get("kind") != "decode":
+            assert not set(case) & decode_keys, case
+        elif case.get("chunk", 1) == 1:
+            assert not set(case) & attention_keys, case
+        for key, (needed, value) in fuzz_kernels.LAUNCH_CHOICE_NEEDS.items():
+            assert key not in case or case[needed] == value, case
+    on_gpu = [fuzz_kernels.draw_case(SEED, i, device="cuda").case for i in range(DRAWN)]
+    assert any("decode_pdl" in case for case in on_gpu) and not any("decode_pdl" in case for case in drawn)
+
+
 def test_small_cases_stay_small():
     cases = [fuzz_kernels.draw_case(SEED, i, size="small").case for i in range(DRAWN)]
     assert all(case["D"] == 16 and case["B"] <= 2 and case["Hkv"] <= 2 for case in cases)
