@@ -16,6 +16,8 @@ compressed keys: the case "found by a randomized search" there). A case varies:
   cases, values off that grid (l not a multiple of d, more forced blocks than n), which NSAConfig or the kernels
   must refuse;
 - on a CPU, A100's launch tiles in some cases (the launchers take sm_80's configuration: `arch` 80);
+- in a fifth of the fp16 training cases, gates near 5e-5 (the backward's gate-scaled products below fp16's normal
+  range), their gradients judged relative to a floor as small as the gates;
 - in 35% of the cases, one to three launch choices forced (modeling_nsa's LaunchOverrides, as the suite's cases
   force them: the untimed opt-in schedules, the orders and index widths kept from before, small chunks, splits
   and tiles), which change how the work is scheduled and must not change the result;
@@ -53,6 +55,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import random
 import shlex
@@ -81,6 +84,13 @@ BATCHES = {1: 2, 2: 1, 3: 1}
 LAYOUTS = ("single", "varlen", "pad")
 ODD_LENGTH_SHARE = 0.8  # odd lengths end inside every tile and block; the rest take any length
 FP16_SHARE = 0.25  # on a CPU; on a GPU bf16 and fp16 half each
+# fp16 cases with gates near 5e-5 (logits N(-10, 1)): the backward's products of gates and probabilities fall
+# below fp16's normal range unless the kernels scale them (nsa_triton_common.FP16_DV_SCALE). The gradients are then
+# as small as the gates, so their errors are taken relative to a floor as small (rel_floor: the suite's 1e-2 RMS
+# floor times the gate), not to the suite's absolute one, which they would pass whatever the kernels computed
+SMALL_GATE_SHARE = 0.2  # of fp16 cases
+SMALL_GATE_LOGIT = -10.0
+SMALL_GATE_REL_FLOOR = 1e-2 / (1 + math.exp(-SMALL_GATE_LOGIT))  # 1e-2 x sigmoid(-10) = 4.5e-7
 
 # The interpreter's cost grows with rows x heads x head_dim x length: a case's length is capped by its "work"
 # (rows x query heads x head_dim), so that most cases take seconds and the largest about a minute on one core.
@@ -258,6 +268,9 @@ def draw_case(seed: int, index: int, kind: str = "mixed", size: str = "full", de
         dtype = "float16" if rng.random() < FP16_SHARE else "float32"
     case = dict(B=batch, T=length, H=group * kv_heads, Hkv=kv_heads, D=head_dim, layout=layout, dtype=dtype,
                 param_overrides=_draw_params(rng, length, profile), seed=rng.randrange(10**6))
+    small_gates = rng.random() < SMALL_GATE_SHARE  # (drawn for every case: the draws after it stay in step)
+    if dtype == "float16" and small_gates and kind != "decode":
+        case.update(gate_logit=SMALL_GATE_LOGIT, rel_floor=SMALL_GATE_REL_FLOOR)
     if device == "cuda":
         case["device"] = "cuda"
     elif rng.random() < A100_TILES_SHARE:

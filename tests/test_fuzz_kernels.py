@@ -11,6 +11,7 @@ The runs are small (--size small: a second or two a case) and share one process 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -185,6 +186,9 @@ def test_the_cases_cover_what_the_fuzzer_claims():
     assert any(case.get("chunk", 1) == 1 and not case.get("static") for case in decode)  # eager one-query steps
     assert any(case.get("Tw") == case["T"] for case in decode) and any(case.get("cache_views") for case in decode)
     assert any(case["T"] > 1024 for case in decode)  # rows longer than a training case's: many slots and blocks
+    small_gates = [case for case in ran if "gate_logit" in case]  # fp16 training cases only, with their floor
+    assert small_gates and all(case["dtype"] == "float16" and case.get("kind") != "decode" for case in small_gates)
+    assert all(case["rel_floor"] == pytest.approx(1e-2 / (1 + math.exp(10))) for case in small_gates)
     reasons = [why for why in refused if why]
     assert any(why.startswith("NSAConfig") for why in reasons) and any(why.startswith("kernels") for why in reasons)
     assert len(reasons) < 0.15 * DRAWN, reasons
