@@ -197,8 +197,9 @@ def parse_args(argv=None) -> TrainConfig:
         cfg.model = None  # the saved architecture is used: run.json names no --model (a preset's) it did not use
     positive, at_least_0 = (lambda v: v >= 1, "a positive integer"), (lambda v: v >= 0, "at least 0")
     adam_beta = (lambda v: 0 <= v < 1, "in [0, 1): AdamW's moment decay")
-    for name, (valid, fix) in (("seq_len", (lambda v: v >= 2, "at least 2: a row holds tokens and their next tokens "
-                                                          "as labels")), ("micro_batch_size", positive), ("grad_accum", positive), ("max_steps", at_least_0),
+    for name, (valid, fix) in (("seq_len", (lambda v: v >= 2, "at least 2: a row holds tokens and their next "
+                                                          "tokens as labels")),
+                               ("micro_batch_size", positive), ("grad_accum", positive), ("max_steps", at_least_0),
                                ("log_every", at_least_0), ("eval_every", at_least_0), ("save_every", at_least_0),
                                ("long_context_samples", positive), ("warmup_steps", at_least_0),
                                ("stop_at_step", (lambda v: v >= 0, "at least 0 (0: train to --max-steps)")),
@@ -529,11 +530,11 @@ def claim_output_dir(cfg: TrainConfig, out_dir: Path, accelerator):
         try:
             lock = checkpoint.lock_output_dir(out_dir)
             checkpoint.check_output_dir(out_dir, cfg.resume, cfg.eval_only, cfg.max_steps)
-        except ValueError as e:
-            error = str(e)
+        except (ValueError, OSError) as e:  # (any error: the other processes wait below for the verdict)
+            error = str(e) if isinstance(e, ValueError) else f"--output-dir {out_dir}: cannot create or lock it ({e})"
             if lock is not None:
                 lock.close()
-    if accelerator.num_processes > 1:  # (the others wait here for the main process's verdict)
+    if accelerator.num_processes > 1:
         verdict = [error]
         broadcast_object_list(verdict)
         error = verdict[0]

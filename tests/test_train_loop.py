@@ -1254,6 +1254,17 @@ def test_a_live_launch_holds_its_output_dir(tmp_path):
     assert run_main(tiny_args(out, max_steps=2, resume="latest"))["step"] == 2  # and this one released its own
 
 
+def test_an_output_dir_that_cannot_be_created_is_a_clear_error(tmp_path, monkeypatch):
+    """A folder the main process cannot create or lock (permissions, a full disk) is the same ValueError on every
+    process (under DDP the others wait for the main process's verdict: an OSError there alone would hang them)."""
+    def denied(out_dir):
+        raise PermissionError(13, "Permission denied", str(out_dir))
+
+    monkeypatch.setattr(checkpoint, "lock_output_dir", denied)
+    with pytest.raises(ValueError, match=r"--output-dir \S*run: cannot create or lock it \(\[Errno 13\] Permission denied"):
+        run_main(tiny_args(tmp_path / "run", max_steps=1))
+
+
 def test_a_failing_sample_is_a_warning_after_the_export(tmp_path, capsys, monkeypatch):
     """--sample-prompt runs after the export: a sample that fails (here generation raises as a decoder that cannot
     decode an id would) is said as a warning, and the run ends as finished with its summary.json; one that works is
