@@ -54,6 +54,7 @@ import torch
 from .nsa_backend import _log_once
 from .nsa_layout import NSAParams
 from .nsa_triton_common import (  # noqa: F401  (_HAS_TRITON: callers ask this module whether triton imported)
+    _GRID_AXIS_MAX,
     _HAS_TRITON,
     MIN_COMPUTE_CAPABILITY,
     _FloatDq,
@@ -335,7 +336,6 @@ _USE_NSA_ATTENTION = ("nsa_backend.nsa_attention(..., backend='auto') (the PyTor
                       "do not apply) or nsa_reference.nsa_attention_reference")
 
 
-_GRID_AXIS_MAX = 65535  # CUDA's limit on a launch grid's y and z sizes
 
 
 def _check_shapes(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos) -> None:
@@ -358,6 +358,10 @@ def _check_shapes(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, d
     if num_kv < 1 or num_heads % num_kv:
         raise ValueError(f"nsa_triton: {num_heads} query heads do not share {num_kv} K/V heads evenly; give a "
                          "number of query heads that is a multiple of the K/V heads.")
+    _check_grid_rows(batch, num_kv)
+
+
+def _check_grid_rows(batch: int, num_kv: int) -> None:
     if batch * num_kv > _GRID_AXIS_MAX:  # the training kernels launch one program row per (row, K/V head)
         raise ValueError(f"nsa_triton: batch {batch} x {num_kv} K/V heads = {batch * num_kv} program rows, more than "
                          f"the {_GRID_AXIS_MAX:,} a CUDA launch grid's second axis holds; run the batch in parts of at "
@@ -436,6 +440,7 @@ def select_blocks_triton(q, k_cmp, cmp_end, doc_pos, params: NSAParams, scale: f
     """
     head_dim = q.shape[-1]
     _require_support("select_blocks_triton", "nsa_reference.select_blocks", params, head_dim, q.device)
+    _check_grid_rows(q.shape[0], k_cmp.shape[2])  # k_cmp (B, S, Hkv, D)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     (q, k_cmp), _ = _kernel_inputs(q, k_cmp)
     q = q.contiguous()

@@ -467,3 +467,4 @@ _CUDA_SHARED_MEMORY: dict[int, int] = {}
 
 # log2(e): the kernels exponentiate with exp2, so every launcher passes them scale * _LOG2E
 _LOG2E = 1.4426950408889634
+_GRID_AXIS_MAX = 65535  # CUDA's limit on a launch grid's y and z sizes

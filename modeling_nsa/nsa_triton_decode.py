@@ -5,10 +5,12 @@ or, for a CUDA-graphed static cache, in parts side by side and a combine kernel.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .nsa_layout import NSAParams
-from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes, _next_pow2, on_the_inputs_device
+from .nsa_triton_common import _GRID_AXIS_MAX, _LOG2E, _cdiv, _launch_shapes, _next_pow2, on_the_inputs_device
 from .nsa_triton_launch import _decode_launch
 
 
@@ -428,6 +430,11 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     topn = dict(LB=params.sel_block_size, N_SEL=n_sel, N_PAD=n_pad)
     sel_parts, win_parts = _cdiv(n_sel, launch.sel_part), _cdiv(num_win, launch.win_part)
     n_parts = sel_parts + win_parts + 1  # the last: the compressed branch
+    if launch.parts and n_parts > _GRID_AXIS_MAX:
+        # a static cache whose window shares the selection keys (kv_per_branch False or "cmp") lays its window parts
+        # over the whole key buffer: past 65,535 parts (8.4M keys at head_dim 128) a launch grid's second axis cannot
+        # hold them, so the finish kernel walks them, one program per row and KV group (the same result)
+        launch = dataclasses.replace(launch, parts=False, fused_combine=False)
     query_end = query_end if static else doc_pos  # (unread without STATIC)
     # PDL: every launch below waits for the one before it on the device (_after_previous_launch), so the chain
     # holds only these kernels: the fused combine's count zeroed before the first

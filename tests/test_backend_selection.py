@@ -159,6 +159,8 @@ def test_the_kernels_refuse_shapes_they_would_read_out_of_bounds():
     wide = {name: x.expand(32768, *x.shape[1:]) for name, x in good.items()}
     with pytest.raises(ValueError, match=r"batch 32768 x 2 K/V heads = 65536 program rows.*parts of at most 32767"):
         tri.nsa_attention_triton(**wide, params=p)
+    with pytest.raises(ValueError, match=r"batch 32768 x 2 K/V heads = 65536 program rows"):  # (the top-n alone too)
+        tri.select_blocks_triton(wide["q"], wide["k_cmp"], wide["cmp_end"], wide["doc_pos"], p)
 
 
 def _on_a_gpu_where_the_kernels_run(monkeypatch):

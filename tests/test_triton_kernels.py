@@ -78,6 +78,7 @@ _KNOB_IDS = {
     "chunk": lambda c: f"chunk{c['chunk']}",
     "param_overrides": lambda c: "-".join(f"{k}{v}" for k, v in c["param_overrides"].items()),
     "gate_logit": lambda c: f"gatelogit{c['gate_logit']:g}",
+    "grid_axis_max": lambda c: f"gridaxis{c['grid_axis_max']}",
 }
 
 
@@ -385,6 +386,10 @@ CPU_CASES = [
          param_overrides=dict(sel_num_blocks=6, window_size=40)),
     dict(kind="decode", B=2, T=90, H=6, Hkv=2, D=16, steps=[1, 16, 17, 50, 89], Tw=16, layout="varlen", static=True,
          decode_parts=False),
+    # a static step whose parts would pass a launch grid's second axis (a window sharing the selection keys over
+    # millions of keys: 65,535 parts, lowered to 4 here, every decode launch checked against it) runs the finish kernel
+    dict(kind="decode", B=2, T=120, H=6, Hkv=2, D=16, steps=[1, 30, 77, 119], layout="pad", static=True,
+         decode_win_tile=16, decode_win_part=16, grid_axis_max=4, param_overrides=dict(sel_num_blocks=6, window_size=40)),
     # NSACache(static=True)'s layout: full-length key buffers (unwritten keys NaN), the window a ring (first
     # filling, then wrapped past w = 16), the query's key index a tensor; several documents per row, and
     # 16-slot splits and 3-block top-n ranges so that programs past the written keys exist and must find nothing
