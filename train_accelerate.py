@@ -51,7 +51,7 @@ from nsa_train.evaluation import (
 from nsa_train.export import Exporter, generate_sample
 from nsa_train.long_context import DEFAULT_DEPTHS, check_depths, check_lengths
 from nsa_train.preemption import SigtermStop
-from nsa_train.run_state import RunState
+from nsa_train.run_state import RunState, lr_at
 from nsa_train.step_log import StepLog, transformers_bars_on_a_terminal_only
 
 MODEL_PRESETS = {
@@ -422,14 +422,6 @@ def make_optimizer(model, cfg: TrainConfig, device):
             (no_decay if p.ndim < 2 or name.endswith("embed_tokens.weight") else decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up to cfg.lr, then cosine down to cfg.lr * min_lr_ratio at max_steps."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def set_learning_rate(optimizer, lr: float) -> float:
@@ -952,6 +944,8 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     if run.step == 0 and schedule.due(0):  # the starting point of the validation curve
         log.log_eval(0, evaluate(unwrapped, run, val_rows, cfg.micro_batch_size, accelerator, **schedule.what(0)))
     stop_at = min(cfg.max_steps, cfg.stop_at_step or cfg.max_steps)  # the step this launch trains to
+    if run.step < stop_at:  # (the card describes the schedules the weights trained under)
+        run.follow_schedule(cfg)
     if run.step >= stop_at and run.step < cfg.max_steps:
         say(f"step {run.step} is at or past --stop-at-step {cfg.stop_at_step}: nothing to train in this launch "
             f"(raise --stop-at-step, or drop it to train to --max-steps {cfg.max_steps}).")

@@ -27,14 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .run_state import RunState
+from .run_state import SCHEDULE_FLAGS, RunState
 
 STATE_FILE = "trainer_state.json"
 LOCK_FILE = "run.lock"  # held (flock) by the launch writing into an output dir; names it for the one refused
 RUN_OUTPUTS = ("metrics.jsonl", "final", "summary.json")  # what a run writes besides its checkpoints
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-# the flags lr_at's schedule is laid out with: a resume may change them, and says so
-SCHEDULE_FLAGS = ("max_steps", "lr", "warmup_steps", "min_lr_ratio")
 RUNTIME_FIELDS = {"nsa_backend", "use_cache", "training_seq_len"}  # chosen per run: the weights do not depend on them
 MODEL_FLAGS = ("model", "model_overrides", "tokenizer", "attention_mode")  # the flags that build the model
 # the flags that decide which token a saved data position points at: a resume must keep them

@@ -9,6 +9,8 @@ from importlib import resources
 from pathlib import Path
 from string import Template
 
+from .run_state import Schedule, lr_at
+
 
 def _templates():
     """model_cards/ beside the package in a checkout; installed from a wheel it is nsa_train/model_cards/."""
@@ -57,6 +59,7 @@ def run_card_fields(cfg, config, run, *, n_params, world, mixed_precision, devic
     on_hub = data.streams_from_hub(cfg.dataset)
     tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * world * cfg.seq_len
     source = model_source(cfg.init_from) if getattr(cfg, "init_from", None) else None  # (--init-from's model)
+    schedules = run.schedules or [Schedule.of(cfg)]  # (a run that trained no step: its flags')
     return {
         "model_name": Path(cfg.push_to_hub or Path(out_dir).name).name,
         "repo_or_path": cfg.push_to_hub or "path/to/checkpoint",
@@ -79,14 +82,14 @@ def run_card_fields(cfg, config, run, *, n_params, world, mixed_precision, devic
         "init_description": init_description(config, source),
         "model_description": model_description(config, human(n_params)),
         "tokens_trained": f"{run.tokens_seen:,} tokens" + (f" after the training of `{source}`" if source else ""),
-        "schedule": schedule_words(cfg),
+        "schedule": schedule_words(schedules, run.step),
         "data_description": data_description, "seq_len": cfg.seq_len,
         "doc_masking": "documents packed with EOS between them, attention across documents (GPT-2 style)"
         if cfg.cross_doc_attention else "documents packed with EOS between them and never attended across",
         "global_batch": cfg.micro_batch_size * cfg.grad_accum * world, "micro_batch_size": cfg.micro_batch_size,
         "grad_accum": cfg.grad_accum, "num_processes": world, "tokens_per_step": f"{tokens_per_step:,}",
-        "lr": cfg.lr, "betas": f"({cfg.beta1}, {cfg.beta2})", "weight_decay": cfg.weight_decay,
-        "warmup_steps": cfg.warmup_steps, "grad_clip": cfg.grad_clip,
+        "lr": schedules[0].lr, "betas": f"({cfg.beta1}, {cfg.beta2})", "weight_decay": cfg.weight_decay,
+        "warmup_steps": schedules[0].warmup_steps, "grad_clip": cfg.grad_clip,
         "mixed_precision": PRECISION_WORDS.get(mixed_precision, mixed_precision),
         "device": device, "git_sha": code_versions(out_dir, metrics.git_sha(Path(__file__).resolve().parents[1])),
         "torch_version": versions["torch"], "transformers_version": versions["transformers"],
@@ -109,14 +112,29 @@ def code_versions(out_dir, current: str | None) -> str:
     return f"{current} (the launch that wrote this card; the run was resumed, and earlier launches ran {said})"
 
 
-def schedule_words(cfg) -> str:
-    """What follows the warm-up in the card's optimizer line (train_accelerate.lr_at's schedule): a cosine decay,
-    or, for a run shorter than its warm-up, that it never left it."""
-    if cfg.warmup_steps >= cfg.max_steps:
-        last_lr = cfg.lr * cfg.max_steps / cfg.warmup_steps  # (linear warm-up: step s trains at lr * (s + 1) / warmup)
-        return (f"of which the run took {cfg.max_steps:,}: it ended inside the warm-up at lr {last_lr:.3g}, "
+def schedule_words(schedules: list[Schedule], step: int) -> str:
+    """What follows "lr L, W warm-up steps," in the card's optimizer line (run_state.lr_at's schedule): the first
+    schedule's decay; each later one a resume switched to (other --max-steps, --lr, ...), from its step on; and,
+    where the weights are from before the last schedule's end (a run stopped or exported early), the rate of
+    their last step."""
+    words = [_decay_words(schedules[0])]
+    for schedule in schedules[1:]:
+        words.append(f"from step {schedule.from_step:,} (resumed with other schedule flags) lr {schedule.lr:g}, "
+                     f"{schedule.warmup_steps:,} warm-up steps, {_decay_words(schedule)}")
+    last = schedules[-1]
+    if 0 < step < last.max_steps:
+        words.append(f"the weights are step {step:,}'s, trained at lr {lr_at(step - 1, last):.3g}, before the "
+                     "schedule's end")
+    return "; ".join(words)
+
+
+def _decay_words(schedule: Schedule) -> str:
+    """A schedule's cosine decay, or, for a schedule shorter than its warm-up, that it never left it."""
+    if schedule.warmup_steps >= schedule.max_steps:
+        last_lr = schedule.lr * schedule.max_steps / schedule.warmup_steps  # (step s trains at lr * (s + 1) / warmup)
+        return (f"of which the run took {schedule.max_steps:,}: it ended inside the warm-up at lr {last_lr:.3g}, "
                 f"with no cosine decay")
-    return f"then cosine decay to {cfg.lr * cfg.min_lr_ratio:.3g} at step {cfg.max_steps:,}"
+    return f"then cosine decay to {schedule.lr * schedule.min_lr_ratio:.3g} at step {schedule.max_steps:,}"
 
 
 def init_description(config, source: str | None) -> str:

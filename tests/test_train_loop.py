@@ -1285,6 +1285,29 @@ def test_a_failing_sample_is_a_warning_after_the_export(tmp_path, capsys, monkey
             "256). The run is trained and exported") in capsys.readouterr().out
 
 
+def test_the_card_describes_the_schedules_the_weights_trained_under(tmp_path):
+    """A run's card names the learning-rate schedule its weights trained under, not this launch's flags: an early
+    checkpoint exported into a new folder (--max-steps its step) trained under its run's longer schedule, and
+    stopped part-way down it; a resume with another --max-steps switches schedules from its step on."""
+    import train_accelerate
+    from nsa_train.run_state import Schedule, lr_at
+
+    out = tmp_path / "run"
+    run_main(tiny_args(out, max_steps=6, stop_at_step=3, save_every=3, warmup_steps=2))
+    exported = tmp_path / "at-3"
+    run_main(tiny_args(exported, max_steps=3, warmup_steps=2, resume=out / "checkpoints" / "step_00000003"))
+    card = (exported / "final" / "README.md").read_text()
+    six = Schedule(0, 6, 3e-3, 2, 0.1)
+    assert (f"2 warm-up steps, then cosine decay to 0.0003 at step 6; the weights are step 3's, trained at lr "
+            f"{lr_at(2, six):.3g}, before the schedule's end, gradient clipping") in card
+    run_main(tiny_args(out, max_steps=8, warmup_steps=1, resume="latest"))
+    card = (out / "final" / "README.md").read_text()
+    assert ("lr 0.003, betas (0.9, 0.95), weight decay 0.1 on matrices only), 2 warm-up steps, then cosine decay to "
+            "0.0003 at step 6; from step 3 (resumed with other schedule flags) lr 0.003, 1 warm-up steps, then cosine "
+            "decay to 0.0003 at step 8, gradient clipping") in card
+    assert train_accelerate.lr_at is lr_at  # the trainer's steps follow the schedule the card describes
+
+
 def test_dense_sdpa_with_packed_documents_on_a_gpu_names_flex_attention():
     """The note fires for dense mode on SDPA (default or named) with document masking on a CUDA device, and only
     there: NSA mode, cross-document rows, flex_attention, and CPU runs stay silent."""
