@@ -597,6 +597,9 @@ def warn_about_settings(cfg: TrainConfig, accelerator, precision: str) -> None:
         accelerator.print("warning: --mixed-precision fp16 does nothing here (accelerate autocasts to fp16 on GPUs "
                           "only): the steps run in float32 and the card says so; --mixed-precision bf16 autocasts on "
                           "CPU too.")  # fmt: skip
+    if cfg.stop_at_step >= cfg.max_steps > 0:
+        accelerator.print(f"note: --stop-at-step {cfg.stop_at_step} is not before --max-steps {cfg.max_steps}: the run "
+                          "trains to --max-steps and finishes (exports final/) without stopping for a resume.")
     if cfg.warmup_steps >= cfg.max_steps > 0:
         accelerator.print(f"warning: --warmup-steps {cfg.warmup_steps} >= --max-steps {cfg.max_steps}: the whole run "
                           "is warm-up and the cosine decay never starts; lower --warmup-steps (e.g. to a tenth of "

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: held_out, re
 from modeling_nsa.configuration_nsa import BRANCHES  # noqa: E402
 from nsa_train.data import make_source, validation_rows  # noqa: E402
 from nsa_train.evaluation import OneProcess, validation_loss  # noqa: E402
-from nsa_train.long_context import load_model_and_tokenizer, run_command  # noqa: E402
+from nsa_train.long_context import check_output_path, load_model_and_tokenizer, run_command  # noqa: E402
 from held_out import TRAINER_DEFAULTS, data_flags, describe_flags, read_model  # noqa: E402
 from retrieval_anatomy import gate_removed  # noqa: E402
 from seed_groups import check_groups, paired_gap, write_report  # noqa: E402
@@ -137,6 +137,7 @@ def main(argv=None) -> dict:
     check_groups(p, args.group, "models", at_least=1)
     names = [g[0] for g in args.group]
     # everything that can be refused is checked before the first model is evaluated
+    check_output_path(args.out, "folder")
     models = {name: [read_model(spec) for spec in specs] for name, *specs in args.group}
     for name, group in models.items():
         seeds = [m["seed"] for m in group if m["seed"] is not None]

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: held_out (a 
 
 from nsa_train.data import make_source, validation_rows  # noqa: E402
 from nsa_train.evaluation import OneProcess, position_losses, validation_loss  # noqa: E402
-from nsa_train.long_context import load_model_and_tokenizer, run_command  # noqa: E402
+from nsa_train.long_context import check_output_path, load_model_and_tokenizer, run_command  # noqa: E402
 from held_out import TRAINER_DEFAULTS, data_flags, describe_flags, read_model  # noqa: E402
 
 
@@ -98,6 +98,8 @@ def main(argv=None):
         raise ValueError(f"MODEL given twice in {args.models}: each model's results are keyed by its path; give each "
                          "once.")  # fmt: skip
     shifts = sorted(set(args.shifts))
+    if args.out is not None:
+        check_output_path(args.out, "file")
     models = [read_model(spec) for spec in args.models]
     given = {key: getattr(args, key) for key in ("dataset", "dataset_config", "text_column", "seq_len",
                                                  "val_every_doc", "val_tokens", "cross_doc_attention")}  # fmt: skip
@@ -119,6 +121,7 @@ def main(argv=None):
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(everything, indent=1) + "\n")
+        print(f"wrote {args.out}", file=sys.stderr)
     return everything
 
 

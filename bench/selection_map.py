@@ -23,6 +23,7 @@ not at all (`bench/retrieval_anatomy.py` tells which).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -119,8 +120,8 @@ def main(argv=None) -> dict:
     text.add_argument("--task", choices=("passkey", "needle"),
                       help="a retrieval case as nsa_train.long_context builds it (with --length, --depth, --sample)")
     p.add_argument("--length", type=int, default=None, help="--task: the case's tokens, prompt and answer")
-    p.add_argument("--depth", type=float, default=0.5, help="--task: where the item is hidden, 0..1 (default 0.5)")
-    p.add_argument("--sample", type=int, default=0, help="--task: which case of that length and depth (default 0)")
+    p.add_argument("--depth", type=float, default=None, help="--task: where the item is hidden, 0..1 (default 0.5)")
+    p.add_argument("--sample", type=int, default=None, help="--task: which case of that length and depth (default 0)")
     p.add_argument("--haystack", default=None,
                    help="--task needle: the documents to hide it in (default: long_context's default haystack)")
     p.add_argument("--layer", type=int, default=0)
@@ -129,14 +130,24 @@ def main(argv=None) -> dict:
     p.add_argument("--tokenizer", default=None, help="a tokenizer directory, a Hub id or byt5, as the trainer's "
                    "--tokenizer (default: MODEL's own; a model saved without one needs it)")
     p.add_argument("--out", type=Path, default=None,
-                   help="the PNG (default: <run>/selection_map/layer<L>_group<G>.png for a run's final/, else "
-                        "./selection_map.png)")
+                   help="the PNG, or a folder for layer<L>_group<G>.png (default: <run>/selection_map/ for a run's "
+                        "final/, else ./selection_map.png)")
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)
     if args.out is None:  # beside a run's other evaluations (long_context's rule), not in the working directory
         run_dir = Path(args.model).resolve().parent
         args.out = (run_dir / "selection_map" / f"layer{args.layer}_group{args.group}.png"
                     if (run_dir / "run.json").is_file() else Path("selection_map.png"))  # fmt: skip
+    elif args.out.is_dir() or str(args.out).endswith(("/", os.sep)):  # a folder: the map gets its own name there
+        args.out = args.out / f"layer{args.layer}_group{args.group}.png"
+    elif not args.out.suffix:  # (matplotlib would write <out>.png and the message name <out>)
+        args.out = args.out.with_name(args.out.name + ".png")
+    given = [f"--{name} {value}" for name, value in (("depth", args.depth), ("sample", args.sample)) if value is not None]
+    if args.task is None and given:
+        raise ValueError(f"{' '.join(given)}: these place a retrieval case's item; they take --task passkey|needle "
+                         "(and --length), not a --prompt or --prompt-file.")
+    args.depth = 0.5 if args.depth is None else args.depth
+    args.sample = 0 if args.sample is None else args.sample
     if args.prompt_file is not None and not args.prompt_file.is_file():
         raise ValueError(f"--prompt-file {str(args.prompt_file)!r}: no such file; pass a text file, or the prompt "
                          "itself with --prompt.")

@@ -41,6 +41,7 @@ From Python (e.g. at the end of a training run) call `run_long_context_eval(mode
 from __future__ import annotations
 
 import argparse
+import difflib
 import inspect
 import itertools
 import json
@@ -1026,6 +1027,18 @@ def check_device(device: str | None, flag: str = "--device") -> None:
                          f"{flag} cpu, or leave it out.")
 
 
+def check_output_path(path, kind: str, flag: str = "--out") -> None:
+    """An output path that cannot be written as `kind` ("folder" or "file"): an error naming the flag before any
+    model is evaluated (the write fails after the evaluation otherwise, its result lost)."""
+    path = Path(path)
+    if kind == "folder" and path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {str(path)!r} is a file; this output is a folder: pass a folder's path (new or "
+                         "existing).")
+    if kind == "file" and path.is_dir():
+        raise ValueError(f"{flag} {str(path)!r} is a folder; this output is one file: pass a file's path, e.g. "
+                         f"{str(path / 'result.json')!r}.")
+
+
 def check_hub_id_reachable(repo_id: str, filename: str, what: str, hint: str) -> None:
     """A Hub id whose `filename` is not in the local cache must come from the Hub: fail in seconds where it cannot
     be reached (offline mode, no network), not after transformers' minute of retries."""
@@ -1186,7 +1199,14 @@ def check_not_replacing(out_dir: Path, task: str, scoring: str, settings: dict) 
 
 
 def main(argv=None) -> dict:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the trainer's spelling of a flag (--long-context-lengths) or a typo: name the one meant
+        flags = [flag for action in parser._actions for flag in action.option_strings]
+        close = [match for u in unknown if u.startswith("-")
+                 for match in difflib.get_close_matches(u.split("=")[0].replace("--long-context-", "--"), flags, 1)]
+        hint = f" (did you mean {' or '.join(dict.fromkeys(close))}?)" if close else ""
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     # cheap checks first: a typo fails before a model is loaded
     check_task(args.task)
     check_scoring(args.scoring)
@@ -1197,6 +1217,10 @@ def main(argv=None) -> dict:
     if out is None:
         run_dir = Path(args.model).resolve().parent  # a run's final/ sits in the run's directory
         out = run_dir / "long_context" if (run_dir / "run.json").is_file() else Path("long_context")
+    check_output_path(out, "folder")
+    if args.training_len is not None and args.training_len < 1:
+        raise ValueError(f"--training-len {args.training_len}: the model's training length is a positive number of "
+                         "tokens (the --seq-len it trained at); leave it out to read it from the model or its run.")
     if not args.overwrite:
         settings = {"lengths": check_lengths(args.lengths, None), "depths": depths, "samples": args.samples,
                     "seed": args.seed}  # fmt: skip

@@ -140,6 +140,10 @@ def test_the_held_out_rows_follow_the_runs_data_flags(runs_and_data, tmp_path):
 
 def test_bad_input_is_named(runs_and_data, tmp_path):
     folder = runs_and_data
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match=r"^--out '.*a-file' is a file; this output is a folder"):  # before any model
+        branch_ablation.main(["--dataset", str(folder / "docs.jsonl"), *DATA_FLAGS, "--group", "nsa",
+                              str(folder / "run0"), "--out", str(tmp_path / "a-file")])  # fmt: skip
     torch.manual_seed(0)
     NSAForCausalLM(tiny_config(attention_mode="dense")).save_pretrained(tmp_path / "dense")
     with pytest.raises(ValueError, match="dense: model_type 'nsa', attention_mode 'dense': only an NSA model"):

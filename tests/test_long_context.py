@@ -251,6 +251,9 @@ def test_build_retrieval_data_script(tmp_path):
     with pytest.raises(ValueError, match="--min-doc-len 100: too short for the passkey task"):
         build_retrieval_data.main(["--tokenizer", "byt5", "--seq-len", "256", "--min-doc-len", "100", "--rows", "1",
                                    "--out", str(out)])
+    with pytest.raises(SystemExit):  # the trainer's spelling of the flag: the tool's own is named
+        lc.main(["never-loaded", "--long-context-lengths", "256"])
+    assert "unrecognized arguments: --long-context-lengths 256 (did you mean --lengths?)" in capsys.readouterr().err
     for bad in ("0", "-5"):  # the least length named is the task's, not a generic 2
         with pytest.raises(ValueError, match=f"--min-doc-len {bad}: too short .* use --min-doc-len >= 224"):
             build_retrieval_data.main(["--tokenizer", "byt5", "--seq-len", "256", "--min-doc-len", bad, "--rows", "1",
@@ -672,6 +675,24 @@ def test_a_cuda_device_without_a_gpu_is_named(monkeypatch):
         lc.main(["never-loaded", "--device", "cuda"])
     lc.check_device("cpu")
     lc.check_device(None)
+
+
+def test_an_out_that_cannot_hold_the_results_is_named_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """--out is a folder: a file there fails first, naming it, not after the evaluation with FileExistsError."""
+    (tmp_path / "results.py").write_text("")
+    monkeypatch.setattr(lc, "load_model_and_tokenizer", lambda *a, **k: pytest.fail("the model loaded first"))
+    with pytest.raises(ValueError, match=r"^--out '.*results.py' is a file; this output is a folder"):
+        lc.main(["never-loaded", "--lengths", "256", "--out", str(tmp_path / "results.py")])
+    with pytest.raises(ValueError, match=r"^--out '.*' is a folder; this output is one file: pass a file's path"):
+        lc.check_output_path(tmp_path, "file")
+    lc.check_output_path(tmp_path / "new", "folder")
+    with pytest.raises(SystemExit):  # the trainer's spelling of the flag: the tool's own is named
+        lc.main(["never-loaded", "--long-context-lengths", "256"])
+    assert "unrecognized arguments: --long-context-lengths 256 (did you mean --lengths?)" in capsys.readouterr().err
+    for bad in ("0", "-5"):
+        with pytest.raises(ValueError, match=rf"^--training-len {bad}: the model's training length is a positive"):
+            lc.main(["never-loaded", "--lengths", "256", "--training-len", bad, "--out", str(tmp_path / "new")])
+    lc.check_output_path(tmp_path / "new.json", "file")
 
 
 def test_a_run_directory_is_told_to_pass_its_final(nsa_run, monkeypatch):

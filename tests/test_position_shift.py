@@ -105,3 +105,9 @@ def test_a_runs_directory_or_final_gives_the_held_out_rows_flags(saved_model_and
     assert "held-out rows: --dataset " in said and "--seq-len 32 --val-every-doc 2 --val-tokens 1000000" in said
     every = position_shift.main([str(run), "--tokenizer", "byt5", "--shifts", "0", "--val-every-doc", "1"])
     assert every[str(run)]["0"]["val_loss"] != pytest.approx(expected, rel=1e-6)  # the given flag wins
+    # --out: a JSON file, written and said; a folder there is refused before any model is evaluated
+    position_shift.main([str(run), "--tokenizer", "byt5", "--shifts", "0", "--out", str(tmp_path / "shift.json")])
+    assert str(json.loads((tmp_path / "shift.json").read_text())[str(run)]["0"]["val_loss"])
+    assert f"wrote {tmp_path / 'shift.json'}" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"^--out '.*nsa-seed0' is a folder; this output is one file"):
+        position_shift.main([str(run), "--tokenizer", "byt5", "--shifts", "0", "--out", str(run)])

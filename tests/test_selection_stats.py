@@ -208,6 +208,15 @@ def test_selection_map_cli(model, tmp_path, capsys):
     assert result["codes"].shape[0] == 30 and "the prompt cut to 30 of its 51 tokens (--max-len 30)" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"--layer 5: the model has layers 0..1"):
         selection_map.main([str(tmp_path / "final"), "--prompt", "abc", "--layer", "5"])
+    # --out a folder: the map takes its default name there; a name without a suffix gets .png (said as written)
+    capsys.readouterr()
+    result = selection_map.main([str(tmp_path / "final"), "--prompt", "abcdef", "--layer", "1", "--out",
+                                 f"{tmp_path}/"])  # fmt: skip
+    assert (tmp_path / "layer1_group0.png").is_file() and f"wrote {tmp_path / 'layer1_group0.png'}" in capsys.readouterr().out
+    selection_map.main([str(tmp_path / "final"), "--prompt", "abcdef", "--out", str(tmp_path / "bare")])
+    assert (tmp_path / "bare.png").is_file() and f"wrote {tmp_path / 'bare.png'}" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"--depth 0.3: these place a retrieval case's item; they take --task"):
+        selection_map.main([str(tmp_path / "final"), "--prompt", "abcdef", "--depth", "0.3"])
     # a run's final/ without --out: the map goes beside the run's other evaluations, not into the working directory
     (tmp_path / "run.json").write_text("{}")
     result = selection_map.main([str(tmp_path / "final"), "--prompt", "abcdef", "--layer", "1"])

@@ -723,6 +723,10 @@ def test_resume_reads_the_same_files_however_named_and_flags_that_would_be_ignor
         with pytest.raises(SystemExit):
             run_main(tiny_args(tmp_path / "bad", **flags))
         assert says in capsys.readouterr().err
+    # --stop-at-step at or past --max-steps does not stop the run: said
+    summary = run_main(tiny_args(tmp_path / "past", max_steps=2, stop_at_step=5))
+    assert summary["finished"] and (tmp_path / "past" / "final").is_dir()
+    assert "note: --stop-at-step 5 is not before --max-steps 2: the run trains to --max-steps" in capsys.readouterr().out
 
 
 def test_short_run_notes_and_exported_tokenizer(tmp_path, capsys):
