@@ -39,10 +39,63 @@ def read_model(spec: str) -> dict:
     if not (run / "final").is_dir():
         raise ValueError(f"{spec}: a run's directory without final/ (the trainer exports it when the run ends); "
                          "finish the run, or give a saved model directory.")  # fmt: skip
-    config = json.loads(record.read_text()).get("config", {})
+    saved = json.loads(record.read_text())
+    config = saved.get("config", {})
     seed = config.get("seed")
-    return {"spec": spec, "path": str(run / "final"), "seed": seed if isinstance(seed, int) else None,
-            "data": {key: config.get(key) for key, _ in DATA_FLAGS if key in config}}  # fmt: skip
+    data = {key: config.get(key) for key, _ in DATA_FLAGS if key in config}
+    launches = saved.get("launches") or [{}]
+    if "dataset" in data:  # a relative path was relative to where the run was launched, not to this process
+        data["dataset"] = launched_path(data["dataset"], launches[-1].get("cwd"))
+    return {"spec": spec, "path": str(run / "final"), "seed": seed if isinstance(seed, int) else None, "data": data,
+            "data_sha256": launches[-1].get("data_sha256"), "record": str(record)}  # fmt: skip
+
+
+def launched_path(dataset, cwd: str | None):
+    """A run's --dataset as a path from here: a relative local path (or parquet:PATH) joined to the directory the
+    run was launched from (run.json's launches record it); a Hub name, an absolute path, or a run recorded
+    without its directory as it is."""
+    from nsa_train.data import PARQUET_STREAM
+
+    if not isinstance(dataset, str) or cwd is None or dataset in ("python-docs", "fineweb-edu"):
+        return dataset
+    if dataset.startswith("hf://"):
+        return dataset
+    prefix = PARQUET_STREAM if dataset.startswith(PARQUET_STREAM) else ""
+    path = Path(dataset[len(prefix) :]).expanduser()
+    return dataset if path.is_absolute() else prefix + str(Path(cwd) / path)
+
+
+def check_same_data_files(models: list[dict], dataset: str, text_column: str) -> None:
+    """The run's own --dataset must still hold the bytes the run read (run.json's sha256 of each file): a file
+    rebuilt or replaced since, under the same name, gives other held-out rows without a word. An error naming the
+    run and the files; runs that recorded no digests (streamed data, large corpora) are taken as they are."""
+    from nsa_train.data import LocalFiles, file_fingerprints
+
+    recorded = {}
+    for m in models:
+        if m["data"].get("dataset") == dataset and m.get("data_sha256"):
+            recorded[m["spec"]] = {Path(p).name: digest for p, digest in m["data_sha256"].items()}
+    if not recorded or dataset.startswith(("hf://", "parquet:")) or dataset in ("python-docs", "fineweb-edu"):
+        return
+    try:
+        files = LocalFiles(dataset, text_column).files
+    except FileNotFoundError as e:
+        spec = next(iter(recorded))
+        raise FileNotFoundError(f"{e} (the --dataset of {spec}, from its run.json); give --dataset PATH where that "
+                                "data is now.") from None
+    fingerprints = file_fingerprints(files)
+    if not fingerprints["hashed"]:
+        return  # (too large to hash here as in the trainer: sizes only)
+    now = {Path(f["path"]).name: f["sha256"] for f in fingerprints["files"]}
+    for spec, then in recorded.items():
+        if None in then.values():
+            continue  # (the run recorded sizes only)
+        if then != now:
+            differ = sorted(name for name in then.keys() | now.keys() if then.get(name) != now.get(name))
+            raise ValueError(f"--dataset {dataset}: its files are not the ones {spec} read (sha256 differs: "
+                             f"{', '.join(differ)}; run.json records what it read), so its held-out rows would be "
+                             "other text. Give --dataset PATH of the run's data, or pass --dataset explicitly to "
+                             "evaluate on these files knowingly.")
 
 
 def data_flags(models: list[dict], given: dict) -> dict:
@@ -63,7 +116,10 @@ def data_flags(models: list[dict], given: dict) -> dict:
     for key, option in (("dataset", "--dataset"), ("seq_len", "--seq-len")):
         if flags[key] is None:
             raise ValueError(f"no run.json gives {option} (saved models only): pass the runs' {option}.")
-    return {key: TRAINER_DEFAULTS.get(key) if flags[key] is None else flags[key] for key, _ in DATA_FLAGS}
+    flags = {key: TRAINER_DEFAULTS.get(key) if flags[key] is None else flags[key] for key, _ in DATA_FLAGS}
+    if given.get("dataset") is None:  # (a --dataset given is evaluated as given)
+        check_same_data_files(models, flags["dataset"], flags["text_column"])
+    return flags
 
 
 def describe_flags(flags: dict) -> str:

@@ -157,8 +157,9 @@ def device_info(accelerator) -> dict:
 def write_run_record(path: Path, config: dict, accelerator, model, extra: dict | None = None,
                      resumed_from: int | None = None):  # fmt: skip
     """run.json: this launch's config, model, code, packages and device at the top level, and `launches`, one entry
-    per launch of the run (started, git_sha, argv, from_step). resumed_from: the step this launch continues from
-    (--resume; 0 when it found no checkpoint), whose record keeps the earlier launches; None: a new run."""
+    per launch of the run (started, git_sha, argv, cwd: what relative paths in argv were relative to, from_step).
+    resumed_from: the step this launch continues from (--resume; 0 when it found no checkpoint), whose record keeps
+    the earlier launches; None: a new run."""
     sha, started = git_sha(Path(__file__).resolve().parents[1]), time.strftime("%Y-%m-%dT%H:%M:%S%z")
     earlier = []
     if resumed_from is not None and path.is_file():
@@ -181,7 +182,8 @@ def write_run_record(path: Path, config: dict, accelerator, model, extra: dict |
         "started": started,
         "argv": sys.argv,
         **(extra or {}),
-        "launches": [*earlier, {"started": started, "git_sha": sha, "argv": sys.argv, "from_step": resumed_from or 0,
+        "launches": [*earlier, {"started": started, "git_sha": sha, "argv": sys.argv, "cwd": os.getcwd(),
+                                "from_step": resumed_from or 0,
                                 "data_sha256": data_digests((extra or {}).get("data_files"))}],
     }
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -86,6 +86,43 @@ def test_cross_doc_rows_and_repeated_shifts(saved_model_and_data):
     assert by_shift["0"]["val_loss"] != pytest.approx(validation_loss(model, plain, 8, OneProcess())["val_loss"], rel=1e-6)
 
 
+def test_a_runs_relative_dataset_is_read_where_it_was_launched_and_must_hold_the_same_bytes(saved_model_and_data,
+                                                                                             tmp_path):
+    """run.json's --dataset as typed ("data/docs.jsonl") was relative to the launch's directory (run.json's
+    launches record it), not this process's; and its files must hold the bytes the run read (their sha256 in
+    run.json): a file replaced under the same name would give other rows without a word. A --dataset given is
+    evaluated as given."""
+    import hashlib
+
+    model_dir, docs = saved_model_and_data
+    launched = tmp_path / "elsewhere"
+    (launched / "data").mkdir(parents=True)
+    shutil.copy(docs, launched / "data" / "docs.jsonl")
+    run = tmp_path / "nsa-seed0"
+    shutil.copytree(model_dir, run / "final")
+    digest = hashlib.sha256((launched / "data" / "docs.jsonl").read_bytes()).hexdigest()
+    (run / "run.json").write_text(json.dumps({
+        "config": {"seed": 0, "dataset": "data/docs.jsonl", "dataset_config": None, "text_column": "text",
+                   "seq_len": 32, "val_every_doc": 2, "val_tokens": 10**6, "cross_doc_attention": False},
+        "launches": [{"cwd": str(launched), "data_sha256": {"data/docs.jsonl": digest}}]}))  # fmt: skip
+    model = NSAForCausalLM.from_pretrained(model_dir).eval()
+    rows = validation_rows(make_source(str(docs)), load_tokenizer("byt5"), 32, 2, 10**6)
+    expected = validation_loss(model, rows, 8, OneProcess())["val_loss"]
+    results = position_shift.main([str(run), "--tokenizer", "byt5", "--shifts", "0"])
+    assert results[str(run)]["0"]["val_loss"] == pytest.approx(expected, rel=1e-6)
+    lines = (launched / "data" / "docs.jsonl").read_text().splitlines()
+    (launched / "data" / "docs.jsonl").write_text("\n".join(reversed(lines)) + "\n")  # the same name, other bytes
+    with pytest.raises(ValueError, match=r"--dataset \S*elsewhere/data/docs.jsonl: its files are not the ones \S*"
+                                         r"nsa-seed0 read \(sha256 differs: docs.jsonl"):  # fmt: skip
+        position_shift.main([str(run), "--tokenizer", "byt5", "--shifts", "0"])
+    given = position_shift.main([str(run), "--tokenizer", "byt5", "--shifts", "0", "--dataset",
+                                 str(launched / "data" / "docs.jsonl")])  # fmt: skip
+    assert given[str(run)]["0"]["val_loss"] != pytest.approx(expected, rel=1e-6)  # other rows, as asked
+    (launched / "data" / "docs.jsonl").unlink()
+    with pytest.raises(FileNotFoundError, match=r"the --dataset of \S*nsa-seed0, from its run.json\); give --dataset"):
+        position_shift.main([str(run), "--tokenizer", "byt5", "--shifts", "0"])
+
+
 def test_a_runs_directory_or_final_gives_the_held_out_rows_flags(saved_model_and_data, tmp_path, capsys):
     """A MODEL inside a run (its directory or its final/) takes the rows' flags from the run's run.json, so shift
     0 is the run's own validation loss without retyping them; flags given still win."""

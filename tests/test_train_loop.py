@@ -1606,6 +1606,7 @@ def test_run_json_keeps_each_launch_and_the_card_names_earlier_code(tmp_path):
     assert record["data_files"]["files"] == [{"path": str(PARQUET), "bytes": PARQUET.stat().st_size,
                                               "sha256": hashlib.sha256(PARQUET.read_bytes()).hexdigest()}]
     assert record["launches"][0]["git_sha"] == record["git_sha"]
+    assert record["launches"][0]["cwd"] == os.getcwd()  # (what relative paths in its argv and config are relative to)
     record["launches"][0]["git_sha"] = "0123abc"  # as if the first launch had run other code
     (out / "run.json").write_text(json.dumps(record))
     run_main(tiny_args(out, max_steps=2, save_every=1, resume="latest"))
