@@ -5,11 +5,12 @@
     python bench/ab_compare.py --out runs/ab_seed0 --runs runs/ab/nsa-seed0 runs/ab/dense-seed0  # finished runs only
 
 Every flag after `--` goes to train_accelerate.py unchanged, for every run; this script adds `--attention-mode`,
-`--seed` and `--output-dir <out>/<mode>-seed<S>`. The dense twin is the same NSAConfig with
-`attention_mode="dense"`: the same parameters except NSA's own (gate projection, compressor, the extra K/V
-sets), starting from the same values (the trainer's build_model gives the dense model the NSA model's weights
-under the same `--seed`; its K/V projection: the selection branch's set), the same data order (the packer's
-shuffle is seeded by `--seed`) and the same schedule. A run already
+`--seed` and `--output-dir <out>/<mode>-seed<S>`. The runs start in the directory this command runs in: a relative
+path among those flags (`--dataset wiki.parquet`), and `--out`, is read from there. The dense twin is the same
+NSAConfig with `attention_mode="dense"`: the same parameters except NSA's own (gate projection, compressor, the
+extra K/V sets), starting from the same values (the trainer's build_model gives the dense model the NSA model's
+weights under the same `--seed`; its K/V projection: the selection branch's set), the same data order (the
+packer's shuffle is seeded by `--seed`) and the same schedule. A run already
 finished in its directory is not trained again; one stopped with checkpoints continues (`--resume latest`), so a
 long comparison can be split across sessions by running the same command again. With the trainer's
 `--stop-at-step N` among the flags every run stops at step N (a checkpoint, the schedule still --max-steps') and the
@@ -24,14 +25,15 @@ selection held the answer's block.
 It reads what the trainer writes per run (run.json: config and device; metrics.jsonl: training logs and every
 evaluation; summary.json) and writes `<out>/ab_compare.md` (tables), `ab_compare.png` (validation loss against
 tokens, and NSA - dense) and `ab_compare.json`. Validation losses are compared at the token counts every run
-evaluated at; with two or more seeds of a mode, the seed-to-seed spread (sample standard deviation, min-max)
-is given beside the difference, with the gap's 95% interval (paired by seed where both modes ran it), so a gap
-can be read against the noise; the 0.02-nat target is judged met or MISSED only when it lies outside that
-interval (two seeds rarely decide it: give three or more). At the last evaluation the loss is also compared by the
+evaluated at; with two or more seeds of a mode, the seed-to-seed spread (sample standard deviation, min-max) is
+given beside the difference, with the gap's 95% interval (paired by seed where both modes ran it), so a gap can be
+read against the noise; the 0.02-nat target is judged met or MISSED only when it lies outside that interval and each
+mode has two seeds or more (one seed of a mode: "undecided"; two seeds rarely decide it: give three or more). Runs
+without a twin of their seed in the other mode are named. At the last evaluation the loss is also compared by the
 query's position (the trainer's `val_loss_pos<lo>to<hi>`: inside NSA's window, then ranges doubling beyond it),
-NSA - dense per range with the same interval. NSA runs that logged selection statistics (the trainer's
-`stats.jsonl`, written at every evaluation) get a table of each layer's gates and selection at the last one (mean ±
-std over seeds). Needs matplotlib for the PNG (`pip install "nsa-transformers[plot]"`).
+NSA - dense per range with the same interval. NSA runs that logged selection statistics (the trainer's `stats.jsonl`,
+written at every evaluation) get a table of each layer's gates and selection at the last one (mean ± std over
+seeds). Needs matplotlib for the PNG (`pip install "nsa-transformers[plot]"`).
 """
 
 from __future__ import annotations
@@ -53,9 +55,13 @@ sys.path.insert(0, str(REPO))
 
 from nsa_train.checkpoint import RUN_OUTPUTS, RUNTIME_FIELDS, latest_checkpoint  # noqa: E402
 from nsa_train.evaluation import position_losses  # noqa: E402
-from nsa_train.long_context import ended_inside_answer_rates, run_command, tells_more_than_accuracy  # noqa: E402
+from nsa_train.long_context import (SAME_EVALUATION, ended_inside_answer_rates, run_command,  # noqa: E402
+                                    tells_more_than_accuracy)
 
 MODES = ("nsa", "dense")
+# what makes two retrieval evaluations one measurement (nsa_train.long_context refuses to replace an evaluation that
+# differs in these): read_evaluation records them, and bench/seed_groups.py pools only runs that agree in them
+EVALUATION_SETTINGS = ("task", "scoring", *SAME_EVALUATION, "haystack")
 # train_accelerate.py flags this script sets per run
 OWN_FLAGS = ("--attention-mode", "--seed", "--output-dir", "--resume")
 # NSAConfig fields that only NSA uses: the one set of fields the two modes' models may differ in
@@ -165,8 +171,8 @@ def check_kept_run_start(run_dir: Path, expected: str | None) -> None:
         return
     started = json.loads(record_file.read_text()).get("config", {}).get("init_from")
 
-    def where(source):  # the trainer runs in the repository root: a relative path is read from there
-        return None if source is None else (REPO / source).resolve() if (REPO / source).exists() else str(source)
+    def where(source):  # the trainer runs in this command's working directory: a relative path is read from there
+        return None if source is None else Path(source).resolve() if Path(source).exists() else str(source)
 
     if where(started) != where(expected):
         raise ValueError(f"{run_dir} holds a run that started from {started or 'random weights'}, not from "
@@ -206,7 +212,8 @@ def check_kept_run_flags(run_dir: Path, run_flags: list[str]) -> None:
 def train_runs(out: Path, seeds: list[int], modes: list[str], train_flags: list[str], launcher: list[str],
                env: dict | None = None, jobs: int = 1, init_from_runs: Path | None = None) -> list[Path]:  # fmt: skip
     """Train every (seed, mode) not finished yet, `jobs` at a time (1: one after another, the output on this
-    terminal; more: side by side, each run's output in <out>/<mode>-seed<S>.log); returns the run directories.
+    terminal; more: side by side, each run's output in <out>/<mode>-seed<S>.log, and on a CPU OMP_NUM_THREADS shared
+    out among them unless set: thread_env); returns the run directories. env: variables added to the runs'.
     init_from_runs: each run starts from that comparison's run of the same mode and seed (its final/)."""
     check_train_flags(train_flags, init_from_runs)
     stop_at_step = _flag_value(train_flags, "--stop-at-step")
@@ -246,6 +253,7 @@ def train_runs(out: Path, seeds: list[int], modes: list[str], train_flags: list[
             cmd += ["--resume", "latest"]
         commands.append((mode, seed, run_dir, cmd, state))
     runs = [run_dir for _, _, run_dir, _ in planned]
+    env = {**thread_env(min(jobs, len(commands)), launcher), **(env or {})}
     running: list[dict] = []
 
     def launch(mode, seed, run_dir, cmd, state):
@@ -254,8 +262,12 @@ def train_runs(out: Path, seeds: list[int], modes: list[str], train_flags: list[
         if jobs > 1:
             out.mkdir(parents=True, exist_ok=True)
             log = open(out / f"{mode}-seed{seed}.log", "a")
+        # in this command's working directory (not the repository's): a relative path among the training flags
+        # (--dataset wiki.parquet, --tokenizer ./tok) names the file the user sees there, not a same-named one in
+        # the repository; the trainer's own path is absolute and python puts its folder (the repository) on
+        # sys.path, so its imports hold wherever it starts
         try:  # a session of its own: stopping the run stops a launcher's workers too (accelerate launch)
-            proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=log,
+            proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=log,
                                     stderr=subprocess.STDOUT if log else None, start_new_session=True)  # fmt: skip
         except BaseException:
             if log:
@@ -273,9 +285,9 @@ def train_runs(out: Path, seeds: list[int], modes: list[str], train_flags: list[
             for line in log_warnings(Path(entry["log"].name)):  # else seen only by those who open the log
                 print(f"{entry['mode']}-seed{entry['seed']}: {line}", flush=True)
         if code != 0:
-            where = f"; its log: {entry['log'].name}" if entry["log"] else ""
-            raise RuntimeError(f"the {entry['mode']} run of seed {entry['seed']} failed (exit {code}); its output "
-                               f"is in {entry['run_dir']}{where}. Command: {shlex.join(entry['cmd'])}")  # fmt: skip
+            log = Path(entry["log"].name) if entry["log"] else None
+            raise RuntimeError(f"the {entry['mode']} run of seed {entry['seed']} failed (exit {code}); "
+                               f"{failed_run_output(entry['run_dir'], log)}. Command: {shlex.join(entry['cmd'])}")
         done = run_state(entry["run_dir"]) == "finished" or stopped_as_asked(entry["run_dir"], stop_at_step)
         if not done:  # stopped (SIGTERM: a checkpoint, then exit 0), not done
             raise RuntimeError(f"the {entry['mode']} run of seed {entry['seed']} stopped before its last step (a "
@@ -307,6 +319,51 @@ def train_runs(out: Path, seeds: list[int], modes: list[str], train_flags: list[
                 entry["log"].close()
         signal.signal(signal.SIGTERM, previous)
     return runs
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the system tells it: a container or taskset may
+    give fewer than the machine has)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (no affinity on macOS, Windows)
+        return os.cpu_count() or 1
+
+
+def runs_on_cpu(launcher: list[str]) -> bool:
+    """Whether the runs will train on the CPU: accelerate told so (its --cpu, or ACCELERATE_USE_CPU, which the
+    trainer reads), or no CUDA or MPS device here."""
+    if "--cpu" in launcher or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        return True
+    import torch
+
+    mps = getattr(torch.backends, "mps", None)
+    return not (torch.cuda.is_available() or (mps is not None and mps.is_available()))
+
+
+def thread_env(at_once: int, launcher: list[str]) -> dict:
+    """OMP_NUM_THREADS for the runs where `at_once` of them train side by side on the CPU and the user has not set
+    it: the usable cores shared out (at least 1 each), said on one line. Unset, each run's torch takes every core,
+    and the runs' threads oversubscribe them (runs three or four times slower on two cores); a value the user set is
+    kept, and one run at a time (or a GPU) needs none."""
+    if at_once < 2 or os.environ.get("OMP_NUM_THREADS") or not runs_on_cpu(launcher):
+        return {}
+    cores = usable_cores()
+    threads = max(1, cores // at_once)
+    print(f"OMP_NUM_THREADS is not set: each run gets OMP_NUM_THREADS={threads} ({cores} cores // {at_once} runs "
+          "at once), so that their threads do not oversubscribe the CPU; set OMP_NUM_THREADS to choose another.",
+          flush=True)  # fmt: skip
+    return {"OMP_NUM_THREADS": str(threads)}
+
+
+def failed_run_output(run_dir: Path, log: Path | None) -> str:
+    """Where a failed run's output is: its log (--jobs > 1) or this console above (--jobs 1), and its directory
+    only where the run wrote something there (a run refused at its flags, e.g. a typo, never creates it: naming it
+    would send the user to a folder that is not there)."""
+    where = f"its output is in its log, {log}" if log is not None else "its output is above, on this console"
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        where += f"; what it wrote is in {run_dir}"
+    return where
 
 
 def stop_run(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
@@ -483,8 +540,9 @@ def read_evaluation(path: Path) -> dict | None:
     task, scoring, case lengths, extrapolated lengths, and per length the accuracy, the shares of cases that ended
     inside the answer and that were right in every answer token but perhaps the last (generate scoring; None
     otherwise, the second also for files written before it: long_context.ending_summary) and the answer's-block
-    selection rate (NSA; None otherwise), each the mean over depths. None for another tool's JSON (no accuracy or
-    lengths); a file that names them but does not hold them as rows of numbers is an error naming the file."""
+    selection rate (NSA; None otherwise), each the mean over depths, and its EVALUATION_SETTINGS ("settings", each
+    None where the file does not record it). None for another tool's JSON (no accuracy or lengths); a file that
+    names them but does not hold them as rows of numbers is an error naming the file."""
     try:
         result = json.loads(path.read_text())
         if not isinstance(result, dict) or "accuracy" not in result or "lengths" not in result:
@@ -498,6 +556,7 @@ def read_evaluation(path: Path) -> dict | None:
             "ended": [statistics.fmean(row) for row in ended] if ended else None,
             "right_but_last": [statistics.fmean(row) for row in but_last] if but_last else None,
             "selected": [statistics.fmean(row) for row in selected] if selected else None,
+            "settings": {key: result.get(key) for key in EVALUATION_SETTINGS},
         }  # fmt: skip
     except (json.JSONDecodeError, TypeError, statistics.StatisticsError) as e:
         raise ValueError(f"{path}: not a long-context evaluation as nsa_train.long_context writes it ({e}); "
@@ -535,13 +594,25 @@ def sample_warnings(runs: list[dict], comparison: dict) -> list[str]:
     if len(comparison["modes"]) == 1:
         warnings.append(f"only {comparison['modes'][0]} runs: the spread over them, no NSA - dense (give both modes' "
                         "runs to compare attention)")  # fmt: skip
-    final = comparison.get("final")
-    if final and final["interval_kind"] == "paired":
-        unpaired = [r["name"] for r in runs if str(r["seed"]) not in final["paired_gaps"]]
-        if unpaired:
+    curve = comparison["curve"]
+    if len(comparison["modes"]) == 2:
+        twins = twin_seeds(runs)
+        unpaired = [r["name"] for r in runs if r["seed"] not in twins]
+        if not twins:  # (twins of a seed share their initial weights and data order: here no seed's luck cancels)
+            ran = "; ".join(f"{m} seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}" for m, seeds in
+                            ((m, sorted({r["seed"] for r in runs if r["mode"] == m}, key=seed_order)) for m in MODES))
+            warnings.append(f"no seed paired: no seed ran once in each mode ({ran}), so NSA - dense is the difference "
+                            "of the modes' means over different seeds (other initial weights, other data order), not "
+                            "a gap between twins; train each run's twin (ab_compare.py --seeds S --modes MODE) to "
+                            "pair them")  # fmt: skip
+        elif unpaired and curve and curve[-1].get("interval_kind") == "paired":
             warnings.append(f"runs without a twin of their seed in the other mode ({', '.join(unpaired)}): left out of "
                             "NSA - dense and its interval, which are paired by seed (the modes' means hold them)")
-    curve = comparison["curve"]
+        elif unpaired:
+            warnings.append(f"runs without a twin of their seed in the other mode ({', '.join(unpaired)}): NSA - dense "
+                            "and its interval are taken from the modes' means and spreads, not paired by seed "
+                            f"(paired: seed {', '.join(map(str, sorted(twins, key=seed_order)))} alone); train their "
+                            "twins to pair them")  # fmt: skip
     shared = curve[-1]["tokens"] if curve else None
     if shared == 0:
         warnings.append("the runs share no evaluation after step 0 (their --eval-every or tokens per step differ): no "
@@ -637,10 +708,21 @@ def paired_gaps(by_mode: dict[str, list[dict]], loss_of) -> dict[str, float]:
     every shared parameter and the data order, so the seed's luck is common to both: the spread of NSA - dense over
     seeds is the noise of the gap. Seeds that one mode ran twice are not paired (which of its runs is the twin is
     not known). Keys are str (JSON's)."""
-    once = [{seed for seed, n in Counter(r["seed"] for r in rs).items() if n == 1}
-            for rs in (by_mode["nsa"], by_mode["dense"])]  # fmt: skip
-    loss = {m: {r["seed"]: loss_of(r) for r in by_mode[m] if r["seed"] in once[0] & once[1]} for m in MODES}
-    return {str(seed): loss["nsa"][seed] - loss["dense"][seed] for seed in sorted(once[0] & once[1])}
+    twins = twin_seeds(by_mode["nsa"] + by_mode["dense"])
+    loss = {m: {r["seed"]: loss_of(r) for r in by_mode[m] if r["seed"] in twins} for m in MODES}
+    return {str(seed): loss["nsa"][seed] - loss["dense"][seed] for seed in sorted(twins)}
+
+
+def seed_order(seed) -> tuple:
+    """Sort key of seeds: numbers in order (2 before 10), then anything else a record holds (None) as text."""
+    return (0, seed, "") if isinstance(seed, int) else (1, 0, str(seed))
+
+
+def twin_seeds(runs: list[dict]) -> set:
+    """The seeds that each mode ran exactly once: the twins that paired_gaps pairs (a seed one mode ran twice is
+    not paired: which of its runs is the twin is not known)."""
+    once = [{seed for seed, n in Counter(r["seed"] for r in runs if r["mode"] == m).items() if n == 1} for m in MODES]
+    return once[0] & once[1]
 
 
 def set_gap(row: dict, by_mode: dict[str, list[dict]], loss_of) -> None:
@@ -679,13 +761,21 @@ def compare(runs: list[dict]) -> dict:
         gap, half = final["nsa_minus_dense"], final["interval"]
         seed_std = max((final[m]["std"] or 0.0) for m in by_mode)
         paired = final["paired_gaps"]
+        seeds = {m: sorted({r["seed"] for r in rs}, key=seed_order) for m, rs in by_mode.items()}
+        # the interval the README describes rests on each mode's own seed-to-seed spread (paired by seed, or within
+        # each mode: gap_interval); a mode of one seed leaves it to the other mode's spread alone (NSA's two seeds
+        # against one dense run once read "met"), which says nothing of that mode's luck: no verdict then
+        short = [f"{len(seeds[m])} {m} seed" + ("s" if len(seeds[m]) != 1 else "") for m in MODES if len(seeds[m]) < 2]
         verdict = {"tokens": final["tokens"], "nsa_minus_dense": gap, "target": TARGET_NATS,
                    "met": gap <= TARGET_NATS, "seed_std": seed_std or None, "paired_gaps": paired,
                    "paired_std": statistics.stdev(paired.values()) if len(paired) >= 2 else None,
-                   "interval": half, "interval_kind": final["interval_kind"],
+                   "interval": half, "interval_kind": final["interval_kind"], "seeds": seeds,
+                   "spread_from": [m for m in MODES if final[m]["std"] is not None],
+                   "undecided": ", ".join(short) or None,
                    "beyond_noise": half is not None and abs(gap) > half,
-                   # the runs tell "met" from "missed" only if the target lies outside the gap's 95% interval
-                   "resolved": half is not None and abs(gap - TARGET_NATS) > half}  # fmt: skip
+                   # the runs tell "met" from "missed" only if the target lies outside the gap's 95% interval, and
+                   # that interval is each mode's
+                   "resolved": not short and half is not None and abs(gap - TARGET_NATS) > half}  # fmt: skip
     return {"curve": curve, "final": verdict, "modes": list(by_mode),
             "by_position": compare_by_position(by_mode, curve[-1]["tokens"]) if curve else []}
 
@@ -756,10 +846,16 @@ def markdown(runs: list[dict], comparison: dict, notes: list[str], warnings: lis
     if final:
         half = final["interval"]
         how = {"paired": "paired by seed", "per-mode": "from the spread within each mode"}.get(final["interval_kind"])
+        spread_from = final.get("spread_from") or []
+        if final["interval_kind"] == "per-mode" and len(spread_from) == 1:  # the other mode ran one seed
+            how = f"from {spread_from[0]}'s spread alone"
         spread = (f"; 95% interval of the gap +-{half:.4f} nats, {how} "
                   f"({'the gap is beyond it' if final['beyond_noise'] else 'it includes 0'})"
                   if half is not None else "; one seed per mode: no spread measured (give --seeds 0 1 2)")  # fmt: skip
-        if final["resolved"]:
+        if final.get("undecided"):  # a mode without a spread of its own: the interval is not the README's
+            status = (f"undecided: {final['undecided']}; the gap's 95% interval needs two seeds or more of each mode "
+                      f"(three or more decide it: --seeds 0 1 2); {'met' if final['met'] else 'missed'} by the means")
+        elif final["resolved"]:
             status = "met" if final["met"] else "MISSED"
         else:  # the target inside the gap's interval (or no spread measured) cannot be decided either way
             why = ("the target lies within the gap's 95% interval (more seeds narrow it)" if half is not None
@@ -781,10 +877,25 @@ def markdown(runs: list[dict], comparison: dict, notes: list[str], warnings: lis
         lines += [f"- {n}" for n in notes]
     else:
         lines += ["", "The runs' configs differ only in the attention mode, the seed and the output directory "
-                      "(and NSA's own model fields, which dense does not use)."]  # fmt: skip
+                      "(and NSA's own model fields, which dense does not use)." + unpaired_note(runs, comparison)]
     lines += ["", f"Peak memory: allocated GPU memory on CUDA, the process's resident set size on CPU. "
                   f"Written {time.strftime('%Y-%m-%d')}."]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def unpaired_note(runs: list[dict], comparison: dict) -> str:
+    """' But ...' where the runs of both modes are not all twins (twin_seeds): the closing line says the configs
+    differ only in mode and seed, which read alone would pass runs of unrelated seeds for twins; '' otherwise."""
+    if len(comparison["modes"]) != 2 or not runs:
+        return ""
+    twins = twin_seeds(runs)
+    unpaired = [r["name"] for r in runs if r["seed"] not in twins]
+    if not twins:
+        return (f" But no seed is paired ({', '.join(unpaired)}: no seed ran once in each mode): NSA - dense compares "
+                "runs of different seeds, not twins.")
+    if unpaired:
+        return f" Not paired (no twin of their seed in the other mode): {', '.join(unpaired)}."
+    return ""
 
 
 def position_table(comparison: dict) -> list[str]:
@@ -1008,8 +1119,9 @@ def main(argv=None) -> dict:
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--runs", nargs="+", default=None, help="compare these finished runs (no training)")
     p.add_argument("--jobs", type=int, default=1,
-                   help="runs trained at once (default 1; on a CPU with several cores, with OMP_NUM_THREADS set so "
-                        "that jobs x threads fits them; each run's output then goes to <out>/<mode>-seed<S>.log)")
+                   help="runs trained at once (default 1; on a CPU with several cores, where OMP_NUM_THREADS is not "
+                        "set, each run gets cores // jobs threads; each run's output then goes to "
+                        "<out>/<mode>-seed<S>.log)")  # fmt: skip
     p.add_argument("--init-from-runs", type=Path, default=None, metavar="DIR",
                    help="start each run from DIR/<mode>-seed<S>/final, its twin in an earlier comparison's --out "
                         "(e.g. fine-tune pretrained twins); the flags after -- then take no --init-from or "
@@ -1018,7 +1130,8 @@ def main(argv=None) -> dict:
                    help="how to start train_accelerate.py, e.g. 'accelerate launch --config_file "
                         "accelerate_configs/single_gpu.yaml' (default: this Python)")  # fmt: skip
     args = p.parse_args(own)
-    # absolute: the runs start in the repository root, wherever this command runs
+    # absolute, read from this command's working directory (where the runs start too): the directories named in the
+    # runs' commands, records and messages are then the same wherever they are read
     out = Path(args.out).resolve()
     if args.init_from_runs is not None:
         args.init_from_runs = args.init_from_runs.resolve()
@@ -1042,6 +1155,12 @@ def main(argv=None) -> dict:
             p.error("give the training flags after --, e.g. -- --model tiny --max-steps 500 --eval-every 50.")
         if len(set(args.seeds)) != len(args.seeds):
             p.error(f"--seeds {' '.join(map(str, args.seeds))}: a seed is repeated.")
+        # the trainer refuses these (numpy and torch take seeds in [0, 2**32)): refused here, before any run starts,
+        # not after the runs of the good seeds before it have trained
+        refused = [seed for seed in args.seeds if not 0 <= seed < 2**32]
+        if refused:
+            p.error(f"--seeds {' '.join(map(str, refused))}: the trainer takes seeds in [0, 2**32) (numpy's and "
+                    "torch's); give seeds such as --seeds 0 1 2.")
         if args.jobs < 1:
             p.error(f"--jobs {args.jobs}: give at least 1.")
         run_dirs = train_runs(out, args.seeds, args.modes, train_flags, shlex.split(args.launcher), jobs=args.jobs,

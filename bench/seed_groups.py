@@ -17,7 +17,9 @@ without a retrieval evaluation, e.g. language-model A/Bs).
 
 A run "learned" the task where its accuracy (mean over depths) at `--learned-length` is at least
 `--learned-accuracy` (defaults: the shortest length evaluated, 0.98: the README's rule); a run that did not
-evaluate that length is left out of the counts (said in the table). For every two groups:
+evaluate that length is left out of the counts (said in the table). Runs evaluated with other settings (task,
+scoring, lengths, depths, samples per cell, case seed, haystack) are named with them, on stderr and atop the report
+("Read with care"): their accuracies are pooled as one measurement. For every two groups:
 - the counts, with Fisher's exact test, two-sided (the probability, with the margins fixed, of a table at most as
   likely as the one observed);
 - the accuracy at that length, second minus first, paired by the seeds both evaluated (mean and Student's t 95%
@@ -54,8 +56,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: nsa_train
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: ab_compare
 
-from ab_compare import (MODES, SELECTION_COLUMNS, read_evaluation, selection_cell, selection_layers,  # noqa: E402
-                        selection_summary, t95)  # (one reader of evaluations, one t table, one selection table for both tools)
+from ab_compare import (EVALUATION_SETTINGS, MODES, SELECTION_COLUMNS, read_evaluation, selection_cell,  # noqa: E402
+                        selection_layers, selection_summary, t95)  # (one reader of evaluations, one t table, one selection table for both tools)
 from nsa_train.long_context import run_command, tells_more_than_accuracy  # noqa: E402
 
 
@@ -127,7 +129,9 @@ def _recorded_evaluation(run: dict, task: str, scoring: str) -> dict | None:
 
 def read_group(name: str, specs: list[str], task: str, scoring: str) -> list[dict]:
     """The runs of one group: seed, mode, folder, final validation loss and tokens, and the retrieval accuracy per
-    case length (mean over depths; None where the run has no evaluation of `task`)."""
+    case length (mean over depths; None where the run has no evaluation of `task`) with the settings it was
+    evaluated with (ab_compare.EVALUATION_SETTINGS, each None where the file or record does not hold it; compared
+    across the runs by evaluation_differences)."""
     runs, seen = [], set()
     for spec in specs:
         folders, mode = parse_source(spec)
@@ -155,8 +159,12 @@ def read_group(name: str, specs: list[str], task: str, scoring: str) -> list[dic
                 tokens, loss = run["val"][-1]
                 reported = run.get("val_by_position")  # (ab_compare.by_position; None in older files)
                 by_position = reported["ranges"] if reported and reported.get("tokens") == tokens else None
+                # (a record ab_compare wrote before it kept the settings holds the task, scoring and lengths alone)
+                settings = (evaluation.get("settings") or {key: evaluation.get(key) for key in EVALUATION_SETTINGS}
+                            if evaluation else None)  # fmt: skip
                 runs.append({"group": name, "source": str(folder), "name": run["name"], "mode": run.get("mode"),
                              "seed": run.get("seed"), "tokens": tokens, "val_loss": loss, "by_position": by_position,
+                             "evaluation_settings": settings,
                              "accuracy": _by_length(evaluation, "accuracy") if evaluation else None,
                              "ended": _by_length(evaluation, "ended") if evaluation else None,
                              "right_but_last": _by_length(evaluation, "right_but_last") if evaluation else None,
@@ -171,6 +179,34 @@ def read_group(name: str, specs: list[str], task: str, scoring: str) -> list[dic
         raise ValueError(f"--group {name}: more than one run of a seed ({where}); a group holds one run per seed "
                          "(name the sources so that each seed appears once, e.g. with ':nsa' or ':dense').")
     return sorted(runs, key=lambda r: r["seed"])
+
+
+def evaluation_differences(groups: dict[str, list[dict]]) -> str | None:
+    """What the runs' retrieval evaluations differ in (ab_compare.EVALUATION_SETTINGS: task, scoring, lengths,
+    depths, samples per cell, seed, haystack), each value with the runs evaluated so; None where they agree. The
+    learned counts, Fisher's test and the paired accuracy pool the runs' accuracies as one measurement: other depths
+    or another case seed are other cases, and fewer samples a coarser accuracy. A setting a file or record does not
+    hold (written before it was recorded) is not compared."""
+    evaluated = [r for runs in groups.values() for r in runs if r.get("evaluation_settings")]
+    differ = []
+    for key in EVALUATION_SETTINGS:
+        by_value: dict[str, list[dict]] = {}
+        for run in evaluated:
+            value = run["evaluation_settings"].get(key)
+            if value is not None:
+                by_value.setdefault(json.dumps(value), []).append(run)
+        if len(by_value) > 1:
+            differ.append(f"{key} " + ", ".join(f"{value} ({_run_names(runs)})" for value, runs in by_value.items()))
+    return "; ".join(differ) or None
+
+
+def _run_names(runs: list[dict]) -> str:
+    """'dense seeds 0, 1; nsa seed 2': the runs by group (a group holds one run per seed)."""
+    names = []
+    for group in dict.fromkeys(r["group"] for r in runs):
+        seeds = [str(r["seed"]) for r in runs if r["group"] == group]
+        names.append(f"{group} seed{'s' if len(seeds) > 1 else ''} {', '.join(seeds)}")
+    return "; ".join(names)
 
 
 # ----------------------------------------------------------------------------- comparing
@@ -499,12 +535,22 @@ def main(argv=None) -> dict:
         unequal = (f"the runs' last evaluations are at different token counts ({', '.join(f'{t:,}' for t in tokens)}): "
                    "their validation losses are not at equal tokens")
         print(f"warning: {unequal}", file=sys.stderr)
+    # likewise the retrieval evaluations pooled in the counts: said, as the tokens are, where their settings differ
+    differ = evaluation_differences(groups) if task is not None else None
+    unlike = None
+    if differ:
+        unlike = (f"evaluations differ in {differ}: the {task} accuracies pooled in the learned counts, Fisher's test "
+                  "and the paired accuracy are not one measurement; evaluate the runs alike (python -m "
+                  "nsa_train.long_context <run>/final with the same --lengths, --depths, --samples and --seed)")
+        print(f"warning: {unlike}", file=sys.stderr)
     summary = summarize(groups, length, args.learned_accuracy)
     pairs = {(a, b): compare_pair(groups[a], groups[b], length, args.learned_accuracy) for a, b in combinations(names, 2)}
     text = markdown(groups, summary, pairs, length, args.learned_accuracy, task)
-    if unequal:
-        text = f"**Read with care:** {unequal}.\n\n" + text
+    for caution in (unlike, unequal):
+        if caution:
+            text = f"**Read with care:** {caution}.\n\n" + text
     result = {"task": task, "scoring": args.scoring, "learned_length": length, "unequal_tokens": unequal,
+              "unequal_evaluations": unlike,
               "learned_accuracy": args.learned_accuracy, "date": time.strftime("%Y-%m-%d"), "groups": groups,
               "summary": summary, "pairs": [{"first": a, "second": b, **c} for (a, b), c in pairs.items()]}  # fmt: skip
     write_report(args.out, "seed_groups", text, result)

@@ -427,7 +427,8 @@ def test_seed_spread_and_the_verdict():
     assert final["resolved"] and not final["met"]  # 0.0995 is 0.08 past the target; the interval is +-0.02
     single = ab_compare.compare(solo[::2])["final"]
     assert single["interval"] is None and not single["resolved"]
-    assert "no seed spread to judge it against" in ab_compare.markdown([], ab_compare.compare(solo[::2]), [])
+    assert single["undecided"] == "1 nsa seed, 1 dense seed"
+    assert "undecided: 1 nsa seed, 1 dense seed" in ab_compare.markdown([], ab_compare.compare(solo[::2]), [])
     # a seed one mode ran twice is not paired (which run is the twin is unknown)
     twice = [fake_run("nsa", 0, [5.0, 3.1]), fake_run("nsa", 0, [5.0, 3.2]), fake_run("dense", 0, [5.0, 3.0])]
     assert ab_compare.compare(twice)["final"]["paired_gaps"] == {}
@@ -506,6 +507,7 @@ def test_verdict_edges_run_states_and_the_token_axis(tmp_path):
     final = ab_compare.compare(runs)["final"]
     assert final["interval_kind"] == "per-mode"
     assert final["interval"] == pytest.approx(12.706 * statistics.stdev([3.10, 3.12]) * (1 / 2 + 1 / 1) ** 0.5)
+    assert final["undecided"] == "1 dense seed" and not final["resolved"]  # (dense's own spread is not measured)
     # run states: finished (summary says so), resumable (checkpoint, summary says not finished), new
     run_dir = tmp_path / "nsa-seed0"
     (run_dir / "checkpoints" / "step_00000002").mkdir(parents=True)
@@ -588,6 +590,149 @@ def test_a_training_flag_before_the_separator_is_told_where_it_goes(tmp_path, ca
     with pytest.raises(SystemExit):
         ab_compare.main(["--out", str(tmp_path), "--seed", "1"])
     assert "unrecognized arguments: --seed 1 (training flags go after --" in capsys.readouterr().err
+
+
+def test_relative_paths_are_read_from_the_directory_the_command_runs_in(ab, tmp_path, monkeypatch):
+    """A relative --dataset after -- and a relative --out name what the user sees where the command runs (the runs
+    once started in the repository root: `--dataset docs.jsonl` failed there, or read a same-named file of the
+    repository); a kept run's relative --init-from is read from there too."""
+    _, data_file, _ = ab
+    shutil.copy(data_file, tmp_path / "docs.jsonl")
+    monkeypatch.chdir(tmp_path)
+    one = ab_compare.main(["--out", "relout", "--seeds", "0", "--modes", "nsa", "--", *train_flags(Path("docs.jsonl"))])
+    assert one == {"runs": [str(tmp_path / "relout" / "nsa-seed0")]}
+    record = json.loads((tmp_path / "relout" / "nsa-seed0" / "run.json").read_text())
+    assert record["config"]["dataset"] == "docs.jsonl"
+    assert json.loads((tmp_path / "relout" / "nsa-seed0" / "summary.json").read_text())["finished"]
+    # a run kept in --out that started from a relative path here is the run this command starts from its absolute form
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (tmp_path / "start" / "final").mkdir(parents=True)
+    (kept / "run.json").write_text(json.dumps({"config": {"init_from": "start/final"}}))
+    ab_compare.check_kept_run_start(kept, str(tmp_path / "start" / "final"))
+    with pytest.raises(ValueError, match=r"started from start/final, not from random weights"):
+        ab_compare.check_kept_run_start(kept, None)
+
+
+def test_a_failed_run_says_where_its_output_is_and_bad_seeds_are_refused_first(tmp_path, capfd):
+    """A run that fails at once (a typoed training flag) never creates its directory: the error names where its
+    output went, this console (--jobs 1) or its log (--jobs 2), and its directory only where the run wrote there;
+    seeds the trainer refuses (negative, >= 2**32) are refused before any run starts."""
+    failing = tmp_path / "failing_trainer.py"  # the launcher: stands in for a trainer refusing its flags
+    failing.write_text("import pathlib, sys\n"
+                       "run = pathlib.Path(sys.argv[sys.argv.index('--output-dir') + 1])\n"
+                       "if '--write-first' in sys.argv:\n"
+                       "    run.mkdir(parents=True)\n"
+                       "    (run / 'metrics.jsonl').write_text('')\n"
+                       "print('train_accelerate.py: error: unrecognized arguments: --max-stepz 3', file=sys.stderr)\n"
+                       "sys.exit(2)\n")  # fmt: skip
+    launcher = f"{sys.executable} {failing}"
+    out = tmp_path / "ab"
+    with pytest.raises(RuntimeError) as failed:
+        ab_compare.main(["--out", str(out), "--seeds", "0", "--launcher", launcher, "--", "--max-stepz", "3"])
+    said = str(failed.value).split(" Command: ")[0]
+    assert said == "the nsa run of seed 0 failed (exit 2); its output is above, on this console."
+    # where it says: the console (capfd: the child's own stderr)
+    assert "unrecognized arguments: --max-stepz 3" in capfd.readouterr().err
+    with pytest.raises(RuntimeError) as failed:
+        ab_compare.main(["--out", str(out), "--seeds", "0", "--jobs", "2", "--launcher", launcher, "--", "--max-stepz",
+                         "3"])  # fmt: skip
+    found = re.match(r"the (nsa|dense) run of seed 0 failed \(exit 2\); its output is in its log, (\S+)\. Command: ",
+                     str(failed.value))  # fmt: skip
+    assert found, str(failed.value)
+    assert Path(found.group(2)) == out / f"{found.group(1)}-seed0.log"
+    assert "unrecognized arguments: --max-stepz 3" in Path(found.group(2)).read_text()
+    assert not (out / "nsa-seed0").exists() and not (out / "dense-seed0").exists()
+    # a run that wrote something before failing: its directory is named too
+    with pytest.raises(RuntimeError, match=rf"its output is above, on this console; what it wrote is in "
+                                           rf"{re.escape(str(tmp_path / 'wrote' / 'nsa-seed0'))}\. Command: "):
+        ab_compare.main(["--out", str(tmp_path / "wrote"), "--seeds", "0", "--launcher", launcher, "--",
+                         "--write-first"])  # fmt: skip
+    for seeds in (["0", "-1"], ["4294967296"]):
+        with pytest.raises(SystemExit) as refused:
+            ab_compare.main(["--out", str(tmp_path / "seeds"), "--seeds", *seeds, "--launcher", launcher, "--",
+                             "--max-steps", "3"])  # fmt: skip
+        assert refused.value.code == 2
+        assert (f"--seeds {seeds[-1]}: the trainer takes seeds in [0, 2**32) (numpy's and torch's); give seeds such "
+                "as --seeds 0 1 2.") in capfd.readouterr().err
+        assert not (tmp_path / "seeds").exists()  # no run started
+
+
+def test_jobs_on_a_cpu_share_the_cores_unless_omp_num_threads_is_set(tmp_path, monkeypatch, capsys):
+    """--jobs 2 on a CPU without OMP_NUM_THREADS: each run gets cores // 2 threads (unset, each run's torch takes
+    every core and the runs oversubscribe them), said on one line; a value the user set is kept; one run at a time
+    gets none."""
+    recorder = tmp_path / "recording_trainer.py"  # the launcher: a finished run recording the threads it was given
+    recorder.write_text("import json, os, pathlib, sys\n"
+                        "flag = lambda name: sys.argv[sys.argv.index(name) + 1]\n"
+                        "run = pathlib.Path(flag('--output-dir'))\n"
+                        "run.mkdir(parents=True)\n"
+                        "(run / 'threads').write_text(os.environ.get('OMP_NUM_THREADS', 'unset'))\n"
+                        "(run / 'run.json').write_text(json.dumps({'config': {'seed': int(flag('--seed')), "
+                        "'micro_batch_size': 1, 'seq_len': 8}, 'model_config': {'attention_mode': "
+                        "flag('--attention-mode')}, 'num_parameters': 1}))\n"
+                        "(run / 'metrics.jsonl').write_text(json.dumps({'step': 1, 'val_loss': 3.0}) + '\\n')\n"
+                        "(run / 'summary.json').write_text(json.dumps({'finished': True, 'step': 1}))\n")  # fmt: skip
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(ab_compare, "usable_cores", lambda: 8)
+    monkeypatch.setattr(ab_compare, "runs_on_cpu", lambda launcher: True)
+
+    def threads(out, jobs):
+        ab_compare.main(["--out", str(out), "--seeds", "0", "--jobs", str(jobs), "--launcher",
+                         f"{sys.executable} {recorder}", "--", "--max-steps", "1"])  # fmt: skip
+        return {(out / f"{m}-seed0" / "threads").read_text() for m in ("nsa", "dense")}
+
+    assert threads(tmp_path / "two", 2) == {"4"}
+    assert ("OMP_NUM_THREADS is not set: each run gets OMP_NUM_THREADS=4 (8 cores // 2 runs at once), so that their "
+            "threads do not oversubscribe the CPU") in capsys.readouterr().out
+    assert threads(tmp_path / "one", 1) == {"unset"} and "OMP_NUM_THREADS" not in capsys.readouterr().out
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads(tmp_path / "set", 2) == {"3"} and "OMP_NUM_THREADS is not set" not in capsys.readouterr().out
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    # at least one thread each; none on a GPU; never more runs counted than train at once
+    monkeypatch.setattr(ab_compare, "usable_cores", lambda: 1)
+    assert ab_compare.thread_env(2, []) == {"OMP_NUM_THREADS": "1"}
+    assert ab_compare.thread_env(1, []) == {}
+    monkeypatch.setattr(ab_compare, "runs_on_cpu", lambda launcher: False)
+    assert ab_compare.thread_env(4, []) == {}
+
+
+def test_runs_that_are_not_twins_and_modes_of_one_seed_get_no_verdict(ab, tmp_path):
+    """--runs nsa-seed3 dense-seed1 (no seed in common): the comparison says no seed is paired and which seeds ran,
+    instead of passing them for twins; NSA's two seeds against one dense run: no met / missed from NSA's spread
+    alone, "undecided: 1 dense seed"."""
+    out, _, _ = ab
+    other = tmp_path / "elsewhere" / "dense-seed1"
+    shutil.copytree(out / "dense-seed3", other)
+    record = json.loads((other / "run.json").read_text())
+    record["config"]["seed"] = 1
+    (other / "run.json").write_text(json.dumps(record))
+    compared = ab_compare.main(["--out", str(tmp_path / "cmp"), "--runs", str(out / "nsa-seed3"), str(other)])
+    table = (tmp_path / "cmp" / "ab_compare.md").read_text()
+    assert "- no seed paired: no seed ran once in each mode (nsa seed 3; dense seed 1), so NSA - dense is the " \
+           "difference of the modes' means over different seeds" in table
+    assert "But no seed is paired (nsa-seed3, dense-seed1: no seed ran once in each mode)" in table
+    assert "target <= +0.02: undecided: 1 nsa seed, 1 dense seed;" in table
+    assert compared["comparison"]["final"]["undecided"] == "1 nsa seed, 1 dense seed"
+    # two NSA seeds close together, one dense seed: the interval would be NSA's spread alone (+-0.0011), and the
+    # target far outside it once read "met"
+    runs = [fake_run("nsa", 0, [5.0, 3.1000]), fake_run("nsa", 1, [5.0, 3.1001]), fake_run("dense", 0, [5.0, 3.2])]
+    comparison = ab_compare.compare(runs)
+    final = comparison["final"]
+    assert final["interval"] < 0.01 and final["met"] and final["spread_from"] == ["nsa"]
+    assert final["undecided"] == "1 dense seed" and not final["resolved"]
+    warnings = ab_compare.sample_warnings(runs, comparison)
+    text = ab_compare.markdown([], comparison, [], warnings)
+    assert "(target <= +0.02: undecided: 1 dense seed; the gap's 95% interval needs two seeds or more of each mode" in text
+    assert "met by the means" in text and "from nsa's spread alone" in text and ": met)" not in text
+    assert any("runs without a twin of their seed in the other mode (nsa-seed1): NSA - dense and its interval are "
+               "taken from the modes' means and spreads, not paired by seed (paired: seed 0 alone)" in w
+               for w in warnings)
+    assert ab_compare.unpaired_note(runs, comparison) == " Not paired (no twin of their seed in the other mode): nsa-seed1."
+    # a second dense seed: each mode's spread, a verdict
+    runs.append(fake_run("dense", 1, [5.0, 3.2001]))
+    final = ab_compare.compare(runs)["final"]
+    assert final["undecided"] is None and final["resolved"] and final["met"]
 
 
 # ----------------------------------------------------------------------------- bench/build_corpus.py

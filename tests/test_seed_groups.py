@@ -242,6 +242,55 @@ def test_the_learned_rule_follows_its_flags(two_groups):
     assert result["summary"]["dense"]["learned"] == 2 and result["summary"]["nsa"]["learned"] == 1  # 1.0, 0.5 / 0.9
 
 
+def test_evaluations_with_other_settings_are_said_before_their_counts_are_read(tmp_path, capfd):
+    """The learned counts and Fisher's test pool the runs' accuracies: runs evaluated with other depths, samples per
+    cell, case seed (or lengths, task, scoring) are named with the settings they differ in, on stderr, at the top of
+    the report and in its JSON; runs evaluated alike, nothing. A run read from ab_compare's record (its directory
+    gone) is compared by the settings the record holds."""
+    folder = tmp_path / "ab"
+    write_comparison(folder, [("dense", 0, 0.20, None), ("nsa", 0, 0.30, None), ("dense", 1, 0.22, None),
+                              ("nsa", 1, 0.21, None)])  # fmt: skip
+    settings = {"task": "passkey", "scoring": "generate", "lengths": LENGTHS, "depths": [0.0, 1.0], "samples": 20,
+                "seed": 0, "haystack": "filler sentences"}  # fmt: skip
+
+    def evaluate(run, **changed):
+        path = folder / run / "long_context" / "passkey_generate.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**settings, **changed, "accuracy": [[1.0, 1.0], [0.5, 0.5]]}))
+
+    for run in ("dense-seed0", "nsa-seed0", "dense-seed1", "nsa-seed1"):
+        evaluate(run)
+    args = ["--out", str(tmp_path / "out"), "--group", "dense", f"{folder}:dense", "--group", "nsa", f"{folder}:nsa"]
+    result = seed_groups.main(args)
+    assert result["unequal_evaluations"] is None and "Read with care" not in (tmp_path / "out" / "seed_groups.md").read_text()
+    assert "warning" not in capfd.readouterr().err
+    assert result["groups"]["nsa"][1]["evaluation_settings"] == settings
+    evaluate("nsa-seed1", samples=5, seed=7)
+    result = seed_groups.main(args)
+    said = ("evaluations differ in samples 20 (dense seeds 0, 1; nsa seed 0), 5 (nsa seed 1); seed 0 (dense seeds 0, 1; "
+            "nsa seed 0), 7 (nsa seed 1): the passkey accuracies pooled in the learned counts, Fisher's test and the "
+            "paired accuracy are not one measurement")  # fmt: skip
+    assert result["unequal_evaluations"].startswith(said)
+    assert f"warning: {said}" in capfd.readouterr().err
+    text = (tmp_path / "out" / "seed_groups.md").read_text()
+    assert text.startswith(f"**Read with care:** {said}") and "python -m nsa_train.long_context" in text
+    assert json.loads((tmp_path / "out" / "seed_groups.json").read_text())["unequal_evaluations"] == result["unequal_evaluations"]
+    # with the runs' last evaluations at other token counts too: both said
+    record = json.loads((folder / "ab_compare.json").read_text())
+    record["runs"][0]["val"][-1][0] = 500
+    (folder / "ab_compare.json").write_text(json.dumps(record))
+    seed_groups.main(args)
+    text = (tmp_path / "out" / "seed_groups.md").read_text()
+    assert text.startswith("**Read with care:** the runs' last evaluations") and f"**Read with care:** {said}" in text
+    # the nsa seed 1 run's directory gone: ab_compare's record of it (read_evaluation's, settings included) is compared
+    (folder / "nsa-seed1" / "long_context" / "passkey_generate.json").unlink()
+    path = tmp_path / "kept.json"
+    path.write_text(json.dumps({**settings, "depths": [0.5], "accuracy": [[1.0], [0.5]]}))
+    record["runs"][3]["long_context"] = [seed_groups.read_evaluation(path)]  # (ab_compare's reader, as it records)
+    (folder / "ab_compare.json").write_text(json.dumps(record))
+    assert "depths [0.0, 1.0] (dense seeds 0, 1; nsa seed 0), [0.5] (nsa seed 1)" in seed_groups.main(args)["unequal_evaluations"]
+
+
 def test_a_run_not_evaluated_at_the_learned_length_is_marked(two_groups):
     """Neither bold (not learned) nor plain (learned): a run evaluated at other lengths only says so."""
     folder = two_groups / "other-lengths"
