@@ -50,7 +50,7 @@ from nsa_train.evaluation import (
 )
 from nsa_train.export import Exporter, generate_sample
 from nsa_train.long_context import DEFAULT_DEPTHS, check_depths, check_lengths
-from nsa_train.preemption import SigtermStop
+from nsa_train.preemption import GracefulStop
 from nsa_train.run_state import RunState, lr_at
 from nsa_train.step_log import StepLog, transformers_bars_on_a_terminal_only
 
@@ -937,7 +937,7 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     tokens_per_step = announce_run(cfg, say, n_params, source, world, out_dir)
 
     # --- the loop
-    stop = SigtermStop()
+    stop = GracefulStop()  # SIGTERM, and a first Ctrl-C: a checkpoint after the step, then exit
     # restored last, after the heartbeat says the process exited: a SIGTERM that the launcher sends when another
     # process fails would otherwise kill this one between the two and leave the heartbeat showing a training step
     cleanup.insert(0, stop.restore)
@@ -969,9 +969,9 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
             log.log_eval(run.step, evaluate(unwrapped, run, val_rows, cfg.micro_batch_size, accelerator,
                                             **schedule.what(run.step)))  # fmt: skip
             watchdog.beat(step=run.step, phase="eval")
-        sigterm = stop.requested(accelerator)  # (a collective under DDP: asked at every step on every process)
-        if sigterm or run.step == stop_at < cfg.max_steps:
-            say(f"SIGTERM at step {run.step}: saving a checkpoint and exiting" if sigterm else
+        signalled = stop.requested(accelerator)  # (a collective under DDP: asked at every step on every process)
+        if signalled or run.step == stop_at < cfg.max_steps:
+            say(f"{stop.reason} at step {run.step}: saving a checkpoint and exiting" if signalled else
                 f"--stop-at-step {cfg.stop_at_step}: saving a checkpoint and exiting; --resume latest continues the "
                 f"run to --max-steps {cfg.max_steps}")  # fmt: skip
             save(model, run, checkpoints, exporter, cfg)
@@ -982,6 +982,7 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
             log.restart_clock()
 
     # --- the end: final checkpoint and export, then the summary
+    stop.stop_listening_for_interrupts()  # (from here a Ctrl-C stops at once: no step is left to end cleanly)
     finished = run.step >= cfg.max_steps and not stop.stopped
     if finished:
         # (none trained since resuming one of this run's checkpoints: that one is this step's; resumed from another

@@ -410,6 +410,35 @@ def test_sigterm_saves_and_resume_continues(tmp_path):
     assert summary["finished"] and summary["step"] == step + 1 and step + 1 in train_losses(out)
 
 
+def test_a_first_ctrl_c_asks_for_a_checkpoint_and_a_second_stops_at_once(capsys):
+    """The loop's stop handler (the same branch as SIGTERM's, tested end to end above): a first Ctrl-C is a request
+    the loop sees after its step, said at once; a second raises KeyboardInterrupt; after the loop Ctrl-C is Python's
+    own again, and every handler is restored at the end."""
+    import signal
+    import time
+    import types
+
+    from nsa_train.preemption import GracefulStop
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    one_process = types.SimpleNamespace(device=torch.device("cpu"), num_processes=1)
+    stop = GracefulStop()
+    try:
+        assert not stop.requested(one_process)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # (the handler runs between bytecodes of the main thread)
+        assert stop.requested(one_process) and stop.reason == "Ctrl-C (SIGINT)"
+        assert "Ctrl-C again stops now, without one" in capsys.readouterr().err
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        stop.stop_listening_for_interrupts()
+        assert signal.getsignal(signal.SIGINT) is before[0]
+    finally:
+        stop.restore()
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
 def test_a_sigterm_while_the_run_cleans_up_does_not_kill_it_before_its_heartbeat(tmp_path):
     """When one process fails, the launcher sends SIGTERM to the others, which are then leaving through their
     clean-up: the SIGTERM handler stays in place until the heartbeat has said how the process ended (it was
