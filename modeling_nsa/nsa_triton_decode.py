@@ -428,12 +428,14 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     top_keys = torch.empty(batch * num_kv * n_prog, n_pad, device=q.device, dtype=torch.int64)  # _topn_key's
     common = dict(HKV=num_kv, G=group, D=head_dim, G_PAD=g_pad)
     topn = dict(LB=params.sel_block_size, N_SEL=n_sel, N_PAD=n_pad)
-    sel_parts, win_parts = _cdiv(n_sel, launch.sel_part), _cdiv(num_win, launch.win_part)
+    # window parts over the keys a query can see, at most w of them (_decode_window counts a part's keys from the
+    # window's first visible one): a window cache sharing the selection keys (kv_per_branch False or "cmp") holds
+    # every key, and parts over all of them would be idle past the first w (254 of 256 at 64k keys, w = 512)
+    sel_parts, win_parts = _cdiv(n_sel, launch.sel_part), _cdiv(min(num_win, params.window_size), launch.win_part)
     n_parts = sel_parts + win_parts + 1  # the last: the compressed branch
     if launch.parts and n_parts > _GRID_AXIS_MAX:
-        # a static cache whose window shares the selection keys (kv_per_branch False or "cmp") lays its window parts
-        # over the whole key buffer: past 65,535 parts (8.4M keys at head_dim 128) a launch grid's second axis cannot
-        # hold them, so the finish kernel walks them, one program per row and KV group (the same result)
+        # past 65,535 parts (a window of millions of keys) a launch grid's second axis cannot hold them: the finish
+        # kernel walks them, one program per row and KV group (the same result)
         launch = dataclasses.replace(launch, parts=False, fused_combine=False)
     query_end = query_end if static else doc_pos  # (unread without STATIC)
     # PDL: every launch below waits for the one before it on the device (_after_previous_launch), so the chain

@@ -78,7 +78,6 @@ _KNOB_IDS = {
     "chunk": lambda c: f"chunk{c['chunk']}",
     "param_overrides": lambda c: "-".join(f"{k}{v}" for k, v in c["param_overrides"].items()),
     "gate_logit": lambda c: f"gatelogit{c['gate_logit']:g}",
-    "grid_axis_max": lambda c: f"gridaxis{c['grid_axis_max']}",
 }
 
 
@@ -386,10 +385,7 @@ CPU_CASES = [
          param_overrides=dict(sel_num_blocks=6, window_size=40)),
     dict(kind="decode", B=2, T=90, H=6, Hkv=2, D=16, steps=[1, 16, 17, 50, 89], Tw=16, layout="varlen", static=True,
          decode_parts=False),
-    # a static step whose parts would pass a launch grid's second axis (a window sharing the selection keys over
-    # millions of keys: 65,535 parts, lowered to 4 here, every decode launch checked against it) runs the finish kernel
-    dict(kind="decode", B=2, T=120, H=6, Hkv=2, D=16, steps=[1, 30, 77, 119], layout="pad", static=True,
-         decode_win_tile=16, decode_win_part=16, grid_axis_max=4, param_overrides=dict(sel_num_blocks=6, window_size=40)),
+
     # NSACache(static=True)'s layout: full-length key buffers (unwritten keys NaN), the window a ring (first
     # filling, then wrapped past w = 16), the query's key index a tensor; several documents per row, and
     # 16-slot splits and 3-block top-n ranges so that programs past the written keys exist and must find nothing
@@ -599,6 +595,45 @@ def test_interpreter_kernels_match_reference(interpreter_results, i):
     case = CPU_CASES[i]
     tol = case.get("tol", 2e-3 if case.get("dtype") == "float16" else 1e-4)
     _check(interpreter_results[i], case, tol)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (its kernels are replaced, not run: no GPU or interpreter)")
+def test_decode_parts_span_the_visible_window_and_fit_a_launch_grid(monkeypatch):
+    """The decode step's launches, recorded host-side (kernels replaced: no GPU needed): a static cache whose window
+    holds every key (a window sharing the selection keys: 200 here, w = 40) gets window parts over the w keys a
+    query sees (3 of 16 keys, not 13: the rest were idle programs), and where the parts would pass a launch
+    grid's second axis (65,535; lowered to 4 here) the step runs the finish kernel instead."""
+    import triton_helpers
+
+    layout, _, tri = triton_helpers.import_nsa()
+    decode = triton_helpers.kernel_module("decode")
+    launched = []
+
+    class Recorded:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            launched.append((self.name, tuple(grid)))
+            return lambda *args, **kwargs: None
+
+    for name in [n for n in vars(decode) if n.startswith("_decode_") and n.endswith("_kernel")]:
+        monkeypatch.setattr(decode, name, Recorded(name))
+    case = dict(B=2, T=200, H=6, Hkv=2, D=16, layout="pad", param_overrides=dict(sel_num_blocks=6, window_size=40))
+    t, cmp_end, doc_pos, p, _, _ = triton_helpers.case_setup(case)
+    ends = layout.compressed_token_ends(doc_pos, p, num_slots=cmp_end.shape[1])
+    cache, query_end = triton_helpers.static_layout(t, ends, doc_pos, 200, 200)  # (a 200-key window ring)
+
+    def step():
+        launched.clear()
+        with tri.launch_overrides(decode_win_tile=16, decode_win_part=16, decode_sel_part=8):
+            decode._decode_step(t["q"][:, -1:], *cache[:7], t["gates"][:, -1:], cache[7], p, 0.25, query_end=query_end)
+        return dict(launched)
+
+    assert cache[5].shape[1] == 200 and step()["_decode_parts_kernel"] == (4, 1 + 3 + 1)  # (B x Hkv, parts)
+    monkeypatch.setattr(decode, "_GRID_AXIS_MAX", 4)
+    grids = step()
+    assert "_decode_parts_kernel" not in grids and grids["_decode_finish_kernel"] == (4,)
 
 
 def test_case_ids_are_unique():

@@ -135,50 +135,16 @@ def as_arch(arch: int | None):
         common._compute_capability = real
 
 
-class _GridLimited:
-    """A kernel whose launches must keep their grid's second and third axes within `limit` (CUDA's 65,535; lowered
-    by a case so that a tiny case reaches it): a launch past it raises, as it would fail on a GPU."""
-
-    def __init__(self, kernel, limit: int):
-        self.kernel, self.limit = kernel, limit
-
-    def __getitem__(self, grid):
-        if any(size > self.limit for size in tuple(grid)[1:]):
-            raise AssertionError(f"{self.kernel.__name__}: launch grid {tuple(grid)} past the {self.limit} a grid's "
-                                 "second and third axes hold")
-        return self.kernel[grid]
-
-
-@contextlib.contextmanager
-def grid_axis_limit(limit: int | None):
-    """Inside the block the decoding launcher takes `limit` as a launch grid's largest second axis (None: CUDA's),
-    and its kernels refuse launches past it."""
-    if limit is None:
-        yield
-        return
-    decode = kernel_module("decode")
-    names = [name for name in vars(decode) if name.startswith("_decode_") and name.endswith("_kernel")]
-    saved = {name: getattr(decode, name) for name in names} | {"_GRID_AXIS_MAX": decode._GRID_AXIS_MAX}
-    try:
-        for name in names:
-            setattr(decode, name, _GridLimited(saved[name], limit))
-        decode._GRID_AXIS_MAX = limit
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(decode, name, value)
-
-
 @contextlib.contextmanager
 def case_launch(case: dict):
-    """Inside the block the launchers take the case's forced launch choices (launch_overrides), the launch
-    configuration of the case's architecture ("arch": tiles differ before Hopper) and its launch grid's axis limit
-    ("grid_axis_max"); the defaults outside, so cases sharing one process do not leak into each other."""
+    """Inside the block the launchers take the case's forced launch choices (launch_overrides) and the launch
+    configuration of the case's architecture ("arch": tiles differ before Hopper); the defaults outside, so
+    cases sharing one process do not leak into each other."""
     _, _, tri = import_nsa()
     fields = {field.name for field in dataclasses.fields(tri.LaunchOverrides)}
     choices = {CASE_KEY_FIELDS.get(key, key): tuple(value) if isinstance(value, list) else value
                for key, value in case.items() if CASE_KEY_FIELDS.get(key, key) in fields and value is not None}
-    with as_arch(case.get("arch")), tri.launch_overrides(**choices), grid_axis_limit(case.get("grid_axis_max")):
+    with as_arch(case.get("arch")), tri.launch_overrides(**choices):
         yield
 
 
