@@ -18,6 +18,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -543,7 +544,10 @@ def run_began_from(cfg: TrainConfig, out_dir: Path) -> str | None:
     path = checkpoint.resolve_resume(cfg.resume, out_dir / "checkpoints") if cfg.resume and not cfg.eval_only else None
     if path is None:  # a new run (also --resume latest before the run's first checkpoint)
         return cfg.init_from
-    began = json.loads((path / checkpoint.STATE_FILE).read_text()).get("config", {}).get("init_from")
+    saved = json.loads((path / checkpoint.STATE_FILE).read_text()).get("config", {})
+    began = saved.get("init_from")
+    if began is not None and (here := checkpoint.local_path(began, saved.get("cwd"))) is not None:
+        began = str(here)  # (a path relative to the directory that launch ran in: usable from any other)
     if cfg.init_from and not same_model_source(cfg.init_from, began):
         start = f"from --init-from {began}" if began else "at random weights"
         own = f" (or pass the run's own, --init-from {began})" if began else ""
@@ -559,9 +563,9 @@ def same_model_source(a: str | None, b: str | None) -> bool:
     """Two --init-from values naming one model: the same local folder however spelt, or the same Hub id."""
     if a is None or b is None:
         return a == b
-    local = [Path(x).expanduser() for x in (a, b)]
-    if all(p.exists() for p in local):
-        return local[0].resolve() == local[1].resolve()
+    local = [checkpoint.local_path(x, None) for x in (a, b)]
+    if None not in local:
+        return local[0] == local[1]
     return a == b
 
 
@@ -897,7 +901,8 @@ def train(cfg: TrainConfig, cleanup: list) -> dict:
     # generation and the export use the model itself, so no parameter is renamed ("_orig_mod.") and evaluation's
     # other shapes never recompile
     forward = torch.compile(model) if cfg.compile else model
-    run_config = asdict(cfg) | {"output_dir": str(out_dir), "world_size": world}
+    # cwd: what relative paths among the flags are relative to (a resume from another directory compares them so)
+    run_config = asdict(cfg) | {"output_dir": str(out_dir), "world_size": world, "cwd": os.getcwd()}
     checkpoints = checkpoint.RunCheckpoints(accelerator, out_dir / "checkpoints", run_config,
                                             checkpoint.model_fields(unwrapped.config), cfg.keep_last)  # fmt: skip
     # A finished run whose last checkpoint came before its end (--save-every 0 with a SIGTERM checkpoint) is finished

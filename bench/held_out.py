@@ -74,7 +74,7 @@ def check_same_data_files(models: list[dict], dataset: str, text_column: str) ->
     recorded = {}
     for m in models:
         if m["data"].get("dataset") == dataset and m.get("data_sha256"):
-            recorded[m["spec"]] = {Path(p).name: digest for p, digest in m["data_sha256"].items()}
+            recorded[m["spec"]] = m["data_sha256"]  # {path as that launch named it: sha256}
     if not recorded or dataset.startswith(("hf://", "parquet:")) or dataset in ("python-docs", "fineweb-edu"):
         return
     try:
@@ -86,12 +86,14 @@ def check_same_data_files(models: list[dict], dataset: str, text_column: str) ->
     fingerprints = file_fingerprints(files)
     if not fingerprints["hashed"]:
         return  # (too large to hash here as in the trainer: sizes only)
-    now = {Path(f["path"]).name: f["sha256"] for f in fingerprints["files"]}
+    now = {f["path"]: f["sha256"] for f in fingerprints["files"]}
     for spec, then in recorded.items():
         if None in then.values():
             continue  # (the run recorded sizes only)
-        if then != now:
-            differ = sorted(name for name in then.keys() | now.keys() if then.get(name) != now.get(name))
+        # compared as contents (the paths are spelt from other directories): each file's digest, with its count
+        if sorted(then.values()) != sorted(now.values()):
+            differ = sorted({Path(path).name for path, digest in then.items() if digest not in now.values()} |
+                            {Path(path).name for path, digest in now.items() if digest not in then.values()})  # fmt: skip
             raise ValueError(f"--dataset {dataset}: its files are not the ones {spec} read (sha256 differs: "
                              f"{', '.join(differ)}; run.json records what it read), so its held-out rows would be "
                              "other text. Give --dataset PATH of the run's data, or pass --dataset explicitly to "

@@ -129,7 +129,7 @@ def main(argv=None) -> dict:
     p.add_argument("--max-len", type=int, default=2048, help="tokens of the prompt kept")
     p.add_argument("--tokenizer", default=None, help="a tokenizer directory, a Hub id or byt5, as the trainer's "
                    "--tokenizer (default: MODEL's own; a model saved without one needs it)")
-    p.add_argument("--out", type=Path, default=None,
+    p.add_argument("--out", default=None,
                    help="the PNG, or a folder for layer<L>_group<G>.png (default: <run>/selection_map/ for a run's "
                         "final/, else ./selection_map.png)")
     p.add_argument("--device", default=None)
@@ -138,10 +138,11 @@ def main(argv=None) -> dict:
         run_dir = Path(args.model).resolve().parent
         args.out = (run_dir / "selection_map" / f"layer{args.layer}_group{args.group}.png"
                     if (run_dir / "run.json").is_file() else Path("selection_map.png"))  # fmt: skip
-    elif args.out.is_dir() or str(args.out).endswith(("/", os.sep)):  # a folder: the map gets its own name there
-        args.out = args.out / f"layer{args.layer}_group{args.group}.png"
-    elif not args.out.suffix:  # (matplotlib would write <out>.png and the message name <out>)
-        args.out = args.out.with_name(args.out.name + ".png")
+    elif Path(args.out).is_dir() or args.out.endswith(("/", os.sep)):  # a folder (new: its trailing /): its own name
+        args.out = Path(args.out) / f"layer{args.layer}_group{args.group}.png"
+    elif not Path(args.out).suffix:  # (matplotlib would write <out>.png and the message name <out>)
+        args.out = Path(args.out + ".png")
+    args.out = Path(args.out)
     given = [f"--{name} {value}" for name, value in (("depth", args.depth), ("sample", args.sample)) if value is not None]
     if args.task is None and given:
         raise ValueError(f"{' '.join(given)}: these place a retrieval case's item; they take --task passkey|needle "

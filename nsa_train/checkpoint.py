@@ -51,20 +51,31 @@ def data_fields(run_config: dict) -> dict:
 
     fields = {k: run_config.get(k) for k in DATA_FLAGS}
     fields["dataset_config"] = hub_config(str(fields["dataset"]), fields["dataset_config"])
-    fields["dataset"] = _same_files_same_name(fields["dataset"])
+    fields["dataset"] = _same_files_same_name(fields["dataset"], run_config.get("cwd"))
     return fields
 
 
-def _same_files_same_name(dataset):
-    """A local --dataset path that exists here as its real absolute path (a relative path, or one through a symlink,
-    names the same files as the resolved one); anything else (a Hub name, a glob, a path gone) as it was given."""
+def local_path(name: str, cwd: str | None) -> Path | None:
+    """A flag's local path as the launch that recorded it meant it (relative to `cwd`, the directory it was launched
+    from, where its config records one; else this process's), resolved; None where it names nothing here (a Hub
+    id, a path gone)."""
+    path = Path(name).expanduser()
+    if not path.is_absolute() and cwd:
+        path = Path(cwd) / path
+    return path.resolve() if path.exists() else None
+
+
+def _same_files_same_name(dataset, cwd: str | None = None):
+    """A local --dataset path that exists as its real absolute path (a path relative to the launch's directory, or
+    one through a symlink, names the same files as the resolved one); anything else (a Hub name, a glob, a path
+    gone) as it was given."""
     from .data import PARQUET_STREAM
 
-    if not isinstance(dataset, str) or any(ch in dataset for ch in "*?["):
+    if not isinstance(dataset, str) or any(ch in dataset for ch in "*?[") or dataset in ("python-docs", "fineweb-edu"):
         return dataset
     prefix = PARQUET_STREAM if dataset.startswith(PARQUET_STREAM) else ""
-    path = Path(dataset[len(prefix) :]).expanduser()
-    return prefix + str(path.resolve()) if path.exists() and dataset not in ("python-docs", "fineweb-edu") else dataset
+    path = local_path(dataset[len(prefix) :], cwd)
+    return prefix + str(path) if path is not None else dataset
 
 
 def checkpoint_steps(ckpt_root: Path) -> list[tuple[int, Path]]:
@@ -159,7 +170,12 @@ def lock_output_dir(out_dir: Path):
     handle = open(out_dir / LOCK_FILE, "a+")  # (not "w": truncating would erase the holder's name)
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # BlockingIOError: another open file (process) holds it
+    except OSError as e:
+        if not isinstance(e, BlockingIOError):  # (EWOULDBLOCK: held) e.g. ENOLCK, a network filesystem without locks
+            handle.close()
+            raise OSError(f"cannot lock {out_dir / LOCK_FILE} ({e}): this filesystem may not support file locks, "
+                          "which keep two launches out of one --output-dir; use an --output-dir on a local or "
+                          "lock-supporting filesystem.") from None
         handle.seek(0)
         holder = handle.read().strip() or "one that has not yet written its name"
         handle.close()

@@ -106,6 +106,8 @@ class LocalFiles:
                 )
             if f.suffix == ".parquet":  # (a JSON file's values are checked as they are read: it has no schema)
                 kind = pq.read_schema(f).field(self.text_column).type
+                if pa.types.is_dictionary(kind):  # (dictionary-encoded strings, e.g. pandas' categoricals, read as text)
+                    kind = kind.value_type
                 string_view = getattr(pa.types, "is_string_view", lambda _: False)(kind)  # (pyarrow >= 16)
                 if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or string_view):
                     raise ValueError(f"--text-column {self.text_column!r} of {str(f)!r} holds {kind}, not text; its "

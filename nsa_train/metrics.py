@@ -229,6 +229,7 @@ class Watchdog:
         self.heartbeat_path, self.stacks_path = heartbeat_path, stacks_path
         self.last = time.monotonic()
         self.info: dict = {}
+        self.wrote_heartbeat = False  # this launch's own: a refused one must not end another launch's heartbeat
         self._stop = threading.Event()
         self.thread = None
         if timeout and timeout > 0:
@@ -242,6 +243,7 @@ class Watchdog:
             tmp = self.heartbeat_path.with_name(self.heartbeat_path.name + ".part")
             tmp.write_text(json.dumps({"time": time.time(), "pid": os.getpid(), **info}))
             os.replace(tmp, self.heartbeat_path)
+            self.wrote_heartbeat = True
 
     def _watch(self):
         while not self._stop.wait(min(1.0, self.timeout / 4)):
@@ -271,10 +273,11 @@ class Watchdog:
             self._beat_end("exited")
 
     def _beat_end(self, phase: str, **extra) -> None:
-        """The last heartbeat: how the process ended, with its last step and the phase it was in. Only where a beat
-        was written (a launch refused before its output directory exists leaves none), and never raising: this runs
-        while the launch's own error propagates, or just before the watchdog ends the process."""
-        if self.heartbeat_path is not None and self.heartbeat_path.is_file():
+        """The last heartbeat: how the process ended, with its last step and the phase it was in. Only where this
+        process wrote the heartbeat (a launch refused before it claimed its output directory, e.g. one refused by a
+        live launch's lock, must leave that launch's heartbeat alone), and never raising: this runs while the
+        launch's own error propagates, or just before the watchdog ends the process."""
+        if self.heartbeat_path is not None and self.wrote_heartbeat:
             last = {"step": self.info["step"]} if "step" in self.info else {}
             with contextlib.suppress(OSError):
                 self.beat(**last, phase=phase, after=self.info.get("phase"), **extra)

@@ -114,27 +114,29 @@ def code_versions(out_dir, current: str | None) -> str:
 
 def schedule_words(schedules: list[Schedule], step: int) -> str:
     """What follows "lr L, W warm-up steps," in the card's optimizer line (run_state.lr_at's schedule): the first
-    schedule's decay; each later one a resume switched to (other --max-steps, --lr, ...), from its step on; and,
-    where the weights are from before the last schedule's end (a run stopped or exported early), the rate of
-    their last step."""
-    words = [_decay_words(schedules[0])]
-    for schedule in schedules[1:]:
-        words.append(f"from step {schedule.from_step:,} (resumed with other schedule flags) lr {schedule.lr:g}, "
-                     f"{schedule.warmup_steps:,} warm-up steps, {_decay_words(schedule)}")
-    last = schedules[-1]
-    if 0 < step < last.max_steps:
-        words.append(f"the weights are step {step:,}'s, trained at lr {lr_at(step - 1, last):.3g}, before the "
-                     "schedule's end")
+    schedule's decay, then each one a resume switched to (other --max-steps, --lr, ...) from its step on; a
+    schedule the run left before its end (a resume's switch, or a run stopped or exported early) with the step it
+    was left at and the rate of that step."""
+    words = []
+    for i, schedule in enumerate(schedules):
+        left_at = schedules[i + 1].from_step if i + 1 < len(schedules) else step
+        decay = _decay_words(schedule, left_at)
+        words.append(decay if i == 0 else f"from step {schedule.from_step:,} (resumed with other schedule flags) lr "
+                                          f"{schedule.lr:g}, {schedule.warmup_steps:,} warm-up steps, {decay}")
     return "; ".join(words)
 
 
-def _decay_words(schedule: Schedule) -> str:
-    """A schedule's cosine decay, or, for a schedule shorter than its warm-up, that it never left it."""
-    if schedule.warmup_steps >= schedule.max_steps:
-        last_lr = schedule.lr * schedule.max_steps / schedule.warmup_steps  # (step s trains at lr * (s + 1) / warmup)
-        return (f"of which the run took {schedule.max_steps:,}: it ended inside the warm-up at lr {last_lr:.3g}, "
-                f"with no cosine decay")
-    return f"then cosine decay to {schedule.lr * schedule.min_lr_ratio:.3g} at step {schedule.max_steps:,}"
+def _decay_words(schedule: Schedule, left_at: int) -> str:
+    """A schedule's cosine decay (or, for one shorter than its warm-up, that it never left it), with where the run
+    left it when that was before its end."""
+    took = min(left_at, schedule.max_steps)
+    if schedule.warmup_steps >= schedule.max_steps:  # (step s trains at lr * (s + 1) / warmup)
+        return (f"of which the run took {took:,}: it ended inside the warm-up at lr {lr_at(took - 1, schedule):.3g}, "
+                "with no cosine decay")
+    words = f"then cosine decay to {schedule.lr * schedule.min_lr_ratio:.3g} at step {schedule.max_steps:,}"
+    if 0 < left_at < schedule.max_steps:
+        words += f", of which the run took {left_at:,} (its last step at lr {lr_at(left_at - 1, schedule):.3g})"
+    return words
 
 
 def init_description(config, source: str | None) -> str:

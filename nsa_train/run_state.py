@@ -84,11 +84,10 @@ class RunState:
         """This launch trains from `step` on under `config`'s schedule: recorded where it is not the one the run
         trained under last (a new run's first; a resume with other schedule flags)."""
         schedule = Schedule.of(config, self.step)
-        if self.schedules and self.schedules[-1].flags() == schedule.flags():
-            return
         if self.schedules and self.schedules[-1].from_step == self.step:  # (no step trained under that one)
             self.schedules.pop()
-        self.schedules.append(schedule)
+        if not self.schedules or self.schedules[-1].flags() != schedule.flags():
+            self.schedules.append(schedule)
 
     def trainer_state(self, world_size: int, run_config: dict, model_config: dict) -> dict:
         """trainer_state.json: the saved progress, with what a resume checks it against (process count, flags,

@@ -213,6 +213,8 @@ def test_selection_map_cli(model, tmp_path, capsys):
     result = selection_map.main([str(tmp_path / "final"), "--prompt", "abcdef", "--layer", "1", "--out",
                                  f"{tmp_path}/"])  # fmt: skip
     assert (tmp_path / "layer1_group0.png").is_file() and f"wrote {tmp_path / 'layer1_group0.png'}" in capsys.readouterr().out
+    selection_map.main([str(tmp_path / "final"), "--prompt", "abcdef", "--out", f"{tmp_path / 'new'}/"])
+    assert (tmp_path / "new" / "layer0_group0.png").is_file()  # a new folder, named by its trailing /
     selection_map.main([str(tmp_path / "final"), "--prompt", "abcdef", "--out", str(tmp_path / "bare")])
     assert (tmp_path / "bare.png").is_file() and f"wrote {tmp_path / 'bare.png'}" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"--depth 0.3: these place a retrieval case's item; they take --task"):

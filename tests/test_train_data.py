@@ -292,6 +292,9 @@ def test_a_text_column_that_holds_no_text_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"--text-column 'n' of .* holds int64, not text"):
         data.make_source(f"parquet:{tmp_path / 'numbers.parquet'}", text_column="n")
     assert list(data.make_source(str(tmp_path / "numbers.parquet"))) == ["a document"]
+    categories = pa.array(["one", "two", "one"]).dictionary_encode()  # (pandas' categoricals: read as text)
+    pq.write_table(pa.table({"text": categories}), tmp_path / "categories.parquet")
+    assert list(data.make_source(str(tmp_path / "categories.parquet"))) == ["one", "two", "one"]
     (tmp_path / "mixed.jsonl").write_text("\n".join(json.dumps(r) for r in ({"text": "fine"}, {"text": ["a", "b"]})))
     documents = iter(data.make_source(str(tmp_path / "mixed.jsonl")))
     assert next(documents) == "fine"

@@ -1227,7 +1227,7 @@ def test_init_from_a_saved_model_and_eval_only(tmp_path, capsys):
         run_main(tiny_args(tmp_path / "bad", init_from=first / "final", attention_mode="dense"))
 
 
-def test_resume_keeps_where_the_run_began_and_init_from_takes_nsa_models_only(tmp_path):
+def test_resume_keeps_where_the_run_began_and_init_from_takes_nsa_models_only(tmp_path, monkeypatch):
     """A resumed run's weights are its checkpoint's: an --init-from other than the run's own is refused (it would
     be recorded in run.json and the card, never used); the run's own is taken however spelt; resumed without it
     (the architecture from --model), the run still records and cards where it began. --init-from refuses a saved
@@ -1246,6 +1246,16 @@ def test_resume_keeps_where_the_run_began_and_init_from_takes_nsa_models_only(tm
     with pytest.raises(ValueError, match=r"began from --init-from \S*first/final.*\(or pass the run's own"):
         run_main(tiny_args(tuned, init_from=other, resume="latest", max_steps=3, stop_at_step=2))
     run_main(tiny_args(tuned, init_from=f"{first / 'final'}/", resume="latest", max_steps=3, stop_at_step=2))
+    # paths relative to the directory a launch ran in stay that run's from any other directory
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(PARQUET, tmp_path / "wiki.parquet")
+    relative = tmp_path / "relative"
+    run_main(tiny_args("relative", init_from="first/final", dataset="wiki.parquet", max_steps=2, stop_at_step=1,
+                       save_every=1))  # fmt: skip
+    monkeypatch.chdir(tmp_path / "first")
+    run_main(tiny_args(relative, init_from=tmp_path / "first" / "final", dataset=tmp_path / "wiki.parquet",
+                       resume="latest", max_steps=2))  # fmt: skip
+    monkeypatch.chdir(REPO)
     run_main(tiny_args(tuned, model=first / "final", resume="latest", max_steps=3))  # no --init-from
     recorded = json.loads((tuned / "run.json").read_text())["config"]
     assert recorded["init_from"] == str(first / "final") and recorded["model"] == str(first / "final")
@@ -1275,11 +1285,14 @@ def test_a_live_launch_holds_its_output_dir(tmp_path):
         """)], stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
         assert holder.stdout.readline().strip() == "held"
+        heartbeat = '{"time": 1, "pid": %d, "step": 7, "phase": "eval"}' % holder.pid  # the live launch's
+        (out / "heartbeat.json").write_text(heartbeat)
         for resume in (None, "latest"):
             with pytest.raises(ValueError, match=rf"--output-dir \S*run is in use by another launch \(pid {holder.pid} "
                                                  r"on .*\): two launches.*or pass another --output-dir"):  # fmt: skip
                 run_main(tiny_args(out, max_steps=1, resume=resume))
-        assert sorted(p.name for p in out.iterdir()) == ["run.lock"]  # nothing written beside the lock
+        assert sorted(p.name for p in out.iterdir()) == ["heartbeat.json", "run.lock"]  # nothing written beside
+        assert (out / "heartbeat.json").read_text() == heartbeat  # the refused launch did not end the live one's
     finally:
         holder.kill()
         holder.wait()
@@ -1296,6 +1309,18 @@ def test_an_output_dir_that_cannot_be_created_is_a_clear_error(tmp_path, monkeyp
     monkeypatch.setattr(checkpoint, "lock_output_dir", denied)
     with pytest.raises(ValueError, match=r"--output-dir \S*run: cannot create or lock it \(\[Errno 13\] Permission denied"):
         run_main(tiny_args(tmp_path / "run", max_steps=1))
+    monkeypatch.undo()
+    # a filesystem without locks (ENOLCK: NFS without its lock daemon) is not "another launch"
+    import errno
+    import fcntl
+
+    def no_locks(handle, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.raises(OSError, match=r"cannot lock \S*run.lock \(\[Errno 37\] No locks available\): this "
+                                      r"filesystem may not support file locks"):  # fmt: skip
+        checkpoint.lock_output_dir(tmp_path / "run")
 
 
 def test_a_failing_sample_is_a_warning_after_the_export(tmp_path, capsys, monkeypatch):
@@ -1322,6 +1347,8 @@ def test_the_card_describes_the_schedules_the_weights_trained_under(tmp_path):
     """A run's card names the learning-rate schedule its weights trained under, not this launch's flags: an early
     checkpoint exported into a new folder (--max-steps its step) trained under its run's longer schedule, and
     stopped part-way down it; a resume with another --max-steps switches schedules from its step on."""
+    from types import SimpleNamespace
+
     import train_accelerate
     from nsa_train.run_state import Schedule, lr_at
 
@@ -1331,13 +1358,26 @@ def test_the_card_describes_the_schedules_the_weights_trained_under(tmp_path):
     run_main(tiny_args(exported, max_steps=3, warmup_steps=2, resume=out / "checkpoints" / "step_00000003"))
     card = (exported / "final" / "README.md").read_text()
     six = Schedule(0, 6, 3e-3, 2, 0.1)
-    assert (f"2 warm-up steps, then cosine decay to 0.0003 at step 6; the weights are step 3's, trained at lr "
-            f"{lr_at(2, six):.3g}, before the schedule's end, gradient clipping") in card
+    left = f"then cosine decay to 0.0003 at step 6, of which the run took 3 (its last step at lr {lr_at(2, six):.3g})"
+    assert f"2 warm-up steps, {left}, gradient clipping" in card
     run_main(tiny_args(out, max_steps=8, warmup_steps=1, resume="latest"))
     card = (out / "final" / "README.md").read_text()
-    assert ("lr 0.003, betas (0.9, 0.95), weight decay 0.1 on matrices only), 2 warm-up steps, then cosine decay to "
-            "0.0003 at step 6; from step 3 (resumed with other schedule flags) lr 0.003, 1 warm-up steps, then cosine "
-            "decay to 0.0003 at step 8, gradient clipping") in card
+    assert (f"lr 0.003, betas (0.9, 0.95), weight decay 0.1 on matrices only), 2 warm-up steps, {left}; from step 3 "
+            "(resumed with other schedule flags) lr 0.003, 1 warm-up steps, then cosine decay to 0.0003 at step 8, "
+            "gradient clipping") in card
+    # a schedule shorter than its warm-up, left early: the steps it took and the rate it ended at, not its plan's
+    from nsa_train.model_card import schedule_words
+
+    warm = Schedule(0, 6, 3e-3, 20, 0.1)
+    assert schedule_words([warm], 3) == ("of which the run took 3: it ended inside the warm-up at lr 0.00045, with "
+                                         "no cosine decay")
+    # a resume that switched schedules and stopped before a step, then resumed with the first flags: one schedule
+    from nsa_train.run_state import RunState
+
+    run = RunState(step=3, schedules=[six])
+    run.follow_schedule(SimpleNamespace(max_steps=8, lr=3e-3, warmup_steps=1, min_lr_ratio=0.1))
+    run.follow_schedule(SimpleNamespace(max_steps=6, lr=3e-3, warmup_steps=2, min_lr_ratio=0.1))
+    assert run.schedules == [six]
     assert train_accelerate.lr_at is lr_at  # the trainer's steps follow the schedule the card describes
 
 

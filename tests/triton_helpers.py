@@ -189,7 +189,7 @@ def run_case(case: dict) -> dict:
     # reference in fp32 on the kernel's selection (see the module docstring)
     captured = {}
     ref_out, ref_grads = _reference_on(t, cmp_end, doc_pos, p, idx_tri, dout, captured)
-    res = {"out": rel(out.detach(), ref_out), "nan": bool(torch.isnan(out).any())}
+    res = {"out": rel(out.detach(), ref_out, case.get("rel_floor", 1e-2)), "nan": bool(torch.isnan(out).any())}
     for n in GRAD_NAMES:
         g = leaves[n].grad
         res["d" + n] = float("nan") if g is None else rel(g, ref_grads[n], case.get("rel_floor", 1e-2))
