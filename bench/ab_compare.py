@@ -1128,7 +1128,8 @@ def main(argv=None) -> dict:
                         "--model-overrides")  # fmt: skip
     p.add_argument("--launcher", default=shlex.quote(sys.executable),
                    help="how to start train_accelerate.py, e.g. 'accelerate launch --config_file "
-                        "accelerate_configs/single_gpu.yaml' (default: this Python)")  # fmt: skip
+                        "accelerate_configs/single_gpu.yaml' from the repository (the runs start in this command's "
+                        "directory: a relative path in it is read from there) (default: this Python)")  # fmt: skip
     args = p.parse_args(own)
     # absolute, read from this command's working directory (where the runs start too): the directories named in the
     # runs' commands, records and messages are then the same wherever they are read
