@@ -1134,9 +1134,23 @@ class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
+class _FlagHintingParser(argparse.ArgumentParser):
+    """An unknown flag's error names the flag meant: the trainer's spelling (--long-context-lengths) or a typo."""
+
+    def error(self, message):
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            flags = [flag for action in self._actions for flag in action.option_strings]
+            close = [match for given in message[len(prefix) :].split() if given.startswith("-")
+                     for match in difflib.get_close_matches(given.split("=")[0].replace("--long-context-", "--"),
+                                                            flags, 1)]  # fmt: skip
+            message += f" (did you mean {' or '.join(dict.fromkeys(close))}?)" if close else ""
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m nsa_train.long_context", description=__doc__.split("\n\n")[0],
-                                formatter_class=_DefaultsHelpFormatter)  # fmt: skip
+    p = _FlagHintingParser(prog="python -m nsa_train.long_context", description=__doc__.split("\n\n")[0],
+                           formatter_class=_DefaultsHelpFormatter)  # fmt: skip
     p.add_argument("model", metavar="MODEL", help="a run's final/ directory, a saved model directory or a Hub id")
     p.add_argument("--task", default="passkey", help=f"one of {', '.join(TASKS)}")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096], help="case lengths in tokens (prompt and answer)")
@@ -1199,14 +1213,7 @@ def check_not_replacing(out_dir: Path, task: str, scoring: str, settings: dict) 
 
 
 def main(argv=None) -> dict:
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:  # the trainer's spelling of a flag (--long-context-lengths) or a typo: name the one meant
-        flags = [flag for action in parser._actions for flag in action.option_strings]
-        close = [match for u in unknown if u.startswith("-")
-                 for match in difflib.get_close_matches(u.split("=")[0].replace("--long-context-", "--"), flags, 1)]
-        hint = f" (did you mean {' or '.join(dict.fromkeys(close))}?)" if close else ""
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    args = build_parser().parse_args(argv)
     # cheap checks first: a typo fails before a model is loaded
     check_task(args.task)
     check_scoring(args.scoring)

@@ -251,9 +251,6 @@ def test_build_retrieval_data_script(tmp_path):
     with pytest.raises(ValueError, match="--min-doc-len 100: too short for the passkey task"):
         build_retrieval_data.main(["--tokenizer", "byt5", "--seq-len", "256", "--min-doc-len", "100", "--rows", "1",
                                    "--out", str(out)])
-    with pytest.raises(SystemExit):  # the trainer's spelling of the flag: the tool's own is named
-        lc.main(["never-loaded", "--long-context-lengths", "256"])
-    assert "unrecognized arguments: --long-context-lengths 256 (did you mean --lengths?)" in capsys.readouterr().err
     for bad in ("0", "-5"):  # the least length named is the task's, not a generic 2
         with pytest.raises(ValueError, match=f"--min-doc-len {bad}: too short .* use --min-doc-len >= 224"):
             build_retrieval_data.main(["--tokenizer", "byt5", "--seq-len", "256", "--min-doc-len", bad, "--rows", "1",

@@ -1012,14 +1012,15 @@ def test_run_state_is_what_a_checkpoint_holds():
     import dataclasses
 
     from nsa_train.data import DataState
-    from nsa_train.run_state import RunState
+    from nsa_train.run_state import RunState, Schedule
 
     run = RunState(step=7, tokens_seen=7 * 256, skipped_steps=1, val_loss=3.5, val_ppl=33.1, val_step=6,
                    data=DataState(1, 2, 3), last_log={"loss": 3.4}, val_by_position={"val_loss_pos0to64": 3.7},
-                   selection_stats={"layers": [{"layer": 0, "gate_cmp_mean": 0.3}]})  # fmt: skip
+                   selection_stats={"layers": [{"layer": 0, "gate_cmp_mean": 0.3}]},
+                   schedules=[Schedule(0, 10, 1e-3, 2, 0.1), Schedule(5, 20, 1e-3, 0, 0.1)])  # fmt: skip
     saved = json.loads(json.dumps(run.trainer_state(2, {"seed": 1}, {"hidden_size": 64})))
     assert set(saved) == {"step", "tokens_seen", "skipped_steps", "world_size", "val_loss", "val_ppl", "val_step",
-                          "val_by_position", "selection_stats", "config", "model_config"}  # fmt: skip
+                          "val_by_position", "selection_stats", "schedules", "config", "model_config"}  # fmt: skip
     assert (saved["world_size"], saved["config"], saved["model_config"]) == (2, {"seed": 1}, {"hidden_size": 64})
     back = RunState.from_checkpoint(saved, json.loads(json.dumps(run.data.to_dict())), started=run.started)
     assert back == dataclasses.replace(run, last_log={})  # the last log record belongs to the process that wrote it
@@ -1027,6 +1028,10 @@ def test_run_state_is_what_a_checkpoint_holds():
     resumed_older = RunState.from_checkpoint(older, {"epoch": 0, "doc": 5, "offset": 0}, started=0.0)
     assert resumed_older.val_loss is None and resumed_older.val_step is None
     assert resumed_older.val_by_position == {} and resumed_older.selection_stats == {}
+    # a checkpoint written before schedules were saved: its run's own flags' schedule, from step 0
+    flags = {"max_steps": 10, "lr": 1e-3, "warmup_steps": 2, "min_lr_ratio": 0.1}
+    assert RunState.from_checkpoint({**older, "config": flags}, {"epoch": 0, "doc": 5, "offset": 0},
+                                    started=0.0).schedules == [Schedule(0, 10, 1e-3, 2, 0.1)]  # fmt: skip
 
 
 def test_every_evaluation_metric_is_logged(tmp_path, capsys):
