@@ -13,6 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: train_accelerate
 
 import train_accelerate  # noqa: E402  (the trainer's data flag defaults)
+from nsa_train import checkpoint  # noqa: E402
 
 # the trainer's data flags that decide its held-out rows: (run.json config key, this script's option)
 DATA_FLAGS = (("dataset", "--dataset"), ("dataset_config", "--dataset-config"), ("text_column", "--text-column"),
@@ -45,37 +46,22 @@ def read_model(spec: str) -> dict:
     data = {key: config.get(key) for key, _ in DATA_FLAGS if key in config}
     launches = saved.get("launches") or [{}]
     if "dataset" in data:  # a relative path was relative to where the run was launched, not to this process
-        data["dataset"] = launched_path(data["dataset"], launches[-1].get("cwd"))
+        data["dataset"] = checkpoint.dataset_as_launched(data["dataset"], launches[-1].get("cwd"))
     return {"spec": spec, "path": str(run / "final"), "seed": seed if isinstance(seed, int) else None, "data": data,
             "data_sha256": launches[-1].get("data_sha256"), "record": str(record)}  # fmt: skip
-
-
-def launched_path(dataset, cwd: str | None):
-    """A run's --dataset as a path from here: a relative local path (or parquet:PATH) joined to the directory the
-    run was launched from (run.json's launches record it); a Hub name, an absolute path, or a run recorded
-    without its directory as it is."""
-    from nsa_train.data import PARQUET_STREAM
-
-    if not isinstance(dataset, str) or cwd is None or dataset in ("python-docs", "fineweb-edu"):
-        return dataset
-    if dataset.startswith("hf://"):
-        return dataset
-    prefix = PARQUET_STREAM if dataset.startswith(PARQUET_STREAM) else ""
-    path = Path(dataset[len(prefix) :]).expanduser()
-    return dataset if path.is_absolute() else prefix + str(Path(cwd) / path)
 
 
 def check_same_data_files(models: list[dict], dataset: str, text_column: str) -> None:
     """The run's own --dataset must still hold the bytes the run read (run.json's sha256 of each file): a file
     rebuilt or replaced since, under the same name, gives other held-out rows without a word. An error naming the
     run and the files; runs that recorded no digests (streamed data, large corpora) are taken as they are."""
-    from nsa_train.data import LocalFiles, file_fingerprints
+    from nsa_train.data import PARQUET_STREAM, LocalFiles, file_fingerprints, names_local_files
 
     recorded = {}
     for m in models:
         if m["data"].get("dataset") == dataset and m.get("data_sha256"):
             recorded[m["spec"]] = m["data_sha256"]  # {path as that launch named it: sha256}
-    if not recorded or dataset.startswith(("hf://", "parquet:")) or dataset in ("python-docs", "fineweb-edu"):
+    if not recorded or not names_local_files(dataset) or dataset.startswith(PARQUET_STREAM):
         return
     try:
         files = LocalFiles(dataset, text_column).files

@@ -51,7 +51,7 @@ def data_fields(run_config: dict) -> dict:
 
     fields = {k: run_config.get(k) for k in DATA_FLAGS}
     fields["dataset_config"] = hub_config(str(fields["dataset"]), fields["dataset_config"])
-    fields["dataset"] = _same_files_same_name(fields["dataset"], run_config.get("cwd"))
+    fields["dataset"] = dataset_as_launched(fields["dataset"], run_config.get("cwd"))
     return fields
 
 
@@ -65,17 +65,21 @@ def local_path(name: str, cwd: str | None) -> Path | None:
     return path.resolve() if path.exists() else None
 
 
-def _same_files_same_name(dataset, cwd: str | None = None):
-    """A local --dataset path that exists as its real absolute path (a path relative to the launch's directory, or
-    one through a symlink, names the same files as the resolved one); anything else (a Hub name, a glob, a path
-    gone) as it was given."""
-    from .data import PARQUET_STREAM
+def dataset_as_launched(dataset, cwd: str | None):
+    """A run's --dataset as the files it named when launched from `cwd` (recorded in its config and run.json): a
+    local path (or parquet:PATH) that exists, as its real absolute path, so a path relative to the launch's
+    directory, or one through a symlink, reads the same as the resolved one; a relative path gone, or a glob,
+    joined to `cwd`; python-docs and Hub names as given."""
+    from .data import PARQUET_STREAM, names_local_files
 
-    if not isinstance(dataset, str) or any(ch in dataset for ch in "*?[") or dataset in ("python-docs", "fineweb-edu"):
+    if not names_local_files(dataset):
         return dataset
     prefix = PARQUET_STREAM if dataset.startswith(PARQUET_STREAM) else ""
-    path = local_path(dataset[len(prefix) :], cwd)
-    return prefix + str(path) if path is not None else dataset
+    name = dataset[len(prefix) :]
+    if not any(ch in name for ch in "*?[") and (path := local_path(name, cwd)) is not None:
+        return prefix + str(path)
+    path = Path(name).expanduser()
+    return prefix + str(Path(cwd) / path) if cwd and not path.is_absolute() else dataset
 
 
 def checkpoint_steps(ckpt_root: Path) -> list[tuple[int, Path]]:
@@ -238,7 +242,8 @@ class RunCheckpoints:
         self.resumed_from = path
         self.accelerator.print(f"resumed from {path} at step {run.step} ({run.tokens_seen:,} tokens)")
         self.set_aside_checkpoints_after(run.step)
-        saved = trainer_state.get("config", {})
+        # the schedule the checkpoint's weights trained under last (its config's flags where none was recorded)
+        saved = vars(run.schedules[-1]) if run.schedules else trainer_state.get("config", {})
         changed = [k for k in SCHEDULE_FLAGS if k in saved and saved[k] != self.run_config.get(k)]
         # allowed (e.g. raising --max-steps to train further), but the rate jumps: say so, where a step will train
         if changed and run.step < self.run_config["max_steps"]:

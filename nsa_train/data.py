@@ -332,6 +332,12 @@ def streams_from_hub(dataset: str) -> bool:
     return dataset == "fineweb-edu" or dataset.startswith("hf://")
 
 
+def names_local_files(dataset) -> bool:
+    """Whether --dataset names files on this machine (PATH, a glob, or parquet:PATH), not python-docs (shipped with
+    Python) or a Hub dataset."""
+    return isinstance(dataset, str) and dataset != "python-docs" and not streams_from_hub(dataset)
+
+
 def hub_config(dataset: str, dataset_config: str | None) -> str | None:
     """The Hub config a run reads: --dataset-config if given, else sample-10BT for fineweb-edu and the dataset's
     own default for hf://NAME (None); None for local data and python-docs, which have no config."""

@@ -451,3 +451,26 @@ def test_file_fingerprints_name_the_bytes_read_and_skip_hashing_large_data(tmp_p
     large = data.file_fingerprints([first, second], max_bytes=20)
     assert not large["hashed"] and [f["sha256"] for f in large["files"]] == [None, None]
     assert [f["bytes"] for f in large["files"]] == [13, 17]
+
+
+def test_a_runs_dataset_names_the_files_it_read_from_the_directory_it_was_launched_in(tmp_path):
+    """checkpoint.dataset_as_launched, which a resume's data check and the held-out tools (bench/held_out.py) read a
+    run's recorded --dataset through: local paths as the launch meant them, other sources as given."""
+    from nsa_train import checkpoint
+
+    launched_in = tmp_path / "launch"
+    (launched_in / "data").mkdir(parents=True)
+    (launched_in / "data" / "a.parquet").write_bytes(b"")
+    link = tmp_path / "link.parquet"
+    link.symlink_to(launched_in / "data" / "a.parquet")
+    real = str((launched_in / "data" / "a.parquet").resolve())
+    assert checkpoint.dataset_as_launched("data/a.parquet", str(launched_in)) == real
+    assert checkpoint.dataset_as_launched(f"parquet:{link}", None) == f"parquet:{real}"  # through a symlink
+    # a relative path gone since, and a glob: joined to the launch's directory (not read from this process's)
+    assert checkpoint.dataset_as_launched("gone.jsonl", "/runs/x") == "/runs/x/gone.jsonl"
+    assert checkpoint.dataset_as_launched("data/*.parquet", str(launched_in)) == f"{launched_in}/data/*.parquet"
+    assert checkpoint.dataset_as_launched("/abs/gone.jsonl", "/runs/x") == "/abs/gone.jsonl"
+    for named in ("python-docs", "fineweb-edu", "hf://me/corpus", None):
+        assert not data.names_local_files(named)
+        assert checkpoint.dataset_as_launched(named, str(launched_in)) == named
+    assert data.names_local_files("parquet:shards/") and data.names_local_files("x.txt")
