@@ -252,7 +252,7 @@ def floor_ms(counter: StepCounter, tflops: float, gbps: float) -> float:
     return counter.total("flops") / (tflops * 1e9) + counter.total("bytes") / (gbps * 1e6)
 
 
-def main():
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--tokens-per-step", type=int, default=32768)
@@ -262,7 +262,7 @@ def main():
     parser.add_argument("--decode", action="store_true", help="count and time eager decoding steps instead (see above)")
     parser.add_argument("--decode-batch", type=int, default=1, help="rows of the decoding steps (--decode)")
     parser.add_argument("--prompt-len", type=int, default=64, help="tokens in the cache before the steps (--decode)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.decode:
         if args.decode_batch < 1 or args.prompt_len < 1:
             parser.error(f"--decode-batch ({args.decode_batch}) and --prompt-len ({args.prompt_len}) must be >= 1")
