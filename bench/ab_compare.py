@@ -341,17 +341,33 @@ def runs_on_cpu(launcher: list[str]) -> bool:
     return not (torch.cuda.is_available() or (mps is not None and mps.is_available()))
 
 
+def processes_per_run(launcher: list[str]) -> int:
+    """The processes a launcher starts for each run: accelerate launch's --num_processes, torchrun's
+    --nproc_per_node (either spelling, either `--flag N` or `--flag=N`); 1 for a plain python or where none is
+    given (a config file's count is not read: the figure is a thread share, not a check)."""
+    names = ("--num_processes", "--num-processes", "--nproc_per_node", "--nproc-per-node")
+    for i, arg in enumerate(launcher):
+        name, _, value = arg.partition("=")
+        if name in names:
+            value = value or (launcher[i + 1] if i + 1 < len(launcher) else "")
+            if value.isdigit() and int(value) > 0:
+                return int(value)
+    return 1
+
+
 def thread_env(at_once: int, launcher: list[str]) -> dict:
     """OMP_NUM_THREADS for the runs where `at_once` of them train side by side on the CPU and the user has not set
-    it: the usable cores shared out (at least 1 each), said on one line. Unset, each run's torch takes every core,
-    and the runs' threads oversubscribe them (runs three or four times slower on two cores); a value the user set is
-    kept, and one run at a time (or a GPU) needs none."""
+    it: the usable cores shared out among their processes (a multi-process --launcher's count each, at least 1
+    thread each), said on one line. Unset, each run's torch takes every core, and the runs' threads oversubscribe
+    them (runs three or four times slower on two cores); a value the user set is kept, and one run at a time (or
+    a GPU) needs none (a multi-process launcher sets its own, as torchrun and accelerate launch do)."""
     if at_once < 2 or os.environ.get("OMP_NUM_THREADS") or not runs_on_cpu(launcher):
         return {}
-    cores = usable_cores()
-    threads = max(1, cores // at_once)
-    print(f"OMP_NUM_THREADS is not set: each run gets OMP_NUM_THREADS={threads} ({cores} cores // {at_once} runs "
-          "at once), so that their threads do not oversubscribe the CPU; set OMP_NUM_THREADS to choose another.",
+    cores, processes = usable_cores(), processes_per_run(launcher)
+    threads = max(1, cores // (at_once * processes))
+    sharing = f"{at_once} runs at once" if processes == 1 else f"{at_once} runs at once x {processes} processes each"
+    print(f"OMP_NUM_THREADS is not set: each run gets OMP_NUM_THREADS={threads} ({cores} cores // {sharing}), so "
+          "that their threads do not oversubscribe the CPU; set OMP_NUM_THREADS to choose another.",
           flush=True)  # fmt: skip
     return {"OMP_NUM_THREADS": str(threads)}
 

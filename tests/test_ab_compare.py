@@ -693,6 +693,13 @@ def test_jobs_on_a_cpu_share_the_cores_unless_omp_num_threads_is_set(tmp_path, m
     monkeypatch.setattr(ab_compare, "usable_cores", lambda: 1)
     assert ab_compare.thread_env(2, []) == {"OMP_NUM_THREADS": "1"}
     assert ab_compare.thread_env(1, []) == {}
+    # a launcher of several processes a run shares the cores among all of them
+    monkeypatch.setattr(ab_compare, "usable_cores", lambda: 8)
+    accelerate = ["accelerate", "launch", "--cpu", "--num_processes", "2"]
+    assert ab_compare.thread_env(2, accelerate) == {"OMP_NUM_THREADS": "2"}
+    assert "(8 cores // 2 runs at once x 2 processes each)" in capsys.readouterr().out
+    assert ab_compare.thread_env(2, ["torchrun", "--nproc-per-node=4"]) == {"OMP_NUM_THREADS": "1"}
+    assert ab_compare.processes_per_run(["accelerate", "launch", "--config_file", "c.yaml"]) == 1
     monkeypatch.setattr(ab_compare, "runs_on_cpu", lambda launcher: False)
     assert ab_compare.thread_env(4, []) == {}
 
