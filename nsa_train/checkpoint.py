@@ -55,13 +55,17 @@ def data_fields(run_config: dict) -> dict:
     return fields
 
 
-def local_path(name: str, cwd: str | None) -> Path | None:
-    """A flag's local path as the launch that recorded it meant it (relative to `cwd`, the directory it was launched
-    from, where its config records one; else this process's), resolved; None where it names nothing here (a Hub
-    id, a path gone)."""
+def _as_launched(name: str, cwd: str | None) -> Path:
+    """A flag's path as the launch that recorded it meant it: relative to `cwd`, the directory it was launched from,
+    where its config records one (else this process's), ~ expanded."""
     path = Path(name).expanduser()
-    if not path.is_absolute() and cwd:
-        path = Path(cwd) / path
+    return Path(cwd) / path if cwd and not path.is_absolute() else path
+
+
+def local_path(name: str, cwd: str | None) -> Path | None:
+    """A flag's local path as its launch meant it (_as_launched), resolved; None where it names nothing here (a Hub
+    id, a path gone)."""
+    path = _as_launched(name, cwd)
     return path.resolve() if path.exists() else None
 
 
@@ -76,10 +80,10 @@ def dataset_as_launched(dataset, cwd: str | None):
         return dataset
     prefix = PARQUET_STREAM if dataset.startswith(PARQUET_STREAM) else ""
     name = dataset[len(prefix) :]
-    if not any(ch in name for ch in "*?[") and (path := local_path(name, cwd)) is not None:
-        return prefix + str(path)
-    path = Path(name).expanduser()
-    return prefix + str(Path(cwd) / path) if cwd and not path.is_absolute() else dataset
+    path = _as_launched(name, cwd)
+    if not any(ch in name for ch in "*?[") and path.exists():
+        return prefix + str(path.resolve())
+    return prefix + str(path) if path != Path(name).expanduser() else dataset  # (joined to cwd, else as given)
 
 
 def checkpoint_steps(ckpt_root: Path) -> list[tuple[int, Path]]:

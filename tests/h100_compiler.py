@@ -55,8 +55,8 @@ def ensure_triton(target: Path, version: str) -> bool:
         return True
     partial = target.with_name(target.name + ".partial")  # a killed install never looks complete
     shutil.rmtree(partial, ignore_errors=True)
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-compile", "--no-deps", "--target", str(partial),
-                           f"triton=={version}"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-compile", "--no-deps", "--target",
+                           str(partial), f"triton=={version}"], capture_output=True, text=True)  # fmt: skip
     if proc.returncode != 0:
         print(f"pip could not install triton=={version} into {partial}:\n{proc.stderr[-2000:]}", file=sys.stderr)
         return False
