@@ -130,7 +130,7 @@ A100_TILES_SHARE = 0.2  # CPU cases run with sm_80's launch configuration
 LAUNCH_CHOICE_SHARE = 0.35
 LAUNCH_CHOICES_MAX = 3
 ATTENTION_LAUNCH_CHOICES = {  # case key -> values (bj, split: tests/triton_helpers.CASE_KEY_FIELDS)
-    "sel_dq_in_dkdv": (True,), "sel_dq_partials": (True,), "sel_fwd_pairs": (True,), "sel_fwd_pair_queries": (7, 9, 13),
+    "sel_dq_in_dkdv": (True,), "sel_fwd_pairs": (True,), "sel_fwd_pair_queries": (7, 9, 13),
     "sel_dq_pairs": (True,), "sel_dq_split": (True,), "sel_union_wide_keys": (True,), "query_tiles_light_first": (True,),
     "offsets_int64": (True,), "sel_pairs_int64": (True,), "sel_dkdv_ranges_first": (True,),
     "dkdv_key_tiles_fast": (True,), "sel_dkdv_chunk_pairs": (0, 12, 20), "range_chunk": (16, 32),

@@ -112,10 +112,11 @@ for step in "${steps[@]}"; do
                   --decode-lengths 8192 65536 --json "$OUT/floors.json" ;;
     # launch variants (tiles, warps, top-n insertion) with per-kernel times: where the defaults come from
     tune)       $PY bench/tune_kernels.py --json "$OUT/tune.json" ;;
-    # the selected dQ three ways (union walk: the default; per-pair partials; per-pair atomics) at issue 18's
-    # lengths, both layouts, with dense SDPA and peak memory on the same shapes: decides _sel_dq_mode's default
+    # the selected dQ three ways (union walk: the default; per-pair atomics in the selected dK/dV; the block-outer
+    # pair kernel) at issue 18's lengths, both layouts, with dense SDPA and peak memory on the same shapes: decides
+    # _sel_dq_mode's default
     seldq)      $PY bench/tune_kernels.py --json "$OUT/seldq.json" --no-decode --dense --variants default \
-                  seldq_partials:sel_dq_partials=1 seldq_pairs:sel_dq_in_dkdv=1 --cases 12,2,64,65536,1,random \
+                  seldq_pairs:sel_dq_in_dkdv=1 sel_dq_pairs:sel_dq_pairs=1 --cases 12,2,64,65536,1,random \
                   12,2,64,2048,32,random 12,2,64,8192,8,random 12,2,64,32768,2,random 16,1,64,8192,8,random \
                   16,1,64,65536,1,random 12,2,64,65536,1,correlated ;;
     # the changes made since the last figures, each against its other side: the selected dK/dV's heavy blocks cut

@@ -45,9 +45,6 @@ DEFAULT_VARIANTS = [
     "seldq_pairs:sel_dq_in_dkdv=1",
     # the same at 4 warps (the selected dK/dV spills 120-136 bytes there at G = 6 with the dQ tile; 8 warps do not)
     "seldq_pairs_4warps:sel_dq_in_dkdv=1,dkdv_warps=4",
-    # the same pairs without atomics: each pair stores its share in a (query, slot) partial buffer that one kernel
-    # sums (2026-11-26: as fast as the atomics; the pair-wise dQ itself, not the atomics, is what costs)
-    "seldq_partials:sel_dq_partials=1",
     # The selected kernels ran at 0.09-0.14 of their floors on 2026-11-26 with every loop software-pipelined and
     # spill-free: how many stages they pipeline with (Triton's own 3 for the dK/dV kernels and the selected forward;
     # the fused dQ's 128-row tile 3 since that day's sweep, -10% to -16% of that kernel against 2)

@@ -66,7 +66,7 @@ from .nsa_triton_common import (  # noqa: F401  (_HAS_TRITON: callers ask this m
     triton_unusable_reason,
 )
 from .nsa_triton_decode import _decode_step
-from .nsa_triton_dq import _bwd_dq, _sel_dq_partials, _sel_dq_reduce, _sel_dq_reduce_chunk
+from .nsa_triton_dq import _bwd_dq, _sel_dq_reduce_chunk
 from .nsa_triton_interval import _DKDV_KEY_TILE, _interval_bwd_dkdv, _interval_fwd, _interval_query_ranges, _layout
 from .nsa_triton_launch import LaunchOverrides, _sel_dq_mode, launch_overrides
 from .nsa_triton_selected import _sel_bwd_dkdv, _sel_dq_pairs, _sel_fwd
@@ -155,8 +155,8 @@ def _backward_impl(dout, q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, g
     # dQ of the three branches, dgates and the per-branch deltas and gated log-sum-exps in one kernel; the dK/dV
     # kernels then read those two. The selected branch's dQ (_sel_dq_mode): in that kernel over each query tile's
     # block union ("union"), or formed pair by pair: by a block-outer kernel of its own ("pairs", after the dK/dV
-    # kernels), or by the selected dK/dV kernel, which stores per-pair partials that _sel_dq_reduce sums
-    # ("partials") or adds them to an fp32 dQ with atomics ("atomic"); in those three dQ is first the fp32 of the
+    # kernels), or by the selected dK/dV kernel, which adds them to an fp32 dQ with atomics ("atomic"); in those
+    # two dQ is first the fp32 of the
     # interval branches (a _FloatDq: with dq_over_outputs in o_cmp's and o_win's storage, which no kernel reads
     # after _bwd_dq).
     cmp, win = (k_cmp, v_cmp, c_lo, c_hi, lse_cmp, o_cmp), (k_win, v_win, w_lo, w_hi, lse_win, o_win)
@@ -166,12 +166,8 @@ def _backward_impl(dout, q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, g
     # the dK/dV kernels' query ranges per key tile, both interval branches in two launches
     cmp_ranges, win_ranges = _interval_query_ranges(intervals, (k_cmp.shape[1], k_win.shape[1]), _DKDV_KEY_TILE)
     dk_cmp, dv_cmp = _interval_bwd_dkdv(q, k_cmp, v_cmp, c_lo, c_hi, cmp_ranges, dout, lse_g[0], delta[0], scale)
-    partials = _sel_dq_partials(q, idx) if sel_dq_mode == "partials" else None
     dk_slc, dv_slc = _sel_bwd_dkdv(q, k_slc, v_slc, idx, doc_pos, dout, lse_g[1], delta[1], p, scale,
-                                   dq_accum=dq if sel_dq_mode == "atomic" else None, dq_partials=partials)
-    if partials is not None:
-        dq = _sel_dq_reduce(dq, partials, idx, q)
-        del partials
+                                   dq_accum=dq if sel_dq_mode == "atomic" else None)
     dk_win, dv_win = _interval_bwd_dkdv(q, k_win, v_win, w_lo, w_hi, win_ranges, dout, lse_g[2], delta[2], scale)
     if sel_dq_mode == "pairs":
         dq = _sel_dq_pairs(q, k_slc, v_slc, idx, doc_pos, dout, lse_g[1], delta[1], dq, p, scale,
@@ -247,7 +243,7 @@ def _backward(ctx, dout, *unused):
     if getattr(ctx, "outputs_overwritten", False):
         raise RuntimeError(
             "nsa_triton: a second backward through the same graph (retain_graph=True) after a backward with the "
-            "pair-wise selected dQ (launch_overrides(sel_dq_in_dkdv=True), sel_dq_partials or sel_dq_pairs), which "
+            "pair-wise selected dQ (launch_overrides(sel_dq_in_dkdv=True) or sel_dq_pairs), which "
             "keeps its fp32 dQ in the saved branch outputs; backpropagate such graphs with the default dQ (no "
             "override) or run the forward again")
     saved = ctx.saved_tensors

@@ -256,7 +256,7 @@ if triton is not None:
         tl.store(DQ + row[:, None] * D + d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
     # ------------------------------------------------------------------------------------------
-    # The selected dQ from per-pair partials (sel_dq_partials)
+    # The selected dQ from per-pair partials (the block-outer pair dQ's, sel_dq_pairs)
     # ------------------------------------------------------------------------------------------
 
     @triton.jit(do_not_specialize=["c0"])
@@ -266,7 +266,7 @@ if triton is not None:
                               IN_HALF: tl.constexpr, OUT_HALF: tl.constexpr):
         """DQ_OUT = DQ_IN (fp32: the interval branches' dQ) + the sum over a query's slots, in slot order, of the
         selected branch's partials DQP, for the chunk_q queries from c0: ((B*Hkv x chunk_q + query - c0) x n' +
-        slot, G, D), stored by the selected dK/dV kernel (one chunk of all Tq queries) or by the pair-dQ kernel; the
+        slot, G, D), stored by the pair-dQ kernel (nsa_triton_selected._sel_dq_pairs_kernel); the
         slots whose block is unused (idx -1) were never written and are skipped. Rows: QPB queries x the G heads
         of one KV group (as the other query tiles). IN_HALF < D: DQ_IN lies over DQ_IN and DQ_IN_HI (_dq_load), and
         so DQ_OUT with OUT_HALF (the pair-dQ kernel's in-place sum: a program reads, then writes, its own rows)."""
@@ -376,26 +376,9 @@ def _sel_dq_split(q, dout, gates, slc, idx, doc_pos, params: NSAParams, scale, k
     return dq, dgates, delta, lse_g
 
 
-def _sel_dq_partials(q, idx):
-    """The buffer the selected dK/dV kernel stores each (query, block) pair's dQ share in: (B, Hkv, Tq, n', G, D),
-    q's dtype. Slots of unused blocks stay unwritten (_sel_dq_reduce skips them)."""
-    batch, num_q, num_heads, head_dim = q.shape
-    num_kv, n_sel = idx.shape[1], idx.shape[-1]
-    return torch.empty(batch, num_kv, num_q, n_sel, num_heads // num_kv, head_dim, device=q.device, dtype=q.dtype)
-
-
-def _sel_dq_reduce(dq_intervals: _FloatDq, partials, idx, q):
-    """dQ in q's shape and dtype: the interval branches' fp32 dQ plus each query's selected partials, summed in
-    slot order (deterministic)."""
-    dq = torch.empty_like(q)
-    _sel_dq_reduce_chunk(partials, idx, dq_intervals, _FloatDq(dq, dq, q.shape[-1]), 0, q.shape[1])
-    return dq
-
-
 def _sel_dq_reduce_chunk(partials, idx, dq_intervals: _FloatDq, dq: _FloatDq, c0: int, chunk_q: int):
     """dq[:, c0 : c0 + chunk_q] = the interval branches' fp32 dQ there plus the chunk's selected partials
-    ((B*Hkv x chunk_q x n' x G, D) rows: the whole of Tq for the selected dK/dV's, a chunk for the pair-dQ
-    kernel's), summed in slot order."""
+    ((B*Hkv x chunk_q x n' x G, D) rows, the pair-dQ kernel's for one chunk of queries), summed in slot order."""
     batch, num_kv, num_q, n_sel = idx.shape
     head_dim = partials.shape[-1]
     group = dq_intervals.lo.shape[0] // (batch * num_q * num_kv)

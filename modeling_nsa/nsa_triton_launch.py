@@ -50,17 +50,13 @@ class LaunchOverrides:
     # an fp32 dQ with atomics (True: not bitwise deterministic), or in the fused dQ kernel over each query tile's
     # union of blocks (False, and None: the default, _sel_dq_mode)
     sel_dq_in_dkdv: bool | None = None
-    # the same pair-by-pair selected dQ without atomics: each (query, block) pair stores its G heads' share in a
-    # (B, Hkv, Tq, n', G, D) partial buffer in q's dtype (n' times q's size: 1.5 GiB at 64k tokens x 12 heads x 64
-    # in bf16), summed in slot order by one reduce kernel (deterministic). True wins over sel_dq_in_dkdv
-    sel_dq_partials: bool | None = None
     # the selected forward over (query, block) pairs, block-outer (True; _sel_fwd_pairs), instead of each query
     # tile's union of blocks (False, and None: the default); not yet timed (bench/KERNELS.md)
     sel_fwd_pairs: bool | None = None
     sel_fwd_pair_queries: int | None = None  # queries per chunk of that schedule (default: _sel_fwd_pair_queries)
     # the selected branch's dQ by the same block-outer walk in a kernel of its own (True: _sel_dq_pairs, each pair's
-    # share stored at its (query, slot) in chunks as the forward's, summed per query in slot order); wins over
-    # sel_dq_in_dkdv and sel_dq_partials; not yet timed (bench/KERNELS.md)
+    # share stored at its (query, slot) in chunks as the forward's, summed per query in slot order: deterministic,
+    # its partials within q's size); wins over sel_dq_in_dkdv; not yet timed (bench/KERNELS.md)
     sel_dq_pairs: bool | None = None
     # the tile unions' sort keys as int64 at any length (they are int32 below 2**(31 - log2 queries per tile) keys,
     # 2**27 at the 125M layout's forward): how the tests reach the int64 path (_tile_block_union)
@@ -184,7 +180,7 @@ def _dkdv_launch(group: int, head_dim: int, device, pair_dq: bool = False,
     main pass keeps an 88-104 byte frame reloaded per block; head_dim 256 spills about 300-700 bytes with or
     without them); none on sm_80, which keeps the stack frame there at 0-48 bytes at head_dim 64, outside the
     tile loops (64 rows, or pipelining, spill more). pair_dq (the selected kernel forming its dQ pair by pair:
-    sel_dq_in_dkdv, sel_dq_partials): on sm_90 at head_dim 64 the fp32 dQ tile beside dK and dV spills 120-136
+    sel_dq_in_dkdv): on sm_90 at head_dim 64 the fp32 dQ tile beside dK and dV spills 120-136
     bytes at 4 warps at G = 6 (none at G = 16), at 8 warps nothing inside the tile loops (a 16-byte frame outside
     them), so 8 there (the variant seldq_pairs_4warps times the other side); at head_dim 128 the 32-row tile
     spills 8-40 bytes (sm_90 with its two stages, sm_80/86) and a 16-row one none inside its loops, pipelined on
@@ -298,23 +294,23 @@ def _sel_fwd_pairs_launch(group: int, head_dim: int, device, dq: bool = False) -
 def _sel_dq_mode() -> str:
     """Where the backward forms the selected branch's dQ: "union" (the fused dQ kernel walks each query tile's
     union of chosen blocks, doing the math of every block of the union for every row), "pairs" (a kernel of its
-    own walks the (query, block) pairs block-outer as the sel_fwd_pairs forward does), "partials" (the selected
-    dK/dV kernel, which meets each (query, block) pair once, stores each pair's share; a reduce kernel sums a
-    query's n' shares) or "atomic" (the same pairs added to an fp32 dQ with atomics). The union walk is the default:
+    own walks the (query, block) pairs block-outer as the sel_fwd_pairs forward does) or "atomic" (the selected
+    dK/dV kernel, which meets each (query, block) pair once, adds each pair's share to an fp32 dQ with atomics).
+    (A third, each pair's share stored by the dK/dV kernel for all queries at once, was timed no faster than the
+    atomics and 3.9x dense's peak memory at 64k, and retired: bench/KERNELS.md, 2026-12-03.) The union walk is the
+    default:
     the pair-wise dQ costs the selected dK/dV kernel a fifth dot and 8 warps (its dQ tile spills at 4), which only
     pays where a tile's queries share few blocks (random queries at 32k and more); it loses at 2k-8k and on
     correlated queries, which trained models' neighbouring queries resemble (bench/KERNELS.md, 2026-11-26)."""
     if _OVERRIDES.sel_dq_pairs:
         return "pairs"
-    if _OVERRIDES.sel_dq_partials:
-        return "partials"
     if _OVERRIDES.sel_dq_in_dkdv:
         return "atomic"
     return "union"
 
 
 def _sel_dq_reduce_rows(group: int) -> tuple[int, int]:
-    """(rows, queries per program) of the partials' reduce kernel: 64 rows of (query x head), memory-bound."""
+    """(rows, queries per program) of the pair dQ's reduce kernel: 64 rows of (query x head), memory-bound."""
     return _query_tile(group, 64)
 
 

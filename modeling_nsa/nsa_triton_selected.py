@@ -190,32 +190,27 @@ if triton is not None:
 
     @triton.jit
     def _sel_pair_tile(Q, DO, LSE_G, DELTA, DQ, DQ_HI, b, g, Tq, q_off, kk, k_ok, k, v, sm_scale2, scale, dk, dv,
-                       qi, f, row_ok, r, hh, d, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                       qi, row_ok, r, hh, d, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                        DQ_PAIRS: tl.constexpr, MASKED: tl.constexpr, ROW32: tl.constexpr, DQ_HALF: tl.constexpr):
         """One pair tile: rows r (query qi x head hh) of block keys kk added to dK, dV (and with DQ_PAIRS the
-        rows' dQ shares: 1 added atomically at their rows of the fp32 dQ (DQ, DQ_HI, DQ_HALF: _dq_add), 2 stored
-        at their (query, slot) partials f)."""
+        rows' dQ shares, added atomically at their rows of the fp32 dQ: DQ, DQ_HI, DQ_HALF, _dq_add)."""
         base, row = _head_rows(b, g, qi, hh, Tq, H, G, ROW32)
         q, do, lse, delta = _bwd_rows(Q + base * D, DO + base * D, LSE_G + base, DELTA + base, row, row_ok, d, D)
         if MASKED:  # one compare per pair: keys off the block moved past every query, rows off the tile before key 0
             vis_t = tl.where(k_ok, kk, 2147483647)[:, None] <= tl.where(row_ok, q_off + qi, -1)[None, :]
         else:
             vis_t = True
-        if DQ_PAIRS == 1:
+        if DQ_PAIRS:
             dk, dv, ds_t = _dkdv_update_ds(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
             dq = tl.dot(tl.trans(ds_t), k) * scale  # (rows, D)
             # (the batch and head-group offset on the bases: row stays int32 under ROW32)
             _dq_add(DQ + base * DQ_HALF, DQ_HI + base * DQ_HALF, row, d, D, DQ_HALF, dq, row_ok)
-        elif DQ_PAIRS == 2:
-            dk, dv, ds_t = _dkdv_update_ds(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
-            dq = tl.dot(tl.trans(ds_t), k) * scale  # (rows, D)
-            tl.store(DQ + (f * G + hh)[:, None] * D + d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
         else:
             dk, dv = _dkdv_update(q, do, lse, delta, k, v, vis_t, sm_scale2, dk, dv)
         return dk, dv
 
     @triton.jit
-    def _sel_pair_tiles(Q, PAIR_Q, PAIR_F, DO, LSE_G, DELTA, DQ, DQ_HI, b, g, p_from, p_to, p_end, Tq, q_off, kk,
+    def _sel_pair_tiles(Q, PAIR_Q, DO, LSE_G, DELTA, DQ, DQ_HI, b, g, p_from, p_to, p_end, Tq, q_off, kk,
                         k_ok, k, v, sm_scale2, scale, dk, dv, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                         QPB: tl.constexpr, BLOCK_M: tl.constexpr, DQ_PAIRS: tl.constexpr,
                         MASKED: tl.constexpr, CH: tl.constexpr, ROW32: tl.constexpr, DQ_HALF: tl.constexpr):
@@ -229,8 +224,7 @@ if triton is not None:
         loads its own indices; the next tile's loads then wait on that load, which the pipeliner does not hoist:
         every copy is waited for at the top of each tile (async_wait num = 0 in the TTGIR), and that loop ran at
         about 0.6x the window dK/dV's speed per tile (bench/KERNELS.md; _sel_dkdv_chunk_tiles says where each runs).
-        DQ_PAIRS (the pair's dQ share, scale dS K): 1 added to the fp32 DQ (B*T*H, D) with atomics; 2 stored to
-        the partials DQ (B*Hkv*Tq*n', G, D) at the pair's (query, slot) PAIR_F, each written once."""
+        DQ_PAIRS: the pair's dQ share (scale dS K) added to the fp32 DQ (B*T*H, D) with atomics."""
         r = tl.arange(0, BLOCK_M)
         hh = r % G
         d = tl.arange(0, D)
@@ -239,11 +233,8 @@ if triton is not None:
                 pi = p0 + r // G
                 row_ok = (r < QPB * G) & (pi < p_end)
                 qi = tl.load(PAIR_Q + pi, mask=row_ok, other=0)
-                f = pi
-                if DQ_PAIRS == 2:
-                    f = tl.load(PAIR_F + pi, mask=row_ok, other=0).to(tl.int64)  # (rows,) flat (b, kv, query, slot)
                 dk, dv = _sel_pair_tile(Q, DO, LSE_G, DELTA, DQ, DQ_HI, b, g, Tq, q_off, kk, k_ok, k, v, sm_scale2,
-                                        scale, dk, dv, qi, f, row_ok, r, hh, d, H, G, D, DQ_PAIRS, MASKED, ROW32,
+                                        scale, dk, dv, qi, row_ok, r, hh, d, H, G, D, DQ_PAIRS, MASKED, ROW32,
                                         DQ_HALF)
         else:
             CHQ: tl.constexpr = triton.next_power_of_2(CH * QPB)  # the chunk's index list (<= 256 by the launcher)
@@ -251,32 +242,26 @@ if triton is not None:
             for c0 in range(p_from, p_to, CH * QPB):  # a chunk of up to CH tiles
                 c_ok = (c < CH * QPB) & (c0 + c < p_end)
                 chunk_q = tl.load(PAIR_Q + c0 + c, mask=c_ok, other=0)  # (CHQ,) the chunk's queries
-                chunk_f = c0 + c
-                if DQ_PAIRS == 2:
-                    chunk_f = tl.load(PAIR_F + c0 + c, mask=c_ok, other=0).to(tl.int64)  # their (b, kv, query, slot)
                 n_tiles = tl.minimum(CH, tl.cdiv(p_to - c0, QPB))
                 for j in range(n_tiles.to(tl.int32)):
                     local = j * QPB + r // G  # (BLOCK_M,) int32: each row's pair within the chunk
                     row_ok = (r < QPB * G) & (local < p_end - c0)
                     local = tl.where(r < QPB * G, local, 0)
                     qi = tl.gather(chunk_q, local, 0)
-                    f = local
-                    if DQ_PAIRS == 2:
-                        f = tl.gather(chunk_f, local, 0)
                     dk, dv = _sel_pair_tile(Q, DO, LSE_G, DELTA, DQ, DQ_HI, b, g, Tq, q_off, kk, k_ok, k, v,
-                                            sm_scale2, scale, dk, dv, qi, f, row_ok, r, hh, d, H, G, D, DQ_PAIRS,
+                                            sm_scale2, scale, dk, dv, qi, row_ok, r, hh, d, H, G, D, DQ_PAIRS,
                                             MASKED, ROW32, DQ_HALF)
         return dk, dv
 
     @triton.jit
-    def _sel_block_dkdv(Q, K, V, PAIR_Q, PAIR_F, DOCPOS, DO, LSE_G, DELTA, DQ, DQ_HI, a, pid_bg, p_begin, p_end,
+    def _sel_block_dkdv(Q, K, V, PAIR_Q, DOCPOS, DO, LSE_G, DELTA, DQ, DQ_HI, a, pid_bg, p_begin, p_end,
                         Tq, Tk, q_off, sm_scale2, scale,
                         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, LB: tl.constexpr,
                         QPB: tl.constexpr, BLOCK_M: tl.constexpr, DQ_PAIRS: tl.constexpr,
                         CH: tl.constexpr, ROW32: tl.constexpr, DQ_HALF: tl.constexpr):
         """dK (unscaled), dV of the selection block whose first key is a, over its (query, block) pairs
         [p_begin, p_end) (rows packed as query x head). DQ_PAIRS: also each pair's dQ share (a query's n blocks
-        are met in n programs): 1 added to an fp32 dQ with atomics, 2 stored to its (query, slot) partial. A
+        are met in n programs), added to an fp32 dQ with atomics. A
         block's pairs come in increasing query order, and only its first ones (at most LB - 1: queries inside the
         block) see part of its keys: their tiles run masked, the tiles after them without masks (_sel_pair_tiles). Returns (dk, dv,
         kv_off, k_ok)."""
@@ -295,17 +280,17 @@ if triton is not None:
         first_q = tl.load(PAIR_Q + first, mask=first < p_end, other=0)
         n_partial = tl.sum(((first < p_end) & (q_off + first_q < a + LB - 1)).to(tl.int32), 0)
         p_seen_whole = tl.minimum(p_begin + tl.cdiv(n_partial, QPB) * QPB, p_end)  # the tiles from here
-        dk, dv = _sel_pair_tiles(Q, PAIR_Q, PAIR_F, DO, LSE_G, DELTA, DQ, DQ_HI, b, g, p_begin, p_seen_whole, p_end,
+        dk, dv = _sel_pair_tiles(Q, PAIR_Q, DO, LSE_G, DELTA, DQ, DQ_HI, b, g, p_begin, p_seen_whole, p_end,
                                  Tq, q_off, kk, k_ok, k, v, sm_scale2, scale, dk, dv, H, G, D, QPB, BLOCK_M,
                                  DQ_PAIRS, True, CH, ROW32, DQ_HALF)
-        dk, dv = _sel_pair_tiles(Q, PAIR_Q, PAIR_F, DO, LSE_G, DELTA, DQ, DQ_HI, b, g, p_seen_whole, p_end, p_end,
+        dk, dv = _sel_pair_tiles(Q, PAIR_Q, DO, LSE_G, DELTA, DQ, DQ_HI, b, g, p_seen_whole, p_end, p_end,
                                  Tq, q_off, kk, k_ok, k, v, sm_scale2, scale, dk, dv, H, G, D, QPB, BLOCK_M,
                                  DQ_PAIRS, False, CH, ROW32, DQ_HALF)
         return dk, _dv_unscaled(dv, DO), kv_off, k_ok
 
     @triton.jit
     def _sel_bwd_dkdv_kernel(
-        Q, K, V, PAIR_OFF, PAIR_Q, PAIR_F, SLOT_RANK, PIECES, DOCPOS, DO, LSE_G, DELTA, DK, DV, PDK, PDV, DQ, DQ_HI,
+        Q, K, V, PAIR_OFF, PAIR_Q, SLOT_RANK, PIECES, DOCPOS, DO, LSE_G, DELTA, DK, DV, PDK, PDV, DQ, DQ_HI,
         Tq, Tk, q_off, sm_scale2, scale, heavy_min, n_flat, n_heavy,
         H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         LB: tl.constexpr, QPB: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -334,7 +319,7 @@ if triton is not None:
                 pid_bg = f // Tk
                 p_begin = tl.load(PIECES + piece * 3 + 1)
                 p_end = tl.load(PIECES + piece * 3 + 2)
-                dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, PAIR_F, DOCPOS, DO, LSE_G, DELTA, DQ,
+                dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, DOCPOS, DO, LSE_G, DELTA, DQ,
                                                        DQ_HI, a, pid_bg, p_begin, p_end, Tq, Tk, q_off, sm_scale2,
                                                        scale, H, HKV, G, D, LB, QPB, BLOCK_M, DQ_PAIRS,
                                                        CH, ROW32, DQ_HALF)
@@ -362,7 +347,7 @@ if triton is not None:
                 a = tl.sum(tl.where(hit, aa, 0), 0)
                 p_begin = tl.sum(tl.where(hit, beg, 0), 0)
                 p_end = p_begin + tl.sum(tl.where(hit, cnt, 0), 0)
-                dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, PAIR_F, DOCPOS, DO, LSE_G, DELTA, DQ,
+                dk, dv, kv_off, k_ok = _sel_block_dkdv(Q, K, V, PAIR_Q, DOCPOS, DO, LSE_G, DELTA, DQ,
                                                        DQ_HI, a, pid_bg, p_begin, p_end, Tq, Tk, q_off, sm_scale2,
                                                        scale, H, HKV, G, D, LB, QPB, BLOCK_M, DQ_PAIRS,
                                                        CH, ROW32, DQ_HALF)
@@ -1010,14 +995,11 @@ def _cdiv_tensor(a: torch.Tensor, b) -> torch.Tensor:
     return torch.div(a + b - 1, b, rounding_mode="floor")
 
 
-def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, lse_g, delta, params: NSAParams, scale, dq_accum=None,
-                  dq_partials=None):
+def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, lse_g, delta, params: NSAParams, scale, dq_accum=None):
     """dK, dV of the selected branch over the (block -> queries) index; lse_g, delta: the branch's gated
-    log-sum-exp and delta (B, Tq, H) from the dQ kernel (_bwd_rows). The branch's dQ, which the kernel can form
-    pair by pair: dq_accum, the fp32 dQ (a _FloatDq) it is added to atomically (launch_overrides(sel_dq_in_dkdv=
-    True)); dq_partials, a (B, Hkv, Tq, n', G, D) buffer in q's dtype where each (query, block) pair writes its G
-    heads' share at the block's slot in idx (sel_dq_partials; _sel_dq_reduce sums them); neither: dQ is left to
-    the fused dQ kernel."""
+    log-sum-exp and delta (B, Tq, H) from the dQ kernel (_bwd_rows). dq_accum: the fp32 dQ (a _FloatDq) the
+    kernel adds the branch's dQ to, pair by pair, with atomics (launch_overrides(sel_dq_in_dkdv=True)); None: dQ
+    is left to the fused dQ kernel."""
     batch, num_q, num_heads, head_dim, num_keys, num_kv, group = _launch_shapes(q, k)
     n_sel = idx.shape[-1]
     lb = params.sel_block_size
@@ -1038,13 +1020,11 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, lse_g, delta, params: NSAParams, sc
         sorted_key, order, pair_q, pair_off, n_pairs, sentinel + 1, num_q, max(1, n_pairs.bit_length()),
         N_SEL=n_sel, BLOCK=block, num_warps=4,
     )
-    # the pair's flat (batch, kv head, query, slot): where its dQ partial goes
-    pair_f = order if dq_partials is not None else pair_q
     del order, sorted_key
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
-    dq_pairs = 2 if dq_partials is not None else 1 if dq_accum is not None else 0
-    block_m, qpb, dkdv_opts = _dkdv_launch(group, head_dim, q.device, pair_dq=dq_pairs > 0, selected=True)
+    dq_pairs = dq_accum is not None
+    block_m, qpb, dkdv_opts = _dkdv_launch(group, head_dim, q.device, pair_dq=dq_pairs, selected=True)
     # Heavy blocks (more than heavy_min pairs) are cut into pieces written as fp32 partials (static shapes, no
     # sync): at most total pairs / (heavy_min + 1) blocks can be heavy, and the heaviest max_slots of them get a
     # slot (fewer than the pieces: _sel_heavy_pieces' bound); the main pass keeps the rest. Defaults:
@@ -1060,9 +1040,8 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, lse_g, delta, params: NSAParams, sc
     pdk = torch.empty(max_pieces, lb, head_dim, device=q.device, dtype=torch.float32)
     pdv = torch.empty_like(pdk)
     # where the pairs' dQ shares go (DQ, DQ_HI, DQ_HALF: _dq_add); without them a pointer the kernel never reads
-    dq_out = dq_accum if dq_pairs == 1 else _FloatDq(dq_partials, dq_partials, head_dim) if dq_pairs == 2 else \
-        _FloatDq(pdk, pdk, head_dim)
-    args = (q, k, v, pair_off, pair_q, pair_f, slot_rank, pieces, doc_pos, do, lse_g, delta, dk, dv, pdk, pdv,
+    dq_out = dq_accum if dq_pairs else _FloatDq(pdk, pdk, head_dim)
+    args = (q, k, v, pair_off, pair_q, slot_rank, pieces, doc_pos, do, lse_g, delta, dk, dv, pdk, pdv,
             dq_out.lo, dq_out.hi, num_q, num_keys, q_off, scale * _LOG2E, scale, heavy_min, n_flat, n_heavy)
     meta = dict(H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=lb, QPB=qpb, BLOCK_M=block_m,
                 DQ_PAIRS=dq_pairs, DQ_HALF=dq_out.half,

@@ -888,7 +888,8 @@ def test_the_gpu_sessions_retrieval_step_passes_flags_the_trainer_takes(tmp_path
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc (Linux)")
 def test_a_stopped_comparison_stops_its_runs(tmp_path):
     """SIGTERM to ab_compare (a scheduler's stop) reaches the runs, which sit in sessions of their own: none is left
-    training after the comparison exits."""
+    running after the comparison exits. The runs are a stand-in launcher that writes its first metrics line and
+    waits (the trainer's own SIGTERM handling: test_train_loop.py's test_sigterm_saves_and_resume_continues)."""
     import os
     import signal
     import subprocess
@@ -896,10 +897,16 @@ def test_a_stopped_comparison_stops_its_runs(tmp_path):
 
     data_file = tmp_path / "docs.jsonl"
     data_file.write_text("\n".join(json.dumps({"text": "word " * 60}) for _ in range(40)))
-    flags = train_flags(data_file)
-    flags[flags.index("--max-steps") + 1] = "100000"  # still training when stopped
+    waiting_trainer = tmp_path / "waiting_trainer.py"  # the launcher: a run that never ends by itself
+    waiting_trainer.write_text(
+        "import pathlib, sys, time\n"
+        "run = pathlib.Path(sys.argv[sys.argv.index('--output-dir') + 1])\n"
+        "run.mkdir(parents=True, exist_ok=True)\n"
+        "(run / 'metrics.jsonl').write_text('{\"step\": 1}\\n')\n"
+        "time.sleep(600)\n")
     proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "ab_compare.py"), "--out", str(tmp_path / "out"),
-                             "--jobs", "2", "--", *flags], cwd=ROOT)  # fmt: skip
+                             "--jobs", "2", "--launcher", f"{sys.executable} {waiting_trainer}", "--",
+                             *train_flags(data_file)], cwd=ROOT)  # fmt: skip
     deadline = time.time() + 120
     while time.time() < deadline and not all((tmp_path / "out" / f"{m}-seed0" / "metrics.jsonl").exists()
                                               for m in ("nsa", "dense")):

@@ -26,12 +26,13 @@ PARAMS = NSAParams(cmp_block_size=8, cmp_stride=4, sel_block_size=16, sel_num_bl
                    sel_local_blocks=1, window_size=24)
 
 
-def layout(case: str, seq_len: int, seed: int):
-    """doc_pos (2, T) and cmp_end for a row layout: "one" document per row, "docs" (random document lengths), or
-    "padded" (left padding in one row, right padding in the other, documents between)."""
+def layout(case: str, seq_len: int, seed: int, rows: int = 2):
+    """doc_pos (rows, T) and cmp_end for a row layout: "one" document per row, "docs" (random document lengths), or
+    "padded" (left padding in the first row, right padding in the last, documents between: both in one row when
+    rows = 1)."""
     generator = torch.Generator().manual_seed(seed)
-    position_ids = torch.empty(2, seq_len, dtype=torch.long)
-    for row in range(2):
+    position_ids = torch.empty(rows, seq_len, dtype=torch.long)
+    for row in range(rows):
         if case == "one":
             position_ids[row] = torch.arange(seq_len)
             continue
@@ -40,11 +41,11 @@ def layout(case: str, seq_len: int, seed: int):
             length = int(torch.randint(1, 90, (1,), generator=generator))
             position_ids[row, filled:filled + length] = torch.arange(min(length, seq_len - filled))
             filled += length
-    mask = torch.ones(2, seq_len, dtype=torch.long)
+    mask = torch.ones(rows, seq_len, dtype=torch.long)
     if case == "padded":
         mask[0, :11] = 0
-        mask[1, -13:] = 0
-    doc_pos = document_positions(position_ids, mask, 2, seq_len, torch.device("cpu"))
+        mask[-1, -13:] = 0
+    doc_pos = document_positions(position_ids, mask, rows, seq_len, torch.device("cpu"))
     return doc_pos, compressed_token_ends(doc_pos, PARAMS)
 
 
@@ -192,12 +193,12 @@ sys.path[:0] = ["bench", "tests"]
 import torch
 import flex_branches, test_flex_branches as t
 
-doc_pos, cmp_end = t.layout("padded", 70, seed=3)
+doc_pos, cmp_end = t.layout("padded", 70, seed=3, rows=1)  # (one row: the interpreter's time goes with programs)
 generator = torch.Generator().manual_seed(3)
 shapes = dict(q=(70, 6), k_cmp=(cmp_end.shape[1], 2), v_cmp=(cmp_end.shape[1], 2), k_slc=(70, 2), v_slc=(70, 2),
               k_win=(70, 2), v_win=(70, 2))
-x = {name: torch.randn(2, n, heads, 16, generator=generator).requires_grad_() for name, (n, heads) in shapes.items()}
-x["gates"] = torch.rand(2, 70, 6, 3, generator=generator).requires_grad_()
+x = {name: torch.randn(1, n, heads, 16, generator=generator).requires_grad_() for name, (n, heads) in shapes.items()}
+x["gates"] = torch.rand(1, 70, 6, 3, generator=generator).requires_grad_()
 row = flex_branches.check_and_time(x, cmp_end, doc_pos, t.PARAMS, t.masked_attention_like_flex, lambda fn: 1.0)
 print("ROW " + json.dumps(row))
 """
@@ -207,7 +208,7 @@ def test_gpu_run_compares_flex_with_the_kernels_outputs_and_gradients():
     """The GPU run's own checks, on CPU: the project's kernels under Triton's interpreter (the interval share of the
     op: both forwards, the fused dQ without the selected branch's, both dK/dV; and the whole op) against the flex
     path and the composed op (flex for the interval branches, the kernels for the top-n and the selected branch)
-    with FlexAttention's contract written out, documents and padding, G = 3. Every output and gradient agrees, so a
+    with FlexAttention's contract written out, documents and padding (left and right in one row), G = 3. Every output and gradient agrees, so a
     difference on the GPU is FlexAttention's or the block mask's, not the comparison's plumbing."""
     from modeling_nsa import nsa_triton_common
 

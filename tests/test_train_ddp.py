@@ -2,8 +2,8 @@
 
 `--data-shard rows` makes the global batch of a step the same rows whatever the process count, so the runs must
 agree: to float tolerance without a comm hook, and closely (but not bit-exactly) with the fp16 compression hook.
-The first run reports to TensorBoard, the default, whose end_training destroys the process group: every collective
-must come before it (the second keeps `--report-to none`).
+The accumulation run reports to TensorBoard, the default, whose end_training destroys the process group: every
+collective must come before it (the fp16 run keeps `--report-to none`).
 """
 
 import json
@@ -50,25 +50,6 @@ def _two_processes(out, hook, report_to="none", flags=(), stdout=None, **extra):
     return summary
 
 
-def test_ddp_matches_one_process(tmp_path, one_process):
-    _two_processes(tmp_path, "none", report_to=None, save_every=2)  # no --report-to: the default, TensorBoard
-    assert list((tmp_path / "logs").rglob("events.out.tfevents*"))
-    l1, l2 = train_losses(one_process), train_losses(tmp_path)
-    assert list(l2) == list(range(1, STEPS + 1))
-    g1, g2 = train_losses(one_process, "grad_norm"), train_losses(tmp_path, "grad_norm")
-    for s in l1:
-        assert l2[s] == pytest.approx(l1[s], rel=1e-5, abs=1e-6), (s, l1, l2)
-        assert g2[s] == pytest.approx(g1[s], rel=1e-5), (s, g1, g2)  # gradients weighted by global token count
-    assert_same_weights(final_state(tmp_path), final_state(one_process), atol=1e-4, rtol=1e-3)
-    # its step-2 checkpoint resumed on 1 process: under --data-shard rows every rank saved the same position in the
-    # global row stream, so the run continues with the same rows (under docs another process count is refused)
-    resumed = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
-    run_main(tiny_args(resumed, micro_batch_size=4, max_steps=STEPS, data_shard="rows", resume="latest"))
-    assert list(train_losses(resumed)) == [3] and train_losses(resumed)[3] == pytest.approx(l1[3], rel=1e-5)
-    assert_same_weights(final_state(resumed), final_state(one_process), atol=1e-4, rtol=1e-3)
-
-
 def test_ddp_fp16_comm_hook(tmp_path, one_process):
     import torch
 
@@ -96,20 +77,31 @@ def test_ddp_fp16_comm_hook(tmp_path, one_process):
     assert all(torch.isfinite(v).all() for v in w2.values())
 
 
-def test_ddp_with_gradient_accumulation_matches_one_process(tmp_path, one_process):
+def test_ddp_with_gradient_accumulation_matches_one_process_and_resumes_on_one(tmp_path, one_process):
     """2 processes x 2 micro-batches of 1 row: the one-process run's 4-row steps, gradients accumulated under
     no_sync. DDP's static graph (on by default) is turned off for it, saying so: PyTorch crashes with it on the
-    first backward (expect_autograd_hooks_ INTERNAL ASSERT) and then stops all-reducing."""
+    first backward (expect_autograd_hooks_ INTERNAL ASSERT) and then stops all-reducing. Reporting to TensorBoard,
+    the default, whose end_training destroys the process group after the last collective. (DDP without
+    accumulation: test_ddp_fp16_comm_hook, to the hook's rounding.)"""
     stdout = []
-    _two_processes(tmp_path, "none", stdout=stdout, micro_batch_size=1, grad_accum=2)
+    _two_processes(tmp_path, "none", report_to=None, stdout=stdout, micro_batch_size=1, grad_accum=2, save_every=2)
     assert "DDP static_graph off: --grad-accum 2 accumulates under no_sync" in stdout[0]
+    assert list((tmp_path / "logs").rglob("events.out.tfevents*"))
     l1, l2 = train_losses(one_process), train_losses(tmp_path)
     g1, g2 = train_losses(one_process, "grad_norm"), train_losses(tmp_path, "grad_norm")
     assert list(l2) == list(range(1, STEPS + 1))
     for s in l1:
         assert l2[s] == pytest.approx(l1[s], rel=1e-5, abs=1e-6), (s, l1, l2)
-        assert g2[s] == pytest.approx(g1[s], rel=1e-5), (s, g1, g2)  # the all-reduced gradient, every step
+        # the all-reduced gradient, every step, weighted by the global token count
+        assert g2[s] == pytest.approx(g1[s], rel=1e-5), (s, g1, g2)
     assert_same_weights(final_state(tmp_path), final_state(one_process), atol=1e-4, rtol=1e-3)
+    # its step-2 checkpoint resumed on 1 process: under --data-shard rows every rank saved the same position in the
+    # global row stream, so the run continues with the same rows (under docs another process count is refused)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
+    run_main(tiny_args(resumed, micro_batch_size=4, max_steps=STEPS, data_shard="rows", resume="latest"))
+    assert list(train_losses(resumed)) == [3] and train_losses(resumed)[3] == pytest.approx(l1[3], rel=1e-5)
+    assert_same_weights(final_state(resumed), final_state(one_process), atol=1e-4, rtol=1e-3)
 
 
 def test_powersgd_starts_compressing_at_the_same_step_after_a_resume(tmp_path):

@@ -374,25 +374,6 @@ def test_selected_dq_in_dkdv_variant_compiles(aot_results, arch):
 
 
 @pytest.mark.parametrize("arch", **OPT_IN_ARCHS)
-def test_selected_dq_partials_variant_compiles(aot_results, arch):
-    """The pair-wise selected dQ without atomics (launch_overrides(sel_dq_partials=True): the *-seldqpartials
-    scenarios): the selected dK/dV kernel storing each pair's share and the kernel summing the partials compile for
-    sm_90 (OPT_IN_ARCHS); the dK/dV loops stay software-pipelined (the spill check above covers these rows too)."""
-    rows = [r for r in _rows(aot_results, arch) if r["scenario"].endswith("-seldqpartials")]
-    # (the fused dQ without its selected loop is the same launch as the *-seldq scenarios', compiled there once)
-    by_kernel = {k: [r for r in rows if r["kernel"] == k] for k in ("_sel_bwd_dkdv_kernel", "_sel_dq_reduce_kernel")}
-    expected = {"125M-G6-d64-bf16-long-seldqpartials", "fla-G16-d64-bf16-seldqpartials",
-                "G8-d128-bf16-long-seldqpartials"}
-    assert all({r["scenario"] for r in kernel_rows} == expected for kernel_rows in by_kernel.values()), rows
-    assert all(r["constexprs"]["DQ_PAIRS"] == 2 for r in by_kernel["_sel_bwd_dkdv_kernel"])
-    assert all(r["ok"] for r in rows), [(r["scenario"], r["kernel"], r.get("error")) for r in rows]
-    if arch == 90:
-        dkdv = by_kernel["_sel_bwd_dkdv_kernel"]
-        assert all(r["unpipelined_dot_loops"] == 0 for r in dkdv), [(r["scenario"], r["unpipelined_dot_loops"])
-                                                                    for r in dkdv]
-
-
-@pytest.mark.parametrize("arch", **OPT_IN_ARCHS)
 def test_block_outer_selected_variant_compiles_without_spills(aot_results, arch):
     """The block-outer selected forward and dQ (launch_overrides(sel_fwd_pairs=True, sel_dq_pairs=True): the
     *-selfwdpairs scenarios): the pair kernels, the forward's combine and the dQ's chunked reduce compile for sm_90

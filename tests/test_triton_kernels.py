@@ -53,7 +53,6 @@ _KNOB_IDS = {
     "decode_merge_splits": lambda c: f"merge{c['decode_merge_splits']}splits",
     "decode_merge_lists": lambda c: f"merge{c['decode_merge_lists']}lists",
     "sel_dq_in_dkdv": lambda c: "seldqpairs" if c["sel_dq_in_dkdv"] else "seldqunion",
-    "sel_dq_partials": lambda c: "seldqpartials" if c["sel_dq_partials"] else "seldqnopartials",
     "sel_dq_split": lambda c: "seldqsplit" if c["sel_dq_split"] else "seldqfused",
     "picks": lambda c: f"{c['picks']}picks",
     "offsets_int64": lambda c: "kv64" if c["offsets_int64"] else "kv32",
@@ -205,18 +204,15 @@ CPU_CASES = [
     # the selected dK/dV's tile loop in chunks whose query indices are loaded once (the default on sm_90 at head_dim
     # <= 64 with an even G, which the interpreter's cases take: every even-G case above and below; odd G and other
     # GPUs load each tile's, which the odd-G cases take): small chunks so blocks span several, a chunk's last tile
-    # cut by the block's end, masked and unmasked tiles in one chunk, heavy-block splits, and the pair-wise dQ's
-    # partials (their slots gathered from the chunk too). Shifting a tile's rows by one in its chunk fails all three
+    # cut by the block's end, masked and unmasked tiles in one chunk, heavy-block splits, and the pair-wise dQ
+    # (its rows taken from the chunk too). Shifting a tile's rows by one in its chunk fails all three
     dict(B=2, T=90, H=16, Hkv=1, D=16, layout="varlen", sel_dkdv_chunk_pairs=12),  # 3 tiles of 4 queries a chunk
     dict(B=1, T=100, H=16, Hkv=1, D=16, sel_dkdv_chunk_pairs=12, sel_pieces=[5, 3, 64, 32]),
-    dict(B=2, T=81, H=6, Hkv=1, D=16, layout="varlen", dtype="float16", sel_dkdv_chunk_pairs=20, sel_dq_partials=True),
+    dict(B=2, T=81, H=6, Hkv=1, D=16, layout="varlen", dtype="float16", sel_dkdv_chunk_pairs=20, sel_dq_in_dkdv=True),
     # the selected branch's dQ formed pair by pair by the selected dK/dV kernel instead of the fused dQ kernel's walk
-    # over each tile's block union, both ways over _PAIR_DQ_CASES: added to an fp32 dQ with atomics
-    # (launch_overrides(sel_dq_in_dkdv=True); with the atomic add zeroed, dq's error is ~0.6), and stored per pair at
-    # its (query, slot) in a partial buffer that one kernel sums in slot order (sel_dq_partials=True; the buffer is
-    # poisoned with NaN, so the slots of unused blocks must be skipped)
+    # over each tile's block union, over _PAIR_DQ_CASES: added to an fp32 dQ with atomics
+    # (launch_overrides(sel_dq_in_dkdv=True); with the atomic add zeroed, dq's error is ~0.6)
     *[dict(case, sel_dq_in_dkdv=True) for case in _PAIR_DQ_CASES],
-    *[dict(case, sel_dq_partials=True) for case in _PAIR_DQ_CASES],
     # ... in fp16 at G = 16 and G = 1 too: each 2-byte case keeps its fp32 dQ over the saved o_cmp and o_win, half a
     # row in each (_FloatDq; swapping the halves' pointers fails every such case of the atomic and pair-dQ modes)
     dict(_PAIR_DQ_CASES[6], dtype="float16", sel_dq_in_dkdv=True),
@@ -677,14 +673,9 @@ GPU_CASES = [
     dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_dq_in_dkdv=True),
     dict(B=2, T=1000, H=16, Hkv=1, D=64, layout="varlen", sel_dq_in_dkdv=True),
     dict(B=1, T=2048, H=8, Hkv=1, D=128, layout="pad", sel_dq_in_dkdv=True),
-    # the selected dQ from per-pair partials (sel_dq_partials)
-    dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_dq_partials=True),
-    dict(B=2, T=1000, H=16, Hkv=1, D=64, layout="varlen", sel_dq_partials=True),
-    dict(B=2, T=1000, H=6, Hkv=2, D=64, layout="pad", sel_dq_partials=True),
-    dict(B=1, T=2048, H=8, Hkv=1, D=128, layout="pad", sel_dq_partials=True),
     # ... with every block above 256 pairs cut into pieces (block 0: every query's initial block, 4,097 pairs), 64
-    # partials: pieces far above the 20-pair smallest
-    dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_dq_partials=True, sel_pieces=[256, 16, 64, 32]),
+    # partials: pieces far above the 20-pair smallest, the heavy pass adding its pairs' dQ too
+    dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_dq_in_dkdv=True, sel_pieces=[256, 16, 64, 32]),
     # the default selected dQ with block 0 (4,097 pairs) cut into pieces of 160 pairs (16 tiles) and more
     dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_pieces=[2048, 160, 64, 32]),
     # the block-outer selected forward (sel_fwd_pairs) and dQ (sel_dq_pairs) at the real sizes, in their default
@@ -874,16 +865,16 @@ def test_gpu_compile_fullgraph():
 
 
 @GPU
-@pytest.mark.parametrize("sel_dq_partials", [False, True], ids=["union-dq", "partials-dq"])
-def test_gpu_selected_dkdv_deterministic(sel_dq_partials):
-    """Every gradient bitwise equal between two runs: the default, and with the selected dQ from per-pair partials
-    (summed in slot order, no atomics)."""
+@pytest.mark.parametrize("sel_dq_pairs", [False, True], ids=["union-dq", "pair-kernel-dq"])
+def test_gpu_selected_dkdv_deterministic(sel_dq_pairs):
+    """Every gradient bitwise equal between two runs: the default, and with the selected dQ from the block-outer
+    pair kernel's partials (summed in slot order, no atomics)."""
     from triton_helpers import DEFAULT, import_nsa, make_inputs
 
     _, _, tri = import_nsa()
     t, cmp_end, doc_pos, p = make_inputs(1, 2048, 12, 2, 64, DEFAULT, torch.bfloat16, "cuda", "varlen")
     runs = []
-    with tri.launch_overrides(sel_dq_partials=sel_dq_partials):
+    with tri.launch_overrides(sel_dq_pairs=sel_dq_pairs):
         for _ in range(2):
             leaves = {n: x.clone().requires_grad_(True) for n, x in t.items()}
             out = tri.nsa_attention_triton(leaves["q"], leaves["k_cmp"], leaves["v_cmp"], cmp_end, leaves["k_slc"],

@@ -49,7 +49,7 @@ def test_the_session_seldq_step_parses():
         _, settings = tk.parse_variant(text)
         with launch_overrides(**settings):
             modes.append(_sel_dq_mode())
-    assert modes == ["union", "partials", "atomic"], modes
+    assert modes == ["union", "atomic", "pairs"], modes
     cases = [tk.parse_case(c) for c in step.split("--cases", 1)[1].split()]
     assert {c[3] for c in cases} == {2048, 8192, 32768, 65536} and all(c[6] is None for c in cases), cases
     assert all(c[3] * c[4] == 65536 for c in cases)  # B*T fixed, as bench_attention's table
@@ -129,9 +129,9 @@ def test_the_session_pending_step_times_the_heavy_pieces_int32_pairs_and_split_d
     assert [heavy for _, heavy, _ in old] == [False, True] and all(fast for _, _, fast in old), old
     assert old[0][0][:2] == (key_ranges, batch * num_kv), old
 
-    def dkdv_args(calls):  # the heavy pass's pair offsets and pieces (the kernel's 4th and 8th arguments)
+    def dkdv_args(calls):  # the heavy pass's pair offsets and pieces (the kernel's 4th and 7th arguments)
         kw = next(kw for name, _, kw in calls if name == "_sel_bwd_dkdv_kernel" and kw["HEAVY_PASS"])
-        return kw["_args"][3], kw["_args"][7], kw["_args"][-3]  # PAIR_OFF, PIECES, heavy_min
+        return kw["_args"][3], kw["_args"][6], kw["_args"][-3]  # PAIR_OFF, PIECES, heavy_min
 
     for calls, heavy_min in ((default_calls, 1024), (heavy2k, 2048), (heavy4k, 4096)):
         pair_off, pieces, seen_min = dkdv_args(calls)

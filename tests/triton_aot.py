@@ -142,8 +142,6 @@ _VARIANT_SHAPES = {
 _VARIANTS = {
     # the selected dQ added pair by pair by the selected dK/dV kernel
     "seldq": dict(sel_dq_in_dkdv=True),
-    # the same pairs storing per-(query, slot) partials (no atomics) and the kernel that sums them
-    "seldqpartials": dict(sel_dq_partials=True),
     # the block-outer selected forward (pair tiles and the combine of their partials) and dQ (its own pair kernel)
     "selfwdpairs": dict(sel_fwd_pairs=True, sel_dq_pairs=True),
     # the selected forward and the training top-n without the 128-register cap they take on sm_90 at head_dim 64
