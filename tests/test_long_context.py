@@ -203,23 +203,23 @@ def test_training_documents_are_not_the_evaluation_prompts(byt5):
     assert len({t.rsplit(" ", 1)[1] for t in texts} & {c.answer for c in cases}) <= 2  # 5-digit keys: chance only
 
 
-def test_build_retrieval_data_script(tmp_path):
+def test_build_retrieval_data_script(tmp_path, capsys):
     import pyarrow.parquet as pq
 
-    out = tmp_path / "passkey.parquet"
-    script = [sys.executable, str(REPO / "bench" / "build_retrieval_data.py")]
-    proc = subprocess.run([*script, "--tokenizer", "byt5", "--seq-len", "256", "--rows", "5", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert "5 passkey documents of 256 tokens with end-of-text, 1 per 256-token row" in proc.stdout
-    assert "0 that re-tokenized to another length were replaced" in proc.stdout
-    assert len(pq.read_table(out).column("text")) == 5
-    # several shorter documents per row: each re-tokenizes to exactly its share (with the end-of-text token), so
-    # the trainer's packer fills every row with whole documents, the answer ending each (in this process: the
-    # script's main, as above; each run of the script costs seconds of imports)
+    # in this process, the script's main (each run of the script costs seconds of imports; its exit status on a bad
+    # value is checked in a process of its own below)
     sys.path.insert(0, str(REPO / "bench"))
     import build_retrieval_data
 
+    out = tmp_path / "passkey.parquet"
+    script = [sys.executable, str(REPO / "bench" / "build_retrieval_data.py")]
+    build_retrieval_data.main(["--tokenizer", "byt5", "--seq-len", "256", "--rows", "5", "--out", str(out)])
+    said = capsys.readouterr().out
+    assert "5 passkey documents of 256 tokens with end-of-text, 1 per 256-token row" in said
+    assert "0 that re-tokenized to another length were replaced" in said
+    assert len(pq.read_table(out).column("text")) == 5
+    # several shorter documents per row: each re-tokenizes to exactly its share (with the end-of-text token), so
+    # the trainer's packer fills every row with whole documents, the answer ending each
     summary = build_retrieval_data.main(["--tokenizer", "byt5", "--seq-len", "512", "--doc-len", "256", "--rows", "3",
                                          "--out", str(out)])
     assert (summary["documents"], summary["documents_per_row"], summary["doc_len"]) == (6, 2, 256), summary
