@@ -154,7 +154,7 @@ for step in "${steps[@]}"; do
     # dK/dV and dQ tile loops alone, against the loops as the kernels write them (bench/ws_tiles.py; ~1 minute)
     flex)       $PY bench/flex_branches.py --json "$OUT/flex.json" ;;  # FlexAttention for the compressed and window branches
     ws)         $PY bench/ws_tiles.py --stages 0 2 4 --json "$OUT/ws.json" ;;  # 0: triton's default, 3
-    # the GPU cases of the pair-wise selected dQ (partials and atomics) against the reference
+    # the GPU cases of the pair-wise selected dQ (atomics in the selected dK/dV) against the reference
     check-seldq) $PY -m pytest -x tests/test_triton_kernels.py -k "gpu_kernels_match and seldq" -rA --tb=short 2>&1 \
                   | tail -n 200 ;;
     model)      $PY bench/bench_model.py --seq-lens 2048 8192 32768 --steps 5 --warmup 2 --profile --json "$OUT/model.json" ;;

@@ -156,9 +156,8 @@ def _backward_impl(dout, q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, g
     # kernels then read those two. The selected branch's dQ (_sel_dq_mode): in that kernel over each query tile's
     # block union ("union"), or formed pair by pair: by a block-outer kernel of its own ("pairs", after the dK/dV
     # kernels), or by the selected dK/dV kernel, which adds them to an fp32 dQ with atomics ("atomic"); in those
-    # two dQ is first the fp32 of the
-    # interval branches (a _FloatDq: with dq_over_outputs in o_cmp's and o_win's storage, which no kernel reads
-    # after _bwd_dq).
+    # two dQ is first the fp32 of the interval branches (a _FloatDq: with dq_over_outputs in o_cmp's and o_win's
+    # storage, which no kernel reads after _bwd_dq).
     cmp, win = (k_cmp, v_cmp, c_lo, c_hi, lse_cmp, o_cmp), (k_win, v_win, w_lo, w_hi, lse_win, o_win)
     sel_dq_mode = _sel_dq_mode()
     dq, dgates, delta, lse_g = _bwd_dq(q, dout, gates, cmp, (k_slc, v_slc, lse_slc, o_slc), win, idx, doc_pos, p,

@@ -297,11 +297,10 @@ def _sel_dq_mode() -> str:
     own walks the (query, block) pairs block-outer as the sel_fwd_pairs forward does) or "atomic" (the selected
     dK/dV kernel, which meets each (query, block) pair once, adds each pair's share to an fp32 dQ with atomics).
     (A third, each pair's share stored by the dK/dV kernel for all queries at once, was timed no faster than the
-    atomics and 3.9x dense's peak memory at 64k, and retired: bench/KERNELS.md, 2026-12-03.) The union walk is the
-    default:
-    the pair-wise dQ costs the selected dK/dV kernel a fifth dot and 8 warps (its dQ tile spills at 4), which only
-    pays where a tile's queries share few blocks (random queries at 32k and more); it loses at 2k-8k and on
-    correlated queries, which trained models' neighbouring queries resemble (bench/KERNELS.md, 2026-11-26)."""
+    atomics at 3.7x dense's peak memory at 64k, and retired: bench/KERNELS.md, 2026-12-03.) The union walk is the
+    default: the pair-wise dQ costs the selected dK/dV kernel a fifth dot and 8 warps (its dQ tile spills at 4),
+    which only pays where a tile's queries share few blocks (random queries at 32k and more); it loses at 2k-8k
+    and on correlated queries, which trained models' neighbouring queries resemble (bench/KERNELS.md, 2026-11-26)."""
     if _OVERRIDES.sel_dq_pairs:
         return "pairs"
     if _OVERRIDES.sel_dq_in_dkdv:

@@ -261,10 +261,9 @@ if triton is not None:
                         CH: tl.constexpr, ROW32: tl.constexpr, DQ_HALF: tl.constexpr):
         """dK (unscaled), dV of the selection block whose first key is a, over its (query, block) pairs
         [p_begin, p_end) (rows packed as query x head). DQ_PAIRS: also each pair's dQ share (a query's n blocks
-        are met in n programs), added to an fp32 dQ with atomics. A
-        block's pairs come in increasing query order, and only its first ones (at most LB - 1: queries inside the
-        block) see part of its keys: their tiles run masked, the tiles after them without masks (_sel_pair_tiles). Returns (dk, dv,
-        kv_off, k_ok)."""
+        are met in n programs), added to an fp32 dQ with atomics. A block's pairs come in increasing query order,
+        and only its first ones (at most LB - 1: queries inside the block) see part of its keys: their tiles run
+        masked, the tiles after them without masks (_sel_pair_tiles). Returns (dk, dv, kv_off, k_ok)."""
         b = (pid_bg // HKV).to(tl.int64)
         g = pid_bg % HKV
         kk, k_ok = _sel_block_keys(DOCPOS, b, a, Tk, LB)

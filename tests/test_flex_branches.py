@@ -193,7 +193,7 @@ sys.path[:0] = ["bench", "tests"]
 import torch
 import flex_branches, test_flex_branches as t
 
-doc_pos, cmp_end = t.layout("padded", 70, seed=3, rows=1)  # (one row: the interpreter's time goes with programs)
+doc_pos, cmp_end = t.layout("padded", 70, seed=3, rows=1)
 generator = torch.Generator().manual_seed(3)
 shapes = dict(q=(70, 6), k_cmp=(cmp_end.shape[1], 2), v_cmp=(cmp_end.shape[1], 2), k_slc=(70, 2), v_slc=(70, 2),
               k_win=(70, 2), v_win=(70, 2))
@@ -208,8 +208,10 @@ def test_gpu_run_compares_flex_with_the_kernels_outputs_and_gradients():
     """The GPU run's own checks, on CPU: the project's kernels under Triton's interpreter (the interval share of the
     op: both forwards, the fused dQ without the selected branch's, both dK/dV; and the whole op) against the flex
     path and the composed op (flex for the interval branches, the kernels for the top-n and the selected branch)
-    with FlexAttention's contract written out, documents and padding (left and right in one row), G = 3. Every output and gradient agrees, so a
-    difference on the GPU is FlexAttention's or the block mask's, not the comparison's plumbing."""
+    with FlexAttention's contract written out, documents and padding (left and right in one row), G = 3. Every
+    output and gradient agrees, so a difference on the GPU is FlexAttention's or the block mask's, not the
+    comparison's plumbing. (One row: the interpreter's time goes with the programs; the kernels' batch offsets are
+    test_triton_kernels.py's.)"""
     from modeling_nsa import nsa_triton_common
 
     reason = nsa_triton_common._interpreter_reason() if nsa_triton_common._HAS_TRITON else "triton is not installed"

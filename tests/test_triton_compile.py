@@ -427,6 +427,38 @@ def test_register_caps_fit_four_programs_on_sm90(aot_results, arch, kernel, vari
     assert r["unpipelined_dot_loops"] == 0 and r["exposed_dot_loops"] == 0, r
 
 
+@pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="triton with its NVIDIA backend is not installed")
+def test_disassembly_is_kept_per_tool_flag_and_cubin_and_only_when_it_succeeded(tmp_path, monkeypatch):
+    """tests/triton_aot.py keeps each cuobjdump output beside Triton's cache (TRITON_CACHE_DIR): a second run of the
+    same flag on the same cubin reads it back without starting the tool; another flag or cubin runs it again; a
+    failed run is not kept."""
+    import subprocess
+
+    sys.path.insert(0, str(HERE))
+    import triton_aot
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    runs = []
+
+    def fake_tool(argv, **kwargs):
+        runs.append(argv[1])
+        cubin = Path(argv[2]).read_bytes()
+        code = 1 if cubin == b"broken" else 0
+        return subprocess.CompletedProcess(argv, code, f"{argv[1]} of {cubin.decode()}", "")
+
+    monkeypatch.setattr(triton_aot.subprocess, "run", fake_tool)
+    first = triton_aot._cuobjdump(b"cubin-a", "-sass")
+    again = triton_aot._cuobjdump(b"cubin-a", "-sass")
+    assert (first.returncode, first.stdout) == (again.returncode, again.stdout) == (0, "-sass of cubin-a")
+    assert runs == ["-sass"]  # the second read the kept output
+    assert triton_aot._cuobjdump(b"cubin-a", "--dump-resource-usage").stdout == "--dump-resource-usage of cubin-a"
+    assert triton_aot._cuobjdump(b"cubin-b", "-sass").stdout == "-sass of cubin-b"
+    assert runs == ["-sass", "--dump-resource-usage", "-sass"]
+    for _ in range(2):
+        assert triton_aot._cuobjdump(b"broken", "-sass").returncode == 1
+    assert runs[-2:] == ["-sass", "-sass"] and len(list((tmp_path / "nsa-cuobjdump").rglob("*.gz"))) == 3
+
+
 def test_sass_loop_counts():
     """tests/triton_aot.py's SASS loop report on a listing with a loop nested in another: per loop its
     instructions per iteration, those outside nested loops, whether it issues a tensor-core dot and its spill

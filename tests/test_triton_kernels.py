@@ -88,7 +88,7 @@ def _case_id(c):
 
 
 # ---------------------------------------------------------------- CPU: interpreter, tiny shapes
-# The pair-wise selected dQ's cases (each run in both of its modes below): G = 1, 2, 3, 4, 6, 8, 16 over documents
+# The pair-wise selected dQ's cases (each run with the atomic dQ below; some with the pair kernel too): G = 1, 2, 3, 4, 6, 8, 16 over documents
 # and padding, fp16, sm_80's tiles, and heavy blocks split over 3 programs (several programs per block's pairs)
 _PAIR_DQ_CASES = [
     dict(B=2, T=47, H=2, Hkv=2, D=16, layout="pad"),
@@ -672,6 +672,7 @@ GPU_CASES = [
     # tiles at d128)
     dict(B=1, T=4097, H=12, Hkv=2, D=64, sel_dq_in_dkdv=True),
     dict(B=2, T=1000, H=16, Hkv=1, D=64, layout="varlen", sel_dq_in_dkdv=True),
+    dict(B=2, T=1000, H=6, Hkv=2, D=64, layout="pad", sel_dq_in_dkdv=True),  # G = 3, padding
     dict(B=1, T=2048, H=8, Hkv=1, D=128, layout="pad", sel_dq_in_dkdv=True),
     # ... with every block above 256 pairs cut into pieces (block 0: every query's initial block, 4,097 pairs), 64
     # partials: pieces far above the 20-pair smallest, the heavy pass adding its pairs' dQ too

@@ -145,7 +145,7 @@ def test_the_session_pending_step_times_the_heavy_pieces_int32_pairs_and_split_d
     assert split_dq == [("_sel_dq_kernel", 64, None, None), ("_bwd_dq_kernel", split_dq[1][1], False, True)], split_dq
     assert [(name, kw["SEL_DQ"], kw["ADD_DQ"]) for name, _, kw in default_calls
             if name in ("_sel_dq_kernel", "_bwd_dq_kernel")] == [("_bwd_dq_kernel", True, False)]
-    # the pair-wise selected dQ: the selected dK/dV adds it atomically (DQ_PAIRS 1), the fused dQ leaves it out
+    # the pair-wise selected dQ: the selected dK/dV adds it atomically (DQ_PAIRS on), the fused dQ leaves it out
     assert {kw["DQ_PAIRS"] for name, _, kw in seldq_pairs if name == "_sel_bwd_dkdv_kernel"} == {1}
     assert {kw["DQ_PAIRS"] for name, _, kw in default_calls if name == "_sel_bwd_dkdv_kernel"} == {0}
     assert [kw["SEL_DQ"] for name, _, kw in seldq_pairs if name == "_bwd_dq_kernel"] == [False]

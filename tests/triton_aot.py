@@ -190,17 +190,42 @@ def _specialize(fn, args, kwargs, arch):
     return target, options, signature, constexprs, attrs
 
 
+def _cuobjdump_cache_dir() -> Path:
+    """Where _cuobjdump keeps its outputs: beside Triton's own kernel cache (TRITON_CACHE_DIR, default
+    ~/.triton/cache), so that they are warm exactly where the compiles are."""
+    return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache") / "nsa-cuobjdump"
+
+
 def _cuobjdump(cubin: bytes, flag: str) -> subprocess.CompletedProcess:
-    """The triton wheel's cuobjdump run on a cubin (written to a temporary file) with one flag."""
+    """The triton wheel's cuobjdump run on a cubin (written to a temporary file) with one flag. Its output is a
+    function of the tool and the cubin, so a successful run's is kept on disk under their hash: Triton's cache
+    skips a warm compile, and the disassembly (~0.6 CPU-s per launch, a resource count ~0.1) was then most of this
+    script's CPU."""
+    import gzip
+    import hashlib
     import tempfile
 
     import triton
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    stat = tool.stat()
+    key = hashlib.sha256(f"{tool}|{stat.st_size}|{stat.st_mtime_ns}|{flag}|".encode() + cubin).hexdigest()
+    cached = _cuobjdump_cache_dir() / key[:2] / f"{key}.txt.gz"
+    if cached.is_file():
+        return subprocess.CompletedProcess([str(tool), flag], 0, gzip.decompress(cached.read_bytes()).decode(), "")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True)
+        proc = subprocess.run([str(tool), flag, f.name], capture_output=True, text=True)
+    if proc.returncode == 0:
+        try:  # written whole, then renamed: a reader never sees half a file (workers run side by side)
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            partial = cached.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_bytes(gzip.compress(proc.stdout.encode(), compresslevel=1))  # SASS text: ~10x smaller
+            os.replace(partial, cached)
+        except OSError:  # a read-only or full disk: the run goes on without the cache
+            pass
+    return proc
 
 
 def _resources(cubin: bytes) -> dict:
