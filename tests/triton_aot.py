@@ -191,9 +191,11 @@ def _specialize(fn, args, kwargs, arch):
 
 
 def _cuobjdump_cache_dir() -> Path:
-    """Where _cuobjdump keeps its outputs: beside Triton's own kernel cache (TRITON_CACHE_DIR, default
-    ~/.triton/cache), so that they are warm exactly where the compiles are."""
-    return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache") / "nsa-cuobjdump"
+    """Where _cuobjdump keeps its outputs: inside Triton's own kernel cache (triton.knobs.cache.dir:
+    TRITON_CACHE_DIR, default ~/.triton/cache), so that they are warm exactly where the compiles are."""
+    import triton
+
+    return Path(triton.knobs.cache.dir) / "nsa-cuobjdump"
 
 
 def _cuobjdump(cubin: bytes, flag: str) -> subprocess.CompletedProcess:
