@@ -722,13 +722,13 @@ class NSACache(Cache):
                 self.cursor.add_(num_new)
             self.decoding = True
 
-    def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
+    def activate_past_recording(self, **kwargs) -> None:
         """From now on keep every appended token until the next crop(), so crop() can take any of them back
         (transformers calls this for assisted decoding; `layer.record_past = False` ends it).
 
-        recurrent_states_to_keep: how many steps of recurrent state a linear-attention layer keeps to roll back
-        (transformers >= 5.25 passes it). Ignored: NSA's layers keep tokens, not a recurrent state, and recording
-        keeps all of them."""
+        kwargs: what transformers passes its own layers, which take any keyword as transformers' Cache does:
+        from 5.25, `recurrent_states_to_keep` (how many steps of a linear-attention layer's recurrent state to
+        keep for a rollback). NSA's layers keep tokens, not a recurrent state, and recording keeps all of them."""
         for layer in self.layers:
             layer.activate_past_recording()
 

@@ -484,6 +484,30 @@ def test_assisted_and_prompt_lookup_decoding_give_plain_greedy_tokens(variant):
     assert torch.equal(model.generate(prompt, prompt_lookup_num_tokens=5, **kwargs), plain)
 
 
+def test_cache_methods_take_every_argument_the_installed_transformers_passes():
+    """generate() calls NSACache through transformers' Cache methods, whose arguments grow between releases (5.25's
+    assisted decoding passes activate_past_recording a recurrent_states_to_keep, which broke every speculative
+    decoding here). Each method NSACache overrides, but __init__ and update (which the model calls itself), must
+    take each of the installed Cache's parameters by the same name, and any keyword where Cache takes any."""
+    import inspect
+
+    from transformers import Cache
+
+    overridden = [name for name, value in vars(NSACache).items()
+                  if callable(value) and callable(getattr(Cache, name, None)) and name not in ("__init__", "update")]
+    assert {"activate_past_recording", "crop", "reorder_cache", "batch_select_indices"} <= set(overridden)
+    for name in overridden:
+        ours, theirs = (inspect.signature(getattr(cls, name)).parameters for cls in (NSACache, Cache))
+        takes_any_keyword = any(p.kind is p.VAR_KEYWORD for p in ours.values())
+        for parameter in theirs.values():
+            if parameter.kind is parameter.VAR_KEYWORD:
+                assert takes_any_keyword, f"NSACache.{name} takes no **kwargs; transformers' Cache.{name} does"
+            elif parameter.kind is not parameter.VAR_POSITIONAL:
+                assert parameter.name in ours or takes_any_keyword, (
+                    f"NSACache.{name} has no parameter {parameter.name!r}, which transformers' Cache.{name} takes"
+                )
+
+
 @pytest.mark.parametrize("variant", ["mlp-kvsplit", "dense"])
 def test_early_exit_drafts_with_the_first_layers_and_gives_plain_greedy_tokens(variant):
     """generate(assistant_early_exit=1) (self-speculative decoding, LayerSkip) drafts with the model's first layer:
