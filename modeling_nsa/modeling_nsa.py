@@ -627,6 +627,19 @@ class NSAForCausalLM(NSAPreTrainedModel, GenerationMixin):
                 cache.activate_past_recording()
             model_kwargs[CACHE_NAME] = cache
 
+    def init_continuous_batching(self, *args, **kwargs):
+        """transformers' continuous batching (generate_batch(), generate(cache_implementation="paged"), `transformers
+        serve` with continuous batching, all through this method) runs a model on its paged cache, which holds keys
+        and values only: none of NSA's compressed tokens, selection or window state. Refused here, once, before a
+        request is queued; without this each request would fail on its own inside the batching loop."""
+        raise NotImplementedError(
+            "NSA does not support transformers' continuous batching (generate_batch(), "
+            "generate(cache_implementation='paged'), init_continuous_batching(), `transformers serve` with continuous "
+            "batching): its paged cache holds keys and values only, not NSA's compressed tokens and selection state. "
+            "Batch prompts with generate() instead (left padding: tokenizer.padding_side = 'left'), or pass "
+            "cache_implementation='static' for compiled decoding steps on a GPU."
+        )
+
     def create_masks_for_generate(self, attention_mask=None, past_key_values=None, is_first_iteration=False, cache=None,
                                   **kwargs):
         """generate() asks for the mask of a compilable (static) cache's steps here. NSA needs no 4-D mask: the

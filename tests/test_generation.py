@@ -484,6 +484,25 @@ def test_assisted_and_prompt_lookup_decoding_give_plain_greedy_tokens(variant):
     assert torch.equal(model.generate(prompt, prompt_lookup_num_tokens=5, **kwargs), plain)
 
 
+def test_continuous_batching_is_refused_at_every_entry_point_before_any_request_runs():
+    """generate_batch() and generate(cache_implementation="paged") run the model on transformers' paged cache, which
+    cannot hold NSA's state: both end in one clear error, not in a per-request failure inside the batching loop
+    (generate_batch() would otherwise return each request FAILED with the model's cache-type error)."""
+    from transformers import GenerationConfig
+
+    model = make_model()
+    if not hasattr(model, "generate_batch"):
+        pytest.skip("this transformers has no continuous batching (generate_batch)")
+    calls = []
+    model.forward = lambda *args, **kwargs: calls.append(1)  # nothing may run the model
+    with pytest.raises(NotImplementedError, match="continuous batching.*left padding"):
+        model.generate_batch([[1, 2, 3, 4, 5]], generation_config=GenerationConfig(max_new_tokens=3, do_sample=False))
+    prompt = torch.randint(1, 97, (1, 12), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(NotImplementedError, match="continuous batching"):
+        model.generate(prompt, max_new_tokens=3, do_sample=False, cache_implementation="paged", pad_token_id=0)
+    assert calls == []
+
+
 def test_cache_methods_take_every_argument_the_installed_transformers_passes():
     """generate() calls NSACache through transformers' Cache methods, whose arguments grow between releases (5.25's
     assisted decoding passes activate_past_recording a recurrent_states_to_keep, which broke every speculative
