@@ -726,9 +726,9 @@ class NSACache(Cache):
         """From now on keep every appended token until the next crop(), so crop() can take any of them back
         (transformers calls this for assisted decoding; `layer.record_past = False` ends it).
 
-        kwargs: what transformers passes its own layers, which take any keyword as transformers' Cache does:
-        from 5.25, `recurrent_states_to_keep` (how many steps of a linear-attention layer's recurrent state to
-        keep for a rollback). NSA's layers keep tokens, not a recurrent state, and recording keeps all of them."""
+        kwargs: taken and unused, as transformers' Cache takes any keyword here. From 5.25 its assisted decoding
+        passes `recurrent_states_to_keep` (how many steps of a linear-attention layer's recurrent state to keep
+        for a rollback); NSA's layers keep tokens, not a recurrent state, and recording keeps all of them."""
         for layer in self.layers:
             layer.activate_past_recording()
 
