@@ -10,7 +10,8 @@ import dataclasses
 import torch
 
 from .nsa_layout import NSAParams
-from .nsa_triton_common import _GRID_AXIS_MAX, _LOG2E, _cdiv, _launch_shapes, _next_pow2, on_the_inputs_device
+from .nsa_triton_common import (_FP_FUSION, _GRID_AXIS_MAX, _LOG2E, _cdiv, _launch_shapes, _next_pow2,
+                                 on_the_inputs_device)
 from .nsa_triton_launch import _decode_launch
 
 
@@ -448,7 +449,7 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     _decode_cmp_split_kernel[(batch * num_kv, n_split)](
         q, k_cmp, v_cmp, cmp_end, doc_pos, query_end, part_m, part_l, part_acc, part_p, counts,
         num_keys, num_slots, n_split, scale * _LOG2E, k_cmp.stride(0), v_cmp.stride(0), cmp_end.stride(0),
-        doc_pos.stride(0), H=num_heads, CS=split, STATIC=static, num_warps=4, **common, **pdl,
+        doc_pos.stride(0), H=num_heads, CS=split, STATIC=static, num_warps=4, **common, **pdl, **_FP_FUSION,
     )
     _decode_topn_kernel[(batch * num_kv, n_prog)](
         part_m, part_l, part_acc, part_p, counts, doc_pos, query_end, top_keys, num_keys, n_split, n_prog,
@@ -457,7 +458,7 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
         CS=split, SB=launch.topn_merge_splits, TB=launch.topn_blocks,
         # its TB blocks padded to a power of two, at least n (tl.topk takes k <= the length)
         TB_PAD=max(_next_pow2(launch.topn_blocks), n_pad), RC=launch.topn_offsets,
-        STATIC=static, num_warps=launch.topn_warps, **common, **topn, **pdl,
+        STATIC=static, num_warps=launch.topn_warps, **common, **topn, **pdl, **_FP_FUSION,
     )
     out = torch.empty_like(q)
     common_last = dict(H=num_heads, WIN=params.window_size, SB=launch.part_splits, LISTS=launch.lists,
@@ -467,7 +468,7 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
     if not launch.parts:
         _decode_finish_kernel[(batch * num_kv,)](
             q, part_m, part_l, part_acc, counts, top_keys, k_slc, v_slc, k_win, v_win, gates, doc_pos, query_end,
-            out, num_keys, num_win, n_split, n_prog, scale * _LOG2E, *strides, **common_last, **pdl,
+            out, num_keys, num_win, n_split, n_prog, scale * _LOG2E, *strides, **common_last, **pdl, **_FP_FUSION,
         )
         return out
     out_m = torch.empty(batch * num_kv * n_parts * g_pad, device=q.device, dtype=torch.float32)
@@ -480,11 +481,11 @@ def _decode_step(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, do
         q, part_m, part_l, part_acc, counts, top_keys, k_slc, v_slc, k_win, v_win, doc_pos, query_end,
         out_m, out_l, out_acc, arrived, gates, out, num_keys, num_win, n_split, n_prog, n_parts, scale * _LOG2E,
         *strides, SEL_PART=launch.sel_part, SEL_PARTS=sel_parts, WIN_PART=launch.win_part, COMBINE=combine, PB=pb,
-        num_stages=1, **common_last, **pdl,
+        num_stages=1, **common_last, **pdl, **_FP_FUSION,
     )
     if not combine:
         _decode_combine_kernel[(batch * num_kv,)](
             out_m, out_l, out_acc, gates, out, n_parts, H=num_heads, SEL_PARTS=sel_parts, PB=pb, num_warps=4,
-            **common, **pdl,
+            **common, **pdl, **_FP_FUSION,
         )
     return out

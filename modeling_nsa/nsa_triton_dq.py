@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .nsa_layout import NSAParams
-from .nsa_triton_common import _LOG2E, _FloatDq, _cdiv, _launch_shapes
+from .nsa_triton_common import _FP_FUSION, _LOG2E, _FloatDq, _cdiv, _launch_shapes
 from .nsa_triton_launch import (_OVERRIDES, _dq_launch, _kv_offsets_fit_int32, _query_tiles_light_first,
                                 _sel_dq_reduce_rows, _sel_fwd_opts, _sel_rows_per_program, _sel_sub_tile)
 from .nsa_triton_selected import _tile_block_union
@@ -338,7 +338,7 @@ def _bwd_dq(q, dout, gates, cmp, slc, win, idx, doc_pos, params: NSAParams, scal
         QPB=qpb, WORDS=high_bits.shape[-1] + 1 if sel_dq else 1, BLOCK_M=block_m,
         SUB_M=_sel_sub_tile(block_m, head_dim, q.device, dq=True),
         BLOCK_N=64, SEL_DQ=sel_dq, LIGHT_FIRST=_query_tiles_light_first(), KV32=kv32, ADD_DQ=split,
-        DQ_HALF=dq_half, DQ_OVER_OUTPUTS=sel_dq is False and dq_over_outputs, **dq_opts,
+        DQ_HALF=dq_half, DQ_OVER_OUTPUTS=sel_dq is False and dq_over_outputs, **dq_opts, **_FP_FUSION,
     )
     return dq, dgates, delta, lse_g
 
@@ -371,7 +371,7 @@ def _sel_dq_split(q, dout, gates, slc, idx, doc_pos, params: NSAParams, scale, k
         num_q, num_keys, num_keys - num_q, counts.shape[-1], batch * num_q * num_heads, scale * _LOG2E, scale,
         H=num_heads, HKV=num_kv, G=group, D=head_dim, LB=params.sel_block_size, N_SEL=n_sel, QPB=qpb,
         WORDS=high_bits.shape[-1] + 1, BLOCK_M=block_m, SUB_M=_sel_sub_tile(block_m, head_dim, q.device),
-        LIGHT_FIRST=_query_tiles_light_first(), KV32=kv32, **opts,
+        LIGHT_FIRST=_query_tiles_light_first(), KV32=kv32, **opts, **_FP_FUSION,
     )
     return dq, dgates, delta, lse_g
 
@@ -386,5 +386,5 @@ def _sel_dq_reduce_chunk(partials, idx, dq_intervals: _FloatDq, dq: _FloatDq, c0
     _sel_dq_reduce_kernel[(_cdiv(min(chunk_q, num_q - c0), qpb), batch * num_kv)](
         partials, idx, dq_intervals.lo, dq_intervals.hi, dq.lo, dq.hi, num_q, c0, chunk_q, H=group * num_kv,
         HKV=num_kv, G=group, D=head_dim, N_SEL=n_sel, QPB=qpb, BLOCK_M=block_m, IN_HALF=dq_intervals.half,
-        OUT_HALF=dq.half, num_warps=4,
+        OUT_HALF=dq.half, num_warps=4, **_FP_FUSION,
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .nsa_layout import NSAParams
-from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes, _next_pow2
+from .nsa_triton_common import _FP_FUSION, _LOG2E, _cdiv, _launch_shapes, _next_pow2
 from .nsa_triton_launch import (_OVERRIDES, _dkdv_launch, _kv_offsets_fit_int32, _query_tiles_light_first,
                                 _rows_fit_int32, _rows_per_program)
 
@@ -408,7 +408,7 @@ def _layout(cmp_end, doc_pos, num_queries, num_win, params: NSAParams):
     _layout_kernel[(_cdiv(max(num_queries, 1), block), batch)](
         cmp_end, doc_pos, c_lo, c_hi, w_lo, w_hi, num_queries, num_keys, num_slots, cmp_end.stride(0),
         doc_pos.stride(0), num_keys - num_win, params.window_size, BLOCK=block,
-        STEPS=max(1, (num_slots + 1).bit_length()), num_warps=4,
+        STEPS=max(1, (num_slots + 1).bit_length()), num_warps=4, **_FP_FUSION,
     )
     return intervals
 
@@ -426,7 +426,7 @@ def _interval_fwd(q, k, v, lo, hi, scale, combine=None):
         q, k, v, lo, hi, o, lse, o_c, o_s, gates, out, num_q, num_keys, scale * _LOG2E,
         H=num_heads, HKV=num_kv, G=group, D=head_dim, QPB=qpb, BLOCK_M=block_m, BLOCK_N=64,
         COMBINE=combine is not None, LIGHT_FIRST=_query_tiles_light_first(),
-        KV32=_kv_offsets_fit_int32(num_keys, num_kv, head_dim), num_warps=4 if head_dim <= 64 else 8,
+        KV32=_kv_offsets_fit_int32(num_keys, num_kv, head_dim), num_warps=4 if head_dim <= 64 else 8, **_FP_FUSION,
     )
     return (o, lse, out) if combine is not None else (o, lse)
 
@@ -464,11 +464,11 @@ def _interval_query_ranges(intervals: torch.Tensor, num_keys: tuple[int, int], b
     totals = torch.empty(2, 4, batch, n_chunks, device=device, dtype=torch.int32)
     out = torch.empty(4 * batch * sum(n_tiles), device=device, dtype=torch.int32)
     _range_scan_kernel[(2, batch, n_chunks)](intervals, scan, totals, num_q, n_chunks, CHUNK=chunk,
-                                             num_warps=4 if chunk <= 2048 else 8)
+                                             num_warps=4 if chunk <= 2048 else 8, **_FP_FUSION)
     tiles_per_program = max(8, min(64, 4096 // n_chunks_pad))  # (tiles x chunk totals) compares per search
     _range_search_kernel[(2, batch, _cdiv(max(n_tiles), tiles_per_program))](
         scan, totals, out, num_q, n_chunks, num_keys[0], num_keys[1], n_tiles[0], n_tiles[1], BLOCK_N=block_n,
-        TB=tiles_per_program, CHUNK=chunk, NCH_PAD=n_chunks_pad, STEPS=chunk.bit_length(), num_warps=4,
+        TB=tiles_per_program, CHUNK=chunk, NCH_PAD=n_chunks_pad, STEPS=chunk.bit_length(), num_warps=4, **_FP_FUSION,
     )
     cmp, win = out.split([4 * batch * n_tiles[0], 4 * batch * n_tiles[1]])
     return [tuple(cmp.view(4, batch, n_tiles[0])), tuple(win.view(4, batch, n_tiles[1]))]
@@ -513,7 +513,7 @@ def _interval_bwd_dkdv(q, k, v, lo, hi, ranges, do, lse_g, delta, scale):
         q, k, v, lo, hi, qa, qb, ia, ib, do, lse_g, delta, dk, dv, num_q, num_keys, n_ktiles, scale * _LOG2E,
         scale, H=num_heads, HKV=num_kv, G=group, D=head_dim, QPB=qpb, BLOCK_M=block_m, BLOCK_N=block_n,
         N_SPLIT=n_split, TILES_FAST=tiles_fast,
-        ROW32=_rows_fit_int32(num_q, num_heads, head_dim), **dkdv_opts,
+        ROW32=_rows_fit_int32(num_q, num_heads, head_dim), **dkdv_opts, **_FP_FUSION,
     )
     if n_split > 1:
         dk, dv = dk.sum(0).to(k.dtype), dv.sum(0).to(v.dtype)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .nsa_layout import NSAParams
-from .nsa_triton_common import _LOG2E, _FloatDq, _cdiv, _launch_shapes, _next_pow2
+from .nsa_triton_common import _FP_FUSION, _LOG2E, _FloatDq, _cdiv, _launch_shapes, _next_pow2
 from .nsa_triton_launch import (_OVERRIDES, _dkdv_launch, _kv_offsets_fit_int32, _query_tiles_light_first,
                                 _rows_fit_int32, _sel_dkdv_chunk_tiles, _sel_fwd_opts, _sel_fwd_pair_queries,
                                 _sel_fwd_pairs_launch, _sel_rows_per_program, _sel_sub_tile)
@@ -791,7 +791,7 @@ def _tile_block_union(idx, doc_pos, qpb: int, sel_block_size: int):
     _tile_union_kernel[(n_tiles, batch * num_kv)](
         idx, doc_pos, entries, high_bits, counts, n_past, num_q, num_keys, num_keys - num_q, n_tiles,
         HKV=num_kv, LB=sel_block_size, N_SEL=n_sel, QPB=qpb, LIST=_next_pow2(qpb * n_sel), QBITS=q_bits,
-        WORDS=words, WIDE=_union_sort_keys_wide(num_keys, q_bits),
+        WORDS=words, WIDE=_union_sort_keys_wide(num_keys, q_bits), **_FP_FUSION,
     )
     return entries, high_bits, counts, n_past
 
@@ -813,7 +813,7 @@ def _sel_fwd(q, k, v, idx, doc_pos, params: NSAParams, scale):
         H=num_heads, HKV=num_kv, G=group, D=head_dim,
         LB=params.sel_block_size, N_SEL=n_sel, QPB=qpb, WORDS=high_bits.shape[-1] + 1, BLOCK_M=block_m,
         SUB_M=_sel_sub_tile(block_m, head_dim, q.device), LIGHT_FIRST=_query_tiles_light_first(),
-        KV32=_kv_offsets_fit_int32(num_keys, num_kv, head_dim), **_sel_fwd_opts(head_dim, q.device),
+        KV32=_kv_offsets_fit_int32(num_keys, num_kv, head_dim), **_sel_fwd_opts(head_dim, q.device), **_FP_FUSION,
     )
     return o, lse
 
@@ -834,7 +834,7 @@ def _sel_pair_index(idx, doc_pos, num_keys: int, sel_block_size: int, chunk_q: i
     block = 1024
     _sel_pair_key_kernel[(_cdiv(max(idx.numel(), 1), block),)](
         idx, doc_pos, key, num_q, num_keys, q_off, chunk_q, n_bg, sentinel, idx.numel(), HKV=num_kv,
-        N_SEL=idx.shape[-1], LB=sel_block_size, BLOCK=block, num_warps=4,
+        N_SEL=idx.shape[-1], LB=sel_block_size, BLOCK=block, num_warps=4, **_FP_FUSION,
     )
     sorted_key, order = torch.sort(key, stable=True)
     del key
@@ -878,9 +878,11 @@ def _sel_fwd_pairs(q, k, v, idx, doc_pos, params: NSAParams, scale):
         _sel_fwd_pairs_kernel[(n_programs,)](
             q, k, v, sorted_key, order, chunk_off, o_part, l_part,
             chunk, c0, chunk_q, n_bg, num_q, num_keys, num_keys - num_q, scale * _LOG2E, **meta, **tile,
+            **_FP_FUSION,
         )
         _sel_fwd_pairs_combine_kernel[(_cdiv(min(chunk_q, num_q - c0), meta["QPB"]), n_bg)](
             idx, o_part, l_part, o, lse, c0, chunk_q, num_q, N_PAD=_next_pow2(meta["N_SEL"]), num_warps=4, **meta,
+            **_FP_FUSION,
         )
     return o, lse
 
@@ -900,7 +902,7 @@ def _sel_dq_pairs(q, k, v, idx, doc_pos, do, lse_g, delta, dq_intervals, params:
         _sel_dq_pairs_kernel[(n_programs,)](
             q, k, v, do, lse_g, delta, sorted_key, order, chunk_off, partials,
             chunk, c0, chunk_q, batch * num_kv, num_q, num_keys, num_keys - num_q, scale * _LOG2E, scale,
-            **meta, **tile,
+            **meta, **tile, **_FP_FUSION,
         )
         reduce(partials, idx, dq_intervals, dq_intervals, c0, chunk_q)
     return dq_intervals
@@ -978,7 +980,7 @@ def _sel_heavy_plan(pair_off: torch.Tensor, n_flat: int, n_heavy: int, heavy_min
     slot_rank = torch.empty(n_flat, device=device, dtype=torch.int32)
     block = 1024
     _sel_heavy_keys_kernel[(_cdiv(n_flat, block),)](pair_off, key, slot_rank, n_flat, heavy_min, n_heavy + 1,
-                                                    BLOCK=block, num_warps=4)
+                                                    BLOCK=block, num_warps=4, **_FP_FUSION)
     top = torch.topk(key, n_heavy, sorted=True).indices
     hpos = torch.empty(n_heavy, device=device, dtype=torch.int64)
     pieces = torch.empty(max_pieces, 3, device=device, dtype=torch.int64 if wide else torch.int32)
@@ -986,7 +988,7 @@ def _sel_heavy_plan(pair_off: torch.Tensor, n_flat: int, n_heavy: int, heavy_min
     slots = _next_pow2(n_heavy)
     _sel_heavy_pieces_kernel[(1,)](top, pair_off, slot_rank, hpos, pieces, piece_start, n_flat, n_heavy, heavy_min,
                                    min_piece, max_pieces, QPB=qpb, SLOTS=slots, PBLOCK=_next_pow2(max_pieces),
-                                   STEPS=max(1, slots.bit_length()), num_warps=4)
+                                   STEPS=max(1, slots.bit_length()), num_warps=4, **_FP_FUSION)
     return hpos, slot_rank, pieces, piece_start
 
 
@@ -1017,7 +1019,7 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, lse_g, delta, params: NSAParams, sc
     block = 1024
     _sel_pair_offsets_kernel[(_cdiv(max(n_pairs, sentinel + 1), block),)](
         sorted_key, order, pair_q, pair_off, n_pairs, sentinel + 1, num_q, max(1, n_pairs.bit_length()),
-        N_SEL=n_sel, BLOCK=block, num_warps=4,
+        N_SEL=n_sel, BLOCK=block, num_warps=4, **_FP_FUSION,
     )
     del order, sorted_key
     dk = torch.zeros_like(k)
@@ -1053,8 +1055,9 @@ def _sel_bwd_dkdv(q, k, v, idx, doc_pos, do, lse_g, delta, params: NSAParams, sc
     heavy_launch = ((max_pieces, 1, 1), True)
     main_launch = ((n_ranges, batch * num_kv, 1) if ranges_fast else (batch * num_kv, n_ranges, 1), False)
     for grid, heavy_pass in (main_launch, heavy_launch) if ranges_fast else (heavy_launch, main_launch):
-        _sel_bwd_dkdv_kernel[grid](*args, HEAVY_PASS=heavy_pass, RANGES_FAST=ranges_fast, **meta)
+        _sel_bwd_dkdv_kernel[grid](*args, HEAVY_PASS=heavy_pass, RANGES_FAST=ranges_fast, **meta, **_FP_FUSION)
     _sel_dkdv_reduce_kernel[(n_heavy,)](
         pdk, pdv, hpos, piece_start, doc_pos, dk, dv, num_keys, n_flat, HKV=num_kv, D=head_dim, LB=lb, num_warps=4,
+        **_FP_FUSION,
     )
     return dk, dv

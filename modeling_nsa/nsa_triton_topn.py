@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .nsa_layout import NSAParams
-from .nsa_triton_common import _LOG2E, _cdiv, _launch_shapes, _next_pow2
+from .nsa_triton_common import _FP_FUSION, _LOG2E, _cdiv, _launch_shapes, _next_pow2
 from .nsa_triton_launch import (_OVERRIDES, _query_tiles_light_first, _topn_chunk, _topn_head_lanes, _topn_insert_max,
                                 _topn_opts)
 
@@ -363,6 +363,6 @@ def _select_topn(q, k_cmp, lse_cmp, doc_pos, c_lo, c_hi, params: NSAParams, scal
         N_SEL=n_sel, N_PAD=_next_pow2(n_sel), INIT=params.sel_init_blocks, LOCAL=params.sel_local_blocks,
         BJ=bj, QPB=qpb, INSERT_MAX=_topn_insert_max(), HEAD_LANES=_topn_head_lanes(g_pad),
         LIGHT_FIRST=_query_tiles_light_first(),
-        **_topn_opts(head_dim, q.device),
+        **_topn_opts(head_dim, q.device), **_FP_FUSION,
     )
     return idx

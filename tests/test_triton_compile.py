@@ -40,13 +40,19 @@ else:  # (every test below skips: nothing compiles)
     OPT_IN_VARIANT_ARCHS = ()
 
 
+# Both compile jobs run with Triton's default FMA contraction off, the default from Triton 3.10 on: a launch that does
+# not ask for contraction itself (modeling_nsa.nsa_triton_common._FP_FUSION) then compiles without it, and
+# test_every_launch_asks_for_fma_contraction names it.
+DEFAULT_FP_FUSION_OFF = {"TRITON_DEFAULT_FP_FUSION": "0"}
+
+
 def aot_commands() -> list:
     """The compile of every launch for three GPUs (triton_aot.py: a process per core), a background job."""
     if not HAS_NVIDIA_BACKEND:
         return []  # the fixture skips, naming why
     from background import Command
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **DEFAULT_FP_FUSION_OFF}
     # the SASS loop counts where the checks read them (spills in dot loops, HGMMA waits: sm_90's launches with a dot
     # or a stack frame): a disassembly costs ~0.6 CPU-s a launch, which every launch of three GPUs made ~5 minutes
     # of the job's CPU (CI time)
@@ -79,7 +85,7 @@ def h100_aot_commands() -> list:
         return []
     from background import Command
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **DEFAULT_FP_FUSION_OFF}
     return [Command([sys.executable, str(HERE / "h100_compiler.py"), "--sass-checked-only"], env=env,
                     cwd=str(HERE.parent))]
 
@@ -187,6 +193,17 @@ def test_no_kernel_spills_registers_in_its_hot_loops_on_sm90(aot_results):
 # The most shared memory one block may use (CUDA's opt-in limit per block): a launch above it compiles but
 # fails at run time with Triton's OutOfResources, so only a GPU would notice (sm_86 and sm_89: 99 KiB).
 SHARED_LIMIT_BYTES = {90: 227 * 1024, 80: 163 * 1024, 86: 99 * 1024}
+
+
+def test_every_launch_asks_for_fma_contraction(aot_results, h100_aot_results):
+    """Every launch compiles with FMA contraction (a * b + c in one instruction), as the kernels were sized and timed,
+    though the jobs ran with Triton's default off (DEFAULT_FP_FUSION_OFF, Triton 3.10's default): each launch asks for
+    it itself, so a Triton upgrade cannot change the kernels' speed and rounding unseen. On both compilers."""
+    for results in (aot_results, h100_aot_results):
+        rows = [r for r in results if r["ok"]]
+        assert rows and {r["triton"] for r in rows}
+        without = sorted({(r["kernel"], r["scenario"], r["triton"]) for r in rows if not r["fp_fusion"]})
+        assert not without, f"launches without enable_fp_fusion=True (**_FP_FUSION): {without}"
 
 
 @pytest.mark.parametrize("arch", **ARCHS)

@@ -342,12 +342,14 @@ def _compile_one(i):
     from triton.compiler import ASTSource
 
     res = dict(scenario=scenario, kernel=name, arch=arch, triton=triton.__version__,
-               constexprs={k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")})
+               constexprs={k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages", "enable_fp_fusion")})
     t0 = time.time()
     try:
         target, options, signature, constexprs, attrs = _specialize(fn, args, kwargs, arch)
         kern = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
         res.update(ok=True, shared=kern.metadata.shared, num_warps=options.num_warps,
+                   # FMA contraction as compiled: the launch's request, else Triton's default (TRITON_DEFAULT_FP_FUSION)
+                   fp_fusion=bool(options.enable_fp_fusion),
                    # a programmatic dependent launch, and whether the kernel waits for the launch before it
                    launch_pdl=bool(getattr(kern.metadata, "launch_pdl", False)),
                    waits_for_previous_launch=_waits_before_memory(kern.asm["ptx"]),
