@@ -467,10 +467,10 @@ _CUDA_SHARED_MEMORY: dict[int, int] = {}
 
 # log2(e): the kernels exponentiate with exp2, so every launcher passes them scale * _LOG2E
 _LOG2E = 1.4426950408889634
+_GRID_AXIS_MAX = 65535  # CUDA's limit on a launch grid's y and z sizes
 
 # Every launch asks for FMA contraction (a * b + c as one fused instruction), Triton's default so far and what each
 # kernel here was sized, timed and checked with (the SASS instruction counts of bench/KERNELS.md, the registers and
 # spills of tests/triton_aot.py): Triton 3.10 turns the default off (3.9 warns at the first compile that it will),
 # which would change the kernels' speed and rounding with no line of this project changed.
 _FP_FUSION = {"enable_fp_fusion": True}
-_GRID_AXIS_MAX = 65535  # CUDA's limit on a launch grid's y and z sizes
