@@ -75,8 +75,8 @@ def peak_mib(fn):
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def rnd(*shape, grad=True):
-    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16).requires_grad_(grad)
+def rnd(*shape, grad=True, device="cuda"):
+    return torch.randn(*shape, device=device, dtype=torch.bfloat16).requires_grad_(grad)
 
 
 QUERY_KINDS = ("random", "correlated")
@@ -91,7 +91,7 @@ def use_captured(path):
     CAPTURED["saved"] = capture_qkv.load_capture(path)
 
 
-def queries(B, T, H, D, kind="random", grad=True):
+def queries(B, T, H, D, kind="random", grad=True, device="cuda"):
     """(B, T, H, D) bf16 queries. "random": independent Gaussian per position (consecutive queries choose
     nearly unrelated blocks: the selected tiles' block unions are largest). "correlated": one vector per
     head shared by every position plus 0.3 noise (as bench/selection_tiles.py), so neighbouring queries
@@ -99,23 +99,27 @@ def queries(B, T, H, D, kind="random", grad=True):
     if kind not in QUERY_KINDS:
         raise ValueError(f"query kind {kind!r}: use one of {QUERY_KINDS}")
     if kind == "random":
-        return rnd(B, T, H, D, grad=grad)
-    shared = torch.randn(1, 1, H, D, device="cuda")
-    return (shared + 0.3 * torch.randn(B, T, H, D, device="cuda")).to(torch.bfloat16).requires_grad_(grad)
+        return rnd(B, T, H, D, grad=grad, device=device)
+    shared = torch.randn(1, 1, H, D, device=device)
+    return (shared + 0.3 * torch.randn(B, T, H, D, device=device)).to(torch.bfloat16).requires_grad_(grad)
 
 
-def nsa_inputs(B, T, H, Hkv, D, grad=True, kind="random"):
+def nsa_inputs(B, T, H, Hkv, D, grad=True, kind="random", device="cuda"):
     """The op's inputs for B rows of one T-token document: fresh Gaussian keys, values and gate logits,
-    queries of the given kind (see queries); "captured": a trained model's tensors, cropped (use_captured)."""
+    queries of the given kind (see queries); "captured": a trained model's tensors, cropped (use_captured).
+    device: "cpu" for bench/warm_kernel_cache.py, which records the launches these inputs get without a GPU."""
     if kind == "captured":
         return capture_qkv.bench_inputs(CAPTURED["saved"], B, T, H, Hkv, D, PARAMS, grad=grad)
-    doc_pos = torch.arange(T, device="cuda").expand(B, T).contiguous()
+    doc_pos = torch.arange(T, device=device).expand(B, T).contiguous()
     cmp_end = layout_mod.compressed_token_ends(doc_pos, PARAMS)
     Nc = cmp_end.shape[1]
-    x = dict(q=queries(B, T, H, D, kind, grad), k_cmp=rnd(B, Nc, Hkv, D, grad=grad),
-             v_cmp=rnd(B, Nc, Hkv, D, grad=grad), k_slc=rnd(B, T, Hkv, D, grad=grad),
-             v_slc=rnd(B, T, Hkv, D, grad=grad), k_win=rnd(B, T, Hkv, D, grad=grad), v_win=rnd(B, T, Hkv, D, grad=grad))
-    x["gates"] = torch.sigmoid(torch.randn(B, T, H, 3, device="cuda")).to(torch.bfloat16).requires_grad_(grad)
+
+    def r(*shape):
+        return rnd(*shape, grad=grad, device=device)
+
+    x = dict(q=queries(B, T, H, D, kind, grad, device), k_cmp=r(B, Nc, Hkv, D), v_cmp=r(B, Nc, Hkv, D),
+             k_slc=r(B, T, Hkv, D), v_slc=r(B, T, Hkv, D), k_win=r(B, T, Hkv, D), v_win=r(B, T, Hkv, D))
+    x["gates"] = torch.sigmoid(torch.randn(B, T, H, 3, device=device)).to(torch.bfloat16).requires_grad_(grad)
     return x, cmp_end, doc_pos
 
 
@@ -126,19 +130,25 @@ def fwd_fb_mem(name, step):
             f"{name}_mem": peak_mib(lambda: step(True))}
 
 
-def time_nsa(B, T, H, Hkv, D, kind):
-    """Our op's forward ms, forward+backward ms and fwd+bwd peak MiB."""
-    x, cmp_end, doc_pos = nsa_inputs(B, T, H, Hkv, D, kind=kind)
-    do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+def nsa_step(x, cmp_end, doc_pos):
+    """The timed call of our op on nsa_inputs' tensors: step(grad) runs the forward, and with grad the backward
+    of a fixed output gradient too."""
+    q = x["q"]
+    do = torch.randn(q.shape, device=q.device, dtype=torch.bfloat16)
 
-    def ours(grad):
+    def step(grad):
         with torch.set_grad_enabled(grad):
             o = tri.nsa_attention_triton(x["q"], x["k_cmp"], x["v_cmp"], cmp_end, x["k_slc"], x["v_slc"],
                                          x["k_win"], x["v_win"], x["gates"], doc_pos, PARAMS)
             if grad:
                 torch.autograd.grad(o, list(x.values()), do)
 
-    return fwd_fb_mem("nsa", ours)
+    return step
+
+
+def time_nsa(B, T, H, Hkv, D, kind):
+    """Our op's forward ms, forward+backward ms and fwd+bwd peak MiB."""
+    return fwd_fb_mem("nsa", nsa_step(*nsa_inputs(B, T, H, Hkv, D, kind=kind)))
 
 
 def time_sdpa(B, T, H, Hkv, D):
@@ -191,19 +201,26 @@ def bench_layout(H, Hkv, D, lengths, tokens, kinds, rows):
             torch.cuda.empty_cache()
 
 
+def decode_step(B, T, H, Hkv, D, device="cuda"):
+    """The timed decoding step: B rows of one query after a T-key cache. step() runs it eagerly (the window: the
+    last w keys); step(query_end) as a static cache's step (the window a w-slot ring)."""
+    x, cmp_end, doc_pos = nsa_inputs(B, T, H, Hkv, D, grad=False, device=device)
+    w = PARAMS.window_size
+    q1 = x["q"][:, -1:].contiguous()
+    g1 = x["gates"][:, -1:].contiguous()
+    kw, vw = x["k_win"][:, -w:].contiguous(), x["v_win"][:, -w:].contiguous()
+
+    def step(query_end=None):
+        return tri.nsa_decode_triton(q1, x["k_cmp"], x["v_cmp"], cmp_end, x["k_slc"], x["v_slc"], kw, vw, g1,
+                                     doc_pos, PARAMS, query_end=query_end)
+
+    return step
+
+
 def bench_decode(H, Hkv, D, contexts, rows, batch=1):
     for T in contexts:
         B = batch
-        x, cmp_end, doc_pos = nsa_inputs(B, T, H, Hkv, D, grad=False)
-        w = PARAMS.window_size
-        q1 = x["q"][:, -1:].contiguous()
-        g1 = x["gates"][:, -1:].contiguous()
-        kw, vw = x["k_win"][:, -w:].contiguous(), x["v_win"][:, -w:].contiguous()
-
-        def ours(query_end=None):  # eager; with query_end, a static cache's step (the window a w-slot ring)
-            return tri.nsa_decode_triton(q1, x["k_cmp"], x["v_cmp"], cmp_end, x["k_slc"], x["v_slc"], kw, vw, g1,
-                                         doc_pos, PARAMS, query_end=query_end)
-
+        ours = decode_step(B, T, H, Hkv, D)
         query_end = torch.tensor([T - 1], device="cuda")
 
         qd = rnd(B, H, 1, D, grad=False)

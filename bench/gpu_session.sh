@@ -43,6 +43,20 @@ RT_ANATOMY_LENGTHS=${RT_ANATOMY_LENGTHS:-1024}  # retrieval: lengths bench/retri
 RT_OVERRIDES=${RT_OVERRIDES:-}  # retrieval: --model-overrides for both twins, e.g. '{"compressor": "mean"}' (the tiny
                                 # CPU twins learned the lookup in 8 of 12 seeds with it, 3 of 12 with the paper's MLP)
 LENGTHS=${LENGTHS:-2048 8192 32768 65536}  # issue 18's table
+# pending's launch variants and cases (bench/tune_kernels.py syntax; the warm step compiles the same launches)
+PENDING_VARIANTS=${PENDING_VARIANTS:-"default heavy2k:sel_pieces=2048/320/1024/256 heavy4k:sel_pieces=4096/320/1024/512
+  pairs_int64:sel_pairs_int64=1 seldq_split:sel_dq_split=1 seldq_pairs:sel_dq_in_dkdv=1
+  pairs_all:sel_fwd_pairs=1,sel_dq_in_dkdv=1 topn_insert_all:topn_insert_max=65536"}
+PENDING_CASES=${PENDING_CASES:-"12,2,64,8192,8,random 12,2,64,2048,32,random 12,2,64,65536,1,random
+  12,2,64,32768,2,random 16,1,64,8192,8,random 16,1,64,65536,1,random 12,2,64,65536,1,correlated
+  12,2,64,8192,8,correlated 16,1,64,65536,1,correlated"}
+# decode's variants of the decode kernels at 64k (the same for the warm step)
+DECODE_VARIANTS=${DECODE_VARIANTS:-"default decode_topn_8warps:decode_topn_warps=8 decode_fused_combine:decode_fused_combine=1
+  decode_pdl:decode_pdl=1 decode_pdl_fused_combine:decode_pdl=1,decode_fused_combine=1"}
+# warm: Triton's cache built ahead without a GPU, unpacked first where the session carries it. Built with the GPU
+# image's Python and triton (3.12, 3.6.0: the cache key hashes triton's compiled library) by this step itself:
+#   KERNEL_CACHE_PACK=runs/kernel-cache/sm90.tar.gz PY=<python 3.12 with triton 3.6.0> bash bench/gpu_session.sh warm
+KERNEL_CACHE=${KERNEL_CACHE:-runs/kernel-cache/sm90.tar.gz}
 FUZZ_S=${FUZZ_S:-240}  # fuzz: seconds of random cases (about 1 s each on a GPU once its shapes compiled)
 FUZZ_SEED=${FUZZ_SEED:-20261203}  # fuzz: the run's seed; a failure replays alone with the --case its log line gives
 mkdir -p "$OUT"
@@ -80,10 +94,20 @@ captured_kind() {  # the captured input kind, where the capture step has left it
   else echo "# no $CAPTURED (the capture step writes it): no captured inputs" >&2; fi
 }
 
+KERNEL_CACHE_FILE=""
+[ -f "$KERNEL_CACHE" ] && KERNEL_CACHE_FILE=$KERNEL_CACHE
 for step in "${steps[@]}"; do
   echo "== $step" | tee -a "$OUT/env.txt"
   start=$(date +%s)
   case "$step" in
+    # Triton's kernel cache filled before the kernel steps: every launch of check, attention, pending and decode
+    # compiled side by side on all cores (those steps compiled one launch at a time: check's 384 distinct launches
+    # were most of its 154 s on six workers), after unpacking $KERNEL_CACHE where the session carries one; says how
+    # many it found there (bench/warm_kernel_cache.py)
+    warm)       $PY bench/warm_kernel_cache.py ${KERNEL_CACHE_FILE:+--unpack "$KERNEL_CACHE_FILE"} \
+                  ${KERNEL_CACHE_PACK:+--pack "$KERNEL_CACHE_PACK"} \
+                  --lengths $LENGTHS --tune-variants $PENDING_VARIANTS --tune-cases $PENDING_CASES \
+                  --decode-variants $DECODE_VARIANTS ;;
     tests)      $PY -m pytest -q $(xdist_workers) tests/test_triton_kernels.py tests/test_model_triton.py -k gpu -rA 2>&1 \
                   | tail -n 40 ;;
     # the op's kernels against the reference on the GPU (forward, gradients, selection; about a minute): before
@@ -104,9 +128,7 @@ for step in "${steps[@]}"; do
     # (2026-11-29, fourth CPU session; bench/KERNELS.md)
     decode)     $PY bench/bench_attention.py --lengths --decode 8192 32768 65536 --decode-batch 1 32 \
                   --json "$OUT/decode.json" \
-                && $PY bench/tune_kernels.py --decode-only --variants default decode_topn_8warps:decode_topn_warps=8 \
-                  decode_fused_combine:decode_fused_combine=1 decode_pdl:decode_pdl=1 \
-                  decode_pdl_fused_combine:decode_pdl=1,decode_fused_combine=1 --json "$OUT/decode_tune.json" ;;
+                && $PY bench/tune_kernels.py --decode-only --variants $DECODE_VARIANTS --json "$OUT/decode_tune.json" ;;
     # per kernel: time, FLOP / byte / exp floors at the ceilings measured in the same run, achieved fraction
     floors)     $PY bench/kernel_floors.py --lengths $LENGTHS --inputs random $(captured_kind) \
                   --decode-lengths 8192 65536 --json "$OUT/floors.json" ;;
@@ -127,14 +149,8 @@ for step in "${steps[@]}"; do
     # selected branch pair by pair (the block-outer forward with the dQ formed in the selected dK/dV: the schedule
     # whose floors fit the 64k target, bench/KERNELS.md); the training top-n merging chunks where more than 2
     # blocks enter (a bitonic top-k, 2026-11-28) against inserting them all
-    pending)    $PY bench/tune_kernels.py --json "$OUT/pending.json" --no-decode --dense --variants default \
-                  heavy2k:sel_pieces=2048/320/1024/256 heavy4k:sel_pieces=4096/320/1024/512 \
-                  pairs_int64:sel_pairs_int64=1 seldq_split:sel_dq_split=1 seldq_pairs:sel_dq_in_dkdv=1 \
-                  pairs_all:sel_fwd_pairs=1,sel_dq_in_dkdv=1 \
-                  topn_insert_all:topn_insert_max=65536 \
-                  --cases 12,2,64,8192,8,random 12,2,64,2048,32,random \
-                  12,2,64,65536,1,random 12,2,64,32768,2,random 16,1,64,8192,8,random 16,1,64,65536,1,random \
-                  12,2,64,65536,1,correlated 12,2,64,8192,8,correlated 16,1,64,65536,1,correlated ;;
+    pending)    $PY bench/tune_kernels.py --json "$OUT/pending.json" --no-decode --dense --variants $PENDING_VARIANTS \
+                  --cases $PENDING_CASES ;;
     # issue 18: the three pipeline stages sm_90 takes since 2026-11-26 where two left the loads exposed (chosen from
     # the TTGIR, not yet timed) against the two they had: at head_dim 128 (16 q / 2 kv: G = 8; 8k and 64k) variant
     # stages2 is the old launch of all four (fused dQ, selected forward, both dK/dV); on the 125M layout at 512
@@ -239,7 +255,7 @@ open(sys.argv[2], 'w').write(max((str(x) for x in t.to_pylist()[::20]), key=len)
     # issue 19: what one selection-statistics measurement costs against one 125M training step at T = 4,096
     stats-cost) $PY bench/stats_cost.py --device cuda --model 125m --seq-len 4096 --micro-batch-size 4 \
                   --tokenizer "$DATA/gpt2-tokenizer" --dataset "$DATA/wiki-summaries-en.parquet" ;;
-    *)          echo "unknown step $step (tests capture attention floors tune model model-compile dense-docs model-long generate profile train ab-long ab-long-eval retrieval stats-cost fuzz check check-seldq seldq stages pending pending-d128 ws flex)"
+    *)          echo "unknown step $step (warm tests capture attention floors tune model model-compile dense-docs model-long generate profile train ab-long ab-long-eval retrieval stats-cost fuzz check check-seldq seldq stages pending pending-d128 ws flex)"
                 exit 2 ;;
   esac 2>&1 | tee "$OUT/$step.log" || echo "== $step exited non-zero (log: $OUT/$step.log)" | tee -a "$OUT/env.txt"
   echo "== $step took $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"

@@ -196,6 +196,37 @@ def against_default(rows: list[dict], threshold: float = 0.02) -> list[str]:
     return lines
 
 
+DECODE_CONTEXT = 65536  # keys before the decode section's query
+
+
+def decode_call(T, device="cuda"):
+    """The decode section's step: one query after a T-key cache (125M layout), run eagerly (the window: the last w
+    keys, views of the inputs), or with query_end as a static cache's step (a w-slot ring). bench/warm_kernel_cache.py
+    records its launches on a CPU (device "cpu")."""
+    x, cmp_end, doc_pos = nsa_inputs(1, T, 12, 2, 64, grad=False, device=device)
+    w = PARAMS.window_size
+
+    def decode(query_end=None):
+        tri.nsa_decode_triton(x["q"][:, -1:], x["k_cmp"], x["v_cmp"], cmp_end, x["k_slc"], x["v_slc"],
+                              x["k_win"][:, -w:], x["v_win"][:, -w:], x["gates"][:, -1:], doc_pos, PARAMS,
+                              query_end=query_end)
+
+    return decode
+
+
+def fwd_bwd_call(x, cmp_end, doc_pos):
+    """A case's timed step: the op's forward and backward on nsa_inputs' tensors, a fixed output gradient."""
+    q = x["q"]
+    do = torch.randn(q.shape, device=q.device, dtype=torch.bfloat16)
+
+    def step():
+        o = tri.nsa_attention_triton(x["q"], x["k_cmp"], x["v_cmp"], cmp_end, x["k_slc"], x["v_slc"],
+                                     x["k_win"], x["v_win"], x["gates"], doc_pos, PARAMS)
+        torch.autograd.grad(o, list(x.values()), do)
+
+    return step
+
+
 def kernel_ms(fn):
     """CUDA time per kernel name (ms) of one call, after two warm-up calls (compilation outside)."""
     for _ in range(2):
@@ -233,16 +264,8 @@ def main():
             Path(args.json).write_text(json.dumps(dict(fwd_bwd=rows, decode=decode_rows), indent=1))
 
     # decode: one token over a 64k cache, per-kernel time (the top-n knobs reach the decode top-n kernel)
-    T = 65536
-    x, cmp_end, doc_pos = nsa_inputs(1, T, 12, 2, 64, grad=False)
-    w = PARAMS.window_size
-
-    def decode(query_end=None):  # eager (the window: the last w keys), or a static cache's step (a w-slot ring)
-        tri.nsa_decode_triton(x["q"][:, -1:], x["k_cmp"], x["v_cmp"], cmp_end, x["k_slc"], x["v_slc"],
-                              x["k_win"][:, -w:], x["v_win"][:, -w:], x["gates"][:, -1:], doc_pos, PARAMS,
-                              query_end=query_end)
-
-    query_end = torch.tensor([T - 1], device="cuda")
+    decode = decode_call(DECODE_CONTEXT)
+    query_end = torch.tensor([DECODE_CONTEXT - 1], device="cuda")
 
     for name, settings in [] if args.no_decode else variants:
         with tri.launch_overrides(**settings):
@@ -263,12 +286,7 @@ def main():
         torch.manual_seed(0)
         dense = time_sdpa(B, T, H, Hkv, D) if args.dense else {}
         x, cmp_end, doc_pos = nsa_inputs(B, T, H, Hkv, D, kind=kind)
-        do = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
-
-        def step():
-            o = tri.nsa_attention_triton(x["q"], x["k_cmp"], x["v_cmp"], cmp_end, x["k_slc"], x["v_slc"],
-                                         x["k_win"], x["v_win"], x["gates"], doc_pos, PARAMS)
-            torch.autograd.grad(o, list(x.values()), do)
+        step = fwd_bwd_call(x, cmp_end, doc_pos)
 
         ref_idx = None
         for name, settings in variants:

@@ -3,6 +3,7 @@ next GPU session's sweep), and the table of each variant against the default, wh
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -12,6 +13,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import tune_kernels as tk  # noqa: E402
+
+
+def _session_script() -> str:
+    """bench/gpu_session.sh with its shared lists ($PENDING_VARIANTS, $PENDING_CASES, $DECODE_VARIANTS: the steps
+    and the warm step read the same ones) written out where the steps use them, as the shell expands them."""
+    text = (Path(__file__).resolve().parent.parent / "bench" / "gpu_session.sh").read_text()
+    lists = re.findall(r'^([A-Z_]+)=\$\{\1:-"([^"]*)"\}', text, flags=re.M)
+    assert {name for name, _ in lists} >= {"PENDING_VARIANTS", "PENDING_CASES", "DECODE_VARIANTS"}, lists
+    for name, value in lists:
+        text = text.replace(f"${name}", " ".join(value.split()))
+    return text
 
 
 def test_every_variant_names_launch_knobs():
@@ -25,7 +37,7 @@ def test_every_variant_names_launch_knobs():
 def test_every_session_step_names_launch_knobs():
     """Every bench/gpu_session.sh step that runs tune_kernels.py passes variants naming real knobs (a variant of a
     knob since removed would cost a device call: the step fails when it parses the list)."""
-    script = (Path(__file__).resolve().parent.parent / "bench" / "gpu_session.sh").read_text().replace("\\\n", " ")
+    script = _session_script().replace("\\\n", " ")
     lists = [line.split("--variants", 1)[1].split(" --", 1)[0].split(";;", 1)[0].split("&&", 1)[0].split()
              for line in script.splitlines() if "tune_kernels.py" in line and "--variants" in line]
     assert len(lists) >= 5, lists  # decode, seldq, pending, pending-d128, stages
@@ -41,7 +53,7 @@ def test_the_session_seldq_step_parses():
     its cases parse (a typo would cost a device call)."""
     from modeling_nsa.nsa_triton_launch import _sel_dq_mode, launch_overrides
 
-    script = (Path(__file__).resolve().parent.parent / "bench" / "gpu_session.sh").read_text()
+    script = _session_script()
     step = script.split("    seldq)", 1)[1].split(";;", 1)[0].replace("\\\n", " ")
     variants = step.split("--variants", 1)[1].split("--cases", 1)[0].split()
     modes = []
@@ -62,7 +74,7 @@ def test_the_session_stages_step_parses_and_reaches_the_launchers():
     parses to the launcher's tuple, and every variant but the default changes a launch choice."""
     from modeling_nsa import nsa_triton_launch as launch
 
-    script = (Path(__file__).resolve().parent.parent / "bench" / "gpu_session.sh").read_text()
+    script = _session_script()
     step = script.split("    stages)", 1)[1].split(";;", 1)[0].replace("\\\n", " ")
     variants = [tk.parse_variant(v) for v in step.split("--variants", 1)[1].split("--cases", 1)[0].split()]
     assert variants[0] == ("default", {}) and len(variants) == 8, variants
@@ -95,7 +107,7 @@ def test_the_session_pending_step_times_the_heavy_pieces_int32_pairs_and_split_d
     pytest.importorskip("triton")
     import triton_aot
 
-    script = (Path(__file__).resolve().parent.parent / "bench" / "gpu_session.sh").read_text()
+    script = _session_script()
     step = script.split("    pending)", 1)[1].split(";;", 1)[0].replace("\\\n", " ")
     variants = [tk.parse_variant(v) for v in step.split("--variants", 1)[1].split("--cases", 1)[0].split()]
     assert [name for name, _ in variants] == ["default", "heavy2k", "heavy4k", "pairs_int64", "seldq_split",
@@ -222,7 +234,7 @@ def test_the_session_d128_step_times_the_three_stages_against_two():
     dK/dV kernels two stages, which is what head_dim 128 ran with before three on sm_90 (and the 64-row dQ tile)."""
     from modeling_nsa import nsa_triton_launch as launch
 
-    script = (Path(__file__).resolve().parent.parent / "bench" / "gpu_session.sh").read_text()
+    script = _session_script()
     step = script.split("    pending-d128)", 1)[1].split(";;", 1)[0].replace("\\\n", " ")
     variants = [tk.parse_variant(v) for v in step.split("--variants", 1)[1].split("--cases", 1)[0].split()]
     assert [name for name, _ in variants] == ["default", "stages2", "dq_stages2"], variants

@@ -1,0 +1,490 @@
+"""Compile the Triton launches a GPU session's steps will make before they run: Triton's kernel cache, warm.
+
+Most of the host time of a GPU session's kernel steps goes to Triton compiling kernels, one at a time: the `check`
+step's kernel cases took 390 s on one process and 154 s on six pytest workers (bench/gpu_session.sh), and each
+launch sweep compiles every variant at every shape before it times anything. A session has 15 minutes of device
+time. This script records every launch those steps make without running a kernel (each step's own code run on
+CPU tensors of the same shapes, every kernel of modeling_nsa replaced by a recorder, as tests/triton_aot.py
+records them) and compiles each distinct launch through the JIT's own path (`JITFunction.run(..., warmup=True)`:
+the specialization, options and cache key of the launch itself) into Triton's kernel cache, on every core.
+
+Two ways to use it:
+- on the GPU machine, as a session's first step (`bash bench/gpu_session.sh warm ...`): the launches compile side
+  by side on all its cores instead of one by one inside each step;
+- ahead of a session, on a machine without a GPU, with the GPU image's Python and triton (3.12 and 3.6.0; the
+  cache key hashes triton's own files, its compiled library among them): `--pack FILE` compiles, then writes the
+  cache entries it used and the components of their keys to FILE (a .tar.gz to carry); on the GPU machine
+  `--unpack FILE` puts them in Triton's cache and compares each key component with that machine's (a mismatch is
+  named: the compile then does the work there, as without the file).
+
+    python bench/warm_kernel_cache.py [--plans check attention pending decode] [--arch 90] [--workers N]
+    python bench/warm_kernel_cache.py --pack runs/kernel-cache/sm90.tar.gz [--plans ...]
+    python bench/warm_kernel_cache.py --unpack runs/kernel-cache/sm90.tar.gz [--plans ...]
+    python bench/warm_kernel_cache.py --list [--plans ...]     # the distinct launches per plan, nothing compiled
+
+Plans (what each GPU session step launches; bench/gpu_session.sh passes the same lists to both):
+- check: the GPU kernel cases of tests/test_triton_kernels.py (`gpu_kernels_match`, `gpu_decode`);
+- attention: bench/bench_attention.py's op rows (forward, and forward + backward, at --lengths x --layouts with
+  --tokens per step) and its decode rows (--decode-lengths x --decode-batch, eager and a static cache's step);
+- pending: bench/tune_kernels.py's f+b cases (--tune-cases) under each launch variant (--tune-variants);
+- decode: bench/tune_kernels.py's decode section (its 64k step, eager and static) under --decode-variants.
+Not covered: the GPU tests of the whole model (`tests`), the benchmarks' own probe kernels (`floors`, `ws`) and
+the torch.compile steps (`flex`, `model-compile`): those compile as they run.
+TRITON_INTERPRET must be unset (the kernels must be JIT functions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import sys
+import tarfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+for path in (ROOT, ROOT / "tests", ROOT / "bench"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from triton_aot import with_kernels_replaced  # noqa: E402
+from triton_helpers import DEFAULT, as_arch, import_nsa, make_inputs  # noqa: E402
+
+_, _reference, tri = import_nsa()
+
+PLANS = ("check", "attention", "pending", "decode")
+MANIFEST = "warm_kernel_cache.json"  # the key components, first in a --pack file
+
+
+class _Recorded(Exception):
+    """Raised where a kernel case's runner would compare with the reference: its launches are all recorded."""
+
+
+class TargetOnlyDriver:
+    """Triton's driver as the JIT's compile path asks it (`JITFunction.run` with warmup=True): the target, device 0
+    and stream 0. Nothing launches, so no GPU is touched: the same on a GPU machine, where forked workers must not
+    initialize CUDA, as on a CPU. The real driver's target on an H100 or H200 is GPUTarget("cuda", 90, 32)."""
+
+    def __init__(self, arch: int):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+def _standin_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A one-element CPU tensor that Triton specializes as it does t: the same dtype and the same address modulo 16
+    (what the JIT reads of a tensor argument), so a kept launch does not hold the step's large inputs."""
+    size = t.element_size()
+    base = torch.empty(64 // size + 1, dtype=t.dtype)
+    offset = (t.data_ptr() - base.data_ptr()) % 16
+    if offset % size:  # (an address not a multiple of the element size: keep the tensor itself)
+        return t
+    return base[offset // size:offset // size + 1]
+
+
+class LaunchSet:
+    """The distinct launches recorded so far: one per (kernel, JIT specialization, options); each kept with
+    stand-ins for its tensors (_standin_tensor), in the order first seen, with the plan that first made it."""
+
+    def __init__(self, arch: int):
+        self.arch = arch
+        self.launches: list[tuple[str, str, object, tuple, dict]] = []  # (plan, kernel name, jit fn, args, kwargs)
+        self.keys: set = set()
+        self.recorded = 0
+
+    def record(self, plan: str):
+        launches = self
+
+        class Recorder:
+            def __init__(self, name, fn):
+                self.name, self.fn = name, fn
+
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    launches.add(plan, self.name, self.fn, args, kwargs)
+
+                return launch
+
+        return Recorder
+
+    def add(self, plan, name, fn, args, kwargs):
+        self.recorded += 1
+        binder = fn.device_caches[0][4]  # the JIT's own argument binder (TargetOnlyDriver active)
+        _, specialization, options = binder(*args, **kwargs)
+        key = (name, repr(specialization), repr(sorted(options.items())) if isinstance(options, dict) else repr(options))
+        if key in self.keys:
+            return
+        self.keys.add(key)
+        standins = tuple(_standin_tensor(a) if torch.is_tensor(a) else a for a in args)
+        if repr(binder(*standins, **kwargs)[1]) != key[1]:  # what the compile will see must be the launch's own
+            raise RuntimeError(f"{name}: the stand-in arguments specialize otherwise than the launch's")
+        self.launches.append((plan, name, fn, standins, dict(kwargs)))
+
+
+def _with_driver(arch: int):
+    """Context: Triton's active driver is TargetOnlyDriver(arch)."""
+    from triton.runtime import driver
+
+    @contextlib.contextmanager
+    def active():
+        before = driver._active  # (reset_active() would make the default driver, which fails without a GPU)
+        driver.set_active(TargetOnlyDriver(arch))
+        try:
+            yield
+        finally:
+            driver._active = before
+
+    return active()
+
+
+@contextlib.contextmanager
+def _values_unread():
+    """torch.randn makes uninitialized tensors inside the block: a recorded launch depends on its inputs' shapes,
+    dtypes and strides, never on their values (the launchers read nothing on the host), and drawing the session's
+    inputs (32 rows of 64k tokens for the decode rows) took most of the recording's time on a CPU. The random
+    integers that lay out documents (torch.randint) stay drawn: they decide the compressed tokens' count."""
+    randn = torch.randn
+
+    def unread(*size, generator=None, out=None, **options):
+        if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+            size = tuple(size[0])
+        return torch.empty(*size, **options)
+
+    torch.randn = unread
+    try:
+        yield
+    finally:
+        torch.randn = randn
+
+
+def _recorded(launches: LaunchSet, plan: str, run) -> None:
+    """run() with every kernel recorded into launches; a _Recorded exception ends it."""
+    def guarded():
+        try:
+            run()
+        except _Recorded:
+            pass
+
+    with_kernels_replaced(guarded, lambda name, fn: launches.record(plan)(name, fn))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Plans: each step's own calls, on CPU tensors
+# ------------------------------------------------------------------------------------------------------------------
+
+def plan_check(launches: LaunchSet, arch: int) -> None:
+    """tests/test_triton_kernels.py's GPU cases (gpu_session.sh check: `gpu_kernels_match or gpu_decode`), each case's
+    runner on the CPU, stopped where it would compare with the reference (after its last launch)."""
+    import test_triton_kernels as cases
+    import triton_helpers
+
+    def stop(*args, **kwargs):
+        raise _Recorded
+
+    def zeros_like_query(q, *args, **kwargs):  # the decode runner's reference between steps: a stand-in
+        return torch.zeros(q.shape, dtype=torch.float32)
+
+    saved = triton_helpers._reference_on, _reference.nsa_attention_reference
+    triton_helpers._reference_on, _reference.nsa_attention_reference = stop, zeros_like_query
+    try:
+        for case in cases.GPU_CASES:
+            _recorded(launches, "check", lambda: triton_helpers.run_case(dict(case, device="cpu", arch=arch)))
+        for case in cases._GPU_DECODE_CASES:
+            _recorded(launches, "check", lambda: triton_helpers.run_decode_case(dict(case, device="cpu", arch=arch)))
+        _recorded(launches, "check", lambda: _pdl_test_calls(arch))
+    finally:
+        triton_helpers._reference_on, _reference.nsa_attention_reference = saved
+
+
+def _pdl_test_calls(arch: int) -> None:
+    """test_gpu_decode_pdl_equals_the_default_eager_and_graphed's decoding calls (both combines, with and without
+    programmatic dependent launches): eager steps and a static cache's step over 2 x 9,000 keys."""
+    t, cmp_end, doc_pos, p = make_inputs(2, 9000, 12, 2, 64, DEFAULT, torch.bfloat16, "cpu", "varlen")
+    w = p.window_size
+    query_end = torch.tensor([0])
+    q_step, gates_step = torch.empty_like(t["q"][:, :1]), torch.empty_like(t["gates"][:, :1])
+    ring_k, ring_v = torch.empty_like(t["k_win"][:, :w]), torch.empty_like(t["v_win"][:, :w])
+    with as_arch(arch):
+        for pdl in (0, 1):
+            for fused in (0, 1):
+                with tri.launch_overrides(decode_pdl=pdl, decode_fused_combine=fused):
+                    for tk in (1000, 4097, 9000):
+                        tri.nsa_decode_triton(t["q"][:, tk - 1:tk], t["k_cmp"], t["v_cmp"], cmp_end,
+                                              t["k_slc"][:, :tk], t["v_slc"][:, :tk], t["k_win"][:, tk - w:tk],
+                                              t["v_win"][:, tk - w:tk], t["gates"][:, tk - 1:tk], doc_pos[:, :tk], p)
+                    tri.nsa_decode_triton(q_step, t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"], t["v_slc"], ring_k,
+                                          ring_v, gates_step, doc_pos, p, query_end=query_end)
+
+
+def plan_attention(launches: LaunchSet, arch: int, layouts, lengths, tokens, decode_lengths, decode_batches) -> None:
+    """bench/bench_attention.py's rows: the op's forward and forward + backward per layout and length (B = tokens /
+    T), then its decode step eagerly and as a static cache's step per context and batch (12 q / 2 kv, d64)."""
+    import bench_attention
+
+    for spec in layouts:
+        H, Hkv, D = (int(s) for s in spec.split(","))
+        for T in lengths:
+            step = bench_attention.nsa_step(*bench_attention.nsa_inputs(max(1, tokens // T), T, H, Hkv, D,
+                                                                        device="cpu"))
+            with as_arch(arch):
+                _recorded(launches, "attention", lambda: (step(False), step(True)))
+    for batch in decode_batches:
+        for T in decode_lengths:
+            step = bench_attention.decode_step(batch, T, 12, 2, 64, device="cpu")
+            query_end = torch.tensor([T - 1])
+            with as_arch(arch):
+                _recorded(launches, "attention", lambda: (step(), step(query_end)))
+
+
+def plan_pending(launches: LaunchSet, arch: int, cases, variants) -> None:
+    """bench/tune_kernels.py's f+b cases under each variant: its top-n call and its timed step (forward and
+    backward), as `gpu_session.sh pending` runs them."""
+    import tune_kernels
+
+    for H, Hkv, D, T, B, kind, _ in cases:
+        x, cmp_end, doc_pos = tune_kernels.nsa_inputs(B, T, H, Hkv, D, kind=kind, device="cpu")
+        step = tune_kernels.fwd_bwd_call(x, cmp_end, doc_pos)
+        for _, settings in variants:
+            def run():
+                tri.select_blocks_triton(x["q"].detach(), x["k_cmp"].detach(), cmp_end, doc_pos, tune_kernels.PARAMS)
+                step()
+
+            with as_arch(arch), tri.launch_overrides(**settings):
+                _recorded(launches, "pending", run)
+
+
+def plan_decode(launches: LaunchSet, arch: int, variants) -> None:
+    """bench/tune_kernels.py's decode section under each variant: its step eagerly and as a static cache's step."""
+    import tune_kernels
+
+    step = tune_kernels.decode_call(tune_kernels.DECODE_CONTEXT, device="cpu")
+    query_end = torch.tensor([tune_kernels.DECODE_CONTEXT - 1])
+    for _, settings in variants:
+        with as_arch(arch), tri.launch_overrides(**settings):
+            _recorded(launches, "decode", lambda: (step(), step(query_end)))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Compiling, and the cache as a file to carry
+# ------------------------------------------------------------------------------------------------------------------
+
+_LAUNCHES: list = []  # the parent's LaunchSet.launches, read by the forked workers
+_ARCH = 90
+
+
+def _compile_one(i: int) -> dict:
+    plan, name, fn, args, kwargs = _LAUNCHES[i]
+    start = time.time()
+    row = dict(plan=plan, kernel=name)
+    try:
+        with _with_driver(_ARCH):
+            kernel = fn.run(*args, grid=(1,), warmup=True, **kwargs)
+        row.update(ok=True, entry=_cache_entry_name(kernel.hash))
+    except Exception as exc:  # named per launch: one failing compile must not hide the rest
+        row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[-600:]}")
+    row["seconds"] = round(time.time() - start, 2)
+    return row
+
+
+def compile_all(launches: LaunchSet, workers: int) -> list[dict]:
+    """Compile every launch (each a cache hit where Triton's cache has it) on `workers` forked processes."""
+    global _LAUNCHES, _ARCH
+    _LAUNCHES, _ARCH = launches.launches, launches.arch
+    if workers <= 1:
+        return [_compile_one(i) for i in range(len(_LAUNCHES))]
+    import multiprocessing
+
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        return list(pool.map(_compile_one, range(len(_LAUNCHES))))
+
+
+def key_components(arch: int) -> dict:
+    """What Triton's cache key is made of besides the launch itself (triton.runtime.cache.get_cache_key): triton's
+    own hash (its Python files and compiled library), the backend's (ptxas version and target), the default
+    options' (libdevice's hash among them) and the cache-invalidating environment variables that are set."""
+    import triton
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.cache import triton_key
+
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    return dict(triton=triton.__version__, python=sys.version.split()[0], triton_key=triton_key(),
+                backend=backend.hash(), default_options=backend.parse_options({}).hash(),
+                env=dict(sorted(get_cache_invalidating_env_vars().items())))
+
+
+def _cache_entry_name(kernel_hash: str) -> str:
+    """The folder in Triton's cache that holds a compiled kernel: its key's hash in base32 (runtime.cache._base32)."""
+    from triton.runtime.cache import _base32
+
+    return _base32(kernel_hash)
+
+
+def _written_since(entry: str, start: float) -> bool:
+    """Whether Triton wrote a cache entry's metadata after `start` (the launch compiled), or found it (a hit)."""
+    return any(f.stat().st_mtime >= start - 1 for f in (cache_dir() / entry).glob("*.json")
+               if not f.name.startswith("__grp__"))
+
+
+def cache_dir() -> Path:
+    import triton
+
+    return Path(triton.knobs.cache.dir)
+
+
+KEPT_FILES = (".json", ".cubin")  # what a cache hit reads of an entry (CompiledKernel: the metadata and the binary)
+
+
+def pack(path: Path, rows: list[dict], arch: int) -> dict:
+    """Write the cache entries the compiled launches used, and their key components, to a .tar.gz. Of each entry
+    only what a cache hit reads (KEPT_FILES: the IR stages are a ninth of the size), and its group file (the
+    entry's list of files, which Triton keeps as absolute paths) with the names alone: unpack() roots them where
+    the entry lands."""
+    entries = sorted({r["entry"] for r in rows if r.get("ok")})
+    manifest = dict(key_components(arch), arch=arch, entries=len(entries), launches=len(rows),
+                    created=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def add_bytes(tar, name, data: bytes):
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+
+    with tarfile.open(path, "w:gz") as tar:
+        add_bytes(tar, MANIFEST, json.dumps(manifest, indent=1).encode())
+        for name in entries:
+            for group in (cache_dir() / name).glob("__grp__*"):
+                children = json.loads(group.read_text())["child_paths"]
+                kept = sorted(c for c in children if c.endswith(KEPT_FILES))
+                add_bytes(tar, f"{name}/{group.name}", json.dumps({"child_names": kept}).encode())
+                for child in kept:
+                    tar.add(cache_dir() / name / child, arcname=f"{name}/{child}")
+    return manifest
+
+
+def unpack(path: Path, arch: int) -> list[str]:
+    """Put a --pack file's entries into Triton's cache (each group file's names rooted at the entry's folder
+    there); returns the key components that differ here (empty: its entries are what this machine's launches
+    look up)."""
+    root = cache_dir()
+    with tarfile.open(path, "r:gz") as tar:
+        manifest = json.load(tar.extractfile(MANIFEST))
+        members = [m for m in tar.getmembers() if m.name != MANIFEST]
+        root.mkdir(parents=True, exist_ok=True)
+        tar.extractall(root, members=members, filter="data")
+    for member in members:
+        if Path(member.name).name.startswith("__grp__"):
+            group = root / member.name
+            names = json.loads(group.read_text())["child_names"]
+            group.write_text(json.dumps({"child_paths": {n: str(group.parent / n) for n in names}}))
+    here = key_components(arch)
+    return [f"{k}: {manifest.get(k)!r} in the file, {v!r} here" for k, v in here.items()
+            if k != "python" and manifest.get(k) != v]
+
+
+def parse_args(argv=None):
+    import tune_kernels  # its case and variant syntax
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--plans", nargs="*", default=list(PLANS), choices=PLANS)
+    ap.add_argument("--arch", type=int, default=None,
+                    help="sm version to compile for (default: this machine's GPU, else 90: the H100 and H200)")
+    ap.add_argument("--workers", type=int, default=os.cpu_count(), help="compile processes (default: every core)")
+    ap.add_argument("--layouts", nargs="*", default=["12,2,64", "16,1,64"], help="attention: bench_attention's")
+    ap.add_argument("--lengths", type=int, nargs="*", default=[2048, 8192, 32768, 65536])
+    ap.add_argument("--tokens", type=int, default=65536)
+    ap.add_argument("--decode-lengths", type=int, nargs="*", default=[8192, 32768, 65536])
+    ap.add_argument("--decode-batch", type=int, nargs="*", default=[1, 32])
+    ap.add_argument("--tune-cases", nargs="*", type=tune_kernels.parse_case,
+                    default=[tune_kernels.parse_case(c) for c in ("12,2,64,8192,8,random", "12,2,64,65536,1,random")],
+                    metavar="H,HKV,D,T,B,KIND",
+                    help="pending: tune_kernels' --cases")
+    ap.add_argument("--tune-variants", nargs="*", type=tune_kernels.parse_variant,
+                    default=[tune_kernels.parse_variant("default")],
+                    help="pending: tune_kernels' --variants")
+    ap.add_argument("--decode-variants", nargs="*", type=tune_kernels.parse_variant,
+                    default=[tune_kernels.parse_variant("default")],
+                    help="decode: tune_kernels' --variants of its decode section")
+    ap.add_argument("--pack", type=Path, default=None, help="after compiling, write the used entries to this .tar.gz")
+    ap.add_argument("--unpack", type=Path, default=None, help="first put this --pack file's entries in the cache")
+    ap.add_argument("--list", action="store_true", help="record and count the launches; compile nothing")
+    ap.add_argument("--kernels", nargs="*", default=None, help="compile only these kernels' launches (default: all)")
+    args = ap.parse_args(argv)
+    if args.arch is None:
+        args.arch = (lambda c: 10 * c[0] + c[1])(torch.cuda.get_device_capability()) if torch.cuda.is_available() \
+            else 90
+    return args
+
+
+def record_plans(args) -> LaunchSet:
+    launches = LaunchSet(args.arch)
+    with _with_driver(args.arch), _values_unread():
+        for plan in args.plans:
+            start, before = time.time(), len(launches.launches)
+            if plan == "check":
+                plan_check(launches, args.arch)
+            elif plan == "attention":
+                plan_attention(launches, args.arch, args.layouts, args.lengths, args.tokens, args.decode_lengths,
+                               args.decode_batch)
+            elif plan == "pending":
+                plan_pending(launches, args.arch, args.tune_cases, args.tune_variants)
+            else:
+                plan_decode(launches, args.arch, args.decode_variants)
+            print(f"# {plan}: {len(launches.launches) - before} new distinct launches "
+                  f"({time.time() - start:.0f} s to record)", flush=True)
+    return launches
+
+
+def main(argv=None):
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("warm_kernel_cache.py compiles kernels: unset TRITON_INTERPRET")
+    args = parse_args(argv)
+    if args.unpack:
+        if not args.unpack.is_file():
+            sys.exit(f"--unpack {args.unpack}: no such file (written by --pack)")
+        differ = unpack(args.unpack, args.arch)
+        print(f"# unpacked {args.unpack} into {cache_dir()}: " + (
+            "every key component matches: its launches will be found" if not differ else
+            "key components differ, so its entries will not be found: " + "; ".join(differ)), flush=True)
+    launches = record_plans(args)
+    print(f"# {len(launches.launches)} distinct launches of {launches.recorded} recorded, sm_{args.arch}", flush=True)
+    if args.kernels is not None:
+        launches.launches = [launch for launch in launches.launches if launch[1] in args.kernels]
+    if args.list:
+        for plan, name, _, _, kwargs in launches.launches:
+            print(plan, name, json.dumps({k: v for k, v in kwargs.items() if isinstance(v, (int, float, bool))}))
+        return
+    start = time.time()
+    rows = compile_all(launches, args.workers)
+    failed = [r for r in rows if not r["ok"]]
+    found = sum(1 for r in rows if r["ok"] and not _written_since(r["entry"], start))
+    print(f"# {len(rows)} launches: {found} found in the cache, {len(rows) - found - len(failed)} compiled, "
+          f"{len(failed)} failed; {time.time() - start:.0f} s on {args.workers} processes "
+          f"({sum(r['seconds'] for r in rows):.0f} process-s)", flush=True)
+    for r in failed:
+        print(f"FAILED {r['plan']} {r['kernel']}: {r['error']}", flush=True)
+    if args.pack:
+        manifest = pack(args.pack, rows, args.arch)
+        print(f"# wrote {args.pack} ({args.pack.stat().st_size / 2**20:.1f} MiB, {manifest['entries']} entries): "
+              f"triton {manifest['triton']}, Python {manifest['python']}", flush=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
