@@ -403,8 +403,9 @@ def parse_args(argv=None):
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--plans", nargs="*", default=list(PLANS), choices=PLANS)
-    ap.add_argument("--arch", type=int, default=None,
-                    help="sm version to compile for (default: this machine's GPU, else 90: the H100 and H200)")
+    ap.add_argument("--arch", type=int, default=90,
+                    help="sm version to compile for (default 90: the H100 and H200; CUDA is never initialized here, "
+                         "so that the forked compile processes may start)")
     ap.add_argument("--workers", type=int, default=os.cpu_count(), help="compile processes (default: every core)")
     ap.add_argument("--layouts", nargs="*", default=["12,2,64", "16,1,64"], help="attention: bench_attention's")
     ap.add_argument("--lengths", type=int, nargs="*", default=[2048, 8192, 32768, 65536])
@@ -426,9 +427,6 @@ def parse_args(argv=None):
     ap.add_argument("--list", action="store_true", help="record and count the launches; compile nothing")
     ap.add_argument("--kernels", nargs="*", default=None, help="compile only these kernels' launches (default: all)")
     args = ap.parse_args(argv)
-    if args.arch is None:
-        args.arch = (lambda c: 10 * c[0] + c[1])(torch.cuda.get_device_capability()) if torch.cuda.is_available() \
-            else 90
     return args
 
 

@@ -72,6 +72,13 @@ from .nsa_triton_launch import LaunchOverrides, _sel_dq_mode, launch_overrides
 from .nsa_triton_selected import _sel_bwd_dkdv, _sel_dq_pairs, _sel_fwd
 from .nsa_triton_topn import _select_topn
 
+from . import (nsa_triton_common, nsa_triton_decode, nsa_triton_dq, nsa_triton_interval,  # noqa: E402, I001
+               nsa_triton_selected, nsa_triton_topn)
+
+# every kernel's Triton cache key the same in every process, whatever launches first (see the function)
+nsa_triton_common._settle_jit_cache_keys((nsa_triton_common, nsa_triton_interval, nsa_triton_topn,
+                                          nsa_triton_selected, nsa_triton_dq, nsa_triton_decode))
+
 
 @on_the_inputs_device
 def _forward_impl(q, k_cmp, v_cmp, cmp_end, k_slc, v_slc, k_win, v_win, gates, doc_pos, params, scale):

@@ -267,6 +267,41 @@ def on_the_inputs_device(launcher):
     return on_device
 
 
+def _settle_jit_cache_keys(modules) -> None:
+    """Compute the Triton cache key of every @triton.jit function of `modules`, each after those it calls.
+
+    Triton before 3.9 (JITFunction.cache_key, DependenciesFinder._update_hash) folds into a function's key the
+    constexpr globals its callees use (FP16_DV_SCALE, the top-n's key constants) only for the callees whose own key
+    was computed before: which kernel launched first in a process decided other kernels' keys, so a kernel compiled
+    by one process was not found in Triton's on-disk cache by another that launched in another order (a training run
+    after a generate() call, the pytest workers of a GPU session, bench/warm_kernel_cache.py's compile processes:
+    15% of its kernels compiled again; bench/KERNELS.md). Computed callees first, each key holds all of them, in
+    every process. Triton 3.9 computes the callee's key first itself: there this only computes the keys early
+    (~0.1 s, once per process)."""
+    if not _HAS_TRITON or _interpreting():
+        return
+    import ast
+
+    from triton.runtime.jit import JITFunction
+
+    settled: set[int] = set()
+
+    def settle(fn):
+        if id(fn) in settled:
+            return
+        settled.add(id(fn))
+        for node in ast.walk(fn.parse()):
+            callee = fn.__globals__.get(node.id) if isinstance(node, ast.Name) else None
+            if isinstance(callee, JITFunction):
+                settle(callee)
+        fn.cache_key  # noqa: B018  (a property: computes and keeps the key)
+
+    for module in modules:
+        for value in list(vars(module).values()):
+            if isinstance(value, JITFunction):
+                settle(value)
+
+
 def _interpreting() -> bool:
     """Whether the kernels run in Triton's interpreter (TRITON_INTERPRET=1: on CPU, in numpy)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

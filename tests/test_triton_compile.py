@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -560,3 +561,43 @@ def test_every_default_launch_compiles_with_the_h100s_triton(h100_aot_results):
     # the decode step's programmatic dependent launches (opt-in, timed next): the device's triton emits the wait
     pdl, others = _pdl_rows(h100_aot_results, 90)
     assert pdl == {(kernel, True, True) for kernel in DECODE_KERNELS} and not [r for r in others if r[1] or r[2]]
+
+
+_CACHE_KEYS = """
+import json, sys
+sys.path.insert(0, "tests")
+from triton_helpers import import_nsa, kernel_modules
+import_nsa()
+from triton.runtime.jit import JITFunction
+import triton
+functions = sorted({(module.__name__, name): value for module in kernel_modules() for name, value in vars(module).items()
+                    if isinstance(value, JITFunction)}.items())
+for _, fn in (functions if sys.argv[1] == "forward" else functions[::-1]):
+    fn.cache_key
+print(json.dumps(dict(triton=triton.__version__, keys={f"{m}.{n}": fn.cache_key for (m, n), fn in functions})))
+"""
+
+
+def test_kernel_cache_keys_do_not_depend_on_which_kernel_launches_first(h100_aot_results):
+    """Triton's cache key of every kernel is the same in every process, whichever kernel's key the process computes
+    first (its first launch), with this machine's triton and the H100 sessions' (3.6). Triton before 3.9 folds into
+    a function's key the constexpr globals of only those callees whose key came first, so two processes that
+    launched in another order compiled the same kernel under two keys, and neither found the other's in the
+    on-disk cache (nsa_triton_common._settle_jit_cache_keys computes them callees first at import; without it the
+    H100 triton's keys differ between the two orders below)."""
+    from h100_compiler import H100_TRITON, env_with_first
+
+    h100_dir = HERE.parent / ".cache" / f"triton-{H100_TRITON}-{sys.implementation.cache_tag}"
+    for env in (_compile_job_env(), env_with_first(h100_dir)):
+        env.pop("TRITON_INTERPRET", None)
+        runs = {}
+        for order in ("forward", "reverse"):
+            done = subprocess.run([sys.executable, "-c", _CACHE_KEYS, order], cwd=HERE.parent, env=env,
+                                  capture_output=True, text=True, timeout=300)  # fmt: skip
+            assert done.returncode == 0, done.stderr[-2000:]
+            runs[order] = json.loads(done.stdout.strip().splitlines()[-1])
+        forward, reverse = runs["forward"], runs["reverse"]
+        assert len(forward["keys"]) > 50
+        differ = sorted(name for name, key in forward["keys"].items() if reverse["keys"][name] != key)
+        assert not differ, f"triton {forward['triton']}: keys that depend on the order: {differ}"
+    assert forward["triton"] == H100_TRITON  # (the second environment ran the H100 sessions' triton)
