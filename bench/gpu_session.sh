@@ -57,6 +57,7 @@ DECODE_VARIANTS=${DECODE_VARIANTS:-"default decode_topn_8warps:decode_topn_warps
 # image's Python and triton (3.12, 3.6.0: the cache key hashes triton's compiled library) by this step itself:
 #   KERNEL_CACHE_PACK=runs/kernel-cache/sm90.tar.gz PY=<python 3.12 with triton 3.6.0> bash bench/gpu_session.sh warm
 KERNEL_CACHE=${KERNEL_CACHE:-runs/kernel-cache/sm90.tar.gz}
+WARM_PLANS=${WARM_PLANS:-check attention pending decode}  # the steps whose launches warm compiles (floors: attention's)
 FUZZ_S=${FUZZ_S:-240}  # fuzz: seconds of random cases (about 1 s each on a GPU once its shapes compiled)
 FUZZ_SEED=${FUZZ_SEED:-20261203}  # fuzz: the run's seed; a failure replays alone with the --case its log line gives
 mkdir -p "$OUT"
@@ -106,7 +107,7 @@ for step in "${steps[@]}"; do
     # many it found there (bench/warm_kernel_cache.py)
     warm)       $PY bench/warm_kernel_cache.py ${KERNEL_CACHE_FILE:+--unpack "$KERNEL_CACHE_FILE"} \
                   ${KERNEL_CACHE_PACK:+--pack "$KERNEL_CACHE_PACK"} \
-                  --lengths $LENGTHS --tune-variants $PENDING_VARIANTS --tune-cases $PENDING_CASES \
+                  --plans $WARM_PLANS --lengths $LENGTHS --tune-variants $PENDING_VARIANTS --tune-cases $PENDING_CASES \
                   --decode-variants $DECODE_VARIANTS ;;
     tests)      $PY -m pytest -q $(xdist_workers) tests/test_triton_kernels.py tests/test_model_triton.py -k gpu -rA 2>&1 \
                   | tail -n 40 ;;
