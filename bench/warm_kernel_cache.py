@@ -366,7 +366,8 @@ def pack(path: Path, rows: list[dict], arch: int) -> dict:
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))
 
-    with tarfile.open(path, "w:gz") as tar:
+    partial = path.with_name(path.name + ".partial")  # renamed when whole: a call never carries half a file
+    with tarfile.open(partial, "w:gz") as tar:
         add_bytes(tar, MANIFEST, json.dumps(manifest, indent=1).encode())
         for name in entries:
             for group in (cache_dir() / name).glob("__grp__*"):
@@ -375,6 +376,7 @@ def pack(path: Path, rows: list[dict], arch: int) -> dict:
                 add_bytes(tar, f"{name}/{group.name}", json.dumps({"child_names": kept}).encode())
                 for child in kept:
                     tar.add(cache_dir() / name / child, arcname=f"{name}/{child}")
+    os.replace(partial, path)
     return manifest
 
 
