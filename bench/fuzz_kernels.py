@@ -39,8 +39,11 @@ Each case runs tests/triton_helpers.py's run_case (forward, top-n selection and 
 against the fp32 reference run on the kernel's selection) or run_decode_case (every step against the reference),
 with the suite's interpreter checks (every load and store inside its tensors, no race between programs,
 launcher buffers poisoned with NaN), and is judged by tests/test_triton_kernels._check at the suite's
-tolerances (CPU: 1e-4 in fp32, 2e-3 in fp16; GPU: 1e-2, the GPU tests'). Verdicts: pass; FAIL (a check failed
-or the op raised); refused (NSAConfig or triton_unsupported_reason rejects the parameters: nothing runs);
+tolerances (CPU: 1e-4 in fp32, 2e-3 in fp16; GPU: 1e-2, the GPU tests'). A low-precision attention case that
+fails gets a second look: its gradients against the exact ones plus what the backward's rounding of each branch's
+stored output adds (triton_helpers.flash_rounding_terms: delta = dout . o from the rounded o, as FlashAttention's
+backward takes it, moves the dQ of a query with a few nearly equal keys past the tolerance); a pass there is
+named on its line and counted at the end. Verdicts: pass; FAIL (a check failed or the op raised); refused (NSAConfig or triton_unsupported_reason rejects the parameters: nothing runs);
 timeout (over --case-limit-s). The exit status is 1 if a case FAILed (each FAIL's replay command is printed),
 0 otherwise: timeouts are listed with their replay commands but do not fail the run.
 
@@ -358,6 +361,14 @@ def run_one(case: dict, limit_s: float) -> Outcome:
     try:
         _check(result, case, tolerance(case))
     except AssertionError as exc:
+        if case.get("dtype", "float32") != "float32" and case.get("kind") != "decode" and \
+                not case.get("judge_rounding") and "error" not in result:
+            # a second look: the gradients against the exact ones plus what the backward's rounding of the stored
+            # outputs adds (triton_helpers.flash_rounding_terms; a few-key query's dQ is a difference it moves)
+            second = run_one(dict(case, judge_rounding=True), limit_s)
+            if second.verdict == "pass":
+                return Outcome("pass", "within the rounding of the stored outputs (flash_rounding_terms)",
+                               second.errors, round(seconds + second.seconds, 2))
         return Outcome("FAIL", str(exc)[-3000:] or "a check failed", errors, seconds)
     return Outcome("pass", "", errors, seconds)
 
@@ -467,6 +478,7 @@ def main(argv=None) -> int:
     started = time.monotonic()
     counts = {"pass": 0, "FAIL": 0, "refused": 0, "timeout": 0}
     to_replay = []  # (verdict, case) of the FAILs and timeouts
+    second_looks = 0  # low-precision passes within the rounding of the stored outputs only (run_one)
     log = args.log.open("a") if args.log else None
     try:
         for fuzz_case in _cases_to_run(args, device):
@@ -474,8 +486,9 @@ def main(argv=None) -> int:
                 break
             outcome = judge(fuzz_case, args.case_limit_s)
             counts[outcome.verdict] += 1
+            second_looks += outcome.verdict == "pass" and bool(outcome.message)
             where = "case" if fuzz_case.index is None else f"{fuzz_case.index:5d}"
-            why = f" ({outcome.message})" if outcome.verdict == "refused" else ""
+            why = f" ({outcome.message})" if outcome.verdict == "refused" or outcome.message else ""
             print(f"{where} {outcome.verdict:7s} {outcome.seconds:6.1f}s {describe(fuzz_case.case)}{why}", flush=True)
             if outcome.verdict in ("FAIL", "timeout"):
                 to_replay.append((outcome.verdict, fuzz_case.case))
@@ -488,7 +501,8 @@ def main(argv=None) -> int:
         if log:
             log.close()
     print(f"{sum(counts.values())} cases in {time.monotonic() - started:.0f} s: "
-          + ", ".join(f"{count} {verdict}" for verdict, count in counts.items()))
+          + ", ".join(f"{count} {verdict}" for verdict, count in counts.items())
+          + (f" ({second_looks} of the passes on the second look at low precision)" if second_looks else ""))
     for verdict, case in to_replay:
         print(f"{verdict}: {replay_command(case)}")
     return 1 if counts["FAIL"] else 0

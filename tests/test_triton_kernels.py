@@ -579,8 +579,9 @@ def _check(res, case, tol):
     if case.get("kind") != "select":
         assert not res["nan"]
         assert res["out"] <= tol, res
-        for name in GRADS:
-            assert res[name] <= tol, (name, res)
+        for name in GRADS:  # (<name>_rounded: against the exact gradients plus the stored outputs' rounding, where
+            # a case asks for that judgement: triton_helpers.flash_rounding_terms, bench/fuzz_kernels.py's second look)
+            assert res[name] <= tol or res.get(f"{name}_rounded", float("inf")) <= tol, (name, res)
     assert res["idx_shape_ok"] and res["idx_sets_valid"], res
     assert res["idx_tie_gap"] <= 1e-4, res  # indices differ only at genuine near-ties
     assert res["idx_order_gap"] <= 1e-4, res  # and are listed in the reference's priority order
