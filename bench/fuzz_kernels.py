@@ -42,10 +42,11 @@ launcher buffers poisoned with NaN), and is judged by tests/test_triton_kernels.
 tolerances (CPU: 1e-4 in fp32, 2e-3 in fp16; GPU: 1e-2, the GPU tests'). A low-precision attention case that
 fails gets a second look: its gradients against the exact ones plus what the backward's rounding of each branch's
 stored output adds (triton_helpers.flash_rounding_terms: delta = dout . o from the rounded o, as FlashAttention's
-backward takes it, moves the dQ of a query with a few nearly equal keys past the tolerance); a pass there is
-named on its line and counted at the end. Verdicts: pass; FAIL (a check failed or the op raised); refused (NSAConfig or triton_unsupported_reason rejects the parameters: nothing runs);
-timeout (over --case-limit-s). The exit status is 1 if a case FAILed (each FAIL's replay command is printed),
-0 otherwise: timeouts are listed with their replay commands but do not fail the run.
+backward takes it, moves the dQ of a query with a few nearly equal keys past the tolerance), measured in the same
+run; only the gradient checks are relaxed, and a pass there is named on its line and counted at the end.
+Verdicts: pass; FAIL (a check failed or the op raised); refused (NSAConfig or triton_unsupported_reason rejects the
+parameters: nothing runs); timeout (over --case-limit-s). The exit status is 1 if a case FAILed (each FAIL's
+replay command is printed), 0 otherwise: timeouts are listed with their replay commands but do not fail the run.
 
 Device: without CUDA (or with TRITON_INTERPRET=1 set) the kernels run under Triton's interpreter on the CPU, the
 way the suite runs them. With CUDA the cases run on the GPU (run_case's "device": "cuda", as the suite's GPU
@@ -346,8 +347,11 @@ def run_one(case: dict, limit_s: float) -> Outcome:
     started = time.perf_counter()
     previous = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, limit_s)
+    # a low-precision attention case is also measured against the exact gradients plus what the backward's rounding
+    # of the stored outputs adds (triton_helpers.flash_rounding_terms: <grad>_rounded), for the second look below
+    low_precision = case.get("dtype", "float32") != "float32" and case.get("kind") != "decode"
     try:
-        result = runner(case)
+        result = runner(dict(case, judge_rounding=True) if low_precision else case)
     except (CaseTimeout, Exception) as exc:  # the op raising is the case's FAIL, not the fuzzer's
         if alarm["rang"]:
             return Outcome("timeout", f"over {limit_s:g} s", {}, round(time.perf_counter() - started, 2))
@@ -358,17 +362,21 @@ def run_one(case: dict, limit_s: float) -> Outcome:
     seconds = round(time.perf_counter() - started, 2)
     errors = {name: (round(value, 8) if isinstance(value, float) else value)
               for name, value in result.items() if name not in ("error", "trace")}
+    exact = {name: value for name, value in result.items() if not name.endswith("_rounded")}
     try:
-        _check(result, case, tolerance(case))
+        _check(exact, case, tolerance(case))
     except AssertionError as exc:
-        if case.get("dtype", "float32") != "float32" and case.get("kind") != "decode" and \
-                not case.get("judge_rounding") and "error" not in result:
-            # a second look: the gradients against the exact ones plus what the backward's rounding of the stored
-            # outputs adds (triton_helpers.flash_rounding_terms; a few-key query's dQ is a difference it moves)
-            second = run_one(dict(case, judge_rounding=True), limit_s)
-            if second.verdict == "pass":
-                return Outcome("pass", "within the rounding of the stored outputs (flash_rounding_terms)",
-                               second.errors, round(seconds + second.seconds, 2))
+        # the second look, on the same run: a gradient outside the tolerance of the exact one but within it of the
+        # exact one plus the rounding's terms (a few-key query's dQ is a difference that rounding moves); _check
+        # relaxes nothing else (the output, the selection)
+        if exact != result:
+            try:
+                _check(result, case, tolerance(case))
+            except AssertionError:
+                pass
+            else:
+                return Outcome("pass", "within the rounding of the stored outputs (flash_rounding_terms)", errors,
+                               seconds)
         return Outcome("FAIL", str(exc)[-3000:] or "a check failed", errors, seconds)
     return Outcome("pass", "", errors, seconds)
 

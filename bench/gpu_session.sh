@@ -43,6 +43,8 @@ RT_ANATOMY_LENGTHS=${RT_ANATOMY_LENGTHS:-1024}  # retrieval: lengths bench/retri
 RT_OVERRIDES=${RT_OVERRIDES:-}  # retrieval: --model-overrides for both twins, e.g. '{"compressor": "mean"}' (the tiny
                                 # CPU twins learned the lookup in 8 of 12 seeds with it, 3 of 12 with the paper's MLP)
 LENGTHS=${LENGTHS:-2048 8192 32768 65536}  # issue 18's table
+DECODE_LENGTHS=${DECODE_LENGTHS:-8192 32768 65536}  # its decode rows: contexts, and rows per step
+DECODE_BATCH=${DECODE_BATCH:-1 32}
 # pending's launch variants and cases (bench/tune_kernels.py syntax; the warm step compiles the same launches)
 PENDING_VARIANTS=${PENDING_VARIANTS:-"default heavy2k:sel_pieces=2048/320/1024/256 heavy4k:sel_pieces=4096/320/1024/512
   pairs_int64:sel_pairs_int64=1 seldq_split:sel_dq_split=1 seldq_pairs:sel_dq_in_dkdv=1
@@ -97,18 +99,21 @@ captured_kind() {  # the captured input kind, where the capture step has left it
 
 KERNEL_CACHE_FILE=""
 [ -f "$KERNEL_CACHE" ] && KERNEL_CACHE_FILE=$KERNEL_CACHE
+TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}  # Triton's kernel cache: what each step compiled lands there
 for step in "${steps[@]}"; do
   echo "== $step" | tee -a "$OUT/env.txt"
   start=$(date +%s)
+  step_marker=$(mktemp)  # the cache entries written after it are the kernels this step compiled
   case "$step" in
     # Triton's kernel cache filled before the kernel steps: every launch of check, attention, pending and decode
-    # compiled side by side on all cores (those steps compiled one launch at a time: check's 384 distinct launches
-    # were most of its 154 s on six workers), after unpacking $KERNEL_CACHE where the session carries one; says how
-    # many it found there (bench/warm_kernel_cache.py)
-    warm)       $PY bench/warm_kernel_cache.py ${KERNEL_CACHE_FILE:+--unpack "$KERNEL_CACHE_FILE"} \
+    # compiled side by side on all cores (those steps compiled one launch at a time: check, "mostly Triton
+    # compiles" above, makes 384 distinct launches), after unpacking $KERNEL_CACHE where the session carries one;
+    # says how many it found there (bench/warm_kernel_cache.py). No GPU visible to it: recording needs none, and
+    # its compile processes are forked (nothing may have initialized CUDA before)
+    warm)       CUDA_VISIBLE_DEVICES= $PY bench/warm_kernel_cache.py ${KERNEL_CACHE_FILE:+--unpack "$KERNEL_CACHE_FILE"} \
                   ${KERNEL_CACHE_PACK:+--pack "$KERNEL_CACHE_PACK"} \
                   --plans $WARM_PLANS --lengths $LENGTHS --tune-variants $PENDING_VARIANTS --tune-cases $PENDING_CASES \
-                  --decode-variants $DECODE_VARIANTS ;;
+                  --decode-lengths $DECODE_LENGTHS --decode-batch $DECODE_BATCH --decode-variants $DECODE_VARIANTS ;;
     tests)      $PY -m pytest -q $(xdist_workers) tests/test_triton_kernels.py tests/test_model_triton.py -k gpu -rA 2>&1 \
                   | tail -n 40 ;;
     # the op's kernels against the reference on the GPU (forward, gradients, selection; about a minute): before
@@ -121,13 +126,13 @@ for step in "${steps[@]}"; do
     # issue 18's op rows: f+b against dense SDPA at each length, both layouts, three input kinds (captured: the
     # 125M layout only); decode at B = 1 and 32, eager and CUDA-graphed
     attention)  $PY bench/bench_attention.py --lengths $LENGTHS --inputs random correlated $(captured_kind) \
-                  --decode 8192 32768 65536 --decode-batch 1 32 --json "$OUT/attention.json" ;;
+                  --decode $DECODE_LENGTHS --decode-batch $DECODE_BATCH --json "$OUT/attention.json" ;;
     # issue 18's decode rows alone (B = 1 and 32, eager and CUDA-graphed, against dense SDPA in the same run), then
     # the decode kernels one by one at 64k, B = 1, default against the top-n at 8 warps, the parts combined by their
     # last program and the step's launches as programmatic dependent launches, alone and with that combine (about a
     # minute): the decode top-n as one tl.topk per block range and the list merge by tl.topk (2026-11-28), PDL
     # (2026-11-29, fourth CPU session; bench/KERNELS.md)
-    decode)     $PY bench/bench_attention.py --lengths --decode 8192 32768 65536 --decode-batch 1 32 \
+    decode)     $PY bench/bench_attention.py --lengths --decode $DECODE_LENGTHS --decode-batch $DECODE_BATCH \
                   --json "$OUT/decode.json" \
                 && $PY bench/tune_kernels.py --decode-only --variants $DECODE_VARIANTS --json "$OUT/decode_tune.json" ;;
     # per kernel: time, FLOP / byte / exp floors at the ceilings measured in the same run, achieved fraction
@@ -259,5 +264,8 @@ open(sys.argv[2], 'w').write(max((str(x) for x in t.to_pylist()[::20]), key=len)
     *)          echo "unknown step $step (warm tests capture attention floors tune model model-compile dense-docs model-long generate profile train ab-long ab-long-eval retrieval stats-cost fuzz check check-seldq seldq stages pending pending-d128 ws flex)"
                 exit 2 ;;
   esac 2>&1 | tee "$OUT/$step.log" || echo "== $step exited non-zero (log: $OUT/$step.log)" | tee -a "$OUT/env.txt"
-  echo "== $step took $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
+  compiled=$(find "$TRITON_CACHE" -name '*.json' ! -name '__grp__*' -newer "$step_marker" 2>/dev/null | wc -l)
+  rm -f "$step_marker"
+  echo "== $step took $(( $(date +%s) - start )) s, Triton compiled $compiled kernels (new entries in $TRITON_CACHE)" \
+    | tee -a "$OUT/env.txt"
 done

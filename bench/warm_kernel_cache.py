@@ -68,8 +68,9 @@ class _Recorded(Exception):
 
 class TargetOnlyDriver:
     """Triton's driver as the JIT's compile path asks it (`JITFunction.run` with warmup=True): the target, device 0
-    and stream 0. Nothing launches, so no GPU is touched: the same on a GPU machine, where forked workers must not
-    initialize CUDA, as on a CPU. The real driver's target on an H100 or H200 is GPUTarget("cuda", 90, 32)."""
+    and stream 0. Nothing launches, so no GPU is touched: the same on a GPU machine as on a CPU (gpu_session.sh runs
+    this script with no GPU visible: the compile processes are forked, and modules the plans import may ask CUDA
+    things, e.g. fla's). The real driver's target on an H100 or H200 is GPUTarget("cuda", 90, 32)."""
 
     def __init__(self, arch: int):
         from triton.backends.compiler import GPUTarget
@@ -259,7 +260,10 @@ def plan_pending(launches: LaunchSet, arch: int, cases, variants) -> None:
     for H, Hkv, D, T, B, kind, _ in cases:
         x, cmp_end, doc_pos = tune_kernels.nsa_inputs(B, T, H, Hkv, D, kind=kind, device="cpu")
         step = tune_kernels.fwd_bwd_call(x, cmp_end, doc_pos)
-        for _, settings in variants:
+        for name, settings in variants:
+            if name.startswith("decode_"):  # (tune_kernels' f+b cases skip them too)
+                continue
+
             def run():
                 tri.select_blocks_triton(x["q"].detach(), x["k_cmp"].detach(), cmp_end, doc_pos, tune_kernels.PARAMS)
                 step()
@@ -288,13 +292,21 @@ _ARCH = 90
 
 
 def _compile_one(i: int) -> dict:
+    import triton
+
     plan, name, fn, args, kwargs = _LAUNCHES[i]
     start = time.time()
     row = dict(plan=plan, kernel=name)
+    seen = {}
+
+    def listener(*, cache_hit, **_):  # Triton's own word on whether the compile was found in its cache
+        seen["cache_hit"] = cache_hit
+
+    triton.knobs.compilation.listener = listener
     try:
         with _with_driver(_ARCH):
             kernel = fn.run(*args, grid=(1,), warmup=True, **kwargs)
-        row.update(ok=True, entry=_cache_entry_name(kernel.hash))
+        row.update(ok=True, entry=_cache_entry_name(kernel.hash), found=seen.get("cache_hit", False))
     except Exception as exc:  # named per launch: one failing compile must not hide the rest
         row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[-600:]}")
     row["seconds"] = round(time.time() - start, 2)
@@ -334,12 +346,6 @@ def _cache_entry_name(kernel_hash: str) -> str:
     from triton.runtime.cache import _base32
 
     return _base32(kernel_hash)
-
-
-def _written_since(entry: str, start: float) -> bool:
-    """Whether Triton wrote a cache entry's metadata after `start` (the launch compiled), or found it (a hit)."""
-    return any(f.stat().st_mtime >= start - 1 for f in (cache_dir() / entry).glob("*.json")
-               if not f.name.startswith("__grp__"))
 
 
 def cache_dir() -> Path:
@@ -384,7 +390,7 @@ def unpack(path: Path, arch: int) -> list[str]:
     """Put a --pack file's entries into Triton's cache (each group file's names rooted at the entry's folder
     there); returns the key components that differ here (empty: its entries are what this machine's launches
     look up)."""
-    root = cache_dir()
+    root = cache_dir().resolve()  # (Triton's file lists hold absolute paths)
     with tarfile.open(path, "r:gz") as tar:
         manifest = json.load(tar.extractfile(MANIFEST))
         members = [m for m in tar.getmembers() if m.name != MANIFEST]
@@ -406,9 +412,10 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--plans", nargs="*", default=list(PLANS), choices=PLANS)
     ap.add_argument("--arch", type=int, default=90,
-                    help="sm version to compile for (default 90: the H100 and H200; CUDA is never initialized here, "
-                         "so that the forked compile processes may start)")
-    ap.add_argument("--workers", type=int, default=os.cpu_count(), help="compile processes (default: every core)")
+                    help="sm version to compile for (default 90: the H100 and H200; not read from a GPU, so that "
+                         "this process need not touch CUDA before it forks its compile processes)")
+    ap.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
+                    help="compile processes (default: one per core this process may use)")
     ap.add_argument("--layouts", nargs="*", default=["12,2,64", "16,1,64"], help="attention: bench_attention's")
     ap.add_argument("--lengths", type=int, nargs="*", default=[2048, 8192, 32768, 65536])
     ap.add_argument("--tokens", type=int, default=65536)
@@ -473,7 +480,7 @@ def main(argv=None):
     start = time.time()
     rows = compile_all(launches, args.workers)
     failed = [r for r in rows if not r["ok"]]
-    found = sum(1 for r in rows if r["ok"] and not _written_since(r["entry"], start))
+    found = sum(1 for r in rows if r.get("found"))
     print(f"# {len(rows)} launches: {found} found in the cache, {len(rows) - found - len(failed)} compiled, "
           f"{len(failed)} failed; {time.time() - start:.0f} s on {args.workers} processes "
           f"({sum(r['seconds'] for r in rows):.0f} process-s)", flush=True)

@@ -284,25 +284,35 @@ def _settle_jit_cache_keys(modules) -> None:
 
     from triton.runtime.jit import JITFunction
 
-    settled: set[int] = set()
+    settled: dict[int, JITFunction] = {}
 
     def settle(fn):
         if id(fn) in settled:
             return
-        settled.add(id(fn))
-        for node in ast.walk(fn.parse()):
-            callee = fn.__globals__.get(node.id) if isinstance(node, ast.Name) else None
+        settled[id(fn)] = fn
+        try:
+            names = [node.id for node in ast.walk(fn.parse()) if isinstance(node, ast.Name)]
+        except Exception:  # pragma: no cover - a triton whose JIT internals differ: its keys come at launch
+            names = []
+        for name in names:
+            callee = fn.__globals__.get(name)
             if isinstance(callee, JITFunction):
                 settle(callee)
-        fn.cache_key  # noqa: B018  (a property: computes and keeps the key)
+        try:
+            fn.cache_key  # noqa: B018  (a property: computes and keeps the key)
+        except Exception:  # raised again at the kernel's launch, with its name, as before (below)
+            pass
 
-    try:
-        for module in modules:
-            for value in list(vars(module).values()):
-                if isinstance(value, JITFunction):
-                    settle(value)
-    except Exception:  # pragma: no cover - a triton whose JIT internals differ: keys are then computed at launch,
-        pass  # as before, where any error in a kernel's source is raised with the kernel's name
+    for module in modules:
+        for value in list(vars(module).values()):
+            if isinstance(value, JITFunction):
+                settle(value)
+    # A key whose computation raised keeps Triton's placeholder ("recursion:<name>", set before it computes), and
+    # every key computed after it over that callee holds the placeholder instead of its source: then put every
+    # function back as unhashed, so each launch computes its key as before and the failing one raises there
+    if any(str(getattr(fn, "hash", None)).startswith("recursion:") for fn in settled.values()):
+        for fn in settled.values():  # pragma: no cover - a kernel whose key cannot be computed
+            fn.hash, fn.used_global_vals = None, {}
 
 
 def _interpreting() -> bool:

@@ -196,7 +196,9 @@ def run_case(case: dict) -> dict:
     res.update(selection_errors(idx_tri, captured))
     if case.get("judge_rounding") and dtype != torch.float32:
         # the same gradients against the exact ones plus what the stored output's rounding adds (flash_rounding_terms)
-        terms = flash_rounding_terms(t, cmp_end, doc_pos, p, idx_tri, dout)
+        # (the selected dQ formed pair by pair takes dout itself, its gate folded into the log-sum-exp)
+        pairwise = bool(case.get("sel_dq_in_dkdv") or case.get("sel_dq_pairs"))
+        terms = flash_rounding_terms(t, cmp_end, doc_pos, p, idx_tri, dout, selected_dq_pairwise=pairwise)
         for n, term in terms.items():
             g = leaves[n].grad
             res[f"d{n}_rounded"] = float("nan") if g is None else rel(
@@ -205,14 +207,18 @@ def run_case(case: dict) -> dict:
 
 
 @torch.no_grad()
-def flash_rounding_terms(t, cmp_end, doc_pos, p, idx, dout) -> dict:
+def flash_rounding_terms(t, cmp_end, doc_pos, p, idx, dout, selected_dq_pairwise: bool = False) -> dict:
     """What the kernels' backward adds to the exact gradients of q and each branch's keys by taking each branch's
     delta = dout . o from its output as stored, rounded to the inputs' dtype (as FlashAttention's backward does;
     nsa_triton_dq._branch_prep): a row's dS gains P c, c = g dout . (o - round(o)), the gradient of c lse (d lse /
     dS = P), so dq gains scale c (P K) and each key scale c P q. Where a query sees few keys whose dP nearly agree,
     dq is a small difference that this moves by more than fp16's tolerance (tests/README.md, "Random cases"); the
-    fuzzer judges a low-precision case that fails against the exact gradients plus these terms too. In float64 on
-    the kernel's selection idx; returns {"q": (B, Tq, H, D), "k_cmp", "k_slc", "k_win": each (B, N, Hkv, D)}."""
+    fuzzer judges a low-precision case that fails against the exact gradients plus these terms too. The dQ kernel
+    also rounds g dout (its dP and delta from it), except for the selected branch's dQ formed pair by pair
+    (selected_dq_pairwise: launch_overrides sel_dq_in_dkdv or sel_dq_pairs), which takes dout with the gate folded
+    into the log-sum-exp as the dK/dV kernels do. The stored output is emulated for one key tile per row (the small
+    rows this judges). In float64 on the kernel's selection idx; returns {"q": (B, Tq, H, D), "k_cmp", "k_slc",
+    "k_win": each (B, N, Hkv, D)}."""
     _, reference, _ = import_nsa()
     x = {n: t[n].detach().double() for n in GRAD_NAMES}
     device = x["q"].device
@@ -242,6 +248,9 @@ def flash_rounding_terms(t, cmp_end, doc_pos, p, idx, dout) -> dict:
         rounding = o - stored
         c = (gated_dout * rounding).sum(-1)  # (B, Hkv, G, Tq): the dK/dV kernels' delta error
         terms[name] = (scale * torch.einsum("bkgt,bkgtn,bkgtd->bknd", c, probs, q_g)).transpose(1, 2)
+        if b == 1 and selected_dq_pairwise:  # (as the dK/dV kernels: dout itself, the gate in the log-sum-exp)
+            dq += scale * c[..., None] * (probs @ keys[:, :, None])
+            continue
         # the dQ kernel takes g dout rounded too (its delta and dP from round(g dout)): the exact backward of that
         # output gradient, and its delta from the rounded output
         rounded_dout = (dout_g.float() * gates_g[..., b, None].float()).to(dtype).double()
