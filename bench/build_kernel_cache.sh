@@ -10,13 +10,22 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-runs/kernel-cache-venv}
 OUT_FILE=${OUT_FILE:-runs/kernel-cache/sm90.tar.gz}
-PYTHON312=${PYTHON312:-$(command -v python3.12 || ls -d "$HOME"/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -1 || true)}
+python312() {  # the first candidate that runs as Python 3.12 (a pyenv shim may exist and not run)
+  local candidate
+  for candidate in "${PYTHON312:-}" python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12 /usr/bin/python3.12; do
+    if [ -n "$candidate" ] && "$candidate" -c "import sys; assert sys.version_info[:2] == (3, 12)" 2>/dev/null; then
+      echo "$candidate"
+      return
+    fi
+  done
+}
 if [ ! -x "$VENV/bin/python" ]; then
-  if [ -z "$PYTHON312" ] || ! "$PYTHON312" -c "import sys; assert sys.version_info[:2] == (3, 12)"; then
-    echo "no Python 3.12 (the GPU image's): set PYTHON312 to one" >&2
+  PYTHON=$(python312)
+  if [ -z "$PYTHON" ]; then
+    echo "no Python 3.12 (the GPU image's) found: set PYTHON312 to one" >&2
     exit 2
   fi
-  "$PYTHON312" -m venv "$VENV"
+  "$PYTHON" -m venv "$VENV"
   # the GPU image's versions (bench/results/*-h100*/env.txt); pytest for the kernel cases' module
   "$VENV/bin/pip" install --quiet --no-compile torch==2.11.0 triton==3.6.0 transformers==5.17.0 pytest
 fi
