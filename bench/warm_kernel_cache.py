@@ -54,7 +54,7 @@ for path in (ROOT, ROOT / "tests", ROOT / "bench"):
         sys.path.insert(0, str(path))
 
 from triton_aot import with_kernels_replaced  # noqa: E402
-from triton_helpers import DEFAULT, as_arch, import_nsa, make_inputs  # noqa: E402
+from triton_helpers import as_arch, import_nsa, pdl_decode_case  # noqa: E402
 
 _, _reference, tri = import_nsa()
 
@@ -213,23 +213,16 @@ def plan_check(launches: LaunchSet, arch: int) -> None:
 
 
 def _pdl_test_calls(arch: int) -> None:
-    """test_gpu_decode_pdl_equals_the_default_eager_and_graphed's decoding calls (both combines, with and without
-    programmatic dependent launches): eager steps and a static cache's step over 2 x 9,000 keys."""
-    t, cmp_end, doc_pos, p = make_inputs(2, 9000, 12, 2, 64, DEFAULT, torch.bfloat16, "cpu", "varlen")
-    w = p.window_size
-    query_end = torch.tensor([0])
-    q_step, gates_step = torch.empty_like(t["q"][:, :1]), torch.empty_like(t["gates"][:, :1])
-    ring_k, ring_v = torch.empty_like(t["k_win"][:, :w]), torch.empty_like(t["v_win"][:, :w])
+    """test_gpu_decode_pdl_equals_the_default_eager_and_graphed's decoding calls (triton_helpers.pdl_decode_case:
+    eager steps and a static cache's step, both combines, with and without programmatic dependent launches)."""
+    case = pdl_decode_case("cpu")
     with as_arch(arch):
         for pdl in (0, 1):
             for fused in (0, 1):
                 with tri.launch_overrides(decode_pdl=pdl, decode_fused_combine=fused):
-                    for tk in (1000, 4097, 9000):
-                        tri.nsa_decode_triton(t["q"][:, tk - 1:tk], t["k_cmp"], t["v_cmp"], cmp_end,
-                                              t["k_slc"][:, :tk], t["v_slc"][:, :tk], t["k_win"][:, tk - w:tk],
-                                              t["v_win"][:, tk - w:tk], t["gates"][:, tk - 1:tk], doc_pos[:, :tk], p)
-                    tri.nsa_decode_triton(q_step, t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"], t["v_slc"], ring_k,
-                                          ring_v, gates_step, doc_pos, p, query_end=query_end)
+                    for tk in case.positions:
+                        case.eager(tk)
+                    case.static_step()
 
 
 def plan_attention(launches: LaunchSet, arch: int, layouts, lengths, tokens, decode_lengths, decode_batches) -> None:

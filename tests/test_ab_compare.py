@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import ab_compare  # noqa: E402
+from test_gpu_session import script_defaults  # noqa: E402
 
 
 def train_flags(data_file: Path) -> list[str]:
@@ -840,7 +841,7 @@ def _session_step_flags(step_name, tmp_path):
     step = script.split(f"    {step_name})", 1)[1].split(";;", 1)[0]
     command = re.split(r"(?<!\\)\n", step.split("bench/ab_compare.py", 1)[1], maxsplit=1)[0]  # up to its last line
     command = command.replace("\\\n", " ")
-    defaults = dict(re.findall(r"^(\w+)=\$\{\1:-([^}]*)\}", script, flags=re.M))  # AB_STEPS=${AB_STEPS:-300}
+    defaults = script_defaults()  # AB_STEPS=${AB_STEPS:-300} -> {"AB_STEPS": "300"}
     # ${NAME:+...} of a variable empty by default (RT_OVERRIDES) adds nothing
     command = re.sub(r"\$\{(\w+):\+[^}]*\}", lambda m: "" if not defaults.get(m.group(1)) else m.group(0), command)
     values = {f'"${name}"': value for name, value in defaults.items()}

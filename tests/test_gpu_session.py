@@ -35,6 +35,14 @@ def session_steps() -> list[str]:
     return re.findall(r"^    ([a-z0-9-]+)\)", body, flags=re.M)
 
 
+def script_defaults() -> dict[str, str]:
+    """Each `NAME=${NAME:-value}` default the script assigns, as bash assigns it where NAME is unset: a quoted
+    value without its quotes, its line breaks kept (the steps expand the lists unquoted, so bash splits them on
+    any whitespace); an unquoted one up to its closing brace (a comment after it is not the value)."""
+    found = re.findall(r'^([A-Z_]+)=\$\{\1:-(?:"([^"]*)"|([^}"]*))\}', SCRIPT.read_text(), flags=re.M)
+    return {name: quoted or plain for name, quoted, plain in found}
+
+
 class _Parsed(Exception):
     """Raised in place of returning from ArgumentParser.parse_args: the flags parsed, nothing else runs."""
 

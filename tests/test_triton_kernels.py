@@ -752,37 +752,17 @@ def test_gpu_decode_pdl_equals_the_default_eager_and_graphed(fused_combine):
     in a CUDA graph and replayed at three positions (programmatic edges in the graph), over three block ranges,
     rows of packed documents. Bitwise equality is necessary, not sufficient: a wait in the wrong place could
     still pass by timing (tests/test_triton_compile.py checks where the wait is)."""
-    from triton_helpers import DEFAULT, import_nsa, kernel_module, make_inputs
+    from triton_helpers import import_nsa, kernel_module, pdl_decode_case
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90 or later: before, decode_pdl changes nothing")
     _, _, tri = import_nsa()
-    t, cmp_end, doc_pos, p = make_inputs(2, 9000, 12, 2, 64, DEFAULT, torch.bfloat16, "cuda", "varlen")
-    w = p.window_size
+    case = pdl_decode_case("cuda")
+    eager, static_step, set_position, positions = case.eager, case.static_step, case.set_position, case.positions
     with tri.launch_overrides(decode_pdl=1):
-        assert kernel_module("launch")._decode_launch(64, p.sel_num_blocks, p, True, t["q"].device).pdl
+        assert kernel_module("launch")._decode_launch(case.head_dim, case.params.sel_num_blocks, case.params, True,
+                                                      case.device).pdl
 
-    def eager(tk):
-        return tri.nsa_decode_triton(t["q"][:, tk - 1:tk], t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"][:, :tk],
-                                     t["v_slc"][:, :tk], t["k_win"][:, tk - w:tk], t["v_win"][:, tk - w:tk],
-                                     t["gates"][:, tk - 1:tk], doc_pos[:, :tk], p)
-
-    query_end = torch.tensor([0], device="cuda")
-    q_step, gates_step = torch.empty_like(t["q"][:, :1]), torch.empty_like(t["gates"][:, :1])
-    ring_k, ring_v = torch.empty_like(t["k_win"][:, :w]), torch.empty_like(t["v_win"][:, :w])
-
-    def static_step():  # a static cache's step: fixed-size buffers, the query's index on the device
-        return tri.nsa_decode_triton(q_step, t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"], t["v_slc"], ring_k, ring_v,
-                                     gates_step, doc_pos, p, query_end=query_end)
-
-    def set_position(tk):
-        query_end.fill_(tk - 1)
-        q_step.copy_(t["q"][:, tk - 1:tk])
-        gates_step.copy_(t["gates"][:, tk - 1:tk])
-        slots = torch.arange(tk - w, tk, device="cuda") % w  # key p at ring slot p % w
-        ring_k[:, slots], ring_v[:, slots] = t["k_win"][:, tk - w:tk], t["v_win"][:, tk - w:tk]
-
-    positions = [1000, 4097, 9000]
     with tri.launch_overrides(decode_fused_combine=fused_combine):
         expected_eager = [eager(tk) for tk in positions]
         expected_static = []

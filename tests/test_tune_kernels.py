@@ -3,7 +3,6 @@ next GPU session's sweep), and the table of each variant against the default, wh
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
@@ -13,15 +12,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import tune_kernels as tk  # noqa: E402
+from test_gpu_session import SCRIPT, script_defaults  # noqa: E402
 
 
 def _session_script() -> str:
     """bench/gpu_session.sh with its shared lists ($PENDING_VARIANTS, $PENDING_CASES, $DECODE_VARIANTS: the steps
     and the warm step read the same ones) written out where the steps use them, as the shell expands them."""
-    text = (Path(__file__).resolve().parent.parent / "bench" / "gpu_session.sh").read_text()
-    lists = re.findall(r'^([A-Z_]+)=\$\{\1:-"([^"]*)"\}', text, flags=re.M)
-    assert {name for name, _ in lists} >= {"PENDING_VARIANTS", "PENDING_CASES", "DECODE_VARIANTS"}, lists
-    for name, value in lists:
+    text = SCRIPT.read_text()
+    lists = {name: value for name, value in script_defaults().items() if name.endswith(("_VARIANTS", "_CASES"))}
+    assert set(lists) >= {"PENDING_VARIANTS", "PENDING_CASES", "DECODE_VARIANTS"}, lists
+    for name, value in lists.items():
         text = text.replace(f"${name}", " ".join(value.split()))
     return text
 

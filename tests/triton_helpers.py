@@ -706,6 +706,42 @@ def run_decode_case(case: dict) -> dict:
     return {"decode": worst}
 
 
+PDL_DECODE_POSITIONS = (1000, 4097, 9000)  # three block ranges of a 9,000-token row
+
+
+def pdl_decode_case(device) -> types.SimpleNamespace:
+    """The decoding calls test_gpu_decode_pdl_equals_the_default_eager_and_graphed compares (and the warm step of
+    bench/gpu_session.sh compiles): rows of packed documents, 2 x 9,000 keys, 12 q / 2 kv heads. `eager(tk)` decodes
+    the query at position tk - 1 from the first tk keys; `static_step()` is a static cache's step (fixed-size
+    buffers, the window as a ring, the query's index on the device), positioned by `set_position(tk)`."""
+    _, _, tri = import_nsa()
+    t, cmp_end, doc_pos, p = make_inputs(2, 9000, 12, 2, 64, DEFAULT, torch.bfloat16, device, "varlen")
+    w = p.window_size
+
+    def eager(tk):
+        return tri.nsa_decode_triton(t["q"][:, tk - 1:tk], t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"][:, :tk],
+                                     t["v_slc"][:, :tk], t["k_win"][:, tk - w:tk], t["v_win"][:, tk - w:tk],
+                                     t["gates"][:, tk - 1:tk], doc_pos[:, :tk], p)
+
+    query_end = torch.tensor([0], device=device)
+    q_step, gates_step = torch.empty_like(t["q"][:, :1]), torch.empty_like(t["gates"][:, :1])
+    ring_k, ring_v = torch.empty_like(t["k_win"][:, :w]), torch.empty_like(t["v_win"][:, :w])
+
+    def static_step():
+        return tri.nsa_decode_triton(q_step, t["k_cmp"], t["v_cmp"], cmp_end, t["k_slc"], t["v_slc"], ring_k, ring_v,
+                                     gates_step, doc_pos, p, query_end=query_end)
+
+    def set_position(tk):
+        query_end.fill_(tk - 1)
+        q_step.copy_(t["q"][:, tk - 1:tk])
+        gates_step.copy_(t["gates"][:, tk - 1:tk])
+        slots = torch.arange(tk - w, tk, device=device) % w  # key p at ring slot p % w
+        ring_k[:, slots], ring_v[:, slots] = t["k_win"][:, tk - w:tk], t["v_win"][:, tk - w:tk]
+
+    return types.SimpleNamespace(eager=eager, static_step=static_step, set_position=set_position, params=p,
+                                 head_dim=64, device=t["q"].device, positions=PDL_DECODE_POSITIONS)
+
+
 def _device_inputs(B, T, H, Hkv, D, p, dtype, device, seed=0):
     """make_inputs' tensors (one document per row), drawn on the device: the large-offset cases hold GBs."""
     layout, _, _ = import_nsa()
