@@ -32,5 +32,7 @@ fi
 "$VENV/bin/python" -c "import sys, triton; assert sys.version_info[:2] == (3, 12) and triton.__version__ == '3.6.0', \
   (sys.version, triton.__version__)"
 # Triton's cache folder and the step's log beside the file's folder, not in it: a call carries that folder (64 MiB)
+# every plan, so the pack serves both of a session's calls
 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-runs/kernel-cache-build/triton} KERNEL_CACHE_PACK=$OUT_FILE \
+  WARM_PLANS=${WARM_PLANS:-check attention pending decode ws} \
   PY="$VENV/bin/python" OUT=${OUT:-runs/kernel-cache-build/log} bash bench/gpu_session.sh warm

@@ -60,6 +60,7 @@ DECODE_VARIANTS=${DECODE_VARIANTS:-"default decode_topn_8warps:decode_topn_warps
 #   KERNEL_CACHE_PACK=runs/kernel-cache/sm90.tar.gz PY=<python 3.12 with triton 3.6.0> bash bench/gpu_session.sh warm
 KERNEL_CACHE=${KERNEL_CACHE:-runs/kernel-cache/sm90.tar.gz}
 WARM_PLANS=${WARM_PLANS:-check attention pending decode}  # the steps whose launches warm compiles (floors: attention's)
+WS_STAGES=${WS_STAGES:-0 2 4}  # ws: num_stages per tile-loop variant (0: triton's default, 3), for it and for warm
 FUZZ_S=${FUZZ_S:-240}  # fuzz: seconds of random cases (about 1 s each on a GPU once its shapes compiled)
 FUZZ_SEED=${FUZZ_SEED:-20261203}  # fuzz: the run's seed; a failure replays alone with the --case its log line gives
 mkdir -p "$OUT"
@@ -105,7 +106,8 @@ for step in "${steps[@]}"; do
   start=$(date +%s)
   step_marker=$(mktemp)  # the cache entries written after it are the kernels this step compiled
   case "$step" in
-    # Triton's kernel cache filled before the kernel steps: every launch of check, attention, pending and decode
+    # Triton's kernel cache filled before the kernel steps: every launch of the steps in $WARM_PLANS (of check,
+    # attention, pending, decode and ws)
     # compiled side by side on all cores (those steps compiled one launch at a time: check, "mostly Triton
     # compiles" above, makes 384 distinct launches), after unpacking $KERNEL_CACHE where the session carries one;
     # says how many it found there (bench/warm_kernel_cache.py). No GPU visible to it: recording needs none, and
@@ -113,7 +115,8 @@ for step in "${steps[@]}"; do
     warm)       CUDA_VISIBLE_DEVICES= $PY bench/warm_kernel_cache.py ${KERNEL_CACHE_FILE:+--unpack "$KERNEL_CACHE_FILE"} \
                   ${KERNEL_CACHE_PACK:+--pack "$KERNEL_CACHE_PACK"} \
                   --plans $WARM_PLANS --lengths $LENGTHS --tune-variants $PENDING_VARIANTS --tune-cases $PENDING_CASES \
-                  --decode-lengths $DECODE_LENGTHS --decode-batch $DECODE_BATCH --decode-variants $DECODE_VARIANTS ;;
+                  --decode-lengths $DECODE_LENGTHS --decode-batch $DECODE_BATCH --decode-variants $DECODE_VARIANTS \
+                  --ws-stages $WS_STAGES ;;
     tests)      $PY -m pytest -q $(xdist_workers) tests/test_triton_kernels.py tests/test_model_triton.py -k gpu -rA 2>&1 \
                   | tail -n 40 ;;
     # the op's kernels against the reference on the GPU (forward, gradients, selection; about a minute): before
@@ -175,7 +178,7 @@ for step in "${steps[@]}"; do
     # issue 18: Hopper warp specialization (a TMA producer and two consumer warpgroups, built by Triton) on the
     # dK/dV and dQ tile loops alone, against the loops as the kernels write them (bench/ws_tiles.py; ~1 minute)
     flex)       $PY bench/flex_branches.py --json "$OUT/flex.json" ;;  # FlexAttention for the compressed and window branches
-    ws)         $PY bench/ws_tiles.py --stages 0 2 4 --json "$OUT/ws.json" ;;  # 0: triton's default, 3
+    ws)         $PY bench/ws_tiles.py --stages $WS_STAGES --json "$OUT/ws.json" ;;
     # the GPU cases of the pair-wise selected dQ (atomics in the selected dK/dV) against the reference
     check-seldq) $PY -m pytest -x tests/test_triton_kernels.py -k "gpu_kernels_match and seldq" -rA --tb=short 2>&1 \
                   | tail -n 200 ;;

@@ -17,7 +17,7 @@ Two ways to use it:
   `--unpack FILE` puts them in Triton's cache and compares each key component with that machine's (a mismatch is
   named: the compile then does the work there, as without the file).
 
-    python bench/warm_kernel_cache.py [--plans check attention pending decode] [--arch 90] [--workers N]
+    python bench/warm_kernel_cache.py [--plans check attention pending decode ws] [--arch 90] [--workers N]
     python bench/warm_kernel_cache.py --pack runs/kernel-cache/sm90.tar.gz [--plans ...]
     python bench/warm_kernel_cache.py --unpack runs/kernel-cache/sm90.tar.gz [--plans ...]
     python bench/warm_kernel_cache.py --list [--plans ...]     # the distinct launches per plan, nothing compiled
@@ -27,9 +27,10 @@ Plans (what each GPU session step launches; bench/gpu_session.sh passes the same
 - attention: bench/bench_attention.py's op rows (forward, and forward + backward, at --lengths x --layouts with
   --tokens per step) and its decode rows (--decode-lengths x --decode-batch, eager and a static cache's step);
 - pending: bench/tune_kernels.py's f+b cases (--tune-cases) under each launch variant (--tune-variants);
-- decode: bench/tune_kernels.py's decode section (its 64k step, eager and static) under --decode-variants.
-Not covered: the GPU tests of the whole model (`tests`), the benchmarks' own probe kernels (`floors`, `ws`) and
-the torch.compile steps (`flex`, `model-compile`): those compile as they run.
+- decode: bench/tune_kernels.py's decode section (its 64k step, eager and static) under --decode-variants;
+- ws: bench/ws_tiles.py's tile loops, every variant at each of --ws-stages (its check and its timed walk).
+Not covered: the GPU tests of the whole model (`tests`), `floors`' copy and matmul probes, and the torch.compile
+steps (`flex`, `model-compile`): those compile as they run.
 TRITON_INTERPRET must be unset (the kernels must be JIT functions).
 """
 
@@ -58,7 +59,7 @@ from triton_helpers import as_arch, import_nsa, pdl_decode_case  # noqa: E402
 
 _, _reference, tri = import_nsa()
 
-PLANS = ("check", "attention", "pending", "decode")
+PLANS = ("check", "attention", "pending", "decode", "ws")
 MANIFEST = "warm_kernel_cache.json"  # the key components, first in a --pack file
 
 
@@ -276,6 +277,32 @@ def plan_decode(launches: LaunchSet, arch: int, variants) -> None:
             _recorded(launches, "decode", lambda: (step(), step(query_end)))
 
 
+def plan_ws(launches: LaunchSet, arch: int, stages, head_dim: int = 64) -> None:
+    """bench/ws_tiles.py's variants at each of `stages` (0: Triton's default), as `gpu_session.sh ws` launches them:
+    its check against torch (512 rows) and its timed walk at its default lengths. Its kernels live in that script,
+    not in modeling_nsa's kernel files, so they are replaced here by hand."""
+    import ws_tiles
+
+    kernels = {name: getattr(ws_tiles, name) for name in dir(ws_tiles) if name.startswith("_") and name.endswith("_kernel")}
+    record = launches.record("ws")
+    defaults = ws_tiles.parse_args([])
+    try:
+        for name, fn in kernels.items():
+            setattr(ws_tiles, name, record(name, fn))
+        for variant, (loop, *_) in ws_tiles.VARIANTS.items():
+            walk = defaults.dkdv_walk if loop == "dkdv" else defaults.dq_walk
+            R, N, _ = ws_tiles.walk_problem(loop, walk, defaults.length, head_dim)
+            timed = ws_tiles.make_inputs(R, N, head_dim, "cpu")
+            checked = ws_tiles.make_inputs(512, 512, head_dim, "cpu")
+            for num_stages in stages:
+                with as_arch(arch):
+                    ws_tiles.launch(variant, *checked, 256, num_stages or None)  # ws_tiles.check's launch
+                    ws_tiles.launch(variant, *timed, walk, num_stages or None)
+    finally:
+        for name, fn in kernels.items():
+            setattr(ws_tiles, name, fn)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Compiling, and the cache as a file to carry
 # ------------------------------------------------------------------------------------------------------------------
@@ -424,6 +451,8 @@ def parse_args(argv=None):
     ap.add_argument("--decode-variants", nargs="*", type=tune_kernels.parse_variant,
                     default=[tune_kernels.parse_variant("default")],
                     help="decode: tune_kernels' --variants of its decode section")
+    ap.add_argument("--ws-stages", type=int, nargs="*", default=[0],
+                    help="ws: bench/ws_tiles.py's --stages (0: Triton's default)")
     ap.add_argument("--pack", type=Path, default=None, help="after compiling, write the used entries to this .tar.gz")
     ap.add_argument("--unpack", type=Path, default=None, help="first put this --pack file's entries in the cache")
     ap.add_argument("--list", action="store_true", help="record and count the launches; compile nothing")
@@ -444,8 +473,10 @@ def record_plans(args) -> LaunchSet:
                                args.decode_batch)
             elif plan == "pending":
                 plan_pending(launches, args.arch, args.tune_cases, args.tune_variants)
-            else:
+            elif plan == "decode":
                 plan_decode(launches, args.arch, args.decode_variants)
+            else:
+                plan_ws(launches, args.arch, args.ws_stages)
             print(f"# {plan}: {len(launches.launches) - before} new distinct launches "
                   f"({time.time() - start:.0f} s to record)", flush=True)
     return launches

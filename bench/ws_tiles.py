@@ -327,7 +327,7 @@ def walk_problem(loop: str, walk: int, length: int, D: int) -> tuple[int, int, i
     return R, N, tiles * (4 if loop == "dkdv" else 3) * 2 * 64 * 64 * D
 
 
-def main():
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--length", type=int, default=65536,
                     help="fixed rows per walk: keys for the dK/dV loops, query rows for the dQ loops (a multiple "
@@ -343,7 +343,11 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--compile-only", action="store_true", help="no GPU: compile each variant and print its structure")
     ap.add_argument("--arch", type=int, default=90)
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main():
+    args = parse_args()
     if args.compile_only:
         for name in args.variants:
             print(json.dumps(compile_structure(name, args.arch, args.head_dim)), flush=True)

@@ -34,7 +34,7 @@ needs_backend = pytest.mark.skipif(not HAS_NVIDIA_BACKEND, reason="triton's NVID
 # context, pending's cases with one variant that adds a kernel, decode with one that changes every launch
 SMALL = ["--lengths", "2048", "--tokens", "4096", "--decode-lengths", "4096", "--decode-batch", "1",
          "--tune-cases", "12,2,64,2048,2,random", "--tune-variants", "default", "seldq_split:sel_dq_split=1",
-         "--decode-variants", "default", "decode_pdl:decode_pdl=1"]
+         "--decode-variants", "default", "decode_pdl:decode_pdl=1", "--ws-stages", "0", "2"]
 
 
 def _run(args: list, cache: Path) -> subprocess.CompletedProcess:
@@ -60,13 +60,31 @@ def test_every_plan_records_the_launches_of_its_step(tmp_path):
     done = _run(["--list", *SMALL], tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     new = dict(re.findall(r"^# (\w+): (\d+) new distinct launches", done.stdout, flags=re.M))
-    assert set(new) == {"check", "attention", "pending", "decode"} and all(int(n) > 0 for n in new.values()), new
+    assert set(new) == {"check", "attention", "pending", "decode", "ws"} and all(int(n) > 0 for n in new.values()), new
     listed = [line.split(" ", 2) for line in done.stdout.splitlines() if line.split(" ", 1)[0] in new]
     assert sum(1 for plan, _, _ in listed if plan == "check") == int(new["check"])
     assert any(plan == "pending" and kernel == "_sel_dq_kernel" for plan, kernel, _ in listed), listed
     pdl = [json.loads(spec) for plan, _, spec in listed if plan == "decode" and '"PDL": true' in spec]
     assert pdl and all(spec["launch_pdl"] for spec in pdl)
+    # ws_tiles' eight variants (its own kernels, not modeling_nsa's) at both stages; its check and its timed walk
+    # specialize alike, so 2 x 8 distinct launches; the warp-specialized ones among them
+    ws = [(kernel, json.loads(spec)) for plan, kernel, spec in listed if plan == "ws"]
+    assert len(ws) == 16 and sum(1 for _, spec in ws if spec.get("num_stages") == 2) == 8, ws
+    assert sum(1 for kernel, spec in ws if spec.get("WS")) == 4, ws
     assert not (tmp_path.exists() and any(tmp_path.iterdir())), "--list compiled something"
+
+
+def test_the_session_warms_the_ws_steps_stages():
+    """gpu_session.sh hands the warm step the stages its ws step times (one list, WS_STAGES), so warm compiles what
+    the step will launch."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_gpu_session import SCRIPT as SESSION, script_defaults
+
+    text = SESSION.read_text()
+    warm = text.split("    warm)", 1)[1].split(";;", 1)[0]
+    ws = text.split("    ws)", 1)[1].split(";;", 1)[0]
+    assert "--ws-stages $WS_STAGES" in warm and "--stages $WS_STAGES" in ws, (warm, ws)
+    assert script_defaults()["WS_STAGES"].split() == ["0", "2", "4"]
 
 
 @needs_backend
